@@ -1,0 +1,39 @@
+//! All-gather algorithms: rank r contributes input[0..len_r] as chunk r of every output.
+
+use super::all_reduce::{input, output};
+use super::direct::{handshake, staggered_peers};
+use super::ring::{self, Ring};
+use crate::op::chunk_range;
+use crate::plan::{PlanBuilder, Slot};
+
+/// Direct (push): after an entry handshake ("my output may be written"), every rank stores its
+/// chunk into every peer's output and signals it; it then waits for every peer's chunk.
+///
+/// Cost card: P−1 stores of n/P elements per rank; 2(P−1) signals; no scratch.
+pub(super) fn direct(b: &mut PlanBuilder) {
+    let (p, n) = (b.world(), b.spec().count);
+    let rows = b.rows(2);
+    let data = rows + 1;
+    handshake(b, rows);
+    for r in 0..p {
+        let c = chunk_range(n, p, r);
+        b.copy(r, input(r, 0..c.len()), output(r, c.clone()));
+        for q in staggered_peers(r, p) {
+            b.copy(r, input(r, 0..c.len()), output(q, c.clone()));
+            b.signal(r, q, Slot::new(data, r as u32));
+        }
+        for q in staggered_peers(r, p) {
+            b.wait(r, Slot::new(data, q as u32), 1);
+        }
+    }
+}
+
+/// Ring: P−1 neighbour steps of n/P elements, chunks landing in place.
+pub(super) fn ring(b: &mut PlanBuilder) {
+    let (p, n) = (b.world(), b.spec().count);
+    let rings = [Ring {
+        members: (0..p).collect(),
+        chunks: (0..p).map(|j| chunk_range(n, p, j)).collect(),
+    }];
+    ring::all_gather(b, &rings, &|r, c| input(r, 0..c.len()), &output);
+}

@@ -1,0 +1,112 @@
+//! All-reduce algorithms.
+
+use super::direct::{handshake, staggered_peers};
+use super::ring::{self, Ring};
+use crate::error::Error;
+use crate::op::chunk_range;
+use crate::plan::{BufferKind, PlanBuilder, Region};
+use crate::topology::Topology;
+use std::ops::Range;
+
+pub(super) fn input(rank: usize, range: Range<usize>) -> Region {
+    Region::new(rank, BufferKind::Input, range)
+}
+
+pub(super) fn output(rank: usize, range: Range<usize>) -> Region {
+    Region::new(rank, BufferKind::Output, range)
+}
+
+/// One-shot (mesh): after an entry handshake every rank reads all P inputs and reduces them in
+/// rank order (so every rank gets bit-identical results); an exit handshake keeps inputs alive
+/// until every peer has read them.
+///
+/// Cost card: 1 data step per rank receiving (P−1)·n elements; 2(P−1) signals; no scratch.
+pub(super) fn one_shot(b: &mut PlanBuilder) {
+    let (p, n) = (b.world(), b.spec().count);
+    let rows = b.rows(2);
+    handshake(b, rows);
+    for r in 0..p {
+        let srcs = (0..p).map(|q| input(q, 0..n)).collect();
+        b.reduce(r, srcs, output(r, 0..n));
+    }
+    handshake(b, rows + 1);
+}
+
+/// Two-phase: rank r reduces chunk r of all inputs into its output (a direct reduce-scatter),
+/// announces it, then copies every peer's finished chunk (a direct all-gather).
+///
+/// Cost card: 2 data steps per rank, receiving 2(P−1)/P·n elements; 3(P−1) signals; no scratch.
+pub(super) fn two_phase(b: &mut PlanBuilder) {
+    let (p, n) = (b.world(), b.spec().count);
+    let rows = b.rows(3);
+    handshake(b, rows);
+    for r in 0..p {
+        let c = chunk_range(n, p, r);
+        let srcs = (0..p).map(|q| input(q, c.clone())).collect();
+        b.reduce(r, srcs, output(r, c));
+    }
+    handshake(b, rows + 1);
+    for r in 0..p {
+        for q in staggered_peers(r, p) {
+            let c = chunk_range(n, p, q);
+            b.copy(r, output(q, c.clone()), output(r, c));
+        }
+    }
+    handshake(b, rows + 2);
+}
+
+/// Ring: ring reduce-scatter into the output, then ring all-gather in place.
+///
+/// Cost card: 2(P−1) steps of n/P elements per rank, neighbour-only; bytes sent per rank
+/// 2(P−1)/P·n; scratch 2·⌈n/P⌉.
+pub(super) fn ring(b: &mut PlanBuilder) {
+    let (p, n) = (b.world(), b.spec().count);
+    let rings = [Ring {
+        members: (0..p).collect(),
+        chunks: (0..p).map(|j| chunk_range(n, p, j)).collect(),
+    }];
+    ring::reduce_scatter(b, &rings, &input, &output);
+    ring::all_gather(b, &rings, &output, &output);
+}
+
+/// 2D ring: reduce-scatter inside each NUMA group, all-reduce each group-chunk across groups
+/// (ring over the ranks with the same local index), all-gather inside each group. Traffic across
+/// groups shrinks by the group size compared with a flat ring.
+///
+/// Cost card (G groups of g ranks): 2(g−1) intra-group steps of n/g and 2(G−1) inter-group steps
+/// of n/(gG) per rank; scratch 2·⌈n/g⌉ + 2·⌈n/P⌉.
+pub(super) fn ring_2d(b: &mut PlanBuilder, topology: &Topology) -> Result<(), Error> {
+    let (p, n) = (b.world(), b.spec().count);
+    let groups = topology.numa_groups;
+    if !p.is_multiple_of(groups) {
+        return Err(Error::Unsupported(format!(
+            "ring-2d needs the world size ({p}) to be a multiple of the NUMA group count ({groups})"
+        )));
+    }
+    let g = p / groups;
+    let inner: Vec<Ring> = (0..groups)
+        .map(|k| Ring {
+            members: topology.group_members(k),
+            chunks: (0..g).map(|j| chunk_range(n, g, j)).collect(),
+        })
+        .collect();
+    let across: Vec<Ring> = (0..g)
+        .map(|j| {
+            let c = chunk_range(n, g, j);
+            Ring {
+                members: (0..groups).map(|k| k * g + j).collect(),
+                chunks: (0..groups)
+                    .map(|k| {
+                        let sub = chunk_range(c.len(), groups, k);
+                        c.start + sub.start..c.start + sub.end
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    ring::reduce_scatter(b, &inner, &input, &output);
+    ring::reduce_scatter(b, &across, &output, &output);
+    ring::all_gather(b, &across, &output, &output);
+    ring::all_gather(b, &inner, &output, &output);
+    Ok(())
+}

@@ -1,0 +1,97 @@
+//! The interface every backend implements: allocate a plan's symmetric buffers once, then run
+//! the plan as many times as needed. Host data crosses the interface as typed slices.
+
+use crate::checker::CheckedPlan;
+use crate::dtype::DType;
+use crate::error::BackendError;
+use crate::reduce::ReduceOp;
+use half::{bf16, f16};
+use std::time::Duration;
+
+/// A borrowed host view of one rank's buffer.
+#[derive(Debug, Clone, Copy)]
+pub enum HostSlice<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+/// A mutable host view of one rank's buffer.
+#[derive(Debug)]
+pub enum HostSliceMut<'a> {
+    F32(&'a mut [f32]),
+    BF16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+}
+
+impl HostSlice<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            HostSlice::F32(s) => s.len(),
+            HostSlice::BF16(s) => s.len(),
+            HostSlice::F16(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostSlice::F32(_) => DType::F32,
+            HostSlice::BF16(_) => DType::BF16,
+            HostSlice::F16(_) => DType::F16,
+        }
+    }
+
+    /// Element `i` widened to f64.
+    pub fn get_f64(&self, i: usize) -> f64 {
+        match self {
+            HostSlice::F32(s) => s[i] as f64,
+            HostSlice::BF16(s) => s[i].to_f64(),
+            HostSlice::F16(s) => s[i].to_f64(),
+        }
+    }
+}
+
+/// Wall-clock time of one call on each rank, from a common start.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallTiming {
+    pub per_rank: Vec<Duration>,
+}
+
+impl CallTiming {
+    /// The call takes as long as its slowest rank.
+    pub fn slowest(&self) -> Duration {
+        self.per_rank.iter().copied().max().unwrap_or_default()
+    }
+}
+
+/// A plan bound to a backend's memory: symmetric buffers allocated, signal bases tracked.
+pub trait PreparedCall {
+    /// Host view of rank `rank`'s input, to fill before [`PreparedCall::upload`].
+    fn input_mut(&mut self, rank: usize) -> HostSliceMut<'_>;
+    /// Host view of rank `rank`'s output, to poison before [`PreparedCall::upload`].
+    fn output_mut(&mut self, rank: usize) -> HostSliceMut<'_>;
+    /// Makes the host views the device's contents.
+    fn upload(&mut self) -> Result<(), BackendError>;
+    /// Runs one call of the plan on every rank.
+    fn run(&mut self) -> Result<CallTiming, BackendError>;
+    /// Makes the device's contents visible through the host views.
+    fn download(&mut self) -> Result<(), BackendError>;
+    fn input(&self, rank: usize) -> HostSlice<'_>;
+    fn output(&self, rank: usize) -> HostSlice<'_>;
+}
+
+pub trait Backend {
+    fn name(&self) -> &'static str;
+    fn world_size(&self) -> usize;
+    /// Allocates what `plan` needs for elements of `dtype` reduced with `reduce`.
+    fn prepare(
+        &self,
+        plan: &CheckedPlan,
+        dtype: DType,
+        reduce: ReduceOp,
+    ) -> Result<Box<dyn PreparedCall + '_>, BackendError>;
+}

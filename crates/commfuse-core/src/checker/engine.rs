@@ -1,0 +1,544 @@
+//! The abstract executor behind the plan checker and the cost model.
+
+use super::segments::{zip_pieces, Access, Conflict, Piece, SegMap, Val, Where};
+use crate::error::PlanError;
+use crate::plan::{BufferKind, Plan, Region, Step};
+use crate::topology::Topology;
+
+/// Predicted finishing time of each rank for the first call, µs (launch cost included).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Timing {
+    pub per_rank_us: Vec<f64>,
+}
+
+impl Timing {
+    /// The call ends when its slowest rank does.
+    pub fn total_us(&self) -> f64 {
+        self.per_rank_us.iter().copied().fold(0.0, f64::max)
+    }
+}
+
+/// One notify as a waiter observes it: the slot's running total after it, the notifier's
+/// vector clock, and when it arrives.
+struct Notice {
+    total: u64,
+    clock: Vec<u32>,
+    arrival_us: f64,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Phase {
+    Start,
+    Steps,
+    End,
+    Done,
+}
+
+struct RankState {
+    phase: Phase,
+    pc: usize,
+    call: usize,
+    clock: Vec<u32>,
+    now_us: f64,
+    /// Slot values at the start of the current call (the epoch base).
+    base: Vec<u64>,
+    first_call_end_us: f64,
+}
+
+pub(crate) struct Engine<'p> {
+    plan: &'p Plan,
+    increments: &'p [Vec<u64>],
+    model: Option<(&'p Topology, usize)>,
+    ranks: Vec<RankState>,
+    memory: Vec<[SegMap; 3]>,
+    pads: Vec<Vec<Vec<Notice>>>,
+    totals: Vec<Vec<u64>>,
+}
+
+enum Progress {
+    Advanced,
+    Blocked,
+}
+
+impl<'p> Engine<'p> {
+    pub(crate) fn new(
+        plan: &'p Plan,
+        increments: &'p [Vec<u64>],
+        model: Option<(&'p Topology, usize)>,
+    ) -> Self {
+        let p = plan.world();
+        let slots = plan.pad_rows as usize * plan.pad_cols as usize;
+        let launch = model.map_or(0.0, |(t, _)| t.launch_us);
+        Engine {
+            plan,
+            increments,
+            model,
+            ranks: (0..p)
+                .map(|_| RankState {
+                    phase: Phase::Start,
+                    pc: 0,
+                    call: 0,
+                    clock: vec![0; p],
+                    now_us: launch,
+                    base: vec![0; slots],
+                    first_call_end_us: 0.0,
+                })
+                .collect(),
+            memory: (0..p)
+                .map(|_| BufferKind::ALL.map(|k| SegMap::new(plan.buffers.get(k))))
+                .collect(),
+            pads: (0..p)
+                .map(|_| (0..slots).map(|_| Vec::new()).collect())
+                .collect(),
+            totals: vec![vec![0; slots]; p],
+        }
+    }
+
+    /// Runs `calls` consecutive calls to completion.
+    pub(crate) fn run(mut self, calls: usize) -> Result<Timing, PlanError> {
+        let p = self.plan.world();
+        loop {
+            let mut advanced = false;
+            for r in 0..p {
+                advanced |= self.run_rank(r, calls)?;
+            }
+            if self.ranks.iter().all(|s| s.phase == Phase::Done) {
+                break;
+            }
+            if !advanced {
+                return Err(self.deadlock());
+            }
+        }
+        Ok(Timing {
+            per_rank_us: self.ranks.iter().map(|s| s.first_call_end_us).collect(),
+        })
+    }
+
+    fn slot_index(&self, slot: crate::plan::Slot) -> usize {
+        slot.row as usize * self.plan.pad_cols as usize + slot.col as usize
+    }
+
+    fn deadlock(&self) -> PlanError {
+        let mut blocked = Vec::new();
+        let mut call = 0;
+        for (r, state) in self.ranks.iter().enumerate() {
+            if let Some(Step::Wait {
+                slot,
+                expected,
+                cmp,
+            }) = self.plan.steps[r].get(state.pc)
+            {
+                if state.phase == Phase::Steps {
+                    let s = self.slot_index(*slot);
+                    call = state.call;
+                    blocked.push(format!(
+                        "rank {r} step {} waits on slot {slot} for {} {expected} but sees {}",
+                        state.pc,
+                        cmp.symbol(),
+                        self.totals[r][s] - state.base[s]
+                    ));
+                }
+            }
+        }
+        PlanError::Deadlock {
+            call,
+            blocked: blocked.join("; "),
+        }
+    }
+
+    /// Advances rank `r` as far as it can; returns whether it moved at all.
+    fn run_rank(&mut self, r: usize, calls: usize) -> Result<bool, PlanError> {
+        let mut moved = false;
+        loop {
+            let state = &self.ranks[r];
+            match state.phase {
+                Phase::Done => return Ok(moved),
+                Phase::Start => {
+                    if state.call == calls {
+                        self.ranks[r].phase = Phase::Done;
+                        return Ok(moved);
+                    }
+                    self.host_start(r)?;
+                    self.ranks[r].phase = Phase::Steps;
+                    self.ranks[r].pc = 0;
+                }
+                Phase::Steps => {
+                    if state.pc == self.plan.steps[r].len() {
+                        self.ranks[r].phase = Phase::End;
+                        continue;
+                    }
+                    match self.step(r, state.pc)? {
+                        Progress::Advanced => self.ranks[r].pc += 1,
+                        Progress::Blocked => return Ok(moved),
+                    }
+                }
+                Phase::End => {
+                    self.host_end(r)?;
+                    let state = &mut self.ranks[r];
+                    if state.call == 0 {
+                        state.first_call_end_us = state.now_us;
+                    }
+                    for (b, inc) in state.base.iter_mut().zip(&self.increments[r]) {
+                        *b += inc;
+                    }
+                    state.call += 1;
+                    state.phase = Phase::Start;
+                }
+            }
+            moved = true;
+        }
+    }
+
+    fn tick(&mut self, r: usize, at: Where) -> Access {
+        let state = &mut self.ranks[r];
+        state.clock[r] += 1;
+        Access {
+            rank: r,
+            at,
+            time: state.clock[r],
+        }
+    }
+
+    fn host_start(&mut self, r: usize) -> Result<(), PlanError> {
+        let call = self.ranks[r].call;
+        let access = self.tick(r, Where::HostStart(call));
+        let spec = self.plan.spec;
+        let input = Val::Sym {
+            mask: 1 << r,
+            elem: 0,
+            call: call as u32,
+        };
+        self.write(
+            r,
+            Region::new(r, BufferKind::Input, 0..spec.input_len(r)),
+            &[(spec.input_len(r), input)],
+            access,
+        )?;
+        let poison = self.plan.buffers.output;
+        self.write(
+            r,
+            Region::new(r, BufferKind::Output, 0..poison),
+            &[(poison, Val::Uninit)],
+            access,
+        )
+    }
+
+    fn host_end(&mut self, r: usize) -> Result<(), PlanError> {
+        let call = self.ranks[r].call;
+        let access = self.tick(r, Where::HostEnd(call));
+        let spec = self.plan.spec;
+        let got = self.read(
+            r,
+            Region::new(r, BufferKind::Output, 0..spec.output_len(r)),
+            access,
+        )?;
+        let expected: Vec<Piece> = spec
+            .expected_pieces(r)
+            .into_iter()
+            .map(|p| {
+                let val = Val::Sym {
+                    mask: p.mask,
+                    elem: p.elem,
+                    call: call as u32,
+                };
+                (p.len, val, None)
+            })
+            .collect();
+        let mut index = 0;
+        let got_with_writer = got.clone();
+        zip_pieces(&[got, expected], |len, vals| {
+            if vals[0] != vals[1] {
+                let writer = writer_at(&got_with_writer, index)
+                    .map(|w| format!(" (last written by {w})"))
+                    .unwrap_or_default();
+                return Err(PlanError::WrongResult {
+                    call,
+                    rank: r,
+                    index,
+                    what: format!(
+                        "holds {} but should hold {}{writer}",
+                        describe(vals[0]),
+                        describe(vals[1])
+                    ),
+                });
+            }
+            index += len;
+            Ok(())
+        })
+    }
+
+    fn race(
+        &self,
+        r: usize,
+        access: Access,
+        region: Region,
+        conflict: Conflict,
+        verb: &str,
+    ) -> PlanError {
+        let what = match conflict {
+            Conflict::Write(w) => format!(
+                "{verb} {region}, last written by {w}, and no notify/wait orders that write before it{}",
+                self.hint(w, r)
+            ),
+            Conflict::Read(rd) => format!(
+                "overwrites {region} while {rd} may still be reading it: no notify/wait orders that read before this write{}",
+                self.hint(rd, r)
+            ),
+        };
+        PlanError::Race {
+            location: access.to_string(),
+            what,
+        }
+    }
+
+    /// Names the slot through which `earlier` could have told rank `r` that it was done.
+    fn hint(&self, earlier: Access, r: usize) -> String {
+        let Where::Step { step: i, .. } = earlier.at else {
+            return String::new();
+        };
+        self.plan.steps[earlier.rank]
+            .iter()
+            .enumerate()
+            .skip(i + 1)
+            .find_map(|(j, s)| match s {
+                Step::Notify { peer, slot, .. } if *peer == r => Some(format!(
+                    " (rank {} notifies rank {r} at step {j}, slot {slot}, but rank {r} does not wait for it first)",
+                    earlier.rank
+                )),
+                _ => None,
+            })
+            .unwrap_or_default()
+    }
+
+    fn read(&mut self, r: usize, region: Region, access: Access) -> Result<Vec<Piece>, PlanError> {
+        let clock = self.ranks[r].clock.clone();
+        let ordered = move |a: &Access| a.rank == r || clock[a.rank] >= a.time;
+        let mem = &mut self.memory[region.rank][region.buffer.index()];
+        match mem.read(region.range(), access, &ordered) {
+            Ok(pieces) => Ok(pieces),
+            Err(c) => Err(self.race(r, access, region, c, "reads")),
+        }
+    }
+
+    fn write(
+        &mut self,
+        r: usize,
+        region: Region,
+        vals: &[(usize, Val)],
+        access: Access,
+    ) -> Result<(), PlanError> {
+        let clock = self.ranks[r].clock.clone();
+        let ordered = move |a: &Access| a.rank == r || clock[a.rank] >= a.time;
+        let mem = &mut self.memory[region.rank][region.buffer.index()];
+        match mem.write(region.range(), vals, access, &ordered) {
+            Ok(()) => Ok(()),
+            Err(c) => Err(self.race(r, access, region, c, "writes")),
+        }
+    }
+
+    fn step(&mut self, r: usize, pc: usize) -> Result<Progress, PlanError> {
+        let step = &self.plan.steps[r][pc];
+        match step {
+            Step::Wait {
+                slot,
+                expected,
+                cmp,
+            } => {
+                let s = self.slot_index(*slot);
+                let target = self.ranks[r].base[s] + expected;
+                let notices = &self.pads[r][s];
+                let Some(k) = notices.iter().position(|n| cmp.holds(n.total, target)) else {
+                    return Ok(Progress::Blocked);
+                };
+                let state = &mut self.ranks[r];
+                for n in &notices[..=k] {
+                    for (c, o) in state.clock.iter_mut().zip(&n.clock) {
+                        *c = (*c).max(*o);
+                    }
+                    state.now_us = state.now_us.max(n.arrival_us);
+                }
+                Ok(Progress::Advanced)
+            }
+            Step::Notify {
+                peer, slot, value, ..
+            } => {
+                let (peer, value) = (*peer, *value);
+                let s = self.slot_index(*slot);
+                self.tick(
+                    r,
+                    Where::Step {
+                        step: pc,
+                        call: self.ranks[r].call,
+                    },
+                );
+                let latency = match self.model {
+                    Some((t, _)) if peer != r => t.latency_us,
+                    _ => 0.0,
+                };
+                self.totals[peer][s] += value;
+                let notice = Notice {
+                    total: self.totals[peer][s],
+                    clock: self.ranks[r].clock.clone(),
+                    arrival_us: self.ranks[r].now_us + latency,
+                };
+                self.pads[peer][s].push(notice);
+                Ok(Progress::Advanced)
+            }
+            Step::Copy { src, dst } => {
+                let (src, dst) = (*src, *dst);
+                let access = self.tick(
+                    r,
+                    Where::Step {
+                        step: pc,
+                        call: self.ranks[r].call,
+                    },
+                );
+                let pieces = self.read(r, src, access)?;
+                let vals = self.check_values(r, pc, &[src], &[pieces], "copies")?;
+                self.write(r, dst, &vals, access)?;
+                self.advance_time(r, &[src], &dst);
+                Ok(Progress::Advanced)
+            }
+            Step::Reduce { srcs, dst } => {
+                let (srcs, dst) = (srcs.clone(), *dst);
+                let access = self.tick(
+                    r,
+                    Where::Step {
+                        step: pc,
+                        call: self.ranks[r].call,
+                    },
+                );
+                let mut lists = Vec::with_capacity(srcs.len());
+                for src in &srcs {
+                    lists.push(self.read(r, *src, access)?);
+                }
+                let vals = self.check_values(r, pc, &srcs, &lists, "reduces")?;
+                self.write(r, dst, &vals, access)?;
+                self.advance_time(r, &srcs, &dst);
+                Ok(Progress::Advanced)
+            }
+        }
+    }
+
+    /// Combines the values read by one step: all must be this call's data of the same elements
+    /// from disjoint sets of ranks.
+    fn check_values(
+        &self,
+        r: usize,
+        pc: usize,
+        srcs: &[Region],
+        lists: &[Vec<Piece>],
+        verb: &str,
+    ) -> Result<Vec<(usize, Val)>, PlanError> {
+        let call = self.ranks[r].call as u32;
+        let mut out = Vec::new();
+        let mut offset = 0;
+        let bad = |what: String| PlanError::BadData {
+            rank: r,
+            step: pc,
+            what: format!("(call {call}) {what}"),
+        };
+        zip_pieces(lists, |len, vals| {
+            let mut acc: Option<(u64, usize)> = None;
+            for (k, v) in vals.iter().enumerate() {
+                let Val::Sym {
+                    mask,
+                    elem,
+                    call: c,
+                } = *v
+                else {
+                    return Err(bad(format!(
+                        "{verb} {} at offset {offset}, which nothing has written yet in call {call}: its writer has not signalled it", srcs[k]
+                    )));
+                };
+                if c != call {
+                    return Err(bad(format!(
+                        "{verb} {} at offset {offset}, which holds stale data of call {c} (this is call {call})", srcs[k]
+                    )));
+                }
+                acc = Some(match acc {
+                    None => (mask, elem),
+                    Some((m, e)) => {
+                        if e != elem {
+                            return Err(bad(format!(
+                                "{verb} input element {elem} ({}) with input element {e} at offset {offset}", srcs[k]
+                            )));
+                        }
+                        if m & mask != 0 {
+                            return Err(bad(format!(
+                                "{verb} the contribution of {} twice at offset {offset} ({})",
+                                ranks_of(m & mask),
+                                srcs[k]
+                            )));
+                        }
+                        (m | mask, e)
+                    }
+                });
+            }
+            let (mask, elem) = acc.expect("at least one source");
+            out.push((len, Val::Sym { mask, elem, call }));
+            offset += len;
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    fn advance_time(&mut self, r: usize, srcs: &[Region], dst: &Region) {
+        let Some((topology, elem_bytes)) = self.model else {
+            return;
+        };
+        // each term is ns: bytes / (GB/s)
+        let cost =
+            |region: &Region| (region.len * elem_bytes) as f64 / topology.bandwidth(r, region.rank);
+        let (mut local, mut inbound) = (0.0, 0.0);
+        for src in srcs {
+            if src.rank == r {
+                local += cost(src);
+            } else {
+                inbound += cost(src);
+            }
+        }
+        let outbound = if dst.rank == r {
+            local += cost(dst);
+            0.0
+        } else {
+            cost(dst)
+        };
+        self.ranks[r].now_us += (f64::max(inbound, outbound) + local) / 1000.0;
+    }
+}
+
+fn writer_at(pieces: &[Piece], index: usize) -> Option<Access> {
+    let mut at = 0;
+    for (len, _, writer) in pieces {
+        if index < at + len {
+            return *writer;
+        }
+        at += len;
+    }
+    None
+}
+
+fn ranks_of(mask: u64) -> String {
+    let ranks: Vec<String> = (0..64)
+        .filter(|b| mask >> b & 1 == 1)
+        .map(|b| b.to_string())
+        .collect();
+    format!(
+        "rank{} {}",
+        if ranks.len() == 1 { "" } else { "s" },
+        ranks.join(",")
+    )
+}
+
+fn describe(v: Val) -> String {
+    match v {
+        Val::Uninit => "nothing written in this call (poison)".into(),
+        Val::Sym { mask, elem, call } => {
+            format!(
+                "input element {elem} of {} from call {call}",
+                ranks_of(mask)
+            )
+        }
+    }
+}

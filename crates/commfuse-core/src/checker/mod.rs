@@ -1,0 +1,245 @@
+//! The plan checker. It first checks a plan's shape (peers, slots, ranges, slot reuse, waits
+//! that ask for more than is ever sent), then runs it abstractly for two consecutive calls:
+//!
+//! * ranks advance until they block on a wait; if none can advance, that is a deadlock, reported
+//!   with every blocked rank, its slot, the value it waits for and the value it sees;
+//! * vector clocks, joined at every satisfied wait with the clocks of the notifies it observed,
+//!   order accesses; a read or write of memory whose last conflicting access is not ordered
+//!   before it is a race (read before the writer signalled, overwrite while a peer may read);
+//! * memory holds symbolic values (which ranks' inputs, which elements, which call), so a reduce
+//!   that counts an input twice or mixes calls is caught where it happens, and every output
+//!   element is compared with the op's definition at the end of each call.
+//!
+//! Running two calls back to back catches plans that are right once but race with the next
+//! call (a fast rank overwriting a slow peer's buffers). The host is modelled as each rank
+//! writing its input and poisoning its output at the start of a call and reading the output at
+//! the end.
+
+mod engine;
+pub(crate) mod segments;
+
+use crate::error::PlanError;
+use crate::plan::{NotifyOp, Plan, Region, Slot, Step};
+use crate::topology::Topology;
+pub use engine::Timing;
+use std::collections::HashMap;
+
+/// A plan that passed the checker, with what backends need to run it repeatedly: how much each
+/// slot of each rank's pad advances in one call (the epoch increment).
+#[derive(Debug, Clone)]
+pub struct CheckedPlan {
+    plan: Plan,
+    increments: Vec<Vec<u64>>,
+}
+
+impl CheckedPlan {
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// `slot_increments(r)[row * pad_cols + col]`: the total that notifies add to rank r's slot
+    /// in one call. A backend keeps a per-rank base per slot, adds it to every wait's expected
+    /// value and advances it by this increment after each call, so slots never need a reset.
+    pub fn slot_increments(&self, rank: usize) -> &[u64] {
+        &self.increments[rank]
+    }
+
+    /// Runs the plan abstractly under `topology`'s latency–bandwidth model and returns the
+    /// predicted per-rank finishing times of one call.
+    pub fn timing(&self, topology: &Topology, elem_bytes: usize) -> Timing {
+        engine::Engine::new(&self.plan, &self.increments, Some((topology, elem_bytes)))
+            .run(1)
+            .expect("a checked plan runs")
+    }
+}
+
+/// Checks `plan`; on success it may be executed by any backend.
+pub fn check(plan: Plan) -> Result<CheckedPlan, PlanError> {
+    let increments = check_shape(&plan)?;
+    engine::Engine::new(&plan, &increments, None).run(2)?;
+    Ok(CheckedPlan { plan, increments })
+}
+
+fn malformed(rank: usize, step: usize, what: String) -> PlanError {
+    PlanError::Malformed { rank, step, what }
+}
+
+fn check_region(plan: &Plan, rank: usize, step: usize, region: &Region) -> Result<(), PlanError> {
+    if region.rank >= plan.world() {
+        return Err(malformed(
+            rank,
+            step,
+            format!(
+                "accesses rank {} but the world has {} ranks",
+                region.rank,
+                plan.world()
+            ),
+        ));
+    }
+    let cap = plan.buffers.get(region.buffer);
+    match region.offset.checked_add(region.len) {
+        Some(end) if end <= cap => Ok(()),
+        _ => Err(malformed(
+            rank,
+            step,
+            format!(
+                "{region} lies outside the {} buffer of {cap} elements",
+                region.buffer.name()
+            ),
+        )),
+    }
+}
+
+fn check_slot(plan: &Plan, rank: usize, step: usize, slot: Slot) -> Result<usize, PlanError> {
+    if slot.row >= plan.pad_rows || slot.col >= plan.pad_cols {
+        return Err(malformed(
+            rank,
+            step,
+            format!(
+                "slot {slot} is outside the {}×{} signal pad",
+                plan.pad_rows, plan.pad_cols
+            ),
+        ));
+    }
+    Ok(slot.row as usize * plan.pad_cols as usize + slot.col as usize)
+}
+
+/// Static checks; returns the per-call slot increments.
+fn check_shape(plan: &Plan) -> Result<Vec<Vec<u64>>, PlanError> {
+    let p = plan.world();
+    if plan.steps.len() != p {
+        return Err(malformed(
+            0,
+            0,
+            format!(
+                "the plan has programs for {} ranks, the world has {p}",
+                plan.steps.len()
+            ),
+        ));
+    }
+    let slots = plan.pad_rows as usize * plan.pad_cols as usize;
+    let mut inc = vec![vec![0u64; slots]; p];
+    // (owner, slot index) -> first (rank, step, op) that notified it / waited on it
+    let mut notified: HashMap<(usize, usize), (usize, usize, NotifyOp)> = HashMap::new();
+    let mut waited: HashMap<(usize, usize), usize> = HashMap::new();
+    for (r, steps) in plan.steps.iter().enumerate() {
+        for (i, step) in steps.iter().enumerate() {
+            match step {
+                Step::Wait { slot, .. } => {
+                    let s = check_slot(plan, r, i, *slot)?;
+                    if let Some(&first) = waited.get(&(r, s)) {
+                        return Err(PlanError::SlotReuse {
+                            rank: r,
+                            step: i,
+                            owner: r,
+                            slot: *slot,
+                            what: "waited on twice in one call".into(),
+                            first_rank: r,
+                            first_step: first,
+                        });
+                    }
+                    waited.insert((r, s), i);
+                }
+                Step::Notify {
+                    peer,
+                    slot,
+                    value,
+                    op,
+                } => {
+                    if *peer >= p {
+                        return Err(malformed(
+                            r,
+                            i,
+                            format!(
+                                "notifies slot {slot} of peer {peer}, but the world has {p} ranks (0..{})",
+                                p - 1
+                            ),
+                        ));
+                    }
+                    let s = check_slot(plan, r, i, *slot)?;
+                    if let Some(&(fr, fs, fop)) = notified.get(&(*peer, s)) {
+                        if *op == NotifyOp::Set || fop == NotifyOp::Set {
+                            let what = if *op == fop {
+                                "set twice in one call"
+                            } else {
+                                "both set and added to in one call"
+                            };
+                            return Err(PlanError::SlotReuse {
+                                rank: r,
+                                step: i,
+                                owner: *peer,
+                                slot: *slot,
+                                what: what.into(),
+                                first_rank: fr,
+                                first_step: fs,
+                            });
+                        }
+                    } else {
+                        notified.insert((*peer, s), (r, i, *op));
+                    }
+                    inc[*peer][s] += value;
+                }
+                Step::Copy { src, dst } => {
+                    check_region(plan, r, i, src)?;
+                    check_region(plan, r, i, dst)?;
+                    if src.len != dst.len {
+                        return Err(malformed(
+                            r,
+                            i,
+                            format!("copies {src} into {dst} of a different length"),
+                        ));
+                    }
+                    if src.overlaps(dst) {
+                        return Err(malformed(r, i, format!("copies {src} onto itself ({dst})")));
+                    }
+                }
+                Step::Reduce { srcs, dst } => {
+                    check_region(plan, r, i, dst)?;
+                    if srcs.is_empty() {
+                        return Err(malformed(r, i, "reduces no sources".into()));
+                    }
+                    for src in srcs {
+                        check_region(plan, r, i, src)?;
+                        if src.len != dst.len {
+                            return Err(malformed(
+                                r,
+                                i,
+                                format!("reduces {src} into {dst} of a different length"),
+                            ));
+                        }
+                        if src.overlaps(dst) && src != dst {
+                            return Err(malformed(
+                                r,
+                                i,
+                                format!("reduces {src} into the partly overlapping {dst}"),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (r, steps) in plan.steps.iter().enumerate() {
+        for (i, step) in steps.iter().enumerate() {
+            if let Step::Wait {
+                slot,
+                expected,
+                cmp,
+            } = step
+            {
+                let total = inc[r][slot.row as usize * plan.pad_cols as usize + slot.col as usize];
+                if *expected > total {
+                    return Err(PlanError::Unsatisfiable {
+                        rank: r,
+                        step: i,
+                        slot: *slot,
+                        cmp: cmp.symbol(),
+                        expected: *expected,
+                        total,
+                    });
+                }
+            }
+        }
+    }
+    Ok(inc)
+}

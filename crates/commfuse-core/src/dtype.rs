@@ -1,0 +1,170 @@
+//! Element types: f32, bf16 and f16. Reductions on the half types accumulate in f32.
+
+use crate::backend::{HostSlice, HostSliceMut};
+use half::{bf16, f16};
+use std::fmt;
+use std::str::FromStr;
+
+/// The element type of a collective's buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    BF16,
+    F16,
+}
+
+impl DType {
+    pub const ALL: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+        }
+    }
+
+    /// Relative tolerance against the float64 reference, scaled by the magnitude of the inputs.
+    pub fn tolerance(self) -> f64 {
+        match self {
+            DType::F32 => 1e-5,
+            DType::BF16 | DType::F16 => 1e-2,
+        }
+    }
+
+    /// Rounds an f64 to the nearest value of this type (what storing it would give).
+    pub fn round(self, x: f64) -> f64 {
+        match self {
+            DType::F32 => x as f32 as f64,
+            DType::BF16 => bf16::from_f64(x).to_f64(),
+            DType::F16 => f16::from_f64(x).to_f64(),
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float" | "float32" => Ok(DType::F32),
+            "bf16" | "bfloat16" => Ok(DType::BF16),
+            "f16" | "half" | "float16" => Ok(DType::F16),
+            _ => Err(format!("unknown dtype '{s}' (choose f32, bf16 or f16)")),
+        }
+    }
+}
+
+/// A plain-old-data element whose all-zero bit pattern is 0.0.
+///
+/// # Safety
+/// Implementors must be `Copy` types without padding or invalid bit patterns, so that zeroed
+/// memory is a valid value and bytes may be shared between threads as raw memory.
+pub unsafe trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static {
+    const DTYPE: DType;
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+    fn to_f64(self) -> f64;
+    fn from_f64(x: f64) -> Self;
+    /// A value no correct collective produces, written into outputs before each run.
+    fn poison() -> Self {
+        Self::from_f32(f32::NAN)
+    }
+    fn host(s: &[Self]) -> HostSlice<'_>;
+    fn from_host(s: HostSlice<'_>) -> Option<&[Self]>;
+    fn from_host_mut(s: HostSliceMut<'_>) -> Option<&mut [Self]>;
+}
+
+macro_rules! host_views {
+    ($variant:ident) => {
+        fn host(s: &[Self]) -> HostSlice<'_> {
+            HostSlice::$variant(s)
+        }
+        fn from_host(s: HostSlice<'_>) -> Option<&[Self]> {
+            match s {
+                HostSlice::$variant(s) => Some(s),
+                _ => None,
+            }
+        }
+        fn from_host_mut(s: HostSliceMut<'_>) -> Option<&mut [Self]> {
+            match s {
+                HostSliceMut::$variant(s) => Some(s),
+                _ => None,
+            }
+        }
+    };
+}
+
+// SAFETY: f32 is plain old data; zero bits are 0.0.
+unsafe impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    host_views!(F32);
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+}
+
+// SAFETY: bf16 is a transparent u16; zero bits are 0.0.
+unsafe impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    host_views!(BF16);
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn to_f64(self) -> f64 {
+        bf16::to_f64(self)
+    }
+    fn from_f64(x: f64) -> Self {
+        bf16::from_f64(x)
+    }
+}
+
+// SAFETY: f16 is a transparent u16; zero bits are 0.0.
+unsafe impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    host_views!(F16);
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+    fn from_f64(x: f64) -> Self {
+        f16::from_f64(x)
+    }
+}

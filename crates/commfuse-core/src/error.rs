@@ -1,0 +1,98 @@
+//! The crate's errors: bad requests ([`Error`]) and plans the checker rejects ([`PlanError`]).
+
+use crate::plan::Slot;
+
+/// A request that cannot be served: it names the offending value in one line.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum Error {
+    #[error("world size must be between 1 and {max}, got {got}")]
+    WorldSize { got: usize, max: usize },
+    #[error("{op} has no algorithm '{algo}' (choose one of: {choices})")]
+    UnknownAlgo {
+        op: String,
+        algo: String,
+        choices: String,
+    },
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("size overflow: {0}")]
+    SizeOverflow(String),
+    #[error("invalid plan: {0}")]
+    Plan(#[from] PlanError),
+}
+
+/// Why the plan checker rejected a plan. Every variant names the rank and step where the problem
+/// shows, and the signal slot or buffer range involved.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum PlanError {
+    /// A step refers to something that does not exist (peer, slot, buffer range).
+    #[error("rank {rank} step {step}: {what}")]
+    Malformed {
+        rank: usize,
+        step: usize,
+        what: String,
+    },
+    /// A signal slot is used twice in one call (two waits, two sets, or sets mixed with adds).
+    #[error("rank {rank} step {step}: slot {slot} on rank {owner} is {what} (first by rank {first_rank} step {first_step})")]
+    SlotReuse {
+        rank: usize,
+        step: usize,
+        owner: usize,
+        slot: Slot,
+        what: String,
+        first_rank: usize,
+        first_step: usize,
+    },
+    /// A wait asks for more than the plan ever sends to that slot.
+    #[error("rank {rank} step {step}: waits on slot {slot} for {cmp} {expected}, but the plan only ever adds {total} to it in one call, so it can never be satisfied")]
+    Unsatisfiable {
+        rank: usize,
+        step: usize,
+        slot: Slot,
+        cmp: &'static str,
+        expected: u64,
+        total: u64,
+    },
+    /// No rank can make progress.
+    #[error("deadlock in call {call}: {blocked}")]
+    Deadlock { call: usize, blocked: String },
+    /// Two accesses to the same memory, at least one a write, not ordered by any notify/wait.
+    #[error("{location}: {what}")]
+    Race { location: String, what: String },
+    /// A step combines values that must not be combined (twice the same input, stale data, ...).
+    #[error("rank {rank} step {step}: {what}")]
+    BadData {
+        rank: usize,
+        step: usize,
+        what: String,
+    },
+    /// After the call, an output element is not what the collective defines.
+    #[error("call {call}: rank {rank} output[{index}] {what}")]
+    WrongResult {
+        call: usize,
+        rank: usize,
+        index: usize,
+        what: String,
+    },
+}
+
+/// A backend failed to run a plan.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum BackendError {
+    /// A spin-wait ran past its deadline: which rank waited on which slot, for what, seeing what.
+    #[error("timeout after {timeout_ms} ms: rank {rank} waits on slot {slot} for {cmp} {expected} but sees {seen}")]
+    WaitTimeout {
+        rank: usize,
+        slot: Slot,
+        cmp: &'static str,
+        expected: u64,
+        seen: u64,
+        timeout_ms: u64,
+    },
+    /// This rank stopped because another rank failed first.
+    #[error("rank {rank} aborted because another rank failed")]
+    Aborted { rank: usize },
+    /// The backend cannot run this request (too large, not built, no device, ...).
+    #[error("{0}")]
+    Unavailable(String),
+}

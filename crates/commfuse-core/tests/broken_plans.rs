@@ -1,0 +1,273 @@
+//! Plans broken on purpose, the way hand-written collectives break, must be rejected with a
+//! message that names the rank, the step and the slot or range involved.
+
+use commfuse_core::plan::PlanBuilder;
+use commfuse_core::{
+    build_plan, check, Algo, BufferKind, OpKind, OpSpec, Plan, PlanError, Region, Slot, Step,
+    Topology,
+};
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Bug {
+    None,
+    /// left = (r − 1) % P computed in signed arithmetic: −1 at rank 0
+    NegativeModulo,
+    /// every step's data signal in one slot
+    SharedSlot,
+    /// step t forwards chunk (r − t + 1) instead of (r − t)
+    RotationOffByOne,
+    /// "left" taken as (r + 1) % P, which is the left neighbour only when P = 2
+    OnlyRightAtP2,
+}
+
+/// A hand-written ring all-gather, correct when `bug` is `None`.
+fn ring_all_gather(p: usize, n: usize, bug: Bug) -> Plan {
+    let spec = OpSpec::new(OpKind::AllGather, p, n, 0).unwrap();
+    let mut b = PlanBuilder::new(spec);
+    let ready = b.rows(2);
+    let data = ready + 1;
+    let chunk = |i: usize| commfuse_core::op::chunk_range(n, p, i);
+    for r in 0..p {
+        let right = (r + 1) % p;
+        let left = match bug {
+            Bug::NegativeModulo => ((r as i64 - 1) % p as i64) as usize,
+            Bug::OnlyRightAtP2 => (r + 1) % p,
+            _ => (r + p - 1) % p,
+        };
+        let mine = chunk(r);
+        b.copy(
+            r,
+            Region::new(r, BufferKind::Input, 0..mine.len()),
+            Region::new(r, BufferKind::Output, mine.clone()),
+        );
+        b.signal(r, left, Slot::new(ready, 0));
+        b.wait(r, Slot::new(ready, 0), 1);
+        for t in 0..p - 1 {
+            let c = match bug {
+                Bug::RotationOffByOne if t > 0 => chunk((r + p - t + 1) % p),
+                _ => chunk((r + p - t) % p),
+            };
+            let col = |t: usize| if bug == Bug::SharedSlot { 0 } else { t as u32 };
+            if t > 0 {
+                b.wait(r, Slot::new(data, col(t - 1)), 1);
+            }
+            b.copy(
+                r,
+                Region::new(r, BufferKind::Output, c.clone()),
+                Region::new(right, BufferKind::Output, c),
+            );
+            b.signal(r, right, Slot::new(data, col(t)));
+        }
+        if p > 1 {
+            b.wait(
+                r,
+                Slot::new(
+                    data,
+                    if bug == Bug::SharedSlot {
+                        0
+                    } else {
+                        p as u32 - 2
+                    },
+                ),
+                1,
+            );
+        }
+    }
+    b.finish("hand-written ring")
+}
+
+fn rejected(plan: Plan) -> String {
+    match check(plan) {
+        Ok(_) => panic!("the broken plan passed the checker"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn the_correct_hand_written_ring_passes() {
+    for p in 1..=9 {
+        check(ring_all_gather(p, 10 * p + 3, Bug::None)).unwrap();
+    }
+}
+
+#[test]
+fn negative_modulo_at_rank_zero_is_rejected() {
+    let msg = rejected(ring_all_gather(4, 40, Bug::NegativeModulo));
+    assert!(msg.starts_with("rank 0 step 1:"), "{msg}");
+    assert!(
+        msg.contains("slot (row 0, col 0)") && msg.contains("peer 18446744073709551615"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn two_rounds_sharing_a_slot_are_rejected() {
+    let msg = rejected(ring_all_gather(4, 40, Bug::SharedSlot));
+    assert!(
+        msg.contains("slot (row 1, col 0)") && msg.contains("twice in one call"),
+        "{msg}"
+    );
+    assert!(msg.contains("step"), "{msg}");
+}
+
+#[test]
+fn chunk_rotation_off_by_one_is_rejected() {
+    let msg = rejected(ring_all_gather(4, 40, Bug::RotationOffByOne));
+    // one chunk is forwarded twice and another never: its place stays poisoned
+    assert!(
+        msg.contains("rank 2 output[30] holds nothing written"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("should hold input element 0 of rank 3"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_ring_only_correct_at_p2_passes_at_2_and_fails_above() {
+    check(ring_all_gather(2, 20, Bug::OnlyRightAtP2)).unwrap();
+    for p in [3, 4, 5, 8] {
+        let msg = rejected(ring_all_gather(p, 10 * p, Bug::OnlyRightAtP2));
+        assert!(
+            msg.contains("rank") && msg.contains("slot (row"),
+            "P={p}: {msg}"
+        );
+    }
+}
+
+/// Removes the steps of `plan` that match `pred`.
+fn without(mut plan: Plan, pred: impl Fn(usize, &Step) -> bool) -> Plan {
+    for (r, steps) in plan.steps.iter_mut().enumerate() {
+        steps.retain(|s| !pred(r, s));
+    }
+    plan
+}
+
+fn real_plan(op: OpKind, algo: Algo, p: usize, n: usize) -> Plan {
+    let spec = OpSpec::new(op, p, n, 0).unwrap();
+    build_plan(spec, algo, &Topology::new(p, 1).unwrap()).unwrap()
+}
+
+#[test]
+fn one_shot_without_exit_handshake_races_with_the_next_call() {
+    // row 1 is the exit handshake: without it a fast rank rewrites its input for the next call
+    // while a slow peer may still be reading it
+    let plan = without(
+        real_plan(OpKind::AllReduce, Algo::OneShot, 3, 30),
+        |_, s| matches!(s, Step::Wait { slot, .. } | Step::Notify { slot, .. } if slot.row == 1),
+    );
+    // a fast rank 2 rewrites its input for call 1 while rank 0 still reads it in call 0
+    let err = check(plan).unwrap_err();
+    assert!(matches!(err, PlanError::Race { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("rank 0 step 4 (call 0)"), "{msg}");
+    assert!(
+        msg.contains("rank 2's host at the start of call 1"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn one_shot_without_entry_handshake_reads_before_the_writer_signalled() {
+    let plan = without(
+        real_plan(OpKind::AllReduce, Algo::OneShot, 3, 30),
+        |_, s| matches!(s, Step::Wait { slot, .. } | Step::Notify { slot, .. } if slot.row == 0),
+    );
+    let err = check(plan).unwrap_err().to_string();
+    assert!(
+        err.contains("rank 0 step 0") && err.contains("rank 1 input[0..30)"),
+        "{err}"
+    );
+    assert!(err.contains("has not signalled"), "{err}");
+}
+
+#[test]
+fn ring_without_slot_acks_overwrites_unread_scratch() {
+    // row 2 carries the acks that let a rank reuse its right neighbour's receive slot
+    let plan = without(
+        real_plan(OpKind::AllReduce, Algo::Ring, 5, 50),
+        |_, s| matches!(s, Step::Wait { slot, .. } | Step::Notify { slot, .. } if slot.row == 2),
+    );
+    let err = check(plan).unwrap_err();
+    assert!(err.to_string().contains("scratch"), "{err}");
+}
+
+#[test]
+fn waiting_on_a_slot_nobody_signals_is_rejected_before_running() {
+    let spec = OpSpec::new(OpKind::Barrier, 3, 0, 0).unwrap();
+    let mut b = PlanBuilder::new(spec);
+    let row = b.rows(1);
+    b.signal(0, 1, Slot::new(row, 0));
+    b.wait(1, Slot::new(row, 0), 2);
+    let err = check(b.finish("short")).unwrap_err().to_string();
+    assert!(err.contains("only ever adds 1"), "{err}");
+    let plan = real_plan(OpKind::Barrier, Algo::Ring, 3, 0);
+    let mut plan = plan;
+    plan.steps[1].insert(
+        0,
+        Step::Wait {
+            slot: Slot::new(1, 0),
+            expected: 1,
+            cmp: commfuse_core::Cmp::Ge,
+        },
+    );
+    let err = check(plan).unwrap_err().to_string();
+    assert!(
+        err.contains("rank 1 step 3") && err.contains("slot (row 1, col 0)"),
+        "{err}"
+    );
+    assert!(err.contains("waited on twice"), "{err}");
+}
+
+#[test]
+fn a_cycle_of_waits_is_a_deadlock_naming_every_blocked_rank() {
+    // both ranks wait for the other before signalling
+    let spec = OpSpec::new(OpKind::Barrier, 2, 0, 0).unwrap();
+    let mut b = PlanBuilder::new(spec);
+    let row = b.rows(1);
+    for r in 0..2 {
+        b.wait(r, Slot::new(row, 0), 1);
+        b.signal(r, 1 - r, Slot::new(row, 0));
+    }
+    let err = check(b.finish("cycle")).unwrap_err().to_string();
+    assert!(err.starts_with("deadlock"), "{err}");
+    assert!(
+        err.contains("rank 0 step 0 waits on slot (row 0, col 0)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("rank 1 step 0 waits on slot (row 0, col 0)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn counting_an_input_twice_is_rejected_where_it_happens() {
+    let mut plan = real_plan(OpKind::AllReduce, Algo::OneShot, 3, 12);
+    for step in &mut plan.steps[2] {
+        if let Step::Reduce { srcs, .. } = step {
+            srcs[1] = srcs[0];
+        }
+    }
+    let err = check(plan).unwrap_err().to_string();
+    assert!(
+        err.contains("rank 2 step") && err.contains("twice"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_missing_contribution_is_a_wrong_result() {
+    let mut plan = real_plan(OpKind::AllReduce, Algo::OneShot, 3, 12);
+    for step in &mut plan.steps[1] {
+        if let Step::Reduce { srcs, .. } = step {
+            srcs.pop();
+        }
+    }
+    let err = check(plan).unwrap_err().to_string();
+    assert!(
+        err.contains("rank 1 output[0]") && err.contains("ranks 0,1"),
+        "{err}"
+    );
+}

@@ -1,0 +1,85 @@
+//! Every algorithm's plan passes the checker for every world size from 1 to 16, on random
+//! uneven sizes, and its cost card adds up.
+
+use commfuse_core::cost::CostCard;
+use commfuse_core::{build_plan, check, Algo, OpKind, OpSpec, Topology};
+use proptest::prelude::*;
+
+fn all_pairs() -> Vec<(OpKind, Algo)> {
+    OpKind::ALL
+        .iter()
+        .flat_map(|&op| Algo::for_op(op).iter().map(move |&a| (op, a)))
+        .collect()
+}
+
+/// NUMA groups that divide `p` (ring-2d needs it), preferring 2.
+fn groups_for(p: usize, algo: Algo, pick: usize) -> usize {
+    if algo != Algo::Ring2d {
+        return 1;
+    }
+    let divisors: Vec<usize> = (1..=p).filter(|g| p.is_multiple_of(*g)).collect();
+    divisors[pick % divisors.len()]
+}
+
+fn check_one(op: OpKind, algo: Algo, p: usize, n: usize, root: usize, groups: usize) {
+    let spec = OpSpec::new(op, p, n, root % p).unwrap();
+    let topo = Topology::new(p, groups).unwrap();
+    let plan = build_plan(spec, algo, &topo).unwrap();
+    let checked = check(plan).unwrap_or_else(|e| panic!("{op} {algo} P={p} n={n} G={groups}: {e}"));
+    let card = CostCard::of(&checked, &topo, 4);
+    let sent: u64 = card.per_rank.iter().map(|c| c.bytes_sent).sum();
+    let recv: u64 = card.per_rank.iter().map(|c| c.bytes_received).sum();
+    assert!(
+        sent <= recv,
+        "every byte sent over a link is received once or more"
+    );
+    assert!(card.predicted_us > 0.0);
+}
+
+#[test]
+fn every_algorithm_passes_for_p_1_to_16() {
+    for (op, algo) in all_pairs() {
+        for p in 1..=16usize {
+            for n in [0, 1, p.saturating_sub(1), 3 * p + 1, 257] {
+                check_one(op, algo, p, n, p / 2, groups_for(p, algo, p));
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn random_uneven_sizes_pass(idx in 0usize..12, p in 1usize..=16, n in 0usize..5000, root in 0usize..16, pick in 0usize..8) {
+        let pairs = all_pairs();
+        let (op, algo) = pairs[idx % pairs.len()];
+        check_one(op, algo, p, n, root, groups_for(p, algo, pick));
+    }
+}
+
+#[test]
+fn ring_2d_rejects_groups_that_do_not_divide() {
+    let spec = OpSpec::new(OpKind::AllReduce, 6, 100, 0).unwrap();
+    let err = build_plan(spec, Algo::Ring2d, &Topology::new(6, 4).unwrap()).unwrap_err();
+    assert!(
+        err.to_string().contains("multiple of the NUMA group count"),
+        "{err}"
+    );
+}
+
+#[test]
+fn large_plans_check_fast() {
+    // the checker works on segments: 16 Mi elements cost what 16 do
+    let spec = OpSpec::new(OpKind::AllReduce, 8, 16 << 20, 0).unwrap();
+    let plan = build_plan(spec, Algo::Ring, &Topology::new(8, 1).unwrap()).unwrap();
+    let t = std::time::Instant::now();
+    check(plan).unwrap();
+    assert!(t.elapsed().as_secs() < 5);
+}
+
+#[test]
+fn ring_scratch_is_two_chunks() {
+    let spec = OpSpec::new(OpKind::AllReduce, 4, 1000, 0).unwrap();
+    let plan = build_plan(spec, Algo::Ring, &Topology::new(4, 1).unwrap()).unwrap();
+    assert_eq!(plan.buffers.scratch, 2 * 250);
+}
