@@ -3,7 +3,7 @@
 
 use crate::checker::CheckedPlan;
 use crate::dtype::DType;
-use crate::error::BackendError;
+pub use crate::error::BackendError;
 use crate::reduce::ReduceOp;
 use half::{bf16, f16};
 use std::time::Duration;

@@ -85,6 +85,7 @@ pub unsafe trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static 
         Self::from_f32(f32::NAN)
     }
     fn host(s: &[Self]) -> HostSlice<'_>;
+    fn host_mut(s: &mut [Self]) -> HostSliceMut<'_>;
     fn from_host(s: HostSlice<'_>) -> Option<&[Self]>;
     fn from_host_mut(s: HostSliceMut<'_>) -> Option<&mut [Self]>;
 }
@@ -93,6 +94,9 @@ macro_rules! host_views {
     ($variant:ident) => {
         fn host(s: &[Self]) -> HostSlice<'_> {
             HostSlice::$variant(s)
+        }
+        fn host_mut(s: &mut [Self]) -> HostSliceMut<'_> {
+            HostSliceMut::$variant(s)
         }
         fn from_host(s: HostSlice<'_>) -> Option<&[Self]> {
             match s {

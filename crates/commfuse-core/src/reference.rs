@@ -18,28 +18,47 @@ fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// The random stream of one rank: splitmix64 keyed by (seed, rank), indexable.
+#[inline]
+fn stream_key(seed: u64, rank: usize) -> u64 {
+    mix(seed ^ mix(rank as u64 + 1))
+}
+
 /// Input element `index` of rank `rank` (before rounding to the element type).
 #[inline]
 pub fn input_value(seed: u64, rank: usize, index: usize, reduce: ReduceOp) -> f32 {
-    let h = mix(seed
-        .wrapping_add((rank as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
-        .wrapping_add(mix(index as u64)));
+    value_at(stream_key(seed, rank), index, reduce)
+}
+
+#[inline(always)]
+fn value_at(key: u64, index: usize, reduce: ReduceOp) -> f32 {
+    let h = mix(key.wrapping_add((index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
     match reduce {
         ReduceOp::Prod => [-1.0, -0.5, 0.5, 1.0][(h >> 62) as usize],
         _ => (h >> 40) as f32 / (1u64 << 23) as f32 - 1.0,
     }
 }
 
-fn input_elem<T: Element>(seed: u64, rank: usize, index: usize, reduce: ReduceOp) -> T {
-    T::from_f32(input_value(seed, rank, index, reduce))
+fn threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(8)
 }
 
-/// Fills rank `rank`'s input.
+/// Fills rank `rank`'s input (large buffers on all cores).
 pub fn fill_input(seed: u64, rank: usize, reduce: ReduceOp, out: HostSliceMut<'_>) {
     fn fill<T: Element>(seed: u64, rank: usize, reduce: ReduceOp, out: &mut [T]) {
-        for (i, x) in out.iter_mut().enumerate() {
-            *x = input_elem(seed, rank, i, reduce);
-        }
+        let key = stream_key(seed, rank);
+        let part = out.len().div_ceil(threads()).max(1 << 16);
+        std::thread::scope(|s| {
+            for (k, chunk) in out.chunks_mut(part).enumerate() {
+                s.spawn(move || {
+                    for (i, x) in chunk.iter_mut().enumerate() {
+                        *x = T::from_f32(value_at(key, k * part + i, reduce));
+                    }
+                });
+            }
+        });
     }
     match out {
         HostSliceMut::F32(s) => fill(seed, rank, reduce, s),
@@ -187,8 +206,9 @@ fn compare_range<T: Element>(
     while start < range.end {
         let len = BLOCK.min(range.end - start);
         for (k, &q) in contributors.iter().enumerate() {
+            let key = stream_key(seed, q);
             for i in 0..len {
-                let x = input_elem::<T>(seed, q, piece.elem + start + i, reduce).to_f64();
+                let x = T::from_f32(value_at(key, piece.elem + start + i, reduce)).to_f64();
                 if k == 0 {
                     expected[i] = x;
                     scale[i] = x.abs();

@@ -1,0 +1,156 @@
+//! The simulator as a [`Backend`].
+
+use crate::buffer::SymmetricBuffer;
+use crate::executor::{run_rank, CallBuffers};
+use crate::world::{World, WorldConfig};
+use commfuse_core::backend::{
+    Backend, BackendError, CallTiming, HostSlice, HostSliceMut, PreparedCall,
+};
+use commfuse_core::{CheckedPlan, DType, Element, ReduceOp};
+use half::{bf16, f16};
+use std::time::Instant;
+
+pub struct SimBackend {
+    world: World,
+}
+
+impl SimBackend {
+    pub fn new(ranks: usize, config: WorldConfig) -> Result<Self, BackendError> {
+        Ok(SimBackend {
+            world: World::new(ranks, config)?,
+        })
+    }
+
+    pub fn world(&self) -> &World {
+        &self.world
+    }
+}
+
+/// Bytes of memory the OS says are available, if it says.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+impl Backend for SimBackend {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn world_size(&self) -> usize {
+        self.world.size()
+    }
+
+    fn prepare(
+        &self,
+        plan: &CheckedPlan,
+        dtype: DType,
+        reduce: ReduceOp,
+    ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
+        let p = plan.plan();
+        if p.world() != self.world.size() {
+            return Err(BackendError::Unavailable(format!(
+                "the plan is for {} ranks, the world has {}",
+                p.world(),
+                self.world.size()
+            )));
+        }
+        let pad = self.world.pad(0);
+        if p.pad_rows > self.world.plan_rows() || p.pad_cols > pad.cols() {
+            return Err(BackendError::Unavailable(format!(
+                "the plan needs a {}×{} signal pad, the simulator has {}×{}",
+                p.pad_rows,
+                p.pad_cols,
+                self.world.plan_rows(),
+                pad.cols()
+            )));
+        }
+        let b = &p.buffers;
+        let bytes = (b.input as u128 + b.output as u128 + b.scratch as u128)
+            * dtype.size() as u128
+            * p.world() as u128;
+        if let Some(avail) = available_memory() {
+            if bytes > avail as u128 * 9 / 10 {
+                return Err(BackendError::Unavailable(format!(
+                    "the simulator needs {:.1} GiB for {} ranks but only {:.1} GiB of memory is available",
+                    bytes as f64 / (1u64 << 30) as f64,
+                    p.world(),
+                    avail as f64 / (1u64 << 30) as f64
+                )));
+            }
+        }
+        Ok(match dtype {
+            DType::F32 => Box::new(SimCall::<f32>::new(self, plan, reduce)?),
+            DType::BF16 => Box::new(SimCall::<bf16>::new(self, plan, reduce)?),
+            DType::F16 => Box::new(SimCall::<f16>::new(self, plan, reduce)?),
+        })
+    }
+}
+
+struct SimCall<'a, T: Element> {
+    world: &'a World,
+    plan: CheckedPlan,
+    reduce: ReduceOp,
+    bufs: CallBuffers<T>,
+}
+
+impl<'a, T: Element> SimCall<'a, T> {
+    fn new(
+        backend: &'a SimBackend,
+        plan: &CheckedPlan,
+        reduce: ReduceOp,
+    ) -> Result<Self, BackendError> {
+        let world = &backend.world;
+        let b = plan.plan().buffers;
+        Ok(SimCall {
+            world,
+            plan: plan.clone(),
+            reduce,
+            bufs: CallBuffers {
+                input: SymmetricBuffer::new(world.size(), b.input)?,
+                output: SymmetricBuffer::new(world.size(), b.output)?,
+                scratch: SymmetricBuffer::new(world.size(), b.scratch)?,
+            },
+        })
+    }
+}
+
+impl<T: Element> PreparedCall for SimCall<'_, T> {
+    fn input_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
+        T::host_mut(self.bufs.input.local_mut(rank))
+    }
+
+    fn output_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
+        T::host_mut(self.bufs.output.local_mut(rank))
+    }
+
+    fn upload(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn run(&mut self) -> Result<CallTiming, BackendError> {
+        let gate = std::sync::Barrier::new(self.world.size());
+        let (plan, bufs, reduce) = (&self.plan, &self.bufs, self.reduce);
+        let per_rank = self.world.run(|ctx| {
+            gate.wait();
+            let start = Instant::now();
+            run_rank(ctx, plan, bufs, reduce)?;
+            Ok(start.elapsed())
+        })?;
+        Ok(CallTiming { per_rank })
+    }
+
+    fn download(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn input(&self, rank: usize) -> HostSlice<'_> {
+        T::host(self.bufs.input.view(rank))
+    }
+
+    fn output(&self, rank: usize) -> HostSlice<'_> {
+        T::host(self.bufs.output.view(rank))
+    }
+}

@@ -1,0 +1,28 @@
+//! commfuse-sim: the `sim` backend. P ranks run as threads of one process; symmetric buffers are
+//! shared memory every rank may load from and store to; signal pads are arrays of atomic 64-bit
+//! counters with release/acquire semantics, exactly the contract the CUDA backend gives on
+//! NVLink. Plans run here as they run on GPUs.
+//!
+//! * [`protocol`]: notify, wait and the barrier protocols, generic over the atomic word so that
+//!   the tests can model-check them under loom and shuttle;
+//! * [`signal`]: the signal pad, with waits that spin, then yield, then sleep, and end in a
+//!   diagnosed timeout instead of a hang;
+//! * [`buffer`]: zero-initialised symmetric buffers;
+//! * [`world`]: ranks as scoped threads and the abort flag that stops all of them when one fails;
+//! * [`barrier`]: all-to-all and ring barriers with epochs (no reset between calls);
+//! * [`executor`]: the plan interpreter and its reduction kernels;
+//! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation.
+
+pub mod backend;
+pub mod barrier;
+pub mod buffer;
+pub mod executor;
+pub mod protocol;
+pub mod signal;
+pub mod world;
+
+pub use backend::SimBackend;
+pub use barrier::{Barrier, BarrierKind};
+pub use buffer::SymmetricBuffer;
+pub use signal::SignalPad;
+pub use world::{RankContext, World, WorldConfig};

@@ -1,0 +1,156 @@
+//! The signalling protocols, written once over a [`SignalWord`] so that the same code runs on
+//! std atomics in the simulator and on loom's or shuttle's atomics in the model-checking tests.
+//!
+//! * `notify` is a release store or a release add: everything the notifier wrote before is
+//!   visible to whoever observes the new value with an acquire load.
+//! * `wait` polls with acquire loads until the comparison holds; between polls it asks a
+//!   [`Backoff`] what to do, which is where timeouts and aborts come from.
+//! * Barriers count in epochs: call e sets slots to e and waits for ≥ e. Values only grow, so a
+//!   fast rank already in call e+1 never confuses a slow one still in call e, and nothing needs
+//!   a reset.
+
+use commfuse_core::{Cmp, NotifyOp};
+
+/// A 64-bit signal counter.
+pub trait SignalWord: Sync {
+    fn load_acquire(&self) -> u64;
+    fn store_release(&self, value: u64);
+    fn add_release(&self, value: u64);
+}
+
+impl SignalWord for std::sync::atomic::AtomicU64 {
+    fn load_acquire(&self) -> u64 {
+        self.load(std::sync::atomic::Ordering::Acquire)
+    }
+    fn store_release(&self, value: u64) {
+        self.store(value, std::sync::atomic::Ordering::Release)
+    }
+    fn add_release(&self, value: u64) {
+        self.fetch_add(value, std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// Why a wait gave up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    Timeout,
+    Aborted,
+}
+
+/// What a waiter does between unsuccessful polls.
+pub trait Backoff {
+    fn pause(&mut self) -> Result<(), Stop>;
+}
+
+pub fn notify<W: SignalWord + ?Sized>(word: &W, value: u64, op: NotifyOp) {
+    match op {
+        NotifyOp::Set => word.store_release(value),
+        NotifyOp::Add => word.add_release(value),
+    }
+}
+
+/// Polls `word` until it compares true with `expected`; returns the value seen, or why it
+/// stopped and the last value seen.
+pub fn wait<W: SignalWord + ?Sized, B: Backoff + ?Sized>(
+    word: &W,
+    expected: u64,
+    cmp: Cmp,
+    backoff: &mut B,
+) -> Result<u64, (Stop, u64)> {
+    loop {
+        let seen = word.load_acquire();
+        if cmp.holds(seen, expected) {
+            return Ok(seen);
+        }
+        if let Err(stop) = backoff.pause() {
+            return Err((stop, seen));
+        }
+    }
+}
+
+/// Signal slots of every rank, addressed as (rank, row, col).
+pub trait Pads {
+    type Word: SignalWord + ?Sized;
+    fn slot(&self, rank: usize, row: u32, col: u32) -> &Self::Word;
+}
+
+/// A barrier wait that failed: the slot of the waiting rank, what it waited for, what it saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stuck {
+    pub stop: Stop,
+    pub row: u32,
+    pub col: u32,
+    pub expected: u64,
+    pub seen: u64,
+}
+
+fn wait_slot<P: Pads, B: Backoff + ?Sized>(
+    pads: &P,
+    rank: usize,
+    row: u32,
+    col: u32,
+    epoch: u64,
+    backoff: &mut B,
+) -> Result<(), Stuck> {
+    wait(pads.slot(rank, row, col), epoch, Cmp::Ge, backoff)
+        .map(|_| ())
+        .map_err(|(stop, seen)| Stuck {
+            stop,
+            row,
+            col,
+            expected: epoch,
+            seen,
+        })
+}
+
+/// All-to-all barrier, call `epoch` (≥ 1): rank r sets column r of `row` on every peer to the
+/// epoch, then waits for every peer's column to reach it. One latency; P−1 signals per rank.
+pub fn all_to_all_barrier<P: Pads, B: Backoff + ?Sized>(
+    pads: &P,
+    world: usize,
+    rank: usize,
+    row: u32,
+    epoch: u64,
+    backoff: &mut B,
+) -> Result<(), Stuck> {
+    for d in 1..world {
+        let peer = (rank + d) % world;
+        notify(pads.slot(peer, row, rank as u32), epoch, NotifyOp::Set);
+    }
+    for d in 1..world {
+        let peer = (rank + d) % world;
+        wait_slot(pads, rank, row, peer as u32, epoch, backoff)?;
+    }
+    Ok(())
+}
+
+/// Ring barrier, call `epoch` (≥ 1), on rows `row` (arrival) and `row + 1` (release): rank 0
+/// sends an arrival token around the ring; when it comes back everyone has arrived, and a
+/// release token follows it. 2P−1 latencies; two signals per rank.
+pub fn ring_barrier<P: Pads, B: Backoff + ?Sized>(
+    pads: &P,
+    world: usize,
+    rank: usize,
+    row: u32,
+    epoch: u64,
+    backoff: &mut B,
+) -> Result<(), Stuck> {
+    if world == 1 {
+        return Ok(());
+    }
+    let right = (rank + 1) % world;
+    let (arrive, release) = (row, row + 1);
+    if rank == 0 {
+        notify(pads.slot(right, arrive, 0), epoch, NotifyOp::Set);
+        wait_slot(pads, rank, arrive, 0, epoch, backoff)?;
+        notify(pads.slot(right, release, 0), epoch, NotifyOp::Set);
+    } else {
+        wait_slot(pads, rank, arrive, 0, epoch, backoff)?;
+        notify(pads.slot(right, arrive, 0), epoch, NotifyOp::Set);
+        wait_slot(pads, rank, release, 0, epoch, backoff)?;
+        if right != 0 {
+            notify(pads.slot(right, release, 0), epoch, NotifyOp::Set);
+        }
+    }
+    Ok(())
+}

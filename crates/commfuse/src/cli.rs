@@ -1,0 +1,309 @@
+//! The `commfuse` command line: run, plan, bench, verify.
+
+use crate::backends::{self, BackendKind, Placement};
+use crate::bench::{self, BenchConfig};
+use crate::driver::{self, Request};
+use crate::sizes::parse_sizes;
+use crate::verify;
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use commfuse_core::cost::CostCard;
+use commfuse_core::{Algo, DType, OpKind, ReduceOp};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "commfuse",
+    version,
+    about = "Communication–computation fused operators for tensor parallelism: collectives as checked plans, run on a CPU simulator or NVLink GPUs"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run one call, check it against the float64 reference, print the cost card and OK
+    Run(RunArgs),
+    /// Print a plan's per-rank steps, the checker's verdict and the cost card
+    Plan(PlanArgs),
+    /// Measure a size sweep in the nccl-tests format
+    Bench(BenchArgs),
+    /// Run the whole correctness matrix
+    Verify(VerifyArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct Where {
+    /// Number of ranks (simulated threads, or GPUs)
+    #[arg(long, short = 'p', default_value_t = 8)]
+    pub ranks: usize,
+    /// Backend: sim (CPU simulator) or cuda
+    #[arg(long, default_value = "sim")]
+    pub backend: BackendKind,
+    /// How long a wait may take before the call fails with a diagnosis, ms
+    #[arg(long, default_value_t = 5000)]
+    pub timeout_ms: u64,
+}
+
+impl Where {
+    fn placement(&self) -> Placement {
+        Placement {
+            backend: self.backend,
+            ranks: self.ranks,
+            timeout: Duration::from_millis(self.timeout_ms),
+        }
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct What {
+    /// all-reduce, reduce-scatter, all-gather, broadcast, all-to-all or barrier
+    pub op: OpKind,
+    /// Algorithm (default: the op's first; see `commfuse plan --help`)
+    #[arg(long)]
+    pub algo: Option<String>,
+    /// Element type: f32, bf16 or f16
+    #[arg(long, default_value = "f32")]
+    pub dtype: DType,
+    /// Reduce op: sum, max, min or prod
+    #[arg(long, default_value = "sum")]
+    pub reduce: ReduceOp,
+    /// Root rank (broadcast)
+    #[arg(long, default_value_t = 0)]
+    pub root: usize,
+    /// NUMA groups of consecutive ranks (ring-2d)
+    #[arg(long, default_value_t = 1)]
+    pub numa_groups: usize,
+}
+
+impl What {
+    fn algo(&self) -> Result<Algo> {
+        match &self.algo {
+            None => Ok(Algo::for_op(self.op)[0]),
+            Some(name) => Ok(Algo::parse_for(self.op, name)?),
+        }
+    }
+
+    fn request(&self, count: usize, seed: u64) -> Result<Request> {
+        let mut req = Request::new(self.op, self.algo()?, count, self.dtype);
+        req.reduce = self.reduce;
+        req.root = self.root;
+        req.numa_groups = self.numa_groups;
+        req.seed = seed;
+        Ok(req)
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub what: What,
+    #[command(flatten)]
+    pub place: Where,
+    /// Element count (see DESIGN.md for what it means per op)
+    #[arg(long, short = 'n', default_value_t = 1 << 20)]
+    pub size: usize,
+    /// Seed of the random inputs (default: fresh each run)
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Write rank{r}_input.npy and rank{r}_output.npy into this folder
+    #[arg(long)]
+    pub dump: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub what: What,
+    /// Number of ranks
+    #[arg(long, short = 'p', default_value_t = 4)]
+    pub ranks: usize,
+    /// Element count
+    #[arg(long, short = 'n', default_value_t = 1 << 20)]
+    pub size: usize,
+    /// Print the plan as JSON instead of a listing
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub what: What,
+    #[command(flatten)]
+    pub place: Where,
+    /// Sizes in bytes: 64M, 1K..1G (doubling) or 4K,1M
+    #[arg(long, default_value = "1K..16M")]
+    pub sizes: String,
+    /// Untimed calls before timing
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Timed calls per size (the sim stops early once --budget-ms is spent)
+    #[arg(long, default_value_t = 5)]
+    pub iters: usize,
+    /// Time budget per size and algorithm, ms
+    #[arg(long, default_value_t = 500)]
+    pub budget_ms: u64,
+    /// Skip the correctness check of the last call
+    #[arg(long)]
+    pub no_check: bool,
+    /// Write the results as JSON
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct VerifyArgs {
+    /// Backend: sim or cuda
+    #[arg(long, default_value = "sim")]
+    pub backend: BackendKind,
+    /// World sizes to cover
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,5,7,8")]
+    pub ranks: Vec<usize>,
+    /// Seed (default: fresh)
+    #[arg(long)]
+    pub seed: Option<u64>,
+    #[arg(long, default_value_t = 5000)]
+    pub timeout_ms: u64,
+    /// Write the matrix as JSON
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// Runs the parsed command; returns the process exit code.
+pub fn execute(cli: Cli) -> Result<i32> {
+    match cli.command {
+        Command::Run(a) => run(a),
+        Command::Plan(a) => plan(a),
+        Command::Bench(a) => bench_cmd(a),
+        Command::Verify(a) => verify_cmd(a),
+    }
+}
+
+fn run(a: RunArgs) -> Result<i32> {
+    let seed = a.seed.unwrap_or_else(driver::fresh_seed);
+    let req = a.what.request(a.size, seed)?;
+    let backend = backends::open(&a.place.placement())?;
+    let out = driver::run(backend.as_ref(), &req, 1, a.dump.as_deref())?;
+    println!(
+        "{} {} on {} ranks ({}), {} × {}, reduce {}, seed {seed}",
+        req.op, req.algo, a.place.ranks, a.place.backend, req.count, req.dtype, req.reduce
+    );
+    println!("{}", out.card);
+    println!(
+        "measured: {:.1} µs (slowest rank); checked {} elements, max error {:.2e}",
+        out.timing.slowest().as_secs_f64() * 1e6,
+        out.comparison.checked,
+        out.comparison.max_error
+    );
+    if out.comparison.ok() {
+        println!("OK");
+        Ok(0)
+    } else {
+        println!(
+            "MISMATCH: {} wrong elements; first ones:",
+            out.comparison.wrong
+        );
+        for m in &out.comparison.mismatches {
+            println!(
+                "  rank {} output[{}] = {} (expected {})",
+                m.rank, m.index, m.got, m.expected
+            );
+        }
+        Ok(1)
+    }
+}
+
+fn plan(a: PlanArgs) -> Result<i32> {
+    let req = a.what.request(a.size, 0)?;
+    let (checked, topology) = match driver::plan(&req, a.ranks) {
+        Ok(x) => x,
+        Err(commfuse_core::Error::Plan(e)) => {
+            println!("checker: REJECTED: {e}");
+            return Ok(1);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(checked.plan())?);
+        return Ok(0);
+    }
+    print!("{}", checked.plan().listing());
+    println!("checker: OK (no deadlock, no reused slot, no race, result as defined; two consecutive calls)");
+    println!("{}", CostCard::of(&checked, &topology, req.dtype.size()));
+    Ok(0)
+}
+
+fn bench_cmd(a: BenchArgs) -> Result<i32> {
+    let backend = backends::open(&a.place.placement())?;
+    let algos = match a.what.algo.as_deref() {
+        Some("all") => Algo::for_op(a.what.op).to_vec(),
+        _ => vec![a.what.algo()?],
+    };
+    let cfg = BenchConfig {
+        op: a.what.op,
+        algos,
+        sizes: parse_sizes(&a.sizes)?,
+        dtype: a.what.dtype,
+        reduce: a.what.reduce,
+        root: a.what.root,
+        numa_groups: a.what.numa_groups,
+        warmup: a.warmup,
+        iters: a.iters,
+        budget: Duration::from_millis(a.budget_ms),
+        check: !a.no_check,
+    };
+    println!(
+        "{}",
+        bench::header(
+            cfg.op,
+            backend.name(),
+            backend.world_size(),
+            cfg.dtype,
+            cfg.reduce
+        )
+    );
+    let report = bench::run(backend.as_ref(), &cfg, |row| {
+        println!("{}", bench::format_row(row))
+    })?;
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    let wrong: u64 = report.rows.iter().filter_map(|r| r.wrong).sum();
+    Ok(if wrong == 0 { 0 } else { 1 })
+}
+
+fn verify_cmd(a: VerifyArgs) -> Result<i32> {
+    if a.ranks.is_empty() || a.ranks.contains(&0) {
+        bail!("--ranks needs world sizes of at least 1");
+    }
+    let seed = a.seed.unwrap_or_else(driver::fresh_seed);
+    let placement = Placement {
+        backend: a.backend,
+        ranks: 1,
+        timeout: Duration::from_millis(a.timeout_ms),
+    };
+    println!(
+        "# commfuse verify: backend {}, world sizes {:?}, seed {seed}; each cell: 2 consecutive calls per reduce op and size",
+        a.backend, a.ranks
+    );
+    println!(
+        "  {:<15} {:<11} {:<5} {:>5} {:>7} {:>10}",
+        "op", "algo", "type", "runs", "result", "max error"
+    );
+    let rows = verify::run(&placement, &a.ranks, seed, |row| {
+        println!("{}", verify::format_row(row))
+    })?;
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    let failures: usize = rows.iter().map(|r| r.failures).sum();
+    let runs: usize = rows.iter().map(|r| r.runs).sum();
+    println!("{} passed, {} failed", runs - failures, failures);
+    Ok(if failures == 0 { 0 } else { 1 })
+}

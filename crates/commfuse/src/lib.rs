@@ -1,0 +1,17 @@
+//! commfuse: communication–computation fused operators for tensor parallelism on NVLink GPUs.
+//!
+//! This crate ties the layers together: [`backends`] opens a backend by name, [`driver`] runs
+//! one checked call against the float64 reference, [`bench`] measures size sweeps in the
+//! nccl-tests format, [`verify`] runs the correctness matrix, and [`sizes`] parses size lists.
+//! The `commfuse` binary (src/main.rs and [`cli`]) is a thin shell over them.
+
+pub mod backends;
+pub mod bench;
+pub mod cli;
+pub mod driver;
+pub mod dump;
+pub mod sizes;
+pub mod verify;
+
+pub use commfuse_core as core;
+pub use commfuse_sim as sim;

@@ -1,0 +1,118 @@
+//! `commfuse verify`: the correctness matrix — every op × algorithm × dtype × reduce op × world
+//! size, on uneven sizes, two consecutive calls each, against the float64 reference.
+
+use crate::backends::{self, Placement};
+use crate::driver::{self, Request};
+use anyhow::Result;
+use commfuse_core::{Algo, DType, OpKind, ReduceOp};
+
+/// NUMA groups for a world of `p` ranks in the matrix: two when even, the smallest factor when
+/// odd and composite, one when prime (a plain inner ring).
+pub fn groups_for(p: usize) -> usize {
+    if p.is_multiple_of(2) {
+        return 2.min(p);
+    }
+    (3..p).find(|g| p.is_multiple_of(*g)).unwrap_or(1)
+}
+
+/// Element counts tried at world size `p`: empty, fewer than P, uneven, and a larger odd one.
+pub fn counts_for(p: usize, seed: u64) -> Vec<usize> {
+    let odd = 1000 + (seed as usize % 997) * 2 + 1;
+    vec![0, p.saturating_sub(1).max(1), 3 * p + 1, odd]
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MatrixRow {
+    pub op: OpKind,
+    pub algo: String,
+    pub dtype: DType,
+    pub runs: usize,
+    pub failures: usize,
+    pub max_error: f64,
+    pub first_failure: Option<String>,
+}
+
+/// Runs the matrix; `on_row` sees each (op, algo, dtype) row when it is done.
+pub fn run(
+    placement: &Placement,
+    worlds: &[usize],
+    seed: u64,
+    mut on_row: impl FnMut(&MatrixRow),
+) -> Result<Vec<MatrixRow>> {
+    let mut rows = Vec::new();
+    for op in OpKind::ALL {
+        for &algo in Algo::for_op(op) {
+            for dtype in DType::ALL {
+                let mut row = MatrixRow {
+                    op,
+                    algo: algo.name().into(),
+                    dtype,
+                    runs: 0,
+                    failures: 0,
+                    max_error: 0.0,
+                    first_failure: None,
+                };
+                let reduces: &[ReduceOp] = if op.reduces() {
+                    &ReduceOp::ALL
+                } else {
+                    &[ReduceOp::Sum]
+                };
+                for &p in worlds {
+                    let at_p = Placement {
+                        ranks: p,
+                        ..placement.clone()
+                    };
+                    let mut backend = backends::open(&at_p)?;
+                    for &reduce in reduces {
+                        for count in counts_for(p, seed ^ p as u64) {
+                            let mut req = Request::new(op, algo, count, dtype);
+                            req.reduce = reduce;
+                            req.root = p / 2;
+                            req.numa_groups = groups_for(p);
+                            req.seed = seed.wrapping_add(row.runs as u64);
+                            row.runs += 1;
+                            let failure = match driver::run(backend.as_ref(), &req, 2, None) {
+                                Ok(out) if out.comparison.ok() => {
+                                    row.max_error = row.max_error.max(out.comparison.max_error);
+                                    None
+                                }
+                                Ok(out) => Some(format!(
+                                    "P={p} n={count} {reduce}: {} wrong, first {:?}",
+                                    out.comparison.wrong,
+                                    out.comparison.mismatches.first()
+                                )),
+                                Err(e) => Some(format!("P={p} n={count} {reduce}: {e:#}")),
+                            };
+                            if let Some(f) = failure {
+                                row.failures += 1;
+                                row.first_failure.get_or_insert(f);
+                                // a failed call leaves signal pads mid-protocol: start afresh
+                                backend = backends::open(&at_p)?;
+                            }
+                        }
+                    }
+                }
+                on_row(&row);
+                rows.push(row);
+            }
+        }
+    }
+    Ok(rows)
+}
+
+pub fn format_row(row: &MatrixRow) -> String {
+    format!(
+        "  {:<15} {:<11} {:<5} {:>5} {:>7} {:>10.2e}  {}",
+        row.op.name(),
+        row.algo,
+        row.dtype.name(),
+        row.runs,
+        if row.failures == 0 {
+            "OK".to_string()
+        } else {
+            format!("FAIL {}", row.failures)
+        },
+        row.max_error,
+        row.first_failure.as_deref().unwrap_or("")
+    )
+}

@@ -1,0 +1,264 @@
+//! The command line as a user meets it: the main job works, and every bad input ends in one
+//! line on stderr and a non-zero exit, never a panic or a hang.
+
+use std::process::{Command, Output};
+
+fn commfuse(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_commfuse"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Fails unless the command failed with exactly one line on stderr containing `needle`.
+fn fails_with(args: &[&str], needle: &str) {
+    let o = commfuse(args);
+    let err = stderr(&o);
+    assert_ne!(o.status.code(), Some(0), "{args:?} succeeded");
+    assert!(o.status.code().is_some(), "{args:?} died from a signal");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?} printed more than one line:\n{err}"
+    );
+    assert!(
+        err.contains(needle),
+        "{args:?}: expected '{needle}' in: {err}"
+    );
+    assert!(
+        !err.contains("panicked") && !err.contains("internal error"),
+        "{args:?} panicked: {err}"
+    );
+}
+
+#[test]
+fn run_checks_and_prints_ok() {
+    let o = commfuse(&[
+        "run",
+        "all-reduce",
+        "--algo",
+        "ring",
+        "--ranks",
+        "5",
+        "--size",
+        "1003",
+        "--dtype",
+        "bf16",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("cost card: all-reduce ring on 5 ranks"),
+        "{out}"
+    );
+    assert!(out.trim_end().ends_with("OK"), "{out}");
+}
+
+#[test]
+fn bad_inputs_get_one_line_and_a_nonzero_exit() {
+    fails_with(
+        &["run", "all-reduce", "--ranks", "0"],
+        "world size must be between 1 and 64, got 0",
+    );
+    fails_with(
+        &["run", "all-reduce", "--ranks", "65"],
+        "world size must be between 1 and 64, got 65",
+    );
+    fails_with(&["run", "all-reduse"], "unknown op 'all-reduse'");
+    fails_with(
+        &["run", "all-reduce", "--algo", "tree"],
+        "all-reduce has no algorithm 'tree'",
+    );
+    fails_with(
+        &["run", "barrier", "--algo", "one-shot"],
+        "barrier has no algorithm 'one-shot'",
+    );
+    fails_with(
+        &["run", "all-reduce", "--dtype", "f64"],
+        "unknown dtype 'f64'",
+    );
+    fails_with(
+        &["run", "all-reduce", "--reduce", "avg"],
+        "unknown reduce op 'avg'",
+    );
+    fails_with(
+        &["run", "all-reduce", "--size", "99999999999999999999999"],
+        "--size",
+    );
+    fails_with(
+        &["run", "all-reduce", "--size", "4611686018427387904"],
+        "size overflow",
+    );
+    fails_with(
+        &[
+            "run",
+            "all-reduce",
+            "--size",
+            "1152921504606846976",
+            "--ranks",
+            "2",
+        ],
+        "memory",
+    );
+    fails_with(
+        &["run", "all-reduce", "--backend", "cuda"],
+        "cuda backend is not part of this build",
+    );
+    fails_with(
+        &["run", "all-reduce", "--backend", "tpu"],
+        "unknown backend 'tpu'",
+    );
+    fails_with(
+        &["run", "broadcast", "--ranks", "4", "--root", "4"],
+        "root 4 is not a rank",
+    );
+    fails_with(
+        &[
+            "run",
+            "all-reduce",
+            "--algo",
+            "ring-2d",
+            "--ranks",
+            "6",
+            "--numa-groups",
+            "4",
+        ],
+        "multiple of the NUMA group count",
+    );
+    fails_with(
+        &["run", "all-reduce", "--numa-groups", "0"],
+        "--numa-groups",
+    );
+    fails_with(&["bench", "all-reduce", "--sizes", "12Q"], "unknown unit");
+    fails_with(&["bench", "all-reduce", "--sizes", "8K..1K"], "must go up");
+    fails_with(&["verify", "--ranks", "0"], "at least 1");
+    fails_with(&["frobnicate"], "frobnicate");
+}
+
+#[test]
+fn plan_prints_steps_verdict_and_cost_card() {
+    let o = commfuse(&[
+        "plan",
+        "all-reduce",
+        "--algo",
+        "ring",
+        "--ranks",
+        "3",
+        "--size",
+        "9",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("rank 2:") && out.contains("reduce  rank 2 input[0..3)"),
+        "{out}"
+    );
+    assert!(out.contains("checker: OK"), "{out}");
+    assert!(out.contains("predicted time (slowest rank)"), "{out}");
+    let o = commfuse(&[
+        "plan",
+        "reduce-scatter",
+        "--algo",
+        "ring",
+        "--ranks",
+        "4",
+        "--json",
+    ]);
+    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(plan["steps"].as_array().unwrap().len(), 4);
+}
+
+#[test]
+fn bench_prints_nccl_tests_columns_and_writes_json() {
+    let dir = std::env::temp_dir().join(format!("commfuse-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("bench.json");
+    let o = commfuse(&[
+        "bench",
+        "all-gather",
+        "--algo",
+        "all",
+        "--ranks",
+        "3",
+        "--sizes",
+        "4K..16K",
+        "--dtype",
+        "f16",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    for col in [
+        "size",
+        "count",
+        "type",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "#wrong",
+    ] {
+        assert!(out.contains(col), "{col} missing: {out}");
+    }
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 6, "3 sizes × 2 algorithms");
+    assert!(rows
+        .iter()
+        .all(|r| r["wrong"] == 0 && r["time_us"].as_f64().unwrap() > 0.0));
+}
+
+#[test]
+fn dump_writes_npy_that_a_reader_checks() {
+    use npyz::NpyFile;
+    let dir = std::env::temp_dir().join(format!("commfuse-dump-{}", std::process::id()));
+    let o = commfuse(&[
+        "run",
+        "reduce-scatter",
+        "--algo",
+        "ring",
+        "--ranks",
+        "3",
+        "--size",
+        "10",
+        "--seed",
+        "5",
+        "--dump",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let read = |name: &str| -> Vec<f32> {
+        let bytes = std::fs::read(dir.join(name)).unwrap();
+        NpyFile::new(&bytes[..]).unwrap().into_vec().unwrap()
+    };
+    let inputs: Vec<Vec<f32>> = (0..3)
+        .map(|r| read(&format!("rank{r}_input.npy")))
+        .collect();
+    // chunks of 10 over 3 ranks: 4, 3, 3
+    for (r, range) in [(0, 0..4), (1, 4..7), (2, 7..10)] {
+        let out = read(&format!("rank{r}_output.npy"));
+        assert_eq!(out.len(), range.len());
+        for (k, i) in range.enumerate() {
+            let sum: f32 = inputs.iter().map(|x| x[i]).sum();
+            assert!((out[k] - sum).abs() < 1e-5, "rank {r}[{k}]");
+        }
+    }
+}
+
+#[test]
+fn verify_prints_the_matrix() {
+    let o = commfuse(&["verify", "--ranks", "1,3"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("all-reduce      ring-2d     bf16"), "{out}");
+    assert!(out.contains(" 0 failed"), "{out}");
+}

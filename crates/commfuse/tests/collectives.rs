@@ -1,0 +1,143 @@
+//! The collective suite, written once and stamped per backend (as candle stamps `_cpu` and
+//! `_cuda`): every algorithm × dtype × reduce op at P ∈ {1, 2, 3, 4, 5, 7, 8} on uneven sizes,
+//! two consecutive calls each (fresh inputs, poisoned outputs), against the float64 reference.
+
+use commfuse::backends::{self, BackendKind, Placement};
+use commfuse::driver::{self, Request};
+use commfuse::verify::{counts_for, groups_for};
+use commfuse_core::{Algo, DType, OpKind, ReduceOp};
+use std::time::Duration;
+
+const WORLDS: [usize; 7] = [1, 2, 3, 4, 5, 7, 8];
+
+/// Runs every algorithm of `op` in the matrix on `kind`; panics with every failure listed.
+fn matrix(kind: BackendKind, op: OpKind) {
+    let mut failures = Vec::new();
+    let mut runs = 0;
+    let seed = driver::fresh_seed();
+    for p in WORLDS {
+        let placement = Placement {
+            backend: kind,
+            ranks: p,
+            timeout: Duration::from_secs(20),
+        };
+        let mut backend = backends::open(&placement).expect("backend opens");
+        for &algo in Algo::for_op(op) {
+            for dtype in DType::ALL {
+                let reduces: &[ReduceOp] = if op.reduces() {
+                    &ReduceOp::ALL
+                } else {
+                    &[ReduceOp::Sum]
+                };
+                for &reduce in reduces {
+                    for count in counts_for(p, seed ^ runs) {
+                        runs += 1;
+                        let mut req = Request::new(op, algo, count, dtype);
+                        req.reduce = reduce;
+                        req.root = (p - 1) / 2;
+                        req.numa_groups = groups_for(p);
+                        req.seed = seed.wrapping_add(runs);
+                        let what = format!(
+                            "{op} {algo} {dtype} {reduce} P={p} n={count} seed={}",
+                            req.seed
+                        );
+                        match driver::run(backend.as_ref(), &req, 2, None) {
+                            Ok(out) if out.comparison.ok() => {
+                                // every defined output element of every rank was compared
+                                let spec =
+                                    commfuse_core::OpSpec::new(op, p, count, req.root).unwrap();
+                                let defined: usize = (0..p).map(|r| spec.output_len(r)).sum();
+                                assert_eq!(out.comparison.checked as usize, defined, "{what}");
+                            }
+                            Ok(out) => {
+                                failures.push(format!("{what}: {:?}", out.comparison.mismatches))
+                            }
+                            Err(e) => {
+                                failures.push(format!("{what}: {e:#}"));
+                                backend = backends::open(&placement).unwrap();
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {runs} runs failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// Stamps one test per op for a backend; `$available` says whether it can run here and, if
+/// not, why (printed, then the test passes as skipped).
+macro_rules! backend_suite {
+    ($suffix:ident, $kind:expr, $available:expr) => {
+        mod $suffix {
+            use super::*;
+
+            fn run(op: OpKind) {
+                let available: Result<(), String> = $available;
+                match available {
+                    Ok(()) => matrix($kind, op),
+                    Err(why) => eprintln!("skipped on {}: {why}", stringify!($suffix)),
+                }
+            }
+
+            #[test]
+            fn all_reduce() {
+                run(OpKind::AllReduce)
+            }
+            #[test]
+            fn reduce_scatter() {
+                run(OpKind::ReduceScatter)
+            }
+            #[test]
+            fn all_gather() {
+                run(OpKind::AllGather)
+            }
+            #[test]
+            fn broadcast() {
+                run(OpKind::Broadcast)
+            }
+            #[test]
+            fn all_to_all() {
+                run(OpKind::AllToAll)
+            }
+            #[test]
+            fn barrier() {
+                run(OpKind::Barrier)
+            }
+        }
+    };
+}
+
+backend_suite!(sim, BackendKind::Sim, Ok(()));
+
+#[test]
+fn a_corrupted_output_is_caught_by_the_reference() {
+    // the comparison itself must be able to fail: flip one element after a correct run
+    use commfuse_core::backend::HostSliceMut;
+    let backend = backends::open(&Placement {
+        backend: BackendKind::Sim,
+        ranks: 3,
+        timeout: Duration::from_secs(5),
+    })
+    .unwrap();
+    let req = Request::new(OpKind::AllReduce, Algo::Ring, 100, DType::BF16);
+    let (checked, _) = driver::plan(&req, 3).unwrap();
+    let spec = checked.plan().spec;
+    let mut call = backend.prepare(&checked, req.dtype, req.reduce).unwrap();
+    driver::load(call.as_mut(), &spec, req.reduce, 7).unwrap();
+    call.run().unwrap();
+    assert!(driver::compare(call.as_mut(), &spec, req.reduce, 7)
+        .unwrap()
+        .ok());
+    if let HostSliceMut::BF16(out) = call.output_mut(2) {
+        out[17] = half::bf16::from_f32(out[17].to_f32() + 0.25);
+    }
+    let cmp = driver::compare(call.as_mut(), &spec, req.reduce, 7).unwrap();
+    assert_eq!(cmp.wrong, 1);
+    assert_eq!((cmp.mismatches[0].rank, cmp.mismatches[0].index), (2, 17));
+}
