@@ -41,6 +41,15 @@ impl DType {
         }
     }
 
+    /// Unit roundoff: the largest relative error of one rounding to this type.
+    pub fn unit_roundoff(self) -> f64 {
+        match self {
+            DType::F32 => f64::powi(2.0, -24),
+            DType::BF16 => f64::powi(2.0, -8),
+            DType::F16 => f64::powi(2.0, -11),
+        }
+    }
+
     /// Rounds an f64 to the nearest value of this type (what storing it would give).
     pub fn round(self, x: f64) -> f64 {
         match self {

@@ -17,7 +17,7 @@ pub enum Error {
     Unsupported(String),
     #[error("size overflow: {0}")]
     SizeOverflow(String),
-    #[error("invalid plan: {0}")]
+    #[error("invalid plan")]
     Plan(#[from] PlanError),
 }
 
@@ -42,6 +42,19 @@ pub enum PlanError {
         what: String,
         first_rank: usize,
         first_step: usize,
+    },
+    /// Two steps touch overlapping memory, at least one writing, through regions that start at
+    /// different offsets.
+    /// Backends split every step across lanes (GPU blocks) by the offset within its regions,
+    /// each lane with its own signal slots, so overlapping regions must start together.
+    #[error("rank {rank} step {step}: {region} overlaps {other} (rank {other_rank} step {other_step}) but starts elsewhere, so a lane of one step would depend on another lane of the other")]
+    Misaligned {
+        rank: usize,
+        step: usize,
+        region: String,
+        other: String,
+        other_rank: usize,
+        other_step: usize,
     },
     /// A wait asks for more than the plan ever sends to that slot.
     #[error("rank {rank} step {step}: waits on slot {slot} for {cmp} {expected}, but the plan only ever adds {total} to it in one call, so it can never be satisfied")]

@@ -271,3 +271,31 @@ fn a_missing_contribution_is_a_wrong_result() {
         "{err}"
     );
 }
+
+#[test]
+fn overlapping_regions_that_start_apart_are_rejected() {
+    // rank 0 writes output[0..8) in one step and rank 1 reads output[4..8) of it: a lane of the
+    // reader would need data another lane of the writer produced
+    let spec = OpSpec::new(OpKind::AllReduce, 2, 8, 0).unwrap();
+    let mut b = PlanBuilder::new(spec);
+    let row = b.rows(1);
+    b.copy(
+        0,
+        Region::new(0, BufferKind::Input, 0..8),
+        Region::new(0, BufferKind::Output, 0..8),
+    );
+    b.signal(0, 1, Slot::new(row, 0));
+    b.wait(1, Slot::new(row, 0), 1);
+    b.copy(
+        1,
+        Region::new(0, BufferKind::Output, 4..8),
+        Region::new(1, BufferKind::Output, 4..8),
+    );
+    let err = check(b.finish("misaligned")).unwrap_err().to_string();
+    assert!(
+        err.starts_with(
+            "rank 1 step 1: rank 0 output[4..8) overlaps rank 0 output[0..8) (rank 0 step 0)"
+        ),
+        "{err}"
+    );
+}

@@ -31,9 +31,9 @@ pub(super) fn direct(b: &mut PlanBuilder) {
 /// Ring: P−1 neighbour steps of n/P elements, chunks landing in place.
 pub(super) fn ring(b: &mut PlanBuilder) {
     let (p, n) = (b.world(), b.spec().count);
-    let rings = [Ring {
-        members: (0..p).collect(),
-        chunks: (0..p).map(|j| chunk_range(n, p, j)).collect(),
-    }];
+    let rings = [Ring::simple(
+        (0..p).collect(),
+        (0..p).map(|j| chunk_range(n, p, j)),
+    )];
     ring::all_gather(b, &rings, &|r, c| input(r, 0..c.len()), &output);
 }

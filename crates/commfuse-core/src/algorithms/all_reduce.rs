@@ -61,10 +61,10 @@ pub(super) fn two_phase(b: &mut PlanBuilder) {
 /// 2(P−1)/P·n; scratch 2·⌈n/P⌉.
 pub(super) fn ring(b: &mut PlanBuilder) {
     let (p, n) = (b.world(), b.spec().count);
-    let rings = [Ring {
-        members: (0..p).collect(),
-        chunks: (0..p).map(|j| chunk_range(n, p, j)).collect(),
-    }];
+    let rings = [Ring::simple(
+        (0..p).collect(),
+        (0..p).map(|j| chunk_range(n, p, j)),
+    )];
     ring::reduce_scatter(b, &rings, &input, &output);
     ring::all_gather(b, &rings, &output, &output);
 }
@@ -84,25 +84,24 @@ pub(super) fn ring_2d(b: &mut PlanBuilder, topology: &Topology) -> Result<(), Er
         )));
     }
     let g = p / groups;
+    // group-chunk j, cut into the pieces the cross-group ring owns
+    let pieces = |j: usize| -> Vec<Range<usize>> {
+        let c = chunk_range(n, g, j);
+        (0..groups)
+            .map(|k| {
+                let sub = chunk_range(c.len(), groups, k);
+                c.start + sub.start..c.start + sub.end
+            })
+            .collect()
+    };
     let inner: Vec<Ring> = (0..groups)
         .map(|k| Ring {
             members: topology.group_members(k),
-            chunks: (0..g).map(|j| chunk_range(n, g, j)).collect(),
+            chunks: (0..g).map(pieces).collect(),
         })
         .collect();
     let across: Vec<Ring> = (0..g)
-        .map(|j| {
-            let c = chunk_range(n, g, j);
-            Ring {
-                members: (0..groups).map(|k| k * g + j).collect(),
-                chunks: (0..groups)
-                    .map(|k| {
-                        let sub = chunk_range(c.len(), groups, k);
-                        c.start + sub.start..c.start + sub.end
-                    })
-                    .collect(),
-            }
-        })
+        .map(|j| Ring::simple((0..groups).map(|k| k * g + j).collect(), pieces(j)))
         .collect();
     ring::reduce_scatter(b, &inner, &input, &output);
     ring::reduce_scatter(b, &across, &output, &output);

@@ -27,9 +27,9 @@ pub(super) fn direct(b: &mut PlanBuilder) {
 /// Cost card: P−1 steps of n/P elements per rank to the right neighbour; scratch 2·⌈n/P⌉.
 pub(super) fn ring(b: &mut PlanBuilder) {
     let (p, n) = (b.world(), b.spec().count);
-    let rings = [Ring {
-        members: (0..p).collect(),
-        chunks: (0..p).map(|j| chunk_range(n, p, j)).collect(),
-    }];
+    let rings = [Ring::simple(
+        (0..p).collect(),
+        (0..p).map(|j| chunk_range(n, p, j)),
+    )];
     ring::reduce_scatter(b, &rings, &input, &|r, c| output(r, 0..c.len()));
 }

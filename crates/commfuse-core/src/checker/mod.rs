@@ -56,8 +56,71 @@ impl CheckedPlan {
 /// Checks `plan`; on success it may be executed by any backend.
 pub fn check(plan: Plan) -> Result<CheckedPlan, PlanError> {
     let increments = check_shape(&plan)?;
+    check_lane_alignment(&plan)?;
     engine::Engine::new(&plan, &increments, None).run(2)?;
     Ok(CheckedPlan { plan, increments })
+}
+
+/// Backends may split every data step into lanes by position within its regions (element i of
+/// a region goes to lane i / lane_len), each lane signalling on its own slots. That is the same
+/// computation only if a lane never needs data another lane produced, which holds when any two
+/// regions that overlap, one of them written, start at the same offset.
+fn check_lane_alignment(plan: &Plan) -> Result<(), PlanError> {
+    struct Use {
+        region: Region,
+        rank: usize,
+        step: usize,
+        written: bool,
+    }
+    // (rank, buffer) -> regions, with the first step that used each and whether any writes it
+    let mut by_buffer: HashMap<(usize, usize), Vec<Use>> = HashMap::new();
+    for (r, steps) in plan.steps.iter().enumerate() {
+        for (i, step) in steps.iter().enumerate() {
+            let (srcs, dst): (&[Region], &Region) = match step {
+                Step::Copy { src, dst } => (std::slice::from_ref(src), dst),
+                Step::Reduce { srcs, dst } => (srcs, dst),
+                _ => continue,
+            };
+            let uses = srcs.iter().map(|g| (g, false)).chain([(dst, true)]);
+            for (region, written) in uses.filter(|(g, _)| g.len > 0) {
+                let list = by_buffer
+                    .entry((region.rank, region.buffer.index()))
+                    .or_default();
+                match list.iter_mut().find(|u| u.region == *region) {
+                    Some(u) => u.written |= written,
+                    None => list.push(Use {
+                        region: *region,
+                        rank: r,
+                        step: i,
+                        written,
+                    }),
+                }
+            }
+        }
+    }
+    for list in by_buffer.values_mut() {
+        list.sort_by_key(|u| (u.region.offset, u.region.len));
+        for (k, first) in list.iter().enumerate() {
+            let (a, ar, ai) = (&first.region, first.rank, first.step);
+            for later in &list[k + 1..] {
+                let (b, br, bi) = (&later.region, later.rank, later.step);
+                if b.offset >= a.offset + a.len {
+                    break;
+                }
+                if b.offset != a.offset && (first.written || later.written) {
+                    return Err(PlanError::Misaligned {
+                        rank: br,
+                        step: bi,
+                        region: b.to_string(),
+                        other: a.to_string(),
+                        other_rank: ar,
+                        other_step: ai,
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn malformed(rank: usize, step: usize, what: String) -> PlanError {
