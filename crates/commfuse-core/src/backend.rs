@@ -4,6 +4,7 @@
 use crate::checker::CheckedPlan;
 use crate::dtype::DType;
 pub use crate::error::BackendError;
+use crate::op::{OpKind, OpSpec};
 use crate::reduce::ReduceOp;
 use half::{bf16, f16};
 use std::time::Duration;
@@ -78,6 +79,11 @@ pub trait PreparedCall {
     fn upload(&mut self) -> Result<(), BackendError>;
     /// Runs one call of the plan on every rank.
     fn run(&mut self) -> Result<CallTiming, BackendError>;
+    /// Runs `iters` calls back to back and times each (a backend may queue them all before
+    /// waiting, as nccl-tests does, so that launch gaps do not count).
+    fn run_many(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
+        (0..iters).map(|_| self.run()).collect()
+    }
     /// Makes the device's contents visible through the host views.
     fn download(&mut self) -> Result<(), BackendError>;
     fn input(&self, rank: usize) -> HostSlice<'_>;
@@ -94,4 +100,23 @@ pub trait Backend {
         dtype: DType,
         reduce: ReduceOp,
     ) -> Result<Box<dyn PreparedCall + '_>, BackendError>;
+    /// Other implementations of the same op that this backend can run for comparison (NCCL,
+    /// the copy engine), by name.
+    fn baselines(&self, _op: OpKind) -> Vec<&'static str> {
+        Vec::new()
+    }
+    /// Prepares baseline `name` for `spec`; its inputs and outputs follow the op's definition,
+    /// so the same reference checks it.
+    fn prepare_baseline(
+        &self,
+        name: &str,
+        _spec: &OpSpec,
+        _dtype: DType,
+        _reduce: ReduceOp,
+    ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
+        Err(BackendError::Unavailable(format!(
+            "the {} backend has no baseline '{name}'",
+            self.name()
+        )))
+    }
 }

@@ -102,6 +102,16 @@ pub enum BackendError {
         seen: u64,
         timeout_ms: u64,
     },
+    /// A spin-wait inside a GPU kernel ran past its deadline (lane = the block that waited).
+    #[error("timeout after {timeout_ms} ms on the GPU: rank {rank} (lane {lane}) waits on slot {slot} for >= {expected} but sees {seen}")]
+    DeviceWaitTimeout {
+        rank: usize,
+        lane: u32,
+        slot: Slot,
+        expected: u64,
+        seen: u64,
+        timeout_ms: u64,
+    },
     /// This rank stopped because another rank failed first.
     #[error("rank {rank} aborted because another rank failed")]
     Aborted { rank: usize },

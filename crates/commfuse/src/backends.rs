@@ -38,7 +38,27 @@ impl fmt::Display for BackendKind {
 pub struct Placement {
     pub backend: BackendKind,
     pub ranks: usize,
+    /// GPUs, rank r on `devices[r]` (cuda only; default 0..ranks)
+    pub devices: Option<Vec<usize>>,
     pub timeout: Duration,
+}
+
+impl Placement {
+    pub fn sim(ranks: usize, timeout: Duration) -> Placement {
+        Placement {
+            backend: BackendKind::Sim,
+            ranks,
+            devices: None,
+            timeout,
+        }
+    }
+
+    /// The GPUs a cuda placement uses.
+    pub fn device_list(&self) -> Vec<usize> {
+        self.devices
+            .clone()
+            .unwrap_or_else(|| (0..self.ranks).collect())
+    }
 }
 
 pub fn open(placement: &Placement) -> Result<Box<dyn Backend>> {
@@ -51,7 +71,14 @@ pub fn open(placement: &Placement) -> Result<Box<dyn Backend>> {
             Ok(Box::new(SimBackend::new(placement.ranks, config)?))
         }
         BackendKind::Cuda => {
-            bail!("the cuda backend is not part of this build yet; use --backend sim")
+            let devices = placement.device_list();
+            if devices.is_empty() {
+                bail!("--devices names no GPU");
+            }
+            Ok(Box::new(commfuse_cuda::CudaBackend::open(
+                &devices,
+                placement.timeout,
+            )?))
         }
     }
 }

@@ -5,7 +5,7 @@
 use crate::driver::{self, Request};
 use crate::sizes::format_size;
 use anyhow::Result;
-use commfuse_core::backend::Backend;
+use commfuse_core::backend::{Backend, PreparedCall};
 use commfuse_core::cost::CostCard;
 use commfuse_core::{Algo, DType, OpKind, ReduceOp};
 use std::time::{Duration, Instant};
@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 pub struct BenchConfig {
     pub op: OpKind,
     pub algos: Vec<Algo>,
+    /// Baselines of the backend to run beside (NCCL, copy engine)
+    pub baselines: Vec<&'static str>,
     pub sizes: Vec<u64>,
     pub dtype: DType,
     pub reduce: ReduceOp,
@@ -37,7 +39,10 @@ pub struct BenchRow {
     pub busbw_gbps: f64,
     pub wrong: Option<u64>,
     pub iterations: usize,
-    pub predicted_us: f64,
+    /// The cost model's prediction (our algorithms only)
+    pub predicted_us: Option<f64>,
+    /// Whether this row is a baseline rather than one of our algorithms
+    pub baseline: bool,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -55,6 +60,27 @@ fn median(mut xs: Vec<Duration>) -> Duration {
     xs[xs.len() / 2]
 }
 
+/// Warm-up, then timed calls in batches until `iters` are done or the budget is spent;
+/// returns the slowest rank's time of each timed call.
+fn measure(call: &mut dyn PreparedCall, cfg: &BenchConfig) -> Result<Vec<Duration>> {
+    if cfg.warmup > 0 {
+        call.run_many(cfg.warmup)?;
+    }
+    let started = Instant::now();
+    let mut times = Vec::with_capacity(cfg.iters);
+    while times.len() < cfg.iters.max(1) {
+        let batch = (cfg.iters.max(1) - times.len()).min(BATCH);
+        times.extend(call.run_many(batch)?.iter().map(|t| t.slowest()));
+        if started.elapsed() > cfg.budget {
+            break;
+        }
+    }
+    Ok(times)
+}
+
+/// Timed calls queued at once (a GPU backend launches a batch back to back).
+const BATCH: usize = 50;
+
 /// Runs the sweep; `on_row` sees each row as soon as it is measured.
 pub fn run(
     backend: &dyn Backend,
@@ -64,34 +90,45 @@ pub fn run(
     let world = backend.world_size();
     let mut rows = Vec::new();
     for &bytes in &cfg.sizes {
-        for &algo in &cfg.algos {
-            let count = (bytes / cfg.dtype.size() as u64) as usize;
-            let mut req = Request::new(cfg.op, algo, count, cfg.dtype);
+        let count = (bytes / cfg.dtype.size() as u64) as usize;
+        let seed = driver::fresh_seed();
+        let candidates = cfg
+            .algos
+            .iter()
+            .map(|a| (a.name(), Some(*a)))
+            .chain(cfg.baselines.iter().map(|b| (*b, None)));
+        for (name, algo) in candidates {
+            let mut req = Request::new(
+                cfg.op,
+                algo.unwrap_or(Algo::for_op(cfg.op)[0]),
+                count,
+                cfg.dtype,
+            );
             req.reduce = cfg.reduce;
             req.root = cfg.root;
             req.numa_groups = cfg.numa_groups;
-            req.seed = driver::fresh_seed();
+            req.seed = seed;
             let (checked, topology) = driver::plan(&req, world)?;
-            let predicted_us = CostCard::of(&checked, &topology, cfg.dtype.size()).predicted_us;
             let spec = checked.plan().spec;
-            let mut call = backend.prepare(&checked, cfg.dtype, cfg.reduce)?;
-            driver::load(call.as_mut(), &spec, cfg.reduce, req.seed)?;
-            for _ in 0..cfg.warmup {
-                call.run()?;
-            }
-            let started = Instant::now();
-            let mut times = Vec::with_capacity(cfg.iters);
-            while times.len() < cfg.iters.max(1) {
-                times.push(call.run()?.slowest());
-                if started.elapsed() > cfg.budget {
-                    break;
-                }
-            }
+            let (mut call, predicted_us) = match algo {
+                Some(_) => (
+                    backend.prepare(&checked, cfg.dtype, cfg.reduce)?,
+                    Some(CostCard::of(&checked, &topology, cfg.dtype.size()).predicted_us),
+                ),
+                None => match backend.prepare_baseline(name, &spec, cfg.dtype, cfg.reduce) {
+                    Ok(call) => (call, None),
+                    // a baseline that cannot take this size (NCCL needs counts divisible by P)
+                    Err(_) => continue,
+                },
+            };
+            driver::load(call.as_mut(), &spec, cfg.reduce, seed)?;
+            let times = measure(call.as_mut(), cfg)?;
             let wrong = if cfg.check {
-                Some(driver::compare(call.as_mut(), &spec, cfg.reduce, req.seed)?.wrong)
+                Some(driver::compare(call.as_mut(), &spec, cfg.reduce, seed)?.wrong)
             } else {
                 None
             };
+            drop(call);
             let iterations = times.len();
             let time = median(times).as_secs_f64();
             let algbw = if time > 0.0 {
@@ -100,7 +137,7 @@ pub fn run(
                 0.0
             };
             let row = BenchRow {
-                algo: algo.name().into(),
+                algo: name.into(),
                 bytes,
                 count,
                 dtype: cfg.dtype,
@@ -110,6 +147,7 @@ pub fn run(
                 wrong,
                 iterations,
                 predicted_us,
+                baseline: algo.is_none(),
             };
             on_row(&row);
             rows.push(row);
@@ -125,16 +163,56 @@ pub fn run(
     })
 }
 
+/// Per size: our fastest algorithm (the pick a tuned dispatcher would make from this table)
+/// beside the fastest baseline.
+pub fn best_table(report: &BenchReport) -> String {
+    let mut out = format!(
+        "#\n# best per size\n# {:>8} {:>10} {:>11} {:>11} {:>12} {:>11} {:>8}",
+        "size", "ours", "time(us)", "busbw", "baseline", "busbw", "speedup"
+    );
+    let mut sizes: Vec<u64> = report.rows.iter().map(|r| r.bytes).collect();
+    sizes.dedup();
+    for bytes in sizes {
+        let at = |baseline: bool| {
+            report
+                .rows
+                .iter()
+                .filter(|r| r.bytes == bytes && r.baseline == baseline && r.wrong.unwrap_or(0) == 0)
+                .min_by(|a, b| a.time_us.total_cmp(&b.time_us))
+        };
+        let Some(ours) = at(false) else { continue };
+        let (name, busbw, speedup) = match at(true) {
+            Some(b) => (
+                b.algo.as_str(),
+                format!("{:.2}", b.busbw_gbps),
+                format!("{:.2}x", b.time_us / ours.time_us),
+            ),
+            None => ("-", "-".into(), "-".into()),
+        };
+        out.push_str(&format!(
+            "\n  {:>8} {:>10} {:>11.2} {:>11.2} {:>12} {:>11} {:>8}",
+            format_size(bytes),
+            ours.algo,
+            ours.time_us,
+            ours.busbw_gbps,
+            name,
+            busbw,
+            speedup
+        ));
+    }
+    out
+}
+
 pub fn header(op: OpKind, backend: &str, ranks: usize, dtype: DType, reduce: ReduceOp) -> String {
     format!(
-        "# commfuse bench {op}: backend {backend}, {ranks} ranks, {dtype}, reduce {reduce}\n#\n# {:>8} {:>12} {:>5} {:>10} {:>11} {:>11} {:>11} {:>7} {:>11}",
+        "# commfuse bench {op}: backend {backend}, {ranks} ranks, {dtype}, reduce {reduce}\n#\n# {:>8} {:>12} {:>5} {:>11} {:>11} {:>11} {:>11} {:>7} {:>11}",
         "size", "count", "type", "algo", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "model(us)"
     )
 }
 
 pub fn format_row(row: &BenchRow) -> String {
     format!(
-        "  {:>8} {:>12} {:>5} {:>10} {:>11.2} {:>11.2} {:>11.2} {:>7} {:>11.2}",
+        "  {:>8} {:>12} {:>5} {:>11} {:>11.2} {:>11.2} {:>11.2} {:>7} {:>11}",
         format_size(row.bytes),
         row.count,
         row.dtype.name(),
@@ -143,6 +221,6 @@ pub fn format_row(row: &BenchRow) -> String {
         row.algbw_gbps,
         row.busbw_gbps,
         row.wrong.map_or("-".into(), |w| w.to_string()),
-        row.predicted_us
+        row.predicted_us.map_or("-".into(), |p| format!("{p:.2}"))
     )
 }

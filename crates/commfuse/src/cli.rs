@@ -33,16 +33,28 @@ pub enum Command {
     Bench(BenchArgs),
     /// Run the whole correctness matrix
     Verify(VerifyArgs),
+    /// Compile every kernel with NVRTC for sm_90a (no GPU needed)
+    Kernels(KernelsArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct KernelsArgs {
+    /// Print ptxas's report (registers, shared memory, spills) of every entry point
+    #[arg(long)]
+    pub report: bool,
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct Where {
-    /// Number of ranks (simulated threads, or GPUs)
+    /// Number of ranks (simulated threads, or GPUs 0..P with --backend cuda)
     #[arg(long, short = 'p', default_value_t = 8)]
     pub ranks: usize,
     /// Backend: sim (CPU simulator) or cuda
     #[arg(long, default_value = "sim")]
     pub backend: BackendKind,
+    /// GPUs to use, rank r on the r-th (implies --backend cuda and --ranks)
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Option<Vec<usize>>,
     /// How long a wait may take before the call fails with a diagnosis, ms
     #[arg(long, default_value_t = 5000)]
     pub timeout_ms: u64,
@@ -50,10 +62,19 @@ pub struct Where {
 
 impl Where {
     fn placement(&self) -> Placement {
-        Placement {
-            backend: self.backend,
-            ranks: self.ranks,
-            timeout: Duration::from_millis(self.timeout_ms),
+        match &self.devices {
+            Some(devices) => Placement {
+                backend: BackendKind::Cuda,
+                ranks: devices.len(),
+                devices: Some(devices.clone()),
+                timeout: Duration::from_millis(self.timeout_ms),
+            },
+            None => Placement {
+                backend: self.backend,
+                ranks: self.ranks,
+                devices: None,
+                timeout: Duration::from_millis(self.timeout_ms),
+            },
         }
     }
 }
@@ -150,9 +171,15 @@ pub struct BenchArgs {
     /// Skip the correctness check of the last call
     #[arg(long)]
     pub no_check: bool,
+    /// Skip the baselines (NCCL, copy engine) the backend offers
+    #[arg(long)]
+    pub no_baselines: bool,
     /// Write the results as JSON
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Draw busbw against size, ours beside the baselines, as SVG
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -160,9 +187,12 @@ pub struct VerifyArgs {
     /// Backend: sim or cuda
     #[arg(long, default_value = "sim")]
     pub backend: BackendKind,
-    /// World sizes to cover
+    /// World sizes to cover (cuda: each P uses GPUs 0..P, or the first P of --devices)
     #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,5,7,8")]
     pub ranks: Vec<usize>,
+    /// GPUs (implies --backend cuda; world sizes default to 1..=len)
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Option<Vec<usize>>,
     /// Seed (default: fresh)
     #[arg(long)]
     pub seed: Option<u64>,
@@ -180,7 +210,24 @@ pub fn execute(cli: Cli) -> Result<i32> {
         Command::Plan(a) => plan(a),
         Command::Bench(a) => bench_cmd(a),
         Command::Verify(a) => verify_cmd(a),
+        Command::Kernels(a) => kernels_cmd(a),
     }
+}
+
+fn kernels_cmd(a: KernelsArgs) -> Result<i32> {
+    for source in commfuse_cuda::nvrtc::KERNELS {
+        let compiled = commfuse_cuda::nvrtc::compile(*source, true)?;
+        println!(
+            "{}: compiled for {} ({} bytes of cubin)",
+            source.name,
+            commfuse_cuda::nvrtc::ARCH,
+            compiled.cubin.len()
+        );
+        if a.report {
+            println!("{}", compiled.log.trim_end());
+        }
+    }
+    Ok(0)
 }
 
 fn run(a: RunArgs) -> Result<i32> {
@@ -245,6 +292,11 @@ fn bench_cmd(a: BenchArgs) -> Result<i32> {
     };
     let cfg = BenchConfig {
         op: a.what.op,
+        baselines: if a.no_baselines {
+            Vec::new()
+        } else {
+            backend.baselines(a.what.op)
+        },
         algos,
         sizes: parse_sizes(&a.sizes)?,
         dtype: a.what.dtype,
@@ -269,9 +321,13 @@ fn bench_cmd(a: BenchArgs) -> Result<i32> {
     let report = bench::run(backend.as_ref(), &cfg, |row| {
         println!("{}", bench::format_row(row))
     })?;
+    println!("{}", bench::best_table(&report));
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = &a.plot {
+        crate::plot::busbw_svg(&report, path)?;
     }
     let wrong: u64 = report.rows.iter().filter_map(|r| r.wrong).sum();
     Ok(if wrong == 0 { 0 } else { 1 })
@@ -282,14 +338,18 @@ fn verify_cmd(a: VerifyArgs) -> Result<i32> {
         bail!("--ranks needs world sizes of at least 1");
     }
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
+    let (backend, worlds) = match &a.devices {
+        Some(d) => (BackendKind::Cuda, (1..=d.len()).collect()),
+        None => (a.backend, a.ranks.clone()),
+    };
     let placement = Placement {
-        backend: a.backend,
+        backend,
         ranks: 1,
+        devices: a.devices.clone(),
         timeout: Duration::from_millis(a.timeout_ms),
     };
     println!(
-        "# commfuse verify: backend {}, world sizes {:?}, seed {seed}; each cell: 2 consecutive calls per reduce op and size",
-        a.backend, a.ranks
+        "# commfuse verify: backend {backend}, world sizes {worlds:?}, seed {seed}; each cell: 2 consecutive calls per reduce op and size",
     );
     println!(
         "  {:<15} {:<11} {:<5} {:>5} {:>7} {:>10}",

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod cli;
 pub mod driver;
 pub mod dump;
+pub mod plot;
 pub mod sizes;
 pub mod verify;
 

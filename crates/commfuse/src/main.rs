@@ -5,6 +5,9 @@ use clap::Parser;
 use commfuse::cli::{execute, Cli};
 
 fn main() {
+    // NVLink multicast can take a shared host's GPUs out of service: never let NCCL use it.
+    // Set before any thread exists.
+    std::env::set_var("NCCL_NVLS_ENABLE", "0");
     std::panic::set_hook(Box::new(|info| {
         let msg = info
             .payload()

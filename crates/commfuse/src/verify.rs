@@ -60,6 +60,10 @@ pub fn run(
                 for &p in worlds {
                     let at_p = Placement {
                         ranks: p,
+                        devices: placement
+                            .devices
+                            .as_ref()
+                            .map(|d| d[..p.min(d.len())].to_vec()),
                         ..placement.clone()
                     };
                     let mut backend = backends::open(&at_p)?;

@@ -108,9 +108,21 @@ fn bad_inputs_get_one_line_and_a_nonzero_exit() {
         ],
         "memory",
     );
+    if commfuse_cuda::driver::device_count().unwrap_or(0) == 0 {
+        fails_with(
+            &["run", "all-reduce", "--backend", "cuda"],
+            "no CUDA driver",
+        );
+        fails_with(&["run", "all-reduce", "--devices", "0,1"], "no CUDA driver");
+    } else {
+        fails_with(
+            &["run", "all-reduce", "--devices", "0,97"],
+            "GPU 97 does not exist",
+        );
+    }
     fails_with(
-        &["run", "all-reduce", "--backend", "cuda"],
-        "cuda backend is not part of this build",
+        &["run", "all-reduce", "--devices", "1,1"],
+        "device 1 is listed twice",
     );
     fails_with(
         &["run", "all-reduce", "--backend", "tpu"],

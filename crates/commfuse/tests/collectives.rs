@@ -10,15 +10,17 @@ use std::time::Duration;
 
 const WORLDS: [usize; 7] = [1, 2, 3, 4, 5, 7, 8];
 
-/// Runs every algorithm of `op` in the matrix on `kind`; panics with every failure listed.
-fn matrix(kind: BackendKind, op: OpKind) {
+/// Runs every algorithm of `op` in the matrix on `kind` for the world sizes `worlds`; panics
+/// with every failure listed.
+fn matrix(kind: BackendKind, op: OpKind, worlds: &[usize]) {
     let mut failures = Vec::new();
     let mut runs = 0;
     let seed = driver::fresh_seed();
-    for p in WORLDS {
+    for &p in worlds {
         let placement = Placement {
             backend: kind,
             ranks: p,
+            devices: None,
             timeout: Duration::from_secs(20),
         };
         let mut backend = backends::open(&placement).expect("backend opens");
@@ -70,17 +72,17 @@ fn matrix(kind: BackendKind, op: OpKind) {
     );
 }
 
-/// Stamps one test per op for a backend; `$available` says whether it can run here and, if
-/// not, why (printed, then the test passes as skipped).
+/// Stamps one test per op for a backend; `$worlds` gives the world sizes it can run here, or
+/// why it cannot (printed, then the test passes as skipped).
 macro_rules! backend_suite {
-    ($suffix:ident, $kind:expr, $available:expr) => {
+    ($suffix:ident, $kind:expr, $worlds:expr) => {
         mod $suffix {
             use super::*;
 
             fn run(op: OpKind) {
-                let available: Result<(), String> = $available;
-                match available {
-                    Ok(()) => matrix($kind, op),
+                let worlds: Result<Vec<usize>, String> = $worlds;
+                match worlds {
+                    Ok(worlds) => matrix($kind, op, &worlds),
                     Err(why) => eprintln!("skipped on {}: {why}", stringify!($suffix)),
                 }
             }
@@ -113,18 +115,24 @@ macro_rules! backend_suite {
     };
 }
 
-backend_suite!(sim, BackendKind::Sim, Ok(()));
+backend_suite!(sim, BackendKind::Sim, Ok(WORLDS.to_vec()));
+
+/// On a machine with GPUs: every world size up to the number of GPUs (at most 8).
+fn gpu_worlds() -> Result<Vec<usize>, String> {
+    match commfuse_cuda::driver::device_count() {
+        Ok(0) => Err("no GPU on this machine".into()),
+        Ok(n) => Ok((1..=n.min(8)).collect()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+backend_suite!(cuda, BackendKind::Cuda, gpu_worlds());
 
 #[test]
 fn a_corrupted_output_is_caught_by_the_reference() {
     // the comparison itself must be able to fail: flip one element after a correct run
     use commfuse_core::backend::HostSliceMut;
-    let backend = backends::open(&Placement {
-        backend: BackendKind::Sim,
-        ranks: 3,
-        timeout: Duration::from_secs(5),
-    })
-    .unwrap();
+    let backend = backends::open(&Placement::sim(3, Duration::from_secs(5))).unwrap();
     let req = Request::new(OpKind::AllReduce, Algo::Ring, 100, DType::BF16);
     let (checked, _) = driver::plan(&req, 3).unwrap();
     let spec = checked.plan().spec;

@@ -1,0 +1,92 @@
+// commfuse device primitives: signals with release/acquire semantics at system scope, bounded
+// spin-waits that report where they got stuck, and element conversions. Shared by every kernel.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+#define COMMFUSE_MAX_RANKS 64
+
+// Written by the first wait that times out; host-mapped, so the host reads it after (or
+// without) the kernel finishing. Mirrored by `ErrorRecord` in src/plan_table.rs.
+struct ErrorRecord {
+    u32 flag;      // 0: no error; 1: a wait timed out
+    u32 abort;     // raised with flag: every other waiter gives up
+    u32 rank;
+    u32 lane;
+    u32 step;
+    u32 slot;
+    u64 expected;
+    u64 seen;
+};
+
+__device__ __forceinline__ u64 load_acquire_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void add_release_sys(u64* p, u64 v) {
+    asm volatile("fence.acq_rel.sys;\n\tred.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ u64 global_timer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Spins until *slot >= expected (acquire, system scope). Gives up after timeout_ns, recording
+// rank, lane, step, slot, expected and seen value, or when another waiter already gave up.
+// Returns false when it gave up.
+__device__ bool wait_ge(const u64* slot, u64 expected, u64 timeout_ns, volatile ErrorRecord* err,
+                        u32 rank, u32 lane, u32 step, u32 slot_index) {
+    u64 seen = load_acquire_sys(slot);
+    if (seen >= expected) return true;
+    const u64 start = global_timer_ns();
+    for (u32 spins = 1;; ++spins) {
+        seen = load_acquire_sys(slot);
+        if (seen >= expected) return true;
+        if ((spins & 255) == 0) {
+            if (err->abort) return false;
+            if (global_timer_ns() - start > timeout_ns) {
+                if (atomicCAS((u32*)&err->flag, 0u, 1u) == 0u) {
+                    err->rank = rank;
+                    err->lane = lane;
+                    err->step = step;
+                    err->slot = slot_index;
+                    err->expected = expected;
+                    err->seen = seen;
+                    __threadfence_system();
+                    err->abort = 1;
+                }
+                return false;
+            }
+        }
+    }
+}
+
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+    static __device__ __forceinline__ float to_f32(float x) { return x; }
+    static __device__ __forceinline__ float from_f32(float x) { return x; }
+};
+template <> struct Elem<__nv_bfloat16> {
+    static __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+    static __device__ __forceinline__ __nv_bfloat16 from_f32(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct Elem<__half> {
+    static __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+    static __device__ __forceinline__ __half from_f32(float x) { return __float2half_rn(x); }
+};
+
+enum ReduceOp { OP_SUM = 0, OP_MAX = 1, OP_MIN = 2, OP_PROD = 3 };
+
+template <int OP> __device__ __forceinline__ float combine(float a, float b) {
+    if (OP == OP_SUM) return a + b;
+    if (OP == OP_MAX) return fmaxf(a, b);
+    if (OP == OP_MIN) return fminf(a, b);
+    return a * b;
+}

@@ -1,0 +1,165 @@
+// The plan interpreter: every collective of commfuse runs as this kernel reading its rank's
+// plan (the same steps the checker verified and the simulator runs) from a device table.
+//
+// One block per lane. A step's regions are cut into lanes by position (element i of a region
+// belongs to lane i / lane_len) and each lane has its own signal slots, so a lane runs the
+// whole plan on its slice without ever waiting for another block of its own GPU; the checker
+// guarantees that overlapping regions start together, which makes the slices independent.
+// Waits are one thread spinning (acquire, system scope) then a block barrier; notifies are a
+// block barrier (every thread's stores done) then one release add at system scope.
+#include "common.cuh"
+
+// Mirrored by `DeviceRegion`, `DeviceStep` and `PlanArgs` in src/plan_table.rs.
+struct DeviceRegion {
+    u64 ptr;  // address of the region's element 0, on whichever GPU holds it
+    u64 len;  // elements
+};
+
+enum StepKind { STEP_WAIT = 0, STEP_NOTIFY = 1, STEP_COPY = 2, STEP_REDUCE = 3 };
+
+struct DeviceStep {
+    u32 kind;
+    u32 nsrc;       // reduce: number of sources, at srcs[src_begin ..]; copy: 1
+    u32 slot;       // wait/notify: slot index within a lane (row * cols + col)
+    u32 peer;       // notify: target rank
+    u64 value;      // wait: expected (relative to the epoch base); notify: amount added
+    u32 src_begin;
+    u32 pad;
+    DeviceRegion dst;
+};
+
+struct PlanArgs {
+    const DeviceStep* steps;
+    const DeviceRegion* srcs;
+    u64* pads[COMMFUSE_MAX_RANKS];  // every rank's signal pad: [lane][slot] counters
+    u64* bases;                      // this rank's epoch bases: [lane][slot]
+    const u64* increments;           // per slot, what one call adds
+    ErrorRecord* error;              // host-mapped
+    u64 lane_len;
+    u64 timeout_ns;
+    u32 nsteps;
+    u32 rank;
+    u32 slots;
+    u32 pad;
+};
+
+constexpr int VEC_BYTES = 16;
+
+template <typename T> struct alignas(16) Vec {
+    static constexpr int N = VEC_BYTES / sizeof(T);
+    T v[N];
+};
+
+template <typename T, int OP>
+__device__ void reduce_slice(const PlanArgs& a, const DeviceStep& s, u64 begin, u64 n) {
+    constexpr int N = Vec<T>::N;
+    T* dst = reinterpret_cast<T*>(s.dst.ptr) + begin;
+    const DeviceRegion* srcs = a.srcs + s.src_begin;
+    bool aligned = (reinterpret_cast<u64>(dst) % VEC_BYTES) == 0;
+    for (u32 k = 0; k < s.nsrc; ++k) aligned &= ((srcs[k].ptr + begin * sizeof(T)) % VEC_BYTES) == 0;
+    u64 done = 0;
+    if (aligned) {
+        const u64 nv = n / N;
+        Vec<T>* dv = reinterpret_cast<Vec<T>*>(dst);
+        for (u64 i = threadIdx.x; i < nv; i += blockDim.x) {
+            float acc[N];
+            Vec<T> x = reinterpret_cast<const Vec<T>*>(reinterpret_cast<const T*>(srcs[0].ptr) + begin)[i];
+#pragma unroll
+            for (int j = 0; j < N; ++j) acc[j] = Elem<T>::to_f32(x.v[j]);
+            for (u32 k = 1; k < s.nsrc; ++k) {
+                Vec<T> y = reinterpret_cast<const Vec<T>*>(reinterpret_cast<const T*>(srcs[k].ptr) + begin)[i];
+#pragma unroll
+                for (int j = 0; j < N; ++j) acc[j] = combine<OP>(acc[j], Elem<T>::to_f32(y.v[j]));
+            }
+            Vec<T> out;
+#pragma unroll
+            for (int j = 0; j < N; ++j) out.v[j] = Elem<T>::from_f32(acc[j]);
+            dv[i] = out;
+        }
+        done = nv * N;
+    }
+    for (u64 i = done + threadIdx.x; i < n; i += blockDim.x) {
+        float acc = Elem<T>::to_f32(reinterpret_cast<const T*>(srcs[0].ptr)[begin + i]);
+        for (u32 k = 1; k < s.nsrc; ++k)
+            acc = combine<OP>(acc, Elem<T>::to_f32(reinterpret_cast<const T*>(srcs[k].ptr)[begin + i]));
+        dst[i] = Elem<T>::from_f32(acc);
+    }
+}
+
+template <typename T>
+__device__ void copy_slice(const PlanArgs& a, const DeviceStep& s, u64 begin, u64 n) {
+    const char* src = reinterpret_cast<const char*>(a.srcs[s.src_begin].ptr) + begin * sizeof(T);
+    char* dst = reinterpret_cast<char*>(s.dst.ptr) + begin * sizeof(T);
+    u64 bytes = n * sizeof(T);
+    u64 done = 0;
+    if ((reinterpret_cast<u64>(src) | reinterpret_cast<u64>(dst)) % VEC_BYTES == 0) {
+        const u64 nv = bytes / VEC_BYTES;
+        const uint4* s4 = reinterpret_cast<const uint4*>(src);
+        uint4* d4 = reinterpret_cast<uint4*>(dst);
+        u64 i = threadIdx.x;
+        // two 16-byte loads in flight per thread before the stores
+        for (; i + blockDim.x < nv; i += 2 * blockDim.x) {
+            uint4 x = s4[i];
+            uint4 y = s4[i + blockDim.x];
+            d4[i] = x;
+            d4[i + blockDim.x] = y;
+        }
+        for (; i < nv; i += blockDim.x) d4[i] = s4[i];
+        done = nv * VEC_BYTES;
+    }
+    for (u64 i = done / sizeof(T) + threadIdx.x; i < n; i += blockDim.x)
+        reinterpret_cast<T*>(dst)[i] = reinterpret_cast<const T*>(src)[i];
+}
+
+template <typename T, int OP>
+__device__ void run_plan(const PlanArgs& a) {
+    const u32 lane = blockIdx.x;
+    u64* bases = a.bases + (u64)lane * a.slots;
+    u64* my_pad = a.pads[a.rank] + (u64)lane * a.slots;
+    __shared__ int give_up;
+    if (threadIdx.x == 0) give_up = 0;
+    const u64 begin = (u64)lane * a.lane_len;
+    for (u32 i = 0; i < a.nsteps; ++i) {
+        const DeviceStep s = a.steps[i];
+        switch (s.kind) {
+        case STEP_WAIT:
+            if (threadIdx.x == 0)
+                give_up = !wait_ge(my_pad + s.slot, bases[s.slot] + s.value, a.timeout_ns, a.error, a.rank,
+                                   lane, i, s.slot);
+            __syncthreads();
+            if (give_up) return;
+            break;
+        case STEP_NOTIFY:
+            __syncthreads();
+            if (threadIdx.x == 0) add_release_sys(a.pads[s.peer] + (u64)lane * a.slots + s.slot, s.value);
+            break;
+        case STEP_COPY:
+        case STEP_REDUCE:
+            if (begin < s.dst.len) {
+                const u64 n = min(a.lane_len, s.dst.len - begin);
+                if (s.kind == STEP_COPY) copy_slice<T>(a, s, begin, n);
+                else reduce_slice<T, OP>(a, s, begin, n);
+            }
+            break;
+        }
+    }
+    __syncthreads();
+    // the next call counts from here: advance this lane's epoch bases
+    for (u32 k = threadIdx.x; k < a.slots; k += blockDim.x) bases[k] += a.increments[k];
+}
+
+#define COMMFUSE_PLAN_KERNEL(NAME, T, OP) \
+    extern "C" __global__ void __launch_bounds__(512) NAME(const PlanArgs args) { run_plan<T, OP>(args); }
+
+COMMFUSE_PLAN_KERNEL(plan_f32_sum, float, OP_SUM)
+COMMFUSE_PLAN_KERNEL(plan_f32_max, float, OP_MAX)
+COMMFUSE_PLAN_KERNEL(plan_f32_min, float, OP_MIN)
+COMMFUSE_PLAN_KERNEL(plan_f32_prod, float, OP_PROD)
+COMMFUSE_PLAN_KERNEL(plan_bf16_sum, __nv_bfloat16, OP_SUM)
+COMMFUSE_PLAN_KERNEL(plan_bf16_max, __nv_bfloat16, OP_MAX)
+COMMFUSE_PLAN_KERNEL(plan_bf16_min, __nv_bfloat16, OP_MIN)
+COMMFUSE_PLAN_KERNEL(plan_bf16_prod, __nv_bfloat16, OP_PROD)
+COMMFUSE_PLAN_KERNEL(plan_f16_sum, __half, OP_SUM)
+COMMFUSE_PLAN_KERNEL(plan_f16_max, __half, OP_MAX)
+COMMFUSE_PLAN_KERNEL(plan_f16_min, __half, OP_MIN)
+COMMFUSE_PLAN_KERNEL(plan_f16_prod, __half, OP_PROD)

@@ -1,0 +1,460 @@
+//! The CUDA backend: one rank per GPU, every pair of GPUs peer-enabled, symmetric buffers in
+//! plain device memory, and the plan kernel (kernels/plan.cu) launched on every GPU at once by
+//! one host thread per GPU.
+
+use crate::driver::{DeviceMemory, Event, Function, Gpu, MappedHost, Module, Stream};
+use crate::error::CudaError;
+use crate::nvrtc;
+use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
+use commfuse_core::backend::{
+    Backend, BackendError, CallTiming, HostSlice, HostSliceMut, PreparedCall,
+};
+use commfuse_core::{CheckedPlan, DType, Element, OpKind, OpSpec, ReduceOp, Slot};
+use half::{bf16, f16};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Signal slots per lane on every GPU; plans need rows × cols of them.
+const PAD_SLOTS: usize = 1024;
+/// Bytes of the longest region a lane aims to handle.
+const LANE_TARGET_BYTES: usize = 64 << 10;
+
+pub(crate) struct Rank {
+    pub gpu: Gpu,
+    pub stream: Stream,
+    _module: Module,
+    /// plan kernels by [dtype][reduce op]
+    kernels: [[Function; 4]; 3],
+    pads: DeviceMemory,
+    bases: DeviceMemory,
+}
+
+pub struct CudaBackend {
+    pub(crate) ranks: Vec<Rank>,
+    error: MappedHost<ErrorRecord>,
+    max_lanes: u32,
+    timeout: Duration,
+    broken: AtomicBool,
+    pub(crate) nccl: OnceLock<Result<crate::nccl::Comms, String>>,
+}
+
+fn dtype_index(d: DType) -> usize {
+    match d {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+        DType::F16 => 2,
+    }
+}
+
+impl CudaBackend {
+    /// Opens the GPUs `devices` (rank r on `devices[r]`), enables peer access between every
+    /// pair, compiles (or loads from cache) the kernels and allocates the signal pads.
+    pub fn open(devices: &[usize], timeout: Duration) -> Result<CudaBackend, CudaError> {
+        if devices.is_empty() || devices.len() > MAX_RANKS {
+            return Err(CudaError::Unavailable(format!(
+                "the cuda backend takes 1 to {MAX_RANKS} devices, got {}",
+                devices.len()
+            )));
+        }
+        for (i, d) in devices.iter().enumerate() {
+            if devices[..i].contains(d) {
+                return Err(CudaError::Unavailable(format!(
+                    "device {d} is listed twice"
+                )));
+            }
+        }
+        let gpus: Vec<Gpu> = devices
+            .iter()
+            .map(|&d| Gpu::open(d))
+            .collect::<Result<_, _>>()?;
+        for a in &gpus {
+            for b in &gpus {
+                if a.ordinal != b.ordinal {
+                    a.enable_peer_access(b)?;
+                }
+            }
+        }
+        let compiled = nvrtc::compile(nvrtc::kernel("plan.cu").expect("embedded"), false)?;
+        let mut max_lanes = u32::MAX;
+        let mut ranks = Vec::new();
+        for gpu in gpus {
+            let module = Module::load(&gpu, &compiled.cubin)?;
+            let mut kernels = Vec::new();
+            for dtype in ["f32", "bf16", "f16"] {
+                let mut row = Vec::new();
+                for op in ["sum", "max", "min", "prod"] {
+                    row.push(module.function(&format!("plan_{dtype}_{op}"))?);
+                }
+                kernels.push(<[Function; 4]>::try_from(row).ok().unwrap());
+            }
+            let kernels = <[[Function; 4]; 3]>::try_from(kernels).ok().unwrap();
+            // lanes spin on their peers' lanes: all must be resident at once
+            let resident = kernels[0][0].max_blocks_per_sm(THREADS)? * gpu.sm_count;
+            max_lanes = max_lanes.min(resident).min(2 * gpu.sm_count);
+            let pad_bytes = max_lanes.max(2 * gpu.sm_count) as usize * PAD_SLOTS * 8;
+            ranks.push(Rank {
+                stream: Stream::new(&gpu)?,
+                pads: DeviceMemory::zeroed(&gpu, pad_bytes)?,
+                bases: DeviceMemory::zeroed(&gpu, pad_bytes)?,
+                _module: module,
+                kernels,
+                gpu,
+            });
+        }
+        let error = MappedHost::new(&ranks[0].gpu, ErrorRecord::default())?;
+        Ok(CudaBackend {
+            ranks,
+            error,
+            max_lanes,
+            timeout,
+            broken: AtomicBool::new(false),
+            nccl: OnceLock::new(),
+        })
+    }
+
+    pub fn describe(&self) -> String {
+        let names: Vec<String> = self
+            .ranks
+            .iter()
+            .map(|r| {
+                format!(
+                    "GPU {} ({}, {} SMs)",
+                    r.gpu.ordinal, r.gpu.name, r.gpu.sm_count
+                )
+            })
+            .collect();
+        format!(
+            "{}; up to {} lanes of {THREADS} threads",
+            names.join(", "),
+            self.max_lanes
+        )
+    }
+
+    pub(crate) fn check_usable(&self) -> Result<(), BackendError> {
+        if self.broken.load(Ordering::Acquire) {
+            return Err(BackendError::Unavailable(
+                "the GPUs' signal pads are inconsistent after a failed call: reopen the backend"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn mark_broken(&self) {
+        self.broken.store(true, Ordering::Release);
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn world_size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    fn prepare(
+        &self,
+        plan: &CheckedPlan,
+        dtype: DType,
+        reduce: ReduceOp,
+    ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
+        self.check_usable()?;
+        let p = plan.plan();
+        if p.world() != self.ranks.len() {
+            return Err(BackendError::Unavailable(format!(
+                "the plan is for {} ranks, the backend has {} GPUs",
+                p.world(),
+                self.ranks.len()
+            )));
+        }
+        if p.pad_rows as usize * p.pad_cols as usize > PAD_SLOTS {
+            return Err(BackendError::Unavailable(format!(
+                "the plan needs {} signal slots per lane, the GPUs have {PAD_SLOTS}",
+                p.pad_rows * p.pad_cols
+            )));
+        }
+        Ok(match dtype {
+            DType::F32 => Box::new(CudaCall::<f32>::new(self, plan, reduce)?),
+            DType::BF16 => Box::new(CudaCall::<bf16>::new(self, plan, reduce)?),
+            DType::F16 => Box::new(CudaCall::<f16>::new(self, plan, reduce)?),
+        })
+    }
+
+    fn baselines(&self, op: OpKind) -> Vec<&'static str> {
+        crate::nccl::baselines(op)
+    }
+
+    fn prepare_baseline(
+        &self,
+        name: &str,
+        spec: &OpSpec,
+        dtype: DType,
+        reduce: ReduceOp,
+    ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
+        self.check_usable()?;
+        crate::nccl::prepare(self, name, spec, dtype, reduce)
+    }
+}
+
+/// Per-rank device memory of one prepared call.
+pub(crate) struct RankBuffers {
+    pub input: DeviceMemory,
+    pub output: DeviceMemory,
+    pub scratch: DeviceMemory,
+}
+
+impl RankBuffers {
+    pub fn new(gpu: &Gpu, input: usize, output: usize, scratch: usize) -> Result<Self, CudaError> {
+        Ok(RankBuffers {
+            input: DeviceMemory::zeroed(gpu, input)?,
+            output: DeviceMemory::zeroed(gpu, output)?,
+            scratch: DeviceMemory::zeroed(gpu, scratch)?,
+        })
+    }
+}
+
+/// Host mirrors of every rank's input and output.
+pub(crate) struct HostMirrors<T> {
+    pub input: Vec<Vec<T>>,
+    pub output: Vec<Vec<T>>,
+}
+
+impl<T: Element> HostMirrors<T> {
+    pub fn new(world: usize, input: usize, output: usize) -> Self {
+        HostMirrors {
+            input: (0..world).map(|_| vec![T::from_f32(0.0); input]).collect(),
+            output: (0..world).map(|_| vec![T::from_f32(0.0); output]).collect(),
+        }
+    }
+
+    pub fn upload(&self, ranks: &[Rank], bufs: &[RankBuffers]) -> Result<(), BackendError> {
+        for (r, rank) in ranks.iter().enumerate() {
+            bufs[r].input.upload(&rank.gpu, &self.input[r])?;
+            bufs[r].output.upload(&rank.gpu, &self.output[r])?;
+        }
+        Ok(())
+    }
+
+    pub fn download(&mut self, ranks: &[Rank], bufs: &[RankBuffers]) -> Result<(), BackendError> {
+        for (r, rank) in ranks.iter().enumerate() {
+            bufs[r].input.download(&rank.gpu, &mut self.input[r])?;
+            bufs[r].output.download(&rank.gpu, &mut self.output[r])?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs `launch(rank, i)` for `iters` back-to-back iterations on every rank's stream, one host
+/// thread per GPU, with an event between iterations; returns per-iteration per-rank times.
+pub(crate) fn timed_iterations(
+    ranks: &[Rank],
+    iters: usize,
+    launch: &(dyn Fn(usize, &Rank) -> Result<(), BackendError> + Sync),
+) -> Result<Vec<CallTiming>, BackendError> {
+    let start = std::sync::Barrier::new(ranks.len());
+    let per_rank: Vec<Result<Vec<Duration>, BackendError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .enumerate()
+            .map(|(r, rank)| {
+                let start = &start;
+                s.spawn(move || -> Result<Vec<Duration>, BackendError> {
+                    rank.gpu.bind()?;
+                    let events: Vec<Event> = (0..=iters)
+                        .map(|_| Event::new(&rank.gpu))
+                        .collect::<Result<_, _>>()?;
+                    start.wait();
+                    events[0].record(&rank.stream)?;
+                    for event in &events[1..] {
+                        launch(r, rank)?;
+                        event.record(&rank.stream)?;
+                    }
+                    rank.stream.synchronize()?;
+                    events
+                        .windows(2)
+                        .map(|w| {
+                            Ok(Duration::from_secs_f64(
+                                w[0].elapsed_ms(&w[1])? as f64 / 1e3,
+                            ))
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(BackendError::Unavailable("a GPU thread panicked".into()))
+                })
+            })
+            .collect()
+    });
+    let per_rank: Vec<Vec<Duration>> = per_rank.into_iter().collect::<Result<_, _>>()?;
+    Ok((0..iters)
+        .map(|i| CallTiming {
+            per_rank: per_rank.iter().map(|t| t[i]).collect(),
+        })
+        .collect())
+}
+
+struct CudaCall<'a, T: Element> {
+    backend: &'a CudaBackend,
+    plan: CheckedPlan,
+    /// which of the four reduce-op kernels
+    reduce_index: usize,
+    lanes: Lanes,
+    bufs: Vec<RankBuffers>,
+    /// per rank: steps, sources, slot increments (the kernel reads them through `args`)
+    _tables: Vec<(DeviceMemory, DeviceMemory, DeviceMemory)>,
+    args: Vec<PlanArgs>,
+    host: HostMirrors<T>,
+}
+
+impl<'a, T: Element> CudaCall<'a, T> {
+    fn new(
+        backend: &'a CudaBackend,
+        plan: &CheckedPlan,
+        reduce: ReduceOp,
+    ) -> Result<Self, BackendError> {
+        let p = plan.plan();
+        let eb = std::mem::size_of::<T>();
+        let world = backend.ranks.len();
+        let mut bufs = Vec::with_capacity(world);
+        for rank in &backend.ranks {
+            bufs.push(RankBuffers::new(
+                &rank.gpu,
+                p.buffers.input * eb,
+                p.buffers.output * eb,
+                p.buffers.scratch * eb,
+            )?);
+        }
+        let addrs: Vec<BufferAddrs> = bufs
+            .iter()
+            .map(|b| BufferAddrs {
+                input: b.input.addr(),
+                output: b.output.addr(),
+                scratch: b.scratch.addr(),
+            })
+            .collect();
+        let lanes = plan_table::lanes(plan, eb, LANE_TARGET_BYTES, backend.max_lanes);
+        let mut pads = [0u64; MAX_RANKS];
+        for (r, rank) in backend.ranks.iter().enumerate() {
+            pads[r] = rank.pads.addr();
+        }
+        let mut tables = Vec::with_capacity(world);
+        let mut args = Vec::with_capacity(world);
+        for (r, rank) in backend.ranks.iter().enumerate() {
+            let table = plan_table::encode(plan, r, &addrs, eb);
+            let steps = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(&table.steps[..]))?;
+            steps.upload(&rank.gpu, &table.steps)?;
+            let srcs = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(&table.srcs[..]))?;
+            srcs.upload(&rank.gpu, &table.srcs)?;
+            let inc = plan.slot_increments(r);
+            let increments = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(inc))?;
+            increments.upload(&rank.gpu, inc)?;
+            args.push(PlanArgs {
+                steps: steps.addr(),
+                srcs: srcs.addr(),
+                pads,
+                bases: rank.bases.addr(),
+                increments: increments.addr(),
+                error: backend.error.device_addr(),
+                lane_len: lanes.len,
+                timeout_ns: backend.timeout.as_nanos() as u64,
+                nsteps: table.steps.len() as u32,
+                rank: r as u32,
+                slots: p.pad_rows * p.pad_cols,
+                pad: 0,
+            });
+            tables.push((steps, srcs, increments));
+        }
+        Ok(CudaCall {
+            backend,
+            plan: plan.clone(),
+            reduce_index: match reduce {
+                ReduceOp::Sum => 0,
+                ReduceOp::Max => 1,
+                ReduceOp::Min => 2,
+                ReduceOp::Prod => 3,
+            },
+            lanes,
+            bufs,
+            _tables: tables,
+            args,
+            host: HostMirrors::new(world, p.buffers.input, p.buffers.output),
+        })
+    }
+
+    fn failure(&self) -> Option<BackendError> {
+        let rec = self.backend.error.read();
+        if rec.flag == 0 {
+            return None;
+        }
+        let cols = self.plan.plan().pad_cols;
+        Some(BackendError::DeviceWaitTimeout {
+            rank: rec.rank as usize,
+            lane: rec.lane,
+            slot: Slot::new(rec.slot / cols, rec.slot % cols),
+            expected: rec.expected,
+            seen: rec.seen,
+            timeout_ms: self.backend.timeout.as_millis() as u64,
+        })
+    }
+}
+
+impl<T: Element> PreparedCall for CudaCall<'_, T> {
+    fn input_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
+        T::host_mut(&mut self.host.input[rank])
+    }
+
+    fn output_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
+        T::host_mut(&mut self.host.output[rank])
+    }
+
+    fn upload(&mut self) -> Result<(), BackendError> {
+        self.host.upload(&self.backend.ranks, &self.bufs)
+    }
+
+    fn run(&mut self) -> Result<CallTiming, BackendError> {
+        Ok(self.run_many(1)?.remove(0))
+    }
+
+    fn run_many(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
+        self.backend.check_usable()?;
+        self.backend.error.write(ErrorRecord::default());
+        // rank r's kernel lives in rank r's module (its own context)
+        let (dt, op) = (dtype_index(T::DTYPE), self.reduce_index);
+        let (args, lanes) = (&self.args, self.lanes);
+        let result = timed_iterations(&self.backend.ranks, iters, &|r, rank| {
+            let f = rank.kernels[dt][op];
+            // SAFETY: PlanArgs mirrors the kernel's parameter; every address in it belongs to
+            // buffers, tables and pads that outlive the launch (we synchronize before returning)
+            unsafe { f.launch(lanes.count, THREADS, &rank.stream, &args[r]) }
+                .map_err(BackendError::from)
+        });
+        if let Some(e) = self.failure() {
+            self.backend.mark_broken();
+            return Err(e);
+        }
+        if result.is_err() {
+            self.backend.mark_broken();
+        }
+        result
+    }
+
+    fn download(&mut self) -> Result<(), BackendError> {
+        self.host.download(&self.backend.ranks, &self.bufs)
+    }
+
+    fn input(&self, rank: usize) -> HostSlice<'_> {
+        T::host(&self.host.input[rank])
+    }
+
+    fn output(&self, rank: usize) -> HostSlice<'_> {
+        T::host(&self.host.output[rank])
+    }
+}

@@ -1,0 +1,438 @@
+//! The only module that touches the CUDA driver: contexts, device memory, host-mapped memory,
+//! streams, events, modules and launches, each as a small owning type. Everything above it is
+//! safe code over these types (cudarc's own layering: sys → result → safe).
+//!
+//! Memory comes from plain `cuMemAlloc`, never the stream-ordered pool: peers cannot touch pool
+//! memory even with peer access enabled (HARDWARE.md). Device addresses cross into kernels as
+//! plain `u64`s.
+
+use crate::error::CudaError;
+use cudarc::driver::{result, sys, DriverError};
+use std::ffi::{c_void, CString};
+
+fn drv<T>(call: &'static str, r: Result<T, DriverError>) -> Result<T, CudaError> {
+    r.map_err(|e| CudaError::Driver {
+        call,
+        message: format!("{e:?}"),
+    })
+}
+
+fn check(call: &'static str, rc: sys::CUresult) -> Result<(), CudaError> {
+    drv(call, rc.result())
+}
+
+/// Number of GPUs, after checking that the driver library exists (cudarc panics without it).
+pub fn device_count() -> Result<usize, CudaError> {
+    // SAFETY: only tries to dlopen libcuda
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaError::Unavailable(
+            "no CUDA driver (libcuda.so) on this machine".into(),
+        ));
+    }
+    drv("cuInit", result::init())?;
+    Ok(drv("cuDeviceGetCount", result::device::get_count())? as usize)
+}
+
+/// One GPU and its primary context.
+pub struct Gpu {
+    pub ordinal: usize,
+    pub name: String,
+    pub sm_count: u32,
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: a primary context may be made current on any thread.
+unsafe impl Send for Gpu {}
+unsafe impl Sync for Gpu {}
+
+impl Gpu {
+    pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::Unavailable(format!(
+                "GPU {ordinal} does not exist: this machine has {count} GPU{}",
+                if count == 1 { "" } else { "s" }
+            )));
+        }
+        let dev = drv("cuDeviceGet", result::device::get(ordinal as i32))?;
+        // SAFETY: dev is a valid device
+        let ctx = drv("cuDevicePrimaryCtxRetain", unsafe {
+            result::primary_ctx::retain(dev)
+        })?;
+        let name = drv("cuDeviceGetName", result::device::get_name(dev))?;
+        // SAFETY: valid device and attribute
+        let sm_count = drv("cuDeviceGetAttribute", unsafe {
+            result::device::get_attribute(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+        })? as u32;
+        let gpu = Gpu {
+            ordinal,
+            name,
+            sm_count,
+            dev,
+            ctx,
+        };
+        gpu.bind()?;
+        Ok(gpu)
+    }
+
+    /// Makes this GPU's context current on the calling thread.
+    pub fn bind(&self) -> Result<(), CudaError> {
+        // SAFETY: ctx is a retained primary context
+        drv("cuCtxSetCurrent", unsafe {
+            result::ctx::set_current(self.ctx)
+        })
+    }
+
+    /// Lets this GPU's kernels load from and store to `peer`'s memory.
+    pub fn enable_peer_access(&self, peer: &Gpu) -> Result<(), CudaError> {
+        let mut can = 0;
+        // SAFETY: out-parameter and valid devices
+        check("cuDeviceCanAccessPeer", unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, self.dev, peer.dev)
+        })?;
+        if can == 0 {
+            return Err(CudaError::Unavailable(format!(
+                "GPU {} cannot access GPU {} as a peer",
+                self.ordinal, peer.ordinal
+            )));
+        }
+        self.bind()?;
+        // SAFETY: both contexts are live
+        let rc = unsafe { sys::cuCtxEnablePeerAccess(peer.ctx, 0) };
+        if rc == sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        check("cuCtxEnablePeerAccess", rc)
+    }
+
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.bind()?;
+        drv("cuCtxSynchronize", result::ctx::synchronize())
+    }
+
+    /// The raw context, for driver calls that name two contexts (peer copies).
+    pub fn raw_ctx(&self) -> sys::CUcontext {
+        self.ctx
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `open`
+        unsafe {
+            let _ = result::primary_ctx::release(self.dev);
+        }
+    }
+}
+
+/// Device memory from `cuMemAlloc`, zeroed, freed on drop.
+pub struct DeviceMemory {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: a device address is valid from any thread that binds the owning context.
+unsafe impl Send for DeviceMemory {}
+unsafe impl Sync for DeviceMemory {}
+
+impl DeviceMemory {
+    pub fn zeroed(gpu: &Gpu, bytes: usize) -> Result<DeviceMemory, CudaError> {
+        gpu.bind()?;
+        let alloc = bytes.max(16);
+        // SAFETY: context bound; size non-zero
+        let ptr =
+            drv("cuMemAlloc", unsafe { result::malloc_sync(alloc) }).map_err(|e| match e {
+                CudaError::Driver { message, .. } if message.contains("OUT_OF_MEMORY") => {
+                    CudaError::Unavailable(format!(
+                        "GPU {} is out of memory allocating {bytes} bytes",
+                        gpu.ordinal
+                    ))
+                }
+                other => other,
+            })?;
+        // SAFETY: ptr points to `alloc` bytes just allocated
+        drv("cuMemsetD8", unsafe {
+            result::memset_d8_sync(ptr, 0, alloc)
+        })?;
+        Ok(DeviceMemory {
+            ptr,
+            bytes,
+            ctx: gpu.ctx,
+        })
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Copies `src` to the start of this memory (synchronously).
+    pub fn upload<T: Copy>(&self, gpu: &Gpu, src: &[T]) -> Result<(), CudaError> {
+        assert!(std::mem::size_of_val(src) <= self.bytes.max(16));
+        gpu.bind()?;
+        // SAFETY: in bounds (asserted), context bound
+        drv("cuMemcpyHtoD", unsafe {
+            result::memcpy_htod_sync(self.ptr, src)
+        })
+    }
+
+    /// Copies the start of this memory into `dst` (synchronously).
+    pub fn download<T: Copy>(&self, gpu: &Gpu, dst: &mut [T]) -> Result<(), CudaError> {
+        assert!(std::mem::size_of_val(dst) <= self.bytes.max(16));
+        gpu.bind()?;
+        // SAFETY: in bounds (asserted), context bound
+        drv("cuMemcpyDtoH", unsafe {
+            result::memcpy_dtoh_sync(dst, self.ptr)
+        })
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemAlloc in this context; nothing uses it any more
+        unsafe {
+            let _ = result::ctx::set_current(self.ctx);
+            let _ = result::free_sync(self.ptr);
+        }
+    }
+}
+
+/// Pinned host memory mapped into every context's address space: the GPU writes it, the host
+/// reads it even while a kernel still runs (timeouts are reported through it).
+pub struct MappedHost<T: Copy> {
+    host: *mut T,
+    device: u64,
+}
+
+// SAFETY: pinned, portable memory; access is through volatile reads and writes
+unsafe impl<T: Copy> Send for MappedHost<T> {}
+unsafe impl<T: Copy> Sync for MappedHost<T> {}
+
+impl<T: Copy> MappedHost<T> {
+    pub fn new(gpu: &Gpu, value: T) -> Result<Self, CudaError> {
+        gpu.bind()?;
+        let mut host: *mut c_void = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: out-parameter; size of one T
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut host, std::mem::size_of::<T>(), flags)
+        })?;
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: host was just allocated with DEVICEMAP
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0)
+        })?;
+        let mapped = MappedHost {
+            host: host as *mut T,
+            device,
+        };
+        mapped.write(value);
+        Ok(mapped)
+    }
+
+    /// The address kernels use.
+    pub fn device_addr(&self) -> u64 {
+        self.device
+    }
+
+    pub fn read(&self) -> T {
+        // SAFETY: valid pinned memory; volatile because the GPU writes it behind our back
+        unsafe { std::ptr::read_volatile(self.host) }
+    }
+
+    pub fn write(&self, value: T) {
+        // SAFETY: as for read
+        unsafe { std::ptr::write_volatile(self.host, value) }
+    }
+}
+
+impl<T: Copy> Drop for MappedHost<T> {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc
+        unsafe {
+            let _ = result::free_host(self.host as *mut c_void);
+        }
+    }
+}
+
+/// A non-blocking stream.
+pub struct Stream {
+    raw: sys::CUstream,
+}
+
+// SAFETY: streams may be used from any thread with the owning context bound.
+unsafe impl Send for Stream {}
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    pub fn new(gpu: &Gpu) -> Result<Stream, CudaError> {
+        gpu.bind()?;
+        Ok(Stream {
+            raw: drv(
+                "cuStreamCreate",
+                result::stream::create(result::stream::StreamKind::NonBlocking),
+            )?,
+        })
+    }
+
+    pub fn raw(&self) -> sys::CUstream {
+        self.raw
+    }
+
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        // SAFETY: live stream
+        drv("cuStreamSynchronize", unsafe {
+            result::stream::synchronize(self.raw)
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: live stream, no longer used
+        unsafe {
+            let _ = result::stream::destroy(self.raw);
+        }
+    }
+}
+
+/// A timing event (created with CU_EVENT_DEFAULT: events made without timing cannot be timed).
+pub struct Event {
+    raw: sys::CUevent,
+}
+
+// SAFETY: events may be used from any thread with the owning context bound.
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+
+impl Event {
+    pub fn new(gpu: &Gpu) -> Result<Event, CudaError> {
+        gpu.bind()?;
+        Ok(Event {
+            raw: drv(
+                "cuEventCreate",
+                result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT),
+            )?,
+        })
+    }
+
+    pub fn record(&self, stream: &Stream) -> Result<(), CudaError> {
+        // SAFETY: live event and stream of the bound context
+        drv("cuEventRecord", unsafe {
+            result::event::record(self.raw, stream.raw)
+        })
+    }
+
+    /// Milliseconds from `self` to `later` (both recorded and complete).
+    pub fn elapsed_ms(&self, later: &Event) -> Result<f32, CudaError> {
+        // SAFETY: live events
+        drv("cuEventElapsedTime", unsafe {
+            result::event::elapsed(self.raw, later.raw)
+        })
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: live event, no longer used
+        unsafe {
+            let _ = result::event::destroy(self.raw);
+        }
+    }
+}
+
+/// A loaded cubin.
+pub struct Module {
+    raw: sys::CUmodule,
+}
+
+// SAFETY: module handles are usable from any thread with the owning context bound.
+unsafe impl Send for Module {}
+unsafe impl Sync for Module {}
+
+/// A kernel entry point.
+#[derive(Clone, Copy)]
+pub struct Function {
+    raw: sys::CUfunction,
+}
+
+// SAFETY: as for Module
+unsafe impl Send for Function {}
+unsafe impl Sync for Function {}
+
+impl Module {
+    pub fn load(gpu: &Gpu, cubin: &[u8]) -> Result<Module, CudaError> {
+        gpu.bind()?;
+        // SAFETY: cubin is a complete image produced by NVRTC
+        Ok(Module {
+            raw: drv("cuModuleLoadData", unsafe {
+                result::module::load_data(cubin.as_ptr() as *const c_void)
+            })?,
+        })
+    }
+
+    pub fn function(&self, name: &str) -> Result<Function, CudaError> {
+        let cname = CString::new(name).expect("kernel names hold no NUL");
+        // SAFETY: live module
+        Ok(Function {
+            raw: drv("cuModuleGetFunction", unsafe {
+                result::module::get_function(self.raw, cname)
+            })?,
+        })
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        // SAFETY: live module, no kernel of it runs any more
+        unsafe {
+            let _ = result::module::unload(self.raw);
+        }
+    }
+}
+
+impl Function {
+    /// Resident blocks of `threads` threads per multiprocessor.
+    pub fn max_blocks_per_sm(&self, threads: u32) -> Result<u32, CudaError> {
+        let mut n = 0;
+        // SAFETY: live function, out-parameter
+        check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, self.raw, threads as i32, 0)
+        })?;
+        Ok(n as u32)
+    }
+
+    /// Launches with one by-value parameter struct.
+    ///
+    /// # Safety
+    /// `P` must match the kernel's parameter layout, and every device address inside it must be
+    /// valid for what the kernel does with it until the launch completes.
+    pub unsafe fn launch<P>(
+        &self,
+        grid: u32,
+        block: u32,
+        stream: &Stream,
+        params: &P,
+    ) -> Result<(), CudaError> {
+        let mut args = [params as *const P as *mut c_void];
+        drv(
+            "cuLaunchKernel",
+            result::launch_kernel(
+                self.raw,
+                (grid, 1, 1),
+                (block, 1, 1),
+                0,
+                stream.raw,
+                &mut args,
+            ),
+        )
+    }
+}

@@ -1,0 +1,20 @@
+//! commfuse-cuda: the `cuda` backend.
+//!
+//! * [`driver`]: the only module with raw driver calls — GPUs, memory, streams, events, modules;
+//! * [`nvrtc`]: embedded kernels compiled for sm_90a at first use, cached in memory and on disk;
+//! * [`plan_table`]: plans encoded as the `#[repr(C)]` tables the plan kernel reads;
+//! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation;
+//! * [`nccl`]: NCCL and copy-engine baselines on the same GPUs;
+//! * [`error`]: one error enum.
+//!
+//! Without a driver or GPUs every entry point returns a clear error; nothing panics.
+
+pub mod backend;
+pub mod driver;
+pub mod error;
+pub mod nccl;
+pub mod nvrtc;
+pub mod plan_table;
+
+pub use backend::CudaBackend;
+pub use error::CudaError;

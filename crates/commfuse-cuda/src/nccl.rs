@@ -1,0 +1,364 @@
+//! Baselines measured in the same run as our kernels, on the same GPUs: NCCL (single-process
+//! communicators over all ranks, one host thread per GPU) and the copy engine
+//! (`cuMemcpyPeerAsync`). Both are `PreparedCall`s, so the same reference checks them.
+//!
+//! NVLink multicast (NVLS) must never be used on the project's machines: the CLI sets
+//! NCCL_NVLS_ENABLE=0 before any NCCL call, and `Comms::new` refuses to start without it.
+
+use crate::backend::{timed_iterations, CudaBackend, HostMirrors, Rank, RankBuffers};
+use crate::error::CudaError;
+use commfuse_core::backend::{BackendError, CallTiming, HostSlice, HostSliceMut, PreparedCall};
+use commfuse_core::op::chunk_range;
+use commfuse_core::{DType, Element, OpKind, OpSpec, ReduceOp};
+use cudarc::driver::result as drv;
+use cudarc::nccl::{result, sys};
+use half::{bf16, f16};
+use std::ffi::c_void;
+
+/// One NCCL communicator per rank.
+pub struct Comms {
+    comms: Vec<sys::ncclComm_t>,
+}
+
+// SAFETY: each communicator is used by one thread at a time (its GPU's thread).
+unsafe impl Send for Comms {}
+unsafe impl Sync for Comms {}
+
+impl Comms {
+    fn new(backend: &CudaBackend) -> Result<Comms, CudaError> {
+        // SAFETY: only tries to dlopen libnccl
+        if !unsafe { sys::is_culib_present() } {
+            return Err(CudaError::Unavailable(
+                "NCCL (libnccl.so) is not on the library path".into(),
+            ));
+        }
+        if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
+            return Err(CudaError::Unavailable(
+                "refusing to start NCCL without NCCL_NVLS_ENABLE=0 (NVLink multicast is off limits)".into(),
+            ));
+        }
+        let devs: Vec<i32> = backend.ranks.iter().map(|r| r.gpu.ordinal as i32).collect();
+        let mut comms = vec![std::ptr::null_mut(); devs.len()];
+        // SAFETY: out-array of ndev communicators, device list of ndev ordinals
+        unsafe { result::comm_init_all(comms.as_mut_ptr(), devs.len() as i32, devs.as_ptr()) }
+            .map_err(|e| CudaError::Nccl {
+                call: "ncclCommInitAll",
+                message: format!("{e:?}"),
+            })?;
+        Ok(Comms { comms })
+    }
+}
+
+impl Drop for Comms {
+    fn drop(&mut self) {
+        for c in &self.comms {
+            // SAFETY: communicators from ncclCommInitAll, idle
+            unsafe {
+                let _ = result::comm_destroy(*c);
+            }
+        }
+    }
+}
+
+/// The baselines an op has.
+pub fn baselines(op: OpKind) -> Vec<&'static str> {
+    match op {
+        OpKind::AllReduce | OpKind::ReduceScatter => vec!["nccl"],
+        OpKind::AllGather | OpKind::Broadcast | OpKind::AllToAll => vec!["nccl", "copy-engine"],
+        OpKind::Barrier => vec![],
+    }
+}
+
+pub(crate) fn prepare<'a>(
+    backend: &'a CudaBackend,
+    name: &str,
+    spec: &OpSpec,
+    dtype: DType,
+    reduce: ReduceOp,
+) -> Result<Box<dyn PreparedCall + 'a>, BackendError> {
+    let kind = match name {
+        "nccl" => Kind::Nccl,
+        "copy-engine" => Kind::CopyEngine,
+        _ => return Err(BackendError::Unavailable(format!("no baseline '{name}'"))),
+    };
+    if !baselines(spec.kind).contains(&name) {
+        return Err(BackendError::Unavailable(format!(
+            "{} has no {name} baseline",
+            spec.kind
+        )));
+    }
+    let p = spec.world;
+    if matches!(spec.kind, OpKind::ReduceScatter | OpKind::AllGather)
+        && kind == Kind::Nccl
+        && !spec.count.is_multiple_of(p)
+    {
+        return Err(BackendError::Unavailable(format!(
+            "NCCL's {} needs a count divisible by {p}",
+            spec.kind
+        )));
+    }
+    if kind == Kind::Nccl {
+        let comms = backend
+            .nccl
+            .get_or_init(|| Comms::new(backend).map_err(|e| e.to_string()));
+        if let Err(e) = comms {
+            return Err(BackendError::Unavailable(e.clone()));
+        }
+    }
+    Ok(match dtype {
+        DType::F32 => Box::new(BaselineCall::<f32>::new(backend, kind, *spec, reduce)?),
+        DType::BF16 => Box::new(BaselineCall::<bf16>::new(backend, kind, *spec, reduce)?),
+        DType::F16 => Box::new(BaselineCall::<f16>::new(backend, kind, *spec, reduce)?),
+    })
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Nccl,
+    CopyEngine,
+}
+
+struct BaselineCall<'a, T: Element> {
+    backend: &'a CudaBackend,
+    kind: Kind,
+    spec: OpSpec,
+    reduce: ReduceOp,
+    bufs: Vec<RankBuffers>,
+    host: HostMirrors<T>,
+}
+
+fn nccl_type(d: DType) -> sys::ncclDataType_t {
+    match d {
+        DType::F32 => sys::ncclDataType_t::ncclFloat32,
+        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        DType::F16 => sys::ncclDataType_t::ncclFloat16,
+    }
+}
+
+fn nccl_op(r: ReduceOp) -> sys::ncclRedOp_t {
+    match r {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+        ReduceOp::Prod => sys::ncclRedOp_t::ncclProd,
+    }
+}
+
+fn nccl_err(call: &'static str) -> impl Fn(result::NcclError) -> BackendError {
+    move |e| BackendError::Unavailable(format!("NCCL call {call} failed: {e:?}"))
+}
+
+impl<'a, T: Element> BaselineCall<'a, T> {
+    fn new(
+        backend: &'a CudaBackend,
+        kind: Kind,
+        spec: OpSpec,
+        reduce: ReduceOp,
+    ) -> Result<Self, BackendError> {
+        let eb = std::mem::size_of::<T>();
+        let (inp, out) = (spec.input_capacity(), spec.output_capacity());
+        let bufs = backend
+            .ranks
+            .iter()
+            .map(|r| RankBuffers::new(&r.gpu, inp * eb, out * eb, 0))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(BaselineCall {
+            backend,
+            kind,
+            spec,
+            reduce,
+            bufs,
+            host: HostMirrors::new(spec.world, inp, out),
+        })
+    }
+
+    /// Issues one call on rank `r`'s stream.
+    fn issue(&self, r: usize, rank: &Rank) -> Result<(), BackendError> {
+        let eb = std::mem::size_of::<T>();
+        let (spec, p) = (&self.spec, self.spec.world);
+        let b = &self.bufs[r];
+        let (input, output) = (b.input.addr(), b.output.addr());
+        let stream = rank.stream.raw();
+        let dt = nccl_type(T::DTYPE);
+        match self.kind {
+            Kind::Nccl => {
+                let comm = self
+                    .backend
+                    .nccl
+                    .get()
+                    .and_then(|c| c.as_ref().ok())
+                    .expect("initialised in prepare")
+                    .comms[r];
+                let nstream = stream as sys::cudaStream_t;
+                let send = input as *const c_void;
+                let recv = output as *mut c_void;
+                // SAFETY: buffers sized from the spec on this rank's GPU; comm belongs to it
+                unsafe {
+                    match spec.kind {
+                        OpKind::AllReduce => {
+                            result::all_reduce(
+                                send,
+                                recv,
+                                spec.count,
+                                dt,
+                                nccl_op(self.reduce),
+                                comm,
+                                nstream,
+                            )
+                            .map_err(nccl_err("ncclAllReduce"))?;
+                        }
+                        OpKind::ReduceScatter => {
+                            result::reduce_scatter(
+                                send,
+                                recv,
+                                spec.count / p,
+                                dt,
+                                nccl_op(self.reduce),
+                                comm,
+                                nstream,
+                            )
+                            .map_err(nccl_err("ncclReduceScatter"))?;
+                        }
+                        OpKind::AllGather => {
+                            result::all_gather(send, recv, spec.count / p, dt, comm, nstream)
+                                .map_err(nccl_err("ncclAllGather"))?;
+                        }
+                        OpKind::Broadcast => {
+                            result::broadcast(
+                                send,
+                                recv,
+                                spec.count,
+                                dt,
+                                spec.root as i32,
+                                comm,
+                                nstream,
+                            )
+                            .map_err(nccl_err("ncclBroadcast"))?;
+                        }
+                        OpKind::AllToAll => {
+                            result::group_start().map_err(nccl_err("ncclGroupStart"))?;
+                            let mine = chunk_range(spec.count, p, r).len();
+                            for q in 0..p {
+                                let c = chunk_range(spec.count, p, q);
+                                result::send(
+                                    (input + (c.start * eb) as u64) as *const c_void,
+                                    c.len(),
+                                    dt,
+                                    q as i32,
+                                    comm,
+                                    nstream,
+                                )
+                                .map_err(nccl_err("ncclSend"))?;
+                                result::recv(
+                                    (output + (q * mine * eb) as u64) as *mut c_void,
+                                    mine,
+                                    dt,
+                                    q as i32,
+                                    comm,
+                                    nstream,
+                                )
+                                .map_err(nccl_err("ncclRecv"))?;
+                            }
+                            result::group_end().map_err(nccl_err("ncclGroupEnd"))?;
+                        }
+                        OpKind::Barrier => unreachable!("no NCCL barrier baseline"),
+                    }
+                }
+            }
+            Kind::CopyEngine => {
+                // every transfer is pushed by its source rank
+                let copy = |dst: u64,
+                            dst_rank: usize,
+                            src: u64,
+                            bytes: usize|
+                 -> Result<(), BackendError> {
+                    if bytes == 0 {
+                        return Ok(());
+                    }
+                    let dctx = self.backend.ranks[dst_rank].gpu.raw_ctx();
+                    // SAFETY: both ranges lie inside buffers allocated for this spec
+                    unsafe {
+                        drv::memcpy_peer_async(dctx, dst, rank.gpu.raw_ctx(), src, bytes, stream)
+                    }
+                    .map_err(|e| {
+                        BackendError::Unavailable(format!("cuMemcpyPeerAsync failed: {e:?}"))
+                    })
+                };
+                match spec.kind {
+                    OpKind::AllGather => {
+                        let c = chunk_range(spec.count, p, r);
+                        for q in 0..p {
+                            copy(
+                                self.bufs[q].output.addr() + (c.start * eb) as u64,
+                                q,
+                                input,
+                                c.len() * eb,
+                            )?;
+                        }
+                    }
+                    OpKind::Broadcast if r == spec.root => {
+                        for q in 0..p {
+                            copy(self.bufs[q].output.addr(), q, input, spec.count * eb)?;
+                        }
+                    }
+                    OpKind::Broadcast => {}
+                    OpKind::AllToAll => {
+                        for q in 0..p {
+                            let c = chunk_range(spec.count, p, q);
+                            let at = r * c.len() * eb;
+                            copy(
+                                self.bufs[q].output.addr() + at as u64,
+                                q,
+                                input + (c.start * eb) as u64,
+                                c.len() * eb,
+                            )?;
+                        }
+                    }
+                    _ => unreachable!("copy-engine baseline only for data movement ops"),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<T: Element> PreparedCall for BaselineCall<'_, T> {
+    fn input_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
+        T::host_mut(&mut self.host.input[rank])
+    }
+
+    fn output_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
+        T::host_mut(&mut self.host.output[rank])
+    }
+
+    fn upload(&mut self) -> Result<(), BackendError> {
+        self.host.upload(&self.backend.ranks, &self.bufs)
+    }
+
+    fn run(&mut self) -> Result<CallTiming, BackendError> {
+        Ok(self.run_many(1)?.remove(0))
+    }
+
+    fn run_many(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
+        let timings = timed_iterations(&self.backend.ranks, iters, &|r, rank| self.issue(r, rank))?;
+        if self.kind == Kind::CopyEngine {
+            // pushes into a peer finish on the pusher's stream: wait for all before reading
+            for rank in &self.backend.ranks {
+                rank.gpu.synchronize()?;
+            }
+        }
+        Ok(timings)
+    }
+
+    fn download(&mut self) -> Result<(), BackendError> {
+        self.host.download(&self.backend.ranks, &self.bufs)
+    }
+
+    fn input(&self, rank: usize) -> HostSlice<'_> {
+        T::host(&self.host.input[rank])
+    }
+
+    fn output(&self, rank: usize) -> HostSlice<'_> {
+        T::host(&self.host.output[rank])
+    }
+}

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything the GPU machine is for, in one call: compile report, the GPU test suite, the
+# correctness matrix, and the benchmark sweeps with NCCL beside ours. Results go to $OUT as one
+# archive plus a summary (the device tool brings back at most 8 files).
+#
+# Prepare here:   bash scripts/gpu-prepare.sh     (release binary + test binaries into .gpu/)
+# Run there:      device run, carry [".gpu"], command: bash scripts/gpu-check.sh [quick]
+set -uo pipefail
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
+# never NVLink multicast on these machines
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export COMMFUSE_KERNEL_CACHE=/tmp/commfuse-kernels
+OUT=${OUT:-/tmp/commfuse-out}
+R=$OUT/results
+mkdir -p "$R"
+B=.gpu/commfuse
+MODE=${1:-full}
+SIZES=${SIZES:-4K..1G}
+[ "$MODE" = quick ] && SIZES=64K..64M
+
+log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+
+log "$(date -u) mode=$MODE"
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used --format=csv >"$R/gpus.txt" 2>&1
+nvidia-smi topo -m >"$R/topo.txt" 2>&1
+$B kernels --report >"$R/kernels.txt" 2>&1; log "kernels rc=$?"
+
+for t in .gpu/tests/*; do
+  timeout 300 "$t" --test-threads 1 >"$R/test-$(basename "$t").txt" 2>&1
+  log "test $(basename "$t") rc=$? $(grep -E '^test result' "$R/test-$(basename "$t").txt" | tail -1)"
+done
+
+timeout 300 $B verify --devices 0,1 --json "$R/verify.json" >"$R/verify.txt" 2>&1
+log "verify rc=$? $(tail -1 "$R/verify.txt")"
+grep -E "FAIL" "$R/verify.txt" | head -5 | cut -c1-400 | tee -a "$OUT/summary.txt"
+
+for op in reduce-scatter all-gather all-reduce; do
+  timeout 400 $B bench $op --devices 0,1 --algo all --dtype bf16 --sizes "$SIZES" --warmup 5 --iters 20 \
+    --json "$R/bench-$op.json" --plot "$R/bench-$op.svg" >"$R/bench-$op.txt" 2>&1
+  log "bench $op rc=$? $(grep -i error "$R/bench-$op.txt" | head -2)"
+  sed -n '/best per size/,$p' "$R/bench-$op.txt" | tee -a "$OUT/summary.txt"
+done
+tar czf "$OUT/results.tgz" -C "$OUT" results
+rm -rf "$R"

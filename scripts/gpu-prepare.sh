@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Builds what the GPU machine runs (it has no Rust): the release binary and the test binaries
+# that exercise the cuda backend, copied into .gpu/ (ignored by git, carried by the device tool).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release
+rm -rf .gpu && mkdir -p .gpu/tests
+cp target/release/commfuse .gpu/
+cargo test --release --no-run --message-format=json -p commfuse --test collectives 2>/dev/null \
+  | python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["executable"])' \
+  | while read -r exe; do cp "$exe" ".gpu/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
+strip --strip-debug .gpu/commfuse .gpu/tests/*
+ls -la .gpu .gpu/tests
