@@ -1,7 +1,7 @@
 //! Cost cards: what a plan moves and how long the latency–bandwidth model says it takes.
 
 use crate::checker::CheckedPlan;
-use crate::plan::{Region, Step};
+use crate::plan::Step;
 use crate::topology::Topology;
 use std::fmt;
 
@@ -53,15 +53,13 @@ impl CostCard {
         let eb = elem_bytes as u64;
         for (r, steps) in plan.steps.iter().enumerate() {
             for step in steps {
-                let (srcs, dst): (&[Region], &Region) = match step {
-                    Step::Notify { .. } => {
-                        per_rank[r].signals += 1;
-                        continue;
-                    }
-                    Step::Wait { .. } => continue,
-                    Step::Copy { src, dst } => (std::slice::from_ref(src), dst),
-                    Step::Reduce { srcs, dst } => (srcs, dst),
-                };
+                if let Step::Notify { .. } = step {
+                    per_rank[r].signals += 1;
+                }
+                let (srcs, dsts) = step.regions();
+                if dsts.is_empty() {
+                    continue;
+                }
                 per_rank[r].steps += 1;
                 let mut moved = 0;
                 for src in srcs.iter().filter(|s| s.rank != r) {
@@ -70,7 +68,7 @@ impl CostCard {
                     per_rank[r].bytes_received += bytes;
                     moved += bytes;
                 }
-                if dst.rank != r {
+                for dst in dsts.iter().filter(|d| d.rank != r) {
                     let bytes = dst.len as u64 * eb;
                     per_rank[r].bytes_sent += bytes;
                     per_rank[dst.rank].bytes_received += bytes;

@@ -136,11 +136,16 @@ pub enum Step {
         value: u64,
         op: NotifyOp,
     },
-    /// dst ← src. Either side may be a peer's buffer (a load or a store over the link).
-    Copy { src: Region, dst: Region },
-    /// dst ← srcs[0] ⊕ srcs[1] ⊕ …, in that order, accumulated in f32 and rounded once.
-    /// `dst` may be exactly one of the sources (in place), never a partial overlap.
-    Reduce { srcs: Vec<Region>, dst: Region },
+    /// every dst ← src. Either side may be a peer's buffer (a load or a store over the link);
+    /// several destinations are written in one pass over the source (a local copy and a push
+    /// to a peer then overlap instead of running one after the other).
+    Copy { src: Region, dsts: Vec<Region> },
+    /// every dst ← srcs[0] ⊕ srcs[1] ⊕ …, in that order, accumulated in f32 and rounded once.
+    /// A dst may be exactly one of the sources (in place), never a partial overlap.
+    Reduce {
+        srcs: Vec<Region>,
+        dsts: Vec<Region>,
+    },
 }
 
 impl fmt::Display for Step {
@@ -157,8 +162,8 @@ impl fmt::Display for Step {
                 value,
                 op,
             } => write!(f, "notify  rank {peer} slot {slot} {op:?} {value}"),
-            Step::Copy { src, dst } => write!(f, "copy    {src} -> {dst}"),
-            Step::Reduce { srcs, dst } => {
+            Step::Copy { src, dsts } => write!(f, "copy    {src} -> {}", list(dsts)),
+            Step::Reduce { srcs, dsts } => {
                 write!(f, "reduce  ")?;
                 for (i, s) in srcs.iter().enumerate() {
                     if i > 0 {
@@ -166,8 +171,27 @@ impl fmt::Display for Step {
                     }
                     write!(f, "{s}")?;
                 }
-                write!(f, " -> {dst}")
+                write!(f, " -> {}", list(dsts))
             }
+        }
+    }
+}
+
+fn list(regions: &[Region]) -> String {
+    regions
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Step {
+    /// The regions a data step reads and writes (empty for signals).
+    pub fn regions(&self) -> (&[Region], &[Region]) {
+        match self {
+            Step::Copy { src, dsts } => (std::slice::from_ref(src), dsts),
+            Step::Reduce { srcs, dsts } => (srcs, dsts),
+            Step::Wait { .. } | Step::Notify { .. } => (&[], &[]),
         }
     }
 }
@@ -298,20 +322,32 @@ impl PlanBuilder {
 
     /// A copy, skipped when empty or when source and destination are the same range.
     pub fn copy(&mut self, rank: usize, src: Region, dst: Region) {
-        if src.len > 0 && src != dst {
-            self.push(rank, Step::Copy { src, dst });
+        self.copy_to(rank, src, vec![dst]);
+    }
+
+    /// A copy into several destinations in one pass; destinations equal to the source are
+    /// dropped, and nothing is pushed when none is left or the source is empty.
+    pub fn copy_to(&mut self, rank: usize, src: Region, mut dsts: Vec<Region>) {
+        dsts.retain(|d| *d != src);
+        if src.len > 0 && !dsts.is_empty() {
+            self.push(rank, Step::Copy { src, dsts });
         }
     }
 
     /// A reduction, skipped when empty; one source is a copy.
     pub fn reduce(&mut self, rank: usize, srcs: Vec<Region>, dst: Region) {
-        if dst.len == 0 {
+        self.reduce_to(rank, srcs, vec![dst]);
+    }
+
+    /// A reduction into several destinations in one pass; one source is a copy.
+    pub fn reduce_to(&mut self, rank: usize, srcs: Vec<Region>, dsts: Vec<Region>) {
+        if dsts.first().is_none_or(|d| d.len == 0) {
             return;
         }
         if srcs.len() == 1 {
-            self.copy(rank, srcs[0], dst);
+            self.copy_to(rank, srcs[0], dsts);
         } else {
-            self.push(rank, Step::Reduce { srcs, dst });
+            self.push(rank, Step::Reduce { srcs, dsts });
         }
     }
 

@@ -64,6 +64,35 @@ impl Topology {
     }
 }
 
+/// The figures of the latency–bandwidth model that calibration fits.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LinkModel {
+    pub link_gbps: f64,
+    pub latency_us: f64,
+    pub launch_us: f64,
+}
+
+impl Default for LinkModel {
+    fn default() -> Self {
+        LinkModel {
+            link_gbps: 370.0,
+            latency_us: 1.2,
+            launch_us: 5.0,
+        }
+    }
+}
+
+impl Topology {
+    /// This topology with `model`'s link figures (the same between and within NUMA groups).
+    pub fn with_model(mut self, model: LinkModel) -> Topology {
+        self.link_gbps = model.link_gbps;
+        self.inter_group_gbps = model.link_gbps;
+        self.latency_us = model.latency_us;
+        self.launch_us = model.launch_us;
+        self
+    }
+}
+
 /// The ring through `members` in the given order, as (left, right) of position `pos`.
 /// Written with `rem_euclid`-free arithmetic so that position 0 has a valid left neighbour.
 pub fn ring_neighbours(members: &[usize], pos: usize) -> (usize, usize) {

@@ -19,18 +19,20 @@ enum StepKind { STEP_WAIT = 0, STEP_NOTIFY = 1, STEP_COPY = 2, STEP_REDUCE = 3 }
 
 struct DeviceStep {
     u32 kind;
-    u32 nsrc;       // reduce: number of sources, at srcs[src_begin ..]; copy: 1
     u32 slot;       // wait/notify: slot index within a lane (row * cols + col)
     u32 peer;       // notify: target rank
+    u32 nsrc;
     u64 value;      // wait: expected (relative to the epoch base); notify: amount added
-    u32 src_begin;
+    u32 src_begin;  // sources at regions[src_begin ..], destinations at regions[dst_begin ..]
+    u32 ndst;
+    u32 dst_begin;
     u32 pad;
-    DeviceRegion dst;
+    u64 len;        // elements of every region of the step
 };
 
 struct PlanArgs {
     const DeviceStep* steps;
-    const DeviceRegion* srcs;
+    const DeviceRegion* regions;
     u64* pads[COMMFUSE_MAX_RANKS];  // every rank's signal pad: [lane][slot] counters
     u64* bases;                      // this rank's epoch bases: [lane][slot]
     const u64* increments;           // per slot, what one call adds
@@ -44,37 +46,80 @@ struct PlanArgs {
 };
 
 constexpr int VEC_BYTES = 16;
+constexpr int MAX_DSTS = COMMFUSE_MAX_RANKS;
 
 template <typename T> struct alignas(16) Vec {
     static constexpr int N = VEC_BYTES / sizeof(T);
     T v[N];
 };
 
+template <typename T> __device__ __forceinline__ const Vec<T>* vec_at(const DeviceRegion& r, u64 begin) {
+    return reinterpret_cast<const Vec<T>*>(reinterpret_cast<const T*>(r.ptr) + begin);
+}
+
+template <typename T> __device__ __forceinline__ Vec<T>* vec_at_mut(const DeviceRegion& r, u64 begin) {
+    return reinterpret_cast<Vec<T>*>(reinterpret_cast<T*>(r.ptr) + begin);
+}
+
+// Every destination of a step gets the same values: one read of the sources, ndst writes.
 template <typename T, int OP>
 __device__ void reduce_slice(const PlanArgs& a, const DeviceStep& s, u64 begin, u64 n) {
     constexpr int N = Vec<T>::N;
-    T* dst = reinterpret_cast<T*>(s.dst.ptr) + begin;
-    const DeviceRegion* srcs = a.srcs + s.src_begin;
-    bool aligned = (reinterpret_cast<u64>(dst) % VEC_BYTES) == 0;
+    const DeviceRegion* srcs = a.regions + s.src_begin;
+    const DeviceRegion* dsts = a.regions + s.dst_begin;
+    bool aligned = true;
     for (u32 k = 0; k < s.nsrc; ++k) aligned &= ((srcs[k].ptr + begin * sizeof(T)) % VEC_BYTES) == 0;
+    for (u32 k = 0; k < s.ndst; ++k) aligned &= ((dsts[k].ptr + begin * sizeof(T)) % VEC_BYTES) == 0;
     u64 done = 0;
     if (aligned) {
         const u64 nv = n / N;
-        Vec<T>* dv = reinterpret_cast<Vec<T>*>(dst);
-        for (u64 i = threadIdx.x; i < nv; i += blockDim.x) {
+        const u64 stride = blockDim.x;
+        // two vectors per thread per round, every source's loads issued before the arithmetic
+        u64 i = threadIdx.x;
+        for (; i + stride < nv; i += 2 * stride) {
+            float acc0[N], acc1[N];
+            const Vec<T>* s0 = vec_at<T>(srcs[0], begin);
+            Vec<T> x0 = s0[i], x1 = s0[i + stride];
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+                acc0[j] = Elem<T>::to_f32(x0.v[j]);
+                acc1[j] = Elem<T>::to_f32(x1.v[j]);
+            }
+            for (u32 k = 1; k < s.nsrc; ++k) {
+                const Vec<T>* sk = vec_at<T>(srcs[k], begin);
+                Vec<T> y0 = sk[i], y1 = sk[i + stride];
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    acc0[j] = combine<OP>(acc0[j], Elem<T>::to_f32(y0.v[j]));
+                    acc1[j] = combine<OP>(acc1[j], Elem<T>::to_f32(y1.v[j]));
+                }
+            }
+            Vec<T> o0, o1;
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+                o0.v[j] = Elem<T>::from_f32(acc0[j]);
+                o1.v[j] = Elem<T>::from_f32(acc1[j]);
+            }
+            for (u32 k = 0; k < s.ndst; ++k) {
+                Vec<T>* d = vec_at_mut<T>(dsts[k], begin);
+                d[i] = o0;
+                d[i + stride] = o1;
+            }
+        }
+        for (; i < nv; i += stride) {
             float acc[N];
-            Vec<T> x = reinterpret_cast<const Vec<T>*>(reinterpret_cast<const T*>(srcs[0].ptr) + begin)[i];
+            Vec<T> x = vec_at<T>(srcs[0], begin)[i];
 #pragma unroll
             for (int j = 0; j < N; ++j) acc[j] = Elem<T>::to_f32(x.v[j]);
             for (u32 k = 1; k < s.nsrc; ++k) {
-                Vec<T> y = reinterpret_cast<const Vec<T>*>(reinterpret_cast<const T*>(srcs[k].ptr) + begin)[i];
+                Vec<T> y = vec_at<T>(srcs[k], begin)[i];
 #pragma unroll
                 for (int j = 0; j < N; ++j) acc[j] = combine<OP>(acc[j], Elem<T>::to_f32(y.v[j]));
             }
             Vec<T> out;
 #pragma unroll
             for (int j = 0; j < N; ++j) out.v[j] = Elem<T>::from_f32(acc[j]);
-            dv[i] = out;
+            for (u32 k = 0; k < s.ndst; ++k) vec_at_mut<T>(dsts[k], begin)[i] = out;
         }
         done = nv * N;
     }
@@ -82,33 +127,45 @@ __device__ void reduce_slice(const PlanArgs& a, const DeviceStep& s, u64 begin, 
         float acc = Elem<T>::to_f32(reinterpret_cast<const T*>(srcs[0].ptr)[begin + i]);
         for (u32 k = 1; k < s.nsrc; ++k)
             acc = combine<OP>(acc, Elem<T>::to_f32(reinterpret_cast<const T*>(srcs[k].ptr)[begin + i]));
-        dst[i] = Elem<T>::from_f32(acc);
+        const T out = Elem<T>::from_f32(acc);
+        for (u32 k = 0; k < s.ndst; ++k) reinterpret_cast<T*>(dsts[k].ptr)[begin + i] = out;
     }
 }
 
 template <typename T>
 __device__ void copy_slice(const PlanArgs& a, const DeviceStep& s, u64 begin, u64 n) {
-    const char* src = reinterpret_cast<const char*>(a.srcs[s.src_begin].ptr) + begin * sizeof(T);
-    char* dst = reinterpret_cast<char*>(s.dst.ptr) + begin * sizeof(T);
-    u64 bytes = n * sizeof(T);
+    const DeviceRegion* dsts = a.regions + s.dst_begin;
+    const char* src = reinterpret_cast<const char*>(a.regions[s.src_begin].ptr) + begin * sizeof(T);
+    bool aligned = reinterpret_cast<u64>(src) % VEC_BYTES == 0;
+    for (u32 k = 0; k < s.ndst; ++k) aligned &= (dsts[k].ptr + begin * sizeof(T)) % VEC_BYTES == 0;
+    const u64 bytes = n * sizeof(T);
     u64 done = 0;
-    if ((reinterpret_cast<u64>(src) | reinterpret_cast<u64>(dst)) % VEC_BYTES == 0) {
+    if (aligned) {
         const u64 nv = bytes / VEC_BYTES;
         const uint4* s4 = reinterpret_cast<const uint4*>(src);
-        uint4* d4 = reinterpret_cast<uint4*>(dst);
         u64 i = threadIdx.x;
+        const u64 stride = blockDim.x;
         // two 16-byte loads in flight per thread before the stores
-        for (; i + blockDim.x < nv; i += 2 * blockDim.x) {
-            uint4 x = s4[i];
-            uint4 y = s4[i + blockDim.x];
-            d4[i] = x;
-            d4[i + blockDim.x] = y;
+        for (; i + stride < nv; i += 2 * stride) {
+            const uint4 x = s4[i];
+            const uint4 y = s4[i + stride];
+            for (u32 k = 0; k < s.ndst; ++k) {
+                uint4* d4 = reinterpret_cast<uint4*>(reinterpret_cast<char*>(dsts[k].ptr) + begin * sizeof(T));
+                d4[i] = x;
+                d4[i + stride] = y;
+            }
         }
-        for (; i < nv; i += blockDim.x) d4[i] = s4[i];
+        for (; i < nv; i += stride) {
+            const uint4 x = s4[i];
+            for (u32 k = 0; k < s.ndst; ++k)
+                reinterpret_cast<uint4*>(reinterpret_cast<char*>(dsts[k].ptr) + begin * sizeof(T))[i] = x;
+        }
         done = nv * VEC_BYTES;
     }
-    for (u64 i = done / sizeof(T) + threadIdx.x; i < n; i += blockDim.x)
-        reinterpret_cast<T*>(dst)[i] = reinterpret_cast<const T*>(src)[i];
+    for (u64 i = done / sizeof(T) + threadIdx.x; i < n; i += blockDim.x) {
+        const T x = reinterpret_cast<const T*>(src)[i];
+        for (u32 k = 0; k < s.ndst; ++k) reinterpret_cast<T*>(dsts[k].ptr)[begin + i] = x;
+    }
 }
 
 template <typename T, int OP>
@@ -135,8 +192,8 @@ __device__ void run_plan(const PlanArgs& a) {
             break;
         case STEP_COPY:
         case STEP_REDUCE:
-            if (begin < s.dst.len) {
-                const u64 n = min(a.lane_len, s.dst.len - begin);
+            if (begin < s.len) {
+                const u64 n = min(a.lane_len, s.len - begin);
                 if (s.kind == STEP_COPY) copy_slice<T>(a, s, begin, n);
                 else reduce_slice<T, OP>(a, s, begin, n);
             }

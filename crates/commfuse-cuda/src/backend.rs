@@ -2,7 +2,7 @@
 //! plain device memory, and the plan kernel (kernels/plan.cu) launched on every GPU at once by
 //! one host thread per GPU.
 
-use crate::driver::{DeviceMemory, Event, Function, Gpu, MappedHost, Module, Stream};
+use crate::driver::{DeviceMemory, Event, Function, Gpu, Graph, MappedHost, Module, Stream};
 use crate::error::CudaError;
 use crate::nvrtc;
 use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
@@ -17,26 +17,35 @@ use std::time::Duration;
 
 /// Signal slots per lane on every GPU; plans need rows × cols of them.
 const PAD_SLOTS: usize = 1024;
-/// Bytes of the longest region a lane aims to handle.
+/// Bytes of the longest region a lane aims to handle. Measured on 2 × H200 (docs/perf.md):
+/// 64 KiB per lane serves messages from 4 MiB up; 4 KiB per lane for every message made 4–16 MiB
+/// calls 10 µs slower; one block per small message was latency-bound (64 KiB took 20 µs).
 const LANE_TARGET_BYTES: usize = 64 << 10;
+/// Small messages still get this many lanes, down to LANE_MIN_BYTES each.
+const LANE_MIN_COUNT: usize = 16;
+const LANE_MIN_BYTES: usize = 4 << 10;
 
+/// One GPU's share of the backend. Fields drop in order, and the context (`gpu`) must outlive
+/// everything allocated in it, so it comes last.
 pub(crate) struct Rank {
-    pub gpu: Gpu,
     pub stream: Stream,
     _module: Module,
     /// plan kernels by [dtype][reduce op]
     kernels: [[Function; 4]; 3],
     pads: DeviceMemory,
     bases: DeviceMemory,
+    pub gpu: Gpu,
 }
 
 pub struct CudaBackend {
-    pub(crate) ranks: Vec<Rank>,
+    // drop order: NCCL communicators and the mapped record need live contexts, so `ranks`
+    // (which owns the contexts) comes last
+    pub(crate) nccl: OnceLock<Result<crate::nccl::Comms, String>>,
     error: MappedHost<ErrorRecord>,
     max_lanes: u32,
     timeout: Duration,
     broken: AtomicBool,
-    pub(crate) nccl: OnceLock<Result<crate::nccl::Comms, String>>,
+    pub(crate) ranks: Vec<Rank>,
 }
 
 fn dtype_index(d: DType) -> usize {
@@ -91,8 +100,8 @@ impl CudaBackend {
             let kernels = <[[Function; 4]; 3]>::try_from(kernels).ok().unwrap();
             // lanes spin on their peers' lanes: all must be resident at once
             let resident = kernels[0][0].max_blocks_per_sm(THREADS)? * gpu.sm_count;
-            max_lanes = max_lanes.min(resident).min(2 * gpu.sm_count);
-            let pad_bytes = max_lanes.max(2 * gpu.sm_count) as usize * PAD_SLOTS * 8;
+            max_lanes = max_lanes.min(resident).min(4 * gpu.sm_count);
+            let pad_bytes = max_lanes.max(4 * gpu.sm_count) as usize * PAD_SLOTS * 8;
             ranks.push(Rank {
                 stream: Stream::new(&gpu)?,
                 pads: DeviceMemory::zeroed(&gpu, pad_bytes)?,
@@ -247,11 +256,21 @@ impl<T: Element> HostMirrors<T> {
     }
 }
 
-/// Runs `launch(rank, i)` for `iters` back-to-back iterations on every rank's stream, one host
-/// thread per GPU, with an event between iterations; returns per-iteration per-rank times.
+/// How a batch of calls is issued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Issue {
+    /// One launch per call from the host, an event between calls.
+    Launches,
+    /// The whole batch captured into a graph and replayed once (after one warm replay).
+    Graph,
+}
+
+/// Runs `launch(rank)` `iters` times back to back on every rank's stream, one host thread per
+/// GPU starting together; returns per-iteration per-rank times.
 pub(crate) fn timed_iterations(
     ranks: &[Rank],
     iters: usize,
+    issue: Issue,
     launch: &(dyn Fn(usize, &Rank) -> Result<(), BackendError> + Sync),
 ) -> Result<Vec<CallTiming>, BackendError> {
     let start = std::sync::Barrier::new(ranks.len());
@@ -263,24 +282,52 @@ pub(crate) fn timed_iterations(
                 let start = &start;
                 s.spawn(move || -> Result<Vec<Duration>, BackendError> {
                     rank.gpu.bind()?;
-                    let events: Vec<Event> = (0..=iters)
-                        .map(|_| Event::new(&rank.gpu))
-                        .collect::<Result<_, _>>()?;
-                    start.wait();
-                    events[0].record(&rank.stream)?;
-                    for event in &events[1..] {
-                        launch(r, rank)?;
-                        event.record(&rank.stream)?;
+                    match issue {
+                        Issue::Launches => {
+                            let events: Vec<Event> = (0..=iters)
+                                .map(|_| Event::new(&rank.gpu))
+                                .collect::<Result<_, _>>()?;
+                            start.wait();
+                            events[0].record(&rank.stream)?;
+                            for event in &events[1..] {
+                                launch(r, rank)?;
+                                event.record(&rank.stream)?;
+                            }
+                            rank.stream.synchronize()?;
+                            events
+                                .windows(2)
+                                .map(|w| {
+                                    Ok(Duration::from_secs_f64(
+                                        w[0].elapsed_ms(&w[1])? as f64 / 1e3,
+                                    ))
+                                })
+                                .collect()
+                        }
+                        Issue::Graph => {
+                            let mut failed = None;
+                            let graph = Graph::capture(&rank.stream, || {
+                                for _ in 0..iters {
+                                    if let Err(e) = launch(r, rank) {
+                                        failed = Some(e);
+                                        break;
+                                    }
+                                }
+                                Ok(())
+                            })?;
+                            if let Some(e) = failed {
+                                return Err(e);
+                            }
+                            let (begin, end) = (Event::new(&rank.gpu)?, Event::new(&rank.gpu)?);
+                            start.wait();
+                            graph.launch(&rank.stream)?;
+                            begin.record(&rank.stream)?;
+                            graph.launch(&rank.stream)?;
+                            end.record(&rank.stream)?;
+                            rank.stream.synchronize()?;
+                            let each = begin.elapsed_ms(&end)? as f64 / 1e3 / iters.max(1) as f64;
+                            Ok(vec![Duration::from_secs_f64(each); iters])
+                        }
                     }
-                    rank.stream.synchronize()?;
-                    events
-                        .windows(2)
-                        .map(|w| {
-                            Ok(Duration::from_secs_f64(
-                                w[0].elapsed_ms(&w[1])? as f64 / 1e3,
-                            ))
-                        })
-                        .collect()
                 })
             })
             .collect();
@@ -340,7 +387,14 @@ impl<'a, T: Element> CudaCall<'a, T> {
                 scratch: b.scratch.addr(),
             })
             .collect();
-        let lanes = plan_table::lanes(plan, eb, LANE_TARGET_BYTES, backend.max_lanes);
+        let lanes = plan_table::lanes(
+            plan,
+            eb,
+            LANE_TARGET_BYTES,
+            LANE_MIN_BYTES,
+            LANE_MIN_COUNT,
+            backend.max_lanes,
+        );
         let mut pads = [0u64; MAX_RANKS];
         for (r, rank) in backend.ranks.iter().enumerate() {
             pads[r] = rank.pads.addr();
@@ -351,14 +405,14 @@ impl<'a, T: Element> CudaCall<'a, T> {
             let table = plan_table::encode(plan, r, &addrs, eb);
             let steps = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(&table.steps[..]))?;
             steps.upload(&rank.gpu, &table.steps)?;
-            let srcs = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(&table.srcs[..]))?;
-            srcs.upload(&rank.gpu, &table.srcs)?;
+            let srcs = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(&table.regions[..]))?;
+            srcs.upload(&rank.gpu, &table.regions)?;
             let inc = plan.slot_increments(r);
             let increments = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(inc))?;
             increments.upload(&rank.gpu, inc)?;
             args.push(PlanArgs {
                 steps: steps.addr(),
-                srcs: srcs.addr(),
+                regions: srcs.addr(),
                 pads,
                 bases: rank.bases.addr(),
                 increments: increments.addr(),
@@ -424,12 +478,34 @@ impl<T: Element> PreparedCall for CudaCall<'_, T> {
     }
 
     fn run_many(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
+        self.run_issued(iters, Issue::Launches)
+    }
+
+    fn run_graph(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
+        self.run_issued(iters, Issue::Graph)
+    }
+
+    fn download(&mut self) -> Result<(), BackendError> {
+        self.host.download(&self.backend.ranks, &self.bufs)
+    }
+
+    fn input(&self, rank: usize) -> HostSlice<'_> {
+        T::host(&self.host.input[rank])
+    }
+
+    fn output(&self, rank: usize) -> HostSlice<'_> {
+        T::host(&self.host.output[rank])
+    }
+}
+
+impl<T: Element> CudaCall<'_, T> {
+    fn run_issued(&mut self, iters: usize, issue: Issue) -> Result<Vec<CallTiming>, BackendError> {
         self.backend.check_usable()?;
         self.backend.error.write(ErrorRecord::default());
         // rank r's kernel lives in rank r's module (its own context)
         let (dt, op) = (dtype_index(T::DTYPE), self.reduce_index);
         let (args, lanes) = (&self.args, self.lanes);
-        let result = timed_iterations(&self.backend.ranks, iters, &|r, rank| {
+        let result = timed_iterations(&self.backend.ranks, iters, issue, &|r, rank| {
             let f = rank.kernels[dt][op];
             // SAFETY: PlanArgs mirrors the kernel's parameter; every address in it belongs to
             // buffers, tables and pads that outlive the launch (we synchronize before returning)
@@ -444,17 +520,5 @@ impl<T: Element> PreparedCall for CudaCall<'_, T> {
             self.backend.mark_broken();
         }
         result
-    }
-
-    fn download(&mut self) -> Result<(), BackendError> {
-        self.host.download(&self.backend.ranks, &self.bufs)
-    }
-
-    fn input(&self, rank: usize) -> HostSlice<'_> {
-        T::host(&self.host.input[rank])
-    }
-
-    fn output(&self, rank: usize) -> HostSlice<'_> {
-        T::host(&self.host.output[rank])
     }
 }

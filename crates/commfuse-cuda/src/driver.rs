@@ -349,6 +349,75 @@ impl Drop for Event {
     }
 }
 
+/// A stream capture turned into an executable graph: replaying it launches everything captured
+/// with one call, so launch overhead stops counting (how small messages are timed).
+pub struct Graph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+// SAFETY: graph handles are usable from any thread with the owning context bound.
+unsafe impl Send for Graph {}
+
+impl Graph {
+    /// Captures what `record` enqueues on `stream` (which must be idle).
+    pub fn capture(
+        stream: &Stream,
+        record: impl FnOnce() -> Result<(), CudaError>,
+    ) -> Result<Graph, CudaError> {
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // SAFETY: live stream
+        drv("cuStreamBeginCapture", unsafe {
+            result::stream::begin_capture(stream.raw, mode)
+        })?;
+        let recorded = record();
+        // SAFETY: the capture begun above
+        let graph = drv("cuStreamEndCapture", unsafe {
+            result::stream::end_capture(stream.raw)
+        })?;
+        if let Err(e) = recorded {
+            // SAFETY: graph from the capture, unused
+            unsafe {
+                let _ = result::graph::destroy(graph);
+            }
+            return Err(e);
+        }
+        let flags = sys::CUgraphInstantiate_flags(0);
+        // SAFETY: a complete graph
+        let exec = match unsafe { result::graph::instantiate(graph, flags) } {
+            Ok(exec) => exec,
+            Err(e) => {
+                // SAFETY: as above
+                unsafe {
+                    let _ = result::graph::destroy(graph);
+                }
+                return Err(CudaError::Driver {
+                    call: "cuGraphInstantiate",
+                    message: format!("{e:?}"),
+                });
+            }
+        };
+        Ok(Graph { graph, exec })
+    }
+
+    pub fn launch(&self, stream: &Stream) -> Result<(), CudaError> {
+        // SAFETY: live executable graph and stream
+        drv("cuGraphLaunch", unsafe {
+            result::graph::launch(self.exec, stream.raw)
+        })
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: live handles, nothing replays them any more
+        unsafe {
+            let _ = result::graph::exec_destroy(self.exec);
+            let _ = result::graph::destroy(self.graph);
+        }
+    }
+}
+
 /// A loaded cubin.
 pub struct Module {
     raw: sys::CUmodule,

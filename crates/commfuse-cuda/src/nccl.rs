@@ -5,7 +5,7 @@
 //! NVLink multicast (NVLS) must never be used on the project's machines: the CLI sets
 //! NCCL_NVLS_ENABLE=0 before any NCCL call, and `Comms::new` refuses to start without it.
 
-use crate::backend::{timed_iterations, CudaBackend, HostMirrors, Rank, RankBuffers};
+use crate::backend::{timed_iterations, CudaBackend, HostMirrors, Issue, Rank, RankBuffers};
 use crate::error::CudaError;
 use commfuse_core::backend::{BackendError, CallTiming, HostSlice, HostSliceMut, PreparedCall};
 use commfuse_core::op::chunk_range;
@@ -340,14 +340,17 @@ impl<T: Element> PreparedCall for BaselineCall<'_, T> {
     }
 
     fn run_many(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
-        let timings = timed_iterations(&self.backend.ranks, iters, &|r, rank| self.issue(r, rank))?;
-        if self.kind == Kind::CopyEngine {
-            // pushes into a peer finish on the pusher's stream: wait for all before reading
-            for rank in &self.backend.ranks {
-                rank.gpu.synchronize()?;
-            }
-        }
-        Ok(timings)
+        self.run_issued(iters, Issue::Launches)
+    }
+
+    fn run_graph(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
+        // peer copies between two contexts cannot be captured into one stream's graph
+        let issue = if self.kind == Kind::CopyEngine {
+            Issue::Launches
+        } else {
+            Issue::Graph
+        };
+        self.run_issued(iters, issue)
     }
 
     fn download(&mut self) -> Result<(), BackendError> {
@@ -360,5 +363,20 @@ impl<T: Element> PreparedCall for BaselineCall<'_, T> {
 
     fn output(&self, rank: usize) -> HostSlice<'_> {
         T::host(&self.host.output[rank])
+    }
+}
+
+impl<T: Element> BaselineCall<'_, T> {
+    fn run_issued(&mut self, iters: usize, issue: Issue) -> Result<Vec<CallTiming>, BackendError> {
+        let timings = timed_iterations(&self.backend.ranks, iters, issue, &|r, rank| {
+            self.issue(r, rank)
+        })?;
+        if self.kind == Kind::CopyEngine {
+            // pushes into a peer finish on the pusher's stream: wait for all before reading
+            for rank in &self.backend.ranks {
+                rank.gpu.synchronize()?;
+            }
+        }
+        Ok(timings)
     }
 }

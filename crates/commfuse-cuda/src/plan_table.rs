@@ -25,13 +25,20 @@ pub const STEP_REDUCE: u32 = 3;
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct DeviceStep {
     pub kind: u32,
-    pub nsrc: u32,
+    /// wait/notify: slot index within a lane (row × cols + col)
     pub slot: u32,
+    /// notify: target rank
     pub peer: u32,
+    pub nsrc: u32,
+    /// wait: expected value (relative to the epoch base); notify: amount added
     pub value: u64,
+    /// sources at regions[src_begin ..][..nsrc], destinations at regions[dst_begin ..][..ndst]
     pub src_begin: u32,
+    pub ndst: u32,
+    pub dst_begin: u32,
     pub pad: u32,
-    pub dst: DeviceRegion,
+    /// elements in every region of the step
+    pub len: u64,
 }
 
 #[repr(C)]
@@ -51,7 +58,7 @@ pub struct ErrorRecord {
 #[derive(Debug, Clone, Copy)]
 pub struct PlanArgs {
     pub steps: u64,
-    pub srcs: u64,
+    pub regions: u64,
     pub pads: [u64; MAX_RANKS],
     pub bases: u64,
     pub increments: u64,
@@ -82,11 +89,11 @@ impl BufferAddrs {
     }
 }
 
-/// One rank's steps and source list, with addresses resolved.
+/// One rank's steps and region list, with addresses resolved.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RankTable {
     pub steps: Vec<DeviceStep>,
-    pub srcs: Vec<DeviceRegion>,
+    pub regions: Vec<DeviceRegion>,
 }
 
 fn resolve(region: &Region, addrs: &[BufferAddrs], elem_bytes: usize) -> DeviceRegion {
@@ -107,7 +114,7 @@ pub fn encode(
     let cols = p.pad_cols;
     let mut table = RankTable {
         steps: Vec::new(),
-        srcs: Vec::new(),
+        regions: Vec::new(),
     };
     for step in &p.steps[rank] {
         let mut d = DeviceStep::default();
@@ -125,21 +132,24 @@ pub fn encode(
                 d.peer = *peer as u32;
                 d.value = *value;
             }
-            Step::Copy { src, dst } => {
-                d.kind = STEP_COPY;
-                d.nsrc = 1;
-                d.src_begin = table.srcs.len() as u32;
-                table.srcs.push(resolve(src, addrs, elem_bytes));
-                d.dst = resolve(dst, addrs, elem_bytes);
-            }
-            Step::Reduce { srcs, dst } => {
-                d.kind = STEP_REDUCE;
+            Step::Copy { .. } | Step::Reduce { .. } => {
+                let (srcs, dsts) = step.regions();
+                d.kind = if matches!(step, Step::Copy { .. }) {
+                    STEP_COPY
+                } else {
+                    STEP_REDUCE
+                };
+                d.len = dsts[0].len as u64;
                 d.nsrc = srcs.len() as u32;
-                d.src_begin = table.srcs.len() as u32;
+                d.src_begin = table.regions.len() as u32;
                 table
-                    .srcs
+                    .regions
                     .extend(srcs.iter().map(|s| resolve(s, addrs, elem_bytes)));
-                d.dst = resolve(dst, addrs, elem_bytes);
+                d.ndst = dsts.len() as u32;
+                d.dst_begin = table.regions.len() as u32;
+                table
+                    .regions
+                    .extend(dsts.iter().map(|s| resolve(s, addrs, elem_bytes)));
             }
         }
         table.steps.push(d);
@@ -155,21 +165,30 @@ pub struct Lanes {
     pub len: u64,
 }
 
-/// About `target_bytes` per lane for the largest region, at most `max` lanes.
-pub fn lanes(plan: &CheckedPlan, elem_bytes: usize, target_bytes: usize, max: u32) -> Lanes {
+/// Lanes for the largest region: about `target_bytes` each, but at least `min_lanes` (down to
+/// `min_bytes` each) so that small messages spread their link latency over several blocks, and
+/// at most `max`.
+pub fn lanes(
+    plan: &CheckedPlan,
+    elem_bytes: usize,
+    target_bytes: usize,
+    min_bytes: usize,
+    min_lanes: usize,
+    max: u32,
+) -> Lanes {
     let longest = plan
         .plan()
         .steps
         .iter()
         .flatten()
-        .filter_map(|s| match s {
-            Step::Copy { dst, .. } | Step::Reduce { dst, .. } => Some(dst.len),
-            _ => None,
-        })
+        .filter_map(|s| s.regions().1.first().map(|d| d.len))
         .max()
         .unwrap_or(0);
-    let wanted = (longest * elem_bytes)
+    let bytes = longest * elem_bytes;
+    let floor = min_lanes.min(bytes.div_ceil(min_bytes)).max(1);
+    let wanted = bytes
         .div_ceil(target_bytes)
+        .max(floor)
         .clamp(1, max.max(1) as usize);
     let len = longest
         .div_ceil(wanted)
@@ -191,6 +210,7 @@ mod tests {
         // sizes fixed by kernels/plan.cu and kernels/common.cuh
         assert_eq!(std::mem::size_of::<DeviceRegion>(), 16);
         assert_eq!(std::mem::size_of::<DeviceStep>(), 48);
+        assert_eq!(std::mem::offset_of!(DeviceStep, len), 40);
         assert_eq!(std::mem::size_of::<ErrorRecord>(), 40);
         assert_eq!(
             std::mem::size_of::<PlanArgs>(),
@@ -221,23 +241,24 @@ mod tests {
         ];
         let t = encode(&plan, 1, &addrs, 2);
         let reduce = t.steps.iter().find(|s| s.kind == STEP_REDUCE).unwrap();
-        assert_eq!(reduce.nsrc, 2);
+        assert_eq!((reduce.nsrc, reduce.ndst, reduce.len), (2, 1, 10));
+        let at = |i: u32| t.regions[i as usize];
         assert_eq!(
-            t.srcs[reduce.src_begin as usize],
+            at(reduce.src_begin),
             DeviceRegion {
                 ptr: 0x1000,
                 len: 10
             }
         );
         assert_eq!(
-            t.srcs[reduce.src_begin as usize + 1],
+            at(reduce.src_begin + 1),
             DeviceRegion {
                 ptr: 0x5000,
                 len: 10
             }
         );
         assert_eq!(
-            reduce.dst,
+            at(reduce.dst_begin),
             DeviceRegion {
                 ptr: 0x6000,
                 len: 10
@@ -253,12 +274,17 @@ mod tests {
         let spec = OpSpec::new(OpKind::AllReduce, 2, 1_000_003, 0).unwrap();
         let plan =
             check(build_plan(spec, Algo::OneShot, &Topology::new(2, 1).unwrap()).unwrap()).unwrap();
-        let l = lanes(&plan, 4, 64 << 10, 264);
+        let l = lanes(&plan, 4, 64 << 10, 4 << 10, 16, 264);
         assert_eq!(l.len % 64, 0);
         assert!(l.len * l.count as u64 >= 1_000_003);
         assert!(l.len * (l.count as u64 - 1) < 1_000_003);
         assert!(l.count <= 264);
-        let tiny = lanes(&plan, 4, 1 << 30, 264);
+        let tiny = lanes(&plan, 4, 1 << 30, 1 << 30, 16, 264);
         assert_eq!(tiny.count, 1);
+        // a small message still gets several lanes
+        let spec = OpSpec::new(OpKind::AllReduce, 2, 32 << 10, 0).unwrap();
+        let plan =
+            check(build_plan(spec, Algo::OneShot, &Topology::new(2, 1).unwrap()).unwrap()).unwrap();
+        assert_eq!(lanes(&plan, 2, 64 << 10, 4 << 10, 16, 264).count, 16);
     }
 }

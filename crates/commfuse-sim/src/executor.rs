@@ -57,16 +57,19 @@ pub(crate) fn run_rank<T: Element>(
             Step::Notify {
                 peer, slot, value, ..
             } => ctx.notify(*peer, *slot, *value, NotifyOp::Add)?,
-            Step::Copy { src, dst } => {
-                // SAFETY: regions are in bounds (checked plan) and their accesses are ordered
-                // by the plan's signals; source and destination do not overlap.
-                unsafe { std::ptr::copy_nonoverlapping(bufs.ptr(src), bufs.ptr(dst), src.len) }
+            Step::Copy { src, dsts } => {
+                for dst in dsts {
+                    // SAFETY: regions are in bounds (checked plan) and their accesses are
+                    // ordered by the plan's signals; source and destinations do not overlap.
+                    unsafe { std::ptr::copy_nonoverlapping(bufs.ptr(src), bufs.ptr(dst), src.len) }
+                }
             }
-            Step::Reduce { srcs, dst } => {
+            Step::Reduce { srcs, dsts } => {
                 let srcs: Vec<*const T> = srcs.iter().map(|s| bufs.ptr(s) as *const T).collect();
-                // SAFETY: as for Copy; dst is either disjoint from every source or equal to one,
-                // and each block is read completely before it is written.
-                unsafe { reduce_into(&srcs, bufs.ptr(dst), dst.len, reduce) }
+                let outs: Vec<*mut T> = dsts.iter().map(|d| bufs.ptr(d)).collect();
+                // SAFETY: as for Copy; a dst is either disjoint from every source or equal to
+                // one, and each block is read completely before it is written.
+                unsafe { reduce_into(&srcs, &outs, dsts[0].len, reduce) }
             }
         }
     }
@@ -86,14 +89,14 @@ fn fold<T: Element>(acc: &mut [f32], src: &[T], f: impl Fn(f32, f32) -> f32) {
     }
 }
 
-/// dst[i] = srcs[0][i] ⊕ srcs[1][i] ⊕ … accumulated in f32, rounded once.
+/// dst[i] = srcs[0][i] ⊕ srcs[1][i] ⊕ … accumulated in f32, rounded once, for every dst.
 ///
 /// # Safety
-/// Every pointer must be valid for `len` elements; `dst` may equal a source but not partly
-/// overlap one; no other thread may write the sources or access `dst` meanwhile.
+/// Every pointer must be valid for `len` elements; a dst may equal a source but not partly
+/// overlap one; no other thread may write the sources or access a dst meanwhile.
 pub(crate) unsafe fn reduce_into<T: Element>(
     srcs: &[*const T],
-    dst: *mut T,
+    dsts: &[*mut T],
     len: usize,
     op: ReduceOp,
 ) {
@@ -115,9 +118,11 @@ pub(crate) unsafe fn reduce_into<T: Element>(
                 ReduceOp::Prod => fold(acc, src, |a, b| a * b),
             }
         }
-        let out = std::slice::from_raw_parts_mut(dst.add(start), n);
-        for (o, a) in out.iter_mut().zip(acc.iter()) {
-            *o = T::from_f32(*a);
+        for dst in dsts {
+            let out = std::slice::from_raw_parts_mut(dst.add(start), n);
+            for (o, a) in out.iter_mut().zip(acc.iter()) {
+                *o = T::from_f32(*a);
+            }
         }
         start += n;
     }

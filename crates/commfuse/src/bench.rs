@@ -26,9 +26,13 @@ pub struct BenchConfig {
     /// Stop iterating a size once this much time went into it (at least one iteration runs).
     pub budget: Duration,
     pub check: bool,
+    /// Time through captured graphs (launch overhead left out for us and the baselines)
+    pub graph: bool,
+    /// The cost model's link figures for the model column
+    pub model: commfuse_core::topology::LinkModel,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct BenchRow {
     pub algo: String,
     pub bytes: u64,
@@ -45,7 +49,7 @@ pub struct BenchRow {
     pub baseline: bool,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct BenchReport {
     pub op: OpKind,
     pub backend: String,
@@ -70,7 +74,12 @@ fn measure(call: &mut dyn PreparedCall, cfg: &BenchConfig) -> Result<Vec<Duratio
     let mut times = Vec::with_capacity(cfg.iters);
     while times.len() < cfg.iters.max(1) {
         let batch = (cfg.iters.max(1) - times.len()).min(BATCH);
-        times.extend(call.run_many(batch)?.iter().map(|t| t.slowest()));
+        let timed = if cfg.graph {
+            call.run_graph(batch)?
+        } else {
+            call.run_many(batch)?
+        };
+        times.extend(timed.iter().map(|t| t.slowest()));
         if started.elapsed() > cfg.budget {
             break;
         }
@@ -113,7 +122,10 @@ pub fn run(
             let (mut call, predicted_us) = match algo {
                 Some(_) => (
                     backend.prepare(&checked, cfg.dtype, cfg.reduce)?,
-                    Some(CostCard::of(&checked, &topology, cfg.dtype.size()).predicted_us),
+                    Some(
+                        CostCard::of(&checked, &topology.with_model(cfg.model), cfg.dtype.size())
+                            .predicted_us,
+                    ),
                 ),
                 None => match backend.prepare_baseline(name, &spec, cfg.dtype, cfg.reduce) {
                     Ok(call) => (call, None),

@@ -35,6 +35,45 @@ pub enum Command {
     Verify(VerifyArgs),
     /// Compile every kernel with NVRTC for sm_90a (no GPU needed)
     Kernels(KernelsArgs),
+    /// Fit the cost model's link figures to measured bench tables (bench --json files)
+    Calibrate(CalibrateArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct CalibrateArgs {
+    /// bench --json files measured on the machine to model
+    #[arg(required = true)]
+    pub reports: Vec<PathBuf>,
+    /// Fit and judge only rows of at least this many bytes
+    #[arg(long, default_value = "8M")]
+    pub min_size: String,
+    /// Write the fitted figures as JSON (for --link-gbps/--latency-us/--launch-us)
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// The cost model's link figures (defaults: HARDWARE.md's measured ceilings).
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Link bandwidth per rank and direction, GB/s
+    #[arg(long, default_value_t = 370.0)]
+    pub link_gbps: f64,
+    /// One-way signal latency, µs
+    #[arg(long, default_value_t = 1.2)]
+    pub latency_us: f64,
+    /// Launch cost of one call, µs
+    #[arg(long, default_value_t = 5.0)]
+    pub launch_us: f64,
+}
+
+impl ModelArgs {
+    fn model(&self) -> commfuse_core::topology::LinkModel {
+        commfuse_core::topology::LinkModel {
+            link_gbps: self.link_gbps,
+            latency_us: self.latency_us,
+            launch_us: self.launch_us,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -174,6 +213,12 @@ pub struct BenchArgs {
     /// Skip the baselines (NCCL, copy engine) the backend offers
     #[arg(long)]
     pub no_baselines: bool,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Time batches replayed from captured CUDA graphs (for small messages: launch overhead
+    /// then counts for neither us nor the baselines)
+    #[arg(long)]
+    pub graph: bool,
     /// Write the results as JSON
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -211,7 +256,43 @@ pub fn execute(cli: Cli) -> Result<i32> {
         Command::Bench(a) => bench_cmd(a),
         Command::Verify(a) => verify_cmd(a),
         Command::Kernels(a) => kernels_cmd(a),
+        Command::Calibrate(a) => calibrate_cmd(a),
     }
+}
+
+fn calibrate_cmd(a: CalibrateArgs) -> Result<i32> {
+    let mut reports = Vec::new();
+    for path in &a.reports {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let report: crate::bench::BenchReport = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a bench --json file", path.display()))?;
+        reports.push(report);
+    }
+    let min = crate::sizes::parse_size(&a.min_size)?;
+    let samples = crate::calibrate::samples(&reports, min)?;
+    let (_, before) = crate::calibrate::report(&samples, Default::default());
+    let model = crate::calibrate::fit(&samples);
+    let (table, worst) = crate::calibrate::report(&samples, model);
+    println!(
+        "fitted on {} rows of at least {}: --link-gbps {:.1} --latency-us {:.2} --launch-us {:.2}",
+        samples.len(),
+        crate::sizes::format_size(min),
+        model.link_gbps,
+        model.latency_us,
+        model.launch_us
+    );
+    println!("{table}");
+    println!(
+        "worst error {:.1}% after calibration ({:.1}% with the defaults)",
+        100.0 * worst,
+        100.0 * before
+    );
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&model)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(0)
 }
 
 fn kernels_cmd(a: KernelsArgs) -> Result<i32> {
@@ -307,6 +388,8 @@ fn bench_cmd(a: BenchArgs) -> Result<i32> {
         iters: a.iters,
         budget: Duration::from_millis(a.budget_ms),
         check: !a.no_check,
+        graph: a.graph,
+        model: a.model.model(),
     };
     println!(
         "{}",
@@ -355,7 +438,7 @@ fn verify_cmd(a: VerifyArgs) -> Result<i32> {
         "  {:<15} {:<11} {:<5} {:>5} {:>7} {:>10}",
         "op", "algo", "type", "runs", "result", "max error"
     );
-    let rows = verify::run(&placement, &a.ranks, seed, |row| {
+    let rows = verify::run(&placement, &worlds, seed, |row| {
         println!("{}", verify::format_row(row))
     })?;
     if let Some(path) = &a.json {

@@ -7,6 +7,7 @@
 
 pub mod backends;
 pub mod bench;
+pub mod calibrate;
 pub mod cli;
 pub mod driver;
 pub mod dump;

@@ -32,26 +32,30 @@ pub(super) fn one_shot(b: &mut PlanBuilder) {
     handshake(b, rows + 1);
 }
 
-/// Two-phase: rank r reduces chunk r of all inputs into its output (a direct reduce-scatter),
-/// announces it, then copies every peer's finished chunk (a direct all-gather).
+/// Two-phase: rank r reduces chunk r of all inputs (a direct reduce-scatter) and, in the same
+/// pass, stores the result into every rank's output (a direct all-gather by push), then signals
+/// each peer. Loads of the peers' inputs and stores into their outputs run at once, so both
+/// directions of every link carry data during the single pass.
 ///
-/// Cost card: 2 data steps per rank, receiving 2(P−1)/P·n elements; 3(P−1) signals; no scratch.
+/// Cost card: 1 data step per rank receiving (P−1)/P·n elements by loads and sending (P−1)/P·n
+/// by stores; 3(P−1) signals; no scratch.
 pub(super) fn two_phase(b: &mut PlanBuilder) {
     let (p, n) = (b.world(), b.spec().count);
     let rows = b.rows(3);
+    // entry: "my input is ready and my output may be written"
     handshake(b, rows);
     for r in 0..p {
         let c = chunk_range(n, p, r);
         let srcs = (0..p).map(|q| input(q, c.clone())).collect();
-        b.reduce(r, srcs, output(r, c));
+        let dsts = std::iter::once(r)
+            .chain(staggered_peers(r, p))
+            .map(|q| output(q, c.clone()))
+            .collect();
+        b.reduce_to(r, srcs, dsts);
     }
+    // "my chunk is in your output"
     handshake(b, rows + 1);
-    for r in 0..p {
-        for q in staggered_peers(r, p) {
-            let c = chunk_range(n, p, q);
-            b.copy(r, output(q, c.clone()), output(r, c));
-        }
-    }
+    // exit: "I no longer read your input"
     handshake(b, rows + 2);
 }
 

@@ -6,9 +6,9 @@ use crate::op::chunk_range;
 use crate::plan::{PlanBuilder, Slot};
 
 /// Direct (push from the root): each rank tells the root its output is free; the root stores
-/// the message into every output and signals each.
+/// the message into every output in one pass and signals each.
 ///
-/// Cost card: the root sends (P−1)·n elements in P−1 steps; 2(P−1) signals; no scratch.
+/// Cost card: the root sends (P−1)·n elements in 1 step; 2(P−1) signals; no scratch.
 pub(super) fn direct(b: &mut PlanBuilder) {
     let (p, n, root) = (b.world(), b.spec().count, b.spec().root);
     let ready = b.rows(2);
@@ -19,9 +19,12 @@ pub(super) fn direct(b: &mut PlanBuilder) {
     for r in staggered_peers(root, p) {
         b.wait(root, Slot::new(ready, r as u32), 1);
     }
-    b.copy(root, input(root, 0..n), output(root, 0..n));
+    let dsts = std::iter::once(root)
+        .chain(staggered_peers(root, p))
+        .map(|q| output(q, 0..n))
+        .collect();
+    b.copy_to(root, input(root, 0..n), dsts);
     for q in staggered_peers(root, p) {
-        b.copy(root, input(root, 0..n), output(q, 0..n));
         b.signal(root, q, Slot::new(data, 0));
     }
     for r in staggered_peers(root, p) {

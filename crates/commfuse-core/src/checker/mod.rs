@@ -76,12 +76,11 @@ fn check_lane_alignment(plan: &Plan) -> Result<(), PlanError> {
     let mut by_buffer: HashMap<(usize, usize), Vec<Use>> = HashMap::new();
     for (r, steps) in plan.steps.iter().enumerate() {
         for (i, step) in steps.iter().enumerate() {
-            let (srcs, dst): (&[Region], &Region) = match step {
-                Step::Copy { src, dst } => (std::slice::from_ref(src), dst),
-                Step::Reduce { srcs, dst } => (srcs, dst),
-                _ => continue,
-            };
-            let uses = srcs.iter().map(|g| (g, false)).chain([(dst, true)]);
+            let (srcs, dsts) = step.regions();
+            let uses = srcs
+                .iter()
+                .map(|g| (g, false))
+                .chain(dsts.iter().map(|g| (g, true)));
             for (region, written) in uses.filter(|(g, _)| g.len > 0) {
                 let list = by_buffer
                     .entry((region.rank, region.buffer.index()))
@@ -242,40 +241,42 @@ fn check_shape(plan: &Plan) -> Result<Vec<Vec<u64>>, PlanError> {
                     }
                     inc[*peer][s] += value;
                 }
-                Step::Copy { src, dst } => {
-                    check_region(plan, r, i, src)?;
-                    check_region(plan, r, i, dst)?;
-                    if src.len != dst.len {
+                Step::Copy { .. } | Step::Reduce { .. } => {
+                    let (srcs, dsts) = step.regions();
+                    let copy = matches!(step, Step::Copy { .. });
+                    if srcs.is_empty() || dsts.is_empty() {
                         return Err(malformed(
                             r,
                             i,
-                            format!("copies {src} into {dst} of a different length"),
+                            "a data step without source or destination".into(),
                         ));
                     }
-                    if src.overlaps(dst) {
-                        return Err(malformed(r, i, format!("copies {src} onto itself ({dst})")));
-                    }
-                }
-                Step::Reduce { srcs, dst } => {
-                    check_region(plan, r, i, dst)?;
-                    if srcs.is_empty() {
-                        return Err(malformed(r, i, "reduces no sources".into()));
-                    }
-                    for src in srcs {
-                        check_region(plan, r, i, src)?;
-                        if src.len != dst.len {
+                    for (k, dst) in dsts.iter().enumerate() {
+                        check_region(plan, r, i, dst)?;
+                        if let Some(other) = dsts[..k].iter().find(|o| o.overlaps(dst)) {
                             return Err(malformed(
                                 r,
                                 i,
-                                format!("reduces {src} into {dst} of a different length"),
+                                format!("writes {dst} and the overlapping {other} in one step"),
                             ));
                         }
-                        if src.overlaps(dst) && src != dst {
-                            return Err(malformed(
-                                r,
-                                i,
-                                format!("reduces {src} into the partly overlapping {dst}"),
-                            ));
+                        for src in srcs {
+                            check_region(plan, r, i, src)?;
+                            if src.len != dst.len {
+                                return Err(malformed(
+                                    r,
+                                    i,
+                                    format!("moves {src} into {dst} of a different length"),
+                                ));
+                            }
+                            // a reduction may run in place; a copy onto itself is a mistake
+                            if src.overlaps(dst) && (copy || src != dst) {
+                                return Err(malformed(
+                                    r,
+                                    i,
+                                    format!("reads {src} while writing the overlapping {dst}"),
+                                ));
+                            }
                         }
                     }
                 }
