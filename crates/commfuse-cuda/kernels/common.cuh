@@ -28,9 +28,21 @@ __device__ __forceinline__ u64 load_acquire_sys(const u64* p) {
     return v;
 }
 
+// A release at system scope: the caller's stores, and (by cumulativity through the block
+// barrier that precedes every notify) the stores of its whole block, become visible to any
+// thread that acquires the new value. No separate fence: red.release is one already, and the
+// extra fence.acq_rel.sys cost latency on every signal.
 __device__ __forceinline__ void add_release_sys(u64* p, u64 v) {
-    asm volatile("fence.acq_rel.sys;\n\tred.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+
+__device__ __forceinline__ u64 load_relaxed_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void fence_acquire_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 __device__ __forceinline__ u64 global_timer_ns() {
     u64 t;
@@ -47,8 +59,12 @@ __device__ bool wait_ge(const u64* slot, u64 expected, u64 timeout_ns, volatile 
     if (seen >= expected) return true;
     const u64 start = global_timer_ns();
     for (u32 spins = 1;; ++spins) {
-        seen = load_acquire_sys(slot);
-        if (seen >= expected) return true;
+        // poll with relaxed loads, then one fence makes the observed release an acquire
+        seen = load_relaxed_sys(slot);
+        if (seen >= expected) {
+            fence_acquire_sys();
+            return true;
+        }
         if ((spins & 255) == 0) {
             if (err->abort) return false;
             if (global_timer_ns() - start > timeout_ns) {
