@@ -186,9 +186,9 @@ impl Backend for CudaBackend {
             )));
         }
         Ok(match dtype {
-            DType::F32 => Box::new(CudaCall::<f32>::new(self, plan, reduce)?),
-            DType::BF16 => Box::new(CudaCall::<bf16>::new(self, plan, reduce)?),
-            DType::F16 => Box::new(CudaCall::<f16>::new(self, plan, reduce)?),
+            DType::F32 => Box::new(plan_call::<f32>(self, plan, reduce)?),
+            DType::BF16 => Box::new(plan_call::<bf16>(self, plan, reduce)?),
+            DType::F16 => Box::new(plan_call::<f16>(self, plan, reduce)?),
         })
     }
 
@@ -348,119 +348,73 @@ pub(crate) fn timed_iterations(
         .collect())
 }
 
-struct CudaCall<'a, T: Element> {
-    backend: &'a CudaBackend,
-    plan: CheckedPlan,
-    /// which of the four reduce-op kernels
-    reduce_index: usize,
-    lanes: Lanes,
-    bufs: Vec<RankBuffers>,
-    /// per rank: steps, sources, slot increments (the kernel reads them through `args`)
-    _tables: Vec<(DeviceMemory, DeviceMemory, DeviceMemory)>,
-    args: Vec<PlanArgs>,
-    host: HostMirrors<T>,
+/// What a prepared call enqueues on each GPU: the plan kernel, or a baseline.
+pub(crate) trait Launcher: Sync {
+    /// Enqueues one call on `on`'s stream; `bufs` are every rank's buffers of this call.
+    fn launch(&self, bufs: &[RankBuffers], rank: usize, on: &Rank) -> Result<(), BackendError>;
+    /// Whether the launches may be captured into a graph.
+    fn capturable(&self) -> bool {
+        true
+    }
+    /// Runs before a batch.
+    fn before(&self, _backend: &CudaBackend) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Sees the batch's outcome.
+    fn after(
+        &self,
+        _backend: &CudaBackend,
+        result: Result<Vec<CallTiming>, BackendError>,
+    ) -> Result<Vec<CallTiming>, BackendError> {
+        result
+    }
 }
 
-impl<'a, T: Element> CudaCall<'a, T> {
-    fn new(
+/// A call prepared on the GPUs: device buffers, their host mirrors, and what to launch.
+pub(crate) struct GpuCall<'a, T: Element, L: Launcher> {
+    pub backend: &'a CudaBackend,
+    pub bufs: Vec<RankBuffers>,
+    pub host: HostMirrors<T>,
+    pub launcher: L,
+}
+
+impl<'a, T: Element, L: Launcher> GpuCall<'a, T, L> {
+    /// Allocates `input`, `output` and `scratch` elements on every GPU.
+    pub fn new(
         backend: &'a CudaBackend,
-        plan: &CheckedPlan,
-        reduce: ReduceOp,
+        (input, output, scratch): (usize, usize, usize),
+        launcher: impl FnOnce(&[RankBuffers]) -> Result<L, BackendError>,
     ) -> Result<Self, BackendError> {
-        let p = plan.plan();
         let eb = std::mem::size_of::<T>();
-        let world = backend.ranks.len();
-        let mut bufs = Vec::with_capacity(world);
-        for rank in &backend.ranks {
-            bufs.push(RankBuffers::new(
-                &rank.gpu,
-                p.buffers.input * eb,
-                p.buffers.output * eb,
-                p.buffers.scratch * eb,
-            )?);
-        }
-        let addrs: Vec<BufferAddrs> = bufs
+        let bufs = backend
+            .ranks
             .iter()
-            .map(|b| BufferAddrs {
-                input: b.input.addr(),
-                output: b.output.addr(),
-                scratch: b.scratch.addr(),
-            })
-            .collect();
-        let lanes = plan_table::lanes(
-            plan,
-            eb,
-            LANE_TARGET_BYTES,
-            LANE_MIN_BYTES,
-            LANE_MIN_COUNT,
-            backend.max_lanes,
-        );
-        let mut pads = [0u64; MAX_RANKS];
-        for (r, rank) in backend.ranks.iter().enumerate() {
-            pads[r] = rank.pads.addr();
-        }
-        let mut tables = Vec::with_capacity(world);
-        let mut args = Vec::with_capacity(world);
-        for (r, rank) in backend.ranks.iter().enumerate() {
-            let table = plan_table::encode(plan, r, &addrs, eb);
-            let steps = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(&table.steps[..]))?;
-            steps.upload(&rank.gpu, &table.steps)?;
-            let srcs = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(&table.regions[..]))?;
-            srcs.upload(&rank.gpu, &table.regions)?;
-            let inc = plan.slot_increments(r);
-            let increments = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(inc))?;
-            increments.upload(&rank.gpu, inc)?;
-            args.push(PlanArgs {
-                steps: steps.addr(),
-                regions: srcs.addr(),
-                pads,
-                bases: rank.bases.addr(),
-                increments: increments.addr(),
-                error: backend.error.device_addr(),
-                lane_len: lanes.len,
-                timeout_ns: backend.timeout.as_nanos() as u64,
-                nsteps: table.steps.len() as u32,
-                rank: r as u32,
-                slots: p.pad_rows * p.pad_cols,
-                pad: 0,
-            });
-            tables.push((steps, srcs, increments));
-        }
-        Ok(CudaCall {
+            .map(|r| RankBuffers::new(&r.gpu, input * eb, output * eb, scratch * eb))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(GpuCall {
+            launcher: launcher(&bufs)?,
             backend,
-            plan: plan.clone(),
-            reduce_index: match reduce {
-                ReduceOp::Sum => 0,
-                ReduceOp::Max => 1,
-                ReduceOp::Min => 2,
-                ReduceOp::Prod => 3,
-            },
-            lanes,
+            host: HostMirrors::new(backend.ranks.len(), input, output),
             bufs,
-            _tables: tables,
-            args,
-            host: HostMirrors::new(world, p.buffers.input, p.buffers.output),
         })
     }
 
-    fn failure(&self) -> Option<BackendError> {
-        let rec = self.backend.error.read();
-        if rec.flag == 0 {
-            return None;
-        }
-        let cols = self.plan.plan().pad_cols;
-        Some(BackendError::DeviceWaitTimeout {
-            rank: rec.rank as usize,
-            lane: rec.lane,
-            slot: Slot::new(rec.slot / cols, rec.slot % cols),
-            expected: rec.expected,
-            seen: rec.seen,
-            timeout_ms: self.backend.timeout.as_millis() as u64,
-        })
+    fn run_issued(&mut self, iters: usize, issue: Issue) -> Result<Vec<CallTiming>, BackendError> {
+        let issue = if self.launcher.capturable() {
+            issue
+        } else {
+            Issue::Launches
+        };
+        self.launcher.before(self.backend)?;
+        let (launcher, bufs) = (&self.launcher, &self.bufs);
+        let result = timed_iterations(&self.backend.ranks, iters, issue, &|r, rank| {
+            launcher.launch(bufs, r, rank)
+        });
+        self.launcher.after(self.backend, result)
     }
 }
 
-impl<T: Element> PreparedCall for CudaCall<'_, T> {
+impl<T: Element, L: Launcher> PreparedCall for GpuCall<'_, T, L> {
     fn input_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
         T::host_mut(&mut self.host.input[rank])
     }
@@ -498,26 +452,150 @@ impl<T: Element> PreparedCall for CudaCall<'_, T> {
     }
 }
 
-impl<T: Element> CudaCall<'_, T> {
-    fn run_issued(&mut self, iters: usize, issue: Issue) -> Result<Vec<CallTiming>, BackendError> {
-        self.backend.check_usable()?;
-        self.backend.error.write(ErrorRecord::default());
+/// The plan kernel with its tables on every GPU.
+struct PlanLauncher {
+    plan: CheckedPlan,
+    /// which kernel: [dtype][reduce op]
+    dtype_index: usize,
+    reduce_index: usize,
+    lanes: Lanes,
+    /// per rank: steps, regions, slot increments (the kernel reads them through `args`)
+    _tables: Vec<(DeviceMemory, DeviceMemory, DeviceMemory)>,
+    args: Vec<PlanArgs>,
+}
+
+/// Prepares `plan` for elements of `T`.
+fn plan_call<'a, T: Element>(
+    backend: &'a CudaBackend,
+    plan: &CheckedPlan,
+    reduce: ReduceOp,
+) -> Result<GpuCall<'a, T, PlanLauncher>, BackendError> {
+    let b = plan.plan().buffers;
+    GpuCall::new(backend, (b.input, b.output, b.scratch), |bufs| {
+        PlanLauncher::new(backend, plan, T::DTYPE, reduce, bufs)
+    })
+}
+
+impl PlanLauncher {
+    fn new(
+        backend: &CudaBackend,
+        plan: &CheckedPlan,
+        dtype: DType,
+        reduce: ReduceOp,
+        bufs: &[RankBuffers],
+    ) -> Result<Self, BackendError> {
+        let p = plan.plan();
+        let eb = dtype.size();
+        let world = backend.ranks.len();
+        let addrs: Vec<BufferAddrs> = bufs
+            .iter()
+            .map(|b| BufferAddrs {
+                input: b.input.addr(),
+                output: b.output.addr(),
+                scratch: b.scratch.addr(),
+            })
+            .collect();
+        let lanes = plan_table::lanes(
+            plan,
+            eb,
+            LANE_TARGET_BYTES,
+            LANE_MIN_BYTES,
+            LANE_MIN_COUNT,
+            backend.max_lanes,
+        );
+        let mut pads = [0u64; MAX_RANKS];
+        for (r, rank) in backend.ranks.iter().enumerate() {
+            pads[r] = rank.pads.addr();
+        }
+        let mut tables = Vec::with_capacity(world);
+        let mut args = Vec::with_capacity(world);
+        for (r, rank) in backend.ranks.iter().enumerate() {
+            let table = plan_table::encode(plan, r, &addrs, eb);
+            let steps = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(&table.steps[..]))?;
+            steps.upload(&rank.gpu, &table.steps)?;
+            let regions =
+                DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(&table.regions[..]))?;
+            regions.upload(&rank.gpu, &table.regions)?;
+            let inc = plan.slot_increments(r);
+            let increments = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(inc))?;
+            increments.upload(&rank.gpu, inc)?;
+            args.push(PlanArgs {
+                steps: steps.addr(),
+                regions: regions.addr(),
+                pads,
+                bases: rank.bases.addr(),
+                increments: increments.addr(),
+                error: backend.error.device_addr(),
+                lane_len: lanes.len,
+                timeout_ns: backend.timeout.as_nanos() as u64,
+                nsteps: table.steps.len() as u32,
+                rank: r as u32,
+                slots: p.pad_rows * p.pad_cols,
+                pad: 0,
+            });
+            tables.push((steps, regions, increments));
+        }
+        Ok(PlanLauncher {
+            plan: plan.clone(),
+            dtype_index: dtype_index(dtype),
+            reduce_index: match reduce {
+                ReduceOp::Sum => 0,
+                ReduceOp::Max => 1,
+                ReduceOp::Min => 2,
+                ReduceOp::Prod => 3,
+            },
+            lanes,
+            _tables: tables,
+            args,
+        })
+    }
+
+    /// The timeout a kernel recorded, if any.
+    fn failure(&self, backend: &CudaBackend) -> Option<BackendError> {
+        let rec = backend.error.read();
+        if rec.flag == 0 {
+            return None;
+        }
+        let cols = self.plan.plan().pad_cols;
+        Some(BackendError::DeviceWaitTimeout {
+            rank: rec.rank as usize,
+            lane: rec.lane,
+            slot: Slot::new(rec.slot / cols, rec.slot % cols),
+            expected: rec.expected,
+            seen: rec.seen,
+            timeout_ms: backend.timeout.as_millis() as u64,
+        })
+    }
+}
+
+impl Launcher for PlanLauncher {
+    fn launch(&self, _bufs: &[RankBuffers], r: usize, rank: &Rank) -> Result<(), BackendError> {
         // rank r's kernel lives in rank r's module (its own context)
-        let (dt, op) = (dtype_index(T::DTYPE), self.reduce_index);
-        let (args, lanes) = (&self.args, self.lanes);
-        let result = timed_iterations(&self.backend.ranks, iters, issue, &|r, rank| {
-            let f = rank.kernels[dt][op];
-            // SAFETY: PlanArgs mirrors the kernel's parameter; every address in it belongs to
-            // buffers, tables and pads that outlive the launch (we synchronize before returning)
-            unsafe { f.launch(lanes.count, THREADS, &rank.stream, &args[r]) }
-                .map_err(BackendError::from)
-        });
-        if let Some(e) = self.failure() {
-            self.backend.mark_broken();
+        let f = rank.kernels[self.dtype_index][self.reduce_index];
+        // SAFETY: PlanArgs mirrors the kernel's parameter; every address in it belongs to
+        // buffers, tables and pads that outlive the launch (the batch synchronizes)
+        unsafe { f.launch(self.lanes.count, THREADS, &rank.stream, &self.args[r]) }
+            .map_err(BackendError::from)
+    }
+
+    fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {
+        backend.check_usable()?;
+        backend.error.write(ErrorRecord::default());
+        Ok(())
+    }
+
+    fn after(
+        &self,
+        backend: &CudaBackend,
+        result: Result<Vec<CallTiming>, BackendError>,
+    ) -> Result<Vec<CallTiming>, BackendError> {
+        // a timed-out or failed call leaves the pads mid-protocol
+        if let Some(e) = self.failure(backend) {
+            backend.mark_broken();
             return Err(e);
         }
         if result.is_err() {
-            self.backend.mark_broken();
+            backend.mark_broken();
         }
         result
     }

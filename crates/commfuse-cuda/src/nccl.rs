@@ -5,11 +5,11 @@
 //! NVLink multicast (NVLS) must never be used on the project's machines: the CLI sets
 //! NCCL_NVLS_ENABLE=0 before any NCCL call, and `Comms::new` refuses to start without it.
 
-use crate::backend::{timed_iterations, CudaBackend, HostMirrors, Issue, Rank, RankBuffers};
+use crate::backend::{CudaBackend, GpuCall, Launcher, Rank, RankBuffers};
 use crate::error::CudaError;
-use commfuse_core::backend::{BackendError, CallTiming, HostSlice, HostSliceMut, PreparedCall};
+use commfuse_core::backend::{BackendError, CallTiming, PreparedCall};
 use commfuse_core::op::chunk_range;
-use commfuse_core::{DType, Element, OpKind, OpSpec, ReduceOp};
+use commfuse_core::{DType, OpKind, OpSpec, ReduceOp};
 use cudarc::driver::result as drv;
 use cudarc::nccl::{result, sys};
 use half::{bf16, f16};
@@ -105,10 +105,20 @@ pub(crate) fn prepare<'a>(
             return Err(BackendError::Unavailable(e.clone()));
         }
     }
+    let sizes = (spec.input_capacity(), spec.output_capacity(), 0);
+    let launcher = |_: &[RankBuffers]| {
+        Ok(BaselineLauncher {
+            backend,
+            kind,
+            spec: *spec,
+            dtype,
+            reduce,
+        })
+    };
     Ok(match dtype {
-        DType::F32 => Box::new(BaselineCall::<f32>::new(backend, kind, *spec, reduce)?),
-        DType::BF16 => Box::new(BaselineCall::<bf16>::new(backend, kind, *spec, reduce)?),
-        DType::F16 => Box::new(BaselineCall::<f16>::new(backend, kind, *spec, reduce)?),
+        DType::F32 => Box::new(GpuCall::<f32, _>::new(backend, sizes, launcher)?),
+        DType::BF16 => Box::new(GpuCall::<bf16, _>::new(backend, sizes, launcher)?),
+        DType::F16 => Box::new(GpuCall::<f16, _>::new(backend, sizes, launcher)?),
     })
 }
 
@@ -118,13 +128,13 @@ enum Kind {
     CopyEngine,
 }
 
-struct BaselineCall<'a, T: Element> {
+/// A baseline enqueued on every GPU.
+struct BaselineLauncher<'a> {
     backend: &'a CudaBackend,
     kind: Kind,
     spec: OpSpec,
+    dtype: DType,
     reduce: ReduceOp,
-    bufs: Vec<RankBuffers>,
-    host: HostMirrors<T>,
 }
 
 fn nccl_type(d: DType) -> sys::ncclDataType_t {
@@ -148,38 +158,15 @@ fn nccl_err(call: &'static str) -> impl Fn(result::NcclError) -> BackendError {
     move |e| BackendError::Unavailable(format!("NCCL call {call} failed: {e:?}"))
 }
 
-impl<'a, T: Element> BaselineCall<'a, T> {
-    fn new(
-        backend: &'a CudaBackend,
-        kind: Kind,
-        spec: OpSpec,
-        reduce: ReduceOp,
-    ) -> Result<Self, BackendError> {
-        let eb = std::mem::size_of::<T>();
-        let (inp, out) = (spec.input_capacity(), spec.output_capacity());
-        let bufs = backend
-            .ranks
-            .iter()
-            .map(|r| RankBuffers::new(&r.gpu, inp * eb, out * eb, 0))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(BaselineCall {
-            backend,
-            kind,
-            spec,
-            reduce,
-            bufs,
-            host: HostMirrors::new(spec.world, inp, out),
-        })
-    }
-
+impl BaselineLauncher<'_> {
     /// Issues one call on rank `r`'s stream.
-    fn issue(&self, r: usize, rank: &Rank) -> Result<(), BackendError> {
-        let eb = std::mem::size_of::<T>();
+    fn issue(&self, bufs: &[RankBuffers], r: usize, rank: &Rank) -> Result<(), BackendError> {
+        let eb = self.dtype.size();
         let (spec, p) = (&self.spec, self.spec.world);
-        let b = &self.bufs[r];
+        let b = &bufs[r];
         let (input, output) = (b.input.addr(), b.output.addr());
         let stream = rank.stream.raw();
-        let dt = nccl_type(T::DTYPE);
+        let dt = nccl_type(self.dtype);
         match self.kind {
             Kind::Nccl => {
                 let comm = self
@@ -287,9 +274,9 @@ impl<'a, T: Element> BaselineCall<'a, T> {
                 match spec.kind {
                     OpKind::AllGather => {
                         let c = chunk_range(spec.count, p, r);
-                        for q in 0..p {
+                        for (q, to) in bufs.iter().enumerate() {
                             copy(
-                                self.bufs[q].output.addr() + (c.start * eb) as u64,
+                                to.output.addr() + (c.start * eb) as u64,
                                 q,
                                 input,
                                 c.len() * eb,
@@ -297,17 +284,17 @@ impl<'a, T: Element> BaselineCall<'a, T> {
                         }
                     }
                     OpKind::Broadcast if r == spec.root => {
-                        for q in 0..p {
-                            copy(self.bufs[q].output.addr(), q, input, spec.count * eb)?;
+                        for (q, to) in bufs.iter().enumerate() {
+                            copy(to.output.addr(), q, input, spec.count * eb)?;
                         }
                     }
                     OpKind::Broadcast => {}
                     OpKind::AllToAll => {
-                        for q in 0..p {
+                        for (q, to) in bufs.iter().enumerate() {
                             let c = chunk_range(spec.count, p, q);
                             let at = r * c.len() * eb;
                             copy(
-                                self.bufs[q].output.addr() + at as u64,
+                                to.output.addr() + at as u64,
                                 q,
                                 input + (c.start * eb) as u64,
                                 c.len() * eb,
@@ -322,61 +309,27 @@ impl<'a, T: Element> BaselineCall<'a, T> {
     }
 }
 
-impl<T: Element> PreparedCall for BaselineCall<'_, T> {
-    fn input_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
-        T::host_mut(&mut self.host.input[rank])
+impl Launcher for BaselineLauncher<'_> {
+    fn launch(&self, bufs: &[RankBuffers], r: usize, rank: &Rank) -> Result<(), BackendError> {
+        self.issue(bufs, r, rank)
     }
 
-    fn output_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
-        T::host_mut(&mut self.host.output[rank])
+    /// Peer copies between two contexts cannot be captured into one stream's graph.
+    fn capturable(&self) -> bool {
+        self.kind != Kind::CopyEngine
     }
 
-    fn upload(&mut self) -> Result<(), BackendError> {
-        self.host.upload(&self.backend.ranks, &self.bufs)
-    }
-
-    fn run(&mut self) -> Result<CallTiming, BackendError> {
-        Ok(self.run_many(1)?.remove(0))
-    }
-
-    fn run_many(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
-        self.run_issued(iters, Issue::Launches)
-    }
-
-    fn run_graph(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
-        // peer copies between two contexts cannot be captured into one stream's graph
-        let issue = if self.kind == Kind::CopyEngine {
-            Issue::Launches
-        } else {
-            Issue::Graph
-        };
-        self.run_issued(iters, issue)
-    }
-
-    fn download(&mut self) -> Result<(), BackendError> {
-        self.host.download(&self.backend.ranks, &self.bufs)
-    }
-
-    fn input(&self, rank: usize) -> HostSlice<'_> {
-        T::host(&self.host.input[rank])
-    }
-
-    fn output(&self, rank: usize) -> HostSlice<'_> {
-        T::host(&self.host.output[rank])
-    }
-}
-
-impl<T: Element> BaselineCall<'_, T> {
-    fn run_issued(&mut self, iters: usize, issue: Issue) -> Result<Vec<CallTiming>, BackendError> {
-        let timings = timed_iterations(&self.backend.ranks, iters, issue, &|r, rank| {
-            self.issue(r, rank)
-        })?;
+    fn after(
+        &self,
+        backend: &CudaBackend,
+        result: Result<Vec<CallTiming>, BackendError>,
+    ) -> Result<Vec<CallTiming>, BackendError> {
         if self.kind == Kind::CopyEngine {
             // pushes into a peer finish on the pusher's stream: wait for all before reading
-            for rank in &self.backend.ranks {
+            for rank in &backend.ranks {
                 rank.gpu.synchronize()?;
             }
         }
-        Ok(timings)
+        result
     }
 }

@@ -9,38 +9,25 @@ use std::io::BufWriter;
 use std::path::Path;
 
 fn write_npy(path: &Path, data: HostSlice<'_>) -> Result<()> {
-    let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    let out = BufWriter::new(file);
-    let shape = [data.len() as u64];
     match data {
-        HostSlice::F32(s) => {
-            let mut w = npyz::WriteOptions::new()
-                .default_dtype()
-                .shape(&shape)
-                .writer(out)
-                .begin_nd()?;
-            w.extend(s.iter().copied())?;
-            w.finish()?;
-        }
-        HostSlice::BF16(s) => {
-            let mut w = npyz::WriteOptions::new()
-                .default_dtype()
-                .shape(&shape)
-                .writer(out)
-                .begin_nd()?;
-            w.extend(s.iter().map(|x| x.to_f32()))?;
-            w.finish()?;
-        }
-        HostSlice::F16(s) => {
-            let mut w = npyz::WriteOptions::new()
-                .default_dtype()
-                .shape(&shape)
-                .writer(out)
-                .begin_nd()?;
-            w.extend(s.iter().copied())?;
-            w.finish()?;
-        }
+        HostSlice::F32(s) => write_values(path, s.iter().copied()),
+        HostSlice::BF16(s) => write_values(path, s.iter().map(|x| x.to_f32())),
+        HostSlice::F16(s) => write_values(path, s.iter().copied()),
     }
+}
+
+fn write_values<T: npyz::AutoSerialize>(
+    path: &Path,
+    values: impl ExactSizeIterator<Item = T>,
+) -> Result<()> {
+    let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    let mut w = npyz::WriteOptions::new()
+        .default_dtype()
+        .shape(&[values.len() as u64])
+        .writer(BufWriter::new(file))
+        .begin_nd()?;
+    w.extend(values)?;
+    w.finish()?;
     Ok(())
 }
 
