@@ -4,7 +4,7 @@
 # archive plus a summary (the device tool brings back at most 8 files).
 #
 # Prepare here:   bash scripts/gpu-prepare.sh     (release binary + test binaries into .gpu/)
-# Run there:      device run, carry [".gpu"], command: bash scripts/gpu-check.sh [quick]
+# Run there:      device run, carry [".gpu"], command: bash scripts/gpu-check.sh [full|quick|tests]
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 # never NVLink multicast on these machines
@@ -33,6 +33,11 @@ done
 timeout 300 $B verify --devices 0,1 --json "$R/verify.json" >"$R/verify.txt" 2>&1
 log "verify rc=$? $(tail -1 "$R/verify.txt")"
 grep -E "FAIL" "$R/verify.txt" | head -5 | cut -c1-400 | tee -a "$OUT/summary.txt"
+
+if [ "$MODE" = tests ]; then
+  tar czf "$OUT/results.tgz" -C "$OUT" results
+  exit 0
+fi
 
 for op in reduce-scatter all-gather all-reduce; do
   timeout 400 $B bench $op --devices 0,1 --algo all --dtype bf16 --sizes "$SIZES" --warmup 5 --iters 20 \

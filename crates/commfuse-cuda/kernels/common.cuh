@@ -50,18 +50,37 @@ __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
-// Spins until *slot >= expected (acquire, system scope). Gives up after timeout_ns, recording
-// rank, lane, step, slot, expected and seen value, or when another waiter already gave up.
-// Returns false when it gave up.
-__device__ bool wait_ge(const u64* slot, u64 expected, u64 timeout_ns, volatile ErrorRecord* err,
-                        u32 rank, u32 lane, u32 step, u32 slot_index) {
+__device__ __forceinline__ void store_release_sys(u64* p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// The signal comparisons of the plan model (commfuse_core::Cmp).
+enum SignalCmp { CMP_EQ = 0, CMP_GE = 1 };
+// How a notify changes the slot (commfuse_core::NotifyOp).
+enum SignalOp { NOTIFY_SET = 0, NOTIFY_ADD = 1 };
+
+__device__ __forceinline__ bool holds(u32 cmp, u64 seen, u64 expected) {
+    return cmp == CMP_EQ ? seen == expected : seen >= expected;
+}
+
+// notify: release at system scope; Set stores, Add adds.
+__device__ __forceinline__ void notify(u64* slot, u64 value, u32 op) {
+    if (op == NOTIFY_SET) store_release_sys(slot, value);
+    else add_release_sys(slot, value);
+}
+
+// Spins until the slot compares true with `expected` (acquire, system scope). Gives up after
+// timeout_ns, recording rank, lane, step, slot, expected and seen value, or when another waiter
+// already gave up. Returns false when it gave up.
+__device__ bool wait_signal(const u64* slot, u32 cmp, u64 expected, u64 timeout_ns, volatile ErrorRecord* err,
+                            u32 rank, u32 lane, u32 step, u32 slot_index) {
     u64 seen = load_acquire_sys(slot);
-    if (seen >= expected) return true;
+    if (holds(cmp, seen, expected)) return true;
     const u64 start = global_timer_ns();
     for (u32 spins = 1;; ++spins) {
         // poll with relaxed loads, then one fence makes the observed release an acquire
         seen = load_relaxed_sys(slot);
-        if (seen >= expected) {
+        if (holds(cmp, seen, expected)) {
             fence_acquire_sys();
             return true;
         }

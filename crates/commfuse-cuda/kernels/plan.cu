@@ -26,7 +26,7 @@ struct DeviceStep {
     u32 src_begin;  // sources at regions[src_begin ..], destinations at regions[dst_begin ..]
     u32 ndst;
     u32 dst_begin;
-    u32 pad;
+    u32 cmp;        // wait: CMP_EQ or CMP_GE (a plan's Set notifies arrive as adds on the base)
     u64 len;        // elements of every region of the step
 };
 
@@ -46,7 +46,6 @@ struct PlanArgs {
 };
 
 constexpr int VEC_BYTES = 16;
-constexpr int MAX_DSTS = COMMFUSE_MAX_RANKS;
 
 template <typename T> struct alignas(16) Vec {
     static constexpr int N = VEC_BYTES / sizeof(T);
@@ -181,14 +180,15 @@ __device__ void run_plan(const PlanArgs& a) {
         switch (s.kind) {
         case STEP_WAIT:
             if (threadIdx.x == 0)
-                give_up = !wait_ge(my_pad + s.slot, bases[s.slot] + s.value, a.timeout_ns, a.error, a.rank,
-                                   lane, i, s.slot);
+                give_up = !wait_signal(my_pad + s.slot, s.cmp, bases[s.slot] + s.value, a.timeout_ns, a.error,
+                                       a.rank, lane, i, s.slot);
             __syncthreads();
             if (give_up) return;
             break;
         case STEP_NOTIFY:
             __syncthreads();
-            if (threadIdx.x == 0) add_release_sys(a.pads[s.peer] + (u64)lane * a.slots + s.slot, s.value);
+            // a slot is set at most once per call (checked), so Set is an add on the epoch base
+            if (threadIdx.x == 0) notify(a.pads[s.peer] + (u64)lane * a.slots + s.slot, s.value, NOTIFY_ADD);
             break;
         case STEP_COPY:
         case STEP_REDUCE:

@@ -153,6 +153,23 @@ impl CudaBackend {
     pub(crate) fn mark_broken(&self) {
         self.broken.store(true, Ordering::Release);
     }
+
+    /// Runs one call of `plan` (f32, sum) on the ranks in `which` only. The others never
+    /// arrive, so a wait that needs them must end in a timeout naming rank, lane and slot: this
+    /// is how the GPU tests exercise the bounded waits. Leaves the backend unusable afterwards.
+    pub fn run_partial(
+        &self,
+        plan: &CheckedPlan,
+        which: &[usize],
+    ) -> Result<CallTiming, BackendError> {
+        if let Some(&bad) = which.iter().find(|&&r| r >= self.ranks.len()) {
+            return Err(BackendError::Unavailable(format!(
+                "rank {bad} is not part of this backend"
+            )));
+        }
+        let mut call = plan_call::<f32>(self, plan, ReduceOp::Sum)?;
+        Ok(call.run_on(which, 1, Issue::Launches)?.remove(0))
+    }
 }
 
 impl Backend for CudaBackend {
@@ -265,19 +282,20 @@ pub(crate) enum Issue {
     Graph,
 }
 
-/// Runs `launch(rank)` `iters` times back to back on every rank's stream, one host thread per
-/// GPU starting together; returns per-iteration per-rank times.
+/// Runs `launch(rank)` `iters` times back to back on the streams of the ranks in `which`, one
+/// host thread per GPU starting together; returns per-iteration times of those ranks.
 pub(crate) fn timed_iterations(
     ranks: &[Rank],
+    which: &[usize],
     iters: usize,
     issue: Issue,
     launch: &(dyn Fn(usize, &Rank) -> Result<(), BackendError> + Sync),
 ) -> Result<Vec<CallTiming>, BackendError> {
-    let start = std::sync::Barrier::new(ranks.len());
+    let start = std::sync::Barrier::new(which.len());
     let per_rank: Vec<Result<Vec<Duration>, BackendError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = ranks
+        let handles: Vec<_> = which
             .iter()
-            .enumerate()
+            .map(|&r| (r, &ranks[r]))
             .map(|(r, rank)| {
                 let start = &start;
                 s.spawn(move || -> Result<Vec<Duration>, BackendError> {
@@ -405,9 +423,20 @@ impl<'a, T: Element, L: Launcher> GpuCall<'a, T, L> {
         } else {
             Issue::Launches
         };
+        let all: Vec<usize> = (0..self.backend.ranks.len()).collect();
+        self.run_on(&all, iters, issue)
+    }
+
+    /// Runs a batch on the ranks in `which` only.
+    fn run_on(
+        &mut self,
+        which: &[usize],
+        iters: usize,
+        issue: Issue,
+    ) -> Result<Vec<CallTiming>, BackendError> {
         self.launcher.before(self.backend)?;
         let (launcher, bufs) = (&self.launcher, &self.bufs);
-        let result = timed_iterations(&self.backend.ranks, iters, issue, &|r, rank| {
+        let result = timed_iterations(&self.backend.ranks, which, iters, issue, &|r, rank| {
             launcher.launch(bufs, r, rank)
         });
         self.launcher.after(self.backend, result)

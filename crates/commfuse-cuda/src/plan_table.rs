@@ -1,7 +1,7 @@
 //! A plan as the kernel reads it: one `#[repr(C)]` table per rank, mirrored field for field by
 //! the structs in kernels/plan.cu and kernels/common.cuh.
 
-use commfuse_core::{BufferKind, CheckedPlan, Region, Step};
+use commfuse_core::{BufferKind, CheckedPlan, Cmp, Region, Step};
 
 pub const MAX_RANKS: usize = 64;
 /// Threads per lane (block).
@@ -20,6 +20,8 @@ pub const STEP_WAIT: u32 = 0;
 pub const STEP_NOTIFY: u32 = 1;
 pub const STEP_COPY: u32 = 2;
 pub const STEP_REDUCE: u32 = 3;
+pub const CMP_EQ: u32 = 0;
+pub const CMP_GE: u32 = 1;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -36,7 +38,8 @@ pub struct DeviceStep {
     pub src_begin: u32,
     pub ndst: u32,
     pub dst_begin: u32,
-    pub pad: u32,
+    /// wait: CMP_EQ or CMP_GE
+    pub cmp: u32,
     /// elements in every region of the step
     pub len: u64,
 }
@@ -119,8 +122,16 @@ pub fn encode(
     for step in &p.steps[rank] {
         let mut d = DeviceStep::default();
         match step {
-            Step::Wait { slot, expected, .. } => {
+            Step::Wait {
+                slot,
+                expected,
+                cmp,
+            } => {
                 d.kind = STEP_WAIT;
+                d.cmp = match cmp {
+                    Cmp::Eq => CMP_EQ,
+                    Cmp::Ge => CMP_GE,
+                };
                 d.slot = slot.row * cols + slot.col;
                 d.value = *expected;
             }
