@@ -17,6 +17,7 @@ pub mod backend;
 pub mod barrier;
 pub mod buffer;
 pub mod executor;
+pub mod gemm;
 pub mod protocol;
 pub mod signal;
 pub mod world;

@@ -1,0 +1,286 @@
+//! The contract of commfuse's GEMM with a programmable epilogue, shared by the CPU model (in
+//! commfuse-sim) and the GPU kernel: the problem, the tile grid, the order in which a
+//! persistent grid visits tiles, where each finished tile goes (local output or a peer's
+//! symmetric buffer, with its own leading dimension), and the flag raised after a tile is
+//! visible at its destination. The fused operators (GEMM+reduce-scatter, all-gather+GEMM) are
+//! built from these pieces: they order tiles remote-first and point their destinations into
+//! the owner's reduce buffer.
+
+use crate::dtype::DType;
+use crate::error::Error;
+use crate::plan::{NotifyOp, Slot};
+
+/// How B is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum BLayout {
+    /// B is [K, N], row-major.
+    KN,
+    /// B is [N, K], row-major (weights stored transposed).
+    NK,
+}
+
+/// D[M, N] = alpha · A[M, K] · B + beta · C[M, N] (+ bias[N]).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct GemmProblem {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub b_layout: BLayout,
+    /// bf16 or f16
+    pub input: DType,
+    /// bf16, f16 or f32
+    pub output: DType,
+}
+
+impl GemmProblem {
+    pub fn new(
+        m: usize,
+        n: usize,
+        k: usize,
+        b_layout: BLayout,
+        input: DType,
+        output: DType,
+    ) -> Result<Self, Error> {
+        if m == 0 || n == 0 || k == 0 {
+            return Err(Error::Unsupported(format!(
+                "GEMM sizes must be positive, got M={m} N={n} K={k}"
+            )));
+        }
+        if !k.is_multiple_of(8) {
+            return Err(Error::Unsupported(format!(
+                "K must be a multiple of 8 (rows of A and B are loaded 16 bytes at a time), got K={k}"
+            )));
+        }
+        if input == DType::F32 {
+            return Err(Error::Unsupported("GEMM inputs are bf16 or f16".into()));
+        }
+        m.checked_mul(k)
+            .and(n.checked_mul(k))
+            .and(m.checked_mul(n))
+            .ok_or_else(|| Error::SizeOverflow(format!("GEMM {m}×{n}×{k}")))?;
+        Ok(GemmProblem {
+            m,
+            n,
+            k,
+            b_layout,
+            input,
+            output,
+        })
+    }
+
+    pub fn flops(&self) -> f64 {
+        2.0 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+}
+
+/// Output tile shape; tiles at the right and bottom edges are cut short (ragged M and N).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct TileShape {
+    pub m: usize,
+    pub n: usize,
+}
+
+/// Where one tile's rows go: element (i, j) of the tile lands at `offset + i · ld + j` of the
+/// output buffer of rank `rank`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Destination {
+    pub rank: usize,
+    pub offset: usize,
+    pub ld: usize,
+}
+
+/// Raised on the destination's rank after the tile's stores are visible there (release,
+/// system scope on GPUs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct TileFlag {
+    pub slot: Slot,
+    pub value: u64,
+    pub op: NotifyOp,
+}
+
+/// The epilogue, applied per tile in f32 before the cast to the output type.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Epilogue {
+    pub alpha: f32,
+    pub beta: f32,
+    pub bias: bool,
+    /// Add the result to what the destination holds instead of overwriting it. Not atomic:
+    /// destinations of tiles that may run at once must not overlap.
+    pub accumulate: bool,
+}
+
+impl Default for Epilogue {
+    fn default() -> Self {
+        Epilogue {
+            alpha: 1.0,
+            beta: 0.0,
+            bias: false,
+            accumulate: false,
+        }
+    }
+}
+
+/// One GEMM call of one rank: problem, tiles, order, destinations, flags, epilogue.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct GemmPlan {
+    pub problem: GemmProblem,
+    pub tile: TileShape,
+    /// The order a persistent grid takes tiles in (tile t = tm · tiles_n + tn).
+    pub order: Vec<usize>,
+    /// Per tile; `None` everywhere means the local output, row-major with ld = N.
+    pub destinations: Option<Vec<Destination>>,
+    /// Per tile, the flag raised after its stores (none: no flags).
+    pub flags: Option<Vec<TileFlag>>,
+    pub epilogue: Epilogue,
+}
+
+impl GemmPlan {
+    /// Row-major tile order, local destinations, no flags.
+    pub fn local(problem: GemmProblem, tile: TileShape, epilogue: Epilogue) -> GemmPlan {
+        let count = tiles(&problem, tile).0 * tiles(&problem, tile).1;
+        GemmPlan {
+            problem,
+            tile,
+            order: (0..count).collect(),
+            destinations: None,
+            flags: None,
+            epilogue,
+        }
+    }
+
+    pub fn tile_count(&self) -> usize {
+        let (tm, tn) = tiles(&self.problem, self.tile);
+        tm * tn
+    }
+
+    /// Rows and columns of tile `t` in D.
+    pub fn tile_bounds(&self, t: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let (_, tn) = tiles(&self.problem, self.tile);
+        let (i, j) = (t / tn, t % tn);
+        let rows = i * self.tile.m..((i + 1) * self.tile.m).min(self.problem.m);
+        let cols = j * self.tile.n..((j + 1) * self.tile.n).min(self.problem.n);
+        (rows, cols)
+    }
+
+    /// Where tile `t` goes on rank `me`.
+    pub fn destination(&self, t: usize, me: usize) -> Destination {
+        match &self.destinations {
+            Some(d) => d[t],
+            None => {
+                let (rows, cols) = self.tile_bounds(t);
+                Destination {
+                    rank: me,
+                    offset: rows.start * self.problem.n + cols.start,
+                    ld: self.problem.n,
+                }
+            }
+        }
+    }
+
+    /// Checks the order is a permutation of all tiles and the tables have one entry per tile.
+    pub fn validate(&self, world: usize) -> Result<(), Error> {
+        let count = self.tile_count();
+        if self.tile.m == 0 || self.tile.n == 0 {
+            return Err(Error::Unsupported("tile shape must be positive".into()));
+        }
+        let mut seen = vec![false; count];
+        if self.order.len() != count {
+            return Err(Error::Unsupported(format!(
+                "the tile order lists {} tiles, the problem has {count}",
+                self.order.len()
+            )));
+        }
+        for &t in &self.order {
+            if t >= count || std::mem::replace(&mut seen[t], true) {
+                return Err(Error::Unsupported(format!(
+                    "the tile order names tile {t} twice or out of range (0..{count})"
+                )));
+            }
+        }
+        for (name, len) in [
+            ("destination", self.destinations.as_ref().map(|d| d.len())),
+            ("flag", self.flags.as_ref().map(|f| f.len())),
+        ] {
+            if let Some(len) = len {
+                if len != count {
+                    return Err(Error::Unsupported(format!(
+                        "the {name} table has {len} entries for {count} tiles"
+                    )));
+                }
+            }
+        }
+        if let Some(d) = self
+            .destinations
+            .as_ref()
+            .and_then(|d| d.iter().find(|d| d.rank >= world))
+        {
+            return Err(Error::Unsupported(format!(
+                "a tile goes to rank {}, the world has {world}",
+                d.rank
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Tiles along M and N.
+pub fn tiles(problem: &GemmProblem, tile: TileShape) -> (usize, usize) {
+    (
+        problem.m.div_ceil(tile.m.max(1)),
+        problem.n.div_ceil(tile.n.max(1)),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ragged_tiles_cover_the_output_once() {
+        let p = GemmProblem::new(37, 53, 16, BLayout::KN, DType::BF16, DType::F32).unwrap();
+        let plan = GemmPlan::local(p, TileShape { m: 16, n: 32 }, Epilogue::default());
+        assert_eq!(plan.tile_count(), 3 * 2);
+        let mut covered = vec![0; 37 * 53];
+        for t in 0..plan.tile_count() {
+            let (rows, cols) = plan.tile_bounds(t);
+            for i in rows {
+                for j in cols.clone() {
+                    covered[i * 53 + j] += 1;
+                }
+            }
+        }
+        assert!(covered.iter().all(|&c| c == 1));
+        plan.validate(1).unwrap();
+    }
+
+    #[test]
+    fn bad_problems_and_tables_are_refused() {
+        let err = GemmProblem::new(8, 8, 12, BLayout::NK, DType::BF16, DType::BF16).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("K must be a multiple of 8") && msg.ends_with("got K=12"),
+            "{msg}"
+        );
+        assert!(GemmProblem::new(0, 8, 8, BLayout::KN, DType::F16, DType::F16).is_err());
+        assert!(GemmProblem::new(8, 8, 8, BLayout::KN, DType::F32, DType::F32).is_err());
+        let p = GemmProblem::new(32, 32, 8, BLayout::KN, DType::BF16, DType::F32).unwrap();
+        let mut plan = GemmPlan::local(p, TileShape { m: 16, n: 16 }, Epilogue::default());
+        plan.order = vec![0, 1, 1, 3];
+        assert!(plan
+            .validate(1)
+            .unwrap_err()
+            .to_string()
+            .contains("tile 1 twice"));
+        plan.order = vec![3, 2, 1, 0];
+        plan.validate(1).unwrap();
+        plan.destinations = Some(vec![
+            Destination {
+                rank: 2,
+                offset: 0,
+                ld: 32
+            };
+            4
+        ]);
+        assert!(plan.validate(2).unwrap_err().to_string().contains("rank 2"));
+    }
+}
