@@ -34,6 +34,13 @@ timeout 300 $B verify --devices 0,1 --json "$R/verify.json" >"$R/verify.txt" 2>&
 log "verify rc=$? $(tail -1 "$R/verify.txt")"
 grep -E "FAIL" "$R/verify.txt" | head -5 | cut -c1-400 | tee -a "$OUT/summary.txt"
 
+# the GEMM baseline on one GPU at the shapes of issue 4
+for shape in "4096 12288 24576" "8192 8192 14336" "8192 8192 3584" "2048 8192 3584"; do
+  set -- $shape
+  timeout 120 $B bench gemm --m $1 --n $2 --k $3 --sms 0,116 --json "$R/gemm-$1x$2x$3.json" >"$R/gemm-$1x$2x$3.txt" 2>&1
+  log "gemm $1x$2x$3 rc=$?"; tail -2 "$R/gemm-$1x$2x$3.txt" | tee -a "$OUT/summary.txt"
+done
+
 if [ "$MODE" = tests ]; then
   tar czf "$OUT/results.tgz" -C "$OUT" results
   exit 0

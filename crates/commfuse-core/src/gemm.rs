@@ -11,7 +11,7 @@ use crate::error::Error;
 use crate::plan::{NotifyOp, Slot};
 
 /// How B is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum BLayout {
     /// B is [K, N], row-major.
     KN,

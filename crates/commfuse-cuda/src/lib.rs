@@ -10,8 +10,10 @@
 //! Without a driver or GPUs every entry point returns a clear error; nothing panics.
 
 pub mod backend;
+pub mod cublaslt;
 pub mod driver;
 pub mod error;
+pub mod gemm_bench;
 pub mod nccl;
 pub mod nvrtc;
 pub mod plan_table;

@@ -37,6 +37,44 @@ pub enum Command {
     Kernels(KernelsArgs),
     /// Fit the cost model's link figures to measured bench tables (bench --json files)
     Calibrate(CalibrateArgs),
+    /// `commfuse bench gemm ...`: the GEMM beside cuBLASLt on one GPU
+    #[command(name = "bench-gemm", hide = true)]
+    BenchGemm(BenchGemmArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchGemmArgs {
+    #[arg(long)]
+    pub m: usize,
+    #[arg(long)]
+    pub n: usize,
+    #[arg(long)]
+    pub k: usize,
+    /// How B is stored: kn ([K, N]) or nk ([N, K], weights transposed)
+    #[arg(long, default_value = "nk")]
+    pub b_layout: String,
+    /// Input type: bf16 or f16
+    #[arg(long, default_value = "bf16")]
+    pub dtype: DType,
+    /// Output type (default: the input type)
+    #[arg(long)]
+    pub out_dtype: Option<DType>,
+    /// SM caps to measure (0 = all SMs)
+    #[arg(long, value_delimiter = ',', default_value = "0,116")]
+    pub sms: Vec<u32>,
+    /// Backend (the GEMM runs on cuda only)
+    #[arg(long, default_value = "cuda")]
+    pub backend: BackendKind,
+    /// GPU to run on
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// Write the rows as JSON
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -257,7 +295,67 @@ pub fn execute(cli: Cli) -> Result<i32> {
         Command::Verify(a) => verify_cmd(a),
         Command::Kernels(a) => kernels_cmd(a),
         Command::Calibrate(a) => calibrate_cmd(a),
+        Command::BenchGemm(a) => bench_gemm_cmd(a),
     }
+}
+
+fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
+    use commfuse_core::gemm::{BLayout, GemmProblem};
+    if a.backend != BackendKind::Cuda {
+        bail!("bench gemm runs on the cuda backend (the simulator's GEMM model is checked by the tests, not timed)");
+    }
+    let layout = match a.b_layout.as_str() {
+        "kn" => BLayout::KN,
+        "nk" => BLayout::NK,
+        other => bail!("unknown B layout '{other}' (choose kn or nk)"),
+    };
+    let problem = GemmProblem::new(
+        a.m,
+        a.n,
+        a.k,
+        layout,
+        a.dtype,
+        a.out_dtype.unwrap_or(a.dtype),
+    )?;
+    let rows = commfuse_cuda::gemm_bench::bench_cublaslt(
+        a.device,
+        &problem,
+        &a.sms,
+        a.warmup,
+        a.iters,
+        driver::fresh_seed(),
+    )?;
+    println!(
+        "# commfuse bench gemm: {}×{}×{} (M×N×K), B {:?}, {} → {}, GPU {}",
+        a.m, a.n, a.k, layout, problem.input, problem.output, a.device
+    );
+    println!(
+        "# {:>10} {:>5} {:>10} {:>9} {:>10}  check",
+        "impl", "sms", "time(ms)", "TFLOP/s", "rel.err"
+    );
+    let mut ok = true;
+    for r in &rows {
+        let pass = r.error <= 1e-2;
+        ok &= pass;
+        println!(
+            "  {:>10} {:>5} {:>10.4} {:>9.1} {:>10.2e}  {}",
+            r.implementation,
+            if r.sms == 0 {
+                "all".to_string()
+            } else {
+                r.sms.to_string()
+            },
+            r.time_ms,
+            r.tflops,
+            r.error,
+            if pass { "OK" } else { "WRONG" }
+        );
+    }
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(if ok { 0 } else { 1 })
 }
 
 fn calibrate_cmd(a: CalibrateArgs) -> Result<i32> {

@@ -21,7 +21,14 @@ fn main() {
             .unwrap_or_default();
         eprintln!("error: internal error{at}: {msg}");
     }));
-    let cli = match Cli::try_parse() {
+    // `commfuse bench gemm ...` has flags of its own: route it to the hidden bench-gemm command
+    let mut args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("bench")
+        && args.get(2).map(String::as_str) == Some("gemm")
+    {
+        args.splice(1..3, ["bench-gemm".to_string()]);
+    }
+    let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         Err(e) => {
             use clap::error::ErrorKind;
@@ -40,12 +47,15 @@ fn main() {
                     },
                 );
             }
+            // clap's first paragraph, folded into one line (it names the offending argument)
             let text = e.to_string();
-            let line = text
+            let line: Vec<&str> = text
                 .lines()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("invalid arguments");
-            eprintln!("{}", line.trim());
+                .map(str::trim)
+                .skip_while(|l| l.is_empty())
+                .take_while(|l| !l.is_empty())
+                .collect();
+            eprintln!("{}", line.join(" "));
             std::process::exit(2);
         }
     };

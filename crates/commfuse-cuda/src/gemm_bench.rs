@@ -1,0 +1,177 @@
+//! `commfuse bench gemm`: the GEMM baselines on one GPU, timed with events (warm-up, median),
+//! checked against a float64 reference on sampled elements of fresh random inputs with the
+//! output poisoned first. Our own kernel joins these rows when it exists (issue 4).
+
+use crate::cublaslt::Lt;
+use crate::driver::{DeviceMemory, Event, Gpu, Stream};
+use crate::error::CudaError;
+use commfuse_core::gemm::{BLayout, GemmProblem};
+use commfuse_core::{DType, Element};
+use half::{bf16, f16};
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GemmRow {
+    pub implementation: String,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub sms: u32,
+    pub time_ms: f64,
+    pub tflops: f64,
+    /// Relative Frobenius error over the sampled elements
+    pub error: f64,
+}
+
+fn random_bits(seed: u64, i: usize) -> f32 {
+    let mut x = seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+}
+
+fn upload_random<T: Element>(
+    gpu: &Gpu,
+    len: usize,
+    seed: u64,
+) -> Result<(DeviceMemory, Vec<T>), CudaError> {
+    let host: Vec<T> = (0..len)
+        .map(|i| T::from_f32(random_bits(seed, i)))
+        .collect();
+    let mem = DeviceMemory::zeroed(gpu, len * std::mem::size_of::<T>())?;
+    mem.upload(gpu, &host)?;
+    Ok((mem, host))
+}
+
+/// Runs cuBLASLt on `problem` (bf16 or f16 inputs, output type as asked) for each SM cap in
+/// `sms` (0 = all SMs).
+pub fn bench_cublaslt(
+    device: usize,
+    problem: &GemmProblem,
+    sms: &[u32],
+    warmup: usize,
+    iters: usize,
+    seed: u64,
+) -> Result<Vec<GemmRow>, CudaError> {
+    match problem.input {
+        DType::BF16 => run::<bf16>(device, problem, sms, warmup, iters, seed),
+        DType::F16 => run::<f16>(device, problem, sms, warmup, iters, seed),
+        DType::F32 => Err(CudaError::Unavailable("GEMM inputs are bf16 or f16".into())),
+    }
+}
+
+fn run<T: Element>(
+    device: usize,
+    p: &GemmProblem,
+    sms: &[u32],
+    warmup: usize,
+    iters: usize,
+    seed: u64,
+) -> Result<Vec<GemmRow>, CudaError> {
+    let gpu = Gpu::open(device)?;
+    let stream = Stream::new(&gpu)?;
+    let lt = Lt::new(&gpu)?;
+    let (a_dev, a) = upload_random::<T>(&gpu, p.m * p.k, seed)?;
+    let (b_dev, b) = upload_random::<T>(&gpu, p.k * p.n, seed ^ 1)?;
+    let out_bytes = p.m * p.n * p.output.size();
+    let d_dev = DeviceMemory::zeroed(&gpu, out_bytes)?;
+    let mut rows = Vec::new();
+    for &cap in sms {
+        // poison D so that an element the GEMM skipped fails the check
+        let poison = vec![0xffu8; out_bytes];
+        d_dev.upload(&gpu, &poison)?;
+        gpu.bind()?;
+        let launch = || {
+            // SAFETY: operands sized from the problem on this GPU
+            unsafe {
+                lt.matmul(
+                    &stream,
+                    p,
+                    cap,
+                    a_dev.addr(),
+                    b_dev.addr(),
+                    d_dev.addr(),
+                    1.0,
+                    0.0,
+                )
+            }
+        };
+        for _ in 0..warmup.max(1) {
+            launch()?;
+        }
+        let events: Vec<Event> = (0..=iters.max(1))
+            .map(|_| Event::new(&gpu))
+            .collect::<Result<_, _>>()?;
+        events[0].record(&stream)?;
+        for e in &events[1..] {
+            launch()?;
+            e.record(&stream)?;
+        }
+        stream.synchronize()?;
+        let mut times: Vec<f64> = events
+            .windows(2)
+            .map(|w| w[0].elapsed_ms(&w[1]).map(|t| t as f64))
+            .collect::<Result<_, _>>()?;
+        times.sort_by(f64::total_cmp);
+        let time_ms = times[times.len() / 2];
+        rows.push(GemmRow {
+            implementation: "cublaslt".into(),
+            m: p.m,
+            n: p.n,
+            k: p.k,
+            sms: cap,
+            time_ms,
+            tflops: p.flops() / (time_ms * 1e-3) / 1e12,
+            error: sampled_error(&gpu, p, &a, &b, &d_dev, seed)?,
+        });
+    }
+    Ok(rows)
+}
+
+/// Relative Frobenius error of D against a float64 reference on a few thousand sampled
+/// elements (a full reference of a 4096×12288×24576 product would take the CPU minutes).
+fn sampled_error<T: Element>(
+    gpu: &Gpu,
+    p: &GemmProblem,
+    a: &[T],
+    b: &[T],
+    d_dev: &DeviceMemory,
+    seed: u64,
+) -> Result<f64, CudaError> {
+    let d: Vec<f64> = match p.output {
+        DType::F32 => {
+            let mut h = vec![0f32; p.m * p.n];
+            d_dev.download(gpu, &mut h)?;
+            h.iter().map(|&x| x as f64).collect()
+        }
+        DType::BF16 => {
+            let mut h = vec![bf16::ZERO; p.m * p.n];
+            d_dev.download(gpu, &mut h)?;
+            h.iter().map(|x| x.to_f64()).collect()
+        }
+        DType::F16 => {
+            let mut h = vec![f16::ZERO; p.m * p.n];
+            d_dev.download(gpu, &mut h)?;
+            h.iter().map(|x| x.to_f64()).collect()
+        }
+    };
+    let (mut num, mut den) = (0f64, 0f64);
+    let samples = 4096.min(p.m * p.n);
+    for s in 0..samples {
+        let idx =
+            (random_bits(seed ^ 7, s).abs() as f64 * (p.m * p.n) as f64) as usize % (p.m * p.n);
+        let (i, j) = (idx / p.n, idx % p.n);
+        let mut acc = 0f64;
+        for kk in 0..p.k {
+            let bv = match p.b_layout {
+                BLayout::KN => b[kk * p.n + j],
+                BLayout::NK => b[j * p.k + kk],
+            };
+            acc += a[i * p.k + kk].to_f64() * bv.to_f64();
+        }
+        // NaN (an unwritten, poisoned element) makes the error NaN, which never passes
+        num += (d[idx] - acc).powi(2);
+        den += acc * acc;
+    }
+    Ok((num / den.max(f64::MIN_POSITIVE)).sqrt())
+}
