@@ -43,6 +43,7 @@ done
 
 if [ "$MODE" = tests ]; then
   tar czf "$OUT/results.tgz" -C "$OUT" results
+  rm -rf "$R"
   exit 0
 fi
 
