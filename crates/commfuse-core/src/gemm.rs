@@ -20,7 +20,7 @@ pub enum BLayout {
 }
 
 /// D[M, N] = alpha · A[M, K] · B + beta · C[M, N] (+ bias[N]).
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 pub struct GemmProblem {
     pub m: usize,
     pub n: usize,
@@ -221,6 +221,26 @@ impl GemmPlan {
         }
         Ok(())
     }
+}
+
+/// Element (i, j) of A·B in float64, from the operands as stored: the reference every GEMM
+/// implementation (CPU model, our kernel, cuBLASLt) is checked against.
+pub fn reference_dot<T: crate::Element>(
+    p: &GemmProblem,
+    a: &[T],
+    b: &[T],
+    i: usize,
+    j: usize,
+) -> f64 {
+    (0..p.k)
+        .map(|kk| {
+            let bv = match p.b_layout {
+                BLayout::KN => b[kk * p.n + j],
+                BLayout::NK => b[j * p.k + kk],
+            };
+            a[i * p.k + kk].to_f64() * bv.to_f64()
+        })
+        .sum()
 }
 
 /// Tiles along M and N.

@@ -36,12 +36,7 @@ fn data_type(d: DType) -> sys::cudaDataType {
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
-    m: usize,
-    n: usize,
-    k: usize,
-    b_layout: BLayout,
-    input: DType,
-    output: DType,
+    problem: GemmProblem,
     sms: u32,
 }
 
@@ -84,7 +79,8 @@ impl Lt {
         if cache.contains_key(&key) {
             return Ok(());
         }
-        let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
+        let p = &key.problem;
+        let (m, n, k) = (p.m as u64, p.n as u64, p.k as u64);
         let desc = lt(
             "cublasLtMatmulDescCreate",
             result::create_matmul_desc(
@@ -94,7 +90,7 @@ impl Lt {
         )?;
         // first operand: B as column-major; [K,N] row-major is (N×K, ld N); [N,K] row-major is
         // (K×N, ld K) transposed
-        let (b_rows, b_cols, b_ld, trans) = match key.b_layout {
+        let (b_rows, b_cols, b_ld, trans) = match p.b_layout {
             BLayout::KN => (n, k, n as i64, CUBLAS_OP_N),
             BLayout::NK => (k, n, k as i64, CUBLAS_OP_T),
         };
@@ -124,15 +120,15 @@ impl Lt {
         }
         let first = lt(
             "cublasLtMatrixLayoutCreate",
-            result::create_matrix_layout(data_type(key.input), b_rows, b_cols, b_ld),
+            result::create_matrix_layout(data_type(p.input), b_rows, b_cols, b_ld),
         )?;
         let second = lt(
             "cublasLtMatrixLayoutCreate",
-            result::create_matrix_layout(data_type(key.input), k, m, k as i64),
+            result::create_matrix_layout(data_type(p.input), k, m, k as i64),
         )?;
         let out = lt(
             "cublasLtMatrixLayoutCreate",
-            result::create_matrix_layout(data_type(key.output), n, m, n as i64),
+            result::create_matrix_layout(data_type(p.output), n, m, n as i64),
         )?;
         let pref = lt(
             "cublasLtMatmulPreferenceCreate",
@@ -183,12 +179,7 @@ impl Lt {
         beta: f32,
     ) -> Result<(), CudaError> {
         let key = Key {
-            m: problem.m,
-            n: problem.n,
-            k: problem.k,
-            b_layout: problem.b_layout,
-            input: problem.input,
-            output: problem.output,
+            problem: *problem,
             sms,
         };
         self.prepare(key)?;

@@ -5,7 +5,7 @@
 use crate::cublaslt::Lt;
 use crate::driver::{DeviceMemory, Event, Gpu, Stream};
 use crate::error::CudaError;
-use commfuse_core::gemm::{BLayout, GemmProblem};
+use commfuse_core::gemm::{reference_dot, GemmProblem};
 use commfuse_core::{DType, Element};
 use half::{bf16, f16};
 
@@ -160,15 +160,7 @@ fn sampled_error<T: Element>(
     for s in 0..samples {
         let idx =
             (random_bits(seed ^ 7, s).abs() as f64 * (p.m * p.n) as f64) as usize % (p.m * p.n);
-        let (i, j) = (idx / p.n, idx % p.n);
-        let mut acc = 0f64;
-        for kk in 0..p.k {
-            let bv = match p.b_layout {
-                BLayout::KN => b[kk * p.n + j],
-                BLayout::NK => b[j * p.k + kk],
-            };
-            acc += a[i * p.k + kk].to_f64() * bv.to_f64();
-        }
+        let acc = reference_dot(p, a, b, idx / p.n, idx % p.n);
         // NaN (an unwritten, poisoned element) makes the error NaN, which never passes
         num += (d[idx] - acc).powi(2);
         den += acc * acc;

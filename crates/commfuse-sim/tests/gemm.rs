@@ -3,7 +3,7 @@
 //! with per-tile flags that a consumer on the peer waits for (it never sees a stale tile).
 
 use commfuse_core::gemm::{
-    BLayout, Destination, Epilogue, GemmPlan, GemmProblem, TileFlag, TileShape,
+    reference_dot, BLayout, Destination, Epilogue, GemmPlan, GemmProblem, TileFlag, TileShape,
 };
 use commfuse_core::{Cmp, DType, Element, NotifyOp, Slot};
 use commfuse_sim::gemm::{run_gemm, Operands};
@@ -38,14 +38,7 @@ fn reference(
     let mut d = vec![0f64; p.m * p.n];
     for i in 0..p.m {
         for j in 0..p.n {
-            let mut acc = 0f64;
-            for k in 0..p.k {
-                let bv = match p.b_layout {
-                    BLayout::KN => b[k * p.n + j],
-                    BLayout::NK => b[j * p.k + k],
-                };
-                acc += a[i * p.k + k].to_f64() * bv.to_f64();
-            }
+            let acc = reference_dot(p, a, b, i, j);
             let mut v = e.alpha as f64 * acc + e.beta as f64 * c[i * p.n + j] as f64;
             if e.bias {
                 v += bias[j] as f64;
