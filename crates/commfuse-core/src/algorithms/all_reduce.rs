@@ -1,10 +1,10 @@
 //! All-reduce algorithms.
 
-use super::direct::{handshake, staggered_peers};
+use super::direct::{handshake, push_slot, staggered_peers};
 use super::ring::{self, Ring};
 use crate::error::Error;
 use crate::op::chunk_range;
-use crate::plan::{BufferKind, PlanBuilder, Region};
+use crate::plan::{BufferKind, PlanBuilder, Region, Slot};
 use crate::topology::Topology;
 use std::ops::Range;
 
@@ -30,6 +30,39 @@ pub(super) fn one_shot(b: &mut PlanBuilder) {
         b.reduce(r, srcs, output(r, 0..n));
     }
     handshake(b, rows + 1);
+}
+
+/// One-shot by push: after an entry handshake ("my scratch is free"), every rank stores its
+/// whole input into a slot of every peer's scratch in one pass and signals each; once all its
+/// peers' inputs have arrived it reduces them with its own, in rank order. Nobody reads another
+/// rank's memory, so no exit handshake: the next call's entry handshake protects the slots.
+///
+/// Cost card: 1 store step sending (P−1)·n elements, 1 local reduction of P·n; 2(P−1) signals;
+/// scratch (P−1)·n (one-shot's exception to the 2× rule).
+pub(super) fn one_shot_push(b: &mut PlanBuilder) {
+    let (p, n) = (b.world(), b.spec().count);
+    let rows = b.rows(2);
+    let data = rows + 1;
+    let base = b.scratch((p - 1) * n);
+    let slot = |receiver: usize, sender: usize| {
+        let at = base + push_slot(receiver, sender, p) * n;
+        Region::new(receiver, BufferKind::Scratch, at..at + n)
+    };
+    handshake(b, rows);
+    for r in 0..p {
+        let dsts = staggered_peers(r, p).map(|q| slot(q, r)).collect();
+        b.copy_to(r, input(r, 0..n), dsts);
+        for q in staggered_peers(r, p) {
+            b.signal(r, q, Slot::new(data, r as u32));
+        }
+        for q in staggered_peers(r, p) {
+            b.wait(r, Slot::new(data, q as u32), 1);
+        }
+        let srcs = (0..p)
+            .map(|q| if q == r { input(r, 0..n) } else { slot(r, q) })
+            .collect();
+        b.reduce(r, srcs, output(r, 0..n));
+    }
 }
 
 /// Two-phase: rank r reduces chunk r of all inputs (a direct reduce-scatter) and, in the same

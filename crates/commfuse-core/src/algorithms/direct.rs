@@ -8,6 +8,12 @@ pub(crate) fn staggered_peers(rank: usize, world: usize) -> impl Iterator<Item =
     (1..world).map(move |d| (rank + d) % world)
 }
 
+/// The scratch slot in which `receiver` keeps what `sender` pushed to it: the P−1 peers of a
+/// rank take slots 0..P−1 in staggered order.
+pub(crate) fn push_slot(receiver: usize, sender: usize, world: usize) -> usize {
+    (sender + world - receiver - 1) % world
+}
+
 /// Every rank signals column `self` of `row` on every peer, then waits for every peer's column.
 /// Used as "my buffers are ready" on entry and "I no longer read your buffers" on exit.
 pub(crate) fn handshake(b: &mut PlanBuilder, row: u32) {

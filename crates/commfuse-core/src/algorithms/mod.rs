@@ -23,6 +23,9 @@ use std::str::FromStr;
 pub enum Algo {
     /// Every rank reads every peer's whole input and reduces locally (mesh).
     OneShot,
+    /// Every rank stores its whole input into every peer's scratch and reduces what it
+    /// received locally: stores instead of loads, and no exit handshake.
+    OneShotPush,
     /// Reduce-scatter then all-gather, each direct.
     TwoPhase,
     /// Neighbour-only ring.
@@ -31,27 +34,33 @@ pub enum Algo {
     Ring2d,
     /// Every rank talks to every peer at once.
     Direct,
+    /// Direct, with every transfer a store into the receiver's scratch (no exit handshake).
+    Push,
     /// Barrier where every rank signals every peer.
     AllToAll,
 }
 
 impl Algo {
-    pub const ALL: [Algo; 6] = [
+    pub const ALL: [Algo; 8] = [
         Algo::OneShot,
+        Algo::OneShotPush,
         Algo::TwoPhase,
         Algo::Ring,
         Algo::Ring2d,
         Algo::Direct,
+        Algo::Push,
         Algo::AllToAll,
     ];
 
     pub fn name(self) -> &'static str {
         match self {
             Algo::OneShot => "one-shot",
+            Algo::OneShotPush => "one-shot-push",
             Algo::TwoPhase => "two-phase",
             Algo::Ring => "ring",
             Algo::Ring2d => "ring-2d",
             Algo::Direct => "direct",
+            Algo::Push => "push",
             Algo::AllToAll => "all-to-all",
         }
     }
@@ -59,10 +68,15 @@ impl Algo {
     /// The algorithms an op offers, the default first.
     pub fn for_op(op: OpKind) -> &'static [Algo] {
         match op {
-            OpKind::AllReduce => &[Algo::TwoPhase, Algo::OneShot, Algo::Ring, Algo::Ring2d],
-            OpKind::ReduceScatter | OpKind::AllGather | OpKind::Broadcast => {
-                &[Algo::Direct, Algo::Ring]
-            }
+            OpKind::AllReduce => &[
+                Algo::TwoPhase,
+                Algo::OneShot,
+                Algo::OneShotPush,
+                Algo::Ring,
+                Algo::Ring2d,
+            ],
+            OpKind::ReduceScatter => &[Algo::Direct, Algo::Push, Algo::Ring],
+            OpKind::AllGather | OpKind::Broadcast => &[Algo::Direct, Algo::Ring],
             OpKind::AllToAll => &[Algo::Direct],
             OpKind::Barrier => &[Algo::AllToAll, Algo::Ring],
         }
@@ -117,6 +131,8 @@ pub fn build_plan(spec: OpSpec, algo: Algo, topology: &Topology) -> Result<Plan,
     let mut b = PlanBuilder::new(spec);
     match (spec.kind, algo) {
         (OpKind::AllReduce, Algo::OneShot) => all_reduce::one_shot(&mut b),
+        (OpKind::AllReduce, Algo::OneShotPush) => all_reduce::one_shot_push(&mut b),
+        (OpKind::ReduceScatter, Algo::Push) => reduce_scatter::push(&mut b),
         (OpKind::AllReduce, Algo::TwoPhase) => all_reduce::two_phase(&mut b),
         (OpKind::AllReduce, Algo::Ring) => all_reduce::ring(&mut b),
         (OpKind::AllReduce, Algo::Ring2d) => all_reduce::ring_2d(&mut b, topology)?,
