@@ -519,8 +519,20 @@ fn verify_cmd(a: VerifyArgs) -> Result<i32> {
         bail!("--ranks needs world sizes of at least 1");
     }
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
-    let (backend, worlds) = match &a.devices {
+    let (backend, worlds): (BackendKind, Vec<usize>) = match &a.devices {
         Some(d) => (BackendKind::Cuda, (1..=d.len()).collect()),
+        // on GPUs, the world sizes this machine can hold
+        None if a.backend == BackendKind::Cuda => {
+            let gpus = commfuse_cuda::driver::device_count()?;
+            let worlds: Vec<usize> = a.ranks.iter().copied().filter(|&p| p <= gpus).collect();
+            if worlds.is_empty() {
+                bail!(
+                    "none of the world sizes {:?} fits on this machine's {gpus} GPU(s)",
+                    a.ranks
+                );
+            }
+            (BackendKind::Cuda, worlds)
+        }
         None => (a.backend, a.ranks.clone()),
     };
     let placement = Placement {
