@@ -96,6 +96,43 @@ pub trait PreparedCall {
     fn output(&self, rank: usize) -> HostSlice<'_>;
 }
 
+/// How many signal slots a backend's pad offers each rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PadCapacity {
+    /// A rows × cols grid, addressed as the plan addresses it (the simulator).
+    Shape { rows: u32, cols: u32 },
+    /// Flat slots, the plan's grid laid out row by row (the GPU lanes).
+    Slots(usize),
+}
+
+/// Refuses a plan made for another world size or needing more signal slots than the pad has.
+pub fn ensure_fits(plan: &CheckedPlan, world: usize, pad: PadCapacity) -> Result<(), BackendError> {
+    let p = plan.plan();
+    if p.world() != world {
+        return Err(BackendError::Unavailable(format!(
+            "the plan is for {} ranks, the backend has {world}",
+            p.world()
+        )));
+    }
+    let (fits, has) = match pad {
+        PadCapacity::Shape { rows, cols } => (
+            p.pad_rows <= rows && p.pad_cols <= cols,
+            format!("{rows}×{cols}"),
+        ),
+        PadCapacity::Slots(n) => (
+            p.pad_rows as usize * p.pad_cols as usize <= n,
+            format!("{n} slots"),
+        ),
+    };
+    if !fits {
+        return Err(BackendError::Unavailable(format!(
+            "the plan needs a {}×{} signal pad, the backend has {has}",
+            p.pad_rows, p.pad_cols
+        )));
+    }
+    Ok(())
+}
+
 pub trait Backend {
     fn name(&self) -> &'static str;
     fn world_size(&self) -> usize;
@@ -124,5 +161,36 @@ pub trait Backend {
             "the {} backend has no baseline '{name}'",
             self.name()
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{build_plan, check, Algo, OpKind, OpSpec, Topology};
+
+    #[test]
+    fn plans_that_do_not_fit_are_refused() {
+        let spec = OpSpec::new(OpKind::AllReduce, 4, 100, 0).unwrap();
+        let plan =
+            check(build_plan(spec, Algo::Ring, &Topology::new(4, 1).unwrap()).unwrap()).unwrap();
+        let (rows, cols) = (plan.plan().pad_rows, plan.plan().pad_cols);
+        ensure_fits(&plan, 4, PadCapacity::Shape { rows, cols }).unwrap();
+        ensure_fits(&plan, 4, PadCapacity::Slots((rows * cols) as usize)).unwrap();
+        let err = ensure_fits(&plan, 2, PadCapacity::Slots(1 << 20)).unwrap_err();
+        assert!(err
+            .to_string()
+            .contains("the plan is for 4 ranks, the backend has 2"));
+        let err = ensure_fits(
+            &plan,
+            4,
+            PadCapacity::Shape {
+                rows,
+                cols: cols - 1,
+            },
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("signal pad"), "{err}");
+        assert!(ensure_fits(&plan, 4, PadCapacity::Slots((rows * cols) as usize - 1)).is_err());
     }
 }

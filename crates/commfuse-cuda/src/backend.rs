@@ -7,7 +7,8 @@ use crate::error::CudaError;
 use crate::nvrtc;
 use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
 use commfuse_core::backend::{
-    Backend, BackendError, CallTiming, HostSlice, HostSliceMut, PreparedCall,
+    ensure_fits, Backend, BackendError, CallTiming, HostSlice, HostSliceMut, PadCapacity,
+    PreparedCall,
 };
 use commfuse_core::{CheckedPlan, DType, Element, OpKind, OpSpec, ReduceOp, Slot};
 use half::{bf16, f16};
@@ -188,20 +189,7 @@ impl Backend for CudaBackend {
         reduce: ReduceOp,
     ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
         self.check_usable()?;
-        let p = plan.plan();
-        if p.world() != self.ranks.len() {
-            return Err(BackendError::Unavailable(format!(
-                "the plan is for {} ranks, the backend has {} GPUs",
-                p.world(),
-                self.ranks.len()
-            )));
-        }
-        if p.pad_rows as usize * p.pad_cols as usize > PAD_SLOTS {
-            return Err(BackendError::Unavailable(format!(
-                "the plan needs {} signal slots per lane, the GPUs have {PAD_SLOTS}",
-                p.pad_rows * p.pad_cols
-            )));
-        }
+        ensure_fits(plan, self.ranks.len(), PadCapacity::Slots(PAD_SLOTS))?;
         Ok(match dtype {
             DType::F32 => Box::new(plan_call::<f32>(self, plan, reduce)?),
             DType::BF16 => Box::new(plan_call::<bf16>(self, plan, reduce)?),

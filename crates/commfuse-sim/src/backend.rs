@@ -4,7 +4,8 @@ use crate::buffer::SymmetricBuffer;
 use crate::executor::{run_rank, CallBuffers};
 use crate::world::{World, WorldConfig};
 use commfuse_core::backend::{
-    Backend, BackendError, CallTiming, HostSlice, HostSliceMut, PreparedCall,
+    ensure_fits, Backend, BackendError, CallTiming, HostSlice, HostSliceMut, PadCapacity,
+    PreparedCall,
 };
 use commfuse_core::{CheckedPlan, DType, Element, ReduceOp};
 use half::{bf16, f16};
@@ -49,24 +50,12 @@ impl Backend for SimBackend {
         dtype: DType,
         reduce: ReduceOp,
     ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
+        let pad = PadCapacity::Shape {
+            rows: self.world.plan_rows(),
+            cols: self.world.pad(0).cols(),
+        };
+        ensure_fits(plan, self.world.size(), pad)?;
         let p = plan.plan();
-        if p.world() != self.world.size() {
-            return Err(BackendError::Unavailable(format!(
-                "the plan is for {} ranks, the world has {}",
-                p.world(),
-                self.world.size()
-            )));
-        }
-        let pad = self.world.pad(0);
-        if p.pad_rows > self.world.plan_rows() || p.pad_cols > pad.cols() {
-            return Err(BackendError::Unavailable(format!(
-                "the plan needs a {}×{} signal pad, the simulator has {}×{}",
-                p.pad_rows,
-                p.pad_cols,
-                self.world.plan_rows(),
-                pad.cols()
-            )));
-        }
         let b = &p.buffers;
         let bytes = (b.input as u128 + b.output as u128 + b.scratch as u128)
             * dtype.size() as u128

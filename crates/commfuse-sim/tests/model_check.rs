@@ -5,56 +5,66 @@
 use commfuse_core::{Cmp, NotifyOp};
 use commfuse_sim::protocol::{self, Backoff, Pads, SignalWord, Stop};
 
+/// The protocol's atomics, backoff and pads for one model checker: `$atomics` is its
+/// `sync::atomic` module, `$yield` its yield function.
+macro_rules! model_primitives {
+    ($atomics:path, $yield:path) => {
+        use atomics::{AtomicU64, Ordering};
+        use $atomics as atomics;
+
+        struct Word(AtomicU64);
+
+        impl SignalWord for Word {
+            fn load_acquire(&self) -> u64 {
+                self.0.load(Ordering::Acquire)
+            }
+            fn store_release(&self, value: u64) {
+                self.0.store(value, Ordering::Release)
+            }
+            fn add_release(&self, value: u64) {
+                self.0.fetch_add(value, Ordering::Release);
+            }
+        }
+
+        struct Yield;
+        impl Backoff for Yield {
+            fn pause(&mut self) -> Result<(), Stop> {
+                $yield();
+                Ok(())
+            }
+        }
+
+        /// `world` pads of `rows × cols` zeroed slots.
+        struct ModelPads {
+            cols: u32,
+            slots: Vec<Vec<Word>>,
+        }
+
+        impl ModelPads {
+            fn new(world: usize, rows: u32, cols: u32) -> Self {
+                ModelPads {
+                    cols,
+                    slots: (0..world)
+                        .map(|_| (0..rows * cols).map(|_| Word(AtomicU64::new(0))).collect())
+                        .collect(),
+                }
+            }
+        }
+
+        impl Pads for ModelPads {
+            type Word = Word;
+            fn slot(&self, rank: usize, row: u32, col: u32) -> &Word {
+                &self.slots[rank][(row * self.cols + col) as usize]
+            }
+        }
+    };
+}
+
 mod loom_checks {
     use super::*;
     use loom::cell::UnsafeCell;
-    use loom::sync::atomic::{AtomicU64, Ordering};
     use loom::sync::Arc;
-
-    struct Word(AtomicU64);
-
-    impl SignalWord for Word {
-        fn load_acquire(&self) -> u64 {
-            self.0.load(Ordering::Acquire)
-        }
-        fn store_release(&self, value: u64) {
-            self.0.store(value, Ordering::Release)
-        }
-        fn add_release(&self, value: u64) {
-            self.0.fetch_add(value, Ordering::Release);
-        }
-    }
-
-    struct Yield;
-    impl Backoff for Yield {
-        fn pause(&mut self) -> Result<(), Stop> {
-            loom::thread::yield_now();
-            Ok(())
-        }
-    }
-
-    struct LoomPads {
-        cols: u32,
-        slots: Vec<Vec<Word>>,
-    }
-
-    impl LoomPads {
-        fn new(world: usize, rows: u32, cols: u32) -> Self {
-            LoomPads {
-                cols,
-                slots: (0..world)
-                    .map(|_| (0..rows * cols).map(|_| Word(AtomicU64::new(0))).collect())
-                    .collect(),
-            }
-        }
-    }
-
-    impl Pads for LoomPads {
-        type Word = Word;
-        fn slot(&self, rank: usize, row: u32, col: u32) -> &Word {
-            &self.slots[rank][(row * self.cols + col) as usize]
-        }
-    }
+    model_primitives!(loom::sync::atomic, loom::thread::yield_now);
 
     fn model(f: impl Fn() + Sync + Send + 'static) {
         let mut builder = loom::model::Builder::new();
@@ -84,7 +94,7 @@ mod loom_checks {
     /// The check can fail: with a relaxed store as "notify", loom finds the reader racing with
     /// the writer.
     #[test]
-    #[should_panic]
+    #[should_panic(expected = "Causality violation")]
     fn a_relaxed_notify_is_caught() {
         struct Relaxed(AtomicU64);
         impl SignalWord for Relaxed {
@@ -116,7 +126,7 @@ mod loom_checks {
     /// it, and the peer's read in epoch 1 is ordered before the rewrite in epoch 2.
     fn barrier_orders_accesses(ring: bool) {
         model(move || {
-            let pads = Arc::new(LoomPads::new(2, 2, 2));
+            let pads = Arc::new(ModelPads::new(2, 2, 2));
             let cells = Arc::new([UnsafeCell::new(0u64), UnsafeCell::new(0u64)]);
             let handles: Vec<_> = (0..2)
                 .map(|rank| {
@@ -184,53 +194,14 @@ mod loom_checks {
 
 mod shuttle_checks {
     use super::*;
-    use shuttle::sync::atomic::{AtomicU64, Ordering};
     use shuttle::sync::Arc;
-
-    struct Word(AtomicU64);
-
-    impl SignalWord for Word {
-        fn load_acquire(&self) -> u64 {
-            self.0.load(Ordering::Acquire)
-        }
-        fn store_release(&self, value: u64) {
-            self.0.store(value, Ordering::Release)
-        }
-        fn add_release(&self, value: u64) {
-            self.0.fetch_add(value, Ordering::Release);
-        }
-    }
-
-    struct Yield;
-    impl Backoff for Yield {
-        fn pause(&mut self) -> Result<(), Stop> {
-            shuttle::thread::yield_now();
-            Ok(())
-        }
-    }
-
-    struct ShuttlePads {
-        cols: u32,
-        slots: Vec<Vec<Word>>,
-    }
-
-    impl Pads for ShuttlePads {
-        type Word = Word;
-        fn slot(&self, rank: usize, row: u32, col: u32) -> &Word {
-            &self.slots[rank][(row * self.cols + col) as usize]
-        }
-    }
+    model_primitives!(shuttle::sync::atomic, shuttle::thread::yield_now);
 
     /// No rank leaves barrier epoch e before every rank has entered it, for several epochs in
     /// a row and no reset in between.
     fn no_early_exit(world: usize, ring: bool) {
         let epochs = 3u64;
-        let pads = Arc::new(ShuttlePads {
-            cols: world as u32,
-            slots: (0..world)
-                .map(|_| (0..2 * world).map(|_| Word(AtomicU64::new(0))).collect())
-                .collect(),
-        });
+        let pads = Arc::new(ModelPads::new(world, 2, world as u32));
         let arrivals = Arc::new((0..world).map(|_| AtomicU64::new(0)).collect::<Vec<_>>());
         let handles: Vec<_> = (0..world)
             .map(|rank| {
