@@ -45,15 +45,6 @@ impl HostSlice<'_> {
             HostSlice::F16(_) => DType::F16,
         }
     }
-
-    /// Element `i` widened to f64.
-    pub fn get_f64(&self, i: usize) -> f64 {
-        match self {
-            HostSlice::F32(s) => s[i] as f64,
-            HostSlice::BF16(s) => s[i].to_f64(),
-            HostSlice::F16(s) => s[i].to_f64(),
-        }
-    }
 }
 
 /// Wall-clock time of one call on each rank, from a common start.

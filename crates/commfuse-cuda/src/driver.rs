@@ -170,10 +170,6 @@ impl DeviceMemory {
         self.ptr
     }
 
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
     /// Copies `src` to the start of this memory (synchronously).
     pub fn upload<T: Copy>(&self, gpu: &Gpu, src: &[T]) -> Result<(), CudaError> {
         assert!(std::mem::size_of_val(src) <= self.bytes.max(16));

@@ -9,6 +9,7 @@
 //!   fast rank already in call e+1 never confuses a slow one still in call e, and nothing needs
 //!   a reset.
 
+use commfuse_core::algorithms::staggered_peers;
 use commfuse_core::{Cmp, NotifyOp};
 
 /// A 64-bit signal counter.
@@ -113,12 +114,10 @@ pub fn all_to_all_barrier<P: Pads, B: Backoff + ?Sized>(
     epoch: u64,
     backoff: &mut B,
 ) -> Result<(), Stuck> {
-    for d in 1..world {
-        let peer = (rank + d) % world;
+    for peer in staggered_peers(rank, world) {
         notify(pads.slot(peer, row, rank as u32), epoch, NotifyOp::Set);
     }
-    for d in 1..world {
-        let peer = (rank + d) % world;
+    for peer in staggered_peers(rank, world) {
         wait_slot(pads, rank, row, peer as u32, epoch, backoff)?;
     }
     Ok(())

@@ -4,7 +4,7 @@ use crate::plan::{PlanBuilder, Slot};
 
 /// Peers of `rank` in staggered order (rank+1, rank+2, …) so that no two ranks hit the same
 /// peer at the same moment.
-pub(crate) fn staggered_peers(rank: usize, world: usize) -> impl Iterator<Item = usize> {
+pub fn staggered_peers(rank: usize, world: usize) -> impl Iterator<Item = usize> {
     (1..world).map(move |d| (rank + d) % world)
 }
 

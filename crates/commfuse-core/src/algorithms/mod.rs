@@ -8,6 +8,7 @@ mod all_to_all;
 mod barrier;
 mod broadcast;
 pub(crate) mod direct;
+pub use direct::staggered_peers;
 mod reduce_scatter;
 pub(crate) mod ring;
 
