@@ -4,7 +4,7 @@
 # archive plus a summary (the device tool brings back at most 8 files).
 #
 # Prepare here:   bash scripts/gpu-prepare.sh     (release binary + test binaries into .gpu/)
-# Run there:      device run, carry [".gpu"], command: bash scripts/gpu-check.sh [full|quick|tests]
+# Run there:      device run, carry [".gpu"], command: bash scripts/gpu-check.sh [full|quick|tests|gemm]
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 # never NVLink multicast on these machines
@@ -25,23 +25,32 @@ nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used --format=csv 
 nvidia-smi topo -m >"$R/topo.txt" 2>&1
 $B kernels --report >"$R/kernels.txt" 2>&1; log "kernels rc=$?"
 
-for t in .gpu/tests/*; do
+TESTS=.gpu/tests/*
+[ "$MODE" = gemm ] && TESTS=.gpu/tests/gpu_gemm
+for t in $TESTS; do
   timeout 300 "$t" --test-threads 1 >"$R/test-$(basename "$t").txt" 2>&1
-  log "test $(basename "$t") rc=$? $(grep -E '^test result' "$R/test-$(basename "$t").txt" | tail -1)"
+  rc=$?
+  log "test $(basename "$t") rc=$rc $(grep -E '^test result' "$R/test-$(basename "$t").txt" | tail -1)"
 done
 
-timeout 300 $B verify --devices 0,1 --json "$R/verify.json" >"$R/verify.txt" 2>&1
-log "verify rc=$? $(tail -1 "$R/verify.txt")"
-grep -E "FAIL" "$R/verify.txt" | head -5 | cut -c1-400 | tee -a "$OUT/summary.txt"
+if [ "$MODE" != gemm ]; then
+  timeout 300 $B verify --devices 0,1 --json "$R/verify.json" >"$R/verify.txt" 2>&1
+  log "verify rc=$? $(tail -1 "$R/verify.txt")"
+  grep -E "FAIL" "$R/verify.txt" | head -5 | cut -c1-400 | tee -a "$OUT/summary.txt"
+fi
 
-# the GEMM baseline on one GPU at the shapes of issue 4
+# our GEMM beside cuBLASLt at the shapes of issue 4: all SMs, 116 SMs, epilogue on the peer
 for shape in "4096 12288 24576" "8192 8192 14336" "8192 8192 3584" "2048 8192 3584"; do
   set -- $shape
-  timeout 120 $B bench gemm --m $1 --n $2 --k $3 --sms 0,116 --json "$R/gemm-$1x$2x$3.json" >"$R/gemm-$1x$2x$3.txt" 2>&1
-  log "gemm $1x$2x$3 rc=$?"; tail -2 "$R/gemm-$1x$2x$3.txt" | tee -a "$OUT/summary.txt"
+  for layout in nk kn; do
+    name=gemm-$1x$2x$3-$layout
+    timeout 200 $B bench gemm --m $1 --n $2 --k $3 --b-layout $layout --sms 0,116 --peer 1 --warmup 10 --iters 30 \
+      --json "$R/$name.json" >"$R/$name.txt" 2>&1
+    log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | tee -a "$OUT/summary.txt"
+  done
 done
 
-if [ "$MODE" = tests ]; then
+if [ "$MODE" = tests ] || [ "$MODE" = gemm ]; then
   tar czf "$OUT/results.tgz" -C "$OUT" results
   rm -rf "$R"
   exit 0

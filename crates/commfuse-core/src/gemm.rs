@@ -243,6 +243,23 @@ pub fn reference_dot<T: crate::Element>(
         .sum()
 }
 
+/// A tile order for L2 reuse: bands of `group` tile rows, each walked column by column, so a
+/// wave of a persistent grid shares a few A row panels and B column panels instead of sweeping
+/// all of B. Any permutation is valid; this is the default of the GPU benchmarks.
+pub fn grouped_order(problem: &GemmProblem, tile: TileShape, group: usize) -> Vec<usize> {
+    let (tm, tn) = tiles(problem, tile);
+    let group = group.max(1);
+    let mut order = Vec::with_capacity(tm * tn);
+    for band in (0..tm).step_by(group) {
+        for j in 0..tn {
+            for i in band..(band + group).min(tm) {
+                order.push(i * tn + j);
+            }
+        }
+    }
+    order
+}
+
 /// Tiles along M and N.
 pub fn tiles(problem: &GemmProblem, tile: TileShape) -> (usize, usize) {
     (
@@ -292,6 +309,9 @@ mod tests {
             .to_string()
             .contains("tile 1 twice"));
         plan.order = vec![3, 2, 1, 0];
+        plan.validate(1).unwrap();
+        plan.order = grouped_order(&p, plan.tile, 3);
+        assert_eq!(plan.order, vec![0, 2, 1, 3]);
         plan.validate(1).unwrap();
         plan.destinations = Some(vec![
             Destination {

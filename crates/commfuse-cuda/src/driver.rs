@@ -191,6 +191,98 @@ impl DeviceMemory {
     }
 }
 
+impl DeviceMemory {
+    /// Sets every byte to `value` (synchronously): poisons outputs before a checked run.
+    pub fn fill(&self, gpu: &Gpu, value: u8) -> Result<(), CudaError> {
+        gpu.bind()?;
+        // SAFETY: the whole allocation, context bound
+        drv("cuMemsetD8", unsafe {
+            result::memset_d8_sync(self.ptr, value, self.bytes.max(16))
+        })
+    }
+
+    pub fn len_bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// Copies `rows` rows of `row_bytes` between device pitches (synchronously), e.g. to give a
+/// matrix a leading dimension that TMA can describe.
+///
+/// # Safety
+/// Both regions must be valid device memory of the bound context for the whole copy.
+pub unsafe fn copy_2d(
+    gpu: &Gpu,
+    dst: u64,
+    dst_pitch: usize,
+    src: u64,
+    src_pitch: usize,
+    row_bytes: usize,
+    rows: usize,
+) -> Result<(), CudaError> {
+    gpu.bind()?;
+    // every field spelled out: the memory-type enums have no valid all-zero value
+    let copy = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: std::ptr::null(),
+        srcDevice: src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src_pitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst_pitch,
+        WidthInBytes: row_bytes,
+        Height: rows,
+    };
+    check("cuMemcpy2D", sys::cuMemcpy2D_v2(&copy))
+}
+
+/// A 2D TMA descriptor over a row-major matrix of 16-bit elements: `dims` = (columns, rows),
+/// `row_bytes` the distance between rows (a multiple of 16), `boxed` = (columns, rows) of the
+/// box one copy moves, 128-byte swizzle (the box's rows must be 128 bytes), zero fill outside.
+pub fn tensor_map_2d(
+    addr: u64,
+    half: bool,
+    dims: (u64, u64),
+    row_bytes: u64,
+    boxed: (u32, u32),
+) -> Result<[u64; 16], CudaError> {
+    let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
+    let dtype = if half {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    } else {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    };
+    let global_dim = [dims.0, dims.1];
+    let global_strides = [row_bytes];
+    let box_dim = [boxed.0, boxed.1];
+    let element_strides = [1u32, 1];
+    // SAFETY: out-parameter and arrays of the documented lengths (rank 2)
+    check("cuTensorMapEncodeTiled", unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            dtype,
+            2,
+            addr as *mut c_void,
+            global_dim.as_ptr(),
+            global_strides.as_ptr(),
+            box_dim.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    })?;
+    Ok(map.opaque)
+}
+
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
         // SAFETY: allocated by cuMemAlloc in this context; nothing uses it any more
@@ -475,6 +567,21 @@ impl Function {
         Ok(n as u32)
     }
 
+    /// Lets launches ask for `bytes` of dynamic shared memory (above the default 48 KiB).
+    pub fn allow_dynamic_smem(&self, bytes: u32) -> Result<(), CudaError> {
+        // SAFETY: live function
+        check(
+            "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    self.raw,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+            },
+        )
+    }
+
     /// Launches with one by-value parameter struct.
     ///
     /// # Safety
@@ -487,6 +594,21 @@ impl Function {
         stream: &Stream,
         params: &P,
     ) -> Result<(), CudaError> {
+        self.launch_with_smem(grid, block, 0, stream, params)
+    }
+
+    /// [`Function::launch`] with `smem` bytes of dynamic shared memory.
+    ///
+    /// # Safety
+    /// As for [`Function::launch`].
+    pub unsafe fn launch_with_smem<P>(
+        &self,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        stream: &Stream,
+        params: &P,
+    ) -> Result<(), CudaError> {
         let mut args = [params as *const P as *mut c_void];
         drv(
             "cuLaunchKernel",
@@ -494,7 +616,7 @@ impl Function {
                 self.raw,
                 (grid, 1, 1),
                 (block, 1, 1),
-                0,
+                smem,
                 stream.raw,
                 &mut args,
             ),

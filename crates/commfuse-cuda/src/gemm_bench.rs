@@ -1,11 +1,16 @@
-//! `commfuse bench gemm`: the GEMM baselines on one GPU, timed with events (warm-up, median),
-//! checked against a float64 reference on sampled elements of fresh random inputs with the
-//! output poisoned first. Our own kernel joins these rows when it exists (issue 4).
+//! `commfuse bench gemm`: our GEMM beside cuBLASLt on one GPU (same inputs, same run), at all
+//! SMs and capped, plus our GEMM with its epilogue storing every tile to a peer GPU; timed with
+//! events (warm-up, median), each row checked against a float64 reference on sampled elements
+//! of fresh random inputs with the output poisoned first.
 
 use crate::cublaslt::Lt;
 use crate::driver::{DeviceMemory, Event, Gpu, Stream};
 use crate::error::CudaError;
-use commfuse_core::gemm::{reference_dot, GemmProblem};
+use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TILE};
+use commfuse_core::gemm::{
+    grouped_order, reference_dot, Destination, Epilogue, GemmPlan, GemmProblem, TileFlag,
+};
+use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::{DType, Element};
 use half::{bf16, f16};
 
@@ -43,10 +48,12 @@ fn upload_random<T: Element>(
     Ok((mem, host))
 }
 
-/// Runs cuBLASLt on `problem` (bf16 or f16 inputs, output type as asked) for each SM cap in
-/// `sms` (0 = all SMs).
-pub fn bench_cublaslt(
+/// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
+/// (0 = all SMs), on the same inputs in the same run; with `peer`, also our kernel with every
+/// tile stored into a buffer on that GPU and a flag raised there per tile.
+pub fn bench_gemm(
     device: usize,
+    peer: Option<usize>,
     problem: &GemmProblem,
     sms: &[u32],
     warmup: usize,
@@ -54,14 +61,47 @@ pub fn bench_cublaslt(
     seed: u64,
 ) -> Result<Vec<GemmRow>, CudaError> {
     match problem.input {
-        DType::BF16 => run::<bf16>(device, problem, sms, warmup, iters, seed),
-        DType::F16 => run::<f16>(device, problem, sms, warmup, iters, seed),
+        DType::BF16 => run::<bf16>(device, peer, problem, sms, warmup, iters, seed),
+        DType::F16 => run::<f16>(device, peer, problem, sms, warmup, iters, seed),
         DType::F32 => Err(CudaError::Unavailable("GEMM inputs are bf16 or f16".into())),
     }
 }
 
+/// Median time of one launch in ms (events around each of `iters` launches after `warmup`).
+fn median_ms(
+    gpu: &Gpu,
+    stream: &Stream,
+    warmup: usize,
+    iters: usize,
+    launch: &mut dyn FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    for _ in 0..warmup.max(1) {
+        launch()?;
+    }
+    let events: Vec<Event> = (0..=iters.max(1))
+        .map(|_| Event::new(gpu))
+        .collect::<Result<_, _>>()?;
+    events[0].record(stream)?;
+    for e in &events[1..] {
+        launch()?;
+        e.record(stream)?;
+    }
+    stream.synchronize()?;
+    let mut times: Vec<f64> = events
+        .windows(2)
+        .map(|w| w[0].elapsed_ms(&w[1]).map(|t| t as f64))
+        .collect::<Result<_, _>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// The tile order of every benchmark row of our kernel.
+pub const ORDER_GROUP: usize = 8;
+
+#[allow(clippy::too_many_arguments)]
 fn run<T: Element>(
     device: usize,
+    peer: Option<usize>,
     p: &GemmProblem,
     sms: &[u32],
     warmup: usize,
@@ -75,13 +115,21 @@ fn run<T: Element>(
     let (b_dev, b) = upload_random::<T>(&gpu, p.k * p.n, seed ^ 1)?;
     let out_bytes = p.m * p.n * p.output.size();
     let d_dev = DeviceMemory::zeroed(&gpu, out_bytes)?;
+    let row = |implementation: &str, cap: u32, time_ms: f64, error: f64| GemmRow {
+        implementation: implementation.into(),
+        m: p.m,
+        n: p.n,
+        k: p.k,
+        sms: cap,
+        time_ms,
+        tflops: p.flops() / (time_ms * 1e-3) / 1e12,
+        error,
+    };
     let mut rows = Vec::new();
     for &cap in sms {
         // poison D so that an element the GEMM skipped fails the check
-        let poison = vec![0xffu8; out_bytes];
-        d_dev.upload(&gpu, &poison)?;
-        gpu.bind()?;
-        let launch = || {
+        d_dev.fill(&gpu, 0xff)?;
+        let time = median_ms(&gpu, &stream, warmup, iters, &mut || {
             // SAFETY: operands sized from the problem on this GPU
             unsafe {
                 lt.matmul(
@@ -95,37 +143,89 @@ fn run<T: Element>(
                     0.0,
                 )
             }
+        })?;
+        rows.push(row(
+            "cublaslt",
+            cap,
+            time,
+            sampled_error(&gpu, p, &a, &b, &d_dev, seed)?,
+        ));
+    }
+
+    let kernels = GemmKernels::load(&gpu)?;
+    let mut plan = GemmPlan::local(*p, TILE, Epilogue::default());
+    plan.order = grouped_order(p, TILE, ORDER_GROUP);
+    let ops = GemmOperands {
+        a: a_dev.addr(),
+        b: b_dev.addr(),
+        c: None,
+        bias: None,
+        d: d_dev.addr(),
+    };
+    for &cap in sms {
+        let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, cap, 0)?;
+        d_dev.fill(&gpu, 0xff)?;
+        let time = median_ms(&gpu, &stream, warmup, iters, &mut || {
+            // SAFETY: operands sized from the problem on this GPU
+            unsafe { gemm.launch(&stream) }
+        })
+        .map_err(|e| with_stall_report(e, &gemm))?;
+        rows.push(row(
+            "commfuse",
+            cap,
+            time,
+            sampled_error(&gpu, p, &a, &b, &d_dev, seed)?,
+        ));
+    }
+
+    if let Some(peer) = peer {
+        // every tile into the peer GPU's buffer, then an Add of 1 on its flag there
+        let peer_gpu = Gpu::open(peer)?;
+        gpu.enable_peer_access(&peer_gpu)?;
+        let d_peer = DeviceMemory::zeroed(&peer_gpu, out_bytes)?;
+        let flags = DeviceMemory::zeroed(&peer_gpu, 8 * plan.tile_count())?;
+        let mut remote = plan.clone();
+        remote.destinations = Some(
+            (0..plan.tile_count())
+                .map(|t| Destination {
+                    rank: 1,
+                    ..plan.destination(t, 0)
+                })
+                .collect(),
+        );
+        remote.flags = Some(
+            (0..plan.tile_count())
+                .map(|t| TileFlag {
+                    slot: Slot::new(0, t as u32),
+                    value: 1,
+                    op: NotifyOp::Add,
+                })
+                .collect(),
+        );
+        let outputs = [d_dev.addr(), d_peer.addr()];
+        let flag = |_rank: usize, slot: Slot| flags.addr() + 8 * slot.col as u64;
+        let targets = RouteTargets {
+            outputs: &outputs,
+            flag: &flag,
         };
-        for _ in 0..warmup.max(1) {
-            launch()?;
-        }
-        let events: Vec<Event> = (0..=iters.max(1))
-            .map(|_| Event::new(&gpu))
-            .collect::<Result<_, _>>()?;
-        events[0].record(&stream)?;
-        for e in &events[1..] {
-            launch()?;
-            e.record(&stream)?;
-        }
-        stream.synchronize()?;
-        let mut times: Vec<f64> = events
-            .windows(2)
-            .map(|w| w[0].elapsed_ms(&w[1]).map(|t| t as f64))
-            .collect::<Result<_, _>>()?;
-        times.sort_by(f64::total_cmp);
-        let time_ms = times[times.len() / 2];
-        rows.push(GemmRow {
-            implementation: "cublaslt".into(),
-            m: p.m,
-            n: p.n,
-            k: p.k,
-            sms: cap,
-            time_ms,
-            tflops: p.flops() / (time_ms * 1e-3) / 1e12,
-            error: sampled_error(&gpu, p, &a, &b, &d_dev, seed)?,
-        });
+        let gemm = PreparedGemm::new(&gpu, &kernels, &remote, &ops, Some(&targets), 0, 0)?;
+        d_peer.fill(&peer_gpu, 0xff)?;
+        let time = median_ms(&gpu, &stream, warmup, iters, &mut || {
+            // SAFETY: operands on this GPU, destinations and flags on the peer, peer access on
+            unsafe { gemm.launch(&stream) }
+        })
+        .map_err(|e| with_stall_report(e, &gemm))?;
+        let error = sampled_error(&peer_gpu, p, &a, &b, &d_peer, seed)?;
+        rows.push(row("commfuse-peer", 0, time, error));
     }
     Ok(rows)
+}
+
+fn with_stall_report(e: CudaError, gemm: &PreparedGemm) -> CudaError {
+    match gemm.stall_report() {
+        Some(report) => CudaError::Unavailable(format!("{e}; {report}")),
+        None => e,
+    }
 }
 
 /// Relative Frobenius error of D against a float64 reference on a few thousand sampled

@@ -13,6 +13,7 @@ pub mod backend;
 pub mod cublaslt;
 pub mod driver;
 pub mod error;
+pub mod gemm;
 pub mod gemm_bench;
 pub mod nccl;
 pub mod nvrtc;

@@ -28,10 +28,16 @@ pub const HEADERS: &[Source] = &[Source {
 }];
 
 /// Every kernel file of the crate, for `commfuse kernels` and the CI compile check.
-pub const KERNELS: &[Source] = &[Source {
-    name: "plan.cu",
-    text: include_str!("../kernels/plan.cu"),
-}];
+pub const KERNELS: &[Source] = &[
+    Source {
+        name: "plan.cu",
+        text: include_str!("../kernels/plan.cu"),
+    },
+    Source {
+        name: "gemm.cu",
+        text: include_str!("../kernels/gemm.cu"),
+    },
+];
 
 pub fn kernel(name: &str) -> Option<Source> {
     KERNELS.iter().copied().find(|k| k.name == name)

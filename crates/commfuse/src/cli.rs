@@ -68,6 +68,9 @@ pub struct BenchGemmArgs {
     /// GPU to run on
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// Also time the epilogue storing every tile to this GPU (NVLink peer) and raising a flag there
+    #[arg(long)]
+    pub peer: Option<usize>,
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
     #[arg(long, default_value_t = 20)]
@@ -317,8 +320,9 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         a.dtype,
         a.out_dtype.unwrap_or(a.dtype),
     )?;
-    let rows = commfuse_cuda::gemm_bench::bench_cublaslt(
+    let rows = commfuse_cuda::gemm_bench::bench_gemm(
         a.device,
+        a.peer,
         &problem,
         &a.sms,
         a.warmup,
@@ -330,7 +334,7 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         a.m, a.n, a.k, layout, problem.input, problem.output, a.device
     );
     println!(
-        "# {:>10} {:>5} {:>10} {:>9} {:>10}  check",
+        "# {:>14} {:>5} {:>10} {:>9} {:>10}  check",
         "impl", "sms", "time(ms)", "TFLOP/s", "rel.err"
     );
     let mut ok = true;
@@ -338,7 +342,7 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         let pass = r.error <= 1e-2;
         ok &= pass;
         println!(
-            "  {:>10} {:>5} {:>10.4} {:>9.1} {:>10.2e}  {}",
+            "  {:>14} {:>5} {:>10.4} {:>9.1} {:>10.2e}  {}",
             r.implementation,
             if r.sms == 0 {
                 "all".to_string()

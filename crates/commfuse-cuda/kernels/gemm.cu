@@ -1,0 +1,484 @@
+// commfuse's Hopper GEMM with a programmable epilogue (issue 4). See GEMM-NOTES.md for the
+// design, the measured versions and what each change bought.
+//
+// D = alpha * A B + beta * C (+ bias row), f32 accumulation, cast to the output type, each
+// 128x256 tile sent to the address its route names (local D or a peer's buffer over NVLink),
+// then a per-tile flag raised with release semantics at system scope.
+//
+// One block per SM, 384 threads in three warpgroups:
+//   warpgroup 0, warp 0   the producer: TMA loads of A and B k-blocks into a ring of
+//                         swizzled shared-memory stages, tracked by mbarriers;
+//   warpgroup 0, warps 1-3 the storers: copy a finished tile from shared memory to its
+//                         destination and raise its flag while the consumers already run the
+//                         next tile's main loop (this is what hides NVLink stores);
+//   warpgroups 1 and 2    the consumers: wgmma m64n256k16 on 64 rows each, then the epilogue
+//                         arithmetic in registers and the staging of the tile in shared memory.
+// The grid is persistent (any size up to the tile count: the SM cap) and takes tiles in the
+// order of a caller-provided table, block b taking entries b, b + grid, b + 2 grid, ...
+#include "common.cuh"
+
+namespace gemm {
+constexpr int BM = 128;
+constexpr int BN = 256;
+constexpr int BK = 64;  // 64 16-bit elements = one 128-byte swizzle row
+constexpr int STAGES = 3;
+constexpr int A_STAGE_BYTES = BM * BK * 2;
+constexpr int B_STAGE_BYTES = BN * BK * 2;
+// The staged tile: 128 rows of 512 bytes (256 16-bit or 128 f32 elements) plus 16 bytes of
+// padding, which makes the consumers' fragment stores free of bank conflicts.
+constexpr int EPI_PITCH = 528;
+constexpr int EPI_BYTES = BM * EPI_PITCH;
+constexpr int THREADS = 384;
+constexpr int STORERS = 96;
+constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * (A_STAGE_BYTES + B_STAGE_BYTES) +
+                           EPI_BYTES + 8 * (2 * STAGES + 2);
+static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
+}  // namespace gemm
+
+// A CUtensorMap, passed by value inside the __grid_constant__ parameters.
+struct __align__(128) TmaDesc {
+    u64 opaque[16];
+};
+
+// Where one tile goes; mirrored by `TileRoute` in src/gemm.rs.
+struct TileRoute {
+    u64 dst;         // address of the tile's element (0, 0), possibly on a peer GPU
+    u64 flag;        // address of the tile's flag word, 0 for none
+    u64 flag_value;  // Set: the value stored; Add: the amount added
+    u32 ld;          // leading dimension of the destination, in elements
+    u32 flag_op;     // NOTIFY_SET or NOTIFY_ADD
+};
+
+// Mirrored by `GemmParams` in src/gemm.rs.
+struct GemmParams {
+    TmaDesc a;                 // A [M, K], box 64 (K) x 128 (M)
+    TmaDesc b;                 // B [N, K]: box 64 x 256; B [K, N]: box 64 (N) x 64 (K)
+    const u32* order;          // tile order, tile_count entries
+    const TileRoute* routes;   // per tile; null: local D, row-major, ld = N
+    u64 d;                     // local D
+    const void* c;             // C [M, N] in the output type (read when beta != 0)
+    const void* bias;          // bias [N] in the output type, or null
+    volatile ErrorRecord* err; // host-mapped; written when a pipeline wait times out
+    u64 timeout_ns;
+    u32 m, n, k;
+    u32 tiles_n, tile_count;
+    float alpha, beta;
+    u32 accumulate;
+    u32 rank;
+};
+// The 128 accumulator registers of one m64n256k16 wgmma, as asm operands %0..%127.
+#define WGMMA_ACC_OPERANDS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
+#define WGMMA_ACC_CONSTRAINTS(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+
+// ---- shared memory, mbarriers, TMA -------------------------------------------------------
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+// What a stalled pipeline wait was waiting for (ErrorRecord.slot).
+enum PipelineWait { WAIT_STAGE_EMPTY = 0, WAIT_STAGE_FULL = 1, WAIT_EPI_EMPTY = 2, WAIT_EPI_FULL = 3 };
+
+// A pipeline wait that never completes is a bug (a lost TMA, a miscounted barrier): record
+// which block waited for what at which tile, and stop the kernel rather than hang the GPU.
+__device__ __noinline__ void pipeline_stalled(const GemmParams& p, u32 tile, u32 what, u32 parity) {
+    if (atomicCAS((u32*)&p.err->flag, 0u, 2u) == 0u) {
+        p.err->rank = p.rank;
+        p.err->lane = blockIdx.x;
+        p.err->step = tile;
+        p.err->slot = what;
+        p.err->expected = parity;
+        p.err->seen = threadIdx.x;
+        __threadfence_system();
+        p.err->abort = 1;
+    }
+    __trap();
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, const GemmParams& p, u32 tile, u32 what) {
+    if (mbar_try_wait(bar, parity)) return;
+    const u64 start = global_timer_ns();
+    while (!mbar_try_wait(bar, parity)) {
+        if (global_timer_ns() - start > p.timeout_ns) pipeline_stalled(p, tile, what, parity);
+    }
+}
+
+// One 2D TMA box into shared memory; completion is counted in bytes on `bar`.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+            dst),
+        "l"((u64)map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+// ---- wgmma ---------------------------------------------------------------------------------
+
+// Shared-memory matrix descriptor for a 128-byte-swizzled operand: start address, leading and
+// stride byte offsets (all in 16-byte units), layout type 1 = SWIZZLE_128B.
+__device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads or writes across wgmma issue and wait.
+__device__ __forceinline__ void fence_acc(float* d) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <typename In> struct Wgmma;
+
+#define COMMFUSE_WGMMA(IN_T, PTX_T)                                                                            \
+    template <> struct Wgmma<IN_T> {                                                                          \
+        /* d (+)= A B for one k16 step; scale_d = 0 overwrites d. TRANS_B = 1: B is N-major ([K, N]). */       \
+        template <int TRANS_B> static __device__ __forceinline__ void mma(float* d, u64 da, u64 db, u32 scale_d) { \
+            asm volatile("{\n"                                                                                \
+                         ".reg .pred p;\n"                                                                    \
+                         "setp.ne.b32 p, %130, 0;\n"                                                          \
+                         "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_T "." PTX_T " " WGMMA_ACC_OPERANDS \
+                         ", %128, %129, p, 1, 1, 0, %131;\n"                                                  \
+                         "}\n"                                                                                \
+                         : WGMMA_ACC_CONSTRAINTS(d)                                                           \
+                         : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_B));                                    \
+        }                                                                                                     \
+    };
+COMMFUSE_WGMMA(__nv_bfloat16, "bf16")
+COMMFUSE_WGMMA(__half, "f16")
+
+// ---- epilogue element helpers ------------------------------------------------------------------
+
+template <typename Out> __device__ __forceinline__ void store_pair(unsigned char* p, float a, float b);
+template <> __device__ __forceinline__ void store_pair<float>(unsigned char* p, float a, float b) {
+    *(float2*)p = make_float2(a, b);
+}
+template <> __device__ __forceinline__ void store_pair<__nv_bfloat16>(unsigned char* p, float a, float b) {
+    *(__nv_bfloat162*)p = __floats2bfloat162_rn(a, b);
+}
+template <> __device__ __forceinline__ void store_pair<__half>(unsigned char* p, float a, float b) {
+    *(__half2*)p = __floats2half2_rn(a, b);
+}
+
+// 16 bytes of staged results added to 16 bytes of the destination, in f32.
+template <typename Out> __device__ __forceinline__ uint4 add_vec(uint4 staged, uint4 old) {
+    Out* s = (Out*)&staged;
+    const Out* o = (const Out*)&old;
+#pragma unroll
+    for (int e = 0; e < (int)(16 / sizeof(Out)); ++e) s[e] = Elem<Out>::from_f32(Elem<Out>::to_f32(s[e]) + Elem<Out>::to_f32(o[e]));
+    return staged;
+}
+
+struct TileCoords {
+    u32 tile, tm, tn;
+};
+
+__device__ __forceinline__ TileCoords tile_at(const GemmParams& p, u32 i) {
+    const u32 t = p.order[i];
+    return {t, t / p.tiles_n, t % p.tiles_n};
+}
+
+// ---- the three roles ---------------------------------------------------------------------------
+
+struct Smem {
+    u32 a, b;                     // stage 0 of A and of B (shared-window addresses)
+    unsigned char* epi;           // the staged tile
+    u32 full, empty;              // mbarrier arrays, 8 bytes apart
+    u32 epi_full, epi_empty;
+};
+
+template <bool B_KN>
+__device__ void producer(const GemmParams& p, const Smem& s) {
+    const u32 k_blocks = (p.k + gemm::BK - 1) / gemm::BK;
+    u32 stage = 0, phase = 0;
+    for (u32 i = blockIdx.x; i < p.tile_count; i += gridDim.x) {
+        const TileCoords c = tile_at(p, i);
+        for (u32 kb = 0; kb < k_blocks; ++kb) {
+            const u32 full = s.full + 8 * stage, empty = s.empty + 8 * stage;
+            mbar_wait(empty, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY);
+            // out-of-bounds parts of a box are zero-filled and still counted in bytes
+            mbar_expect_tx(full, gemm::A_STAGE_BYTES + gemm::B_STAGE_BYTES);
+            const u32 a_dst = s.a + stage * gemm::A_STAGE_BYTES, b_dst = s.b + stage * gemm::B_STAGE_BYTES;
+            tma_load_2d(a_dst, &p.a, full, kb * gemm::BK, c.tm * gemm::BM);
+            if (B_KN) {
+                // four 64 (N) x 64 (K) boxes side by side along N, 8 KiB each
+#pragma unroll
+                for (int j = 0; j < 4; ++j) tma_load_2d(b_dst + j * 8192, &p.b, full, c.tn * gemm::BN + 64 * j, kb * gemm::BK);
+            } else {
+                tma_load_2d(b_dst, &p.b, full, kb * gemm::BK, c.tn * gemm::BN);
+            }
+            if (++stage == gemm::STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+    }
+}
+
+template <typename In, typename Out, bool B_KN>
+__device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
+    constexpr int PASSES = sizeof(Out) / 2;  // f32 tiles are staged in two column halves
+    constexpr int PASS_COLS = gemm::BN / PASSES;
+    const u32 k_blocks = (p.k + gemm::BK - 1) / gemm::BK;
+    const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const u32 row0 = cw * 64 + warp * 16 + lane / 4;  // this thread's first accumulator row
+    const bool leader = threadIdx.x % 128 == 0;
+    const bool has_c = p.beta != 0.0f && p.c != nullptr;
+    const Out* c_mat = (const Out*)p.c;
+    const Out* bias = (const Out*)p.bias;
+    u32 stage = 0, phase = 0, epi_phase = 0;
+    float acc[128];
+    for (u32 i = blockIdx.x; i < p.tile_count; i += gridDim.x) {
+        const TileCoords c = tile_at(p, i);
+        u32 prev = 0;
+        for (u32 kb = 0; kb < k_blocks; ++kb) {
+            mbar_wait(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
+            const u32 a = s.a + stage * gemm::A_STAGE_BYTES + cw * (64 * 128);
+            const u32 b = s.b + stage * gemm::B_STAGE_BYTES;
+            wgmma_fence();
+            fence_acc(acc);
+#pragma unroll
+            for (int kk = 0; kk < gemm::BK / 16; ++kk) {
+                // A: K-major, 8-row groups 1024 bytes apart, a k16 step is 32 bytes along the row.
+                // B [N, K]: the same. B [K, N]: N-major, 64-column blocks 8 KiB apart (LBO),
+                // 8-row K groups 1024 bytes apart (SBO), a k16 step is 16 rows = 2048 bytes.
+                const u64 da = smem_desc(a + 32 * kk, 16, 1024);
+                const u64 db = B_KN ? smem_desc(b + 2048 * kk, 8192, 1024) : smem_desc(b + 32 * kk, 16, 1024);
+                Wgmma<In>::template mma<B_KN ? 1 : 0>(acc, da, db, (kb | kk) != 0);
+            }
+            wgmma_commit();
+            fence_acc(acc);
+            // keep this k-block's wgmmas in flight; the previous one's stage can be refilled
+            wgmma_wait<1>();
+            fence_acc(acc);
+            if (kb > 0 && leader) mbar_arrive(s.empty + 8 * prev);
+            prev = stage;
+            if (++stage == gemm::STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+        wgmma_wait<0>();
+        fence_acc(acc);
+        if (leader) mbar_arrive(s.empty + 8 * prev);
+
+        // epilogue arithmetic in registers, then stage the tile for the storers
+        const u32 g_row0 = c.tm * gemm::BM + row0, g_col0 = c.tn * gemm::BN;
+#pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass) {
+            mbar_wait(s.epi_empty, epi_phase ^ 1, p, c.tile, WAIT_EPI_EMPTY);
+#pragma unroll
+            for (int j = pass * PASS_COLS / 8; j < (pass + 1) * PASS_COLS / 8; ++j) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u32 col = j * 8 + 2 * (lane % 4);
+                    float v0 = p.alpha * acc[j * 4 + 2 * h], v1 = p.alpha * acc[j * 4 + 2 * h + 1];
+                    const u32 gr = g_row0 + 8 * h, gc = g_col0 + col;
+                    if (has_c && gr < p.m) {
+                        if (gc < p.n) v0 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc]);
+                        if (gc + 1 < p.n) v1 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc + 1]);
+                    }
+                    if (bias != nullptr) {
+                        if (gc < p.n) v0 += Elem<Out>::to_f32(bias[gc]);
+                        if (gc + 1 < p.n) v1 += Elem<Out>::to_f32(bias[gc + 1]);
+                    }
+                    store_pair<Out>(s.epi + (row0 + 8 * h) * gemm::EPI_PITCH + (col - pass * PASS_COLS) * sizeof(Out), v0,
+                                    v1);
+                }
+            }
+            mbar_arrive(s.epi_full);
+            epi_phase ^= 1;
+        }
+    }
+}
+
+__device__ __forceinline__ void storers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(gemm::STORERS) : "memory"); }
+
+template <typename Out>
+__device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
+    constexpr int PASSES = sizeof(Out) / 2;
+    constexpr int PASS_COLS = gemm::BN / PASSES;
+    constexpr int VEC = 16 / sizeof(Out);  // elements per 16-byte store
+    constexpr int UNITS = PASS_COLS / VEC;  // 16-byte units per staged row
+    u32 epi_phase = 0;
+    for (u32 i = blockIdx.x; i < p.tile_count; i += gridDim.x) {
+        const TileCoords c = tile_at(p, i);
+        TileRoute r;
+        if (p.routes != nullptr) {
+            r = p.routes[c.tile];
+        } else {
+            r.dst = p.d + ((u64)c.tm * gemm::BM * p.n + (u64)c.tn * gemm::BN) * sizeof(Out);
+            r.ld = p.n;
+            r.flag = 0;
+        }
+        const u32 rows = min(gemm::BM, (int)(p.m - c.tm * gemm::BM));
+        const u32 cols = min(gemm::BN, (int)(p.n - c.tn * gemm::BN));
+        const bool vec_ok = r.dst % 16 == 0 && ((u64)r.ld * sizeof(Out)) % 16 == 0;
+        for (int pass = 0; pass < PASSES; ++pass) {
+            mbar_wait(s.epi_full, epi_phase, p, c.tile, WAIT_EPI_FULL);
+            for (u32 u = t; u < gemm::BM * UNITS; u += gemm::STORERS) {
+                const u32 row = u / UNITS, unit = u % UNITS, col = pass * PASS_COLS + unit * VEC;
+                if (row >= rows || col >= cols) continue;
+                const unsigned char* src = s.epi + row * gemm::EPI_PITCH + unit * 16;
+                Out* dst = (Out*)r.dst + (size_t)row * r.ld + col;
+                if (vec_ok && col + VEC <= cols) {
+                    uint4 v = *(const uint4*)src;
+                    if (p.accumulate) v = add_vec<Out>(v, *(const uint4*)dst);
+                    *(uint4*)dst = v;
+                } else {
+                    for (u32 e = 0; e < VEC && col + e < cols; ++e) {
+                        Out x = ((const Out*)src)[e];
+                        if (p.accumulate) x = Elem<Out>::from_f32(Elem<Out>::to_f32(x) + Elem<Out>::to_f32(dst[e]));
+                        dst[e] = x;
+                    }
+                }
+            }
+            storers_sync();  // every storer is done reading the staged tile (and storing it)
+            if (t == 0) mbar_arrive(s.epi_empty);
+            epi_phase ^= 1;
+        }
+        if (r.flag != 0 && t == 0) {
+            // the barrier above ordered every storer's stores before this thread's release
+            __threadfence_system();
+            notify((u64*)r.flag, r.flag_value, r.flag_op);
+        }
+    }
+}
+
+template <typename In, typename Out, bool B_KN>
+__device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
+    extern __shared__ unsigned char smem_raw[];
+    // 128-byte swizzled stages must start on 1024-byte boundaries
+    unsigned char* base = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
+    Smem s;
+    s.a = smem_u32(base);
+    s.b = s.a + gemm::STAGES * gemm::A_STAGE_BYTES;
+    s.epi = base + gemm::STAGES * (gemm::A_STAGE_BYTES + gemm::B_STAGE_BYTES);
+    s.full = smem_u32(s.epi + gemm::EPI_BYTES);
+    s.empty = s.full + 8 * gemm::STAGES;
+    s.epi_full = s.empty + 8 * gemm::STAGES;
+    s.epi_empty = s.epi_full + 8;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < gemm::STAGES; ++i) {
+            mbar_init(s.full + 8 * i, 1);   // the producer's expect_tx arrival (+ the TMA bytes)
+            mbar_init(s.empty + 8 * i, 2);  // one arrival per consumer warpgroup
+        }
+        mbar_init(s.epi_full, 256);  // every consumer thread has staged its fragment
+        mbar_init(s.epi_empty, 1);   // the storers are done with the staged tile
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b) : "memory");
+    }
+    __syncthreads();
+    const u32 wg = threadIdx.x / 128;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
+        if (threadIdx.x < 32) {
+            if (threadIdx.x == 0) producer<B_KN>(p, s);
+        } else {
+            storer<Out>(p, s, threadIdx.x - 32);
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
+        consumer<In, Out, B_KN>(p, s, wg - 1);
+    }
+}
+
+#define COMMFUSE_GEMM_ENTRY(NAME, IN_T, OUT_T, KN)                                                      \
+    extern "C" __global__ void __launch_bounds__(gemm::THREADS, 1) NAME(const __grid_constant__ GemmParams p) { \
+        gemm_kernel<IN_T, OUT_T, KN>(p);                                                                 \
+    }
+
+// gemm_<input>_<B layout>_<output>
+COMMFUSE_GEMM_ENTRY(gemm_bf16_nk_bf16, __nv_bfloat16, __nv_bfloat16, false)
+COMMFUSE_GEMM_ENTRY(gemm_bf16_kn_bf16, __nv_bfloat16, __nv_bfloat16, true)
+COMMFUSE_GEMM_ENTRY(gemm_bf16_nk_f16, __nv_bfloat16, __half, false)
+COMMFUSE_GEMM_ENTRY(gemm_bf16_kn_f16, __nv_bfloat16, __half, true)
+COMMFUSE_GEMM_ENTRY(gemm_bf16_nk_f32, __nv_bfloat16, float, false)
+COMMFUSE_GEMM_ENTRY(gemm_bf16_kn_f32, __nv_bfloat16, float, true)
+COMMFUSE_GEMM_ENTRY(gemm_f16_nk_bf16, __half, __nv_bfloat16, false)
+COMMFUSE_GEMM_ENTRY(gemm_f16_kn_bf16, __half, __nv_bfloat16, true)
+COMMFUSE_GEMM_ENTRY(gemm_f16_nk_f16, __half, __half, false)
+COMMFUSE_GEMM_ENTRY(gemm_f16_kn_f16, __half, __half, true)
+COMMFUSE_GEMM_ENTRY(gemm_f16_nk_f32, __half, float, false)
+COMMFUSE_GEMM_ENTRY(gemm_f16_kn_f32, __half, float, true)
+
+// ---- a consumer of flagged tiles, for the GPU test of the release/acquire protocol -------------
+
+// Mirrored by `SnapshotParams` in src/gemm.rs.
+struct SnapshotParams {
+    const u32* order;          // the GEMM's tile order: tiles are awaited in the order they are made
+    u64 src;                   // the buffer the GEMM writes (row-major [M, N], on this GPU)
+    u64 snap;                  // where the tiles are copied the moment their flag is seen
+    u64 flags;                 // one u64 flag per tile, on this GPU
+    u64 expected;              // a tile is ready when its flag >= expected
+    volatile ErrorRecord* err;
+    u64 timeout_ns;
+    u32 m, n, tiles_n, tile_count, elem_bytes, rank;
+};
+
+// Block b takes order entries b, b + grid, ...: waits for the tile's flag (acquire, system
+// scope), then copies the tile out. A tile read before all of its stores were visible shows up
+// as a difference between `snap` and the final contents of `src`.
+extern "C" __global__ void __launch_bounds__(256) tile_snapshot(const SnapshotParams p) {
+    __shared__ int ready;
+    for (u32 i = blockIdx.x; i < p.tile_count; i += gridDim.x) {
+        const u32 t = p.order[i], tm = t / p.tiles_n, tn = t % p.tiles_n;
+        if (threadIdx.x == 0)
+            ready = wait_signal((const u64*)p.flags + t, CMP_GE, p.expected, p.timeout_ns, p.err, p.rank, blockIdx.x, i, t);
+        __syncthreads();
+        if (!ready) return;
+        const u32 rows = min(gemm::BM, (int)(p.m - tm * gemm::BM));
+        const u32 halves = min(gemm::BN, (int)(p.n - tn * gemm::BN)) * p.elem_bytes / 2;  // 2-byte words per row
+        for (u32 idx = threadIdx.x; idx < rows * halves; idx += blockDim.x) {
+            const u32 row = idx / halves, h = idx % halves;
+            const u64 off = ((u64)(tm * gemm::BM + row) * p.n + tn * gemm::BN) * p.elem_bytes + 2 * h;
+            *(unsigned short*)(p.snap + off) = *(const unsigned short*)(p.src + off);
+        }
+        __syncthreads();
+    }
+}

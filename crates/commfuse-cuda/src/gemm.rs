@@ -1,0 +1,476 @@
+//! Our Hopper GEMM (`kernels/gemm.cu`) on one GPU: a [`GemmPlan`] (problem, tile order,
+//! destinations, flags, epilogue) becomes TMA descriptors, a tile-order table and a per-tile
+//! route table (destination address and leading dimension, flag address and value) in device
+//! memory, and one launch of a persistent grid capped at any number of SMs.
+//!
+//! Destinations on other GPUs are addresses in their memory as this GPU sees it (peer access
+//! enabled): the storer warps' stores then cross NVLink and the flag is raised there.
+
+use crate::driver::{
+    copy_2d, tensor_map_2d, DeviceMemory, Function, Gpu, MappedHost, Module, Stream,
+};
+use crate::error::CudaError;
+use crate::nvrtc;
+use crate::plan_table::ErrorRecord;
+use commfuse_core::gemm::{BLayout, GemmPlan, TileShape};
+use commfuse_core::plan::{NotifyOp, Slot};
+use commfuse_core::DType;
+use std::collections::HashMap;
+
+/// The kernel's output tile.
+pub const TILE: TileShape = TileShape { m: 128, n: 256 };
+const THREADS: u32 = 384;
+const STAGES: u32 = 3;
+/// Mirrors `gemm::SMEM_BYTES` in gemm.cu: alignment slack, the stages, the staged tile and
+/// the mbarriers.
+const SMEM_BYTES: u32 =
+    1024 + STAGES * (128 * 64 * 2 + 256 * 64 * 2) + 128 * 528 + 8 * (2 * STAGES + 2);
+/// A pipeline wait that lasts this long is a bug, reported instead of hanging the GPU.
+const PIPELINE_TIMEOUT_NS: u64 = 5_000_000_000;
+
+#[repr(C, align(128))]
+#[derive(Clone, Copy)]
+struct TmaDesc([u64; 16]);
+
+/// Where one tile goes (mirrors `TileRoute` in gemm.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TileRoute {
+    pub dst: u64,
+    pub flag: u64,
+    pub flag_value: u64,
+    pub ld: u32,
+    pub flag_op: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemmParams {
+    a: TmaDesc,
+    b: TmaDesc,
+    order: u64,
+    routes: u64,
+    d: u64,
+    c: u64,
+    bias: u64,
+    err: u64,
+    timeout_ns: u64,
+    m: u32,
+    n: u32,
+    k: u32,
+    tiles_n: u32,
+    tile_count: u32,
+    alpha: f32,
+    beta: f32,
+    accumulate: u32,
+    rank: u32,
+}
+
+fn type_name(d: DType) -> &'static str {
+    match d {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F32 => "f32",
+    }
+}
+
+/// The GEMM entry points of gemm.cu loaded on one GPU.
+pub struct GemmKernels {
+    functions: HashMap<String, Function>,
+    pub(crate) snapshot: Function,
+    _module: Module,
+}
+
+impl GemmKernels {
+    pub fn load(gpu: &Gpu) -> Result<GemmKernels, CudaError> {
+        let compiled = nvrtc::compile(nvrtc::kernel("gemm.cu").expect("embedded"), false)?;
+        let module = Module::load(gpu, &compiled.cubin)?;
+        let mut functions = HashMap::new();
+        for input in ["bf16", "f16"] {
+            for layout in ["nk", "kn"] {
+                for output in ["bf16", "f16", "f32"] {
+                    let name = format!("gemm_{input}_{layout}_{output}");
+                    let f = module.function(&name)?;
+                    f.allow_dynamic_smem(SMEM_BYTES)?;
+                    functions.insert(name, f);
+                }
+            }
+        }
+        Ok(GemmKernels {
+            functions,
+            snapshot: module.function("tile_snapshot")?,
+            _module: module,
+        })
+    }
+
+    fn entry(&self, plan: &GemmPlan) -> Result<Function, CudaError> {
+        let p = &plan.problem;
+        let layout = match p.b_layout {
+            BLayout::NK => "nk",
+            BLayout::KN => "kn",
+        };
+        let name = format!(
+            "gemm_{}_{layout}_{}",
+            type_name(p.input),
+            type_name(p.output)
+        );
+        self.functions
+            .get(&name)
+            .copied()
+            .ok_or_else(|| CudaError::Unavailable(format!("no GEMM kernel for {name}")))
+    }
+}
+
+/// One call's operands: device addresses on the GPU that runs the GEMM. C and bias have the
+/// output type; C is [M, N] row-major.
+#[derive(Debug, Clone, Copy)]
+pub struct GemmOperands {
+    pub a: u64,
+    pub b: u64,
+    pub c: Option<u64>,
+    pub bias: Option<u64>,
+    /// The local output, row-major with ld = N (tiles without a destination table go here)
+    pub d: u64,
+}
+
+/// Where the plan's destination ranks keep their output buffers and flags, as addresses this
+/// GPU can store to.
+pub struct RouteTargets<'a> {
+    pub outputs: &'a [u64],
+    pub flag: &'a dyn Fn(usize, Slot) -> u64,
+}
+
+/// A GEMM call ready to launch any number of times.
+pub struct PreparedGemm {
+    function: Function,
+    params: GemmParams,
+    grid: u32,
+    error: MappedHost<ErrorRecord>,
+    _tables: DeviceMemory,
+    _b_padded: Option<DeviceMemory>,
+}
+
+fn unsupported(msg: String) -> CudaError {
+    CudaError::Unavailable(msg)
+}
+
+impl PreparedGemm {
+    /// Checks the plan against the kernel, builds descriptors and tables. `sm_cap` = 0 uses
+    /// every SM; the grid never exceeds the tile count.
+    pub fn new(
+        gpu: &Gpu,
+        kernels: &GemmKernels,
+        plan: &GemmPlan,
+        ops: &GemmOperands,
+        targets: Option<&RouteTargets<'_>>,
+        sm_cap: u32,
+        rank: usize,
+    ) -> Result<PreparedGemm, CudaError> {
+        let p = &plan.problem;
+        if plan.tile != TILE {
+            return Err(unsupported(format!(
+                "the GPU GEMM computes {}×{} tiles, the plan has {}×{}",
+                TILE.m, TILE.n, plan.tile.m, plan.tile.n
+            )));
+        }
+        let world = targets.map_or(rank + 1, |t| t.outputs.len());
+        plan.validate(world)
+            .map_err(|e| unsupported(e.to_string()))?;
+        if p.m >= 1 << 31 || p.n >= 1 << 31 || p.k >= 1 << 31 {
+            return Err(unsupported(format!(
+                "GEMM dimensions must stay below 2^31, got {}×{}×{}",
+                p.m, p.n, p.k
+            )));
+        }
+        for (name, addr) in [("A", ops.a), ("B", ops.b), ("D", ops.d)] {
+            if addr % 16 != 0 {
+                return Err(unsupported(format!(
+                    "{name} must start on a 16-byte boundary (TMA), got {addr:#x}"
+                )));
+            }
+        }
+        let function = kernels.entry(plan)?;
+        let half = p.input == DType::F16;
+        let a = tensor_map_2d(
+            ops.a,
+            half,
+            (p.k as u64, p.m as u64),
+            2 * p.k as u64,
+            (64, 128),
+        )?;
+        // TMA needs rows that are a multiple of 16 bytes: a [K, N] B with N % 8 != 0 is copied
+        // once into a padded buffer (its padding is zero and never read into D)
+        let mut b_padded = None;
+        let b = match p.b_layout {
+            BLayout::NK => tensor_map_2d(
+                ops.b,
+                half,
+                (p.k as u64, p.n as u64),
+                2 * p.k as u64,
+                (64, 256),
+            )?,
+            BLayout::KN => {
+                let ld = p.n.next_multiple_of(8);
+                let mut addr = ops.b;
+                if ld != p.n {
+                    let padded = DeviceMemory::zeroed(gpu, 2 * ld * p.k)?;
+                    // SAFETY: both regions hold K rows of the given pitches on this GPU
+                    unsafe { copy_2d(gpu, padded.addr(), 2 * ld, ops.b, 2 * p.n, 2 * p.n, p.k)? };
+                    addr = padded.addr();
+                    b_padded = Some(padded);
+                }
+                tensor_map_2d(
+                    addr,
+                    half,
+                    (p.n as u64, p.k as u64),
+                    2 * ld as u64,
+                    (64, 64),
+                )?
+            }
+        };
+        let routes = routes(plan, ops, targets, rank)?;
+        // one table: the order (u32) then, 8-byte aligned, the routes
+        let order_bytes = (4 * plan.order.len()).next_multiple_of(64);
+        let route_bytes = routes
+            .as_ref()
+            .map_or(0, |r| std::mem::size_of_val(r.as_slice()));
+        let tables = DeviceMemory::zeroed(gpu, order_bytes + route_bytes)?;
+        let order: Vec<u32> = plan.order.iter().map(|&t| t as u32).collect();
+        let mut bytes = vec![0u8; order_bytes + route_bytes];
+        // SAFETY: plain-old-data views of the two tables
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                order.as_ptr() as *const u8,
+                bytes.as_mut_ptr(),
+                4 * order.len(),
+            );
+            if let Some(r) = &routes {
+                std::ptr::copy_nonoverlapping(
+                    r.as_ptr() as *const u8,
+                    bytes.as_mut_ptr().add(order_bytes),
+                    route_bytes,
+                );
+            }
+        }
+        tables.upload(gpu, &bytes)?;
+        let error = MappedHost::new(gpu, ErrorRecord::default())?;
+        let e = &plan.epilogue;
+        let (tiles_m, tiles_n) = commfuse_core::gemm::tiles(p, TILE);
+        let params = GemmParams {
+            a: TmaDesc(a),
+            b: TmaDesc(b),
+            order: tables.addr(),
+            routes: if routes.is_some() {
+                tables.addr() + order_bytes as u64
+            } else {
+                0
+            },
+            d: ops.d,
+            c: if e.beta != 0.0 {
+                ops.c
+                    .ok_or_else(|| unsupported("beta != 0 needs C".into()))?
+            } else {
+                0
+            },
+            bias: if e.bias {
+                ops.bias.ok_or_else(|| {
+                    unsupported("the epilogue adds a bias row but none was given".into())
+                })?
+            } else {
+                0
+            },
+            err: error.device_addr(),
+            timeout_ns: PIPELINE_TIMEOUT_NS,
+            m: p.m as u32,
+            n: p.n as u32,
+            k: p.k as u32,
+            tiles_n: tiles_n as u32,
+            tile_count: (tiles_m * tiles_n) as u32,
+            alpha: e.alpha,
+            beta: e.beta,
+            accumulate: e.accumulate as u32,
+            rank: rank as u32,
+        };
+        let cap = if sm_cap == 0 {
+            gpu.sm_count
+        } else {
+            sm_cap.min(gpu.sm_count)
+        };
+        Ok(PreparedGemm {
+            function,
+            params,
+            grid: cap.min(params.tile_count).max(1),
+            error,
+            _tables: tables,
+            _b_padded: b_padded,
+        })
+    }
+
+    /// Blocks in the persistent grid.
+    pub fn grid(&self) -> u32 {
+        self.grid
+    }
+
+    /// Queues the GEMM on `stream`.
+    ///
+    /// # Safety
+    /// The operands and destinations given to [`PreparedGemm::new`] must still be valid and
+    /// not in use by anything else until the launch completes.
+    pub unsafe fn launch(&self, stream: &Stream) -> Result<(), CudaError> {
+        self.function
+            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &self.params)
+    }
+
+    /// After a failed synchronisation: what the kernel recorded before it stopped, if anything.
+    pub fn stall_report(&self) -> Option<String> {
+        let e = self.error.read();
+        (e.flag != 0).then(|| {
+            let what = ["an empty stage", "a full stage", "the staging buffer", "a staged tile"]
+                .get(e.slot as usize)
+                .copied()
+                .unwrap_or("?");
+            format!(
+                "GEMM pipeline stalled on rank {}: block {} (thread {}) waited for {what} (parity {}) at tile {}",
+                e.rank, e.lane, e.seen, e.expected, e.step
+            )
+        })
+    }
+}
+
+/// Mirrors `SnapshotParams` in gemm.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SnapshotParams {
+    order: u64,
+    src: u64,
+    snap: u64,
+    flags: u64,
+    expected: u64,
+    err: u64,
+    timeout_ns: u64,
+    m: u32,
+    n: u32,
+    tiles_n: u32,
+    tile_count: u32,
+    elem_bytes: u32,
+    rank: u32,
+}
+
+/// A consumer of flagged tiles on the destination GPU, for testing the flag protocol: it waits
+/// for each tile's flag (one u64 per tile at `flags`, ready at >= `expected`) in the plan's
+/// order and copies the tile from `src` ([M, N] row-major) to `snap` the moment it is ready.
+pub struct TileSnapshot {
+    params: SnapshotParams,
+    function: Function,
+    _order: DeviceMemory,
+}
+
+impl TileSnapshot {
+    pub fn new(
+        gpu: &Gpu,
+        kernels: &GemmKernels,
+        plan: &GemmPlan,
+        src: u64,
+        snap: u64,
+        flags: u64,
+        error: &MappedHost<ErrorRecord>,
+    ) -> Result<TileSnapshot, CudaError> {
+        let order: Vec<u32> = plan.order.iter().map(|&t| t as u32).collect();
+        let table = DeviceMemory::zeroed(gpu, 4 * order.len())?;
+        table.upload(gpu, &order)?;
+        let p = &plan.problem;
+        Ok(TileSnapshot {
+            params: SnapshotParams {
+                order: table.addr(),
+                src,
+                snap,
+                flags,
+                expected: 0,
+                err: error.device_addr(),
+                timeout_ns: PIPELINE_TIMEOUT_NS,
+                m: p.m as u32,
+                n: p.n as u32,
+                tiles_n: commfuse_core::gemm::tiles(p, TILE).1 as u32,
+                tile_count: order.len() as u32,
+                elem_bytes: p.output.size() as u32,
+                rank: 1,
+            },
+            function: kernels.snapshot,
+            _order: table,
+        })
+    }
+
+    /// Queues the consumer; it returns once every tile's flag reached `expected`.
+    ///
+    /// # Safety
+    /// The buffers given to [`TileSnapshot::new`] must be valid until the launch completes.
+    pub unsafe fn launch(
+        &mut self,
+        stream: &Stream,
+        expected: u64,
+        blocks: u32,
+    ) -> Result<(), CudaError> {
+        self.params.expected = expected;
+        self.function.launch(blocks, 256, stream, &self.params)
+    }
+}
+
+/// The route table, or None when every tile goes to the local D without a flag.
+fn routes(
+    plan: &GemmPlan,
+    ops: &GemmOperands,
+    targets: Option<&RouteTargets<'_>>,
+    rank: usize,
+) -> Result<Option<Vec<TileRoute>>, CudaError> {
+    if plan.destinations.is_none() && plan.flags.is_none() {
+        return Ok(None);
+    }
+    let size = plan.problem.output.size() as u64;
+    let mut out = Vec::with_capacity(plan.tile_count());
+    for t in 0..plan.tile_count() {
+        let dest = plan.destination(t, rank);
+        let base = if plan.destinations.is_some() {
+            let targets = targets.ok_or_else(|| {
+                unsupported("a destination table needs the destination ranks' buffers".into())
+            })?;
+            targets.outputs[dest.rank]
+        } else {
+            ops.d
+        };
+        let mut route = TileRoute {
+            dst: base + dest.offset as u64 * size,
+            ld: u32::try_from(dest.ld).map_err(|_| {
+                unsupported(format!("tile {t}: leading dimension {} too large", dest.ld))
+            })?,
+            ..TileRoute::default()
+        };
+        if let Some(flags) = &plan.flags {
+            let targets = targets.ok_or_else(|| {
+                unsupported("tile flags need the destination ranks' signal pads".into())
+            })?;
+            let f = flags[t];
+            route.flag = (targets.flag)(dest.rank, f.slot);
+            route.flag_value = f.value;
+            route.flag_op = match f.op {
+                NotifyOp::Set => 0,
+                NotifyOp::Add => 1,
+            };
+        }
+        out.push(route);
+    }
+    Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_match_the_kernel_layout() {
+        assert_eq!(std::mem::size_of::<TileRoute>(), 32);
+        assert_eq!(std::mem::offset_of!(GemmParams, order), 256);
+        assert_eq!(std::mem::offset_of!(GemmParams, m), 312);
+        assert_eq!(std::mem::offset_of!(GemmParams, rank), 344);
+        const { assert!(SMEM_BYTES <= 227 * 1024) };
+    }
+}

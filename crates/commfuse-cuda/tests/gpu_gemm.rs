@@ -1,0 +1,355 @@
+//! Our GEMM on the GPU against a float64 reference: ragged shapes, both B layouts, every output
+//! type, the whole epilogue, caller-chosen tile orders and SM caps, outputs poisoned first; and
+//! the flag protocol across NVLink: a consumer on the other GPU that copies each tile the moment
+//! its flag is up never sees a stale tile. Skips with a printed reason without GPUs.
+
+use commfuse_core::gemm::{
+    grouped_order, BLayout, Destination, Epilogue, GemmPlan, GemmProblem, TileFlag,
+};
+use commfuse_core::plan::{NotifyOp, Slot};
+use commfuse_core::{DType, Element};
+use commfuse_cuda::driver::{self, DeviceMemory, Gpu, MappedHost, Stream};
+use commfuse_cuda::gemm::{
+    GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TileSnapshot, TILE,
+};
+use commfuse_cuda::gemm_bench::bench_gemm;
+use commfuse_cuda::plan_table::ErrorRecord;
+use half::{bf16, f16};
+
+fn gpus(needed: usize) -> bool {
+    match driver::device_count() {
+        Ok(n) if n >= needed => true,
+        Ok(n) => {
+            eprintln!("skipped: this machine has {n} GPU(s), the test needs {needed}");
+            false
+        }
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            false
+        }
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec<T: Element>(&mut self, len: usize) -> Vec<T> {
+        (0..len).map(|_| T::from_f32(self.uniform())).collect()
+    }
+    fn shuffle(&mut self, v: &mut [usize]) {
+        for i in (1..v.len()).rev() {
+            v.swap(i, (self.next() % (i as u64 + 1)) as usize);
+        }
+    }
+}
+
+fn upload<T: Copy>(gpu: &Gpu, host: &[T]) -> DeviceMemory {
+    let mem = DeviceMemory::zeroed(gpu, std::mem::size_of_val(host)).unwrap();
+    mem.upload(gpu, host).unwrap();
+    mem
+}
+
+/// D = alpha·A·B + beta·C + bias (+ D0 when accumulating), in float64.
+#[allow(clippy::too_many_arguments)]
+fn reference<TI: Element, TO: Element>(
+    p: &GemmProblem,
+    e: &Epilogue,
+    a: &[TI],
+    b: &[TI],
+    c: &[TO],
+    bias: &[TO],
+    d0: &[TO],
+) -> Vec<f64> {
+    let mut out = vec![0f64; p.m * p.n];
+    for i in 0..p.m {
+        for j in 0..p.n {
+            let dot = commfuse_core::gemm::reference_dot(p, a, b, i, j);
+            let mut v = e.alpha as f64 * dot;
+            if e.beta != 0.0 {
+                v += e.beta as f64 * c[i * p.n + j].to_f64();
+            }
+            if e.bias {
+                v += bias[j].to_f64();
+            }
+            if e.accumulate {
+                v += d0[i * p.n + j].to_f64();
+            }
+            out[i * p.n + j] = v;
+        }
+    }
+    out
+}
+
+fn rel_error<TO: Element>(got: &[TO], want: &[f64]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (g, w) in got.iter().zip(want) {
+        num += (g.to_f64() - w).powi(2);
+        den += w * w;
+    }
+    // an unwritten (poisoned, NaN) element makes the error NaN, which fails every bound
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Case {
+    Plain,
+    /// alpha, beta·C, bias, a shuffled tile order, 7 SMs
+    Full,
+    /// D += alpha·A·B, grid capped at 3 SMs
+    Accumulate,
+}
+
+fn check_one<TI: Element, TO: Element>(
+    gpu: &Gpu,
+    kernels: &GemmKernels,
+    stream: &Stream,
+    p: GemmProblem,
+    case: Case,
+    seed: u64,
+) {
+    let mut rng = Rng(seed);
+    let a: Vec<TI> = rng.vec(p.m * p.k);
+    let b: Vec<TI> = rng.vec(p.k * p.n);
+    let c: Vec<TO> = rng.vec(p.m * p.n);
+    let bias: Vec<TO> = rng.vec(p.n);
+    let d0: Vec<TO> = rng.vec(p.m * p.n);
+    let mut epilogue = Epilogue::default();
+    let mut plan = GemmPlan::local(p, TILE, epilogue);
+    let mut cap = 0;
+    match case {
+        Case::Plain => {}
+        Case::Full => {
+            epilogue = Epilogue {
+                alpha: 0.5,
+                beta: -0.75,
+                bias: true,
+                accumulate: false,
+            };
+            rng.shuffle(&mut plan.order);
+            cap = 7;
+        }
+        Case::Accumulate => {
+            epilogue.alpha = 2.0;
+            epilogue.accumulate = true;
+            plan.order = grouped_order(&p, TILE, 2);
+            cap = 3;
+        }
+    }
+    plan.epilogue = epilogue;
+    let (a_dev, b_dev, c_dev, bias_dev) = (
+        upload(gpu, &a),
+        upload(gpu, &b),
+        upload(gpu, &c),
+        upload(gpu, &bias),
+    );
+    let d_dev = DeviceMemory::zeroed(gpu, p.m * p.n * p.output.size()).unwrap();
+    let ops = GemmOperands {
+        a: a_dev.addr(),
+        b: b_dev.addr(),
+        c: Some(c_dev.addr()),
+        bias: Some(bias_dev.addr()),
+        d: d_dev.addr(),
+    };
+    let gemm = PreparedGemm::new(gpu, kernels, &plan, &ops, None, cap, 0).unwrap();
+    let want = reference(&p, &epilogue, &a, &b, &c, &bias, &d0);
+    // two calls, each on a freshly poisoned (or freshly initialised) output
+    for call in 0..2 {
+        if epilogue.accumulate {
+            d_dev.upload(gpu, &d0).unwrap();
+        } else {
+            d_dev.fill(gpu, 0xff).unwrap();
+        }
+        // SAFETY: every operand lives until the synchronisation below
+        unsafe { gemm.launch(stream).unwrap() };
+        if let Err(e) = stream.synchronize() {
+            panic!("{e}: {:?}", gemm.stall_report());
+        }
+        let mut got = vec![TO::from_f32(0.0); p.m * p.n];
+        d_dev.download(gpu, &mut got).unwrap();
+        let err = rel_error(&got, &want);
+        let bound = if p.output == DType::F32 { 1e-5 } else { 1e-2 };
+        assert!(
+            err <= bound,
+            "{case:?} {}×{}×{} B {:?} {}→{} call {call}: relative error {err:e} > {bound:e}",
+            p.m,
+            p.n,
+            p.k,
+            p.b_layout,
+            p.input,
+            p.output
+        );
+    }
+}
+
+#[test]
+fn gemm_matches_float64_reference_on_ragged_shapes() {
+    if !gpus(1) {
+        return;
+    }
+    let gpu = Gpu::open(0).unwrap();
+    let kernels = GemmKernels::load(&gpu).unwrap();
+    let stream = Stream::new(&gpu).unwrap();
+    let shapes = [
+        (128, 256, 64),
+        (200, 300, 136),
+        (1, 7, 8),
+        (257, 513, 72),
+        (384, 1000, 520),
+    ];
+    let mut seed = 1;
+    for (m, n, k) in shapes {
+        for layout in [BLayout::NK, BLayout::KN] {
+            for (input, output) in [
+                (DType::BF16, DType::BF16),
+                (DType::BF16, DType::F32),
+                (DType::BF16, DType::F16),
+                (DType::F16, DType::F16),
+                (DType::F16, DType::F32),
+            ] {
+                for case in [Case::Plain, Case::Full, Case::Accumulate] {
+                    let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
+                    seed += 1;
+                    match (input, output) {
+                        (DType::BF16, DType::BF16) => {
+                            check_one::<bf16, bf16>(&gpu, &kernels, &stream, p, case, seed)
+                        }
+                        (DType::BF16, DType::F32) => {
+                            check_one::<bf16, f32>(&gpu, &kernels, &stream, p, case, seed)
+                        }
+                        (DType::BF16, DType::F16) => {
+                            check_one::<bf16, f16>(&gpu, &kernels, &stream, p, case, seed)
+                        }
+                        (DType::F16, DType::F16) => {
+                            check_one::<f16, f16>(&gpu, &kernels, &stream, p, case, seed)
+                        }
+                        _ => check_one::<f16, f32>(&gpu, &kernels, &stream, p, case, seed),
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gemm_matches_sampled_reference_at_a_target_shape_and_a_ragged_one() {
+    if !gpus(1) {
+        return;
+    }
+    for (m, n, k) in [(2048, 8192, 3584), (1000, 3000, 1032)] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            let p = GemmProblem::new(m, n, k, layout, DType::BF16, DType::BF16).unwrap();
+            let rows = bench_gemm(0, None, &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
+            assert_eq!(rows.len(), 4);
+            for r in rows {
+                assert!(r.error <= 1e-2, "{r:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_consumer_on_the_peer_never_reads_a_stale_tile() {
+    if !gpus(2) {
+        return;
+    }
+    let (g0, g1) = (Gpu::open(0).unwrap(), Gpu::open(1).unwrap());
+    g0.enable_peer_access(&g1).unwrap();
+    let (k0, k1) = (
+        GemmKernels::load(&g0).unwrap(),
+        GemmKernels::load(&g1).unwrap(),
+    );
+    let (s0, s1) = (Stream::new(&g0).unwrap(), Stream::new(&g1).unwrap());
+    let p = GemmProblem::new(1000, 2000, 1024, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let mut rng = Rng(7);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(&g0, &a), upload(&g0, &b));
+    let d_local = DeviceMemory::zeroed(&g0, 16).unwrap();
+    let bytes = p.m * p.n * 2;
+    let d_peer = DeviceMemory::zeroed(&g1, bytes).unwrap();
+    let snap = DeviceMemory::zeroed(&g1, bytes).unwrap();
+    let mut plan = GemmPlan::local(p, TILE, Epilogue::default());
+    rng.shuffle(&mut plan.order);
+    let flags = DeviceMemory::zeroed(&g1, 8 * plan.tile_count()).unwrap();
+    plan.destinations = Some(
+        (0..plan.tile_count())
+            .map(|t| Destination {
+                rank: 1,
+                ..plan.destination(t, 0)
+            })
+            .collect(),
+    );
+    plan.flags = Some(
+        (0..plan.tile_count())
+            .map(|t| TileFlag {
+                slot: Slot::new(0, t as u32),
+                value: 1,
+                op: NotifyOp::Add,
+            })
+            .collect(),
+    );
+    let outputs = [d_local.addr(), d_peer.addr()];
+    let flag = |_rank: usize, slot: Slot| flags.addr() + 8 * slot.col as u64;
+    let targets = RouteTargets {
+        outputs: &outputs,
+        flag: &flag,
+    };
+    let ops = GemmOperands {
+        a: a_dev.addr(),
+        b: b_dev.addr(),
+        c: None,
+        bias: None,
+        d: d_local.addr(),
+    };
+    let gemm = PreparedGemm::new(&g0, &k0, &plan, &ops, Some(&targets), 0, 0).unwrap();
+    let error = MappedHost::new(&g1, ErrorRecord::default()).unwrap();
+    let mut consumer = TileSnapshot::new(
+        &g1,
+        &k1,
+        &plan,
+        d_peer.addr(),
+        snap.addr(),
+        flags.addr(),
+        &error,
+    )
+    .unwrap();
+    let want = reference(&p, &Epilogue::default(), &a, &b, &[] as &[bf16], &[], &[]);
+    for call in 1..=6u64 {
+        d_peer.fill(&g1, 0xff).unwrap();
+        snap.fill(&g1, 0x5a).unwrap();
+        // the consumer starts first and spins on the flags while the GEMM makes the tiles
+        // SAFETY: all buffers outlive the synchronisations below
+        unsafe {
+            consumer.launch(&s1, call, 132).unwrap();
+            gemm.launch(&s0).unwrap();
+        }
+        s0.synchronize().unwrap();
+        s1.synchronize()
+            .unwrap_or_else(|e| panic!("{e}: {:?}", error.read()));
+        let (mut got, mut seen) = (vec![bf16::ZERO; p.m * p.n], vec![bf16::ZERO; p.m * p.n]);
+        d_peer.download(&g1, &mut got).unwrap();
+        snap.download(&g1, &mut seen).unwrap();
+        let err = rel_error(&got, &want);
+        assert!(
+            err <= 1e-2,
+            "call {call}: the tiles on the peer are wrong ({err:e})"
+        );
+        let stale = got
+            .iter()
+            .zip(&seen)
+            .position(|(g, s)| g.to_bits() != s.to_bits());
+        assert_eq!(
+            stale, None,
+            "call {call}: the consumer read element {stale:?} before its tile was complete"
+        );
+    }
+}
