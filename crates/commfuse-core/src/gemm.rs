@@ -260,6 +260,37 @@ pub fn grouped_order(problem: &GemmProblem, tile: TileShape, group: usize) -> Ve
     order
 }
 
+/// The fused operators' tile order: tiles bound for other ranks spread evenly over the run
+/// (so NVLink carries a steady share of every wave instead of a burst), and the last
+/// `last_wave` places — the final wave of a persistent grid, whose stores nothing can overlap —
+/// given to local tiles. `base` is the order to keep within each class (e.g. [`grouped_order`]).
+pub fn staggered_remote_first(
+    base: &[usize],
+    is_remote: impl Fn(usize) -> bool,
+    last_wave: usize,
+) -> Vec<usize> {
+    let remote: Vec<usize> = base.iter().copied().filter(|&t| is_remote(t)).collect();
+    let local: Vec<usize> = base.iter().copied().filter(|&t| !is_remote(t)).collect();
+    let tail = last_wave.min(local.len());
+    let (head, tail) = local.split_at(local.len() - tail);
+    let mut order = Vec::with_capacity(base.len());
+    // merge remote and head-local tiles in proportion: after placing i tiles, about
+    // i · |remote| / (|remote| + |head|) of them are remote
+    let total = remote.len() + head.len();
+    let (mut r, mut h) = (0, 0);
+    for i in 0..total {
+        if r < remote.len() && (h == head.len() || (r * total) <= i * remote.len()) {
+            order.push(remote[r]);
+            r += 1;
+        } else {
+            order.push(head[h]);
+            h += 1;
+        }
+    }
+    order.extend_from_slice(tail);
+    order
+}
+
 /// Tiles along M and N.
 pub fn tiles(problem: &GemmProblem, tile: TileShape) -> (usize, usize) {
     (
@@ -313,6 +344,10 @@ mod tests {
         plan.order = grouped_order(&p, plan.tile, 3);
         assert_eq!(plan.order, vec![0, 2, 1, 3]);
         plan.validate(1).unwrap();
+        // tiles 0 and 1 remote: spread over the head, the last wave of two local
+        plan.order = staggered_remote_first(&[0, 1, 2, 3], |t| t < 2, 2);
+        assert_eq!(plan.order, vec![0, 1, 2, 3]);
+        plan.validate(1).unwrap();
         plan.destinations = Some(vec![
             Destination {
                 rank: 2,
@@ -322,5 +357,34 @@ mod tests {
             4
         ]);
         assert!(plan.validate(2).unwrap_err().to_string().contains("rank 2"));
+    }
+
+    #[test]
+    fn staggered_order_spreads_remote_tiles_and_ends_local() {
+        for (tiles, remote_every, last_wave) in [(100, 2, 13), (37, 3, 40), (64, 1, 8), (9, 5, 0)] {
+            let base: Vec<usize> = (0..tiles).rev().collect();
+            let is_remote = |t: usize| t % remote_every == 0;
+            let order = staggered_remote_first(&base, is_remote, last_wave);
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..tiles).collect::<Vec<_>>(), "a permutation");
+            let locals = (0..tiles).filter(|&t| !is_remote(t)).count();
+            let tail = last_wave.min(locals);
+            assert!(order[tiles - tail..].iter().all(|&t| !is_remote(t)));
+            // within the head, remote tiles never bunch up: gaps stay near the even spacing
+            let head = &order[..tiles - tail];
+            let remote = head.iter().filter(|&&t| is_remote(t)).count();
+            if remote > 0 && remote < head.len() {
+                let spacing = head.len().div_ceil(remote);
+                let mut run = 0;
+                for &t in head {
+                    run = if is_remote(t) { run + 1 } else { 0 };
+                    assert!(run <= spacing.max(remote.div_ceil(head.len() - remote) + 1));
+                }
+            }
+            // the base order is kept within each class
+            let r: Vec<usize> = order.iter().copied().filter(|&t| is_remote(t)).collect();
+            assert!(r.windows(2).all(|w| w[0] > w[1]));
+        }
     }
 }

@@ -152,6 +152,18 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, u32 bar
         : "memory");
 }
 
+// Bulk copy of `bytes` (a multiple of 16) from shared memory to global memory, local or on a
+// peer GPU, by the TMA engine: the issuing thread moves on at once.
+__device__ __forceinline__ void bulk_store(u64 dst, u32 src, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// This thread's bulk copies have read their shared-memory source (the buffer may be refilled).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// This thread's bulk copies are complete: their writes are performed.
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 // ---- wgmma ---------------------------------------------------------------------------------
 
 // Shared-memory matrix descriptor for a 128-byte-swizzled operand: start address, leading and
@@ -330,6 +342,8 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                                     v1);
                 }
             }
+            // the staged tile is read by the TMA engine (async proxy): order our generic writes first
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             mbar_arrive(s.epi_full);
             epi_phase ^= 1;
         }
@@ -358,35 +372,61 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
         const u32 rows = min(gemm::BM, (int)(p.m - c.tm * gemm::BM));
         const u32 cols = min(gemm::BN, (int)(p.n - c.tn * gemm::BN));
         const bool vec_ok = r.dst % 16 == 0 && ((u64)r.ld * sizeof(Out)) % 16 == 0;
+        // Rows go out as TMA bulk copies (one per row and pass, issued by the first storer warp)
+        // when they are whole 16-byte units; accumulation and ragged or unaligned rows take the
+        // per-thread path.
+        const bool bulk = vec_ok && !p.accumulate && cols % VEC == 0;
         for (int pass = 0; pass < PASSES; ++pass) {
             mbar_wait(s.epi_full, epi_phase, p, c.tile, WAIT_EPI_FULL);
-            for (u32 u = t; u < gemm::BM * UNITS; u += gemm::STORERS) {
-                const u32 row = u / UNITS, unit = u % UNITS, col = pass * PASS_COLS + unit * VEC;
-                if (row >= rows || col >= cols) continue;
-                const unsigned char* src = s.epi + row * gemm::EPI_PITCH + unit * 16;
-                Out* dst = (Out*)r.dst + (size_t)row * r.ld + col;
-                if (vec_ok && col + VEC <= cols) {
-                    uint4 v = *(const uint4*)src;
-                    if (p.accumulate) v = add_vec<Out>(v, *(const uint4*)dst);
-                    *(uint4*)dst = v;
-                } else {
-                    for (u32 e = 0; e < VEC && col + e < cols; ++e) {
-                        Out x = ((const Out*)src)[e];
-                        if (p.accumulate) x = Elem<Out>::from_f32(Elem<Out>::to_f32(x) + Elem<Out>::to_f32(dst[e]));
-                        dst[e] = x;
+            const int pass_cols = min(PASS_COLS, (int)cols - pass * PASS_COLS);
+            if (bulk) {
+                if (t < 32 && pass_cols > 0) {
+                    for (u32 row = t; row < rows; row += 32) {
+                        bulk_store(r.dst + ((u64)row * r.ld + pass * PASS_COLS) * sizeof(Out),
+                                   smem_u32(s.epi + row * gemm::EPI_PITCH), pass_cols * sizeof(Out));
+                    }
+                    bulk_commit();
+                    bulk_wait_read();
+                }
+            } else {
+                for (u32 u = t; u < gemm::BM * UNITS; u += gemm::STORERS) {
+                    const u32 row = u / UNITS, unit = u % UNITS, col = pass * PASS_COLS + unit * VEC;
+                    if (row >= rows || col >= cols) continue;
+                    const unsigned char* src = s.epi + row * gemm::EPI_PITCH + unit * 16;
+                    Out* dst = (Out*)r.dst + (size_t)row * r.ld + col;
+                    if (vec_ok && col + VEC <= cols) {
+                        uint4 v = *(const uint4*)src;
+                        if (p.accumulate) v = add_vec<Out>(v, *(const uint4*)dst);
+                        *(uint4*)dst = v;
+                    } else {
+                        for (u32 e = 0; e < VEC && col + e < cols; ++e) {
+                            Out x = ((const Out*)src)[e];
+                            if (p.accumulate) x = Elem<Out>::from_f32(Elem<Out>::to_f32(x) + Elem<Out>::to_f32(dst[e]));
+                            dst[e] = x;
+                        }
                     }
                 }
             }
-            storers_sync();  // every storer is done reading the staged tile (and storing it)
+            storers_sync();  // every storer is done reading the staged tile
             if (t == 0) mbar_arrive(s.epi_empty);
             epi_phase ^= 1;
         }
-        if (r.flag != 0 && t == 0) {
-            // the barrier above ordered every storer's stores before this thread's release
-            __threadfence_system();
-            notify((u64*)r.flag, r.flag_value, r.flag_op);
+        if (r.flag != 0 && t < 32) {
+            if (bulk) {
+                // the flag may only go up once the TMA engine's writes are performed
+                bulk_wait_all();
+                asm volatile("fence.proxy.async.global;" ::: "memory");
+                __syncwarp();
+            }
+            if (t == 0) {
+                // the barrier (or the warp sync) above ordered every storer's stores before
+                // this thread's fence and release
+                __threadfence_system();
+                notify((u64*)r.flag, r.flag_value, r.flag_op);
+            }
         }
     }
+    if (t < 32) bulk_wait_all();  // no write may be in flight when the block ends
 }
 
 template <typename In, typename Out, bool B_KN>

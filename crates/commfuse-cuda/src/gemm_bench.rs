@@ -8,7 +8,8 @@ use crate::driver::{DeviceMemory, Event, Gpu, Stream};
 use crate::error::CudaError;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TILE};
 use commfuse_core::gemm::{
-    grouped_order, reference_dot, Destination, Epilogue, GemmPlan, GemmProblem, TileFlag,
+    grouped_order, reference_dot, staggered_remote_first, Destination, Epilogue, GemmPlan,
+    GemmProblem, TileFlag,
 };
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::{DType, Element};
@@ -67,32 +68,59 @@ pub fn bench_gemm(
     }
 }
 
-/// Median time of one launch in ms (events around each of `iters` launches after `warmup`).
-fn median_ms(
+/// One timed row: a launch on the bench stream and the output it writes.
+struct Variant<'a> {
+    name: &'static str,
+    cap: u32,
+    launch: Box<dyn Fn() -> Result<(), CudaError> + 'a>,
+    output: (&'a Gpu, &'a DeviceMemory),
+    /// Rows below this many were sent to the peer's buffer (the reduce-scatter pattern)
+    peer_rows: Option<(usize, &'a Gpu, &'a DeviceMemory)>,
+    gemm: Option<&'a PreparedGemm>,
+}
+
+/// Rounds every variant takes turns in, so that clock and temperature drift over the run
+/// touches all rows alike instead of favouring whichever ran first.
+const ROUNDS: usize = 5;
+
+/// Median launch time of each variant in ms: `warmup` launches, then `iters` launches with
+/// events around each, spread over [`ROUNDS`] interleaved rounds.
+fn interleaved_medians(
     gpu: &Gpu,
     stream: &Stream,
+    variants: &[Variant<'_>],
     warmup: usize,
     iters: usize,
-    launch: &mut dyn FnMut() -> Result<(), CudaError>,
-) -> Result<f64, CudaError> {
-    for _ in 0..warmup.max(1) {
-        launch()?;
+) -> Result<Vec<f64>, CudaError> {
+    let per_round = iters.max(ROUNDS).div_ceil(ROUNDS);
+    let mut samples = vec![Vec::new(); variants.len()];
+    for round in 0..ROUNDS {
+        for (v, out) in variants.iter().zip(&mut samples) {
+            let fail = |e| with_stall_report(e, v.gemm);
+            for _ in 0..if round == 0 { warmup.max(1) } else { 1 } {
+                (v.launch)().map_err(fail)?;
+            }
+            let events: Vec<Event> = (0..=per_round)
+                .map(|_| Event::new(gpu))
+                .collect::<Result<_, _>>()?;
+            events[0].record(stream)?;
+            for e in &events[1..] {
+                (v.launch)().map_err(fail)?;
+                e.record(stream)?;
+            }
+            stream.synchronize().map_err(fail)?;
+            for w in events.windows(2) {
+                out.push(w[0].elapsed_ms(&w[1])? as f64);
+            }
+        }
     }
-    let events: Vec<Event> = (0..=iters.max(1))
-        .map(|_| Event::new(gpu))
-        .collect::<Result<_, _>>()?;
-    events[0].record(stream)?;
-    for e in &events[1..] {
-        launch()?;
-        e.record(stream)?;
-    }
-    stream.synchronize()?;
-    let mut times: Vec<f64> = events
-        .windows(2)
-        .map(|w| w[0].elapsed_ms(&w[1]).map(|t| t as f64))
-        .collect::<Result<_, _>>()?;
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    Ok(samples
+        .into_iter()
+        .map(|mut t| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        })
+        .collect())
 }
 
 /// The tile order of every benchmark row of our kernel.
@@ -115,43 +143,6 @@ fn run<T: Element>(
     let (b_dev, b) = upload_random::<T>(&gpu, p.k * p.n, seed ^ 1)?;
     let out_bytes = p.m * p.n * p.output.size();
     let d_dev = DeviceMemory::zeroed(&gpu, out_bytes)?;
-    let row = |implementation: &str, cap: u32, time_ms: f64, error: f64| GemmRow {
-        implementation: implementation.into(),
-        m: p.m,
-        n: p.n,
-        k: p.k,
-        sms: cap,
-        time_ms,
-        tflops: p.flops() / (time_ms * 1e-3) / 1e12,
-        error,
-    };
-    let mut rows = Vec::new();
-    for &cap in sms {
-        // poison D so that an element the GEMM skipped fails the check
-        d_dev.fill(&gpu, 0xff)?;
-        let time = median_ms(&gpu, &stream, warmup, iters, &mut || {
-            // SAFETY: operands sized from the problem on this GPU
-            unsafe {
-                lt.matmul(
-                    &stream,
-                    p,
-                    cap,
-                    a_dev.addr(),
-                    b_dev.addr(),
-                    d_dev.addr(),
-                    1.0,
-                    0.0,
-                )
-            }
-        })?;
-        rows.push(row(
-            "cublaslt",
-            cap,
-            time,
-            sampled_error(&gpu, p, &a, &b, &d_dev, seed)?,
-        ));
-    }
-
     let kernels = GemmKernels::load(&gpu)?;
     let mut plan = GemmPlan::local(*p, TILE, Epilogue::default());
     plan.order = grouped_order(p, TILE, ORDER_GROUP);
@@ -162,67 +153,184 @@ fn run<T: Element>(
         bias: None,
         d: d_dev.addr(),
     };
-    for &cap in sms {
-        let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, cap, 0)?;
-        d_dev.fill(&gpu, 0xff)?;
-        let time = median_ms(&gpu, &stream, warmup, iters, &mut || {
-            // SAFETY: operands sized from the problem on this GPU
-            unsafe { gemm.launch(&stream) }
-        })
-        .map_err(|e| with_stall_report(e, &gemm))?;
-        rows.push(row(
-            "commfuse",
-            cap,
-            time,
-            sampled_error(&gpu, p, &a, &b, &d_dev, seed)?,
-        ));
-    }
+    let ours: Vec<PreparedGemm> = sms
+        .iter()
+        .map(|&cap| PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, cap, 0))
+        .collect::<Result<_, _>>()?;
 
-    if let Some(peer) = peer {
-        // every tile into the peer GPU's buffer, then an Add of 1 on its flag there
-        let peer_gpu = Gpu::open(peer)?;
-        gpu.enable_peer_access(&peer_gpu)?;
-        let d_peer = DeviceMemory::zeroed(&peer_gpu, out_bytes)?;
-        let flags = DeviceMemory::zeroed(&peer_gpu, 8 * plan.tile_count())?;
-        let mut remote = plan.clone();
-        remote.destinations = Some(
-            (0..plan.tile_count())
-                .map(|t| Destination {
-                    rank: 1,
-                    ..plan.destination(t, 0)
-                })
-                .collect(),
-        );
-        remote.flags = Some(
-            (0..plan.tile_count())
-                .map(|t| TileFlag {
-                    slot: Slot::new(0, t as u32),
-                    value: 1,
-                    op: NotifyOp::Add,
-                })
-                .collect(),
-        );
-        let outputs = [d_dev.addr(), d_peer.addr()];
-        let flag = |_rank: usize, slot: Slot| flags.addr() + 8 * slot.col as u64;
-        let targets = RouteTargets {
-            outputs: &outputs,
-            flag: &flag,
-        };
-        let gemm = PreparedGemm::new(&gpu, &kernels, &remote, &ops, Some(&targets), 0, 0)?;
-        d_peer.fill(&peer_gpu, 0xff)?;
-        let time = median_ms(&gpu, &stream, warmup, iters, &mut || {
-            // SAFETY: operands on this GPU, destinations and flags on the peer, peer access on
-            unsafe { gemm.launch(&stream) }
-        })
-        .map_err(|e| with_stall_report(e, &gemm))?;
-        let error = sampled_error(&peer_gpu, p, &a, &b, &d_peer, seed)?;
-        rows.push(row("commfuse-peer", 0, time, error));
+    // the rows with routes: local tiles with flags (what a flag costs), every tile to the peer
+    // with and without flags, and the reduce-scatter pattern at two ranks (the peer's half of
+    // the rows to the peer, staggered, the last wave local)
+    let peer_gpu = peer.map(Gpu::open).transpose()?;
+    let routed = match &peer_gpu {
+        Some(peer_gpu) => Some(Routed::new(&gpu, peer_gpu, &kernels, &plan, &ops, &d_dev)?),
+        None => None,
+    };
+
+    let mut variants = Vec::new();
+    let (lt, stream, a_addr, b_addr, d_addr) =
+        (&lt, &stream, a_dev.addr(), b_dev.addr(), d_dev.addr());
+    for &cap in sms {
+        variants.push(Variant {
+            name: "cublaslt",
+            cap,
+            // SAFETY: operands sized from the problem on this GPU
+            launch: Box::new(move || unsafe {
+                lt.matmul(stream, p, cap, a_addr, b_addr, d_addr, 1.0, 0.0)
+            }),
+            output: (&gpu, &d_dev),
+            peer_rows: None,
+            gemm: None,
+        });
+    }
+    for (gemm, &cap) in ours.iter().zip(sms) {
+        variants.push(Variant {
+            name: "commfuse",
+            cap,
+            // SAFETY: operands sized from the problem on this GPU
+            launch: Box::new(move || unsafe { gemm.launch(stream) }),
+            output: (&gpu, &d_dev),
+            peer_rows: None,
+            gemm: Some(gemm),
+        });
+    }
+    if let (Some(r), Some(peer_gpu)) = (&routed, &peer_gpu) {
+        for (name, gemm, output, peer_rows) in [
+            ("commfuse-flags", &r.local_flags, (&gpu, &d_dev), None),
+            (
+                "commfuse-peer-noflag",
+                &r.peer_noflag,
+                (peer_gpu, &r.d_peer),
+                None,
+            ),
+            ("commfuse-peer", &r.peer, (peer_gpu, &r.d_peer), None),
+            (
+                "commfuse-rs-half",
+                &r.rs_half,
+                (&gpu, &d_dev),
+                Some((r.rs_rows, peer_gpu, &r.d_peer)),
+            ),
+        ] {
+            variants.push(Variant {
+                name,
+                cap: 0,
+                // SAFETY: operands on this GPU, destinations and flags where the routes say,
+                // peer access enabled
+                launch: Box::new(move || unsafe { gemm.launch(stream) }),
+                output,
+                peer_rows,
+                gemm: Some(gemm),
+            });
+        }
+    }
+    let times = interleaved_medians(&gpu, stream, &variants, warmup, iters)?;
+    let mut rows = Vec::new();
+    for (v, time_ms) in variants.iter().zip(times) {
+        // a checked call on a poisoned output: an element the GEMM skipped fails the check
+        let (out_gpu, out) = v.output;
+        out.fill(out_gpu, 0xff)?;
+        if let Some((_, g, m)) = v.peer_rows {
+            m.fill(g, 0xff)?;
+        }
+        (v.launch)()?;
+        stream
+            .synchronize()
+            .map_err(|e| with_stall_report(e, v.gemm))?;
+        let mut d = download(out_gpu, p, out)?;
+        if let Some((rows, g, m)) = v.peer_rows {
+            let remote = download(g, p, m)?;
+            d[..rows * p.n].copy_from_slice(&remote[..rows * p.n]);
+        }
+        rows.push(GemmRow {
+            implementation: v.name.into(),
+            m: p.m,
+            n: p.n,
+            k: p.k,
+            sms: v.cap,
+            time_ms,
+            tflops: p.flops() / (time_ms * 1e-3) / 1e12,
+            error: sampled_error(p, &a, &b, &d, seed)?,
+        });
     }
     Ok(rows)
 }
 
-fn with_stall_report(e: CudaError, gemm: &PreparedGemm) -> CudaError {
-    match gemm.stall_report() {
+/// Our GEMM with routed epilogues, for the rows that store to the peer or raise flags.
+struct Routed {
+    local_flags: PreparedGemm,
+    peer_noflag: PreparedGemm,
+    peer: PreparedGemm,
+    rs_half: PreparedGemm,
+    /// rows of D the reduce-scatter pattern sends to the peer
+    rs_rows: usize,
+    d_peer: DeviceMemory,
+    _flags: [DeviceMemory; 2],
+}
+
+impl Routed {
+    fn new(
+        gpu: &Gpu,
+        peer_gpu: &Gpu,
+        kernels: &GemmKernels,
+        plan: &GemmPlan,
+        ops: &GemmOperands,
+        d_dev: &DeviceMemory,
+    ) -> Result<Routed, CudaError> {
+        gpu.enable_peer_access(peer_gpu)?;
+        let p = &plan.problem;
+        let tiles = plan.tile_count();
+        let d_peer = DeviceMemory::zeroed(peer_gpu, p.m * p.n * p.output.size())?;
+        let flags = [
+            DeviceMemory::zeroed(gpu, 8 * tiles)?,
+            DeviceMemory::zeroed(peer_gpu, 8 * tiles)?,
+        ];
+        let outputs = [d_dev.addr(), d_peer.addr()];
+        let flag = |rank: usize, slot: Slot| flags[rank].addr() + 8 * slot.col as u64;
+        let targets = RouteTargets {
+            outputs: &outputs,
+            flag: &flag,
+        };
+        // tile t keeps its place in D, on the rank `rank_of` names; Add 1 on its flag there
+        let route = |rank_of: &dyn Fn(usize) -> usize, with_flags: bool, order: Vec<usize>| {
+            let mut routed = plan.clone();
+            routed.order = order;
+            routed.destinations = Some(
+                (0..tiles)
+                    .map(|t| Destination {
+                        rank: rank_of(t),
+                        ..plan.destination(t, 0)
+                    })
+                    .collect(),
+            );
+            routed.flags = with_flags.then(|| {
+                (0..tiles)
+                    .map(|t| TileFlag {
+                        slot: Slot::new(0, t as u32),
+                        value: 1,
+                        op: NotifyOp::Add,
+                    })
+                    .collect()
+            });
+            PreparedGemm::new(gpu, kernels, &routed, ops, Some(&targets), 0, 0)
+        };
+        let (tiles_m, tiles_n) = commfuse_core::gemm::tiles(p, TILE);
+        let peer_tile_rows = tiles_m / 2;
+        let is_remote = |t: usize| t / tiles_n < peer_tile_rows;
+        let rs_order = staggered_remote_first(&plan.order, is_remote, gpu.sm_count as usize);
+        Ok(Routed {
+            local_flags: route(&|_| 0, true, plan.order.clone())?,
+            peer_noflag: route(&|_| 1, false, plan.order.clone())?,
+            peer: route(&|_| 1, true, plan.order.clone())?,
+            rs_half: route(&|t| usize::from(is_remote(t)), true, rs_order)?,
+            rs_rows: peer_tile_rows * TILE.m,
+            d_peer,
+            _flags: flags,
+        })
+    }
+}
+
+fn with_stall_report(e: CudaError, gemm: Option<&PreparedGemm>) -> CudaError {
+    match gemm.and_then(|g| g.stall_report()) {
         Some(report) => CudaError::Unavailable(format!("{e}; {report}")),
         None => e,
     }
@@ -230,15 +338,8 @@ fn with_stall_report(e: CudaError, gemm: &PreparedGemm) -> CudaError {
 
 /// Relative Frobenius error of D against a float64 reference on a few thousand sampled
 /// elements (a full reference of a 4096×12288×24576 product would take the CPU minutes).
-fn sampled_error<T: Element>(
-    gpu: &Gpu,
-    p: &GemmProblem,
-    a: &[T],
-    b: &[T],
-    d_dev: &DeviceMemory,
-    seed: u64,
-) -> Result<f64, CudaError> {
-    let d: Vec<f64> = match p.output {
+fn download(gpu: &Gpu, p: &GemmProblem, d_dev: &DeviceMemory) -> Result<Vec<f64>, CudaError> {
+    Ok(match p.output {
         DType::F32 => {
             let mut h = vec![0f32; p.m * p.n];
             d_dev.download(gpu, &mut h)?;
@@ -254,7 +355,16 @@ fn sampled_error<T: Element>(
             d_dev.download(gpu, &mut h)?;
             h.iter().map(|x| x.to_f64()).collect()
         }
-    };
+    })
+}
+
+fn sampled_error<T: Element>(
+    p: &GemmProblem,
+    a: &[T],
+    b: &[T],
+    d: &[f64],
+    seed: u64,
+) -> Result<f64, CudaError> {
     let (mut num, mut den) = (0f64, 0f64);
     let samples = 4096.min(p.m * p.n);
     for s in 0..samples {

@@ -334,7 +334,7 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         a.m, a.n, a.k, layout, problem.input, problem.output, a.device
     );
     println!(
-        "# {:>14} {:>5} {:>10} {:>9} {:>10}  check",
+        "# {:>16} {:>5} {:>10} {:>9} {:>10}  check",
         "impl", "sms", "time(ms)", "TFLOP/s", "rel.err"
     );
     let mut ok = true;
@@ -342,7 +342,7 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         let pass = r.error <= 1e-2;
         ok &= pass;
         println!(
-            "  {:>14} {:>5} {:>10.4} {:>9.1} {:>10.2e}  {}",
+            "  {:>16} {:>5} {:>10.4} {:>9.1} {:>10.2e}  {}",
             r.implementation,
             if r.sms == 0 {
                 "all".to_string()
