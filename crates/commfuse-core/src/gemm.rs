@@ -363,7 +363,7 @@ mod tests {
     fn staggered_order_spreads_remote_tiles_and_ends_local() {
         for (tiles, remote_every, last_wave) in [(100, 2, 13), (37, 3, 40), (64, 1, 8), (9, 5, 0)] {
             let base: Vec<usize> = (0..tiles).rev().collect();
-            let is_remote = |t: usize| t % remote_every == 0;
+            let is_remote = |t: usize| t.is_multiple_of(remote_every);
             let order = staggered_remote_first(&base, is_remote, last_wave);
             let mut sorted = order.clone();
             sorted.sort_unstable();

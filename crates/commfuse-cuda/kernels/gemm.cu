@@ -65,6 +65,16 @@ struct GemmParams {
     float alpha, beta;
     u32 accumulate;
     u32 rank;
+    // Split tail: the order's first `full_units` tiles are whole work units; each of the
+    // remaining tiles is cut along K into `parts` units (so a last, partial wave of tiles
+    // still keeps every block busy). Part 0 of a split tile sums the others' f32 partials
+    // from `workspace` once `counters[s]` shows them all, then runs the epilogue.
+    u32 full_units;
+    u32 parts;
+    u32 unit_count;
+    u32 pad;
+    float4* workspace;  // (split tiles x (parts - 1)) partial tiles, 32 float4 per consumer thread
+    u32* counters;      // one per split tile; part 0 resets it for the next call
 };
 // The 128 accumulator registers of one m64n256k16 wgmma, as asm operands %0..%127.
 #define WGMMA_ACC_OPERANDS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
@@ -117,10 +127,14 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
 }
 
 // What a stalled pipeline wait was waiting for (ErrorRecord.slot).
-enum PipelineWait { WAIT_STAGE_EMPTY = 0, WAIT_STAGE_FULL = 1, WAIT_EPI_EMPTY = 2, WAIT_EPI_FULL = 3 };
+enum PipelineWait { WAIT_STAGE_EMPTY = 0, WAIT_STAGE_FULL = 1, WAIT_EPI_EMPTY = 2, WAIT_EPI_FULL = 3, WAIT_PARTIALS = 4 };
 
 // A pipeline wait that never completes is a bug (a lost TMA, a miscounted barrier): record
 // which block waited for what at which tile, and stop the kernel rather than hang the GPU.
+// One copy per role (ROLE 0: producer and storers, 1: consumers): a callee shared by both is
+// register-allocated above the consumers' live registers and would overrun the 56 registers
+// the producer warpgroup keeps after setmaxnreg; inlining it spills in the consumers.
+template <int ROLE>
 __device__ __noinline__ void pipeline_stalled(const GemmParams& p, u32 tile, u32 what, u32 parity) {
     if (atomicCAS((u32*)&p.err->flag, 0u, 2u) == 0u) {
         p.err->rank = p.rank;
@@ -135,13 +149,15 @@ __device__ __noinline__ void pipeline_stalled(const GemmParams& p, u32 tile, u32
     __trap();
 }
 
+template <int ROLE>
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, const GemmParams& p, u32 tile, u32 what) {
     if (mbar_try_wait(bar, parity)) return;
     const u64 start = global_timer_ns();
     while (!mbar_try_wait(bar, parity)) {
-        if (global_timer_ns() - start > p.timeout_ns) pipeline_stalled(p, tile, what, parity);
+        if (global_timer_ns() - start > p.timeout_ns) pipeline_stalled<ROLE>(p, tile, what, parity);
     }
 }
+constexpr int ROLE_WG0 = 0, ROLE_CONSUMER = 1;
 
 // One 2D TMA box into shared memory; completion is counted in bytes on `bar`.
 __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1) {
@@ -225,13 +241,37 @@ template <typename Out> __device__ __forceinline__ uint4 add_vec(uint4 staged, u
     return staged;
 }
 
-struct TileCoords {
+// One work unit: a whole tile, or one K range of a split tile.
+struct Unit {
     u32 tile, tm, tn;
+    u32 kb0, kb1;  // k-blocks [kb0, kb1)
+    u32 part;      // 0 for whole tiles and for the part that finishes a split tile
+    u32 split;     // index among the split tiles, or NO_SPLIT
 };
+constexpr u32 NO_SPLIT = 0xffffffffu;
 
-__device__ __forceinline__ TileCoords tile_at(const GemmParams& p, u32 i) {
-    const u32 t = p.order[i];
-    return {t, t / p.tiles_n, t % p.tiles_n};
+__device__ __forceinline__ Unit unit_at(const GemmParams& p, u32 u) {
+    const u32 k_blocks = (p.k + gemm::BK - 1) / gemm::BK;
+    Unit w;
+    u32 order_index;
+    if (u < p.full_units) {
+        order_index = u;
+        w.kb0 = 0;
+        w.kb1 = k_blocks;
+        w.part = 0;
+        w.split = NO_SPLIT;
+    } else {
+        const u32 v = u - p.full_units;
+        w.split = v / p.parts;
+        w.part = v % p.parts;
+        order_index = p.full_units + w.split;
+        w.kb0 = w.part * k_blocks / p.parts;
+        w.kb1 = (w.part + 1) * k_blocks / p.parts;
+    }
+    w.tile = p.order[order_index];
+    w.tm = w.tile / p.tiles_n;
+    w.tn = w.tile % p.tiles_n;
+    return w;
 }
 
 // ---- the three roles ---------------------------------------------------------------------------
@@ -245,13 +285,12 @@ struct Smem {
 
 template <bool B_KN>
 __device__ void producer(const GemmParams& p, const Smem& s) {
-    const u32 k_blocks = (p.k + gemm::BK - 1) / gemm::BK;
     u32 stage = 0, phase = 0;
-    for (u32 i = blockIdx.x; i < p.tile_count; i += gridDim.x) {
-        const TileCoords c = tile_at(p, i);
-        for (u32 kb = 0; kb < k_blocks; ++kb) {
+    for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
+        const Unit c = unit_at(p, i);
+        for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
             const u32 full = s.full + 8 * stage, empty = s.empty + 8 * stage;
-            mbar_wait(empty, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY);
+            mbar_wait<ROLE_WG0>(empty, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY);
             // out-of-bounds parts of a box are zero-filled and still counted in bytes
             mbar_expect_tx(full, gemm::A_STAGE_BYTES + gemm::B_STAGE_BYTES);
             const u32 a_dst = s.a + stage * gemm::A_STAGE_BYTES, b_dst = s.b + stage * gemm::B_STAGE_BYTES;
@@ -271,11 +310,55 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
     }
 }
 
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
+
+// A split tile's K parts meet here. Helper parts (part > 0) leave their f32 partial tile in the
+// workspace and count themselves in; part 0 waits for all of them (acquire), adds their
+// partials to its accumulators in a fixed order (results do not depend on timing) and returns
+// true to run the epilogue. Returns false for helper parts.
+__device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
+    const u32 tid = threadIdx.x - 128;  // 0..255 over both consumer warpgroups
+    const u32 helpers = p.parts - 1;
+    u32* counter = p.counters + c.split;
+    if (c.part != 0) {
+        float4* slot = p.workspace + (size_t)(c.split * helpers + c.part - 1) * 32 * 256;
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+            slot[j * 256 + tid] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+        consumers_sync();
+        if (tid == 0) {
+            __threadfence();
+            atomicAdd(counter, 1u);
+        }
+        return false;
+    }
+    if (tid == 0) {
+        const u64 start = global_timer_ns();
+        while (atomicAdd(counter, 0u) < helpers) {
+            if (global_timer_ns() - start > p.timeout_ns) pipeline_stalled<ROLE_CONSUMER>(p, c.tile, WAIT_PARTIALS, helpers);
+        }
+        __threadfence();
+        *counter = 0;  // ready for the next call (kernel boundaries order it)
+    }
+    consumers_sync();
+    for (u32 h = 0; h < helpers; ++h) {
+        const float4* slot = p.workspace + (size_t)(c.split * helpers + h) * 32 * 256;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            const float4 v = __ldcg(&slot[j * 256 + tid]);
+            acc[4 * j] += v.x;
+            acc[4 * j + 1] += v.y;
+            acc[4 * j + 2] += v.z;
+            acc[4 * j + 3] += v.w;
+        }
+    }
+    return true;
+}
+
 template <typename In, typename Out, bool B_KN>
 __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     constexpr int PASSES = sizeof(Out) / 2;  // f32 tiles are staged in two column halves
     constexpr int PASS_COLS = gemm::BN / PASSES;
-    const u32 k_blocks = (p.k + gemm::BK - 1) / gemm::BK;
     const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const u32 row0 = cw * 64 + warp * 16 + lane / 4;  // this thread's first accumulator row
     const bool leader = threadIdx.x % 128 == 0;
@@ -284,11 +367,11 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     const Out* bias = (const Out*)p.bias;
     u32 stage = 0, phase = 0, epi_phase = 0;
     float acc[128];
-    for (u32 i = blockIdx.x; i < p.tile_count; i += gridDim.x) {
-        const TileCoords c = tile_at(p, i);
+    for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
+        const Unit c = unit_at(p, i);
         u32 prev = 0;
-        for (u32 kb = 0; kb < k_blocks; ++kb) {
-            mbar_wait(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
+        for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
+            mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
             const u32 a = s.a + stage * gemm::A_STAGE_BYTES + cw * (64 * 128);
             const u32 b = s.b + stage * gemm::B_STAGE_BYTES;
             wgmma_fence();
@@ -300,14 +383,14 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                 // 8-row K groups 1024 bytes apart (SBO), a k16 step is 16 rows = 2048 bytes.
                 const u64 da = smem_desc(a + 32 * kk, 16, 1024);
                 const u64 db = B_KN ? smem_desc(b + 2048 * kk, 8192, 1024) : smem_desc(b + 32 * kk, 16, 1024);
-                Wgmma<In>::template mma<B_KN ? 1 : 0>(acc, da, db, (kb | kk) != 0);
+                Wgmma<In>::template mma<B_KN ? 1 : 0>(acc, da, db, kb != c.kb0 || kk != 0);
             }
             wgmma_commit();
             fence_acc(acc);
             // keep this k-block's wgmmas in flight; the previous one's stage can be refilled
             wgmma_wait<1>();
             fence_acc(acc);
-            if (kb > 0 && leader) mbar_arrive(s.empty + 8 * prev);
+            if (kb > c.kb0 && leader) mbar_arrive(s.empty + 8 * prev);
             prev = stage;
             if (++stage == gemm::STAGES) {
                 stage = 0;
@@ -317,12 +400,15 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         wgmma_wait<0>();
         fence_acc(acc);
         if (leader) mbar_arrive(s.empty + 8 * prev);
+        if (c.split != NO_SPLIT) {
+            if (!split_partials(p, c, acc)) continue;  // a helper part: no epilogue
+        }
 
         // epilogue arithmetic in registers, then stage the tile for the storers
         const u32 g_row0 = c.tm * gemm::BM + row0, g_col0 = c.tn * gemm::BN;
 #pragma unroll
         for (int pass = 0; pass < PASSES; ++pass) {
-            mbar_wait(s.epi_empty, epi_phase ^ 1, p, c.tile, WAIT_EPI_EMPTY);
+            mbar_wait<ROLE_CONSUMER>(s.epi_empty, epi_phase ^ 1, p, c.tile, WAIT_EPI_EMPTY);
 #pragma unroll
             for (int j = pass * PASS_COLS / 8; j < (pass + 1) * PASS_COLS / 8; ++j) {
 #pragma unroll
@@ -359,8 +445,9 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     constexpr int VEC = 16 / sizeof(Out);  // elements per 16-byte store
     constexpr int UNITS = PASS_COLS / VEC;  // 16-byte units per staged row
     u32 epi_phase = 0;
-    for (u32 i = blockIdx.x; i < p.tile_count; i += gridDim.x) {
-        const TileCoords c = tile_at(p, i);
+    for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
+        const Unit c = unit_at(p, i);
+        if (c.part != 0) continue;  // helper parts of a split tile stage nothing
         TileRoute r;
         if (p.routes != nullptr) {
             r = p.routes[c.tile];
@@ -377,7 +464,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
         // per-thread path.
         const bool bulk = vec_ok && !p.accumulate && cols % VEC == 0;
         for (int pass = 0; pass < PASSES; ++pass) {
-            mbar_wait(s.epi_full, epi_phase, p, c.tile, WAIT_EPI_FULL);
+            mbar_wait<ROLE_WG0>(s.epi_full, epi_phase, p, c.tile, WAIT_EPI_FULL);
             const int pass_cols = min(PASS_COLS, (int)cols - pass * PASS_COLS);
             if (bulk) {
                 if (t < 32 && pass_cols > 0) {
@@ -419,9 +506,9 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
                 __syncwarp();
             }
             if (t == 0) {
-                // the barrier (or the warp sync) above ordered every storer's stores before
-                // this thread's fence and release
-                __threadfence_system();
+                // the barrier (or the warp sync) above ordered every storer's stores before this
+                // thread's release, which carries them (cumulativity): no separate fence, whose
+                // sequentially consistent form (__threadfence_system) costs ~4 % at long K
                 notify((u64*)r.flag, r.flag_value, r.flag_op);
             }
         }

@@ -64,6 +64,33 @@ struct GemmParams {
     beta: f32,
     accumulate: u32,
     rank: u32,
+    full_units: u32,
+    parts: u32,
+    unit_count: u32,
+    pad: u32,
+    workspace: u64,
+    counters: u64,
+}
+
+/// Most K parts a tail tile is cut into.
+const MAX_PARTS: usize = 4;
+
+/// How the last, partial wave is split: `(parts, split tiles)`. With `tiles = q · grid + rem`,
+/// the last `rem` tiles of the order are cut along K into as many parts as keep the wave
+/// within the grid (at most [`MAX_PARTS`], at most one k-block each); `(1, 0)` when the tiles
+/// fill whole waves or no cut fits. All parts of the wave run at once (the grid is resident),
+/// so part 0 can wait for the others.
+pub fn tail_split(tiles: usize, grid: usize, k_blocks: usize) -> (usize, usize) {
+    let rem = tiles % grid.max(1);
+    if rem == 0 {
+        return (1, 0);
+    }
+    let parts = (grid / rem).min(MAX_PARTS).min(k_blocks);
+    if parts <= 1 {
+        (1, 0)
+    } else {
+        (parts, rem)
+    }
 }
 
 fn type_name(d: DType) -> &'static str {
@@ -147,6 +174,7 @@ pub struct PreparedGemm {
     grid: u32,
     error: MappedHost<ErrorRecord>,
     _tables: DeviceMemory,
+    _workspace: DeviceMemory,
     _b_padded: Option<DeviceMemory>,
 }
 
@@ -290,18 +318,36 @@ impl PreparedGemm {
             beta: e.beta,
             accumulate: e.accumulate as u32,
             rank: rank as u32,
+            full_units: 0,
+            parts: 1,
+            unit_count: 0,
+            pad: 0,
+            workspace: 0,
+            counters: 0,
         };
         let cap = if sm_cap == 0 {
             gpu.sm_count
         } else {
             sm_cap.min(gpu.sm_count)
         };
+        let grid = cap.min(params.tile_count).max(1);
+        let mut params = params;
+        let (parts, split) = tail_split(plan.tile_count(), grid as usize, p.k.div_ceil(64));
+        // the helpers' partial tiles (128 × 256 f32 each) and one counter per split tile
+        let partial_bytes = split * (parts - 1) * TILE.m * TILE.n * 4;
+        let workspace = DeviceMemory::zeroed(gpu, partial_bytes + 4 * split)?;
+        params.full_units = (plan.tile_count() - split) as u32;
+        params.parts = parts as u32;
+        params.unit_count = (plan.tile_count() - split + split * parts) as u32;
+        params.workspace = workspace.addr();
+        params.counters = workspace.addr() + partial_bytes as u64;
         Ok(PreparedGemm {
             function,
             params,
-            grid: cap.min(params.tile_count).max(1),
+            grid,
             error,
             _tables: tables,
+            _workspace: workspace,
             _b_padded: b_padded,
         })
     }
@@ -325,7 +371,13 @@ impl PreparedGemm {
     pub fn stall_report(&self) -> Option<String> {
         let e = self.error.read();
         (e.flag != 0).then(|| {
-            let what = ["an empty stage", "a full stage", "the staging buffer", "a staged tile"]
+            let what = [
+                "an empty stage",
+                "a full stage",
+                "the staging buffer",
+                "a staged tile",
+                "the partial tiles of a split tile",
+            ]
                 .get(e.slot as usize)
                 .copied()
                 .unwrap_or("?");
@@ -471,6 +523,21 @@ mod tests {
         assert_eq!(std::mem::offset_of!(GemmParams, order), 256);
         assert_eq!(std::mem::offset_of!(GemmParams, m), 312);
         assert_eq!(std::mem::offset_of!(GemmParams, rank), 344);
+        assert_eq!(std::mem::offset_of!(GemmParams, workspace), 368);
+        assert_eq!(std::mem::offset_of!(GemmParams, counters), 376);
         const { assert!(SMEM_BYTES <= 227 * 1024) };
+    }
+
+    #[test]
+    fn only_a_partial_last_wave_is_split() {
+        // 512 tiles on 116 SMs: 48 left over, cut in two
+        assert_eq!(tail_split(512, 116, 56), (2, 48));
+        // 1536 on 116: 28 left over, four parts
+        assert_eq!(tail_split(1536, 116, 384), (4, 28));
+        // whole waves, too many leftovers, too little K
+        assert_eq!(tail_split(264, 132, 56), (1, 0));
+        assert_eq!(tail_split(512, 132, 56), (1, 0));
+        assert_eq!(tail_split(4, 3, 1), (1, 0));
+        assert_eq!(tail_split(4, 3, 3), (3, 1));
     }
 }

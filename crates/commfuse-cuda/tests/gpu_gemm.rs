@@ -239,6 +239,50 @@ fn gemm_matches_float64_reference_on_ragged_shapes() {
     }
 }
 
+/// A grid capped so that the last wave is cut along K (2, 3 or 4 parts, many k-blocks each):
+/// every part's k-range is summed once, in f32, checked tightly against float64.
+#[test]
+fn split_tail_tiles_sum_their_k_parts() {
+    if !gpus(1) {
+        return;
+    }
+    let gpu = Gpu::open(0).unwrap();
+    let kernels = GemmKernels::load(&gpu).unwrap();
+    let stream = Stream::new(&gpu).unwrap();
+    // 16 tiles: cap 5 leaves 1 (4 parts), cap 6 leaves 4 (no cut fits), cap 7 leaves 2 (3 parts)
+    let p = GemmProblem::new(500, 1000, 1544, BLayout::NK, DType::BF16, DType::F32).unwrap();
+    let mut rng = Rng(99);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
+    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 4).unwrap();
+    let want = reference(&p, &Epilogue::default(), &a, &b, &[] as &[f32], &[], &[]);
+    let mut plan = GemmPlan::local(p, TILE, Epilogue::default());
+    rng.shuffle(&mut plan.order);
+    let ops = GemmOperands {
+        a: a_dev.addr(),
+        b: b_dev.addr(),
+        c: None,
+        bias: None,
+        d: d_dev.addr(),
+    };
+    for cap in [5, 6, 7, 15] {
+        let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, cap, 0).unwrap();
+        for call in 0..3 {
+            d_dev.fill(&gpu, 0xff).unwrap();
+            // SAFETY: operands live until the synchronisation
+            unsafe { gemm.launch(&stream).unwrap() };
+            if let Err(e) = stream.synchronize() {
+                panic!("{e}: {:?}", gemm.stall_report());
+            }
+            let mut got = vec![0f32; p.m * p.n];
+            d_dev.download(&gpu, &mut got).unwrap();
+            let err = rel_error(&got, &want);
+            assert!(err <= 1e-5, "cap {cap} call {call}: relative error {err:e}");
+        }
+    }
+}
+
 #[test]
 fn gemm_matches_sampled_reference_at_a_target_shape_and_a_ragged_one() {
     if !gpus(1) {
