@@ -68,9 +68,10 @@ pub struct BenchGemmArgs {
     /// GPU to run on
     #[arg(long, default_value_t = 0)]
     pub device: usize,
-    /// Also time the epilogue storing every tile to this GPU (NVLink peer) and raising a flag there
+    /// GPU for the rows whose epilogue stores tiles over NVLink and raises flags there: an
+    /// index, or "none" (default: the next GPU when the machine has two or more)
     #[arg(long)]
-    pub peer: Option<usize>,
+    pub peer: Option<String>,
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
     #[arg(long, default_value_t = 20)]
@@ -320,9 +321,25 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         a.dtype,
         a.out_dtype.unwrap_or(a.dtype),
     )?;
+    let peer = match a.peer.as_deref() {
+        Some("none") => None,
+        Some(text) => {
+            let peer: usize = text
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--peer takes a GPU index or 'none', got '{text}'"))?;
+            if peer == a.device {
+                bail!("--peer {peer} is the GPU the GEMM runs on: name another GPU or 'none'");
+            }
+            Some(peer)
+        }
+        None => match commfuse_cuda::driver::device_count() {
+            Ok(count) if count >= 2 => Some((a.device + 1) % count),
+            _ => None,
+        },
+    };
     let rows = commfuse_cuda::gemm_bench::bench_gemm(
         a.device,
-        a.peer,
+        peer,
         &problem,
         &a.sms,
         a.warmup,

@@ -187,6 +187,15 @@ fn bad_inputs_get_one_line_and_a_nonzero_exit() {
         "unknown B layout 'kk'",
     );
     fails_with(&["bench", "gemm", "--m", "64", "--n", "64"], "--k");
+    let gemm = ["bench", "gemm", "--m", "64", "--n", "64", "--k", "64"];
+    fails_with(
+        &[&gemm[..], &["--peer", "0"]].concat(),
+        "is the GPU the GEMM runs on",
+    );
+    fails_with(
+        &[&gemm[..], &["--peer", "two"]].concat(),
+        "a GPU index or 'none'",
+    );
     fails_with(&["frobnicate"], "frobnicate");
 }
 
