@@ -291,6 +291,48 @@ pub fn staggered_remote_first(
     order
 }
 
+/// D of one GEMM call in float64 from the operands as stored: alpha·A·B (+ beta·C) (+ bias)
+/// (+ the destination's previous contents when the epilogue accumulates). C, bias and the
+/// previous contents have the output type; each is needed only when the epilogue uses it.
+pub fn reference_gemm<TI: crate::Element, TO: crate::Element>(
+    p: &GemmProblem,
+    e: &Epilogue,
+    a: &[TI],
+    b: &[TI],
+    c: Option<&[TO]>,
+    bias: Option<&[TO]>,
+    previous: Option<&[TO]>,
+) -> Vec<f64> {
+    let mut d = vec![0f64; p.m * p.n];
+    for i in 0..p.m {
+        for j in 0..p.n {
+            let mut v = e.alpha as f64 * reference_dot(p, a, b, i, j);
+            if e.beta != 0.0 {
+                v += e.beta as f64 * c.expect("beta != 0 needs C")[i * p.n + j].to_f64();
+            }
+            if e.bias {
+                v += bias.expect("the epilogue adds a bias")[j].to_f64();
+            }
+            if e.accumulate {
+                v += previous.expect("accumulating needs the previous D")[i * p.n + j].to_f64();
+            }
+            d[i * p.n + j] = v;
+        }
+    }
+    d
+}
+
+/// ‖got − want‖ / ‖want‖ (Frobenius). A NaN in `got` (an unwritten, poisoned element) makes
+/// the result NaN, which fails every bound.
+pub fn relative_error(got: impl IntoIterator<Item = f64>, want: &[f64]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (g, w) in got.into_iter().zip(want) {
+        num += (g - w).powi(2);
+        den += w * w;
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
 /// Tiles along M and N.
 pub fn tiles(problem: &GemmProblem, tile: TileShape) -> (usize, usize) {
     (

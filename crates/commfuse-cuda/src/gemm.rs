@@ -160,6 +160,19 @@ pub struct GemmOperands {
     pub d: u64,
 }
 
+impl GemmOperands {
+    /// A and B into D, without C or bias.
+    pub fn plain(a: u64, b: u64, d: u64) -> GemmOperands {
+        GemmOperands {
+            a,
+            b,
+            c: None,
+            bias: None,
+            d,
+        }
+    }
+}
+
 /// Where the plan's destination ranks keep their output buffers and flags, as addresses this
 /// GPU can store to.
 pub struct RouteTargets<'a> {

@@ -4,7 +4,8 @@
 //! its flag is up never sees a stale tile. Skips with a printed reason without GPUs.
 
 use commfuse_core::gemm::{
-    grouped_order, BLayout, Destination, Epilogue, GemmPlan, GemmProblem, TileFlag,
+    grouped_order, reference_gemm, relative_error, BLayout, Destination, Epilogue, GemmPlan,
+    GemmProblem, TileFlag,
 };
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::{DType, Element};
@@ -28,6 +29,17 @@ fn gpus(needed: usize) -> bool {
             false
         }
     }
+}
+
+/// GPU 0 with the GEMM kernels loaded and a stream, or None (with the reason printed).
+fn one_gpu() -> Option<(Gpu, GemmKernels, Stream)> {
+    if !gpus(1) {
+        return None;
+    }
+    let gpu = Gpu::open(0).unwrap();
+    let kernels = GemmKernels::load(&gpu).unwrap();
+    let stream = Stream::new(&gpu).unwrap();
+    Some((gpu, kernels, stream))
 }
 
 struct Rng(u64);
@@ -58,45 +70,17 @@ fn upload<T: Copy>(gpu: &Gpu, host: &[T]) -> DeviceMemory {
     mem
 }
 
-/// D = alpha·A·B + beta·C + bias (+ D0 when accumulating), in float64.
-#[allow(clippy::too_many_arguments)]
-fn reference<TI: Element, TO: Element>(
-    p: &GemmProblem,
-    e: &Epilogue,
-    a: &[TI],
-    b: &[TI],
-    c: &[TO],
-    bias: &[TO],
-    d0: &[TO],
-) -> Vec<f64> {
-    let mut out = vec![0f64; p.m * p.n];
-    for i in 0..p.m {
-        for j in 0..p.n {
-            let dot = commfuse_core::gemm::reference_dot(p, a, b, i, j);
-            let mut v = e.alpha as f64 * dot;
-            if e.beta != 0.0 {
-                v += e.beta as f64 * c[i * p.n + j].to_f64();
-            }
-            if e.bias {
-                v += bias[j].to_f64();
-            }
-            if e.accumulate {
-                v += d0[i * p.n + j].to_f64();
-            }
-            out[i * p.n + j] = v;
-        }
+/// One call, waited for; a stalled pipeline panics with the kernel's own report.
+fn run(gemm: &PreparedGemm, stream: &Stream) {
+    // SAFETY: the callers keep every operand alive past this synchronisation
+    unsafe { gemm.launch(stream).unwrap() };
+    if let Err(e) = stream.synchronize() {
+        panic!("{e}: {:?}", gemm.stall_report());
     }
-    out
 }
 
 fn rel_error<TO: Element>(got: &[TO], want: &[f64]) -> f64 {
-    let (mut num, mut den) = (0f64, 0f64);
-    for (g, w) in got.iter().zip(want) {
-        num += (g.to_f64() - w).powi(2);
-        den += w * w;
-    }
-    // an unwritten (poisoned, NaN) element makes the error NaN, which fails every bound
-    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+    relative_error(got.iter().map(|g| g.to_f64()), want)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -160,7 +144,7 @@ fn check_one<TI: Element, TO: Element>(
         d: d_dev.addr(),
     };
     let gemm = PreparedGemm::new(gpu, kernels, &plan, &ops, None, cap, 0).unwrap();
-    let want = reference(&p, &epilogue, &a, &b, &c, &bias, &d0);
+    let want = reference_gemm(&p, &epilogue, &a, &b, Some(&c), Some(&bias), Some(&d0));
     // two calls, each on a freshly poisoned (or freshly initialised) output
     for call in 0..2 {
         if epilogue.accumulate {
@@ -168,11 +152,7 @@ fn check_one<TI: Element, TO: Element>(
         } else {
             d_dev.fill(gpu, 0xff).unwrap();
         }
-        // SAFETY: every operand lives until the synchronisation below
-        unsafe { gemm.launch(stream).unwrap() };
-        if let Err(e) = stream.synchronize() {
-            panic!("{e}: {:?}", gemm.stall_report());
-        }
+        run(&gemm, stream);
         let mut got = vec![TO::from_f32(0.0); p.m * p.n];
         d_dev.download(gpu, &mut got).unwrap();
         let err = rel_error(&got, &want);
@@ -192,12 +172,9 @@ fn check_one<TI: Element, TO: Element>(
 
 #[test]
 fn gemm_matches_float64_reference_on_ragged_shapes() {
-    if !gpus(1) {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
         return;
-    }
-    let gpu = Gpu::open(0).unwrap();
-    let kernels = GemmKernels::load(&gpu).unwrap();
-    let stream = Stream::new(&gpu).unwrap();
+    };
     let shapes = [
         (128, 256, 64),
         (200, 300, 136),
@@ -243,12 +220,9 @@ fn gemm_matches_float64_reference_on_ragged_shapes() {
 /// every part's k-range is summed once, in f32, checked tightly against float64.
 #[test]
 fn split_tail_tiles_sum_their_k_parts() {
-    if !gpus(1) {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
         return;
-    }
-    let gpu = Gpu::open(0).unwrap();
-    let kernels = GemmKernels::load(&gpu).unwrap();
-    let stream = Stream::new(&gpu).unwrap();
+    };
     // 16 tiles: cap 5 leaves 1 (4 parts), cap 6 leaves 4 (no cut fits), cap 7 leaves 2 (3 parts)
     let p = GemmProblem::new(500, 1000, 1544, BLayout::NK, DType::BF16, DType::F32).unwrap();
     let mut rng = Rng(99);
@@ -256,25 +230,15 @@ fn split_tail_tiles_sum_their_k_parts() {
     let b: Vec<bf16> = rng.vec(p.k * p.n);
     let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
     let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 4).unwrap();
-    let want = reference(&p, &Epilogue::default(), &a, &b, &[] as &[f32], &[], &[]);
+    let want = reference_gemm::<bf16, f32>(&p, &Epilogue::default(), &a, &b, None, None, None);
     let mut plan = GemmPlan::local(p, TILE, Epilogue::default());
     rng.shuffle(&mut plan.order);
-    let ops = GemmOperands {
-        a: a_dev.addr(),
-        b: b_dev.addr(),
-        c: None,
-        bias: None,
-        d: d_dev.addr(),
-    };
+    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
     for cap in [5, 6, 7, 15] {
         let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, cap, 0).unwrap();
         for call in 0..3 {
             d_dev.fill(&gpu, 0xff).unwrap();
-            // SAFETY: operands live until the synchronisation
-            unsafe { gemm.launch(&stream).unwrap() };
-            if let Err(e) = stream.synchronize() {
-                panic!("{e}: {:?}", gemm.stall_report());
-            }
+            run(&gemm, &stream);
             let mut got = vec![0f32; p.m * p.n];
             d_dev.download(&gpu, &mut got).unwrap();
             let err = rel_error(&got, &want);
@@ -347,13 +311,7 @@ fn a_consumer_on_the_peer_never_reads_a_stale_tile() {
         outputs: &outputs,
         flag: &flag,
     };
-    let ops = GemmOperands {
-        a: a_dev.addr(),
-        b: b_dev.addr(),
-        c: None,
-        bias: None,
-        d: d_local.addr(),
-    };
+    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_local.addr());
     let gemm = PreparedGemm::new(&g0, &k0, &plan, &ops, Some(&targets), 0, 0).unwrap();
     let error = MappedHost::new(&g1, ErrorRecord::default()).unwrap();
     let mut consumer = TileSnapshot::new(
@@ -366,7 +324,7 @@ fn a_consumer_on_the_peer_never_reads_a_stale_tile() {
         &error,
     )
     .unwrap();
-    let want = reference(&p, &Epilogue::default(), &a, &b, &[] as &[bf16], &[], &[]);
+    let want = reference_gemm::<bf16, bf16>(&p, &Epilogue::default(), &a, &b, None, None, None);
     for call in 1..=6u64 {
         d_peer.fill(&g1, 0xff).unwrap();
         snap.fill(&g1, 0x5a).unwrap();

@@ -3,7 +3,8 @@
 //! with per-tile flags that a consumer on the peer waits for (it never sees a stale tile).
 
 use commfuse_core::gemm::{
-    reference_dot, BLayout, Destination, Epilogue, GemmPlan, GemmProblem, TileFlag, TileShape,
+    reference_gemm, relative_error, BLayout, Destination, Epilogue, GemmPlan, GemmProblem,
+    TileFlag, TileShape,
 };
 use commfuse_core::{Cmp, DType, Element, NotifyOp, Slot};
 use commfuse_sim::gemm::{run_gemm, Operands};
@@ -24,39 +25,6 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
 
 fn cast<T: Element>(v: &[f32]) -> Vec<T> {
     v.iter().map(|&x| T::from_f32(x)).collect()
-}
-
-/// D in f64 from the operands as stored.
-fn reference(
-    p: &GemmProblem,
-    e: &Epilogue,
-    a: &[bf16],
-    b: &[bf16],
-    c: &[f32],
-    bias: &[f32],
-) -> Vec<f64> {
-    let mut d = vec![0f64; p.m * p.n];
-    for i in 0..p.m {
-        for j in 0..p.n {
-            let acc = reference_dot(p, a, b, i, j);
-            let mut v = e.alpha as f64 * acc + e.beta as f64 * c[i * p.n + j] as f64;
-            if e.bias {
-                v += bias[j] as f64;
-            }
-            d[i * p.n + j] = v;
-        }
-    }
-    d
-}
-
-fn frobenius_error(got: &[f32], want: &[f64]) -> f64 {
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (*g as f64 - w).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|w| w * w).sum();
-    (num / den).sqrt()
 }
 
 fn world(p: usize) -> World {
@@ -100,7 +68,8 @@ fn local_tiles_match_the_reference_on_ragged_shapes() {
                 run_gemm(ctx, &plan, &ops, &out)
             })
             .unwrap();
-        let err = frobenius_error(out.view(0), &reference(&p, &e, &a, &b, &c, &bias));
+        let want = reference_gemm(&p, &e, &a, &b, Some(&c), Some(&bias), None);
+        let err = relative_error(out.view(0).iter().map(|&x| x as f64), &want);
         assert!(err < 1e-5, "{m}×{n}×{k} {layout:?}: relative error {err}");
     }
 }
@@ -165,7 +134,7 @@ fn tiles_pushed_to_a_peer_are_never_read_before_their_flag() {
             .collect(),
     );
     let (a, b): (Vec<bf16>, Vec<bf16>) = (cast(&random(m * k, 7)), cast(&random(k * n, 8)));
-    let want = reference(&p, &Epilogue::default(), &a, &b, &vec![0.0; m * n], &[]);
+    let want = reference_gemm::<bf16, f32>(&p, &Epilogue::default(), &a, &b, None, None, None);
     let out = SymmetricBuffer::<bf16>::new(2, m * n).unwrap();
     // poison rank 1's output: a tile read before it arrives shows as NaN
     let mut out = out;
