@@ -155,14 +155,23 @@ impl DeviceMemory {
                 }
                 other => other,
             })?;
-        // SAFETY: ptr points to `alloc` bytes just allocated
-        drv("cuMemsetD8", unsafe {
-            result::memset_d8_sync(ptr, 0, alloc)
-        })?;
-        Ok(DeviceMemory {
+        // owned from here on: freed on drop, also if clearing it fails
+        let mem = DeviceMemory {
             ptr,
             bytes,
             ctx: gpu.ctx,
+        };
+        mem.fill(gpu, 0)?;
+        Ok(mem)
+    }
+
+    /// Sets every byte to `value` (synchronously): zeroes new memory, poisons outputs before a
+    /// checked run.
+    pub fn fill(&self, gpu: &Gpu, value: u8) -> Result<(), CudaError> {
+        gpu.bind()?;
+        // SAFETY: the whole allocation, context bound
+        drv("cuMemsetD8", unsafe {
+            result::memset_d8_sync(self.ptr, value, self.bytes.max(16))
         })
     }
 
@@ -188,21 +197,6 @@ impl DeviceMemory {
         drv("cuMemcpyDtoH", unsafe {
             result::memcpy_dtoh_sync(dst, self.ptr)
         })
-    }
-}
-
-impl DeviceMemory {
-    /// Sets every byte to `value` (synchronously): poisons outputs before a checked run.
-    pub fn fill(&self, gpu: &Gpu, value: u8) -> Result<(), CudaError> {
-        gpu.bind()?;
-        // SAFETY: the whole allocation, context bound
-        drv("cuMemsetD8", unsafe {
-            result::memset_d8_sync(self.ptr, value, self.bytes.max(16))
-        })
-    }
-
-    pub fn len_bytes(&self) -> usize {
-        self.bytes
     }
 }
 

@@ -21,10 +21,14 @@ use std::collections::HashMap;
 pub const TILE: TileShape = TileShape { m: 128, n: 256 };
 const THREADS: u32 = 384;
 const STAGES: u32 = 3;
+/// K depth of one pipeline stage (one 128-byte swizzle row of 16-bit elements).
+const BK: usize = 64;
 /// Mirrors `gemm::SMEM_BYTES` in gemm.cu: alignment slack, the stages, the staged tile and
 /// the mbarriers.
-const SMEM_BYTES: u32 =
-    1024 + STAGES * (128 * 64 * 2 + 256 * 64 * 2) + 128 * 528 + 8 * (2 * STAGES + 2);
+const SMEM_BYTES: u32 = 1024
+    + STAGES * ((TILE.m + TILE.n) * BK * 2) as u32
+    + TILE.m as u32 * 528
+    + 8 * (2 * STAGES + 2);
 /// A pipeline wait that lasts this long is a bug, reported instead of hanging the GPU.
 const PIPELINE_TIMEOUT_NS: u64 = 5_000_000_000;
 
@@ -237,7 +241,7 @@ impl PreparedGemm {
             half,
             (p.k as u64, p.m as u64),
             2 * p.k as u64,
-            (64, 128),
+            (BK as u32, TILE.m as u32),
         )?;
         // TMA needs rows that are a multiple of 16 bytes: a [K, N] B with N % 8 != 0 is copied
         // once into a padded buffer (its padding is zero and never read into D)
@@ -248,7 +252,7 @@ impl PreparedGemm {
                 half,
                 (p.k as u64, p.n as u64),
                 2 * p.k as u64,
-                (64, 256),
+                (BK as u32, TILE.n as u32),
             )?,
             BLayout::KN => {
                 let ld = p.n.next_multiple_of(8);
@@ -265,7 +269,7 @@ impl PreparedGemm {
                     half,
                     (p.n as u64, p.k as u64),
                     2 * ld as u64,
-                    (64, 64),
+                    (64, BK as u32),
                 )?
             }
         };
@@ -296,7 +300,17 @@ impl PreparedGemm {
         tables.upload(gpu, &bytes)?;
         let error = MappedHost::new(gpu, ErrorRecord::default())?;
         let e = &plan.epilogue;
-        let (tiles_m, tiles_n) = commfuse_core::gemm::tiles(p, TILE);
+        let tiles = plan.tile_count();
+        let cap = if sm_cap == 0 {
+            gpu.sm_count
+        } else {
+            sm_cap.min(gpu.sm_count)
+        };
+        let grid = cap.min(tiles as u32).max(1);
+        let (parts, split) = tail_split(tiles, grid as usize, p.k.div_ceil(BK));
+        // the helpers' partial tiles (128 × 256 f32 each) and one counter per split tile
+        let partial_bytes = split * (parts - 1) * TILE.m * TILE.n * 4;
+        let workspace = DeviceMemory::zeroed(gpu, partial_bytes + 4 * split)?;
         let params = GemmParams {
             a: TmaDesc(a),
             b: TmaDesc(b),
@@ -325,35 +339,19 @@ impl PreparedGemm {
             m: p.m as u32,
             n: p.n as u32,
             k: p.k as u32,
-            tiles_n: tiles_n as u32,
-            tile_count: (tiles_m * tiles_n) as u32,
+            tiles_n: commfuse_core::gemm::tiles(p, TILE).1 as u32,
+            tile_count: tiles as u32,
             alpha: e.alpha,
             beta: e.beta,
             accumulate: e.accumulate as u32,
             rank: rank as u32,
-            full_units: 0,
-            parts: 1,
-            unit_count: 0,
+            full_units: (tiles - split) as u32,
+            parts: parts as u32,
+            unit_count: (tiles - split + split * parts) as u32,
             pad: 0,
-            workspace: 0,
-            counters: 0,
+            workspace: workspace.addr(),
+            counters: workspace.addr() + partial_bytes as u64,
         };
-        let cap = if sm_cap == 0 {
-            gpu.sm_count
-        } else {
-            sm_cap.min(gpu.sm_count)
-        };
-        let grid = cap.min(params.tile_count).max(1);
-        let mut params = params;
-        let (parts, split) = tail_split(plan.tile_count(), grid as usize, p.k.div_ceil(64));
-        // the helpers' partial tiles (128 × 256 f32 each) and one counter per split tile
-        let partial_bytes = split * (parts - 1) * TILE.m * TILE.n * 4;
-        let workspace = DeviceMemory::zeroed(gpu, partial_bytes + 4 * split)?;
-        params.full_units = (plan.tile_count() - split) as u32;
-        params.parts = parts as u32;
-        params.unit_count = (plan.tile_count() - split + split * parts) as u32;
-        params.workspace = workspace.addr();
-        params.counters = workspace.addr() + partial_bytes as u64;
         Ok(PreparedGemm {
             function,
             params,
@@ -363,11 +361,6 @@ impl PreparedGemm {
             _workspace: workspace,
             _b_padded: b_padded,
         })
-    }
-
-    /// Blocks in the persistent grid.
-    pub fn grid(&self) -> u32 {
-        self.grid
     }
 
     /// Queues the GEMM on `stream`.
