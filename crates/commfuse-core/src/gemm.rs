@@ -177,6 +177,41 @@ impl GemmPlan {
         }
     }
 
+    /// Keeps every tile at its own place in D (row-major, ld = N) but on rank `rank_of(t)`, and
+    /// with `flag = Some((row, op))` raises slot (row, t) there by 1 (Set or Add) after the
+    /// tile; `None` drops the flags. The routing of a GEMM whose output rows belong to other
+    /// ranks' buffers.
+    pub fn route_in_place(
+        &mut self,
+        rank_of: impl Fn(usize) -> usize,
+        flag: Option<(u32, NotifyOp)>,
+    ) {
+        let n = self.problem.n;
+        let tiles = 0..self.tile_count();
+        self.destinations = Some(
+            tiles
+                .clone()
+                .map(|t| {
+                    let (rows, cols) = self.tile_bounds(t);
+                    Destination {
+                        rank: rank_of(t),
+                        offset: rows.start * n + cols.start,
+                        ld: n,
+                    }
+                })
+                .collect(),
+        );
+        self.flags = flag.map(|(row, op)| {
+            tiles
+                .map(|t| TileFlag {
+                    slot: Slot::new(row, t as u32),
+                    value: 1,
+                    op,
+                })
+                .collect()
+        });
+    }
+
     /// Checks the order is a permutation of all tiles and the tables have one entry per tile.
     pub fn validate(&self, world: usize) -> Result<(), Error> {
         let count = self.tile_count();
@@ -348,7 +383,7 @@ mod tests {
     #[test]
     fn ragged_tiles_cover_the_output_once() {
         let p = GemmProblem::new(37, 53, 16, BLayout::KN, DType::BF16, DType::F32).unwrap();
-        let plan = GemmPlan::local(p, TileShape { m: 16, n: 32 }, Epilogue::default());
+        let mut plan = GemmPlan::local(p, TileShape { m: 16, n: 32 }, Epilogue::default());
         assert_eq!(plan.tile_count(), 3 * 2);
         let mut covered = vec![0; 37 * 53];
         for t in 0..plan.tile_count() {
@@ -361,6 +396,20 @@ mod tests {
         }
         assert!(covered.iter().all(|&c| c == 1));
         plan.validate(1).unwrap();
+        // routed in place: same offsets and ld as the local output, on the named rank
+        let local: Vec<Destination> = (0..6).map(|t| plan.destination(t, 0)).collect();
+        plan.route_in_place(|t| t % 2, Some((2, NotifyOp::Add)));
+        for (t, l) in local.iter().enumerate() {
+            assert_eq!(plan.destination(t, 0), Destination { rank: t % 2, ..*l });
+            let f = plan.flags.as_ref().unwrap()[t];
+            assert_eq!(
+                (f.slot, f.value, f.op),
+                (Slot::new(2, t as u32), 1, NotifyOp::Add)
+            );
+        }
+        plan.validate(2).unwrap();
+        plan.route_in_place(|_| 1, None);
+        assert!(plan.flags.is_none());
     }
 
     #[test]

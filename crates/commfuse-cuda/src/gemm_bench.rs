@@ -8,11 +8,12 @@ use crate::driver::{DeviceMemory, Event, Gpu, Stream};
 use crate::error::CudaError;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TILE};
 use commfuse_core::gemm::{
-    grouped_order, reference_dot, relative_error, staggered_remote_first, Destination, Epilogue,
-    GemmPlan, GemmProblem, TileFlag,
+    grouped_order, reference_dot, relative_error, staggered_remote_first, Epilogue, GemmPlan,
+    GemmProblem,
 };
 use commfuse_core::plan::{NotifyOp, Slot};
-use commfuse_core::{DType, Element};
+use commfuse_core::reference::input_value;
+use commfuse_core::{DType, Element, ReduceOp};
 use half::{bf16, f16};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -28,21 +29,19 @@ pub struct GemmRow {
     pub error: f64,
 }
 
-fn random_bits(seed: u64, i: usize) -> f32 {
-    let mut x = seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^= x >> 31;
-    (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+/// Uniform in [-1, 1): the project's indexable input stream (`stream` 0: A, 1: B, 2: samples).
+fn random_value(seed: u64, stream: usize, i: usize) -> f32 {
+    input_value(seed, stream, i, ReduceOp::Sum)
 }
 
 fn upload_random<T: Element>(
     gpu: &Gpu,
     len: usize,
     seed: u64,
+    stream: usize,
 ) -> Result<(DeviceMemory, Vec<T>), CudaError> {
     let host: Vec<T> = (0..len)
-        .map(|i| T::from_f32(random_bits(seed, i)))
+        .map(|i| T::from_f32(random_value(seed, stream, i)))
         .collect();
     let mem = DeviceMemory::zeroed(gpu, len * std::mem::size_of::<T>())?;
     mem.upload(gpu, &host)?;
@@ -139,8 +138,8 @@ fn run<T: Element>(
     let gpu = Gpu::open(device)?;
     let stream = Stream::new(&gpu)?;
     let lt = Lt::new(&gpu)?;
-    let (a_dev, a) = upload_random::<T>(&gpu, p.m * p.k, seed)?;
-    let (b_dev, b) = upload_random::<T>(&gpu, p.k * p.n, seed ^ 1)?;
+    let (a_dev, a) = upload_random::<T>(&gpu, p.m * p.k, seed, 0)?;
+    let (b_dev, b) = upload_random::<T>(&gpu, p.k * p.n, seed, 1)?;
     let out_bytes = p.m * p.n * p.output.size();
     let d_dev = DeviceMemory::zeroed(&gpu, out_bytes)?;
     let kernels = GemmKernels::load(&gpu)?;
@@ -288,23 +287,7 @@ impl Routed {
         let route = |rank_of: &dyn Fn(usize) -> usize, with_flags: bool, order: Vec<usize>| {
             let mut routed = plan.clone();
             routed.order = order;
-            routed.destinations = Some(
-                (0..tiles)
-                    .map(|t| Destination {
-                        rank: rank_of(t),
-                        ..plan.destination(t, 0)
-                    })
-                    .collect(),
-            );
-            routed.flags = with_flags.then(|| {
-                (0..tiles)
-                    .map(|t| TileFlag {
-                        slot: Slot::new(0, t as u32),
-                        value: 1,
-                        op: NotifyOp::Add,
-                    })
-                    .collect()
-            });
+            routed.route_in_place(rank_of, with_flags.then_some((0, NotifyOp::Add)));
             PreparedGemm::new(gpu, kernels, &routed, ops, Some(&targets), 0, 0)
         };
         let (tiles_m, tiles_n) = commfuse_core::gemm::tiles(p, TILE);
@@ -361,7 +344,7 @@ fn sampled_error<T: Element>(
 ) -> Result<f64, CudaError> {
     let samples: Vec<usize> = (0..4096.min(p.m * p.n))
         .map(|s| {
-            (random_bits(seed ^ 7, s).abs() as f64 * (p.m * p.n) as f64) as usize % (p.m * p.n)
+            (random_value(seed, 2, s).abs() as f64 * (p.m * p.n) as f64) as usize % (p.m * p.n)
         })
         .collect();
     let want: Vec<f64> = samples

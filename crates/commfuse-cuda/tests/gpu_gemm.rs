@@ -4,8 +4,7 @@
 //! its flag is up never sees a stale tile. Skips with a printed reason without GPUs.
 
 use commfuse_core::gemm::{
-    grouped_order, reference_gemm, relative_error, BLayout, Destination, Epilogue, GemmPlan,
-    GemmProblem, TileFlag,
+    grouped_order, reference_gemm, relative_error, BLayout, Epilogue, GemmPlan, GemmProblem,
 };
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::{DType, Element};
@@ -288,23 +287,7 @@ fn a_consumer_on_the_peer_never_reads_a_stale_tile() {
     let mut plan = GemmPlan::local(p, TILE, Epilogue::default());
     rng.shuffle(&mut plan.order);
     let flags = DeviceMemory::zeroed(&g1, 8 * plan.tile_count()).unwrap();
-    plan.destinations = Some(
-        (0..plan.tile_count())
-            .map(|t| Destination {
-                rank: 1,
-                ..plan.destination(t, 0)
-            })
-            .collect(),
-    );
-    plan.flags = Some(
-        (0..plan.tile_count())
-            .map(|t| TileFlag {
-                slot: Slot::new(0, t as u32),
-                value: 1,
-                op: NotifyOp::Add,
-            })
-            .collect(),
-    );
+    plan.route_in_place(|_| 1, Some((0, NotifyOp::Add)));
     let outputs = [d_local.addr(), d_peer.addr()];
     let flag = |_rank: usize, slot: Slot| flags.addr() + 8 * slot.col as u64;
     let targets = RouteTargets {

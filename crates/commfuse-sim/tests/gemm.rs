@@ -3,8 +3,7 @@
 //! with per-tile flags that a consumer on the peer waits for (it never sees a stale tile).
 
 use commfuse_core::gemm::{
-    reference_gemm, relative_error, BLayout, Destination, Epilogue, GemmPlan, GemmProblem,
-    TileFlag, TileShape,
+    reference_gemm, relative_error, BLayout, Epilogue, GemmPlan, GemmProblem, TileShape,
 };
 use commfuse_core::{Cmp, DType, Element, NotifyOp, Slot};
 use commfuse_sim::gemm::{run_gemm, Operands};
@@ -112,27 +111,7 @@ fn tiles_pushed_to_a_peer_are_never_read_before_their_flag() {
     let mut plan = GemmPlan::local(p, tile, Epilogue::default());
     let count = plan.tile_count();
     plan.order = (0..count).map(|i| (i * 5) % count).collect();
-    plan.destinations = Some(
-        (0..count)
-            .map(|t| {
-                let (rows, cols) = plan.tile_bounds(t);
-                Destination {
-                    rank: 1,
-                    offset: rows.start * n + cols.start,
-                    ld: n,
-                }
-            })
-            .collect(),
-    );
-    plan.flags = Some(
-        (0..count)
-            .map(|t| TileFlag {
-                slot: Slot::new(1, t as u32),
-                value: 1,
-                op: NotifyOp::Set,
-            })
-            .collect(),
-    );
+    plan.route_in_place(|_| 1, Some((1, NotifyOp::Set)));
     let (a, b): (Vec<bf16>, Vec<bf16>) = (cast(&random(m * k, 7)), cast(&random(k * n, 8)));
     let want = reference_gemm::<bf16, f32>(&p, &Epilogue::default(), &a, &b, None, None, None);
     let out = SymmetricBuffer::<bf16>::new(2, m * n).unwrap();
