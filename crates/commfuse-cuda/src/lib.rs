@@ -5,7 +5,8 @@
 //! * [`plan_table`]: plans encoded as the `#[repr(C)]` tables the plan kernel reads;
 //! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation;
 //! * [`nccl`]: NCCL and copy-engine baselines on the same GPUs;
-//! * [`error`]: one error enum.
+//! * [`error`]: one error enum;
+//! * [`testing`]: GPU-test skips that `COMMFUSE_REQUIRE_GPU=1` turns into failures.
 //!
 //! Without a driver or GPUs every entry point returns a clear error; nothing panics.
 
@@ -18,6 +19,7 @@ pub mod gemm_bench;
 pub mod nccl;
 pub mod nvrtc;
 pub mod plan_table;
+pub mod testing;
 
 pub use backend::CudaBackend;
 pub use error::CudaError;

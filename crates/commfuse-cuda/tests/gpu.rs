@@ -3,21 +3,11 @@
 
 use commfuse_core::backend::BackendError;
 use commfuse_core::{build_plan, check, Algo, OpKind, OpSpec, Slot, Topology};
-use commfuse_cuda::{driver, CudaBackend};
+use commfuse_cuda::CudaBackend;
 use std::time::{Duration, Instant};
 
-fn two_gpus() -> Option<()> {
-    match driver::device_count() {
-        Ok(n) if n >= 2 => Some(()),
-        Ok(n) => {
-            eprintln!("skipped: this machine has {n} GPU(s), the test needs 2");
-            None
-        }
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            None
-        }
-    }
+fn two_gpus() -> Option<usize> {
+    commfuse_cuda::testing::gpus(2)
 }
 
 #[test]

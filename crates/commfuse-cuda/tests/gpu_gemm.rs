@@ -8,7 +8,7 @@ use commfuse_core::gemm::{
 };
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::{DType, Element};
-use commfuse_cuda::driver::{self, DeviceMemory, Gpu, MappedHost, Stream};
+use commfuse_cuda::driver::{DeviceMemory, Gpu, MappedHost, Stream};
 use commfuse_cuda::gemm::{
     GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TileSnapshot, TILE,
 };
@@ -17,17 +17,7 @@ use commfuse_cuda::plan_table::ErrorRecord;
 use half::{bf16, f16};
 
 fn gpus(needed: usize) -> bool {
-    match driver::device_count() {
-        Ok(n) if n >= needed => true,
-        Ok(n) => {
-            eprintln!("skipped: this machine has {n} GPU(s), the test needs {needed}");
-            false
-        }
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            false
-        }
-    }
+    commfuse_cuda::testing::gpus(needed).is_some()
 }
 
 /// GPU 0 with the GEMM kernels loaded and a stream, or None (with the reason printed).

@@ -83,7 +83,10 @@ macro_rules! backend_suite {
                 let worlds: Result<Vec<usize>, String> = $worlds;
                 match worlds {
                     Ok(worlds) => matrix($kind, op, &worlds),
-                    Err(why) => eprintln!("skipped on {}: {why}", stringify!($suffix)),
+                    Err(why) => commfuse_cuda::testing::skip(&format!(
+                        "{} backend: {why}",
+                        stringify!($suffix)
+                    )),
                 }
             }
 

@@ -1,0 +1,58 @@
+//! Test support shared by every GPU test: whether enough GPUs are here, and what happens when
+//! they are not. Without GPUs a test prints why and returns (it is reported as passing), unless
+//! `COMMFUSE_REQUIRE_GPU=1` is set (the GPU script sets it): then a skip is a failure, so that
+//! a recorded GPU run cannot count a test that did not run.
+
+use crate::driver;
+
+/// The environment switch that turns a skip into a failure.
+pub const REQUIRE_GPU: &str = "COMMFUSE_REQUIRE_GPU";
+
+/// Whether skips are failures in this process.
+pub fn gpu_required() -> bool {
+    std::env::var(REQUIRE_GPU).is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Skips the calling test with `why` printed, or panics with it under `COMMFUSE_REQUIRE_GPU=1`.
+pub fn skip(why: &str) {
+    skip_or_fail(gpu_required(), why)
+}
+
+fn skip_or_fail(required: bool, why: &str) {
+    assert!(!required, "{REQUIRE_GPU} is set but: {why}");
+    eprintln!("skipped: {why}");
+}
+
+/// The number of GPUs when at least `needed` are present; otherwise skips (see [`skip`]) and
+/// returns `None`.
+pub fn gpus(needed: usize) -> Option<usize> {
+    match driver::device_count() {
+        Ok(n) if n >= needed => Some(n),
+        Ok(n) => {
+            skip(&format!(
+                "this machine has {n} GPU(s), the test needs {needed}"
+            ));
+            None
+        }
+        Err(e) => {
+            skip(&e.to_string());
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "COMMFUSE_REQUIRE_GPU is set but: no GPU here")]
+    fn a_required_gpu_turns_a_skip_into_a_failure() {
+        skip_or_fail(true, "no GPU here");
+    }
+
+    #[test]
+    fn without_the_switch_a_skip_returns() {
+        skip_or_fail(false, "no GPU here");
+    }
+}
