@@ -47,6 +47,81 @@ impl HostSlice<'_> {
     }
 }
 
+/// An owned host buffer of one rank: the inputs and outputs of queued calls.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HostBuffer {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl HostBuffer {
+    /// `len` zeros of `dtype`.
+    pub fn zeroed(dtype: DType, len: usize) -> HostBuffer {
+        match dtype {
+            DType::F32 => HostBuffer::F32(vec![0.0; len]),
+            DType::BF16 => HostBuffer::BF16(vec![bf16::ZERO; len]),
+            DType::F16 => HostBuffer::F16(vec![f16::ZERO; len]),
+        }
+    }
+
+    pub fn as_slice(&self) -> HostSlice<'_> {
+        match self {
+            HostBuffer::F32(v) => HostSlice::F32(v),
+            HostBuffer::BF16(v) => HostSlice::BF16(v),
+            HostBuffer::F16(v) => HostSlice::F16(v),
+        }
+    }
+
+    pub fn as_mut_slice(&mut self) -> HostSliceMut<'_> {
+        match self {
+            HostBuffer::F32(v) => HostSliceMut::F32(v),
+            HostBuffer::BF16(v) => HostSliceMut::BF16(v),
+            HostBuffer::F16(v) => HostSliceMut::F16(v),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.as_slice().dtype()
+    }
+}
+
+/// Checks that `inputs[call][rank]` holds one buffer of `len` elements of `dtype` per rank;
+/// backends call it before queueing calls.
+pub fn check_queued_inputs(
+    inputs: &[Vec<HostBuffer>],
+    world: usize,
+    dtype: DType,
+    len: usize,
+) -> Result<(), BackendError> {
+    for (c, per_rank) in inputs.iter().enumerate() {
+        if per_rank.len() != world {
+            return Err(BackendError::Unavailable(format!(
+                "queued call {c} has inputs for {} ranks, the call has {world}",
+                per_rank.len()
+            )));
+        }
+        for (r, buf) in per_rank.iter().enumerate() {
+            if buf.dtype() != dtype || buf.len() != len {
+                return Err(BackendError::Unavailable(format!(
+                    "queued call {c}, rank {r}: input of {} {} elements, the call takes {len} {dtype}",
+                    buf.len(),
+                    buf.dtype()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Wall-clock time of one call on each rank, from a common start.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CallTiming {
@@ -81,6 +156,16 @@ pub trait PreparedCall {
     fn run_graph(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
         self.run_many(iters)
     }
+    /// Runs `inputs.len()` calls queued back to back, as a training or serving step issues
+    /// them: before call `c` each rank's own stream (or thread) replaces its input with
+    /// `inputs[c][rank]` and poisons its output; after the call it copies the output aside.
+    /// Nothing waits for the other ranks between calls (no host synchronisation, no barrier),
+    /// so a plan that lets a peer still read an input being replaced, or write an output its
+    /// owner has not finished with, gives wrong results. Returns `outputs[c][rank]`.
+    fn run_queued(
+        &mut self,
+        inputs: &[Vec<HostBuffer>],
+    ) -> Result<Vec<Vec<HostBuffer>>, BackendError>;
     /// Makes the device's contents visible through the host views.
     fn download(&mut self) -> Result<(), BackendError>;
     fn input(&self, rank: usize) -> HostSlice<'_>;
@@ -183,5 +268,17 @@ mod tests {
         .unwrap_err();
         assert!(err.to_string().contains("signal pad"), "{err}");
         assert!(ensure_fits(&plan, 4, PadCapacity::Slots((rows * cols) as usize - 1)).is_err());
+    }
+
+    #[test]
+    fn queued_inputs_of_the_wrong_shape_are_refused() {
+        let ok = vec![vec![HostBuffer::zeroed(DType::BF16, 5); 3]; 2];
+        check_queued_inputs(&ok, 3, DType::BF16, 5).unwrap();
+        let err = check_queued_inputs(&ok, 4, DType::BF16, 5).unwrap_err();
+        assert!(err.to_string().contains("inputs for 3 ranks"), "{err}");
+        let err = check_queued_inputs(&ok, 3, DType::F32, 5).unwrap_err();
+        assert!(err.to_string().contains("call 0, rank 0"), "{err}");
+        let err = check_queued_inputs(&ok, 3, DType::BF16, 6).unwrap_err();
+        assert!(err.to_string().contains("5 bf16 elements"), "{err}");
     }
 }

@@ -1,6 +1,6 @@
 //! Element types: f32, bf16 and f16. Reductions on the half types accumulate in f32.
 
-use crate::backend::{HostSlice, HostSliceMut};
+use crate::backend::{HostBuffer, HostSlice, HostSliceMut};
 use half::{bf16, f16};
 use std::fmt;
 use std::str::FromStr;
@@ -97,6 +97,7 @@ pub unsafe trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static 
     fn host_mut(s: &mut [Self]) -> HostSliceMut<'_>;
     fn from_host(s: HostSlice<'_>) -> Option<&[Self]>;
     fn from_host_mut(s: HostSliceMut<'_>) -> Option<&mut [Self]>;
+    fn into_host_buffer(v: Vec<Self>) -> HostBuffer;
 }
 
 macro_rules! host_views {
@@ -118,6 +119,9 @@ macro_rules! host_views {
                 HostSliceMut::$variant(s) => Some(s),
                 _ => None,
             }
+        }
+        fn into_host_buffer(v: Vec<Self>) -> HostBuffer {
+            HostBuffer::$variant(v)
         }
     };
 }

@@ -7,8 +7,8 @@ use crate::error::CudaError;
 use crate::nvrtc;
 use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
 use commfuse_core::backend::{
-    ensure_fits, Backend, BackendError, CallTiming, HostSlice, HostSliceMut, PadCapacity,
-    PreparedCall,
+    ensure_fits, Backend, BackendError, CallTiming, HostBuffer, HostSlice, HostSliceMut,
+    PadCapacity, PreparedCall,
 };
 use commfuse_core::{CheckedPlan, DType, Element, OpKind, OpSpec, ReduceOp, Slot};
 use half::{bf16, f16};
@@ -454,6 +454,13 @@ impl<T: Element, L: Launcher> PreparedCall for GpuCall<'_, T, L> {
 
     fn run_graph(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
         self.run_issued(iters, Issue::Graph)
+    }
+
+    fn run_queued(
+        &mut self,
+        inputs: &[Vec<HostBuffer>],
+    ) -> Result<Vec<Vec<HostBuffer>>, BackendError> {
+        crate::queued::run_queued(self, inputs)
     }
 
     fn download(&mut self) -> Result<(), BackendError> {

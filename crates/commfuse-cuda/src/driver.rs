@@ -617,3 +617,35 @@ impl Function {
         )
     }
 }
+
+/// Stream-ordered copies and fills: the work a caller queues between calls (new inputs,
+/// poisoned outputs, outputs set aside) without synchronising the host.
+impl Stream {
+    /// Enqueues a copy of `bytes` from `src` to `dst` (device addresses, this GPU or a peer).
+    ///
+    /// # Safety
+    /// Both ranges must stay valid device memory until the copy completes.
+    pub unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        drv(
+            "cuMemcpyDtoDAsync",
+            result::memcpy_dtod_async(dst, src, bytes, self.raw),
+        )
+    }
+
+    /// Enqueues setting `bytes` bytes at device address `dst` to `value`.
+    ///
+    /// # Safety
+    /// The range must stay valid device memory until the fill completes.
+    pub unsafe fn fill_async(&self, dst: u64, value: u8, bytes: usize) -> Result<(), CudaError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        drv(
+            "cuMemsetD8Async",
+            result::memset_d8_async(dst, value, bytes, self.raw),
+        )
+    }
+}

@@ -19,6 +19,7 @@ pub mod gemm_bench;
 pub mod nccl;
 pub mod nvrtc;
 pub mod plan_table;
+mod queued;
 pub mod testing;
 
 pub use backend::CudaBackend;

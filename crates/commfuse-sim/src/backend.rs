@@ -4,8 +4,8 @@ use crate::buffer::SymmetricBuffer;
 use crate::executor::{run_rank, CallBuffers};
 use crate::world::{World, WorldConfig};
 use commfuse_core::backend::{
-    ensure_fits, Backend, BackendError, CallTiming, HostSlice, HostSliceMut, PadCapacity,
-    PreparedCall,
+    check_queued_inputs, ensure_fits, Backend, BackendError, CallTiming, HostBuffer, HostSlice,
+    HostSliceMut, PadCapacity, PreparedCall,
 };
 use commfuse_core::{CheckedPlan, DType, Element, ReduceOp};
 use half::{bf16, f16};
@@ -131,6 +131,39 @@ impl<T: Element> PreparedCall for SimCall<'_, T> {
         Ok(CallTiming { per_rank })
     }
 
+    fn run_queued(
+        &mut self,
+        inputs: &[Vec<HostBuffer>],
+    ) -> Result<Vec<Vec<HostBuffer>>, BackendError> {
+        let b = self.plan.plan().buffers;
+        check_queued_inputs(inputs, self.world.size(), T::DTYPE, b.input)?;
+        let (plan, bufs, reduce) = (&self.plan, &self.bufs, self.reduce);
+        // every rank thread runs all its calls without waiting for the others in between, as a
+        // GPU stream would: only the plan's own signals order one rank against another
+        let per_rank: Vec<Vec<Vec<T>>> = self.world.run(|ctx| {
+            let r = ctx.rank();
+            let mut outputs = Vec::with_capacity(inputs.len());
+            for call in inputs {
+                let input = T::from_host(call[r].as_slice()).expect("dtype checked");
+                let mut output = vec![T::poison(); b.output];
+                // SAFETY: rank r's own input and output, written and read by rank r between its
+                // calls; the checked plan orders every peer access to them after r enters the
+                // call that uses them and before r leaves it (the checker models these host
+                // accesses at every call boundary)
+                unsafe {
+                    bufs.input.store(r, 0, input);
+                    bufs.output.store(r, 0, &output);
+                }
+                run_rank(ctx, plan, bufs, reduce)?;
+                // SAFETY: as above
+                unsafe { bufs.output.load(r, 0, &mut output) };
+                outputs.push(output);
+            }
+            Ok(outputs)
+        })?;
+        Ok(transpose_calls(per_rank))
+    }
+
     fn download(&mut self) -> Result<(), BackendError> {
         Ok(())
     }
@@ -142,4 +175,16 @@ impl<T: Element> PreparedCall for SimCall<'_, T> {
     fn output(&self, rank: usize) -> HostSlice<'_> {
         T::host(self.bufs.output.view(rank))
     }
+}
+
+/// `per_rank[rank][call]` → `[call][rank]`, as host buffers.
+fn transpose_calls<T: Element>(per_rank: Vec<Vec<Vec<T>>>) -> Vec<Vec<HostBuffer>> {
+    let calls = per_rank.first().map_or(0, Vec::len);
+    let mut by_call: Vec<Vec<HostBuffer>> = (0..calls).map(|_| Vec::new()).collect();
+    for outputs in per_rank {
+        for (c, out) in outputs.into_iter().enumerate() {
+            by_call[c].push(T::into_host_buffer(out));
+        }
+    }
+    by_call
 }

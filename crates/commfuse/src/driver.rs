@@ -3,7 +3,7 @@
 //! reference.
 
 use anyhow::{Context, Result};
-use commfuse_core::backend::{Backend, CallTiming, PreparedCall};
+use commfuse_core::backend::{Backend, CallTiming, HostBuffer, PreparedCall};
 use commfuse_core::cost::CostCard;
 use commfuse_core::reference::{self, Comparison};
 use commfuse_core::{
@@ -80,14 +80,23 @@ pub fn compare(
 
 #[derive(Debug, Clone)]
 pub struct Outcome {
+    /// The first failing comparison, or the last call's.
     pub comparison: Comparison,
     pub card: CostCard,
+    /// The first call's time (it runs alone).
     pub timing: CallTiming,
+    /// Calls checked in all: the first alone, the rest queued back to back.
+    pub calls: usize,
+    /// The call the comparison belongs to.
+    pub call: usize,
 }
 
-/// Runs `calls` consecutive calls of `req` (fresh inputs each, so stale data shows) and returns
-/// the first failing comparison, or the last one. With `dump`, the last call's inputs and
-/// outputs are written there as .npy files.
+/// Runs `calls` calls of `req`, each on fresh inputs (seed `req.seed + c`) with poisoned
+/// outputs, and checks every output element of every call: call 0 alone and timed, then calls
+/// 1.. queued back to back without host synchronisation (inputs replaced and outputs poisoned
+/// by each rank's own stream between calls, as a training step does). Returns the first failing
+/// comparison, or the last one. With `dump`, call 0's inputs and outputs are written there as
+/// .npy files.
 pub fn run(
     backend: &dyn Backend,
     req: &Request,
@@ -99,28 +108,51 @@ pub fn run(
     let card = CostCard::of(&checked, &topology, req.dtype.size());
     let spec = checked.plan().spec;
     let mut call = backend.prepare(&checked, req.dtype, req.reduce)?;
-    let mut outcome = None;
-    for c in 0..calls.max(1) {
-        let seed = req.seed.wrapping_add(c as u64);
-        load(call.as_mut(), &spec, req.reduce, seed)?;
-        let timing = call
-            .run()
-            .with_context(|| format!("{} {} call {c}", req.op, req.algo))?;
-        let comparison = compare(call.as_mut(), &spec, req.reduce, seed)?;
-        let failed = !comparison.ok();
-        outcome = Some(Outcome {
-            comparison,
-            card: card.clone(),
-            timing,
-        });
-        if failed {
-            break;
-        }
-    }
+    load(call.as_mut(), &spec, req.reduce, req.seed)?;
+    let timing = call
+        .run()
+        .with_context(|| format!("{} {} call 0", req.op, req.algo))?;
+    let comparison = compare(call.as_mut(), &spec, req.reduce, req.seed)?;
     if let Some(dir) = dump {
         crate::dump::dump(dir, call.as_ref(), &spec)?;
     }
-    Ok(outcome.expect("at least one call"))
+    let mut outcome = Outcome {
+        comparison,
+        card,
+        timing,
+        calls: calls.max(1),
+        call: 0,
+    };
+    if !outcome.comparison.ok() || calls <= 1 {
+        return Ok(outcome);
+    }
+    let seeds: Vec<u64> = (1..calls)
+        .map(|c| req.seed.wrapping_add(c as u64))
+        .collect();
+    let inputs: Vec<Vec<HostBuffer>> = seeds
+        .iter()
+        .map(|&seed| {
+            (0..world)
+                .map(|r| {
+                    let mut buf = HostBuffer::zeroed(req.dtype, checked.plan().buffers.input);
+                    reference::fill_input(seed, r, req.reduce, buf.as_mut_slice());
+                    buf
+                })
+                .collect()
+        })
+        .collect();
+    let outputs = call
+        .run_queued(&inputs)
+        .with_context(|| format!("{} {} calls 1..{calls} queued", req.op, req.algo))?;
+    for (c, (outs, &seed)) in outputs.iter().zip(&seeds).enumerate() {
+        let views: Vec<_> = outs.iter().map(HostBuffer::as_slice).collect();
+        outcome.comparison = reference::compare(&spec, req.reduce, seed, &views);
+        outcome.call = c + 1;
+        if !outcome.comparison.ok() {
+            break;
+        }
+    }
+    Ok(outcome)
 }
 
 /// A seed that differs from run to run.

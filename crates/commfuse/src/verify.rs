@@ -1,7 +1,8 @@
 //! `commfuse verify`: the correctness matrix — every op × algorithm × dtype × reduce op × world
-//! size, on uneven sizes, two consecutive calls each, against the float64 reference.
+//! size, on uneven and large sizes, [`CALLS`] calls each (one alone, the rest queued back to back
+//! with new inputs), against the float64 reference.
 
-use crate::backends::{self, Placement};
+use crate::backends::{self, BackendKind, Placement};
 use crate::driver::{self, Request};
 use anyhow::Result;
 use commfuse_core::{Algo, DType, OpKind, ReduceOp};
@@ -15,10 +16,32 @@ pub fn groups_for(p: usize) -> usize {
     (3..p).find(|g| p.is_multiple_of(*g)).unwrap_or(1)
 }
 
-/// Element counts tried at world size `p`: empty, fewer than P, uneven, and a larger odd one.
-pub fn counts_for(p: usize, seed: u64) -> Vec<usize> {
+/// Calls per case: the first alone, the rest queued back to back without host synchronisation,
+/// each on fresh inputs, every one checked.
+pub const CALLS: usize = 4;
+
+/// Elements per rank in the large counts. On GPUs: 1 MiB of bf16 per chunk, so that every lane
+/// of plan.cu (64 KiB each) takes its vectorised paths, two 16-byte vectors per thread. The
+/// simulator has no vector paths; its large count only needs several pieces per chunk.
+pub fn large_chunk(backend: BackendKind) -> usize {
+    match backend {
+        BackendKind::Sim => 4096,
+        BackendKind::Cuda => 1 << 19,
+    }
+}
+
+/// Element counts tried at world size `p`: empty, fewer than P, uneven, a larger odd one, and
+/// two large ones of about `large` per rank: chunks 16-byte aligned (P·large), and uneven.
+pub fn counts_for(p: usize, seed: u64, large: usize) -> Vec<usize> {
     let odd = 1000 + (seed as usize % 997) * 2 + 1;
-    vec![0, p.saturating_sub(1).max(1), 3 * p + 1, odd]
+    vec![
+        0,
+        p.saturating_sub(1).max(1),
+        3 * p + 1,
+        odd,
+        p * large,
+        p * large + 2 * p - 1,
+    ]
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -68,20 +91,22 @@ pub fn run(
                     };
                     let mut backend = backends::open(&at_p)?;
                     for &reduce in reduces {
-                        for count in counts_for(p, seed ^ p as u64) {
+                        for count in counts_for(p, seed ^ p as u64, large_chunk(placement.backend))
+                        {
                             let mut req = Request::new(op, algo, count, dtype);
                             req.reduce = reduce;
                             req.root = p / 2;
                             req.numa_groups = groups_for(p);
                             req.seed = seed.wrapping_add(row.runs as u64);
                             row.runs += 1;
-                            let failure = match driver::run(backend.as_ref(), &req, 2, None) {
+                            let failure = match driver::run(backend.as_ref(), &req, CALLS, None) {
                                 Ok(out) if out.comparison.ok() => {
                                     row.max_error = row.max_error.max(out.comparison.max_error);
                                     None
                                 }
                                 Ok(out) => Some(format!(
-                                    "P={p} n={count} {reduce}: {} wrong, first {:?}",
+                                    "P={p} n={count} {reduce} call {}: {} wrong, first {:?}",
+                                    out.call,
                                     out.comparison.wrong,
                                     out.comparison.mismatches.first()
                                 )),

@@ -1,10 +1,11 @@
 //! The collective suite, written once and stamped per backend (as candle stamps `_cpu` and
-//! `_cuda`): every algorithm × dtype × reduce op at P ∈ {1, 2, 3, 4, 5, 7, 8} on uneven sizes,
-//! two consecutive calls each (fresh inputs, poisoned outputs), against the float64 reference.
+//! `_cuda`): every algorithm × dtype × reduce op at P ∈ {1, 2, 3, 4, 5, 7, 8} on uneven and large
+//! sizes, four calls each (fresh inputs, poisoned outputs; the last three queued back to back
+//! without host synchronisation), against the float64 reference.
 
 use commfuse::backends::{self, BackendKind, Placement};
 use commfuse::driver::{self, Request};
-use commfuse::verify::{counts_for, groups_for};
+use commfuse::verify::{counts_for, groups_for, large_chunk, CALLS};
 use commfuse_core::{Algo, DType, OpKind, ReduceOp};
 use std::time::Duration;
 
@@ -32,7 +33,7 @@ fn matrix(kind: BackendKind, op: OpKind, worlds: &[usize]) {
                     &[ReduceOp::Sum]
                 };
                 for &reduce in reduces {
-                    for count in counts_for(p, seed ^ runs) {
+                    for count in counts_for(p, seed ^ runs, large_chunk(kind)) {
                         runs += 1;
                         let mut req = Request::new(op, algo, count, dtype);
                         req.reduce = reduce;
@@ -43,7 +44,7 @@ fn matrix(kind: BackendKind, op: OpKind, worlds: &[usize]) {
                             "{op} {algo} {dtype} {reduce} P={p} n={count} seed={}",
                             req.seed
                         );
-                        match driver::run(backend.as_ref(), &req, 2, None) {
+                        match driver::run(backend.as_ref(), &req, CALLS, None) {
                             Ok(out) if out.comparison.ok() => {
                                 // every defined output element of every rank was compared
                                 let spec =
@@ -51,9 +52,10 @@ fn matrix(kind: BackendKind, op: OpKind, worlds: &[usize]) {
                                 let defined: usize = (0..p).map(|r| spec.output_len(r)).sum();
                                 assert_eq!(out.comparison.checked as usize, defined, "{what}");
                             }
-                            Ok(out) => {
-                                failures.push(format!("{what}: {:?}", out.comparison.mismatches))
-                            }
+                            Ok(out) => failures.push(format!(
+                                "{what} call {}: {:?}",
+                                out.call, out.comparison.mismatches
+                            )),
                             Err(e) => {
                                 failures.push(format!("{what}: {e:#}"));
                                 backend = backends::open(&placement).unwrap();
