@@ -129,8 +129,9 @@ fn a_ring_only_correct_at_p2_passes_at_2_and_fails_above() {
     check(ring_all_gather(2, 20, Bug::OnlyRightAtP2)).unwrap();
     for p in [3, 4, 5, 8] {
         let msg = rejected(ring_all_gather(p, 10 * p, Bug::OnlyRightAtP2));
+        // the last rank never tells its real left neighbour that its output is free
         assert!(
-            msg.contains("rank") && msg.contains("slot (row"),
+            msg.contains("rank") && msg.contains("must first wait for a signal that rank"),
             "P={p}: {msg}"
         );
     }
@@ -162,10 +163,7 @@ fn one_shot_without_exit_handshake_races_with_the_next_call() {
     assert!(matches!(err, PlanError::Race { .. }), "{err}");
     let msg = err.to_string();
     assert!(msg.contains("rank 0 step 4 (call 0)"), "{msg}");
-    assert!(
-        msg.contains("rank 2's host at the start of call 1"),
-        "{msg}"
-    );
+    assert!(msg.contains("rank 2's caller before call 1"), "{msg}");
 }
 
 #[test]
@@ -415,7 +413,7 @@ fn a_wait_satisfied_by_either_of_two_adds_synchronises_with_neither() {
     assert!(matches!(err, PlanError::Race { .. }), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.starts_with("rank 0's host at the end of call 0: reads rank 0 output[0..4), last written by rank 1 step 1 (call 0)"),
+        msg.starts_with("rank 0's caller after call 0: reads rank 0 output[0..4), last written by rank 1 step 1 (call 0)"),
         "{msg}"
     );
     assert!(
@@ -443,5 +441,51 @@ fn a_notify_of_zero_is_rejected() {
     assert_eq!(
         err,
         "rank 2 step 0: notifies slot (row 0, col 0) of rank 0 with value 0, which no wait can observe"
+    );
+}
+
+/// Broadcast from rank 0 at P = 2 that stages the message in rank 1's input buffer (rank 1 has
+/// no input of its own, but the symmetric buffer is there): rank 0 stores into it, rank 1
+/// copies it to its output and says when it is done. With `entry`, rank 1 first tells rank 0
+/// that its caller is done with that buffer.
+fn staged_broadcast(entry: bool) -> Plan {
+    let n = 4;
+    let spec = OpSpec::new(OpKind::Broadcast, 2, n, 0).unwrap();
+    let mut b = PlanBuilder::new(spec);
+    let row = b.rows(1);
+    let (ready, data, done) = (Slot::new(row, 0), Slot::new(row, 1), Slot::new(row, 2));
+    let region = |r, buffer| Region::new(r, buffer, 0..n);
+    if entry {
+        b.signal(1, 0, ready);
+        b.wait(0, ready, 1);
+    }
+    b.copy_to(
+        0,
+        region(0, BufferKind::Input),
+        vec![region(0, BufferKind::Output), region(1, BufferKind::Input)],
+    );
+    b.signal(0, 1, data);
+    b.wait(0, done, 1);
+    b.wait(1, data, 1);
+    b.copy(
+        1,
+        region(1, BufferKind::Input),
+        region(1, BufferKind::Output),
+    );
+    b.signal(1, 0, done);
+    b.finish("staged")
+}
+
+#[test]
+fn writing_a_peers_input_before_its_caller_is_done_with_it_is_a_race() {
+    // rank 1's caller writes its whole input buffer before every call (the old checker modelled
+    // only the op's input, none at all for a broadcast receiver, and accepted this plan)
+    check(staged_broadcast(true)).unwrap();
+    let err = check(staged_broadcast(false)).unwrap_err();
+    assert!(matches!(err, PlanError::Race { .. }), "{err}");
+    let msg = err.to_string();
+    assert_eq!(
+        msg,
+        "rank 1's caller before call 0: writes rank 1 input[0..4), last written by rank 0 step 0 (call 0), and no notify/wait orders that write before it (rank 0 must first wait for a signal that rank 1 sends in call 0, such as its notify at step 2, slot (row 0, col 2))"
     );
 }

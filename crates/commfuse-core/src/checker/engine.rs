@@ -170,7 +170,7 @@ impl<'p> Engine<'p> {
                         self.ranks[r].phase = Phase::Done;
                         return Ok(moved);
                     }
-                    self.host_start(r)?;
+                    self.caller_before(r)?;
                     self.ranks[r].phase = Phase::Steps;
                     self.ranks[r].pc = 0;
                 }
@@ -185,7 +185,7 @@ impl<'p> Engine<'p> {
                     }
                 }
                 Phase::End => {
-                    self.host_end(r)?;
+                    self.caller_after(r)?;
                     let state = &mut self.ranks[r];
                     if state.call == 0 {
                         state.first_call_end_us = state.now_us;
@@ -211,39 +211,45 @@ impl<'p> Engine<'p> {
         }
     }
 
-    fn host_start(&mut self, r: usize) -> Result<(), PlanError> {
+    /// Rank r's caller before call `call`, on its stream after the previous call's kernel:
+    /// it writes its whole input buffer (this call's data, then whatever lies past it) and
+    /// its whole output buffer (poison: a later layer may reuse it). Scratch is the library's.
+    fn caller_before(&mut self, r: usize) -> Result<(), PlanError> {
         let call = self.ranks[r].call;
-        let access = self.tick(r, Where::HostStart(call));
-        let spec = self.plan.spec;
+        let access = self.tick(r, Where::CallerBefore(call));
+        let (spec, buffers) = (self.plan.spec, self.plan.buffers);
         let input = Val::Sym {
             mask: 1 << r,
             elem: 0,
             call: call as u32,
         };
+        let len = spec.input_len(r);
         self.write(
             r,
-            Region::new(r, BufferKind::Input, 0..spec.input_len(r)),
-            &[(spec.input_len(r), input)],
+            Region::new(r, BufferKind::Input, 0..buffers.input),
+            &[(len, input), (buffers.input - len, Val::Uninit)],
             access,
         )?;
-        let poison = self.plan.buffers.output;
         self.write(
             r,
-            Region::new(r, BufferKind::Output, 0..poison),
-            &[(poison, Val::Uninit)],
+            Region::new(r, BufferKind::Output, 0..buffers.output),
+            &[(buffers.output, Val::Uninit)],
             access,
         )
     }
 
-    fn host_end(&mut self, r: usize) -> Result<(), PlanError> {
+    /// Rank r's caller after call `call`: it reads its whole output buffer, which must hold
+    /// the op's result where the op defines one.
+    fn caller_after(&mut self, r: usize) -> Result<(), PlanError> {
         let call = self.ranks[r].call;
-        let access = self.tick(r, Where::HostEnd(call));
+        let access = self.tick(r, Where::CallerAfter(call));
         let spec = self.plan.spec;
-        let got = self.read(
+        let mut got = self.read(
             r,
-            Region::new(r, BufferKind::Output, 0..spec.output_len(r)),
+            Region::new(r, BufferKind::Output, 0..self.plan.buffers.output),
             access,
         )?;
+        truncate_pieces(&mut got, spec.output_len(r));
         let expected: Vec<Piece> = spec
             .expected_pieces(r)
             .into_iter()
@@ -313,6 +319,24 @@ impl<'p> Engine<'p> {
         else {
             return String::new();
         };
+        if let Where::CallerBefore(call) = now.at {
+            // the caller waits for nothing: the peer must wait for the rank to say, from
+            // its steps of this call, that its caller is done with the buffer
+            let q = earlier.rank;
+            let candidate = self.plan.steps[r]
+                .iter()
+                .enumerate()
+                .find_map(|(j, s)| match s {
+                    Step::Notify { peer, slot, .. } if *peer == q => {
+                        Some(format!(", such as its notify at step {j}, slot {slot}"))
+                    }
+                    _ => None,
+                })
+                .unwrap_or_default();
+            return format!(
+                " (rank {q} must first wait for a signal that rank {r} sends in call {call}{candidate})"
+            );
+        }
         self.plan.steps[earlier.rank]
             .iter()
             .enumerate()
@@ -328,8 +352,8 @@ impl<'p> Engine<'p> {
                     // a wait of the same call before the access that did not order the notify
                     let before = |k: usize| match now.at {
                         Where::Step { step, call } => call == earlier_call && k < step,
-                        Where::HostEnd(call) => call == earlier_call,
-                        Where::HostStart(_) => false,
+                        Where::CallerAfter(call) => call == earlier_call,
+                        Where::CallerBefore(_) => false,
                     };
                     let why = match waited.filter(|w| before(w.0)) {
                         Some((k, cmp, expected)) => format!(
@@ -626,6 +650,17 @@ fn ordered_slots(plan: &Plan) -> Vec<Vec<Option<usize>>> {
         }
     }
     ordered
+}
+
+/// Cuts a piece list down to its first `len` elements.
+fn truncate_pieces(pieces: &mut Vec<Piece>, len: usize) {
+    let mut at = 0;
+    pieces.retain_mut(|piece| {
+        let keep = len.saturating_sub(at).min(piece.0);
+        at += piece.0;
+        piece.0 = keep;
+        keep > 0
+    });
 }
 
 fn writer_at(pieces: &[Piece], index: usize) -> Option<Access> {

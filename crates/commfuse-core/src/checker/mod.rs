@@ -17,9 +17,14 @@
 //!   element is compared with the op's definition at the end of each call.
 //!
 //! Running two calls back to back catches plans that are right once but race with the next
-//! call (a fast rank overwriting a slow peer's buffers). The host is modelled as each rank
-//! writing its input and poisoning its output at the start of a call and reading the output at
-//! the end.
+//! call (a fast rank overwriting a slow peer's buffers). Calls are queued back to back on each
+//! rank's stream with no host synchronisation, and between two calls the caller (that rank's
+//! stream, after its kernel of one call and before its kernel of the next) reads its whole
+//! output buffer, then writes its whole input buffer (the next call's data) and its whole
+//! output buffer (poison: a later layer may reuse it). Those accesses are ordered like any
+//! other, through the rank's own steps, so a peer that may still read a rank's input, or may
+//! already write its output for the next call, is a race naming both. Scratch is the
+//! library's own; the caller never touches it.
 
 mod engine;
 pub(crate) mod segments;
