@@ -66,6 +66,16 @@ pub enum PlanError {
         expected: u64,
         total: u64,
     },
+    /// Whether a wait is satisfied, or which notifies it synchronises with, would depend on the
+    /// order in which notifies reach its slot, an order the checker's one schedule does not fix:
+    /// an `Eq` wait on a partial sum of several adds, or a notify of the next call that may
+    /// reach a slot before the waiter of this call has seen it.
+    #[error("rank {rank} step {step}: {what}")]
+    OrderDependent {
+        rank: usize,
+        step: usize,
+        what: String,
+    },
     /// No rank can make progress.
     #[error("deadlock in call {call}: {blocked}")]
     Deadlock { call: usize, blocked: String },

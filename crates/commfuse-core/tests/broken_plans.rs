@@ -3,8 +3,8 @@
 
 use commfuse_core::plan::PlanBuilder;
 use commfuse_core::{
-    build_plan, check, Algo, BufferKind, OpKind, OpSpec, Plan, PlanError, Region, Slot, Step,
-    Topology,
+    build_plan, check, Algo, BufferKind, Cmp, NotifyOp, OpKind, OpSpec, Plan, PlanError, Region,
+    Slot, Step, Topology,
 };
 
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -129,8 +129,9 @@ fn a_ring_only_correct_at_p2_passes_at_2_and_fails_above() {
     check(ring_all_gather(2, 20, Bug::OnlyRightAtP2)).unwrap();
     for p in [3, 4, 5, 8] {
         let msg = rejected(ring_all_gather(p, 10 * p, Bug::OnlyRightAtP2));
+        // the last rank never tells its real left neighbour that its output is free
         assert!(
-            msg.contains("rank") && msg.contains("slot (row"),
+            msg.contains("rank") && msg.contains("must first wait for a signal that rank"),
             "P={p}: {msg}"
         );
     }
@@ -162,10 +163,7 @@ fn one_shot_without_exit_handshake_races_with_the_next_call() {
     assert!(matches!(err, PlanError::Race { .. }), "{err}");
     let msg = err.to_string();
     assert!(msg.contains("rank 0 step 4 (call 0)"), "{msg}");
-    assert!(
-        msg.contains("rank 2's host at the start of call 1"),
-        "{msg}"
-    );
+    assert!(msg.contains("rank 2's caller before call 1"), "{msg}");
 }
 
 #[test]
@@ -297,5 +295,197 @@ fn overlapping_regions_that_start_apart_are_rejected() {
             "rank 1 step 1: rank 0 output[4..8) overlaps rank 0 output[0..8) (rank 0 step 0)"
         ),
         "{err}"
+    );
+}
+
+/// A three-rank barrier-like plan: ranks 1 and 2 each add 1 to rank 0's slot (row 0, col 0),
+/// rank 0 waits on it with `cmp expected`, then (if `release`) tells both it is done.
+fn two_adders(cmp: Cmp, expected: u64, release: bool) -> Plan {
+    let spec = OpSpec::new(OpKind::Barrier, 3, 0, 0).unwrap();
+    let mut b = PlanBuilder::new(spec);
+    let arrive = b.rows(2);
+    let done = arrive + 1;
+    for r in 1..3 {
+        b.push(
+            r,
+            Step::Notify {
+                peer: 0,
+                slot: Slot::new(arrive, 0),
+                value: 1,
+                op: NotifyOp::Add,
+            },
+        );
+    }
+    b.push(
+        0,
+        Step::Wait {
+            slot: Slot::new(arrive, 0),
+            expected,
+            cmp,
+        },
+    );
+    if release {
+        for r in 1..3 {
+            b.signal(0, r, Slot::new(done, 0));
+            b.wait(r, Slot::new(done, 0), 1);
+        }
+    }
+    b.finish("two adders")
+}
+
+#[test]
+fn an_eq_wait_on_the_total_of_several_adds_passes() {
+    check(two_adders(Cmp::Eq, 2, true)).unwrap();
+    check(two_adders(Cmp::Ge, 1, true)).unwrap();
+}
+
+#[test]
+fn an_eq_wait_on_a_partial_sum_of_several_adds_is_rejected() {
+    // the slot goes 0 → 1 → 2 in every order, but a waiter polling it may only ever see 0 and 2
+    let err = check(two_adders(Cmp::Eq, 1, true)).unwrap_err();
+    assert!(matches!(err, PlanError::OrderDependent { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("rank 0 step 0: waits on slot (row 0, col 0) for == 1"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("partial sum of its 2 notifies (total 2)"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn an_eq_wait_the_next_call_can_overtake_is_rejected() {
+    // without the release, rank 1 may add for call 1 before rank 0 has seen 2 in call 0: the
+    // slot goes to 3 and rank 0 waits for == 2 forever
+    let err = check(two_adders(Cmp::Eq, 2, false)).unwrap_err();
+    assert!(matches!(err, PlanError::OrderDependent { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("rank 1 step 0: (call 1) notifies slot (row 0, col 0) of rank 0"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("rank 0's wait on it (step 0, call 0)"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_wait_satisfied_by_either_of_two_adds_synchronises_with_neither() {
+    // broadcast from rank 1 at P = 3: the root stores into rank 0's output and adds 1 to rank
+    // 0's slot; rank 2 pulls from the root, but also adds 1 to that slot as soon as rank 0 lets
+    // it go. Rank 0 waits for >= 1, so it may wake on rank 2's add before the root's data is
+    // there. The old checker took the adds in its one schedule's order (the root's first) and
+    // accepted the plan.
+    let n = 4;
+    let spec = OpSpec::new(OpKind::Broadcast, 3, n, 1).unwrap();
+    let mut b = PlanBuilder::new(spec);
+    let row = b.rows(1);
+    let (ready, go, arrived, data, done) = (0, 1, 2, 3, 4);
+    let slot = |col| Slot::new(row, col);
+    let arrive = Step::Notify {
+        peer: 0,
+        slot: slot(arrived),
+        value: 1,
+        op: NotifyOp::Add,
+    };
+    let out = |r| Region::new(r, BufferKind::Output, 0..n);
+    b.signal(0, 1, slot(ready));
+    b.signal(0, 2, slot(go));
+    b.wait(0, slot(arrived), 1);
+    b.wait(1, slot(ready), 1);
+    b.copy_to(
+        1,
+        Region::new(1, BufferKind::Input, 0..n),
+        vec![out(1), out(0)],
+    );
+    b.push(1, arrive.clone());
+    b.signal(1, 2, slot(data));
+    b.wait(1, slot(done), 1);
+    b.wait(2, slot(go), 1);
+    b.push(2, arrive);
+    b.wait(2, slot(data), 1);
+    b.copy(2, out(1), out(2));
+    b.signal(2, 1, slot(done));
+    let err = check(b.finish("either add")).unwrap_err();
+    assert!(matches!(err, PlanError::Race { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("rank 0's caller after call 0: reads rank 0 output[0..4), last written by rank 1 step 1 (call 0)"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(
+            "rank 0's wait on it at step 2 (>= 1) can be satisfied by other notifies without it"
+        ),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_notify_of_zero_is_rejected() {
+    // a wait passes with or without it, so whether the waiter synchronises with it is timing
+    let mut plan = two_adders(Cmp::Ge, 2, true);
+    plan.steps[2].insert(
+        0,
+        Step::Notify {
+            peer: 0,
+            slot: Slot::new(0, 0),
+            value: 0,
+            op: NotifyOp::Add,
+        },
+    );
+    let err = check(plan).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "rank 2 step 0: notifies slot (row 0, col 0) of rank 0 with value 0, which no wait can observe"
+    );
+}
+
+/// Broadcast from rank 0 at P = 2 that stages the message in rank 1's input buffer (rank 1 has
+/// no input of its own, but the symmetric buffer is there): rank 0 stores into it, rank 1
+/// copies it to its output and says when it is done. With `entry`, rank 1 first tells rank 0
+/// that its caller is done with that buffer.
+fn staged_broadcast(entry: bool) -> Plan {
+    let n = 4;
+    let spec = OpSpec::new(OpKind::Broadcast, 2, n, 0).unwrap();
+    let mut b = PlanBuilder::new(spec);
+    let row = b.rows(1);
+    let (ready, data, done) = (Slot::new(row, 0), Slot::new(row, 1), Slot::new(row, 2));
+    let region = |r, buffer| Region::new(r, buffer, 0..n);
+    if entry {
+        b.signal(1, 0, ready);
+        b.wait(0, ready, 1);
+    }
+    b.copy_to(
+        0,
+        region(0, BufferKind::Input),
+        vec![region(0, BufferKind::Output), region(1, BufferKind::Input)],
+    );
+    b.signal(0, 1, data);
+    b.wait(0, done, 1);
+    b.wait(1, data, 1);
+    b.copy(
+        1,
+        region(1, BufferKind::Input),
+        region(1, BufferKind::Output),
+    );
+    b.signal(1, 0, done);
+    b.finish("staged")
+}
+
+#[test]
+fn writing_a_peers_input_before_its_caller_is_done_with_it_is_a_race() {
+    // rank 1's caller writes its whole input buffer before every call (the old checker modelled
+    // only the op's input, none at all for a broadcast receiver, and accepted this plan)
+    check(staged_broadcast(true)).unwrap();
+    let err = check(staged_broadcast(false)).unwrap_err();
+    assert!(matches!(err, PlanError::Race { .. }), "{err}");
+    let msg = err.to_string();
+    assert_eq!(
+        msg,
+        "rank 1's caller before call 0: writes rank 1 input[0..4), last written by rank 0 step 0 (call 0), and no notify/wait orders that write before it (rank 0 must first wait for a signal that rank 1 sends in call 0, such as its notify at step 2, slot (row 0, col 2))"
     );
 }

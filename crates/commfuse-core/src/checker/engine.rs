@@ -2,7 +2,7 @@
 
 use super::segments::{zip_pieces, Access, Conflict, Piece, SegMap, Val, Where};
 use crate::error::PlanError;
-use crate::plan::{BufferKind, Plan, Region, Step};
+use crate::plan::{BufferKind, Cmp, Plan, Region, Slot, Step};
 use crate::topology::Topology;
 
 /// Predicted finishing time of each rank for the first call, µs (launch cost included).
@@ -18,10 +18,11 @@ impl Timing {
     }
 }
 
-/// One notify as a waiter observes it: the slot's running total after it, the notifier's
-/// vector clock, and when it arrives.
+/// One notify as a waiter observes it: the slot's running total after it, the value it added,
+/// the notifier's vector clock, and when it arrives.
 struct Notice {
     total: u64,
+    value: u64,
     clock: Vec<u32>,
     arrival_us: f64,
 }
@@ -53,6 +54,15 @@ pub(crate) struct Engine<'p> {
     memory: Vec<[SegMap; 3]>,
     pads: Vec<Vec<Vec<Notice>>>,
     totals: Vec<Vec<u64>>,
+    /// `ordered_slots[r][s]`: rank r waits on slot s with `Eq`, or on a slot that several
+    /// notifies reach in one call. The next call's notifies to such a slot must come after
+    /// the wait: an `Eq` waiter could otherwise miss its value, and a waiter on several
+    /// notifies could be satisfied by a notify of the next call in place of a missing one of
+    /// this call. A slot with one notifier waited on with `>=` needs no such order (its
+    /// notifies arrive in the notifier's program order), which is what lets epochs work.
+    ordered_slots: Vec<Vec<Option<usize>>>,
+    /// `wait_times[r][s][c]`: rank r's clock when its wait on an ordered slot s passed in call c.
+    wait_times: Vec<Vec<Vec<u32>>>,
 }
 
 enum Progress {
@@ -91,6 +101,8 @@ impl<'p> Engine<'p> {
                 .map(|_| (0..slots).map(|_| Vec::new()).collect())
                 .collect(),
             totals: vec![vec![0; slots]; p],
+            ordered_slots: ordered_slots(plan),
+            wait_times: vec![vec![Vec::new(); slots]; p],
         }
     }
 
@@ -114,7 +126,7 @@ impl<'p> Engine<'p> {
         })
     }
 
-    fn slot_index(&self, slot: crate::plan::Slot) -> usize {
+    fn slot_index(&self, slot: Slot) -> usize {
         slot.row as usize * self.plan.pad_cols as usize + slot.col as usize
     }
 
@@ -158,7 +170,7 @@ impl<'p> Engine<'p> {
                         self.ranks[r].phase = Phase::Done;
                         return Ok(moved);
                     }
-                    self.host_start(r)?;
+                    self.caller_before(r)?;
                     self.ranks[r].phase = Phase::Steps;
                     self.ranks[r].pc = 0;
                 }
@@ -173,7 +185,7 @@ impl<'p> Engine<'p> {
                     }
                 }
                 Phase::End => {
-                    self.host_end(r)?;
+                    self.caller_after(r)?;
                     let state = &mut self.ranks[r];
                     if state.call == 0 {
                         state.first_call_end_us = state.now_us;
@@ -199,39 +211,45 @@ impl<'p> Engine<'p> {
         }
     }
 
-    fn host_start(&mut self, r: usize) -> Result<(), PlanError> {
+    /// Rank r's caller before call `call`, on its stream after the previous call's kernel:
+    /// it writes its whole input buffer (this call's data, then whatever lies past it) and
+    /// its whole output buffer (poison: a later layer may reuse it). Scratch is the library's.
+    fn caller_before(&mut self, r: usize) -> Result<(), PlanError> {
         let call = self.ranks[r].call;
-        let access = self.tick(r, Where::HostStart(call));
-        let spec = self.plan.spec;
+        let access = self.tick(r, Where::CallerBefore(call));
+        let (spec, buffers) = (self.plan.spec, self.plan.buffers);
         let input = Val::Sym {
             mask: 1 << r,
             elem: 0,
             call: call as u32,
         };
+        let len = spec.input_len(r);
         self.write(
             r,
-            Region::new(r, BufferKind::Input, 0..spec.input_len(r)),
-            &[(spec.input_len(r), input)],
+            Region::new(r, BufferKind::Input, 0..buffers.input),
+            &[(len, input), (buffers.input - len, Val::Uninit)],
             access,
         )?;
-        let poison = self.plan.buffers.output;
         self.write(
             r,
-            Region::new(r, BufferKind::Output, 0..poison),
-            &[(poison, Val::Uninit)],
+            Region::new(r, BufferKind::Output, 0..buffers.output),
+            &[(buffers.output, Val::Uninit)],
             access,
         )
     }
 
-    fn host_end(&mut self, r: usize) -> Result<(), PlanError> {
+    /// Rank r's caller after call `call`: it reads its whole output buffer, which must hold
+    /// the op's result where the op defines one.
+    fn caller_after(&mut self, r: usize) -> Result<(), PlanError> {
         let call = self.ranks[r].call;
-        let access = self.tick(r, Where::HostEnd(call));
+        let access = self.tick(r, Where::CallerAfter(call));
         let spec = self.plan.spec;
-        let got = self.read(
+        let mut got = self.read(
             r,
-            Region::new(r, BufferKind::Output, 0..spec.output_len(r)),
+            Region::new(r, BufferKind::Output, 0..self.plan.buffers.output),
             access,
         )?;
+        truncate_pieces(&mut got, spec.output_len(r));
         let expected: Vec<Piece> = spec
             .expected_pieces(r)
             .into_iter()
@@ -278,11 +296,11 @@ impl<'p> Engine<'p> {
         let what = match conflict {
             Conflict::Write(w) => format!(
                 "{verb} {region}, last written by {w}, and no notify/wait orders that write before it{}",
-                self.hint(w, r)
+                self.hint(w, r, access)
             ),
             Conflict::Read(rd) => format!(
                 "overwrites {region} while {rd} may still be reading it: no notify/wait orders that read before this write{}",
-                self.hint(rd, r)
+                self.hint(rd, r, access)
             ),
         };
         PlanError::Race {
@@ -291,20 +309,63 @@ impl<'p> Engine<'p> {
         }
     }
 
-    /// Names the slot through which `earlier` could have told rank `r` that it was done.
-    fn hint(&self, earlier: Access, r: usize) -> String {
-        let Where::Step { step: i, .. } = earlier.at else {
+    /// Names the slot through which `earlier` could have told rank `r`, about to access memory
+    /// as `now`, that it was done.
+    fn hint(&self, earlier: Access, r: usize, now: Access) -> String {
+        let Where::Step {
+            step: i,
+            call: earlier_call,
+        } = earlier.at
+        else {
             return String::new();
         };
+        if let Where::CallerBefore(call) = now.at {
+            // the caller waits for nothing: the peer must wait for the rank to say, from
+            // its steps of this call, that its caller is done with the buffer
+            let q = earlier.rank;
+            let candidate = self.plan.steps[r]
+                .iter()
+                .enumerate()
+                .find_map(|(j, s)| match s {
+                    Step::Notify { peer, slot, .. } if *peer == q => {
+                        Some(format!(", such as its notify at step {j}, slot {slot}"))
+                    }
+                    _ => None,
+                })
+                .unwrap_or_default();
+            return format!(
+                " (rank {q} must first wait for a signal that rank {r} sends in call {call}{candidate})"
+            );
+        }
         self.plan.steps[earlier.rank]
             .iter()
             .enumerate()
             .skip(i + 1)
             .find_map(|(j, s)| match s {
-                Step::Notify { peer, slot, .. } if *peer == r => Some(format!(
-                    " (rank {} notifies rank {r} at step {j}, slot {slot}, but rank {r} does not wait for it first)",
-                    earlier.rank
-                )),
+                Step::Notify { peer, slot, .. } if *peer == r => {
+                    let waited = self.plan.steps[r].iter().enumerate().find_map(|(k, w)| match w {
+                        Step::Wait { slot: ws, expected, cmp } if ws == slot => {
+                            Some((k, cmp.symbol(), *expected))
+                        }
+                        _ => None,
+                    });
+                    // a wait of the same call before the access that did not order the notify
+                    let before = |k: usize| match now.at {
+                        Where::Step { step, call } => call == earlier_call && k < step,
+                        Where::CallerAfter(call) => call == earlier_call,
+                        Where::CallerBefore(_) => false,
+                    };
+                    let why = match waited.filter(|w| before(w.0)) {
+                        Some((k, cmp, expected)) => format!(
+                            "rank {r}'s wait on it at step {k} ({cmp} {expected}) can be satisfied by other notifies without it"
+                        ),
+                        None => format!("rank {r} does not wait for it first"),
+                    };
+                    Some(format!(
+                        " (rank {} notifies rank {r} at step {j}, slot {slot}, but {why})",
+                        earlier.rank
+                    ))
+                }
                 _ => None,
             })
             .unwrap_or_default()
@@ -350,12 +411,24 @@ impl<'p> Engine<'p> {
                 let Some(k) = notices.iter().position(|n| cmp.holds(n.total, target)) else {
                     return Ok(Progress::Blocked);
                 };
+                // This schedule's notices up to k satisfy the wait, but in another order a
+                // different subset may: the waiter surely synchronises only with the notifies
+                // without which the others cannot reach `expected` (all of them when it waits
+                // for the call's total, the usual case).
+                let total = self.increments[r][s];
                 let state = &mut self.ranks[r];
                 for n in &notices[..=k] {
-                    for (c, o) in state.clock.iter_mut().zip(&n.clock) {
-                        *c = (*c).max(*o);
+                    if total - n.value < *expected {
+                        for (c, o) in state.clock.iter_mut().zip(&n.clock) {
+                            *c = (*c).max(*o);
+                        }
                     }
                     state.now_us = state.now_us.max(n.arrival_us);
+                }
+                if self.ordered_slots[r][s].is_some() {
+                    let call = state.call;
+                    let access = self.tick(r, Where::Step { step: pc, call });
+                    self.wait_times[r][s].push(access.time);
                 }
                 Ok(Progress::Advanced)
             }
@@ -364,6 +437,7 @@ impl<'p> Engine<'p> {
             } => {
                 let (peer, value) = (*peer, *value);
                 let s = self.slot_index(*slot);
+                self.check_notify_order(r, pc, peer, *slot)?;
                 self.tick(
                     r,
                     Where::Step {
@@ -378,6 +452,7 @@ impl<'p> Engine<'p> {
                 self.totals[peer][s] += value;
                 let notice = Notice {
                     total: self.totals[peer][s],
+                    value,
                     clock: self.ranks[r].clock.clone(),
                     arrival_us: self.ranks[r].now_us + latency,
                 };
@@ -411,6 +486,59 @@ impl<'p> Engine<'p> {
                 Ok(Progress::Advanced)
             }
         }
+    }
+
+    /// Rejects a notify of call c ≥ 1 to an ordered slot (see `ordered_slots`) that is not
+    /// ordered after the owner's wait on that slot in call c − 1.
+    fn check_notify_order(
+        &self,
+        r: usize,
+        pc: usize,
+        peer: usize,
+        slot: Slot,
+    ) -> Result<(), PlanError> {
+        let s = self.slot_index(slot);
+        let call = self.ranks[r].call;
+        let Some(wait_step) = self.ordered_slots[peer][s] else {
+            return Ok(());
+        };
+        if call == 0 {
+            return Ok(());
+        }
+        let waited = self.wait_times[peer][s].get(call - 1);
+        if waited.is_some_and(|&t| self.ranks[r].clock[peer] >= t) {
+            return Ok(());
+        }
+        let Step::Wait { expected, cmp, .. } = &self.plan.steps[peer][wait_step] else {
+            unreachable!("ordered_slots points at waits");
+        };
+        let why = match cmp {
+            Cmp::Eq => format!(
+                "the slot may move past the == {expected} that wait looks for before it polls, and it would wait forever"
+            ),
+            Cmp::Ge => format!(
+                "{} notifies reach that slot in one call, so the wait could be satisfied by this one while one of call {} is still missing",
+                self.notifies_per_call(peer, s),
+                call - 1
+            ),
+        };
+        Err(PlanError::OrderDependent {
+            rank: r,
+            step: pc,
+            what: format!(
+                "(call {call}) notifies slot {slot} of rank {peer}, but no notify/wait orders rank {peer}'s wait on it (step {wait_step}, call {}) before this: {why}",
+                call - 1
+            ),
+        })
+    }
+
+    fn notifies_per_call(&self, owner: usize, s: usize) -> usize {
+        self.plan
+            .steps
+            .iter()
+            .flatten()
+            .filter(|step| matches!(step, Step::Notify { peer, slot, .. } if *peer == owner && self.slot_index(*slot) == s))
+            .count()
     }
 
     /// Combines the values read by one step: all must be this call's data of the same elements
@@ -497,6 +625,42 @@ impl<'p> Engine<'p> {
         // loads and stores at once, takes as long as the ring, which only stores).
         self.ranks[r].now_us += f64::max(link, local) / 1000.0;
     }
+}
+
+/// For every rank and slot, the step of the rank's wait on it if the next call's notifies must
+/// come after that wait (see `Engine::ordered_slots`).
+fn ordered_slots(plan: &Plan) -> Vec<Vec<Option<usize>>> {
+    let slots = plan.pad_rows as usize * plan.pad_cols as usize;
+    let index = |slot: Slot| slot.row as usize * plan.pad_cols as usize + slot.col as usize;
+    let mut notifies = vec![vec![0usize; slots]; plan.world()];
+    for step in plan.steps.iter().flatten() {
+        if let Step::Notify { peer, slot, .. } = step {
+            notifies[*peer][index(*slot)] += 1;
+        }
+    }
+    let mut ordered = vec![vec![None; slots]; plan.world()];
+    for (r, steps) in plan.steps.iter().enumerate() {
+        for (i, step) in steps.iter().enumerate() {
+            if let Step::Wait { slot, cmp, .. } = step {
+                let s = index(*slot);
+                if *cmp == Cmp::Eq || notifies[r][s] > 1 {
+                    ordered[r][s] = Some(i);
+                }
+            }
+        }
+    }
+    ordered
+}
+
+/// Cuts a piece list down to its first `len` elements.
+fn truncate_pieces(pieces: &mut Vec<Piece>, len: usize) {
+    let mut at = 0;
+    pieces.retain_mut(|piece| {
+        let keep = len.saturating_sub(at).min(piece.0);
+        at += piece.0;
+        piece.0 = keep;
+        keep > 0
+    });
 }
 
 fn writer_at(pieces: &[Piece], index: usize) -> Option<Access> {

@@ -6,20 +6,31 @@
 //! * vector clocks, joined at every satisfied wait with the clocks of the notifies it observed,
 //!   order accesses; a read or write of memory whose last conflicting access is not ordered
 //!   before it is a race (read before the writer signalled, overwrite while a peer may read);
+//! * the run follows one schedule, so nothing may depend on the order in which notifies reach a
+//!   slot: notifies are positive, an `Eq` wait must wait for the slot's total of the call (a
+//!   partial sum of several adds is seen only in some orders, and a polling waiter may miss
+//!   it), a wait synchronises only with the notifies it cannot be satisfied without, and the
+//!   next call's notifies to a slot waited on with `Eq`, or reached by several notifies, must
+//!   come after this call's wait;
 //! * memory holds symbolic values (which ranks' inputs, which elements, which call), so a reduce
 //!   that counts an input twice or mixes calls is caught where it happens, and every output
 //!   element is compared with the op's definition at the end of each call.
 //!
 //! Running two calls back to back catches plans that are right once but race with the next
-//! call (a fast rank overwriting a slow peer's buffers). The host is modelled as each rank
-//! writing its input and poisoning its output at the start of a call and reading the output at
-//! the end.
+//! call (a fast rank overwriting a slow peer's buffers). Calls are queued back to back on each
+//! rank's stream with no host synchronisation, and between two calls the caller (that rank's
+//! stream, after its kernel of one call and before its kernel of the next) reads its whole
+//! output buffer, then writes its whole input buffer (the next call's data) and its whole
+//! output buffer (poison: a later layer may reuse it). Those accesses are ordered like any
+//! other, through the rank's own steps, so a peer that may still read a rank's input, or may
+//! already write its output for the next call, is a race naming both. Scratch is the
+//! library's own; the caller never touches it.
 
 mod engine;
 pub(crate) mod segments;
 
 use crate::error::PlanError;
-use crate::plan::{NotifyOp, Plan, Region, Slot, Step};
+use crate::plan::{Cmp, NotifyOp, Plan, Region, Slot, Step};
 use crate::topology::Topology;
 pub use engine::Timing;
 use std::collections::HashMap;
@@ -181,6 +192,7 @@ fn check_shape(plan: &Plan) -> Result<Vec<Vec<u64>>, PlanError> {
     }
     let slots = plan.pad_rows as usize * plan.pad_cols as usize;
     let mut inc = vec![vec![0u64; slots]; p];
+    let mut notifies = vec![vec![0usize; slots]; p];
     // (owner, slot index) -> first (rank, step, op) that notified it / waited on it
     let mut notified: HashMap<(usize, usize), (usize, usize, NotifyOp)> = HashMap::new();
     let mut waited: HashMap<(usize, usize), usize> = HashMap::new();
@@ -219,6 +231,16 @@ fn check_shape(plan: &Plan) -> Result<Vec<Vec<u64>>, PlanError> {
                         ));
                     }
                     let s = check_slot(plan, r, i, *slot)?;
+                    if *value == 0 {
+                        // a wait cannot tell whether it has arrived, so whether the waiter
+                        // synchronises with it would depend on timing
+                        return Err(malformed(
+                            r,
+                            i,
+                            format!("notifies slot {slot} of rank {peer} with value 0, which no wait can observe"),
+                        ));
+                    }
+                    notifies[*peer][s] += 1;
                     if let Some(&(fr, fs, fop)) = notified.get(&(*peer, s)) {
                         if *op == NotifyOp::Set || fop == NotifyOp::Set {
                             let what = if *op == fop {
@@ -291,7 +313,8 @@ fn check_shape(plan: &Plan) -> Result<Vec<Vec<u64>>, PlanError> {
                 cmp,
             } = step
             {
-                let total = inc[r][slot.row as usize * plan.pad_cols as usize + slot.col as usize];
+                let s = slot.row as usize * plan.pad_cols as usize + slot.col as usize;
+                let total = inc[r][s];
                 if *expected > total {
                     return Err(PlanError::Unsatisfiable {
                         rank: r,
@@ -300,6 +323,27 @@ fn check_shape(plan: &Plan) -> Result<Vec<Vec<u64>>, PlanError> {
                         cmp: cmp.symbol(),
                         expected: *expected,
                         total,
+                    });
+                }
+                // Notifies are positive, so the slot reaches its call total only after all of
+                // them, and then holds it until the next call's notifies (the engine checks
+                // those come after this wait). Any smaller value is held only for a while, in
+                // some orders of the notifies, and a polling waiter may never see it.
+                if *cmp == Cmp::Eq && *expected != total {
+                    let why = match notifies[r][s] {
+                        0 | 1 => format!(
+                            "the slot holds {expected} only until its one notify (of {total}) arrives"
+                        ),
+                        n => format!(
+                            "{expected} is a partial sum of its {n} notifies (total {total}), reached only in some orders of their arrival"
+                        ),
+                    };
+                    return Err(PlanError::OrderDependent {
+                        rank: r,
+                        step: i,
+                        what: format!(
+                            "waits on slot {slot} for == {expected}, but {why}, and a polling waiter may miss it; wait for == {total} or use >="
+                        ),
                     });
                 }
             }

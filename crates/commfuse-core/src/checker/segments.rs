@@ -40,8 +40,8 @@ impl Val {
     }
 }
 
-/// Who touched memory: a rank at one of its steps (or its host, between calls), and that rank's
-/// own vector-clock component at the time.
+/// Who touched memory: a rank at one of its steps (or its caller, between calls), and that
+/// rank's own vector-clock component at the time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Access {
     pub rank: usize,
@@ -51,9 +51,14 @@ pub(crate) struct Access {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Where {
-    Step { step: usize, call: usize },
-    HostStart(usize),
-    HostEnd(usize),
+    Step {
+        step: usize,
+        call: usize,
+    },
+    /// The rank's caller before the call: it writes its whole input and output.
+    CallerBefore(usize),
+    /// The rank's caller after the call: it reads its whole output.
+    CallerAfter(usize),
 }
 
 impl std::fmt::Display for Access {
@@ -62,10 +67,8 @@ impl std::fmt::Display for Access {
             Where::Step { step, call } => {
                 write!(f, "rank {} step {} (call {})", self.rank, step, call)
             }
-            Where::HostStart(c) => {
-                write!(f, "rank {}'s host at the start of call {}", self.rank, c)
-            }
-            Where::HostEnd(c) => write!(f, "rank {}'s host at the end of call {}", self.rank, c),
+            Where::CallerBefore(c) => write!(f, "rank {}'s caller before call {}", self.rank, c),
+            Where::CallerAfter(c) => write!(f, "rank {}'s caller after call {}", self.rank, c),
         }
     }
 }
