@@ -82,8 +82,11 @@ impl FromStr for DType {
 ///
 /// # Safety
 /// Implementors must be `Copy` types without padding or invalid bit patterns, so that zeroed
-/// memory is a valid value and bytes may be shared between threads as raw memory.
-pub unsafe trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static {
+/// memory is a valid value and bytes may be shared between threads as raw memory. The
+/// `bytemuck::Pod` bound states the same in a form the compiler checks (device copies need it).
+pub unsafe trait Element:
+    bytemuck::Pod + Send + Sync + PartialEq + fmt::Debug + 'static
+{
     const DTYPE: DType;
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;

@@ -42,6 +42,28 @@ __device__ __forceinline__ u64 load_relaxed_sys(const u64* p) {
     return v;
 }
 
+// The error record lives in host memory mapped into every GPU, and waiters on several GPUs (and
+// the host, which raises `abort` to stop a failed call) race on it: its atomics and polls must
+// be system scope. A device-scope atomicCAS only orders the GPUs' own threads.
+__device__ __forceinline__ u32 cas_sys(volatile u32* p, u32 expected, u32 desired) {
+    u32 old;
+    asm volatile("atom.cas.sys.relaxed.b32 %0, [%1], %2, %3;"
+                 : "=r"(old)
+                 : "l"((u32*)p), "r"(expected), "r"(desired)
+                 : "memory");
+    return old;
+}
+
+__device__ __forceinline__ u32 load_relaxed_sys_u32(const volatile u32* p) {
+    u32 v;
+    asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"((const u32*)p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void store_release_sys_u32(volatile u32* p, u32 v) {
+    asm volatile("st.release.sys.u32 [%0], %1;" ::"l"((u32*)p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ void fence_acquire_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 __device__ __forceinline__ u64 global_timer_ns() {
@@ -85,17 +107,18 @@ __device__ bool wait_signal(const u64* slot, u32 cmp, u64 expected, u64 timeout_
             return true;
         }
         if ((spins & 255) == 0) {
-            if (err->abort) return false;
+            if (load_relaxed_sys_u32(&err->abort)) return false;
             if (global_timer_ns() - start > timeout_ns) {
-                if (atomicCAS((u32*)&err->flag, 0u, 1u) == 0u) {
+                // the first waiter to give up, on any GPU, writes the record
+                if (cas_sys(&err->flag, 0u, 1u) == 0u) {
                     err->rank = rank;
                     err->lane = lane;
                     err->step = step;
                     err->slot = slot_index;
                     err->expected = expected;
                     err->seen = seen;
-                    __threadfence_system();
-                    err->abort = 1;
+                    // release: whoever sees the abort also sees the fields above
+                    store_release_sys_u32(&err->abort, 1u);
                 }
                 return false;
             }

@@ -4,6 +4,7 @@
 
 use crate::driver::{DeviceMemory, Event, Function, Gpu, Graph, MappedHost, Module, Stream};
 use crate::error::CudaError;
+use crate::host_sync::{poll_until, BarrierError, StartBarrier};
 use crate::nvrtc;
 use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
 use commfuse_core::backend::{
@@ -12,6 +13,7 @@ use commfuse_core::backend::{
 };
 use commfuse_core::{CheckedPlan, DType, Element, OpKind, OpSpec, ReduceOp, Slot};
 use half::{bf16, f16};
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -25,6 +27,9 @@ const LANE_TARGET_BYTES: usize = 64 << 10;
 /// Small messages still get this many lanes, down to LANE_MIN_BYTES each.
 const LANE_MIN_COUNT: usize = 16;
 const LANE_MIN_BYTES: usize = 4 << 10;
+/// What a host wait allows beyond the device-side wait timeout: launch queues, first-call
+/// setup, a large message's transfer. A host wait past it means a GPU is stuck.
+const HOST_SLACK: Duration = Duration::from_secs(20);
 
 /// One GPU's share of the backend. Fields drop in order, and the context (`gpu`) must outlive
 /// everything allocated in it, so it comes last.
@@ -40,13 +45,34 @@ pub(crate) struct Rank {
 
 pub struct CudaBackend {
     // drop order: NCCL communicators and the mapped record need live contexts, so `ranks`
-    // (which owns the contexts) comes last
+    // (which owns the contexts) comes last. `error` and `ranks` are dropped by hand (see Drop):
+    // while a kernel may still run they are leaked instead.
     pub(crate) nccl: OnceLock<Result<crate::nccl::Comms, String>>,
-    error: MappedHost<ErrorRecord>,
+    error: ManuallyDrop<MappedHost<ErrorRecord>>,
     max_lanes: u32,
     timeout: Duration,
     broken: AtomicBool,
-    pub(crate) ranks: Vec<Rank>,
+    /// A kernel did not stop within its bound even after the abort: nothing it may touch (its
+    /// buffers, pads, tables, the error record, the contexts) may ever be freed.
+    wedged: AtomicBool,
+    pub(crate) ranks: ManuallyDrop<Vec<Rank>>,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if self.is_wedged() {
+            // freeing memory a running kernel writes would corrupt whatever is allocated there
+            // next: leak it all (the process should end anyway)
+            std::mem::forget(std::mem::take(&mut self.nccl));
+            return;
+        }
+        // SAFETY: dropped once, here, and never used again; every batch ended with its streams
+        // idle (or stopped) before returning
+        unsafe {
+            ManuallyDrop::drop(&mut self.error);
+            ManuallyDrop::drop(&mut self.ranks);
+        }
+    }
 }
 
 fn dtype_index(d: DType) -> usize {
@@ -114,11 +140,12 @@ impl CudaBackend {
         }
         let error = MappedHost::new(&ranks[0].gpu, ErrorRecord::default())?;
         Ok(CudaBackend {
-            ranks,
-            error,
+            ranks: ManuallyDrop::new(ranks),
+            error: ManuallyDrop::new(error),
             max_lanes,
             timeout,
             broken: AtomicBool::new(false),
+            wedged: AtomicBool::new(false),
             nccl: OnceLock::new(),
         })
     }
@@ -155,6 +182,57 @@ impl CudaBackend {
         self.broken.store(true, Ordering::Release);
     }
 
+    /// Whether a kernel may still be running that nothing could stop (see `wedged`).
+    pub(crate) fn is_wedged(&self) -> bool {
+        self.wedged.load(Ordering::Acquire)
+    }
+
+    /// The bounds of the host's waits in a batch.
+    fn host_bounds(&self) -> HostBounds {
+        HostBounds {
+            start: HOST_SLACK,
+            call: self.timeout + HOST_SLACK,
+        }
+    }
+
+    /// Every error path of a batch ends here, before anything is freed: raises the abort word
+    /// of the host-mapped error record (every device-side wait gives up), aborts the NCCL
+    /// communicators (their kernels do not read our record), then waits, bounded, for every
+    /// GPU's stream to drain. A stream that does not drain marks the backend wedged: from then
+    /// on its memory is leaked, never freed under a running kernel. Leaves the backend unusable
+    /// (pads and communicators are mid-protocol).
+    pub(crate) fn stop(&self) -> Result<(), BackendError> {
+        self.mark_broken();
+        self.error.raise_abort();
+        if let Some(Ok(comms)) = self.nccl.get() {
+            comms.abort();
+        }
+        self.wait_streams()
+    }
+
+    /// Waits, bounded, until every GPU's stream is idle. A stream still busy after the bound
+    /// marks the backend wedged (see [`CudaBackend::stop`]); a stream whose kernel faulted is
+    /// idle (the fault is reported where it happened).
+    pub(crate) fn wait_streams(&self) -> Result<(), BackendError> {
+        let bound = self.host_bounds().call;
+        let mut busy = Vec::new();
+        for (r, rank) in self.ranks.iter().enumerate() {
+            let idle = rank.gpu.bind().and_then(|()| rank.stream.wait_idle(bound));
+            if let Ok(false) = idle {
+                busy.push(format!("rank {r} (GPU {})", rank.gpu.ordinal));
+            }
+        }
+        if busy.is_empty() {
+            return Ok(());
+        }
+        self.wedged.store(true, Ordering::Release);
+        self.mark_broken();
+        Err(BackendError::Unavailable(format!(
+            "{} still running {bound:?} after the abort; their memory is leaked, reopen the backend in a new process",
+            busy.join(", ")
+        )))
+    }
+
     /// Runs one call of `plan` (f32, sum) on the ranks in `which` only. The others never
     /// arrive, so a wait that needs them must end in a timeout naming rank, lane and slot: this
     /// is how the GPU tests exercise the bounded waits. Leaves the backend unusable afterwards.
@@ -163,14 +241,94 @@ impl CudaBackend {
         plan: &CheckedPlan,
         which: &[usize],
     ) -> Result<CallTiming, BackendError> {
-        if let Some(&bad) = which.iter().find(|&&r| r >= self.ranks.len()) {
-            return Err(BackendError::Unavailable(format!(
-                "rank {bad} is not part of this backend"
-            )));
-        }
+        self.check_usable()?;
+        check_partial(plan, self.ranks.len(), which)?;
         let mut call = plan_call::<f32>(self, plan, ReduceOp::Sum)?;
         Ok(call.run_on(which, 1, Issue::Launches)?.remove(0))
     }
+}
+
+impl CudaBackend {
+    /// Test support for the error path of a batch: runs one call of `plan` (f32, sum) on every
+    /// rank, except that rank `failing` waits `delay` (the others launch meanwhile and wait for
+    /// its signals) and then fails its launch. The call must end promptly with that failure:
+    /// the abort makes the others' device-side waits give up long before the device timeout,
+    /// and every stream drains before anything is freed. Leaves the backend unusable.
+    #[doc(hidden)]
+    pub fn run_with_failed_launch(
+        &self,
+        plan: &CheckedPlan,
+        failing: usize,
+        delay: Duration,
+    ) -> Result<CallTiming, BackendError> {
+        self.check_usable()?;
+        let all: Vec<usize> = (0..self.ranks.len()).collect();
+        check_partial(plan, self.ranks.len(), &all)?;
+        let b = plan.plan().buffers;
+        let mut call = GpuCall::<f32, _>::new(self, (b.input, b.output, b.scratch), |bufs| {
+            Ok(FailingLaunch {
+                inner: PlanLauncher::new(self, plan, DType::F32, ReduceOp::Sum, bufs)?,
+                failing,
+                delay,
+            })
+        })?;
+        Ok(call.run_on(&all, 1, Issue::Launches)?.remove(0))
+    }
+}
+
+/// A plan launcher whose rank `failing` fails instead of launching (after `delay`).
+struct FailingLaunch {
+    inner: PlanLauncher,
+    failing: usize,
+    delay: Duration,
+}
+
+impl Launcher for FailingLaunch {
+    fn launch(&self, bufs: &[RankBuffers], r: usize, on: &Rank) -> Result<(), BackendError> {
+        if r == self.failing {
+            std::thread::sleep(self.delay);
+            return Err(BackendError::Unavailable(format!(
+                "rank {r}: launch failed on purpose"
+            )));
+        }
+        self.inner.launch(bufs, r, on)
+    }
+
+    fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {
+        self.inner.before(backend)
+    }
+
+    fn after(
+        &self,
+        backend: &CudaBackend,
+        result: Result<Vec<CallTiming>, BackendError>,
+    ) -> Result<Vec<CallTiming>, BackendError> {
+        self.inner.after(backend, result)
+    }
+}
+
+/// What [`CudaBackend::run_partial`] accepts: a plan that [`ensure_fits`] the backend (as
+/// `prepare` demands), and a non-empty set of distinct ranks of it.
+fn check_partial(plan: &CheckedPlan, world: usize, which: &[usize]) -> Result<(), BackendError> {
+    ensure_fits(plan, world, PadCapacity::Slots(PAD_SLOTS))?;
+    if which.is_empty() {
+        return Err(BackendError::Unavailable(
+            "a partial run needs at least one rank".into(),
+        ));
+    }
+    for (i, &r) in which.iter().enumerate() {
+        if r >= world {
+            return Err(BackendError::Unavailable(format!(
+                "rank {r} is not part of this backend ({world} ranks)"
+            )));
+        }
+        if which[..i].contains(&r) {
+            return Err(BackendError::Unavailable(format!(
+                "rank {r} is listed twice"
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl Backend for CudaBackend {
@@ -270,70 +428,171 @@ pub(crate) enum Issue {
     Graph,
 }
 
+/// The bounds of the host's waits in a batch.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HostBounds {
+    /// How long a rank waits at the start for the others to finish their setup.
+    pub start: Duration,
+    /// How long one call (or one graph replay per call in it) may take.
+    pub call: Duration,
+}
+
+/// How a GPU thread of a batch failed: by itself, or because another rank failed first.
+enum Failure {
+    Cause(BackendError),
+    Released(BackendError),
+}
+
+impl From<BackendError> for Failure {
+    fn from(e: BackendError) -> Self {
+        Failure::Cause(e)
+    }
+}
+
+impl From<CudaError> for Failure {
+    fn from(e: CudaError) -> Self {
+        Failure::Cause(e.into())
+    }
+}
+
+impl From<BarrierError> for Failure {
+    fn from(e: BarrierError) -> Self {
+        let secondary = e.is_secondary();
+        let e = BackendError::Unavailable(e.to_string());
+        if secondary {
+            Failure::Released(e)
+        } else {
+            Failure::Cause(e)
+        }
+    }
+}
+
+/// What a rank sets up before the start barrier.
+enum Prepared {
+    /// one event before the first call and one after each
+    Launches(Vec<Event>),
+    /// the captured batch, and events around its timed replay
+    Graph(Graph, Event, Event),
+}
+
+/// Waits, bounded, for `event`; past the bound the call is stuck.
+fn wait_event(event: &Event, bound: Duration, what: &str) -> Result<(), BackendError> {
+    if poll_until(bound, || event.is_done())? {
+        return Ok(());
+    }
+    Err(CudaError::Stalled(format!("{what} still running after {bound:?}")).into())
+}
+
 /// Runs `launch(rank)` `iters` times back to back on the streams of the ranks in `which`, one
 /// host thread per GPU starting together; returns per-iteration times of those ranks.
+///
+/// Every host wait is bounded by `bounds`. A rank that fails before the start releases the
+/// others at the start barrier with its reason; a rank that fails once kernels may be running
+/// calls `abort_device` at once, so that the other GPUs' device-side waits for it give up. The
+/// error returned is the first cause (by rank), not a rank released because of it. On an error
+/// kernels may still be queued or running: the caller must stop them before freeing anything
+/// (see [`CudaBackend::stop`]).
 pub(crate) fn timed_iterations(
     ranks: &[Rank],
     which: &[usize],
     iters: usize,
     issue: Issue,
+    bounds: HostBounds,
+    abort_device: &(dyn Fn() + Sync),
     launch: &(dyn Fn(usize, &Rank) -> Result<(), BackendError> + Sync),
 ) -> Result<Vec<CallTiming>, BackendError> {
-    let start = std::sync::Barrier::new(which.len());
-    let per_rank: Vec<Result<Vec<Duration>, BackendError>> = std::thread::scope(|s| {
+    let start = StartBarrier::new(which, bounds.start);
+    let setup = |r: usize, rank: &Rank| -> Result<Prepared, BackendError> {
+        rank.gpu.bind()?;
+        Ok(match issue {
+            Issue::Launches => Prepared::Launches(
+                (0..=iters)
+                    .map(|_| Event::new(&rank.gpu))
+                    .collect::<Result<_, _>>()?,
+            ),
+            Issue::Graph => {
+                let mut failed = None;
+                let graph = Graph::capture(&rank.stream, || {
+                    for _ in 0..iters {
+                        if let Err(e) = launch(r, rank) {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                    Ok(())
+                })?;
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+                Prepared::Graph(graph, Event::new(&rank.gpu)?, Event::new(&rank.gpu)?)
+            }
+        })
+    };
+    let run = |r: usize, rank: &Rank, prepared: Prepared| -> Result<Vec<Duration>, BackendError> {
+        let gpu = rank.gpu.ordinal;
+        match prepared {
+            Prepared::Launches(events) => {
+                events[0].record(&rank.stream)?;
+                for event in &events[1..] {
+                    launch(r, rank)?;
+                    event.record(&rank.stream)?;
+                }
+                // call by call: a bound per call, however long the batch
+                for (i, event) in events[1..].iter().enumerate() {
+                    let what = format!("rank {r} (GPU {gpu}): call {i} of {iters}");
+                    wait_event(event, bounds.call, &what)?;
+                }
+                events
+                    .windows(2)
+                    .map(|w| {
+                        Ok(Duration::from_secs_f64(
+                            w[0].elapsed_ms(&w[1])? as f64 / 1e3,
+                        ))
+                    })
+                    .collect()
+            }
+            Prepared::Graph(graph, begin, end) => {
+                // one warm replay, then the timed one
+                graph.launch(&rank.stream)?;
+                begin.record(&rank.stream)?;
+                graph.launch(&rank.stream)?;
+                end.record(&rank.stream)?;
+                let what = format!("rank {r} (GPU {gpu}): two replays of {iters} calls");
+                let replays = u32::try_from(2 * iters.max(1)).unwrap_or(u32::MAX);
+                wait_event(&end, bounds.call.saturating_mul(replays), &what)?;
+                let each = begin.elapsed_ms(&end)? as f64 / 1e3 / iters.max(1) as f64;
+                Ok(vec![Duration::from_secs_f64(each); iters])
+            }
+        }
+    };
+    let per_rank: Vec<Result<Vec<Duration>, Failure>> = std::thread::scope(|s| {
         let handles: Vec<_> = which
             .iter()
             .map(|&r| (r, &ranks[r]))
             .map(|(r, rank)| {
-                let start = &start;
-                s.spawn(move || -> Result<Vec<Duration>, BackendError> {
-                    rank.gpu.bind()?;
-                    match issue {
-                        Issue::Launches => {
-                            let events: Vec<Event> = (0..=iters)
-                                .map(|_| Event::new(&rank.gpu))
-                                .collect::<Result<_, _>>()?;
-                            start.wait();
-                            events[0].record(&rank.stream)?;
-                            for event in &events[1..] {
-                                launch(r, rank)?;
-                                event.record(&rank.stream)?;
-                            }
-                            rank.stream.synchronize()?;
-                            events
-                                .windows(2)
-                                .map(|w| {
-                                    Ok(Duration::from_secs_f64(
-                                        w[0].elapsed_ms(&w[1])? as f64 / 1e3,
-                                    ))
-                                })
-                                .collect()
-                        }
-                        Issue::Graph => {
-                            let mut failed = None;
-                            let graph = Graph::capture(&rank.stream, || {
-                                for _ in 0..iters {
-                                    if let Err(e) = launch(r, rank) {
-                                        failed = Some(e);
-                                        break;
-                                    }
-                                }
-                                Ok(())
-                            })?;
-                            if let Some(e) = failed {
-                                return Err(e);
-                            }
-                            let (begin, end) = (Event::new(&rank.gpu)?, Event::new(&rank.gpu)?);
-                            start.wait();
-                            graph.launch(&rank.stream)?;
-                            begin.record(&rank.stream)?;
-                            graph.launch(&rank.stream)?;
-                            end.record(&rank.stream)?;
-                            rank.stream.synchronize()?;
-                            let each = begin.elapsed_ms(&end)? as f64 / 1e3 / iters.max(1) as f64;
-                            Ok(vec![Duration::from_secs_f64(each); iters])
-                        }
-                    }
+                let (start, setup, run) = (&start, &setup, &run);
+                s.spawn(move || -> Result<Vec<Duration>, Failure> {
+                    let body = || -> Result<Vec<Duration>, Failure> {
+                        // nothing of this rank runs yet: a failure only releases the others
+                        let prepared = setup(r, rank).inspect_err(|e| start.abort(r, e))?;
+                        start.wait(r)?;
+                        // from here this rank's kernels may wait for the others' and theirs
+                        // for this one's: make every device-side wait give up
+                        run(r, rank, prepared).map_err(|e| {
+                            abort_device();
+                            Failure::Cause(e)
+                        })
+                    };
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).unwrap_or_else(
+                        |_| {
+                            // it may have launched, or may never have arrived: both at once
+                            abort_device();
+                            start.abort(r, "its thread panicked");
+                            Err(Failure::Cause(BackendError::Unavailable(format!(
+                                "the thread of rank {r} panicked"
+                            ))))
+                        },
+                    )
                 })
             })
             .collect();
@@ -341,17 +600,39 @@ pub(crate) fn timed_iterations(
             .into_iter()
             .map(|h| {
                 h.join().unwrap_or_else(|_| {
-                    Err(BackendError::Unavailable("a GPU thread panicked".into()))
+                    Err(Failure::Cause(BackendError::Unavailable(
+                        "a GPU thread panicked".into(),
+                    )))
                 })
             })
             .collect()
     });
-    let per_rank: Vec<Vec<Duration>> = per_rank.into_iter().collect::<Result<_, _>>()?;
-    Ok((0..iters)
-        .map(|i| CallTiming {
-            per_rank: per_rank.iter().map(|t| t[i]).collect(),
-        })
-        .collect())
+    first_cause(per_rank).map(|per_rank| {
+        (0..iters)
+            .map(|i| CallTiming {
+                per_rank: per_rank.iter().map(|t| t[i]).collect(),
+            })
+            .collect()
+    })
+}
+
+/// Every rank's result, or the first error that is a cause rather than a consequence.
+fn first_cause<T>(per_rank: Vec<Result<T, Failure>>) -> Result<Vec<T>, BackendError> {
+    let mut released = None;
+    let mut ok = Vec::with_capacity(per_rank.len());
+    for result in per_rank {
+        match result {
+            Ok(t) => ok.push(t),
+            Err(Failure::Cause(e)) => return Err(e),
+            Err(Failure::Released(e)) => {
+                released.get_or_insert(e);
+            }
+        }
+    }
+    match released {
+        Some(e) => Err(e),
+        None => Ok(ok),
+    }
 }
 
 /// What a prepared call enqueues on each GPU: the plan kernel, or a baseline.
@@ -362,9 +643,9 @@ pub(crate) trait Launcher: Sync {
     fn capturable(&self) -> bool {
         true
     }
-    /// Runs before a batch.
-    fn before(&self, _backend: &CudaBackend) -> Result<(), BackendError> {
-        Ok(())
+    /// Runs before a batch; a backend left unusable by a failed batch refuses it.
+    fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {
+        backend.check_usable()
     }
     /// Sees the batch's outcome.
     fn after(
@@ -377,11 +658,62 @@ pub(crate) trait Launcher: Sync {
 }
 
 /// A call prepared on the GPUs: device buffers, their host mirrors, and what to launch.
+/// `bufs` and `launcher` (which owns the kernels' tables) are dropped by hand: if a kernel that
+/// uses them could not be stopped (the backend is wedged), they are leaked instead of freed.
 pub(crate) struct GpuCall<'a, T: Element, L: Launcher> {
     pub backend: &'a CudaBackend,
-    pub bufs: Vec<RankBuffers>,
+    pub bufs: ManuallyDrop<Vec<RankBuffers>>,
     pub host: HostMirrors<T>,
-    pub launcher: L,
+    pub launcher: ManuallyDrop<L>,
+}
+
+impl<T: Element, L: Launcher> Drop for GpuCall<'_, T, L> {
+    fn drop(&mut self) {
+        if self.backend.is_wedged() {
+            return;
+        }
+        // SAFETY: dropped once, here; every batch returned with its kernels finished or stopped
+        unsafe {
+            ManuallyDrop::drop(&mut self.launcher);
+            ManuallyDrop::drop(&mut self.bufs);
+        }
+    }
+}
+
+/// Stops the batch's kernels (see [`CudaBackend::stop`]) unless disarmed: the one way out of a
+/// batch that did not finish, also when unwinding.
+struct StopGuard<'a> {
+    backend: Option<&'a CudaBackend>,
+}
+
+impl<'a> StopGuard<'a> {
+    fn arm(backend: &'a CudaBackend) -> Self {
+        StopGuard {
+            backend: Some(backend),
+        }
+    }
+
+    /// The batch finished: every stream is idle, nothing to stop.
+    fn disarm(mut self) {
+        self.backend = None;
+    }
+
+    /// Stops now; returns `cause`, with the stop's own failure appended if it had one.
+    fn stop(mut self, cause: BackendError) -> BackendError {
+        match self.backend.take().map(CudaBackend::stop) {
+            Some(Err(stuck)) => BackendError::Unavailable(format!("{cause}; then {stuck}")),
+            _ => cause,
+        }
+    }
+}
+
+impl Drop for StopGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(backend) = self.backend.take() {
+            // the outcome is kept in the backend (broken, or wedged)
+            let _ = backend.stop();
+        }
+    }
 }
 
 impl<'a, T: Element, L: Launcher> GpuCall<'a, T, L> {
@@ -398,10 +730,10 @@ impl<'a, T: Element, L: Launcher> GpuCall<'a, T, L> {
             .map(|r| RankBuffers::new(&r.gpu, input * eb, output * eb, scratch * eb))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(GpuCall {
-            launcher: launcher(&bufs)?,
+            launcher: ManuallyDrop::new(launcher(&bufs)?),
             backend,
             host: HostMirrors::new(backend.ranks.len(), input, output),
-            bufs,
+            bufs: ManuallyDrop::new(bufs),
         })
     }
 
@@ -422,12 +754,44 @@ impl<'a, T: Element, L: Launcher> GpuCall<'a, T, L> {
         iters: usize,
         issue: Issue,
     ) -> Result<Vec<CallTiming>, BackendError> {
-        self.launcher.before(self.backend)?;
-        let (launcher, bufs) = (&self.launcher, &self.bufs);
-        let result = timed_iterations(&self.backend.ranks, which, iters, issue, &|r, rank| {
-            launcher.launch(bufs, r, rank)
-        });
-        self.launcher.after(self.backend, result)
+        self.run_wrapped(which, iters, issue, &|r, rank, launch| {
+            let _ = (r, rank);
+            launch()
+        })
+    }
+
+    /// Runs a batch on the ranks in `which`, each launch enqueued through `around(rank index,
+    /// rank, launch)` so that work can be queued before and after it on the same stream (new
+    /// inputs, outputs set aside); errors stop every GPU before anything is freed.
+    pub(crate) fn run_wrapped(
+        &mut self,
+        which: &[usize],
+        iters: usize,
+        issue: Issue,
+        around: &(dyn Fn(usize, &Rank, &dyn Fn() -> Result<(), BackendError>) -> Result<(), BackendError>
+              + Sync),
+    ) -> Result<Vec<CallTiming>, BackendError> {
+        let backend = self.backend;
+        self.launcher.before(backend)?;
+        let (launcher, bufs): (&L, &[RankBuffers]) = (&self.launcher, &self.bufs);
+        let guard = StopGuard::arm(backend);
+        let result = timed_iterations(
+            &backend.ranks,
+            which,
+            iters,
+            issue,
+            backend.host_bounds(),
+            &|| backend.error.raise_abort(),
+            &|r, rank| around(r, rank, &|| launcher.launch(bufs, r, rank)),
+        );
+        let result = match result {
+            Ok(timings) => {
+                guard.disarm();
+                Ok(timings)
+            }
+            Err(cause) => Err(guard.stop(cause)),
+        };
+        self.launcher.after(backend, result)
     }
 }
 
@@ -595,7 +959,7 @@ impl PlanLauncher {
 impl Launcher for PlanLauncher {
     fn launch(&self, _bufs: &[RankBuffers], r: usize, rank: &Rank) -> Result<(), BackendError> {
         // rank r's kernel lives in rank r's module (its own context)
-        let f = rank.kernels[self.dtype_index][self.reduce_index];
+        let f = &rank.kernels[self.dtype_index][self.reduce_index];
         // SAFETY: PlanArgs mirrors the kernel's parameter; every address in it belongs to
         // buffers, tables and pads that outlive the launch (the batch synchronizes)
         unsafe { f.launch(self.lanes.count, THREADS, &rank.stream, &self.args[r]) }
@@ -622,5 +986,52 @@ impl Launcher for PlanLauncher {
             backend.mark_broken();
         }
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use commfuse_core::{build_plan, check, Algo, OpKind, OpSpec, Topology};
+
+    fn barrier_plan(world: usize) -> CheckedPlan {
+        let spec = OpSpec::new(OpKind::Barrier, world, 0, 0).unwrap();
+        check(build_plan(spec, Algo::AllToAll, &Topology::new(world, 1).unwrap()).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn a_partial_run_checks_the_plan_like_prepare() {
+        check_partial(&barrier_plan(2), 2, &[0]).unwrap();
+        check_partial(&barrier_plan(2), 2, &[1, 0]).unwrap();
+        // a plan for three ranks on two GPUs would index a third pad that does not exist
+        let e = check_partial(&barrier_plan(3), 2, &[0, 1]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            BackendError::Unavailable("the plan is for 3 ranks, the backend has 2".into())
+                .to_string()
+        );
+        let e = check_partial(&barrier_plan(2), 2, &[2]).unwrap_err();
+        assert!(e.to_string().contains("rank 2 is not part"), "{e}");
+        let e = check_partial(&barrier_plan(2), 2, &[1, 1]).unwrap_err();
+        assert!(e.to_string().contains("rank 1 is listed twice"), "{e}");
+        assert!(check_partial(&barrier_plan(2), 2, &[]).is_err());
+    }
+
+    #[test]
+    fn a_batch_reports_its_first_cause_not_the_ranks_it_released() {
+        let released = |r: usize| {
+            Err(Failure::Released(BackendError::Unavailable(format!(
+                "released by {r}"
+            ))))
+        };
+        let cause = Err(Failure::Cause(BackendError::Unavailable("cause".into())));
+        let e = first_cause::<()>(vec![released(2), cause, released(2)]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            BackendError::Unavailable("cause".into()).to_string()
+        );
+        // with only released ranks (cannot happen, but must not pass as success)
+        assert!(first_cause::<()>(vec![Ok(()), released(0)]).is_err());
+        assert_eq!(first_cause(vec![Ok(1), Ok(2)]).unwrap(), vec![1, 2]);
     }
 }

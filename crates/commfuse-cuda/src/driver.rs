@@ -7,8 +7,13 @@
 //! plain `u64`s.
 
 use crate::error::CudaError;
+use crate::host_sync;
+use crate::plan_table::ErrorRecord;
+use bytemuck::Pod;
 use cudarc::driver::{result, sys, DriverError};
 use std::ffi::{c_void, CString};
+use std::sync::Arc;
+use std::time::Duration;
 
 fn drv<T>(call: &'static str, r: Result<T, DriverError>) -> Result<T, CudaError> {
     r.map_err(|e| CudaError::Driver {
@@ -179,25 +184,45 @@ impl DeviceMemory {
         self.ptr
     }
 
-    /// Copies `src` to the start of this memory (synchronously).
+    /// Bytes this allocation holds.
+    pub fn len_bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Copies `src` to the start of this memory (synchronously); an `src` larger than the
+    /// allocation is an error.
+    ///
+    /// Only `Copy`, not `Pod`: reading a value's bytes cannot make an invalid value, and callers
+    /// outside this crate's ownership pass generic `T: Copy` slices.
     pub fn upload<T: Copy>(&self, gpu: &Gpu, src: &[T]) -> Result<(), CudaError> {
-        assert!(std::mem::size_of_val(src) <= self.bytes.max(16));
+        fits("upload", std::mem::size_of_val(src), self.bytes)?;
         gpu.bind()?;
-        // SAFETY: in bounds (asserted), context bound
+        // SAFETY: in bounds (checked above), context bound
         drv("cuMemcpyHtoD", unsafe {
             result::memcpy_htod_sync(self.ptr, src)
         })
     }
 
-    /// Copies the start of this memory into `dst` (synchronously).
-    pub fn download<T: Copy>(&self, gpu: &Gpu, dst: &mut [T]) -> Result<(), CudaError> {
-        assert!(std::mem::size_of_val(dst) <= self.bytes.max(16));
+    /// Copies the start of this memory into `dst` (synchronously); a `dst` larger than the
+    /// allocation is an error. `Pod`: any bytes the GPU left there must be a valid `T`.
+    pub fn download<T: Pod>(&self, gpu: &Gpu, dst: &mut [T]) -> Result<(), CudaError> {
+        fits("download", std::mem::size_of_val(dst), self.bytes)?;
         gpu.bind()?;
-        // SAFETY: in bounds (asserted), context bound
+        // SAFETY: in bounds (checked above), context bound, every bit pattern is a valid T
         drv("cuMemcpyDtoH", unsafe {
             result::memcpy_dtoh_sync(dst, self.ptr)
         })
     }
+}
+
+/// A host copy of `bytes` must fit in an allocation of `capacity` bytes.
+fn fits(what: &str, bytes: usize, capacity: usize) -> Result<(), CudaError> {
+    if bytes > capacity {
+        return Err(CudaError::OutOfBounds(format!(
+            "{what} of {bytes} bytes does not fit in a device allocation of {capacity} bytes"
+        )));
+    }
+    Ok(())
 }
 
 /// Copies `rows` rows of `row_bytes` between device pitches (synchronously), e.g. to give a
@@ -288,17 +313,19 @@ impl Drop for DeviceMemory {
 }
 
 /// Pinned host memory mapped into every context's address space: the GPU writes it, the host
-/// reads it even while a kernel still runs (timeouts are reported through it).
-pub struct MappedHost<T: Copy> {
+/// reads it even while a kernel still runs (timeouts are reported through it). `Pod`: the GPU
+/// may leave any bytes there, and the value is shared between threads as raw memory.
+pub struct MappedHost<T: Pod> {
     host: *mut T,
     device: u64,
 }
 
-// SAFETY: pinned, portable memory; access is through volatile reads and writes
-unsafe impl<T: Copy> Send for MappedHost<T> {}
-unsafe impl<T: Copy> Sync for MappedHost<T> {}
+// SAFETY: pinned, portable memory holding plain old data (no pointers, no invariants); access
+// is through volatile reads and writes
+unsafe impl<T: Pod> Send for MappedHost<T> {}
+unsafe impl<T: Pod> Sync for MappedHost<T> {}
 
-impl<T: Copy> MappedHost<T> {
+impl<T: Pod> MappedHost<T> {
     pub fn new(gpu: &Gpu, value: T) -> Result<Self, CudaError> {
         gpu.bind()?;
         let mut host: *mut c_void = std::ptr::null_mut();
@@ -336,7 +363,18 @@ impl<T: Copy> MappedHost<T> {
     }
 }
 
-impl<T: Copy> Drop for MappedHost<T> {
+impl MappedHost<ErrorRecord> {
+    /// Raises the record's `abort` word, and only that word (a kernel may be writing the
+    /// others): every device-side wait that polls it gives up.
+    pub fn raise_abort(&self) {
+        // SAFETY: a field of live pinned memory; volatile because the GPU reads it behind our
+        // back; the fence orders it after whatever the host did before (the GPU polls it)
+        unsafe { std::ptr::addr_of_mut!((*self.host).abort).write_volatile(1) };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl<T: Pod> Drop for MappedHost<T> {
     fn drop(&mut self) {
         // SAFETY: allocated by cuMemHostAlloc
         unsafe {
@@ -375,6 +413,26 @@ impl Stream {
             result::stream::synchronize(self.raw)
         })
     }
+
+    /// Whether everything queued so far has finished (a failed kernel is an error).
+    pub fn is_idle(&self) -> Result<bool, CudaError> {
+        // SAFETY: live stream
+        not_ready_is_false("cuStreamQuery", unsafe { sys::cuStreamQuery(self.raw) })
+    }
+
+    /// [`Stream::synchronize`] that gives up after `timeout`: `Ok(false)` when work is still
+    /// running then. The owning context must be bound.
+    pub fn wait_idle(&self, timeout: Duration) -> Result<bool, CudaError> {
+        host_sync::poll_until(timeout, || self.is_idle())
+    }
+}
+
+/// `CUDA_SUCCESS` → true, `CUDA_ERROR_NOT_READY` → false, anything else an error.
+fn not_ready_is_false(call: &'static str, rc: sys::CUresult) -> Result<bool, CudaError> {
+    if rc == sys::CUresult::CUDA_ERROR_NOT_READY {
+        return Ok(false);
+    }
+    check(call, rc).map(|()| true)
 }
 
 impl Drop for Stream {
@@ -411,6 +469,12 @@ impl Event {
         drv("cuEventRecord", unsafe {
             result::event::record(self.raw, stream.raw)
         })
+    }
+
+    /// Whether the work before the last `record` has finished.
+    pub fn is_done(&self) -> Result<bool, CudaError> {
+        // SAFETY: live event
+        not_ready_is_false("cuEventQuery", unsafe { sys::cuEventQuery(self.raw) })
     }
 
     /// Milliseconds from `self` to `later` (both recorded and complete).
@@ -500,52 +564,87 @@ impl Drop for Graph {
     }
 }
 
-/// A loaded cubin.
+/// A loaded cubin. Its entry points ([`Function`]) share ownership of it, so a function handle
+/// can never outlive the code it points into; the module in turn holds a reference on its
+/// primary context, so the context outlives the module.
 pub struct Module {
+    loaded: Arc<LoadedModule>,
+}
+
+struct LoadedModule {
     raw: sys::CUmodule,
+    ctx: sys::CUcontext,
+    dev: sys::CUdevice,
 }
 
 // SAFETY: module handles are usable from any thread with the owning context bound.
-unsafe impl Send for Module {}
-unsafe impl Sync for Module {}
+unsafe impl Send for LoadedModule {}
+unsafe impl Sync for LoadedModule {}
 
-/// A kernel entry point.
-#[derive(Clone, Copy)]
+/// A kernel entry point; keeps its module loaded.
+#[derive(Clone)]
 pub struct Function {
     raw: sys::CUfunction,
+    _module: Arc<LoadedModule>,
 }
 
-// SAFETY: as for Module
+// SAFETY: as for a module: a function handle is usable from any thread with its context bound,
+// and the Arc keeps its module loaded
 unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
 impl Module {
     pub fn load(gpu: &Gpu, cubin: &[u8]) -> Result<Module, CudaError> {
         gpu.bind()?;
+        // SAFETY: dev is a valid device; balanced by the release in LoadedModule's drop
+        drv("cuDevicePrimaryCtxRetain", unsafe {
+            result::primary_ctx::retain(gpu.dev)
+        })?;
         // SAFETY: cubin is a complete image produced by NVRTC
+        let raw = match drv("cuModuleLoadData", unsafe {
+            result::module::load_data(cubin.as_ptr() as *const c_void)
+        }) {
+            Ok(raw) => raw,
+            Err(e) => {
+                // SAFETY: balances the retain above
+                unsafe {
+                    let _ = result::primary_ctx::release(gpu.dev);
+                }
+                return Err(e);
+            }
+        };
         Ok(Module {
-            raw: drv("cuModuleLoadData", unsafe {
-                result::module::load_data(cubin.as_ptr() as *const c_void)
-            })?,
+            loaded: Arc::new(LoadedModule {
+                raw,
+                ctx: gpu.ctx,
+                dev: gpu.dev,
+            }),
         })
     }
 
     pub fn function(&self, name: &str) -> Result<Function, CudaError> {
-        let cname = CString::new(name).expect("kernel names hold no NUL");
+        let cname = CString::new(name).map_err(|_| {
+            CudaError::OutOfBounds(format!("kernel name {name:?} holds a NUL byte"))
+        })?;
         // SAFETY: live module
         Ok(Function {
             raw: drv("cuModuleGetFunction", unsafe {
-                result::module::get_function(self.raw, cname)
+                result::module::get_function(self.loaded.raw, cname)
             })?,
+            _module: Arc::clone(&self.loaded),
         })
     }
 }
 
-impl Drop for Module {
+impl Drop for LoadedModule {
     fn drop(&mut self) {
-        // SAFETY: live module, no kernel of it runs any more
+        // SAFETY: the last handle to a live module is gone, so no launch can name it any more
+        // (launches that already ran are the owners' to have waited for); unloading needs the
+        // module's context current; then the context reference taken in `load` is returned
         unsafe {
+            let _ = result::ctx::set_current(self.ctx);
             let _ = result::module::unload(self.raw);
+            let _ = result::primary_ctx::release(self.dev);
         }
     }
 }
@@ -647,5 +746,28 @@ impl Stream {
             "cuMemsetD8Async",
             result::memset_d8_async(dst, value, bytes, self.raw),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_copy_larger_than_its_allocation_is_an_error() {
+        fits("upload", 64, 64).unwrap();
+        fits("download", 0, 0).unwrap();
+        let e = fits("download", 65, 64).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "download of 65 bytes does not fit in a device allocation of 64 bytes"
+        );
+    }
+
+    #[test]
+    fn only_not_ready_reads_as_still_running() {
+        assert!(not_ready_is_false("q", sys::CUresult::CUDA_SUCCESS).unwrap());
+        assert!(!not_ready_is_false("q", sys::CUresult::CUDA_ERROR_NOT_READY).unwrap());
+        // (an error's message needs libcuda, which this test may not have)
     }
 }

@@ -13,6 +13,12 @@ pub enum CudaError {
     Nvrtc(String),
     #[error("kernel {name} does not compile:\n{log}")]
     Compile { name: String, log: String },
+    /// A request that does not fit what it names (a copy larger than its allocation).
+    #[error("{0}")]
+    OutOfBounds(String),
+    /// A host-side wait that ran past its bound (a GPU still busy, a rank that never arrived).
+    #[error("{0}")]
+    Stalled(String),
     #[error("NCCL call {call} failed: {message}")]
     Nccl { call: &'static str, message: String },
 }

@@ -7,15 +7,18 @@
 //! enabled): the storer warps' stores then cross NVLink and the flag is raised there.
 
 use crate::driver::{
-    copy_2d, tensor_map_2d, DeviceMemory, Function, Gpu, MappedHost, Module, Stream,
+    copy_2d, tensor_map_2d, DeviceMemory, Event, Function, Gpu, MappedHost, Module, Stream,
 };
 use crate::error::CudaError;
+use crate::host_sync::poll_until;
 use crate::nvrtc;
 use crate::plan_table::ErrorRecord;
 use commfuse_core::gemm::{BLayout, GemmPlan, TileShape};
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::DType;
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
+use std::time::Duration;
 
 /// The kernel's output tile.
 pub const TILE: TileShape = TileShape { m: 128, n: 256 };
@@ -31,6 +34,76 @@ const SMEM_BYTES: u32 = 1024
     + 8 * (2 * STAGES + 2);
 /// A pipeline wait that lasts this long is a bug, reported instead of hanging the GPU.
 const PIPELINE_TIMEOUT_NS: u64 = 5_000_000_000;
+/// How long dropping a launched GEMM or consumer waits for its last launch: every device-side
+/// wait in it ends within the pipeline timeout, so a launch still running after this is stuck.
+const DROP_WAIT: Duration = Duration::from_secs(3 * PIPELINE_TIMEOUT_NS / 1_000_000_000 + 10);
+
+/// Memory that launched kernels use, with what makes them give up early.
+trait InUse {
+    /// Makes a running kernel stop waiting, where it can be told to.
+    fn abort(&self) {}
+}
+
+impl InUse for DeviceMemory {}
+
+/// Device memory `held` by kernels launched on a stream, and an event recorded after the last
+/// launch. Dropping it stops and waits for that launch (bounded, see [`DROP_WAIT`]) before
+/// freeing the memory, and leaks the memory if the launch is still running then: freeing it
+/// under a running kernel would let the kernel write into whatever is allocated there next.
+/// Launches on several streams are covered by the last one's only (callers use one stream).
+struct Launched<T: InUse> {
+    last: Event,
+    held: ManuallyDrop<T>,
+}
+
+impl<T: InUse> Launched<T> {
+    fn new(gpu: &Gpu, held: T) -> Result<Self, CudaError> {
+        Ok(Launched {
+            last: Event::new(gpu)?,
+            held: ManuallyDrop::new(held),
+        })
+    }
+
+    /// Marks the end of the launch just queued on `stream`.
+    fn launched(&self, stream: &Stream) -> Result<(), CudaError> {
+        self.last.record(stream)
+    }
+}
+
+impl<T: InUse> Drop for Launched<T> {
+    fn drop(&mut self) {
+        self.held.abort();
+        // an error means the context faulted: nothing runs in it any more
+        let running = matches!(poll_until(DROP_WAIT, || self.last.is_done()), Ok(false));
+        if !running {
+            // SAFETY: dropped once, here; the last launch that used it has ended
+            unsafe { ManuallyDrop::drop(&mut self.held) };
+        }
+    }
+}
+
+impl std::ops::Deref for Launched<GemmMemory> {
+    type Target = GemmMemory;
+    fn deref(&self) -> &GemmMemory {
+        &self.held
+    }
+}
+
+/// What a [`PreparedGemm`] owns that its kernel reads or writes.
+struct GemmMemory {
+    error: MappedHost<ErrorRecord>,
+    _tables: DeviceMemory,
+    _workspace: DeviceMemory,
+    _b_padded: Option<DeviceMemory>,
+}
+
+impl InUse for GemmMemory {
+    /// gemm.cu never reads `abort` (its pipeline waits trap after their timeout); raised so
+    /// that the record says the call was given up, and for any wait that comes to read it.
+    fn abort(&self) {
+        self.error.raise_abort();
+    }
+}
 
 #[repr(C, align(128))]
 #[derive(Clone, Copy)]
@@ -147,7 +220,7 @@ impl GemmKernels {
         );
         self.functions
             .get(&name)
-            .copied()
+            .cloned()
             .ok_or_else(|| CudaError::Unavailable(format!("no GEMM kernel for {name}")))
     }
 }
@@ -189,10 +262,7 @@ pub struct PreparedGemm {
     function: Function,
     params: GemmParams,
     grid: u32,
-    error: MappedHost<ErrorRecord>,
-    _tables: DeviceMemory,
-    _workspace: DeviceMemory,
-    _b_padded: Option<DeviceMemory>,
+    memory: Launched<GemmMemory>,
 }
 
 fn unsupported(msg: String) -> CudaError {
@@ -356,10 +426,15 @@ impl PreparedGemm {
             function,
             params,
             grid,
-            error,
-            _tables: tables,
-            _workspace: workspace,
-            _b_padded: b_padded,
+            memory: Launched::new(
+                gpu,
+                GemmMemory {
+                    error,
+                    _tables: tables,
+                    _workspace: workspace,
+                    _b_padded: b_padded,
+                },
+            )?,
         })
     }
 
@@ -370,12 +445,13 @@ impl PreparedGemm {
     /// not in use by anything else until the launch completes.
     pub unsafe fn launch(&self, stream: &Stream) -> Result<(), CudaError> {
         self.function
-            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &self.params)
+            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &self.params)?;
+        self.memory.launched(stream)
     }
 
     /// After a failed synchronisation: what the kernel recorded before it stopped, if anything.
     pub fn stall_report(&self) -> Option<String> {
-        let e = self.error.read();
+        let e = self.memory.error.read();
         (e.flag != 0).then(|| {
             let what = [
                 "an empty stage",
@@ -420,7 +496,7 @@ struct SnapshotParams {
 pub struct TileSnapshot {
     params: SnapshotParams,
     function: Function,
-    _order: DeviceMemory,
+    order: Launched<DeviceMemory>,
 }
 
 impl TileSnapshot {
@@ -453,8 +529,8 @@ impl TileSnapshot {
                 elem_bytes: p.output.size() as u32,
                 rank: 1,
             },
-            function: kernels.snapshot,
-            _order: table,
+            function: kernels.snapshot.clone(),
+            order: Launched::new(gpu, table)?,
         })
     }
 
@@ -469,7 +545,8 @@ impl TileSnapshot {
         blocks: u32,
     ) -> Result<(), CudaError> {
         self.params.expected = expected;
-        self.function.launch(blocks, 256, stream, &self.params)
+        self.function.launch(blocks, 256, stream, &self.params)?;
+        self.order.launched(stream)
     }
 }
 

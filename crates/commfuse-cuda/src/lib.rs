@@ -5,6 +5,7 @@
 //! * [`plan_table`]: plans encoded as the `#[repr(C)]` tables the plan kernel reads;
 //! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation;
 //! * [`nccl`]: NCCL and copy-engine baselines on the same GPUs;
+//! * [`host_sync`]: host-side waits that end: an abortable start barrier, a bounded poll;
 //! * [`error`]: one error enum;
 //! * [`testing`]: GPU-test skips that `COMMFUSE_REQUIRE_GPU=1` turns into failures.
 //!
@@ -16,6 +17,7 @@ pub mod driver;
 pub mod error;
 pub mod gemm;
 pub mod gemm_bench;
+pub mod host_sync;
 pub mod nccl;
 pub mod nvrtc;
 pub mod plan_table;

@@ -14,10 +14,13 @@ use cudarc::driver::result as drv;
 use cudarc::nccl::{result, sys};
 use half::{bf16, f16};
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// One NCCL communicator per rank.
 pub struct Comms {
     comms: Vec<sys::ncclComm_t>,
+    /// `ncclCommAbort` freed them: never use or destroy them again
+    aborted: AtomicBool,
 }
 
 // SAFETY: each communicator is used by one thread at a time (its GPU's thread).
@@ -45,12 +48,44 @@ impl Comms {
                 call: "ncclCommInitAll",
                 message: format!("{e:?}"),
             })?;
-        Ok(Comms { comms })
+        Ok(Comms {
+            comms,
+            aborted: AtomicBool::new(false),
+        })
+    }
+
+    /// The communicator of rank `r`, unless they were aborted.
+    fn comm(&self, r: usize) -> Result<sys::ncclComm_t, BackendError> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(BackendError::Unavailable(
+                "the NCCL communicators were aborted after a failed call: reopen the backend"
+                    .into(),
+            ));
+        }
+        Ok(self.comms[r])
+    }
+
+    /// Aborts every communicator (once): NCCL kernels waiting for a rank that failed give up,
+    /// which our error record cannot make them do. Called only with no host thread inside an
+    /// NCCL call (after a batch's threads have ended).
+    pub(crate) fn abort(&self) {
+        if self.aborted.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        for c in &self.comms {
+            // SAFETY: live communicators, no NCCL call in flight on the host; freed by this
+            unsafe {
+                let _ = result::comm_abort(*c);
+            }
+        }
     }
 }
 
 impl Drop for Comms {
     fn drop(&mut self) {
+        if *self.aborted.get_mut() {
+            return;
+        }
         for c in &self.comms {
             // SAFETY: communicators from ncclCommInitAll, idle
             unsafe {
@@ -174,8 +209,8 @@ impl BaselineLauncher<'_> {
                     .nccl
                     .get()
                     .and_then(|c| c.as_ref().ok())
-                    .expect("initialised in prepare")
-                    .comms[r];
+                    .ok_or_else(|| BackendError::Unavailable("NCCL was not initialised".into()))?
+                    .comm(r)?;
                 let nstream = stream as sys::cudaStream_t;
                 let send = input as *const c_void;
                 let recv = output as *mut c_void;
@@ -324,11 +359,10 @@ impl Launcher for BaselineLauncher<'_> {
         backend: &CudaBackend,
         result: Result<Vec<CallTiming>, BackendError>,
     ) -> Result<Vec<CallTiming>, BackendError> {
-        if self.kind == Kind::CopyEngine {
+        if self.kind == Kind::CopyEngine && result.is_ok() {
             // pushes into a peer finish on the pusher's stream: wait for all before reading
-            for rank in &backend.ranks {
-                rank.gpu.synchronize()?;
-            }
+            // (bounded; an error path has already stopped every stream)
+            backend.wait_streams()?;
         }
         result
     }

@@ -1,6 +1,7 @@
 //! A plan as the kernel reads it: one `#[repr(C)]` table per rank, mirrored field for field by
 //! the structs in kernels/plan.cu and kernels/common.cuh.
 
+use bytemuck::{Pod, Zeroable};
 use commfuse_core::{BufferKind, CheckedPlan, Cmp, Region, Step};
 
 pub const MAX_RANKS: usize = 64;
@@ -10,7 +11,7 @@ pub const THREADS: u32 = 512;
 const LANE_GRAIN: usize = 64;
 
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Pod, Zeroable)]
 pub struct DeviceRegion {
     pub ptr: u64,
     pub len: u64,
@@ -24,7 +25,7 @@ pub const CMP_EQ: u32 = 0;
 pub const CMP_GE: u32 = 1;
 
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Pod, Zeroable)]
 pub struct DeviceStep {
     pub kind: u32,
     /// wait/notify: slot index within a lane (row × cols + col)
@@ -45,7 +46,7 @@ pub struct DeviceStep {
 }
 
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Pod, Zeroable)]
 pub struct ErrorRecord {
     pub flag: u32,
     pub abort: u32,
@@ -58,7 +59,7 @@ pub struct ErrorRecord {
 }
 
 #[repr(C)]
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
 pub struct PlanArgs {
     pub steps: u64,
     pub regions: u64,

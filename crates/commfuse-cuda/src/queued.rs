@@ -3,7 +3,7 @@
 //! output, launches, and copies the output aside — no host synchronisation in between, so only
 //! the plan's own signals keep one GPU's call from running into its peers' previous or next one.
 
-use crate::backend::{timed_iterations, GpuCall, Issue, Launcher};
+use crate::backend::{GpuCall, Issue, Launcher};
 use crate::driver::DeviceMemory;
 use commfuse_core::backend::{check_queued_inputs, BackendError, HostBuffer};
 use commfuse_core::Element;
@@ -17,7 +17,8 @@ pub(crate) fn run_queued<T: Element, L: Launcher>(
     call: &mut GpuCall<'_, T, L>,
     inputs: &[Vec<HostBuffer>],
 ) -> Result<Vec<Vec<HostBuffer>>, BackendError> {
-    let ranks = &call.backend.ranks;
+    let backend = call.backend;
+    let ranks = &backend.ranks;
     let (in_len, out_len) = (call.host.input[0].len(), call.host.output[0].len());
     check_queued_inputs(inputs, ranks.len(), T::DTYPE, in_len)?;
     let calls = inputs.len();
@@ -41,20 +42,23 @@ pub(crate) fn run_queued<T: Element, L: Launcher>(
         staged_out.push(DeviceMemory::zeroed(&rank.gpu, calls * out_bytes)?);
     }
     let next_call: Vec<AtomicUsize> = ranks.iter().map(|_| AtomicUsize::new(0)).collect();
-    call.launcher.before(call.backend)?;
-    let (launcher, bufs) = (&call.launcher, &call.bufs);
+    let bufs: Vec<(u64, u64)> = call
+        .bufs
+        .iter()
+        .map(|b| (b.input.addr(), b.output.addr()))
+        .collect();
     let all: Vec<usize> = (0..ranks.len()).collect();
-    let result = timed_iterations(ranks, &all, calls, Issue::Launches, &|r, rank| {
+    call.run_wrapped(&all, calls, Issue::Launches, &|r, rank, launch| {
         let c = next_call[r].fetch_add(1, Ordering::Relaxed);
-        let (input, output) = (bufs[r].input.addr(), bufs[r].output.addr());
+        let (input, output) = bufs[r];
         // SAFETY: staging and call buffers are sized above for `calls` calls and outlive the
-        // batch (timed_iterations synchronises every stream before returning)
+        // batch (it synchronises every stream, or stops every GPU, before returning)
         unsafe {
             rank.stream
                 .copy_async(input, staged_in[r].addr() + (c * in_bytes) as u64, in_bytes)?;
             rank.stream.fill_async(output, POISON_BYTE, out_bytes)?;
         }
-        launcher.launch(bufs, r, rank)?;
+        launch()?;
         // SAFETY: as above
         unsafe {
             rank.stream.copy_async(
@@ -64,8 +68,7 @@ pub(crate) fn run_queued<T: Element, L: Launcher>(
             )?;
         }
         Ok(())
-    });
-    launcher.after(call.backend, result)?;
+    })?;
     let mut outputs: Vec<Vec<HostBuffer>> = (0..calls).map(|_| Vec::new()).collect();
     for (r, rank) in ranks.iter().enumerate() {
         let mut host = vec![T::from_f32(0.0); calls * out_len];

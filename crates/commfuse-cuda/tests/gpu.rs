@@ -1,9 +1,11 @@
 //! GPU-only behaviour of the cuda backend: bounded waits end in a diagnosed timeout instead of
-//! a hung GPU. Skips with a printed reason where there are fewer than two GPUs.
+//! a hung GPU; a rank that fails stops the others' kernels before anything is freed; bad
+//! requests are errors. Skips with a printed reason where there are too few GPUs.
 
 use commfuse_core::backend::BackendError;
 use commfuse_core::{build_plan, check, Algo, OpKind, OpSpec, Slot, Topology};
-use commfuse_cuda::CudaBackend;
+use commfuse_cuda::driver::{DeviceMemory, Gpu};
+use commfuse_cuda::{CudaBackend, CudaError};
 use std::time::{Duration, Instant};
 
 fn two_gpus() -> Option<usize> {
@@ -40,4 +42,77 @@ fn a_peer_that_never_arrives_times_out_with_rank_lane_and_slot() {
     drop(backend);
     let fresh = CudaBackend::open(&[0, 1], Duration::from_secs(5)).unwrap();
     fresh.run_partial(&plan, &[0, 1]).unwrap();
+}
+
+#[test]
+fn a_rank_whose_launch_fails_stops_the_others_before_their_device_timeout() {
+    if two_gpus().is_none() {
+        return;
+    }
+    // a device timeout far longer than the test may take: only the abort can end rank 0's wait
+    let backend = CudaBackend::open(&[0, 1], Duration::from_secs(60)).unwrap();
+    let spec = OpSpec::new(OpKind::Barrier, 2, 0, 0).unwrap();
+    let plan =
+        check(build_plan(spec, Algo::AllToAll, &Topology::new(2, 1).unwrap()).unwrap()).unwrap();
+    let started = Instant::now();
+    let err = backend
+        .run_with_failed_launch(&plan, 1, Duration::from_millis(500))
+        .unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(
+        err,
+        BackendError::Unavailable("rank 1: launch failed on purpose".into())
+    );
+    assert!(
+        took < Duration::from_secs(20),
+        "rank 0's kernel was not stopped: the call took {took:?}"
+    );
+    // the pads are mid-protocol: no further calls; dropping frees normally (nothing runs)
+    assert!(backend.run_partial(&plan, &[0, 1]).is_err());
+    drop(backend);
+    let fresh = CudaBackend::open(&[0, 1], Duration::from_secs(5)).unwrap();
+    fresh.run_partial(&plan, &[0, 1]).unwrap();
+}
+
+#[test]
+fn a_partial_run_refuses_a_plan_for_another_world_size() {
+    if two_gpus().is_none() {
+        return;
+    }
+    let backend = CudaBackend::open(&[0, 1], Duration::from_secs(5)).unwrap();
+    let spec = OpSpec::new(OpKind::Barrier, 3, 0, 0).unwrap();
+    let plan =
+        check(build_plan(spec, Algo::AllToAll, &Topology::new(3, 1).unwrap()).unwrap()).unwrap();
+    let err = backend.run_partial(&plan, &[0, 1]).unwrap_err();
+    assert_eq!(
+        err,
+        BackendError::Unavailable("the plan is for 3 ranks, the backend has 2".into())
+    );
+    // refused before anything ran: the backend is still usable
+    let spec = OpSpec::new(OpKind::Barrier, 2, 0, 0).unwrap();
+    let plan =
+        check(build_plan(spec, Algo::AllToAll, &Topology::new(2, 1).unwrap()).unwrap()).unwrap();
+    backend.run_partial(&plan, &[0, 1]).unwrap();
+}
+
+#[test]
+fn a_copy_larger_than_its_allocation_is_an_error_not_a_panic() {
+    if commfuse_cuda::testing::gpus(1).is_none() {
+        return;
+    }
+    let gpu = Gpu::open(0).unwrap();
+    let mem = DeviceMemory::zeroed(&gpu, 64).unwrap();
+    let mut big = vec![0u32; 17];
+    assert!(matches!(
+        mem.download(&gpu, &mut big),
+        Err(CudaError::OutOfBounds(_))
+    ));
+    assert!(matches!(
+        mem.upload(&gpu, &big),
+        Err(CudaError::OutOfBounds(_))
+    ));
+    let mut fits = vec![0u32; 16];
+    mem.upload(&gpu, &[7u32; 16]).unwrap();
+    mem.download(&gpu, &mut fits).unwrap();
+    assert_eq!(fits, vec![7u32; 16]);
 }

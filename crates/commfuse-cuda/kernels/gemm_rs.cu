@@ -1,0 +1,126 @@
+// The reducing half of GEMM + reduce-scatter; kernels/gemm.cu is the computing half.
+//
+// Every rank's GEMM stores each tile of the output rows that rank `o` owns into o's receive
+// buffer (one slot per sender, over NVLink for peers) and raises the tile's flag there. On o, a
+// few blocks of this kernel run beside the GEMM (on a second stream, on SMs the GEMM leaves
+// free): they take o's tiles in the order the senders produce them, wait until every sender's
+// flag of the tile is up, and sum the P partials in f32 in rank order (so the result does not
+// depend on arrival order) with the bias, into the caller's output.
+//
+// Epochs live on the device, so back-to-back calls and graph replays need no host bookkeeping:
+// the flags count calls (each GEMM adds 1 per tile per call), `epoch` counts the calls this
+// kernel has finished, and the last block of a call advances it.
+#include "common.cuh"
+
+// NVRTC has no <cstddef> and (before 13.4) no __builtin_offsetof; EDG's __INTADDR__ makes the
+// classic null-pointer form a constant expression, so layouts can be checked at compile time.
+#define COMMFUSE_OFFSETOF(T, member) ((unsigned long long)__INTADDR__(&((T*)0)->member))
+
+// One tile of this rank's chunk, rows relative to the chunk's first row. Mirrored by
+// `ReduceTile` in src/gemm_rs.rs.
+struct ReduceTile {
+    u32 row0;
+    u32 rows;
+    u32 col0;
+    u32 cols;
+};
+
+// Mirrored by `GemmRsReduceArgs` in src/gemm_rs.rs.
+struct GemmRsReduceArgs {
+    u64 partials[COMMFUSE_MAX_RANKS];  // per sender: its partial of this chunk, [rows, n], ld = n
+    u64 out;                           // the caller's output, [chunk rows, n], ld = out_ld
+    u64 bias;                          // [n] in the output type, 0 for none
+    const ReduceTile* tiles;           // this chunk's tiles in the order senders make them
+    const u64* flags;                  // [sender][tile], raised by the senders' GEMMs
+    u64* epoch;                        // calls finished (device-side, advanced by the last block)
+    u32* done;                         // blocks finished in the current call
+    ErrorRecord* err;                  // host-mapped
+    u64 timeout_ns;
+    u32 world;
+    u32 tile_count;
+    u32 n;
+    u32 out_ld;
+    u32 rank;
+    u32 pad;
+};
+static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, out) == 8 * COMMFUSE_MAX_RANKS, "layout mirrored in gemm_rs.rs");
+static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, timeout_ns) == 8 * COMMFUSE_MAX_RANKS + 56, "layout mirrored in gemm_rs.rs");
+static_assert(sizeof(GemmRsReduceArgs) == 8 * COMMFUSE_MAX_RANKS + 88, "layout mirrored in gemm_rs.rs");
+
+constexpr int REDUCE_THREADS = 512;
+
+template <typename Out>
+__device__ __forceinline__ void reduce_tile(const GemmRsReduceArgs& a, const ReduceTile& t) {
+    constexpr int VEC = 16 / sizeof(Out);
+    const Out* bias = reinterpret_cast<const Out*>(a.bias);
+    bool aligned = (a.n * sizeof(Out)) % 16 == 0 && (a.out_ld * sizeof(Out)) % 16 == 0 && t.col0 % VEC == 0 &&
+                   a.out % 16 == 0 && t.cols % VEC == 0;
+    for (u32 q = 0; q < a.world; ++q) aligned &= a.partials[q] % 16 == 0;
+    if (aligned) {
+        const u32 units = t.cols / VEC;  // 16-byte units per row
+        for (u32 idx = threadIdx.x; idx < t.rows * units; idx += blockDim.x) {
+            const u32 row = t.row0 + idx / units, col = t.col0 + (idx % units) * VEC;
+            float acc[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+            for (u32 q = 0; q < a.world; ++q) {
+                const uint4 raw = *reinterpret_cast<const uint4*>(reinterpret_cast<const Out*>(a.partials[q]) +
+                                                                  (u64)row * a.n + col);
+                const Out* x = reinterpret_cast<const Out*>(&raw);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) acc[j] += Elem<Out>::to_f32(x[j]);
+            }
+            uint4 packed;
+            Out* o = reinterpret_cast<Out*>(&packed);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+                o[j] = Elem<Out>::from_f32(bias != nullptr ? acc[j] + Elem<Out>::to_f32(bias[col + j]) : acc[j]);
+            *reinterpret_cast<uint4*>(reinterpret_cast<Out*>(a.out) + (u64)row * a.out_ld + col) = packed;
+        }
+    } else {
+        for (u32 idx = threadIdx.x; idx < t.rows * t.cols; idx += blockDim.x) {
+            const u32 row = t.row0 + idx / t.cols, col = t.col0 + idx % t.cols;
+            float acc = 0.0f;
+            for (u32 q = 0; q < a.world; ++q)
+                acc += Elem<Out>::to_f32(reinterpret_cast<const Out*>(a.partials[q])[(u64)row * a.n + col]);
+            if (bias != nullptr) acc += Elem<Out>::to_f32(bias[col]);
+            reinterpret_cast<Out*>(a.out)[(u64)row * a.out_ld + col] = Elem<Out>::from_f32(acc);
+        }
+    }
+}
+
+template <typename Out>
+__device__ void gemm_rs_reduce(const GemmRsReduceArgs& a) {
+    __shared__ int ready;
+    __shared__ u64 expected;
+    if (threadIdx.x == 0) expected = *(volatile u64*)a.epoch + 1;
+    __syncthreads();
+    for (u32 i = blockIdx.x; i < a.tile_count; i += gridDim.x) {
+        // one thread waits for every sender's flag of the tile (acquire), then the block reads
+        if (threadIdx.x == 0) {
+            ready = 1;
+            for (u32 q = 0; q < a.world && ready; ++q)
+                ready = wait_signal(a.flags + (u64)q * a.tile_count + i, CMP_GE, expected, a.timeout_ns, a.err,
+                                    a.rank, blockIdx.x, i, q * a.tile_count + i);
+        }
+        __syncthreads();
+        if (!ready) return;
+        reduce_tile<Out>(a, a.tiles[i]);
+        __syncthreads();  // `ready` is rewritten for the next tile
+    }
+    // the last block out advances the epoch for the next call (stream order publishes it)
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(a.done, 1u) == gridDim.x - 1) {
+            *a.done = 0;
+            *a.epoch = expected;
+        }
+    }
+}
+
+#define COMMFUSE_GEMM_RS_REDUCE(NAME, OUT) \
+    extern "C" __global__ void __launch_bounds__(REDUCE_THREADS) NAME(const GemmRsReduceArgs args) { gemm_rs_reduce<OUT>(args); }
+
+COMMFUSE_GEMM_RS_REDUCE(gemm_rs_reduce_f32, float)
+COMMFUSE_GEMM_RS_REDUCE(gemm_rs_reduce_bf16, __nv_bfloat16)
+COMMFUSE_GEMM_RS_REDUCE(gemm_rs_reduce_f16, __half)
