@@ -16,17 +16,37 @@ fn every_kernel_compiles_for_sm90a() {
     for source in nvrtc::KERNELS {
         let compiled = nvrtc::compile(*source, true).unwrap_or_else(|e| panic!("{e}"));
         assert!(compiled.cubin.len() > 1000, "{}: empty cubin", source.name);
-        // ptxas reports every entry point: none may spill
+        // ptxas reports every function (entry points and out-of-line callees): none may spill
+        let functions = nvrtc::ptxas_functions(&compiled.log);
+        let entries = compiled.log.matches("Compiling entry function").count();
         assert!(
-            compiled.log.contains("Compiling entry function"),
-            "{}",
+            entries > 0,
+            "{}: no entry point in\n{}",
+            source.name,
             compiled.log
         );
-        assert!(
-            !compiled.log.contains("bytes spill stores")
-                || compiled.log.contains(" 0 bytes spill stores"),
-            "{}",
+        assert_eq!(
+            functions.iter().filter(|f| f.entry).count(),
+            entries,
+            "{}: an entry point without its spill figures in\n{}",
+            source.name,
             compiled.log
+        );
+        let spilling: Vec<String> = functions
+            .iter()
+            .filter(|f| f.spills())
+            .map(|f| {
+                format!(
+                    "{} ({} bytes spill stores, {} bytes spill loads)",
+                    f.name, f.spill_store_bytes, f.spill_load_bytes
+                )
+            })
+            .collect();
+        assert!(
+            spilling.is_empty(),
+            "{}: registers spilled in {}",
+            source.name,
+            spilling.join(", ")
         );
         eprintln!("{}:\n{}", source.name, compiled.log);
     }
