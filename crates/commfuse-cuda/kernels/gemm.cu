@@ -362,7 +362,6 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const u32 row0 = cw * 64 + warp * 16 + lane / 4;  // this thread's first accumulator row
     const bool leader = threadIdx.x % 128 == 0;
-    const bool has_c = p.beta != 0.0f && p.c != nullptr;
     const Out* c_mat = (const Out*)p.c;
     const Out* bias = (const Out*)p.bias;
     u32 stage = 0, phase = 0, epi_phase = 0;
@@ -409,6 +408,10 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
 #pragma unroll
         for (int pass = 0; pass < PASSES; ++pass) {
             mbar_wait<ROLE_CONSUMER>(s.epi_empty, epi_phase ^ 1, p, c.tile, WAIT_EPI_EMPTY);
+            // Decided here, per pass, from the uniform parameters rather than once before the tile
+            // loop: a flag kept from the start lives through the main loop beside the 128
+            // accumulators and was spilled to the stack under setmaxnreg 224 (f32 output).
+            const bool has_c = p.beta != 0.0f && p.c != nullptr;
 #pragma unroll
             for (int j = pass * PASS_COLS / 8; j < (pass + 1) * PASS_COLS / 8; ++j) {
 #pragma unroll

@@ -1,15 +1,19 @@
 //! Kernels are CUDA C++ files embedded in the binary and compiled by NVRTC for `sm_90a` on first
-//! use. Cubins are cached in memory and on disk, keyed by a hash of the sources, the options and
-//! the NVRTC version, so a second run loads in milliseconds. NVRTC needs no GPU: CI compiles
-//! every kernel with the NVRTC of the PyPI wheels and fails on a compile error.
+//! use. Cubins are cached in memory and on disk ([`DiskCache`]: verified entries, atomic
+//! writes), keyed by a SHA-256 of the source, the embedded headers, the CUDA headers they
+//! include, the options and NVRTC's full version, so a second run loads in milliseconds. NVRTC
+//! needs no GPU: CI compiles every kernel with the NVRTC of the PyPI wheels and fails on a
+//! compile error.
 
 use crate::error::CudaError;
 use cudarc::nvrtc::sys;
 use std::collections::HashMap;
 use std::ffi::{c_char, CStr, CString};
-use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
+
+mod cache;
+pub use cache::{CacheKey, DiskCache, Miss};
 
 /// The architecture every kernel is built for (wgmma and setmaxnreg need the `a` variant).
 pub const ARCH: &str = "sm_90a";
@@ -52,20 +56,141 @@ pub struct Compiled {
     pub from_cache: bool,
 }
 
+/// What ptxas reported for one function of a compiled file: an entry point or a callee it kept
+/// out of line (`--ptxas-options=-v` prints a block for each).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FunctionResources {
+    /// The function's (possibly mangled) name.
+    pub name: String,
+    /// Whether it is a kernel entry point (`Compiling entry function`).
+    pub entry: bool,
+    pub stack_frame_bytes: u64,
+    pub spill_store_bytes: u64,
+    pub spill_load_bytes: u64,
+}
+
+impl FunctionResources {
+    /// Whether ptxas had to spill registers to local memory in this function.
+    pub fn spills(&self) -> bool {
+        self.spill_store_bytes > 0 || self.spill_load_bytes > 0
+    }
+}
+
+/// Every function of a ptxas `-v` log with its stack frame and spills, in the log's order.
+/// ptxas prints `Function properties for NAME` followed by a line such as
+/// `8 bytes stack frame, 4 bytes spill stores, 8 bytes spill loads`; entry points are the names
+/// of its `Compiling entry function 'NAME'` lines. A function whose figures line is missing is
+/// left out (so a check over the result also asks that every entry point is present).
+pub fn ptxas_functions(log: &str) -> Vec<FunctionResources> {
+    let entries: Vec<&str> = log
+        .lines()
+        .filter_map(|l| l.split("Compiling entry function '").nth(1))
+        .filter_map(|rest| rest.split('\'').next())
+        .collect();
+    let mut functions = Vec::new();
+    let mut current: Option<&str> = None;
+    for line in log.lines() {
+        if let Some(name) = line.split("Function properties for ").nth(1) {
+            current = Some(name.trim());
+            continue;
+        }
+        let Some(name) = current else { continue };
+        if !line.contains("bytes stack frame") {
+            continue;
+        }
+        current = None;
+        // "ptxas . 8 bytes stack frame, 4 bytes spill stores, 8 bytes spill loads"
+        let figure = |label: &str| -> Option<u64> {
+            line.split(',')
+                .find(|part| part.trim_end().ends_with(label))
+                .and_then(|part| {
+                    part.trim_end()
+                        .strip_suffix(label)?
+                        .split_whitespace()
+                        .last()?
+                        .parse()
+                        .ok()
+                })
+        };
+        if let (Some(stack), Some(stores), Some(loads)) = (
+            figure("bytes stack frame"),
+            figure("bytes spill stores"),
+            figure("bytes spill loads"),
+        ) {
+            functions.push(FunctionResources {
+                name: name.to_string(),
+                entry: entries.contains(&name),
+                stack_frame_bytes: stack,
+                spill_store_bytes: stores,
+                spill_load_bytes: loads,
+            });
+        }
+    }
+    functions
+}
+
 /// Whether the NVRTC library can be loaded (cudarc panics on use otherwise).
 pub fn available() -> bool {
     // SAFETY: only tries to dlopen the library
     unsafe { sys::is_culib_present() }
 }
 
-fn version() -> Result<(i32, i32), CudaError> {
+/// NVRTC's full version: `nvrtcVersion` gives only major.minor, so the comment block that
+/// heads the PTX of an empty program supplies the rest ("Compiler Build ID: CL-…", "Cuda
+/// compilation tools, release 13.0, V13.0.88", the NVVM version). One small compile per process.
+fn nvrtc_version() -> Result<String, CudaError> {
+    static VERSION: OnceLock<Result<String, String>> = OnceLock::new();
+    VERSION
+        .get_or_init(|| probe_version().map_err(|e| e.to_string()))
+        .clone()
+        .map_err(CudaError::Nvrtc)
+}
+
+fn probe_version() -> Result<String, CudaError> {
     let (mut major, mut minor) = (0, 0);
     // SAFETY: plain out-parameters
-    let rc = unsafe { sys::nvrtcVersion(&mut major, &mut minor) };
-    if rc != sys::nvrtcResult::NVRTC_SUCCESS {
-        return Err(CudaError::Nvrtc(format!("nvrtcVersion failed: {rc:?}")));
-    }
-    Ok((major, minor))
+    check(
+        unsafe { sys::nvrtcVersion(&mut major, &mut minor) },
+        "nvrtcVersion",
+    )?;
+    let text = CString::new("").unwrap();
+    let name = CString::new("version.cu").unwrap();
+    let arch = CString::new("--gpu-architecture=compute_90").unwrap();
+    let opts = [arch.as_ptr()];
+    let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: every pointer refers to a live NUL-terminated string for the duration of the calls
+    let ptx = unsafe {
+        check(
+            sys::nvrtcCreateProgram(
+                &mut prog,
+                text.as_ptr(),
+                name.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            ),
+            "nvrtcCreateProgram",
+        )?;
+        let ptx = (|| {
+            check(
+                sys::nvrtcCompileProgram(prog, 1, opts.as_ptr()),
+                "nvrtcCompileProgram (version probe)",
+            )?;
+            let mut size = 0usize;
+            check(sys::nvrtcGetPTXSize(prog, &mut size), "nvrtcGetPTXSize")?;
+            let mut buf = vec![0 as c_char; size.max(1)];
+            check(sys::nvrtcGetPTX(prog, buf.as_mut_ptr()), "nvrtcGetPTX")?;
+            Ok::<_, CudaError>(CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned())
+        })();
+        sys::nvrtcDestroyProgram(&mut prog);
+        ptx?
+    };
+    let banner: Vec<&str> = ptx
+        .lines()
+        .take_while(|l| l.starts_with("//"))
+        .filter(|l| l.len() > 2)
+        .collect();
+    Ok(format!("NVRTC {major}.{minor}\n{}", banner.join("\n")))
 }
 
 fn options() -> Vec<String> {
@@ -87,31 +212,38 @@ fn options() -> Vec<String> {
     opts
 }
 
-fn cache_dir() -> Option<PathBuf> {
-    if let Ok(dir) = std::env::var("COMMFUSE_KERNEL_CACHE") {
-        return Some(PathBuf::from(dir));
-    }
-    std::env::var_os("HOME").map(|h| {
-        PathBuf::from(h)
-            .join(".cache")
-            .join("commfuse")
-            .join("kernels")
-    })
+/// The disk-cache key of `source` under this process's options and NVRTC.
+pub fn cache_key(source: Source) -> Result<CacheKey, CudaError> {
+    ensure_available()?;
+    Ok(key_for(source, &options(), &nvrtc_version()?))
 }
 
-fn cache_key(source: &Source, opts: &[String], version: (i32, i32)) -> String {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    source.text.hash(&mut h);
+fn key_for(source: Source, opts: &[String], version: &str) -> CacheKey {
+    let include_dirs: Vec<PathBuf> = opts
+        .iter()
+        .filter_map(|o| o.strip_prefix("--include-path="))
+        .map(PathBuf::from)
+        .collect();
+    let texts: Vec<&str> = std::iter::once(source.text)
+        .chain(HEADERS.iter().map(|h| h.text))
+        .collect();
+    // the CUDA headers (cuda_bf16.h, …) come from the include folders: a different copy at the
+    // same path must not reuse a cubin built from the old one
+    let included = cache::included_files(&texts, &include_dirs);
+    let mut inputs: Vec<&[u8]> = vec![source.name.as_bytes(), source.text.as_bytes()];
     for header in HEADERS {
-        header.text.hash(&mut h);
+        inputs.extend([header.name.as_bytes(), header.text.as_bytes()]);
     }
-    opts.hash(&mut h);
-    version.hash(&mut h);
-    format!(
-        "{}-{:016x}.cubin",
-        source.name.trim_end_matches(".cu"),
-        h.finish()
-    )
+    let included: Vec<(String, Vec<u8>)> = included
+        .into_iter()
+        .map(|(path, bytes)| (path.display().to_string(), bytes))
+        .collect();
+    for (path, bytes) in &included {
+        inputs.extend([path.as_bytes(), bytes.as_slice()]);
+    }
+    inputs.extend(opts.iter().map(|o| o.as_bytes()));
+    inputs.push(version.as_bytes());
+    CacheKey::new(source.name, &inputs)
 }
 
 fn memory_cache() -> &'static Mutex<HashMap<String, Compiled>> {
@@ -127,40 +259,67 @@ fn check(rc: sys::nvrtcResult, what: &str) -> Result<(), CudaError> {
     }
 }
 
-/// Compiles `source` (or finds it in a cache). `fresh` skips the caches (for the compile report).
-pub fn compile(source: Source, fresh: bool) -> Result<Compiled, CudaError> {
-    if !available() {
-        return Err(CudaError::Unavailable(
+fn ensure_available() -> Result<(), CudaError> {
+    if available() {
+        Ok(())
+    } else {
+        Err(CudaError::Unavailable(
             "NVRTC (libnvrtc.so.13) was not found: install CUDA 13.0 or the nvidia-cuda-nvrtc wheel and put its lib folder on LD_LIBRARY_PATH".into(),
-        ));
+        ))
     }
-    let opts = options();
-    let key = cache_key(&source, &opts, version()?);
+}
+
+/// Compiles `source` (or finds it in the memory cache, then in [`DiskCache::from_env`]).
+/// `fresh` skips the caches (for the compile report) and refreshes the disk entry.
+pub fn compile(source: Source, fresh: bool) -> Result<Compiled, CudaError> {
+    let key = cache_key(source)?;
     if !fresh {
-        if let Some(hit) = memory_cache().lock().unwrap().get(&key) {
+        if let Some(hit) = memory_cache().lock().unwrap().get(key.file_name()) {
             return Ok(hit.clone());
         }
-        if let Some(path) = cache_dir().map(|d| d.join(&key)) {
-            if let Ok(cubin) = std::fs::read(&path) {
-                let compiled = Compiled {
-                    name: source.name,
-                    cubin,
-                    log: String::new(),
-                    from_cache: true,
-                };
-                memory_cache().lock().unwrap().insert(key, compiled.clone());
-                return Ok(compiled);
+    }
+    let compiled = match (DiskCache::from_env(), fresh) {
+        (Some(disk), false) => compile_with_key(source, &disk, &key)?,
+        (disk, _) => {
+            let compiled = compile_uncached(source, &options())?;
+            if let Some(disk) = disk {
+                // a cache that cannot be written only costs a recompilation next time
+                let _ = disk.store(&key, &compiled.cubin);
             }
+            compiled
         }
+    };
+    memory_cache()
+        .lock()
+        .unwrap()
+        .insert(key.file_name().to_string(), compiled.clone());
+    Ok(compiled)
+}
+
+/// Loads `source`'s cubin from `disk` if its entry verifies; otherwise compiles it and
+/// overwrites the entry (atomically: a concurrent compile of the same kernel also succeeds).
+/// Bypasses the memory cache.
+pub fn compile_with_cache(source: Source, disk: &DiskCache) -> Result<Compiled, CudaError> {
+    compile_with_key(source, disk, &cache_key(source)?)
+}
+
+fn compile_with_key(
+    source: Source,
+    disk: &DiskCache,
+    key: &CacheKey,
+) -> Result<Compiled, CudaError> {
+    // a missing or invalid entry (truncated, corrupted, another key's) is recompiled below
+    if let Ok(cubin) = disk.load_verified(key) {
+        return Ok(Compiled {
+            name: source.name,
+            cubin,
+            log: String::new(),
+            from_cache: true,
+        });
     }
-    let compiled = compile_uncached(source, &opts)?;
-    if let Some(dir) = cache_dir() {
-        // a cache that cannot be written only costs a recompilation next time
-        if std::fs::create_dir_all(&dir).is_ok() {
-            let _ = std::fs::write(dir.join(&key), &compiled.cubin);
-        }
-    }
-    memory_cache().lock().unwrap().insert(key, compiled.clone());
+    let compiled = compile_uncached(source, &options())?;
+    // a cache that cannot be written only costs a recompilation next time
+    let _ = disk.store(key, &compiled.cubin);
     Ok(compiled)
 }
 
@@ -235,4 +394,104 @@ unsafe fn program_log(prog: sys::nvrtcProgram) -> String {
         return String::new();
     }
     CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An excerpt of ptxas's report for gemm.cu before the f32 epilogue stopped spilling.
+    const GEMM_LOG: &str = "\
+ptxas info    : 57 bytes gmem
+ptxas info    : Compiling entry function 'tile_snapshot' for 'sm_90a'
+ptxas info    : Function properties for tile_snapshot
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 20 registers, used 1 barriers, 16 bytes smem
+ptxas info    : Compiling entry function 'gemm_f16_kn_f32' for 'sm_90a'
+ptxas info    : Function properties for gemm_f16_kn_f32
+ptxas         .     8 bytes stack frame, 4 bytes spill stores, 8 bytes spill loads
+ptxas info    : Used 168 registers, used 3 barriers, 8 bytes cumulative stack size
+ptxas info    : Compile time = 1089.508 ms
+ptxas info    : Function properties for _Z16pipeline_stalledILi0EEvRK10GemmParamsjjj
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Compiling entry function 'gemm_f16_kn_f16' for 'sm_90a'
+ptxas info    : Function properties for gemm_f16_kn_f16
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 3 barriers
+";
+
+    #[test]
+    fn ptxas_log_parses_per_function() {
+        let functions = ptxas_functions(GEMM_LOG);
+        let names: Vec<&str> = functions.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "tile_snapshot",
+                "gemm_f16_kn_f32",
+                "_Z16pipeline_stalledILi0EEvRK10GemmParamsjjj",
+                "gemm_f16_kn_f16"
+            ]
+        );
+        assert_eq!(
+            functions[1],
+            FunctionResources {
+                name: "gemm_f16_kn_f32".into(),
+                entry: true,
+                stack_frame_bytes: 8,
+                spill_store_bytes: 4,
+                spill_load_bytes: 8,
+            }
+        );
+        assert!(!functions[2].entry, "a callee is not an entry point");
+        let spilling: Vec<&str> = functions
+            .iter()
+            .filter(|f| f.spills())
+            .map(|f| f.name.as_str())
+            .collect();
+        // one entry's spill is found although another entry reports " 0 bytes spill stores"
+        assert_eq!(spilling, ["gemm_f16_kn_f32"]);
+    }
+
+    #[test]
+    fn key_covers_version_options_and_included_headers() {
+        let plan = kernel("plan.cu").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        // common.cuh includes these two; a different copy at the same path must change the key
+        std::fs::write(dir.path().join("cuda_bf16.h"), "#include \"cuda_fp16.h\"\n").unwrap();
+        std::fs::write(dir.path().join("cuda_fp16.h"), "// fp16 v1\n").unwrap();
+        let opts = vec![format!("--include-path={}", dir.path().display())];
+        let version = "NVRTC 13.0\n// Cuda compilation tools, release 13.0, V13.0.88";
+        let key = key_for(plan, &opts, version);
+        assert_eq!(key, key_for(plan, &opts, version));
+        assert_ne!(key, key_for(plan, &opts, &version.replace("88", "76")));
+        let more = [opts.clone(), vec!["-lineinfo".to_string()]].concat();
+        assert_ne!(key, key_for(plan, &more, version));
+        std::fs::write(dir.path().join("cuda_fp16.h"), "// fp16 v2\n").unwrap();
+        assert_ne!(key, key_for(plan, &opts, version));
+        assert_ne!(key, key_for(kernel("gemm.cu").unwrap(), &opts, version));
+    }
+
+    #[test]
+    fn version_names_the_full_release() {
+        if !available() {
+            assert!(
+                std::env::var_os("COMMFUSE_REQUIRE_NVRTC").is_none(),
+                "COMMFUSE_REQUIRE_NVRTC is set but libnvrtc.so.13 cannot be loaded"
+            );
+            eprintln!("skipped: NVRTC (libnvrtc.so.13) is not on the library path");
+            return;
+        }
+        let version = nvrtc_version().unwrap();
+        // e.g. "Cuda compilation tools, release 13.0, V13.0.88" and "Compiler Build ID: CL-…"
+        assert!(version.contains("compilation tools"), "{version}");
+        assert!(version.contains("Build ID"), "{version}");
+    }
+
+    #[test]
+    fn ptxas_log_without_figures_yields_nothing() {
+        assert!(ptxas_functions("").is_empty());
+        let cut = "ptxas info    : Function properties for k\nptxas info    : Used 3 registers\n";
+        assert!(ptxas_functions(cut).is_empty());
+    }
 }

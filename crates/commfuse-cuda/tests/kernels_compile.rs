@@ -3,30 +3,58 @@
 
 use commfuse_cuda::nvrtc;
 
+/// Whether NVRTC can be used; prints the skip (or fails under COMMFUSE_REQUIRE_NVRTC) if not.
+fn nvrtc_here() -> bool {
+    if nvrtc::available() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("COMMFUSE_REQUIRE_NVRTC").is_none(),
+        "COMMFUSE_REQUIRE_NVRTC is set but libnvrtc.so.13 cannot be loaded"
+    );
+    eprintln!("skipped: NVRTC (libnvrtc.so.13) is not on the library path");
+    false
+}
+
 #[test]
 fn every_kernel_compiles_for_sm90a() {
-    if !nvrtc::available() {
-        assert!(
-            std::env::var_os("COMMFUSE_REQUIRE_NVRTC").is_none(),
-            "COMMFUSE_REQUIRE_NVRTC is set but libnvrtc.so.13 cannot be loaded"
-        );
-        eprintln!("skipped: NVRTC (libnvrtc.so.13) is not on the library path");
+    if !nvrtc_here() {
         return;
     }
     for source in nvrtc::KERNELS {
         let compiled = nvrtc::compile(*source, true).unwrap_or_else(|e| panic!("{e}"));
         assert!(compiled.cubin.len() > 1000, "{}: empty cubin", source.name);
-        // ptxas reports every entry point: none may spill
+        // ptxas reports every function (entry points and out-of-line callees): none may spill
+        let functions = nvrtc::ptxas_functions(&compiled.log);
+        let entries = compiled.log.matches("Compiling entry function").count();
         assert!(
-            compiled.log.contains("Compiling entry function"),
-            "{}",
+            entries > 0,
+            "{}: no entry point in\n{}",
+            source.name,
             compiled.log
         );
-        assert!(
-            !compiled.log.contains("bytes spill stores")
-                || compiled.log.contains(" 0 bytes spill stores"),
-            "{}",
+        assert_eq!(
+            functions.iter().filter(|f| f.entry).count(),
+            entries,
+            "{}: an entry point without its spill figures in\n{}",
+            source.name,
             compiled.log
+        );
+        let spilling: Vec<String> = functions
+            .iter()
+            .filter(|f| f.spills())
+            .map(|f| {
+                format!(
+                    "{} ({} bytes spill stores, {} bytes spill loads)",
+                    f.name, f.spill_store_bytes, f.spill_load_bytes
+                )
+            })
+            .collect();
+        assert!(
+            spilling.is_empty(),
+            "{}: registers spilled in {}",
+            source.name,
+            spilling.join(", ")
         );
         eprintln!("{}:\n{}", source.name, compiled.log);
     }
@@ -91,4 +119,101 @@ fn gemm_sass_uses_hgmma() {
         }
     }
     assert_eq!(entries, 12, "GEMM entry points found in the SASS");
+}
+
+/// The small kernel file the cache tests compile.
+fn plan_source() -> nvrtc::Source {
+    nvrtc::kernel("plan.cu").unwrap()
+}
+
+/// A truncated entry, then one whose cubin has a flipped bit, are both recompiled and
+/// overwritten; the rewritten entry is then used.
+#[test]
+fn disk_cache_recompiles_a_bad_entry() {
+    if !nvrtc_here() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let disk = nvrtc::DiskCache::new(dir.path());
+    let key = nvrtc::cache_key(plan_source()).unwrap();
+    let path = disk.path(&key);
+    std::fs::write(&path, b"CFCUBIN\x01 cut short by a crash").unwrap();
+    let first = nvrtc::compile_with_cache(plan_source(), &disk).unwrap();
+    assert!(!first.from_cache, "a truncated entry was used");
+    assert_eq!(
+        disk.load_verified(&key).unwrap(),
+        first.cubin,
+        "not overwritten"
+    );
+
+    let mut bytes = std::fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    let second = nvrtc::compile_with_cache(plan_source(), &disk).unwrap();
+    assert!(!second.from_cache, "an entry with a wrong hash was used");
+    assert_eq!(disk.load_verified(&key).unwrap(), second.cubin);
+
+    let third = nvrtc::compile_with_cache(plan_source(), &disk).unwrap();
+    assert!(third.from_cache, "a valid entry was not used");
+    assert_eq!(third.cubin, second.cubin);
+}
+
+/// Set by `two_processes_compile_into_one_fresh_cache` for the copies of this test binary it
+/// starts: the folder they compile plan.cu into.
+const RACE_DIR: &str = "COMMFUSE_TEST_CACHE_RACE_DIR";
+
+/// Two processes find the same fresh cache folder empty, both compile and both store: both must
+/// succeed and leave one valid entry and no temporary file.
+#[test]
+fn two_processes_compile_into_one_fresh_cache() {
+    if std::env::var_os(RACE_DIR).is_some() || !nvrtc_here() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..2)
+        .map(|_| {
+            std::process::Command::new(&exe)
+                .args(["--exact", "race_child_compiles_into_the_shared_cache"])
+                .env(RACE_DIR, dir.path())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "a compiling process failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+            "the child ran no test"
+        );
+    }
+    let disk = nvrtc::DiskCache::new(dir.path());
+    let key = nvrtc::cache_key(plan_source()).unwrap();
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(names, [key.file_name()], "one entry and no temporary file");
+    assert!(disk.load_verified(&key).unwrap().len() > 1000);
+}
+
+/// One of the processes of `two_processes_compile_into_one_fresh_cache` (does nothing when run
+/// on its own).
+#[test]
+fn race_child_compiles_into_the_shared_cache() {
+    let Some(dir) = std::env::var_os(RACE_DIR) else {
+        return;
+    };
+    let disk = nvrtc::DiskCache::new(dir);
+    let compiled = nvrtc::compile_with_cache(plan_source(), &disk).unwrap();
+    assert!(compiled.cubin.len() > 1000);
 }
