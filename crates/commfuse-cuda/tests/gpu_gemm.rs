@@ -4,7 +4,8 @@
 //! its flag is up never sees a stale tile. Skips with a printed reason without GPUs.
 
 use commfuse_core::gemm::{
-    grouped_order, reference_gemm, relative_error, BLayout, Epilogue, GemmPlan, GemmProblem,
+    check_elements, grouped_order, reference_gemm, BLayout, ElementCheck, Epilogue, GemmPlan,
+    GemmProblem, ReferenceElement,
 };
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::{DType, Element};
@@ -68,8 +69,14 @@ fn run(gemm: &PreparedGemm, stream: &Stream) {
     }
 }
 
-fn rel_error<TO: Element>(got: &[TO], want: &[f64]) -> f64 {
-    relative_error(got.iter().map(|g| g.to_f64()), want)
+/// Every element of `got` against the float64 reference, with the element-wise bound.
+fn check<TO: Element>(
+    p: &GemmProblem,
+    e: &Epilogue,
+    got: &[TO],
+    want: &[ReferenceElement],
+) -> ElementCheck {
+    check_elements(p, e, got.iter().map(|g| g.to_f64()), want)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -144,11 +151,10 @@ fn check_one<TI: Element, TO: Element>(
         run(&gemm, stream);
         let mut got = vec![TO::from_f32(0.0); p.m * p.n];
         d_dev.download(gpu, &mut got).unwrap();
-        let err = rel_error(&got, &want);
-        let bound = if p.output == DType::F32 { 1e-5 } else { 1e-2 };
+        let check = check(&p, &epilogue, &got, &want);
         assert!(
-            err <= bound,
-            "{case:?} {}×{}×{} B {:?} {}→{} call {call}: relative error {err:e} > {bound:e}",
+            check.passed(),
+            "{case:?} {}×{}×{} B {:?} {}→{} call {call}: {check}",
             p.m,
             p.n,
             p.k,
@@ -230,8 +236,8 @@ fn split_tail_tiles_sum_their_k_parts() {
             run(&gemm, &stream);
             let mut got = vec![0f32; p.m * p.n];
             d_dev.download(&gpu, &mut got).unwrap();
-            let err = rel_error(&got, &want);
-            assert!(err <= 1e-5, "cap {cap} call {call}: relative error {err:e}");
+            let check = check(&p, &Epilogue::default(), &got, &want);
+            assert!(check.passed(), "cap {cap} call {call}: {check}");
         }
     }
 }
@@ -247,7 +253,7 @@ fn gemm_matches_sampled_reference_at_a_target_shape_and_a_ragged_one() {
             let rows = bench_gemm(0, None, &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
             assert_eq!(rows.len(), 4);
             for r in rows {
-                assert!(r.error <= 1e-2, "{r:?}");
+                assert_eq!(r.out_of_bound, 0, "{r:?}");
             }
         }
     }
@@ -313,10 +319,10 @@ fn a_consumer_on_the_peer_never_reads_a_stale_tile() {
         let (mut got, mut seen) = (vec![bf16::ZERO; p.m * p.n], vec![bf16::ZERO; p.m * p.n]);
         d_peer.download(&g1, &mut got).unwrap();
         snap.download(&g1, &mut seen).unwrap();
-        let err = rel_error(&got, &want);
+        let check = check(&p, &Epilogue::default(), &got, &want);
         assert!(
-            err <= 1e-2,
-            "call {call}: the tiles on the peer are wrong ({err:e})"
+            check.passed(),
+            "call {call}: the tiles on the peer are wrong: {check}"
         );
         let stale = got
             .iter()
