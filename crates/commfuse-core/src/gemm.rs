@@ -258,26 +258,6 @@ impl GemmPlan {
     }
 }
 
-/// Element (i, j) of A·B in float64, from the operands as stored: the reference every GEMM
-/// implementation (CPU model, our kernel, cuBLASLt) is checked against.
-pub fn reference_dot<T: crate::Element>(
-    p: &GemmProblem,
-    a: &[T],
-    b: &[T],
-    i: usize,
-    j: usize,
-) -> f64 {
-    (0..p.k)
-        .map(|kk| {
-            let bv = match p.b_layout {
-                BLayout::KN => b[kk * p.n + j],
-                BLayout::NK => b[j * p.k + kk],
-            };
-            a[i * p.k + kk].to_f64() * bv.to_f64()
-        })
-        .sum()
-}
-
 /// A tile order for L2 reuse: bands of `group` tile rows, each walked column by column, so a
 /// wave of a persistent grid shares a few A row panels and B column panels instead of sweeping
 /// all of B. Any permutation is valid; this is the default of the GPU benchmarks.
@@ -353,6 +333,9 @@ impl ReferenceElement {
 /// D of one GEMM call in float64 from the operands as stored: alpha·A·B (+ beta·C) (+ bias)
 /// (+ the destination's previous contents when the epilogue accumulates). C, bias and the
 /// previous contents have the output type; each is needed only when the epilogue uses it.
+/// The reference every GEMM implementation (CPU model, our kernel, cuBLASLt) is checked
+/// against; at shapes too large for the CPU the GPU bench uses a float64 kernel validated
+/// against this function.
 pub fn reference_gemm<TI: crate::Element, TO: crate::Element>(
     p: &GemmProblem,
     e: &Epilogue,

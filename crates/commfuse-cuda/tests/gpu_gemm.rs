@@ -13,7 +13,7 @@ use commfuse_cuda::driver::{DeviceMemory, Gpu, MappedHost, Stream};
 use commfuse_cuda::gemm::{
     GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TileSnapshot, TILE,
 };
-use commfuse_cuda::gemm_bench::bench_gemm;
+use commfuse_cuda::gemm_bench::{bench_gemm, DeviceReference, ReferenceGemm};
 use commfuse_cuda::plan_table::ErrorRecord;
 use half::{bf16, f16};
 
@@ -242,21 +242,159 @@ fn split_tail_tiles_sum_their_k_parts() {
     }
 }
 
+/// The bench checks every element of every row (ours and cuBLASLt's, capped or not) against
+/// the device reference.
 #[test]
-fn gemm_matches_sampled_reference_at_a_target_shape_and_a_ragged_one() {
+fn bench_rows_pass_the_check_of_every_element() {
     if !gpus(1) {
         return;
     }
-    for (m, n, k) in [(2048, 8192, 3584), (1000, 3000, 1032)] {
+    for (m, n, k, output) in [
+        (2048, 8192, 3584, DType::BF16),
+        (1000, 3000, 1032, DType::BF16),
+        (1000, 3000, 1032, DType::F32),
+        (777, 1500, 520, DType::F16),
+    ] {
         for layout in [BLayout::NK, BLayout::KN] {
-            let p = GemmProblem::new(m, n, k, layout, DType::BF16, DType::BF16).unwrap();
+            let p = GemmProblem::new(m, n, k, layout, DType::BF16, output).unwrap();
             let rows = bench_gemm(0, None, &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
             assert_eq!(rows.len(), 4);
             for r in rows {
-                assert_eq!(r.out_of_bound, 0, "{r:?}");
+                assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{r:?}");
             }
         }
     }
+}
+
+/// The reference kernel of the bench's check against the float64 CPU reference: ragged shapes
+/// (partial tiles and k-slices), both B layouts, both input types; values to within a double
+/// sum's rounding, Σ|ab| to within its f32 rounding.
+#[test]
+fn reference_kernel_matches_float64_on_ragged_shapes() {
+    let Some((gpu, _, stream)) = one_gpu() else {
+        return;
+    };
+    let reference = ReferenceGemm::load(&gpu).unwrap();
+    let mut seed = 1000;
+    for (m, n, k) in [(1, 7, 8), (65, 63, 40), (200, 300, 136), (257, 129, 1032)] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            for input in [DType::BF16, DType::F16] {
+                let p = GemmProblem::new(m, n, k, layout, input, DType::F32).unwrap();
+                seed += 1;
+                match input {
+                    DType::BF16 => check_reference::<bf16>(&gpu, &stream, &reference, p, seed),
+                    _ => check_reference::<f16>(&gpu, &stream, &reference, p, seed),
+                }
+            }
+        }
+    }
+}
+
+fn check_reference<T: Element>(
+    gpu: &Gpu,
+    stream: &Stream,
+    reference: &ReferenceGemm,
+    p: GemmProblem,
+    seed: u64,
+) {
+    let mut rng = Rng(seed);
+    let a: Vec<T> = rng.vec(p.m * p.k);
+    let b: Vec<T> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(gpu, &a), upload(gpu, &b));
+    // SAFETY: A and B hold the problem's operands
+    let got = unsafe {
+        reference
+            .compute(gpu, stream, &p, a_dev.addr(), b_dev.addr())
+            .unwrap()
+    };
+    let want = reference_gemm::<T, f32>(&p, &Epilogue::default(), &a, &b, None, None, None);
+    let double_sum = p.k as f64 * f64::EPSILON;
+    let f32_rounding = f64::powi(2.0, -23);
+    for (idx, w) in want.iter().enumerate() {
+        let (value, abs) = (got.value[idx], got.abs_products[idx] as f64);
+        assert!(
+            (value - w.value).abs() <= double_sum * w.abs_products
+                && (abs - w.abs_products).abs() <= f32_rounding * w.abs_products,
+            "{}×{}×{} {:?} {}: element ({}, {}) is {value:e} (Σ|ab| {abs:e}), float64 says {:e} ({:e})",
+            p.m,
+            p.n,
+            p.k,
+            p.b_layout,
+            p.input,
+            idx / p.n,
+            idx % p.n,
+            w.value,
+            w.abs_products
+        );
+    }
+}
+
+/// The host half of the bench's check (no GPU needed): every element is counted once, in
+/// parallel parts, and a wrong element is reported at its own index wherever it lies.
+#[test]
+fn the_bench_check_counts_every_element_at_its_index() {
+    let p = GemmProblem::new(37, 129, 64, BLayout::KN, DType::BF16, DType::F32).unwrap();
+    let mut rng = Rng(5);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let want = reference_gemm::<bf16, f32>(&p, &Epilogue::default(), &a, &b, None, None, None);
+    let reference = DeviceReference {
+        value: want.iter().map(|w| w.value).collect(),
+        abs_products: want.iter().map(|w| w.abs_products as f32).collect(),
+    };
+    let exact: Vec<f32> = want.iter().map(|w| w.value as f32).collect();
+    let check = reference.check(&p, &exact);
+    assert!(check.passed() && check.checked == p.m * p.n, "{check}");
+    for wrong in [0, 1, p.n + 1, p.m * p.n / 2 + 1, p.m * p.n - 1] {
+        let mut got = exact.clone();
+        got[wrong] += 0.5;
+        let check = reference.check(&p, &got);
+        assert_eq!(
+            (check.checked, check.out_of_bound, check.worst.map(|w| w.0)),
+            (p.m * p.n, 1, Some(wrong)),
+            "{check}"
+        );
+    }
+}
+
+/// The device check looks at every element: one wrong element in an odd column of a
+/// 2048×8192 output is found, and only that one (the bench's former sampled check scaled a
+/// 24-bit random value by M·N and drew only even indices, so even columns, at this shape).
+#[test]
+fn the_device_check_finds_one_wrong_element_in_an_odd_column() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let p = GemmProblem::new(2048, 8192, 3584, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let mut rng = Rng(31);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
+    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
+    let plan = GemmPlan::local(p, TILE, Epilogue::default());
+    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
+    let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, 0, 0).unwrap();
+    d_dev.fill(&gpu, 0xff).unwrap();
+    run(&gemm, &stream);
+    let mut got = vec![bf16::ZERO; p.m * p.n];
+    d_dev.download(&gpu, &mut got).unwrap();
+    let reference = ReferenceGemm::load(&gpu).unwrap();
+    // SAFETY: A and B hold the problem's operands
+    let reference = unsafe {
+        reference
+            .compute(&gpu, &stream, &p, a_dev.addr(), b_dev.addr())
+            .unwrap()
+    };
+    let check = reference.check(&p, &got);
+    assert!(check.passed() && check.checked == p.m * p.n, "{check}");
+    let wrong = 1234 * p.n + 4567;
+    got[wrong] = bf16::from_f64(got[wrong].to_f64() + 1.0);
+    let check = reference.check(&p, &got);
+    assert_eq!(
+        (check.out_of_bound, check.worst.map(|w| w.0)),
+        (1, Some(wrong)),
+        "{check}"
+    );
 }
 
 #[test]
