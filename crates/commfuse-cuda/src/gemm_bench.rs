@@ -162,6 +162,10 @@ fn run<T: Element>(
         Some(peer_gpu) => Some(Routed::new(&gpu, peer_gpu, &kernels, &plan, &ops, &d_dev)?),
         None => None,
     };
+    // declared after every buffer the launches below write (here and on the peer) and before
+    // none of them: it drops first, so an error path (a `?` below) waits for the stream before
+    // any of that memory is freed
+    let _drain = StreamGuard::new(&stream);
 
     let mut variants = Vec::new();
     let (lt, stream, a_addr, b_addr, d_addr) =
@@ -330,6 +334,29 @@ impl Routed {
             d_peer,
             _flags: flags,
         })
+    }
+}
+
+/// Waits for everything enqueued on a stream when dropped. Declared after the device memory
+/// (and modules, handles) that kernels on the stream use, it drops before them, so that no
+/// error path frees memory a running kernel still writes. The wait is bounded: every wait of
+/// our GEMM times out after 5 s and ends the kernel (the error path has already reported it
+/// through `PreparedGemm::stall_report`); the other kernels run to completion on their own.
+pub struct StreamGuard<'a> {
+    stream: &'a Stream,
+}
+
+impl<'a> StreamGuard<'a> {
+    pub fn new(stream: &'a Stream) -> StreamGuard<'a> {
+        StreamGuard { stream }
+    }
+}
+
+impl Drop for StreamGuard<'_> {
+    fn drop(&mut self) {
+        // an error here is the kernel's own failure, already reported by whoever returned it;
+        // what matters is that the stream has stopped
+        let _ = self.stream.synchronize();
     }
 }
 

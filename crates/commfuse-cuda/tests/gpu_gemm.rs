@@ -13,7 +13,7 @@ use commfuse_cuda::driver::{DeviceMemory, Gpu, MappedHost, Stream};
 use commfuse_cuda::gemm::{
     GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TileSnapshot, TILE,
 };
-use commfuse_cuda::gemm_bench::{bench_gemm, DeviceReference, ReferenceGemm};
+use commfuse_cuda::gemm_bench::{bench_gemm, DeviceReference, ReferenceGemm, StreamGuard};
 use commfuse_cuda::plan_table::ErrorRecord;
 use half::{bf16, f16};
 
@@ -327,6 +327,52 @@ fn check_reference<T: Element>(
             w.abs_products
         );
     }
+}
+
+/// The bench's error paths drop a `StreamGuard` before its buffers: dropping it returns only
+/// once the stream is idle, even with a long kernel still running when the error is returned.
+#[test]
+fn a_stream_guard_waits_for_the_running_kernel() {
+    let Some((gpu, _, stream)) = one_gpu() else {
+        return;
+    };
+    // a reference GEMM of 2·8192·8192·4096 double FMAs: tens of milliseconds
+    let p = GemmProblem::new(8192, 8192, 4096, BLayout::NK, DType::BF16, DType::F32).unwrap();
+    let a_dev = DeviceMemory::zeroed(&gpu, p.m * p.k * 2).unwrap();
+    let b_dev = DeviceMemory::zeroed(&gpu, p.n * p.k * 2).unwrap();
+    let value = DeviceMemory::zeroed(&gpu, p.m * p.n * 8).unwrap();
+    let abs = DeviceMemory::zeroed(&gpu, p.m * p.n * 4).unwrap();
+    let reference = ReferenceGemm::load(&gpu).unwrap();
+    let idle = || {
+        // SAFETY: a live stream
+        let rc = unsafe { cudarc::driver::sys::cuStreamQuery(stream.raw()) };
+        assert!(
+            matches!(
+                rc,
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS
+                    | cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
+            ),
+            "{rc:?}"
+        );
+        rc == cudarc::driver::sys::CUresult::CUDA_SUCCESS
+    };
+    let guard = StreamGuard::new(&stream);
+    // SAFETY: the buffers are sized for the problem and outlive the guard
+    unsafe {
+        reference
+            .launch(
+                &stream,
+                &p,
+                a_dev.addr(),
+                b_dev.addr(),
+                value.addr(),
+                abs.addr(),
+            )
+            .unwrap()
+    };
+    assert!(!idle(), "the kernel finished before the guard was dropped");
+    drop(guard);
+    assert!(idle(), "the guard returned with the kernel still running");
 }
 
 /// The host half of the bench's check (no GPU needed): every element is counted once, in
