@@ -21,6 +21,8 @@ use half::{bf16, f16};
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct GemmRow {
+    /// `commfuse`, `commfuse-peer`, ... or `cublaslt (best of N, #i)`: the heuristic offered N
+    /// algorithms, the i-th (0: its own first pick) ran fastest and was timed
     pub implementation: String,
     pub m: usize,
     pub n: usize,
@@ -246,8 +248,14 @@ fn run<T: Element>(
             DType::BF16 => check_output::<bf16>(p, &reference, (out_gpu, out), peer_rows)?,
             DType::F16 => check_output::<f16>(p, &reference, (out_gpu, out), peer_rows)?,
         };
+        let implementation = match lt.choice(p, v.cap) {
+            Some(c) if v.gemm.is_none() => {
+                format!("{} (best of {}, #{})", v.name, c.candidates, c.index)
+            }
+            _ => v.name.into(),
+        };
         rows.push(GemmRow {
-            implementation: v.name.into(),
+            implementation,
             m: p.m,
             n: p.n,
             k: p.k,

@@ -9,6 +9,7 @@ use commfuse_core::gemm::{
 };
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::{DType, Element};
+use commfuse_cuda::cublaslt::Lt;
 use commfuse_cuda::driver::{DeviceMemory, Gpu, MappedHost, Stream};
 use commfuse_cuda::gemm::{
     GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TileSnapshot, TILE,
@@ -373,6 +374,61 @@ fn a_stream_guard_waits_for_the_running_kernel() {
     assert!(!idle(), "the kernel finished before the guard was dropped");
     drop(guard);
     assert!(idle(), "the guard returned with the kernel still running");
+}
+
+/// cuBLASLt is timed over its heuristic's candidates per shape and SM cap; the cap still
+/// holds (16 of 132 SMs take several times as long) and both choices compute A·B.
+#[test]
+fn cublaslt_chooses_among_candidates_and_keeps_the_sm_cap() {
+    let Some((gpu, _, stream)) = one_gpu() else {
+        return;
+    };
+    let p = GemmProblem::new(2048, 8192, 3584, BLayout::KN, DType::BF16, DType::BF16).unwrap();
+    let mut rng = Rng(77);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
+    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
+    let lt = Lt::new(&gpu).unwrap();
+    let reference = ReferenceGemm::load(&gpu).unwrap();
+    // SAFETY: A and B hold the problem's operands
+    let reference = unsafe {
+        reference
+            .compute(&gpu, &stream, &p, a_dev.addr(), b_dev.addr())
+            .unwrap()
+    };
+    let mut times = Vec::new();
+    for sms in [0, 16] {
+        assert_eq!(lt.choice(&p, sms), None);
+        d_dev.fill(&gpu, 0xff).unwrap();
+        // SAFETY: operands sized for the problem on this GPU, waited for below
+        unsafe {
+            lt.matmul(
+                &stream,
+                &p,
+                sms,
+                a_dev.addr(),
+                b_dev.addr(),
+                d_dev.addr(),
+                1.0,
+                0.0,
+            )
+            .unwrap()
+        };
+        stream.synchronize().unwrap();
+        let choice = lt.choice(&p, sms).unwrap();
+        assert!(
+            choice.index < choice.candidates && choice.time_ms > 0.0,
+            "{choice:?}"
+        );
+        eprintln!("sms {sms}: {choice:?}");
+        times.push(choice.time_ms);
+        let mut got = vec![bf16::ZERO; p.m * p.n];
+        d_dev.download(&gpu, &mut got).unwrap();
+        let check = reference.check(&p, &got);
+        assert!(check.passed(), "sms {sms}: {check}");
+    }
+    assert!(times[1] > 3.0 * times[0], "capped at 16 SMs: {times:?} ms");
 }
 
 /// The host half of the bench's check (no GPU needed): every element is counted once, in

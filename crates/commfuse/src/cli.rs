@@ -351,7 +351,7 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         a.m, a.n, a.k, layout, problem.input, problem.output, a.device
     );
     println!(
-        "# {:>16} {:>5} {:>10} {:>9} {:>10} {:>10}  check",
+        "# {:>26} {:>5} {:>10} {:>9} {:>10} {:>10}  check",
         "impl", "sms", "time(ms)", "TFLOP/s", "#wrong", "err/bound"
     );
     let mut ok = true;
@@ -359,7 +359,7 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         let pass = r.out_of_bound == 0;
         ok &= pass;
         println!(
-            "  {:>16} {:>5} {:>10.4} {:>9.1} {:>10} {:>10.3}  {}",
+            "  {:>26} {:>5} {:>10.4} {:>9.1} {:>10} {:>10.3}  {}",
             r.implementation,
             if r.sms == 0 {
                 "all".to_string()
