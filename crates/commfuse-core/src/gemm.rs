@@ -258,26 +258,6 @@ impl GemmPlan {
     }
 }
 
-/// Element (i, j) of A·B in float64, from the operands as stored: the reference every GEMM
-/// implementation (CPU model, our kernel, cuBLASLt) is checked against.
-pub fn reference_dot<T: crate::Element>(
-    p: &GemmProblem,
-    a: &[T],
-    b: &[T],
-    i: usize,
-    j: usize,
-) -> f64 {
-    (0..p.k)
-        .map(|kk| {
-            let bv = match p.b_layout {
-                BLayout::KN => b[kk * p.n + j],
-                BLayout::NK => b[j * p.k + kk],
-            };
-            a[i * p.k + kk].to_f64() * bv.to_f64()
-        })
-        .sum()
-}
-
 /// A tile order for L2 reuse: bands of `group` tile rows, each walked column by column, so a
 /// wave of a persistent grid shares a few A row panels and B column panels instead of sweeping
 /// all of B. Any permutation is valid; this is the default of the GPU benchmarks.
@@ -326,9 +306,36 @@ pub fn staggered_remote_first(
     order
 }
 
+/// One element of D in float64 with the magnitudes its rounding errors scale with: what
+/// [`element_bound`] needs to judge a computed element.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct ReferenceElement {
+    /// The exact result: alpha·Σₖ aᵢₖ·bₖⱼ (+ beta·cᵢⱼ) (+ biasⱼ) (+ the previous dᵢⱼ).
+    pub value: f64,
+    /// Σₖ |aᵢₖ·bₖⱼ|: the f32 accumulation's rounding errors are proportional to it.
+    pub abs_products: f64,
+    /// |alpha·Σₖ aᵢₖ·bₖⱼ| + |beta·cᵢⱼ| + |biasⱼ| + |previous dᵢⱼ|: the epilogue's f32 additions
+    /// (and the first of an accumulating epilogue's two roundings) are proportional to it.
+    pub abs_terms: f64,
+}
+
+impl ReferenceElement {
+    /// An element of the plain product A·B (alpha 1, no other term).
+    pub fn product(value: f64, abs_products: f64) -> ReferenceElement {
+        ReferenceElement {
+            value,
+            abs_products,
+            abs_terms: value.abs(),
+        }
+    }
+}
+
 /// D of one GEMM call in float64 from the operands as stored: alpha·A·B (+ beta·C) (+ bias)
 /// (+ the destination's previous contents when the epilogue accumulates). C, bias and the
 /// previous contents have the output type; each is needed only when the epilogue uses it.
+/// The reference every GEMM implementation (CPU model, our kernel, cuBLASLt) is checked
+/// against; at shapes too large for the CPU the GPU bench uses a float64 kernel validated
+/// against this function.
 pub fn reference_gemm<TI: crate::Element, TO: crate::Element>(
     p: &GemmProblem,
     e: &Epilogue,
@@ -337,35 +344,208 @@ pub fn reference_gemm<TI: crate::Element, TO: crate::Element>(
     c: Option<&[TO]>,
     bias: Option<&[TO]>,
     previous: Option<&[TO]>,
-) -> Vec<f64> {
-    let mut d = vec![0f64; p.m * p.n];
+) -> Vec<ReferenceElement> {
+    let mut d = Vec::with_capacity(p.m * p.n);
     for i in 0..p.m {
         for j in 0..p.n {
-            let mut v = e.alpha as f64 * reference_dot(p, a, b, i, j);
+            let (mut dot, mut abs_products) = (0f64, 0f64);
+            for kk in 0..p.k {
+                let bv = match p.b_layout {
+                    BLayout::KN => b[kk * p.n + j],
+                    BLayout::NK => b[j * p.k + kk],
+                };
+                let product = a[i * p.k + kk].to_f64() * bv.to_f64();
+                dot += product;
+                abs_products += product.abs();
+            }
+            let mut terms = vec![e.alpha as f64 * dot];
             if e.beta != 0.0 {
-                v += e.beta as f64 * c.expect("beta != 0 needs C")[i * p.n + j].to_f64();
+                terms.push(e.beta as f64 * c.expect("beta != 0 needs C")[i * p.n + j].to_f64());
             }
             if e.bias {
-                v += bias.expect("the epilogue adds a bias")[j].to_f64();
+                terms.push(bias.expect("the epilogue adds a bias")[j].to_f64());
             }
             if e.accumulate {
-                v += previous.expect("accumulating needs the previous D")[i * p.n + j].to_f64();
+                terms.push(
+                    previous.expect("accumulating needs the previous D")[i * p.n + j].to_f64(),
+                );
             }
-            d[i * p.n + j] = v;
+            d.push(ReferenceElement {
+                value: terms.iter().sum(),
+                abs_products,
+                abs_terms: terms.iter().map(|t| t.abs()).sum(),
+            });
         }
     }
     d
 }
 
-/// ‖got − want‖ / ‖want‖ (Frobenius). A NaN in `got` (an unwritten, poisoned element) makes
-/// the result NaN, which fails every bound.
-pub fn relative_error(got: impl IntoIterator<Item = f64>, want: &[f64]) -> f64 {
-    let (mut num, mut den) = (0f64, 0f64);
-    for (g, w) in got.into_iter().zip(want) {
-        num += (g - w).powi(2);
-        den += w * w;
+/// The margin of [`element_bound`] over the error model: a correct kernel stays below half the
+/// bound, so that a true worst case an estimate misses by a little still passes.
+pub const BOUND_MARGIN: f64 = 2.0;
+
+/// f32 roundings in the epilogue after the accumulation: alpha·acc, + beta·c, + bias, + the
+/// previous value (each at most one unit roundoff of a partial sum no larger than `abs_terms`).
+const EPILOGUE_ROUNDINGS: f64 = 4.0;
+
+/// The largest error a correct GEMM with f32 accumulation may make in one element of D:
+///
+/// ```text
+/// |d − ref| ≤ 2 · ( √K·u₃₂·|alpha|·Σₖ|aᵢₖbₖⱼ|      accumulation in f32
+///                 + 4·u₃₂·(|alpha·a·b| + |beta·c| + |bias| + |previous|)   epilogue in f32
+///                 + u_out·|ref|  (+ u_out·terms when accumulating 16-bit)   cast(s) to the output
+///                 + half the output type's smallest subnormal )
+/// ```
+///
+/// with unit roundoffs u₃₂ = 2⁻²⁴, u_out = 2⁻⁸ (bf16), 2⁻¹¹ (f16), 2⁻²⁴ (f32).
+///
+/// Why these terms: the reference is computed from the operands as stored, and a product of two
+/// bf16 or f16 values is exact in f32 (8 or 11 significant bits each, 24 in f32), so the inputs
+/// contribute no rounding of their own. Summing K products in f32 rounds at most K times, each
+/// error a unit roundoff of a partial sum no larger than Σ|ab|; the worst case K·u₃₂·Σ|ab| is
+/// reached only if every rounding errs the same way, and at K = 24576 it would let a wrong
+/// element through (≈ 9 on values of ≈ 50). Rounding errors of independent sums behave like
+/// random signs, which gives √K·u₃₂·Σ|ab| (Higham and Mary, "A new approach to probabilistic
+/// rounding error analysis", 2019) — and on inputs of random sign the partial sums, and with
+/// them the real error, stay far below even that: at K = 8192 and f32 output, a sequential f32
+/// sum of uniform [-1, 1) products reaches under 1 % of the bound, a sum of exact blocks of 16
+/// added with truncation (how tensor cores are reported to round) under 4 % (see the tests).
+/// At 16-bit outputs a correctly rounded result reaches just under half the bound.
+///
+/// What it catches: a swapped or shifted column or row (an error of the order of |ref|), a
+/// missing k-block, and at f32 output a single extra or missing product aᵢₖbₖⱼ whenever that
+/// product exceeds the bound (at K = 3584 and Σ|ab| ≈ K/4, about 96 % of products are above
+/// it). At 16-bit outputs no bound can see an error below the output's own rounding.
+pub fn element_bound(p: &GemmProblem, e: &Epilogue, want: &ReferenceElement) -> f64 {
+    let u_f32 = DType::F32.unit_roundoff();
+    let u_out = p.output.unit_roundoff();
+    let accumulation = (p.k as f64).sqrt() * u_f32 * (e.alpha as f64).abs() * want.abs_products;
+    let epilogue = EPILOGUE_ROUNDINGS * u_f32 * want.abs_terms;
+    let mut output = u_out * want.value.abs();
+    if e.accumulate && p.output != DType::F32 {
+        // the tile is cast to the output type before the previous value is added, then cast
+        // again: the first rounding is of a value no larger than the terms' magnitudes
+        output += u_out * want.abs_terms;
     }
-    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+    let smallest_subnormal = match p.output {
+        DType::F32 => f64::powi(2.0, -149),
+        DType::BF16 => f64::powi(2.0, -133),
+        DType::F16 => f64::powi(2.0, -24),
+    };
+    BOUND_MARGIN * (accumulation + epilogue + output + smallest_subnormal / 2.0)
+}
+
+/// The outcome of checking computed elements against [`element_bound`].
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct ElementCheck {
+    pub checked: usize,
+    /// Elements whose error exceeds the bound (NaN included).
+    pub out_of_bound: usize,
+    /// The largest error / bound seen (∞ for NaN or infinite elements); below 1 means all pass.
+    pub worst_ratio: f64,
+    /// The element with the worst ratio: its index, the value computed, the reference and the
+    /// bound.
+    pub worst: Option<(usize, f64, f64, f64)>,
+}
+
+impl Default for ElementCheck {
+    fn default() -> Self {
+        ElementCheck {
+            checked: 0,
+            out_of_bound: 0,
+            worst_ratio: 0.0,
+            worst: None,
+        }
+    }
+}
+
+impl ElementCheck {
+    /// Counts element `index`, computed as `got`, against its reference.
+    pub fn add(
+        &mut self,
+        p: &GemmProblem,
+        e: &Epilogue,
+        index: usize,
+        got: f64,
+        want: &ReferenceElement,
+    ) {
+        let bound = element_bound(p, e, want);
+        let error = (got - want.value).abs();
+        // NaN and infinities compare false: they are out of bound with the worst ratio
+        let ratio = if error <= f64::MAX {
+            error / bound
+        } else {
+            f64::INFINITY
+        };
+        self.checked += 1;
+        // written so that NaN counts: `error > bound` is false for it
+        let within = error <= bound;
+        if !within {
+            self.out_of_bound += 1;
+        }
+        if self.worst.is_none() || ratio > self.worst_ratio {
+            self.worst_ratio = ratio;
+            self.worst = Some((index, got, want.value, bound));
+        }
+    }
+
+    /// The check of the union of two disjoint sets of elements (parallel checks merge).
+    pub fn merge(self, other: ElementCheck) -> ElementCheck {
+        let worse = if other.worst.is_some()
+            && (self.worst.is_none() || other.worst_ratio > self.worst_ratio)
+        {
+            other
+        } else {
+            self
+        };
+        ElementCheck {
+            checked: self.checked + other.checked,
+            out_of_bound: self.out_of_bound + other.out_of_bound,
+            ..worse
+        }
+    }
+
+    pub fn passed(&self) -> bool {
+        self.out_of_bound == 0
+    }
+}
+
+impl std::fmt::Display for ElementCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} of {} elements out of bound, worst error {:.3} × the bound",
+            self.out_of_bound, self.checked, self.worst_ratio
+        )?;
+        if let Some((index, got, want, bound)) = self.worst {
+            write!(
+                f,
+                " at element {index} (got {got:e}, want {want:e} ± {bound:.3e})"
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks every computed element (in D's order) against its reference with [`element_bound`].
+pub fn check_elements(
+    p: &GemmProblem,
+    e: &Epilogue,
+    got: impl IntoIterator<Item = f64>,
+    want: &[ReferenceElement],
+) -> ElementCheck {
+    let mut check = ElementCheck::default();
+    let mut count = 0;
+    for (index, (g, w)) in got.into_iter().zip(want).enumerate() {
+        check.add(p, e, index, g, w);
+        count += 1;
+    }
+    assert_eq!(
+        count,
+        want.len(),
+        "one computed element per reference element"
+    );
+    check
 }
 
 /// Tiles along M and N.
@@ -379,6 +559,215 @@ pub fn tiles(problem: &GemmProblem, tile: TileShape) -> (usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::{bf16, f16};
+
+    /// Uniform in [-1, 1) from a splitmix stream.
+    fn uniform(seed: u64, len: usize) -> Vec<f32> {
+        let mut x = seed;
+        (0..len)
+            .map(|_| {
+                x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                let mut z = x;
+                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    fn operands<T: crate::Element>(p: &GemmProblem, seed: u64) -> (Vec<T>, Vec<T>) {
+        let cast = |v: Vec<f32>| v.into_iter().map(T::from_f32).collect();
+        (
+            cast(uniform(seed, p.m * p.k)),
+            cast(uniform(seed + 1, p.k * p.n)),
+        )
+    }
+
+    /// f32 rounded toward zero: how tensor cores are reported to round their sums.
+    fn truncate(x: f64) -> f32 {
+        let r = x as f32;
+        if (r as f64).abs() > x.abs() {
+            f32::from_bits(r.to_bits() - 1)
+        } else {
+            r
+        }
+    }
+
+    /// What correct kernels compute: the products summed in f32 either one by one with
+    /// rounding (the CPU model) or in exact blocks of 16 added with truncation (a tensor-core
+    /// model), then alpha, beta·C and bias in f32 and one cast to the output type.
+    fn f32_gemm<TI: crate::Element, TO: crate::Element>(
+        p: &GemmProblem,
+        e: &Epilogue,
+        a: &[TI],
+        b: &[TI],
+        c: &[TO],
+        bias: &[TO],
+        blocked: bool,
+    ) -> Vec<f64> {
+        let mut d = Vec::with_capacity(p.m * p.n);
+        for i in 0..p.m {
+            for j in 0..p.n {
+                let product = |kk: usize| {
+                    let bv = match p.b_layout {
+                        BLayout::KN => b[kk * p.n + j],
+                        BLayout::NK => b[j * p.k + kk],
+                    };
+                    a[i * p.k + kk].to_f32() * bv.to_f32()
+                };
+                let mut acc = 0f32;
+                if blocked {
+                    for block in (0..p.k).step_by(16) {
+                        let part: f64 = (block..(block + 16).min(p.k))
+                            .map(|kk| product(kk) as f64)
+                            .sum();
+                        acc = truncate(acc as f64 + part);
+                    }
+                } else {
+                    for kk in 0..p.k {
+                        acc += product(kk);
+                    }
+                }
+                let mut v = e.alpha * acc;
+                if e.beta != 0.0 {
+                    v += e.beta * c[i * p.n + j].to_f32();
+                }
+                if e.bias {
+                    v += bias[j].to_f32();
+                }
+                d.push(TO::from_f32(v).to_f64());
+            }
+        }
+        d
+    }
+
+    fn correct_results_pass<TI: crate::Element, TO: crate::Element>(
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> f64 {
+        let mut worst: f64 = 0.0;
+        for (layout, e) in [
+            (BLayout::NK, Epilogue::default()),
+            (
+                BLayout::KN,
+                Epilogue {
+                    alpha: 0.5,
+                    beta: -0.75,
+                    bias: true,
+                    accumulate: false,
+                },
+            ),
+        ] {
+            let p = GemmProblem::new(m, n, k, layout, TI::DTYPE, TO::DTYPE).unwrap();
+            let (a, b) = operands::<TI>(&p, k as u64);
+            let c: Vec<TO> = uniform(3, m * n).into_iter().map(TO::from_f32).collect();
+            let bias: Vec<TO> = uniform(4, n).into_iter().map(TO::from_f32).collect();
+            let want = reference_gemm(&p, &e, &a, &b, Some(&c), Some(&bias), None);
+            for blocked in [false, true] {
+                let got = f32_gemm(&p, &e, &a, &b, &c, &bias, blocked);
+                let check = check_elements(&p, &e, got, &want);
+                assert!(
+                    check.passed() && check.worst_ratio < 1.0 / BOUND_MARGIN,
+                    "{m}×{n}×{k} {layout:?} {}→{} blocked {blocked}: {check}",
+                    p.input,
+                    p.output
+                );
+                worst = worst.max(check.worst_ratio);
+            }
+        }
+        worst
+    }
+
+    #[test]
+    fn correct_f32_accumulation_stays_within_half_the_bound() {
+        for k in [8, 136, 1032] {
+            correct_results_pass::<bf16, f32>(9, 7, k);
+            correct_results_pass::<bf16, bf16>(9, 7, k);
+            correct_results_pass::<f16, f16>(9, 7, k);
+            correct_results_pass::<f16, f32>(9, 7, k);
+        }
+        // long K at f32 output, where only the accumulation term counts: the real error uses a
+        // small part of it (it scales with the partial sums, ≈ √K smaller than Σ|ab|)
+        let worst = correct_results_pass::<bf16, f32>(4, 6, 8192);
+        assert!(worst < 0.05, "worst ratio {worst}");
+    }
+
+    #[test]
+    fn a_single_wrong_element_fails() {
+        let p = GemmProblem::new(16, 24, 3584, BLayout::NK, DType::BF16, DType::F32).unwrap();
+        let e = Epilogue::default();
+        let (a, b) = operands::<bf16>(&p, 11);
+        let want = reference_gemm::<bf16, f32>(&p, &e, &a, &b, None, None, None);
+        let correct = f32_gemm::<bf16, f32>(&p, &e, &a, &b, &[], &[], false);
+        assert!(check_elements(&p, &e, correct.clone(), &want).passed());
+        let product =
+            |i: usize, j: usize, kk: usize| a[i * p.k + kk].to_f64() * b[j * p.k + kk].to_f64();
+        // one element with one product too many: every element, each with its own largest
+        // product counted twice, is caught on its own
+        for idx in 0..p.m * p.n {
+            let (i, j) = (idx / p.n, idx % p.n);
+            let extra = (0..p.k)
+                .map(|kk| product(i, j, kk))
+                .max_by(|x, y| x.abs().total_cmp(&y.abs()))
+                .unwrap();
+            let mut got = correct.clone();
+            got[idx] += extra;
+            let check = check_elements(&p, &e, got, &want);
+            assert_eq!(check.out_of_bound, 1, "{check}");
+            assert_eq!(check.worst.unwrap().0, idx);
+        }
+        // a loop that stops one product early (k < K − 1): nearly every element fails
+        let short: Vec<f64> = correct
+            .iter()
+            .enumerate()
+            .map(|(idx, d)| d - product(idx / p.n, idx % p.n, p.k - 1))
+            .collect();
+        let check = check_elements(&p, &e, short, &want);
+        assert!(check.out_of_bound * 100 >= 90 * check.checked, "{check}");
+        // two columns swapped, at bf16 output
+        let p16 = GemmProblem {
+            output: DType::BF16,
+            ..p
+        };
+        let mut got = f32_gemm::<bf16, bf16>(&p16, &e, &a, &b, &[], &[], false);
+        assert!(check_elements(&p16, &e, got.clone(), &want).passed());
+        for i in 0..p.m {
+            got.swap(i * p.n + 5, i * p.n + 6);
+        }
+        let check = check_elements(&p16, &e, got.clone(), &want);
+        assert_eq!(check.out_of_bound, 2 * p.m, "{check}");
+        // an unwritten (poisoned) element
+        got = correct.clone();
+        got[7] = f64::NAN;
+        let check = check_elements(&p, &e, got, &want);
+        assert_eq!((check.out_of_bound, check.worst_ratio), (1, f64::INFINITY));
+        assert!(
+            check
+                .to_string()
+                .starts_with("1 of 384 elements out of bound"),
+            "{check}"
+        );
+    }
+
+    #[test]
+    fn checks_of_disjoint_parts_merge_into_the_whole() {
+        let p = GemmProblem::new(8, 8, 64, BLayout::KN, DType::F16, DType::F16).unwrap();
+        let e = Epilogue::default();
+        let (a, b) = operands::<f16>(&p, 5);
+        let want = reference_gemm::<f16, f16>(&p, &e, &a, &b, None, None, None);
+        let mut got = f32_gemm::<f16, f16>(&p, &e, &a, &b, &[], &[], false);
+        got[3] += 1.0;
+        got[40] -= 2.0;
+        let whole = check_elements(&p, &e, got.clone(), &want);
+        let mut parts = [ElementCheck::default(), ElementCheck::default()];
+        for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
+            parts[idx % 2].add(&p, &e, idx, *g, w);
+        }
+        assert_eq!(parts[0].merge(parts[1]), whole);
+        assert_eq!(parts[1].merge(parts[0]), whole);
+        assert_eq!((whole.out_of_bound, whole.worst.unwrap().0), (2, 40));
+    }
 
     #[test]
     fn ragged_tiles_cover_the_output_once() {

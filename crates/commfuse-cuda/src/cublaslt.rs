@@ -1,12 +1,15 @@
-//! The cuBLASLt baseline: a small wrapper that builds descriptors, layouts and the heuristic's
-//! choice once per shape and caches them (cudarc's safe layer redoes all of it per call), and
-//! can cap the SMs cuBLASLt uses (`CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`, to leave SMs to
-//! communication kernels).
+//! The cuBLASLt baseline at its best: a small wrapper that builds descriptors and layouts once
+//! per shape, asks the heuristic for up to [`CANDIDATES`] algorithms, times each on the real
+//! operands and keeps the fastest (the heuristic's first pick is not always it, and baselines
+//! are to be taken at their best), caching the choice per shape and SM cap (cudarc's safe layer
+//! redoes descriptors and heuristic per call and takes the first pick). It can cap the SMs
+//! cuBLASLt uses (`CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`, to leave SMs to communication kernels).
 //!
 //! Row-major D[M,N] = A[M,K]·B is computed as the column-major Dᵀ[N,M] = Bᵀ·Aᵀ: B goes first.
 
-use crate::driver::{DeviceMemory, Gpu, Stream};
+use crate::driver::{DeviceMemory, Event, Gpu, Stream};
 use crate::error::CudaError;
+use crate::gemm_bench::StreamGuard;
 use commfuse_core::gemm::{BLayout, GemmProblem};
 use commfuse_core::DType;
 use cudarc::cublaslt::{result, sys};
@@ -14,7 +17,13 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Mutex;
 
+/// The workspace every candidate may use (the heuristic only offers algorithms that fit).
 const WORKSPACE_BYTES: usize = 64 << 20;
+/// Algorithms asked of the heuristic per shape.
+pub const CANDIDATES: usize = 16;
+/// Untimed then timed calls per candidate when choosing.
+const TUNE_WARMUP: usize = 2;
+const TUNE_RUNS: usize = 5;
 // cublasOperation_t (cudarc's cublasLt bindings do not carry the enum)
 const CUBLAS_OP_N: i32 = 0;
 const CUBLAS_OP_T: i32 = 1;
@@ -40,14 +49,47 @@ struct Key {
     sms: u32,
 }
 
-struct Prepared {
+/// Which heuristic candidate a shape runs with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Choice {
+    /// Its place in the heuristic's list (0: the heuristic's own first pick).
+    pub index: usize,
+    /// How many candidates the heuristic offered (and were timed).
+    pub candidates: usize,
+    /// Its mean time per call while choosing, in ms.
+    pub time_ms: f32,
+}
+
+/// A matmul descriptor and the three matrix layouts of one shape, destroyed on drop.
+struct Descriptors {
     desc: sys::cublasLtMatmulDesc_t,
+    /// B, A, D in cuBLASLt's (column-major) view
     layouts: [sys::cublasLtMatrixLayout_t; 3],
+}
+
+impl Drop for Descriptors {
+    fn drop(&mut self) {
+        // SAFETY: created by this wrapper, no launch in flight (callers synchronise)
+        unsafe {
+            let _ = result::destroy_matmul_desc(self.desc);
+            for l in self.layouts {
+                if !l.is_null() {
+                    let _ = result::destroy_matrix_layout(l);
+                }
+            }
+        }
+    }
+}
+
+struct Prepared {
+    descriptors: Descriptors,
     algo: sys::cublasLtMatmulAlgo_t,
+    choice: Choice,
 }
 
 /// One cuBLASLt handle on one GPU, with its workspace and per-shape cache.
-pub struct Lt {
+pub struct Lt<'g> {
+    gpu: &'g Gpu,
     handle: sys::cublasLtHandle_t,
     workspace: DeviceMemory,
     cache: Mutex<HashMap<Key, Prepared>>,
@@ -55,11 +97,11 @@ pub struct Lt {
 
 // SAFETY: the handle is used from one thread at a time (the cache's lock serialises setup;
 // launches go to one stream per GPU).
-unsafe impl Send for Lt {}
-unsafe impl Sync for Lt {}
+unsafe impl Send for Lt<'_> {}
+unsafe impl Sync for Lt<'_> {}
 
-impl Lt {
-    pub fn new(gpu: &Gpu) -> Result<Lt, CudaError> {
+impl<'g> Lt<'g> {
+    pub fn new(gpu: &'g Gpu) -> Result<Lt<'g>, CudaError> {
         // SAFETY: only tries to dlopen libcublasLt
         if !unsafe { sys::is_culib_present() } {
             return Err(CudaError::Unavailable(
@@ -68,26 +110,35 @@ impl Lt {
         }
         gpu.bind()?;
         Ok(Lt {
+            gpu,
             handle: lt("cublasLtCreate", result::create_handle())?,
             workspace: DeviceMemory::zeroed(gpu, WORKSPACE_BYTES)?,
             cache: Mutex::new(HashMap::new()),
         })
     }
 
-    fn prepare(&self, key: Key) -> Result<(), CudaError> {
-        let mut cache = self.cache.lock().unwrap();
-        if cache.contains_key(&key) {
-            return Ok(());
-        }
+    /// The candidate chosen for `problem` at `sms` (after its first [`Lt::matmul`]).
+    pub fn choice(&self, problem: &GemmProblem, sms: u32) -> Option<Choice> {
+        let key = Key {
+            problem: *problem,
+            sms,
+        };
+        self.cache.lock().unwrap().get(&key).map(|p| p.choice)
+    }
+
+    fn descriptors(&self, key: &Key) -> Result<Descriptors, CudaError> {
         let p = &key.problem;
         let (m, n, k) = (p.m as u64, p.n as u64, p.k as u64);
-        let desc = lt(
-            "cublasLtMatmulDescCreate",
-            result::create_matmul_desc(
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                sys::cudaDataType::CUDA_R_32F,
-            ),
-        )?;
+        let mut d = Descriptors {
+            desc: lt(
+                "cublasLtMatmulDescCreate",
+                result::create_matmul_desc(
+                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    sys::cudaDataType::CUDA_R_32F,
+                ),
+            )?,
+            layouts: [std::ptr::null_mut(); 3],
+        };
         // first operand: B as column-major; [K,N] row-major is (N×K, ld N); [N,K] row-major is
         // (K×N, ld K) transposed
         let (b_rows, b_cols, b_ld, trans) = match p.b_layout {
@@ -99,7 +150,7 @@ impl Lt {
             lt(
                 "cublasLtMatmulDescSetAttribute(TRANSA)",
                 result::set_matmul_desc_attribute(
-                    desc,
+                    d.desc,
                     sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
                     &trans as *const _ as *const c_void,
                     std::mem::size_of_val(&trans),
@@ -110,7 +161,7 @@ impl Lt {
                 lt(
                     "cublasLtMatmulDescSetAttribute(SM_COUNT_TARGET)",
                     result::set_matmul_desc_attribute(
-                        desc,
+                        d.desc,
                         sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
                         &sms as *const _ as *const c_void,
                         std::mem::size_of_val(&sms),
@@ -118,51 +169,186 @@ impl Lt {
                 )?;
             }
         }
-        let first = lt(
-            "cublasLtMatrixLayoutCreate",
-            result::create_matrix_layout(data_type(p.input), b_rows, b_cols, b_ld),
-        )?;
-        let second = lt(
-            "cublasLtMatrixLayoutCreate",
-            result::create_matrix_layout(data_type(p.input), k, m, k as i64),
-        )?;
-        let out = lt(
-            "cublasLtMatrixLayoutCreate",
-            result::create_matrix_layout(data_type(p.output), n, m, n as i64),
-        )?;
+        let shapes = [
+            (data_type(p.input), b_rows, b_cols, b_ld),
+            (data_type(p.input), k, m, k as i64),
+            (data_type(p.output), n, m, n as i64),
+        ];
+        for (layout, (dtype, rows, cols, ld)) in d.layouts.iter_mut().zip(shapes) {
+            *layout = lt(
+                "cublasLtMatrixLayoutCreate",
+                result::create_matrix_layout(dtype, rows, cols, ld),
+            )?;
+        }
+        Ok(d)
+    }
+
+    /// Up to [`CANDIDATES`] algorithms for the shape, the heuristic's order, each fitting the
+    /// workspace and reducing split-K partials in f32 (never in the output type, which would
+    /// hold cuBLASLt to a weaker accuracy contract than ours).
+    fn candidates(&self, d: &Descriptors) -> Result<Vec<sys::cublasLtMatmulAlgo_t>, CudaError> {
         let pref = lt(
             "cublasLtMatmulPreferenceCreate",
             result::create_matmul_pref(),
         )?;
         let ws = WORKSPACE_BYTES as u64;
-        // SAFETY: live handles
-        let heuristic = unsafe {
-            lt(
-                "cublasLtMatmulPreferenceSetAttribute",
+        let reductions = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_INPLACE as u32
+            | sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+        // SAFETY: zeroed plain-data results; live handles; attribute buffers of the documented
+        // types; the preference is destroyed on every path
+        unsafe {
+            let mut results: [sys::cublasLtMatmulHeuristicResult_t; CANDIDATES] =
+                std::mem::zeroed();
+            let mut count = 0;
+            let asked = lt(
+                "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)",
                 result::set_matmul_pref_attribute(
                     pref,
                     sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                     &ws as *const _ as *const c_void,
                     std::mem::size_of_val(&ws),
                 ),
-            )?;
-            let h =
-                result::get_matmul_algo_heuristic(self.handle, desc, first, second, out, out, pref);
+            )
+            .and_then(|()| {
+                lt(
+                    "cublasLtMatmulPreferenceSetAttribute(REDUCTION_SCHEME_MASK)",
+                    result::set_matmul_pref_attribute(
+                        pref,
+                        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                        &reductions as *const _ as *const c_void,
+                        std::mem::size_of_val(&reductions),
+                    ),
+                )
+            })
+            .and_then(|()| {
+                lt(
+                    "cublasLtMatmulAlgoGetHeuristic",
+                    sys::cublasLtMatmulAlgoGetHeuristic(
+                        self.handle,
+                        d.desc,
+                        d.layouts[0],
+                        d.layouts[1],
+                        d.layouts[2],
+                        d.layouts[2],
+                        pref,
+                        CANDIDATES as i32,
+                        results.as_mut_ptr(),
+                        &mut count,
+                    )
+                    .result(),
+                )
+            });
             let _ = result::destroy_matmul_pref(pref);
-            lt("cublasLtMatmulAlgoGetHeuristic", h)?
-        };
+            asked?;
+            let algos: Vec<_> = results[..(count.max(0) as usize).min(CANDIDATES)]
+                .iter()
+                .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+                .map(|r| r.algo)
+                .collect();
+            if algos.is_empty() {
+                return Err(CudaError::Unavailable(
+                    "cuBLASLt's heuristic offers no algorithm for this GEMM".into(),
+                ));
+            }
+            Ok(algos)
+        }
+    }
+
+    /// Times every candidate on `a` and `b` into a scratch output (the caller's D is never
+    /// touched: with beta ≠ 0 it is an input) and keeps the fastest.
+    fn prepare(&self, key: Key, stream: &Stream, a: u64, b: u64) -> Result<(), CudaError> {
+        let mut cache = self.cache.lock().unwrap();
+        if cache.contains_key(&key) {
+            return Ok(());
+        }
+        let descriptors = self.descriptors(&key)?;
+        let algos = self.candidates(&descriptors)?;
+        let p = &key.problem;
+        let scratch = DeviceMemory::zeroed(self.gpu, p.m * p.n * p.output.size())?;
+        // waits for the timed calls before the scratch output is freed, on every path
+        let drain = StreamGuard::new(stream);
+        let mut best: Option<(usize, f32)> = None;
+        for (index, algo) in algos.iter().enumerate() {
+            let call = || {
+                // SAFETY: operands as the caller promised, scratch sized for D, live descriptors
+                unsafe { self.launch(&descriptors, algo, stream, (a, b, scratch.addr()), 1.0, 0.0) }
+            };
+            let (start, end) = (Event::new(self.gpu)?, Event::new(self.gpu)?);
+            // a candidate cuBLASLt refuses at launch (its status, returned before anything is
+            // enqueued) is skipped
+            let timed = (0..TUNE_WARMUP).try_for_each(|_| call()).and_then(|()| {
+                start.record(stream)?;
+                (0..TUNE_RUNS).try_for_each(|_| call())?;
+                end.record(stream)
+            });
+            if timed.is_err() {
+                continue;
+            }
+            stream.synchronize()?;
+            let ms = start.elapsed_ms(&end)? / TUNE_RUNS as f32;
+            if best.is_none_or(|(_, t)| ms < t) {
+                best = Some((index, ms));
+            }
+        }
+        drop(drain);
+        let (index, time_ms) = best.ok_or_else(|| {
+            CudaError::Unavailable(format!(
+                "none of cuBLASLt's {} candidate algorithms ran",
+                algos.len()
+            ))
+        })?;
         cache.insert(
             key,
             Prepared {
-                desc,
-                layouts: [first, second, out],
-                algo: heuristic.algo,
+                descriptors,
+                algo: algos[index],
+                choice: Choice {
+                    index,
+                    candidates: algos.len(),
+                    time_ms,
+                },
             },
         );
         Ok(())
     }
 
-    /// D = alpha·A·B + beta·D on `stream`; `sms` > 0 caps the SMs used.
+    /// # Safety
+    /// `a`, `b`, `d` as for [`Lt::matmul`]; `d` may be any buffer of D's size.
+    unsafe fn launch(
+        &self,
+        descriptors: &Descriptors,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        stream: &Stream,
+        (a, b, d): (u64, u64, u64),
+        alpha: f32,
+        beta: f32,
+    ) -> Result<(), CudaError> {
+        lt(
+            "cublasLtMatmul",
+            result::matmul(
+                self.handle,
+                descriptors.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                b as *const c_void,
+                descriptors.layouts[0],
+                a as *const c_void,
+                descriptors.layouts[1],
+                d as *const c_void,
+                descriptors.layouts[2],
+                d as *mut c_void,
+                descriptors.layouts[2],
+                algo,
+                self.workspace.addr() as *mut c_void,
+                WORKSPACE_BYTES,
+                stream.raw() as sys::cudaStream_t,
+            ),
+        )
+    }
+
+    /// D = alpha·A·B + beta·D on `stream`; `sms` > 0 caps the SMs used. The first call per
+    /// shape and cap chooses among the heuristic's candidates by timing them (see
+    /// [`Lt::choice`]).
     ///
     /// # Safety
     /// `a`, `b` and `d` must be device addresses on this GPU holding the problem's operands.
@@ -182,43 +368,19 @@ impl Lt {
             problem: *problem,
             sms,
         };
-        self.prepare(key)?;
+        self.prepare(key, stream, a, b)?;
         let cache = self.cache.lock().unwrap();
         let p = &cache[&key];
-        lt(
-            "cublasLtMatmul",
-            result::matmul(
-                self.handle,
-                p.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                b as *const c_void,
-                p.layouts[0],
-                a as *const c_void,
-                p.layouts[1],
-                d as *const c_void,
-                p.layouts[2],
-                d as *mut c_void,
-                p.layouts[2],
-                &p.algo,
-                self.workspace.addr() as *mut c_void,
-                WORKSPACE_BYTES,
-                stream.raw() as sys::cudaStream_t,
-            ),
-        )
+        self.launch(&p.descriptors, &p.algo, stream, (a, b, d), alpha, beta)
     }
 }
 
-impl Drop for Lt {
+impl Drop for Lt<'_> {
     fn drop(&mut self) {
-        // SAFETY: handles created here, no launch in flight (callers synchronise)
+        // the descriptors go first (they do not need the handle), then the handle
+        self.cache.get_mut().unwrap().clear();
+        // SAFETY: created here, no launch in flight (callers synchronise)
         unsafe {
-            for (_, p) in self.cache.get_mut().unwrap().drain() {
-                let _ = result::destroy_matmul_desc(p.desc);
-                for l in p.layouts {
-                    let _ = result::destroy_matrix_layout(l);
-                }
-            }
             let _ = result::destroy_handle(self.handle);
         }
     }

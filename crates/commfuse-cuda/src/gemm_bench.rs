@@ -1,15 +1,18 @@
 //! `commfuse bench gemm`: our GEMM beside cuBLASLt on one GPU (same inputs, same run), at all
 //! SMs and capped, plus our GEMM with its epilogue storing every tile to a peer GPU; timed with
-//! events (warm-up, median), each row checked against a float64 reference on sampled elements
-//! of fresh random inputs with the output poisoned first.
+//! events (warm-up, median), every element of each row's output checked against a float64
+//! reference computed on the device ([`DeviceReference`], kernels/reference_gemm.cu) with the
+//! element-wise bound of `commfuse_core::gemm::element_bound`, on fresh random inputs with the
+//! output poisoned first.
 
 use crate::cublaslt::Lt;
-use crate::driver::{DeviceMemory, Event, Gpu, Stream};
+use crate::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
 use crate::error::CudaError;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TILE};
+use crate::nvrtc;
 use commfuse_core::gemm::{
-    grouped_order, reference_dot, relative_error, staggered_remote_first, Epilogue, GemmPlan,
-    GemmProblem,
+    grouped_order, staggered_remote_first, BLayout, ElementCheck, Epilogue, GemmPlan, GemmProblem,
+    ReferenceElement,
 };
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::reference::input_value;
@@ -18,6 +21,8 @@ use half::{bf16, f16};
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct GemmRow {
+    /// `commfuse`, `commfuse-peer`, ... or `cublaslt (best of N, #i)`: the heuristic offered N
+    /// algorithms, the i-th (0: its own first pick) ran fastest and was timed
     pub implementation: String,
     pub m: usize,
     pub n: usize,
@@ -25,27 +30,27 @@ pub struct GemmRow {
     pub sms: u32,
     pub time_ms: f64,
     pub tflops: f64,
-    /// Relative Frobenius error over the sampled elements
-    pub error: f64,
+    /// Elements checked against the float64 reference
+    pub checked: usize,
+    /// Checked elements whose error exceeds `commfuse_core::gemm::element_bound`
+    pub out_of_bound: usize,
+    /// The largest error / bound among the checked elements (below 1: all within bound)
+    pub worst_ratio: f64,
 }
 
-/// Uniform in [-1, 1): the project's indexable input stream (`stream` 0: A, 1: B, 2: samples).
-fn random_value(seed: u64, stream: usize, i: usize) -> f32 {
-    input_value(seed, stream, i, ReduceOp::Sum)
-}
-
+/// Uniform in [-1, 1) from the project's indexable input stream (`stream` 0: A, 1: B).
 fn upload_random<T: Element>(
     gpu: &Gpu,
     len: usize,
     seed: u64,
     stream: usize,
-) -> Result<(DeviceMemory, Vec<T>), CudaError> {
+) -> Result<DeviceMemory, CudaError> {
     let host: Vec<T> = (0..len)
-        .map(|i| T::from_f32(random_value(seed, stream, i)))
+        .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
         .collect();
     let mem = DeviceMemory::zeroed(gpu, len * std::mem::size_of::<T>())?;
     mem.upload(gpu, &host)?;
-    Ok((mem, host))
+    Ok(mem)
 }
 
 /// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
@@ -138,8 +143,8 @@ fn run<T: Element>(
     let gpu = Gpu::open(device)?;
     let stream = Stream::new(&gpu)?;
     let lt = Lt::new(&gpu)?;
-    let (a_dev, a) = upload_random::<T>(&gpu, p.m * p.k, seed, 0)?;
-    let (b_dev, b) = upload_random::<T>(&gpu, p.k * p.n, seed, 1)?;
+    let a_dev = upload_random::<T>(&gpu, p.m * p.k, seed, 0)?;
+    let b_dev = upload_random::<T>(&gpu, p.k * p.n, seed, 1)?;
     let out_bytes = p.m * p.n * p.output.size();
     let d_dev = DeviceMemory::zeroed(&gpu, out_bytes)?;
     let kernels = GemmKernels::load(&gpu)?;
@@ -159,6 +164,10 @@ fn run<T: Element>(
         Some(peer_gpu) => Some(Routed::new(&gpu, peer_gpu, &kernels, &plan, &ops, &d_dev)?),
         None => None,
     };
+    // declared after every buffer the launches below write (here and on the peer) and before
+    // none of them: it drops first, so an error path (a `?` below) waits for the stream before
+    // any of that memory is freed
+    let _drain = StreamGuard::new(&stream);
 
     let mut variants = Vec::new();
     let (lt, stream, a_addr, b_addr, d_addr) =
@@ -217,6 +226,10 @@ fn run<T: Element>(
         }
     }
     let times = interleaved_medians(&gpu, stream, &variants, warmup, iters)?;
+    // one reference for every row: they all compute A·B from the same operands
+    let reference = ReferenceGemm::load(&gpu)?;
+    // SAFETY: A and B hold the problem's operands on this GPU
+    let reference = unsafe { reference.compute(&gpu, stream, p, a_dev.addr(), b_dev.addr())? };
     let mut rows = Vec::new();
     for (v, time_ms) in variants.iter().zip(times) {
         // a checked call on a poisoned output: an element the GEMM skipped fails the check
@@ -229,23 +242,49 @@ fn run<T: Element>(
         stream
             .synchronize()
             .map_err(|e| with_stall_report(e, v.gemm))?;
-        let mut d = download(out_gpu, p, out)?;
-        if let Some((rows, g, m)) = v.peer_rows {
-            let remote = download(g, p, m)?;
-            d[..rows * p.n].copy_from_slice(&remote[..rows * p.n]);
-        }
+        let peer_rows = v.peer_rows;
+        let check = match p.output {
+            DType::F32 => check_output::<f32>(p, &reference, (out_gpu, out), peer_rows)?,
+            DType::BF16 => check_output::<bf16>(p, &reference, (out_gpu, out), peer_rows)?,
+            DType::F16 => check_output::<f16>(p, &reference, (out_gpu, out), peer_rows)?,
+        };
+        let implementation = match lt.choice(p, v.cap) {
+            Some(c) if v.gemm.is_none() => {
+                format!("{} (best of {}, #{})", v.name, c.candidates, c.index)
+            }
+            _ => v.name.into(),
+        };
         rows.push(GemmRow {
-            implementation: v.name.into(),
+            implementation,
             m: p.m,
             n: p.n,
             k: p.k,
             sms: v.cap,
             time_ms,
             tflops: p.flops() / (time_ms * 1e-3) / 1e12,
-            error: sampled_error(p, &a, &b, &d, seed)?,
+            checked: check.checked,
+            out_of_bound: check.out_of_bound,
+            worst_ratio: check.worst_ratio,
         });
     }
     Ok(rows)
+}
+
+/// Downloads one row's output — the first `rows` rows from the peer's buffer when the
+/// reduce-scatter pattern sent them there — and checks every element.
+fn check_output<TO: Element>(
+    p: &GemmProblem,
+    reference: &DeviceReference,
+    (gpu, out): (&Gpu, &DeviceMemory),
+    peer_rows: Option<(usize, &Gpu, &DeviceMemory)>,
+) -> Result<ElementCheck, CudaError> {
+    let mut d = vec![TO::from_f32(0.0); p.m * p.n];
+    out.download(gpu, &mut d)?;
+    if let Some((rows, peer_gpu, peer_out)) = peer_rows {
+        let rows = rows.min(p.m);
+        peer_out.download(peer_gpu, &mut d[..rows * p.n])?;
+    }
+    Ok(reference.check(p, &d))
 }
 
 /// Our GEMM with routed epilogues, for the rows that store to the peer or raise flags.
@@ -306,6 +345,29 @@ impl Routed {
     }
 }
 
+/// Waits for everything enqueued on a stream when dropped. Declared after the device memory
+/// (and modules, handles) that kernels on the stream use, it drops before them, so that no
+/// error path frees memory a running kernel still writes. The wait is bounded: every wait of
+/// our GEMM times out after 5 s and ends the kernel (the error path has already reported it
+/// through `PreparedGemm::stall_report`); the other kernels run to completion on their own.
+pub struct StreamGuard<'a> {
+    stream: &'a Stream,
+}
+
+impl<'a> StreamGuard<'a> {
+    pub fn new(stream: &'a Stream) -> StreamGuard<'a> {
+        StreamGuard { stream }
+    }
+}
+
+impl Drop for StreamGuard<'_> {
+    fn drop(&mut self) {
+        // an error here is the kernel's own failure, already reported by whoever returned it;
+        // what matters is that the stream has stopped
+        let _ = self.stream.synchronize();
+    }
+}
+
 fn with_stall_report(e: CudaError, gemm: Option<&PreparedGemm>) -> CudaError {
     match gemm.and_then(|g| g.stall_report()) {
         Some(report) => CudaError::Unavailable(format!("{e}; {report}")),
@@ -313,43 +375,162 @@ fn with_stall_report(e: CudaError, gemm: Option<&PreparedGemm>) -> CudaError {
     }
 }
 
-/// Relative Frobenius error of D against a float64 reference on a few thousand sampled
-/// elements (a full reference of a 4096×12288×24576 product would take the CPU minutes).
-fn download(gpu: &Gpu, p: &GemmProblem, d_dev: &DeviceMemory) -> Result<Vec<f64>, CudaError> {
-    Ok(match p.output {
-        DType::F32 => {
-            let mut h = vec![0f32; p.m * p.n];
-            d_dev.download(gpu, &mut h)?;
-            h.iter().map(|&x| x as f64).collect()
-        }
-        DType::BF16 => {
-            let mut h = vec![bf16::ZERO; p.m * p.n];
-            d_dev.download(gpu, &mut h)?;
-            h.iter().map(|x| x.to_f64()).collect()
-        }
-        DType::F16 => {
-            let mut h = vec![f16::ZERO; p.m * p.n];
-            d_dev.download(gpu, &mut h)?;
-            h.iter().map(|x| x.to_f64()).collect()
-        }
-    })
+/// The parameters of kernels/reference_gemm.cu (its `ReferenceParams`).
+#[repr(C)]
+struct ReferenceParams {
+    a: u64,
+    b: u64,
+    value: u64,
+    abs_products: u64,
+    m: u32,
+    n: u32,
+    k: u32,
+    tiles_n: u32,
 }
 
-fn sampled_error<T: Element>(
-    p: &GemmProblem,
-    a: &[T],
-    b: &[T],
-    d: &[f64],
-    seed: u64,
-) -> Result<f64, CudaError> {
-    let samples: Vec<usize> = (0..4096.min(p.m * p.n))
-        .map(|s| {
-            (random_value(seed, 2, s).abs() as f64 * (p.m * p.n) as f64) as usize % (p.m * p.n)
+/// The tile and block of kernels/reference_gemm.cu (`reference::TILE`, `reference::THREADS`).
+const REFERENCE_TILE: usize = 64;
+const REFERENCE_THREADS: u32 = 256;
+
+/// The reference GEMM of kernels/reference_gemm.cu loaded on one GPU: A·B in float64 and
+/// Σ|a·b| per element, on CUDA cores (no code shared with the GEMMs it checks).
+pub struct ReferenceGemm {
+    /// bf16 nk, bf16 kn, f16 nk, f16 kn
+    functions: [Function; 4],
+    _module: Module,
+}
+
+impl ReferenceGemm {
+    pub fn load(gpu: &Gpu) -> Result<ReferenceGemm, CudaError> {
+        let source = nvrtc::kernel("reference_gemm.cu").expect("embedded");
+        let module = Module::load(gpu, &nvrtc::compile(source, false)?.cubin)?;
+        let functions = [
+            module.function("reference_gemm_bf16_nk")?,
+            module.function("reference_gemm_bf16_kn")?,
+            module.function("reference_gemm_f16_nk")?,
+            module.function("reference_gemm_f16_kn")?,
+        ];
+        Ok(ReferenceGemm {
+            functions,
+            _module: module,
         })
-        .collect();
-    let want: Vec<f64> = samples
-        .iter()
-        .map(|&idx| reference_dot(p, a, b, idx / p.n, idx % p.n))
-        .collect();
-    Ok(relative_error(samples.iter().map(|&idx| d[idx]), &want))
+    }
+
+    /// Enqueues on `stream`: `value` (f64 [M, N]) = A·B and `abs_products` (f32 [M, N]) =
+    /// Σₖ|aᵢₖ·bₖⱼ|.
+    ///
+    /// # Safety
+    /// `a` and `b` must hold the problem's operands and `value` and `abs_products` must have
+    /// room for M·N elements, on this GPU, until the stream has run the kernel.
+    pub unsafe fn launch(
+        &self,
+        stream: &Stream,
+        p: &GemmProblem,
+        a: u64,
+        b: u64,
+        value: u64,
+        abs_products: u64,
+    ) -> Result<(), CudaError> {
+        let dim = |x: usize, name: &str| {
+            u32::try_from(x).map_err(|_| {
+                CudaError::Unavailable(format!("the reference GEMM takes {name} < 2^32, got {x}"))
+            })
+        };
+        let tiles_n = p.n.div_ceil(REFERENCE_TILE);
+        let grid = dim(p.m.div_ceil(REFERENCE_TILE) * tiles_n, "a tile count")?;
+        let function = match (p.input, p.b_layout) {
+            (DType::BF16, BLayout::NK) => self.functions[0],
+            (DType::BF16, BLayout::KN) => self.functions[1],
+            (DType::F16, BLayout::NK) => self.functions[2],
+            (DType::F16, BLayout::KN) => self.functions[3],
+            (DType::F32, _) => {
+                return Err(CudaError::Unavailable("GEMM inputs are bf16 or f16".into()))
+            }
+        };
+        let params = ReferenceParams {
+            a,
+            b,
+            value,
+            abs_products,
+            m: dim(p.m, "M")?,
+            n: dim(p.n, "N")?,
+            k: dim(p.k, "K")?,
+            tiles_n: dim(tiles_n, "a tile count")?,
+        };
+        function.launch(grid, REFERENCE_THREADS, stream, &params)
+    }
+
+    /// Runs the reference for `p` on `stream`, waits for it and brings it to the host.
+    ///
+    /// # Safety
+    /// `a` and `b` must hold the problem's operands on this GPU.
+    pub unsafe fn compute(
+        &self,
+        gpu: &Gpu,
+        stream: &Stream,
+        p: &GemmProblem,
+        a: u64,
+        b: u64,
+    ) -> Result<DeviceReference, CudaError> {
+        let elements = p.m * p.n;
+        let value_dev = DeviceMemory::zeroed(gpu, elements * 8)?;
+        let abs_dev = DeviceMemory::zeroed(gpu, elements * 4)?;
+        self.launch(stream, p, a, b, value_dev.addr(), abs_dev.addr())?;
+        stream.synchronize()?;
+        let mut value = vec![0f64; elements];
+        let mut abs_products = vec![0f32; elements];
+        value_dev.download(gpu, &mut value)?;
+        abs_dev.download(gpu, &mut abs_products)?;
+        Ok(DeviceReference {
+            value,
+            abs_products,
+        })
+    }
+}
+
+/// A reference computed on the device, on the host: every element of D with the magnitude
+/// its accumulation errors scale with.
+pub struct DeviceReference {
+    pub value: Vec<f64>,
+    pub abs_products: Vec<f32>,
+}
+
+impl DeviceReference {
+    /// Element `index` of D = A·B (alpha 1, no other epilogue term).
+    pub fn element(&self, index: usize) -> ReferenceElement {
+        ReferenceElement::product(self.value[index], self.abs_products[index] as f64)
+    }
+
+    /// Every element of `got` (D of the plain product A·B) against the reference, with
+    /// `commfuse_core::gemm::element_bound`, split over the host's cores.
+    pub fn check<TO: Element>(&self, p: &GemmProblem, got: &[TO]) -> ElementCheck {
+        assert_eq!(
+            got.len(),
+            self.value.len(),
+            "one element per reference element"
+        );
+        let e = Epilogue::default();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let chunk = got.len().div_ceil(threads).max(1);
+        std::thread::scope(|scope| {
+            let parts: Vec<_> = got
+                .chunks(chunk)
+                .enumerate()
+                .map(|(c, part)| {
+                    scope.spawn(move || {
+                        let mut check = ElementCheck::default();
+                        for (i, g) in part.iter().enumerate() {
+                            let index = c * chunk + i;
+                            check.add(p, &e, index, g.to_f64(), &self.element(index));
+                        }
+                        check
+                    })
+                })
+                .collect();
+            parts
+                .into_iter()
+                .map(|h| h.join().expect("a check thread panicked"))
+                .fold(ElementCheck::default(), ElementCheck::merge)
+        })
+    }
 }

@@ -41,6 +41,10 @@ pub const KERNELS: &[Source] = &[
         name: "gemm.cu",
         text: include_str!("../kernels/gemm.cu"),
     },
+    Source {
+        name: "reference_gemm.cu",
+        text: include_str!("../kernels/reference_gemm.cu"),
+    },
 ];
 
 pub fn kernel(name: &str) -> Option<Source> {

@@ -4,15 +4,17 @@
 //! its flag is up never sees a stale tile. Skips with a printed reason without GPUs.
 
 use commfuse_core::gemm::{
-    grouped_order, reference_gemm, relative_error, BLayout, Epilogue, GemmPlan, GemmProblem,
+    check_elements, grouped_order, reference_gemm, BLayout, ElementCheck, Epilogue, GemmPlan,
+    GemmProblem, ReferenceElement,
 };
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::{DType, Element};
+use commfuse_cuda::cublaslt::Lt;
 use commfuse_cuda::driver::{DeviceMemory, Gpu, MappedHost, Stream};
 use commfuse_cuda::gemm::{
     GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TileSnapshot, TILE,
 };
-use commfuse_cuda::gemm_bench::bench_gemm;
+use commfuse_cuda::gemm_bench::{bench_gemm, DeviceReference, ReferenceGemm, StreamGuard};
 use commfuse_cuda::plan_table::ErrorRecord;
 use half::{bf16, f16};
 
@@ -68,8 +70,14 @@ fn run(gemm: &PreparedGemm, stream: &Stream) {
     }
 }
 
-fn rel_error<TO: Element>(got: &[TO], want: &[f64]) -> f64 {
-    relative_error(got.iter().map(|g| g.to_f64()), want)
+/// Every element of `got` against the float64 reference, with the element-wise bound.
+fn check<TO: Element>(
+    p: &GemmProblem,
+    e: &Epilogue,
+    got: &[TO],
+    want: &[ReferenceElement],
+) -> ElementCheck {
+    check_elements(p, e, got.iter().map(|g| g.to_f64()), want)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -144,11 +152,10 @@ fn check_one<TI: Element, TO: Element>(
         run(&gemm, stream);
         let mut got = vec![TO::from_f32(0.0); p.m * p.n];
         d_dev.download(gpu, &mut got).unwrap();
-        let err = rel_error(&got, &want);
-        let bound = if p.output == DType::F32 { 1e-5 } else { 1e-2 };
+        let check = check(&p, &epilogue, &got, &want);
         assert!(
-            err <= bound,
-            "{case:?} {}×{}×{} B {:?} {}→{} call {call}: relative error {err:e} > {bound:e}",
+            check.passed(),
+            "{case:?} {}×{}×{} B {:?} {}→{} call {call}: {check}",
             p.m,
             p.n,
             p.k,
@@ -230,27 +237,266 @@ fn split_tail_tiles_sum_their_k_parts() {
             run(&gemm, &stream);
             let mut got = vec![0f32; p.m * p.n];
             d_dev.download(&gpu, &mut got).unwrap();
-            let err = rel_error(&got, &want);
-            assert!(err <= 1e-5, "cap {cap} call {call}: relative error {err:e}");
+            let check = check(&p, &Epilogue::default(), &got, &want);
+            assert!(check.passed(), "cap {cap} call {call}: {check}");
         }
     }
 }
 
+/// The bench checks every element of every row (ours and cuBLASLt's, capped or not) against
+/// the device reference.
 #[test]
-fn gemm_matches_sampled_reference_at_a_target_shape_and_a_ragged_one() {
+fn bench_rows_pass_the_check_of_every_element() {
     if !gpus(1) {
         return;
     }
-    for (m, n, k) in [(2048, 8192, 3584), (1000, 3000, 1032)] {
+    for (m, n, k, output) in [
+        (2048, 8192, 3584, DType::BF16),
+        (1000, 3000, 1032, DType::BF16),
+        (1000, 3000, 1032, DType::F32),
+        (777, 1500, 520, DType::F16),
+    ] {
         for layout in [BLayout::NK, BLayout::KN] {
-            let p = GemmProblem::new(m, n, k, layout, DType::BF16, DType::BF16).unwrap();
+            let p = GemmProblem::new(m, n, k, layout, DType::BF16, output).unwrap();
             let rows = bench_gemm(0, None, &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
             assert_eq!(rows.len(), 4);
             for r in rows {
-                assert!(r.error <= 1e-2, "{r:?}");
+                assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{r:?}");
             }
         }
     }
+}
+
+/// The reference kernel of the bench's check against the float64 CPU reference: ragged shapes
+/// (partial tiles and k-slices), both B layouts, both input types; values to within a double
+/// sum's rounding, Σ|ab| to within its f32 rounding.
+#[test]
+fn reference_kernel_matches_float64_on_ragged_shapes() {
+    let Some((gpu, _, stream)) = one_gpu() else {
+        return;
+    };
+    let reference = ReferenceGemm::load(&gpu).unwrap();
+    let mut seed = 1000;
+    for (m, n, k) in [(1, 7, 8), (65, 63, 40), (200, 300, 136), (257, 129, 1032)] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            for input in [DType::BF16, DType::F16] {
+                let p = GemmProblem::new(m, n, k, layout, input, DType::F32).unwrap();
+                seed += 1;
+                match input {
+                    DType::BF16 => check_reference::<bf16>(&gpu, &stream, &reference, p, seed),
+                    _ => check_reference::<f16>(&gpu, &stream, &reference, p, seed),
+                }
+            }
+        }
+    }
+}
+
+fn check_reference<T: Element>(
+    gpu: &Gpu,
+    stream: &Stream,
+    reference: &ReferenceGemm,
+    p: GemmProblem,
+    seed: u64,
+) {
+    let mut rng = Rng(seed);
+    let a: Vec<T> = rng.vec(p.m * p.k);
+    let b: Vec<T> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(gpu, &a), upload(gpu, &b));
+    // SAFETY: A and B hold the problem's operands
+    let got = unsafe {
+        reference
+            .compute(gpu, stream, &p, a_dev.addr(), b_dev.addr())
+            .unwrap()
+    };
+    let want = reference_gemm::<T, f32>(&p, &Epilogue::default(), &a, &b, None, None, None);
+    let double_sum = p.k as f64 * f64::EPSILON;
+    let f32_rounding = f64::powi(2.0, -23);
+    for (idx, w) in want.iter().enumerate() {
+        let (value, abs) = (got.value[idx], got.abs_products[idx] as f64);
+        assert!(
+            (value - w.value).abs() <= double_sum * w.abs_products
+                && (abs - w.abs_products).abs() <= f32_rounding * w.abs_products,
+            "{}×{}×{} {:?} {}: element ({}, {}) is {value:e} (Σ|ab| {abs:e}), float64 says {:e} ({:e})",
+            p.m,
+            p.n,
+            p.k,
+            p.b_layout,
+            p.input,
+            idx / p.n,
+            idx % p.n,
+            w.value,
+            w.abs_products
+        );
+    }
+}
+
+/// The bench's error paths drop a `StreamGuard` before its buffers: dropping it returns only
+/// once the stream is idle, even with a long kernel still running when the error is returned.
+#[test]
+fn a_stream_guard_waits_for_the_running_kernel() {
+    let Some((gpu, _, stream)) = one_gpu() else {
+        return;
+    };
+    // a reference GEMM of 2·8192·8192·4096 double FMAs: tens of milliseconds
+    let p = GemmProblem::new(8192, 8192, 4096, BLayout::NK, DType::BF16, DType::F32).unwrap();
+    let a_dev = DeviceMemory::zeroed(&gpu, p.m * p.k * 2).unwrap();
+    let b_dev = DeviceMemory::zeroed(&gpu, p.n * p.k * 2).unwrap();
+    let value = DeviceMemory::zeroed(&gpu, p.m * p.n * 8).unwrap();
+    let abs = DeviceMemory::zeroed(&gpu, p.m * p.n * 4).unwrap();
+    let reference = ReferenceGemm::load(&gpu).unwrap();
+    let idle = || {
+        // SAFETY: a live stream
+        let rc = unsafe { cudarc::driver::sys::cuStreamQuery(stream.raw()) };
+        assert!(
+            matches!(
+                rc,
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS
+                    | cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
+            ),
+            "{rc:?}"
+        );
+        rc == cudarc::driver::sys::CUresult::CUDA_SUCCESS
+    };
+    let guard = StreamGuard::new(&stream);
+    // SAFETY: the buffers are sized for the problem and outlive the guard
+    unsafe {
+        reference
+            .launch(
+                &stream,
+                &p,
+                a_dev.addr(),
+                b_dev.addr(),
+                value.addr(),
+                abs.addr(),
+            )
+            .unwrap()
+    };
+    assert!(!idle(), "the kernel finished before the guard was dropped");
+    drop(guard);
+    assert!(idle(), "the guard returned with the kernel still running");
+}
+
+/// cuBLASLt is timed over its heuristic's candidates per shape and SM cap; the cap still
+/// holds (16 of 132 SMs take several times as long) and both choices compute A·B.
+#[test]
+fn cublaslt_chooses_among_candidates_and_keeps_the_sm_cap() {
+    let Some((gpu, _, stream)) = one_gpu() else {
+        return;
+    };
+    let p = GemmProblem::new(2048, 8192, 3584, BLayout::KN, DType::BF16, DType::BF16).unwrap();
+    let mut rng = Rng(77);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
+    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
+    let lt = Lt::new(&gpu).unwrap();
+    let reference = ReferenceGemm::load(&gpu).unwrap();
+    // SAFETY: A and B hold the problem's operands
+    let reference = unsafe {
+        reference
+            .compute(&gpu, &stream, &p, a_dev.addr(), b_dev.addr())
+            .unwrap()
+    };
+    let mut times = Vec::new();
+    for sms in [0, 16] {
+        assert_eq!(lt.choice(&p, sms), None);
+        d_dev.fill(&gpu, 0xff).unwrap();
+        // SAFETY: operands sized for the problem on this GPU, waited for below
+        unsafe {
+            lt.matmul(
+                &stream,
+                &p,
+                sms,
+                a_dev.addr(),
+                b_dev.addr(),
+                d_dev.addr(),
+                1.0,
+                0.0,
+            )
+            .unwrap()
+        };
+        stream.synchronize().unwrap();
+        let choice = lt.choice(&p, sms).unwrap();
+        assert!(
+            choice.index < choice.candidates && choice.time_ms > 0.0,
+            "{choice:?}"
+        );
+        eprintln!("sms {sms}: {choice:?}");
+        times.push(choice.time_ms);
+        let mut got = vec![bf16::ZERO; p.m * p.n];
+        d_dev.download(&gpu, &mut got).unwrap();
+        let check = reference.check(&p, &got);
+        assert!(check.passed(), "sms {sms}: {check}");
+    }
+    assert!(times[1] > 3.0 * times[0], "capped at 16 SMs: {times:?} ms");
+}
+
+/// The host half of the bench's check (no GPU needed): every element is counted once, in
+/// parallel parts, and a wrong element is reported at its own index wherever it lies.
+#[test]
+fn the_bench_check_counts_every_element_at_its_index() {
+    let p = GemmProblem::new(37, 129, 64, BLayout::KN, DType::BF16, DType::F32).unwrap();
+    let mut rng = Rng(5);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let want = reference_gemm::<bf16, f32>(&p, &Epilogue::default(), &a, &b, None, None, None);
+    let reference = DeviceReference {
+        value: want.iter().map(|w| w.value).collect(),
+        abs_products: want.iter().map(|w| w.abs_products as f32).collect(),
+    };
+    let exact: Vec<f32> = want.iter().map(|w| w.value as f32).collect();
+    let check = reference.check(&p, &exact);
+    assert!(check.passed() && check.checked == p.m * p.n, "{check}");
+    for wrong in [0, 1, p.n + 1, p.m * p.n / 2 + 1, p.m * p.n - 1] {
+        let mut got = exact.clone();
+        got[wrong] += 0.5;
+        let check = reference.check(&p, &got);
+        assert_eq!(
+            (check.checked, check.out_of_bound, check.worst.map(|w| w.0)),
+            (p.m * p.n, 1, Some(wrong)),
+            "{check}"
+        );
+    }
+}
+
+/// The device check looks at every element: one wrong element in an odd column of a
+/// 2048×8192 output is found, and only that one (the bench's former sampled check scaled a
+/// 24-bit random value by M·N and drew only even indices, so even columns, at this shape).
+#[test]
+fn the_device_check_finds_one_wrong_element_in_an_odd_column() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let p = GemmProblem::new(2048, 8192, 3584, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let mut rng = Rng(31);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
+    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
+    let plan = GemmPlan::local(p, TILE, Epilogue::default());
+    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
+    let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, 0, 0).unwrap();
+    d_dev.fill(&gpu, 0xff).unwrap();
+    run(&gemm, &stream);
+    let mut got = vec![bf16::ZERO; p.m * p.n];
+    d_dev.download(&gpu, &mut got).unwrap();
+    let reference = ReferenceGemm::load(&gpu).unwrap();
+    // SAFETY: A and B hold the problem's operands
+    let reference = unsafe {
+        reference
+            .compute(&gpu, &stream, &p, a_dev.addr(), b_dev.addr())
+            .unwrap()
+    };
+    let check = reference.check(&p, &got);
+    assert!(check.passed() && check.checked == p.m * p.n, "{check}");
+    let wrong = 1234 * p.n + 4567;
+    got[wrong] = bf16::from_f64(got[wrong].to_f64() + 1.0);
+    let check = reference.check(&p, &got);
+    assert_eq!(
+        (check.out_of_bound, check.worst.map(|w| w.0)),
+        (1, Some(wrong)),
+        "{check}"
+    );
 }
 
 #[test]
@@ -313,10 +559,10 @@ fn a_consumer_on_the_peer_never_reads_a_stale_tile() {
         let (mut got, mut seen) = (vec![bf16::ZERO; p.m * p.n], vec![bf16::ZERO; p.m * p.n]);
         d_peer.download(&g1, &mut got).unwrap();
         snap.download(&g1, &mut seen).unwrap();
-        let err = rel_error(&got, &want);
+        let check = check(&p, &Epilogue::default(), &got, &want);
         assert!(
-            err <= 1e-2,
-            "call {call}: the tiles on the peer are wrong ({err:e})"
+            check.passed(),
+            "call {call}: the tiles on the peer are wrong: {check}"
         );
         let stale = got
             .iter()

@@ -351,15 +351,15 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         a.m, a.n, a.k, layout, problem.input, problem.output, a.device
     );
     println!(
-        "# {:>16} {:>5} {:>10} {:>9} {:>10}  check",
-        "impl", "sms", "time(ms)", "TFLOP/s", "rel.err"
+        "# {:>26} {:>5} {:>10} {:>9} {:>10} {:>10}  check",
+        "impl", "sms", "time(ms)", "TFLOP/s", "#wrong", "err/bound"
     );
     let mut ok = true;
     for r in &rows {
-        let pass = r.error <= 1e-2;
+        let pass = r.out_of_bound == 0;
         ok &= pass;
         println!(
-            "  {:>16} {:>5} {:>10.4} {:>9.1} {:>10.2e}  {}",
+            "  {:>26} {:>5} {:>10.4} {:>9.1} {:>10} {:>10.3}  {}",
             r.implementation,
             if r.sms == 0 {
                 "all".to_string()
@@ -368,7 +368,8 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
             },
             r.time_ms,
             r.tflops,
-            r.error,
+            r.out_of_bound,
+            r.worst_ratio,
             if pass { "OK" } else { "WRONG" }
         );
     }
