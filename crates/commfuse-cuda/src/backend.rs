@@ -657,6 +657,11 @@ pub(crate) trait Launcher: Sync {
     }
 }
 
+/// Enqueues work around one launch: `(rank index, rank, the launch)`.
+pub(crate) type AroundLaunch<'a> = dyn Fn(usize, &Rank, &dyn Fn() -> Result<(), BackendError>) -> Result<(), BackendError>
+    + Sync
+    + 'a;
+
 /// A call prepared on the GPUs: device buffers, their host mirrors, and what to launch.
 /// `bufs` and `launcher` (which owns the kernels' tables) are dropped by hand: if a kernel that
 /// uses them could not be stopped (the backend is wedged), they are leaked instead of freed.
@@ -768,8 +773,7 @@ impl<'a, T: Element, L: Launcher> GpuCall<'a, T, L> {
         which: &[usize],
         iters: usize,
         issue: Issue,
-        around: &(dyn Fn(usize, &Rank, &dyn Fn() -> Result<(), BackendError>) -> Result<(), BackendError>
-              + Sync),
+        around: &AroundLaunch<'_>,
     ) -> Result<Vec<CallTiming>, BackendError> {
         let backend = self.backend;
         self.launcher.before(backend)?;

@@ -439,10 +439,10 @@ impl ReferenceGemm {
         let tiles_n = p.n.div_ceil(REFERENCE_TILE);
         let grid = dim(p.m.div_ceil(REFERENCE_TILE) * tiles_n, "a tile count")?;
         let function = match (p.input, p.b_layout) {
-            (DType::BF16, BLayout::NK) => self.functions[0],
-            (DType::BF16, BLayout::KN) => self.functions[1],
-            (DType::F16, BLayout::NK) => self.functions[2],
-            (DType::F16, BLayout::KN) => self.functions[3],
+            (DType::BF16, BLayout::NK) => &self.functions[0],
+            (DType::BF16, BLayout::KN) => &self.functions[1],
+            (DType::F16, BLayout::NK) => &self.functions[2],
+            (DType::F16, BLayout::KN) => &self.functions[3],
             (DType::F32, _) => {
                 return Err(CudaError::Unavailable("GEMM inputs are bf16 or f16".into()))
             }

@@ -45,6 +45,10 @@ pub const KERNELS: &[Source] = &[
         name: "reference_gemm.cu",
         text: include_str!("../kernels/reference_gemm.cu"),
     },
+    Source {
+        name: "gemm_rs.cu",
+        text: include_str!("../kernels/gemm_rs.cu"),
+    },
 ];
 
 pub fn kernel(name: &str) -> Option<Source> {
