@@ -132,6 +132,11 @@ pub struct GemmPlan {
     /// Per tile, the flag raised after its stores (none: no flags).
     pub flags: Option<Vec<TileFlag>>,
     pub epilogue: Epilogue,
+    /// Where the row bands of tiles start, then M (`tiles_m + 1` entries, increasing, each
+    /// band at most `tile.m` rows); `None`: bands of `tile.m` rows from row 0. Bands let tiles
+    /// start where another rank's rows start, so that no tile straddles two owners (the fused
+    /// reduce-scatter).
+    pub bands: Option<Vec<usize>>,
 }
 
 impl GemmPlan {
@@ -145,21 +150,35 @@ impl GemmPlan {
             destinations: None,
             flags: None,
             epilogue,
+            bands: None,
         }
     }
 
-    pub fn tile_count(&self) -> usize {
+    /// Row bands × column tiles.
+    pub fn tile_grid(&self) -> (usize, usize) {
         let (tm, tn) = tiles(&self.problem, self.tile);
+        (self.bands.as_ref().map_or(tm, |b| b.len() - 1), tn)
+    }
+
+    pub fn tile_count(&self) -> usize {
+        let (tm, tn) = self.tile_grid();
         tm * tn
+    }
+
+    /// Rows of band `i`.
+    pub fn band_rows(&self, i: usize) -> std::ops::Range<usize> {
+        match &self.bands {
+            Some(b) => b[i]..b[i + 1],
+            None => i * self.tile.m..((i + 1) * self.tile.m).min(self.problem.m),
+        }
     }
 
     /// Rows and columns of tile `t` in D.
     pub fn tile_bounds(&self, t: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
-        let (_, tn) = tiles(&self.problem, self.tile);
+        let (_, tn) = self.tile_grid();
         let (i, j) = (t / tn, t % tn);
-        let rows = i * self.tile.m..((i + 1) * self.tile.m).min(self.problem.m);
         let cols = j * self.tile.n..((j + 1) * self.tile.n).min(self.problem.n);
-        (rows, cols)
+        (self.band_rows(i), cols)
     }
 
     /// Where tile `t` goes on rank `me`.
@@ -214,10 +233,23 @@ impl GemmPlan {
 
     /// Checks the order is a permutation of all tiles and the tables have one entry per tile.
     pub fn validate(&self, world: usize) -> Result<(), Error> {
-        let count = self.tile_count();
         if self.tile.m == 0 || self.tile.n == 0 {
             return Err(Error::Unsupported("tile shape must be positive".into()));
         }
+        if let Some(b) = &self.bands {
+            let ok = b.len() >= 2
+                && b[0] == 0
+                && b[b.len() - 1] == self.problem.m
+                && b.windows(2)
+                    .all(|w| w[0] < w[1] && w[1] - w[0] <= self.tile.m);
+            if !ok {
+                return Err(Error::Unsupported(format!(
+                    "row bands must rise from 0 to M = {} in steps of 1 to {} rows, got {b:?}",
+                    self.problem.m, self.tile.m
+                )));
+            }
+        }
+        let count = self.tile_count();
         let mut seen = vec![false; count];
         if self.order.len() != count {
             return Err(Error::Unsupported(format!(
@@ -263,6 +295,11 @@ impl GemmPlan {
 /// all of B. Any permutation is valid; this is the default of the GPU benchmarks.
 pub fn grouped_order(problem: &GemmProblem, tile: TileShape, group: usize) -> Vec<usize> {
     let (tm, tn) = tiles(problem, tile);
+    grouped_order_of_grid(tm, tn, group)
+}
+
+/// [`grouped_order`] over a grid of `tm` row bands × `tn` column tiles.
+pub fn grouped_order_of_grid(tm: usize, tn: usize, group: usize) -> Vec<usize> {
     let group = group.max(1);
     let mut order = Vec::with_capacity(tm * tn);
     for band in (0..tm).step_by(group) {

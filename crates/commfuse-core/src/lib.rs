@@ -16,6 +16,7 @@ pub mod checker;
 pub mod cost;
 pub mod dtype;
 pub mod error;
+pub mod fused;
 pub mod gemm;
 pub mod op;
 pub mod plan;

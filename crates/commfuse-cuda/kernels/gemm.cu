@@ -75,6 +75,10 @@ struct GemmParams {
     u32 pad;
     float4* workspace;  // (split tiles x (parts - 1)) partial tiles, 32 float4 per consumer thread
     u32* counters;      // one per split tile; part 0 resets it for the next call
+    // Row bands: band i covers rows bands[i] .. bands[i + 1] (at most BM rows), so that tiles
+    // can start where another rank's chunk starts (the fused reduce-scatter); null: bands of
+    // BM rows from row 0.
+    const u32* bands;
 };
 // The 128 accumulator registers of one m64n256k16 wgmma, as asm operands %0..%127.
 #define WGMMA_ACC_OPERANDS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
@@ -244,6 +248,7 @@ template <typename Out> __device__ __forceinline__ uint4 add_vec(uint4 staged, u
 // One work unit: a whole tile, or one K range of a split tile.
 struct Unit {
     u32 tile, tm, tn;
+    u32 row0, rows;  // the tile's band: first row and row count
     u32 kb0, kb1;  // k-blocks [kb0, kb1)
     u32 part;      // 0 for whole tiles and for the part that finishes a split tile
     u32 split;     // index among the split tiles, or NO_SPLIT
@@ -271,6 +276,13 @@ __device__ __forceinline__ Unit unit_at(const GemmParams& p, u32 u) {
     w.tile = p.order[order_index];
     w.tm = w.tile / p.tiles_n;
     w.tn = w.tile % p.tiles_n;
+    if (p.bands != nullptr) {
+        w.row0 = p.bands[w.tm];
+        w.rows = p.bands[w.tm + 1] - w.row0;
+    } else {
+        w.row0 = w.tm * gemm::BM;
+        w.rows = min(gemm::BM, (int)(p.m - w.row0));
+    }
     return w;
 }
 
@@ -294,7 +306,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             // out-of-bounds parts of a box are zero-filled and still counted in bytes
             mbar_expect_tx(full, gemm::A_STAGE_BYTES + gemm::B_STAGE_BYTES);
             const u32 a_dst = s.a + stage * gemm::A_STAGE_BYTES, b_dst = s.b + stage * gemm::B_STAGE_BYTES;
-            tma_load_2d(a_dst, &p.a, full, kb * gemm::BK, c.tm * gemm::BM);
+            tma_load_2d(a_dst, &p.a, full, kb * gemm::BK, c.row0);
             if (B_KN) {
                 // four 64 (N) x 64 (K) boxes side by side along N, 8 KiB each
 #pragma unroll
@@ -404,7 +416,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         }
 
         // epilogue arithmetic in registers, then stage the tile for the storers
-        const u32 g_row0 = c.tm * gemm::BM + row0, g_col0 = c.tn * gemm::BN;
+        const u32 g_row0 = c.row0 + row0, g_col0 = c.tn * gemm::BN;
 #pragma unroll
         for (int pass = 0; pass < PASSES; ++pass) {
             mbar_wait<ROLE_CONSUMER>(s.epi_empty, epi_phase ^ 1, p, c.tile, WAIT_EPI_EMPTY);
@@ -455,11 +467,11 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
         if (p.routes != nullptr) {
             r = p.routes[c.tile];
         } else {
-            r.dst = p.d + ((u64)c.tm * gemm::BM * p.n + (u64)c.tn * gemm::BN) * sizeof(Out);
+            r.dst = p.d + ((u64)c.row0 * p.n + (u64)c.tn * gemm::BN) * sizeof(Out);
             r.ld = p.n;
             r.flag = 0;
         }
-        const u32 rows = min(gemm::BM, (int)(p.m - c.tm * gemm::BM));
+        const u32 rows = c.rows;
         const u32 cols = min(gemm::BN, (int)(p.n - c.tn * gemm::BN));
         const bool vec_ok = r.dst % 16 == 0 && ((u64)r.ld * sizeof(Out)) % 16 == 0;
         // Rows go out as TMA bulk copies (one per row and pass, issued by the first storer warp)

@@ -7,9 +7,9 @@
 // flag of the tile is up, and sum the P partials in f32 in rank order (so the result does not
 // depend on arrival order) with the bias, into the caller's output.
 //
-// Epochs live on the device, so back-to-back calls and graph replays need no host bookkeeping:
-// the flags count calls (each GEMM adds 1 per tile per call), `epoch` counts the calls this
-// kernel has finished, and the last block of a call advances it.
+// Flags count calls: each sender's GEMM adds 1 per tile per call, so in the n-th call on a flag
+// row every slot reaches n (`expected`); slots no tile used at this call's M are raised by the
+// last block here. Two rows (and two sets of receive slots) serve alternate calls.
 #include "common.cuh"
 
 // NVRTC has no <cstddef> and (before 13.4) no __builtin_offsetof; EDG's __INTADDR__ makes the
@@ -31,20 +31,22 @@ struct GemmRsReduceArgs {
     u64 out;                           // the caller's output, [chunk rows, n], ld = out_ld
     u64 bias;                          // [n] in the output type, 0 for none
     const ReduceTile* tiles;           // this chunk's tiles in the order senders make them
-    const u64* flags;                  // [sender][tile], raised by the senders' GEMMs
-    u64* epoch;                        // calls finished (device-side, advanced by the last block)
+    u64* flags;                        // this call's flag row: [sender * stride + tile]
     u32* done;                         // blocks finished in the current call
     ErrorRecord* err;                  // host-mapped
     u64 timeout_ns;
+    u64 expected;                      // every flag of the row reaches this in this call
     u32 world;
-    u32 tile_count;
+    u32 tile_count;                    // this call's tiles (at most stride)
+    u32 stride;                        // flag columns per sender
     u32 n;
     u32 out_ld;
     u32 rank;
-    u32 pad;
 };
 static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, out) == 8 * COMMFUSE_MAX_RANKS, "layout mirrored in gemm_rs.rs");
-static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, timeout_ns) == 8 * COMMFUSE_MAX_RANKS + 56, "layout mirrored in gemm_rs.rs");
+static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, expected) == 8 * COMMFUSE_MAX_RANKS + 56,
+              "layout mirrored in gemm_rs.rs");
+static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, rank) == 8 * COMMFUSE_MAX_RANKS + 84, "layout mirrored in gemm_rs.rs");
 static_assert(sizeof(GemmRsReduceArgs) == 8 * COMMFUSE_MAX_RANKS + 88, "layout mirrored in gemm_rs.rs");
 
 constexpr int REDUCE_THREADS = 512;
@@ -92,28 +94,28 @@ __device__ __forceinline__ void reduce_tile(const GemmRsReduceArgs& a, const Red
 template <typename Out>
 __device__ void gemm_rs_reduce(const GemmRsReduceArgs& a) {
     __shared__ int ready;
-    __shared__ u64 expected;
-    if (threadIdx.x == 0) expected = *(volatile u64*)a.epoch + 1;
-    __syncthreads();
     for (u32 i = blockIdx.x; i < a.tile_count; i += gridDim.x) {
         // one thread waits for every sender's flag of the tile (acquire), then the block reads
         if (threadIdx.x == 0) {
             ready = 1;
             for (u32 q = 0; q < a.world && ready; ++q)
-                ready = wait_signal(a.flags + (u64)q * a.tile_count + i, CMP_GE, expected, a.timeout_ns, a.err,
-                                    a.rank, blockIdx.x, i, q * a.tile_count + i);
+                ready = wait_signal(a.flags + (u64)q * a.stride + i, CMP_GE, a.expected, a.timeout_ns, a.err, a.rank,
+                                    blockIdx.x, i, q * a.stride + i);
         }
         __syncthreads();
         if (!ready) return;
         reduce_tile<Out>(a, a.tiles[i]);
         __syncthreads();  // `ready` is rewritten for the next tile
     }
-    // the last block out advances the epoch for the next call (stream order publishes it)
+    // The last block out raises the columns no tile used at this call's M, so that every slot
+    // of the row counts calls whatever M each call had (a later, larger M waits on them).
     if (threadIdx.x == 0) {
         __threadfence();
-        if (atomicAdd(a.done, 1u) == gridDim.x - 1) {
+        const bool last = atomicAdd(a.done, 1u) == gridDim.x - 1;
+        if (last) {
             *a.done = 0;
-            *a.epoch = expected;
+            for (u32 q = 0; q < a.world; ++q)
+                for (u32 i = a.tile_count; i < a.stride; ++i) atomicAdd_system(a.flags + (u64)q * a.stride + i, 1ull);
         }
     }
 }

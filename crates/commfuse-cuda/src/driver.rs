@@ -386,6 +386,8 @@ impl<T: Pod> Drop for MappedHost<T> {
 /// A non-blocking stream.
 pub struct Stream {
     raw: sys::CUstream,
+    /// Whether dropping this destroys the stream (false for a caller's stream we only borrow)
+    owned: bool,
 }
 
 // SAFETY: streams may be used from any thread with the owning context bound.
@@ -400,7 +402,17 @@ impl Stream {
                 "cuStreamCreate",
                 result::stream::create(result::stream::StreamKind::NonBlocking),
             )?,
+            owned: true,
         })
+    }
+
+    /// A caller's stream (PyTorch's current stream, say), used but never destroyed by us.
+    ///
+    /// # Safety
+    /// `raw` must be a live stream (or null, the legacy default stream) of the context that is
+    /// bound when work is queued on it, for as long as the returned value is used.
+    pub unsafe fn borrowed(raw: sys::CUstream) -> Stream {
+        Stream { raw, owned: false }
     }
 
     pub fn raw(&self) -> sys::CUstream {
@@ -437,7 +449,10 @@ fn not_ready_is_false(call: &'static str, rc: sys::CUresult) -> Result<bool, Cud
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        // SAFETY: live stream, no longer used
+        if !self.owned {
+            return;
+        }
+        // SAFETY: live stream we created, no longer used
         unsafe {
             let _ = result::stream::destroy(self.raw);
         }
@@ -460,6 +475,17 @@ impl Event {
             raw: drv(
                 "cuEventCreate",
                 result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT),
+            )?,
+        })
+    }
+
+    /// An event for ordering streams only (no timestamps: cheaper to record and wait on).
+    pub fn new_untimed(gpu: &Gpu) -> Result<Event, CudaError> {
+        gpu.bind()?;
+        Ok(Event {
+            raw: drv(
+                "cuEventCreate",
+                result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
             )?,
         })
     }
@@ -720,6 +746,15 @@ impl Function {
 /// Stream-ordered copies and fills: the work a caller queues between calls (new inputs,
 /// poisoned outputs, outputs set aside) without synchronising the host.
 impl Stream {
+    /// Makes work queued on this stream from now on wait until `event`'s last record is done
+    /// (on the device: the host does not wait). Forks and joins a side stream.
+    pub fn wait_event(&self, event: &Event) -> Result<(), CudaError> {
+        // SAFETY: live stream and event
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(self.raw, event.raw, 0)
+        })
+    }
+
     /// Enqueues a copy of `bytes` from `src` to `dst` (device addresses, this GPU or a peer).
     ///
     /// # Safety

@@ -147,6 +147,7 @@ struct GemmParams {
     pad: u32,
     workspace: u64,
     counters: u64,
+    bands: u64,
 }
 
 /// Most K parts a tail tile is cut into.
@@ -262,6 +263,9 @@ pub struct PreparedGemm {
     function: Function,
     params: GemmParams,
     grid: u32,
+    problem: commfuse_core::gemm::GemmProblem,
+    /// B was copied to a padded pitch at preparation: its address cannot change per call
+    b_padded: bool,
     memory: Launched<GemmMemory>,
 }
 
@@ -344,14 +348,23 @@ impl PreparedGemm {
             }
         };
         let routes = routes(plan, ops, targets, rank)?;
-        // one table: the order (u32) then, 8-byte aligned, the routes
+        // one table: the order (u32), then, 64-byte aligned, the routes, then the row bands (u32)
         let order_bytes = (4 * plan.order.len()).next_multiple_of(64);
         let route_bytes = routes
             .as_ref()
-            .map_or(0, |r| std::mem::size_of_val(r.as_slice()));
-        let tables = DeviceMemory::zeroed(gpu, order_bytes + route_bytes)?;
+            .map_or(0, |r| std::mem::size_of_val(r.as_slice()))
+            .next_multiple_of(64);
+        let bands: Option<Vec<u32>> = plan
+            .bands
+            .as_ref()
+            .map(|b| b.iter().map(|&r| r as u32).collect());
+        let band_bytes = bands.as_ref().map_or(0, |b| 4 * b.len());
+        let tables = DeviceMemory::zeroed(gpu, order_bytes + route_bytes + band_bytes)?;
         let order: Vec<u32> = plan.order.iter().map(|&t| t as u32).collect();
-        let mut bytes = vec![0u8; order_bytes + route_bytes];
+        let mut bytes = vec![0u8; order_bytes + route_bytes + band_bytes];
+        if let Some(b) = &bands {
+            bytes[order_bytes + route_bytes..].copy_from_slice(bytemuck::cast_slice(b));
+        }
         // SAFETY: plain-old-data views of the two tables
         unsafe {
             std::ptr::copy_nonoverlapping(
@@ -363,7 +376,7 @@ impl PreparedGemm {
                 std::ptr::copy_nonoverlapping(
                     r.as_ptr() as *const u8,
                     bytes.as_mut_ptr().add(order_bytes),
-                    route_bytes,
+                    std::mem::size_of_val(r.as_slice()),
                 );
             }
         }
@@ -409,7 +422,7 @@ impl PreparedGemm {
             m: p.m as u32,
             n: p.n as u32,
             k: p.k as u32,
-            tiles_n: commfuse_core::gemm::tiles(p, TILE).1 as u32,
+            tiles_n: plan.tile_grid().1 as u32,
             tile_count: tiles as u32,
             alpha: e.alpha,
             beta: e.beta,
@@ -421,11 +434,18 @@ impl PreparedGemm {
             pad: 0,
             workspace: workspace.addr(),
             counters: workspace.addr() + partial_bytes as u64,
+            bands: if bands.is_some() {
+                tables.addr() + (order_bytes + route_bytes) as u64
+            } else {
+                0
+            },
         };
         Ok(PreparedGemm {
             function,
             params,
             grid,
+            problem: *p,
+            b_padded: b_padded.is_some(),
             memory: Launched::new(
                 gpu,
                 GemmMemory {
@@ -447,6 +467,77 @@ impl PreparedGemm {
         self.function
             .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &self.params)?;
         self.memory.launched(stream)
+    }
+
+    /// Queues the GEMM on `stream` with this call's A, B and bias (the shapes prepared; the
+    /// tables, destinations and flags unchanged): the TMA descriptors are encoded again on the
+    /// host, a few microseconds, no device work and no synchronisation. How an operator runs on
+    /// the caller's buffers.
+    ///
+    /// # Safety
+    /// `a` and `b` must hold the prepared problem's operands (and `bias` N elements of the
+    /// output type) on this GPU, and they and the prepared destinations must stay valid until
+    /// the launch completes.
+    pub unsafe fn launch_operands(
+        &self,
+        stream: &Stream,
+        a: u64,
+        b: u64,
+        bias: Option<u64>,
+    ) -> Result<(), CudaError> {
+        let p = &self.problem;
+        if self.b_padded {
+            return Err(unsupported(format!(
+                "B as [K, N] needs N to be a multiple of 8 to change per call, got N={}",
+                p.n
+            )));
+        }
+        if (self.params.bias != 0) != bias.is_some() {
+            return Err(unsupported(
+                "the bias must be given exactly when the GEMM was prepared with one".into(),
+            ));
+        }
+        for (name, addr) in [("A", a), ("B", b)] {
+            if addr % 16 != 0 {
+                return Err(unsupported(format!(
+                    "{name} must start on a 16-byte boundary (TMA), got {addr:#x}"
+                )));
+            }
+        }
+        let half = p.input == DType::F16;
+        let mut params = self.params;
+        params.a = TmaDesc(tensor_map_2d(
+            a,
+            half,
+            (p.k as u64, p.m as u64),
+            2 * p.k as u64,
+            (BK as u32, TILE.m as u32),
+        )?);
+        params.b = TmaDesc(match p.b_layout {
+            BLayout::NK => tensor_map_2d(
+                b,
+                half,
+                (p.k as u64, p.n as u64),
+                2 * p.k as u64,
+                (BK as u32, TILE.n as u32),
+            )?,
+            BLayout::KN => tensor_map_2d(
+                b,
+                half,
+                (p.n as u64, p.k as u64),
+                2 * p.n as u64,
+                (64, BK as u32),
+            )?,
+        });
+        params.bias = bias.unwrap_or(0);
+        self.function
+            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &params)?;
+        self.memory.launched(stream)
+    }
+
+    /// The grid's block count (at most the SM cap).
+    pub fn grid(&self) -> u32 {
+        self.grid
     }
 
     /// After a failed synchronisation: what the kernel recorded before it stopped, if anything.
