@@ -157,6 +157,11 @@ mod tests {
                     count,
                     dtype: DType::BF16,
                     time_us: t,
+                    min_us: t,
+                    max_us: t,
+                    rounds: 1,
+                    picked: None,
+                    graph: false,
                     algbw_gbps: 0.0,
                     busbw_gbps: 0.0,
                     wrong: Some(0),
@@ -172,7 +177,10 @@ mod tests {
             ranks: 4,
             dtype: DType::BF16,
             reduce: ReduceOp::Sum,
+            root: 0,
+            numa_groups: 1,
             rows,
+            skipped: Vec::new(),
         };
         let s = samples(&[report], 1 << 20).unwrap();
         let fitted = fit(&s);

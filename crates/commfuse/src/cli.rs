@@ -1,14 +1,15 @@
 //! The `commfuse` command line: run, plan, bench, verify.
 
 use crate::backends::{self, BackendKind, Placement};
-use crate::bench::{self, BenchConfig};
+use crate::bench::{self, BenchConfig, Progress};
 use crate::driver::{self, Request};
 use crate::sizes::parse_sizes;
 use crate::verify;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use commfuse_core::cost::CostCard;
-use commfuse_core::{Algo, DType, OpKind, ReduceOp};
+use commfuse_core::cost::{choose_algo, CostCard};
+use commfuse_core::topology::LinkModel;
+use commfuse_core::{Algo, DType, OpKind, OpSpec, ReduceOp, Topology};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -109,8 +110,8 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    fn model(&self) -> commfuse_core::topology::LinkModel {
-        commfuse_core::topology::LinkModel {
+    fn model(&self) -> LinkModel {
+        LinkModel {
             link_gbps: self.link_gbps,
             latency_us: self.latency_us,
             launch_us: self.launch_us,
@@ -164,9 +165,10 @@ impl Where {
 pub struct What {
     /// all-reduce, reduce-scatter, all-gather, broadcast, all-to-all or barrier
     pub op: OpKind,
-    /// Algorithm (default: the op's first; see `commfuse plan --help`)
-    #[arg(long)]
-    pub algo: Option<String>,
+    /// Algorithm: auto (the one the cost model predicts fastest for this op, size and world),
+    /// one of the op's algorithms (see the table in README.md), or, for bench, all
+    #[arg(long, default_value = "auto")]
+    pub algo: String,
     /// Element type: f32, bf16 or f16
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
@@ -181,21 +183,67 @@ pub struct What {
     pub numa_groups: usize,
 }
 
+/// What `--algo` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AlgoArg {
+    /// The cost model's pick per size and world
+    Auto,
+    /// Every algorithm of the op (bench only)
+    All,
+    /// One named algorithm
+    One(Algo),
+}
+
 impl What {
-    fn algo(&self) -> Result<Algo> {
-        match &self.algo {
-            None => Ok(Algo::for_op(self.op)[0]),
-            Some(name) => Ok(Algo::parse_for(self.op, name)?),
+    fn algo_arg(&self) -> Result<AlgoArg> {
+        match self.algo.as_str() {
+            "auto" => Ok(AlgoArg::Auto),
+            "all" => Ok(AlgoArg::All),
+            name => Algo::parse_for(self.op, name)
+                .map(AlgoArg::One)
+                .map_err(|_| {
+                    let names: Vec<_> = Algo::for_op(self.op).iter().map(|a| a.name()).collect();
+                    anyhow::anyhow!(
+                        "{} has no algorithm '{name}' (choose auto, one of: {}, or all with bench)",
+                        self.op,
+                        names.join(", ")
+                    )
+                }),
         }
     }
 
-    fn request(&self, count: usize, seed: u64) -> Result<Request> {
-        let mut req = Request::new(self.op, self.algo()?, count, self.dtype);
+    /// The algorithm to run for `count` elements on `world` ranks: the named one, or for
+    /// `auto` the cost model's pick under `model`'s link figures (second value true).
+    fn resolve(&self, count: usize, world: usize, model: LinkModel) -> Result<(Algo, bool)> {
+        match self.algo_arg()? {
+            AlgoArg::One(algo) => Ok((algo, false)),
+            AlgoArg::Auto => {
+                let spec = OpSpec::new(self.op, world, count, self.root)?;
+                let topology = Topology::new(world, self.numa_groups)?.with_model(model);
+                Ok((choose_algo(spec, &topology, self.dtype.size())?.algo, true))
+            }
+            AlgoArg::All => {
+                bail!("--algo all is for bench; this command runs one algorithm (or auto)")
+            }
+        }
+    }
+
+    fn request(&self, algo: Algo, count: usize, seed: u64) -> Request {
+        let mut req = Request::new(self.op, algo, count, self.dtype);
         req.reduce = self.reduce;
         req.root = self.root;
         req.numa_groups = self.numa_groups;
         req.seed = seed;
-        Ok(req)
+        req
+    }
+}
+
+/// How `run` and `plan` name the algorithm: `ring`, or `ring (auto: the cost model's pick)`.
+fn algo_label(algo: Algo, auto: bool) -> String {
+    if auto {
+        format!("{algo} (auto: the cost model's pick)")
+    } else {
+        algo.to_string()
     }
 }
 
@@ -240,13 +288,14 @@ pub struct BenchArgs {
     /// Sizes in bytes: 64M, 1K..1G (doubling) or 4K,1M
     #[arg(long, default_value = "1K..16M")]
     pub sizes: String,
-    /// Untimed calls before timing
+    /// Untimed calls before the first round (and up to one before each later round)
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
-    /// Timed calls per size (the sim stops early once --budget-ms is spent)
+    /// Timed calls per size and row, spread over 5 interleaved rounds (at least one per round;
+    /// a round stops early once its share of --budget-ms is spent)
     #[arg(long, default_value_t = 5)]
     pub iters: usize,
-    /// Time budget per size and algorithm, ms
+    /// Time budget per size and row, ms
     #[arg(long, default_value_t = 500)]
     pub budget_ms: u64,
     /// Skip the correctness check of the last call
@@ -432,12 +481,21 @@ fn kernels_cmd(a: KernelsArgs) -> Result<i32> {
 
 fn run(a: RunArgs) -> Result<i32> {
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
-    let req = a.what.request(a.size, seed)?;
     let backend = backends::open(&a.place.placement())?;
+    let (algo, auto) = a
+        .what
+        .resolve(a.size, backend.world_size(), LinkModel::default())?;
+    let req = a.what.request(algo, a.size, seed);
     let out = driver::run(backend.as_ref(), &req, 1, a.dump.as_deref())?;
     println!(
         "{} {} on {} ranks ({}), {} × {}, reduce {}, seed {seed}",
-        req.op, req.algo, a.place.ranks, a.place.backend, req.count, req.dtype, req.reduce
+        req.op,
+        algo_label(algo, auto),
+        a.place.ranks,
+        a.place.backend,
+        req.count,
+        req.dtype,
+        req.reduce
     );
     println!("{}", out.card);
     println!(
@@ -465,7 +523,11 @@ fn run(a: RunArgs) -> Result<i32> {
 }
 
 fn plan(a: PlanArgs) -> Result<i32> {
-    let req = a.what.request(a.size, 0)?;
+    let (algo, auto) = a.what.resolve(a.size, a.ranks, LinkModel::default())?;
+    let req = a.what.request(algo, a.size, 0);
+    if auto {
+        println!("algorithm: {}", algo_label(algo, auto));
+    }
     let (checked, topology) = match driver::plan(&req, a.ranks) {
         Ok(x) => x,
         Err(commfuse_core::Error::Plan(e)) => {
@@ -486,12 +548,14 @@ fn plan(a: PlanArgs) -> Result<i32> {
 
 fn bench_cmd(a: BenchArgs) -> Result<i32> {
     let backend = backends::open(&a.place.placement())?;
-    let algos = match a.what.algo.as_deref() {
-        Some("all") => Algo::for_op(a.what.op).to_vec(),
-        _ => vec![a.what.algo()?],
+    let (algos, auto) = match a.what.algo_arg()? {
+        AlgoArg::All => (Algo::for_op(a.what.op).to_vec(), true),
+        AlgoArg::Auto => (Vec::new(), true),
+        AlgoArg::One(algo) => (vec![algo], false),
     };
     let cfg = BenchConfig {
         op: a.what.op,
+        auto,
         baselines: if a.no_baselines {
             Vec::new()
         } else {
@@ -517,11 +581,13 @@ fn bench_cmd(a: BenchArgs) -> Result<i32> {
             backend.name(),
             backend.world_size(),
             cfg.dtype,
-            cfg.reduce
+            cfg.reduce,
+            cfg.graph
         )
     );
-    let report = bench::run(backend.as_ref(), &cfg, |row| {
-        println!("{}", bench::format_row(row))
+    let report = bench::run(backend.as_ref(), &cfg, |progress| match progress {
+        Progress::Row(row) => println!("{}", bench::format_row(row, cfg.graph)),
+        Progress::Skipped(skip) => println!("{}", bench::format_skipped(skip)),
     })?;
     println!("{}", bench::best_table(&report));
     if let Some(path) = &a.json {

@@ -267,7 +267,12 @@ fn bench_prints_nccl_tests_columns_and_writes_json() {
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let rows = report["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 6, "3 sizes × 2 algorithms");
+    assert_eq!(rows.len(), 9, "3 sizes × (2 algorithms + auto)");
+    assert_eq!(rows.iter().filter(|r| r["algo"] == "auto").count(), 3);
+    // every parameter the plans were built from
+    for key in ["ranks", "dtype", "reduce", "root", "numa_groups"] {
+        assert!(!report[key].is_null(), "{key} missing: {report}");
+    }
     assert!(rows
         .iter()
         .all(|r| r["wrong"] == 0 && r["time_us"].as_f64().unwrap() > 0.0));
@@ -317,4 +322,76 @@ fn verify_prints_the_matrix() {
     let out = stdout(&o);
     assert!(out.contains("all-reduce      ring-2d     bf16"), "{out}");
     assert!(out.contains(" 0 failed"), "{out}");
+}
+
+#[test]
+fn run_defaults_to_auto_and_says_what_it_chose() {
+    let o = commfuse(&["run", "all-reduce", "--ranks", "3", "--size", "1000"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    let first = out.lines().next().unwrap();
+    // the chosen algorithm by name, marked as the cost model's pick, and the cost card agrees
+    let algo = first
+        .strip_prefix("all-reduce ")
+        .and_then(|rest| rest.split(" (auto: the cost model's pick)").next())
+        .unwrap_or_else(|| panic!("no auto pick in: {first}"));
+    assert!(first.contains("(auto: the cost model's pick)"), "{first}");
+    assert!(
+        out.contains(&format!("cost card: all-reduce {algo} on 3 ranks")),
+        "{out}"
+    );
+    assert!(out.trim_end().ends_with("OK"), "{out}");
+    fails_with(
+        &["run", "all-reduce", "--algo", "all"],
+        "--algo all is for bench",
+    );
+}
+
+#[test]
+fn run_prints_the_world_size_and_backend_it_ran_on() {
+    let o = commfuse(&["run", "all-gather", "--ranks", "3", "--size", "30"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains(" on 3 ranks (sim)"), "{}", stdout(&o));
+}
+
+#[test]
+fn bench_prints_the_auto_row_and_the_spread() {
+    let o = commfuse(&[
+        "bench",
+        "reduce-scatter",
+        "--algo",
+        "all",
+        "--ranks",
+        "2",
+        "--sizes",
+        "4K",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("spread(us)"), "{out}");
+    assert!(out.contains("interleaved rounds"), "{out}");
+    let auto = out
+        .lines()
+        .find(|l| l.contains("auto="))
+        .unwrap_or_else(|| panic!("no auto row: {out}"));
+    // size, count, type, algo, time, spread "lo-hi"
+    let spread = auto.split_whitespace().nth(5).unwrap();
+    let (lo, hi) = spread.split_once('-').unwrap();
+    let time: f64 = auto.split_whitespace().nth(4).unwrap().parse().unwrap();
+    let (lo, hi): (f64, f64) = (lo.parse().unwrap(), hi.parse().unwrap());
+    assert!(lo <= time && time <= hi, "{auto}");
+    // the default is auto: one row, the pick
+    let o = commfuse(&["bench", "all-reduce", "--ranks", "2", "--sizes", "1K"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .collect();
+    assert_eq!(
+        rows.len(),
+        2,
+        "the auto row and its best-per-size row: {out}"
+    );
+    assert!(rows[0].contains("auto="), "{rows:?}");
 }
