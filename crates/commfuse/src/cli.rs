@@ -491,8 +491,8 @@ fn run(a: RunArgs) -> Result<i32> {
         "{} {} on {} ranks ({}), {} × {}, reduce {}, seed {seed}",
         req.op,
         algo_label(algo, auto),
-        a.place.ranks,
-        a.place.backend,
+        backend.world_size(),
+        backend.name(),
         req.count,
         req.dtype,
         req.reduce
