@@ -30,17 +30,60 @@ pub enum Command {
     Run(RunArgs),
     /// Print a plan's per-rank steps, the checker's verdict and the cost card
     Plan(PlanArgs),
-    /// Measure a size sweep in the nccl-tests format
-    Bench(BenchArgs),
+    /// Measure a collective's size sweep in the nccl-tests format (`bench <op>`), or our GEMM
+    /// beside cuBLASLt (`bench gemm`)
+    Bench(BenchCmd),
     /// Run the whole correctness matrix
     Verify(VerifyArgs),
     /// Compile every kernel with NVRTC for sm_90a (no GPU needed)
     Kernels(KernelsArgs),
     /// Fit the cost model's link figures to measured bench tables (bench --json files)
     Calibrate(CalibrateArgs),
-    /// `commfuse bench gemm ...`: the GEMM beside cuBLASLt on one GPU
-    #[command(name = "bench-gemm", hide = true)]
-    BenchGemm(BenchGemmArgs),
+}
+
+/// `bench <op> [flags]` measures a collective, `bench gemm [flags]` the GEMM: one clap command
+/// whose positional op gives way to the `gemm` subcommand, so that both show in `--help`.
+/// (Written by hand: clap's derive cannot make a flattened argument struct optional when it
+/// flattens others itself, and the op is required only without `gemm`.)
+#[derive(Debug)]
+pub enum BenchCmd {
+    Sweep(BenchArgs),
+    Gemm(BenchGemmArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchSub {
+    /// Our GEMM beside cuBLASLt on one GPU: all SMs, capped (--sms), and with its epilogue
+    /// storing tiles to a peer GPU and raising flags there (--peer)
+    Gemm(BenchGemmArgs),
+}
+
+impl clap::FromArgMatches for BenchCmd {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        match matches.subcommand() {
+            Some(_) => match BenchSub::from_arg_matches(matches)? {
+                BenchSub::Gemm(a) => Ok(BenchCmd::Gemm(a)),
+            },
+            None => Ok(BenchCmd::Sweep(BenchArgs::from_arg_matches(matches)?)),
+        }
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+impl Args for BenchCmd {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        BenchSub::augment_subcommands(BenchArgs::augment_args(cmd))
+            .args_conflicts_with_subcommands(true)
+            .subcommand_negates_reqs(true)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
 }
 
 #[derive(Args, Debug)]
@@ -344,11 +387,11 @@ pub fn execute(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Run(a) => run(a),
         Command::Plan(a) => plan(a),
-        Command::Bench(a) => bench_cmd(a),
+        Command::Bench(BenchCmd::Sweep(a)) => bench_cmd(a),
+        Command::Bench(BenchCmd::Gemm(a)) => bench_gemm_cmd(a),
         Command::Verify(a) => verify_cmd(a),
         Command::Kernels(a) => kernels_cmd(a),
         Command::Calibrate(a) => calibrate_cmd(a),
-        Command::BenchGemm(a) => bench_gemm_cmd(a),
     }
 }
 

@@ -395,3 +395,23 @@ fn bench_prints_the_auto_row_and_the_spread() {
     );
     assert!(rows[0].contains("auto="), "{rows:?}");
 }
+
+#[test]
+fn help_shows_bench_gemm() {
+    let o = commfuse(&["bench", "--help"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("commfuse bench <COMMAND>"), "{out}");
+    assert!(
+        out.lines().any(|l| l.trim_start().starts_with("gemm ")),
+        "{out}"
+    );
+    let o = commfuse(&["--help"]);
+    assert!(stdout(&o).contains("`bench gemm`"), "{}", stdout(&o));
+    let o = commfuse(&["bench", "gemm", "--help"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    for flag in ["--m <M>", "--b-layout", "--sms", "--peer"] {
+        assert!(stdout(&o).contains(flag), "{flag}: {}", stdout(&o));
+    }
+    fails_with(&["bench", "all-reduce", "gemm"], "cannot be used with");
+}
