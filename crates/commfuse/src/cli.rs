@@ -482,9 +482,10 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<i32> {
     }
     let min = crate::sizes::parse_size(&a.min_size)?;
     let samples = crate::calibrate::samples(&reports, min)?;
-    let (_, before) = crate::calibrate::report(&samples, Default::default());
+    let before = crate::calibrate::worst_error(&samples, LinkModel::default());
+    let held = crate::calibrate::held_out(&samples)?;
     let model = crate::calibrate::fit(&samples);
-    let (table, worst) = crate::calibrate::report(&samples, model);
+    let in_sample = crate::calibrate::worst_error(&samples, model);
     println!(
         "fitted on {} rows of at least {}: --link-gbps {:.1} --latency-us {:.2} --launch-us {:.2}",
         samples.len(),
@@ -493,17 +494,49 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<i32> {
         model.latency_us,
         model.launch_us
     );
-    println!("{table}");
+    println!("{}", crate::calibrate::report(&samples, model, Some(&held)));
     println!(
-        "worst error {:.1}% after calibration ({:.1}% with the defaults)",
-        100.0 * worst,
+        "held-out error (fitted on every other size, judged on the sizes between, both ways): worst {:.1}%, mean {:.1}%",
+        100.0 * held.worst(),
+        100.0 * held.mean()
+    );
+    println!(
+        "worst error on the rows fitted: {:.1}% ({:.1}% with the defaults)",
+        100.0 * in_sample,
         100.0 * before
     );
     if let Some(path) = &a.json {
-        std::fs::write(path, serde_json::to_string_pretty(&model)?)
+        let out = Calibration {
+            model,
+            rows: samples.len(),
+            held_out_worst_error: held.worst(),
+            held_out_mean_error: held.mean(),
+            in_sample_worst_error: in_sample,
+            default_worst_error: before,
+            held_out_folds: held.fitted,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&out)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(0)
+}
+
+/// `calibrate --json`: the fitted figures (the keys of --link-gbps/--latency-us/--launch-us)
+/// and how well they predict.
+#[derive(serde::Serialize)]
+struct Calibration {
+    #[serde(flatten)]
+    model: LinkModel,
+    rows: usize,
+    /// Worst relative error on rows the fit did not see (two folds of alternating sizes)
+    held_out_worst_error: f64,
+    held_out_mean_error: f64,
+    /// Worst relative error of the figures fitted on all rows, on those rows
+    in_sample_worst_error: f64,
+    /// Worst relative error of the default figures
+    default_worst_error: f64,
+    /// The figures fitted on the even-indexed sizes and on the odd-indexed ones
+    held_out_folds: [LinkModel; 2],
 }
 
 fn kernels_cmd(a: KernelsArgs) -> Result<i32> {

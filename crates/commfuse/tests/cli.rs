@@ -415,3 +415,93 @@ fn help_shows_bench_gemm() {
     }
     fails_with(&["bench", "all-reduce", "gemm"], "cannot be used with");
 }
+
+/// A bench JSON "measured" by the model itself with known figures, on ring-2d with 4 NUMA
+/// groups: calibrate must rebuild those plans (not the default single group) to fit it, and
+/// reports the error on sizes it did not fit.
+#[test]
+fn calibrate_reads_back_numa_groups_and_reports_held_out_error() {
+    use commfuse::core::topology::LinkModel;
+    use commfuse::core::{Algo, DType, OpKind};
+    use commfuse::driver::{plan, Request};
+    let truth = LinkModel {
+        link_gbps: 250.0,
+        latency_us: 2.0,
+        launch_us: 7.0,
+    };
+    let predict = |algo: Algo, count: usize, numa_groups: usize| {
+        let mut req = Request::new(OpKind::AllReduce, algo, count, DType::BF16);
+        req.numa_groups = numa_groups;
+        let (checked, topology) = plan(&req, 8).unwrap();
+        checked.timing(&topology.with_model(truth), 2).total_us()
+    };
+    let mut rows = Vec::new();
+    for algo in [Algo::Ring2d, Algo::OneShot] {
+        // small enough that latency counts: the steps of the plan decide the time
+        for kb in [64u64, 128, 256, 512] {
+            let bytes = kb << 10;
+            let count = (bytes / 2) as usize;
+            if algo == Algo::Ring2d {
+                let (two, one) = (predict(algo, count, 4), predict(algo, count, 1));
+                assert!(
+                    (two - one).abs() > 0.05 * two,
+                    "groups must matter: {two} {one}"
+                );
+            }
+            let t = predict(algo, count, 4);
+            rows.push(serde_json::json!({
+                "algo": algo.name(), "bytes": bytes, "count": count, "dtype": "bf16",
+                "time_us": t, "min_us": t, "max_us": t, "rounds": 5, "algbw_gbps": 0.0,
+                "busbw_gbps": 0.0, "wrong": 0, "iterations": 5, "predicted_us": null,
+                "baseline": false, "graph": false
+            }));
+        }
+    }
+    let report = serde_json::json!({
+        "op": "all-reduce", "backend": "cuda", "ranks": 8, "dtype": "bf16", "reduce": "sum",
+        "root": 0, "numa_groups": 4, "rows": rows, "skipped": []
+    });
+    let dir = std::env::temp_dir().join(format!("commfuse-calibrate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (bench, out) = (dir.join("bench.json"), dir.join("fit.json"));
+    std::fs::write(&bench, report.to_string()).unwrap();
+    let o = commfuse(&[
+        "calibrate",
+        bench.to_str().unwrap(),
+        "--min-size",
+        "64K",
+        "--json",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("held-out error"), "{text}");
+    let fit: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let held = fit["held_out_worst_error"].as_f64().unwrap();
+    assert!(held < 0.02, "held-out error {held}: {text}");
+    // the single-group plans fit these rows too, but only with other figures (1.4 µs, 8.1 µs)
+    assert!(
+        (fit["link_gbps"].as_f64().unwrap() - 250.0).abs() < 15.0,
+        "{fit}"
+    );
+    assert!(
+        (fit["latency_us"].as_f64().unwrap() - 2.0).abs() < 0.2,
+        "{fit}"
+    );
+    assert!(
+        (fit["launch_us"].as_f64().unwrap() - 7.0).abs() < 0.5,
+        "{fit}"
+    );
+    // one size only: nothing to hold out
+    let one_size = serde_json::json!({
+        "op": "all-reduce", "backend": "cuda", "ranks": 8, "dtype": "bf16", "reduce": "sum",
+        "root": 0, "numa_groups": 4, "rows": [report["rows"][0]], "skipped": []
+    });
+    let one = dir.join("one-size.json");
+    std::fs::write(&one, one_size.to_string()).unwrap();
+    fails_with(
+        &["calibrate", one.to_str().unwrap(), "--min-size", "1K"],
+        "needs rows at two sizes or more",
+    );
+}
