@@ -505,3 +505,47 @@ fn calibrate_reads_back_numa_groups_and_reports_held_out_error() {
         "needs rows at two sizes or more",
     );
 }
+
+/// Every file the help text or the README names is in the repository, and neither points at
+/// an issue tracker the repository does not carry.
+#[test]
+fn help_and_readme_name_only_files_in_the_repository() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut texts = vec![(
+        "README.md".to_string(),
+        std::fs::read_to_string(root.join("README.md")).unwrap(),
+    )];
+    for cmd in [
+        &["--help"][..],
+        &["run", "--help"],
+        &["plan", "--help"],
+        &["bench", "--help"],
+        &["bench", "gemm", "--help"],
+        &["verify", "--help"],
+        &["kernels", "--help"],
+        &["calibrate", "--help"],
+    ] {
+        texts.push((cmd.join(" "), stdout(&commfuse(cmd))));
+    }
+    let exists = |name: &str| {
+        root.join(name).exists()
+            || std::process::Command::new("git")
+                .args(["ls-files", &format!("*{name}")])
+                .current_dir(&root)
+                .output()
+                .map(|o| !o.stdout.is_empty())
+                .unwrap_or(false)
+    };
+    for (what, text) in &texts {
+        for word in text.split(|c: char| c.is_whitespace() || "`()[],;:'\"".contains(c)) {
+            let word = word.trim_end_matches('.');
+            if word.ends_with(".md") || word.ends_with(".sh") {
+                assert!(
+                    exists(word),
+                    "{what} names {word}, which is not in the repository"
+                );
+            }
+        }
+        assert!(!text.contains("issue 4"), "{what} refers to 'issue 4'");
+    }
+}
