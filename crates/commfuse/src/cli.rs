@@ -478,7 +478,17 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<i32> {
     for path in &a.reports {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
-        let report: crate::bench::BenchReport = serde_json::from_str(&text)
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not JSON", path.display()))?;
+        // files from before bench recorded every plan parameter: their plans cannot be rebuilt
+        // with certainty, so say so rather than assume the defaults
+        if value.get("rows").is_some() && value.get("numa_groups").is_none() {
+            bail!(
+                "{} does not record the root and NUMA groups its plans were built with (written by an older bench): measure it again",
+                path.display()
+            );
+        }
+        let report: crate::bench::BenchReport = serde_json::from_value(value)
             .with_context(|| format!("{} is not a bench --json file", path.display()))?;
         reports.push(report);
     }
@@ -603,7 +613,7 @@ fn run(a: RunArgs) -> Result<i32> {
 fn plan(a: PlanArgs) -> Result<i32> {
     let (algo, auto) = a.what.resolve(a.size, a.ranks, LinkModel::default())?;
     let req = a.what.request(algo, a.size, 0);
-    if auto {
+    if auto && !a.json {
         println!("algorithm: {}", algo_label(algo, auto));
     }
     let (checked, topology) = match driver::plan(&req, a.ranks) {

@@ -230,6 +230,10 @@ fn plan_prints_steps_verdict_and_cost_card() {
     ]);
     let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(plan["steps"].as_array().unwrap().len(), 4);
+    // with the default auto, --json is still only JSON
+    let o = commfuse(&["plan", "all-gather", "--ranks", "3", "--json"]);
+    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(plan["steps"].as_array().unwrap().len(), 3);
 }
 
 #[test]
@@ -498,6 +502,15 @@ fn calibrate_reads_back_numa_groups_and_reports_held_out_error() {
         "op": "all-reduce", "backend": "cuda", "ranks": 8, "dtype": "bf16", "reduce": "sum",
         "root": 0, "numa_groups": 4, "rows": [report["rows"][0]], "skipped": []
     });
+    // a file from before bench recorded the plan parameters
+    let old = dir.join("old.json");
+    let mut without = report.clone();
+    without.as_object_mut().unwrap().remove("numa_groups");
+    std::fs::write(&old, without.to_string()).unwrap();
+    fails_with(
+        &["calibrate", old.to_str().unwrap()],
+        "does not record the root and NUMA groups",
+    );
     let one = dir.join("one-size.json");
     std::fs::write(&one, one_size.to_string()).unwrap();
     fails_with(
