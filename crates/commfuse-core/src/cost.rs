@@ -1,9 +1,61 @@
-//! Cost cards: what a plan moves and how long the latency–bandwidth model says it takes.
+//! Cost cards: what a plan moves and how long the latency–bandwidth model says it takes; and
+//! the default choice of algorithm, [`choose_algo`]: the one the model predicts fastest.
 
-use crate::checker::CheckedPlan;
+use crate::algorithms::{build_plan, Algo};
+use crate::checker::{check, CheckedPlan};
+use crate::error::Error;
+use crate::op::OpSpec;
 use crate::plan::Step;
 use crate::topology::Topology;
 use std::fmt;
+
+/// The algorithm [`choose_algo`] picked, its checked plan, and every candidate's prediction.
+#[derive(Debug, Clone)]
+pub struct AlgoChoice {
+    pub algo: Algo,
+    pub plan: CheckedPlan,
+    /// The model's time for `algo`, µs.
+    pub predicted_us: f64,
+    /// Every algorithm of the op in its default order, with its predicted time or why it cannot
+    /// run here (e.g. ring-2d when the world size is not a multiple of the NUMA group count).
+    pub candidates: Vec<(Algo, Result<f64, Error>)>,
+}
+
+/// Picks, among `spec`'s algorithms, the one whose checked plan the latency–bandwidth model of
+/// `topology` predicts fastest for elements of `elem_bytes` bytes. Ties go to the algorithm
+/// listed first by [`Algo::for_op`] (the op's default). Fails only when no algorithm can be
+/// built for `spec` on `topology`, with the first algorithm's reason.
+pub fn choose_algo(
+    spec: OpSpec,
+    topology: &Topology,
+    elem_bytes: usize,
+) -> Result<AlgoChoice, Error> {
+    let mut best: Option<(Algo, CheckedPlan, f64)> = None;
+    let mut candidates = Vec::new();
+    for &algo in Algo::for_op(spec.kind) {
+        let planned = build_plan(spec, algo, topology).and_then(|p| Ok(check(p)?));
+        let predicted = planned.map(|plan| {
+            let us = plan.timing(topology, elem_bytes).total_us();
+            if best.as_ref().is_none_or(|(_, _, b)| us < *b) {
+                best = Some((algo, plan, us));
+            }
+            us
+        });
+        candidates.push((algo, predicted));
+    }
+    match best {
+        Some((algo, plan, predicted_us)) => Ok(AlgoChoice {
+            algo,
+            plan,
+            predicted_us,
+            candidates,
+        }),
+        None => Err(candidates
+            .into_iter()
+            .find_map(|(_, r)| r.err())
+            .expect("every op has at least one algorithm")),
+    }
+}
 
 /// Per-rank traffic and signalling of one call.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -125,5 +177,52 @@ impl fmt::Display for CostCard {
             "  predicted time (slowest rank): {:.2} µs",
             self.predicted_us
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::OpKind;
+
+    /// The choice is the candidate with the least predicted time, and it changes with size:
+    /// latency-bound small messages and bandwidth-bound large ones want different plans.
+    #[test]
+    fn choice_is_the_fastest_predicted_and_depends_on_size() {
+        let topology = Topology::new(8, 1).unwrap();
+        let mut picks = Vec::new();
+        for count in [256, 64 << 20] {
+            let spec = OpSpec::new(OpKind::AllReduce, 8, count, 0).unwrap();
+            let choice = choose_algo(spec, &topology, 2).unwrap();
+            let fastest = choice
+                .candidates
+                .iter()
+                .filter_map(|(_, t)| t.as_ref().ok().copied())
+                .fold(f64::INFINITY, f64::min);
+            assert_eq!(choice.predicted_us, fastest);
+            assert_eq!(choice.plan.plan().algo, choice.algo.name());
+            assert_eq!(
+                choice.candidates.len(),
+                Algo::for_op(OpKind::AllReduce).len()
+            );
+            picks.push(choice.algo);
+        }
+        assert_ne!(picks[0], picks[1], "{picks:?}");
+    }
+
+    /// Algorithms that cannot be built here are skipped, not fatal.
+    #[test]
+    fn unbuildable_candidates_are_skipped() {
+        // ring-2d needs the world size to be a multiple of the group count
+        let topology = Topology::new(5, 2).unwrap();
+        let spec = OpSpec::new(OpKind::AllReduce, 5, 1000, 0).unwrap();
+        let choice = choose_algo(spec, &topology, 4).unwrap();
+        let ring_2d = choice
+            .candidates
+            .iter()
+            .find(|(a, _)| *a == Algo::Ring2d)
+            .unwrap();
+        assert!(ring_2d.1.is_err());
+        assert_ne!(choice.algo, Algo::Ring2d);
     }
 }

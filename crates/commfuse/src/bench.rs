@@ -1,19 +1,33 @@
-//! `commfuse bench`: a size sweep per algorithm in the nccl-tests format (size, count, type,
-//! time, algbw, busbw, #wrong), the model's prediction beside it, and JSON for machines.
-//! Time per size is the median over iterations of the slowest rank's time.
+//! `commfuse bench`: a size sweep in the nccl-tests format (size, count, type, time, algbw,
+//! busbw, #wrong), the model's prediction beside it, and JSON for machines.
+//!
+//! At each size every candidate (our algorithms, the cost model's pick, the backend's
+//! baselines) is prepared once, then they take turns in [`ROUNDS`] rounds, so that a drift of
+//! the machine (clocks, temperature, a neighbour's load) falls on all of them alike. A round
+//! times a few calls of one candidate and keeps their median; a row's time is the median of its
+//! rounds' medians and its spread their minimum and maximum. A call's time is its slowest
+//! rank's.
 
 use crate::driver::{self, Request};
 use crate::sizes::format_size;
 use anyhow::Result;
 use commfuse_core::backend::{Backend, PreparedCall};
-use commfuse_core::cost::CostCard;
-use commfuse_core::{Algo, DType, OpKind, ReduceOp};
+use commfuse_core::cost::{choose_algo, CostCard};
+use commfuse_core::{Algo, DType, OpKind, OpSpec, ReduceOp, Topology};
 use std::time::{Duration, Instant};
 
+/// Rounds in which the candidates of one size take turns.
+pub const ROUNDS: usize = 5;
+
+/// What to measure and how.
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
     pub op: OpKind,
+    /// Our algorithms with a row each
     pub algos: Vec<Algo>,
+    /// Add the `auto` row: at each size, the algorithm the cost model (with `model`'s figures)
+    /// predicts fastest, which is what `--algo auto` (the default) runs
+    pub auto: bool,
     /// Baselines of the backend to run beside (NCCL, copy engine)
     pub baselines: Vec<&'static str>,
     pub sizes: Vec<u64>,
@@ -21,147 +35,292 @@ pub struct BenchConfig {
     pub reduce: ReduceOp,
     pub root: usize,
     pub numa_groups: usize,
+    /// Untimed calls before the first round (and up to one before each later round)
     pub warmup: usize,
+    /// Timed calls per size and candidate, spread over the rounds (at least one per round)
     pub iters: usize,
-    /// Stop iterating a size once this much time went into it (at least one iteration runs).
+    /// A round ends early once it took this budget's share (at least one call runs).
     pub budget: Duration,
     pub check: bool,
     /// Time through captured graphs (launch overhead left out for us and the baselines)
     pub graph: bool,
-    /// The cost model's link figures for the model column
+    /// The cost model's link figures for the model column and the `auto` pick
     pub model: commfuse_core::topology::LinkModel,
 }
 
+/// One measured row.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct BenchRow {
+    /// Our algorithm, a baseline's name, or `auto`
     pub algo: String,
+    /// For the `auto` row: the algorithm the cost model picked (the row's figures are its)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub picked: Option<String>,
     pub bytes: u64,
     pub count: usize,
     pub dtype: DType,
+    /// Median of the rounds' medians, µs
     pub time_us: f64,
+    /// The fastest round's median, µs
+    pub min_us: f64,
+    /// The slowest round's median, µs
+    pub max_us: f64,
+    pub rounds: usize,
     pub algbw_gbps: f64,
     pub busbw_gbps: f64,
     pub wrong: Option<u64>,
+    /// Timed calls over all rounds
     pub iterations: usize,
     /// The cost model's prediction (our algorithms only)
     pub predicted_us: Option<f64>,
     /// Whether this row is a baseline rather than one of our algorithms
     pub baseline: bool,
+    /// Whether the timed calls were replayed from a captured graph (`--graph`, where the
+    /// backend can capture this candidate)
+    pub graph: bool,
 }
 
+/// A baseline that could not run at a size, and why.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Skipped {
+    pub baseline: String,
+    pub bytes: u64,
+    pub reason: String,
+}
+
+/// A whole sweep, with every parameter the plans were built from, so that `calibrate` rebuilds
+/// exactly the plans that ran.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct BenchReport {
     pub op: OpKind,
     pub backend: String,
+    /// World size
     pub ranks: usize,
     pub dtype: DType,
     pub reduce: ReduceOp,
+    /// Root rank (broadcast)
+    pub root: usize,
+    /// NUMA groups of consecutive ranks (ring-2d)
+    pub numa_groups: usize,
     pub rows: Vec<BenchRow>,
+    /// Baselines that did not run, per size
+    #[serde(default)]
+    pub skipped: Vec<Skipped>,
 }
 
-fn median(mut xs: Vec<Duration>) -> Duration {
+/// What [`run`] reports as it goes.
+pub enum Progress<'a> {
+    /// A measured row
+    Row(&'a BenchRow),
+    /// A baseline that could not run at a size
+    Skipped(&'a Skipped),
+}
+
+/// The middle element (upper middle for even lengths) of `xs`, which must not be empty.
+fn median(xs: &mut [Duration]) -> Duration {
     xs.sort();
     xs[xs.len() / 2]
 }
 
-/// Warm-up, then timed calls in batches until `iters` are done or the budget is spent;
-/// returns the slowest rank's time of each timed call.
-fn measure(call: &mut dyn PreparedCall, cfg: &BenchConfig) -> Result<Vec<Duration>> {
-    if cfg.warmup > 0 {
-        call.run_many(cfg.warmup)?;
+/// Whether `backend` replays candidate `name` from a captured graph under `--graph`. The
+/// simulator has no graphs (its `run_graph` is `run_many`); on cuda, the copy-engine baseline
+/// cannot be captured (its peer copies span two contexts) and falls back to launches.
+fn replays_graph(backend: &str, name: &str) -> bool {
+    backend == "cuda" && name != "copy-engine"
+}
+
+/// One prepared candidate of a size and its per-round medians.
+struct Candidate<'b> {
+    name: String,
+    algo: Option<Algo>,
+    call: Box<dyn PreparedCall + 'b>,
+    spec: OpSpec,
+    predicted_us: Option<f64>,
+    round_medians: Vec<Duration>,
+    iterations: usize,
+}
+
+/// One round of `c`: warm-up, then timed calls in batches until `per_round` are done or the
+/// round's budget is spent.
+fn measure_round(
+    c: &mut Candidate<'_>,
+    cfg: &BenchConfig,
+    round: usize,
+    per_round: usize,
+) -> Result<()> {
+    let warmup = if round == 0 {
+        cfg.warmup
+    } else {
+        cfg.warmup.min(1)
+    };
+    if warmup > 0 {
+        c.call.run_many(warmup)?;
     }
+    let budget = cfg.budget / ROUNDS as u32;
     let started = Instant::now();
-    let mut times = Vec::with_capacity(cfg.iters);
-    while times.len() < cfg.iters.max(1) {
-        let batch = (cfg.iters.max(1) - times.len()).min(BATCH);
+    let mut times = Vec::with_capacity(per_round);
+    while times.len() < per_round {
+        let batch = (per_round - times.len()).min(BATCH);
         let timed = if cfg.graph {
-            call.run_graph(batch)?
+            c.call.run_graph(batch)?
         } else {
-            call.run_many(batch)?
+            c.call.run_many(batch)?
         };
         times.extend(timed.iter().map(|t| t.slowest()));
-        if started.elapsed() > cfg.budget {
+        if started.elapsed() > budget {
             break;
         }
     }
-    Ok(times)
+    c.iterations += times.len();
+    c.round_medians.push(median(&mut times));
+    Ok(())
 }
 
 /// Timed calls queued at once (a GPU backend launches a batch back to back).
 const BATCH: usize = 50;
 
-/// Runs the sweep; `on_row` sees each row as soon as it is measured.
+/// Runs the sweep; `on_progress` sees each row and each skipped baseline as soon as known.
 pub fn run(
     backend: &dyn Backend,
     cfg: &BenchConfig,
-    mut on_row: impl FnMut(&BenchRow),
+    mut on_progress: impl FnMut(Progress<'_>),
 ) -> Result<BenchReport> {
     let world = backend.world_size();
+    let per_round = cfg.iters.div_ceil(ROUNDS).max(1);
     let mut rows = Vec::new();
+    let mut skipped = Vec::new();
     for &bytes in &cfg.sizes {
         let count = (bytes / cfg.dtype.size() as u64) as usize;
         let seed = driver::fresh_seed();
-        let candidates = cfg
-            .algos
-            .iter()
-            .map(|a| (a.name(), Some(*a)))
-            .chain(cfg.baselines.iter().map(|b| (*b, None)));
-        for (name, algo) in candidates {
-            let mut req = Request::new(
-                cfg.op,
-                algo.unwrap_or(Algo::for_op(cfg.op)[0]),
-                count,
-                cfg.dtype,
-            );
+        let request = |algo: Algo| {
+            let mut req = Request::new(cfg.op, algo, count, cfg.dtype);
             req.reduce = cfg.reduce;
             req.root = cfg.root;
             req.numa_groups = cfg.numa_groups;
             req.seed = seed;
-            let (checked, topology) = driver::plan(&req, world)?;
-            let spec = checked.plan().spec;
-            let (mut call, predicted_us) = match algo {
-                Some(_) => (
-                    backend.prepare(&checked, cfg.dtype, cfg.reduce)?,
-                    Some(
-                        CostCard::of(&checked, &topology.with_model(cfg.model), cfg.dtype.size())
-                            .predicted_us,
-                    ),
-                ),
-                None => match backend.prepare_baseline(name, &spec, cfg.dtype, cfg.reduce) {
-                    Ok(call) => (call, None),
-                    // a baseline that cannot take this size (NCCL needs counts divisible by P)
-                    Err(_) => continue,
-                },
-            };
-            driver::load(call.as_mut(), &spec, cfg.reduce, seed)?;
-            let times = measure(call.as_mut(), cfg)?;
+            req
+        };
+        let picked = if cfg.auto {
+            let spec = OpSpec::new(cfg.op, world, count, cfg.root)?;
+            let topology = Topology::new(world, cfg.numa_groups)?.with_model(cfg.model);
+            Some(choose_algo(spec, &topology, cfg.dtype.size())?.algo)
+        } else {
+            None
+        };
+        // our algorithms, the pick measured once even when it also has a row of its own
+        let mut ours = cfg.algos.clone();
+        if let Some(p) = picked.filter(|p| !ours.contains(p)) {
+            ours.push(p);
+        }
+        let mut candidates = Vec::new();
+        for algo in ours {
+            let (checked, topology) = driver::plan(&request(algo), world)?;
+            let predicted =
+                CostCard::of(&checked, &topology.with_model(cfg.model), cfg.dtype.size())
+                    .predicted_us;
+            candidates.push(Candidate {
+                name: algo.name().into(),
+                algo: Some(algo),
+                call: backend.prepare(&checked, cfg.dtype, cfg.reduce)?,
+                spec: checked.plan().spec,
+                predicted_us: Some(predicted),
+                round_medians: Vec::new(),
+                iterations: 0,
+            });
+        }
+        let spec = OpSpec::new(cfg.op, world, count, cfg.root)?;
+        for &name in &cfg.baselines {
+            match backend.prepare_baseline(name, &spec, cfg.dtype, cfg.reduce) {
+                Ok(call) => candidates.push(Candidate {
+                    name: name.into(),
+                    algo: None,
+                    call,
+                    spec,
+                    predicted_us: None,
+                    round_medians: Vec::new(),
+                    iterations: 0,
+                }),
+                Err(e) => {
+                    let skip = Skipped {
+                        baseline: name.into(),
+                        bytes,
+                        reason: e.to_string(),
+                    };
+                    on_progress(Progress::Skipped(&skip));
+                    skipped.push(skip);
+                }
+            }
+        }
+        for c in &mut candidates {
+            driver::load(c.call.as_mut(), &c.spec, cfg.reduce, seed)?;
+        }
+        // every candidate takes a turn each round, starting one further along each time so
+        // that none always follows the same neighbour
+        let n = candidates.len();
+        for round in 0..ROUNDS {
+            for k in 0..n {
+                measure_round(&mut candidates[(round + k) % n], cfg, round, per_round)?;
+            }
+        }
+        let mut measured = Vec::new();
+        for mut c in candidates {
             let wrong = if cfg.check {
-                Some(driver::compare(call.as_mut(), &spec, cfg.reduce, seed)?.wrong)
+                Some(driver::compare(c.call.as_mut(), &c.spec, cfg.reduce, seed)?.wrong)
             } else {
                 None
             };
-            drop(call);
-            let iterations = times.len();
-            let time = median(times).as_secs_f64();
+            let mut medians = c.round_medians.clone();
+            let time = median(&mut medians).as_secs_f64();
             let algbw = if time > 0.0 {
                 bytes as f64 / time / 1e9
             } else {
                 0.0
             };
             let row = BenchRow {
-                algo: name.into(),
+                algo: c.name.clone(),
+                picked: None,
                 bytes,
                 count,
                 dtype: cfg.dtype,
                 time_us: time * 1e6,
+                min_us: medians[0].as_secs_f64() * 1e6,
+                max_us: medians[medians.len() - 1].as_secs_f64() * 1e6,
+                rounds: medians.len(),
                 algbw_gbps: algbw,
                 busbw_gbps: algbw * cfg.op.busbw_factor(world),
                 wrong,
-                iterations,
-                predicted_us,
-                baseline: algo.is_none(),
+                iterations: c.iterations,
+                predicted_us: c.predicted_us,
+                baseline: c.algo.is_none(),
+                graph: cfg.graph && replays_graph(backend.name(), &c.name),
             };
-            on_row(&row);
+            measured.push((c.algo, row));
+        }
+        // rows in order: our algorithms, auto, baselines
+        let mut size_rows: Vec<BenchRow> = measured
+            .iter()
+            .filter(|(a, _)| a.is_some_and(|a| cfg.algos.contains(&a)))
+            .map(|(_, r)| r.clone())
+            .collect();
+        if let Some(p) = picked {
+            let (_, of_pick) = measured
+                .iter()
+                .find(|(a, _)| *a == Some(p))
+                .expect("the pick is measured");
+            size_rows.push(BenchRow {
+                algo: "auto".into(),
+                picked: Some(p.name().into()),
+                ..of_pick.clone()
+            });
+        }
+        size_rows.extend(
+            measured
+                .into_iter()
+                .filter(|(a, _)| a.is_none())
+                .map(|(_, r)| r),
+        );
+        for row in size_rows {
+            on_progress(Progress::Row(&row));
             rows.push(row);
         }
     }
@@ -171,68 +330,302 @@ pub fn run(
         ranks: world,
         dtype: cfg.dtype,
         reduce: cfg.reduce,
+        root: cfg.root,
+        numa_groups: cfg.numa_groups,
         rows,
+        skipped,
     })
 }
 
 /// Per size: our fastest algorithm (the pick a tuned dispatcher would make from this table)
-/// beside the fastest baseline.
+/// and the cost model's pick (what `--algo auto` gets), each beside the fastest baseline.
 pub fn best_table(report: &BenchReport) -> String {
     let mut out = format!(
-        "#\n# best per size\n# {:>8} {:>10} {:>11} {:>11} {:>12} {:>11} {:>8}",
-        "size", "ours", "time(us)", "busbw", "baseline", "busbw", "speedup"
+        "#\n# best per size (speedup: the baseline's time over ours)\n# {:>8} {:>13} {:>11} {:>11} {:>20} {:>11} {:>12} {:>11} {:>8} {:>8}",
+        "size", "ours", "time(us)", "busbw", "auto", "time(us)", "baseline", "busbw", "speedup", "auto"
     );
     let mut sizes: Vec<u64> = report.rows.iter().map(|r| r.bytes).collect();
     sizes.dedup();
     for bytes in sizes {
-        let at = |baseline: bool| {
+        let fastest = |keep: &dyn Fn(&BenchRow) -> bool| {
             report
                 .rows
                 .iter()
-                .filter(|r| r.bytes == bytes && r.baseline == baseline && r.wrong.unwrap_or(0) == 0)
+                .filter(|r| r.bytes == bytes && r.wrong.unwrap_or(0) == 0 && keep(r))
                 .min_by(|a, b| a.time_us.total_cmp(&b.time_us))
         };
-        let Some(ours) = at(false) else { continue };
-        let (name, busbw, speedup) = match at(true) {
-            Some(b) => (
-                b.algo.as_str(),
-                format!("{:.2}", b.busbw_gbps),
-                format!("{:.2}x", b.time_us / ours.time_us),
-            ),
-            None => ("-", "-".into(), "-".into()),
+        let ours = fastest(&|r| !r.baseline && r.picked.is_none());
+        let auto = fastest(&|r| r.picked.is_some());
+        let base = fastest(&|r| r.baseline);
+        if ours.is_none() && auto.is_none() {
+            continue;
+        }
+        let speedup = |row: Option<&BenchRow>| match (row, base) {
+            (Some(o), Some(b)) => format!("{:.2}x", b.time_us / o.time_us),
+            _ => "-".into(),
         };
         out.push_str(&format!(
-            "\n  {:>8} {:>10} {:>11.2} {:>11.2} {:>12} {:>11} {:>8}",
+            "\n  {:>8} {:>13} {:>11} {:>11} {:>20} {:>11} {:>12} {:>11} {:>8} {:>8}",
             format_size(bytes),
-            ours.algo,
-            ours.time_us,
-            ours.busbw_gbps,
-            name,
-            busbw,
-            speedup
+            ours.map_or("-", |o| o.algo.as_str()),
+            ours.map_or("-".into(), |o| format!("{:.2}", o.time_us)),
+            ours.map_or("-".into(), |o| format!("{:.2}", o.busbw_gbps)),
+            auto.map_or("-".into(), auto_label),
+            auto.map_or("-".into(), |o| format!("{:.2}", o.time_us)),
+            base.map_or("-", |b| b.algo.as_str()),
+            base.map_or("-".into(), |b| format!("{:.2}", b.busbw_gbps)),
+            speedup(ours),
+            speedup(auto),
         ));
     }
     out
 }
 
-pub fn header(op: OpKind, backend: &str, ranks: usize, dtype: DType, reduce: ReduceOp) -> String {
+/// `auto=ring` for the auto row, the algorithm's name otherwise.
+fn auto_label(row: &BenchRow) -> String {
+    match &row.picked {
+        Some(p) => format!("{}={p}", row.algo),
+        None => row.algo.clone(),
+    }
+}
+
+/// The table's title and column heads; `graph` adds the column saying how each row was timed.
+pub fn header(
+    op: OpKind,
+    backend: &str,
+    ranks: usize,
+    dtype: DType,
+    reduce: ReduceOp,
+    graph: bool,
+) -> String {
     format!(
-        "# commfuse bench {op}: backend {backend}, {ranks} ranks, {dtype}, reduce {reduce}\n#\n# {:>8} {:>12} {:>5} {:>11} {:>11} {:>11} {:>11} {:>7} {:>11}",
-        "size", "count", "type", "algo", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "model(us)"
+        "# commfuse bench {op}: backend {backend}, {ranks} ranks, {dtype}, reduce {reduce}\n\
+         # time: median of {ROUNDS} interleaved rounds' medians; spread: the fastest and slowest round\n\
+         # auto: the algorithm the cost model picks at that size (what --algo auto runs)\n#\n\
+         # {:>8} {:>12} {:>5} {:>20} {:>11} {:>19} {:>11} {:>11} {:>7} {:>11}{}",
+        "size",
+        "count",
+        "type",
+        "algo",
+        "time(us)",
+        "spread(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "#wrong",
+        "model(us)",
+        if graph { "  timed" } else { "" }
     )
 }
 
-pub fn format_row(row: &BenchRow) -> String {
+/// One row of the table; `graph` adds whether the row was replayed from a graph or launched
+/// call by call (the backend could not capture it).
+pub fn format_row(row: &BenchRow, graph: bool) -> String {
     format!(
-        "  {:>8} {:>12} {:>5} {:>11} {:>11.2} {:>11.2} {:>11.2} {:>7} {:>11}",
+        "  {:>8} {:>12} {:>5} {:>20} {:>11.2} {:>19} {:>11.2} {:>11.2} {:>7} {:>11}{}",
         format_size(row.bytes),
         row.count,
         row.dtype.name(),
-        row.algo,
+        auto_label(row),
         row.time_us,
+        format!("{:.2}-{:.2}", row.min_us, row.max_us),
         row.algbw_gbps,
         row.busbw_gbps,
         row.wrong.map_or("-".into(), |w| w.to_string()),
-        row.predicted_us.map_or("-".into(), |p| format!("{p:.2}"))
+        row.predicted_us.map_or("-".into(), |p| format!("{p:.2}")),
+        match (graph, row.graph) {
+            (false, _) => "",
+            (true, true) => "  graph",
+            (true, false) => "  launches (no graph)",
+        }
     )
+}
+
+/// The line for a baseline that did not run at a size.
+pub fn format_skipped(skip: &Skipped) -> String {
+    format!(
+        "# baseline {} not run at {}: {}",
+        skip.baseline,
+        format_size(skip.bytes),
+        skip.reason
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use commfuse_core::backend::{BackendError, CallTiming, HostSlice, HostSliceMut};
+    use commfuse_core::{build_plan, check, CheckedPlan};
+    use commfuse_sim::{SimBackend, WorldConfig};
+    use std::cell::RefCell;
+
+    /// The simulator with two baselines: `missing`, which fails as a library that is not
+    /// installed does, and `stand-in` (our direct plan under another name). Every timed batch
+    /// is logged with its candidate's name.
+    struct Logging {
+        sim: SimBackend,
+        log: RefCell<Vec<String>>,
+    }
+
+    struct LoggedCall<'a> {
+        name: String,
+        inner: Box<dyn PreparedCall + 'a>,
+        log: &'a RefCell<Vec<String>>,
+    }
+
+    impl PreparedCall for LoggedCall<'_> {
+        fn input_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
+            self.inner.input_mut(rank)
+        }
+        fn output_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
+            self.inner.output_mut(rank)
+        }
+        fn upload(&mut self) -> Result<(), BackendError> {
+            self.inner.upload()
+        }
+        fn run(&mut self) -> Result<CallTiming, BackendError> {
+            self.inner.run()
+        }
+        fn run_many(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
+            self.log.borrow_mut().push(self.name.clone());
+            self.inner.run_many(iters)
+        }
+        fn download(&mut self) -> Result<(), BackendError> {
+            self.inner.download()
+        }
+        fn input(&self, rank: usize) -> HostSlice<'_> {
+            self.inner.input(rank)
+        }
+        fn output(&self, rank: usize) -> HostSlice<'_> {
+            self.inner.output(rank)
+        }
+    }
+
+    impl Backend for Logging {
+        fn name(&self) -> &'static str {
+            "logging"
+        }
+        fn world_size(&self) -> usize {
+            self.sim.world_size()
+        }
+        fn prepare(
+            &self,
+            plan: &CheckedPlan,
+            dtype: DType,
+            reduce: ReduceOp,
+        ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
+            Ok(Box::new(LoggedCall {
+                name: plan.plan().algo.clone(),
+                inner: self.sim.prepare(plan, dtype, reduce)?,
+                log: &self.log,
+            }))
+        }
+        fn baselines(&self, _op: OpKind) -> Vec<&'static str> {
+            vec!["missing", "stand-in"]
+        }
+        fn prepare_baseline(
+            &self,
+            name: &str,
+            spec: &OpSpec,
+            dtype: DType,
+            reduce: ReduceOp,
+        ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
+            if name == "missing" {
+                return Err(BackendError::Unavailable(
+                    "libmissing.so.2: cannot open shared object file".into(),
+                ));
+            }
+            let topology = Topology::new(spec.world, 1).unwrap();
+            let plan = check(build_plan(*spec, Algo::Direct, &topology).unwrap()).unwrap();
+            Ok(Box::new(LoggedCall {
+                name: name.into(),
+                inner: self.sim.prepare(&plan, dtype, reduce)?,
+                log: &self.log,
+            }))
+        }
+    }
+
+    fn config() -> BenchConfig {
+        BenchConfig {
+            op: OpKind::AllGather,
+            algos: vec![Algo::Direct, Algo::Ring],
+            auto: true,
+            baselines: vec!["missing", "stand-in"],
+            sizes: vec![4096],
+            dtype: DType::F32,
+            reduce: ReduceOp::Sum,
+            root: 0,
+            numa_groups: 1,
+            warmup: 0,
+            iters: 5,
+            budget: Duration::from_secs(10),
+            check: true,
+            graph: false,
+            model: Default::default(),
+        }
+    }
+
+    #[test]
+    fn candidates_take_turns_and_a_failed_baseline_is_reported() {
+        let backend = Logging {
+            sim: SimBackend::new(3, WorldConfig::default()).unwrap(),
+            log: RefCell::new(Vec::new()),
+        };
+        let mut seen = Vec::new();
+        let report = run(&backend, &config(), |p| match p {
+            Progress::Row(r) => seen.push(format_row(r, false)),
+            Progress::Skipped(s) => seen.push(format_skipped(s)),
+        })
+        .unwrap();
+        // one batch per candidate and round, the candidates in turn (not one block each)
+        let log = backend.log.borrow();
+        assert_eq!(log.len(), 3 * ROUNDS, "{log:?}");
+        for round in log.chunks(3) {
+            let mut names = round.to_vec();
+            names.sort();
+            assert_eq!(names, ["direct", "ring", "stand-in"], "{log:?}");
+        }
+        // the missing baseline: one line saying which and why, and in the JSON
+        assert!(
+            seen[0].contains("baseline missing not run at 4K: libmissing.so.2"),
+            "{seen:?}"
+        );
+        assert_eq!(report.skipped.len(), 1);
+        assert_eq!(report.skipped[0].baseline, "missing");
+        // rows: ours, auto (the pick, measured once), the baseline that ran
+        let names: Vec<&str> = report.rows.iter().map(|r| r.algo.as_str()).collect();
+        assert_eq!(names, ["direct", "ring", "auto", "stand-in"]);
+        let auto = &report.rows[2];
+        let pick = auto.picked.as_deref().unwrap();
+        let of_pick = report.rows.iter().find(|r| r.algo == pick).unwrap();
+        assert_eq!(auto.time_us, of_pick.time_us);
+        for r in &report.rows {
+            assert_eq!(r.rounds, ROUNDS);
+            assert!(r.min_us <= r.time_us && r.time_us <= r.max_us, "{r:?}");
+            assert_eq!(r.wrong, Some(0));
+        }
+        assert!(best_table(&report).contains(&format!("auto={pick}")));
+    }
+
+    /// Under --graph, a row the backend could not replay from a graph says so.
+    #[test]
+    fn rows_timed_without_a_graph_are_marked() {
+        assert!(replays_graph("cuda", "nccl"));
+        assert!(replays_graph("cuda", "ring"));
+        assert!(!replays_graph("cuda", "copy-engine"));
+        assert!(!replays_graph("sim", "ring"));
+        let backend = Logging {
+            sim: SimBackend::new(2, WorldConfig::default()).unwrap(),
+            log: RefCell::new(Vec::new()),
+        };
+        let cfg = BenchConfig {
+            graph: true,
+            baselines: Vec::new(),
+            ..config()
+        };
+        let report = run(&backend, &cfg, |_| {}).unwrap();
+        let row = format_row(&report.rows[0], true);
+        assert!(row.ends_with("launches (no graph)"), "{row}");
+        assert!(!format_row(&report.rows[0], false).contains("graph"));
+        assert!(header(cfg.op, "sim", 2, cfg.dtype, cfg.reduce, true).ends_with("timed"));
+    }
 }

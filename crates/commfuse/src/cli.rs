@@ -1,14 +1,15 @@
 //! The `commfuse` command line: run, plan, bench, verify.
 
 use crate::backends::{self, BackendKind, Placement};
-use crate::bench::{self, BenchConfig};
+use crate::bench::{self, BenchConfig, Progress};
 use crate::driver::{self, Request};
 use crate::sizes::parse_sizes;
 use crate::verify;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use commfuse_core::cost::CostCard;
-use commfuse_core::{Algo, DType, OpKind, ReduceOp};
+use commfuse_core::cost::{choose_algo, CostCard};
+use commfuse_core::topology::LinkModel;
+use commfuse_core::{Algo, DType, OpKind, OpSpec, ReduceOp, Topology};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -29,17 +30,60 @@ pub enum Command {
     Run(RunArgs),
     /// Print a plan's per-rank steps, the checker's verdict and the cost card
     Plan(PlanArgs),
-    /// Measure a size sweep in the nccl-tests format
-    Bench(BenchArgs),
+    /// Measure a collective's size sweep in the nccl-tests format (`bench <op>`), or our GEMM
+    /// beside cuBLASLt (`bench gemm`)
+    Bench(BenchCmd),
     /// Run the whole correctness matrix
     Verify(VerifyArgs),
     /// Compile every kernel with NVRTC for sm_90a (no GPU needed)
     Kernels(KernelsArgs),
     /// Fit the cost model's link figures to measured bench tables (bench --json files)
     Calibrate(CalibrateArgs),
-    /// `commfuse bench gemm ...`: the GEMM beside cuBLASLt on one GPU
-    #[command(name = "bench-gemm", hide = true)]
-    BenchGemm(BenchGemmArgs),
+}
+
+/// `bench <op> [flags]` measures a collective, `bench gemm [flags]` the GEMM: one clap command
+/// whose positional op gives way to the `gemm` subcommand, so that both show in `--help`.
+/// (Written by hand: clap's derive cannot make a flattened argument struct optional when it
+/// flattens others itself, and the op is required only without `gemm`.)
+#[derive(Debug)]
+pub enum BenchCmd {
+    Sweep(BenchArgs),
+    Gemm(BenchGemmArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchSub {
+    /// Our GEMM beside cuBLASLt on one GPU: all SMs, capped (--sms), and with its epilogue
+    /// storing tiles to a peer GPU and raising flags there (--peer)
+    Gemm(BenchGemmArgs),
+}
+
+impl clap::FromArgMatches for BenchCmd {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        match matches.subcommand() {
+            Some(_) => match BenchSub::from_arg_matches(matches)? {
+                BenchSub::Gemm(a) => Ok(BenchCmd::Gemm(a)),
+            },
+            None => Ok(BenchCmd::Sweep(BenchArgs::from_arg_matches(matches)?)),
+        }
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+impl Args for BenchCmd {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        BenchSub::augment_subcommands(BenchArgs::augment_args(cmd))
+            .args_conflicts_with_subcommands(true)
+            .subcommand_negates_reqs(true)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
 }
 
 #[derive(Args, Debug)]
@@ -94,7 +138,8 @@ pub struct CalibrateArgs {
     pub json: Option<PathBuf>,
 }
 
-/// The cost model's link figures (defaults: HARDWARE.md's measured ceilings).
+/// The cost model's link figures (defaults: what was measured on 2 × H200 over NVLink: SM stores
+/// carry about 370 GB/s per direction, a flag takes about 1.2 µs one way).
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Link bandwidth per rank and direction, GB/s
@@ -109,8 +154,8 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    fn model(&self) -> commfuse_core::topology::LinkModel {
-        commfuse_core::topology::LinkModel {
+    fn model(&self) -> LinkModel {
+        LinkModel {
             link_gbps: self.link_gbps,
             latency_us: self.latency_us,
             launch_us: self.launch_us,
@@ -164,9 +209,10 @@ impl Where {
 pub struct What {
     /// all-reduce, reduce-scatter, all-gather, broadcast, all-to-all or barrier
     pub op: OpKind,
-    /// Algorithm (default: the op's first; see `commfuse plan --help`)
-    #[arg(long)]
-    pub algo: Option<String>,
+    /// Algorithm: auto (the one the cost model predicts fastest for this op, size and world),
+    /// one of the op's algorithms (see the table in README.md), or, for bench, all
+    #[arg(long, default_value = "auto")]
+    pub algo: String,
     /// Element type: f32, bf16 or f16
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
@@ -181,21 +227,67 @@ pub struct What {
     pub numa_groups: usize,
 }
 
+/// What `--algo` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AlgoArg {
+    /// The cost model's pick per size and world
+    Auto,
+    /// Every algorithm of the op (bench only)
+    All,
+    /// One named algorithm
+    One(Algo),
+}
+
 impl What {
-    fn algo(&self) -> Result<Algo> {
-        match &self.algo {
-            None => Ok(Algo::for_op(self.op)[0]),
-            Some(name) => Ok(Algo::parse_for(self.op, name)?),
+    fn algo_arg(&self) -> Result<AlgoArg> {
+        match self.algo.as_str() {
+            "auto" => Ok(AlgoArg::Auto),
+            "all" => Ok(AlgoArg::All),
+            name => Algo::parse_for(self.op, name)
+                .map(AlgoArg::One)
+                .map_err(|_| {
+                    let names: Vec<_> = Algo::for_op(self.op).iter().map(|a| a.name()).collect();
+                    anyhow::anyhow!(
+                        "{} has no algorithm '{name}' (choose auto, one of: {}, or all with bench)",
+                        self.op,
+                        names.join(", ")
+                    )
+                }),
         }
     }
 
-    fn request(&self, count: usize, seed: u64) -> Result<Request> {
-        let mut req = Request::new(self.op, self.algo()?, count, self.dtype);
+    /// The algorithm to run for `count` elements on `world` ranks: the named one, or for
+    /// `auto` the cost model's pick under `model`'s link figures (second value true).
+    fn resolve(&self, count: usize, world: usize, model: LinkModel) -> Result<(Algo, bool)> {
+        match self.algo_arg()? {
+            AlgoArg::One(algo) => Ok((algo, false)),
+            AlgoArg::Auto => {
+                let spec = OpSpec::new(self.op, world, count, self.root)?;
+                let topology = Topology::new(world, self.numa_groups)?.with_model(model);
+                Ok((choose_algo(spec, &topology, self.dtype.size())?.algo, true))
+            }
+            AlgoArg::All => {
+                bail!("--algo all is for bench; this command runs one algorithm (or auto)")
+            }
+        }
+    }
+
+    fn request(&self, algo: Algo, count: usize, seed: u64) -> Request {
+        let mut req = Request::new(self.op, algo, count, self.dtype);
         req.reduce = self.reduce;
         req.root = self.root;
         req.numa_groups = self.numa_groups;
         req.seed = seed;
-        Ok(req)
+        req
+    }
+}
+
+/// How `run` and `plan` name the algorithm: `ring`, or `ring (auto: the cost model's pick)`.
+fn algo_label(algo: Algo, auto: bool) -> String {
+    if auto {
+        format!("{algo} (auto: the cost model's pick)")
+    } else {
+        algo.to_string()
     }
 }
 
@@ -205,7 +297,8 @@ pub struct RunArgs {
     pub what: What,
     #[command(flatten)]
     pub place: Where,
-    /// Element count (see DESIGN.md for what it means per op)
+    /// Element count: per rank for all-reduce and broadcast; of each rank's input for
+    /// reduce-scatter and all-to-all; of the gathered output for all-gather; ignored by barrier
     #[arg(long, short = 'n', default_value_t = 1 << 20)]
     pub size: usize,
     /// Seed of the random inputs (default: fresh each run)
@@ -240,13 +333,14 @@ pub struct BenchArgs {
     /// Sizes in bytes: 64M, 1K..1G (doubling) or 4K,1M
     #[arg(long, default_value = "1K..16M")]
     pub sizes: String,
-    /// Untimed calls before timing
+    /// Untimed calls before the first round (and up to one before each later round)
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
-    /// Timed calls per size (the sim stops early once --budget-ms is spent)
+    /// Timed calls per size and row, spread over 5 interleaved rounds (at least one per round;
+    /// a round stops early once its share of --budget-ms is spent)
     #[arg(long, default_value_t = 5)]
     pub iters: usize,
-    /// Time budget per size and algorithm, ms
+    /// Time budget per size and row, ms
     #[arg(long, default_value_t = 500)]
     pub budget_ms: u64,
     /// Skip the correctness check of the last call
@@ -295,11 +389,11 @@ pub fn execute(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Run(a) => run(a),
         Command::Plan(a) => plan(a),
-        Command::Bench(a) => bench_cmd(a),
+        Command::Bench(BenchCmd::Sweep(a)) => bench_cmd(a),
+        Command::Bench(BenchCmd::Gemm(a)) => bench_gemm_cmd(a),
         Command::Verify(a) => verify_cmd(a),
         Command::Kernels(a) => kernels_cmd(a),
         Command::Calibrate(a) => calibrate_cmd(a),
-        Command::BenchGemm(a) => bench_gemm_cmd(a),
     }
 }
 
@@ -385,15 +479,26 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<i32> {
     for path in &a.reports {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
-        let report: crate::bench::BenchReport = serde_json::from_str(&text)
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not JSON", path.display()))?;
+        // files from before bench recorded every plan parameter: their plans cannot be rebuilt
+        // with certainty, so say so rather than assume the defaults
+        if value.get("rows").is_some() && value.get("numa_groups").is_none() {
+            bail!(
+                "{} does not record the root and NUMA groups its plans were built with (written by an older bench): measure it again",
+                path.display()
+            );
+        }
+        let report: crate::bench::BenchReport = serde_json::from_value(value)
             .with_context(|| format!("{} is not a bench --json file", path.display()))?;
         reports.push(report);
     }
     let min = crate::sizes::parse_size(&a.min_size)?;
     let samples = crate::calibrate::samples(&reports, min)?;
-    let (_, before) = crate::calibrate::report(&samples, Default::default());
+    let before = crate::calibrate::worst_error(&samples, LinkModel::default());
+    let held = crate::calibrate::held_out(&samples)?;
     let model = crate::calibrate::fit(&samples);
-    let (table, worst) = crate::calibrate::report(&samples, model);
+    let in_sample = crate::calibrate::worst_error(&samples, model);
     println!(
         "fitted on {} rows of at least {}: --link-gbps {:.1} --latency-us {:.2} --launch-us {:.2}",
         samples.len(),
@@ -402,17 +507,49 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<i32> {
         model.latency_us,
         model.launch_us
     );
-    println!("{table}");
+    println!("{}", crate::calibrate::report(&samples, model, Some(&held)));
     println!(
-        "worst error {:.1}% after calibration ({:.1}% with the defaults)",
-        100.0 * worst,
+        "held-out error (fitted on every other size, judged on the sizes between, both ways): worst {:.1}%, mean {:.1}%",
+        100.0 * held.worst(),
+        100.0 * held.mean()
+    );
+    println!(
+        "worst error on the rows fitted: {:.1}% ({:.1}% with the defaults)",
+        100.0 * in_sample,
         100.0 * before
     );
     if let Some(path) = &a.json {
-        std::fs::write(path, serde_json::to_string_pretty(&model)?)
+        let out = Calibration {
+            model,
+            rows: samples.len(),
+            held_out_worst_error: held.worst(),
+            held_out_mean_error: held.mean(),
+            in_sample_worst_error: in_sample,
+            default_worst_error: before,
+            held_out_folds: held.fitted,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&out)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(0)
+}
+
+/// `calibrate --json`: the fitted figures (the keys of --link-gbps/--latency-us/--launch-us)
+/// and how well they predict.
+#[derive(serde::Serialize)]
+struct Calibration {
+    #[serde(flatten)]
+    model: LinkModel,
+    rows: usize,
+    /// Worst relative error on rows the fit did not see (two folds of alternating sizes)
+    held_out_worst_error: f64,
+    held_out_mean_error: f64,
+    /// Worst relative error of the figures fitted on all rows, on those rows
+    in_sample_worst_error: f64,
+    /// Worst relative error of the default figures
+    default_worst_error: f64,
+    /// The figures fitted on the even-indexed sizes and on the odd-indexed ones
+    held_out_folds: [LinkModel; 2],
 }
 
 fn kernels_cmd(a: KernelsArgs) -> Result<i32> {
@@ -433,12 +570,21 @@ fn kernels_cmd(a: KernelsArgs) -> Result<i32> {
 
 fn run(a: RunArgs) -> Result<i32> {
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
-    let req = a.what.request(a.size, seed)?;
     let backend = backends::open(&a.place.placement())?;
+    let (algo, auto) = a
+        .what
+        .resolve(a.size, backend.world_size(), LinkModel::default())?;
+    let req = a.what.request(algo, a.size, seed);
     let out = driver::run(backend.as_ref(), &req, 1, a.dump.as_deref())?;
     println!(
         "{} {} on {} ranks ({}), {} × {}, reduce {}, seed {seed}",
-        req.op, req.algo, a.place.ranks, a.place.backend, req.count, req.dtype, req.reduce
+        req.op,
+        algo_label(algo, auto),
+        backend.world_size(),
+        backend.name(),
+        req.count,
+        req.dtype,
+        req.reduce
     );
     println!("{}", out.card);
     println!(
@@ -466,7 +612,11 @@ fn run(a: RunArgs) -> Result<i32> {
 }
 
 fn plan(a: PlanArgs) -> Result<i32> {
-    let req = a.what.request(a.size, 0)?;
+    let (algo, auto) = a.what.resolve(a.size, a.ranks, LinkModel::default())?;
+    let req = a.what.request(algo, a.size, 0);
+    if auto && !a.json {
+        println!("algorithm: {}", algo_label(algo, auto));
+    }
     let (checked, topology) = match driver::plan(&req, a.ranks) {
         Ok(x) => x,
         Err(commfuse_core::Error::Plan(e)) => {
@@ -487,12 +637,14 @@ fn plan(a: PlanArgs) -> Result<i32> {
 
 fn bench_cmd(a: BenchArgs) -> Result<i32> {
     let backend = backends::open(&a.place.placement())?;
-    let algos = match a.what.algo.as_deref() {
-        Some("all") => Algo::for_op(a.what.op).to_vec(),
-        _ => vec![a.what.algo()?],
+    let (algos, auto) = match a.what.algo_arg()? {
+        AlgoArg::All => (Algo::for_op(a.what.op).to_vec(), true),
+        AlgoArg::Auto => (Vec::new(), true),
+        AlgoArg::One(algo) => (vec![algo], false),
     };
     let cfg = BenchConfig {
         op: a.what.op,
+        auto,
         baselines: if a.no_baselines {
             Vec::new()
         } else {
@@ -518,11 +670,13 @@ fn bench_cmd(a: BenchArgs) -> Result<i32> {
             backend.name(),
             backend.world_size(),
             cfg.dtype,
-            cfg.reduce
+            cfg.reduce,
+            cfg.graph
         )
     );
-    let report = bench::run(backend.as_ref(), &cfg, |row| {
-        println!("{}", bench::format_row(row))
+    let report = bench::run(backend.as_ref(), &cfg, |progress| match progress {
+        Progress::Row(row) => println!("{}", bench::format_row(row, cfg.graph)),
+        Progress::Skipped(skip) => println!("{}", bench::format_skipped(skip)),
     })?;
     println!("{}", bench::best_table(&report));
     if let Some(path) = &a.json {

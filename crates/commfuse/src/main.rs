@@ -21,14 +21,7 @@ fn main() {
             .unwrap_or_default();
         eprintln!("error: internal error{at}: {msg}");
     }));
-    // `commfuse bench gemm ...` has flags of its own: route it to the hidden bench-gemm command
-    let mut args: Vec<String> = std::env::args().collect();
-    if args.get(1).map(String::as_str) == Some("bench")
-        && args.get(2).map(String::as_str) == Some("gemm")
-    {
-        args.splice(1..3, ["bench-gemm".to_string()]);
-    }
-    let cli = match Cli::try_parse_from(args) {
+    let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
             use clap::error::ErrorKind;

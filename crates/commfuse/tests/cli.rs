@@ -230,6 +230,10 @@ fn plan_prints_steps_verdict_and_cost_card() {
     ]);
     let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(plan["steps"].as_array().unwrap().len(), 4);
+    // with the default auto, --json is still only JSON
+    let o = commfuse(&["plan", "all-gather", "--ranks", "3", "--json"]);
+    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(plan["steps"].as_array().unwrap().len(), 3);
 }
 
 #[test]
@@ -267,7 +271,12 @@ fn bench_prints_nccl_tests_columns_and_writes_json() {
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let rows = report["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 6, "3 sizes × 2 algorithms");
+    assert_eq!(rows.len(), 9, "3 sizes × (2 algorithms + auto)");
+    assert_eq!(rows.iter().filter(|r| r["algo"] == "auto").count(), 3);
+    // every parameter the plans were built from
+    for key in ["ranks", "dtype", "reduce", "root", "numa_groups"] {
+        assert!(!report[key].is_null(), "{key} missing: {report}");
+    }
     assert!(rows
         .iter()
         .all(|r| r["wrong"] == 0 && r["time_us"].as_f64().unwrap() > 0.0));
@@ -317,4 +326,239 @@ fn verify_prints_the_matrix() {
     let out = stdout(&o);
     assert!(out.contains("all-reduce      ring-2d     bf16"), "{out}");
     assert!(out.contains(" 0 failed"), "{out}");
+}
+
+#[test]
+fn run_defaults_to_auto_and_says_what_it_chose() {
+    let o = commfuse(&["run", "all-reduce", "--ranks", "3", "--size", "1000"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    let first = out.lines().next().unwrap();
+    // the chosen algorithm by name, marked as the cost model's pick, and the cost card agrees
+    let algo = first
+        .strip_prefix("all-reduce ")
+        .and_then(|rest| rest.split(" (auto: the cost model's pick)").next())
+        .unwrap_or_else(|| panic!("no auto pick in: {first}"));
+    assert!(first.contains("(auto: the cost model's pick)"), "{first}");
+    assert!(
+        out.contains(&format!("cost card: all-reduce {algo} on 3 ranks")),
+        "{out}"
+    );
+    assert!(out.trim_end().ends_with("OK"), "{out}");
+    fails_with(
+        &["run", "all-reduce", "--algo", "all"],
+        "--algo all is for bench",
+    );
+}
+
+#[test]
+fn run_prints_the_world_size_and_backend_it_ran_on() {
+    let o = commfuse(&["run", "all-gather", "--ranks", "3", "--size", "30"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains(" on 3 ranks (sim)"), "{}", stdout(&o));
+}
+
+#[test]
+fn bench_prints_the_auto_row_and_the_spread() {
+    let o = commfuse(&[
+        "bench",
+        "reduce-scatter",
+        "--algo",
+        "all",
+        "--ranks",
+        "2",
+        "--sizes",
+        "4K",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("spread(us)"), "{out}");
+    assert!(out.contains("interleaved rounds"), "{out}");
+    let auto = out
+        .lines()
+        .find(|l| l.contains("auto="))
+        .unwrap_or_else(|| panic!("no auto row: {out}"));
+    // size, count, type, algo, time, spread "lo-hi"
+    let spread = auto.split_whitespace().nth(5).unwrap();
+    let (lo, hi) = spread.split_once('-').unwrap();
+    let time: f64 = auto.split_whitespace().nth(4).unwrap().parse().unwrap();
+    let (lo, hi): (f64, f64) = (lo.parse().unwrap(), hi.parse().unwrap());
+    assert!(lo <= time && time <= hi, "{auto}");
+    // the default is auto: one row, the pick
+    let o = commfuse(&["bench", "all-reduce", "--ranks", "2", "--sizes", "1K"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .collect();
+    assert_eq!(
+        rows.len(),
+        2,
+        "the auto row and its best-per-size row: {out}"
+    );
+    assert!(rows[0].contains("auto="), "{rows:?}");
+}
+
+#[test]
+fn help_shows_bench_gemm() {
+    let o = commfuse(&["bench", "--help"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("commfuse bench <COMMAND>"), "{out}");
+    assert!(
+        out.lines().any(|l| l.trim_start().starts_with("gemm ")),
+        "{out}"
+    );
+    let o = commfuse(&["--help"]);
+    assert!(stdout(&o).contains("`bench gemm`"), "{}", stdout(&o));
+    let o = commfuse(&["bench", "gemm", "--help"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    for flag in ["--m <M>", "--b-layout", "--sms", "--peer"] {
+        assert!(stdout(&o).contains(flag), "{flag}: {}", stdout(&o));
+    }
+    fails_with(&["bench", "all-reduce", "gemm"], "cannot be used with");
+}
+
+/// A bench JSON "measured" by the model itself with known figures, on ring-2d with 4 NUMA
+/// groups: calibrate must rebuild those plans (not the default single group) to fit it, and
+/// reports the error on sizes it did not fit.
+#[test]
+fn calibrate_reads_back_numa_groups_and_reports_held_out_error() {
+    use commfuse::core::topology::LinkModel;
+    use commfuse::core::{Algo, DType, OpKind};
+    use commfuse::driver::{plan, Request};
+    let truth = LinkModel {
+        link_gbps: 250.0,
+        latency_us: 2.0,
+        launch_us: 7.0,
+    };
+    let predict = |algo: Algo, count: usize, numa_groups: usize| {
+        let mut req = Request::new(OpKind::AllReduce, algo, count, DType::BF16);
+        req.numa_groups = numa_groups;
+        let (checked, topology) = plan(&req, 8).unwrap();
+        checked.timing(&topology.with_model(truth), 2).total_us()
+    };
+    let mut rows = Vec::new();
+    for algo in [Algo::Ring2d, Algo::OneShot] {
+        // small enough that latency counts: the steps of the plan decide the time
+        for kb in [64u64, 128, 256, 512] {
+            let bytes = kb << 10;
+            let count = (bytes / 2) as usize;
+            if algo == Algo::Ring2d {
+                let (two, one) = (predict(algo, count, 4), predict(algo, count, 1));
+                assert!(
+                    (two - one).abs() > 0.05 * two,
+                    "groups must matter: {two} {one}"
+                );
+            }
+            let t = predict(algo, count, 4);
+            rows.push(serde_json::json!({
+                "algo": algo.name(), "bytes": bytes, "count": count, "dtype": "bf16",
+                "time_us": t, "min_us": t, "max_us": t, "rounds": 5, "algbw_gbps": 0.0,
+                "busbw_gbps": 0.0, "wrong": 0, "iterations": 5, "predicted_us": null,
+                "baseline": false, "graph": false
+            }));
+        }
+    }
+    let report = serde_json::json!({
+        "op": "all-reduce", "backend": "cuda", "ranks": 8, "dtype": "bf16", "reduce": "sum",
+        "root": 0, "numa_groups": 4, "rows": rows, "skipped": []
+    });
+    let dir = std::env::temp_dir().join(format!("commfuse-calibrate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (bench, out) = (dir.join("bench.json"), dir.join("fit.json"));
+    std::fs::write(&bench, report.to_string()).unwrap();
+    let o = commfuse(&[
+        "calibrate",
+        bench.to_str().unwrap(),
+        "--min-size",
+        "64K",
+        "--json",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("held-out error"), "{text}");
+    let fit: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let held = fit["held_out_worst_error"].as_f64().unwrap();
+    assert!(held < 0.02, "held-out error {held}: {text}");
+    // the single-group plans fit these rows too, but only with other figures (1.4 µs, 8.1 µs)
+    assert!(
+        (fit["link_gbps"].as_f64().unwrap() - 250.0).abs() < 15.0,
+        "{fit}"
+    );
+    assert!(
+        (fit["latency_us"].as_f64().unwrap() - 2.0).abs() < 0.2,
+        "{fit}"
+    );
+    assert!(
+        (fit["launch_us"].as_f64().unwrap() - 7.0).abs() < 0.5,
+        "{fit}"
+    );
+    // one size only: nothing to hold out
+    let one_size = serde_json::json!({
+        "op": "all-reduce", "backend": "cuda", "ranks": 8, "dtype": "bf16", "reduce": "sum",
+        "root": 0, "numa_groups": 4, "rows": [report["rows"][0]], "skipped": []
+    });
+    // a file from before bench recorded the plan parameters
+    let old = dir.join("old.json");
+    let mut without = report.clone();
+    without.as_object_mut().unwrap().remove("numa_groups");
+    std::fs::write(&old, without.to_string()).unwrap();
+    fails_with(
+        &["calibrate", old.to_str().unwrap()],
+        "does not record the root and NUMA groups",
+    );
+    let one = dir.join("one-size.json");
+    std::fs::write(&one, one_size.to_string()).unwrap();
+    fails_with(
+        &["calibrate", one.to_str().unwrap(), "--min-size", "1K"],
+        "needs rows at two sizes or more",
+    );
+}
+
+/// Every file the help text or the README names is in the repository, and neither points at
+/// an issue tracker the repository does not carry.
+#[test]
+fn help_and_readme_name_only_files_in_the_repository() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut texts = vec![(
+        "README.md".to_string(),
+        std::fs::read_to_string(root.join("README.md")).unwrap(),
+    )];
+    for cmd in [
+        &["--help"][..],
+        &["run", "--help"],
+        &["plan", "--help"],
+        &["bench", "--help"],
+        &["bench", "gemm", "--help"],
+        &["verify", "--help"],
+        &["kernels", "--help"],
+        &["calibrate", "--help"],
+    ] {
+        texts.push((cmd.join(" "), stdout(&commfuse(cmd))));
+    }
+    let exists = |name: &str| {
+        root.join(name).exists()
+            || std::process::Command::new("git")
+                .args(["ls-files", &format!("*{name}")])
+                .current_dir(&root)
+                .output()
+                .map(|o| !o.stdout.is_empty())
+                .unwrap_or(false)
+    };
+    for (what, text) in &texts {
+        for word in text.split(|c: char| c.is_whitespace() || "`()[],;:'\"".contains(c)) {
+            let word = word.trim_end_matches('.');
+            if word.ends_with(".md") || word.ends_with(".sh") {
+                assert!(
+                    exists(word),
+                    "{what} names {word}, which is not in the repository"
+                );
+            }
+        }
+        assert!(!text.contains("issue 4"), "{what} refers to 'issue 4'");
+    }
 }
