@@ -166,6 +166,11 @@ pub trait PreparedCall {
         &mut self,
         inputs: &[Vec<HostBuffer>],
     ) -> Result<Vec<Vec<HostBuffer>>, BackendError>;
+    /// Whether [`PreparedCall::run_graph`] replays captured graphs (otherwise it launches call
+    /// by call, and a table must say so beside graph-timed rows).
+    fn replays_graphs(&self) -> bool {
+        false
+    }
     /// Makes the device's contents visible through the host views.
     fn download(&mut self) -> Result<(), BackendError>;
     fn input(&self, rank: usize) -> HostSlice<'_>;

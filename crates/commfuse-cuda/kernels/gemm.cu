@@ -1,4 +1,4 @@
-// commfuse's Hopper GEMM with a programmable epilogue (issue 4). See GEMM-NOTES.md for the
+// commfuse's Hopper GEMM with a programmable epilogue. See GEMM-NOTES.md for the
 // design, the measured versions and what each change bought.
 //
 // D = alpha * A B + beta * C (+ bias row), f32 accumulation, cast to the output type, each

@@ -831,6 +831,10 @@ impl<T: Element, L: Launcher> PreparedCall for GpuCall<'_, T, L> {
         crate::queued::run_queued(self, inputs)
     }
 
+    fn replays_graphs(&self) -> bool {
+        self.launcher.capturable()
+    }
+
     fn download(&mut self) -> Result<(), BackendError> {
         self.host.download(&self.backend.ranks, &self.bufs)
     }

@@ -3,7 +3,8 @@
 //! safe code over these types (cudarc's own layering: sys → result → safe).
 //!
 //! Memory comes from plain `cuMemAlloc`, never the stream-ordered pool: peers cannot touch pool
-//! memory even with peer access enabled (HARDWARE.md). Device addresses cross into kernels as
+//! memory even with peer access enabled (a peer's store into it dies with
+//! CUDA_ERROR_ILLEGAL_ADDRESS, seen on H200). Device addresses cross into kernels as
 //! plain `u64`s.
 
 use crate::error::CudaError;

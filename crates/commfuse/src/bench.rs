@@ -122,13 +122,6 @@ fn median(xs: &mut [Duration]) -> Duration {
     xs[xs.len() / 2]
 }
 
-/// Whether `backend` replays candidate `name` from a captured graph under `--graph`. The
-/// simulator has no graphs (its `run_graph` is `run_many`); on cuda, the copy-engine baseline
-/// cannot be captured (its peer copies span two contexts) and falls back to launches.
-fn replays_graph(backend: &str, name: &str) -> bool {
-    backend == "cuda" && name != "copy-engine"
-}
-
 /// One prepared candidate of a size and its per-round medians.
 struct Candidate<'b> {
     name: String,
@@ -292,7 +285,7 @@ pub fn run(
                 iterations: c.iterations,
                 predicted_us: c.predicted_us,
                 baseline: c.algo.is_none(),
-                graph: cfg.graph && replays_graph(backend.name(), &c.name),
+                graph: cfg.graph && c.call.replays_graphs(),
             };
             measured.push((c.algo, row));
         }
@@ -453,7 +446,7 @@ pub fn format_skipped(skip: &Skipped) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use commfuse_core::backend::{BackendError, CallTiming, HostSlice, HostSliceMut};
+    use commfuse_core::backend::{BackendError, CallTiming, HostBuffer, HostSlice, HostSliceMut};
     use commfuse_core::{build_plan, check, CheckedPlan};
     use commfuse_sim::{SimBackend, WorldConfig};
     use std::cell::RefCell;
@@ -488,6 +481,12 @@ mod tests {
         fn run_many(&mut self, iters: usize) -> Result<Vec<CallTiming>, BackendError> {
             self.log.borrow_mut().push(self.name.clone());
             self.inner.run_many(iters)
+        }
+        fn run_queued(
+            &mut self,
+            inputs: &[Vec<HostBuffer>],
+        ) -> Result<Vec<Vec<HostBuffer>>, BackendError> {
+            self.inner.run_queued(inputs)
         }
         fn download(&mut self) -> Result<(), BackendError> {
             self.inner.download()
@@ -609,10 +608,6 @@ mod tests {
     /// Under --graph, a row the backend could not replay from a graph says so.
     #[test]
     fn rows_timed_without_a_graph_are_marked() {
-        assert!(replays_graph("cuda", "nccl"));
-        assert!(replays_graph("cuda", "ring"));
-        assert!(!replays_graph("cuda", "copy-engine"));
-        assert!(!replays_graph("sim", "ring"));
         let backend = Logging {
             sim: SimBackend::new(2, WorldConfig::default()).unwrap(),
             log: RefCell::new(Vec::new()),
