@@ -4,7 +4,7 @@
 # archive plus a summary (the device tool brings back at most 8 files).
 #
 # Prepare here:   bash scripts/gpu-prepare.sh     (release binary + test binaries into .gpu/)
-# Run there:      device run, carry [".gpu"], command: bash scripts/gpu-check.sh [full|quick|tests|gemm]
+# Run there:      device run, carry [".gpu"], command: bash scripts/gpu-check.sh [full|check|gemm|bench|gemm,bench]
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 # never NVLink multicast on these machines
@@ -16,62 +16,61 @@ OUT=${OUT:-/tmp/commfuse-out}
 R=$OUT/results
 mkdir -p "$R"
 B=.gpu/commfuse
+# check: compile report, GPU tests, verify        gemm: our GEMM beside cuBLASLt at four shapes
+# bench: the collectives beside NCCL (and graph replay), calibration     full: all of them
+# (each of check, gemm+bench fits one 10-minute device call)
 MODE=${1:-full}
-SIZES=${SIZES:-4K..1G}
-[ "$MODE" = quick ] && SIZES=64K..64M
+SIZES=${SIZES:-4K,16K,64K,256K,1M,4M,16M,64M,256M,1G}
+LAYOUTS=${LAYOUTS:-nk kn}
+has() { [ "$MODE" = full ] || [[ ",$MODE," == *",$1,"* ]]; }
 
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 
 log "$(date -u) mode=$MODE"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used --format=csv >"$R/gpus.txt" 2>&1
 nvidia-smi topo -m >"$R/topo.txt" 2>&1
-$B kernels --report >"$R/kernels.txt" 2>&1; log "kernels rc=$?"
-
-TESTS=.gpu/tests/*
-[ "$MODE" = gemm ] && TESTS=.gpu/tests/gpu_gemm
-for t in $TESTS; do
-  timeout 300 "$t" --test-threads 1 >"$R/test-$(basename "$t").txt" 2>&1
-  rc=$?
-  log "test $(basename "$t") rc=$rc $(grep -E '^test result' "$R/test-$(basename "$t").txt" | tail -1)"
-done
-
-if [ "$MODE" != gemm ]; then
-  timeout 300 $B verify --devices 0,1 --json "$R/verify.json" >"$R/verify.txt" 2>&1
+if has check; then
+  $B kernels --report >"$R/kernels.txt" 2>&1; log "kernels rc=$?"
+  for t in .gpu/tests/*; do
+    timeout 240 "$t" --test-threads 1 >"$R/test-$(basename "$t").txt" 2>&1
+    rc=$?
+    log "test $(basename "$t") rc=$rc $(grep -E '^test result' "$R/test-$(basename "$t").txt" | tail -1)"
+    grep -E "^test .* FAILED|panicked" "$R/test-$(basename "$t").txt" | head -5 | cut -c1-300 | tee -a "$OUT/summary.txt"
+  done
+  timeout 240 $B verify --devices 0,1 --json "$R/verify.json" >"$R/verify.txt" 2>&1
   log "verify rc=$? $(tail -1 "$R/verify.txt")"
   grep -E "FAIL" "$R/verify.txt" | head -5 | cut -c1-400 | tee -a "$OUT/summary.txt"
 fi
 
-# our GEMM beside cuBLASLt at four shapes of tensor-parallel layers: all SMs, 116 SMs, epilogue on the peer
-for shape in "4096 12288 24576" "8192 8192 14336" "8192 8192 3584" "2048 8192 3584"; do
-  set -- $shape
-  for layout in nk kn; do
-    name=gemm-$1x$2x$3-$layout
-    timeout 200 $B bench gemm --m $1 --n $2 --k $3 --b-layout $layout --sms 0,116 --peer 1 --warmup 10 --iters 30 \
-      --json "$R/$name.json" >"$R/$name.txt" 2>&1
-    log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | tee -a "$OUT/summary.txt"
+if has gemm; then
+  # our GEMM beside cuBLASLt at four shapes of tensor-parallel layers: all SMs, 116 SMs, epilogue on the peer
+  for shape in "4096 12288 24576" "8192 8192 14336" "8192 8192 3584" "2048 8192 3584"; do
+    set -- $shape
+    for layout in $LAYOUTS; do
+      name=gemm-$1x$2x$3-$layout
+      timeout 120 $B bench gemm --m $1 --n $2 --k $3 --b-layout $layout --sms 0,116 --peer 1 --warmup 10 --iters 30 \
+        --json "$R/$name.json" >"$R/$name.txt" 2>&1
+      log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | tee -a "$OUT/summary.txt"
+    done
   done
-done
-
-if [ "$MODE" = tests ] || [ "$MODE" = gemm ]; then
-  tar czf "$OUT/results.tgz" -C "$OUT" results
-  rm -rf "$R"
-  exit 0
 fi
 
-for op in reduce-scatter all-gather all-reduce; do
-  timeout 400 $B bench $op --devices 0,1 --algo all --dtype bf16 --sizes "$SIZES" --warmup 5 --iters 20 \
-    --json "$R/bench-$op.json" --plot "$R/bench-$op.svg" >"$R/bench-$op.txt" 2>&1
-  log "bench $op rc=$? $(grep -i error "$R/bench-$op.txt" | head -2)"
-  sed -n '/best per size/,$p' "$R/bench-$op.txt" | tee -a "$OUT/summary.txt"
-done
-# small messages with launch overhead left out (graph replay) for us and NCCL alike
-for op in all-reduce reduce-scatter all-gather; do
-  timeout 200 $B bench $op --devices 0,1 --algo all --dtype bf16 --sizes 4K..1M --warmup 5 --iters 50 --graph \
-    --json "$R/graph-$op.json" >"$R/graph-$op.txt" 2>&1
-  log "graph bench $op rc=$? $(grep -i error "$R/graph-$op.txt" | head -2)"
-  [ "$op" = all-reduce ] && sed -n '/best per size/,$p' "$R/graph-$op.txt" | tee -a "$OUT/summary.txt"
-done
-$B calibrate "$R"/bench-*.json --json "$R/calibration.json" >"$R/calibration.txt" 2>&1
-log "calibrate rc=$? $(head -1 "$R/calibration.txt") $(tail -1 "$R/calibration.txt")"
+if has bench; then
+  for op in reduce-scatter all-gather all-reduce; do
+    timeout 200 $B bench $op --devices 0,1 --algo all --dtype bf16 --sizes "$SIZES" --warmup 5 --iters 20 \
+      --json "$R/bench-$op.json" --plot "$R/bench-$op.svg" >"$R/bench-$op.txt" 2>&1
+    log "bench $op rc=$? $(grep -i error "$R/bench-$op.txt" | head -2)"
+    sed -n '/best per size/,$p' "$R/bench-$op.txt" | tee -a "$OUT/summary.txt"
+  done
+  # small messages with launch overhead left out (graph replay) for us and NCCL alike
+  for op in all-reduce reduce-scatter all-gather; do
+    timeout 100 $B bench $op --devices 0,1 --algo all --dtype bf16 --sizes 4K..1M --warmup 5 --iters 50 --graph \
+      --json "$R/graph-$op.json" >"$R/graph-$op.txt" 2>&1
+    log "graph bench $op rc=$? $(grep -i error "$R/graph-$op.txt" | head -2)"
+    [ "$op" = all-reduce ] && sed -n '/best per size/,$p' "$R/graph-$op.txt" | tee -a "$OUT/summary.txt"
+  done
+  $B calibrate "$R"/bench-*.json --json "$R/calibration.json" >"$R/calibration.txt" 2>&1
+  log "calibrate rc=$? $(head -1 "$R/calibration.txt") $(tail -1 "$R/calibration.txt")"
+fi
 tar czf "$OUT/results.tgz" -C "$OUT" results
 rm -rf "$R"
