@@ -36,6 +36,8 @@ pub struct GemmRow {
     pub out_of_bound: usize,
     /// The largest error / bound among the checked elements (below 1: all within bound)
     pub worst_ratio: f64,
+    /// The element with the worst ratio: (row, column, value, reference, bound)
+    pub worst: Option<(usize, usize, f64, f64, f64)>,
 }
 
 /// Uniform in [-1, 1) from the project's indexable input stream (`stream` 0: A, 1: B).
@@ -265,6 +267,9 @@ fn run<T: Element>(
             checked: check.checked,
             out_of_bound: check.out_of_bound,
             worst_ratio: check.worst_ratio,
+            worst: check
+                .worst
+                .map(|(i, got, want, bound)| (i / p.n, i % p.n, got, want, bound)),
         });
     }
     Ok(rows)

@@ -466,6 +466,9 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
             r.worst_ratio,
             if pass { "OK" } else { "WRONG" }
         );
+        if let (false, Some((i, j, got, want, bound))) = (pass, r.worst) {
+            println!("      worst: D[{i}, {j}] = {got} against {want} (bound {bound:.3e})");
+        }
     }
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&rows)?)
