@@ -506,8 +506,13 @@ impl ElementCheck {
         got: f64,
         want: &ReferenceElement,
     ) {
-        let bound = element_bound(p, e, want);
-        let error = (got - want.value).abs();
+        self.add_bounded(index, got, want.value, element_bound(p, e, want));
+    }
+
+    /// Counts element `index`, computed as `got`, against `want` within `bound` (for checks
+    /// whose bound is not one GEMM's, e.g. a fused operator's).
+    pub fn add_bounded(&mut self, index: usize, got: f64, want: f64, bound: f64) {
+        let error = (got - want).abs();
         // NaN and infinities compare false: they are out of bound with the worst ratio
         let ratio = if error <= f64::MAX {
             error / bound
@@ -522,7 +527,7 @@ impl ElementCheck {
         }
         if self.worst.is_none() || ratio > self.worst_ratio {
             self.worst_ratio = ratio;
-            self.worst = Some((index, got, want.value, bound));
+            self.worst = Some((index, got, want, bound));
         }
     }
 

@@ -10,6 +10,7 @@
 //! * [`buffer`]: zero-initialised symmetric buffers;
 //! * [`world`]: ranks as scoped threads and the abort flag that stops all of them when one fails;
 //! * [`barrier`]: all-to-all and ring barriers with epochs (no reset between calls);
+//! * [`gemm`] and [`gemm_rs`]: the CPU model of the GEMM contract, and fused GEMM + reduce-scatter on it;
 //! * [`executor`]: the plan interpreter and its reduction kernels;
 //! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation.
 
@@ -18,6 +19,7 @@ pub mod barrier;
 pub mod buffer;
 pub mod executor;
 pub mod gemm;
+pub mod gemm_rs;
 pub mod protocol;
 pub mod signal;
 pub mod world;

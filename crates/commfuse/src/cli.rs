@@ -26,8 +26,9 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Run one call, check it against the float64 reference, print the cost card and OK
-    Run(RunArgs),
+    /// Run one call of a collective (`run <op>`), or back-to-back calls of fused GEMM +
+    /// reduce-scatter (`run gemm-rs`), check against the float64 reference, print OK
+    Run(RunCmd),
     /// Print a plan's per-rank steps, the checker's verdict and the cost card
     Plan(PlanArgs),
     /// Measure a collective's size sweep in the nccl-tests format (`bench <op>`), or our GEMM
@@ -83,6 +84,99 @@ impl Args for BenchCmd {
 
     fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
         Self::augment_args(cmd)
+    }
+}
+
+/// `run <op> [flags]` runs a collective, `run gemm-rs [flags]` the fused GEMM + reduce-scatter:
+/// the positional op gives way to the subcommand, as in [`BenchCmd`].
+#[derive(Debug)]
+pub enum RunCmd {
+    Collective(RunArgs),
+    GemmRs(RunGemmRsArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum RunSub {
+    /// Fused GEMM + reduce-scatter (rank r holds A_r [M, K] and B_r; rank r's output is chunk r
+    /// of the rows of Σ_r A_r·B_r + bias): two back-to-back calls, M then about M/2, every output
+    /// element of every rank checked against the float64 reference
+    #[command(name = "gemm-rs")]
+    GemmRs(RunGemmRsArgs),
+}
+
+impl clap::FromArgMatches for RunCmd {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        match matches.subcommand() {
+            Some(_) => match RunSub::from_arg_matches(matches)? {
+                RunSub::GemmRs(a) => Ok(RunCmd::GemmRs(a)),
+            },
+            None => Ok(RunCmd::Collective(RunArgs::from_arg_matches(matches)?)),
+        }
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+impl Args for RunCmd {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        RunSub::augment_subcommands(RunArgs::augment_args(cmd))
+            .args_conflicts_with_subcommands(true)
+            .subcommand_negates_reqs(true)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct RunGemmRsArgs {
+    /// Rows of every rank's A
+    #[arg(long)]
+    pub m: usize,
+    #[arg(long)]
+    pub n: usize,
+    /// K of every rank's shard (a multiple of 8)
+    #[arg(long)]
+    pub k: usize,
+    /// Number of ranks (simulated threads)
+    #[arg(long, short = 'p', default_value_t = 2)]
+    pub ranks: usize,
+    /// Input type: bf16 or f16
+    #[arg(long, default_value = "bf16")]
+    pub dtype: DType,
+    /// Output type: the input type (default) or f32
+    #[arg(long)]
+    pub out_dtype: Option<DType>,
+    /// How B is stored: kn ([K, N]) or nk ([N, K], weights transposed)
+    #[arg(long, default_value = "nk")]
+    pub b_layout: String,
+    /// Add a bias [N] (once, by the owner)
+    #[arg(long)]
+    pub bias: bool,
+    /// Seed of the random inputs (default: fresh each run)
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Backend (gemm-rs runs here on sim; on GPUs through `commfuse bench gemm-rs`)
+    #[arg(long, default_value = "sim")]
+    pub backend: BackendKind,
+    /// GPUs (the cuda backend: not run here)
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Option<Vec<usize>>,
+    /// How long a wait may take before the call fails with a diagnosis, ms
+    #[arg(long, default_value_t = 5000)]
+    pub timeout_ms: u64,
+}
+
+fn parse_b_layout(text: &str) -> Result<commfuse_core::gemm::BLayout> {
+    use commfuse_core::gemm::BLayout;
+    match text {
+        "kn" => Ok(BLayout::KN),
+        "nk" => Ok(BLayout::NK),
+        other => bail!("unknown B layout '{other}' (choose kn or nk)"),
     }
 }
 
@@ -387,7 +481,8 @@ pub struct VerifyArgs {
 /// Runs the parsed command; returns the process exit code.
 pub fn execute(cli: Cli) -> Result<i32> {
     match cli.command {
-        Command::Run(a) => run(a),
+        Command::Run(RunCmd::Collective(a)) => run(a),
+        Command::Run(RunCmd::GemmRs(a)) => run_gemm_rs_cmd(a),
         Command::Plan(a) => plan(a),
         Command::Bench(BenchCmd::Sweep(a)) => bench_cmd(a),
         Command::Bench(BenchCmd::Gemm(a)) => bench_gemm_cmd(a),
@@ -475,6 +570,52 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(if ok { 0 } else { 1 })
+}
+
+fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
+    use commfuse_sim::gemm_rs::GemmRsConfig;
+    if a.backend == BackendKind::Cuda || a.devices.is_some() {
+        bail!("gemm-rs on the cuda backend runs through `commfuse bench gemm-rs`");
+    }
+    let layout = parse_b_layout(&a.b_layout)?;
+    let output = a.out_dtype.unwrap_or(a.dtype);
+    let config = GemmRsConfig::new(a.ranks, a.m, a.n, a.k, layout, a.dtype, output, a.bias);
+    // validates the shape and types before anything runs
+    config.shape(a.m)?;
+    let seed = a.seed.unwrap_or_else(driver::fresh_seed);
+    let ms = [a.m, a.m.div_ceil(2)];
+    let calls = crate::gemm_rs::run_sim(config, &ms, seed, Duration::from_millis(a.timeout_ms))?;
+    println!(
+        "gemm-rs {}×{}×{} (M×N×K, K per rank), B {}, {} → {}, {}, on {} ranks (sim), seed {seed}",
+        a.m,
+        a.n,
+        a.k,
+        a.b_layout,
+        a.dtype,
+        output,
+        if a.bias { "bias" } else { "no bias" },
+        a.ranks
+    );
+    let mut ok = true;
+    for (c, call) in calls.iter().enumerate() {
+        let total = call.total();
+        println!(
+            "call {c}: M={}: checked {} elements, worst error {:.3} × the bound",
+            call.m, total.checked, total.worst_ratio
+        );
+        for (r, check) in call.ranks.iter().enumerate() {
+            if !check.passed() {
+                ok = false;
+                println!("  MISMATCH rank {r}: {check}");
+            }
+        }
+    }
+    if ok {
+        println!("OK");
+        Ok(0)
+    } else {
+        Ok(1)
+    }
 }
 
 fn calibrate_cmd(a: CalibrateArgs) -> Result<i32> {

@@ -562,3 +562,90 @@ fn help_and_readme_name_only_files_in_the_repository() {
         assert!(!text.contains("issue 4"), "{what} refers to 'issue 4'");
     }
 }
+
+#[test]
+fn run_gemm_rs_checks_every_element_on_the_simulator() {
+    let o = commfuse(&[
+        "run", "gemm-rs", "--ranks", "3", "--m", "300", "--n", "72", "--k", "64",
+    ]);
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+    assert!(out.contains("on 3 ranks (sim)"), "{out}");
+    assert!(
+        out.contains("call 0: M=300: checked 21600 elements"),
+        "{out}"
+    );
+    assert!(
+        out.contains("call 1: M=150: checked 10800 elements"),
+        "{out}"
+    );
+    assert_eq!(out.lines().last(), Some("OK"), "{out}");
+    let o = commfuse(&[
+        "run",
+        "gemm-rs",
+        "--ranks",
+        "5",
+        "--m",
+        "3",
+        "--n",
+        "8",
+        "--k",
+        "8",
+        "--dtype",
+        "f16",
+        "--out-dtype",
+        "f32",
+        "--b-layout",
+        "kn",
+        "--bias",
+        "--seed",
+        "7",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    assert!(stdout(&o).contains("f16 → f32, bias, on 5 ranks"));
+}
+
+#[test]
+fn run_gemm_rs_refuses_bad_input_in_one_line() {
+    let base = ["run", "gemm-rs", "--ranks", "3", "--m", "300", "--n", "72"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        base.iter().chain(extra).copied().collect()
+    };
+    fails_with(&with(&["--k", "12"]), "K must be a multiple of 8");
+    fails_with(
+        &with(&["--k", "8", "--out-dtype", "f16"]),
+        "(the input type) or f32",
+    );
+    fails_with(
+        &with(&["--k", "8", "--dtype", "f32"]),
+        "GEMM inputs are bf16 or f16",
+    );
+    fails_with(
+        &with(&["--k", "8", "--b-layout", "mn"]),
+        "unknown B layout 'mn'",
+    );
+    fails_with(
+        &[
+            "run", "gemm-rs", "--ranks", "0", "--m", "3", "--n", "8", "--k", "8",
+        ],
+        "at least one rank",
+    );
+    fails_with(
+        &[
+            "run", "gemm-rs", "--ranks", "99", "--m", "3", "--n", "8", "--k", "8",
+        ],
+        "--ranks must be between 1 and",
+    );
+    fails_with(
+        &with(&["--k", "8", "--backend", "cuda"]),
+        "gemm-rs on the cuda backend runs through `commfuse bench gemm-rs`",
+    );
+    fails_with(
+        &with(&["--k", "8", "--devices", "0,1"]),
+        "gemm-rs on the cuda backend runs through `commfuse bench gemm-rs`",
+    );
+    fails_with(
+        &["run", "gemm-rs", "--m", "0", "--n", "8", "--k", "8"],
+        "sizes must be positive",
+    );
+}

@@ -27,8 +27,8 @@
 use crate::dtype::DType;
 use crate::error::Error;
 use crate::gemm::{
-    grouped_order_of_grid, BLayout, Destination, Epilogue, GemmPlan, GemmProblem, TileFlag,
-    TileShape,
+    grouped_order_of_grid, BLayout, Destination, ElementCheck, Epilogue, GemmPlan, GemmProblem,
+    TileFlag, TileShape, BOUND_MARGIN,
 };
 use crate::op::chunk_range;
 use crate::plan::{NotifyOp, Slot};
@@ -272,6 +272,129 @@ impl GemmRsSchedule {
     }
 }
 
+/// One output element of GEMM + reduce-scatter in float64, with the magnitudes its rounding
+/// errors scale with: what [`element_bound`] needs to judge a computed element.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct ReferenceElement {
+    /// The exact result: Σ_r Σₖ a_r,ᵢₖ·b_r,ₖⱼ (+ biasⱼ).
+    pub value: f64,
+    /// Σ_r Σₖ |a_r,ᵢₖ·b_r,ₖⱼ|: the P accumulations' f32 rounding errors scale with it.
+    pub abs_products: f64,
+    /// Σ_r |Σₖ a_r,ᵢₖ·b_r,ₖⱼ|: the P partials' casts and the owner's f32 sum scale with it.
+    pub abs_partials: f64,
+    /// |biasⱼ| (0 without bias).
+    pub abs_bias: f64,
+}
+
+/// Owner `owner`'s output chunk ([chunk rows, N], row-major) in float64 from every rank's
+/// operands as stored: `a[r]` is rank r's A [M, K], `b[r]` its B in `shape.b_layout`, `bias`
+/// [N] in the output type.
+pub fn reference<TI: crate::Element, TO: crate::Element>(
+    shape: &GemmRsShape,
+    owner: usize,
+    a: &[&[TI]],
+    b: &[&[TI]],
+    bias: Option<&[TO]>,
+) -> Vec<ReferenceElement> {
+    let (n, k) = (shape.n, shape.k);
+    let rows = shape.chunk(owner);
+    let mut out = Vec::with_capacity(rows.len() * n);
+    for i in rows {
+        for j in 0..n {
+            let bias_j = bias.map_or(0.0, |bias| bias[j].to_f64());
+            let mut e = ReferenceElement {
+                value: bias_j,
+                abs_products: 0.0,
+                abs_partials: 0.0,
+                abs_bias: bias_j.abs(),
+            };
+            for (a, b) in a.iter().zip(b) {
+                let mut dot = 0f64;
+                for kk in 0..k {
+                    let bv = match shape.b_layout {
+                        BLayout::KN => b[kk * n + j],
+                        BLayout::NK => b[j * k + kk],
+                    };
+                    let product = a[i * k + kk].to_f64() * bv.to_f64();
+                    dot += product;
+                    e.abs_products += product.abs();
+                }
+                e.value += dot;
+                e.abs_partials += dot.abs();
+            }
+            out.push(e);
+        }
+    }
+    out
+}
+
+/// The largest error a correct GEMM + reduce-scatter may make in one output element, the
+/// bound of [`crate::gemm::element_bound`] carried through the reduction:
+///
+/// ```text
+/// |out − ref| ≤ 2 · ( √K·u₃₂·Σ_rΣₖ|a b|                 P accumulations in f32
+///                   + u_out·Σ_r|d_r|                     P partials cast to the output type
+///                   + P·u₃₂·(1 + u_out)·(Σ_r|d_r| + |bias|)   the owner's f32 sum
+///                   + u_out·|ref|                         the final cast
+///                   + (P + 1) · half the output's smallest subnormal )
+/// ```
+///
+/// with d_r = Σₖ a_r,ᵢₖ·b_r,ₖⱼ rank r's exact partial and u₃₂ = 2⁻²⁴, u_out = 2⁻⁸ (bf16), 2⁻¹¹
+/// (f16), 2⁻²⁴ (f32) the unit roundoffs.
+///
+/// Derivation, following the computation: each rank's GEMM sums K exact products (a product of
+/// two 16-bit values is exact in f32) in f32, which one GEMM's bound charges √K·u₃₂·Σₖ|ab|
+/// (the probabilistic bound, see `element_bound`), P times over. Each rank then stores its
+/// partial in the output type: one rounding of at most u_out·|d_r| each (at f32 output the
+/// partial is the accumulator itself; the term, then u₃₂·|d_r|, is harmless). The owner adds
+/// the P stored partials and the bias in f32: P additions (P − 1 between partials, one for the
+/// bias), each rounding by at most u₃₂ of a partial sum no larger than the sum of the stored
+/// magnitudes, Σ_r|d_r|·(1 + u_out) + |bias| (P·u₃₂ in all, the worst case: P is small). The
+/// result is cast to the output type once more: u_out·|ref|. Each of the P + 1 casts may also
+/// flush to the output type's subnormal grid, half its smallest step each. The factor 2 is
+/// [`crate::gemm::BOUND_MARGIN`]: a correct reduction stays below half the bound.
+///
+/// What it catches: a partial missing, counted twice, taken from the other set or a previous
+/// call (an error of the order of |d_r|, against a bound of the order of u_out·Σ_r|d_r|), a
+/// shifted row or column, a bias missing or added twice (when |bias| exceeds the bound).
+pub fn element_bound(shape: &GemmRsShape, want: &ReferenceElement) -> f64 {
+    let u_f32 = DType::F32.unit_roundoff();
+    let u_out = shape.output.unit_roundoff();
+    let p = shape.world as f64;
+    let accumulation = (shape.k as f64).sqrt() * u_f32 * want.abs_products;
+    let partial_casts = u_out * want.abs_partials;
+    let sum = p * u_f32 * ((1.0 + u_out) * want.abs_partials + want.abs_bias);
+    let output = u_out * want.value.abs();
+    let smallest_subnormal = match shape.output {
+        DType::F32 => f64::powi(2.0, -149),
+        DType::BF16 => f64::powi(2.0, -133),
+        DType::F16 => f64::powi(2.0, -24),
+    };
+    BOUND_MARGIN
+        * (accumulation + partial_casts + sum + output + (p + 1.0) * smallest_subnormal / 2.0)
+}
+
+/// Checks an owner's computed output chunk (in the reference's order) element by element
+/// against [`element_bound`].
+pub fn check_elements(
+    shape: &GemmRsShape,
+    got: impl IntoIterator<Item = f64>,
+    want: &[ReferenceElement],
+) -> ElementCheck {
+    let mut check = ElementCheck::default();
+    let mut count = 0;
+    for (index, (g, w)) in got.into_iter().zip(want).enumerate() {
+        check.add_bounded(index, g, w.value, element_bound(shape, w));
+        count += 1;
+    }
+    assert_eq!(
+        count,
+        want.len(),
+        "one computed element per reference element"
+    );
+    check
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -371,5 +494,162 @@ mod tests {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod bound_tests {
+    use super::*;
+    use crate::Element;
+    use half::{bf16, f16};
+
+    /// Uniform in [-1, 1), as the benches' inputs.
+    fn uniform<T: Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
+        (0..len)
+            .map(|i| {
+                T::from_f32(crate::reference::input_value(
+                    seed,
+                    stream,
+                    i,
+                    crate::ReduceOp::Sum,
+                ))
+            })
+            .collect()
+    }
+
+    /// What a correct operator computes for owner `owner`: each rank's partial summed in f32
+    /// and cast to the output type, the owner's sum of the stored partials in f32 in rank
+    /// order, the bias, one cast.
+    fn computed<TI: Element, TO: Element>(
+        s: &GemmRsShape,
+        owner: usize,
+        a: &[Vec<TI>],
+        b: &[Vec<TI>],
+        bias: &[TO],
+    ) -> Vec<f64> {
+        let (n, k) = (s.n, s.k);
+        let mut out = Vec::new();
+        for i in s.chunk(owner) {
+            for j in 0..n {
+                let mut acc = 0f32;
+                for (a, b) in a.iter().zip(b) {
+                    let mut partial = 0f32;
+                    for kk in 0..k {
+                        let bv = match s.b_layout {
+                            BLayout::KN => b[kk * n + j],
+                            BLayout::NK => b[j * k + kk],
+                        };
+                        partial += a[i * k + kk].to_f32() * bv.to_f32();
+                    }
+                    acc += TO::from_f32(partial).to_f32();
+                }
+                out.push(TO::from_f32(acc + bias[j].to_f32()).to_f64());
+            }
+        }
+        out
+    }
+
+    struct Case<TI, TO> {
+        shape: GemmRsShape,
+        a: Vec<Vec<TI>>,
+        b: Vec<Vec<TI>>,
+        bias: Vec<TO>,
+    }
+
+    fn case<TI: Element, TO: Element>(p: usize, m: usize, n: usize, k: usize) -> Case<TI, TO> {
+        let shape = GemmRsShape::new(p, m, n, k, BLayout::NK, TI::DTYPE, TO::DTYPE).unwrap();
+        Case {
+            shape,
+            a: (0..p).map(|r| uniform(7, 2 * r, m * k)).collect(),
+            b: (0..p).map(|r| uniform(7, 2 * r + 1, n * k)).collect(),
+            bias: uniform(7, 2 * p, n),
+        }
+    }
+
+    impl<TI: Element, TO: Element> Case<TI, TO> {
+        fn want(&self, owner: usize) -> Vec<ReferenceElement> {
+            let a: Vec<&[TI]> = self.a.iter().map(Vec::as_slice).collect();
+            let b: Vec<&[TI]> = self.b.iter().map(Vec::as_slice).collect();
+            reference(&self.shape, owner, &a, &b, Some(&self.bias))
+        }
+        fn got(&self, owner: usize) -> Vec<f64> {
+            computed(&self.shape, owner, &self.a, &self.b, &self.bias)
+        }
+    }
+
+    fn correct_results_pass<TI: Element, TO: Element>() {
+        for (p, k) in [(1, 8), (3, 136), (8, 1032)] {
+            let c = case::<TI, TO>(p, 2 * p + 1, 9, k);
+            for owner in 0..p {
+                let check = check_elements(&c.shape, c.got(owner), &c.want(owner));
+                assert!(
+                    check.passed() && check.worst_ratio < 1.0 / BOUND_MARGIN,
+                    "P={p} K={k} {}→{} owner {owner}: {check}",
+                    TI::DTYPE,
+                    TO::DTYPE
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn correct_results_stay_within_half_the_bound() {
+        correct_results_pass::<bf16, bf16>();
+        correct_results_pass::<bf16, f32>();
+        correct_results_pass::<f16, f16>();
+        correct_results_pass::<f16, f32>();
+    }
+
+    #[test]
+    fn a_single_wrong_element_fails() {
+        let c = case::<bf16, bf16>(3, 7, 16, 64);
+        let (owner, want) = (1, c.want(1));
+        let correct = c.got(owner);
+        assert!(check_elements(&c.shape, correct.clone(), &want).passed());
+        // each element in turn with one rank's partial missing (the smallest, the hardest to
+        // see) is caught on its own, and it is the worst
+        let mut caught = 0;
+        for idx in 0..want.len() {
+            let (i, j) = (c.shape.chunk(owner).start + idx / 16, idx % 16);
+            let smallest = (0..3)
+                .map(|r| {
+                    (0..64)
+                        .map(|kk| c.a[r][i * 64 + kk].to_f64() * c.b[r][j * 64 + kk].to_f64())
+                        .sum::<f64>()
+                })
+                .min_by(|x, y| x.abs().total_cmp(&y.abs()))
+                .unwrap();
+            let mut got = correct.clone();
+            got[idx] -= smallest;
+            let check = check_elements(&c.shape, got.clone(), &want);
+            if smallest.abs() > 2.0 * element_bound(&c.shape, &want[idx]) {
+                assert_eq!(check.out_of_bound, 1, "element {idx}: {check}");
+                assert_eq!(check.worst.unwrap().0, idx);
+                caught += 1;
+            }
+            // any perturbation past the bound fails
+            got[idx] = want[idx].value - 1.01 * element_bound(&c.shape, &want[idx]);
+            assert_eq!(check_elements(&c.shape, got, &want).out_of_bound, 1);
+        }
+        // (the smallest partial of three is rarely below the bound)
+        assert!(caught * 10 >= want.len() * 9, "{caught} of {}", want.len());
+        // the bias missing: every element whose bias exceeds the bound
+        let mut got = correct.clone();
+        let mut expect_fail = 0;
+        for (idx, g) in got.iter_mut().enumerate() {
+            let bias = c.bias[idx % 16].to_f64();
+            *g -= bias;
+            expect_fail += (bias.abs() > 2.0 * element_bound(&c.shape, &want[idx])) as usize;
+        }
+        let check = check_elements(&c.shape, got, &want);
+        assert!(
+            expect_fail > want.len() / 2 && check.out_of_bound >= expect_fail,
+            "{check}"
+        );
+        // an unwritten (poisoned) element
+        let mut got = correct;
+        got[3] = f64::NAN;
+        let check = check_elements(&c.shape, got, &want);
+        assert_eq!((check.out_of_bound, check.worst_ratio), (1, f64::INFINITY));
     }
 }

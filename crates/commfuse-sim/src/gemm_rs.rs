@@ -1,0 +1,379 @@
+//! GEMM + reduce-scatter on the simulator: the protocol of [`commfuse_core::fused::gemm_rs`]
+//! (and of the GPU kernel, `kernels/gemm_rs.cu`) at tile granularity, one call per rank thread.
+//!
+//! Every rank's GEMM ([`run_gemm`] on the schedule's plan) stores each tile into its owner's
+//! receive slot and raises the tile's flag there; the owner then, tile by tile in reduction
+//! order, waits until all P senders' flags reach the call count of the set, sums the P partials
+//! in f32 in rank order, adds the bias, casts and writes its output chunk; last it raises the
+//! flag columns no tile used at this M, so that every slot of the set counts calls.
+//!
+//! One addition to the schedule: when M < P some ranks own no rows, and such a rank's call
+//! would wait for nobody, run ahead into its next call on the same set and overwrite partials
+//! a peer is still summing (the two-set argument needs every call of a rank to depend on every
+//! peer's same call). So every sender also raises flag column 0 of its slot on each owner
+//! without tiles, after its GEMM, and such an owner waits for those P flags before it ends the
+//! call (and tops up only columns 1 and up). The tests saw the overwrite without it.
+//!
+//! One [`SimGemmReduceScatter`] serves all ranks of a world: the receive buffer is one
+//! [`SymmetricBuffer`] (a copy per rank, as on GPUs), and the per-call state — how many calls
+//! each rank has made — is kept per rank and touched only by that rank's thread. Ranks never
+//! synchronise between calls: the two alternating sets make back-to-back calls safe (see the
+//! schedule's module doc).
+
+use crate::buffer::SymmetricBuffer;
+use crate::gemm::{run_gemm, Operands};
+use crate::world::{RankContext, World};
+use commfuse_core::backend::BackendError;
+use commfuse_core::fused::gemm_rs::{GemmRsSchedule, GemmRsShape};
+use commfuse_core::gemm::{BLayout, TileShape};
+use commfuse_core::{Cmp, DType, Element, NotifyOp, Slot};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// The GPU kernel's tile (`commfuse_cuda::gemm::TILE`), the simulator's default.
+pub const GPU_TILE: TileShape = TileShape { m: 128, n: 256 };
+
+/// What a [`SimGemmReduceScatter`] is built for: every call has this N, K, layout and types,
+/// and any M from 1 to `max_m`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmRsConfig {
+    pub world: usize,
+    /// The largest M of any call (the receive buffers and flag rows are sized for it)
+    pub max_m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub b_layout: BLayout,
+    /// bf16 or f16
+    pub input: DType,
+    /// The input type or f32
+    pub output: DType,
+    /// Whether calls add a bias [N] (in the output type)
+    pub bias: bool,
+    /// Output tile of the GEMM (default: the GPU kernel's)
+    pub tile: TileShape,
+}
+
+impl GemmRsConfig {
+    /// The configuration with the GPU kernel's tile.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        world: usize,
+        max_m: usize,
+        n: usize,
+        k: usize,
+        b_layout: BLayout,
+        input: DType,
+        output: DType,
+        bias: bool,
+    ) -> GemmRsConfig {
+        GemmRsConfig {
+            world,
+            max_m,
+            n,
+            k,
+            b_layout,
+            input,
+            output,
+            bias,
+            tile: GPU_TILE,
+        }
+    }
+
+    /// The shape of a call with `m` rows (validated).
+    pub fn shape(&self, m: usize) -> Result<GemmRsShape, BackendError> {
+        GemmRsShape::new(
+            self.world,
+            m,
+            self.n,
+            self.k,
+            self.b_layout,
+            self.input,
+            self.output,
+        )
+        .map_err(|e| BackendError::Unavailable(e.to_string()))
+    }
+
+    /// The schedule of a call with `m` rows in buffers made for `max_m`.
+    pub fn schedule(&self, m: usize) -> Result<GemmRsSchedule, BackendError> {
+        Ok(GemmRsSchedule::within(
+            self.shape(m)?,
+            self.max_m,
+            self.tile,
+        ))
+    }
+
+    /// Signal pad columns the operator needs on every rank: P senders × flag stride.
+    pub fn pad_cols(&self) -> Result<usize, BackendError> {
+        Ok(self.schedule(self.max_m)?.flag_columns())
+    }
+}
+
+/// Signal pad rows the operator uses (rows 0 and 1: one flag row per set).
+pub const PAD_ROWS: u32 = 2;
+
+/// Fused GEMM + reduce-scatter for every rank of one simulated world, built once and called
+/// many times (each rank thread calls [`forward`](Self::forward) with its own operands).
+///
+/// It owns rows 0 and 1 of the world's signal pads: a world that runs it should run nothing
+/// else that signals there.
+pub struct SimGemmReduceScatter<TI: Element, TO: Element> {
+    config: GemmRsConfig,
+    /// Per rank: 2 sets × P sender slots × `slot_len` elements
+    receive: SymmetricBuffer<TO>,
+    slot_len: usize,
+    flag_stride: usize,
+    /// Per rank, calls it has made (only that rank's thread touches it)
+    calls: Vec<AtomicU64>,
+    /// Set when a call failed after it began signalling: the counts no longer match the flags
+    broken: AtomicBool,
+    /// The world it was built for (its address: forward refuses another world's ranks)
+    world_id: usize,
+    _input: PhantomData<fn() -> TI>,
+}
+
+fn unavailable(msg: String) -> BackendError {
+    BackendError::Unavailable(msg)
+}
+
+impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
+    /// Builds the operator for `world`: checks the configuration against the element types and
+    /// the world's signal pads, and allocates the receive buffers.
+    pub fn new(world: &World, config: GemmRsConfig) -> Result<Self, BackendError> {
+        if config.input != TI::DTYPE || config.output != TO::DTYPE {
+            return Err(unavailable(format!(
+                "GEMM + reduce-scatter configured for {} → {} but built with {} → {} buffers",
+                config.input,
+                config.output,
+                TI::DTYPE,
+                TO::DTYPE
+            )));
+        }
+        if config.world != world.size() {
+            return Err(unavailable(format!(
+                "GEMM + reduce-scatter configured for {} ranks, the world has {}",
+                config.world,
+                world.size()
+            )));
+        }
+        if config.tile.m == 0 || config.tile.n == 0 {
+            return Err(unavailable("the tile shape must be positive".into()));
+        }
+        let sched = config.schedule(config.max_m)?;
+        let cols = sched.flag_columns();
+        let pad = world.pad(0);
+        if world.plan_rows() < PAD_ROWS || (pad.cols() as usize) < cols {
+            return Err(unavailable(format!(
+                "GEMM + reduce-scatter of M up to {}, N {} on {} ranks needs signal pads of at least {PAD_ROWS} free rows × {cols} columns, the world has {} rows ({} free) × {} (raise WorldConfig pad_rows/pad_cols)",
+                config.max_m,
+                config.n,
+                config.world,
+                pad.rows(),
+                world.plan_rows(),
+                pad.cols()
+            )));
+        }
+        for rank in 0..world.size() {
+            for row in 0..PAD_ROWS {
+                for col in 0..cols as u32 {
+                    let slot = world.pad(rank).slot(row, col).expect("checked above");
+                    if slot.load(Ordering::Acquire) != 0 {
+                        return Err(unavailable(format!(
+                            "signal slot ({row}, {col}) of rank {rank} is already in use: GEMM + reduce-scatter needs rows 0 and 1 of a fresh world's pads"
+                        )));
+                    }
+                }
+            }
+        }
+        let len = (2 * config.world)
+            .checked_mul(sched.slot_len)
+            .ok_or_else(|| unavailable("the receive buffer's size overflows".into()))?;
+        Ok(SimGemmReduceScatter {
+            receive: SymmetricBuffer::new(config.world, len)?,
+            slot_len: sched.slot_len,
+            flag_stride: sched.flag_stride,
+            calls: (0..config.world).map(|_| AtomicU64::new(0)).collect(),
+            broken: AtomicBool::new(false),
+            world_id: world as *const World as usize,
+            config,
+            _input: PhantomData,
+        })
+    }
+
+    pub fn config(&self) -> &GemmRsConfig {
+        &self.config
+    }
+
+    /// Rows of rank `rank`'s output for a call with `m` rows.
+    pub fn output_rows(&self, m: usize, rank: usize) -> std::ops::Range<usize> {
+        commfuse_core::op::chunk_range(m, self.config.world, rank)
+    }
+
+    /// One call on rank `ctx.rank()`: its A [m, K] and B ([K, N] or [N, K]), the bias [N] when
+    /// the operator was built with one, and its output chunk [chunk rows, N], row-major (rows
+    /// past the chunk are left as they are). Every rank makes the same calls with the same m.
+    pub fn forward(
+        &self,
+        ctx: &RankContext<'_>,
+        m: usize,
+        a: &[TI],
+        b: &[TI],
+        bias: Option<&[TO]>,
+        out: &mut [TO],
+    ) -> Result<(), BackendError> {
+        let c = &self.config;
+        let rank = ctx.rank();
+        if ctx.world() as *const World as usize != self.world_id {
+            return Err(unavailable(
+                "this GEMM + reduce-scatter was built for another world".into(),
+            ));
+        }
+        if self.broken.load(Ordering::Acquire) {
+            return Err(unavailable(
+                "this GEMM + reduce-scatter is unusable after a failed call".into(),
+            ));
+        }
+        if m == 0 || m > c.max_m {
+            return Err(unavailable(format!(
+                "M = {m} is outside 1..={} (the largest M this operator was built for)",
+                c.max_m
+            )));
+        }
+        let sched = c.schedule(m)?;
+        let chunk = sched.shape.chunk(rank);
+        for (what, got, want) in [
+            ("A", a.len(), m * c.k),
+            ("B", b.len(), c.k * c.n),
+            (
+                "the bias",
+                bias.map_or(0, <[TO]>::len),
+                c.n * c.bias as usize,
+            ),
+        ] {
+            if got != want {
+                return Err(unavailable(format!(
+                    "rank {rank}: {what} holds {got} elements, M={m} N={} K={} needs {want}",
+                    c.n, c.k
+                )));
+            }
+        }
+        if out.len() < chunk.len() * c.n {
+            return Err(unavailable(format!(
+                "rank {rank}: the output holds {} elements, its {} rows × N={} need {}",
+                out.len(),
+                chunk.len(),
+                c.n,
+                chunk.len() * c.n
+            )));
+        }
+        debug_assert_eq!(
+            (sched.slot_len, sched.flag_stride),
+            (self.slot_len, self.flag_stride)
+        );
+        let call = self.calls[rank].load(Ordering::Relaxed);
+        let result = self.call(ctx, &sched, call, a, b, bias, out);
+        match result {
+            Ok(()) => self.calls[rank].store(call + 1, Ordering::Relaxed),
+            Err(_) => self.broken.store(true, Ordering::Release),
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn call(
+        &self,
+        ctx: &RankContext<'_>,
+        sched: &GemmRsSchedule,
+        call: u64,
+        a: &[TI],
+        b: &[TI],
+        bias: Option<&[TO]>,
+        out: &mut [TO],
+    ) -> Result<(), BackendError> {
+        let (rank, p, n) = (ctx.rank(), self.config.world, self.config.n);
+        let set = (call % 2) as usize;
+        // the n-th call on a set (from 1) brings every flag of its row to n
+        let expected = call / 2 + 1;
+        let plan = sched.gemm_plan(rank, set);
+        let ops = Operands::<TI, TO> {
+            a,
+            b,
+            c: None,
+            bias: None,
+        };
+        run_gemm(ctx, &plan, &ops, &self.receive)?;
+        // owners without a tile at this M (M < P): flag column 0 of this sender on them stands
+        // for a tile, so that their call, too, waits for every peer to have begun this call
+        for (owner, tiles) in sched.owner_tiles.iter().enumerate() {
+            if tiles.is_empty() {
+                let slot = Slot::new(set as u32, (rank * self.flag_stride) as u32);
+                ctx.notify(owner, slot, 1, NotifyOp::Add)?;
+            }
+        }
+
+        let tiles = &sched.owner_tiles[rank];
+        if tiles.is_empty() {
+            for sender in 0..p {
+                let slot = Slot::new(set as u32, (sender * self.flag_stride) as u32);
+                ctx.wait(slot, expected, Cmp::Ge).map_err(|e| match e {
+                    BackendError::WaitTimeout {
+                        seen, timeout_ms, ..
+                    } => unavailable(format!(
+                        "timeout after {timeout_ms} ms: GEMM + reduce-scatter rank {rank}, call {call} (set {set}), which owns no rows at M = {}, waits on sender {sender}'s flag {slot} for >= {expected} but sees {seen}",
+                        sched.shape.m
+                    )),
+                    other => other,
+                })?;
+            }
+        }
+        let mut acc = Vec::new();
+        let mut partial = Vec::new();
+        for (index, (rows, cols)) in sched.reduce_tiles(rank).into_iter().enumerate() {
+            for sender in 0..p {
+                let slot = Slot::new(set as u32, (sender * self.flag_stride + index) as u32);
+                ctx.wait(slot, expected, Cmp::Ge).map_err(|e| match e {
+                    BackendError::WaitTimeout {
+                        seen, timeout_ms, ..
+                    } => unavailable(format!(
+                        "timeout after {timeout_ms} ms: GEMM + reduce-scatter rank {rank}, call {call} (set {set}), tile {} (rows {rows:?} of its chunk, columns {cols:?}) waits on sender {sender}'s flag {slot} for >= {expected} but sees {seen}",
+                        tiles[index]
+                    )),
+                    other => other,
+                })?;
+            }
+            let width = cols.len();
+            for row in rows {
+                acc.clear();
+                acc.resize(width, 0f32);
+                partial.resize(width, TO::from_f32(0.0));
+                // rank order, whatever order the flags arrived in: the result is deterministic
+                for sender in 0..p {
+                    let at = (set * p + sender) * self.slot_len + row * n + cols.start;
+                    // SAFETY: sender's stores of this tile happened before its flag, which the
+                    // wait above saw with acquire; no sender writes this set again before this
+                    // rank finishes the call (the schedule's two-set argument)
+                    unsafe { self.receive.load(rank, at, &mut partial) };
+                    for (x, v) in acc.iter_mut().zip(&partial) {
+                        *x += v.to_f32();
+                    }
+                }
+                let dst = &mut out[row * n + cols.start..row * n + cols.end];
+                for (j, (d, x)) in dst.iter_mut().zip(&acc).enumerate() {
+                    let v = match bias {
+                        Some(bias) => x + bias[cols.start + j].to_f32(),
+                        None => *x,
+                    };
+                    *d = TO::from_f32(v);
+                }
+            }
+        }
+        // the flags no tile of this rank's chunk used at this M: raised here so that every slot
+        // of the set has counted this call when a later call with a larger M uses it
+        for sender in 0..p {
+            for index in tiles.len().max(1)..self.flag_stride {
+                let slot = Slot::new(set as u32, (sender * self.flag_stride + index) as u32);
+                ctx.notify(rank, slot, 1, NotifyOp::Add)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,370 @@
+//! Fused GEMM + reduce-scatter on the simulator against a float64 reference: every output
+//! element of every rank, P = 1..9, ragged shapes, both B layouts, bf16 and f16 inputs with
+//! 16-bit and f32 outputs, with and without bias; outputs poisoned before each call; three
+//! back-to-back calls with fresh inputs and M going down then up past the first (so a flag set
+//! sees a larger M after a smaller one), with no barrier between calls.
+
+use commfuse_core::backend::BackendError;
+use commfuse_core::fused::gemm_rs::{check_elements, reference};
+use commfuse_core::gemm::{BLayout, TileShape};
+use commfuse_core::reference::input_value;
+use commfuse_core::{DType, Element, ReduceOp};
+use commfuse_sim::gemm_rs::{GemmRsConfig, SimGemmReduceScatter, GPU_TILE};
+use commfuse_sim::{World, WorldConfig};
+use half::{bf16, f16};
+use std::sync::Mutex;
+use std::time::Duration;
+
+const SMALL_TILE: TileShape = TileShape { m: 16, n: 32 };
+
+fn values<T: Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
+        .collect()
+}
+
+fn world_for(config: &GemmRsConfig, timeout: Duration) -> World {
+    let cols = config.pad_cols().unwrap().max(64) as u32;
+    World::new(
+        config.world,
+        WorldConfig {
+            timeout,
+            pad_rows: 32,
+            pad_cols: cols,
+        },
+    )
+    .unwrap()
+}
+
+/// Runs `ms.len()` back-to-back calls (max M = the largest) on every rank and checks every
+/// output element of every call; returns the failures, one line each.
+fn run_calls<TI: Element, TO: Element>(
+    config: GemmRsConfig,
+    ms: &[usize],
+    seed: u64,
+) -> Vec<String> {
+    let p = config.world;
+    let (n, k) = (config.n, config.k);
+    let world = world_for(&config, Duration::from_secs(20));
+    let op = SimGemmReduceScatter::<TI, TO>::new(&world, config).unwrap();
+    // per call: every rank's A and B, the bias (the same on every rank, as a replicated
+    // parameter is)
+    let stream = |call: usize, rank: usize, what: usize| (call * p + rank) * 3 + what;
+    let a: Vec<Vec<Vec<TI>>> = (0..ms.len())
+        .map(|c| {
+            (0..p)
+                .map(|r| values(seed, stream(c, r, 0), ms[c] * k))
+                .collect()
+        })
+        .collect();
+    let b: Vec<Vec<Vec<TI>>> = (0..ms.len())
+        .map(|c| {
+            (0..p)
+                .map(|r| values(seed, stream(c, r, 1), k * n))
+                .collect()
+        })
+        .collect();
+    let bias: Vec<Option<Vec<TO>>> = (0..ms.len())
+        .map(|c| config.bias.then(|| values(seed, stream(c, 0, 2), n)))
+        .collect();
+    // outputs of the largest chunk, poisoned: rows past a call's chunk must stay poisoned
+    let out_len = config.max_m.div_ceil(p) * n;
+    let outs: Vec<Mutex<Vec<Vec<TO>>>> = (0..p)
+        .map(|_| Mutex::new(vec![vec![TO::poison(); out_len]; ms.len()]))
+        .collect();
+    world
+        .run(|ctx| {
+            let r = ctx.rank();
+            let mut outs = outs[r].lock().unwrap();
+            for (c, &m) in ms.iter().enumerate() {
+                op.forward(ctx, m, &a[c][r], &b[c][r], bias[c].as_deref(), &mut outs[c])?;
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("P={p} {config:?} M={ms:?}: {e}"));
+    let mut failures = Vec::new();
+    for (c, &m) in ms.iter().enumerate() {
+        let shape = config.shape(m).unwrap();
+        let a: Vec<&[TI]> = a[c].iter().map(Vec::as_slice).collect();
+        let b: Vec<&[TI]> = b[c].iter().map(Vec::as_slice).collect();
+        for (r, out) in outs.iter().enumerate() {
+            let out = &out.lock().unwrap()[c];
+            let want = reference(&shape, r, &a, &b, bias[c].as_deref());
+            let check = check_elements(&shape, out[..want.len()].iter().map(|x| x.to_f64()), &want);
+            if !check.passed() {
+                failures.push(format!("call {c} (M={m}) rank {r}: {check}"));
+            }
+            if let Some(i) = out[want.len()..].iter().position(|x| !x.to_f64().is_nan()) {
+                failures.push(format!(
+                    "call {c} (M={m}) rank {r}: element {} past its chunk was written",
+                    want.len() + i
+                ));
+            }
+        }
+    }
+    failures
+        .into_iter()
+        .map(|f| {
+            format!(
+                "P={p} N={n} K={k} {:?} {}→{} bias {} tile {:?}: {f}",
+                config.b_layout, config.input, config.output, config.bias, config.tile
+            )
+        })
+        .collect()
+}
+
+/// The calls of a case whose largest M is `max_m`: M, then smaller, then larger than the first.
+fn call_ms(max_m: usize) -> Vec<usize> {
+    vec![(2 * max_m / 3).max(1), (max_m / 3).max(1), max_m]
+}
+
+/// Ragged shapes (M, N, K) of world size `p`: M not a multiple of P or the tile.
+fn shapes(p: usize) -> [(usize, usize, usize); 4] {
+    [
+        (1, 72, 136),
+        ((p - 1).max(1), 8, 64),
+        (3 * p + 1, 300, 8),
+        (300, 72, 136),
+    ]
+}
+
+/// Every (layout, input, output, bias) combination.
+fn variants() -> Vec<(BLayout, DType, DType, bool)> {
+    let mut v = Vec::new();
+    for layout in [BLayout::NK, BLayout::KN] {
+        for (input, output) in [
+            (DType::BF16, DType::BF16),
+            (DType::BF16, DType::F32),
+            (DType::F16, DType::F16),
+            (DType::F16, DType::F32),
+        ] {
+            for bias in [false, true] {
+                v.push((layout, input, output, bias));
+            }
+        }
+    }
+    v
+}
+
+fn run_variant(
+    p: usize,
+    (m, n, k): (usize, usize, usize),
+    (layout, input, output, bias): (BLayout, DType, DType, bool),
+    tile: TileShape,
+    seed: u64,
+) -> Vec<String> {
+    let config = GemmRsConfig {
+        tile,
+        ..GemmRsConfig::new(p, m, n, k, layout, input, output, bias)
+    };
+    let ms = call_ms(m);
+    match (input, output) {
+        (DType::BF16, DType::BF16) => run_calls::<bf16, bf16>(config, &ms, seed),
+        (DType::BF16, DType::F32) => run_calls::<bf16, f32>(config, &ms, seed),
+        (DType::F16, DType::F16) => run_calls::<f16, f16>(config, &ms, seed),
+        (DType::F16, DType::F32) => run_calls::<f16, f32>(config, &ms, seed),
+        other => unreachable!("no such variant {other:?}"),
+    }
+}
+
+fn assert_none(failures: Vec<String>) {
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn every_variant_matches_the_reference_on_one_to_three_ranks() {
+    let mut failures = Vec::new();
+    for p in 1..=3 {
+        for (s, shape) in shapes(p).into_iter().enumerate() {
+            for (v, variant) in variants().into_iter().enumerate() {
+                // both tiles: the GPU's (one band per chunk at small M) and a small one (many
+                // tiles per owner, so a larger M uses flag columns a smaller one left out)
+                let tile = if (s + v) % 2 == 0 {
+                    SMALL_TILE
+                } else {
+                    GPU_TILE
+                };
+                failures.extend(run_variant(
+                    p,
+                    shape,
+                    variant,
+                    tile,
+                    (p * 100 + s * 20 + v) as u64,
+                ));
+            }
+        }
+    }
+    assert_none(failures);
+}
+
+#[test]
+fn a_sample_of_variants_matches_the_reference_on_four_to_nine_ranks() {
+    let variants = variants();
+    let mut failures = Vec::new();
+    for p in 4..=9 {
+        for (s, shape) in shapes(p).into_iter().enumerate() {
+            for i in 0..2 {
+                let v = (p * 5 + s * 3 + i * 8) % variants.len();
+                let tile = if i == 0 { SMALL_TILE } else { GPU_TILE };
+                failures.extend(run_variant(
+                    p,
+                    shape,
+                    variants[v],
+                    tile,
+                    (p * 100 + s * 20 + v) as u64,
+                ));
+            }
+        }
+    }
+    assert_none(failures);
+}
+
+#[test]
+fn the_gpu_tile_with_several_bands_per_chunk() {
+    // M large enough that chunks take two or three 128-row bands and N two column tiles: the
+    // band boundaries inside a chunk and a larger M after a smaller one at the GPU's tile
+    let variant = (BLayout::NK, DType::BF16, DType::BF16, true);
+    assert_none(run_variant(1, (300, 300, 8), variant, GPU_TILE, 1));
+    assert_none(run_variant(2, (600, 300, 8), variant, GPU_TILE, 2));
+}
+
+fn bf16_config(p: usize, max_m: usize, n: usize, k: usize) -> GemmRsConfig {
+    GemmRsConfig::new(p, max_m, n, k, BLayout::NK, DType::BF16, DType::BF16, false)
+}
+
+fn one_line(e: impl std::fmt::Display) -> String {
+    let text = e.to_string();
+    assert!(!text.is_empty() && !text.contains('\n'), "{text:?}");
+    text
+}
+
+#[test]
+fn bad_configurations_are_refused_in_one_line() {
+    let world = World::new(2, WorldConfig::default()).unwrap();
+    let build = |c: GemmRsConfig| SimGemmReduceScatter::<bf16, bf16>::new(&world, c).err();
+    let k12 = one_line(build(bf16_config(2, 64, 64, 12)).unwrap());
+    assert!(k12.contains("multiple of 8"), "{k12}");
+    let wrong_type = one_line(
+        SimGemmReduceScatter::<f16, bf16>::new(&world, bf16_config(2, 64, 64, 8))
+            .err()
+            .unwrap(),
+    );
+    assert!(
+        wrong_type.contains("bf16 → bf16") && wrong_type.contains("f16 → bf16"),
+        "{wrong_type}"
+    );
+    let mismatch = GemmRsConfig {
+        output: DType::F16,
+        ..bf16_config(2, 64, 64, 8)
+    };
+    assert!(one_line(
+        SimGemmReduceScatter::<bf16, f16>::new(&world, mismatch)
+            .err()
+            .unwrap()
+    )
+    .contains("(the input type) or f32"));
+    let three = one_line(build(bf16_config(3, 64, 64, 8)).unwrap());
+    assert!(three.contains("3 ranks"), "{three}");
+    assert!(one_line(build(bf16_config(2, 0, 64, 8)).unwrap()).contains("positive"));
+    // 2 ranks × 8 bands × 4 column tiles = 64 flag columns fit the default pad, 65+ do not
+    assert!(build(bf16_config(2, 2 * 8 * 128, 4 * 256, 8)).is_none());
+    let big = one_line(build(bf16_config(2, 2 * 8 * 128 + 1, 4 * 256, 8)).unwrap());
+    assert!(
+        big.contains("needs signal pads of at least 2 free rows × 72 columns"),
+        "{big}"
+    );
+}
+
+type Op = SimGemmReduceScatter<bf16, bf16>;
+
+/// One call on a fresh world of 2 ranks and an operator for M ≤ 10, N = 16, K = 8 (a refused
+/// call ends the world's run, so each case gets its own); returns the error.
+fn refused(
+    call: impl Fn(&Op, &commfuse_sim::RankContext<'_>) -> Result<(), BackendError> + Sync,
+) -> String {
+    let config = bf16_config(2, 10, 16, 8);
+    let world = world_for(&config, Duration::from_secs(5));
+    let op = Op::new(&world, config).unwrap();
+    one_line(world.run(|ctx| call(&op, ctx)).err().unwrap())
+}
+
+#[test]
+fn bad_calls_are_refused_in_one_line() {
+    let (a, b, bias) = (
+        vec![bf16::ZERO; 10 * 8],
+        vec![bf16::ZERO; 16 * 8],
+        vec![bf16::ZERO; 16],
+    );
+    let out = || vec![bf16::ZERO; 5 * 16];
+    for (want, text) in [
+        (
+            "M = 11 is outside 1..=10",
+            refused(|op, ctx| op.forward(ctx, 11, &a, &b, None, &mut out())),
+        ),
+        (
+            "M = 0 is outside 1..=10",
+            refused(|op, ctx| op.forward(ctx, 0, &a[..0], &b, None, &mut out())),
+        ),
+        (
+            "A holds 80 elements, M=9 N=16 K=8 needs 72",
+            refused(|op, ctx| op.forward(ctx, 9, &a, &b, None, &mut out())),
+        ),
+        (
+            "B holds 127 elements",
+            refused(|op, ctx| op.forward(ctx, 10, &a, &b[1..], None, &mut out())),
+        ),
+        (
+            "the bias holds 16 elements",
+            refused(|op, ctx| op.forward(ctx, 10, &a, &b, Some(&bias), &mut out())),
+        ),
+        (
+            "the output holds 79 elements",
+            refused(|op, ctx| op.forward(ctx, 10, &a, &b, None, &mut out()[1..])),
+        ),
+    ] {
+        assert!(text.contains(want), "{text} lacks {want}");
+    }
+    let config = bf16_config(2, 10, 16, 8);
+    let (mine, other) = (
+        world_for(&config, Duration::from_secs(5)),
+        world_for(&config, Duration::from_secs(5)),
+    );
+    let op = Op::new(&mine, config).unwrap();
+    let text = one_line(
+        other
+            .run(|ctx| op.forward(ctx, 10, &a, &b, None, &mut out()))
+            .err()
+            .unwrap(),
+    );
+    assert!(text.contains("built for another world"), "{text}");
+}
+
+#[test]
+fn a_peer_that_never_arrives_ends_in_a_diagnosed_error() {
+    let config = bf16_config(2, 10, 16, 8);
+    let world = world_for(&config, Duration::from_millis(300));
+    let op = SimGemmReduceScatter::<bf16, bf16>::new(&world, config).unwrap();
+    let (a, b) = (vec![bf16::ONE; 10 * 8], vec![bf16::ONE; 16 * 8]);
+    let err = world
+        .run(|ctx| {
+            let mut out = vec![bf16::ZERO; 5 * 16];
+            if ctx.rank() == 1 {
+                return Ok(()); // rank 1 never calls
+            }
+            op.forward(ctx, 10, &a, &b, None, &mut out)
+        })
+        .err()
+        .unwrap();
+    let text = one_line(err);
+    assert!(
+        text.contains("rank 0, call 0 (set 0), tile 0")
+            && text.contains("sender 1's flag")
+            && text.contains(">= 1 but sees 0"),
+        "{text}"
+    );
+}

@@ -1,0 +1,139 @@
+//! `commfuse run gemm-rs` on the simulator: checked back-to-back calls of fused GEMM +
+//! reduce-scatter with fresh random inputs, every output element of every rank against the
+//! float64 reference and the operator's error bound.
+
+use anyhow::{anyhow, Result};
+use commfuse_core::fused::gemm_rs::{check_elements, reference};
+use commfuse_core::gemm::ElementCheck;
+use commfuse_core::reference::input_value;
+use commfuse_core::{DType, Element, ReduceOp};
+use commfuse_sim::gemm_rs::{GemmRsConfig, SimGemmReduceScatter};
+use commfuse_sim::{World, WorldConfig};
+use half::{bf16, f16};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// One checked call: its M and, per rank, the check of its output chunk.
+#[derive(Debug, Clone)]
+pub struct CallCheck {
+    pub m: usize,
+    pub ranks: Vec<ElementCheck>,
+}
+
+impl CallCheck {
+    /// The check of every rank's chunk together.
+    pub fn total(&self) -> ElementCheck {
+        self.ranks
+            .iter()
+            .fold(ElementCheck::default(), |all, r| all.merge(*r))
+    }
+}
+
+/// Runs one call per entry of `ms` back to back on a fresh simulated world (no barrier between
+/// calls), inputs drawn from `seed`, and checks each.
+pub fn run_sim(
+    config: GemmRsConfig,
+    ms: &[usize],
+    seed: u64,
+    timeout: Duration,
+) -> Result<Vec<CallCheck>> {
+    match (config.input, config.output) {
+        (DType::BF16, DType::BF16) => run_typed::<bf16, bf16>(config, ms, seed, timeout),
+        (DType::BF16, DType::F32) => run_typed::<bf16, f32>(config, ms, seed, timeout),
+        (DType::F16, DType::F16) => run_typed::<f16, f16>(config, ms, seed, timeout),
+        (DType::F16, DType::F32) => run_typed::<f16, f32>(config, ms, seed, timeout),
+        (input, output) => Err(anyhow!(
+            "GEMM + reduce-scatter takes bf16 or f16 inputs and outputs in the input type or f32, got {input} → {output}"
+        )),
+    }
+}
+
+fn values<T: Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
+        .collect()
+}
+
+fn run_typed<TI: Element, TO: Element>(
+    config: GemmRsConfig,
+    ms: &[usize],
+    seed: u64,
+    timeout: Duration,
+) -> Result<Vec<CallCheck>> {
+    let (p, n, k) = (config.world, config.n, config.k);
+    if p == 0 || p > commfuse_core::MAX_WORLD_SIZE {
+        return Err(anyhow!(
+            "--ranks must be between 1 and {}, got {p}",
+            commfuse_core::MAX_WORLD_SIZE
+        ));
+    }
+    let cols = config.pad_cols()?;
+    let pad_cols = u32::try_from(cols.max(64))
+        .map_err(|_| anyhow!("GEMM + reduce-scatter would need {cols} flag columns"))?;
+    let world = World::new(
+        p,
+        WorldConfig {
+            timeout,
+            pad_rows: 32,
+            pad_cols,
+        },
+    )?;
+    let op = SimGemmReduceScatter::<TI, TO>::new(&world, config)?;
+    // per call and rank its own A and B; the bias is the same on every rank (a replicated
+    // parameter)
+    let stream = |call: usize, rank: usize, what: usize| (call * p + rank) * 3 + what;
+    let a: Vec<Vec<Vec<TI>>> = (0..ms.len())
+        .map(|c| {
+            (0..p)
+                .map(|r| values(seed, stream(c, r, 0), ms[c] * k))
+                .collect()
+        })
+        .collect();
+    let b: Vec<Vec<Vec<TI>>> = (0..ms.len())
+        .map(|c| {
+            (0..p)
+                .map(|r| values(seed, stream(c, r, 1), k * n))
+                .collect()
+        })
+        .collect();
+    let bias: Vec<Option<Vec<TO>>> = (0..ms.len())
+        .map(|c| config.bias.then(|| values(seed, stream(c, 0, 2), n)))
+        .collect();
+    let outs: Vec<Mutex<Vec<Vec<TO>>>> = (0..p)
+        .map(|r| {
+            Mutex::new(
+                ms.iter()
+                    .map(|&m| vec![TO::poison(); op.output_rows(m, r).len() * n])
+                    .collect(),
+            )
+        })
+        .collect();
+    world.run(|ctx| {
+        let r = ctx.rank();
+        let mut outs = outs[r].lock().unwrap();
+        for (c, &m) in ms.iter().enumerate() {
+            op.forward(ctx, m, &a[c][r], &b[c][r], bias[c].as_deref(), &mut outs[c])?;
+        }
+        Ok(())
+    })?;
+    let mut checks = Vec::new();
+    for (c, &m) in ms.iter().enumerate() {
+        let shape = config.shape(m)?;
+        let a: Vec<&[TI]> = a[c].iter().map(Vec::as_slice).collect();
+        let b: Vec<&[TI]> = b[c].iter().map(Vec::as_slice).collect();
+        let ranks = outs
+            .iter()
+            .enumerate()
+            .map(|(r, out)| {
+                let want = reference(&shape, r, &a, &b, bias[c].as_deref());
+                let got = out.lock().unwrap()[c]
+                    .iter()
+                    .map(|x| x.to_f64())
+                    .collect::<Vec<_>>();
+                check_elements(&shape, got, &want)
+            })
+            .collect();
+        checks.push(CallCheck { m, ranks });
+    }
+    Ok(checks)
+}
