@@ -17,7 +17,9 @@ R=$OUT/results
 mkdir -p "$R"
 B=.gpu/commfuse
 # check: compile report, GPU tests, verify        gemm: our GEMM beside cuBLASLt at four shapes
-# bench: the collectives beside NCCL (and graph replay), calibration     full: all of them
+# bench: the collectives beside NCCL (and graph replay), calibration
+# gemm-rs: GEMM + reduce-scatter beside cuBLASLt and cuBLASLt + NCCL at six shapes
+# tests: the GPU test binaries only (TESTS="gpu_gemm gpu_gemm_rs" picks some)     full: all of them
 # (each of check, gemm+bench fits one 10-minute device call)
 MODE=${1:-full}
 SIZES=${SIZES:-4K,16K,64K,256K,1M,4M,16M,64M,256M,1G}
@@ -29,14 +31,19 @@ log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 log "$(date -u) mode=$MODE"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used --format=csv >"$R/gpus.txt" 2>&1
 nvidia-smi topo -m >"$R/topo.txt" 2>&1
-if has check; then
-  $B kernels --report >"$R/kernels.txt" 2>&1; log "kernels rc=$?"
-  for t in .gpu/tests/*; do
+run_tests() {
+  for t in ${TESTS:-$(ls .gpu/tests)}; do
+    t=.gpu/tests/$t
     timeout 240 "$t" --test-threads 1 >"$R/test-$(basename "$t").txt" 2>&1
     rc=$?
     log "test $(basename "$t") rc=$rc $(grep -E '^test result' "$R/test-$(basename "$t").txt" | tail -1)"
-    grep -E "^test .* FAILED|panicked" "$R/test-$(basename "$t").txt" | head -5 | cut -c1-300 | tee -a "$OUT/summary.txt"
+    grep -E "^test .* FAILED|panicked" -A2 "$R/test-$(basename "$t").txt" | head -12 | cut -c1-400 | tee -a "$OUT/summary.txt"
   done
+}
+has tests && run_tests
+if has check; then
+  $B kernels --report >"$R/kernels.txt" 2>&1; log "kernels rc=$?"
+  run_tests
   timeout 240 $B verify --devices 0,1 --json "$R/verify.json" >"$R/verify.txt" 2>&1
   log "verify rc=$? $(tail -1 "$R/verify.txt")"
   grep -E "FAIL" "$R/verify.txt" | head -5 | cut -c1-400 | tee -a "$OUT/summary.txt"
@@ -52,6 +59,16 @@ if has gemm; then
         --json "$R/$name.json" >"$R/$name.txt" 2>&1
       log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | tee -a "$OUT/summary.txt"
     done
+  done
+fi
+
+if has gemm-rs; then
+  for shape in "8192 8192 3584" "2048 8192 3584" "8192 8192 14336" "4096 12288 24576" "1024 8192 3584" "512 4096 4096"; do
+    set -- $shape
+    name=gemm-rs-$1x$2x$3
+    timeout 150 $B bench gemm-rs --m $1 --n $2 --k $3 --devices 0,1 ${RS_FLAGS:-} --warmup 5 --iters 30 \
+      --json "$R/$name.json" >"$R/$name.txt" 2>&1
+    log "$name rc=$?"; grep -v "^# commfuse" "$R/$name.txt" | tee -a "$OUT/summary.txt"
   done
 fi
 

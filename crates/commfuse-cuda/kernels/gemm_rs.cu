@@ -28,6 +28,7 @@ struct ReduceTile {
 // Mirrored by `GemmRsReduceArgs` in src/gemm_rs.rs.
 struct GemmRsReduceArgs {
     u64 partials[COMMFUSE_MAX_RANKS];  // per sender: its partial of this chunk, [rows, n], ld = n
+    u64 peer_flags[COMMFUSE_MAX_RANKS];  // every rank's flag row of this call's set
     u64 out;                           // the caller's output, [chunk rows, n], ld = out_ld
     u64 bias;                          // [n] in the output type, 0 for none
     const ReduceTile* tiles;           // this chunk's tiles in the order senders make them
@@ -42,12 +43,14 @@ struct GemmRsReduceArgs {
     u32 n;
     u32 out_ld;
     u32 rank;
+    u32 owners_with_rows;              // min(M, P): ranks from here on own no rows this call
+    u32 pad;
 };
-static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, out) == 8 * COMMFUSE_MAX_RANKS, "layout mirrored in gemm_rs.rs");
-static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, expected) == 8 * COMMFUSE_MAX_RANKS + 56,
+static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, out) == 16 * COMMFUSE_MAX_RANKS, "layout mirrored in gemm_rs.rs");
+static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, expected) == 16 * COMMFUSE_MAX_RANKS + 56,
               "layout mirrored in gemm_rs.rs");
-static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, rank) == 8 * COMMFUSE_MAX_RANKS + 84, "layout mirrored in gemm_rs.rs");
-static_assert(sizeof(GemmRsReduceArgs) == 8 * COMMFUSE_MAX_RANKS + 88, "layout mirrored in gemm_rs.rs");
+static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, rank) == 16 * COMMFUSE_MAX_RANKS + 84, "layout mirrored in gemm_rs.rs");
+static_assert(sizeof(GemmRsReduceArgs) == 16 * COMMFUSE_MAX_RANKS + 96, "layout mirrored in gemm_rs.rs");
 
 constexpr int REDUCE_THREADS = 512;
 
@@ -94,6 +97,19 @@ __device__ __forceinline__ void reduce_tile(const GemmRsReduceArgs& a, const Red
 template <typename Out>
 __device__ void gemm_rs_reduce(const GemmRsReduceArgs& a) {
     __shared__ int ready;
+    // When M < P some ranks own no rows. Such a rank's call would wait for nobody and could run
+    // into its next call on the same set while a peer still sums that set's partials, so every
+    // rank tells each of them that its previous call is over (this kernel starts after it), and
+    // they wait for all P of these before ending the call (column 0: they have no tile 0).
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        for (u32 o = a.owners_with_rows; o < a.world; ++o) add_release_sys((u64*)a.peer_flags[o] + (u64)a.rank * a.stride, 1);
+        if (a.tile_count == 0) {
+            ready = 1;
+            for (u32 q = 0; q < a.world && ready; ++q)
+                ready = wait_signal(a.flags + (u64)q * a.stride, CMP_GE, a.expected, a.timeout_ns, a.err, a.rank,
+                                    blockIdx.x, 0, q * a.stride);
+        }
+    }
     for (u32 i = blockIdx.x; i < a.tile_count; i += gridDim.x) {
         // one thread waits for every sender's flag of the tile (acquire), then the block reads
         if (threadIdx.x == 0) {
@@ -114,8 +130,10 @@ __device__ void gemm_rs_reduce(const GemmRsReduceArgs& a) {
         const bool last = atomicAdd(a.done, 1u) == gridDim.x - 1;
         if (last) {
             *a.done = 0;
+            // a rank without rows had its column 0 raised by the senders
+            const u32 first = a.tile_count == 0 ? 1 : a.tile_count;
             for (u32 q = 0; q < a.world; ++q)
-                for (u32 i = a.tile_count; i < a.stride; ++i) atomicAdd_system(a.flags + (u64)q * a.stride + i, 1ull);
+                for (u32 i = first; i < a.stride; ++i) atomicAdd_system(a.flags + (u64)q * a.stride + i, 1ull);
         }
     }
 }

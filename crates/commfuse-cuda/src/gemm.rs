@@ -39,7 +39,7 @@ const PIPELINE_TIMEOUT_NS: u64 = 5_000_000_000;
 const DROP_WAIT: Duration = Duration::from_secs(3 * PIPELINE_TIMEOUT_NS / 1_000_000_000 + 10);
 
 /// Memory that launched kernels use, with what makes them give up early.
-trait InUse {
+pub(crate) trait InUse {
     /// Makes a running kernel stop waiting, where it can be told to.
     fn abort(&self) {}
 }
@@ -51,13 +51,13 @@ impl InUse for DeviceMemory {}
 /// freeing the memory, and leaks the memory if the launch is still running then: freeing it
 /// under a running kernel would let the kernel write into whatever is allocated there next.
 /// Launches on several streams are covered by the last one's only (callers use one stream).
-struct Launched<T: InUse> {
+pub(crate) struct Launched<T: InUse> {
     last: Event,
     held: ManuallyDrop<T>,
 }
 
 impl<T: InUse> Launched<T> {
-    fn new(gpu: &Gpu, held: T) -> Result<Self, CudaError> {
+    pub(crate) fn new(gpu: &Gpu, held: T) -> Result<Self, CudaError> {
         Ok(Launched {
             last: Event::new(gpu)?,
             held: ManuallyDrop::new(held),
@@ -65,7 +65,7 @@ impl<T: InUse> Launched<T> {
     }
 
     /// Marks the end of the launch just queued on `stream`.
-    fn launched(&self, stream: &Stream) -> Result<(), CudaError> {
+    pub(crate) fn launched(&self, stream: &Stream) -> Result<(), CudaError> {
         self.last.record(stream)
     }
 }
@@ -82,9 +82,9 @@ impl<T: InUse> Drop for Launched<T> {
     }
 }
 
-impl std::ops::Deref for Launched<GemmMemory> {
-    type Target = GemmMemory;
-    fn deref(&self) -> &GemmMemory {
+impl<T: InUse> std::ops::Deref for Launched<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
         &self.held
     }
 }

@@ -17,6 +17,8 @@ pub mod driver;
 pub mod error;
 pub mod gemm;
 pub mod gemm_bench;
+pub mod gemm_rs;
+pub mod gemm_rs_bench;
 pub mod host_sync;
 pub mod nccl;
 pub mod nvrtc;

@@ -29,6 +29,12 @@ unsafe impl Sync for Comms {}
 
 impl Comms {
     fn new(backend: &CudaBackend) -> Result<Comms, CudaError> {
+        let devs: Vec<i32> = backend.ranks.iter().map(|r| r.gpu.ordinal as i32).collect();
+        Comms::for_devices(&devs)
+    }
+
+    /// One communicator per GPU of `devs` (rank r on `devs[r]`), in this process.
+    pub(crate) fn for_devices(devs: &[i32]) -> Result<Comms, CudaError> {
         // SAFETY: only tries to dlopen libnccl
         if !unsafe { sys::is_culib_present() } {
             return Err(CudaError::Unavailable(
@@ -40,7 +46,6 @@ impl Comms {
                 "refusing to start NCCL without NCCL_NVLS_ENABLE=0 (NVLink multicast is off limits)".into(),
             ));
         }
-        let devs: Vec<i32> = backend.ranks.iter().map(|r| r.gpu.ordinal as i32).collect();
         let mut comms = vec![std::ptr::null_mut(); devs.len()];
         // SAFETY: out-array of ndev communicators, device list of ndev ordinals
         unsafe { result::comm_init_all(comms.as_mut_ptr(), devs.len() as i32, devs.as_ptr()) }
@@ -63,6 +68,40 @@ impl Comms {
             ));
         }
         Ok(self.comms[r])
+    }
+
+    /// `ncclReduceScatter` of `count` elements per rank from `send` (P·count) into `recv` on
+    /// rank `r`'s `stream`.
+    ///
+    /// # Safety
+    /// Both buffers must be device memory of rank r's GPU of those sizes, valid until the
+    /// call completes on `stream`.
+    pub(crate) unsafe fn reduce_scatter_raw(
+        &self,
+        r: usize,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        stream: &crate::driver::Stream,
+    ) -> Result<(), CudaError> {
+        let comm = self
+            .comm(r)
+            .map_err(|e| CudaError::Unavailable(e.to_string()))?;
+        result::reduce_scatter(
+            send as *const c_void,
+            recv as *mut c_void,
+            count,
+            nccl_type(dtype),
+            nccl_op(ReduceOp::Sum),
+            comm,
+            stream.raw() as sys::cudaStream_t,
+        )
+        .map(|_| ())
+        .map_err(|e| CudaError::Nccl {
+            call: "ncclReduceScatter",
+            message: format!("{e:?}"),
+        })
     }
 
     /// Aborts every communicator (once): NCCL kernels waiting for a rank that failed give up,

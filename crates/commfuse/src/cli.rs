@@ -50,6 +50,7 @@ pub enum Command {
 pub enum BenchCmd {
     Sweep(BenchArgs),
     Gemm(BenchGemmArgs),
+    GemmRs(BenchGemmRsArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -57,6 +58,10 @@ enum BenchSub {
     /// Our GEMM beside cuBLASLt on one GPU: all SMs, capped (--sms), and with its epilogue
     /// storing tiles to a peer GPU and raising flags there (--peer)
     Gemm(BenchGemmArgs),
+    /// GEMM + reduce-scatter on P GPUs: ours fused beside cuBLASLt alone, cuBLASLt then NCCL's
+    /// reduce-scatter, and our GEMM alone
+    #[command(name = "gemm-rs")]
+    GemmRs(BenchGemmRsArgs),
 }
 
 impl clap::FromArgMatches for BenchCmd {
@@ -64,6 +69,7 @@ impl clap::FromArgMatches for BenchCmd {
         match matches.subcommand() {
             Some(_) => match BenchSub::from_arg_matches(matches)? {
                 BenchSub::Gemm(a) => Ok(BenchCmd::Gemm(a)),
+                BenchSub::GemmRs(a) => Ok(BenchCmd::GemmRs(a)),
             },
             None => Ok(BenchCmd::Sweep(BenchArgs::from_arg_matches(matches)?)),
         }
@@ -210,6 +216,43 @@ pub struct BenchGemmArgs {
     /// index, or "none" (default: the next GPU when the machine has two or more)
     #[arg(long)]
     pub peer: Option<String>,
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// Write the rows as JSON
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchGemmRsArgs {
+    /// Rows of every rank's A (the output's rows in all, split over the ranks)
+    #[arg(long)]
+    pub m: usize,
+    #[arg(long)]
+    pub n: usize,
+    /// K of each rank's shard
+    #[arg(long)]
+    pub k: usize,
+    /// How B is stored: kn ([K, N]) or nk ([N, K], weights transposed)
+    #[arg(long, default_value = "nk")]
+    pub b_layout: String,
+    /// Input type: bf16 or f16
+    #[arg(long, default_value = "bf16")]
+    pub dtype: DType,
+    /// Output type (default: the input type)
+    #[arg(long)]
+    pub out_dtype: Option<DType>,
+    /// Add a bias row
+    #[arg(long)]
+    pub bias: bool,
+    /// GPUs, rank r on the r-th
+    #[arg(long, value_delimiter = ',', default_value = "0,1")]
+    pub devices: Vec<usize>,
+    /// Blocks of the reducing kernel, one fused row each
+    #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+    pub reduce_blocks: Vec<u32>,
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
     #[arg(long, default_value_t = 20)]
@@ -486,10 +529,89 @@ pub fn execute(cli: Cli) -> Result<i32> {
         Command::Plan(a) => plan(a),
         Command::Bench(BenchCmd::Sweep(a)) => bench_cmd(a),
         Command::Bench(BenchCmd::Gemm(a)) => bench_gemm_cmd(a),
+        Command::Bench(BenchCmd::GemmRs(a)) => bench_gemm_rs_cmd(a),
         Command::Verify(a) => verify_cmd(a),
         Command::Kernels(a) => kernels_cmd(a),
         Command::Calibrate(a) => calibrate_cmd(a),
     }
+}
+
+fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
+    use commfuse_core::fused::gemm_rs::GemmRsShape;
+    use commfuse_cuda::gemm_rs_bench::{bench_gemm_rs, GemmRsBenchConfig};
+    let layout = parse_b_layout(&a.b_layout)?;
+    let shape = GemmRsShape::new(
+        a.devices.len(),
+        a.m,
+        a.n,
+        a.k,
+        layout,
+        a.dtype,
+        a.out_dtype.unwrap_or(a.dtype),
+    )?;
+    let cfg = GemmRsBenchConfig {
+        devices: a.devices.clone(),
+        shape,
+        bias: a.bias,
+        reduce_blocks: a.reduce_blocks.clone(),
+        warmup: a.warmup,
+        iters: a.iters,
+        seed: driver::fresh_seed(),
+    };
+    let rows = bench_gemm_rs(&cfg)?;
+    println!(
+        "# commfuse bench gemm-rs: {}×{}×{} (M×N×K, K per rank), B {:?}, {} → {}, GPUs {:?}",
+        a.m, a.n, a.k, layout, shape.input, shape.output, a.devices
+    );
+    let gemm = rows
+        .iter()
+        .find(|r| r.implementation == "cublaslt")
+        .map(|r| r.time_ms);
+    let unfused = rows
+        .iter()
+        .find(|r| r.implementation == "cublaslt+nccl")
+        .map(|r| r.time_ms);
+    println!(
+        "# {:>28} {:>10} {:>19} {:>9} {:>10} {:>8} {:>8} {:>11}  check",
+        "impl", "time(ms)", "rounds min-max", "TFLOP/s", "exposed", "E", "vs unf.", "err/bound"
+    );
+    let mut ok = true;
+    for r in &rows {
+        let exposed = gemm.map(|g| r.time_ms - g);
+        let e = match (gemm, unfused) {
+            (Some(g), Some(u)) if u > g => Some((u - r.time_ms) / (u - g)),
+            _ => None,
+        };
+        let checked = r.checked > 0;
+        let pass = r.out_of_bound == 0;
+        ok &= pass;
+        println!(
+            "  {:>28} {:>10.4} {:>9.4}-{:<9.4} {:>9.1} {:>10} {:>8} {:>8} {:>11}  {}",
+            r.implementation,
+            r.time_ms,
+            r.min_ms,
+            r.max_ms,
+            r.tflops,
+            exposed.map_or("-".into(), |x| format!("{x:.4}")),
+            e.map_or("-".into(), |x| format!("{x:.2}")),
+            unfused.map_or("-".into(), |u| format!("{:.2}x", u / r.time_ms)),
+            if checked {
+                format!("{:.3}", r.worst_ratio)
+            } else {
+                "-".into()
+            },
+            match (checked, pass) {
+                (false, _) => "(baseline)",
+                (true, true) => "OK",
+                (true, false) => "WRONG",
+            }
+        );
+    }
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(if ok { 0 } else { 1 })
 }
 
 fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {

@@ -1,0 +1,514 @@
+//! GEMM + reduce-scatter on GPUs, one object per rank ([`GemmRsRank`]), called on the caller's
+//! buffers and stream: the schedule of [`commfuse_core::fused::gemm_rs`] run by our GEMM
+//! (kernels/gemm.cu, tiles routed into the owners' receive buffers with a flag each) and by a
+//! few blocks of the reducing kernel (kernels/gemm_rs.cu) beside it on a second stream.
+//!
+//! A call enqueues, without synchronising the host:
+//! 1. fork: the side stream waits for the caller's stream (so the reduction writes the output
+//!    only after the caller's earlier work on it);
+//! 2. the GEMM on the caller's stream, capped at `SMs − reduce_blocks` blocks so that it and the
+//!    reduction are always resident together (the reduction waits for tiles the GEMM makes; a
+//!    GEMM block that could not start would never make them);
+//! 3. the reduction on the side stream: per tile of this rank's chunk, wait for every sender's
+//!    flag, sum the partials in f32 in rank order, add the bias, write the caller's output;
+//! 4. join: the caller's stream waits for the side stream.
+//!
+//! Alternate calls use alternate sets of receive buffers and flag rows (the schedule's module
+//! doc says why that makes back-to-back calls safe), and every flag counts calls, so nothing is
+//! cleared between calls. All ranks must make the same calls in the same order with the same M.
+
+use crate::driver::{DeviceMemory, Event, Function, Gpu, MappedHost, Module, Stream};
+use crate::error::CudaError;
+use crate::gemm::{GemmKernels, GemmOperands, InUse, Launched, PreparedGemm, RouteTargets, TILE};
+use crate::nvrtc;
+use crate::plan_table::{ErrorRecord, MAX_RANKS};
+use bytemuck::{Pod, Zeroable};
+use commfuse_core::fused::gemm_rs::{GemmRsSchedule, GemmRsShape};
+use commfuse_core::gemm::BLayout;
+use commfuse_core::plan::Slot;
+use commfuse_core::DType;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Threads of a reduction block (`REDUCE_THREADS` in gemm_rs.cu).
+const REDUCE_THREADS: u32 = 512;
+
+/// What a [`GemmRsRank`] is built for: every call has this N, K, layout and types, any M up to
+/// `max_m` (the same on every rank in one call).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GemmRsConfig {
+    pub max_m: usize,
+    pub n: usize,
+    /// K of each rank's shard
+    pub k: usize,
+    pub b_layout: BLayout,
+    /// bf16 or f16
+    pub input: DType,
+    /// The input type or f32
+    pub output: DType,
+    /// Whether calls add a bias [N] (output type), once
+    pub bias: bool,
+    /// Blocks of the reduction (each takes one SM from the GEMM)
+    pub reduce_blocks: u32,
+    /// How long any device-side wait may last before the call fails with a diagnosis
+    pub timeout: Duration,
+}
+
+impl GemmRsConfig {
+    /// The defaults for a shape: 8 reduction blocks, 5 s waits.
+    pub fn new(
+        max_m: usize,
+        n: usize,
+        k: usize,
+        b_layout: BLayout,
+        input: DType,
+        output: DType,
+    ) -> GemmRsConfig {
+        GemmRsConfig {
+            max_m,
+            n,
+            k,
+            b_layout,
+            input,
+            output,
+            bias: false,
+            reduce_blocks: 8,
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// One tile of a rank's chunk for the reduction (mirrors `ReduceTile` in gemm_rs.cu).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+struct ReduceTile {
+    row0: u32,
+    rows: u32,
+    col0: u32,
+    cols: u32,
+}
+
+/// Mirrors `GemmRsReduceArgs` in gemm_rs.cu (whose static_asserts check the same offsets).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemmRsReduceArgs {
+    partials: [u64; MAX_RANKS],
+    peer_flags: [u64; MAX_RANKS],
+    out: u64,
+    bias: u64,
+    tiles: u64,
+    flags: u64,
+    done: u64,
+    err: u64,
+    timeout_ns: u64,
+    expected: u64,
+    world: u32,
+    tile_count: u32,
+    stride: u32,
+    n: u32,
+    out_ld: u32,
+    rank: u32,
+    owners_with_rows: u32,
+    pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<GemmRsReduceArgs>() == 16 * MAX_RANKS + 96);
+const _: () = assert!(std::mem::offset_of!(GemmRsReduceArgs, expected) == 16 * MAX_RANKS + 56);
+const _: () = assert!(std::mem::offset_of!(GemmRsReduceArgs, rank) == 16 * MAX_RANKS + 84);
+
+/// What one rank shares with its peers: addresses of its receive buffer and of its two flag
+/// rows (as every rank in the group addresses them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmRsPeer {
+    pub receive: u64,
+    pub flags: u64,
+}
+
+/// The memory the kernels of a call use: freed only once the last call has ended.
+struct RsMemory {
+    receive: DeviceMemory,
+    flags: DeviceMemory,
+    done: DeviceMemory,
+    error: MappedHost<ErrorRecord>,
+}
+
+impl InUse for RsMemory {
+    fn abort(&self) {
+        self.error.raise_abort();
+    }
+}
+
+/// The GEMMs and reduction table of one M.
+struct PerM {
+    schedule: GemmRsSchedule,
+    gemm: [PreparedGemm; 2],
+    tiles: DeviceMemory,
+}
+
+/// One rank's GEMM + reduce-scatter: its GPU, its receive buffers and flags, its peers'
+/// addresses, its side stream, per-set call counts, and the prepared GEMMs of each M seen.
+pub struct GemmRsRank {
+    rank: usize,
+    world: usize,
+    config: GemmRsConfig,
+    peers: Vec<GemmRsPeer>,
+    per_m: HashMap<usize, PerM>,
+    calls: [u64; 2],
+    next_set: usize,
+    broken: bool,
+    kernels: GemmKernels,
+    reduce: Function,
+    side: Stream,
+    fork: Event,
+    join: Event,
+    // dropped after every prepared GEMM (fields drop in order) and before the context
+    memory: Launched<RsMemory>,
+    gpu: Arc<Gpu>,
+}
+
+fn unsupported(msg: String) -> CudaError {
+    CudaError::Unavailable(msg)
+}
+
+/// A rank's allocations before it knows its peers.
+pub struct GemmRsAllocation {
+    rank: usize,
+    world: usize,
+    config: GemmRsConfig,
+    memory: RsMemory,
+    gpu: Arc<Gpu>,
+}
+
+impl GemmRsAllocation {
+    /// Allocates rank `rank`'s receive buffers and flag rows on `gpu` for a group of `world`.
+    pub fn new(
+        gpu: Arc<Gpu>,
+        rank: usize,
+        world: usize,
+        config: GemmRsConfig,
+    ) -> Result<GemmRsAllocation, CudaError> {
+        if world == 0 || world > MAX_RANKS || rank >= world {
+            return Err(unsupported(format!(
+                "rank {rank} of {world}: GEMM + reduce-scatter takes 1 to {MAX_RANKS} ranks"
+            )));
+        }
+        if config.reduce_blocks == 0 || config.reduce_blocks >= gpu.sm_count {
+            return Err(unsupported(format!(
+                "reduce_blocks must be 1 to {} on this GPU, got {}",
+                gpu.sm_count - 1,
+                config.reduce_blocks
+            )));
+        }
+        let shape = shape(&config, world, config.max_m)?;
+        let layout = GemmRsSchedule::new(shape, TILE);
+        let receive_bytes = 2 * world * layout.slot_len * config.output.size();
+        let flag_bytes = 2 * layout.flag_columns() * 8;
+        Ok(GemmRsAllocation {
+            memory: RsMemory {
+                receive: DeviceMemory::zeroed(&gpu, receive_bytes)?,
+                flags: DeviceMemory::zeroed(&gpu, flag_bytes)?,
+                done: DeviceMemory::zeroed(&gpu, 4)?,
+                error: MappedHost::new(&gpu, ErrorRecord::default())?,
+            },
+            rank,
+            world,
+            config,
+            gpu,
+        })
+    }
+
+    /// What this rank's peers need to know of it.
+    pub fn peer(&self) -> GemmRsPeer {
+        GemmRsPeer {
+            receive: self.memory.receive.addr(),
+            flags: self.memory.flags.addr(),
+        }
+    }
+
+    /// Finishes the rank once every rank's [`GemmRsAllocation::peer`] is known (in rank order).
+    pub fn connect(self, peers: &[GemmRsPeer]) -> Result<GemmRsRank, CudaError> {
+        if peers.len() != self.world || peers[self.rank] != self.peer() {
+            return Err(unsupported(format!(
+                "rank {} expected the {} ranks' addresses with its own at its place",
+                self.rank, self.world
+            )));
+        }
+        let gpu = self.gpu;
+        let compiled = nvrtc::compile(nvrtc::kernel("gemm_rs.cu").expect("embedded"), false)?;
+        let module = Module::load(&gpu, &compiled.cubin)?;
+        let name = match self.config.output {
+            DType::F32 => "gemm_rs_reduce_f32",
+            DType::BF16 => "gemm_rs_reduce_bf16",
+            DType::F16 => "gemm_rs_reduce_f16",
+        };
+        let reduce = module.function(name)?;
+        Ok(GemmRsRank {
+            rank: self.rank,
+            world: self.world,
+            config: self.config,
+            peers: peers.to_vec(),
+            per_m: HashMap::new(),
+            calls: [0; 2],
+            next_set: 0,
+            broken: false,
+            kernels: GemmKernels::load(&gpu)?,
+            reduce,
+            side: Stream::new(&gpu)?,
+            fork: Event::new_untimed(&gpu)?,
+            join: Event::new_untimed(&gpu)?,
+            memory: Launched::new(&gpu, self.memory)?,
+            gpu,
+        })
+    }
+}
+
+fn shape(config: &GemmRsConfig, world: usize, m: usize) -> Result<GemmRsShape, CudaError> {
+    GemmRsShape::new(
+        world,
+        m,
+        config.n,
+        config.k,
+        config.b_layout,
+        config.input,
+        config.output,
+    )
+    .map_err(|e| unsupported(e.to_string()))
+}
+
+impl GemmRsRank {
+    /// Builds every rank of a group whose GPUs this process drives (peer access enabled
+    /// between them): rank r on `gpus[r]`.
+    pub fn create_group(
+        gpus: &[Arc<Gpu>],
+        config: GemmRsConfig,
+    ) -> Result<Vec<GemmRsRank>, CudaError> {
+        let parts: Vec<GemmRsAllocation> = gpus
+            .iter()
+            .enumerate()
+            .map(|(r, g)| GemmRsAllocation::new(g.clone(), r, gpus.len(), config))
+            .collect::<Result<_, _>>()?;
+        let peers: Vec<GemmRsPeer> = parts.iter().map(GemmRsAllocation::peer).collect();
+        parts.into_iter().map(|p| p.connect(&peers)).collect()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    pub fn config(&self) -> &GemmRsConfig {
+        &self.config
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// Rows of the output this rank owns at `m`.
+    pub fn chunk(&self, m: usize) -> std::ops::Range<usize> {
+        commfuse_core::op::chunk_range(m, self.world, self.rank)
+    }
+
+    /// Builds the GEMMs and the reduction table of `m` (the first call of an M does it; this
+    /// lets a caller do it ahead, since it uploads tables synchronously).
+    pub fn prepare(&mut self, m: usize) -> Result<(), CudaError> {
+        if m == 0 || m > self.config.max_m {
+            return Err(unsupported(format!(
+                "M must be 1 to {} (the max_m this operator was built for), got {m}",
+                self.config.max_m
+            )));
+        }
+        if self.per_m.contains_key(&m) {
+            return Ok(());
+        }
+        let shape = shape(&self.config, self.world, m)?;
+        let schedule = GemmRsSchedule::within(shape, self.config.max_m, TILE);
+        let columns = schedule.flag_columns() as u64;
+        let outputs: Vec<u64> = self.peers.iter().map(|p| p.receive).collect();
+        let peers = self.peers.clone();
+        let flag = move |rank: usize, slot: Slot| {
+            peers[rank].flags + 8 * (slot.row as u64 * columns + slot.col as u64)
+        };
+        let targets = RouteTargets {
+            outputs: &outputs,
+            flag: &flag,
+        };
+        // A and B change per call (launch_operands); the receive buffer stands in for them here
+        let stand_in = self.memory.receive.addr();
+        let ops = GemmOperands::plain(stand_in, stand_in, stand_in);
+        let cap = self.gpu.sm_count - self.config.reduce_blocks;
+        let prepare = |set: usize| {
+            PreparedGemm::new(
+                &self.gpu,
+                &self.kernels,
+                &schedule.gemm_plan(self.rank, set),
+                &ops,
+                Some(&targets),
+                cap,
+                self.rank,
+            )
+        };
+        let gemm = [prepare(0)?, prepare(1)?];
+        let tiles: Vec<ReduceTile> = schedule
+            .reduce_tiles(self.rank)
+            .into_iter()
+            .map(|(rows, cols)| ReduceTile {
+                row0: rows.start as u32,
+                rows: rows.len() as u32,
+                col0: cols.start as u32,
+                cols: cols.len() as u32,
+            })
+            .collect();
+        let table = DeviceMemory::zeroed(&self.gpu, std::mem::size_of_val(tiles.as_slice()))?;
+        table.upload(&self.gpu, &tiles)?;
+        self.per_m.insert(
+            m,
+            PerM {
+                schedule,
+                gemm,
+                tiles: table,
+            },
+        );
+        Ok(())
+    }
+
+    /// Enqueues one call on `stream`: this rank's output chunk (rows [`GemmRsRank::chunk`] of
+    /// Σ_r A_r·B_r + bias, [chunk rows, N] row-major) into `out`. Returns once queued.
+    ///
+    /// # Safety
+    /// `stream` must be a stream of this rank's GPU; `a` ([M, K]), `b` ([N, K] or [K, N]),
+    /// `bias` ([N], output type) and `out` ([chunk rows, N], output type) must be device memory
+    /// of this GPU, 16-byte aligned, valid until the call completes on `stream`, and `out` must
+    /// not overlap the others.
+    pub unsafe fn forward(
+        &mut self,
+        stream: &Stream,
+        m: usize,
+        a: u64,
+        b: u64,
+        bias: Option<u64>,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        if self.broken {
+            return Err(unsupported(
+                "this GEMM + reduce-scatter failed earlier; its peers' state is unknown: build a new one"
+                    .into(),
+            ));
+        }
+        if bias.is_some() != self.config.bias {
+            return Err(unsupported(format!(
+                "this operator was built {} a bias",
+                if self.config.bias { "with" } else { "without" }
+            )));
+        }
+        if !out.is_multiple_of(16) || bias.is_some_and(|b| !b.is_multiple_of(16)) {
+            return Err(unsupported(
+                "the output and the bias must start on 16-byte boundaries".into(),
+            ));
+        }
+        self.gpu.bind()?;
+        self.prepare(m)?;
+        let result = self.enqueue(stream, m, a, b, bias, out);
+        if result.is_err() {
+            // some ranks may have queued their part: the protocol's state is unknown
+            self.broken = true;
+            self.memory.error.raise_abort();
+        }
+        result
+    }
+
+    unsafe fn enqueue(
+        &mut self,
+        stream: &Stream,
+        m: usize,
+        a: u64,
+        b: u64,
+        bias: Option<u64>,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        let set = self.next_set;
+        let expected = self.calls[set] + 1;
+        let pm = &self.per_m[&m];
+        let s = &pm.schedule;
+        let eb = self.config.output.size() as u64;
+        let columns = s.flag_columns() as u64;
+        let mut args = GemmRsReduceArgs {
+            partials: [0; MAX_RANKS],
+            peer_flags: [0; MAX_RANKS],
+            out,
+            bias: bias.unwrap_or(0),
+            tiles: pm.tiles.addr(),
+            flags: self.memory.flags.addr() + 8 * set as u64 * columns,
+            done: self.memory.done.addr(),
+            err: self.memory.error.device_addr(),
+            timeout_ns: self.config.timeout.as_nanos() as u64,
+            expected,
+            world: self.world as u32,
+            tile_count: s.owner_tiles[self.rank].len() as u32,
+            stride: s.flag_stride as u32,
+            n: self.config.n as u32,
+            out_ld: self.config.n as u32,
+            rank: self.rank as u32,
+            owners_with_rows: m.min(self.world) as u32,
+            pad: 0,
+        };
+        let receive = self.memory.receive.addr();
+        for q in 0..self.world {
+            args.partials[q] = receive + ((set * self.world + q) * s.slot_len) as u64 * eb;
+            args.peer_flags[q] = self.peers[q].flags + 8 * set as u64 * columns;
+        }
+        self.fork.record(stream)?;
+        self.side.wait_event(&self.fork)?;
+        pm.gemm[set].launch_operands(stream, a, b, None)?;
+        self.reduce
+            .launch(self.config.reduce_blocks, REDUCE_THREADS, &self.side, &args)?;
+        self.join.record(&self.side)?;
+        stream.wait_event(&self.join)?;
+        self.memory.launched(stream)?;
+        self.calls[set] = expected;
+        self.next_set ^= 1;
+        Ok(())
+    }
+
+    /// After the caller's stream was synchronised: the diagnosis of a wait that timed out in
+    /// any call so far (the reduction's flag waits, the GEMM's pipeline), if one did. Marks the
+    /// operator unusable when it reports one.
+    pub fn check(&mut self) -> Result<(), CudaError> {
+        let e = self.memory.error.read();
+        if e.flag != 0 {
+            self.broken = true;
+            let stride = self
+                .per_m
+                .values()
+                .next()
+                .map_or(1, |p| p.schedule.flag_stride.max(1)) as u32;
+            return Err(unsupported(format!(
+                "GEMM + reduce-scatter: rank {}'s reduction (block {}) waited for sender {}'s flag of its tile {} to reach {}, saw {} after {:?}",
+                e.rank,
+                e.lane,
+                e.slot / stride,
+                e.step,
+                e.expected,
+                e.seen,
+                self.config.timeout
+            )));
+        }
+        for pm in self.per_m.values() {
+            for g in &pm.gemm {
+                if let Some(report) = g.stall_report() {
+                    self.broken = true;
+                    return Err(unsupported(report));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The grid of the GEMM (the SMs it takes).
+    pub fn gemm_blocks(&self) -> u32 {
+        self.gpu.sm_count - self.config.reduce_blocks
+    }
+}

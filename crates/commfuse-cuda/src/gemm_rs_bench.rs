@@ -1,0 +1,437 @@
+//! `commfuse bench gemm-rs`: GEMM + reduce-scatter on P GPUs (rank r on `devices[r]`, one host
+//! thread each), with the baselines in the same run: cuBLASLt alone (the GEMM every path must
+//! do), cuBLASLt then NCCL's reduce-scatter (the unfused path), our GEMM alone, and ours fused
+//! with each reduction width asked for. Rows take turns in interleaved rounds; a call's time is
+//! its slowest rank's (CUDA events around each call on every rank's stream); each row's time is
+//! the median of its rounds' medians, with the fastest and slowest round beside it. The fused
+//! rows are checked on every output element of every rank against a float64 reference computed
+//! on the GPUs (kernels/reference_gemm.cu per rank, summed on the host) after the timing.
+
+use crate::cublaslt::Lt;
+use crate::driver::{DeviceMemory, Event, Gpu, Stream};
+use crate::error::CudaError;
+use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
+use crate::gemm_bench::ReferenceGemm;
+use crate::gemm_rs::{GemmRsConfig, GemmRsRank};
+use crate::host_sync::StartBarrier;
+use crate::nccl::Comms;
+use commfuse_core::fused::gemm_rs::{check_elements, GemmRsShape, ReferenceElement};
+use commfuse_core::gemm::{grouped_order, Epilogue, GemmPlan};
+use commfuse_core::reference::input_value;
+use commfuse_core::{DType, Element, ReduceOp};
+use half::{bf16, f16};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct GemmRsBenchConfig {
+    pub devices: Vec<usize>,
+    pub shape: GemmRsShape,
+    pub bias: bool,
+    /// One fused row per reduction width (blocks of the reducing kernel)
+    pub reduce_blocks: Vec<u32>,
+    pub warmup: usize,
+    pub iters: usize,
+    pub seed: u64,
+}
+
+/// One row of the table.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GemmRsRow {
+    pub implementation: String,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub world: usize,
+    /// Median over rounds of the round's median slowest-rank call time
+    pub time_ms: f64,
+    pub min_ms: f64,
+    pub max_ms: f64,
+    /// Every rank's GEMM flops over the time, per rank
+    pub tflops: f64,
+    /// Output elements checked against float64 (0: the row is a baseline not checked here)
+    pub checked: usize,
+    pub out_of_bound: usize,
+    pub worst_ratio: f64,
+}
+
+const ROUNDS: usize = 5;
+
+/// One rank's buffers.
+struct RankData<'g> {
+    gpu: &'g Arc<Gpu>,
+    stream: Stream,
+    lt: Lt<'g>,
+    a: DeviceMemory,
+    b: DeviceMemory,
+    bias: Option<DeviceMemory>,
+    /// [M, N]: the GEMM's output for the unfused rows and our GEMM alone
+    d: DeviceMemory,
+    /// [chunk, N]: the reduce-scatter's output
+    out: DeviceMemory,
+    gemm_alone: PreparedGemm,
+}
+
+type Launch<'a> = Box<dyn Fn(usize, &RankData<'_>) -> Result<(), CudaError> + Sync + 'a>;
+
+/// Times every row; returns them in the order cuBLASLt, cuBLASLt + NCCL, our GEMM, fused….
+pub fn bench_gemm_rs(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRsRow>, CudaError> {
+    match cfg.shape.input {
+        DType::BF16 => run::<bf16>(cfg),
+        DType::F16 => run::<f16>(cfg),
+        DType::F32 => Err(CudaError::Unavailable("GEMM inputs are bf16 or f16".into())),
+    }
+}
+
+fn random<T: Element>(len: usize, seed: u64, stream: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
+        .collect()
+}
+
+fn upload<T: bytemuck::Pod>(gpu: &Gpu, host: &[T]) -> Result<DeviceMemory, CudaError> {
+    let mem = DeviceMemory::zeroed(gpu, std::mem::size_of_val(host))?;
+    mem.upload(gpu, host)?;
+    Ok(mem)
+}
+
+fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRsRow>, CudaError> {
+    let s = cfg.shape;
+    let world = cfg.devices.len();
+    if world != s.world {
+        return Err(CudaError::Unavailable(format!(
+            "the shape is for {} ranks, {world} devices given",
+            s.world
+        )));
+    }
+    let gpus: Vec<Arc<Gpu>> = cfg
+        .devices
+        .iter()
+        .map(|&d| Gpu::open(d).map(Arc::new))
+        .collect::<Result<_, _>>()?;
+    for a in &gpus {
+        for b in &gpus {
+            if a.ordinal != b.ordinal {
+                a.enable_peer_access(b)?;
+            }
+        }
+    }
+    let problem = s.problem();
+    let out_size = s.output.size();
+    let chunk_rows = s.chunk_rows_max();
+    let mut plan = GemmPlan::local(problem, TILE, Epilogue::default());
+    plan.order = grouped_order(&problem, TILE, commfuse_core::fused::gemm_rs::ORDER_GROUP);
+    let host_a: Vec<Vec<T>> = (0..world)
+        .map(|r| random(s.m * s.k, cfg.seed, 2 * r))
+        .collect();
+    let host_b: Vec<Vec<T>> = (0..world)
+        .map(|r| random(s.k * s.n, cfg.seed, 2 * r + 1))
+        .collect();
+    let mut ranks = Vec::with_capacity(world);
+    for (r, gpu) in gpus.iter().enumerate() {
+        let a = upload(gpu, &host_a[r])?;
+        let b = upload(gpu, &host_b[r])?;
+        let bias = match (cfg.bias, s.output) {
+            (false, _) => None,
+            (true, DType::F32) => Some(upload(gpu, &random::<f32>(s.n, cfg.seed, 99))?),
+            (true, DType::BF16) => Some(upload(gpu, &random::<bf16>(s.n, cfg.seed, 99))?),
+            (true, DType::F16) => Some(upload(gpu, &random::<f16>(s.n, cfg.seed, 99))?),
+        };
+        let d = DeviceMemory::zeroed(gpu, s.m * s.n * out_size)?;
+        let kernels = GemmKernels::load(gpu)?;
+        let gemm_alone = PreparedGemm::new(
+            gpu,
+            &kernels,
+            &plan,
+            &GemmOperands::plain(a.addr(), b.addr(), d.addr()),
+            None,
+            0,
+            r,
+        )?;
+        ranks.push(RankData {
+            gpu,
+            stream: Stream::new(gpu)?,
+            lt: Lt::new(gpu)?,
+            out: DeviceMemory::zeroed(gpu, chunk_rows.max(1) * s.n * out_size)?,
+            a,
+            b,
+            bias,
+            d,
+            gemm_alone,
+        });
+    }
+    // NCCL splits evenly only: its row needs M divisible by P
+    let comms = if s.m.is_multiple_of(world) {
+        let devs: Vec<i32> = cfg.devices.iter().map(|&d| d as i32).collect();
+        Some(Comms::for_devices(&devs))
+    } else {
+        None
+    };
+    let mut fused: Vec<(u32, Vec<Mutex<GemmRsRank>>)> = Vec::new();
+    for &blocks in &cfg.reduce_blocks {
+        let mut c = GemmRsConfig::new(s.m, s.n, s.k, s.b_layout, s.input, s.output);
+        c.bias = cfg.bias;
+        c.reduce_blocks = blocks;
+        let ops = GemmRsRank::create_group(&gpus, c)?;
+        fused.push((blocks, ops.into_iter().map(Mutex::new).collect()));
+    }
+
+    let mut names: Vec<String> = Vec::new();
+    let mut launches: Vec<Launch<'_>> = Vec::new();
+    let p = &problem;
+    names.push("cublaslt".into());
+    launches.push(Box::new(move |_, d: &RankData<'_>| unsafe {
+        // SAFETY: operands sized from the problem on this rank's GPU
+        d.lt.matmul(
+            &d.stream,
+            p,
+            0,
+            d.a.addr(),
+            d.b.addr(),
+            d.d.addr(),
+            1.0,
+            0.0,
+        )
+    }));
+    let mut skipped = Vec::new();
+    match &comms {
+        Some(Ok(comms)) => {
+            names.push("cublaslt+nccl".into());
+            let count = s.m / world * s.n;
+            let dt = s.output;
+            launches.push(Box::new(move |r, d: &RankData<'_>| unsafe {
+                // SAFETY: as above; the reduce-scatter reads D and writes the chunk
+                d.lt.matmul(
+                    &d.stream,
+                    p,
+                    0,
+                    d.a.addr(),
+                    d.b.addr(),
+                    d.d.addr(),
+                    1.0,
+                    0.0,
+                )?;
+                comms.reduce_scatter_raw(r, d.d.addr(), d.out.addr(), count, dt, &d.stream)
+            }));
+        }
+        Some(Err(e)) => skipped.push(format!("cublaslt+nccl: {e}")),
+        None => skipped.push(format!(
+            "cublaslt+nccl: NCCL's reduce-scatter needs M divisible by P ({} by {world})",
+            s.m
+        )),
+    }
+    names.push("commfuse-gemm-alone".into());
+    launches.push(Box::new(move |_, d: &RankData<'_>| unsafe {
+        // SAFETY: prepared on this rank's operands
+        d.gemm_alone.launch(&d.stream)
+    }));
+    for (blocks, ops) in &fused {
+        names.push(format!("commfuse-fused (reduce {blocks})"));
+        launches.push(Box::new(move |r, d: &RankData<'_>| {
+            let mut op = ops[r].lock().unwrap();
+            // SAFETY: operands on this rank's GPU, output sized for the largest chunk
+            unsafe {
+                op.forward(
+                    &d.stream,
+                    s.m,
+                    d.a.addr(),
+                    d.b.addr(),
+                    d.bias.as_ref().map(|b| b.addr()),
+                    d.out.addr(),
+                )
+            }
+        }));
+    }
+    for why in &skipped {
+        eprintln!("# baseline not run: {why}");
+    }
+
+    let per_round = cfg.iters.max(ROUNDS).div_ceil(ROUNDS);
+    let mut round_medians = vec![Vec::new(); launches.len()];
+    for round in 0..ROUNDS {
+        for v in 0..launches.len() {
+            // start each round with a different row so that no row always follows the same one
+            let v = (v + round) % launches.len();
+            let warm = if round == 0 { cfg.warmup.max(1) } else { 1 };
+            let times = timed(&ranks, &launches[v], warm, per_round)?;
+            let mut slowest: Vec<f64> = (0..per_round)
+                .map(|i| times.iter().map(|t| t[i]).fold(0.0, f64::max))
+                .collect();
+            slowest.sort_by(f64::total_cmp);
+            round_medians[v].push(slowest[slowest.len() / 2]);
+        }
+    }
+    for (_, ops) in &fused {
+        for op in ops {
+            op.lock().unwrap().check()?;
+        }
+    }
+
+    // the reference: every rank's product in float64 on its GPU, summed on the host
+    let mut value = vec![Vec::new(); world];
+    let mut abs = vec![Vec::new(); world];
+    for (r, d) in ranks.iter().enumerate() {
+        let reference = ReferenceGemm::load(d.gpu)?;
+        // SAFETY: A and B hold the problem's operands on this GPU
+        let rf = unsafe { reference.compute(d.gpu, &d.stream, p, d.a.addr(), d.b.addr())? };
+        value[r] = rf.value;
+        abs[r] = rf.abs_products;
+    }
+    let bias_host: Option<Vec<f64>> = ranks[0]
+        .bias
+        .as_ref()
+        .map(|b| download(ranks[0].gpu, b, s.output, s.n))
+        .transpose()?;
+    let want: Vec<Vec<ReferenceElement>> = (0..world)
+        .map(|o| {
+            let rows = s.chunk(o);
+            let mut w = Vec::with_capacity(rows.len() * s.n);
+            for i in rows {
+                for j in 0..s.n {
+                    let idx = i * s.n + j;
+                    let bias_j = bias_host.as_ref().map_or(0.0, |b| b[j]);
+                    let mut e = ReferenceElement {
+                        value: bias_j,
+                        abs_products: 0.0,
+                        abs_partials: 0.0,
+                        abs_bias: bias_j.abs(),
+                    };
+                    for q in 0..world {
+                        e.value += value[q][idx];
+                        e.abs_products += abs[q][idx] as f64;
+                        e.abs_partials += value[q][idx].abs();
+                    }
+                    w.push(e);
+                }
+            }
+            w
+        })
+        .collect();
+    drop((value, abs));
+
+    let mut rows = Vec::new();
+    for (v, name) in names.iter().enumerate() {
+        let mut t = round_medians[v].clone();
+        t.sort_by(f64::total_cmp);
+        let time_ms = t[t.len() / 2];
+        let mut row = GemmRsRow {
+            implementation: name.clone(),
+            m: s.m,
+            n: s.n,
+            k: s.k,
+            world,
+            time_ms,
+            min_ms: t[0],
+            max_ms: t[t.len() - 1],
+            tflops: p.flops() / (time_ms * 1e-3) / 1e12,
+            checked: 0,
+            out_of_bound: 0,
+            worst_ratio: 0.0,
+        };
+        if name.starts_with("commfuse-fused") {
+            // one more call on a poisoned output, then every element of every rank
+            for d in &ranks {
+                d.out.fill(d.gpu, 0xff)?;
+            }
+            timed(&ranks, &launches[v], 0, 1)?;
+            for (o, d) in ranks.iter().enumerate() {
+                let got = download(d.gpu, &d.out, s.output, s.chunk(o).len() * s.n)?;
+                let check = check_elements(&s, got, &want[o]);
+                row.checked += check.checked;
+                row.out_of_bound += check.out_of_bound;
+                row.worst_ratio = row.worst_ratio.max(check.worst_ratio);
+            }
+        }
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+/// Runs `launch` on every rank's stream from one thread per rank: `warm` untimed calls, then
+/// `iters` calls with events around each; returns per rank the times in ms.
+fn timed(
+    ranks: &[RankData<'_>],
+    launch: &Launch<'_>,
+    warm: usize,
+    iters: usize,
+) -> Result<Vec<Vec<f64>>, CudaError> {
+    let all: Vec<usize> = (0..ranks.len()).collect();
+    let start = StartBarrier::new(&all, Duration::from_secs(60));
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .enumerate()
+            .map(|(r, d)| {
+                let start = &start;
+                scope.spawn(move || -> Result<Vec<f64>, CudaError> {
+                    let body = || -> Result<Vec<f64>, CudaError> {
+                        d.gpu.bind()?;
+                        let events: Vec<Event> = (0..=iters)
+                            .map(|_| Event::new(d.gpu))
+                            .collect::<Result<_, _>>()?;
+                        start
+                            .wait(r)
+                            .map_err(|e| CudaError::Unavailable(e.to_string()))?;
+                        for _ in 0..warm {
+                            launch(r, d)?;
+                        }
+                        events[0].record(&d.stream)?;
+                        for e in &events[1..] {
+                            launch(r, d)?;
+                            e.record(&d.stream)?;
+                        }
+                        if !d.stream.wait_idle(Duration::from_secs(60))? {
+                            return Err(CudaError::Unavailable(format!(
+                                "rank {r}'s stream still busy after 60 s"
+                            )));
+                        }
+                        events
+                            .windows(2)
+                            .map(|w| Ok(w[0].elapsed_ms(&w[1])? as f64))
+                            .collect()
+                    };
+                    let out = body();
+                    if let Err(e) = &out {
+                        start.abort(r, e);
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(CudaError::Unavailable("a rank thread panicked".into()))
+                })
+            })
+            .collect()
+    })
+}
+
+/// `len` elements of `dtype` from `mem`, widened to f64.
+fn download(
+    gpu: &Gpu,
+    mem: &DeviceMemory,
+    dtype: DType,
+    len: usize,
+) -> Result<Vec<f64>, CudaError> {
+    Ok(match dtype {
+        DType::F32 => {
+            let mut h = vec![0f32; len];
+            mem.download(gpu, &mut h)?;
+            h.into_iter().map(f64::from).collect()
+        }
+        DType::BF16 => {
+            let mut h = vec![bf16::ZERO; len];
+            mem.download(gpu, &mut h)?;
+            h.into_iter().map(|x| x.to_f64()).collect()
+        }
+        DType::F16 => {
+            let mut h = vec![f16::ZERO; len];
+            mem.download(gpu, &mut h)?;
+            h.into_iter().map(|x| x.to_f64()).collect()
+        }
+    })
+}

@@ -1,0 +1,222 @@
+//! GEMM + reduce-scatter on GPUs, one rank per GPU, one host thread each: every output element
+//! of every rank against the float64 reference, three calls queued back to back on each rank's
+//! stream with different inputs and M (M < P included), outputs poisoned before each call by
+//! the stream itself; a peer that never arrives ends in a diagnosed error, not a hang. Skips
+//! with a printed reason without two GPUs (a failure under COMMFUSE_REQUIRE_GPU=1).
+
+use commfuse_core::fused::gemm_rs::{check_elements, reference, GemmRsShape};
+use commfuse_core::gemm::BLayout;
+use commfuse_core::reference::input_value;
+use commfuse_core::{DType, Element, ReduceOp};
+use commfuse_cuda::driver::{DeviceMemory, Gpu, Stream};
+use commfuse_cuda::gemm_rs::{GemmRsConfig, GemmRsRank};
+use commfuse_cuda::testing::gpus;
+use half::{bf16, f16};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// GPUs 0 and 1 with peer access both ways, or None (skipped).
+fn two_gpus() -> Option<Vec<Arc<Gpu>>> {
+    gpus(2)?;
+    let g: Vec<Arc<Gpu>> = (0..2).map(|i| Arc::new(Gpu::open(i).unwrap())).collect();
+    g[0].enable_peer_access(&g[1]).unwrap();
+    g[1].enable_peer_access(&g[0]).unwrap();
+    Some(g)
+}
+
+fn random<T: Element>(len: usize, seed: u64, stream: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
+        .collect()
+}
+
+fn upload<T: bytemuck::Pod>(gpu: &Gpu, host: &[T]) -> DeviceMemory {
+    let mem = DeviceMemory::zeroed(gpu, std::mem::size_of_val(host)).unwrap();
+    mem.upload(gpu, host).unwrap();
+    mem
+}
+
+/// One call's inputs on every rank.
+struct CallInputs<TI, TO> {
+    m: usize,
+    a: Vec<Vec<TI>>,
+    b: Vec<Vec<TI>>,
+    bias: Option<Vec<TO>>,
+}
+
+/// Runs `ms.len()` calls back to back on every rank and checks every output element.
+fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
+    gpus: &[Arc<Gpu>],
+    n: usize,
+    k: usize,
+    layout: BLayout,
+    bias: bool,
+    ms: &[usize],
+    seed: u64,
+) {
+    let world = gpus.len();
+    let max_m = *ms.iter().max().unwrap();
+    let mut config = GemmRsConfig::new(max_m, n, k, layout, TI::DTYPE, TO::DTYPE);
+    config.bias = bias;
+    config.reduce_blocks = 3;
+    let ranks = GemmRsRank::create_group(gpus, config).unwrap();
+    let calls: Vec<CallInputs<TI, TO>> = ms
+        .iter()
+        .enumerate()
+        .map(|(c, &m)| {
+            let s = seed.wrapping_add(97 * c as u64);
+            CallInputs {
+                m,
+                a: (0..world).map(|r| random(m * k, s, 2 * r)).collect(),
+                b: (0..world).map(|r| random(k * n, s, 2 * r + 1)).collect(),
+                bias: bias.then(|| random(n, s, 99)),
+            }
+        })
+        .collect();
+    let calls = &calls;
+    let outputs: Vec<Vec<Vec<TO>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|mut op| {
+                s.spawn(move || {
+                    let gpu = op.gpu().clone();
+                    gpu.bind().unwrap();
+                    let r = op.rank();
+                    let stream = Stream::new(&gpu).unwrap();
+                    let dev: Vec<_> = calls
+                        .iter()
+                        .map(|c| {
+                            let rows = op.chunk(c.m).len().max(1);
+                            (
+                                upload(&gpu, &c.a[r]),
+                                upload(&gpu, &c.b[r]),
+                                c.bias.as_ref().map(|b| upload(&gpu, b)),
+                                DeviceMemory::zeroed(&gpu, rows * n * TO::DTYPE.size()).unwrap(),
+                            )
+                        })
+                        .collect();
+                    for (c, (a, b, bias, out)) in calls.iter().zip(&dev) {
+                        // SAFETY: every buffer lives until the synchronisation below
+                        unsafe {
+                            let bytes = op.chunk(c.m).len() * n * TO::DTYPE.size();
+                            stream.fill_async(out.addr(), 0xff, bytes).unwrap();
+                            op.forward(
+                                &stream,
+                                c.m,
+                                a.addr(),
+                                b.addr(),
+                                bias.as_ref().map(|b| b.addr()),
+                                out.addr(),
+                            )
+                            .unwrap();
+                        }
+                    }
+                    stream.synchronize().unwrap();
+                    op.check().unwrap();
+                    calls
+                        .iter()
+                        .zip(&dev)
+                        .map(|(c, (_, _, _, out))| {
+                            let mut host = vec![TO::from_f32(0.0); op.chunk(c.m).len().max(1) * n];
+                            out.download(&gpu, &mut host).unwrap();
+                            host.truncate(op.chunk(c.m).len() * n);
+                            host
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (c, call) in calls.iter().enumerate() {
+        let shape = GemmRsShape::new(world, call.m, n, k, layout, TI::DTYPE, TO::DTYPE).unwrap();
+        let a: Vec<&[TI]> = call.a.iter().map(Vec::as_slice).collect();
+        let b: Vec<&[TI]> = call.b.iter().map(Vec::as_slice).collect();
+        for (r, out) in outputs.iter().enumerate() {
+            let want = reference(&shape, r, &a, &b, call.bias.as_deref());
+            let got = &out[c];
+            assert_eq!(got.len(), want.len());
+            let check = check_elements(&shape, got.iter().map(|x| x.to_f64()), &want);
+            assert_eq!(
+                check.out_of_bound,
+                0,
+                "call {c} (M={}) rank {r} {n}x{k} {layout:?} {:?}->{:?} bias={bias}: {check:?}",
+                call.m,
+                TI::DTYPE,
+                TO::DTYPE
+            );
+        }
+    }
+}
+
+#[test]
+fn every_element_of_back_to_back_calls_matches_float64() {
+    let Some(g) = two_gpus() else { return };
+    // ragged M (not a multiple of P or of the 128-row tile), a smaller M, then M < P
+    let ms = [301, 130, 1];
+    for layout in [BLayout::NK, BLayout::KN] {
+        run_case::<bf16, bf16>(&g, 264, 136, layout, false, &ms, 1);
+        run_case::<bf16, bf16>(&g, 520, 64, layout, true, &[257, 1, 384], 2);
+        run_case::<f16, f16>(&g, 264, 200, layout, true, &ms, 3);
+        run_case::<bf16, f32>(&g, 600, 72, layout, true, &ms, 4);
+        run_case::<f16, f32>(&g, 256, 64, layout, false, &[2, 1, 700], 5);
+    }
+    // N not a multiple of the 256-column tile nor of 8 (B as [N, K] only: [K, N] rows need 16 bytes)
+    run_case::<bf16, bf16>(&g, 300, 64, BLayout::NK, true, &[300, 7], 6);
+    // one GPU: the whole chunk is local
+    run_case::<bf16, bf16>(&g[..1], 264, 64, BLayout::NK, true, &[300, 1], 7);
+    // a larger problem: several waves, every SM busy
+    run_case::<bf16, bf16>(&g, 2048, 512, BLayout::NK, true, &[2048, 1000], 8);
+}
+
+#[test]
+fn a_peer_that_never_arrives_ends_in_a_diagnosed_error() {
+    let Some(g) = two_gpus() else { return };
+    let mut config = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
+    config.timeout = Duration::from_millis(300);
+    let mut ranks = GemmRsRank::create_group(&g, config).unwrap();
+    let op = &mut ranks[0];
+    let stream = Stream::new(&g[0]).unwrap();
+    let a = upload(&g[0], &random::<bf16>(256 * 64, 1, 0));
+    let b = upload(&g[0], &random::<bf16>(256 * 64, 1, 1));
+    let out = DeviceMemory::zeroed(&g[0], 128 * 256 * 2).unwrap();
+    let started = Instant::now();
+    // SAFETY: buffers outlive the synchronisation
+    unsafe {
+        op.forward(&stream, 256, a.addr(), b.addr(), None, out.addr())
+            .unwrap()
+    };
+    stream.synchronize().unwrap();
+    let err = op.check().unwrap_err().to_string();
+    assert!(started.elapsed() < Duration::from_secs(10), "no hang");
+    assert!(
+        err.contains("rank 0's reduction") && err.contains("sender 1") && err.contains("saw 0"),
+        "{err}"
+    );
+    // the operator refuses further calls
+    // SAFETY: as above
+    let again = unsafe { op.forward(&stream, 256, a.addr(), b.addr(), None, out.addr()) };
+    assert!(again.is_err());
+}
+
+#[test]
+fn bad_calls_are_refused_with_one_line() {
+    let Some(g) = two_gpus() else { return };
+    let config = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
+    let mut ranks = GemmRsRank::create_group(&g, config).unwrap();
+    let stream = Stream::new(&g[0]).unwrap();
+    let mem = DeviceMemory::zeroed(&g[0], 1 << 20).unwrap();
+    let x = mem.addr();
+    // SAFETY: refused before anything is queued
+    let e = unsafe { ranks[0].forward(&stream, 257, x, x, None, x) }.unwrap_err();
+    assert!(e.to_string().contains("M must be 1 to 256"), "{e}");
+    // SAFETY: as above
+    let e = unsafe { ranks[0].forward(&stream, 16, x, x, Some(x), x) }.unwrap_err();
+    assert!(e.to_string().contains("without a bias"), "{e}");
+    let bad = GemmRsConfig::new(256, 256, 12, BLayout::NK, DType::BF16, DType::BF16);
+    let e = GemmRsRank::create_group(&g, bad).err().unwrap();
+    assert!(e.to_string().contains("multiple of 8"), "{e}");
+    let bad = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::F16);
+    assert!(GemmRsRank::create_group(&g, bad).is_err());
+    assert!(!e.to_string().contains('\n'));
+}
