@@ -54,33 +54,59 @@ static_assert(sizeof(GemmRsReduceArgs) == 16 * COMMFUSE_MAX_RANKS + 96, "layout 
 
 constexpr int REDUCE_THREADS = 512;
 
+// 16-byte units each thread keeps in flight per source: the reduction is bound by memory
+// latency, not bandwidth, unless every thread has several loads outstanding (one unit per thread
+// at a time measured ~10 GB/s per block on H200; the first version).
+constexpr int UNITS_IN_FLIGHT = 8;
+
 template <typename Out>
 __device__ __forceinline__ void reduce_tile(const GemmRsReduceArgs& a, const ReduceTile& t) {
     constexpr int VEC = 16 / sizeof(Out);
+    constexpr int U = UNITS_IN_FLIGHT;
     const Out* bias = reinterpret_cast<const Out*>(a.bias);
     bool aligned = (a.n * sizeof(Out)) % 16 == 0 && (a.out_ld * sizeof(Out)) % 16 == 0 && t.col0 % VEC == 0 &&
                    a.out % 16 == 0 && t.cols % VEC == 0;
     for (u32 q = 0; q < a.world; ++q) aligned &= a.partials[q] % 16 == 0;
     if (aligned) {
         const u32 units = t.cols / VEC;  // 16-byte units per row
-        for (u32 idx = threadIdx.x; idx < t.rows * units; idx += blockDim.x) {
-            const u32 row = t.row0 + idx / units, col = t.col0 + (idx % units) * VEC;
-            float acc[VEC];
+        const u32 total = t.rows * units;
+        for (u32 base = 0; base < total; base += U * blockDim.x) {
+            float acc[U][VEC];
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) acc[u][j] = 0.0f;
             for (u32 q = 0; q < a.world; ++q) {
-                const uint4 raw = *reinterpret_cast<const uint4*>(reinterpret_cast<const Out*>(a.partials[q]) +
-                                                                  (u64)row * a.n + col);
-                const Out* x = reinterpret_cast<const Out*>(&raw);
+                const Out* src = reinterpret_cast<const Out*>(a.partials[q]);
+                uint4 raw[U];
+                // every load of this source first, then the arithmetic: U loads in flight
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) acc[j] += Elem<Out>::to_f32(x[j]);
+                for (int u = 0; u < U; ++u) {
+                    const u32 idx = base + u * blockDim.x + threadIdx.x;
+                    if (idx < total) {
+                        const u32 row = t.row0 + idx / units, col = t.col0 + (idx % units) * VEC;
+                        raw[u] = *reinterpret_cast<const uint4*>(src + (u64)row * a.n + col);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const Out* x = reinterpret_cast<const Out*>(&raw[u]);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) acc[u][j] += Elem<Out>::to_f32(x[j]);
+                }
             }
-            uint4 packed;
-            Out* o = reinterpret_cast<Out*>(&packed);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j)
-                o[j] = Elem<Out>::from_f32(bias != nullptr ? acc[j] + Elem<Out>::to_f32(bias[col + j]) : acc[j]);
-            *reinterpret_cast<uint4*>(reinterpret_cast<Out*>(a.out) + (u64)row * a.out_ld + col) = packed;
+            for (int u = 0; u < U; ++u) {
+                const u32 idx = base + u * blockDim.x + threadIdx.x;
+                if (idx >= total) continue;
+                const u32 row = t.row0 + idx / units, col = t.col0 + (idx % units) * VEC;
+                uint4 packed;
+                Out* o = reinterpret_cast<Out*>(&packed);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j)
+                    o[j] = Elem<Out>::from_f32(bias != nullptr ? acc[u][j] + Elem<Out>::to_f32(bias[col + j]) : acc[u][j]);
+                *reinterpret_cast<uint4*>(reinterpret_cast<Out*>(a.out) + (u64)row * a.out_ld + col) = packed;
+            }
         }
     } else {
         for (u32 idx = threadIdx.x; idx < t.rows * t.cols; idx += blockDim.x) {
