@@ -42,12 +42,28 @@ struct __align__(128) TmaDesc {
 
 // Where one tile goes; mirrored by `TileRoute` in src/gemm.rs.
 struct TileRoute {
-    u64 dst;         // address of the tile's element (0, 0), possibly on a peer GPU
+    u64 dst;         // address of the tile's element (0, 0), possibly on a peer GPU (or, with
+                     // ROUTE_DST_FROM_D, an offset in bytes from this call's D)
     u64 flag;        // address of the tile's flag word, 0 for none
-    u64 flag_value;  // Set: the value stored; Add: the amount added
+    u64 flag_value;  // Set: the value stored; Add: the amount added; Epoch: unused
     u32 ld;          // leading dimension of the destination, in elements
-    u32 flag_op;     // NOTIFY_SET or NOTIFY_ADD
+    u32 flag_op;     // NOTIFY_SET, NOTIFY_ADD or FLAG_SET_EPOCH
+    // Partials folded into this tile's epilogue (the reduce-scatter's owner tiles): fold_count
+    // tiles of the output type at fold_src, fold_stride bytes apart, ld fold_ld; each is read
+    // once its flag (fold_flag, then every fold_flag_stride bytes) holds this call's epoch.
+    u64 fold_src;
+    u64 fold_stride;
+    u64 fold_flag;
+    u32 fold_count;
+    u32 fold_ld;
+    u32 fold_flag_stride;
+    u32 options;     // ROUTE_* bits
 };
+// TileRoute.flag_op beyond the plan's Set/Add: store this call's epoch (GemmParams.epoch)
+constexpr u32 FLAG_SET_EPOCH = 2;
+// TileRoute.options
+constexpr u32 ROUTE_DST_FROM_D = 1;  // dst is an offset from GemmParams.d
+constexpr u32 ROUTE_NO_BIAS = 2;     // this tile does not add the bias (a peer's partial)
 
 // Mirrored by `GemmParams` in src/gemm.rs.
 struct GemmParams {
@@ -79,6 +95,8 @@ struct GemmParams {
     // can start where another rank's chunk starts (the fused reduce-scatter); null: bands of
     // BM rows from row 0.
     const u32* bands;
+    // This call's number (from 1): the value FLAG_SET_EPOCH flags store and folds wait for.
+    u64 epoch;
 };
 // The 128 accumulator registers of one m64n256k16 wgmma, as asm operands %0..%127.
 #define WGMMA_ACC_OPERANDS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
@@ -131,7 +149,7 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
 }
 
 // What a stalled pipeline wait was waiting for (ErrorRecord.slot).
-enum PipelineWait { WAIT_STAGE_EMPTY = 0, WAIT_STAGE_FULL = 1, WAIT_EPI_EMPTY = 2, WAIT_EPI_FULL = 3, WAIT_PARTIALS = 4 };
+enum PipelineWait { WAIT_STAGE_EMPTY = 0, WAIT_STAGE_FULL = 1, WAIT_EPI_EMPTY = 2, WAIT_EPI_FULL = 3, WAIT_PARTIALS = 4, WAIT_FOLD_FLAG = 5 };
 
 // A pipeline wait that never completes is a bug (a lost TMA, a miscounted barrier): record
 // which block waited for what at which tile, and stop the kernel rather than hang the GPU.
@@ -367,6 +385,46 @@ __device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
     return true;
 }
 
+// One consumer warpgroup's 128 threads (named barriers 3 and 4; 1 is the storers', 2 both
+// consumer warpgroups').
+__device__ __forceinline__ void consumer_group_sync(u32 cw) {
+    if (cw == 0) asm volatile("bar.sync 3, 128;" ::: "memory");
+    else asm volatile("bar.sync 4, 128;" ::: "memory");
+}
+
+// Waits (acquire, system scope) until every flag of a fold holds this call's epoch. A peer that
+// never arrives is reported like a stalled pipeline wait (ErrorRecord.slot = WAIT_FOLD_FLAG,
+// step = tile, expected = epoch, seen = the flag's value) and the fold goes on with whatever
+// is there: the call's result is then wrong, and the host's check says why.
+__device__ __forceinline__ void fold_wait(const GemmParams& p, const TileRoute& r, u32 tile, u32 cw) {
+    for (u32 f = 0; f < r.fold_count; ++f) {
+        const u64* flag = (const u64*)(r.fold_flag + (u64)f * r.fold_flag_stride);
+        u64 seen = load_acquire_sys(flag);
+        if (seen >= p.epoch) continue;
+        const u64 start = global_timer_ns();
+        for (u32 spins = 1;; ++spins) {
+            seen = load_relaxed_sys(flag);
+            if (seen >= p.epoch) {
+                fence_acquire_sys();
+                break;
+            }
+            if ((spins & 255) == 0 && (p.err->abort || global_timer_ns() - start > p.timeout_ns)) {
+                if (atomicCAS_system((u32*)&p.err->flag, 0u, 3u) == 0u) {
+                    p.err->rank = p.rank;
+                    p.err->lane = blockIdx.x;
+                    p.err->step = tile;
+                    p.err->slot = WAIT_FOLD_FLAG;
+                    p.err->expected = p.epoch;
+                    p.err->seen = seen;
+                    __threadfence_system();
+                    p.err->abort = 1;
+                }
+                return;
+            }
+        }
+    }
+}
+
 template <typename In, typename Out, bool B_KN>
 __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     constexpr int PASSES = sizeof(Out) / 2;  // f32 tiles are staged in two column halves
@@ -415,6 +473,17 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             if (!split_partials(p, c, acc)) continue;  // a helper part: no epilogue
         }
 
+        // Partials folded in (the owner's tiles of GEMM + reduce-scatter): wait until every
+        // peer's partial of this tile is there. The owner computes its own tiles last, so in
+        // practice they have long arrived and the wait is one look at each flag.
+        const TileRoute* route = p.routes != nullptr ? p.routes + c.tile : nullptr;
+        const u32 fold_count = route != nullptr ? route->fold_count : 0;
+        if (fold_count != 0) {
+            if (leader) fold_wait(p, *route, c.tile, cw);
+            consumer_group_sync(cw);
+        }
+        const bool tile_bias = bias != nullptr && (route == nullptr || !(route->options & ROUTE_NO_BIAS));
+
         // epilogue arithmetic in registers, then stage the tile for the storers
         const u32 g_row0 = c.row0 + row0, g_col0 = c.tn * gemm::BN;
 #pragma unroll
@@ -435,7 +504,16 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                         if (gc < p.n) v0 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc]);
                         if (gc + 1 < p.n) v1 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc + 1]);
                     }
-                    if (bias != nullptr) {
+                    if (fold_count != 0 && row0 + 8 * h < c.rows) {
+                        const Out* src = (const Out*)route->fold_src + (size_t)(row0 + 8 * h) * route->fold_ld + col;
+                        // through L2 only (.cg): an L1 line of two calls ago must not stand in
+                        for (u32 f = 0; f < fold_count; ++f) {
+                            if (gc < p.n) v0 += Elem<Out>::to_f32(__ldcg(src));
+                            if (gc + 1 < p.n) v1 += Elem<Out>::to_f32(__ldcg(src + 1));
+                            src = (const Out*)((const unsigned char*)src + route->fold_stride);
+                        }
+                    }
+                    if (tile_bias) {
                         if (gc < p.n) v0 += Elem<Out>::to_f32(bias[gc]);
                         if (gc + 1 < p.n) v1 += Elem<Out>::to_f32(bias[gc + 1]);
                     }
@@ -466,6 +544,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
         TileRoute r;
         if (p.routes != nullptr) {
             r = p.routes[c.tile];
+            if (r.options & ROUTE_DST_FROM_D) r.dst += p.d;
         } else {
             r.dst = p.d + ((u64)c.row0 * p.n + (u64)c.tn * gemm::BN) * sizeof(Out);
             r.ld = p.n;
@@ -524,7 +603,8 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
                 // the barrier (or the warp sync) above ordered every storer's stores before this
                 // thread's release, which carries them (cumulativity): no separate fence, whose
                 // sequentially consistent form (__threadfence_system) costs ~4 % at long K
-                notify((u64*)r.flag, r.flag_value, r.flag_op);
+                if (r.flag_op == FLAG_SET_EPOCH) store_release_sys((u64*)r.flag, p.epoch);
+                else notify((u64*)r.flag, r.flag_value, r.flag_op);
             }
         }
     }

@@ -7,9 +7,10 @@
 // flag of the tile is up, and sum the P partials in f32 in rank order (so the result does not
 // depend on arrival order) with the bias, into the caller's output.
 //
-// Flags count calls: each sender's GEMM adds 1 per tile per call, so in the n-th call on a flag
-// row every slot reaches n (`expected`); slots no tile used at this call's M are raised by the
-// last block here. Two rows (and two sets of receive slots) serve alternate calls.
+// Flags hold the number of the call that last raised them (the GEMM's epilogue stores the call's
+// epoch after each tile), so a wait for "at least this call's epoch" needs no clearing between
+// calls and no count of how many tiles each M had. Two rows (and two sets of receive slots)
+// serve alternate calls.
 #include "common.cuh"
 
 // NVRTC has no <cstddef> and (before 13.4) no __builtin_offsetof; EDG's __INTADDR__ makes the
@@ -27,32 +28,35 @@ struct ReduceTile {
 
 // Mirrored by `GemmRsReduceArgs` in src/gemm_rs.rs.
 struct GemmRsReduceArgs {
-    u64 partials[COMMFUSE_MAX_RANKS];  // per sender: its partial of this chunk, [rows, n], ld = n
+    u64 partials[COMMFUSE_MAX_RANKS];    // per sender (rank order): its partial of this chunk, ld = n
     u64 peer_flags[COMMFUSE_MAX_RANKS];  // every rank's flag row of this call's set
-    u64 out;                           // the caller's output, [chunk rows, n], ld = out_ld
-    u64 bias;                          // [n] in the output type, 0 for none
-    const ReduceTile* tiles;           // this chunk's tiles in the order senders make them
-    u64* flags;                        // this call's flag row: [sender * stride + tile]
-    u32* done;                         // blocks finished in the current call
-    ErrorRecord* err;                  // host-mapped
+    u64 out;                             // the caller's output, [chunk rows, n], ld = out_ld
+    u64 bias;                            // [n] in the output type, 0 for none
+    const ReduceTile* tiles;             // this chunk's tiles in the order senders make them
+    u64* flags;                          // this rank's flag row of this call's set
+    ErrorRecord* err;                    // host-mapped
     u64 timeout_ns;
-    u64 expected;                      // every flag of the row reaches this in this call
+    u64 epoch;                           // this call's number: flags of this call hold it
     u32 world;
-    u32 tile_count;                    // this call's tiles (at most stride)
-    u32 stride;                        // flag columns per sender
+    u32 tile_count;                      // tiles to reduce here (0: the epilogue folded them)
+    u32 stride;                          // flag columns per sender slot
     u32 n;
     u32 out_ld;
     u32 rank;
-    u32 owners_with_rows;              // min(M, P): ranks from here on own no rows this call
-    u32 pad;
+    u32 owners_with_rows;                // min(M, P): ranks from here on own no rows this call
+    u32 rowless;                         // 1 when this rank owns no rows this call
 };
 static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, out) == 16 * COMMFUSE_MAX_RANKS, "layout mirrored in gemm_rs.rs");
-static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, expected) == 16 * COMMFUSE_MAX_RANKS + 56,
+static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, epoch) == 16 * COMMFUSE_MAX_RANKS + 48,
               "layout mirrored in gemm_rs.rs");
-static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, rank) == 16 * COMMFUSE_MAX_RANKS + 84, "layout mirrored in gemm_rs.rs");
-static_assert(sizeof(GemmRsReduceArgs) == 16 * COMMFUSE_MAX_RANKS + 96, "layout mirrored in gemm_rs.rs");
+static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, rank) == 16 * COMMFUSE_MAX_RANKS + 76, "layout mirrored in gemm_rs.rs");
+static_assert(sizeof(GemmRsReduceArgs) == 16 * COMMFUSE_MAX_RANKS + 88, "layout mirrored in gemm_rs.rs");
 
 constexpr int REDUCE_THREADS = 512;
+
+// The receive slot (and flag column block) of `sender`'s partials on `owner`
+// (commfuse_core::fused::gemm_rs::GemmRsSchedule::slot_of).
+__device__ __forceinline__ u32 slot_of(u32 sender, u32 owner, u32 world) { return (sender + world - owner - 1) % world; }
 
 // 16-byte units each thread keeps in flight per source: the reduction is bound by memory
 // latency, not bandwidth, unless every thread has several loads outstanding (one unit per thread
@@ -85,7 +89,8 @@ __device__ __forceinline__ void reduce_tile(const GemmRsReduceArgs& a, const Red
                     const u32 idx = base + u * blockDim.x + threadIdx.x;
                     if (idx < total) {
                         const u32 row = t.row0 + idx / units, col = t.col0 + (idx % units) * VEC;
-                        raw[u] = *reinterpret_cast<const uint4*>(src + (u64)row * a.n + col);
+                        // through L2 only (.cg): an L1 line of two calls ago must not stand in
+                        raw[u] = __ldcg(reinterpret_cast<const uint4*>(src + (u64)row * a.n + col));
                     }
                 }
 #pragma unroll
@@ -113,7 +118,7 @@ __device__ __forceinline__ void reduce_tile(const GemmRsReduceArgs& a, const Red
             const u32 row = t.row0 + idx / t.cols, col = t.col0 + idx % t.cols;
             float acc = 0.0f;
             for (u32 q = 0; q < a.world; ++q)
-                acc += Elem<Out>::to_f32(reinterpret_cast<const Out*>(a.partials[q])[(u64)row * a.n + col]);
+                acc += Elem<Out>::to_f32(__ldcg(reinterpret_cast<const Out*>(a.partials[q]) + (u64)row * a.n + col));
             if (bias != nullptr) acc += Elem<Out>::to_f32(bias[col]);
             reinterpret_cast<Out*>(a.out)[(u64)row * a.out_ld + col] = Elem<Out>::from_f32(acc);
         }
@@ -124,43 +129,33 @@ template <typename Out>
 __device__ void gemm_rs_reduce(const GemmRsReduceArgs& a) {
     __shared__ int ready;
     // When M < P some ranks own no rows. Such a rank's call would wait for nobody and could run
-    // into its next call on the same set while a peer still sums that set's partials, so every
-    // rank tells each of them that its previous call is over (this kernel starts after it), and
-    // they wait for all P of these before ending the call (column 0: they have no tile 0).
+    // into its next call on the same set while a peer still reads that set's partials, so every
+    // rank tells each of them that its part of this call is under way (this kernel runs after
+    // the rank's previous call), and they wait for all P of these (column 0 of each slot: they
+    // have no tile 0) before ending the call.
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        for (u32 o = a.owners_with_rows; o < a.world; ++o) add_release_sys((u64*)a.peer_flags[o] + (u64)a.rank * a.stride, 1);
-        if (a.tile_count == 0) {
+        for (u32 o = a.owners_with_rows; o < a.world; ++o)
+            store_release_sys((u64*)a.peer_flags[o] + (u64)slot_of(a.rank, o, a.world) * a.stride, a.epoch);
+        if (a.rowless) {
             ready = 1;
             for (u32 q = 0; q < a.world && ready; ++q)
-                ready = wait_signal(a.flags + (u64)q * a.stride, CMP_GE, a.expected, a.timeout_ns, a.err, a.rank,
-                                    blockIdx.x, 0, q * a.stride);
+                ready = wait_signal(a.flags + (u64)q * a.stride, CMP_GE, a.epoch, a.timeout_ns, a.err, a.rank, blockIdx.x,
+                                    0, q * a.stride);
         }
     }
     for (u32 i = blockIdx.x; i < a.tile_count; i += gridDim.x) {
         // one thread waits for every sender's flag of the tile (acquire), then the block reads
         if (threadIdx.x == 0) {
             ready = 1;
-            for (u32 q = 0; q < a.world && ready; ++q)
-                ready = wait_signal(a.flags + (u64)q * a.stride + i, CMP_GE, a.expected, a.timeout_ns, a.err, a.rank,
-                                    blockIdx.x, i, q * a.stride + i);
+            for (u32 q = 0; q < a.world && ready; ++q) {
+                const u32 col = slot_of(q, a.rank, a.world) * a.stride + i;
+                ready = wait_signal(a.flags + col, CMP_GE, a.epoch, a.timeout_ns, a.err, a.rank, blockIdx.x, i, col);
+            }
         }
         __syncthreads();
         if (!ready) return;
         reduce_tile<Out>(a, a.tiles[i]);
         __syncthreads();  // `ready` is rewritten for the next tile
-    }
-    // The last block out raises the columns no tile used at this call's M, so that every slot
-    // of the row counts calls whatever M each call had (a later, larger M waits on them).
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const bool last = atomicAdd(a.done, 1u) == gridDim.x - 1;
-        if (last) {
-            *a.done = 0;
-            // a rank without rows had its column 0 raised by the senders
-            const u32 first = a.tile_count == 0 ? 1 : a.tile_count;
-            for (u32 q = 0; q < a.world; ++q)
-                for (u32 i = first; i < a.stride; ++i) atomicAdd_system(a.flags + (u64)q * a.stride + i, 1ull);
-        }
     }
 }
 

@@ -109,7 +109,7 @@ impl InUse for GemmMemory {
 #[derive(Clone, Copy)]
 struct TmaDesc([u64; 16]);
 
-/// Where one tile goes (mirrors `TileRoute` in gemm.cu).
+/// Where one tile goes (mirrors `TileRoute` in gemm.cu, which documents each field).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct TileRoute {
@@ -118,7 +118,25 @@ pub struct TileRoute {
     pub flag_value: u64,
     pub ld: u32,
     pub flag_op: u32,
+    /// Partials added in the epilogue: `fold_count` tiles at `fold_src`, `fold_stride` bytes
+    /// apart, leading dimension `fold_ld`, each read once its flag holds the call's epoch
+    pub fold_src: u64,
+    pub fold_stride: u64,
+    pub fold_flag: u64,
+    pub fold_count: u32,
+    pub fold_ld: u32,
+    pub fold_flag_stride: u32,
+    /// [`ROUTE_DST_FROM_D`], [`ROUTE_NO_BIAS`]
+    pub options: u32,
 }
+
+/// `TileRoute::flag_op`: store the call's epoch (the `epoch` of [`PreparedGemm::launch_call`]).
+pub const FLAG_SET_EPOCH: u32 = 2;
+/// `TileRoute::options`: `dst` is a byte offset from the call's D.
+pub const ROUTE_DST_FROM_D: u32 = 1;
+/// `TileRoute::options`: the tile does not add the bias (a peer's partial).
+pub const ROUTE_NO_BIAS: u32 = 2;
+const _: () = assert!(std::mem::size_of::<TileRoute>() == 72);
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -148,6 +166,7 @@ struct GemmParams {
     workspace: u64,
     counters: u64,
     bands: u64,
+    epoch: u64,
 }
 
 /// Most K parts a tail tile is cut into.
@@ -266,11 +285,41 @@ pub struct PreparedGemm {
     problem: commfuse_core::gemm::GemmProblem,
     /// B was copied to a padded pitch at preparation: its address cannot change per call
     b_padded: bool,
+    /// Built from caller routes: the bias is per call (routes say which tiles add it)
+    routed: bool,
     memory: Launched<GemmMemory>,
 }
 
 fn unsupported(msg: String) -> CudaError {
     CudaError::Unavailable(msg)
+}
+
+/// What the kernel needs of a plan and its operands: its tile, a valid order and tables for
+/// `world` ranks, dimensions below 2^31, 16-byte aligned operands.
+fn check_plan(plan: &GemmPlan, ops: &GemmOperands, world: usize) -> Result<(), CudaError> {
+    let p = &plan.problem;
+    if plan.tile != TILE {
+        return Err(unsupported(format!(
+            "the GPU GEMM computes {}×{} tiles, the plan has {}×{}",
+            TILE.m, TILE.n, plan.tile.m, plan.tile.n
+        )));
+    }
+    plan.validate(world)
+        .map_err(|e| unsupported(e.to_string()))?;
+    if p.m >= 1 << 31 || p.n >= 1 << 31 || p.k >= 1 << 31 {
+        return Err(unsupported(format!(
+            "GEMM dimensions must stay below 2^31, got {}×{}×{}",
+            p.m, p.n, p.k
+        )));
+    }
+    for (name, addr) in [("A", ops.a), ("B", ops.b), ("D", ops.d)] {
+        if !addr.is_multiple_of(16) {
+            return Err(unsupported(format!(
+                "{name} must start on a 16-byte boundary (TMA), got {addr:#x}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl PreparedGemm {
@@ -285,29 +334,51 @@ impl PreparedGemm {
         sm_cap: u32,
         rank: usize,
     ) -> Result<PreparedGemm, CudaError> {
-        let p = &plan.problem;
-        if plan.tile != TILE {
-            return Err(unsupported(format!(
-                "the GPU GEMM computes {}×{} tiles, the plan has {}×{}",
-                TILE.m, TILE.n, plan.tile.m, plan.tile.n
-            )));
-        }
         let world = targets.map_or(rank + 1, |t| t.outputs.len());
-        plan.validate(world)
-            .map_err(|e| unsupported(e.to_string()))?;
-        if p.m >= 1 << 31 || p.n >= 1 << 31 || p.k >= 1 << 31 {
+        check_plan(plan, ops, world)?;
+        let routes = routes(plan, ops, targets, rank)?;
+        PreparedGemm::build(gpu, kernels, plan, ops, routes, sm_cap, rank)
+    }
+
+    /// [`PreparedGemm::new`] with the route of every tile given as is (tile order of the plan's
+    /// tile numbers): what a fused operator builds when its routes need more than a plan says
+    /// (partials folded into the epilogue, destinations relative to the call's D, epoch flags).
+    /// `world`: the ranks the plan's destinations may name.
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_routes(
+        gpu: &Gpu,
+        kernels: &GemmKernels,
+        plan: &GemmPlan,
+        ops: &GemmOperands,
+        routes: Vec<TileRoute>,
+        world: usize,
+        sm_cap: u32,
+        rank: usize,
+    ) -> Result<PreparedGemm, CudaError> {
+        check_plan(plan, ops, world)?;
+        if routes.len() != plan.tile_count() {
             return Err(unsupported(format!(
-                "GEMM dimensions must stay below 2^31, got {}×{}×{}",
-                p.m, p.n, p.k
+                "{} routes for {} tiles",
+                routes.len(),
+                plan.tile_count()
             )));
         }
-        for (name, addr) in [("A", ops.a), ("B", ops.b), ("D", ops.d)] {
-            if addr % 16 != 0 {
-                return Err(unsupported(format!(
-                    "{name} must start on a 16-byte boundary (TMA), got {addr:#x}"
-                )));
-            }
-        }
+        let mut gemm = PreparedGemm::build(gpu, kernels, plan, ops, Some(routes), sm_cap, rank)?;
+        gemm.routed = true;
+        Ok(gemm)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        gpu: &Gpu,
+        kernels: &GemmKernels,
+        plan: &GemmPlan,
+        ops: &GemmOperands,
+        routes: Option<Vec<TileRoute>>,
+        sm_cap: u32,
+        rank: usize,
+    ) -> Result<PreparedGemm, CudaError> {
+        let p = &plan.problem;
         let function = kernels.entry(plan)?;
         let half = p.input == DType::F16;
         let a = tensor_map_2d(
@@ -317,8 +388,6 @@ impl PreparedGemm {
             2 * p.k as u64,
             (BK as u32, TILE.m as u32),
         )?;
-        // TMA needs rows that are a multiple of 16 bytes: a [K, N] B with N % 8 != 0 is copied
-        // once into a padded buffer (its padding is zero and never read into D)
         let mut b_padded = None;
         let b = match p.b_layout {
             BLayout::NK => tensor_map_2d(
@@ -347,7 +416,6 @@ impl PreparedGemm {
                 )?
             }
         };
-        let routes = routes(plan, ops, targets, rank)?;
         // one table: the order (u32), then, 64-byte aligned, the routes, then the row bands (u32)
         let order_bytes = (4 * plan.order.len()).next_multiple_of(64);
         let route_bytes = routes
@@ -439,6 +507,7 @@ impl PreparedGemm {
             } else {
                 0
             },
+            epoch: 1,
         };
         Ok(PreparedGemm {
             function,
@@ -446,6 +515,7 @@ impl PreparedGemm {
             grid,
             problem: *p,
             b_padded: b_padded.is_some(),
+            routed: false,
             memory: Launched::new(
                 gpu,
                 GemmMemory {
@@ -485,6 +555,23 @@ impl PreparedGemm {
         b: u64,
         bias: Option<u64>,
     ) -> Result<(), CudaError> {
+        self.launch_call(stream, a, b, bias, None, self.params.epoch)
+    }
+
+    /// [`PreparedGemm::launch_operands`] with this call's D (for routes relative to it; `None`
+    /// keeps the prepared one) and epoch (the value epoch flags store and folds wait for).
+    ///
+    /// # Safety
+    /// As for [`PreparedGemm::launch_operands`]; `d` must hold what the routes write there.
+    pub unsafe fn launch_call(
+        &self,
+        stream: &Stream,
+        a: u64,
+        b: u64,
+        bias: Option<u64>,
+        d: Option<u64>,
+        epoch: u64,
+    ) -> Result<(), CudaError> {
         let p = &self.problem;
         if self.b_padded {
             return Err(unsupported(format!(
@@ -492,7 +579,7 @@ impl PreparedGemm {
                 p.n
             )));
         }
-        if (self.params.bias != 0) != bias.is_some() {
+        if !self.routed && (self.params.bias != 0) != bias.is_some() {
             return Err(unsupported(
                 "the bias must be given exactly when the GEMM was prepared with one".into(),
             ));
@@ -530,6 +617,8 @@ impl PreparedGemm {
             )?,
         });
         params.bias = bias.unwrap_or(0);
+        params.d = d.unwrap_or(params.d);
+        params.epoch = epoch;
         self.function
             .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &params)?;
         self.memory.launched(stream)
@@ -550,10 +639,17 @@ impl PreparedGemm {
                 "the staging buffer",
                 "a staged tile",
                 "the partial tiles of a split tile",
+                "a peer's partial of a tile it folds in (its flag)",
             ]
                 .get(e.slot as usize)
                 .copied()
                 .unwrap_or("?");
+            if e.slot == 5 {
+                return format!(
+                    "GEMM on rank {}: block {} waited for {what} at tile {}: the flag held call {}, this is call {}",
+                    e.rank, e.lane, e.step, e.seen, e.expected
+                );
+            }
             format!(
                 "GEMM pipeline stalled on rank {}: block {} (thread {}) waited for {what} (parity {}) at tile {}",
                 e.rank, e.lane, e.seen, e.expected, e.step

@@ -1,31 +1,36 @@
 //! GEMM + reduce-scatter on GPUs, one object per rank ([`GemmRsRank`]), called on the caller's
 //! buffers and stream: the schedule of [`commfuse_core::fused::gemm_rs`] run by our GEMM
-//! (kernels/gemm.cu, tiles routed into the owners' receive buffers with a flag each) and by a
-//! few blocks of the reducing kernel (kernels/gemm_rs.cu) beside it on a second stream.
+//! (kernels/gemm.cu): every tile of a peer's rows goes into that peer's receive buffer over
+//! NVLink, then its flag is set to the call's number. The owner's partials are summed one of two
+//! ways ([`Reduction`]):
 //!
-//! A call enqueues, without synchronising the host:
-//! 1. fork: the side stream waits for the caller's stream (so the reduction writes the output
-//!    only after the caller's earlier work on it);
-//! 2. the GEMM on the caller's stream, capped at `SMs − reduce_blocks` blocks so that it and the
-//!    reduction are always resident together (the reduction waits for tiles the GEMM makes; a
-//!    GEMM block that could not start would never make them);
-//! 3. the reduction on the side stream: per tile of this rank's chunk, wait for every sender's
-//!    flag, sum the partials in f32 in rank order, add the bias, write the caller's output;
-//! 4. join: the caller's stream waits for the side stream.
+//! * **Fold** (the default): the owner computes its own tiles last, and each of them, before its
+//!   epilogue, waits for the peers' flags of the tile (in practice long set) and adds their
+//!   partials from its own receive buffer, then the bias, and writes the caller's output. One
+//!   kernel on all SMs; nothing but the GEMM's own stores and P − 1 local reads per element.
+//! * **Separate**: the owner's tiles too go into its receive buffer, and a few blocks of the
+//!   reducing kernel (kernels/gemm_rs.cu) on a second stream, forked from and joined to the
+//!   caller's by events, sum the P partials per tile as their flags come in. The GEMM is capped at
+//!   `SMs − blocks` so that both are always resident together (the reduction waits for tiles the
+//!   GEMM makes). Measured slower (docs/perf.md): kept to compare, and for what it shows.
 //!
-//! Alternate calls use alternate sets of receive buffers and flag rows (the schedule's module
-//! doc says why that makes back-to-back calls safe), and every flag counts calls, so nothing is
-//! cleared between calls. All ranks must make the same calls in the same order with the same M.
+//! Nothing synchronises the host. Alternate calls use alternate sets of receive buffers and flag
+//! rows (the schedule's module doc says why that makes back-to-back calls safe), and flags hold
+//! call numbers, so nothing is cleared between calls. When M < P, ranks without rows join a small
+//! handshake kernel (see gemm_rs.cu). All ranks must make the same calls in the same order with
+//! the same M.
 
 use crate::driver::{DeviceMemory, Event, Function, Gpu, MappedHost, Module, Stream};
 use crate::error::CudaError;
-use crate::gemm::{GemmKernels, GemmOperands, InUse, Launched, PreparedGemm, RouteTargets, TILE};
+use crate::gemm::{
+    GemmKernels, GemmOperands, InUse, Launched, PreparedGemm, TileRoute, FLAG_SET_EPOCH,
+    ROUTE_DST_FROM_D, ROUTE_NO_BIAS, TILE,
+};
 use crate::nvrtc;
 use crate::plan_table::{ErrorRecord, MAX_RANKS};
 use bytemuck::{Pod, Zeroable};
 use commfuse_core::fused::gemm_rs::{GemmRsSchedule, GemmRsShape};
 use commfuse_core::gemm::BLayout;
-use commfuse_core::plan::Slot;
 use commfuse_core::DType;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -33,6 +38,15 @@ use std::time::Duration;
 
 /// Threads of a reduction block (`REDUCE_THREADS` in gemm_rs.cu).
 const REDUCE_THREADS: u32 = 512;
+
+/// How the owner sums the P partials of its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// In the epilogue of its own tiles (computed last), on every SM
+    Fold,
+    /// In a separate kernel of this many blocks beside the GEMM (which keeps the other SMs)
+    Separate { blocks: u32 },
+}
 
 /// What a [`GemmRsRank`] is built for: every call has this N, K, layout and types, any M up to
 /// `max_m` (the same on every rank in one call).
@@ -49,14 +63,14 @@ pub struct GemmRsConfig {
     pub output: DType,
     /// Whether calls add a bias [N] (output type), once
     pub bias: bool,
-    /// Blocks of the reduction (each takes one SM from the GEMM)
-    pub reduce_blocks: u32,
+    /// How the owner sums the partials
+    pub reduction: Reduction,
     /// How long any device-side wait may last before the call fails with a diagnosis
     pub timeout: Duration,
 }
 
 impl GemmRsConfig {
-    /// The defaults for a shape: 8 reduction blocks, 5 s waits.
+    /// The defaults for a shape: partials folded into the epilogue, 5 s waits.
     pub fn new(
         max_m: usize,
         n: usize,
@@ -73,7 +87,7 @@ impl GemmRsConfig {
             input,
             output,
             bias: false,
-            reduce_blocks: 8,
+            reduction: Reduction::Fold,
             timeout: Duration::from_secs(5),
         }
     }
@@ -99,10 +113,9 @@ struct GemmRsReduceArgs {
     bias: u64,
     tiles: u64,
     flags: u64,
-    done: u64,
     err: u64,
     timeout_ns: u64,
-    expected: u64,
+    epoch: u64,
     world: u32,
     tile_count: u32,
     stride: u32,
@@ -110,11 +123,11 @@ struct GemmRsReduceArgs {
     out_ld: u32,
     rank: u32,
     owners_with_rows: u32,
-    pad: u32,
+    rowless: u32,
 }
-const _: () = assert!(std::mem::size_of::<GemmRsReduceArgs>() == 16 * MAX_RANKS + 96);
-const _: () = assert!(std::mem::offset_of!(GemmRsReduceArgs, expected) == 16 * MAX_RANKS + 56);
-const _: () = assert!(std::mem::offset_of!(GemmRsReduceArgs, rank) == 16 * MAX_RANKS + 84);
+const _: () = assert!(std::mem::size_of::<GemmRsReduceArgs>() == 16 * MAX_RANKS + 88);
+const _: () = assert!(std::mem::offset_of!(GemmRsReduceArgs, epoch) == 16 * MAX_RANKS + 48);
+const _: () = assert!(std::mem::offset_of!(GemmRsReduceArgs, rank) == 16 * MAX_RANKS + 76);
 
 /// What one rank shares with its peers: addresses of its receive buffer and of its two flag
 /// rows (as every rank in the group addresses them).
@@ -128,7 +141,6 @@ pub struct GemmRsPeer {
 struct RsMemory {
     receive: DeviceMemory,
     flags: DeviceMemory,
-    done: DeviceMemory,
     error: MappedHost<ErrorRecord>,
 }
 
@@ -153,8 +165,8 @@ pub struct GemmRsRank {
     config: GemmRsConfig,
     peers: Vec<GemmRsPeer>,
     per_m: HashMap<usize, PerM>,
-    calls: [u64; 2],
-    next_set: usize,
+    /// Calls queued so far (the next call's epoch is one more)
+    calls: u64,
     broken: bool,
     kernels: GemmKernels,
     reduce: Function,
@@ -192,12 +204,13 @@ impl GemmRsAllocation {
                 "rank {rank} of {world}: GEMM + reduce-scatter takes 1 to {MAX_RANKS} ranks"
             )));
         }
-        if config.reduce_blocks == 0 || config.reduce_blocks >= gpu.sm_count {
-            return Err(unsupported(format!(
-                "reduce_blocks must be 1 to {} on this GPU, got {}",
-                gpu.sm_count - 1,
-                config.reduce_blocks
-            )));
+        if let Reduction::Separate { blocks } = config.reduction {
+            if blocks == 0 || blocks >= gpu.sm_count {
+                return Err(unsupported(format!(
+                    "a separate reduction takes 1 to {} blocks on this GPU, got {blocks}",
+                    gpu.sm_count - 1
+                )));
+            }
         }
         let shape = shape(&config, world, config.max_m)?;
         let layout = GemmRsSchedule::new(shape, TILE);
@@ -207,7 +220,6 @@ impl GemmRsAllocation {
             memory: RsMemory {
                 receive: DeviceMemory::zeroed(&gpu, receive_bytes)?,
                 flags: DeviceMemory::zeroed(&gpu, flag_bytes)?,
-                done: DeviceMemory::zeroed(&gpu, 4)?,
                 error: MappedHost::new(&gpu, ErrorRecord::default())?,
             },
             rank,
@@ -248,8 +260,7 @@ impl GemmRsAllocation {
             config: self.config,
             peers: peers.to_vec(),
             per_m: HashMap::new(),
-            calls: [0; 2],
-            next_set: 0,
+            calls: 0,
             broken: false,
             kernels: GemmKernels::load(&gpu)?,
             reduce,
@@ -326,27 +337,21 @@ impl GemmRsRank {
         }
         let shape = shape(&self.config, self.world, m)?;
         let schedule = GemmRsSchedule::within(shape, self.config.max_m, TILE);
-        let columns = schedule.flag_columns() as u64;
-        let outputs: Vec<u64> = self.peers.iter().map(|p| p.receive).collect();
-        let peers = self.peers.clone();
-        let flag = move |rank: usize, slot: Slot| {
-            peers[rank].flags + 8 * (slot.row as u64 * columns + slot.col as u64)
-        };
-        let targets = RouteTargets {
-            outputs: &outputs,
-            flag: &flag,
-        };
-        // A and B change per call (launch_operands); the receive buffer stands in for them here
+        // A and B change per call (launch_call); the receive buffer stands in for them here
         let stand_in = self.memory.receive.addr();
         let ops = GemmOperands::plain(stand_in, stand_in, stand_in);
-        let cap = self.gpu.sm_count - self.config.reduce_blocks;
+        let cap = match self.config.reduction {
+            Reduction::Fold => 0,
+            Reduction::Separate { blocks } => self.gpu.sm_count - blocks,
+        };
         let prepare = |set: usize| {
-            PreparedGemm::new(
+            PreparedGemm::with_routes(
                 &self.gpu,
                 &self.kernels,
                 &schedule.gemm_plan(self.rank, set),
                 &ops,
-                Some(&targets),
+                self.routes(&schedule, set),
+                self.world,
                 cap,
                 self.rank,
             )
@@ -373,6 +378,56 @@ impl GemmRsRank {
             },
         );
         Ok(())
+    }
+
+    /// Every tile's route for set `set`: a peer's tile into its receive slot with an epoch flag;
+    /// with [`Reduction::Fold`], this rank's own tiles into the call's output (relative to D)
+    /// with the peers' partials and flags to fold in.
+    fn routes(&self, s: &GemmRsSchedule, set: usize) -> Vec<TileRoute> {
+        let (p, me, n) = (self.world, self.rank, self.config.n);
+        let eb = self.config.output.size() as u64;
+        let columns = s.flag_columns() as u64;
+        let fold = self.config.reduction == Reduction::Fold;
+        (0..s.tile_count())
+            .map(|t| {
+                let (owner, index) = s.placement[t];
+                let (rows, cols) = s.tile_bounds(t);
+                let row = (rows.start - s.shape.chunk(owner).start) as u64;
+                let within = row * n as u64 + cols.start as u64;
+                let slot =
+                    |sender: usize| ((set * p + s.slot_of(sender, owner)) * s.slot_len) as u64;
+                let flag = |sender: usize| {
+                    8 * (set as u64 * columns
+                        + (s.slot_of(sender, owner) * s.flag_stride + index) as u64)
+                };
+                if fold && owner == me {
+                    // the peers' partials: slots 0 .. P − 2 of this set, one stride apart
+                    let first = (1..p).map(|d| (me + d) % p).next();
+                    TileRoute {
+                        dst: within * eb,
+                        ld: n as u32,
+                        options: ROUTE_DST_FROM_D,
+                        fold_src: first
+                            .map_or(0, |q| self.memory.receive.addr() + (slot(q) + within) * eb),
+                        fold_stride: s.slot_len as u64 * eb,
+                        fold_flag: first.map_or(0, |q| self.memory.flags.addr() + flag(q)),
+                        fold_count: (p - 1) as u32,
+                        fold_ld: n as u32,
+                        fold_flag_stride: 8 * s.flag_stride as u32,
+                        ..TileRoute::default()
+                    }
+                } else {
+                    TileRoute {
+                        dst: self.peers[owner].receive + (slot(me) + within) * eb,
+                        ld: n as u32,
+                        flag: self.peers[owner].flags + flag(me),
+                        flag_op: FLAG_SET_EPOCH,
+                        options: ROUTE_NO_BIAS,
+                        ..TileRoute::default()
+                    }
+                }
+            })
+            .collect()
     }
 
     /// Enqueues one call on `stream`: this rank's output chunk (rows [`GemmRsRank::chunk`] of
@@ -429,12 +484,17 @@ impl GemmRsRank {
         bias: Option<u64>,
         out: u64,
     ) -> Result<(), CudaError> {
-        let set = self.next_set;
-        let expected = self.calls[set] + 1;
+        let epoch = self.calls + 1;
+        let set = (self.calls % 2) as usize;
         let pm = &self.per_m[&m];
         let s = &pm.schedule;
         let eb = self.config.output.size() as u64;
         let columns = s.flag_columns() as u64;
+        let mine = s.owner_tiles[self.rank].len();
+        let separate = match self.config.reduction {
+            Reduction::Fold => None,
+            Reduction::Separate { blocks } => Some(blocks),
+        };
         let mut args = GemmRsReduceArgs {
             partials: [0; MAX_RANKS],
             peer_flags: [0; MAX_RANKS],
@@ -442,34 +502,45 @@ impl GemmRsRank {
             bias: bias.unwrap_or(0),
             tiles: pm.tiles.addr(),
             flags: self.memory.flags.addr() + 8 * set as u64 * columns,
-            done: self.memory.done.addr(),
             err: self.memory.error.device_addr(),
             timeout_ns: self.config.timeout.as_nanos() as u64,
-            expected,
+            epoch,
             world: self.world as u32,
-            tile_count: s.owner_tiles[self.rank].len() as u32,
+            tile_count: if separate.is_some() { mine as u32 } else { 0 },
             stride: s.flag_stride as u32,
             n: self.config.n as u32,
             out_ld: self.config.n as u32,
             rank: self.rank as u32,
             owners_with_rows: m.min(self.world) as u32,
-            pad: 0,
+            rowless: u32::from(mine == 0),
         };
         let receive = self.memory.receive.addr();
         for q in 0..self.world {
-            args.partials[q] = receive + ((set * self.world + q) * s.slot_len) as u64 * eb;
+            let slot = s.slot_of(q, self.rank);
+            args.partials[q] = receive + ((set * self.world + slot) * s.slot_len) as u64 * eb;
             args.peer_flags[q] = self.peers[q].flags + 8 * set as u64 * columns;
         }
-        self.fork.record(stream)?;
-        self.side.wait_event(&self.fork)?;
-        pm.gemm[set].launch_operands(stream, a, b, None)?;
-        self.reduce
-            .launch(self.config.reduce_blocks, REDUCE_THREADS, &self.side, &args)?;
-        self.join.record(&self.side)?;
-        stream.wait_event(&self.join)?;
+        match separate {
+            None => {
+                // the bias and the output go to the GEMM; its epilogue folds the partials
+                pm.gemm[set].launch_call(stream, a, b, bias, Some(out), epoch)?;
+                if m < self.world {
+                    // the handshake of ranks without rows (see gemm_rs.cu), after the GEMM
+                    self.reduce.launch(1, REDUCE_THREADS, stream, &args)?;
+                }
+            }
+            Some(blocks) => {
+                self.fork.record(stream)?;
+                self.side.wait_event(&self.fork)?;
+                pm.gemm[set].launch_call(stream, a, b, None, None, epoch)?;
+                self.reduce
+                    .launch(blocks, REDUCE_THREADS, &self.side, &args)?;
+                self.join.record(&self.side)?;
+                stream.wait_event(&self.join)?;
+            }
+        }
         self.memory.launched(stream)?;
-        self.calls[set] = expected;
-        self.next_set ^= 1;
+        self.calls = epoch;
         Ok(())
     }
 
@@ -485,11 +556,12 @@ impl GemmRsRank {
                 .values()
                 .next()
                 .map_or(1, |p| p.schedule.flag_stride.max(1)) as u32;
+            // the flag's slot is slot_of(sender, owner) = (sender − owner − 1) mod P
+            let sender = (e.slot / stride + e.rank + 1) as usize % self.world;
             return Err(unsupported(format!(
-                "GEMM + reduce-scatter: rank {}'s reduction (block {}) waited for sender {}'s flag of its tile {} to reach {}, saw {} after {:?}",
+                "GEMM + reduce-scatter: rank {}'s reduction (block {}) waited for sender {sender}'s flag of its tile {} to reach call {}, saw {} after {:?}",
                 e.rank,
                 e.lane,
-                e.slot / stride,
                 e.step,
                 e.expected,
                 e.seen,
@@ -509,6 +581,9 @@ impl GemmRsRank {
 
     /// The grid of the GEMM (the SMs it takes).
     pub fn gemm_blocks(&self) -> u32 {
-        self.gpu.sm_count - self.config.reduce_blocks
+        match self.config.reduction {
+            Reduction::Fold => self.gpu.sm_count,
+            Reduction::Separate { blocks } => self.gpu.sm_count - blocks,
+        }
     }
 }

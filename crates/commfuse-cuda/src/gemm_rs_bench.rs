@@ -12,7 +12,7 @@ use crate::driver::{DeviceMemory, Event, Gpu, Stream};
 use crate::error::CudaError;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
 use crate::gemm_bench::ReferenceGemm;
-use crate::gemm_rs::{GemmRsConfig, GemmRsRank};
+use crate::gemm_rs::{GemmRsConfig, GemmRsRank, Reduction};
 use crate::host_sync::StartBarrier;
 use crate::nccl::Comms;
 use commfuse_core::fused::gemm_rs::{check_elements, GemmRsShape, ReferenceElement};
@@ -29,8 +29,8 @@ pub struct GemmRsBenchConfig {
     pub devices: Vec<usize>,
     pub shape: GemmRsShape,
     pub bias: bool,
-    /// One fused row per reduction width (blocks of the reducing kernel)
-    pub reduce_blocks: Vec<u32>,
+    /// One fused row each: how the owner sums the partials
+    pub reductions: Vec<Reduction>,
     pub warmup: usize,
     pub iters: usize,
     pub seed: u64,
@@ -168,13 +168,17 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
     } else {
         None
     };
-    let mut fused: Vec<(u32, Vec<Mutex<GemmRsRank>>)> = Vec::new();
-    for &blocks in &cfg.reduce_blocks {
+    let mut fused: Vec<(String, Vec<Mutex<GemmRsRank>>)> = Vec::new();
+    for &reduction in &cfg.reductions {
         let mut c = GemmRsConfig::new(s.m, s.n, s.k, s.b_layout, s.input, s.output);
         c.bias = cfg.bias;
-        c.reduce_blocks = blocks;
+        c.reduction = reduction;
         let ops = GemmRsRank::create_group(&gpus, c)?;
-        fused.push((blocks, ops.into_iter().map(Mutex::new).collect()));
+        let name = match reduction {
+            Reduction::Fold => "commfuse-fused (fold)".to_string(),
+            Reduction::Separate { blocks } => format!("commfuse-fused (separate {blocks})"),
+        };
+        fused.push((name, ops.into_iter().map(Mutex::new).collect()));
     }
 
     let mut names: Vec<String> = Vec::new();
@@ -226,8 +230,8 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
         // SAFETY: prepared on this rank's operands
         d.gemm_alone.launch(&d.stream)
     }));
-    for (blocks, ops) in &fused {
-        names.push(format!("commfuse-fused (reduce {blocks})"));
+    for (name, ops) in &fused {
+        names.push(name.clone());
         launches.push(Box::new(move |r, d: &RankData<'_>| {
             let mut op = ops[r].lock().unwrap();
             // SAFETY: operands on this rank's GPU, output sized for the largest chunk

@@ -9,7 +9,7 @@ use commfuse_core::gemm::BLayout;
 use commfuse_core::reference::input_value;
 use commfuse_core::{DType, Element, ReduceOp};
 use commfuse_cuda::driver::{DeviceMemory, Gpu, Stream};
-use commfuse_cuda::gemm_rs::{GemmRsConfig, GemmRsRank};
+use commfuse_cuda::gemm_rs::{GemmRsConfig, GemmRsRank, Reduction};
 use commfuse_cuda::testing::gpus;
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -45,8 +45,10 @@ struct CallInputs<TI, TO> {
 }
 
 /// Runs `ms.len()` calls back to back on every rank and checks every output element.
+#[allow(clippy::too_many_arguments)]
 fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     gpus: &[Arc<Gpu>],
+    reduction: Reduction,
     n: usize,
     k: usize,
     layout: BLayout,
@@ -58,7 +60,7 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     let max_m = *ms.iter().max().unwrap();
     let mut config = GemmRsConfig::new(max_m, n, k, layout, TI::DTYPE, TO::DTYPE);
     config.bias = bias;
-    config.reduce_blocks = 3;
+    config.reduction = reduction;
     let ranks = GemmRsRank::create_group(gpus, config).unwrap();
     let calls: Vec<CallInputs<TI, TO>> = ms
         .iter()
@@ -140,7 +142,7 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
             assert_eq!(
                 check.out_of_bound,
                 0,
-                "call {c} (M={}) rank {r} {n}x{k} {layout:?} {:?}->{:?} bias={bias}: {check:?}",
+                "{reduction:?} call {c} (M={}) rank {r} {n}x{k} {layout:?} {:?}->{:?} bias={bias}: {check:?}",
                 call.m,
                 TI::DTYPE,
                 TO::DTYPE
@@ -154,19 +156,22 @@ fn every_element_of_back_to_back_calls_matches_float64() {
     let Some(g) = two_gpus() else { return };
     // ragged M (not a multiple of P or of the 128-row tile), a smaller M, then M < P
     let ms = [301, 130, 1];
-    for layout in [BLayout::NK, BLayout::KN] {
-        run_case::<bf16, bf16>(&g, 264, 136, layout, false, &ms, 1);
-        run_case::<bf16, bf16>(&g, 520, 64, layout, true, &[257, 1, 384], 2);
-        run_case::<f16, f16>(&g, 264, 200, layout, true, &ms, 3);
-        run_case::<bf16, f32>(&g, 600, 72, layout, true, &ms, 4);
-        run_case::<f16, f32>(&g, 256, 64, layout, false, &[2, 1, 700], 5);
+    for red in [Reduction::Fold, Reduction::Separate { blocks: 3 }] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            run_case::<bf16, bf16>(&g, red, 264, 136, layout, false, &ms, 1);
+            run_case::<bf16, bf16>(&g, red, 520, 64, layout, true, &[257, 1, 384], 2);
+            run_case::<f16, f16>(&g, red, 264, 200, layout, true, &ms, 3);
+            run_case::<bf16, f32>(&g, red, 600, 72, layout, true, &ms, 4);
+            run_case::<f16, f32>(&g, red, 256, 64, layout, false, &[2, 1, 700], 5);
+        }
+        // N not a multiple of the 256-column tile nor of 8 (B as [N, K] only: [K, N] rows need
+        // 16 bytes)
+        run_case::<bf16, bf16>(&g, red, 300, 64, BLayout::NK, true, &[300, 7], 6);
+        // one GPU: the whole chunk is local
+        run_case::<bf16, bf16>(&g[..1], red, 264, 64, BLayout::NK, true, &[300, 1], 7);
+        // a larger problem: several waves, every SM busy
+        run_case::<bf16, bf16>(&g, red, 2048, 512, BLayout::NK, true, &[2048, 1000], 8);
     }
-    // N not a multiple of the 256-column tile nor of 8 (B as [N, K] only: [K, N] rows need 16 bytes)
-    run_case::<bf16, bf16>(&g, 300, 64, BLayout::NK, true, &[300, 7], 6);
-    // one GPU: the whole chunk is local
-    run_case::<bf16, bf16>(&g[..1], 264, 64, BLayout::NK, true, &[300, 1], 7);
-    // a larger problem: several waves, every SM busy
-    run_case::<bf16, bf16>(&g, 2048, 512, BLayout::NK, true, &[2048, 1000], 8);
 }
 
 #[test]
@@ -174,6 +179,7 @@ fn a_peer_that_never_arrives_ends_in_a_diagnosed_error() {
     let Some(g) = two_gpus() else { return };
     let mut config = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
     config.timeout = Duration::from_millis(300);
+    config.reduction = Reduction::Separate { blocks: 2 };
     let mut ranks = GemmRsRank::create_group(&g, config).unwrap();
     let op = &mut ranks[0];
     let stream = Stream::new(&g[0]).unwrap();
@@ -197,6 +203,32 @@ fn a_peer_that_never_arrives_ends_in_a_diagnosed_error() {
     // SAFETY: as above
     let again = unsafe { op.forward(&stream, 256, a.addr(), b.addr(), None, out.addr()) };
     assert!(again.is_err());
+}
+
+#[test]
+fn a_peer_that_never_arrives_is_reported_by_the_folding_epilogue() {
+    let Some(g) = two_gpus() else { return };
+    let config = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
+    let mut ranks = GemmRsRank::create_group(&g, config).unwrap();
+    let op = &mut ranks[0];
+    let stream = Stream::new(&g[0]).unwrap();
+    let a = upload(&g[0], &random::<bf16>(256 * 64, 1, 0));
+    let b = upload(&g[0], &random::<bf16>(256 * 64, 1, 1));
+    let out = DeviceMemory::zeroed(&g[0], 128 * 256 * 2).unwrap();
+    let started = Instant::now();
+    // SAFETY: buffers outlive the synchronisation
+    unsafe {
+        op.forward(&stream, 256, a.addr(), b.addr(), None, out.addr())
+            .unwrap()
+    };
+    stream.synchronize().unwrap();
+    let err = op.check().unwrap_err().to_string();
+    // the GEMM's waits give up after their 5 s bound, and the kernel ends
+    assert!(started.elapsed() < Duration::from_secs(15), "no hang");
+    assert!(
+        err.contains("rank 0") && err.contains("a peer's partial") && err.contains("held call 0"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -305,7 +305,10 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
         // for a tile, so that their call, too, waits for every peer to have begun this call
         for (owner, tiles) in sched.owner_tiles.iter().enumerate() {
             if tiles.is_empty() {
-                let slot = Slot::new(set as u32, (rank * self.flag_stride) as u32);
+                let slot = Slot::new(
+                    set as u32,
+                    (sched.slot_of(rank, owner) * self.flag_stride) as u32,
+                );
                 ctx.notify(owner, slot, 1, NotifyOp::Add)?;
             }
         }
@@ -313,7 +316,10 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
         let tiles = &sched.owner_tiles[rank];
         if tiles.is_empty() {
             for sender in 0..p {
-                let slot = Slot::new(set as u32, (sender * self.flag_stride) as u32);
+                let slot = Slot::new(
+                    set as u32,
+                    (sched.slot_of(sender, rank) * self.flag_stride) as u32,
+                );
                 ctx.wait(slot, expected, Cmp::Ge).map_err(|e| match e {
                     BackendError::WaitTimeout {
                         seen, timeout_ms, ..
@@ -329,7 +335,10 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
         let mut partial = Vec::new();
         for (index, (rows, cols)) in sched.reduce_tiles(rank).into_iter().enumerate() {
             for sender in 0..p {
-                let slot = Slot::new(set as u32, (sender * self.flag_stride + index) as u32);
+                let slot = Slot::new(
+                    set as u32,
+                    (sched.slot_of(sender, rank) * self.flag_stride + index) as u32,
+                );
                 ctx.wait(slot, expected, Cmp::Ge).map_err(|e| match e {
                     BackendError::WaitTimeout {
                         seen, timeout_ms, ..
@@ -347,7 +356,9 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
                 partial.resize(width, TO::from_f32(0.0));
                 // rank order, whatever order the flags arrived in: the result is deterministic
                 for sender in 0..p {
-                    let at = (set * p + sender) * self.slot_len + row * n + cols.start;
+                    let at = (set * p + sched.slot_of(sender, rank)) * self.slot_len
+                        + row * n
+                        + cols.start;
                     // SAFETY: sender's stores of this tile happened before its flag, which the
                     // wait above saw with acquire; no sender writes this set again before this
                     // rank finishes the call (the schedule's two-set argument)
@@ -370,7 +381,10 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
         // of the set has counted this call when a later call with a larger M uses it
         for sender in 0..p {
             for index in tiles.len().max(1)..self.flag_stride {
-                let slot = Slot::new(set as u32, (sender * self.flag_stride + index) as u32);
+                let slot = Slot::new(
+                    set as u32,
+                    (sched.slot_of(sender, rank) * self.flag_stride + index) as u32,
+                );
                 ctx.notify(rank, slot, 1, NotifyOp::Add)?;
             }
         }

@@ -250,8 +250,9 @@ pub struct BenchGemmRsArgs {
     /// GPUs, rank r on the r-th
     #[arg(long, value_delimiter = ',', default_value = "0,1")]
     pub devices: Vec<usize>,
-    /// Blocks of the reducing kernel, one fused row each
-    #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+    /// One fused row each: 0 folds the partials into the epilogue of the owner's tiles (the
+    /// default design), B > 0 sums them in a separate kernel of B blocks beside the GEMM
+    #[arg(long, value_delimiter = ',', default_value = "0,16")]
     pub reduce_blocks: Vec<u32>,
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
@@ -538,6 +539,7 @@ pub fn execute(cli: Cli) -> Result<i32> {
 
 fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
     use commfuse_core::fused::gemm_rs::GemmRsShape;
+    use commfuse_cuda::gemm_rs::Reduction;
     use commfuse_cuda::gemm_rs_bench::{bench_gemm_rs, GemmRsBenchConfig};
     let layout = parse_b_layout(&a.b_layout)?;
     let shape = GemmRsShape::new(
@@ -553,7 +555,14 @@ fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
         devices: a.devices.clone(),
         shape,
         bias: a.bias,
-        reduce_blocks: a.reduce_blocks.clone(),
+        reductions: a
+            .reduce_blocks
+            .iter()
+            .map(|&b| match b {
+                0 => Reduction::Fold,
+                blocks => Reduction::Separate { blocks },
+            })
+            .collect(),
         warmup: a.warmup,
         iters: a.iters,
         seed: driver::fresh_seed(),

@@ -228,15 +228,25 @@ impl GemmRsSchedule {
             .collect()
     }
 
-    /// Where rank `sender`'s tile `t` goes: its owner's receive buffer, slot `sender` of set
-    /// `set` (0 or 1, alternate calls), rows relative to the owner's chunk, ld = N.
+    /// The receive slot (and flag row block) of `sender`'s partials on `owner`: the peers after
+    /// the owner in rank order take slots 0, 1, ..., P − 2 and the owner's own partial the last,
+    /// so that the peers' partials lie at one stride from slot 0 (a GPU epilogue adds them in
+    /// one loop).
+    pub fn slot_of(&self, sender: usize, owner: usize) -> usize {
+        let p = self.shape.world;
+        (sender + p - owner - 1) % p
+    }
+
+    /// Where rank `sender`'s tile `t` goes: its owner's receive buffer, slot
+    /// [`GemmRsSchedule::slot_of`] of set `set` (0 or 1, alternate calls), rows relative to the
+    /// owner's chunk, ld = N.
     pub fn destination(&self, sender: usize, t: usize, set: usize) -> Destination {
         let (owner, _) = self.placement[t];
         let (rows, cols) = self.tile_bounds(t);
         let row = rows.start - self.shape.chunk(owner).start;
         Destination {
             rank: owner,
-            offset: (set * self.shape.world + sender) * self.slot_len
+            offset: (set * self.shape.world + self.slot_of(sender, owner)) * self.slot_len
                 + row * self.shape.n
                 + cols.start,
             ld: self.shape.n,
@@ -244,13 +254,16 @@ impl GemmRsSchedule {
     }
 
     /// The flag rank `sender` raises on the owner of tile `t` in set `set`: row `set`, column
-    /// sender · flag_stride + the tile's index among the owner's tiles, Add 1. Columns an
+    /// slot_of(sender, owner) · flag_stride + the tile's index among the owner's tiles, Add 1. Columns an
     /// owner has no tile for at this M are raised by the owner itself after its reduction, so
     /// that every slot counts calls whatever M each call had.
     pub fn flag(&self, sender: usize, t: usize, set: usize) -> TileFlag {
-        let (_, index) = self.placement[t];
+        let (owner, index) = self.placement[t];
         TileFlag {
-            slot: Slot::new(set as u32, (sender * self.flag_stride + index) as u32),
+            slot: Slot::new(
+                set as u32,
+                (self.slot_of(sender, owner) * self.flag_stride + index) as u32,
+            ),
             value: 1,
             op: NotifyOp::Add,
         }
