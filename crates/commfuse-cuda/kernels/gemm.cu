@@ -408,7 +408,9 @@ __device__ __forceinline__ void fold_wait(const GemmParams& p, const TileRoute& 
                 fence_acquire_sys();
                 break;
             }
-            if ((spins & 255) == 0 && (p.err->abort || global_timer_ns() - start > p.timeout_ns)) {
+            // half the pipeline's bound: the other roles' waits for this block must not run out
+            // (and trap) while it waits here
+            if ((spins & 255) == 0 && (p.err->abort || global_timer_ns() - start > p.timeout_ns / 2)) {
                 if (atomicCAS_system((u32*)&p.err->flag, 0u, 3u) == 0u) {
                     p.err->rank = p.rank;
                     p.err->lane = blockIdx.x;
@@ -481,6 +483,30 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         if (fold_count != 0) {
             if (leader) fold_wait(p, *route, c.tile, cw);
             consumer_group_sync(cw);
+            // Added to the accumulators (alpha is 1 in a folding GEMM: the host checks) in one
+            // pass per partial, outside the per-element epilogue below: a loop over the partials
+            // inside it, unrolled 64 times, tripled the kernel's code and slowed every GEMM by
+            // half (measured). Loads go through L2 only (.cg): an L1 line of two calls ago must
+            // not stand in for the partial.
+            const unsigned char* base = (const unsigned char*)route->fold_src;
+            const u32 fold_ld = route->fold_ld;
+            const u64 fold_stride = route->fold_stride;
+            const u32 g_col = c.tn * gemm::BN;
+            for (u32 f = 0; f < fold_count; ++f) {
+                const Out* src = (const Out*)(base + f * fold_stride);
+#pragma unroll
+                for (int j = 0; j < gemm::BN / 8; ++j) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32 r = row0 + 8 * h, col = j * 8 + 2 * (lane % 4);
+                        if (r < c.rows) {
+                            if (g_col + col < p.n) acc[j * 4 + 2 * h] += Elem<Out>::to_f32(__ldcg(src + (size_t)r * fold_ld + col));
+                            if (g_col + col + 1 < p.n)
+                                acc[j * 4 + 2 * h + 1] += Elem<Out>::to_f32(__ldcg(src + (size_t)r * fold_ld + col + 1));
+                        }
+                    }
+                }
+            }
         }
         const bool tile_bias = bias != nullptr && (route == nullptr || !(route->options & ROUTE_NO_BIAS));
 
@@ -503,15 +529,6 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                     if (has_c && gr < p.m) {
                         if (gc < p.n) v0 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc]);
                         if (gc + 1 < p.n) v1 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc + 1]);
-                    }
-                    if (fold_count != 0 && row0 + 8 * h < c.rows) {
-                        const Out* src = (const Out*)route->fold_src + (size_t)(row0 + 8 * h) * route->fold_ld + col;
-                        // through L2 only (.cg): an L1 line of two calls ago must not stand in
-                        for (u32 f = 0; f < fold_count; ++f) {
-                            if (gc < p.n) v0 += Elem<Out>::to_f32(__ldcg(src));
-                            if (gc + 1 < p.n) v1 += Elem<Out>::to_f32(__ldcg(src + 1));
-                            src = (const Out*)((const unsigned char*)src + route->fold_stride);
-                        }
                     }
                     if (tile_bias) {
                         if (gc < p.n) v0 += Elem<Out>::to_f32(bias[gc]);

@@ -356,6 +356,11 @@ impl PreparedGemm {
         rank: usize,
     ) -> Result<PreparedGemm, CudaError> {
         check_plan(plan, ops, world)?;
+        if plan.epilogue.alpha != 1.0 && routes.iter().any(|r| r.fold_count != 0) {
+            return Err(unsupported(
+                "partials are folded into the accumulators: the GEMM's alpha must be 1".into(),
+            ));
+        }
         if routes.len() != plan.tile_count() {
             return Err(unsupported(format!(
                 "{} routes for {} tiles",
