@@ -489,22 +489,20 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             // half (measured). Loads go through L2 only (.cg): an L1 line of two calls ago must
             // not stand in for the partial.
             const unsigned char* base = (const unsigned char*)route->fold_src;
-            const u32 fold_ld = route->fold_ld;
+            const u64 row_step = (u64)route->fold_ld * sizeof(Out);
             const u64 fold_stride = route->fold_stride;
-            const u32 g_col = c.tn * gemm::BN;
+            // columns left of this thread's first one, and whether its two rows are in the band
+            const int lim = (int)p.n - (int)(c.tn * gemm::BN) - (int)(2 * (lane % 4));
+            const bool in0 = row0 < c.rows, in1 = row0 + 8 < c.rows;
             for (u32 f = 0; f < fold_count; ++f) {
-                const Out* src = (const Out*)(base + f * fold_stride);
+                const Out* r0 = (const Out*)(base + f * fold_stride + row0 * row_step) + 2 * (lane % 4);
+                const Out* r1 = (const Out*)((const unsigned char*)r0 + 8 * row_step);
 #pragma unroll
                 for (int j = 0; j < gemm::BN / 8; ++j) {
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const u32 r = row0 + 8 * h, col = j * 8 + 2 * (lane % 4);
-                        if (r < c.rows) {
-                            if (g_col + col < p.n) acc[j * 4 + 2 * h] += Elem<Out>::to_f32(__ldcg(src + (size_t)r * fold_ld + col));
-                            if (g_col + col + 1 < p.n)
-                                acc[j * 4 + 2 * h + 1] += Elem<Out>::to_f32(__ldcg(src + (size_t)r * fold_ld + col + 1));
-                        }
-                    }
+                    if (in0 && j * 8 < lim) acc[j * 4] += Elem<Out>::to_f32(__ldcg(r0 + j * 8));
+                    if (in0 && j * 8 + 1 < lim) acc[j * 4 + 1] += Elem<Out>::to_f32(__ldcg(r0 + j * 8 + 1));
+                    if (in1 && j * 8 < lim) acc[j * 4 + 2] += Elem<Out>::to_f32(__ldcg(r1 + j * 8));
+                    if (in1 && j * 8 + 1 < lim) acc[j * 4 + 3] += Elem<Out>::to_f32(__ldcg(r1 + j * 8 + 1));
                 }
             }
         }
