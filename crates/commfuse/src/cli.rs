@@ -994,7 +994,7 @@ fn verify_cmd(a: VerifyArgs) -> Result<i32> {
         timeout: Duration::from_millis(a.timeout_ms),
     };
     println!(
-        "# commfuse verify: backend {backend}, world sizes {worlds:?}, seed {seed}; each cell: 2 consecutive calls per reduce op and size",
+        "# commfuse verify: backend {backend}, world sizes {worlds:?}, seed {seed}; each cell: 4 calls per reduce op and size (3 queued back to back)",
     );
     println!(
         "  {:<15} {:<11} {:<5} {:>5} {:>7} {:>10}",
