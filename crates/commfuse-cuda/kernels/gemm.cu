@@ -158,7 +158,7 @@ enum PipelineWait { WAIT_STAGE_EMPTY = 0, WAIT_STAGE_FULL = 1, WAIT_EPI_EMPTY = 
 // the producer warpgroup keeps after setmaxnreg; inlining it spills in the consumers.
 template <int ROLE>
 __device__ __noinline__ void pipeline_stalled(const GemmParams& p, u32 tile, u32 what, u32 parity) {
-    if (atomicCAS((u32*)&p.err->flag, 0u, 2u) == 0u) {
+    if (atomicCAS_system((u32*)&p.err->flag, 0u, 2u) == 0u) {
         p.err->rank = p.rank;
         p.err->lane = blockIdx.x;
         p.err->step = tile;

@@ -184,9 +184,8 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
     let mut names: Vec<String> = Vec::new();
     let mut launches: Vec<Launch<'_>> = Vec::new();
     let p = &problem;
-    names.push("cublaslt".into());
-    launches.push(Box::new(move |_, d: &RankData<'_>| unsafe {
-        // SAFETY: operands sized from the problem on this rank's GPU
+    // SAFETY (of every use): operands sized from the problem on this rank's GPU
+    let lt_gemm = move |d: &RankData<'_>| unsafe {
         d.lt.matmul(
             &d.stream,
             p,
@@ -197,26 +196,21 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
             1.0,
             0.0,
         )
-    }));
+    };
+    names.push("cublaslt".into());
+    launches.push(Box::new(move |_, d: &RankData<'_>| lt_gemm(d)));
     let mut skipped = Vec::new();
     match &comms {
         Some(Ok(comms)) => {
             names.push("cublaslt+nccl".into());
             let count = s.m / world * s.n;
             let dt = s.output;
-            launches.push(Box::new(move |r, d: &RankData<'_>| unsafe {
-                // SAFETY: as above; the reduce-scatter reads D and writes the chunk
-                d.lt.matmul(
-                    &d.stream,
-                    p,
-                    0,
-                    d.a.addr(),
-                    d.b.addr(),
-                    d.d.addr(),
-                    1.0,
-                    0.0,
-                )?;
-                comms.reduce_scatter_raw(r, d.d.addr(), d.out.addr(), count, dt, &d.stream)
+            launches.push(Box::new(move |r, d: &RankData<'_>| {
+                lt_gemm(d)?;
+                // SAFETY: D and the chunk are sized from the problem on this rank's GPU
+                unsafe {
+                    comms.reduce_scatter_raw(r, d.d.addr(), d.out.addr(), count, dt, &d.stream)
+                }
             }));
         }
         Some(Err(e)) => skipped.push(format!("cublaslt+nccl: {e}")),

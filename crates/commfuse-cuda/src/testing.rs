@@ -41,6 +41,46 @@ pub fn gpus(needed: usize) -> Option<usize> {
     }
 }
 
+/// The SASS of every entry point of kernel file `kernel` (NVRTC for sm_90a, then cuobjdump), or
+/// `None` with the reason printed where NVRTC or cuobjdump is missing; under
+/// `COMMFUSE_REQUIRE_SASS=1` (CI sets it) a missing tool is a failure instead.
+pub fn sass_of(kernel: &str) -> Option<String> {
+    let cuobjdump = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .chain([std::path::PathBuf::from("/usr/local/cuda/bin")])
+        .map(|d| d.join("cuobjdump"))
+        .find(|p| p.exists());
+    let (Some(cuobjdump), true) = (cuobjdump, crate::nvrtc::available()) else {
+        assert!(
+            std::env::var_os("COMMFUSE_REQUIRE_SASS").is_none(),
+            "COMMFUSE_REQUIRE_SASS is set but cuobjdump or NVRTC is missing"
+        );
+        eprintln!("skipped: needs cuobjdump on PATH and NVRTC");
+        return None;
+    };
+    let source = crate::nvrtc::kernel(kernel).unwrap_or_else(|| panic!("no kernel {kernel}"));
+    let compiled = crate::nvrtc::compile(source, false).unwrap_or_else(|e| panic!("{e}"));
+    let path = std::env::temp_dir().join(format!(
+        "commfuse-{}-{}.cubin",
+        kernel.trim_end_matches(".cu"),
+        std::process::id()
+    ));
+    std::fs::write(&path, &compiled.cubin).expect("a temporary cubin");
+    let out = std::process::Command::new(&cuobjdump)
+        .arg("-sass")
+        .arg(&path)
+        .output()
+        .expect("cuobjdump runs");
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -66,35 +66,9 @@ fn every_kernel_compiles_for_sm90a() {
 /// COMMFUSE_REQUIRE_SASS=1.
 #[test]
 fn gemm_sass_uses_hgmma() {
-    let cuobjdump = std::env::var_os("PATH")
-        .into_iter()
-        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .chain([std::path::PathBuf::from("/usr/local/cuda/bin")])
-        .map(|d| d.join("cuobjdump"))
-        .find(|p| p.exists());
-    let (Some(cuobjdump), true) = (cuobjdump, nvrtc::available()) else {
-        assert!(
-            std::env::var_os("COMMFUSE_REQUIRE_SASS").is_none(),
-            "COMMFUSE_REQUIRE_SASS is set but cuobjdump or NVRTC is missing"
-        );
-        eprintln!("skipped: needs cuobjdump on PATH and NVRTC");
+    let Some(sass) = commfuse_cuda::testing::sass_of("gemm.cu") else {
         return;
     };
-    let compiled = nvrtc::compile(nvrtc::kernel("gemm.cu").unwrap(), false).unwrap();
-    let path = std::env::temp_dir().join(format!("commfuse-gemm-{}.cubin", std::process::id()));
-    std::fs::write(&path, &compiled.cubin).unwrap();
-    let out = std::process::Command::new(&cuobjdump)
-        .arg("-sass")
-        .arg(&path)
-        .output()
-        .unwrap();
-    let _ = std::fs::remove_file(&path);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let sass = String::from_utf8_lossy(&out.stdout);
     let mut entries = 0;
     for section in sass.split("Function : ").skip(1) {
         let name = section.split_whitespace().next().unwrap_or("");
