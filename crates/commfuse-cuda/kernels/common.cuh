@@ -9,6 +9,11 @@ typedef unsigned int u32;
 
 #define COMMFUSE_MAX_RANKS 64
 
+// Byte offset of a member, as a constant expression: NVRTC has no <cstddef> and (before 13.4)
+// no __builtin_offsetof, and EDG's __INTADDR__ makes the null-pointer form constant. Kernel
+// parameter structs check their Rust mirrors' offsets with it.
+#define COMMFUSE_OFFSETOF(T, member) ((unsigned long long)__INTADDR__(&((T*)0)->member))
+
 // Written by the first wait that times out; host-mapped, so the host reads it after (or
 // without) the kernel finishing. Mirrored by `ErrorRecord` in src/plan_table.rs.
 struct ErrorRecord {

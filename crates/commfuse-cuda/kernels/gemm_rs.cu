@@ -13,10 +13,6 @@
 // serve alternate calls.
 #include "common.cuh"
 
-// NVRTC has no <cstddef> and (before 13.4) no __builtin_offsetof; EDG's __INTADDR__ makes the
-// classic null-pointer form a constant expression, so layouts can be checked at compile time.
-#define COMMFUSE_OFFSETOF(T, member) ((unsigned long long)__INTADDR__(&((T*)0)->member))
-
 // One tile of this rank's chunk, rows relative to the chunk's first row. Mirrored by
 // `ReduceTile` in src/gemm_rs.rs.
 struct ReduceTile {

@@ -195,7 +195,7 @@ impl DeviceMemory {
     ///
     /// Only `Copy`, not `Pod`: reading a value's bytes cannot make an invalid value, and callers
     /// outside this crate's ownership pass generic `T: Copy` slices.
-    pub fn upload<T: Copy>(&self, gpu: &Gpu, src: &[T]) -> Result<(), CudaError> {
+    pub fn upload<T: bytemuck::NoUninit>(&self, gpu: &Gpu, src: &[T]) -> Result<(), CudaError> {
         fits("upload", std::mem::size_of_val(src), self.bytes)?;
         gpu.bind()?;
         // SAFETY: in bounds (checked above), context bound

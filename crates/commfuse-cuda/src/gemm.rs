@@ -794,12 +794,17 @@ mod tests {
 
     #[test]
     fn tables_match_the_kernel_layout() {
-        assert_eq!(std::mem::size_of::<TileRoute>(), 32);
+        // the same figures are static_asserts in gemm.cu
+        assert_eq!(std::mem::size_of::<TileRoute>(), 72);
+        assert_eq!(std::mem::offset_of!(TileRoute, fold_src), 32);
+        assert_eq!(std::mem::offset_of!(TileRoute, options), 68);
         assert_eq!(std::mem::offset_of!(GemmParams, order), 256);
         assert_eq!(std::mem::offset_of!(GemmParams, m), 312);
         assert_eq!(std::mem::offset_of!(GemmParams, rank), 344);
         assert_eq!(std::mem::offset_of!(GemmParams, workspace), 368);
         assert_eq!(std::mem::offset_of!(GemmParams, counters), 376);
+        assert_eq!(std::mem::offset_of!(GemmParams, bands), 384);
+        assert_eq!(std::mem::offset_of!(GemmParams, epoch), 392);
         const { assert!(SMEM_BYTES <= 227 * 1024) };
     }
 

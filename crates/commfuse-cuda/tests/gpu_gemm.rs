@@ -55,7 +55,7 @@ impl Rng {
     }
 }
 
-fn upload<T: Copy>(gpu: &Gpu, host: &[T]) -> DeviceMemory {
+fn upload<T: bytemuck::NoUninit>(gpu: &Gpu, host: &[T]) -> DeviceMemory {
     let mem = DeviceMemory::zeroed(gpu, std::mem::size_of_val(host)).unwrap();
     mem.upload(gpu, host).unwrap();
     mem
