@@ -273,6 +273,61 @@ impl GemmRsAllocation {
     }
 }
 
+/// Rank `me`'s route of every tile for set `set`, given every rank's buffer addresses (its own
+/// among them): a tile of a peer's rows into that peer's receive slot `slot_of(me, owner)` with
+/// its flag set to the call's number; with `fold`, this rank's own tiles into the call's output
+/// (relative to D) with the peers' partials (slots 0 .. P − 2 of its own receive buffer, one
+/// slot apart) and their flags to fold in; without, into its own last slot like the others.
+pub(crate) fn tile_routes(
+    s: &GemmRsSchedule,
+    me: usize,
+    set: usize,
+    peers: &[GemmRsPeer],
+    fold: bool,
+) -> Vec<TileRoute> {
+    let (p, n) = (s.shape.world, s.shape.n);
+    let eb = s.shape.output.size() as u64;
+    let columns = s.flag_columns() as u64;
+    (0..s.tile_count())
+        .map(|t| {
+            let (owner, index) = s.placement[t];
+            let (rows, cols) = s.tile_bounds(t);
+            let row = (rows.start - s.shape.chunk(owner).start) as u64;
+            let within = row * n as u64 + cols.start as u64;
+            let slot = |sender: usize| ((set * p + s.slot_of(sender, owner)) * s.slot_len) as u64;
+            let flag = |sender: usize| {
+                8 * (set as u64 * columns
+                    + (s.slot_of(sender, owner) * s.flag_stride + index) as u64)
+            };
+            if fold && owner == me {
+                // the peers' partials: slots 0 .. P − 2 of this set, one stride apart
+                let first = (1..p).map(|d| (me + d) % p).next();
+                TileRoute {
+                    dst: within * eb,
+                    ld: n as u32,
+                    options: ROUTE_DST_FROM_D,
+                    fold_src: first.map_or(0, |q| peers[me].receive + (slot(q) + within) * eb),
+                    fold_stride: s.slot_len as u64 * eb,
+                    fold_flag: first.map_or(0, |q| peers[me].flags + flag(q)),
+                    fold_count: (p - 1) as u32,
+                    fold_ld: n as u32,
+                    fold_flag_stride: 8 * s.flag_stride as u32,
+                    ..TileRoute::default()
+                }
+            } else {
+                TileRoute {
+                    dst: peers[owner].receive + (slot(me) + within) * eb,
+                    ld: n as u32,
+                    flag: peers[owner].flags + flag(me),
+                    flag_op: FLAG_SET_EPOCH,
+                    options: ROUTE_NO_BIAS,
+                    ..TileRoute::default()
+                }
+            }
+        })
+        .collect()
+}
+
 fn shape(config: &GemmRsConfig, world: usize, m: usize) -> Result<GemmRsShape, CudaError> {
     GemmRsShape::new(
         world,
@@ -380,54 +435,9 @@ impl GemmRsRank {
         Ok(())
     }
 
-    /// Every tile's route for set `set`: a peer's tile into its receive slot with an epoch flag;
-    /// with [`Reduction::Fold`], this rank's own tiles into the call's output (relative to D)
-    /// with the peers' partials and flags to fold in.
     fn routes(&self, s: &GemmRsSchedule, set: usize) -> Vec<TileRoute> {
-        let (p, me, n) = (self.world, self.rank, self.config.n);
-        let eb = self.config.output.size() as u64;
-        let columns = s.flag_columns() as u64;
         let fold = self.config.reduction == Reduction::Fold;
-        (0..s.tile_count())
-            .map(|t| {
-                let (owner, index) = s.placement[t];
-                let (rows, cols) = s.tile_bounds(t);
-                let row = (rows.start - s.shape.chunk(owner).start) as u64;
-                let within = row * n as u64 + cols.start as u64;
-                let slot =
-                    |sender: usize| ((set * p + s.slot_of(sender, owner)) * s.slot_len) as u64;
-                let flag = |sender: usize| {
-                    8 * (set as u64 * columns
-                        + (s.slot_of(sender, owner) * s.flag_stride + index) as u64)
-                };
-                if fold && owner == me {
-                    // the peers' partials: slots 0 .. P − 2 of this set, one stride apart
-                    let first = (1..p).map(|d| (me + d) % p).next();
-                    TileRoute {
-                        dst: within * eb,
-                        ld: n as u32,
-                        options: ROUTE_DST_FROM_D,
-                        fold_src: first
-                            .map_or(0, |q| self.memory.receive.addr() + (slot(q) + within) * eb),
-                        fold_stride: s.slot_len as u64 * eb,
-                        fold_flag: first.map_or(0, |q| self.memory.flags.addr() + flag(q)),
-                        fold_count: (p - 1) as u32,
-                        fold_ld: n as u32,
-                        fold_flag_stride: 8 * s.flag_stride as u32,
-                        ..TileRoute::default()
-                    }
-                } else {
-                    TileRoute {
-                        dst: self.peers[owner].receive + (slot(me) + within) * eb,
-                        ld: n as u32,
-                        flag: self.peers[owner].flags + flag(me),
-                        flag_op: FLAG_SET_EPOCH,
-                        options: ROUTE_NO_BIAS,
-                        ..TileRoute::default()
-                    }
-                }
-            })
-            .collect()
+        tile_routes(s, self.rank, set, &self.peers, fold)
     }
 
     /// Enqueues one call on `stream`: this rank's output chunk (rows [`GemmRsRank::chunk`] of
@@ -584,6 +594,122 @@ impl GemmRsRank {
         match self.config.reduction {
             Reduction::Fold => self.gpu.sm_count,
             Reduction::Separate { blocks } => self.gpu.sm_count - blocks,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// Rank q's buffers at made-up addresses far apart (the tables are only arithmetic).
+    fn peers(world: usize) -> Vec<GemmRsPeer> {
+        (0..world)
+            .map(|q| GemmRsPeer {
+                receive: (q as u64 + 1) << 40,
+                flags: ((q as u64 + 1) << 40) | (1 << 39),
+            })
+            .collect()
+    }
+
+    /// The tables every rank builds agree: per set, every byte of a receive buffer is written by
+    /// one (sender, tile) and stays inside the buffer, every flag word is set by one (sender,
+    /// tile), and what an owner folds in (or a separate reduction reads) is exactly what the
+    /// peers wrote there and the flags they set. P = 1..9 and 16, ragged M, smaller M in
+    /// buffers made for the largest. (The GPU runs these tables; this checks them without one.)
+    #[test]
+    fn every_ranks_routes_agree_on_every_byte_and_flag() {
+        for world in (1..=9).chain([16]) {
+            for (m, max_m) in [(1, 300), (world + 1, 300), (300, 300), (133, 300)] {
+                let shape =
+                    GemmRsShape::new(world, m, 300, 64, BLayout::NK, DType::BF16, DType::BF16)
+                        .unwrap();
+                let s = GemmRsSchedule::within(shape, max_m, TILE);
+                let peers = peers(world);
+                let eb = 2u64;
+                let buffer = 2 * world as u64 * s.slot_len as u64 * eb;
+                for fold in [true, false] {
+                    for set in 0..2 {
+                        // byte written -> (sender, tile, row, col); flag word -> (sender, tile)
+                        let mut written: HashMap<u64, (usize, usize, usize, usize)> =
+                            HashMap::new();
+                        let mut flags: HashMap<u64, (usize, usize)> = HashMap::new();
+                        let routes: Vec<Vec<TileRoute>> = (0..world)
+                            .map(|me| tile_routes(&s, me, set, &peers, fold))
+                            .collect();
+                        for (sender, table) in routes.iter().enumerate() {
+                            for (t, r) in table.iter().enumerate() {
+                                let (owner, _) = s.placement[t];
+                                if r.options & ROUTE_DST_FROM_D != 0 {
+                                    assert!(fold && owner == sender);
+                                    continue;
+                                }
+                                let base = peers[owner].receive;
+                                let (rows, cols) = s.tile_bounds(t);
+                                for i in 0..rows.len() {
+                                    for j in 0..cols.len() {
+                                        let at = r.dst + (i as u64 * r.ld as u64 + j as u64) * eb;
+                                        assert!(at >= base && at + eb <= base + buffer);
+                                        let before = written.insert(at, (sender, t, i, j));
+                                        assert!(before.is_none(), "P={world} M={m}: {at:#x} twice");
+                                    }
+                                }
+                                assert_eq!(r.flag_op, FLAG_SET_EPOCH);
+                                assert!(flags.insert(r.flag, (sender, t)).is_none());
+                                let row0 =
+                                    peers[owner].flags + 8 * set as u64 * s.flag_columns() as u64;
+                                assert!(
+                                    r.flag >= row0 && r.flag < row0 + 8 * s.flag_columns() as u64
+                                );
+                            }
+                        }
+                        for (me, table) in routes.iter().enumerate() {
+                            for (t, r) in table.iter().enumerate() {
+                                let (owner, index) = s.placement[t];
+                                if owner != me {
+                                    continue;
+                                }
+                                let (rows, cols) = s.tile_bounds(t);
+                                if fold {
+                                    assert_eq!(r.fold_count as usize, world - 1);
+                                    for f in 0..world - 1 {
+                                        let q = (me + 1 + f) % world;
+                                        let flag =
+                                            r.fold_flag + f as u64 * r.fold_flag_stride as u64;
+                                        assert_eq!(flags.get(&flag), Some(&(q, t)), "P={world}");
+                                        for i in 0..rows.len() {
+                                            for j in 0..cols.len() {
+                                                let at = r.fold_src
+                                                    + f as u64 * r.fold_stride
+                                                    + (i as u64 * r.fold_ld as u64 + j as u64) * eb;
+                                                assert_eq!(written.get(&at), Some(&(q, t, i, j)));
+                                            }
+                                        }
+                                    }
+                                } else {
+                                    // the separate reduction: sender q's partial and flag
+                                    for q in 0..world {
+                                        let slot = s.slot_of(q, me);
+                                        let col = slot * s.flag_stride + index;
+                                        let flag = peers[me].flags
+                                            + 8 * (set * s.flag_columns() + col) as u64;
+                                        assert_eq!(flags.get(&flag), Some(&(q, t)));
+                                        let start = s.shape.chunk(me).start;
+                                        let at = peers[me].receive
+                                            + (((set * world + slot) * s.slot_len
+                                                + (rows.start - start) * s.shape.n
+                                                + cols.start)
+                                                as u64)
+                                                * eb;
+                                        assert_eq!(written.get(&at), Some(&(q, t, 0, 0)));
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
 }
