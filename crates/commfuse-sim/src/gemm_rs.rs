@@ -2,17 +2,20 @@
 //! (and of the GPU kernel, `kernels/gemm_rs.cu`) at tile granularity, one call per rank thread.
 //!
 //! Every rank's GEMM ([`run_gemm`] on the schedule's plan) stores each tile into its owner's
-//! receive slot and raises the tile's flag there; the owner then, tile by tile in reduction
-//! order, waits until all P senders' flags reach the call count of the set, sums the P partials
-//! in f32 in rank order, adds the bias, casts and writes its output chunk; last it raises the
-//! flag columns no tile used at this M, so that every slot of the set counts calls.
+//! receive slot and sets the tile's flag there to the call's number (from 1), as the GPU
+//! epilogue does; the owner then, tile by tile in reduction order, waits until all P senders'
+//! flags hold at least this call's number, sums the P partials in f32 in rank order, adds the
+//! bias, casts and writes its output chunk. Flags are never cleared: a flag of an earlier call
+//! holds a smaller number, whatever M that call had. (The GPU's default adds the peers' partials
+//! in the epilogue of the owner's own tiles instead of in a separate pass: the same waits and
+//! the same sums, in another order.)
 //!
 //! One addition to the schedule: when M < P some ranks own no rows, and such a rank's call
 //! would wait for nobody, run ahead into its next call on the same set and overwrite partials
 //! a peer is still summing (the two-set argument needs every call of a rank to depend on every
-//! peer's same call). So every sender also raises flag column 0 of its slot on each owner
+//! peer's same call). So every sender also sets flag column 0 of its slot on each owner
 //! without tiles, after its GEMM, and such an owner waits for those P flags before it ends the
-//! call (and tops up only columns 1 and up). The tests saw the overwrite without it.
+//! call. The tests saw the overwrite without it.
 //!
 //! One [`SimGemmReduceScatter`] serves all ranks of a world: the receive buffer is one
 //! [`SymmetricBuffer`] (a copy per rank, as on GPUs), and the per-call state — how many calls
@@ -291,9 +294,14 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
     ) -> Result<(), BackendError> {
         let (rank, p, n) = (ctx.rank(), self.config.world, self.config.n);
         let set = (call % 2) as usize;
-        // the n-th call on a set (from 1) brings every flag of its row to n
-        let expected = call / 2 + 1;
-        let plan = sched.gemm_plan(rank, set);
+        // flags hold the number (from 1) of the call that last set them, as on GPUs: a wait for
+        // "at least this call" needs no clearing and no count of how many tiles each M had
+        let expected = call + 1;
+        let mut plan = sched.gemm_plan(rank, set);
+        for flag in plan.flags.iter_mut().flatten() {
+            flag.op = NotifyOp::Set;
+            flag.value = expected;
+        }
         let ops = Operands::<TI, TO> {
             a,
             b,
@@ -309,7 +317,7 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
                     set as u32,
                     (sched.slot_of(rank, owner) * self.flag_stride) as u32,
                 );
-                ctx.notify(owner, slot, 1, NotifyOp::Add)?;
+                ctx.notify(owner, slot, expected, NotifyOp::Set)?;
             }
         }
 
@@ -375,17 +383,6 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
                     };
                     *d = TO::from_f32(v);
                 }
-            }
-        }
-        // the flags no tile of this rank's chunk used at this M: raised here so that every slot
-        // of the set has counted this call when a later call with a larger M uses it
-        for sender in 0..p {
-            for index in tiles.len().max(1)..self.flag_stride {
-                let slot = Slot::new(
-                    set as u32,
-                    (sched.slot_of(sender, rank) * self.flag_stride + index) as u32,
-                );
-                ctx.notify(rank, slot, 1, NotifyOp::Add)?;
             }
         }
         Ok(())
