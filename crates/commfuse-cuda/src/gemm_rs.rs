@@ -403,7 +403,8 @@ impl GemmRsRank {
             PreparedGemm::with_routes(
                 &self.gpu,
                 &self.kernels,
-                &schedule.gemm_plan(self.rank, set),
+                // the order and bands of the call's set (the routes replace its flags)
+                &schedule.gemm_plan(self.rank, set as u64 + 1),
                 &ops,
                 self.routes(&schedule, set),
                 self.world,

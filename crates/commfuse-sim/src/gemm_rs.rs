@@ -297,11 +297,7 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
         // flags hold the number (from 1) of the call that last set them, as on GPUs: a wait for
         // "at least this call" needs no clearing and no count of how many tiles each M had
         let expected = call + 1;
-        let mut plan = sched.gemm_plan(rank, set);
-        for flag in plan.flags.iter_mut().flatten() {
-            flag.op = NotifyOp::Set;
-            flag.value = expected;
-        }
+        let plan = sched.gemm_plan(rank, expected);
         let ops = Operands::<TI, TO> {
             a,
             b,

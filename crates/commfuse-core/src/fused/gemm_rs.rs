@@ -9,11 +9,15 @@
 //! * Rank r computes its tiles owner by owner, starting with rank r+1's and ending with its own
 //!   (staggered: at any time the P ranks store into P different peers), each owner's tiles in
 //!   the same grouped order on every sender, which is the order the owner reduces them in.
-//! * A tile of owner o's chunk goes into o's receive buffer, slot r (rows relative to the
-//!   chunk, ld = N), and then raises flag (r, index of the tile among o's) on o by 1.
-//! * The owner waits, tile by tile, for all P flags and sums the P partials in f32 in rank
-//!   order (so the result does not depend on arrival order), adds the bias, and writes its
-//!   output.
+//! * A tile of owner o's chunk goes into o's receive buffer, slot `slot_of(r, o)` (the peers
+//!   after o take slots 0 .. P − 2, o's own partial the last; rows relative to the chunk,
+//!   ld = N), and then sets flag (slot, index of the tile among o's) on o to the call's number.
+//! * The owner waits, tile by tile, until all P flags hold at least its call's number, and sums
+//!   the P partials in f32 (the simulator in rank order; the GPU folds the peers' partials into
+//!   the accumulators of its own tile, computed last), adds the bias, and writes its output.
+//!   Flags are never cleared: an earlier call's flag holds a smaller number, whatever its M.
+//! * When M < P, ranks that own no rows also wait for every peer (column 0 of each slot), so
+//!   that no rank runs two calls ahead of a peer.
 //!
 //! Receive buffers and flags come in two sets used by alternate calls: a rank starts storing
 //! into a peer's set of call c + 2 only after its own call c + 1 has finished, which needs the
@@ -253,32 +257,39 @@ impl GemmRsSchedule {
         }
     }
 
-    /// The flag rank `sender` raises on the owner of tile `t` in set `set`: row `set`, column
-    /// slot_of(sender, owner) · flag_stride + the tile's index among the owner's tiles, Add 1. Columns an
-    /// owner has no tile for at this M are raised by the owner itself after its reduction, so
-    /// that every slot counts calls whatever M each call had.
-    pub fn flag(&self, sender: usize, t: usize, set: usize) -> TileFlag {
+    /// The flag rank `sender` sets on the owner of tile `t` in call `call` (from 1; set
+    /// `(call − 1) mod 2`): row set, column slot_of(sender, owner) · flag_stride + the tile's
+    /// index among the owner's tiles, set to the call's number. The owner waits for at least
+    /// its call's number, so a flag never needs clearing, whatever M each call had.
+    pub fn flag(&self, sender: usize, t: usize, call: u64) -> TileFlag {
         let (owner, index) = self.placement[t];
         TileFlag {
             slot: Slot::new(
-                set as u32,
+                Self::set_of(call) as u32,
                 (self.slot_of(sender, owner) * self.flag_stride + index) as u32,
             ),
-            value: 1,
-            op: NotifyOp::Add,
+            value: call,
+            op: NotifyOp::Set,
         }
     }
 
-    /// Rank `rank`'s GEMM for set `set`: the whole partial product, every tile routed to its
-    /// owner's receive slot with its flag.
-    pub fn gemm_plan(&self, rank: usize, set: usize) -> GemmPlan {
+    /// The set of receive slots and flag rows call `call` (from 1) uses: alternate calls take
+    /// alternate sets.
+    pub fn set_of(call: u64) -> usize {
+        ((call.max(1) - 1) % 2) as usize
+    }
+
+    /// Rank `rank`'s GEMM in call `call` (from 1): the whole partial product, every tile routed
+    /// to its owner's receive slot of the call's set, with its flag.
+    pub fn gemm_plan(&self, rank: usize, call: u64) -> GemmPlan {
         let count = self.tile_count();
+        let set = Self::set_of(call);
         GemmPlan {
             problem: self.shape.problem(),
             tile: self.tile,
             order: self.order(rank),
             destinations: Some((0..count).map(|t| self.destination(rank, t, set)).collect()),
-            flags: Some((0..count).map(|t| self.flag(rank, t, set)).collect()),
+            flags: Some((0..count).map(|t| self.flag(rank, t, call)).collect()),
             epilogue: Epilogue::default(),
             bands: Some(self.bands.clone()),
         }
@@ -441,7 +452,7 @@ mod tests {
                     }
                 }
                 assert!(covered.iter().all(|&c| c == 1), "P={world} M={m}");
-                let plan = sched.gemm_plan(world - 1, 1);
+                let plan = sched.gemm_plan(world - 1, 2);
                 plan.validate(world).unwrap();
             }
         }
@@ -475,7 +486,7 @@ mod tests {
             for sender in 0..3 {
                 for t in 0..sched.tile_count() {
                     let d = sched.destination(sender, t, set);
-                    let f = sched.flag(sender, t, set);
+                    let f = sched.flag(sender, t, set as u64 + 1);
                     assert!(seen_flags.insert((d.rank, f.slot)), "flag used twice");
                     let (rows, cols) = sched.tile_bounds(t);
                     for i in 0..rows.len() {
@@ -502,7 +513,7 @@ mod tests {
                         let (rows, cols) = s.tile_bounds(t);
                         let end = d.offset + (rows.len() - 1) * d.ld + cols.len();
                         assert!(end <= 2 * world * s.slot_len, "P={world} M={m}");
-                        assert!((s.flag(sender, t, 1).slot.col as usize) < s.flag_columns());
+                        assert!((s.flag(sender, t, 2).slot.col as usize) < s.flag_columns());
                     }
                 }
             }
