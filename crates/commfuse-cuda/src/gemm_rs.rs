@@ -16,7 +16,11 @@
 //!
 //! Nothing synchronises the host. Alternate calls use alternate sets of receive buffers and flag
 //! rows (the schedule's module doc says why that makes back-to-back calls safe), and flags hold
-//! call numbers, so nothing is cleared between calls. When M < P, ranks without rows join a small
+//! call numbers, so nothing is cleared between calls. The call number and the set are chosen on
+//! the host when a call is queued, so a call must not be captured into a CUDA graph and
+//! replayed (a replay would reuse them; moving them to the device is the next step), and the
+//! first call of each M prepares that M's tables with synchronous uploads
+//! ([`GemmRsRank::prepare`] does it ahead). When M < P, ranks without rows join a small
 //! handshake kernel (see gemm_rs.cu). All ranks must make the same calls in the same order with
 //! the same M.
 
