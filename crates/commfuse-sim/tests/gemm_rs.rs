@@ -7,21 +7,14 @@
 use commfuse_core::backend::BackendError;
 use commfuse_core::fused::gemm_rs::{check_elements, reference};
 use commfuse_core::gemm::{BLayout, TileShape};
-use commfuse_core::reference::input_value;
-use commfuse_core::{DType, Element, ReduceOp};
-use commfuse_sim::gemm_rs::{GemmRsConfig, SimGemmReduceScatter, GPU_TILE};
+use commfuse_core::{DType, Element};
+use commfuse_sim::gemm_rs::{CallInputs, GemmRsConfig, SimGemmReduceScatter, GPU_TILE};
 use commfuse_sim::{World, WorldConfig};
 use half::{bf16, f16};
 use std::sync::Mutex;
 use std::time::Duration;
 
 const SMALL_TILE: TileShape = TileShape { m: 16, n: 32 };
-
-fn values<T: Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
-    (0..len)
-        .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
-        .collect()
-}
 
 fn world_for(config: &GemmRsConfig, timeout: Duration) -> World {
     let cols = config.pad_cols().unwrap().max(64) as u32;
@@ -47,26 +40,7 @@ fn run_calls<TI: Element, TO: Element>(
     let (n, k) = (config.n, config.k);
     let world = world_for(&config, Duration::from_secs(20));
     let op = SimGemmReduceScatter::<TI, TO>::new(&world, config).unwrap();
-    // per call: every rank's A and B, the bias (the same on every rank, as a replicated
-    // parameter is)
-    let stream = |call: usize, rank: usize, what: usize| (call * p + rank) * 3 + what;
-    let a: Vec<Vec<Vec<TI>>> = (0..ms.len())
-        .map(|c| {
-            (0..p)
-                .map(|r| values(seed, stream(c, r, 0), ms[c] * k))
-                .collect()
-        })
-        .collect();
-    let b: Vec<Vec<Vec<TI>>> = (0..ms.len())
-        .map(|c| {
-            (0..p)
-                .map(|r| values(seed, stream(c, r, 1), k * n))
-                .collect()
-        })
-        .collect();
-    let bias: Vec<Option<Vec<TO>>> = (0..ms.len())
-        .map(|c| config.bias.then(|| values(seed, stream(c, 0, 2), n)))
-        .collect();
+    let CallInputs { a, b, bias } = CallInputs::<TI, TO>::random(&config, ms, seed);
     // outputs of the largest chunk, poisoned: rows past a call's chunk must stay poisoned
     let out_len = config.max_m.div_ceil(p) * n;
     let outs: Vec<Mutex<Vec<Vec<TO>>>> = (0..p)

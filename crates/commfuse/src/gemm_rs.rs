@@ -5,9 +5,8 @@
 use anyhow::{anyhow, Result};
 use commfuse_core::fused::gemm_rs::{check_elements, reference};
 use commfuse_core::gemm::ElementCheck;
-use commfuse_core::reference::input_value;
-use commfuse_core::{DType, Element, ReduceOp};
-use commfuse_sim::gemm_rs::{GemmRsConfig, SimGemmReduceScatter};
+use commfuse_core::{DType, Element};
+use commfuse_sim::gemm_rs::{CallInputs, GemmRsConfig, SimGemmReduceScatter};
 use commfuse_sim::{World, WorldConfig};
 use half::{bf16, f16};
 use std::sync::Mutex;
@@ -48,19 +47,13 @@ pub fn run_sim(
     }
 }
 
-fn values<T: Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
-    (0..len)
-        .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
-        .collect()
-}
-
 fn run_typed<TI: Element, TO: Element>(
     config: GemmRsConfig,
     ms: &[usize],
     seed: u64,
     timeout: Duration,
 ) -> Result<Vec<CallCheck>> {
-    let (p, n, k) = (config.world, config.n, config.k);
+    let (p, n) = (config.world, config.n);
     if p == 0 || p > commfuse_core::MAX_WORLD_SIZE {
         return Err(anyhow!(
             "--ranks must be between 1 and {}, got {p}",
@@ -79,26 +72,7 @@ fn run_typed<TI: Element, TO: Element>(
         },
     )?;
     let op = SimGemmReduceScatter::<TI, TO>::new(&world, config)?;
-    // per call and rank its own A and B; the bias is the same on every rank (a replicated
-    // parameter)
-    let stream = |call: usize, rank: usize, what: usize| (call * p + rank) * 3 + what;
-    let a: Vec<Vec<Vec<TI>>> = (0..ms.len())
-        .map(|c| {
-            (0..p)
-                .map(|r| values(seed, stream(c, r, 0), ms[c] * k))
-                .collect()
-        })
-        .collect();
-    let b: Vec<Vec<Vec<TI>>> = (0..ms.len())
-        .map(|c| {
-            (0..p)
-                .map(|r| values(seed, stream(c, r, 1), k * n))
-                .collect()
-        })
-        .collect();
-    let bias: Vec<Option<Vec<TO>>> = (0..ms.len())
-        .map(|c| config.bias.then(|| values(seed, stream(c, 0, 2), n)))
-        .collect();
+    let CallInputs { a, b, bias } = CallInputs::<TI, TO>::random(&config, ms, seed);
     let outs: Vec<Mutex<Vec<Vec<TO>>>> = (0..p)
         .map(|r| {
             Mutex::new(
