@@ -42,19 +42,48 @@ pub enum Command {
     Calibrate(CalibrateArgs),
 }
 
-/// `bench <op> [flags]` measures a collective, `bench gemm [flags]` the GEMM: one clap command
-/// whose positional op gives way to the `gemm` subcommand, so that both show in `--help`.
+/// A command whose positional arguments (`A`: `bench <op> [flags]`, `run <op> [flags]`) give
+/// way to subcommands (`S`: `bench gemm`, `run gemm-rs`), so that both show in `--help`.
 /// (Written by hand: clap's derive cannot make a flattened argument struct optional when it
-/// flattens others itself, and the op is required only without `gemm`.)
+/// flattens others itself, and the op is required only without a subcommand.)
 #[derive(Debug)]
-pub enum BenchCmd {
-    Sweep(BenchArgs),
-    Gemm(BenchGemmArgs),
-    GemmRs(BenchGemmRsArgs),
+pub enum ArgsOr<A, S> {
+    Args(A),
+    Sub(S),
 }
 
+impl<A: clap::FromArgMatches, S: clap::FromArgMatches> clap::FromArgMatches for ArgsOr<A, S> {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        match matches.subcommand() {
+            Some(_) => Ok(ArgsOr::Sub(S::from_arg_matches(matches)?)),
+            None => Ok(ArgsOr::Args(A::from_arg_matches(matches)?)),
+        }
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+impl<A: Args, S: Subcommand> Args for ArgsOr<A, S> {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        S::augment_subcommands(A::augment_args(cmd))
+            .args_conflicts_with_subcommands(true)
+            .subcommand_negates_reqs(true)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
+}
+
+/// `bench <op> [flags]` measures a collective; `bench gemm` the GEMM, `bench gemm-rs` the fused
+/// GEMM + reduce-scatter.
+pub type BenchCmd = ArgsOr<BenchArgs, BenchSub>;
+
 #[derive(Subcommand, Debug)]
-enum BenchSub {
+pub enum BenchSub {
     /// Our GEMM beside cuBLASLt on one GPU: all SMs, capped (--sms), and with its epilogue
     /// storing tiles to a peer GPU and raising flags there (--peer)
     Gemm(BenchGemmArgs),
@@ -64,78 +93,16 @@ enum BenchSub {
     GemmRs(BenchGemmRsArgs),
 }
 
-impl clap::FromArgMatches for BenchCmd {
-    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
-        match matches.subcommand() {
-            Some(_) => match BenchSub::from_arg_matches(matches)? {
-                BenchSub::Gemm(a) => Ok(BenchCmd::Gemm(a)),
-                BenchSub::GemmRs(a) => Ok(BenchCmd::GemmRs(a)),
-            },
-            None => Ok(BenchCmd::Sweep(BenchArgs::from_arg_matches(matches)?)),
-        }
-    }
-
-    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
-        *self = Self::from_arg_matches(matches)?;
-        Ok(())
-    }
-}
-
-impl Args for BenchCmd {
-    fn augment_args(cmd: clap::Command) -> clap::Command {
-        BenchSub::augment_subcommands(BenchArgs::augment_args(cmd))
-            .args_conflicts_with_subcommands(true)
-            .subcommand_negates_reqs(true)
-    }
-
-    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
-        Self::augment_args(cmd)
-    }
-}
-
-/// `run <op> [flags]` runs a collective, `run gemm-rs [flags]` the fused GEMM + reduce-scatter:
-/// the positional op gives way to the subcommand, as in [`BenchCmd`].
-#[derive(Debug)]
-pub enum RunCmd {
-    Collective(RunArgs),
-    GemmRs(RunGemmRsArgs),
-}
+/// `run <op> [flags]` runs a collective, `run gemm-rs [flags]` the fused GEMM + reduce-scatter.
+pub type RunCmd = ArgsOr<RunArgs, RunSub>;
 
 #[derive(Subcommand, Debug)]
-enum RunSub {
+pub enum RunSub {
     /// Fused GEMM + reduce-scatter (rank r holds A_r [M, K] and B_r; rank r's output is chunk r
     /// of the rows of Σ_r A_r·B_r + bias): two back-to-back calls, M then about M/2, every output
     /// element of every rank checked against the float64 reference
     #[command(name = "gemm-rs")]
     GemmRs(RunGemmRsArgs),
-}
-
-impl clap::FromArgMatches for RunCmd {
-    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
-        match matches.subcommand() {
-            Some(_) => match RunSub::from_arg_matches(matches)? {
-                RunSub::GemmRs(a) => Ok(RunCmd::GemmRs(a)),
-            },
-            None => Ok(RunCmd::Collective(RunArgs::from_arg_matches(matches)?)),
-        }
-    }
-
-    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
-        *self = Self::from_arg_matches(matches)?;
-        Ok(())
-    }
-}
-
-impl Args for RunCmd {
-    fn augment_args(cmd: clap::Command) -> clap::Command {
-        RunSub::augment_subcommands(RunArgs::augment_args(cmd))
-            .args_conflicts_with_subcommands(true)
-            .subcommand_negates_reqs(true)
-    }
-
-    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
-        Self::augment_args(cmd)
-    }
 }
 
 #[derive(Args, Debug)]
@@ -525,12 +492,12 @@ pub struct VerifyArgs {
 /// Runs the parsed command; returns the process exit code.
 pub fn execute(cli: Cli) -> Result<i32> {
     match cli.command {
-        Command::Run(RunCmd::Collective(a)) => run(a),
-        Command::Run(RunCmd::GemmRs(a)) => run_gemm_rs_cmd(a),
+        Command::Run(ArgsOr::Args(a)) => run(a),
+        Command::Run(ArgsOr::Sub(RunSub::GemmRs(a))) => run_gemm_rs_cmd(a),
         Command::Plan(a) => plan(a),
-        Command::Bench(BenchCmd::Sweep(a)) => bench_cmd(a),
-        Command::Bench(BenchCmd::Gemm(a)) => bench_gemm_cmd(a),
-        Command::Bench(BenchCmd::GemmRs(a)) => bench_gemm_rs_cmd(a),
+        Command::Bench(ArgsOr::Args(a)) => bench_cmd(a),
+        Command::Bench(ArgsOr::Sub(BenchSub::Gemm(a))) => bench_gemm_cmd(a),
+        Command::Bench(ArgsOr::Sub(BenchSub::GemmRs(a))) => bench_gemm_rs_cmd(a),
         Command::Verify(a) => verify_cmd(a),
         Command::Kernels(a) => kernels_cmd(a),
         Command::Calibrate(a) => calibrate_cmd(a),
