@@ -545,29 +545,15 @@ impl PreparedGemm {
     }
 
     /// Queues the GEMM on `stream` with this call's A, B and bias (the shapes prepared; the
-    /// tables, destinations and flags unchanged): the TMA descriptors are encoded again on the
-    /// host, a few microseconds, no device work and no synchronisation. How an operator runs on
-    /// the caller's buffers.
+    /// tables unchanged), D (for routes relative to it; `None` keeps the prepared one) and
+    /// epoch (the value epoch flags store and folds wait for): the TMA descriptors are encoded
+    /// again on the host, a few microseconds, no device work and no synchronisation. How an
+    /// operator runs on the caller's buffers.
     ///
     /// # Safety
     /// `a` and `b` must hold the prepared problem's operands (and `bias` N elements of the
-    /// output type) on this GPU, and they and the prepared destinations must stay valid until
-    /// the launch completes.
-    pub unsafe fn launch_operands(
-        &self,
-        stream: &Stream,
-        a: u64,
-        b: u64,
-        bias: Option<u64>,
-    ) -> Result<(), CudaError> {
-        self.launch_call(stream, a, b, bias, None, self.params.epoch)
-    }
-
-    /// [`PreparedGemm::launch_operands`] with this call's D (for routes relative to it; `None`
-    /// keeps the prepared one) and epoch (the value epoch flags store and folds wait for).
-    ///
-    /// # Safety
-    /// As for [`PreparedGemm::launch_operands`]; `d` must hold what the routes write there.
+    /// output type) on this GPU, `d` what the routes write there, and they and the prepared
+    /// destinations must stay valid until the launch completes.
     pub unsafe fn launch_call(
         &self,
         stream: &Stream,
@@ -627,11 +613,6 @@ impl PreparedGemm {
         self.function
             .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &params)?;
         self.memory.launched(stream)
-    }
-
-    /// The grid's block count (at most the SM cap).
-    pub fn grid(&self) -> u32 {
-        self.grid
     }
 
     /// After a failed synchronisation: what the kernel recorded before it stopped, if anything.

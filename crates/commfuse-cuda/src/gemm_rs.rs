@@ -171,6 +171,8 @@ pub struct GemmRsRank {
     per_m: HashMap<usize, PerM>,
     /// Calls queued so far (the next call's epoch is one more)
     calls: u64,
+    /// Flag columns per sender slot (fixed by `max_m`, the same for every M)
+    flag_stride: usize,
     broken: bool,
     kernels: GemmKernels,
     reduce: Function,
@@ -191,6 +193,8 @@ pub struct GemmRsAllocation {
     rank: usize,
     world: usize,
     config: GemmRsConfig,
+    /// Flag columns per sender slot (fixed by `max_m`)
+    flag_stride: usize,
     memory: RsMemory,
     gpu: Arc<Gpu>,
 }
@@ -229,6 +233,7 @@ impl GemmRsAllocation {
             rank,
             world,
             config,
+            flag_stride: layout.flag_stride,
             gpu,
         })
     }
@@ -265,6 +270,7 @@ impl GemmRsAllocation {
             peers: peers.to_vec(),
             per_m: HashMap::new(),
             calls: 0,
+            flag_stride: self.flag_stride,
             broken: false,
             kernels: GemmKernels::load(&gpu)?,
             reduce,
@@ -500,7 +506,7 @@ impl GemmRsRank {
         out: u64,
     ) -> Result<(), CudaError> {
         let epoch = self.calls + 1;
-        let set = (self.calls % 2) as usize;
+        let set = GemmRsSchedule::set_of(epoch);
         let pm = &self.per_m[&m];
         let s = &pm.schedule;
         let eb = self.config.output.size() as u64;
@@ -566,13 +572,8 @@ impl GemmRsRank {
         let e = self.memory.error.read();
         if e.flag != 0 {
             self.broken = true;
-            let stride = self
-                .per_m
-                .values()
-                .next()
-                .map_or(1, |p| p.schedule.flag_stride.max(1)) as u32;
             // the flag's slot is slot_of(sender, owner) = (sender − owner − 1) mod P
-            let sender = (e.slot / stride + e.rank + 1) as usize % self.world;
+            let sender = (e.slot as usize / self.flag_stride + e.rank as usize + 1) % self.world;
             return Err(unsupported(format!(
                 "GEMM + reduce-scatter: rank {}'s reduction (block {}) waited for sender {sender}'s flag of its tile {} to reach call {}, saw {} after {:?}",
                 e.rank,
@@ -592,14 +593,6 @@ impl GemmRsRank {
             }
         }
         Ok(())
-    }
-
-    /// The grid of the GEMM (the SMs it takes).
-    pub fn gemm_blocks(&self) -> u32 {
-        match self.config.reduction {
-            Reduction::Fold => self.gpu.sm_count,
-            Reduction::Separate { blocks } => self.gpu.sm_count - blocks,
-        }
     }
 }
 

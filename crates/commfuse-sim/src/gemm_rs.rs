@@ -293,10 +293,10 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
         out: &mut [TO],
     ) -> Result<(), BackendError> {
         let (rank, p, n) = (ctx.rank(), self.config.world, self.config.n);
-        let set = (call % 2) as usize;
         // flags hold the number (from 1) of the call that last set them, as on GPUs: a wait for
         // "at least this call" needs no clearing and no count of how many tiles each M had
         let expected = call + 1;
+        let set = GemmRsSchedule::set_of(expected);
         let plan = sched.gemm_plan(rank, expected);
         let ops = Operands::<TI, TO> {
             a,
