@@ -161,3 +161,35 @@ __device__ void gemm_rs_reduce(const GemmRsReduceArgs& a) {
 COMMFUSE_GEMM_RS_REDUCE(gemm_rs_reduce_f32, float)
 COMMFUSE_GEMM_RS_REDUCE(gemm_rs_reduce_bf16, __nv_bfloat16)
 COMMFUSE_GEMM_RS_REDUCE(gemm_rs_reduce_f16, __half)
+
+// ---- the ring path's flags (commfuse_core::fused::ring_rs) -------------------------------------
+//
+// The overlapped path runs library GEMMs and copy-engine copies on streams; what orders them
+// across GPUs is this one-thread kernel, queued between them: it waits (acquire, bounded) until
+// a flag of this rank compares true, then raises a flag (release, system scope), usually on a
+// peer. Queued after a copy on the same stream, the raise comes after the copied bytes have
+// landed; queued before a GEMM, the wait holds the GEMM back until its C term has arrived.
+
+// Mirrored by `RingFlagArgs` in src/gemm_rs/ring.rs.
+struct RingFlagArgs {
+    const u64* wait;    // this rank's flag to wait on, or null
+    u64 wait_value;
+    u64* raise;         // the flag to raise (any GPU), or null
+    u64 raise_value;
+    ErrorRecord* err;   // host-mapped
+    u64 timeout_ns;
+    u32 wait_cmp;       // CMP_EQ or CMP_GE
+    u32 rank;
+    u32 step;           // for the diagnosis: the ring step and flag index waited on
+    u32 index;
+};
+static_assert(sizeof(RingFlagArgs) == 64 && COMMFUSE_OFFSETOF(RingFlagArgs, wait_cmp) == 48,
+              "layout mirrored in gemm_rs/ring.rs");
+
+extern "C" __global__ void __launch_bounds__(32) ring_flag(const RingFlagArgs a) {
+    if (threadIdx.x != 0) return;
+    if (a.wait != nullptr &&
+        !wait_signal(a.wait, a.wait_cmp, a.wait_value, a.timeout_ns, a.err, a.rank, 0, a.step, a.index))
+        return;  // recorded; raising now would let a peer run on
+    if (a.raise != nullptr) store_release_sys(a.raise, a.raise_value);
+}

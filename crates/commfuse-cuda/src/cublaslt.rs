@@ -15,7 +15,7 @@ use commfuse_core::DType;
 use cudarc::cublaslt::{result, sys};
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// The workspace every candidate may use (the heuristic only offers algorithms that fit).
 const WORKSPACE_BYTES: usize = 64 << 20;
@@ -47,6 +47,8 @@ fn data_type(d: DType) -> sys::cudaDataType {
 struct Key {
     problem: GemmProblem,
     sms: u32,
+    /// Whether the epilogue adds a bias vector (a different descriptor and algorithm set)
+    bias: bool,
 }
 
 /// Which heuristic candidate a shape runs with.
@@ -88,8 +90,8 @@ struct Prepared {
 }
 
 /// One cuBLASLt handle on one GPU, with its workspace and per-shape cache.
-pub struct Lt<'g> {
-    gpu: &'g Gpu,
+pub struct Lt {
+    gpu: Arc<Gpu>,
     handle: sys::cublasLtHandle_t,
     workspace: DeviceMemory,
     cache: Mutex<HashMap<Key, Prepared>>,
@@ -97,11 +99,11 @@ pub struct Lt<'g> {
 
 // SAFETY: the handle is used from one thread at a time (the cache's lock serialises setup;
 // launches go to one stream per GPU).
-unsafe impl Send for Lt<'_> {}
-unsafe impl Sync for Lt<'_> {}
+unsafe impl Send for Lt {}
+unsafe impl Sync for Lt {}
 
-impl<'g> Lt<'g> {
-    pub fn new(gpu: &'g Gpu) -> Result<Lt<'g>, CudaError> {
+impl Lt {
+    pub fn new(gpu: &Arc<Gpu>) -> Result<Lt, CudaError> {
         // SAFETY: only tries to dlopen libcublasLt
         if !unsafe { sys::is_culib_present() } {
             return Err(CudaError::Unavailable(
@@ -110,7 +112,7 @@ impl<'g> Lt<'g> {
         }
         gpu.bind()?;
         Ok(Lt {
-            gpu,
+            gpu: gpu.clone(),
             handle: lt("cublasLtCreate", result::create_handle())?,
             workspace: DeviceMemory::zeroed(gpu, WORKSPACE_BYTES)?,
             cache: Mutex::new(HashMap::new()),
@@ -122,6 +124,7 @@ impl<'g> Lt<'g> {
         let key = Key {
             problem: *problem,
             sms,
+            bias: false,
         };
         self.cache.lock().unwrap().get(&key).map(|p| p.choice)
     }
@@ -156,6 +159,30 @@ impl<'g> Lt<'g> {
                     std::mem::size_of_val(&trans),
                 ),
             )?;
+            if key.bias {
+                let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+                lt(
+                    "cublasLtMatmulDescSetAttribute(EPILOGUE)",
+                    result::set_matmul_desc_attribute(
+                        d.desc,
+                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                        &epilogue as *const _ as *const c_void,
+                        std::mem::size_of_val(&epilogue),
+                    ),
+                )?;
+                // the bias is of the output type (cuBLASLt's default for 16-bit outputs; said
+                // outright so that an f32 output reads an f32 bias)
+                let dtype = data_type(p.output);
+                lt(
+                    "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE)",
+                    result::set_matmul_desc_attribute(
+                        d.desc,
+                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                        &dtype as *const _ as *const c_void,
+                        std::mem::size_of_val(&dtype),
+                    ),
+                )?;
+            }
             if key.sms > 0 {
                 let sms = key.sms as i32;
                 lt(
@@ -264,16 +291,21 @@ impl<'g> Lt<'g> {
         let descriptors = self.descriptors(&key)?;
         let algos = self.candidates(&descriptors)?;
         let p = &key.problem;
-        let scratch = DeviceMemory::zeroed(self.gpu, p.m * p.n * p.output.size())?;
+        let scratch = DeviceMemory::zeroed(&self.gpu, p.m * p.n * p.output.size())?;
+        // a bias while choosing: the scratch itself (N elements of the output type, zero)
         // waits for the timed calls before the scratch output is freed, on every path
         let drain = StreamGuard::new(stream);
         let mut best: Option<(usize, f32)> = None;
         for (index, algo) in algos.iter().enumerate() {
             let call = || {
                 // SAFETY: operands as the caller promised, scratch sized for D, live descriptors
-                unsafe { self.launch(&descriptors, algo, stream, (a, b, scratch.addr()), 1.0, 0.0) }
+                unsafe {
+                    let d = scratch.addr();
+                    let bias = key.bias.then_some(d);
+                    self.launch(&descriptors, algo, stream, (a, b, d, d), bias, 1.0, 0.0)
+                }
             };
-            let (start, end) = (Event::new(self.gpu)?, Event::new(self.gpu)?);
+            let (start, end) = (Event::new(&self.gpu)?, Event::new(&self.gpu)?);
             // a candidate cuBLASLt refuses at launch (its status, returned before anything is
             // enqueued) is skipped
             let timed = (0..TUNE_WARMUP).try_for_each(|_| call()).and_then(|()| {
@@ -313,16 +345,31 @@ impl<'g> Lt<'g> {
     }
 
     /// # Safety
-    /// `a`, `b`, `d` as for [`Lt::matmul`]; `d` may be any buffer of D's size.
+    /// `a`, `b`, `c`, `d` as for [`Lt::matmul_into`]; `d` may be any buffer of D's size. The
+    /// descriptor must have been built with a bias exactly when `bias` is given.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn launch(
         &self,
         descriptors: &Descriptors,
         algo: &sys::cublasLtMatmulAlgo_t,
         stream: &Stream,
-        (a, b, d): (u64, u64, u64),
+        (a, b, c, d): (u64, u64, u64, u64),
+        bias: Option<u64>,
         alpha: f32,
         beta: f32,
     ) -> Result<(), CudaError> {
+        if let Some(bias) = bias {
+            // read when the call is enqueued: each call may name its own bias
+            lt(
+                "cublasLtMatmulDescSetAttribute(BIAS_POINTER)",
+                result::set_matmul_desc_attribute(
+                    descriptors.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    &bias as *const u64 as *const c_void,
+                    std::mem::size_of::<u64>(),
+                ),
+            )?;
+        }
         lt(
             "cublasLtMatmul",
             result::matmul(
@@ -334,7 +381,7 @@ impl<'g> Lt<'g> {
                 descriptors.layouts[0],
                 a as *const c_void,
                 descriptors.layouts[1],
-                d as *const c_void,
+                c as *const c_void,
                 descriptors.layouts[2],
                 d as *mut c_void,
                 descriptors.layouts[2],
@@ -364,18 +411,65 @@ impl<'g> Lt<'g> {
         alpha: f32,
         beta: f32,
     ) -> Result<(), CudaError> {
+        self.matmul_into(stream, problem, sms, (a, b, d, d), None, alpha, beta)
+    }
+
+    /// D = alpha·A·B + beta·C (+ bias, one element per column of D) on `stream`, C and D
+    /// row-major with leading dimension N; C may be D. As [`Lt::matmul`] otherwise: the first
+    /// call per shape, cap and bias-or-not synchronises `stream` to choose the algorithm
+    /// ([`Lt::tune`] does it ahead).
+    ///
+    /// # Safety
+    /// `a`, `b`, `c`, `d` (and `bias`, N elements of the output type) must be device addresses
+    /// on this GPU (`d` and `c` may be a peer's) holding the problem's operands, valid until the
+    /// call completes.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul_into(
+        &self,
+        stream: &Stream,
+        problem: &GemmProblem,
+        sms: u32,
+        (a, b, c, d): (u64, u64, u64, u64),
+        bias: Option<u64>,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<(), CudaError> {
         let key = Key {
             problem: *problem,
             sms,
+            bias: bias.is_some(),
         };
         self.prepare(key, stream, a, b)?;
         let cache = self.cache.lock().unwrap();
         let p = &cache[&key];
-        self.launch(&p.descriptors, &p.algo, stream, (a, b, d), alpha, beta)
+        self.launch(&p.descriptors, &p.algo, stream, (a, b, c, d), bias, alpha, beta)
+    }
+
+    /// Chooses the algorithm of `problem` (with or without a bias) ahead of its first call, by
+    /// timing the candidates on `a` and `b` on `stream` (which it synchronises).
+    ///
+    /// # Safety
+    /// `a` and `b` must hold at least the problem's operands' sizes of device memory on this
+    /// GPU (their values only steer the timing).
+    pub unsafe fn tune(
+        &self,
+        stream: &Stream,
+        problem: &GemmProblem,
+        sms: u32,
+        bias: bool,
+        a: u64,
+        b: u64,
+    ) -> Result<(), CudaError> {
+        let key = Key {
+            problem: *problem,
+            sms,
+            bias,
+        };
+        self.prepare(key, stream, a, b)
     }
 }
 
-impl Drop for Lt<'_> {
+impl Drop for Lt {
     fn drop(&mut self) {
         // the descriptors go first (they do not need the handle), then the handle
         self.cache.get_mut().unwrap().clear();

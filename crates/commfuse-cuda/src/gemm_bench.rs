@@ -142,7 +142,7 @@ fn run<T: Element>(
     iters: usize,
     seed: u64,
 ) -> Result<Vec<GemmRow>, CudaError> {
-    let gpu = Gpu::open(device)?;
+    let gpu = std::sync::Arc::new(Gpu::open(device)?);
     let stream = Stream::new(&gpu)?;
     let lt = Lt::new(&gpu)?;
     let a_dev = upload_random::<T>(&gpu, p.m * p.k, seed, 0)?;
@@ -200,7 +200,7 @@ fn run<T: Element>(
     }
     if let (Some(r), Some(peer_gpu)) = (&routed, &peer_gpu) {
         for (name, gemm, output, peer_rows) in [
-            ("commfuse-flags", &r.local_flags, (&gpu, &d_dev), None),
+            ("commfuse-flags", &r.local_flags, (&*gpu, &d_dev), None),
             (
                 "commfuse-peer-noflag",
                 &r.peer_noflag,
@@ -211,7 +211,7 @@ fn run<T: Element>(
             (
                 "commfuse-rs-half",
                 &r.rs_half,
-                (&gpu, &d_dev),
+                (&*gpu, &d_dev),
                 Some((r.rs_rows, peer_gpu, &r.d_peer)),
             ),
         ] {

@@ -12,10 +12,10 @@ use crate::driver::{DeviceMemory, Event, Gpu, Stream};
 use crate::error::CudaError;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
 use crate::gemm_bench::ReferenceGemm;
-use crate::gemm_rs::{GemmRsConfig, GemmRsRank, Reduction};
+use crate::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction, RingParts};
 use crate::host_sync::StartBarrier;
 use crate::nccl::Comms;
-use commfuse_core::fused::gemm_rs::{check_elements, GemmRsShape, ReferenceElement};
+use commfuse_core::fused::gemm_rs::{check_elements_on, GemmRsShape, ReferenceElement};
 use commfuse_core::gemm::{grouped_order, Epilogue, GemmPlan};
 use commfuse_core::reference::input_value;
 use commfuse_core::{DType, Element, ReduceOp};
@@ -31,6 +31,10 @@ pub struct GemmRsBenchConfig {
     pub bias: bool,
     /// One fused row each: how the owner sums the partials
     pub reductions: Vec<Reduction>,
+    /// One overlapped row each: the row pieces a ring step is cut into
+    pub pieces: Vec<usize>,
+    /// Rows that time the overlapped path's parts apart (at the pieces `auto` picks)
+    pub ablation: bool,
     pub warmup: usize,
     pub iters: usize,
     pub seed: u64,
@@ -62,7 +66,7 @@ const ROUNDS: usize = 5;
 struct RankData<'g> {
     gpu: &'g Arc<Gpu>,
     stream: Stream,
-    lt: Lt<'g>,
+    lt: Lt,
     a: DeviceMemory,
     b: DeviceMemory,
     bias: Option<DeviceMemory>,
@@ -168,17 +172,60 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
     } else {
         None
     };
-    let mut fused: Vec<(String, Vec<Mutex<GemmRsRank>>)> = Vec::new();
-    for &reduction in &cfg.reductions {
+    // one operator per row (the ablation's partial calls leave their ring's flags behind the
+    // call count; no other row may share it)
+    let auto_path = commfuse_core::fused::gemm_rs::choose_path(&s);
+    let group = |path: PathChoice, reduction: Reduction| -> Result<Vec<Mutex<GemmRsRank>>, CudaError> {
         let mut c = GemmRsConfig::new(s.m, s.n, s.k, s.b_layout, s.input, s.output);
         c.bias = cfg.bias;
         c.reduction = reduction;
+        c.path = path;
         let ops = GemmRsRank::create_group(&gpus, c)?;
+        Ok(ops.into_iter().map(Mutex::new).collect())
+    };
+    // (name, operators, the parts of an overlapped call to time; None: whole calls, checked)
+    type Ops = Vec<Mutex<GemmRsRank>>;
+    type Row = (String, Ops, Option<(usize, RingParts)>);
+    let mut fused: Vec<Row> = Vec::new();
+    for &reduction in &cfg.reductions {
         let name = match reduction {
             Reduction::Fold => "commfuse-fused (fold)".to_string(),
             Reduction::Separate { blocks } => format!("commfuse-fused (separate {blocks})"),
         };
-        fused.push((name, ops.into_iter().map(Mutex::new).collect()));
+        let ops = group(PathChoice::Always(GemmRsPath::Fused), reduction)?;
+        fused.push((name, ops, None));
+    }
+    for &pieces in &cfg.pieces {
+        let path = PathChoice::Always(GemmRsPath::Overlapped { pieces });
+        let name = format!("commfuse-overlapped ({pieces})");
+        fused.push((name, group(path, Reduction::Fold)?, None));
+    }
+    fused.push((
+        format!("commfuse-auto: {auto_path}"),
+        group(PathChoice::Auto, Reduction::Fold)?,
+        None,
+    ));
+    if cfg.ablation {
+        let pieces = match auto_path {
+            GemmRsPath::Overlapped { pieces } => pieces,
+            GemmRsPath::Fused => cfg.pieces.first().copied().unwrap_or(1),
+        };
+        let only = |gemms, copies, flags| RingParts {
+            gemms,
+            copies,
+            flags,
+        };
+        for (what, parts) in [
+            ("GEMMs alone", only(true, false, false)),
+            ("copies alone", only(false, true, false)),
+            ("flags alone", only(false, false, true)),
+            ("GEMMs+copies", only(true, true, false)),
+            ("whole", RingParts::WHOLE),
+        ] {
+            let path = PathChoice::Always(GemmRsPath::Overlapped { pieces });
+            let name = format!("ablation ({pieces}): {what}");
+            fused.push((name, group(path, Reduction::Fold)?, Some((pieces, parts))));
+        }
     }
 
     let mut names: Vec<String> = Vec::new();
@@ -224,20 +271,28 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
         // SAFETY: prepared on this rank's operands
         d.gemm_alone.launch(&d.stream)
     }));
-    for (name, ops) in &fused {
+    // per row: the path whose bound its output is checked against (None: not checked)
+    let mut checked: Vec<Option<GemmRsPath>> = vec![None; names.len()];
+    for (name, ops, parts) in &fused {
         names.push(name.clone());
+        let path = ops[0].lock().unwrap().path_for(s.m)?;
+        checked.push(parts.is_none().then_some(path));
+        let parts = *parts;
         launches.push(Box::new(move |r, d: &RankData<'_>| {
             let mut op = ops[r].lock().unwrap();
+            let bias = d.bias.as_ref().map(|b| b.addr());
             // SAFETY: operands on this rank's GPU, output sized for the largest chunk
             unsafe {
-                op.forward(
-                    &d.stream,
-                    s.m,
-                    d.a.addr(),
-                    d.b.addr(),
-                    d.bias.as_ref().map(|b| b.addr()),
-                    d.out.addr(),
-                )
+                match parts {
+                    None => op.forward(&d.stream, s.m, d.a.addr(), d.b.addr(), bias, d.out.addr()),
+                    Some((pieces, parts)) => op.forward_parts(
+                        &d.stream,
+                        s.m,
+                        pieces,
+                        (d.a.addr(), d.b.addr(), bias, d.out.addr()),
+                        parts,
+                    ),
+                }
             }
         }));
     }
@@ -260,7 +315,7 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
             round_medians[v].push(slowest[slowest.len() / 2]);
         }
     }
-    for (_, ops) in &fused {
+    for (_, ops, _) in &fused {
         for op in ops {
             op.lock().unwrap().check()?;
         }
@@ -327,7 +382,7 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
             out_of_bound: 0,
             worst_ratio: 0.0,
         };
-        if name.starts_with("commfuse-fused") {
+        if let Some(path) = checked[v] {
             // one more call on a poisoned output, then every element of every rank
             for d in &ranks {
                 d.out.fill(d.gpu, 0xff)?;
@@ -335,7 +390,7 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
             timed(&ranks, &launches[v], 0, 1)?;
             for (o, d) in ranks.iter().enumerate() {
                 let got = download(d.gpu, &d.out, s.output, s.chunk(o).len() * s.n)?;
-                let check = check_elements(&s, got, &want[o]);
+                let check = check_elements_on(&s, path, got, &want[o]);
                 row.checked += check.checked;
                 row.out_of_bound += check.out_of_bound;
                 row.worst_ratio = row.worst_ratio.max(check.worst_ratio);

@@ -23,11 +23,11 @@ fn gpus(needed: usize) -> bool {
 }
 
 /// GPU 0 with the GEMM kernels loaded and a stream, or None (with the reason printed).
-fn one_gpu() -> Option<(Gpu, GemmKernels, Stream)> {
+fn one_gpu() -> Option<(std::sync::Arc<Gpu>, GemmKernels, Stream)> {
     if !gpus(1) {
         return None;
     }
-    let gpu = Gpu::open(0).unwrap();
+    let gpu = std::sync::Arc::new(Gpu::open(0).unwrap());
     let kernels = GemmKernels::load(&gpu).unwrap();
     let stream = Stream::new(&gpu).unwrap();
     Some((gpu, kernels, stream))

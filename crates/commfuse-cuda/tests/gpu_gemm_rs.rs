@@ -4,12 +4,12 @@
 //! the stream itself; a peer that never arrives ends in a diagnosed error, not a hang. Skips
 //! with a printed reason without two GPUs (a failure under COMMFUSE_REQUIRE_GPU=1).
 
-use commfuse_core::fused::gemm_rs::{check_elements, reference, GemmRsShape};
+use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsShape};
 use commfuse_core::gemm::BLayout;
 use commfuse_core::reference::input_value;
 use commfuse_core::{DType, Element, ReduceOp};
 use commfuse_cuda::driver::{DeviceMemory, Gpu, Stream};
-use commfuse_cuda::gemm_rs::{GemmRsConfig, GemmRsRank, Reduction};
+use commfuse_cuda::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction};
 use commfuse_cuda::testing::gpus;
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -44,11 +44,18 @@ struct CallInputs<TI, TO> {
     bias: Option<Vec<TO>>,
 }
 
+/// Which path a case runs.
+#[derive(Debug, Clone, Copy)]
+enum Way {
+    Fused(Reduction),
+    Overlapped(usize),
+}
+
 /// Runs `ms.len()` calls back to back on every rank and checks every output element.
 #[allow(clippy::too_many_arguments)]
 fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     gpus: &[Arc<Gpu>],
-    reduction: Reduction,
+    way: Way,
     n: usize,
     k: usize,
     layout: BLayout,
@@ -60,7 +67,15 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     let max_m = *ms.iter().max().unwrap();
     let mut config = GemmRsConfig::new(max_m, n, k, layout, TI::DTYPE, TO::DTYPE);
     config.bias = bias;
-    config.reduction = reduction;
+    match way {
+        Way::Fused(reduction) => {
+            config.reduction = reduction;
+            config.path = PathChoice::Always(GemmRsPath::Fused);
+        }
+        Way::Overlapped(pieces) => {
+            config.path = PathChoice::Always(GemmRsPath::Overlapped { pieces })
+        }
+    }
     let ranks = GemmRsRank::create_group(gpus, config).unwrap();
     let calls: Vec<CallInputs<TI, TO>> = ms
         .iter()
@@ -138,11 +153,15 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
             let want = reference(&shape, r, &a, &b, call.bias.as_deref());
             let got = &out[c];
             assert_eq!(got.len(), want.len());
-            let check = check_elements(&shape, got.iter().map(|x| x.to_f64()), &want);
+            let path = match way {
+                Way::Fused(_) => GemmRsPath::Fused,
+                Way::Overlapped(pieces) => GemmRsPath::Overlapped { pieces },
+            };
+            let check = check_elements_on(&shape, path, got.iter().map(|x| x.to_f64()), &want);
             assert_eq!(
                 check.out_of_bound,
                 0,
-                "{reduction:?} call {c} (M={}) rank {r} {n}x{k} {layout:?} {:?}->{:?} bias={bias}: {check:?}",
+                "{way:?} call {c} (M={}) rank {r} {n}x{k} {layout:?} {:?}->{:?} bias={bias}: {check:?}",
                 call.m,
                 TI::DTYPE,
                 TO::DTYPE
@@ -156,7 +175,13 @@ fn every_element_of_back_to_back_calls_matches_float64() {
     let Some(g) = two_gpus() else { return };
     // ragged M (not a multiple of P or of the 128-row tile), a smaller M, then M < P
     let ms = [301, 130, 1];
-    for red in [Reduction::Fold, Reduction::Separate { blocks: 3 }] {
+    let ways = [
+        Way::Fused(Reduction::Fold),
+        Way::Fused(Reduction::Separate { blocks: 3 }),
+        Way::Overlapped(1),
+        Way::Overlapped(3),
+    ];
+    for red in ways {
         for layout in [BLayout::NK, BLayout::KN] {
             run_case::<bf16, bf16>(&g, red, 264, 136, layout, false, &ms, 1);
             run_case::<bf16, bf16>(&g, red, 520, 64, layout, true, &[257, 1, 384], 2);
@@ -165,8 +190,10 @@ fn every_element_of_back_to_back_calls_matches_float64() {
             run_case::<f16, f32>(&g, red, 256, 64, layout, false, &[2, 1, 700], 5);
         }
         // N not a multiple of the 256-column tile nor of 8 (B as [N, K] only: [K, N] rows need
-        // 16 bytes)
-        run_case::<bf16, bf16>(&g, red, 300, 64, BLayout::NK, true, &[300, 7], 6);
+        // 16 bytes; the fused path only: the overlapped one needs rows of whole 16 bytes)
+        if let Way::Fused(_) = red {
+            run_case::<bf16, bf16>(&g, red, 300, 64, BLayout::NK, true, &[300, 7], 6);
+        }
         // one GPU: the whole chunk is local
         run_case::<bf16, bf16>(&g[..1], red, 264, 64, BLayout::NK, true, &[300, 1], 7);
         // a larger problem: several waves, every SM busy
@@ -203,6 +230,7 @@ fn a_peer_that_never_arrives_ends_in_a_diagnosed_error() {
     let mut config = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
     config.timeout = Duration::from_millis(300);
     config.reduction = Reduction::Separate { blocks: 2 };
+    config.path = PathChoice::Always(GemmRsPath::Fused);
     let (err, elapsed, again) = lone_call(&g, config);
     assert!(elapsed < Duration::from_secs(10), "no hang");
     assert!(
@@ -215,7 +243,8 @@ fn a_peer_that_never_arrives_ends_in_a_diagnosed_error() {
 #[test]
 fn a_peer_that_never_arrives_is_reported_by_the_folding_epilogue() {
     let Some(g) = two_gpus() else { return };
-    let config = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
+    let mut config = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
+    config.path = PathChoice::Always(GemmRsPath::Fused);
     let (err, elapsed, again) = lone_call(&g, config);
     // the GEMM's fold waits give up at half its 5 s pipeline bound, and the kernel ends
     assert!(elapsed < Duration::from_secs(15), "no hang");
@@ -224,6 +253,44 @@ fn a_peer_that_never_arrives_is_reported_by_the_folding_epilogue() {
         "{err}"
     );
     assert!(!again, "the operator refuses further calls");
+}
+
+#[test]
+fn a_peer_that_never_arrives_is_reported_by_the_ring() {
+    let Some(g) = two_gpus() else { return };
+    let mut config = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
+    config.timeout = Duration::from_millis(300);
+    config.path = PathChoice::Always(GemmRsPath::Overlapped { pieces: 2 });
+    let (err, elapsed, again) = lone_call(&g, config);
+    assert!(elapsed < Duration::from_secs(10), "no hang");
+    // rank 0's own rows wait for rank 1's running sum of their first piece
+    assert!(
+        err.contains("(ring): rank 0 at step 1")
+            && err.contains("piece 0 handed on after step 0 (set 1)")
+            && err.contains("saw 0"),
+        "{err}"
+    );
+    assert!(!again, "the operator refuses further calls");
+}
+
+#[test]
+fn the_operator_says_which_path_it_took() {
+    let Some(g) = two_gpus() else { return };
+    let config = GemmRsConfig::new(4096, 512, 64, BLayout::NK, DType::BF16, DType::BF16);
+    let ranks = GemmRsRank::create_group(&g, config).unwrap();
+    assert_eq!(
+        ranks[0].path_for(4096).unwrap(),
+        GemmRsPath::Overlapped { pieces: 4 }
+    );
+    assert_eq!(
+        ranks[0].path_for(1).unwrap(),
+        GemmRsPath::Overlapped { pieces: 1 }
+    );
+    assert!(ranks[0].last_path().is_none());
+    // rows of 300 bf16 are not whole 16-byte units: the fused path
+    let config = GemmRsConfig::new(64, 300, 64, BLayout::NK, DType::BF16, DType::BF16);
+    let ranks = GemmRsRank::create_group(&g, config).unwrap();
+    assert_eq!(ranks[1].path_for(64).unwrap(), GemmRsPath::Fused);
 }
 
 #[test]

@@ -221,6 +221,14 @@ pub struct BenchGemmRsArgs {
     /// default design), B > 0 sums them in a separate kernel of B blocks beside the GEMM
     #[arg(long, value_delimiter = ',', default_value = "0,16")]
     pub reduce_blocks: Vec<u32>,
+    /// One overlapped row each: the row pieces a ring step of cuBLASLt GEMMs is cut into
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub pieces: Vec<usize>,
+    /// Also time the overlapped path's parts apart: its GEMMs alone, its copies alone, its flag
+    /// waits and raises alone, GEMMs and copies without flags, and the whole call (there is no
+    /// clearing to time: flags hold call numbers)
+    #[arg(long)]
+    pub ablation: bool,
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
     #[arg(long, default_value_t = 20)]
@@ -530,6 +538,8 @@ fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
                 blocks => Reduction::Separate { blocks },
             })
             .collect(),
+        pieces: a.pieces.clone(),
+        ablation: a.ablation,
         warmup: a.warmup,
         iters: a.iters,
         seed: driver::fresh_seed(),
@@ -548,7 +558,7 @@ fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
         .find(|r| r.implementation == "cublaslt+nccl")
         .map(|r| r.time_ms);
     println!(
-        "# {:>28} {:>10} {:>19} {:>9} {:>10} {:>8} {:>8} {:>11}  check",
+        "# {:>36} {:>10} {:>19} {:>9} {:>10} {:>8} {:>8} {:>11}  check",
         "impl", "time(ms)", "rounds min-max", "TFLOP/s", "exposed", "E", "vs unf.", "err/bound"
     );
     let mut ok = true;
@@ -562,7 +572,7 @@ fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
         let pass = r.out_of_bound == 0;
         ok &= pass;
         println!(
-            "  {:>28} {:>10.4} {:>9.4}-{:<9.4} {:>9.1} {:>10} {:>8} {:>8} {:>11}  {}",
+            "  {:>36} {:>10.4} {:>9.4}-{:<9.4} {:>9.1} {:>10} {:>8} {:>8} {:>11}  {}",
             r.implementation,
             r.time_ms,
             r.min_ms,
@@ -577,6 +587,7 @@ fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
                 "-".into()
             },
             match (checked, pass) {
+                (false, _) if r.implementation.starts_with("ablation") => "(part of a call)",
                 (false, _) => "(baseline)",
                 (true, true) => "OK",
                 (true, false) => "WRONG",

@@ -3,3 +3,4 @@
 //! by the simulator and the GPU backend (the same tables on both).
 
 pub mod gemm_rs;
+pub mod ring_rs;

@@ -24,6 +24,11 @@
 //! handshake kernel (see gemm_rs.cu). All ranks must make the same calls in the same order with
 //! the same M.
 
+mod ring;
+
+pub use ring::{RingParts, RingPeer};
+use ring::{RingMemory, RingPath};
+
 use crate::driver::{DeviceMemory, Event, Function, Gpu, MappedHost, Module, Stream};
 use crate::error::CudaError;
 use crate::gemm::{
@@ -33,7 +38,9 @@ use crate::gemm::{
 use crate::nvrtc;
 use crate::plan_table::{ErrorRecord, MAX_RANKS};
 use bytemuck::{Pod, Zeroable};
-use commfuse_core::fused::gemm_rs::{GemmRsSchedule, GemmRsShape};
+pub use commfuse_core::fused::gemm_rs::GemmRsPath;
+use commfuse_core::fused::gemm_rs::{choose_path, GemmRsSchedule, GemmRsShape};
+use commfuse_core::fused::ring_rs::MAX_PIECES;
 use commfuse_core::gemm::BLayout;
 use commfuse_core::DType;
 use std::collections::HashMap;
@@ -52,6 +59,13 @@ pub enum Reduction {
     Separate { blocks: u32 },
 }
 
+/// Which way calls run: one path always, or per M what the cost model picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PathChoice {
+    Auto,
+    Always(GemmRsPath),
+}
+
 /// What a [`GemmRsRank`] is built for: every call has this N, K, layout and types, any M up to
 /// `max_m` (the same on every rank in one call).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -67,14 +81,17 @@ pub struct GemmRsConfig {
     pub output: DType,
     /// Whether calls add a bias [N] (output type), once
     pub bias: bool,
-    /// How the owner sums the partials
+    /// How the owner sums the partials on the fused path
     pub reduction: Reduction,
+    /// Which path calls take
+    pub path: PathChoice,
     /// How long any device-side wait may last before the call fails with a diagnosis
     pub timeout: Duration,
 }
 
 impl GemmRsConfig {
-    /// The defaults for a shape: partials folded into the epilogue, 5 s waits.
+    /// The defaults for a shape: the path the cost model picks per M (partials folded into the
+    /// epilogue where that is the fused path), 5 s waits.
     pub fn new(
         max_m: usize,
         n: usize,
@@ -92,6 +109,7 @@ impl GemmRsConfig {
             output,
             bias: false,
             reduction: Reduction::Fold,
+            path: PathChoice::Auto,
             timeout: Duration::from_secs(5),
         }
     }
@@ -139,6 +157,8 @@ const _: () = assert!(std::mem::offset_of!(GemmRsReduceArgs, rank) == 16 * MAX_R
 pub struct GemmRsPeer {
     pub receive: u64,
     pub flags: u64,
+    /// The overlapped path's buffers (zero when the rank was built without that path)
+    pub ring: RingPeer,
 }
 
 /// The memory the kernels of a call use: freed only once the last call has ended.
@@ -179,6 +199,10 @@ pub struct GemmRsRank {
     side: Stream,
     fork: Event,
     join: Event,
+    /// The overlapped path, when the configuration allows it
+    ring: Option<RingPath>,
+    /// The path the last call took
+    last_path: Option<GemmRsPath>,
     // dropped after every prepared GEMM (fields drop in order) and before the context
     memory: Launched<RsMemory>,
     gpu: Arc<Gpu>,
@@ -196,6 +220,7 @@ pub struct GemmRsAllocation {
     /// Flag columns per sender slot (fixed by `max_m`)
     flag_stride: usize,
     memory: RsMemory,
+    ring: Option<RingMemory>,
     gpu: Arc<Gpu>,
 }
 
@@ -222,13 +247,43 @@ impl GemmRsAllocation {
         }
         let shape = shape(&config, world, config.max_m)?;
         let layout = GemmRsSchedule::new(shape, TILE);
-        let receive_bytes = 2 * world * layout.slot_len * config.output.size();
+        // only the paths the configuration may take get buffers
+        let whole_rows = (config.n * config.output.size()).is_multiple_of(16);
+        let (fused, overlapped) = match config.path {
+            // choose_path takes the ring only for rows of whole 16-byte units
+            PathChoice::Auto => (true, whole_rows),
+            PathChoice::Always(GemmRsPath::Fused) => (true, false),
+            PathChoice::Always(GemmRsPath::Overlapped { pieces }) => {
+                if pieces == 0 || pieces > MAX_PIECES {
+                    return Err(unsupported(format!(
+                        "the overlapped path cuts a step into 1 to {MAX_PIECES} pieces, got {pieces}"
+                    )));
+                }
+                (false, true)
+            }
+        };
+        if overlapped && !whole_rows {
+            return Err(unsupported(format!(
+                "the overlapped path needs rows of a multiple of 16 bytes (N = {} of {})",
+                config.n, config.output
+            )));
+        }
+        let receive_bytes = if fused {
+            2 * world * layout.slot_len * config.output.size()
+        } else {
+            16
+        };
         let flag_bytes = 2 * layout.flag_columns() * 8;
         Ok(GemmRsAllocation {
             memory: RsMemory {
                 receive: DeviceMemory::zeroed(&gpu, receive_bytes)?,
                 flags: DeviceMemory::zeroed(&gpu, flag_bytes)?,
                 error: MappedHost::new(&gpu, ErrorRecord::default())?,
+            },
+            ring: if overlapped {
+                Some(RingMemory::new(&gpu, world, &config)?)
+            } else {
+                None
             },
             rank,
             world,
@@ -243,6 +298,7 @@ impl GemmRsAllocation {
         GemmRsPeer {
             receive: self.memory.receive.addr(),
             flags: self.memory.flags.addr(),
+            ring: self.ring.as_ref().map(RingMemory::peer).unwrap_or_default(),
         }
     }
 
@@ -263,6 +319,19 @@ impl GemmRsAllocation {
             DType::F16 => "gemm_rs_reduce_f16",
         };
         let reduce = module.function(name)?;
+        let ring = match self.ring {
+            Some(memory) => {
+                let ring_peers = peers.iter().map(|p| p.ring).collect();
+                Some(RingPath::new(
+                    gpu.clone(),
+                    self.rank,
+                    self.config,
+                    memory,
+                    ring_peers,
+                )?)
+            }
+            None => None,
+        };
         Ok(GemmRsRank {
             rank: self.rank,
             world: self.world,
@@ -277,6 +346,8 @@ impl GemmRsAllocation {
             side: Stream::new(&gpu)?,
             fork: Event::new_untimed(&gpu)?,
             join: Event::new_untimed(&gpu)?,
+            ring,
+            last_path: None,
             memory: Launched::new(&gpu, self.memory)?,
             gpu,
         })
@@ -388,15 +459,63 @@ impl GemmRsRank {
         commfuse_core::op::chunk_range(m, self.world, self.rank)
     }
 
-    /// Builds the GEMMs and the reduction table of `m` (the first call of an M does it; this
-    /// lets a caller do it ahead, since it uploads tables synchronously).
-    pub fn prepare(&mut self, m: usize) -> Result<(), CudaError> {
+    /// Queues the parts `parts` of an overlapped call of `pieces` pieces, for timing them apart
+    /// (`bench gemm-rs --ablation`): the output is wrong unless `parts` is whole.
+    ///
+    /// # Safety
+    /// As [`GemmRsRank::forward`].
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn forward_parts(
+        &mut self,
+        stream: &Stream,
+        m: usize,
+        pieces: usize,
+        (a, b, bias, out): (u64, u64, Option<u64>, u64),
+        parts: RingParts,
+    ) -> Result<(), CudaError> {
+        self.path_for(m)?;
+        let ring = self.ring.as_mut().ok_or_else(|| {
+            unsupported("this operator was built without the overlapped path".into())
+        })?;
+        self.gpu.bind()?;
+        ring.enqueue(stream, m, pieces, (a, b, bias, out), parts)
+    }
+
+    /// The path a call of `m` rows takes (the same on every rank).
+    pub fn path_for(&self, m: usize) -> Result<GemmRsPath, CudaError> {
         if m == 0 || m > self.config.max_m {
             return Err(unsupported(format!(
                 "M must be 1 to {} (the max_m this operator was built for), got {m}",
                 self.config.max_m
             )));
         }
+        Ok(match self.config.path {
+            PathChoice::Always(path) => path,
+            PathChoice::Auto => choose_path(&shape(&self.config, self.world, m)?),
+        })
+    }
+
+    /// The path the last queued call took.
+    pub fn last_path(&self) -> Option<GemmRsPath> {
+        self.last_path
+    }
+
+    /// Prepares what the first call of `m` rows needs (the fused path's GEMMs and tables, the
+    /// overlapped path's cuBLASLt choices): the first call of an M does it, and it synchronises,
+    /// so a caller may do it ahead.
+    pub fn prepare(&mut self, m: usize) -> Result<(), CudaError> {
+        match self.path_for(m)? {
+            GemmRsPath::Fused => self.prepare_fused(m),
+            GemmRsPath::Overlapped { pieces } => self
+                .ring
+                .as_mut()
+                .expect("path_for offers the ring only when it was built")
+                .prepare(m, pieces),
+        }
+    }
+
+    fn prepare_fused(&mut self, m: usize) -> Result<(), CudaError> {
         if self.per_m.contains_key(&m) {
             return Ok(());
         }
@@ -486,8 +605,20 @@ impl GemmRsRank {
             ));
         }
         self.gpu.bind()?;
-        self.prepare(m)?;
-        let result = self.enqueue(stream, m, a, b, bias, out);
+        let path = self.path_for(m)?;
+        let result = match path {
+            GemmRsPath::Fused => self
+                .prepare_fused(m)
+                .and_then(|()| self.enqueue(stream, m, a, b, bias, out)),
+            GemmRsPath::Overlapped { pieces } => self
+                .ring
+                .as_mut()
+                .expect("path_for offers the ring only when it was built")
+                .enqueue(stream, m, pieces, (a, b, bias, out), RingParts::WHOLE),
+        };
+        if result.is_ok() {
+            self.last_path = Some(path);
+        }
         if result.is_err() {
             // some ranks may have queued their part: the protocol's state is unknown
             self.broken = true;
@@ -569,6 +700,10 @@ impl GemmRsRank {
     /// any call so far (the reduction's flag waits, the GEMM's pipeline), if one did. Marks the
     /// operator unusable when it reports one.
     pub fn check(&mut self) -> Result<(), CudaError> {
+        if let Some(report) = self.ring.as_ref().and_then(RingPath::failure) {
+            self.broken = true;
+            return Err(unsupported(report));
+        }
         let e = self.memory.error.read();
         if e.flag != 0 {
             self.broken = true;
@@ -607,6 +742,7 @@ mod tests {
             .map(|q| GemmRsPeer {
                 receive: (q as u64 + 1) << 40,
                 flags: ((q as u64 + 1) << 40) | (1 << 39),
+                ring: RingPeer::default(),
             })
             .collect()
     }

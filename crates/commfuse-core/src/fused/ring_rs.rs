@@ -1,0 +1,282 @@
+//! GEMM + reduce-scatter as a pipelined ring of library GEMMs: the overlapped path that needs no
+//! GEMM of our own (cuBLASLt on the GPU), for shapes where fusing into our GEMM cannot win.
+//!
+//! Rank r works through P steps. At step s it computes the partial product of owner
+//! o = (r + s + 1) mod P's rows, adding (as the GEMM's C term, beta = 1) the running sum of the
+//! earlier steps' partials of those rows, which rank r + 1 computed at step s − 1 and handed on.
+//! Its result goes to rank r − 1 (steps 0 .. P − 2) or, at the last step (o = r), into the
+//! caller's output with the bias. So each owner's rows travel once around the ring, picking up
+//! one partial per rank, and every link carries (P − 1)/P of the output, as in a ring
+//! reduce-scatter.
+//!
+//! Each step is cut into `pieces` row pieces (the same cut of a chunk on every rank): piece j
+//! of step s is handed on (a copy into the next rank's receive buffer, then its flag) while
+//! piece j + 1 is computed, and the next rank's step s + 1 starts on piece j as soon as piece
+//! j's flag is up. Only the transfer of the first piece is exposed at each rank's start.
+//!
+//! Receive buffers and flags come in two sets, used by alternate calls. Before its first hand-on
+//! of call c, a sender waits until its receiver has finished call c − 2 (the receiver raises a
+//! "done" flag on its sender at the end of every call), so it never writes into a set that is
+//! still being read; in steady state that flag is long up. Flags hold call numbers (from 1) and
+//! are never cleared.
+//!
+//! Rounding: the running sum is rounded to the output type after every step (P − 1 times), where
+//! the fused path rounds each partial once; [`super::gemm_rs::element_bound`] covers both.
+
+use super::gemm_rs::GemmRsShape;
+use crate::op::chunk_range;
+use std::ops::Range;
+
+/// The most pieces a step is cut into.
+pub const MAX_PIECES: usize = 16;
+
+/// Where one piece's result goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum RingTarget {
+    /// This rank's send buffer for step `step` (rows relative to the owner's chunk); then it
+    /// is copied into the receiver's buffer and flagged
+    Send { step: usize },
+    /// The caller's output (rows relative to this rank's chunk), with the bias
+    Output,
+}
+
+/// One GEMM of rank r's ring: the rows `rows` of A (absolute), whose product (plus the running
+/// sum received in `add`, if any) goes to `target`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RingPiece {
+    pub step: usize,
+    pub piece: usize,
+    /// The owner of these rows
+    pub owner: usize,
+    /// Rows of A and of the product
+    pub rows: Range<usize>,
+    /// Rows relative to the owner's chunk (where they sit in send and receive buffers)
+    pub within: Range<usize>,
+    /// The received running sum to add: the receive buffer of step `step − 1`, after its flag
+    /// (`flag_index(set, step − 1, piece)`) holds the call's number
+    pub add: Option<usize>,
+    pub target: RingTarget,
+}
+
+/// The ring schedule of one shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RingSchedule {
+    pub shape: GemmRsShape,
+    /// Row pieces per step
+    pub pieces: usize,
+    /// Rows of one send or receive buffer (the longest chunk of the largest M the buffers were
+    /// made for)
+    pub chunk_rows: usize,
+}
+
+impl RingSchedule {
+    /// The ring of `shape`, each step cut into `pieces` (at least 1), in buffers made for
+    /// calls of up to `max_m` rows.
+    pub fn within(shape: GemmRsShape, max_m: usize, pieces: usize) -> RingSchedule {
+        RingSchedule {
+            shape,
+            pieces: pieces.clamp(1, MAX_PIECES),
+            chunk_rows: max_m.max(shape.m).div_ceil(shape.world),
+        }
+    }
+
+    /// The rank this rank hands its running sums to.
+    pub fn receiver(&self, rank: usize) -> usize {
+        (rank + self.shape.world - 1) % self.shape.world
+    }
+
+    /// The rank this rank receives running sums from.
+    pub fn sender(&self, rank: usize) -> usize {
+        (rank + 1) % self.shape.world
+    }
+
+    /// The owner whose rows `rank` computes at `step`.
+    pub fn owner_at(&self, rank: usize, step: usize) -> usize {
+        (rank + step + 1) % self.shape.world
+    }
+
+    /// Rows of piece `piece` of `owner`'s chunk, relative to the chunk.
+    pub fn piece_rows(&self, owner: usize, piece: usize) -> Range<usize> {
+        chunk_range(self.shape.chunk(owner).len(), self.pieces, piece)
+    }
+
+    /// Rank `rank`'s GEMMs in order; empty pieces (a chunk shorter than `pieces`) are left out
+    /// on every rank alike.
+    pub fn pieces_of(&self, rank: usize) -> Vec<RingPiece> {
+        let p = self.shape.world;
+        let mut out = Vec::with_capacity(p * self.pieces);
+        for step in 0..p {
+            let owner = self.owner_at(rank, step);
+            let start = self.shape.chunk(owner).start;
+            for piece in 0..self.pieces {
+                let within = self.piece_rows(owner, piece);
+                if within.is_empty() {
+                    continue;
+                }
+                out.push(RingPiece {
+                    step,
+                    piece,
+                    owner,
+                    rows: start + within.start..start + within.end,
+                    within,
+                    add: step.checked_sub(1),
+                    target: if step + 1 == p {
+                        RingTarget::Output
+                    } else {
+                        RingTarget::Send { step }
+                    },
+                });
+            }
+        }
+        out
+    }
+
+    /// Flags of one set: one per (step, piece) of the P − 1 hand-ons, laid out for
+    /// [`MAX_PIECES`] so that every M (whatever its piece count) finds its flags in place.
+    pub fn flags_per_set(&self) -> usize {
+        (self.shape.world - 1) * MAX_PIECES
+    }
+
+    /// The arrival flag of piece `piece` handed on after step `step`, in set `set`.
+    pub fn flag_index(&self, set: usize, step: usize, piece: usize) -> usize {
+        1 + set * self.flags_per_set() + step * MAX_PIECES + piece
+    }
+
+    /// The flag a receiver raises on its sender when it has finished a call.
+    pub fn done_index(&self) -> usize {
+        0
+    }
+
+    /// Flag words a rank needs.
+    pub fn flag_words(&self) -> usize {
+        1 + 2 * self.flags_per_set()
+    }
+
+    /// Elements of one send or receive buffer (one step's chunk).
+    pub fn buffer_len(&self) -> usize {
+        self.chunk_rows * self.shape.n
+    }
+
+    /// Offset (elements) of set `set`'s receive buffer of step `step`: sets of P − 1 buffers.
+    pub fn receive_offset(&self, set: usize, step: usize) -> usize {
+        (set * (self.shape.world - 1) + step) * self.buffer_len()
+    }
+
+    /// Elements of a rank's receive buffers (both sets) and of its send buffers.
+    pub fn receive_len(&self) -> usize {
+        2 * (self.shape.world - 1) * self.buffer_len()
+    }
+
+    pub fn send_len(&self) -> usize {
+        (self.shape.world - 1) * self.buffer_len()
+    }
+
+    /// The set call `call` (from 1) uses.
+    pub fn set_of(call: u64) -> usize {
+        (call % 2) as usize
+    }
+
+    /// What the done flag must hold before call `call`'s first hand-on: the receiver has
+    /// finished the previous call of the same set.
+    pub fn credit_before(call: u64) -> u64 {
+        call.saturating_sub(2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gemm::BLayout;
+    use crate::DType;
+
+    fn ring(world: usize, m: usize, pieces: usize) -> RingSchedule {
+        let shape = GemmRsShape::new(world, m, 24, 16, BLayout::NK, DType::BF16, DType::BF16)
+            .unwrap();
+        RingSchedule::within(shape, m, pieces)
+    }
+
+    #[test]
+    fn every_owner_rows_go_once_around_the_ring_and_end_at_their_owner() {
+        for world in 1..=9 {
+            for m in [1, world, 3 * world + 1, 37, 64] {
+                for pieces in [1, 2, 3, 5] {
+                    let r = ring(world, m, pieces);
+                    // (owner, piece) -> the steps at which each rank computes it
+                    for owner in 0..world {
+                        for piece in 0..pieces {
+                            let rows = r.piece_rows(owner, piece);
+                            let mut seen = Vec::new();
+                            for rank in 0..world {
+                                for g in r.pieces_of(rank) {
+                                    if g.owner == owner && g.piece == piece {
+                                        seen.push((g.step, rank, g.target, g.add));
+                                    }
+                                }
+                            }
+                            if rows.is_empty() {
+                                assert!(seen.is_empty());
+                                continue;
+                            }
+                            seen.sort();
+                            assert_eq!(seen.len(), world, "P={world} M={m} owner {owner}");
+                            for (s, &(step, rank, target, add)) in seen.iter().enumerate() {
+                                assert_eq!(step, s);
+                                assert_eq!(add, s.checked_sub(1));
+                                if s + 1 == world {
+                                    assert_eq!(rank, owner);
+                                    assert_eq!(target, RingTarget::Output);
+                                } else {
+                                    assert_eq!(target, RingTarget::Send { step: s });
+                                    // the next step's rank is the one this rank hands on to
+                                    assert_eq!(seen[s + 1].1, r.receiver(rank));
+                                    assert_eq!(r.sender(seen[s + 1].1), rank);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_tile_each_chunk_and_flags_and_buffers_do_not_overlap() {
+        let r = ring(4, 103, 3);
+        for o in 0..4 {
+            let len = r.shape.chunk(o).len();
+            let mut next = 0;
+            for j in 0..3 {
+                let rows = r.piece_rows(o, j);
+                assert_eq!(rows.start, next);
+                next = rows.end;
+            }
+            assert_eq!(next, len);
+        }
+        let mut flags: Vec<usize> = (0..2)
+            .flat_map(|set| (0..3).flat_map(move |s| (0..3).map(move |j| (set, s, j))))
+            .map(|(set, s, j)| r.flag_index(set, s, j))
+            .collect();
+        flags.push(r.done_index());
+        let count = flags.len();
+        flags.sort();
+        flags.dedup();
+        assert_eq!(flags.len(), count);
+        assert!(flags.iter().all(|&f| f < r.flag_words()));
+        assert_eq!(r.receive_offset(1, 2) + r.buffer_len(), r.receive_len());
+        assert_eq!(RingSchedule::set_of(1), 1);
+        assert_eq!(RingSchedule::credit_before(1), 0);
+        assert_eq!(RingSchedule::credit_before(5), 3);
+    }
+
+    #[test]
+    fn one_rank_writes_its_output_directly() {
+        let r = ring(1, 10, 2);
+        let g = r.pieces_of(0);
+        assert_eq!(g.len(), 2);
+        assert!(g
+            .iter()
+            .all(|g| g.target == RingTarget::Output && g.add.is_none()));
+        assert_eq!(r.flags_per_set(), 0);
+        assert_eq!(r.flag_words(), 1);
+    }
+}

@@ -1,0 +1,364 @@
+//! The overlapped path of GEMM + reduce-scatter: the ring of
+//! [`commfuse_core::fused::ring_rs`] run with cuBLASLt GEMMs on the caller's stream and
+//! copy-engine copies on a side stream, ordered across GPUs by one-thread flag kernels
+//! (`ring_flag` in kernels/gemm_rs.cu).
+//!
+//! Per piece of a step that is handed on: the GEMM writes the running sum into this rank's send
+//! buffer, an event lets the side stream copy it into the receiver's receive buffer (the copy
+//! engine: no SM is taken from the GEMMs) and raise its flag there. A piece that adds a received
+//! running sum is preceded on the caller's stream by a wait for that flag; its GEMM reads the
+//! sum as C with beta = 1, so the reduction costs no pass of its own. The caller's stream waits
+//! for the side stream at the end of the call (the send buffers are free again), then tells the
+//! sender that this call's receive buffers are read ("done"); a sender's first copy of a call
+//! waits for the done of the call two before (the same set).
+
+use super::{shape, GemmRsConfig};
+use crate::cublaslt::Lt;
+use crate::driver::{DeviceMemory, Event, Function, Gpu, MappedHost, Module, Stream};
+use crate::error::CudaError;
+use crate::gemm::{InUse, Launched};
+use crate::nvrtc;
+use crate::plan_table::ErrorRecord;
+use commfuse_core::fused::ring_rs::{RingSchedule, RingTarget, MAX_PIECES};
+use commfuse_core::gemm::GemmProblem;
+use std::collections::HashSet;
+use std::sync::Arc;
+
+/// Mirrors `RingFlagArgs` in kernels/gemm_rs.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RingFlagArgs {
+    wait: u64,
+    wait_value: u64,
+    raise: u64,
+    raise_value: u64,
+    err: u64,
+    timeout_ns: u64,
+    wait_cmp: u32,
+    rank: u32,
+    step: u32,
+    index: u32,
+}
+const _: () = assert!(std::mem::size_of::<RingFlagArgs>() == 64);
+const _: () = assert!(std::mem::offset_of!(RingFlagArgs, wait_cmp) == 48);
+// SignalCmp in common.cuh
+const CMP_EQ: u32 = 0;
+const CMP_GE: u32 = 1;
+
+/// What a rank shares with its peers for the ring: its receive buffers and flag words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RingPeer {
+    pub receive: u64,
+    pub flags: u64,
+}
+
+/// The ring's memory, freed only after the last call that used it.
+pub(crate) struct RingMemory {
+    receive: DeviceMemory,
+    send: DeviceMemory,
+    flags: DeviceMemory,
+    error: MappedHost<ErrorRecord>,
+}
+
+impl InUse for RingMemory {
+    fn abort(&self) {
+        self.error.raise_abort();
+    }
+}
+
+impl RingMemory {
+    /// Receive buffers (two sets), send buffers and flags for calls of up to `max_m` rows.
+    pub(crate) fn new(
+        gpu: &Gpu,
+        world: usize,
+        config: &GemmRsConfig,
+    ) -> Result<RingMemory, CudaError> {
+        let s = RingSchedule::within(shape(config, world, config.max_m)?, config.max_m, 1);
+        let eb = config.output.size();
+        Ok(RingMemory {
+            receive: DeviceMemory::zeroed(gpu, (s.receive_len() * eb).max(16))?,
+            send: DeviceMemory::zeroed(gpu, (s.send_len() * eb).max(16))?,
+            flags: DeviceMemory::zeroed(gpu, 8 * s.flag_words())?,
+            error: MappedHost::new(gpu, ErrorRecord::default())?,
+        })
+    }
+
+    pub(crate) fn peer(&self) -> RingPeer {
+        RingPeer {
+            receive: self.receive.addr(),
+            flags: self.flags.addr(),
+        }
+    }
+}
+
+/// Which parts of a ring call run (the ablation of `bench gemm-rs --ablation`; anything but
+/// [`RingParts::WHOLE`] computes a wrong result and is for timing only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingParts {
+    /// The cuBLASLt GEMMs
+    pub gemms: bool,
+    /// The copy-engine hand-ons
+    pub copies: bool,
+    /// The flag waits and raises (credit and done included)
+    pub flags: bool,
+}
+
+impl RingParts {
+    pub const WHOLE: RingParts = RingParts {
+        gemms: true,
+        copies: true,
+        flags: true,
+    };
+}
+
+/// One rank's ring path.
+pub(crate) struct RingPath {
+    rank: usize,
+    world: usize,
+    config: GemmRsConfig,
+    peers: Vec<RingPeer>,
+    /// Calls queued on this path (the next call's number is one more)
+    calls: u64,
+    lt: Lt,
+    flag: Function,
+    side: Stream,
+    /// Where cuBLASLt's choices are timed ahead of the first call of an M
+    tune: Stream,
+    /// One per piece of a call: its GEMM has been queued
+    piece_done: Vec<Event>,
+    join: Event,
+    /// (M, pieces) whose GEMMs cuBLASLt has chosen algorithms for
+    tuned: HashSet<(usize, usize)>,
+    memory: Launched<RingMemory>,
+    gpu: Arc<Gpu>,
+}
+
+impl RingPath {
+    pub(crate) fn new(
+        gpu: Arc<Gpu>,
+        rank: usize,
+        config: GemmRsConfig,
+        memory: RingMemory,
+        peers: Vec<RingPeer>,
+    ) -> Result<RingPath, CudaError> {
+        let world = peers.len();
+        let compiled = nvrtc::compile(nvrtc::kernel("gemm_rs.cu").expect("embedded"), false)?;
+        let module = Module::load(&gpu, &compiled.cubin)?;
+        let events = (0..world * MAX_PIECES)
+            .map(|_| Event::new_untimed(&gpu))
+            .collect::<Result<_, _>>()?;
+        Ok(RingPath {
+            rank,
+            world,
+            config,
+            peers,
+            calls: 0,
+            lt: Lt::new(&gpu)?,
+            flag: module.function("ring_flag")?,
+            side: Stream::new(&gpu)?,
+            tune: Stream::new(&gpu)?,
+            piece_done: events,
+            join: Event::new_untimed(&gpu)?,
+            tuned: HashSet::new(),
+            memory: Launched::new(&gpu, memory)?,
+            gpu,
+        })
+    }
+
+    fn schedule(&self, m: usize, pieces: usize) -> Result<RingSchedule, CudaError> {
+        Ok(RingSchedule::within(
+            shape(&self.config, self.world, m)?,
+            self.config.max_m,
+            pieces,
+        ))
+    }
+
+    fn problem(&self, rows: usize) -> GemmProblem {
+        GemmProblem {
+            m: rows,
+            n: self.config.n,
+            k: self.config.k,
+            b_layout: self.config.b_layout,
+            input: self.config.input,
+            output: self.config.output,
+        }
+    }
+
+    /// Lets cuBLASLt choose the algorithm of every GEMM of (M, pieces), on stand-in operands,
+    /// before a call queues anything (choosing synchronises a stream, which mid-call could
+    /// wait on a peer that is itself choosing).
+    pub(crate) fn prepare(&mut self, m: usize, pieces: usize) -> Result<(), CudaError> {
+        if self.tuned.contains(&(m, pieces)) {
+            return Ok(());
+        }
+        let s = self.schedule(m, pieces)?;
+        let c = &self.config;
+        let eb_in = c.input.size();
+        let a = DeviceMemory::zeroed(&self.gpu, s.chunk_rows.max(1) * c.k * eb_in)?;
+        let b = DeviceMemory::zeroed(&self.gpu, c.n * c.k * eb_in)?;
+        let mut seen = HashSet::new();
+        for g in s.pieces_of(self.rank) {
+            let bias = c.bias && g.target == RingTarget::Output;
+            if seen.insert((g.rows.len(), bias)) {
+                let problem = self.problem(g.rows.len());
+                // SAFETY: stand-ins sized for the problem on this GPU; tune synchronises
+                unsafe { self.lt.tune(&self.tune, &problem, 0, bias, a.addr(), b.addr())? };
+            }
+        }
+        self.tuned.insert((m, pieces));
+        Ok(())
+    }
+
+    /// # Safety
+    /// The launch's arguments must name flags of live memory (this rank's or a peer's).
+    unsafe fn queue_flag(&self, stream: &Stream, args: RingFlagArgs) -> Result<(), CudaError> {
+        let args = RingFlagArgs {
+            err: self.memory.error.device_addr(),
+            timeout_ns: self.config.timeout.as_nanos() as u64,
+            rank: self.rank as u32,
+            ..args
+        };
+        self.flag.launch(1, 32, stream, &args)
+    }
+
+    /// Queues one call (see the module doc); the caller has checked the arguments.
+    ///
+    /// # Safety
+    /// As [`super::GemmRsRank::forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn enqueue(
+        &mut self,
+        stream: &Stream,
+        m: usize,
+        pieces: usize,
+        (a, b, bias, out): (u64, u64, Option<u64>, u64),
+        parts: RingParts,
+    ) -> Result<(), CudaError> {
+        self.prepare(m, pieces)?;
+        let s = self.schedule(m, pieces)?;
+        let epoch = self.calls + 1;
+        let set = RingSchedule::set_of(epoch);
+        let (n, k) = (self.config.n as u64, self.config.k as u64);
+        let eb = self.config.output.size() as u64;
+        let eb_in = self.config.input.size() as u64;
+        let mem = &*self.memory;
+        let receiver = self.peers[s.receiver(self.rank)];
+        let mut credit_taken = false;
+        for (i, g) in s.pieces_of(self.rank).iter().enumerate() {
+            let within = g.within.start as u64 * n;
+            if let (Some(prev), true) = (g.add, parts.flags) {
+                let index = s.flag_index(set, prev, g.piece);
+                self.queue_flag(
+                    stream,
+                    RingFlagArgs {
+                        wait: mem.flags.addr() + 8 * index as u64,
+                        wait_value: epoch,
+                        wait_cmp: CMP_EQ,
+                        step: g.step as u32,
+                        index: index as u32,
+                        ..Default::default()
+                    },
+                )?;
+            }
+            let (d, bias_here) = match g.target {
+                RingTarget::Send { step } => (
+                    mem.send.addr() + (step as u64 * s.buffer_len() as u64 + within) * eb,
+                    None,
+                ),
+                RingTarget::Output => (out + within * eb, bias),
+            };
+            let c = g.add.map_or(d, |prev| {
+                mem.receive.addr() + (s.receive_offset(set, prev) as u64 + within) * eb
+            });
+            if parts.gemms {
+                let problem = self.problem(g.rows.len());
+                self.lt.matmul_into(
+                    stream,
+                    &problem,
+                    0,
+                    (a + g.rows.start as u64 * k * eb_in, b, c, d),
+                    bias_here,
+                    1.0,
+                    if g.add.is_some() { 1.0 } else { 0.0 },
+                )?;
+            }
+            if let RingTarget::Send { step } = g.target {
+                let done = &self.piece_done[i];
+                done.record(stream)?;
+                self.side.wait_event(done)?;
+                if !credit_taken && parts.flags {
+                    // the receiver has finished reading this set in the call before last
+                    self.queue_flag(
+                        &self.side,
+                        RingFlagArgs {
+                            wait: mem.flags.addr() + 8 * s.done_index() as u64,
+                            wait_value: RingSchedule::credit_before(epoch),
+                            wait_cmp: CMP_GE,
+                            step: g.step as u32,
+                            index: s.done_index() as u32,
+                            ..Default::default()
+                        },
+                    )?;
+                    credit_taken = true;
+                }
+                let to = receiver.receive + (s.receive_offset(set, step) as u64 + within) * eb;
+                if parts.copies {
+                    self.side
+                        .copy_async(to, d, (g.rows.len() as u64 * n * eb) as usize)?;
+                }
+                let index = s.flag_index(set, step, g.piece);
+                if parts.flags {
+                    self.queue_flag(
+                    &self.side,
+                    RingFlagArgs {
+                        raise: receiver.flags + 8 * index as u64,
+                        raise_value: epoch,
+                        ..Default::default()
+                    },
+                    )?;
+                }
+            }
+        }
+        self.join.record(&self.side)?;
+        stream.wait_event(&self.join)?;
+        if self.world > 1 && parts.flags {
+            // this call's receive buffers are read: the sender may reuse the set in two calls
+            let sender = self.peers[s.sender(self.rank)];
+            self.queue_flag(
+                stream,
+                RingFlagArgs {
+                    raise: sender.flags + 8 * s.done_index() as u64,
+                    raise_value: epoch,
+                    ..Default::default()
+                },
+            )?;
+        }
+        self.memory.launched(stream)?;
+        self.calls = epoch;
+        Ok(())
+    }
+
+    /// The diagnosis of a flag wait that timed out, if one did (after the stream synchronised).
+    pub(crate) fn failure(&self) -> Option<String> {
+        let e = self.memory.error.read();
+        if e.flag == 0 {
+            return None;
+        }
+        let what = if e.slot == 0 {
+            "its receiver's done flag (the receive set free again)".to_string()
+        } else {
+            let per_set = (self.world - 1) * MAX_PIECES;
+            let i = e.slot as usize - 1;
+            format!(
+                "the flag of piece {} handed on after step {} (set {})",
+                i % MAX_PIECES,
+                (i % per_set) / MAX_PIECES,
+                i / per_set
+            )
+        };
+        Some(format!(
+            "GEMM + reduce-scatter (ring): rank {} at step {} waited for {what} to reach {}, saw {} after {:?}",
+            e.rank, e.step, e.expected, e.seen, self.config.timeout
+        ))
+    }
+}
