@@ -92,6 +92,9 @@ struct Prepared {
 /// One cuBLASLt handle on one GPU, with its workspace and per-shape cache.
 pub struct Lt {
     gpu: Arc<Gpu>,
+    /// The alignment, in bytes, every operand pointer is promised to have (the heuristic
+    /// offers only algorithms that work with it)
+    alignment: u32,
     handle: sys::cublasLtHandle_t,
     workspace: DeviceMemory,
     cache: Mutex<HashMap<Key, Prepared>>,
@@ -104,6 +107,14 @@ unsafe impl Sync for Lt {}
 
 impl Lt {
     pub fn new(gpu: &Arc<Gpu>) -> Result<Lt, CudaError> {
+        Lt::with_alignment(gpu, 256)
+    }
+
+    /// An Lt whose operands may start on any `alignment`-byte boundary (a multiple of 16; 256,
+    /// cuBLASLt's default, for whole buffers from the allocator). Calls on row pieces of a
+    /// matrix need 16: the heuristic's default assumes 256 and may pick algorithms that fail on
+    /// less.
+    pub fn with_alignment(gpu: &Arc<Gpu>, alignment: u32) -> Result<Lt, CudaError> {
         // SAFETY: only tries to dlopen libcublasLt
         if !unsafe { sys::is_culib_present() } {
             return Err(CudaError::Unavailable(
@@ -113,6 +124,7 @@ impl Lt {
         gpu.bind()?;
         Ok(Lt {
             gpu: gpu.clone(),
+            alignment,
             handle: lt("cublasLtCreate", result::create_handle())?,
             workspace: DeviceMemory::zeroed(gpu, WORKSPACE_BYTES)?,
             cache: Mutex::new(HashMap::new()),
@@ -248,6 +260,27 @@ impl Lt {
                 )
             })
             .and_then(|()| {
+                use sys::cublasLtMatmulPreferenceAttributes_t as A;
+                [
+                    A::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                    A::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    A::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                    A::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                ]
+                .into_iter()
+                .try_for_each(|attr| {
+                    lt(
+                        "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)",
+                        result::set_matmul_pref_attribute(
+                            pref,
+                            attr,
+                            &self.alignment as *const u32 as *const c_void,
+                            std::mem::size_of::<u32>(),
+                        ),
+                    )
+                })
+            })
+            .and_then(|()| {
                 lt(
                     "cublasLtMatmulAlgoGetHeuristic",
                     sys::cublasLtMatmulAlgoGetHeuristic(
@@ -283,7 +316,14 @@ impl Lt {
 
     /// Times every candidate on `a` and `b` into a scratch output (the caller's D is never
     /// touched: with beta ≠ 0 it is an input) and keeps the fastest.
-    fn prepare(&self, key: Key, stream: &Stream, a: u64, b: u64) -> Result<(), CudaError> {
+    fn prepare(
+        &self,
+        key: Key,
+        stream: &Stream,
+        a: u64,
+        b: u64,
+        scratch: Option<u64>,
+    ) -> Result<(), CudaError> {
         let mut cache = self.cache.lock().unwrap();
         if cache.contains_key(&key) {
             return Ok(());
@@ -291,8 +331,14 @@ impl Lt {
         let descriptors = self.descriptors(&key)?;
         let algos = self.candidates(&descriptors)?;
         let p = &key.problem;
-        let scratch = DeviceMemory::zeroed(&self.gpu, p.m * p.n * p.output.size())?;
-        // a bias while choosing: the scratch itself (N elements of the output type, zero)
+        // the caller's scratch, or one of our own (allocating can synchronise the device and
+        // its peers: a caller amid a protocol with other GPUs passes its own)
+        let own = match scratch {
+            Some(_) => None,
+            None => Some(DeviceMemory::zeroed(&self.gpu, p.m * p.n * p.output.size())?),
+        };
+        let scratch_addr = scratch.unwrap_or_else(|| own.as_ref().map_or(0, DeviceMemory::addr));
+        // a bias while choosing: the scratch itself (N elements of the output type)
         // waits for the timed calls before the scratch output is freed, on every path
         let drain = StreamGuard::new(stream);
         let mut best: Option<(usize, f32)> = None;
@@ -300,7 +346,7 @@ impl Lt {
             let call = || {
                 // SAFETY: operands as the caller promised, scratch sized for D, live descriptors
                 unsafe {
-                    let d = scratch.addr();
+                    let d = scratch_addr;
                     let bias = key.bias.then_some(d);
                     self.launch(&descriptors, algo, stream, (a, b, d, d), bias, 1.0, 0.0)
                 }
@@ -439,33 +485,35 @@ impl Lt {
             sms,
             bias: bias.is_some(),
         };
-        self.prepare(key, stream, a, b)?;
+        self.prepare(key, stream, a, b, None)?;
         let cache = self.cache.lock().unwrap();
         let p = &cache[&key];
         self.launch(&p.descriptors, &p.algo, stream, (a, b, c, d), bias, alpha, beta)
     }
 
     /// Chooses the algorithm of `problem` (with or without a bias) ahead of its first call, by
-    /// timing the candidates on `a` and `b` on `stream` (which it synchronises).
+    /// timing the candidates on `a` and `b` into `scratch` on `stream` (which it
+    /// synchronises); allocates nothing.
     ///
     /// # Safety
     /// `a` and `b` must hold at least the problem's operands' sizes of device memory on this
-    /// GPU (their values only steer the timing).
+    /// GPU (their values only steer the timing), `scratch` M×N elements of the output type
+    /// that nothing else uses meanwhile.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn tune(
         &self,
         stream: &Stream,
         problem: &GemmProblem,
         sms: u32,
         bias: bool,
-        a: u64,
-        b: u64,
+        (a, b, scratch): (u64, u64, u64),
     ) -> Result<(), CudaError> {
         let key = Key {
             problem: *problem,
             sms,
             bias,
         };
-        self.prepare(key, stream, a, b)
+        self.prepare(key, stream, a, b, Some(scratch))
     }
 }
 

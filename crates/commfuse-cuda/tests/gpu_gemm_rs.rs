@@ -280,7 +280,7 @@ fn the_operator_says_which_path_it_took() {
     let ranks = GemmRsRank::create_group(&g, config).unwrap();
     assert_eq!(
         ranks[0].path_for(4096).unwrap(),
-        GemmRsPath::Overlapped { pieces: 4 }
+        GemmRsPath::Overlapped { pieces: 2 }
     );
     assert_eq!(
         ranks[0].path_for(1).unwrap(),

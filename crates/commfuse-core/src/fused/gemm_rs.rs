@@ -131,19 +131,27 @@ impl std::fmt::Display for GemmRsPath {
     }
 }
 
-/// Rows a piece of the overlapped path should have at least: below this cuBLASLt's GEMMs lose
-/// more to their small size than the finer pipeline hides (a first figure, to be calibrated).
-pub const PIECE_ROWS: usize = 512;
+/// Rows below which a step of the overlapped path is not cut in two.
+pub const PIECE_ROWS_MIN: usize = 128;
 
-/// The path the cost model takes for `shape`: the overlapped ring, its steps cut into pieces of
-/// about [`PIECE_ROWS`] rows (at most [`super::ring_rs::MAX_PIECES`]), wherever its rows are
-/// whole 16-byte units (cuBLASLt's pieces start on row boundaries); the fused path otherwise.
-/// A pure function of the shape, so every rank of a group picks the same.
+/// The path the cost model takes for `shape`: the overlapped ring wherever its rows are whole
+/// 16-byte units (cuBLASLt's pieces start on row boundaries), the fused path otherwise. Its
+/// steps are cut in two pieces when each keeps at least [`PIECE_ROWS_MIN`] rows: on 2 × H200
+/// two pieces measured fastest at every shape tried (M×N×K = 8192×8192×3584, 2048×8192×3584,
+/// 8192×8192×14336, 1024×8192×3584; 1, 2, 4 and 8 pieces, docs/perf.md): more pieces give
+/// cuBLASLt GEMMs too small to run at full speed, one piece leaves the first hand-on exposed.
+/// The fused path measured slower than the overlapped one at every shape (our GEMM trails
+/// cuBLASLt's by 10–15 % at K = 3584). A pure function of the shape, so every rank of a group
+/// picks the same.
 pub fn choose_path(shape: &GemmRsShape) -> GemmRsPath {
     if !(shape.n * shape.output.size()).is_multiple_of(16) {
         return GemmRsPath::Fused;
     }
-    let pieces = (shape.chunk_rows_max() / PIECE_ROWS).clamp(1, super::ring_rs::MAX_PIECES);
+    let pieces = if shape.chunk_rows_max() >= 2 * PIECE_ROWS_MIN {
+        2
+    } else {
+        1
+    };
     GemmRsPath::Overlapped { pieces }
 }
 

@@ -501,17 +501,14 @@ impl GemmRsRank {
         self.last_path
     }
 
-    /// Prepares what the first call of `m` rows needs (the fused path's GEMMs and tables, the
-    /// overlapped path's cuBLASLt choices): the first call of an M does it, and it synchronises,
-    /// so a caller may do it ahead.
+    /// Prepares what the first call of `m` rows needs on the fused path (its GEMMs and tables,
+    /// uploaded synchronously; the first call of an M does it otherwise). The overlapped path
+    /// needs nothing ahead: its first call of an M lets cuBLASLt choose its algorithms on that
+    /// call's operands, after the calls before it, and waits for that on the host.
     pub fn prepare(&mut self, m: usize) -> Result<(), CudaError> {
         match self.path_for(m)? {
             GemmRsPath::Fused => self.prepare_fused(m),
-            GemmRsPath::Overlapped { pieces } => self
-                .ring
-                .as_mut()
-                .expect("path_for offers the ring only when it was built")
-                .prepare(m, pieces),
+            GemmRsPath::Overlapped { .. } => Ok(()),
         }
     }
 

@@ -77,7 +77,8 @@ impl RingMemory {
         let eb = config.output.size();
         Ok(RingMemory {
             receive: DeviceMemory::zeroed(gpu, (s.receive_len() * eb).max(16))?,
-            send: DeviceMemory::zeroed(gpu, (s.send_len() * eb).max(16))?,
+            // at least one buffer: it is also cuBLASLt's scratch output while choosing
+            send: DeviceMemory::zeroed(gpu, s.send_len().max(s.buffer_len()).max(8) * eb)?,
             flags: DeviceMemory::zeroed(gpu, 8 * s.flag_words())?,
             error: MappedHost::new(gpu, ErrorRecord::default())?,
         })
@@ -130,7 +131,8 @@ pub(crate) struct RingPath {
     /// (M, pieces) whose GEMMs cuBLASLt has chosen algorithms for
     tuned: HashSet<(usize, usize)>,
     memory: Launched<RingMemory>,
-    gpu: Arc<Gpu>,
+    /// Keeps the context alive until the memory above is freed (fields drop in order)
+    _gpu: Arc<Gpu>,
 }
 
 impl RingPath {
@@ -153,7 +155,8 @@ impl RingPath {
             config,
             peers,
             calls: 0,
-            lt: Lt::new(&gpu)?,
+            // the pieces start on row boundaries: 16 bytes is all their pointers promise
+            lt: Lt::with_alignment(&gpu, 16)?,
             flag: module.function("ring_flag")?,
             side: Stream::new(&gpu)?,
             tune: Stream::new(&gpu)?,
@@ -161,7 +164,7 @@ impl RingPath {
             join: Event::new_untimed(&gpu)?,
             tuned: HashSet::new(),
             memory: Launched::new(&gpu, memory)?,
-            gpu,
+            _gpu: gpu,
         })
     }
 
@@ -184,28 +187,37 @@ impl RingPath {
         }
     }
 
-    /// Lets cuBLASLt choose the algorithm of every GEMM of (M, pieces), on stand-in operands,
-    /// before a call queues anything (choosing synchronises a stream, which mid-call could
-    /// wait on a peer that is itself choosing).
-    pub(crate) fn prepare(&mut self, m: usize, pieces: usize) -> Result<(), CudaError> {
-        if self.tuned.contains(&(m, pieces)) {
+    /// Lets cuBLASLt choose the algorithm of every GEMM of (M, pieces) before the call queues
+    /// anything, timing the candidates on the call's own A and B into the send buffer. The
+    /// timing runs after everything queued on `stream` so far (the earlier calls, whose GEMMs
+    /// share cuBLASLt's workspace and whose copies read the send buffer), and the host waits
+    /// for it. Nothing is allocated: an allocation can wait for the peers' GPUs, which may be
+    /// spinning on flags this call has yet to raise.
+    ///
+    /// # Safety
+    /// `a` and `b` as for the call.
+    unsafe fn prepare(
+        &mut self,
+        stream: &Stream,
+        s: &RingSchedule,
+        a: u64,
+        b: u64,
+    ) -> Result<(), CudaError> {
+        if self.tuned.contains(&(s.shape.m, s.pieces)) {
             return Ok(());
         }
-        let s = self.schedule(m, pieces)?;
-        let c = &self.config;
-        let eb_in = c.input.size();
-        let a = DeviceMemory::zeroed(&self.gpu, s.chunk_rows.max(1) * c.k * eb_in)?;
-        let b = DeviceMemory::zeroed(&self.gpu, c.n * c.k * eb_in)?;
+        self.join.record(stream)?;
+        self.tune.wait_event(&self.join)?;
+        let scratch = self.memory.send.addr();
         let mut seen = HashSet::new();
         for g in s.pieces_of(self.rank) {
-            let bias = c.bias && g.target == RingTarget::Output;
+            let bias = self.config.bias && g.target == RingTarget::Output;
             if seen.insert((g.rows.len(), bias)) {
                 let problem = self.problem(g.rows.len());
-                // SAFETY: stand-ins sized for the problem on this GPU; tune synchronises
-                unsafe { self.lt.tune(&self.tune, &problem, 0, bias, a.addr(), b.addr())? };
+                self.lt.tune(&self.tune, &problem, 0, bias, (a, b, scratch))?;
             }
         }
-        self.tuned.insert((m, pieces));
+        self.tuned.insert((s.shape.m, s.pieces));
         Ok(())
     }
 
@@ -234,8 +246,8 @@ impl RingPath {
         (a, b, bias, out): (u64, u64, Option<u64>, u64),
         parts: RingParts,
     ) -> Result<(), CudaError> {
-        self.prepare(m, pieces)?;
         let s = self.schedule(m, pieces)?;
+        self.prepare(stream, &s, a, b)?;
         let epoch = self.calls + 1;
         let set = RingSchedule::set_of(epoch);
         let (n, k) = (self.config.n as u64, self.config.k as u64);
