@@ -770,6 +770,29 @@ impl Stream {
         )
     }
 
+    /// Enqueues a copy of `bytes` from `src` in context `src_ctx` to `dst` in context `dst_ctx`
+    /// (another GPU's, peer access enabled) by the copy engine. Unlike a plain copy between
+    /// two GPUs' addresses, which the driver may hold until the destination GPU's running
+    /// work finishes, this one waits for nothing on the other GPU: a kernel there may spin on
+    /// a flag that only this stream's later work raises.
+    ///
+    /// # Safety
+    /// Both ranges must stay valid device memory of their contexts until the copy completes.
+    pub unsafe fn copy_peer_async(
+        &self,
+        (dst_ctx, dst): (sys::CUcontext, u64),
+        (src_ctx, src): (sys::CUcontext, u64),
+        bytes: usize,
+    ) -> Result<(), CudaError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        drv(
+            "cuMemcpyPeerAsync",
+            result::memcpy_peer_async(dst_ctx, dst, src_ctx, src, bytes, self.raw),
+        )
+    }
+
     /// Enqueues setting `bytes` bytes at device address `dst` to `value`.
     ///
     /// # Safety

@@ -298,7 +298,11 @@ impl GemmRsAllocation {
         GemmRsPeer {
             receive: self.memory.receive.addr(),
             flags: self.memory.flags.addr(),
-            ring: self.ring.as_ref().map(RingMemory::peer).unwrap_or_default(),
+            ring: self
+                .ring
+                .as_ref()
+                .map(|r| r.peer(&self.gpu))
+                .unwrap_or_default(),
         }
     }
 

@@ -24,6 +24,17 @@ use commfuse_core::gemm::GemmProblem;
 use std::collections::HashSet;
 use std::sync::Arc;
 
+/// With COMMFUSE_TRACE_RING set: when each rank reaches each stage of a call (to stderr).
+fn trace(rank: usize, call: u64, what: &str) {
+    static START: std::sync::OnceLock<Option<std::time::Instant>> = std::sync::OnceLock::new();
+    let start = START.get_or_init(|| {
+        std::env::var_os("COMMFUSE_TRACE_RING").map(|_| std::time::Instant::now())
+    });
+    if let Some(t) = start {
+        eprintln!("ring: {:>10.3} ms rank {rank} call {call} {what}", t.elapsed().as_secs_f64() * 1e3);
+    }
+}
+
 /// Mirrors `RingFlagArgs` in kernels/gemm_rs.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -45,11 +56,14 @@ const _: () = assert!(std::mem::offset_of!(RingFlagArgs, wait_cmp) == 48);
 const CMP_EQ: u32 = 0;
 const CMP_GE: u32 = 1;
 
-/// What a rank shares with its peers for the ring: its receive buffers and flag words.
+/// What a rank shares with its peers for the ring: its receive buffers and flag words, and
+/// the context they belong to (a raw `CUcontext` of this process; 0 when they are mapped into
+/// each peer's own context, as memory shared between processes is).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RingPeer {
     pub receive: u64,
     pub flags: u64,
+    pub context: u64,
 }
 
 /// The ring's memory, freed only after the last call that used it.
@@ -84,10 +98,11 @@ impl RingMemory {
         })
     }
 
-    pub(crate) fn peer(&self) -> RingPeer {
+    pub(crate) fn peer(&self, gpu: &Gpu) -> RingPeer {
         RingPeer {
             receive: self.receive.addr(),
             flags: self.flags.addr(),
+            context: gpu.raw_ctx() as u64,
         }
     }
 }
@@ -247,7 +262,9 @@ impl RingPath {
         parts: RingParts,
     ) -> Result<(), CudaError> {
         let s = self.schedule(m, pieces)?;
+        trace(self.rank, self.calls + 1, "prepare");
         self.prepare(stream, &s, a, b)?;
+        trace(self.rank, self.calls + 1, "enqueue");
         let epoch = self.calls + 1;
         let set = RingSchedule::set_of(epoch);
         let (n, k) = (self.config.n as u64, self.config.k as u64);
@@ -315,8 +332,16 @@ impl RingPath {
                 }
                 let to = receiver.receive + (s.receive_offset(set, step) as u64 + within) * eb;
                 if parts.copies {
-                    self.side
-                        .copy_async(to, d, (g.rows.len() as u64 * n * eb) as usize)?;
+                    let bytes = (g.rows.len() as u64 * n * eb) as usize;
+                    if receiver.context == 0 {
+                        self.side.copy_async(to, d, bytes)?;
+                    } else {
+                        // a peer copy names both contexts (see copy_peer_async)
+                        let ctx = |c: u64| c as usize as cudarc::driver::sys::CUcontext;
+                        let own = ctx(self.peers[self.rank].context);
+                        self.side
+                            .copy_peer_async((ctx(receiver.context), to), (own, d), bytes)?;
+                    }
                 }
                 let index = s.flag_index(set, step, g.piece);
                 if parts.flags {
@@ -347,6 +372,7 @@ impl RingPath {
         }
         self.memory.launched(stream)?;
         self.calls = epoch;
+        trace(self.rank, epoch, "queued");
         Ok(())
     }
 
