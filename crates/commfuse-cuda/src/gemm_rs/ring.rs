@@ -66,6 +66,26 @@ pub struct RingPeer {
     pub context: u64,
 }
 
+/// Queues the copy of `bytes` from `from` (on rank `me`) to `to` (on rank `receiver`) on
+/// `stream`: a peer copy naming both contexts when the receiver's memory belongs to another
+/// context of this process (see [`Stream::copy_peer_async`]), a plain copy when it is mapped
+/// into ours.
+///
+/// # Safety
+/// Both ranges must stay valid until the copy completes.
+unsafe fn hand_on(
+    stream: &Stream,
+    (receiver, to): (RingPeer, u64),
+    (me, from): (RingPeer, u64),
+    bytes: usize,
+) -> Result<(), CudaError> {
+    if receiver.context == 0 || me.context == 0 {
+        return stream.copy_async(to, from, bytes);
+    }
+    let ctx = |c: u64| c as usize as cudarc::driver::sys::CUcontext;
+    stream.copy_peer_async((ctx(receiver.context), to), (ctx(me.context), from), bytes)
+}
+
 /// The ring's memory, freed only after the last call that used it.
 pub(crate) struct RingMemory {
     receive: DeviceMemory,
@@ -164,6 +184,24 @@ impl RingPath {
         let events = (0..world * MAX_PIECES)
             .map(|_| Event::new_untimed(&gpu))
             .collect::<Result<_, _>>()?;
+        let side = Stream::new(&gpu)?;
+        if world > 1 {
+            // The first copy between two GPUs' contexts holds the host until the destination GPU
+            // is idle (measured: 5 s stalls, while that GPU spun on a flag this rank had yet to
+            // raise). Make that first copy here, while nothing spins: 16 bytes of the send
+            // buffer into the start of the receiver's receive buffers, not read before a flag.
+            let receiver = peers[(rank + world - 1) % world];
+            // SAFETY: both buffers hold at least 16 bytes and outlive the synchronisation
+            unsafe {
+                hand_on(
+                    &side,
+                    (receiver, receiver.receive),
+                    (peers[rank], memory.send.addr()),
+                    16,
+                )?
+            };
+            side.synchronize()?;
+        }
         Ok(RingPath {
             rank,
             world,
@@ -173,7 +211,7 @@ impl RingPath {
             // the pieces start on row boundaries: 16 bytes is all their pointers promise
             lt: Lt::with_alignment(&gpu, 16)?,
             flag: module.function("ring_flag")?,
-            side: Stream::new(&gpu)?,
+            side,
             tune: Stream::new(&gpu)?,
             piece_done: events,
             join: Event::new_untimed(&gpu)?,
@@ -299,6 +337,7 @@ impl RingPath {
             let c = g.add.map_or(d, |prev| {
                 mem.receive.addr() + (s.receive_offset(set, prev) as u64 + within) * eb
             });
+            trace(self.rank, epoch, "gemm");
             if parts.gemms {
                 let problem = self.problem(g.rows.len());
                 self.lt.matmul_into(
@@ -312,6 +351,7 @@ impl RingPath {
                 )?;
             }
             if let RingTarget::Send { step } = g.target {
+                trace(self.rank, epoch, "record");
                 let done = &self.piece_done[i];
                 done.record(stream)?;
                 self.side.wait_event(done)?;
@@ -331,18 +371,12 @@ impl RingPath {
                     credit_taken = true;
                 }
                 let to = receiver.receive + (s.receive_offset(set, step) as u64 + within) * eb;
+                trace(self.rank, epoch, "copy");
                 if parts.copies {
                     let bytes = (g.rows.len() as u64 * n * eb) as usize;
-                    if receiver.context == 0 {
-                        self.side.copy_async(to, d, bytes)?;
-                    } else {
-                        // a peer copy names both contexts (see copy_peer_async)
-                        let ctx = |c: u64| c as usize as cudarc::driver::sys::CUcontext;
-                        let own = ctx(self.peers[self.rank].context);
-                        self.side
-                            .copy_peer_async((ctx(receiver.context), to), (own, d), bytes)?;
-                    }
+                    hand_on(&self.side, (receiver, to), (self.peers[self.rank], d), bytes)?;
                 }
+                trace(self.rank, epoch, "raise");
                 let index = s.flag_index(set, step, g.piece);
                 if parts.flags {
                     self.queue_flag(
@@ -356,8 +390,10 @@ impl RingPath {
                 }
             }
         }
+        trace(self.rank, epoch, "join");
         self.join.record(&self.side)?;
         stream.wait_event(&self.join)?;
+        trace(self.rank, epoch, "done");
         if self.world > 1 && parts.flags {
             // this call's receive buffers are read: the sender may reuse the set in two calls
             let sender = self.peers[s.sender(self.rank)];
