@@ -19,7 +19,7 @@ use crate::error::CudaError;
 use crate::gemm::{InUse, Launched};
 use crate::nvrtc;
 use crate::plan_table::ErrorRecord;
-use commfuse_core::fused::ring_rs::{RingSchedule, RingTarget, MAX_PIECES};
+use commfuse_core::fused::ring_rs::{RingPiece, RingSchedule, RingTarget, MAX_PIECES};
 use commfuse_core::gemm::GemmProblem;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -241,10 +241,10 @@ impl RingPath {
     }
 
     /// Lets cuBLASLt choose the algorithm of every GEMM of (M, pieces) before the call queues
-    /// anything, timing the candidates on the call's own A and B into the send buffer. The
-    /// timing runs after everything queued on `stream` so far (the earlier calls, whose GEMMs
-    /// share cuBLASLt's workspace and whose copies read the send buffer), and the host waits
-    /// for it. Nothing is allocated: an allocation can wait for the peers' GPUs, which may be
+    /// anything, timing the candidates on the call's own A and B into the send buffer. It
+    /// waits for everything queued on `stream` so far (the earlier calls, whose GEMMs share
+    /// cuBLASLt's workspace and whose copies read the send buffer), and the host waits for the
+    /// timing. Nothing is allocated: an allocation can wait for the peers' GPUs, which may be
     /// spinning on flags this call has yet to raise.
     ///
     /// # Safety
@@ -259,7 +259,18 @@ impl RingPath {
         if self.tuned.contains(&(s.shape.m, s.pieces)) {
             return Ok(());
         }
+        // The earlier calls first, on the host too: loading a kernel (cuBLASLt does at a
+        // first launch) holds this context until the GPU is idle, and a peer's copy into our
+        // memory needs this context meanwhile; with a flag wait of ours still spinning, that
+        // peer might be the one it waits for. Bounded: every wait of the earlier calls is.
         self.join.record(stream)?;
+        let limit = 4 * self.config.timeout;
+        if !crate::host_sync::poll_until(limit, || self.join.is_done())? {
+            return Err(CudaError::Unavailable(format!(
+                "GEMM + reduce-scatter (ring): rank {}'s earlier calls still run after {limit:?}",
+                self.rank
+            )));
+        }
         self.tune.wait_event(&self.join)?;
         let scratch = self.memory.send.addr();
         let mut seen = HashSet::new();
@@ -270,8 +281,45 @@ impl RingPath {
                 self.lt.tune(&self.tune, &problem, 0, bias, (a, b, scratch))?;
             }
         }
+        // Each piece's GEMM once, in the very form of the call (C read with beta = 1, the bias
+        // epilogue), into the scratch: cuBLASLt may load a kernel variant at its first launch,
+        // and loading holds the context until the GPU is idle, which it is not while a flag
+        // wait of the call spins (measured: 5 s stalls at first calls). Loaded here, nothing
+        // spins yet.
+        let set = RingSchedule::set_of(self.calls + 1);
+        for g in s.pieces_of(self.rank) {
+            let bias = (self.config.bias && g.target == RingTarget::Output).then_some(scratch);
+            self.piece_gemm(&self.tune, s, &g, set, (a, b, bias, scratch))?;
+        }
+        self.tune.synchronize()?;
         self.tuned.insert((s.shape.m, s.pieces));
         Ok(())
+    }
+
+    /// Queues piece `g`'s GEMM of call set `set` into `d` (with `bias`): A's rows of the piece
+    /// times B, plus the received running sum when the piece adds one.
+    ///
+    /// # Safety
+    /// `a`, `b`, `bias` as for the call; `d` the piece's rows × N elements.
+    unsafe fn piece_gemm(
+        &self,
+        stream: &Stream,
+        s: &RingSchedule,
+        g: &RingPiece,
+        set: usize,
+        (a, b, bias, d): (u64, u64, Option<u64>, u64),
+    ) -> Result<(), CudaError> {
+        let c = &self.config;
+        let (n, eb) = (c.n as u64, c.output.size() as u64);
+        let within = g.within.start as u64 * n;
+        let add = g.add.map(|prev| {
+            self.memory.receive.addr() + (s.receive_offset(set, prev) as u64 + within) * eb
+        });
+        let a = a + g.rows.start as u64 * c.k as u64 * c.input.size() as u64;
+        let beta = if add.is_some() { 1.0 } else { 0.0 };
+        let problem = self.problem(g.rows.len());
+        self.lt
+            .matmul_into(stream, &problem, 0, (a, b, add.unwrap_or(d), d), bias, 1.0, beta)
     }
 
     /// # Safety
@@ -305,9 +353,8 @@ impl RingPath {
         trace(self.rank, self.calls + 1, "enqueue");
         let epoch = self.calls + 1;
         let set = RingSchedule::set_of(epoch);
-        let (n, k) = (self.config.n as u64, self.config.k as u64);
+        let n = self.config.n as u64;
         let eb = self.config.output.size() as u64;
-        let eb_in = self.config.input.size() as u64;
         let mem = &*self.memory;
         let receiver = self.peers[s.receiver(self.rank)];
         let mut credit_taken = false;
@@ -334,21 +381,9 @@ impl RingPath {
                 ),
                 RingTarget::Output => (out + within * eb, bias),
             };
-            let c = g.add.map_or(d, |prev| {
-                mem.receive.addr() + (s.receive_offset(set, prev) as u64 + within) * eb
-            });
             trace(self.rank, epoch, "gemm");
             if parts.gemms {
-                let problem = self.problem(g.rows.len());
-                self.lt.matmul_into(
-                    stream,
-                    &problem,
-                    0,
-                    (a + g.rows.start as u64 * k * eb_in, b, c, d),
-                    bias_here,
-                    1.0,
-                    if g.add.is_some() { 1.0 } else { 0.0 },
-                )?;
+                self.piece_gemm(stream, &s, g, set, (a, b, bias_here, d))?;
             }
             if let RingTarget::Send { step } = g.target {
                 trace(self.rank, epoch, "record");
