@@ -14,11 +14,12 @@
 //! piece j + 1 is computed, and the next rank's step s + 1 starts on piece j as soon as piece
 //! j's flag is up. Only the transfer of the first piece is exposed at each rank's start.
 //!
-//! Receive buffers and flags come in two sets, used by alternate calls. Before its first hand-on
-//! of call c, a sender waits until its receiver has finished call c − 2 (the receiver raises a
-//! "done" flag on its sender at the end of every call), so it never writes into a set that is
-//! still being read; in steady state that flag is long up. Flags hold call numbers (from 1) and
-//! are never cleared.
+//! At the end of every call a receiver raises a "done" flag on its sender, and a call ends on a
+//! rank only once its own receiver's done has come: then no peer writes into that rank's memory
+//! any more for the call. Receive buffers and flags come in two sets, used by alternate calls,
+//! and before its first hand-on of call c a sender also checks that its receiver has finished
+//! call c − 2 (so the sets stay safe should the end-of-call wait ever be relaxed). Flags hold
+//! call numbers (from 1) and are never cleared.
 //!
 //! Rounding: the running sum is rounded to the output type after every step (P − 1 times), where
 //! the fused path rounds each partial once; [`super::gemm_rs::element_bound`] covers both.

@@ -8,9 +8,12 @@
 //! engine: no SM is taken from the GEMMs) and raise its flag there. A piece that adds a received
 //! running sum is preceded on the caller's stream by a wait for that flag; its GEMM reads the
 //! sum as C with beta = 1, so the reduction costs no pass of its own. The caller's stream waits
-//! for the side stream at the end of the call (the send buffers are free again), then tells the
-//! sender that this call's receive buffers are read ("done"); a sender's first copy of a call
-//! waits for the done of the call two before (the same set).
+//! for the side stream at the end of the call (the send buffers are free again), tells the
+//! sender that this call's receive buffers are read ("done"), and waits for the receiver's
+//! done: when a call ends on a rank, no peer writes into its memory any more, so back-to-back
+//! calls need nothing else and an operator may be dropped in any order once its stream is past
+//! its last call. (A sender's first copy of a call also waits for the done of the call two
+//! before, the same set; with the end-of-call wait that always holds at once.)
 
 use super::{shape, GemmRsConfig};
 use crate::cublaslt::Lt;
@@ -440,6 +443,20 @@ impl RingPath {
                     ..Default::default()
                 },
             )?;
+            // and the call ends once the receiver has said the same: after that no peer
+            // writes into this rank's memory for this call, so the memory may be freed as soon
+            // as the caller's stream is past the call
+            self.queue_flag(
+                stream,
+                RingFlagArgs {
+                    wait: mem.flags.addr() + 8 * s.done_index() as u64,
+                    wait_value: epoch,
+                    wait_cmp: CMP_GE,
+                    step: s.shape.world as u32,
+                    index: s.done_index() as u32,
+                    ..Default::default()
+                },
+            )?;
         }
         self.memory.launched(stream)?;
         self.calls = epoch;
@@ -454,7 +471,7 @@ impl RingPath {
             return None;
         }
         let what = if e.slot == 0 {
-            "its receiver's done flag (the receive set free again)".to_string()
+            "its receiver's done flag (the receiver has finished a call)".to_string()
         } else {
             let per_set = (self.world - 1) * MAX_PIECES;
             let i = e.slot as usize - 1;
