@@ -21,6 +21,7 @@ pub mod executor;
 pub mod gemm;
 pub mod gemm_rs;
 pub mod protocol;
+pub mod ring_rs;
 pub mod signal;
 pub mod world;
 

@@ -1,14 +1,16 @@
-//! Fused GEMM + reduce-scatter on the simulator against a float64 reference: every output
-//! element of every rank, P = 1..9, ragged shapes, both B layouts, bf16 and f16 inputs with
-//! 16-bit and f32 outputs, with and without bias; outputs poisoned before each call; three
-//! back-to-back calls with fresh inputs and M going down then up past the first (so a flag set
-//! sees a larger M after a smaller one), with no barrier between calls.
+//! GEMM + reduce-scatter on the simulator against a float64 reference, both paths (the fused
+//! tile schedule and the overlapped ring): every output element of every rank, P = 1..9, ragged
+//! shapes, both B layouts, bf16 and f16 inputs with 16-bit and f32 outputs, with and without
+//! bias; outputs poisoned before each call; three back-to-back calls with fresh inputs and M
+//! going down then up past the first (so a flag set sees a larger M after a smaller one), with
+//! no barrier between calls.
 
 use commfuse_core::backend::BackendError;
-use commfuse_core::fused::gemm_rs::{check_elements, reference};
+use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath};
 use commfuse_core::gemm::{BLayout, TileShape};
 use commfuse_core::{DType, Element};
 use commfuse_sim::gemm_rs::{CallInputs, GemmRsConfig, SimGemmReduceScatter, GPU_TILE};
+use commfuse_sim::ring_rs::SimRingReduceScatter;
 use commfuse_sim::{World, WorldConfig};
 use half::{bf16, f16};
 use std::sync::Mutex;
@@ -29,17 +31,48 @@ fn world_for(config: &GemmRsConfig, timeout: Duration) -> World {
     .unwrap()
 }
 
-/// Runs `ms.len()` back-to-back calls (max M = the largest) on every rank and checks every
-/// output element of every call; returns the failures, one line each.
+/// Either path's operator.
+enum AnyOp<TI: Element, TO: Element> {
+    Fused(SimGemmReduceScatter<TI, TO>),
+    Ring(SimRingReduceScatter<TI, TO>),
+}
+
+impl<TI: Element, TO: Element> AnyOp<TI, TO> {
+    fn new(world: &World, config: GemmRsConfig, path: GemmRsPath) -> Self {
+        match path {
+            GemmRsPath::Fused => AnyOp::Fused(SimGemmReduceScatter::new(world, config).unwrap()),
+            GemmRsPath::Overlapped { pieces } => {
+                AnyOp::Ring(SimRingReduceScatter::new(world, config, pieces).unwrap())
+            }
+        }
+    }
+
+    fn forward(
+        &self,
+        ctx: &commfuse_sim::RankContext<'_>,
+        m: usize,
+        (a, b, bias): (&[TI], &[TI], Option<&[TO]>),
+        out: &mut [TO],
+    ) -> Result<(), BackendError> {
+        match self {
+            AnyOp::Fused(op) => op.forward(ctx, m, a, b, bias, out),
+            AnyOp::Ring(op) => op.forward(ctx, m, a, b, bias, out),
+        }
+    }
+}
+
+/// Runs `ms.len()` back-to-back calls (max M = the largest) on every rank by `path` and checks
+/// every output element of every call; returns the failures, one line each.
 fn run_calls<TI: Element, TO: Element>(
     config: GemmRsConfig,
+    path: GemmRsPath,
     ms: &[usize],
     seed: u64,
 ) -> Vec<String> {
     let p = config.world;
     let (n, k) = (config.n, config.k);
     let world = world_for(&config, Duration::from_secs(20));
-    let op = SimGemmReduceScatter::<TI, TO>::new(&world, config).unwrap();
+    let op = AnyOp::<TI, TO>::new(&world, config, path);
     let CallInputs { a, b, bias } = CallInputs::<TI, TO>::random(&config, ms, seed);
     // outputs of the largest chunk, poisoned: rows past a call's chunk must stay poisoned
     let out_len = config.max_m.div_ceil(p) * n;
@@ -51,7 +84,8 @@ fn run_calls<TI: Element, TO: Element>(
             let r = ctx.rank();
             let mut outs = outs[r].lock().unwrap();
             for (c, &m) in ms.iter().enumerate() {
-                op.forward(ctx, m, &a[c][r], &b[c][r], bias[c].as_deref(), &mut outs[c])?;
+                let operands = (a[c][r].as_slice(), b[c][r].as_slice(), bias[c].as_deref());
+                op.forward(ctx, m, operands, &mut outs[c])?;
             }
             Ok(())
         })
@@ -64,7 +98,8 @@ fn run_calls<TI: Element, TO: Element>(
         for (r, out) in outs.iter().enumerate() {
             let out = &out.lock().unwrap()[c];
             let want = reference(&shape, r, &a, &b, bias[c].as_deref());
-            let check = check_elements(&shape, out[..want.len()].iter().map(|x| x.to_f64()), &want);
+            let got = out[..want.len()].iter().map(|x| x.to_f64());
+            let check = check_elements_on(&shape, path, got, &want);
             if !check.passed() {
                 failures.push(format!("call {c} (M={m}) rank {r}: {check}"));
             }
@@ -80,7 +115,7 @@ fn run_calls<TI: Element, TO: Element>(
         .into_iter()
         .map(|f| {
             format!(
-                "P={p} N={n} K={k} {:?} {}→{} bias {} tile {:?}: {f}",
+                "{path} P={p} N={n} K={k} {:?} {}→{} bias {} tile {:?}: {f}",
                 config.b_layout, config.input, config.output, config.bias, config.tile
             )
         })
@@ -127,16 +162,27 @@ fn run_variant(
     tile: TileShape,
     seed: u64,
 ) -> Vec<String> {
+    run_variant_on(GemmRsPath::Fused, p, (m, n, k), (layout, input, output, bias), tile, seed)
+}
+
+fn run_variant_on(
+    path: GemmRsPath,
+    p: usize,
+    (m, n, k): (usize, usize, usize),
+    (layout, input, output, bias): (BLayout, DType, DType, bool),
+    tile: TileShape,
+    seed: u64,
+) -> Vec<String> {
     let config = GemmRsConfig {
         tile,
         ..GemmRsConfig::new(p, m, n, k, layout, input, output, bias)
     };
     let ms = call_ms(m);
     match (input, output) {
-        (DType::BF16, DType::BF16) => run_calls::<bf16, bf16>(config, &ms, seed),
-        (DType::BF16, DType::F32) => run_calls::<bf16, f32>(config, &ms, seed),
-        (DType::F16, DType::F16) => run_calls::<f16, f16>(config, &ms, seed),
-        (DType::F16, DType::F32) => run_calls::<f16, f32>(config, &ms, seed),
+        (DType::BF16, DType::BF16) => run_calls::<bf16, bf16>(config, path, &ms, seed),
+        (DType::BF16, DType::F32) => run_calls::<bf16, f32>(config, path, &ms, seed),
+        (DType::F16, DType::F16) => run_calls::<f16, f16>(config, path, &ms, seed),
+        (DType::F16, DType::F32) => run_calls::<f16, f32>(config, path, &ms, seed),
         other => unreachable!("no such variant {other:?}"),
     }
 }
@@ -205,6 +251,66 @@ fn the_gpu_tile_with_several_bands_per_chunk() {
     let variant = (BLayout::NK, DType::BF16, DType::BF16, true);
     assert_none(run_variant(1, (300, 300, 8), variant, GPU_TILE, 1));
     assert_none(run_variant(2, (600, 300, 8), variant, GPU_TILE, 2));
+}
+
+#[test]
+fn the_overlapped_ring_matches_the_reference_on_one_to_three_ranks() {
+    let mut failures = Vec::new();
+    for p in 1..=3 {
+        for (s, shape) in shapes(p).into_iter().enumerate() {
+            for (v, variant) in variants().into_iter().enumerate() {
+                // one piece, two, and more pieces than some chunks have rows
+                let pieces = 1 + (s + v) % 3;
+                let path = GemmRsPath::Overlapped { pieces };
+                let seed = (p * 100 + s * 20 + v) as u64;
+                failures.extend(run_variant_on(path, p, shape, variant, SMALL_TILE, seed));
+            }
+        }
+    }
+    assert_none(failures);
+}
+
+#[test]
+fn the_overlapped_ring_matches_the_reference_on_four_to_nine_ranks() {
+    let variants = variants();
+    let mut failures = Vec::new();
+    for p in 4..=9 {
+        for (s, shape) in shapes(p).into_iter().enumerate() {
+            for i in 0..2 {
+                let v = (p * 5 + s * 3 + i * 8) % variants.len();
+                let path = GemmRsPath::Overlapped { pieces: 1 + i * 2 };
+                let seed = (p * 100 + s * 20 + v) as u64;
+                failures.extend(run_variant_on(path, p, shape, variants[v], GPU_TILE, seed));
+            }
+        }
+    }
+    assert_none(failures);
+}
+
+#[test]
+fn a_peer_that_never_arrives_at_the_ring_ends_in_a_diagnosed_error() {
+    let config = bf16_config(2, 10, 16, 8);
+    let world = world_for(&config, Duration::from_millis(300));
+    let op = SimRingReduceScatter::<bf16, bf16>::new(&world, config, 2).unwrap();
+    let (a, b) = (vec![bf16::ONE; 10 * 8], vec![bf16::ONE; 16 * 8]);
+    let err = world
+        .run(|ctx| {
+            let mut out = vec![bf16::ZERO; 5 * 16];
+            if ctx.rank() == 1 {
+                return Ok(()); // rank 1 never calls
+            }
+            op.forward(ctx, 10, &a, &b, None, &mut out)
+        })
+        .err()
+        .unwrap();
+    let text = one_line(err);
+    assert!(
+        text.contains("(ring) rank 0 waits for the running sum of piece 0 after step 0")
+            && text.contains("to reach 1, sees 0"),
+        "{text}"
+    );
+    let refused = SimRingReduceScatter::<bf16, bf16>::new(&world, config, 17).err();
+    assert!(one_line(refused.unwrap()).contains("1 to 16 pieces"));
 }
 
 fn bf16_config(p: usize, max_m: usize, n: usize, k: usize) -> GemmRsConfig {

@@ -1,0 +1,263 @@
+//! The overlapped path of GEMM + reduce-scatter on the simulator: the ring of
+//! [`commfuse_core::fused::ring_rs`] with the GPU path's protocol (`commfuse_cuda`'s
+//! `gemm_rs::ring`), one call per rank thread.
+//!
+//! Per piece: wait until the running sum's flag holds this call's number (when the piece adds
+//! one), compute the piece's GEMM with the model of [`crate::gemm`] (f32 accumulation, the
+//! running sum as C with beta = 1, the bias at the last step) into this rank's send buffer,
+//! then hand it on (a store into the receiver's receive buffer, then its flag) or copy it into
+//! the output. Before its first hand-on of a call a sender checks that its receiver has
+//! finished the call two before (same set); at the end of a call a rank raises "done" on its
+//! sender and waits for its receiver's. Flags live on the world's signal pads (one word per
+//! flag of the schedule's layout, row-major over the pad's columns) and hold call numbers.
+
+use crate::buffer::SymmetricBuffer;
+use crate::gemm::{run_gemm, Operands};
+use crate::gemm_rs::GemmRsConfig;
+use crate::world::{RankContext, World};
+use commfuse_core::backend::BackendError;
+use commfuse_core::fused::ring_rs::{RingSchedule, RingTarget};
+use commfuse_core::gemm::{Epilogue, GemmPlan};
+use commfuse_core::{Cmp, Element, NotifyOp, Slot};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+fn unavailable(msg: String) -> BackendError {
+    BackendError::Unavailable(msg)
+}
+
+/// The overlapped GEMM + reduce-scatter for every rank of one simulated world, built once and
+/// called many times (each rank thread calls [`forward`](Self::forward)). It owns the first
+/// rows of the world's signal pads that its flags need ([`SimRingReduceScatter::pad_rows`]).
+pub struct SimRingReduceScatter<TI: Element, TO: Element> {
+    config: GemmRsConfig,
+    pieces: usize,
+    /// Per rank: 2 sets × (P − 1) buffers of the longest chunk
+    receive: SymmetricBuffer<TO>,
+    /// Per rank: one piece's product before it is handed on
+    send: SymmetricBuffer<TO>,
+    pad_cols: usize,
+    /// Per rank, calls it has made (only that rank's thread touches it)
+    calls: Vec<AtomicU64>,
+    broken: AtomicBool,
+    world_id: usize,
+    _input: PhantomData<fn() -> TI>,
+}
+
+impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
+    /// Signal pad rows the flags of `config` need on a pad of `pad_cols` columns.
+    pub fn pad_rows(config: &GemmRsConfig, pad_cols: usize) -> Result<usize, BackendError> {
+        let s = RingSchedule::within(config.shape(config.max_m)?, config.max_m, 1);
+        Ok(s.flag_words().div_ceil(pad_cols.max(1)))
+    }
+
+    /// Builds the operator for `world`, each ring step cut into `pieces` row pieces.
+    pub fn new(world: &World, config: GemmRsConfig, pieces: usize) -> Result<Self, BackendError> {
+        if config.input != TI::DTYPE || config.output != TO::DTYPE {
+            return Err(unavailable(format!(
+                "GEMM + reduce-scatter configured for {} → {} but built with {} → {} buffers",
+                config.input,
+                config.output,
+                TI::DTYPE,
+                TO::DTYPE
+            )));
+        }
+        if config.world != world.size() {
+            return Err(unavailable(format!(
+                "GEMM + reduce-scatter configured for {} ranks, the world has {}",
+                config.world,
+                world.size()
+            )));
+        }
+        let max = commfuse_core::fused::ring_rs::MAX_PIECES;
+        if pieces == 0 || pieces > max {
+            return Err(unavailable(format!(
+                "the overlapped path cuts a step into 1 to {max} pieces, got {pieces}"
+            )));
+        }
+        let s = RingSchedule::within(config.shape(config.max_m)?, config.max_m, pieces);
+        let pad_cols = world.pad(0).cols() as usize;
+        let rows = Self::pad_rows(&config, pad_cols)?;
+        if (world.plan_rows() as usize) < rows {
+            return Err(unavailable(format!(
+                "the overlapped GEMM + reduce-scatter on {} ranks needs {} flag words: {rows} free signal pad rows of {pad_cols} columns, the world has {} (raise WorldConfig pad_rows/pad_cols)",
+                config.world,
+                s.flag_words(),
+                world.plan_rows()
+            )));
+        }
+        Ok(SimRingReduceScatter {
+            receive: SymmetricBuffer::new(config.world, s.receive_len())?,
+            send: SymmetricBuffer::new(config.world, s.buffer_len())?,
+            pad_cols,
+            pieces,
+            calls: (0..config.world).map(|_| AtomicU64::new(0)).collect(),
+            broken: AtomicBool::new(false),
+            world_id: world as *const World as usize,
+            config,
+            _input: PhantomData,
+        })
+    }
+
+    fn slot(&self, index: usize) -> Slot {
+        Slot::new((index / self.pad_cols) as u32, (index % self.pad_cols) as u32)
+    }
+
+    /// One call on rank `ctx.rank()`, with the operands and output of
+    /// [`crate::gemm_rs::SimGemmReduceScatter::forward`].
+    pub fn forward(
+        &self,
+        ctx: &RankContext<'_>,
+        m: usize,
+        a: &[TI],
+        b: &[TI],
+        bias: Option<&[TO]>,
+        out: &mut [TO],
+    ) -> Result<(), BackendError> {
+        let c = &self.config;
+        let rank = ctx.rank();
+        if ctx.world() as *const World as usize != self.world_id {
+            return Err(unavailable(
+                "this GEMM + reduce-scatter was built for another world".into(),
+            ));
+        }
+        if self.broken.load(Ordering::Acquire) {
+            return Err(unavailable(
+                "this GEMM + reduce-scatter is unusable after a failed call".into(),
+            ));
+        }
+        if m == 0 || m > c.max_m {
+            return Err(unavailable(format!(
+                "M = {m} is outside 1..={} (the largest M this operator was built for)",
+                c.max_m
+            )));
+        }
+        let s = RingSchedule::within(c.shape(m)?, c.max_m, self.pieces);
+        let chunk = s.shape.chunk(rank);
+        for (what, got, want) in [
+            ("A", a.len(), m * c.k),
+            ("B", b.len(), c.k * c.n),
+            ("the bias", bias.map_or(0, <[TO]>::len), c.n * c.bias as usize),
+        ] {
+            if got != want {
+                return Err(unavailable(format!(
+                    "rank {rank}: {what} holds {got} elements, M={m} N={} K={} needs {want}",
+                    c.n, c.k
+                )));
+            }
+        }
+        if out.len() < chunk.len() * c.n {
+            return Err(unavailable(format!(
+                "rank {rank}: the output holds {} elements, its {} rows × N={} need {}",
+                out.len(),
+                chunk.len(),
+                c.n,
+                chunk.len() * c.n
+            )));
+        }
+        let call = self.calls[rank].load(Ordering::Relaxed) + 1;
+        let result = self.call(ctx, &s, call, (a, b, bias), out);
+        match result {
+            Ok(()) => self.calls[rank].store(call, Ordering::Relaxed),
+            Err(_) => self.broken.store(true, Ordering::Release),
+        }
+        result
+    }
+
+    fn wait(
+        &self,
+        ctx: &RankContext<'_>,
+        index: usize,
+        expected: u64,
+        cmp: Cmp,
+        what: &str,
+    ) -> Result<(), BackendError> {
+        let slot = self.slot(index);
+        ctx.wait(slot, expected, cmp).map(|_| ()).map_err(|e| match e {
+            BackendError::WaitTimeout {
+                seen, timeout_ms, ..
+            } => unavailable(format!(
+                "timeout after {timeout_ms} ms: GEMM + reduce-scatter (ring) rank {} waits for {what} (flag {slot}) to reach {expected}, sees {seen}",
+                ctx.rank()
+            )),
+            other => other,
+        })
+    }
+
+    fn call(
+        &self,
+        ctx: &RankContext<'_>,
+        s: &RingSchedule,
+        call: u64,
+        (a, b, bias): (&[TI], &[TI], Option<&[TO]>),
+        out: &mut [TO],
+    ) -> Result<(), BackendError> {
+        let c = &self.config;
+        let (rank, n, k) = (ctx.rank(), c.n, c.k);
+        let set = RingSchedule::set_of(call);
+        let (receiver, sender) = (s.receiver(rank), s.sender(rank));
+        let mut credit_taken = false;
+        let mut sum = Vec::new();
+        let mut product = Vec::new();
+        for g in s.pieces_of(rank) {
+            let len = g.rows.len() * n;
+            let within = g.within.start * n;
+            // the running sum handed on by the sender, once its flag holds this call
+            if let Some(prev) = g.add {
+                let index = s.flag_index(set, prev, g.piece);
+                let what = format!("the running sum of piece {} after step {prev}", g.piece);
+                self.wait(ctx, index, call, Cmp::Eq, &what)?;
+                sum.resize(len, TO::from_f32(0.0));
+                // SAFETY: the sender stored these rows before the flag the wait saw (acquire),
+                // and does not store into this set again before this rank has finished the
+                // call (the end-of-call done flags)
+                unsafe { self.receive.load(rank, s.receive_offset(set, prev) + within, &mut sum) };
+            }
+            let output = g.target == RingTarget::Output;
+            let epilogue = Epilogue {
+                beta: if g.add.is_some() { 1.0 } else { 0.0 },
+                bias: output && bias.is_some(),
+                ..Epilogue::default()
+            };
+            let problem = commfuse_core::gemm::GemmProblem {
+                m: g.rows.len(),
+                ..s.shape.problem()
+            };
+            let plan = GemmPlan::local(problem, c.tile, epilogue);
+            let ops = Operands::<TI, TO> {
+                a: &a[g.rows.start * k..g.rows.end * k],
+                b,
+                c: g.add.map(|_| sum.as_slice()),
+                bias: if output { bias } else { None },
+            };
+            run_gemm(ctx, &plan, &ops, &self.send)?;
+            product.resize(len, TO::from_f32(0.0));
+            // SAFETY: only this rank's thread writes or reads its send buffer
+            unsafe { self.send.load(rank, 0, &mut product) };
+            match g.target {
+                RingTarget::Output => out[within..within + len].copy_from_slice(&product),
+                RingTarget::Send { step } => {
+                    if !credit_taken {
+                        let credit = RingSchedule::credit_before(call);
+                        let what = "the receiver's done of the call two before";
+                        self.wait(ctx, s.done_index(), credit, Cmp::Ge, what)?;
+                        credit_taken = true;
+                    }
+                    // SAFETY: the receiver reads these rows only after the flag below, and has
+                    // finished reading this set in earlier calls (the credit above)
+                    unsafe {
+                        self.receive
+                            .store(receiver, s.receive_offset(set, step) + within, &product)
+                    };
+                    let flag = self.slot(s.flag_index(set, step, g.piece));
+                    ctx.notify(receiver, flag, call, NotifyOp::Set)?;
+                }
+            }
+        }
+        if c.world > 1 {
+            ctx.notify(sender, self.slot(s.done_index()), call, NotifyOp::Set)?;
+            self.wait(ctx, s.done_index(), call, Cmp::Ge, "the receiver's done of this call")?;
+        }
+        Ok(())
+    }
+}
