@@ -335,7 +335,10 @@ impl Lt {
         // its peers: a caller amid a protocol with other GPUs passes its own)
         let own = match scratch {
             Some(_) => None,
-            None => Some(DeviceMemory::zeroed(&self.gpu, p.m * p.n * p.output.size())?),
+            None => Some(DeviceMemory::zeroed(
+                &self.gpu,
+                p.m * p.n * p.output.size(),
+            )?),
         };
         let scratch_addr = scratch.unwrap_or_else(|| own.as_ref().map_or(0, DeviceMemory::addr));
         // a bias while choosing: the scratch itself (N elements of the output type)
@@ -488,7 +491,15 @@ impl Lt {
         self.prepare(key, stream, a, b, None)?;
         let cache = self.cache.lock().unwrap();
         let p = &cache[&key];
-        self.launch(&p.descriptors, &p.algo, stream, (a, b, c, d), bias, alpha, beta)
+        self.launch(
+            &p.descriptors,
+            &p.algo,
+            stream,
+            (a, b, c, d),
+            bias,
+            alpha,
+            beta,
+        )
     }
 
     /// Chooses the algorithm of `problem` (with or without a bias) ahead of its first call, by

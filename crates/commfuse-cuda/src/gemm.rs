@@ -68,7 +68,6 @@ impl<T: InUse> Launched<T> {
     pub(crate) fn launched(&self, stream: &Stream) -> Result<(), CudaError> {
         self.last.record(stream)
     }
-
 }
 
 impl<T: InUse> Drop for Launched<T> {

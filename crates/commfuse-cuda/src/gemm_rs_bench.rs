@@ -175,14 +175,15 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
     // one operator per row (the ablation's partial calls leave their ring's flags behind the
     // call count; no other row may share it)
     let auto_path = commfuse_core::fused::gemm_rs::choose_path(&s);
-    let group = |path: PathChoice, reduction: Reduction| -> Result<Vec<Mutex<GemmRsRank>>, CudaError> {
-        let mut c = GemmRsConfig::new(s.m, s.n, s.k, s.b_layout, s.input, s.output);
-        c.bias = cfg.bias;
-        c.reduction = reduction;
-        c.path = path;
-        let ops = GemmRsRank::create_group(&gpus, c)?;
-        Ok(ops.into_iter().map(Mutex::new).collect())
-    };
+    let group =
+        |path: PathChoice, reduction: Reduction| -> Result<Vec<Mutex<GemmRsRank>>, CudaError> {
+            let mut c = GemmRsConfig::new(s.m, s.n, s.k, s.b_layout, s.input, s.output);
+            c.bias = cfg.bias;
+            c.reduction = reduction;
+            c.path = path;
+            let ops = GemmRsRank::create_group(&gpus, c)?;
+            Ok(ops.into_iter().map(Mutex::new).collect())
+        };
     // (name, operators, the parts of an overlapped call to time; None: whole calls, checked)
     type Ops = Vec<Mutex<GemmRsRank>>;
     type Row = (String, Ops, Option<(usize, RingParts)>);

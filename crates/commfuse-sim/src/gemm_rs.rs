@@ -27,7 +27,7 @@ use crate::buffer::SymmetricBuffer;
 use crate::gemm::{run_gemm, Operands};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
-use commfuse_core::fused::gemm_rs::{GemmRsSchedule, GemmRsShape};
+use commfuse_core::fused::gemm_rs::{GemmRsPath, GemmRsSchedule, GemmRsShape};
 use commfuse_core::gemm::{BLayout, TileShape};
 use commfuse_core::{Cmp, DType, Element, NotifyOp, Slot};
 use std::marker::PhantomData;
@@ -382,6 +382,59 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
             }
         }
         Ok(())
+    }
+}
+
+/// GEMM + reduce-scatter by either path: what a caller holds when the path is chosen per
+/// shape ([`commfuse_core::fused::gemm_rs::choose_path`] for `auto`).
+pub enum GemmRsOperator<TI: Element, TO: Element> {
+    Fused(SimGemmReduceScatter<TI, TO>),
+    Overlapped(crate::ring_rs::SimRingReduceScatter<TI, TO>),
+}
+
+impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
+    /// The operator of `path` for `world`.
+    pub fn new(
+        world: &World,
+        config: GemmRsConfig,
+        path: GemmRsPath,
+    ) -> Result<Self, BackendError> {
+        Ok(match path {
+            GemmRsPath::Fused => GemmRsOperator::Fused(SimGemmReduceScatter::new(world, config)?),
+            GemmRsPath::Overlapped { pieces } => GemmRsOperator::Overlapped(
+                crate::ring_rs::SimRingReduceScatter::new(world, config, pieces)?,
+            ),
+        })
+    }
+
+    /// Signal pads of a world that can run either path for `config` (at least 64 columns).
+    pub fn world_config(
+        config: &GemmRsConfig,
+        timeout: std::time::Duration,
+    ) -> Result<crate::WorldConfig, BackendError> {
+        let cols = config.pad_cols()?.max(64);
+        let pad_cols = u32::try_from(cols)
+            .map_err(|_| unavailable(format!("{cols} flag columns do not fit a signal pad")))?;
+        let ring_rows = crate::ring_rs::SimRingReduceScatter::<TI, TO>::pad_rows(config, cols)?;
+        Ok(crate::WorldConfig {
+            timeout,
+            pad_rows: 32.max(ring_rows as u32 + 8),
+            pad_cols,
+        })
+    }
+
+    /// One call on rank `ctx.rank()` (see [`SimGemmReduceScatter::forward`]).
+    pub fn forward(
+        &self,
+        ctx: &RankContext<'_>,
+        m: usize,
+        (a, b, bias): (&[TI], &[TI], Option<&[TO]>),
+        out: &mut [TO],
+    ) -> Result<(), BackendError> {
+        match self {
+            GemmRsOperator::Fused(op) => op.forward(ctx, m, a, b, bias, out),
+            GemmRsOperator::Overlapped(op) => op.forward(ctx, m, a, b, bias, out),
+        }
     }
 }
 

@@ -100,7 +100,10 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
     }
 
     fn slot(&self, index: usize) -> Slot {
-        Slot::new((index / self.pad_cols) as u32, (index % self.pad_cols) as u32)
+        Slot::new(
+            (index / self.pad_cols) as u32,
+            (index % self.pad_cols) as u32,
+        )
     }
 
     /// One call on rank `ctx.rank()`, with the operands and output of
@@ -137,7 +140,11 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
         for (what, got, want) in [
             ("A", a.len(), m * c.k),
             ("B", b.len(), c.k * c.n),
-            ("the bias", bias.map_or(0, <[TO]>::len), c.n * c.bias as usize),
+            (
+                "the bias",
+                bias.map_or(0, <[TO]>::len),
+                c.n * c.bias as usize,
+            ),
         ] {
             if got != want {
                 return Err(unavailable(format!(
@@ -211,7 +218,10 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
                 // SAFETY: the sender stored these rows before the flag the wait saw (acquire),
                 // and does not store into this set again before this rank has finished the
                 // call (the end-of-call done flags)
-                unsafe { self.receive.load(rank, s.receive_offset(set, prev) + within, &mut sum) };
+                unsafe {
+                    self.receive
+                        .load(rank, s.receive_offset(set, prev) + within, &mut sum)
+                };
             }
             let output = g.target == RingTarget::Output;
             let epilogue = Epilogue {
@@ -256,7 +266,13 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
         }
         if c.world > 1 {
             ctx.notify(sender, self.slot(s.done_index()), call, NotifyOp::Set)?;
-            self.wait(ctx, s.done_index(), call, Cmp::Ge, "the receiver's done of this call")?;
+            self.wait(
+                ctx,
+                s.done_index(),
+                call,
+                Cmp::Ge,
+                "the receiver's done of this call",
+            )?;
         }
         Ok(())
     }

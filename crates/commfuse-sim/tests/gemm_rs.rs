@@ -9,7 +9,9 @@ use commfuse_core::backend::BackendError;
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath};
 use commfuse_core::gemm::{BLayout, TileShape};
 use commfuse_core::{DType, Element};
-use commfuse_sim::gemm_rs::{CallInputs, GemmRsConfig, SimGemmReduceScatter, GPU_TILE};
+use commfuse_sim::gemm_rs::{
+    CallInputs, GemmRsConfig, GemmRsOperator, SimGemmReduceScatter, GPU_TILE,
+};
 use commfuse_sim::ring_rs::SimRingReduceScatter;
 use commfuse_sim::{World, WorldConfig};
 use half::{bf16, f16};
@@ -31,36 +33,6 @@ fn world_for(config: &GemmRsConfig, timeout: Duration) -> World {
     .unwrap()
 }
 
-/// Either path's operator.
-enum AnyOp<TI: Element, TO: Element> {
-    Fused(SimGemmReduceScatter<TI, TO>),
-    Ring(SimRingReduceScatter<TI, TO>),
-}
-
-impl<TI: Element, TO: Element> AnyOp<TI, TO> {
-    fn new(world: &World, config: GemmRsConfig, path: GemmRsPath) -> Self {
-        match path {
-            GemmRsPath::Fused => AnyOp::Fused(SimGemmReduceScatter::new(world, config).unwrap()),
-            GemmRsPath::Overlapped { pieces } => {
-                AnyOp::Ring(SimRingReduceScatter::new(world, config, pieces).unwrap())
-            }
-        }
-    }
-
-    fn forward(
-        &self,
-        ctx: &commfuse_sim::RankContext<'_>,
-        m: usize,
-        (a, b, bias): (&[TI], &[TI], Option<&[TO]>),
-        out: &mut [TO],
-    ) -> Result<(), BackendError> {
-        match self {
-            AnyOp::Fused(op) => op.forward(ctx, m, a, b, bias, out),
-            AnyOp::Ring(op) => op.forward(ctx, m, a, b, bias, out),
-        }
-    }
-}
-
 /// Runs `ms.len()` back-to-back calls (max M = the largest) on every rank by `path` and checks
 /// every output element of every call; returns the failures, one line each.
 fn run_calls<TI: Element, TO: Element>(
@@ -71,8 +43,9 @@ fn run_calls<TI: Element, TO: Element>(
 ) -> Vec<String> {
     let p = config.world;
     let (n, k) = (config.n, config.k);
-    let world = world_for(&config, Duration::from_secs(20));
-    let op = AnyOp::<TI, TO>::new(&world, config, path);
+    let world_config = GemmRsOperator::<TI, TO>::world_config(&config, Duration::from_secs(20));
+    let world = World::new(p, world_config.unwrap()).unwrap();
+    let op = GemmRsOperator::<TI, TO>::new(&world, config, path).unwrap();
     let CallInputs { a, b, bias } = CallInputs::<TI, TO>::random(&config, ms, seed);
     // outputs of the largest chunk, poisoned: rows past a call's chunk must stay poisoned
     let out_len = config.max_m.div_ceil(p) * n;
@@ -162,7 +135,14 @@ fn run_variant(
     tile: TileShape,
     seed: u64,
 ) -> Vec<String> {
-    run_variant_on(GemmRsPath::Fused, p, (m, n, k), (layout, input, output, bias), tile, seed)
+    run_variant_on(
+        GemmRsPath::Fused,
+        p,
+        (m, n, k),
+        (layout, input, output, bias),
+        tile,
+        seed,
+    )
 }
 
 fn run_variant_on(

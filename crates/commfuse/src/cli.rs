@@ -98,8 +98,8 @@ pub type RunCmd = ArgsOr<RunArgs, RunSub>;
 
 #[derive(Subcommand, Debug)]
 pub enum RunSub {
-    /// Fused GEMM + reduce-scatter (rank r holds A_r [M, K] and B_r; rank r's output is chunk r
-    /// of the rows of Σ_r A_r·B_r + bias): two back-to-back calls, M then about M/2, every output
+    /// GEMM + reduce-scatter (rank r holds A_r [M, K] and B_r; rank r's output is chunk r of the
+    /// rows of Σ_r A_r·B_r + bias): two back-to-back calls, M then about M/2, every output
     /// element of every rank checked against the float64 reference
     #[command(name = "gemm-rs")]
     GemmRs(RunGemmRsArgs),
@@ -130,6 +130,13 @@ pub struct RunGemmRsArgs {
     /// Add a bias [N] (once, by the owner)
     #[arg(long)]
     pub bias: bool,
+    /// Which path: auto (the cost model's pick for the shape), fused (the tile schedule of our
+    /// GEMM) or overlapped (the ring of library GEMMs; --pieces cuts each step)
+    #[arg(long, default_value = "auto")]
+    pub path: String,
+    /// Row pieces per ring step on the overlapped path (default: what auto would take)
+    #[arg(long)]
+    pub pieces: Option<usize>,
     /// Seed of the random inputs (default: fresh each run)
     #[arg(long)]
     pub seed: Option<u64>,
@@ -681,6 +688,31 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
     Ok(if ok { 0 } else { 1 })
 }
 
+/// The path `--path` and `--pieces` name for `shape`.
+fn parse_gemm_rs_path(
+    path: &str,
+    pieces: Option<usize>,
+    shape: &commfuse_core::fused::gemm_rs::GemmRsShape,
+) -> Result<commfuse_core::fused::gemm_rs::GemmRsPath> {
+    use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath};
+    let auto = choose_path(shape);
+    let auto_pieces = match auto {
+        GemmRsPath::Overlapped { pieces } => pieces,
+        GemmRsPath::Fused => 1,
+    };
+    Ok(match (path, pieces) {
+        ("auto", None) => auto,
+        ("fused", None) => GemmRsPath::Fused,
+        ("overlapped", p) => GemmRsPath::Overlapped {
+            pieces: p.unwrap_or(auto_pieces),
+        },
+        ("auto" | "fused", Some(_)) => {
+            bail!("--pieces goes with --path overlapped")
+        }
+        (other, _) => bail!("unknown path {other:?}: auto, fused or overlapped"),
+    })
+}
+
 fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
     use commfuse_sim::gemm_rs::GemmRsConfig;
     if a.backend == BackendKind::Cuda || a.devices.is_some() {
@@ -690,12 +722,14 @@ fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
     let output = a.out_dtype.unwrap_or(a.dtype);
     let config = GemmRsConfig::new(a.ranks, a.m, a.n, a.k, layout, a.dtype, output, a.bias);
     // validates the shape and types before anything runs
-    config.shape(a.m)?;
+    let shape = config.shape(a.m)?;
+    let path = parse_gemm_rs_path(&a.path, a.pieces, &shape)?;
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
     let ms = [a.m, a.m.div_ceil(2)];
-    let calls = crate::gemm_rs::run_sim(config, &ms, seed, Duration::from_millis(a.timeout_ms))?;
+    let timeout = Duration::from_millis(a.timeout_ms);
+    let calls = crate::gemm_rs::run_sim(config, path, &ms, seed, timeout)?;
     println!(
-        "gemm-rs {}×{}×{} (M×N×K, K per rank), B {}, {} → {}, {}, on {} ranks (sim), seed {seed}",
+        "gemm-rs {}×{}×{} (M×N×K, K per rank), B {}, {} → {}, {}, on {} ranks (sim), {path}{}, seed {seed}",
         a.m,
         a.n,
         a.k,
@@ -703,7 +737,8 @@ fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
         a.dtype,
         output,
         if a.bias { "bias" } else { "no bias" },
-        a.ranks
+        a.ranks,
+        if a.path == "auto" { " (auto)" } else { "" }
     );
     let mut ok = true;
     for (c, call) in calls.iter().enumerate() {

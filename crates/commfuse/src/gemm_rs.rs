@@ -1,13 +1,13 @@
-//! `commfuse run gemm-rs` on the simulator: checked back-to-back calls of fused GEMM +
-//! reduce-scatter with fresh random inputs, every output element of every rank against the
-//! float64 reference and the operator's error bound.
+//! `commfuse run gemm-rs` on the simulator: checked back-to-back calls of GEMM +
+//! reduce-scatter (by the path asked for, or the one `auto` picks) with fresh random inputs,
+//! every output element of every rank against the float64 reference and the path's error bound.
 
 use anyhow::{anyhow, Result};
-use commfuse_core::fused::gemm_rs::{check_elements, reference};
+use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath};
 use commfuse_core::gemm::ElementCheck;
 use commfuse_core::{DType, Element};
-use commfuse_sim::gemm_rs::{CallInputs, GemmRsConfig, SimGemmReduceScatter};
-use commfuse_sim::{World, WorldConfig};
+use commfuse_sim::gemm_rs::{CallInputs, GemmRsConfig, GemmRsOperator};
+use commfuse_sim::World;
 use half::{bf16, f16};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -29,18 +29,20 @@ impl CallCheck {
 }
 
 /// Runs one call per entry of `ms` back to back on a fresh simulated world (no barrier between
-/// calls), inputs drawn from `seed`, and checks each.
+/// calls) by `path`, inputs drawn from `seed`, and checks each.
 pub fn run_sim(
     config: GemmRsConfig,
+    path: GemmRsPath,
     ms: &[usize],
     seed: u64,
     timeout: Duration,
 ) -> Result<Vec<CallCheck>> {
+    let run = (config, path, ms, seed, timeout);
     match (config.input, config.output) {
-        (DType::BF16, DType::BF16) => run_typed::<bf16, bf16>(config, ms, seed, timeout),
-        (DType::BF16, DType::F32) => run_typed::<bf16, f32>(config, ms, seed, timeout),
-        (DType::F16, DType::F16) => run_typed::<f16, f16>(config, ms, seed, timeout),
-        (DType::F16, DType::F32) => run_typed::<f16, f32>(config, ms, seed, timeout),
+        (DType::BF16, DType::BF16) => run_typed::<bf16, bf16>(run),
+        (DType::BF16, DType::F32) => run_typed::<bf16, f32>(run),
+        (DType::F16, DType::F16) => run_typed::<f16, f16>(run),
+        (DType::F16, DType::F32) => run_typed::<f16, f32>(run),
         (input, output) => Err(anyhow!(
             "GEMM + reduce-scatter takes bf16 or f16 inputs and outputs in the input type or f32, got {input} → {output}"
         )),
@@ -48,10 +50,7 @@ pub fn run_sim(
 }
 
 fn run_typed<TI: Element, TO: Element>(
-    config: GemmRsConfig,
-    ms: &[usize],
-    seed: u64,
-    timeout: Duration,
+    (config, path, ms, seed, timeout): (GemmRsConfig, GemmRsPath, &[usize], u64, Duration),
 ) -> Result<Vec<CallCheck>> {
     let (p, n) = (config.world, config.n);
     if p == 0 || p > commfuse_core::MAX_WORLD_SIZE {
@@ -60,24 +59,14 @@ fn run_typed<TI: Element, TO: Element>(
             commfuse_core::MAX_WORLD_SIZE
         ));
     }
-    let cols = config.pad_cols()?;
-    let pad_cols = u32::try_from(cols.max(64))
-        .map_err(|_| anyhow!("GEMM + reduce-scatter would need {cols} flag columns"))?;
-    let world = World::new(
-        p,
-        WorldConfig {
-            timeout,
-            pad_rows: 32,
-            pad_cols,
-        },
-    )?;
-    let op = SimGemmReduceScatter::<TI, TO>::new(&world, config)?;
+    let world = World::new(p, GemmRsOperator::<TI, TO>::world_config(&config, timeout)?)?;
+    let op = GemmRsOperator::<TI, TO>::new(&world, config, path)?;
     let CallInputs { a, b, bias } = CallInputs::<TI, TO>::random(&config, ms, seed);
     let outs: Vec<Mutex<Vec<Vec<TO>>>> = (0..p)
         .map(|r| {
             Mutex::new(
                 ms.iter()
-                    .map(|&m| vec![TO::poison(); op.output_rows(m, r).len() * n])
+                    .map(|&m| vec![TO::poison(); commfuse_core::op::chunk_range(m, p, r).len() * n])
                     .collect(),
             )
         })
@@ -86,7 +75,8 @@ fn run_typed<TI: Element, TO: Element>(
         let r = ctx.rank();
         let mut outs = outs[r].lock().unwrap();
         for (c, &m) in ms.iter().enumerate() {
-            op.forward(ctx, m, &a[c][r], &b[c][r], bias[c].as_deref(), &mut outs[c])?;
+            let operands = (a[c][r].as_slice(), b[c][r].as_slice(), bias[c].as_deref());
+            op.forward(ctx, m, operands, &mut outs[c])?;
         }
         Ok(())
     })?;
@@ -104,7 +94,7 @@ fn run_typed<TI: Element, TO: Element>(
                     .iter()
                     .map(|x| x.to_f64())
                     .collect::<Vec<_>>();
-                check_elements(&shape, got, &want)
+                check_elements_on(&shape, path, got, &want)
             })
             .collect();
         checks.push(CallCheck { m, ranks });

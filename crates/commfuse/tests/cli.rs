@@ -603,6 +603,26 @@ fn run_gemm_rs_checks_every_element_on_the_simulator() {
     ]);
     assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
     assert!(stdout(&o).contains("f16 → f32, bias, on 5 ranks"));
+    // auto names the path it took; each path can be asked for
+    assert!(out.contains("overlapped (1 piece) (auto)"), "{out}");
+    for (path, says) in [
+        (&["--path", "fused"][..], "(sim), fused, seed"),
+        (
+            &["--path", "overlapped", "--pieces", "3"][..],
+            "overlapped (3 pieces), seed",
+        ),
+    ] {
+        let args: Vec<&str> = [
+            "run", "gemm-rs", "--ranks", "4", "--m", "61", "--n", "16", "--k", "8",
+        ]
+        .iter()
+        .chain(path)
+        .copied()
+        .collect();
+        let o = commfuse(&args);
+        assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+        assert!(stdout(&o).contains(says), "{}", stdout(&o));
+    }
 }
 
 #[test]
@@ -647,5 +667,17 @@ fn run_gemm_rs_refuses_bad_input_in_one_line() {
     fails_with(
         &["run", "gemm-rs", "--m", "0", "--n", "8", "--k", "8"],
         "sizes must be positive",
+    );
+    fails_with(
+        &with(&["--k", "8", "--path", "fast"]),
+        "unknown path \"fast\": auto, fused or overlapped",
+    );
+    fails_with(
+        &with(&["--k", "8", "--path", "overlapped", "--pieces", "17"]),
+        "1 to 16 pieces, got 17",
+    );
+    fails_with(
+        &with(&["--k", "8", "--pieces", "2"]),
+        "--pieces goes with --path overlapped",
     );
 }

@@ -126,6 +126,7 @@ impl std::fmt::Display for GemmRsPath {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             GemmRsPath::Fused => write!(f, "fused"),
+            GemmRsPath::Overlapped { pieces: 1 } => write!(f, "overlapped (1 piece)"),
             GemmRsPath::Overlapped { pieces } => write!(f, "overlapped ({pieces} pieces)"),
         }
     }

@@ -191,8 +191,8 @@ mod tests {
     use crate::DType;
 
     fn ring(world: usize, m: usize, pieces: usize) -> RingSchedule {
-        let shape = GemmRsShape::new(world, m, 24, 16, BLayout::NK, DType::BF16, DType::BF16)
-            .unwrap();
+        let shape =
+            GemmRsShape::new(world, m, 24, 16, BLayout::NK, DType::BF16, DType::BF16).unwrap();
         RingSchedule::within(shape, m, pieces)
     }
 

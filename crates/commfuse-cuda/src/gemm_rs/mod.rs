@@ -26,8 +26,8 @@
 
 mod ring;
 
-pub use ring::{RingParts, RingPeer};
 use ring::{RingMemory, RingPath};
+pub use ring::{RingParts, RingPeer};
 
 use crate::driver::{DeviceMemory, Event, Function, Gpu, MappedHost, Module, Stream};
 use crate::error::CudaError;

@@ -30,11 +30,13 @@ use std::sync::Arc;
 /// With COMMFUSE_TRACE_RING set: when each rank reaches each stage of a call (to stderr).
 fn trace(rank: usize, call: u64, what: &str) {
     static START: std::sync::OnceLock<Option<std::time::Instant>> = std::sync::OnceLock::new();
-    let start = START.get_or_init(|| {
-        std::env::var_os("COMMFUSE_TRACE_RING").map(|_| std::time::Instant::now())
-    });
+    let start = START
+        .get_or_init(|| std::env::var_os("COMMFUSE_TRACE_RING").map(|_| std::time::Instant::now()));
     if let Some(t) = start {
-        eprintln!("ring: {:>10.3} ms rank {rank} call {call} {what}", t.elapsed().as_secs_f64() * 1e3);
+        eprintln!(
+            "ring: {:>10.3} ms rank {rank} call {call} {what}",
+            t.elapsed().as_secs_f64() * 1e3
+        );
     }
 }
 
@@ -281,7 +283,8 @@ impl RingPath {
             let bias = self.config.bias && g.target == RingTarget::Output;
             if seen.insert((g.rows.len(), bias)) {
                 let problem = self.problem(g.rows.len());
-                self.lt.tune(&self.tune, &problem, 0, bias, (a, b, scratch))?;
+                self.lt
+                    .tune(&self.tune, &problem, 0, bias, (a, b, scratch))?;
             }
         }
         // Each piece's GEMM once, in the very form of the call (C read with beta = 1, the bias
@@ -321,8 +324,15 @@ impl RingPath {
         let a = a + g.rows.start as u64 * c.k as u64 * c.input.size() as u64;
         let beta = if add.is_some() { 1.0 } else { 0.0 };
         let problem = self.problem(g.rows.len());
-        self.lt
-            .matmul_into(stream, &problem, 0, (a, b, add.unwrap_or(d), d), bias, 1.0, beta)
+        self.lt.matmul_into(
+            stream,
+            &problem,
+            0,
+            (a, b, add.unwrap_or(d), d),
+            bias,
+            1.0,
+            beta,
+        )
     }
 
     /// # Safety
@@ -412,18 +422,23 @@ impl RingPath {
                 trace(self.rank, epoch, "copy");
                 if parts.copies {
                     let bytes = (g.rows.len() as u64 * n * eb) as usize;
-                    hand_on(&self.side, (receiver, to), (self.peers[self.rank], d), bytes)?;
+                    hand_on(
+                        &self.side,
+                        (receiver, to),
+                        (self.peers[self.rank], d),
+                        bytes,
+                    )?;
                 }
                 trace(self.rank, epoch, "raise");
                 let index = s.flag_index(set, step, g.piece);
                 if parts.flags {
                     self.queue_flag(
-                    &self.side,
-                    RingFlagArgs {
-                        raise: receiver.flags + 8 * index as u64,
-                        raise_value: epoch,
-                        ..Default::default()
-                    },
+                        &self.side,
+                        RingFlagArgs {
+                            raise: receiver.flags + 8 * index as u64,
+                            raise_value: epoch,
+                            ..Default::default()
+                        },
                     )?;
                 }
             }
