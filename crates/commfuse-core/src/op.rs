@@ -134,6 +134,17 @@ impl OpSpec {
             )));
         }
         let count = if kind == OpKind::Barrier { 0 } else { count };
+        // every plan sizes buffers of a few times P·count elements of at most 4 bytes: refuse
+        // counts whose products would overflow before any plan multiplies them
+        if count
+            .checked_mul(world)
+            .and_then(|x| x.checked_mul(16))
+            .is_none()
+        {
+            return Err(Error::SizeOverflow(format!(
+                "{count} elements on {world} ranks do not fit in memory addresses"
+            )));
+        }
         Ok(OpSpec {
             kind,
             world,

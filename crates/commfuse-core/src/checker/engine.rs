@@ -609,8 +609,10 @@ impl<'p> Engine<'p> {
             return;
         };
         // each term is ns: bytes / (GB/s)
-        let cost =
-            |region: &Region| (region.len * elem_bytes) as f64 / topology.bandwidth(r, region.rank);
+        // in f64: a byte count of a huge region must not overflow (a panic in debug builds)
+        let cost = |region: &Region| {
+            region.len as f64 * elem_bytes as f64 / topology.bandwidth(r, region.rank)
+        };
         let (mut local, mut link) = (0.0, 0.0);
         for region in srcs.iter().chain(dsts) {
             if region.rank == r {
