@@ -14,6 +14,7 @@
 //! * [`executor`]: the plan interpreter and its reduction kernels;
 //! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation.
 
+pub mod ag_gemm;
 pub mod backend;
 pub mod barrier;
 pub mod buffer;

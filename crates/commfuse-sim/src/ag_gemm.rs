@@ -1,0 +1,276 @@
+//! All-gather + GEMM on the simulator: the overlapped schedule of
+//! [`commfuse_core::fused::ag_gemm`], one call per rank thread. A rank stores its chunk's pieces
+//! into every peer's gather buffer and raises each piece's flag there; its GEMMs (the model of
+//! [`crate::gemm`]) take its own chunk first, from its own A, then the peers' pieces as their
+//! flags come, each into its rows of the output; at the end of a call it raises "done" on every
+//! peer and waits for every peer's.
+
+use crate::buffer::SymmetricBuffer;
+use crate::gemm::{run_gemm, Operands};
+use crate::gemm_rs::GemmRsConfig;
+use crate::world::{RankContext, World};
+use commfuse_core::backend::BackendError;
+use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, MAX_PIECES};
+use commfuse_core::gemm::{Epilogue, GemmPlan, GemmProblem};
+use commfuse_core::{Cmp, Element, NotifyOp, Slot};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// What an all-gather + GEMM is built for: the fields of [`GemmRsConfig`], with `max_m` the
+/// largest number of rows of the gathered A (every rank holds its chunk of them).
+pub type AgGemmConfig = GemmRsConfig;
+
+fn unavailable(msg: String) -> BackendError {
+    BackendError::Unavailable(msg)
+}
+
+/// The shape of a call of `m` gathered rows under `config`.
+pub fn shape(config: &AgGemmConfig, m: usize) -> Result<AgGemmShape, BackendError> {
+    AgGemmShape::new(
+        config.world,
+        m,
+        config.n,
+        config.k,
+        config.b_layout,
+        config.input,
+        config.output,
+    )
+    .map_err(|e| unavailable(e.to_string()))
+}
+
+/// All-gather + GEMM for every rank of one simulated world, built once and called many times.
+/// It owns the first rows of the world's signal pads that its flags need.
+pub struct SimAgGemm<TI: Element, TO: Element> {
+    config: AgGemmConfig,
+    pieces: usize,
+    /// Per rank: the gathered A, [max_m, K]
+    gather: SymmetricBuffer<TI>,
+    /// Per rank: one piece's product
+    product: SymmetricBuffer<TO>,
+    pad_cols: usize,
+    calls: Vec<AtomicU64>,
+    broken: AtomicBool,
+    world_id: usize,
+    _output: PhantomData<fn() -> TO>,
+}
+
+impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
+    /// Signal pad rows its flags need on a pad of `pad_cols` columns.
+    pub fn pad_rows(config: &AgGemmConfig, pad_cols: usize) -> Result<usize, BackendError> {
+        let s = AgGemmSchedule::new(shape(config, config.max_m)?, 1);
+        Ok(s.flag_words().div_ceil(pad_cols.max(1)))
+    }
+
+    /// Builds the operator for `world`, each chunk cut into `pieces` row pieces.
+    pub fn new(world: &World, config: AgGemmConfig, pieces: usize) -> Result<Self, BackendError> {
+        if config.input != TI::DTYPE || config.output != TO::DTYPE {
+            return Err(unavailable(format!(
+                "all-gather + GEMM configured for {} → {} but built with {} → {} buffers",
+                config.input,
+                config.output,
+                TI::DTYPE,
+                TO::DTYPE
+            )));
+        }
+        if config.world != world.size() {
+            return Err(unavailable(format!(
+                "all-gather + GEMM configured for {} ranks, the world has {}",
+                config.world,
+                world.size()
+            )));
+        }
+        if pieces == 0 || pieces > MAX_PIECES {
+            return Err(unavailable(format!(
+                "all-gather + GEMM cuts a chunk into 1 to {MAX_PIECES} pieces, got {pieces}"
+            )));
+        }
+        let s = shape(&config, config.max_m)?;
+        let pad_cols = world.pad(0).cols() as usize;
+        let rows = Self::pad_rows(&config, pad_cols)?;
+        if (world.plan_rows() as usize) < rows {
+            return Err(unavailable(format!(
+                "all-gather + GEMM on {} ranks needs {rows} free signal pad rows of {pad_cols} columns, the world has {} (raise WorldConfig pad_rows/pad_cols)",
+                config.world,
+                world.plan_rows()
+            )));
+        }
+        let chunk_rows = config.max_m.div_ceil(config.world);
+        Ok(SimAgGemm {
+            gather: SymmetricBuffer::new(config.world, s.m * s.k)?,
+            product: SymmetricBuffer::new(config.world, chunk_rows * s.n)?,
+            pad_cols,
+            pieces,
+            calls: (0..config.world).map(|_| AtomicU64::new(0)).collect(),
+            broken: AtomicBool::new(false),
+            world_id: world as *const World as usize,
+            config,
+            _output: PhantomData,
+        })
+    }
+
+    fn slot(&self, index: usize) -> Slot {
+        Slot::new(
+            (index / self.pad_cols) as u32,
+            (index % self.pad_cols) as u32,
+        )
+    }
+
+    /// One call on rank `ctx.rank()` with `m` gathered rows: its chunk of A ([chunk rows, K]),
+    /// its B ([K, N] or [N, K]), the bias [N] when the operator was built with one; writes
+    /// AllGather(A)·B (+ bias) into `out` ([m, N]) and, when given, the gathered A into
+    /// `gathered` ([m, K]). Every rank makes the same calls with the same m.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        ctx: &RankContext<'_>,
+        m: usize,
+        (a, b, bias): (&[TI], &[TI], Option<&[TO]>),
+        out: &mut [TO],
+        gathered: Option<&mut [TI]>,
+    ) -> Result<(), BackendError> {
+        let c = &self.config;
+        let rank = ctx.rank();
+        if ctx.world() as *const World as usize != self.world_id {
+            return Err(unavailable(
+                "this all-gather + GEMM was built for another world".into(),
+            ));
+        }
+        if self.broken.load(Ordering::Acquire) {
+            return Err(unavailable(
+                "this all-gather + GEMM is unusable after a failed call".into(),
+            ));
+        }
+        if m == 0 || m > c.max_m {
+            return Err(unavailable(format!(
+                "M = {m} is outside 1..={} (the largest M this operator was built for)",
+                c.max_m
+            )));
+        }
+        let s = AgGemmSchedule::new(shape(c, m)?, self.pieces);
+        let chunk = s.shape.chunk(rank);
+        for (what, got, want) in [
+            ("A", a.len(), chunk.len() * c.k),
+            ("B", b.len(), c.k * c.n),
+            (
+                "the bias",
+                bias.map_or(0, <[TO]>::len),
+                c.n * c.bias as usize,
+            ),
+            ("the output", out.len().min(m * c.n), m * c.n),
+            (
+                "the gathered A",
+                gathered.as_ref().map_or(m * c.k, |g| g.len().min(m * c.k)),
+                m * c.k,
+            ),
+        ] {
+            if got != want {
+                return Err(unavailable(format!(
+                    "rank {rank}: {what} holds {got} elements, M={m} N={} K={} needs {want}",
+                    c.n, c.k
+                )));
+            }
+        }
+        let call = self.calls[rank].load(Ordering::Relaxed) + 1;
+        let result = self.call(ctx, &s, call, (a, b, bias), out, gathered);
+        match result {
+            Ok(()) => self.calls[rank].store(call, Ordering::Relaxed),
+            Err(_) => self.broken.store(true, Ordering::Release),
+        }
+        result
+    }
+
+    fn wait(
+        &self,
+        ctx: &RankContext<'_>,
+        index: usize,
+        call: u64,
+        cmp: Cmp,
+        what: String,
+    ) -> Result<(), BackendError> {
+        let slot = self.slot(index);
+        ctx.wait(slot, call, cmp).map(|_| ()).map_err(|e| match e {
+            BackendError::WaitTimeout {
+                seen, timeout_ms, ..
+            } => unavailable(format!(
+                "timeout after {timeout_ms} ms: all-gather + GEMM rank {} waits for {what} (flag {slot}) to reach {call}, sees {seen}",
+                ctx.rank()
+            )),
+            other => other,
+        })
+    }
+
+    fn call(
+        &self,
+        ctx: &RankContext<'_>,
+        s: &AgGemmSchedule,
+        call: u64,
+        (a, b, bias): (&[TI], &[TI], Option<&[TO]>),
+        out: &mut [TO],
+        mut gathered: Option<&mut [TI]>,
+    ) -> Result<(), BackendError> {
+        let c = &self.config;
+        let (rank, p, n, k) = (ctx.rank(), c.world, c.n, c.k);
+        let start = s.shape.chunk(rank).start;
+        // hand this rank's pieces to every peer
+        for g in s.sent_by(rank) {
+            let rows = &a[(g.rows.start - start) * k..(g.rows.end - start) * k];
+            for q in (0..p).filter(|&q| q != rank) {
+                // SAFETY: the peer reads these rows only after the flag below; it finished
+                // reading its gather buffer of the previous call before this rank's previous
+                // call ended (the done flags)
+                unsafe { self.gather.store(q, g.rows.start * k, rows) };
+                ctx.notify(
+                    q,
+                    self.slot(s.flag_index(rank, g.piece)),
+                    call,
+                    NotifyOp::Set,
+                )?;
+            }
+        }
+        let mut received = Vec::new();
+        let mut product = Vec::new();
+        for g in s.gemms_of(rank) {
+            let a_rows: &[TI] = if g.local {
+                &a[(g.rows.start - start) * k..(g.rows.end - start) * k]
+            } else {
+                let what = format!("piece {} of rank {}'s chunk", g.piece, g.owner);
+                self.wait(ctx, s.flag_index(g.owner, g.piece), call, Cmp::Eq, what)?;
+                received.resize(g.rows.len() * k, TI::from_f32(0.0));
+                // SAFETY: the owner stored these rows before the flag the wait saw (acquire)
+                unsafe { self.gather.load(rank, g.rows.start * k, &mut received) };
+                &received
+            };
+            if let Some(gathered) = gathered.as_deref_mut() {
+                gathered[g.rows.start * k..g.rows.end * k].copy_from_slice(a_rows);
+            }
+            let problem = GemmProblem {
+                m: g.rows.len(),
+                ..s.shape.problem()
+            };
+            let epilogue = Epilogue {
+                bias: bias.is_some(),
+                ..Epilogue::default()
+            };
+            let plan = GemmPlan::local(problem, c.tile, epilogue);
+            let ops = Operands::<TI, TO> {
+                a: a_rows,
+                b,
+                c: None,
+                bias,
+            };
+            run_gemm(ctx, &plan, &ops, &self.product)?;
+            product.resize(g.rows.len() * n, TO::from_f32(0.0));
+            // SAFETY: only this rank's thread uses its product buffer
+            unsafe { self.product.load(rank, 0, &mut product) };
+            out[g.rows.start * n..g.rows.end * n].copy_from_slice(&product);
+        }
+        for q in (0..p).filter(|&q| q != rank) {
+            ctx.notify(q, self.slot(s.done_index(rank)), call, NotifyOp::Set)?;
+        }
+        for q in (0..p).filter(|&q| q != rank) {
+            let what = format!("rank {q}'s done of this call");
+            self.wait(ctx, s.done_index(q), call, Cmp::Ge, what)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,228 @@
+//! All-gather + GEMM on the simulator against a float64 reference: every output element of
+//! every rank and every element of the gathered A, P = 1..9, ragged M, both B layouts, bf16 and
+//! f16 inputs with 16-bit and f32 outputs, with and without bias, 1–3 pieces; outputs poisoned
+//! before each call; three back-to-back calls with fresh inputs and M going down then up, with
+//! no barrier between calls.
+
+use commfuse_core::backend::BackendError;
+use commfuse_core::gemm::{check_elements, reference_gemm, BLayout, Epilogue};
+use commfuse_core::reference::input_value;
+use commfuse_core::{DType, Element, ReduceOp};
+use commfuse_sim::ag_gemm::{shape, AgGemmConfig, SimAgGemm};
+use commfuse_sim::{World, WorldConfig};
+use half::{bf16, f16};
+use std::sync::Mutex;
+use std::time::Duration;
+
+fn values<T: Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
+        .collect()
+}
+
+fn world_for(config: &AgGemmConfig, timeout: Duration) -> World {
+    let pad_cols = 64;
+    let rows = SimAgGemm::<bf16, bf16>::pad_rows(config, pad_cols).unwrap() as u32;
+    let cfg = WorldConfig {
+        timeout,
+        pad_rows: rows + 8,
+        pad_cols: pad_cols as u32,
+    };
+    World::new(config.world, cfg).unwrap()
+}
+
+/// Back-to-back calls of M = `ms[c]`; returns the failures, one line each.
+fn run_calls<TI: Element, TO: Element>(
+    config: AgGemmConfig,
+    pieces: usize,
+    ms: &[usize],
+    seed: u64,
+) -> Vec<String> {
+    let (p, n, k) = (config.world, config.n, config.k);
+    let world = world_for(&config, Duration::from_secs(20));
+    let op = SimAgGemm::<TI, TO>::new(&world, config, pieces).unwrap();
+    let stream = |c: usize, r: usize, what: usize| (c * p + r) * 3 + what;
+    // per call: every rank's chunk of A, every rank's B, the bias
+    let a: Vec<Vec<Vec<TI>>> = ms
+        .iter()
+        .enumerate()
+        .map(|(c, &m)| {
+            let s = shape(&config, m).unwrap();
+            (0..p)
+                .map(|r| values(seed, stream(c, r, 0), s.chunk(r).len() * k))
+                .collect()
+        })
+        .collect();
+    let b: Vec<Vec<Vec<TI>>> = (0..ms.len())
+        .map(|c| {
+            (0..p)
+                .map(|r| values(seed, stream(c, r, 1), k * n))
+                .collect()
+        })
+        .collect();
+    let bias: Vec<Option<Vec<TO>>> = (0..ms.len())
+        .map(|c| config.bias.then(|| values(seed, stream(c, 0, 2), n)))
+        .collect();
+    let max_m = config.max_m;
+    // per rank, per call: the output and the gathered A
+    type Outs<TO, TI> = Vec<Mutex<Vec<(Vec<TO>, Vec<TI>)>>>;
+    let outs: Outs<TO, TI> = (0..p)
+        .map(|_| {
+            Mutex::new(vec![
+                (
+                    vec![TO::poison(); max_m * n],
+                    vec![TI::poison(); max_m * k]
+                );
+                ms.len()
+            ])
+        })
+        .collect();
+    world
+        .run(|ctx| {
+            let r = ctx.rank();
+            let mut outs = outs[r].lock().unwrap();
+            for (c, &m) in ms.iter().enumerate() {
+                let (out, gathered) = &mut outs[c];
+                let operands = (a[c][r].as_slice(), b[c][r].as_slice(), bias[c].as_deref());
+                // every other call returns the gathered A too
+                let gathered = (c % 2 == 0).then_some(&mut gathered[..m * k]);
+                op.forward(ctx, m, operands, &mut out[..m * n], gathered)?;
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("P={p} {config:?} M={ms:?}: {e}"));
+    let mut failures = Vec::new();
+    for (c, &m) in ms.iter().enumerate() {
+        let s = shape(&config, m).unwrap();
+        let full: Vec<TI> = a[c].iter().flatten().copied().collect();
+        let epilogue = Epilogue {
+            bias: config.bias,
+            ..Epilogue::default()
+        };
+        for (r, out) in outs.iter().enumerate() {
+            let (out, gathered) = &out.lock().unwrap()[c];
+            let want = reference_gemm(
+                &s.problem(),
+                &epilogue,
+                &full,
+                &b[c][r],
+                None,
+                bias[c].as_deref(),
+                None,
+            );
+            let got = out[..m * n].iter().map(|x| x.to_f64());
+            let check = check_elements(&s.problem(), &epilogue, got, &want);
+            if !check.passed() {
+                failures.push(format!("call {c} (M={m}) rank {r}: {check}"));
+            }
+            if out[m * n..].iter().any(|x| !x.to_f64().is_nan()) {
+                failures.push(format!("call {c} (M={m}) rank {r}: wrote past M rows"));
+            }
+            if c % 2 == 0 && gathered[..m * k] != full[..] {
+                failures.push(format!("call {c} (M={m}) rank {r}: the gathered A differs"));
+            }
+        }
+    }
+    failures
+        .into_iter()
+        .map(|f| {
+            format!(
+                "P={p} N={n} K={k} {:?} {}→{} bias {} pieces {pieces}: {f}",
+                config.b_layout, config.input, config.output, config.bias
+            )
+        })
+        .collect()
+}
+
+fn run_variant(p: usize, (m, n, k): (usize, usize, usize), v: usize, pieces: usize) -> Vec<String> {
+    let layout = if v.is_multiple_of(2) { BLayout::NK } else { BLayout::KN };
+    let bias = !v.is_multiple_of(3);
+    let (input, output) = [
+        (DType::BF16, DType::BF16),
+        (DType::BF16, DType::F32),
+        (DType::F16, DType::F16),
+        (DType::F16, DType::F32),
+    ][v % 4];
+    let config = AgGemmConfig::new(p, m, n, k, layout, input, output, bias);
+    let ms = [(2 * m / 3).max(1), (m / 3).max(1), m];
+    let seed = (p * 1000 + m * 10 + v) as u64;
+    match (input, output) {
+        (DType::BF16, DType::BF16) => run_calls::<bf16, bf16>(config, pieces, &ms, seed),
+        (DType::BF16, DType::F32) => run_calls::<bf16, f32>(config, pieces, &ms, seed),
+        (DType::F16, DType::F16) => run_calls::<f16, f16>(config, pieces, &ms, seed),
+        _ => run_calls::<f16, f32>(config, pieces, &ms, seed),
+    }
+}
+
+fn assert_none(failures: Vec<String>) {
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn every_element_matches_the_reference_on_one_to_nine_ranks() {
+    let mut failures = Vec::new();
+    for p in 1..=9 {
+        for (s, shape) in [(1, 40, 24), (3 * p + 1, 72, 64), (97, 24, 136)]
+            .into_iter()
+            .enumerate()
+        {
+            for v in 0..4 {
+                let pieces = 1 + (p + s + v) % 3;
+                failures.extend(run_variant(p, shape, v + 4 * (s % 2), pieces));
+            }
+        }
+    }
+    assert_none(failures);
+}
+
+#[test]
+fn a_peer_that_never_arrives_ends_in_a_diagnosed_error_and_bad_calls_are_refused() {
+    let config = AgGemmConfig::new(2, 10, 16, 8, BLayout::NK, DType::BF16, DType::BF16, false);
+    let world = world_for(&config, Duration::from_millis(300));
+    let op = SimAgGemm::<bf16, bf16>::new(&world, config, 1).unwrap();
+    let (a, b) = (vec![bf16::ONE; 5 * 8], vec![bf16::ONE; 16 * 8]);
+    let err = world
+        .run(|ctx| {
+            let mut out = vec![bf16::ZERO; 10 * 16];
+            if ctx.rank() == 1 {
+                return Ok(()); // rank 1 never calls
+            }
+            op.forward(ctx, 10, (&a, &b, None), &mut out, None)
+        })
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("rank 0 waits for piece 0 of rank 1's chunk")
+            && err.contains("to reach 1, sees 0"),
+        "{err}"
+    );
+    assert!(!err.contains('\n'));
+    // a refused call ends its world's run: a fresh world and operator each
+    let refused = |m: usize, a_len: usize, out_len: usize| -> String {
+        let world = world_for(&config, Duration::from_secs(5));
+        let op = SimAgGemm::<bf16, bf16>::new(&world, config, 1).unwrap();
+        let a = vec![bf16::ONE; a_len];
+        let e: BackendError = world
+            .run(|ctx| {
+                let mut out = vec![bf16::ZERO; out_len];
+                op.forward(ctx, m, (&a, &b, None), &mut out, None)
+            })
+            .err()
+            .unwrap();
+        e.to_string()
+    };
+    assert!(refused(11, 6 * 8, 11 * 16).contains("M = 11 is outside 1..=10"));
+    assert!(refused(10, 4 * 8, 10 * 16).contains("A holds 32 elements"));
+    assert!(refused(10, 5 * 8, 9 * 16).contains("the output holds 144 elements"));
+    let world = world_for(&config, Duration::from_secs(5));
+    let wrong = SimAgGemm::<bf16, bf16>::new(&world, config, 0)
+        .err()
+        .unwrap();
+    assert!(wrong.to_string().contains("1 to 16 pieces"));
+}
