@@ -6,19 +6,12 @@
 
 use commfuse_core::backend::BackendError;
 use commfuse_core::gemm::{check_elements, reference_gemm, BLayout, Epilogue};
-use commfuse_core::reference::input_value;
-use commfuse_core::{DType, Element, ReduceOp};
-use commfuse_sim::ag_gemm::{shape, AgGemmConfig, SimAgGemm};
+use commfuse_core::{DType, Element};
+use commfuse_sim::ag_gemm::{shape, AgCallInputs, AgGemmConfig, SimAgGemm};
 use commfuse_sim::{World, WorldConfig};
 use half::{bf16, f16};
 use std::sync::Mutex;
 use std::time::Duration;
-
-fn values<T: Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
-    (0..len)
-        .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
-        .collect()
-}
 
 fn world_for(config: &AgGemmConfig, timeout: Duration) -> World {
     let pad_cols = 64;
@@ -41,28 +34,7 @@ fn run_calls<TI: Element, TO: Element>(
     let (p, n, k) = (config.world, config.n, config.k);
     let world = world_for(&config, Duration::from_secs(20));
     let op = SimAgGemm::<TI, TO>::new(&world, config, pieces).unwrap();
-    let stream = |c: usize, r: usize, what: usize| (c * p + r) * 3 + what;
-    // per call: every rank's chunk of A, every rank's B, the bias
-    let a: Vec<Vec<Vec<TI>>> = ms
-        .iter()
-        .enumerate()
-        .map(|(c, &m)| {
-            let s = shape(&config, m).unwrap();
-            (0..p)
-                .map(|r| values(seed, stream(c, r, 0), s.chunk(r).len() * k))
-                .collect()
-        })
-        .collect();
-    let b: Vec<Vec<Vec<TI>>> = (0..ms.len())
-        .map(|c| {
-            (0..p)
-                .map(|r| values(seed, stream(c, r, 1), k * n))
-                .collect()
-        })
-        .collect();
-    let bias: Vec<Option<Vec<TO>>> = (0..ms.len())
-        .map(|c| config.bias.then(|| values(seed, stream(c, 0, 2), n)))
-        .collect();
+    let AgCallInputs { a, b, bias } = AgCallInputs::<TI, TO>::random(&config, ms, seed).unwrap();
     let max_m = config.max_m;
     // per rank, per call: the output and the gathered A
     type Outs<TO, TI> = Vec<Mutex<Vec<(Vec<TO>, Vec<TI>)>>>;
@@ -135,7 +107,11 @@ fn run_calls<TI: Element, TO: Element>(
 }
 
 fn run_variant(p: usize, (m, n, k): (usize, usize, usize), v: usize, pieces: usize) -> Vec<String> {
-    let layout = if v.is_multiple_of(2) { BLayout::NK } else { BLayout::KN };
+    let layout = if v.is_multiple_of(2) {
+        BLayout::NK
+    } else {
+        BLayout::KN
+    };
     let bias = !v.is_multiple_of(3);
     let (input, output) = [
         (DType::BF16, DType::BF16),

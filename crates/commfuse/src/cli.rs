@@ -103,6 +103,48 @@ pub enum RunSub {
     /// element of every rank checked against the float64 reference
     #[command(name = "gemm-rs")]
     GemmRs(RunGemmRsArgs),
+    /// All-gather + GEMM (rank r holds chunk r of the rows of A and its own B_r; every rank's
+    /// output is AllGather(A)·B_r + bias, and the gathered A): two back-to-back calls, M then
+    /// about M/2, every output element and the gathered A of every rank checked
+    #[command(name = "ag-gemm")]
+    AgGemm(RunAgGemmArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct RunAgGemmArgs {
+    /// Rows of the gathered A (each rank holds its chunk)
+    #[arg(long)]
+    pub m: usize,
+    /// Columns of every rank's B and output
+    #[arg(long)]
+    pub n: usize,
+    /// K (a multiple of 8)
+    #[arg(long)]
+    pub k: usize,
+    /// Number of ranks (simulated threads)
+    #[arg(long, short = 'p', default_value_t = 2)]
+    pub ranks: usize,
+    /// Input type: bf16 or f16
+    #[arg(long, default_value = "bf16")]
+    pub dtype: DType,
+    /// Output type: the input type (default) or f32
+    #[arg(long)]
+    pub out_dtype: Option<DType>,
+    /// How B is stored: kn ([K, N]) or nk ([N, K], weights transposed)
+    #[arg(long, default_value = "nk")]
+    pub b_layout: String,
+    /// Add a bias [N]
+    #[arg(long)]
+    pub bias: bool,
+    /// Row pieces each rank's chunk is handed on in (a GEMM per piece)
+    #[arg(long, default_value_t = 1)]
+    pub pieces: usize,
+    /// Seed of the random inputs (default: fresh each run)
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// How long a wait may take before the call fails with a diagnosis, ms
+    #[arg(long, default_value_t = 5000)]
+    pub timeout_ms: u64,
 }
 
 #[derive(Args, Debug)]
@@ -509,6 +551,7 @@ pub fn execute(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Run(ArgsOr::Args(a)) => run(a),
         Command::Run(ArgsOr::Sub(RunSub::GemmRs(a))) => run_gemm_rs_cmd(a),
+        Command::Run(ArgsOr::Sub(RunSub::AgGemm(a))) => run_ag_gemm_cmd(a),
         Command::Plan(a) => plan(a),
         Command::Bench(ArgsOr::Args(a)) => bench_cmd(a),
         Command::Bench(ArgsOr::Sub(BenchSub::Gemm(a))) => bench_gemm_cmd(a),
@@ -740,6 +783,38 @@ fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
         a.ranks,
         if a.path == "auto" { " (auto)" } else { "" }
     );
+    report_calls(&calls)
+}
+
+fn run_ag_gemm_cmd(a: RunAgGemmArgs) -> Result<i32> {
+    use commfuse_sim::ag_gemm::{shape, AgGemmConfig};
+    let layout = parse_b_layout(&a.b_layout)?;
+    let output = a.out_dtype.unwrap_or(a.dtype);
+    let config = AgGemmConfig::new(a.ranks, a.m, a.n, a.k, layout, a.dtype, output, a.bias);
+    // validates the shape and types before anything runs
+    shape(&config, a.m)?;
+    let seed = a.seed.unwrap_or_else(driver::fresh_seed);
+    let ms = [a.m, a.m.div_ceil(2)];
+    let timeout = Duration::from_millis(a.timeout_ms);
+    let calls = crate::ag_gemm::run_sim(config, a.pieces, &ms, seed, timeout)?;
+    println!(
+        "ag-gemm {}×{}×{} (M×N×K, M gathered), B {}, {} → {}, {}, on {} ranks (sim), {} piece{} per chunk, seed {seed}",
+        a.m,
+        a.n,
+        a.k,
+        a.b_layout,
+        a.dtype,
+        output,
+        if a.bias { "bias" } else { "no bias" },
+        a.ranks,
+        a.pieces,
+        if a.pieces == 1 { "" } else { "s" }
+    );
+    report_calls(&calls)
+}
+
+/// Prints each checked call and OK (exit 0), or the mismatches (exit 1).
+fn report_calls(calls: &[crate::gemm_rs::CallCheck]) -> Result<i32> {
     let mut ok = true;
     for (c, call) in calls.iter().enumerate() {
         let total = call.total();

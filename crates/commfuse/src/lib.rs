@@ -6,6 +6,7 @@
 //! [`verify`] runs the correctness matrix, and [`sizes`] parses size lists.
 //! The `commfuse` binary (src/main.rs and [`cli`]) is a thin shell over them.
 
+pub mod ag_gemm;
 pub mod backends;
 pub mod bench;
 pub mod calibrate;

@@ -626,6 +626,43 @@ fn run_gemm_rs_checks_every_element_on_the_simulator() {
 }
 
 #[test]
+fn run_ag_gemm_checks_every_element_on_the_simulator() {
+    let o = commfuse(&[
+        "run", "ag-gemm", "--ranks", "3", "--m", "301", "--n", "72", "--k", "64", "--pieces", "2",
+        "--bias",
+    ]);
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+    assert!(
+        out.contains("on 3 ranks (sim), 2 pieces per chunk"),
+        "{out}"
+    );
+    // every rank's whole [M, N] output
+    assert!(
+        out.contains("call 0: M=301: checked 65016 elements"),
+        "{out}"
+    );
+    assert!(
+        out.contains("call 1: M=151: checked 32616 elements"),
+        "{out}"
+    );
+    assert_eq!(out.lines().last(), Some("OK"), "{out}");
+    let base = ["run", "ag-gemm", "--ranks", "3", "--m", "30", "--n", "16"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        base.iter().chain(extra).copied().collect()
+    };
+    fails_with(&with(&["--k", "12"]), "K must be a multiple of 8");
+    fails_with(
+        &with(&["--k", "8", "--pieces", "0"]),
+        "1 to 16 pieces, got 0",
+    );
+    fails_with(
+        &with(&["--k", "8", "--out-dtype", "f16"]),
+        "(the input type) or f32",
+    );
+}
+
+#[test]
 fn run_gemm_rs_refuses_bad_input_in_one_line() {
     let base = ["run", "gemm-rs", "--ranks", "3", "--m", "300", "--n", "72"];
     let with = |extra: &[&'static str]| -> Vec<&'static str> {
