@@ -170,7 +170,7 @@ COMMFUSE_GEMM_RS_REDUCE(gemm_rs_reduce_f16, __half)
 // peer. Queued after a copy on the same stream, the raise comes after the copied bytes have
 // landed; queued before a GEMM, the wait holds the GEMM back until its C term has arrived.
 
-// Mirrored by `RingFlagArgs` in src/gemm_rs/ring.rs.
+// Mirrored by `FlagArgs` in src/flag_step.rs.
 struct RingFlagArgs {
     const u64* wait;    // this rank's flag to wait on, or null
     u64 wait_value;
@@ -184,7 +184,7 @@ struct RingFlagArgs {
     u32 index;
 };
 static_assert(sizeof(RingFlagArgs) == 64 && COMMFUSE_OFFSETOF(RingFlagArgs, wait_cmp) == 48,
-              "layout mirrored in gemm_rs/ring.rs");
+              "layout mirrored in flag_step.rs");
 
 extern "C" __global__ void __launch_bounds__(32) ring_flag(const RingFlagArgs a) {
     if (threadIdx.x != 0) return;

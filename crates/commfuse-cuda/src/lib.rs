@@ -11,10 +11,12 @@
 //!
 //! Without a driver or GPUs every entry point returns a clear error; nothing panics.
 
+pub mod ag_gemm;
 pub mod backend;
 pub mod cublaslt;
 pub mod driver;
 pub mod error;
+pub mod flag_step;
 pub mod gemm;
 pub mod gemm_bench;
 pub mod gemm_rs;

@@ -281,7 +281,7 @@ impl GemmRsAllocation {
                 error: MappedHost::new(&gpu, ErrorRecord::default())?,
             },
             ring: if overlapped {
-                Some(RingMemory::new(&gpu, world, &config)?)
+                Some(RingMemory::new(&gpu, rank, world, &config)?)
             } else {
                 None
             },

@@ -17,11 +17,10 @@
 
 use super::{shape, GemmRsConfig};
 use crate::cublaslt::Lt;
-use crate::driver::{DeviceMemory, Event, Function, Gpu, MappedHost, Module, Stream};
+use crate::driver::{DeviceMemory, Event, Gpu, Stream};
 use crate::error::CudaError;
+use crate::flag_step::{hand_on, FlagCmp, FlagSteps, PeerMemory};
 use crate::gemm::{InUse, Launched};
-use crate::nvrtc;
-use crate::plan_table::ErrorRecord;
 use commfuse_core::fused::ring_rs::{RingPiece, RingSchedule, RingTarget, MAX_PIECES};
 use commfuse_core::gemm::GemmProblem;
 use std::collections::HashSet;
@@ -40,27 +39,6 @@ fn trace(rank: usize, call: u64, what: &str) {
     }
 }
 
-/// Mirrors `RingFlagArgs` in kernels/gemm_rs.cu.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct RingFlagArgs {
-    wait: u64,
-    wait_value: u64,
-    raise: u64,
-    raise_value: u64,
-    err: u64,
-    timeout_ns: u64,
-    wait_cmp: u32,
-    rank: u32,
-    step: u32,
-    index: u32,
-}
-const _: () = assert!(std::mem::size_of::<RingFlagArgs>() == 64);
-const _: () = assert!(std::mem::offset_of!(RingFlagArgs, wait_cmp) == 48);
-// SignalCmp in common.cuh
-const CMP_EQ: u32 = 0;
-const CMP_GE: u32 = 1;
-
 /// What a rank shares with its peers for the ring: its receive buffers and flag words, and
 /// the context they belong to (a raw `CUcontext` of this process; 0 when they are mapped into
 /// each peer's own context, as memory shared between processes is).
@@ -71,24 +49,14 @@ pub struct RingPeer {
     pub context: u64,
 }
 
-/// Queues the copy of `bytes` from `from` (on rank `me`) to `to` (on rank `receiver`) on
-/// `stream`: a peer copy naming both contexts when the receiver's memory belongs to another
-/// context of this process (see [`Stream::copy_peer_async`]), a plain copy when it is mapped
-/// into ours.
-///
-/// # Safety
-/// Both ranges must stay valid until the copy completes.
-unsafe fn hand_on(
-    stream: &Stream,
-    (receiver, to): (RingPeer, u64),
-    (me, from): (RingPeer, u64),
-    bytes: usize,
-) -> Result<(), CudaError> {
-    if receiver.context == 0 || me.context == 0 {
-        return stream.copy_async(to, from, bytes);
+impl RingPeer {
+    /// `addr` (this rank's memory) as a copy endpoint.
+    fn at(&self, addr: u64) -> PeerMemory {
+        PeerMemory {
+            addr,
+            context: self.context,
+        }
     }
-    let ctx = |c: u64| c as usize as cudarc::driver::sys::CUcontext;
-    stream.copy_peer_async((ctx(receiver.context), to), (ctx(me.context), from), bytes)
 }
 
 /// The ring's memory, freed only after the last call that used it.
@@ -96,12 +64,14 @@ pub(crate) struct RingMemory {
     receive: DeviceMemory,
     send: DeviceMemory,
     flags: DeviceMemory,
-    error: MappedHost<ErrorRecord>,
+    /// The flag kernel and the record of its waits (dropped with the memory: its abort stops
+    /// the waits before anything is freed)
+    steps: FlagSteps,
 }
 
 impl InUse for RingMemory {
     fn abort(&self) {
-        self.error.raise_abort();
+        self.steps.abort();
     }
 }
 
@@ -109,6 +79,7 @@ impl RingMemory {
     /// Receive buffers (two sets), send buffers and flags for calls of up to `max_m` rows.
     pub(crate) fn new(
         gpu: &Gpu,
+        rank: usize,
         world: usize,
         config: &GemmRsConfig,
     ) -> Result<RingMemory, CudaError> {
@@ -119,7 +90,7 @@ impl RingMemory {
             // at least one buffer: it is also cuBLASLt's scratch output while choosing
             send: DeviceMemory::zeroed(gpu, s.send_len().max(s.buffer_len()).max(8) * eb)?,
             flags: DeviceMemory::zeroed(gpu, 8 * s.flag_words())?,
-            error: MappedHost::new(gpu, ErrorRecord::default())?,
+            steps: FlagSteps::new(gpu, rank, config.timeout)?,
         })
     }
 
@@ -161,7 +132,6 @@ pub(crate) struct RingPath {
     /// Calls queued on this path (the next call's number is one more)
     calls: u64,
     lt: Lt,
-    flag: Function,
     side: Stream,
     /// Where cuBLASLt's choices are timed ahead of the first call of an M
     tune: Stream,
@@ -184,8 +154,6 @@ impl RingPath {
         peers: Vec<RingPeer>,
     ) -> Result<RingPath, CudaError> {
         let world = peers.len();
-        let compiled = nvrtc::compile(nvrtc::kernel("gemm_rs.cu").expect("embedded"), false)?;
-        let module = Module::load(&gpu, &compiled.cubin)?;
         let events = (0..world * MAX_PIECES)
             .map(|_| Event::new_untimed(&gpu))
             .collect::<Result<_, _>>()?;
@@ -200,8 +168,8 @@ impl RingPath {
             unsafe {
                 hand_on(
                     &side,
-                    (receiver, receiver.receive),
-                    (peers[rank], memory.send.addr()),
+                    receiver.at(receiver.receive),
+                    peers[rank].at(memory.send.addr()),
                     16,
                 )?
             };
@@ -215,7 +183,6 @@ impl RingPath {
             calls: 0,
             // the pieces start on row boundaries: 16 bytes is all their pointers promise
             lt: Lt::with_alignment(&gpu, 16)?,
-            flag: module.function("ring_flag")?,
             side,
             tune: Stream::new(&gpu)?,
             piece_done: events,
@@ -335,18 +302,6 @@ impl RingPath {
         )
     }
 
-    /// # Safety
-    /// The launch's arguments must name flags of live memory (this rank's or a peer's).
-    unsafe fn queue_flag(&self, stream: &Stream, args: RingFlagArgs) -> Result<(), CudaError> {
-        let args = RingFlagArgs {
-            err: self.memory.error.device_addr(),
-            timeout_ns: self.config.timeout.as_nanos() as u64,
-            rank: self.rank as u32,
-            ..args
-        };
-        self.flag.launch(1, 32, stream, &args)
-    }
-
     /// Queues one call (see the module doc); the caller has checked the arguments.
     ///
     /// # Safety
@@ -375,17 +330,9 @@ impl RingPath {
             let within = g.within.start as u64 * n;
             if let (Some(prev), true) = (g.add, parts.flags) {
                 let index = s.flag_index(set, prev, g.piece);
-                self.queue_flag(
-                    stream,
-                    RingFlagArgs {
-                        wait: mem.flags.addr() + 8 * index as u64,
-                        wait_value: epoch,
-                        wait_cmp: CMP_EQ,
-                        step: g.step as u32,
-                        index: index as u32,
-                        ..Default::default()
-                    },
-                )?;
+                let flag = mem.flags.addr() + 8 * index as u64;
+                let wait = Some((flag, epoch, FlagCmp::Eq));
+                mem.steps.queue(stream, wait, None, (g.step, index))?;
             }
             let (d, bias_here) = match g.target {
                 RingTarget::Send { step } => (
@@ -405,41 +352,24 @@ impl RingPath {
                 self.side.wait_event(done)?;
                 if !credit_taken && parts.flags {
                     // the receiver has finished reading this set in the call before last
-                    self.queue_flag(
-                        &self.side,
-                        RingFlagArgs {
-                            wait: mem.flags.addr() + 8 * s.done_index() as u64,
-                            wait_value: RingSchedule::credit_before(epoch),
-                            wait_cmp: CMP_GE,
-                            step: g.step as u32,
-                            index: s.done_index() as u32,
-                            ..Default::default()
-                        },
-                    )?;
+                    let flag = mem.flags.addr() + 8 * s.done_index() as u64;
+                    let wait = Some((flag, RingSchedule::credit_before(epoch), FlagCmp::Ge));
+                    mem.steps
+                        .queue(&self.side, wait, None, (g.step, s.done_index()))?;
                     credit_taken = true;
                 }
                 let to = receiver.receive + (s.receive_offset(set, step) as u64 + within) * eb;
                 trace(self.rank, epoch, "copy");
                 if parts.copies {
                     let bytes = (g.rows.len() as u64 * n * eb) as usize;
-                    hand_on(
-                        &self.side,
-                        (receiver, to),
-                        (self.peers[self.rank], d),
-                        bytes,
-                    )?;
+                    let from = self.peers[self.rank].at(d);
+                    hand_on(&self.side, receiver.at(to), from, bytes)?;
                 }
                 trace(self.rank, epoch, "raise");
                 let index = s.flag_index(set, step, g.piece);
                 if parts.flags {
-                    self.queue_flag(
-                        &self.side,
-                        RingFlagArgs {
-                            raise: receiver.flags + 8 * index as u64,
-                            raise_value: epoch,
-                            ..Default::default()
-                        },
-                    )?;
+                    let raise = Some((receiver.flags + 8 * index as u64, epoch));
+                    mem.steps.queue(&self.side, None, raise, (g.step, index))?;
                 }
             }
         }
@@ -450,28 +380,18 @@ impl RingPath {
         if self.world > 1 && parts.flags {
             // this call's receive buffers are read: the sender may reuse the set in two calls
             let sender = self.peers[s.sender(self.rank)];
-            self.queue_flag(
-                stream,
-                RingFlagArgs {
-                    raise: sender.flags + 8 * s.done_index() as u64,
-                    raise_value: epoch,
-                    ..Default::default()
-                },
-            )?;
+            let raise = Some((sender.flags + 8 * s.done_index() as u64, epoch));
+            let at = (s.shape.world, s.done_index());
+            mem.steps.queue(stream, None, raise, at)?;
             // and the call ends once the receiver has said the same: after that no peer
             // writes into this rank's memory for this call, so the memory may be freed as soon
             // as the caller's stream is past the call
-            self.queue_flag(
-                stream,
-                RingFlagArgs {
-                    wait: mem.flags.addr() + 8 * s.done_index() as u64,
-                    wait_value: epoch,
-                    wait_cmp: CMP_GE,
-                    step: s.shape.world as u32,
-                    index: s.done_index() as u32,
-                    ..Default::default()
-                },
-            )?;
+            let wait = Some((
+                mem.flags.addr() + 8 * s.done_index() as u64,
+                epoch,
+                FlagCmp::Ge,
+            ));
+            mem.steps.queue(stream, wait, None, at)?;
         }
         self.memory.launched(stream)?;
         self.calls = epoch;
@@ -481,15 +401,12 @@ impl RingPath {
 
     /// The diagnosis of a flag wait that timed out, if one did (after the stream synchronised).
     pub(crate) fn failure(&self) -> Option<String> {
-        let e = self.memory.error.read();
-        if e.flag == 0 {
-            return None;
-        }
-        let what = if e.slot == 0 {
+        let e = self.memory.steps.timeout()?;
+        let what = if e.index == 0 {
             "its receiver's done flag (the receiver has finished a call)".to_string()
         } else {
             let per_set = (self.world - 1) * MAX_PIECES;
-            let i = e.slot as usize - 1;
+            let i = e.index as usize - 1;
             format!(
                 "the flag of piece {} handed on after step {} (set {})",
                 i % MAX_PIECES,

@@ -1,0 +1,486 @@
+//! All-gather + GEMM on GPUs, one object per rank ([`AgGemmRank`]), called on the caller's
+//! buffers and stream: the overlapped schedule of [`commfuse_core::fused::ag_gemm`] with
+//! cuBLASLt GEMMs on the caller's stream and copy-engine copies on a side stream, ordered across
+//! GPUs by the one-thread flag kernels of [`crate::flag_step`].
+//!
+//! A call: the side stream (after the caller's earlier work) copies this rank's chunk, piece by
+//! piece, into every peer's gather buffer and raises each piece's flag there. Meanwhile the
+//! caller's stream computes the rank's own rows from the caller's A, then each peer's piece
+//! after a wait for its flag, from the gather buffer, each GEMM writing its rows of the caller's
+//! output (and, when asked, copying the gathered rows into the caller's buffer). At the end the
+//! rank raises "done" on every peer and waits for every peer's: when a call ends, no peer writes
+//! into this rank's memory any more, so the next call (any M) and dropping the operator are
+//! safe. The first call of each M lets cuBLASLt choose its algorithms and runs each piece's GEMM
+//! once before queueing anything (after the earlier calls, waited for on the host): a kernel
+//! loaded while a flag wait spins can stall the peers (docs/gpu-2026-11-30c).
+//!
+//! Not run on GPUs yet (written after the third session's device time was spent); the
+//! simulator runs the same protocol (`commfuse_sim::ag_gemm`) for P = 1..9 in CI.
+
+use crate::cublaslt::Lt;
+use crate::driver::{DeviceMemory, Event, Gpu, Stream};
+use crate::error::CudaError;
+use crate::flag_step::{hand_on, FlagCmp, FlagSteps, PeerMemory};
+use crate::gemm::{InUse, Launched};
+use crate::plan_table::MAX_RANKS;
+use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, AgPiece, MAX_PIECES};
+use commfuse_core::gemm::{BLayout, GemmProblem};
+use commfuse_core::DType;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn unsupported(msg: String) -> CudaError {
+    CudaError::Unavailable(msg)
+}
+
+/// What an [`AgGemmRank`] is built for: every call has this N, K, layout and types and up to
+/// `max_m` gathered rows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AgGemmConfig {
+    /// The most rows of the gathered A (every rank holds its chunk of them)
+    pub max_m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub b_layout: BLayout,
+    /// bf16 or f16
+    pub input: DType,
+    /// The input type or f32
+    pub output: DType,
+    /// Whether calls add a bias [N] (output type)
+    pub bias: bool,
+    /// Row pieces each chunk is handed on in
+    pub pieces: usize,
+    /// How long any device-side wait may last before the call fails with a diagnosis
+    pub timeout: Duration,
+}
+
+impl AgGemmConfig {
+    /// The defaults: whole chunks (one piece), 5 s waits.
+    pub fn new(
+        max_m: usize,
+        n: usize,
+        k: usize,
+        b_layout: BLayout,
+        input: DType,
+        output: DType,
+    ) -> AgGemmConfig {
+        AgGemmConfig {
+            max_m,
+            n,
+            k,
+            b_layout,
+            input,
+            output,
+            bias: false,
+            pieces: 1,
+            timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn shape(&self, world: usize, m: usize) -> Result<AgGemmShape, CudaError> {
+        AgGemmShape::new(
+            world,
+            m,
+            self.n,
+            self.k,
+            self.b_layout,
+            self.input,
+            self.output,
+        )
+        .map_err(|e| unsupported(e.to_string()))
+    }
+}
+
+/// What a rank shares with its peers: its gather buffer and flag words, and the context they
+/// belong to (see [`PeerMemory`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AgGemmPeer {
+    pub gather: u64,
+    pub flags: u64,
+    pub context: u64,
+}
+
+/// The memory of a rank, freed only after its last call has ended.
+struct AgMemory {
+    /// [max_m, K] of the input type: the peers' chunks land here
+    gather: DeviceMemory,
+    flags: DeviceMemory,
+    steps: FlagSteps,
+}
+
+impl InUse for AgMemory {
+    fn abort(&self) {
+        self.steps.abort();
+    }
+}
+
+/// A rank's allocations before it knows its peers.
+pub struct AgGemmAllocation {
+    rank: usize,
+    world: usize,
+    config: AgGemmConfig,
+    memory: AgMemory,
+    gpu: Arc<Gpu>,
+}
+
+impl AgGemmAllocation {
+    pub fn new(
+        gpu: Arc<Gpu>,
+        rank: usize,
+        world: usize,
+        config: AgGemmConfig,
+    ) -> Result<AgGemmAllocation, CudaError> {
+        if world == 0 || world > MAX_RANKS || rank >= world {
+            return Err(unsupported(format!(
+                "rank {rank} of {world}: all-gather + GEMM takes 1 to {MAX_RANKS} ranks"
+            )));
+        }
+        if config.pieces == 0 || config.pieces > MAX_PIECES {
+            return Err(unsupported(format!(
+                "all-gather + GEMM cuts a chunk into 1 to {MAX_PIECES} pieces, got {}",
+                config.pieces
+            )));
+        }
+        if !(config.k * config.input.size()).is_multiple_of(16)
+            || !(config.n * config.output.size()).is_multiple_of(16)
+        {
+            return Err(unsupported(format!(
+                "all-gather + GEMM needs rows of A and of the output of whole 16-byte units (K = {}, N = {})",
+                config.k, config.n
+            )));
+        }
+        let s = AgGemmSchedule::new(config.shape(world, config.max_m)?, 1);
+        Ok(AgGemmAllocation {
+            memory: AgMemory {
+                gather: DeviceMemory::zeroed(&gpu, config.max_m * config.k * config.input.size())?,
+                flags: DeviceMemory::zeroed(&gpu, 8 * s.flag_words())?,
+                steps: FlagSteps::new(&gpu, rank, config.timeout)?,
+            },
+            rank,
+            world,
+            config,
+            gpu,
+        })
+    }
+
+    pub fn peer(&self) -> AgGemmPeer {
+        AgGemmPeer {
+            gather: self.memory.gather.addr(),
+            flags: self.memory.flags.addr(),
+            context: self.gpu.raw_ctx() as u64,
+        }
+    }
+
+    /// Finishes the rank once every rank's [`AgGemmAllocation::peer`] is known (rank order).
+    pub fn connect(self, peers: &[AgGemmPeer]) -> Result<AgGemmRank, CudaError> {
+        if peers.len() != self.world || peers[self.rank] != self.peer() {
+            return Err(unsupported(format!(
+                "rank {} expected the {} ranks' addresses with its own at its place",
+                self.rank, self.world
+            )));
+        }
+        let gpu = self.gpu;
+        let side = Stream::new(&gpu)?;
+        // the first copy between two contexts, made while nothing spins (see gemm_rs::ring)
+        for q in (0..self.world).filter(|&q| q != self.rank) {
+            let to = PeerMemory {
+                addr: peers[q].gather,
+                context: peers[q].context,
+            };
+            let from = PeerMemory {
+                addr: self.memory.gather.addr(),
+                context: peers[self.rank].context,
+            };
+            // SAFETY: both buffers hold at least 16 bytes (K·2 ≥ 16) and outlive the sync;
+            // nothing reads a gather buffer before a flag
+            unsafe { hand_on(&side, to, from, 16)? };
+        }
+        side.synchronize()?;
+        Ok(AgGemmRank {
+            rank: self.rank,
+            world: self.world,
+            config: self.config,
+            peers: peers.to_vec(),
+            calls: 0,
+            broken: false,
+            lt: Lt::with_alignment(&gpu, 16)?,
+            side,
+            tune: Stream::new(&gpu)?,
+            start: Event::new_untimed(&gpu)?,
+            join: Event::new_untimed(&gpu)?,
+            tuned: HashSet::new(),
+            memory: Launched::new(&gpu, self.memory)?,
+            gpu,
+        })
+    }
+}
+
+/// One rank's all-gather + GEMM.
+pub struct AgGemmRank {
+    rank: usize,
+    world: usize,
+    config: AgGemmConfig,
+    peers: Vec<AgGemmPeer>,
+    /// Calls queued so far (the next call's number is one more)
+    calls: u64,
+    broken: bool,
+    lt: Lt,
+    side: Stream,
+    tune: Stream,
+    start: Event,
+    join: Event,
+    /// The M whose GEMMs cuBLASLt has chosen algorithms for
+    tuned: HashSet<usize>,
+    // dropped before the context
+    memory: Launched<AgMemory>,
+    gpu: Arc<Gpu>,
+}
+
+impl AgGemmRank {
+    /// Builds every rank of a group whose GPUs this process drives (peer access enabled
+    /// between them): rank r on `gpus[r]`.
+    pub fn create_group(
+        gpus: &[Arc<Gpu>],
+        config: AgGemmConfig,
+    ) -> Result<Vec<AgGemmRank>, CudaError> {
+        let parts: Vec<AgGemmAllocation> = gpus
+            .iter()
+            .enumerate()
+            .map(|(r, g)| AgGemmAllocation::new(g.clone(), r, gpus.len(), config))
+            .collect::<Result<_, _>>()?;
+        let peers: Vec<AgGemmPeer> = parts.iter().map(AgGemmAllocation::peer).collect();
+        parts.into_iter().map(|p| p.connect(&peers)).collect()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// Rows of the gathered A this rank holds at `m`.
+    pub fn chunk(&self, m: usize) -> std::ops::Range<usize> {
+        commfuse_core::op::chunk_range(m, self.world, self.rank)
+    }
+
+    fn problem(&self, rows: usize) -> GemmProblem {
+        let c = &self.config;
+        GemmProblem {
+            m: rows,
+            n: c.n,
+            k: c.k,
+            b_layout: c.b_layout,
+            input: c.input,
+            output: c.output,
+        }
+    }
+
+    /// Where piece `g`'s rows of A are: the caller's chunk for this rank's own rows, the
+    /// gather buffer for a peer's.
+    fn a_rows(&self, s: &AgGemmSchedule, g: &AgPiece, a: u64) -> u64 {
+        let row_bytes = (self.config.k * self.config.input.size()) as u64;
+        if g.local {
+            a + (g.rows.start - s.shape.chunk(self.rank).start) as u64 * row_bytes
+        } else {
+            self.memory.gather.addr() + g.rows.start as u64 * row_bytes
+        }
+    }
+
+    /// Chooses cuBLASLt's algorithms for every GEMM of `m` and runs each once in the call's
+    /// own form into `out` (which the call overwrites), after waiting on the host for the
+    /// earlier calls; see the module doc.
+    ///
+    /// # Safety
+    /// As [`AgGemmRank::forward`].
+    unsafe fn prepare(
+        &mut self,
+        stream: &Stream,
+        s: &AgGemmSchedule,
+        (a, b, bias, out): (u64, u64, Option<u64>, u64),
+    ) -> Result<(), CudaError> {
+        if self.tuned.contains(&s.shape.m) {
+            return Ok(());
+        }
+        self.join.record(stream)?;
+        let limit = 4 * self.config.timeout;
+        if !crate::host_sync::poll_until(limit, || self.join.is_done())? {
+            return Err(unsupported(format!(
+                "all-gather + GEMM: rank {}'s earlier calls still run after {limit:?}",
+                self.rank
+            )));
+        }
+        self.tune.wait_event(&self.join)?;
+        let mut seen = HashSet::new();
+        for g in s.gemms_of(self.rank) {
+            let problem = self.problem(g.rows.len());
+            if seen.insert(g.rows.len()) {
+                let operands = (self.a_rows(s, &g, a), b, out);
+                self.lt
+                    .tune(&self.tune, &problem, 0, bias.is_some(), operands)?;
+            }
+            let at = (self.a_rows(s, &g, a), b, out, out);
+            self.lt
+                .matmul_into(&self.tune, &problem, 0, at, bias, 1.0, 0.0)?;
+        }
+        self.tune.synchronize()?;
+        self.tuned.insert(s.shape.m);
+        Ok(())
+    }
+
+    /// Enqueues one call on `stream`: AllGather(A)·B (+ bias) into `out` ([m, N] row-major)
+    /// and, when `gathered` is given, the gathered A into it ([m, K]). Returns once queued.
+    ///
+    /// # Safety
+    /// `stream` must be a stream of this rank's GPU; `a` ([chunk rows, K], the rank's rows of
+    /// A), `b` ([N, K] or [K, N]), `bias` ([N], output type), `out` and `gathered` must be
+    /// device memory of this GPU, 16-byte aligned, valid until the call completes on `stream`;
+    /// `out` and `gathered` must not overlap the others.
+    pub unsafe fn forward(
+        &mut self,
+        stream: &Stream,
+        m: usize,
+        (a, b, bias): (u64, u64, Option<u64>),
+        out: u64,
+        gathered: Option<u64>,
+    ) -> Result<(), CudaError> {
+        let c = self.config;
+        if self.broken {
+            return Err(unsupported(
+                "this all-gather + GEMM failed earlier; its peers' state is unknown: build a new one"
+                    .into(),
+            ));
+        }
+        if m == 0 || m > c.max_m {
+            return Err(unsupported(format!(
+                "M must be 1 to {} (the max_m this operator was built for), got {m}",
+                c.max_m
+            )));
+        }
+        if bias.is_some() != c.bias {
+            return Err(unsupported(format!(
+                "this operator was built {} a bias",
+                if c.bias { "with" } else { "without" }
+            )));
+        }
+        let pointers = [Some(a), Some(b), bias, Some(out), gathered];
+        if pointers.iter().flatten().any(|p| !p.is_multiple_of(16)) {
+            return Err(unsupported(
+                "A, B, the bias, the output and the gathered A must start on 16-byte boundaries"
+                    .into(),
+            ));
+        }
+        self.gpu.bind()?;
+        let s = AgGemmSchedule::new(c.shape(self.world, m)?, c.pieces);
+        let result = self
+            .prepare(stream, &s, (a, b, bias, out))
+            .and_then(|()| self.enqueue(stream, &s, (a, b, bias), out, gathered));
+        if result.is_err() {
+            // some ranks may have queued their part: the protocol's state is unknown
+            self.broken = true;
+            self.memory.steps.abort();
+        }
+        result
+    }
+
+    unsafe fn enqueue(
+        &mut self,
+        stream: &Stream,
+        s: &AgGemmSchedule,
+        (a, b, bias): (u64, u64, Option<u64>),
+        out: u64,
+        gathered: Option<u64>,
+    ) -> Result<(), CudaError> {
+        let c = self.config;
+        let epoch = self.calls + 1;
+        let mem = &*self.memory;
+        let (row_in, row_out) = (
+            (c.k * c.input.size()) as u64,
+            (c.n * c.output.size()) as u64,
+        );
+        let me = self.peers[self.rank];
+        // the side stream hands this rank's pieces on once the caller's A is written
+        self.start.record(stream)?;
+        self.side.wait_event(&self.start)?;
+        let chunk_start = s.shape.chunk(self.rank).start;
+        for g in s.sent_by(self.rank) {
+            let from = PeerMemory {
+                addr: a + (g.rows.start - chunk_start) as u64 * row_in,
+                context: me.context,
+            };
+            let bytes = g.rows.len() * row_in as usize;
+            for d in 1..self.world {
+                let q = (self.rank + d) % self.world;
+                let to = PeerMemory {
+                    addr: self.peers[q].gather + g.rows.start as u64 * row_in,
+                    context: self.peers[q].context,
+                };
+                hand_on(&self.side, to, from, bytes)?;
+                let flag = self.peers[q].flags + 8 * s.flag_index(self.rank, g.piece) as u64;
+                let at = (self.rank, s.flag_index(self.rank, g.piece));
+                mem.steps.queue(&self.side, None, Some((flag, epoch)), at)?;
+            }
+        }
+        for g in s.gemms_of(self.rank) {
+            if !g.local {
+                let index = s.flag_index(g.owner, g.piece);
+                let wait = Some((mem.flags.addr() + 8 * index as u64, epoch, FlagCmp::Eq));
+                mem.steps.queue(stream, wait, None, (g.owner, index))?;
+            }
+            let rows_a = self.a_rows(s, &g, a);
+            if let Some(gathered) = gathered {
+                let to = gathered + g.rows.start as u64 * row_in;
+                stream.copy_async(to, rows_a, g.rows.len() * row_in as usize)?;
+            }
+            let d = out + g.rows.start as u64 * row_out;
+            let problem = self.problem(g.rows.len());
+            self.lt
+                .matmul_into(stream, &problem, 0, (rows_a, b, d, d), bias, 1.0, 0.0)?;
+        }
+        self.join.record(&self.side)?;
+        stream.wait_event(&self.join)?;
+        // done: every peer's reads of what this rank sent, and its writes into this rank, are
+        // over once every peer has said so
+        for q in (0..self.world).filter(|&q| q != self.rank) {
+            let flag = self.peers[q].flags + 8 * s.done_index(self.rank) as u64;
+            mem.steps.queue(
+                stream,
+                None,
+                Some((flag, epoch)),
+                (self.world, s.done_index(self.rank)),
+            )?;
+        }
+        for q in (0..self.world).filter(|&q| q != self.rank) {
+            let index = s.done_index(q);
+            let wait = Some((mem.flags.addr() + 8 * index as u64, epoch, FlagCmp::Ge));
+            mem.steps.queue(stream, wait, None, (self.world, index))?;
+        }
+        self.memory.launched(stream)?;
+        self.calls = epoch;
+        Ok(())
+    }
+
+    /// After the caller's stream was synchronised: the diagnosis of a wait that timed out in
+    /// any call so far, if one did. Marks the operator unusable when it reports one.
+    pub fn check(&mut self) -> Result<(), CudaError> {
+        let Some(e) = self.memory.steps.timeout() else {
+            return Ok(());
+        };
+        self.broken = true;
+        let what = if e.step as usize == self.world {
+            format!("rank {}'s done", e.index as usize - self.world * MAX_PIECES)
+        } else {
+            format!(
+                "piece {} of rank {}'s chunk",
+                e.index as usize % MAX_PIECES,
+                e.step
+            )
+        };
+        Err(unsupported(format!(
+            "all-gather + GEMM: rank {} waited for {what} to reach call {}, saw {} after {:?}",
+            e.rank, e.expected, e.seen, self.config.timeout
+        )))
+    }
+}

@@ -1,0 +1,230 @@
+//! All-gather + GEMM on GPUs, one rank per GPU, one host thread each: every output element of
+//! every rank against the float64 reference and the gathered A exactly, three calls queued back
+//! to back on each rank's stream with different inputs and M (M < P included), outputs poisoned
+//! by the stream before each call; a peer that never arrives ends in a diagnosed error; bad
+//! calls are refused. Skips with a printed reason without two GPUs (a failure under
+//! COMMFUSE_REQUIRE_GPU=1).
+
+use commfuse_core::gemm::{check_elements, reference_gemm, BLayout, Epilogue};
+use commfuse_core::reference::input_value;
+use commfuse_core::{DType, Element, ReduceOp};
+use commfuse_cuda::ag_gemm::{AgGemmConfig, AgGemmRank};
+use commfuse_cuda::driver::{DeviceMemory, Gpu, Stream};
+use commfuse_cuda::testing::gpus;
+use half::{bf16, f16};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn two_gpus() -> Option<Vec<Arc<Gpu>>> {
+    gpus(2)?;
+    let g: Vec<Arc<Gpu>> = (0..2).map(|i| Arc::new(Gpu::open(i).unwrap())).collect();
+    g[0].enable_peer_access(&g[1]).unwrap();
+    g[1].enable_peer_access(&g[0]).unwrap();
+    Some(g)
+}
+
+fn random<T: Element>(len: usize, seed: u64, stream: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
+        .collect()
+}
+
+fn upload<T: bytemuck::Pod>(gpu: &Gpu, host: &[T]) -> DeviceMemory {
+    let mem = DeviceMemory::zeroed(gpu, std::mem::size_of_val(host).max(16)).unwrap();
+    mem.upload(gpu, host).unwrap();
+    mem
+}
+
+/// Runs `ms.len()` calls back to back on every rank and checks every element.
+#[allow(clippy::too_many_arguments)]
+fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
+    gpus: &[Arc<Gpu>],
+    pieces: usize,
+    n: usize,
+    k: usize,
+    layout: BLayout,
+    bias: bool,
+    ms: &[usize],
+    seed: u64,
+) {
+    let world = gpus.len();
+    let max_m = *ms.iter().max().unwrap();
+    let mut config = AgGemmConfig::new(max_m, n, k, layout, TI::DTYPE, TO::DTYPE);
+    config.bias = bias;
+    config.pieces = pieces;
+    let ranks = AgGemmRank::create_group(gpus, config).unwrap();
+    let chunk = |m: usize, r: usize| commfuse_core::op::chunk_range(m, world, r);
+    // per call: every rank's chunk of A, every rank's B, the bias
+    type Call<TI, TO> = (Vec<Vec<TI>>, Vec<Vec<TI>>, Option<Vec<TO>>);
+    let calls: Vec<Call<TI, TO>> = ms
+        .iter()
+        .enumerate()
+        .map(|(c, &m)| {
+            let s = seed.wrapping_add(97 * c as u64);
+            (
+                (0..world)
+                    .map(|r| random(chunk(m, r).len() * k, s, 2 * r))
+                    .collect(),
+                (0..world).map(|r| random(k * n, s, 2 * r + 1)).collect(),
+                bias.then(|| random(n, s, 99)),
+            )
+        })
+        .collect();
+    let calls = &calls;
+    let results: Vec<Vec<(Vec<TO>, Vec<TI>)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|mut op| {
+                scope.spawn(move || {
+                    let gpu = op.gpu().clone();
+                    gpu.bind().unwrap();
+                    let r = op.rank();
+                    let stream = Stream::new(&gpu).unwrap();
+                    let dev: Vec<_> = calls
+                        .iter()
+                        .zip(ms)
+                        .map(|((a, b, bias), &m)| {
+                            (
+                                upload(&gpu, &a[r]),
+                                upload(&gpu, &b[r]),
+                                bias.as_ref().map(|x| upload(&gpu, x)),
+                                DeviceMemory::zeroed(&gpu, m * n * TO::DTYPE.size()).unwrap(),
+                                DeviceMemory::zeroed(&gpu, m * k * TI::DTYPE.size()).unwrap(),
+                            )
+                        })
+                        .collect();
+                    for (c, (&m, (a, b, bias, out, gathered))) in ms.iter().zip(&dev).enumerate() {
+                        // SAFETY: every buffer lives until the synchronisation below
+                        unsafe {
+                            stream
+                                .fill_async(out.addr(), 0xff, m * n * TO::DTYPE.size())
+                                .unwrap();
+                            let g = (c % 2 == 0).then(|| gathered.addr());
+                            let operands = (a.addr(), b.addr(), bias.as_ref().map(|x| x.addr()));
+                            op.forward(&stream, m, operands, out.addr(), g).unwrap();
+                        }
+                    }
+                    stream.synchronize().unwrap();
+                    op.check().unwrap();
+                    dev.iter()
+                        .zip(ms)
+                        .map(|((_, _, _, out, gathered), &m)| {
+                            let mut o = vec![TO::from_f32(0.0); m * n];
+                            out.download(&gpu, &mut o).unwrap();
+                            let mut g = vec![TI::from_f32(0.0); m * k];
+                            gathered.download(&gpu, &mut g).unwrap();
+                            (o, g)
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (c, (&m, (a, b, bias_v))) in ms.iter().zip(calls).enumerate() {
+        let full: Vec<TI> = a.iter().flatten().copied().collect();
+        let problem =
+            commfuse_core::gemm::GemmProblem::new(m, n, k, layout, TI::DTYPE, TO::DTYPE).unwrap();
+        let epilogue = Epilogue {
+            bias,
+            ..Epilogue::default()
+        };
+        for (r, per_call) in results.iter().enumerate() {
+            let (out, gathered) = &per_call[c];
+            let want = reference_gemm(
+                &problem,
+                &epilogue,
+                &full,
+                &b[r],
+                None,
+                bias_v.as_deref(),
+                None,
+            );
+            let check = check_elements(&problem, &epilogue, out.iter().map(|x| x.to_f64()), &want);
+            assert_eq!(
+                check.out_of_bound, 0,
+                "pieces {pieces} call {c} (M={m}) rank {r} {n}x{k} {layout:?} {:?}->{:?} bias={bias}: {check:?}",
+                TI::DTYPE,
+                TO::DTYPE
+            );
+            if c % 2 == 0 {
+                assert!(
+                    gathered
+                        .iter()
+                        .zip(&full)
+                        .all(|(g, w)| g.to_f64().to_bits() == w.to_f64().to_bits()),
+                    "call {c} rank {r}: the gathered A differs"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_element_of_back_to_back_calls_matches_float64() {
+    let Some(g) = two_gpus() else { return };
+    for pieces in [1, 3] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            run_case::<bf16, bf16>(&g, pieces, 264, 136, layout, false, &[301, 130, 1], 1);
+            run_case::<f16, f16>(&g, pieces, 520, 64, layout, true, &[257, 1, 384], 2);
+            run_case::<bf16, f32>(&g, pieces, 600, 72, layout, true, &[300, 7], 3);
+        }
+        run_case::<bf16, bf16>(&g[..1], pieces, 264, 64, BLayout::NK, true, &[300, 1], 4);
+        run_case::<bf16, bf16>(&g, pieces, 2048, 512, BLayout::NK, true, &[2048, 1000], 5);
+    }
+}
+
+#[test]
+fn a_peer_that_never_arrives_ends_in_a_diagnosed_error() {
+    let Some(g) = two_gpus() else { return };
+    let mut config = AgGemmConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
+    config.timeout = Duration::from_millis(300);
+    let mut ranks = AgGemmRank::create_group(&g, config).unwrap();
+    let op = &mut ranks[0];
+    let stream = Stream::new(&g[0]).unwrap();
+    let a = upload(&g[0], &random::<bf16>(128 * 64, 1, 0));
+    let b = upload(&g[0], &random::<bf16>(256 * 64, 1, 1));
+    let out = DeviceMemory::zeroed(&g[0], 256 * 256 * 2).unwrap();
+    let started = Instant::now();
+    // SAFETY: buffers outlive the synchronisation
+    unsafe {
+        op.forward(&stream, 256, (a.addr(), b.addr(), None), out.addr(), None)
+            .unwrap()
+    };
+    stream.synchronize().unwrap();
+    let err = op.check().unwrap_err().to_string();
+    assert!(started.elapsed() < Duration::from_secs(10), "no hang");
+    assert!(
+        err.contains("rank 0 waited for piece 0 of rank 1's chunk to reach call 1, saw 0"),
+        "{err}"
+    );
+    // SAFETY: refused before anything is queued
+    let again = unsafe { op.forward(&stream, 256, (a.addr(), b.addr(), None), out.addr(), None) };
+    assert!(again.is_err(), "the operator refuses further calls");
+}
+
+#[test]
+fn bad_calls_are_refused_with_one_line() {
+    let Some(g) = two_gpus() else { return };
+    let config = AgGemmConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
+    let mut ranks = AgGemmRank::create_group(&g, config).unwrap();
+    let stream = Stream::new(&g[0]).unwrap();
+    let mem = DeviceMemory::zeroed(&g[0], 1 << 20).unwrap();
+    let x = mem.addr();
+    // SAFETY: refused before anything is queued
+    let e = unsafe { ranks[0].forward(&stream, 257, (x, x, None), x, None) }.unwrap_err();
+    assert!(e.to_string().contains("M must be 1 to 256"), "{e}");
+    // SAFETY: as above
+    let e = unsafe { ranks[0].forward(&stream, 16, (x, x, Some(x)), x, None) }.unwrap_err();
+    assert!(e.to_string().contains("without a bias"), "{e}");
+    let mut bad = AgGemmConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
+    bad.pieces = 0;
+    let e = AgGemmRank::create_group(&g, bad).err().unwrap();
+    assert!(e.to_string().contains("1 to 16 pieces"), "{e}");
+    let bad = AgGemmConfig::new(256, 300, 64, BLayout::NK, DType::BF16, DType::BF16);
+    let e = AgGemmRank::create_group(&g, bad).err().unwrap();
+    assert!(
+        e.to_string().contains("16-byte units") && !e.to_string().contains('\n'),
+        "{e}"
+    );
+}
