@@ -19,6 +19,7 @@ B=.gpu/commfuse
 # check: compile report, GPU tests, verify        gemm: our GEMM beside cuBLASLt at four shapes
 # bench: the collectives beside NCCL (and graph replay), calibration
 # gemm-rs: GEMM + reduce-scatter beside cuBLASLt and cuBLASLt + NCCL at six shapes
+# ag-gemm: all-gather + GEMM beside cuBLASLt and NCCL + cuBLASLt at the same six shapes
 # tests: the GPU test binaries only (TESTS="gpu_gemm gpu_gemm_rs" picks some)     full: all of them
 # (each of check, gemm+bench fits one 10-minute device call)
 MODE=${1:-full}
@@ -67,6 +68,16 @@ if has gemm-rs; then
     set -- $shape
     name=gemm-rs-$1x$2x$3
     timeout 150 $B bench gemm-rs --m $1 --n $2 --k $3 --devices 0,1 ${RS_FLAGS:-} --warmup 5 --iters 30 \
+      --json "$R/$name.json" >"$R/$name.txt" 2>&1
+    log "$name rc=$?"; grep -v "^# commfuse" "$R/$name.txt" | tee -a "$OUT/summary.txt"
+  done
+fi
+
+if has ag-gemm; then
+  for shape in "8192 8192 3584" "2048 8192 3584" "8192 8192 14336" "4096 12288 24576" "1024 8192 3584" "512 4096 4096"; do
+    set -- $shape
+    name=ag-gemm-$1x$2x$3
+    timeout 150 $B bench ag-gemm --m $1 --n $2 --k $3 --devices 0,1 ${AG_FLAGS:-} --warmup 5 --iters 30 \
       --json "$R/$name.json" >"$R/$name.txt" 2>&1
     log "$name rc=$?"; grep -v "^# commfuse" "$R/$name.txt" | tee -a "$OUT/summary.txt"
   done

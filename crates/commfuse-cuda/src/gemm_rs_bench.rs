@@ -8,20 +8,19 @@
 //! on the GPUs (kernels/reference_gemm.cu per rank, summed on the host) after the timing.
 
 use crate::cublaslt::Lt;
-use crate::driver::{DeviceMemory, Event, Gpu, Stream};
+use crate::driver::{DeviceMemory, Gpu, Stream};
 use crate::error::CudaError;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
 use crate::gemm_bench::ReferenceGemm;
 use crate::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction, RingParts};
-use crate::host_sync::StartBarrier;
 use crate::nccl::Comms;
+use crate::rank_bench::{download, interleaved, row, timed, FusedRow, RankStream};
 use commfuse_core::fused::gemm_rs::{check_elements_on, GemmRsShape, ReferenceElement};
 use commfuse_core::gemm::{grouped_order, Epilogue, GemmPlan};
 use commfuse_core::reference::input_value;
 use commfuse_core::{DType, Element, ReduceOp};
 use half::{bf16, f16};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -41,26 +40,7 @@ pub struct GemmRsBenchConfig {
 }
 
 /// One row of the table.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct GemmRsRow {
-    pub implementation: String,
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub world: usize,
-    /// Median over rounds of the round's median slowest-rank call time
-    pub time_ms: f64,
-    pub min_ms: f64,
-    pub max_ms: f64,
-    /// Every rank's GEMM flops over the time, per rank
-    pub tflops: f64,
-    /// Output elements checked against float64 (0: the row is a baseline not checked here)
-    pub checked: usize,
-    pub out_of_bound: usize,
-    pub worst_ratio: f64,
-}
-
-const ROUNDS: usize = 5;
+pub type GemmRsRow = FusedRow;
 
 /// One rank's buffers.
 struct RankData<'g> {
@@ -77,7 +57,16 @@ struct RankData<'g> {
     gemm_alone: PreparedGemm,
 }
 
-type Launch<'a> = Box<dyn Fn(usize, &RankData<'_>) -> Result<(), CudaError> + Sync + 'a>;
+impl RankStream for RankData<'_> {
+    fn gpu(&self) -> &Gpu {
+        self.gpu
+    }
+    fn stream(&self) -> &Stream {
+        &self.stream
+    }
+}
+
+type Launch<'a, 'g> = crate::rank_bench::Launch<'a, RankData<'g>>;
 
 /// Times every row; returns them in the order cuBLASLt, cuBLASLt + NCCL, our GEMM, fused….
 pub fn bench_gemm_rs(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRsRow>, CudaError> {
@@ -230,7 +219,7 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
     }
 
     let mut names: Vec<String> = Vec::new();
-    let mut launches: Vec<Launch<'_>> = Vec::new();
+    let mut launches: Vec<Launch<'_, '_>> = Vec::new();
     let p = &problem;
     // SAFETY (of every use): operands sized from the problem on this rank's GPU
     let lt_gemm = move |d: &RankData<'_>| unsafe {
@@ -301,21 +290,7 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
         eprintln!("# baseline not run: {why}");
     }
 
-    let per_round = cfg.iters.max(ROUNDS).div_ceil(ROUNDS);
-    let mut round_medians = vec![Vec::new(); launches.len()];
-    for round in 0..ROUNDS {
-        for v in 0..launches.len() {
-            // start each round with a different row so that no row always follows the same one
-            let v = (v + round) % launches.len();
-            let warm = if round == 0 { cfg.warmup.max(1) } else { 1 };
-            let times = timed(&ranks, &launches[v], warm, per_round)?;
-            let mut slowest: Vec<f64> = (0..per_round)
-                .map(|i| times.iter().map(|t| t[i]).fold(0.0, f64::max))
-                .collect();
-            slowest.sort_by(f64::total_cmp);
-            round_medians[v].push(slowest[slowest.len() / 2]);
-        }
-    }
+    let round_medians = interleaved(&ranks, &launches, cfg.warmup, cfg.iters)?;
     for (_, ops, _) in &fused {
         for op in ops {
             op.lock().unwrap().check()?;
@@ -366,23 +341,8 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
 
     let mut rows = Vec::new();
     for (v, name) in names.iter().enumerate() {
-        let mut t = round_medians[v].clone();
-        t.sort_by(f64::total_cmp);
-        let time_ms = t[t.len() / 2];
-        let mut row = GemmRsRow {
-            implementation: name.clone(),
-            m: s.m,
-            n: s.n,
-            k: s.k,
-            world,
-            time_ms,
-            min_ms: t[0],
-            max_ms: t[t.len() - 1],
-            tflops: p.flops() / (time_ms * 1e-3) / 1e12,
-            checked: 0,
-            out_of_bound: 0,
-            worst_ratio: 0.0,
-        };
+        let dims = (s.m, s.n, s.k, world);
+        let mut row = row(name, dims, p.flops(), &round_medians[v]);
         if let Some(path) = checked[v] {
             // one more call on a poisoned output, then every element of every rank
             for d in &ranks {
@@ -400,92 +360,4 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
         rows.push(row);
     }
     Ok(rows)
-}
-
-/// Runs `launch` on every rank's stream from one thread per rank: `warm` untimed calls, then
-/// `iters` calls with events around each; returns per rank the times in ms.
-fn timed(
-    ranks: &[RankData<'_>],
-    launch: &Launch<'_>,
-    warm: usize,
-    iters: usize,
-) -> Result<Vec<Vec<f64>>, CudaError> {
-    let all: Vec<usize> = (0..ranks.len()).collect();
-    let start = StartBarrier::new(&all, Duration::from_secs(60));
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = ranks
-            .iter()
-            .enumerate()
-            .map(|(r, d)| {
-                let start = &start;
-                scope.spawn(move || -> Result<Vec<f64>, CudaError> {
-                    let body = || -> Result<Vec<f64>, CudaError> {
-                        d.gpu.bind()?;
-                        let events: Vec<Event> = (0..=iters)
-                            .map(|_| Event::new(d.gpu))
-                            .collect::<Result<_, _>>()?;
-                        start
-                            .wait(r)
-                            .map_err(|e| CudaError::Unavailable(e.to_string()))?;
-                        for _ in 0..warm {
-                            launch(r, d)?;
-                        }
-                        events[0].record(&d.stream)?;
-                        for e in &events[1..] {
-                            launch(r, d)?;
-                            e.record(&d.stream)?;
-                        }
-                        if !d.stream.wait_idle(Duration::from_secs(60))? {
-                            return Err(CudaError::Unavailable(format!(
-                                "rank {r}'s stream still busy after 60 s"
-                            )));
-                        }
-                        events
-                            .windows(2)
-                            .map(|w| Ok(w[0].elapsed_ms(&w[1])? as f64))
-                            .collect()
-                    };
-                    let out = body();
-                    if let Err(e) = &out {
-                        start.abort(r, e);
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(CudaError::Unavailable("a rank thread panicked".into()))
-                })
-            })
-            .collect()
-    })
-}
-
-/// `len` elements of `dtype` from `mem`, widened to f64.
-fn download(
-    gpu: &Gpu,
-    mem: &DeviceMemory,
-    dtype: DType,
-    len: usize,
-) -> Result<Vec<f64>, CudaError> {
-    Ok(match dtype {
-        DType::F32 => {
-            let mut h = vec![0f32; len];
-            mem.download(gpu, &mut h)?;
-            h.into_iter().map(f64::from).collect()
-        }
-        DType::BF16 => {
-            let mut h = vec![bf16::ZERO; len];
-            mem.download(gpu, &mut h)?;
-            h.into_iter().map(|x| x.to_f64()).collect()
-        }
-        DType::F16 => {
-            let mut h = vec![f16::ZERO; len];
-            mem.download(gpu, &mut h)?;
-            h.into_iter().map(|x| x.to_f64()).collect()
-        }
-    })
 }

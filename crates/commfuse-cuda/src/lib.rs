@@ -12,6 +12,7 @@
 //! Without a driver or GPUs every entry point returns a clear error; nothing panics.
 
 pub mod ag_gemm;
+pub mod ag_gemm_bench;
 pub mod backend;
 pub mod cublaslt;
 pub mod driver;
@@ -26,6 +27,7 @@ pub mod nccl;
 pub mod nvrtc;
 pub mod plan_table;
 mod queued;
+pub mod rank_bench;
 pub mod testing;
 
 pub use backend::CudaBackend;

@@ -104,6 +104,39 @@ impl Comms {
         })
     }
 
+    /// `ncclAllGather` of `count` elements per rank from `send` into `recv` (P·count) on rank
+    /// `r`'s `stream`.
+    ///
+    /// # Safety
+    /// Both buffers must be device memory of rank r's GPU of those sizes, valid until the
+    /// call completes on `stream`.
+    pub(crate) unsafe fn all_gather_raw(
+        &self,
+        r: usize,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        stream: &crate::driver::Stream,
+    ) -> Result<(), CudaError> {
+        let comm = self
+            .comm(r)
+            .map_err(|e| CudaError::Unavailable(e.to_string()))?;
+        result::all_gather(
+            send as *const c_void,
+            recv as *mut c_void,
+            count,
+            nccl_type(dtype),
+            comm,
+            stream.raw() as sys::cudaStream_t,
+        )
+        .map(|_| ())
+        .map_err(|e| CudaError::Nccl {
+            call: "ncclAllGather",
+            message: format!("{e:?}"),
+        })
+    }
+
     /// Aborts every communicator (once): NCCL kernels waiting for a rank that failed give up,
     /// which our error record cannot make them do. Called only with no host thread inside an
     /// NCCL call (after a batch's threads have ended).

@@ -91,6 +91,46 @@ pub enum BenchSub {
     /// reduce-scatter, and our GEMM alone
     #[command(name = "gemm-rs")]
     GemmRs(BenchGemmRsArgs),
+    /// All-gather + GEMM on P GPUs: ours overlapped beside cuBLASLt alone on the gathered A and
+    /// NCCL's all-gather then cuBLASLt
+    #[command(name = "ag-gemm")]
+    AgGemm(BenchAgGemmArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchAgGemmArgs {
+    /// Rows of the gathered A (each rank holds its chunk)
+    #[arg(long)]
+    pub m: usize,
+    #[arg(long)]
+    pub n: usize,
+    #[arg(long)]
+    pub k: usize,
+    /// How B is stored: kn ([K, N]) or nk ([N, K], weights transposed)
+    #[arg(long, default_value = "nk")]
+    pub b_layout: String,
+    /// Input type: bf16 or f16
+    #[arg(long, default_value = "bf16")]
+    pub dtype: DType,
+    /// Output type (default: the input type)
+    #[arg(long)]
+    pub out_dtype: Option<DType>,
+    /// Add a bias row
+    #[arg(long)]
+    pub bias: bool,
+    /// GPUs, rank r on the r-th
+    #[arg(long, value_delimiter = ',', default_value = "0,1")]
+    pub devices: Vec<usize>,
+    /// One row each: the row pieces each rank's chunk is handed on in
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub pieces: Vec<usize>,
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// Write the rows as JSON
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 /// `run <op> [flags]` runs a collective, `run gemm-rs [flags]` the fused GEMM + reduce-scatter.
@@ -556,6 +596,7 @@ pub fn execute(cli: Cli) -> Result<i32> {
         Command::Bench(ArgsOr::Args(a)) => bench_cmd(a),
         Command::Bench(ArgsOr::Sub(BenchSub::Gemm(a))) => bench_gemm_cmd(a),
         Command::Bench(ArgsOr::Sub(BenchSub::GemmRs(a))) => bench_gemm_rs_cmd(a),
+        Command::Bench(ArgsOr::Sub(BenchSub::AgGemm(a))) => bench_ag_gemm_cmd(a),
         Command::Verify(a) => verify_cmd(a),
         Command::Kernels(a) => kernels_cmd(a),
         Command::Calibrate(a) => calibrate_cmd(a),
@@ -599,20 +640,31 @@ fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
         "# commfuse bench gemm-rs: {}×{}×{} (M×N×K, K per rank), B {:?}, {} → {}, GPUs {:?}",
         a.m, a.n, a.k, layout, shape.input, shape.output, a.devices
     );
+    print_fused_rows(&rows, "cublaslt+nccl", a.json.as_deref())
+}
+
+/// Prints a fused operator's bench rows (time, rounds, TFLOP/s, exposed time over cuBLASLt
+/// alone, E against the unfused row `unfused`, speed-up over it, the check) and writes them as
+/// JSON; exit 1 when a checked row is wrong.
+fn print_fused_rows(
+    rows: &[commfuse_cuda::rank_bench::FusedRow],
+    unfused: &str,
+    json: Option<&std::path::Path>,
+) -> Result<i32> {
     let gemm = rows
         .iter()
         .find(|r| r.implementation == "cublaslt")
         .map(|r| r.time_ms);
     let unfused = rows
         .iter()
-        .find(|r| r.implementation == "cublaslt+nccl")
+        .find(|r| r.implementation == unfused)
         .map(|r| r.time_ms);
     println!(
         "# {:>36} {:>10} {:>19} {:>9} {:>10} {:>8} {:>8} {:>11}  check",
         "impl", "time(ms)", "rounds min-max", "TFLOP/s", "exposed", "E", "vs unf.", "err/bound"
     );
     let mut ok = true;
-    for r in &rows {
+    for r in rows {
         let exposed = gemm.map(|g| r.time_ms - g);
         let e = match (gemm, unfused) {
             (Some(g), Some(u)) if u > g => Some((u - r.time_ms) / (u - g)),
@@ -644,11 +696,41 @@ fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
             }
         );
     }
-    if let Some(path) = &a.json {
-        std::fs::write(path, serde_json::to_string_pretty(&rows)?)
+    if let Some(path) = json {
+        std::fs::write(path, serde_json::to_string_pretty(rows)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(if ok { 0 } else { 1 })
+}
+
+fn bench_ag_gemm_cmd(a: BenchAgGemmArgs) -> Result<i32> {
+    use commfuse_core::fused::ag_gemm::AgGemmShape;
+    use commfuse_cuda::ag_gemm_bench::{bench_ag_gemm, AgGemmBenchConfig};
+    let layout = parse_b_layout(&a.b_layout)?;
+    let shape = AgGemmShape::new(
+        a.devices.len(),
+        a.m,
+        a.n,
+        a.k,
+        layout,
+        a.dtype,
+        a.out_dtype.unwrap_or(a.dtype),
+    )?;
+    let cfg = AgGemmBenchConfig {
+        devices: a.devices.clone(),
+        shape,
+        bias: a.bias,
+        pieces: a.pieces.clone(),
+        warmup: a.warmup,
+        iters: a.iters,
+        seed: driver::fresh_seed(),
+    };
+    let rows = bench_ag_gemm(&cfg)?;
+    println!(
+        "# commfuse bench ag-gemm: {}×{}×{} (M×N×K, M gathered), B {:?}, {} → {}, GPUs {:?}",
+        a.m, a.n, a.k, layout, shape.input, shape.output, a.devices
+    );
+    print_fused_rows(&rows, "nccl+cublaslt", a.json.as_deref())
 }
 
 fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {

@@ -1,0 +1,183 @@
+//! What the fused operators' benches share: one host thread per rank timing a row's calls with
+//! CUDA events on each rank's stream, rows interleaved in rounds, a call's time its slowest
+//! rank's, each row the median of its rounds' medians; the row type; downloads to f64.
+
+use crate::driver::{DeviceMemory, Event, Gpu, Stream};
+use crate::error::CudaError;
+use crate::host_sync::StartBarrier;
+use commfuse_core::DType;
+use half::{bf16, f16};
+use std::time::Duration;
+
+/// Rounds every row is timed in.
+pub(crate) const ROUNDS: usize = 5;
+
+/// A rank of a bench: its GPU and the stream its calls go on.
+pub(crate) trait RankStream: Sync {
+    fn gpu(&self) -> &Gpu;
+    fn stream(&self) -> &Stream;
+}
+
+/// One row's call on rank r.
+pub(crate) type Launch<'a, D> = Box<dyn Fn(usize, &D) -> Result<(), CudaError> + Sync + 'a>;
+
+/// One row of a fused operator's table.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FusedRow {
+    pub implementation: String,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub world: usize,
+    /// Median over rounds of the round's median slowest-rank call time
+    pub time_ms: f64,
+    pub min_ms: f64,
+    pub max_ms: f64,
+    /// Every rank's GEMM flops over the time, per rank
+    pub tflops: f64,
+    /// Output elements checked against float64 (0: the row is a baseline not checked here)
+    pub checked: usize,
+    pub out_of_bound: usize,
+    pub worst_ratio: f64,
+}
+
+/// Times every row in [`ROUNDS`] interleaved rounds (each round starting at another row, the
+/// first with `warmup` untimed calls, the others with one) of `iters / ROUNDS` calls; returns
+/// per row its rounds' medians of the slowest rank's call time, in ms.
+pub(crate) fn interleaved<D: RankStream>(
+    ranks: &[D],
+    launches: &[Launch<'_, D>],
+    warmup: usize,
+    iters: usize,
+) -> Result<Vec<Vec<f64>>, CudaError> {
+    let per_round = iters.max(ROUNDS).div_ceil(ROUNDS);
+    let mut round_medians = vec![Vec::new(); launches.len()];
+    for round in 0..ROUNDS {
+        for v in 0..launches.len() {
+            // start each round with a different row so that no row always follows the same one
+            let v = (v + round) % launches.len();
+            let warm = if round == 0 { warmup.max(1) } else { 1 };
+            let times = timed(ranks, &launches[v], warm, per_round)?;
+            let mut slowest: Vec<f64> = (0..per_round)
+                .map(|i| times.iter().map(|t| t[i]).fold(0.0, f64::max))
+                .collect();
+            slowest.sort_by(f64::total_cmp);
+            round_medians[v].push(slowest[slowest.len() / 2]);
+        }
+    }
+    Ok(round_medians)
+}
+
+/// A row from its rounds' medians (unchecked: `checked` 0).
+pub(crate) fn row(
+    implementation: &str,
+    (m, n, k, world): (usize, usize, usize, usize),
+    flops: f64,
+    rounds: &[f64],
+) -> FusedRow {
+    let mut t = rounds.to_vec();
+    t.sort_by(f64::total_cmp);
+    let time_ms = t[t.len() / 2];
+    FusedRow {
+        implementation: implementation.to_string(),
+        m,
+        n,
+        k,
+        world,
+        time_ms,
+        min_ms: t[0],
+        max_ms: t[t.len() - 1],
+        tflops: flops / (time_ms * 1e-3) / 1e12,
+        checked: 0,
+        out_of_bound: 0,
+        worst_ratio: 0.0,
+    }
+}
+
+/// Runs `launch` on every rank's stream from one thread per rank: `warm` untimed calls, then
+/// `iters` calls with events around each; returns per rank the times in ms.
+pub(crate) fn timed<D: RankStream>(
+    ranks: &[D],
+    launch: &Launch<'_, D>,
+    warm: usize,
+    iters: usize,
+) -> Result<Vec<Vec<f64>>, CudaError> {
+    let all: Vec<usize> = (0..ranks.len()).collect();
+    let start = StartBarrier::new(&all, Duration::from_secs(60));
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .enumerate()
+            .map(|(r, d)| {
+                let start = &start;
+                scope.spawn(move || -> Result<Vec<f64>, CudaError> {
+                    let body = || -> Result<Vec<f64>, CudaError> {
+                        d.gpu().bind()?;
+                        let events: Vec<Event> = (0..=iters)
+                            .map(|_| Event::new(d.gpu()))
+                            .collect::<Result<_, _>>()?;
+                        start
+                            .wait(r)
+                            .map_err(|e| CudaError::Unavailable(e.to_string()))?;
+                        for _ in 0..warm {
+                            launch(r, d)?;
+                        }
+                        events[0].record(d.stream())?;
+                        for e in &events[1..] {
+                            launch(r, d)?;
+                            e.record(d.stream())?;
+                        }
+                        if !d.stream().wait_idle(Duration::from_secs(60))? {
+                            return Err(CudaError::Unavailable(format!(
+                                "rank {r}'s stream still busy after 60 s"
+                            )));
+                        }
+                        events
+                            .windows(2)
+                            .map(|w| Ok(w[0].elapsed_ms(&w[1])? as f64))
+                            .collect()
+                    };
+                    let out = body();
+                    if let Err(e) = &out {
+                        start.abort(r, e);
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(CudaError::Unavailable("a rank thread panicked".into()))
+                })
+            })
+            .collect()
+    })
+}
+
+/// `len` elements of `dtype` from `mem`, widened to f64.
+pub(crate) fn download(
+    gpu: &Gpu,
+    mem: &DeviceMemory,
+    dtype: DType,
+    len: usize,
+) -> Result<Vec<f64>, CudaError> {
+    Ok(match dtype {
+        DType::F32 => {
+            let mut h = vec![0f32; len];
+            mem.download(gpu, &mut h)?;
+            h.into_iter().map(f64::from).collect()
+        }
+        DType::BF16 => {
+            let mut h = vec![bf16::ZERO; len];
+            mem.download(gpu, &mut h)?;
+            h.into_iter().map(|x| x.to_f64()).collect()
+        }
+        DType::F16 => {
+            let mut h = vec![f16::ZERO; len];
+            mem.download(gpu, &mut h)?;
+            h.into_iter().map(|x| x.to_f64()).collect()
+        }
+    })
+}
