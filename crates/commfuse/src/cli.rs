@@ -99,25 +99,8 @@ pub enum BenchSub {
 
 #[derive(Args, Debug)]
 pub struct BenchAgGemmArgs {
-    /// Rows of the gathered A (each rank holds its chunk)
-    #[arg(long)]
-    pub m: usize,
-    #[arg(long)]
-    pub n: usize,
-    #[arg(long)]
-    pub k: usize,
-    /// How B is stored: kn ([K, N]) or nk ([N, K], weights transposed)
-    #[arg(long, default_value = "nk")]
-    pub b_layout: String,
-    /// Input type: bf16 or f16
-    #[arg(long, default_value = "bf16")]
-    pub dtype: DType,
-    /// Output type (default: the input type)
-    #[arg(long)]
-    pub out_dtype: Option<DType>,
-    /// Add a bias row
-    #[arg(long)]
-    pub bias: bool,
+    #[command(flatten)]
+    pub shape: GemmShapeArgs,
     /// GPUs, rank r on the r-th
     #[arg(long, value_delimiter = ',', default_value = "0,1")]
     pub devices: Vec<usize>,
@@ -152,30 +135,11 @@ pub enum RunSub {
 
 #[derive(Args, Debug)]
 pub struct RunAgGemmArgs {
-    /// Rows of the gathered A (each rank holds its chunk)
-    #[arg(long)]
-    pub m: usize,
-    /// Columns of every rank's B and output
-    #[arg(long)]
-    pub n: usize,
-    /// K (a multiple of 8)
-    #[arg(long)]
-    pub k: usize,
+    #[command(flatten)]
+    pub shape: GemmShapeArgs,
     /// Number of ranks (simulated threads)
     #[arg(long, short = 'p', default_value_t = 2)]
     pub ranks: usize,
-    /// Input type: bf16 or f16
-    #[arg(long, default_value = "bf16")]
-    pub dtype: DType,
-    /// Output type: the input type (default) or f32
-    #[arg(long)]
-    pub out_dtype: Option<DType>,
-    /// How B is stored: kn ([K, N]) or nk ([N, K], weights transposed)
-    #[arg(long, default_value = "nk")]
-    pub b_layout: String,
-    /// Add a bias [N]
-    #[arg(long)]
-    pub bias: bool,
     /// Row pieces each rank's chunk is handed on in (a GEMM per piece)
     #[arg(long, default_value_t = 1)]
     pub pieces: usize,
@@ -187,19 +151,19 @@ pub struct RunAgGemmArgs {
     pub timeout_ms: u64,
 }
 
+/// The GEMM of a fused operator: M×N×K, types, B's layout, bias.
 #[derive(Args, Debug)]
-pub struct RunGemmRsArgs {
-    /// Rows of every rank's A
+pub struct GemmShapeArgs {
+    /// Rows of A: for gemm-rs every rank's A (the output's rows in all, split over the ranks),
+    /// for ag-gemm the gathered A (each rank holds its chunk)
     #[arg(long)]
     pub m: usize,
+    /// Columns of B and of the output
     #[arg(long)]
     pub n: usize,
-    /// K of every rank's shard (a multiple of 8)
+    /// K (a multiple of 8): for gemm-rs each rank's shard
     #[arg(long)]
     pub k: usize,
-    /// Number of ranks (simulated threads)
-    #[arg(long, short = 'p', default_value_t = 2)]
-    pub ranks: usize,
     /// Input type: bf16 or f16
     #[arg(long, default_value = "bf16")]
     pub dtype: DType,
@@ -209,9 +173,24 @@ pub struct RunGemmRsArgs {
     /// How B is stored: kn ([K, N]) or nk ([N, K], weights transposed)
     #[arg(long, default_value = "nk")]
     pub b_layout: String,
-    /// Add a bias [N] (once, by the owner)
+    /// Add a bias [N] (once)
     #[arg(long)]
     pub bias: bool,
+}
+
+impl GemmShapeArgs {
+    fn output(&self) -> DType {
+        self.out_dtype.unwrap_or(self.dtype)
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct RunGemmRsArgs {
+    #[command(flatten)]
+    pub shape: GemmShapeArgs,
+    /// Number of ranks (simulated threads)
+    #[arg(long, short = 'p', default_value_t = 2)]
+    pub ranks: usize,
     /// Which path: auto (the cost model's pick for the shape), fused (the tile schedule of our
     /// GEMM) or overlapped (the ring of library GEMMs; --pieces cuts each step)
     #[arg(long, default_value = "auto")]
@@ -283,26 +262,8 @@ pub struct BenchGemmArgs {
 
 #[derive(Args, Debug)]
 pub struct BenchGemmRsArgs {
-    /// Rows of every rank's A (the output's rows in all, split over the ranks)
-    #[arg(long)]
-    pub m: usize,
-    #[arg(long)]
-    pub n: usize,
-    /// K of each rank's shard
-    #[arg(long)]
-    pub k: usize,
-    /// How B is stored: kn ([K, N]) or nk ([N, K], weights transposed)
-    #[arg(long, default_value = "nk")]
-    pub b_layout: String,
-    /// Input type: bf16 or f16
-    #[arg(long, default_value = "bf16")]
-    pub dtype: DType,
-    /// Output type (default: the input type)
-    #[arg(long)]
-    pub out_dtype: Option<DType>,
-    /// Add a bias row
-    #[arg(long)]
-    pub bias: bool,
+    #[command(flatten)]
+    pub shape: GemmShapeArgs,
     /// GPUs, rank r on the r-th
     #[arg(long, value_delimiter = ',', default_value = "0,1")]
     pub devices: Vec<usize>,
@@ -607,20 +568,20 @@ fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
     use commfuse_core::fused::gemm_rs::GemmRsShape;
     use commfuse_cuda::gemm_rs::Reduction;
     use commfuse_cuda::gemm_rs_bench::{bench_gemm_rs, GemmRsBenchConfig};
-    let layout = parse_b_layout(&a.b_layout)?;
+    let layout = parse_b_layout(&a.shape.b_layout)?;
     let shape = GemmRsShape::new(
         a.devices.len(),
-        a.m,
-        a.n,
-        a.k,
+        a.shape.m,
+        a.shape.n,
+        a.shape.k,
         layout,
-        a.dtype,
-        a.out_dtype.unwrap_or(a.dtype),
+        a.shape.dtype,
+        a.shape.output(),
     )?;
     let cfg = GemmRsBenchConfig {
         devices: a.devices.clone(),
         shape,
-        bias: a.bias,
+        bias: a.shape.bias,
         reductions: a
             .reduce_blocks
             .iter()
@@ -638,7 +599,7 @@ fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
     let rows = bench_gemm_rs(&cfg)?;
     println!(
         "# commfuse bench gemm-rs: {}×{}×{} (M×N×K, K per rank), B {:?}, {} → {}, GPUs {:?}",
-        a.m, a.n, a.k, layout, shape.input, shape.output, a.devices
+        a.shape.m, a.shape.n, a.shape.k, layout, shape.input, shape.output, a.devices
     );
     print_fused_rows(&rows, "cublaslt+nccl", a.json.as_deref())
 }
@@ -706,20 +667,20 @@ fn print_fused_rows(
 fn bench_ag_gemm_cmd(a: BenchAgGemmArgs) -> Result<i32> {
     use commfuse_core::fused::ag_gemm::AgGemmShape;
     use commfuse_cuda::ag_gemm_bench::{bench_ag_gemm, AgGemmBenchConfig};
-    let layout = parse_b_layout(&a.b_layout)?;
+    let layout = parse_b_layout(&a.shape.b_layout)?;
     let shape = AgGemmShape::new(
         a.devices.len(),
-        a.m,
-        a.n,
-        a.k,
+        a.shape.m,
+        a.shape.n,
+        a.shape.k,
         layout,
-        a.dtype,
-        a.out_dtype.unwrap_or(a.dtype),
+        a.shape.dtype,
+        a.shape.output(),
     )?;
     let cfg = AgGemmBenchConfig {
         devices: a.devices.clone(),
         shape,
-        bias: a.bias,
+        bias: a.shape.bias,
         pieces: a.pieces.clone(),
         warmup: a.warmup,
         iters: a.iters,
@@ -728,7 +689,7 @@ fn bench_ag_gemm_cmd(a: BenchAgGemmArgs) -> Result<i32> {
     let rows = bench_ag_gemm(&cfg)?;
     println!(
         "# commfuse bench ag-gemm: {}×{}×{} (M×N×K, M gathered), B {:?}, {} → {}, GPUs {:?}",
-        a.m, a.n, a.k, layout, shape.input, shape.output, a.devices
+        a.shape.m, a.shape.n, a.shape.k, layout, shape.input, shape.output, a.devices
     );
     print_fused_rows(&rows, "nccl+cublaslt", a.json.as_deref())
 }
@@ -843,25 +804,34 @@ fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
     if a.backend == BackendKind::Cuda || a.devices.is_some() {
         bail!("gemm-rs on the cuda backend runs through `commfuse bench gemm-rs`");
     }
-    let layout = parse_b_layout(&a.b_layout)?;
-    let output = a.out_dtype.unwrap_or(a.dtype);
-    let config = GemmRsConfig::new(a.ranks, a.m, a.n, a.k, layout, a.dtype, output, a.bias);
+    let layout = parse_b_layout(&a.shape.b_layout)?;
+    let output = a.shape.output();
+    let config = GemmRsConfig::new(
+        a.ranks,
+        a.shape.m,
+        a.shape.n,
+        a.shape.k,
+        layout,
+        a.shape.dtype,
+        output,
+        a.shape.bias,
+    );
     // validates the shape and types before anything runs
-    let shape = config.shape(a.m)?;
+    let shape = config.shape(a.shape.m)?;
     let path = parse_gemm_rs_path(&a.path, a.pieces, &shape)?;
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
-    let ms = [a.m, a.m.div_ceil(2)];
+    let ms = [a.shape.m, a.shape.m.div_ceil(2)];
     let timeout = Duration::from_millis(a.timeout_ms);
     let calls = crate::gemm_rs::run_sim(config, path, &ms, seed, timeout)?;
     println!(
         "gemm-rs {}×{}×{} (M×N×K, K per rank), B {}, {} → {}, {}, on {} ranks (sim), {path}{}, seed {seed}",
-        a.m,
-        a.n,
-        a.k,
-        a.b_layout,
-        a.dtype,
+        a.shape.m,
+        a.shape.n,
+        a.shape.k,
+        a.shape.b_layout,
+        a.shape.dtype,
         output,
-        if a.bias { "bias" } else { "no bias" },
+        if a.shape.bias { "bias" } else { "no bias" },
         a.ranks,
         if a.path == "auto" { " (auto)" } else { "" }
     );
@@ -870,24 +840,33 @@ fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
 
 fn run_ag_gemm_cmd(a: RunAgGemmArgs) -> Result<i32> {
     use commfuse_sim::ag_gemm::{shape, AgGemmConfig};
-    let layout = parse_b_layout(&a.b_layout)?;
-    let output = a.out_dtype.unwrap_or(a.dtype);
-    let config = AgGemmConfig::new(a.ranks, a.m, a.n, a.k, layout, a.dtype, output, a.bias);
+    let layout = parse_b_layout(&a.shape.b_layout)?;
+    let output = a.shape.output();
+    let config = AgGemmConfig::new(
+        a.ranks,
+        a.shape.m,
+        a.shape.n,
+        a.shape.k,
+        layout,
+        a.shape.dtype,
+        output,
+        a.shape.bias,
+    );
     // validates the shape and types before anything runs
-    shape(&config, a.m)?;
+    shape(&config, a.shape.m)?;
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
-    let ms = [a.m, a.m.div_ceil(2)];
+    let ms = [a.shape.m, a.shape.m.div_ceil(2)];
     let timeout = Duration::from_millis(a.timeout_ms);
     let calls = crate::ag_gemm::run_sim(config, a.pieces, &ms, seed, timeout)?;
     println!(
         "ag-gemm {}×{}×{} (M×N×K, M gathered), B {}, {} → {}, {}, on {} ranks (sim), {} piece{} per chunk, seed {seed}",
-        a.m,
-        a.n,
-        a.k,
-        a.b_layout,
-        a.dtype,
+        a.shape.m,
+        a.shape.n,
+        a.shape.k,
+        a.shape.b_layout,
+        a.shape.dtype,
         output,
-        if a.bias { "bias" } else { "no bias" },
+        if a.shape.bias { "bias" } else { "no bias" },
         a.ranks,
         a.pieces,
         if a.pieces == 1 { "" } else { "s" }
