@@ -81,6 +81,35 @@ pub fn sass_of(kernel: &str) -> Option<String> {
     Some(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// GPUs 0 and 1 with peer access enabled both ways, or `None` (skipped, see [`gpus`]).
+pub fn two_gpus() -> Option<Vec<std::sync::Arc<driver::Gpu>>> {
+    gpus(2)?;
+    let g: Vec<std::sync::Arc<driver::Gpu>> = (0..2)
+        .map(|i| std::sync::Arc::new(driver::Gpu::open(i).expect("a GPU counted above")))
+        .collect();
+    g[0].enable_peer_access(&g[1]).expect("peer access 0 → 1");
+    g[1].enable_peer_access(&g[0]).expect("peer access 1 → 0");
+    Some(g)
+}
+
+/// `len` values of `T` uniform in [-1, 1) from the project's indexable stream (`seed`,
+/// `stream`), as the references draw them.
+pub fn random<T: commfuse_core::Element>(len: usize, seed: u64, stream: usize) -> Vec<T> {
+    use commfuse_core::reference::input_value;
+    (0..len)
+        .map(|i| T::from_f32(input_value(seed, stream, i, commfuse_core::ReduceOp::Sum)))
+        .collect()
+}
+
+/// `host` copied into new device memory of `gpu` (at least 16 bytes, so that an empty slice
+/// still has an address a kernel may be given).
+pub fn upload<T: bytemuck::NoUninit>(gpu: &driver::Gpu, host: &[T]) -> driver::DeviceMemory {
+    let mem = driver::DeviceMemory::zeroed(gpu, std::mem::size_of_val(host).max(16))
+        .expect("device memory for a test");
+    mem.upload(gpu, host).expect("upload");
+    mem
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

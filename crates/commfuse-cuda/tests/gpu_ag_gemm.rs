@@ -6,34 +6,13 @@
 //! COMMFUSE_REQUIRE_GPU=1).
 
 use commfuse_core::gemm::{check_elements, reference_gemm, BLayout, Epilogue};
-use commfuse_core::reference::input_value;
-use commfuse_core::{DType, Element, ReduceOp};
+use commfuse_core::{DType, Element};
 use commfuse_cuda::ag_gemm::{AgGemmConfig, AgGemmRank};
 use commfuse_cuda::driver::{DeviceMemory, Gpu, Stream};
-use commfuse_cuda::testing::gpus;
+use commfuse_cuda::testing::{random, two_gpus, upload};
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-fn two_gpus() -> Option<Vec<Arc<Gpu>>> {
-    gpus(2)?;
-    let g: Vec<Arc<Gpu>> = (0..2).map(|i| Arc::new(Gpu::open(i).unwrap())).collect();
-    g[0].enable_peer_access(&g[1]).unwrap();
-    g[1].enable_peer_access(&g[0]).unwrap();
-    Some(g)
-}
-
-fn random<T: Element>(len: usize, seed: u64, stream: usize) -> Vec<T> {
-    (0..len)
-        .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
-        .collect()
-}
-
-fn upload<T: bytemuck::Pod>(gpu: &Gpu, host: &[T]) -> DeviceMemory {
-    let mem = DeviceMemory::zeroed(gpu, std::mem::size_of_val(host).max(16)).unwrap();
-    mem.upload(gpu, host).unwrap();
-    mem
-}
 
 /// Runs `ms.len()` calls back to back on every rank and checks every element.
 #[allow(clippy::too_many_arguments)]

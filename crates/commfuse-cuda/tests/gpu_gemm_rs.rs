@@ -6,35 +6,13 @@
 
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsShape};
 use commfuse_core::gemm::BLayout;
-use commfuse_core::reference::input_value;
-use commfuse_core::{DType, Element, ReduceOp};
+use commfuse_core::{DType, Element};
 use commfuse_cuda::driver::{DeviceMemory, Gpu, Stream};
 use commfuse_cuda::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction};
-use commfuse_cuda::testing::gpus;
+use commfuse_cuda::testing::{random, two_gpus, upload};
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// GPUs 0 and 1 with peer access both ways, or None (skipped).
-fn two_gpus() -> Option<Vec<Arc<Gpu>>> {
-    gpus(2)?;
-    let g: Vec<Arc<Gpu>> = (0..2).map(|i| Arc::new(Gpu::open(i).unwrap())).collect();
-    g[0].enable_peer_access(&g[1]).unwrap();
-    g[1].enable_peer_access(&g[0]).unwrap();
-    Some(g)
-}
-
-fn random<T: Element>(len: usize, seed: u64, stream: usize) -> Vec<T> {
-    (0..len)
-        .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
-        .collect()
-}
-
-fn upload<T: bytemuck::Pod>(gpu: &Gpu, host: &[T]) -> DeviceMemory {
-    let mem = DeviceMemory::zeroed(gpu, std::mem::size_of_val(host)).unwrap();
-    mem.upload(gpu, host).unwrap();
-    mem
-}
 
 /// One call's inputs on every rank.
 struct CallInputs<TI, TO> {
