@@ -7,7 +7,7 @@
 
 use crate::buffer::SymmetricBuffer;
 use crate::gemm::{run_gemm, Operands};
-use crate::gemm_rs::GemmRsConfig;
+use crate::gemm_rs::{check_call, GemmRsConfig};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
 use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, MAX_PIECES};
@@ -130,26 +130,9 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
     ) -> Result<(), BackendError> {
         let c = &self.config;
         let rank = ctx.rank();
-        if ctx.world() as *const World as usize != self.world_id {
-            return Err(unavailable(
-                "this all-gather + GEMM was built for another world".into(),
-            ));
-        }
-        if self.broken.load(Ordering::Acquire) {
-            return Err(unavailable(
-                "this all-gather + GEMM is unusable after a failed call".into(),
-            ));
-        }
-        if m == 0 || m > c.max_m {
-            return Err(unavailable(format!(
-                "M = {m} is outside 1..={} (the largest M this operator was built for)",
-                c.max_m
-            )));
-        }
-        let s = AgGemmSchedule::new(shape(c, m)?, self.pieces);
-        let chunk = s.shape.chunk(rank);
-        for (what, got, want) in [
-            ("A", a.len(), chunk.len() * c.k),
+        let chunk_rows = commfuse_core::op::chunk_range(m, c.world, rank).len();
+        let lengths = [
+            ("A", a.len(), chunk_rows * c.k),
             ("B", b.len(), c.k * c.n),
             (
                 "the bias",
@@ -162,14 +145,10 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
                 gathered.as_ref().map_or(m * c.k, |g| g.len().min(m * c.k)),
                 m * c.k,
             ),
-        ] {
-            if got != want {
-                return Err(unavailable(format!(
-                    "rank {rank}: {what} holds {got} elements, M={m} N={} K={} needs {want}",
-                    c.n, c.k
-                )));
-            }
-        }
+        ];
+        let state = (self.world_id, &self.broken);
+        check_call("all-gather + GEMM", ctx, state, c, m, &lengths)?;
+        let s = AgGemmSchedule::new(shape(c, m)?, self.pieces);
         let call = self.calls[rank].load(Ordering::Relaxed) + 1;
         let result = self.call(ctx, &s, call, (a, b, bias), out, gathered);
         match result {

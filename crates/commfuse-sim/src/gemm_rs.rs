@@ -138,6 +138,47 @@ fn unavailable(msg: String) -> BackendError {
     BackendError::Unavailable(msg)
 }
 
+/// What every fused operator's `forward` checks before anything runs: that the rank belongs to
+/// the world the operator `op` was built for (`world_id`), that no earlier call failed, that
+/// M is within 1..=`config.max_m`, and that each operand (what, elements given, elements
+/// needed) has its exact length.
+pub(crate) fn check_call(
+    op: &str,
+    ctx: &RankContext<'_>,
+    (world_id, broken): (usize, &AtomicBool),
+    config: &GemmRsConfig,
+    m: usize,
+    lengths: &[(&str, usize, usize)],
+) -> Result<(), BackendError> {
+    if ctx.world() as *const World as usize != world_id {
+        return Err(unavailable(format!(
+            "this {op} was built for another world"
+        )));
+    }
+    if broken.load(Ordering::Acquire) {
+        return Err(unavailable(format!(
+            "this {op} is unusable after a failed call"
+        )));
+    }
+    if m == 0 || m > config.max_m {
+        return Err(unavailable(format!(
+            "M = {m} is outside 1..={} (the largest M this operator was built for)",
+            config.max_m
+        )));
+    }
+    for &(what, got, want) in lengths {
+        if got != want {
+            return Err(unavailable(format!(
+                "rank {}: {what} holds {got} elements, M={m} N={} K={} needs {want}",
+                ctx.rank(),
+                config.n,
+                config.k
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
     /// Builds the operator for `world`: checks the configuration against the element types and
     /// the world's signal pads, and allocates the receive buffers.
@@ -225,25 +266,7 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
     ) -> Result<(), BackendError> {
         let c = &self.config;
         let rank = ctx.rank();
-        if ctx.world() as *const World as usize != self.world_id {
-            return Err(unavailable(
-                "this GEMM + reduce-scatter was built for another world".into(),
-            ));
-        }
-        if self.broken.load(Ordering::Acquire) {
-            return Err(unavailable(
-                "this GEMM + reduce-scatter is unusable after a failed call".into(),
-            ));
-        }
-        if m == 0 || m > c.max_m {
-            return Err(unavailable(format!(
-                "M = {m} is outside 1..={} (the largest M this operator was built for)",
-                c.max_m
-            )));
-        }
-        let sched = c.schedule(m)?;
-        let chunk = sched.shape.chunk(rank);
-        for (what, got, want) in [
+        let lengths = [
             ("A", a.len(), m * c.k),
             ("B", b.len(), c.k * c.n),
             (
@@ -251,14 +274,11 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
                 bias.map_or(0, <[TO]>::len),
                 c.n * c.bias as usize,
             ),
-        ] {
-            if got != want {
-                return Err(unavailable(format!(
-                    "rank {rank}: {what} holds {got} elements, M={m} N={} K={} needs {want}",
-                    c.n, c.k
-                )));
-            }
-        }
+        ];
+        let state = (self.world_id, &self.broken);
+        check_call("GEMM + reduce-scatter", ctx, state, c, m, &lengths)?;
+        let sched = c.schedule(m)?;
+        let chunk = sched.shape.chunk(rank);
         if out.len() < chunk.len() * c.n {
             return Err(unavailable(format!(
                 "rank {rank}: the output holds {} elements, its {} rows × N={} need {}",

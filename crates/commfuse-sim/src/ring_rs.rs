@@ -13,7 +13,7 @@
 
 use crate::buffer::SymmetricBuffer;
 use crate::gemm::{run_gemm, Operands};
-use crate::gemm_rs::GemmRsConfig;
+use crate::gemm_rs::{check_call, GemmRsConfig};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
 use commfuse_core::fused::ring_rs::{RingSchedule, RingTarget};
@@ -119,25 +119,7 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
     ) -> Result<(), BackendError> {
         let c = &self.config;
         let rank = ctx.rank();
-        if ctx.world() as *const World as usize != self.world_id {
-            return Err(unavailable(
-                "this GEMM + reduce-scatter was built for another world".into(),
-            ));
-        }
-        if self.broken.load(Ordering::Acquire) {
-            return Err(unavailable(
-                "this GEMM + reduce-scatter is unusable after a failed call".into(),
-            ));
-        }
-        if m == 0 || m > c.max_m {
-            return Err(unavailable(format!(
-                "M = {m} is outside 1..={} (the largest M this operator was built for)",
-                c.max_m
-            )));
-        }
-        let s = RingSchedule::within(c.shape(m)?, c.max_m, self.pieces);
-        let chunk = s.shape.chunk(rank);
-        for (what, got, want) in [
+        let lengths = [
             ("A", a.len(), m * c.k),
             ("B", b.len(), c.k * c.n),
             (
@@ -145,14 +127,11 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
                 bias.map_or(0, <[TO]>::len),
                 c.n * c.bias as usize,
             ),
-        ] {
-            if got != want {
-                return Err(unavailable(format!(
-                    "rank {rank}: {what} holds {got} elements, M={m} N={} K={} needs {want}",
-                    c.n, c.k
-                )));
-            }
-        }
+        ];
+        let state = (self.world_id, &self.broken);
+        check_call("GEMM + reduce-scatter", ctx, state, c, m, &lengths)?;
+        let s = RingSchedule::within(c.shape(m)?, c.max_m, self.pieces);
+        let chunk = s.shape.chunk(rank);
         if out.len() < chunk.len() * c.n {
             return Err(unavailable(format!(
                 "rank {rank}: the output holds {} elements, its {} rows × N={} need {}",
