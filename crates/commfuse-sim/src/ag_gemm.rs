@@ -7,7 +7,7 @@
 
 use crate::buffer::SymmetricBuffer;
 use crate::gemm::{run_gemm, Operands};
-use crate::gemm_rs::{check_call, GemmRsConfig};
+use crate::gemm_rs::{check_build, check_call, GemmRsConfig};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
 use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, MAX_PIECES};
@@ -63,22 +63,7 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
 
     /// Builds the operator for `world`, each chunk cut into `pieces` row pieces.
     pub fn new(world: &World, config: AgGemmConfig, pieces: usize) -> Result<Self, BackendError> {
-        if config.input != TI::DTYPE || config.output != TO::DTYPE {
-            return Err(unavailable(format!(
-                "all-gather + GEMM configured for {} → {} but built with {} → {} buffers",
-                config.input,
-                config.output,
-                TI::DTYPE,
-                TO::DTYPE
-            )));
-        }
-        if config.world != world.size() {
-            return Err(unavailable(format!(
-                "all-gather + GEMM configured for {} ranks, the world has {}",
-                config.world,
-                world.size()
-            )));
-        }
+        check_build::<TI, TO>("all-gather + GEMM", &config, world)?;
         if pieces == 0 || pieces > MAX_PIECES {
             return Err(unavailable(format!(
                 "all-gather + GEMM cuts a chunk into 1 to {MAX_PIECES} pieces, got {pieces}"

@@ -138,6 +138,66 @@ fn unavailable(msg: String) -> BackendError {
     BackendError::Unavailable(msg)
 }
 
+/// What every fused operator's constructor checks: the configuration's types are the buffers'
+/// (`TI`, `TO`) and its world size the world's.
+pub(crate) fn check_build<TI: Element, TO: Element>(
+    op: &str,
+    config: &GemmRsConfig,
+    world: &World,
+) -> Result<(), BackendError> {
+    if config.input != TI::DTYPE || config.output != TO::DTYPE {
+        return Err(unavailable(format!(
+            "{op} configured for {} → {} but built with {} → {} buffers",
+            config.input,
+            config.output,
+            TI::DTYPE,
+            TO::DTYPE
+        )));
+    }
+    if config.world != world.size() {
+        return Err(unavailable(format!(
+            "{op} configured for {} ranks, the world has {}",
+            config.world,
+            world.size()
+        )));
+    }
+    Ok(())
+}
+
+/// [`check_call`] for GEMM + reduce-scatter (both paths): A [m, K], B, the bias, and an
+/// output of at least rank's chunk rows × N; returns the chunk.
+pub(crate) fn check_rs_call<TI: Element, TO: Element>(
+    ctx: &RankContext<'_>,
+    state: (usize, &AtomicBool),
+    c: &GemmRsConfig,
+    m: usize,
+    (a, b, bias): (&[TI], &[TI], Option<&[TO]>),
+    out: &[TO],
+) -> Result<std::ops::Range<usize>, BackendError> {
+    let lengths = [
+        ("A", a.len(), m * c.k),
+        ("B", b.len(), c.k * c.n),
+        (
+            "the bias",
+            bias.map_or(0, <[TO]>::len),
+            c.n * c.bias as usize,
+        ),
+    ];
+    check_call("GEMM + reduce-scatter", ctx, state, c, m, &lengths)?;
+    let chunk = commfuse_core::op::chunk_range(m, c.world, ctx.rank());
+    if out.len() < chunk.len() * c.n {
+        return Err(unavailable(format!(
+            "rank {}: the output holds {} elements, its {} rows × N={} need {}",
+            ctx.rank(),
+            out.len(),
+            chunk.len(),
+            c.n,
+            chunk.len() * c.n
+        )));
+    }
+    Ok(chunk)
+}
+
 /// What every fused operator's `forward` checks before anything runs: that the rank belongs to
 /// the world the operator `op` was built for (`world_id`), that no earlier call failed, that
 /// M is within 1..=`config.max_m`, and that each operand (what, elements given, elements
@@ -183,22 +243,7 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
     /// Builds the operator for `world`: checks the configuration against the element types and
     /// the world's signal pads, and allocates the receive buffers.
     pub fn new(world: &World, config: GemmRsConfig) -> Result<Self, BackendError> {
-        if config.input != TI::DTYPE || config.output != TO::DTYPE {
-            return Err(unavailable(format!(
-                "GEMM + reduce-scatter configured for {} → {} but built with {} → {} buffers",
-                config.input,
-                config.output,
-                TI::DTYPE,
-                TO::DTYPE
-            )));
-        }
-        if config.world != world.size() {
-            return Err(unavailable(format!(
-                "GEMM + reduce-scatter configured for {} ranks, the world has {}",
-                config.world,
-                world.size()
-            )));
-        }
+        check_build::<TI, TO>("GEMM + reduce-scatter", &config, world)?;
         if config.tile.m == 0 || config.tile.n == 0 {
             return Err(unavailable("the tile shape must be positive".into()));
         }
@@ -266,28 +311,9 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
     ) -> Result<(), BackendError> {
         let c = &self.config;
         let rank = ctx.rank();
-        let lengths = [
-            ("A", a.len(), m * c.k),
-            ("B", b.len(), c.k * c.n),
-            (
-                "the bias",
-                bias.map_or(0, <[TO]>::len),
-                c.n * c.bias as usize,
-            ),
-        ];
         let state = (self.world_id, &self.broken);
-        check_call("GEMM + reduce-scatter", ctx, state, c, m, &lengths)?;
+        check_rs_call(ctx, state, c, m, (a, b, bias), out)?;
         let sched = c.schedule(m)?;
-        let chunk = sched.shape.chunk(rank);
-        if out.len() < chunk.len() * c.n {
-            return Err(unavailable(format!(
-                "rank {rank}: the output holds {} elements, its {} rows × N={} need {}",
-                out.len(),
-                chunk.len(),
-                c.n,
-                chunk.len() * c.n
-            )));
-        }
         debug_assert_eq!(
             (sched.slot_len, sched.flag_stride),
             (self.slot_len, self.flag_stride)

@@ -13,7 +13,7 @@
 
 use crate::buffer::SymmetricBuffer;
 use crate::gemm::{run_gemm, Operands};
-use crate::gemm_rs::{check_call, GemmRsConfig};
+use crate::gemm_rs::{check_build, check_rs_call, GemmRsConfig};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
 use commfuse_core::fused::ring_rs::{RingSchedule, RingTarget};
@@ -53,22 +53,7 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
 
     /// Builds the operator for `world`, each ring step cut into `pieces` row pieces.
     pub fn new(world: &World, config: GemmRsConfig, pieces: usize) -> Result<Self, BackendError> {
-        if config.input != TI::DTYPE || config.output != TO::DTYPE {
-            return Err(unavailable(format!(
-                "GEMM + reduce-scatter configured for {} → {} but built with {} → {} buffers",
-                config.input,
-                config.output,
-                TI::DTYPE,
-                TO::DTYPE
-            )));
-        }
-        if config.world != world.size() {
-            return Err(unavailable(format!(
-                "GEMM + reduce-scatter configured for {} ranks, the world has {}",
-                config.world,
-                world.size()
-            )));
-        }
+        check_build::<TI, TO>("GEMM + reduce-scatter", &config, world)?;
         let max = commfuse_core::fused::ring_rs::MAX_PIECES;
         if pieces == 0 || pieces > max {
             return Err(unavailable(format!(
@@ -119,28 +104,9 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
     ) -> Result<(), BackendError> {
         let c = &self.config;
         let rank = ctx.rank();
-        let lengths = [
-            ("A", a.len(), m * c.k),
-            ("B", b.len(), c.k * c.n),
-            (
-                "the bias",
-                bias.map_or(0, <[TO]>::len),
-                c.n * c.bias as usize,
-            ),
-        ];
         let state = (self.world_id, &self.broken);
-        check_call("GEMM + reduce-scatter", ctx, state, c, m, &lengths)?;
+        check_rs_call(ctx, state, c, m, (a, b, bias), out)?;
         let s = RingSchedule::within(c.shape(m)?, c.max_m, self.pieces);
-        let chunk = s.shape.chunk(rank);
-        if out.len() < chunk.len() * c.n {
-            return Err(unavailable(format!(
-                "rank {rank}: the output holds {} elements, its {} rows × N={} need {}",
-                out.len(),
-                chunk.len(),
-                c.n,
-                chunk.len() * c.n
-            )));
-        }
         let call = self.calls[rank].load(Ordering::Relaxed) + 1;
         let result = self.call(ctx, &s, call, (a, b, bias), out);
         match result {
