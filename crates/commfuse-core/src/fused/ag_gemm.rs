@@ -172,6 +172,80 @@ impl AgGemmSchedule {
     pub fn flag_words(&self) -> usize {
         self.shape.world * (MAX_PIECES + 1)
     }
+
+    /// The schedule as a plan for the checker: an all-gather of the rows of A (rank r's input
+    /// is its chunk, every rank's output the gathered A) in which each piece is copied into
+    /// every peer's gather buffer (scratch) and flagged, and each GEMM's read of its rows is
+    /// the copy of those rows into the gathered A the call returns — from the rank's own input
+    /// for its chunk, from the gather buffer after the piece's flag for a peer's; at the end
+    /// every rank raises its done on every peer and waits for all of theirs. The checker proves no deadlock, no flag used twice, no row read before it
+    /// landed, none overwritten while read (its two consecutive runs are two calls), and every
+    /// output the gathered A. Its all-gather splits M·K evenly: M must be a multiple of P.
+    pub fn plan(&self) -> Result<crate::plan::Plan, Error> {
+        use crate::op::{OpKind, OpSpec};
+        use crate::plan::{BufferKind, PlanBuilder, Region, Slot};
+        let (p, k) = (self.shape.world, self.shape.k);
+        if !self.shape.m.is_multiple_of(p) {
+            return Err(Error::Unsupported(format!(
+                "the checker sees all-gather + GEMM as an all-gather of M·K elements split evenly: M = {} must be a multiple of P = {p}",
+                self.shape.m
+            )));
+        }
+        let spec = OpSpec::new(OpKind::AllGather, p, self.shape.m * k, 0)?;
+        let mut b = PlanBuilder::new(spec);
+        let arrival = b.rows(1);
+        let done = b.rows(1);
+        // every rank's gather buffer, [M, K]
+        let gather = b.scratch(self.shape.m * k);
+        let rows = |r: &Range<usize>| r.start * k..r.end * k;
+        let gathered = |r: &Range<usize>| gather + r.start * k..gather + r.end * k;
+        for rank in 0..p {
+            let start = self.shape.chunk(rank).start;
+            for g in self.sent_by(rank) {
+                let within = g.rows.start - start..g.rows.end - start;
+                let src = Region::new(rank, BufferKind::Input, rows(&within));
+                let dsts = (0..p)
+                    .filter(|&q| q != rank)
+                    .map(|q| Region::new(q, BufferKind::Scratch, gathered(&g.rows)))
+                    .collect::<Vec<_>>();
+                if !dsts.is_empty() {
+                    b.copy_to(rank, src, dsts);
+                }
+                let col = (rank * self.pieces + g.piece) as u32;
+                for q in (0..p).filter(|&q| q != rank) {
+                    b.signal(rank, q, Slot::new(arrival, col));
+                }
+            }
+            // a GEMM reads its rows: its own from its input, a peer's from the gather buffer
+            // after the piece's flag (modelled as the copy into the gathered A it returns)
+            for g in self.gemms_of(rank) {
+                let dst = Region::new(rank, BufferKind::Output, rows(&g.rows));
+                if g.local {
+                    let within = g.rows.start - start..g.rows.end - start;
+                    b.copy(
+                        rank,
+                        Region::new(rank, BufferKind::Input, rows(&within)),
+                        dst,
+                    );
+                } else {
+                    let col = (g.owner * self.pieces + g.piece) as u32;
+                    b.wait(rank, Slot::new(arrival, col), 1);
+                    b.copy(
+                        rank,
+                        Region::new(rank, BufferKind::Scratch, gathered(&g.rows)),
+                        dst,
+                    );
+                }
+            }
+            for q in (0..p).filter(|&q| q != rank) {
+                b.signal(rank, q, Slot::new(done, rank as u32));
+            }
+            for q in (0..p).filter(|&q| q != rank) {
+                b.wait(rank, Slot::new(done, q as u32), 1);
+            }
+        }
+        Ok(b.finish("ag-gemm"))
+    }
 }
 
 #[cfg(test)]
@@ -208,6 +282,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The checker proves of the schedule what it proves of the collectives, P = 1..9, 1–3
+    /// pieces, and rejects it with a flag missing or a read before its flag.
+    #[test]
+    fn the_checker_accepts_the_schedule_and_rejects_it_broken() {
+        for world in 1..=9 {
+            for m in [world, world * 5] {
+                for pieces in 1..=3 {
+                    let plan = schedule(world, m, pieces).plan().unwrap();
+                    if let Err(e) = crate::check(plan) {
+                        panic!("P={world} M={m} pieces={pieces}: {e}");
+                    }
+                }
+            }
+        }
+        let s = schedule(3, 12, 2);
+        let mut plan = s.plan().unwrap();
+        let at = plan.steps[1]
+            .iter()
+            .position(|st| matches!(st, crate::plan::Step::Notify { .. }))
+            .unwrap();
+        plan.steps[1].remove(at);
+        assert!(crate::check(plan).is_err());
+        let mut plan = s.plan().unwrap();
+        plan.steps[0].retain(|st| !matches!(st, crate::plan::Step::Wait { .. }));
+        assert!(crate::check(plan).is_err());
+        // without the end-of-call dones a rank's next call may overwrite rows a peer still reads
+        let mut plan = s.plan().unwrap();
+        let done_row = 1;
+        for steps in plan.steps.iter_mut() {
+            steps.retain(
+                |st| !matches!(st, crate::plan::Step::Wait { slot, .. } if slot.row == done_row),
+            );
+        }
+        assert!(crate::check(plan).is_err());
+        assert!(schedule(3, 13, 2).plan().is_err());
     }
 
     #[test]
