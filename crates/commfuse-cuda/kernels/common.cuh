@@ -7,7 +7,12 @@
 typedef unsigned long long u64;
 typedef unsigned int u32;
 
-#define COMMFUSE_MAX_RANKS 64
+// The largest world (commfuse_core::MAX_WORLD_SIZE), passed by the compiler options of
+// src/nvrtc.rs so that there is one such constant; the Rust mirrors of the kernels' parameter
+// structs size their per-rank arrays with it too, and the static_asserts check the layouts.
+#ifndef COMMFUSE_MAX_RANKS
+#error "compile with -DCOMMFUSE_MAX_RANKS=<commfuse_core::MAX_WORLD_SIZE> (src/nvrtc.rs does)"
+#endif
 
 // Byte offset of a member, as a constant expression: NVRTC has no <cstddef> and (before 13.4)
 // no __builtin_offsetof, and EDG's __INTADDR__ makes the null-pointer form constant. Kernel

@@ -208,6 +208,8 @@ fn options() -> Vec<String> {
         "-default-device".to_string(),
         "--ptxas-options=-v".to_string(),
         "-lineinfo".to_string(),
+        // the one maximum world size, also sizing the kernels' per-rank arrays
+        format!("-DCOMMFUSE_MAX_RANKS={}", commfuse_core::MAX_WORLD_SIZE),
     ];
     if let Ok(dir) = std::env::var("COMMFUSE_CUDA_INCLUDE") {
         opts.push(format!("--include-path={dir}"));

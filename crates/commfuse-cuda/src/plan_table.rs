@@ -4,7 +4,9 @@
 use bytemuck::{Pod, Zeroable};
 use commfuse_core::{BufferKind, CheckedPlan, Cmp, Region, Step};
 
-pub const MAX_RANKS: usize = 64;
+/// The most ranks a kernel's tables address: the project's one maximum world size (the
+/// kernels get it as `COMMFUSE_MAX_RANKS` from the compiler options).
+pub const MAX_RANKS: usize = commfuse_core::MAX_WORLD_SIZE;
 /// Threads per lane (block).
 pub const THREADS: u32 = 512;
 /// Elements per lane are a multiple of this, so lanes of aligned regions stay 16-byte aligned.
