@@ -157,6 +157,11 @@ fn every_element_matches_the_reference_on_one_to_nine_ranks() {
 }
 
 #[test]
+fn sixteen_ranks() {
+    assert_none(run_variant(16, (16 * 3 + 5, 24, 64), 5, 2));
+}
+
+#[test]
 fn a_peer_that_never_arrives_ends_in_a_diagnosed_error_and_bad_calls_are_refused() {
     let config = AgGemmConfig::new(2, 10, 16, 8, BLayout::NK, DType::BF16, DType::BF16, false);
     let world = world_for(&config, Duration::from_millis(300));

@@ -268,6 +268,20 @@ fn the_overlapped_ring_matches_the_reference_on_four_to_nine_ranks() {
 }
 
 #[test]
+fn the_overlapped_ring_on_sixteen_ranks() {
+    let variant = (BLayout::KN, DType::F16, DType::F32, true);
+    let path = GemmRsPath::Overlapped { pieces: 2 };
+    assert_none(run_variant_on(
+        path,
+        16,
+        (16 * 3 + 5, 24, 64),
+        variant,
+        SMALL_TILE,
+        16,
+    ));
+}
+
+#[test]
 fn a_peer_that_never_arrives_at_the_ring_ends_in_a_diagnosed_error() {
     let config = bf16_config(2, 10, 16, 8);
     let world = world_for(&config, Duration::from_millis(300));

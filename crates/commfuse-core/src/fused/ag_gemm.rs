@@ -284,11 +284,11 @@ mod tests {
         }
     }
 
-    /// The checker proves of the schedule what it proves of the collectives, P = 1..9, 1–3
-    /// pieces, and rejects it with a flag missing or a read before its flag.
+    /// The checker proves of the schedule what it proves of the collectives, P = 1..9 and 16,
+    /// 1–3 pieces, and rejects it with a flag missing or a read before its flag.
     #[test]
     fn the_checker_accepts_the_schedule_and_rejects_it_broken() {
-        for world in 1..=9 {
+        for world in (1..=9).chain([16]) {
             for m in [world, world * 5] {
                 for pieces in 1..=3 {
                     let plan = schedule(world, m, pieces).plan().unwrap();

@@ -341,10 +341,10 @@ mod tests {
 
     /// The plan checker proves of the ring what it proves of the collectives (no deadlock, no
     /// slot used twice in a call, no read before its flag, no buffer overwritten while read,
-    /// every output the right sum) for P = 1..9 and 1–3 pieces, and rejects it broken.
+    /// every output the right sum) for P = 1..9 and 16 and 1–3 pieces, and rejects it broken.
     #[test]
     fn the_checker_accepts_the_ring_and_rejects_it_broken() {
-        for world in 1..=9 {
+        for world in (1..=9).chain([16]) {
             for m in [world, world * 5, world * 8] {
                 for pieces in 1..=3 {
                     let r = ring(world, m, pieces);
