@@ -1,0 +1,366 @@
+//! The Python module `commfuse._commfuse` (PyO3, built by maturin; `python/commfuse` is its
+//! Python face). Today it runs the fused operators on the simulator, with NumPy arrays in and
+//! out, for P ranks in one call: GEMM + reduce-scatter by either path, all-gather + GEMM, and the
+//! cost model's choice of path. Every error is a `ValueError` carrying the one-line message the
+//! Rust side gives.
+
+use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath, GemmRsShape};
+use commfuse_core::gemm::BLayout;
+use commfuse_core::{DType, Element};
+use commfuse_sim::ag_gemm::{AgGemmConfig, SimAgGemm};
+use commfuse_sim::gemm_rs::{GemmRsConfig, GemmRsOperator};
+use commfuse_sim::{World, WorldConfig};
+use half::{bf16, f16};
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use std::sync::Mutex;
+use std::time::Duration;
+
+fn value_error(e: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+fn parse_dtype(text: &str) -> PyResult<DType> {
+    text.parse::<DType>().map_err(value_error)
+}
+
+fn parse_layout(text: &str) -> PyResult<BLayout> {
+    match text {
+        "nk" => Ok(BLayout::NK),
+        "kn" => Ok(BLayout::KN),
+        other => Err(value_error(format!(
+            "unknown B layout '{other}' (choose kn or nk)"
+        ))),
+    }
+}
+
+/// The operands of P ranks as plain row-major f32 data with their shapes checked: every A of
+/// `a_rows(r)` rows and K columns, every B [N, K] or [K, N], the bias [N].
+struct Operands {
+    a: Vec<Vec<f32>>,
+    b: Vec<Vec<f32>>,
+    bias: Option<Vec<f32>>,
+    k: usize,
+    n: usize,
+}
+
+fn operands(
+    a: &[PyReadonlyArray2<'_, f32>],
+    b: &[PyReadonlyArray2<'_, f32>],
+    bias: Option<&PyReadonlyArray1<'_, f32>>,
+    layout: BLayout,
+) -> PyResult<Operands> {
+    if a.is_empty() || a.len() != b.len() {
+        return Err(value_error(format!(
+            "one A and one B per rank: got {} A and {} B",
+            a.len(),
+            b.len()
+        )));
+    }
+    let k = a[0].shape()[1];
+    let (b0, b1) = (b[0].shape()[0], b[0].shape()[1]);
+    let n = match layout {
+        BLayout::NK => b0,
+        BLayout::KN => b1,
+    };
+    let want_b = match layout {
+        BLayout::NK => [n, k],
+        BLayout::KN => [k, n],
+    };
+    for (r, x) in a.iter().enumerate() {
+        if x.shape()[1] != k {
+            return Err(value_error(format!(
+                "rank {r}'s A has {} columns, rank 0's {k}",
+                x.shape()[1]
+            )));
+        }
+    }
+    for (r, x) in b.iter().enumerate() {
+        if x.shape() != want_b {
+            return Err(value_error(format!(
+                "rank {r}'s B is {:?}, B as {layout:?} of K = {k} needs {want_b:?}",
+                x.shape()
+            )));
+        }
+    }
+    if let Some(bias) = bias {
+        if bias.len() != n {
+            return Err(value_error(format!(
+                "the bias has {} elements, N = {n}",
+                bias.len()
+            )));
+        }
+    }
+    let data = |x: &PyReadonlyArray2<'_, f32>| x.as_array().iter().copied().collect::<Vec<f32>>();
+    Ok(Operands {
+        a: a.iter().map(data).collect(),
+        b: b.iter().map(data).collect(),
+        bias: bias.map(|x| x.as_array().iter().copied().collect()),
+        k,
+        n,
+    })
+}
+
+fn convert<T: Element>(x: &[f32]) -> Vec<T> {
+    x.iter().map(|&v| T::from_f32(v)).collect()
+}
+
+/// Runs `run::<TI, TO>` for the (input, output) pair given.
+macro_rules! by_types {
+    ($input:expr, $output:expr, $run:ident, $($arg:expr),*) => {
+        match ($input, $output) {
+            (DType::BF16, DType::BF16) => $run::<bf16, bf16>($($arg),*),
+            (DType::BF16, DType::F32) => $run::<bf16, f32>($($arg),*),
+            (DType::F16, DType::F16) => $run::<f16, f16>($($arg),*),
+            (DType::F16, DType::F32) => $run::<f16, f32>($($arg),*),
+            (i, o) => Err(format!(
+                "inputs are bf16 or f16 and outputs the input type or f32, got {i} → {o}"
+            )),
+        }
+    };
+}
+
+fn run_gemm_rs<TI: Element, TO: Element>(
+    config: GemmRsConfig,
+    path: GemmRsPath,
+    ops: &Operands,
+    timeout: Duration,
+) -> Result<Vec<Vec<f32>>, String> {
+    let p = config.world;
+    let world_config =
+        GemmRsOperator::<TI, TO>::world_config(&config, timeout).map_err(|e| e.to_string())?;
+    let world = World::new(p, world_config).map_err(|e| e.to_string())?;
+    let op = GemmRsOperator::<TI, TO>::new(&world, config, path).map_err(|e| e.to_string())?;
+    let a: Vec<Vec<TI>> = ops.a.iter().map(|x| convert(x)).collect();
+    let b: Vec<Vec<TI>> = ops.b.iter().map(|x| convert(x)).collect();
+    let bias: Option<Vec<TO>> = ops.bias.as_deref().map(convert);
+    let outs: Vec<Mutex<Vec<TO>>> = (0..p)
+        .map(|r| {
+            let rows = commfuse_core::op::chunk_range(config.max_m, p, r).len();
+            Mutex::new(vec![TO::poison(); rows * config.n])
+        })
+        .collect();
+    world
+        .run(|ctx| {
+            let r = ctx.rank();
+            let mut out = outs[r].lock().unwrap();
+            op.forward(ctx, config.max_m, (&a[r], &b[r], bias.as_deref()), &mut out)
+        })
+        .map_err(|e| e.to_string())?;
+    Ok(outs
+        .into_iter()
+        .map(|o| o.into_inner().unwrap().iter().map(|x| x.to_f32()).collect())
+        .collect())
+}
+
+/// GEMM + reduce-scatter of P simulated ranks: rank r holds `a[r]` [M, K] and `b[r]` ([N, K]
+/// for `b_layout="nk"`, [K, N] for "kn"); returns rank r's output chunk of the rows of
+/// Σ_r a[r]·b[r] (+ bias), the chunks split as the collectives split M, computed in `dtype`
+/// with f32 accumulation and rounded to `out_dtype`, as float32 arrays. `path` is "auto" (the
+/// cost model's choice), "fused" or "overlapped" (with `pieces` per ring step).
+#[pyfunction]
+#[pyo3(signature = (a, b, bias=None, *, b_layout="nk", dtype="bf16", out_dtype=None, path="auto", pieces=None, timeout_ms=20000))]
+#[allow(clippy::too_many_arguments)]
+fn sim_gemm_reduce_scatter<'py>(
+    py: Python<'py>,
+    a: Vec<PyReadonlyArray2<'py, f32>>,
+    b: Vec<PyReadonlyArray2<'py, f32>>,
+    bias: Option<PyReadonlyArray1<'py, f32>>,
+    b_layout: &str,
+    dtype: &str,
+    out_dtype: Option<&str>,
+    path: &str,
+    pieces: Option<usize>,
+    timeout_ms: u64,
+) -> PyResult<Vec<Bound<'py, PyArray2<f32>>>> {
+    let layout = parse_layout(b_layout)?;
+    let input = parse_dtype(dtype)?;
+    let output = out_dtype.map_or(Ok(input), parse_dtype)?;
+    let ops = operands(&a, &b, bias.as_ref(), layout)?;
+    let (p, m) = (a.len(), a[0].shape()[0]);
+    if a.iter().any(|x| x.shape()[0] != m) {
+        return Err(value_error("every rank's A must have the same rows M"));
+    }
+    let config = GemmRsConfig::new(
+        p,
+        m,
+        ops.n,
+        ops.k,
+        layout,
+        input,
+        output,
+        ops.bias.is_some(),
+    );
+    let shape = GemmRsShape::new(p, m, ops.n, ops.k, layout, input, output).map_err(value_error)?;
+    let path = match (path, pieces) {
+        ("auto", None) => choose_path(&shape),
+        ("fused", None) => GemmRsPath::Fused,
+        ("overlapped", pieces) => GemmRsPath::Overlapped {
+            pieces: pieces.unwrap_or(1),
+        },
+        ("auto" | "fused", Some(_)) => {
+            return Err(value_error("pieces goes with path=\"overlapped\""))
+        }
+        (other, _) => {
+            return Err(value_error(format!(
+                "unknown path {other:?}: auto, fused or overlapped"
+            )))
+        }
+    };
+    let timeout = Duration::from_millis(timeout_ms);
+    let outs = py
+        .detach(|| by_types!(input, output, run_gemm_rs, config, path, &ops, timeout))
+        .map_err(value_error)?;
+    outs.into_iter()
+        .enumerate()
+        .map(|(r, o)| {
+            let rows = commfuse_core::op::chunk_range(m, p, r).len();
+            let array = Array2::from_shape_vec((rows, ops.n), o).map_err(value_error)?;
+            Ok(array.into_pyarray(py))
+        })
+        .collect()
+}
+
+fn run_ag_gemm<TI: Element, TO: Element>(
+    config: AgGemmConfig,
+    pieces: usize,
+    ops: &Operands,
+    timeout: Duration,
+) -> Result<(Vec<Vec<f32>>, Vec<f32>), String> {
+    let (p, m, n, k) = (config.world, config.max_m, config.n, config.k);
+    let pad_cols = 64;
+    let rows = SimAgGemm::<TI, TO>::pad_rows(&config, pad_cols).map_err(|e| e.to_string())?;
+    let world_config = WorldConfig {
+        timeout,
+        pad_rows: rows as u32 + 8,
+        pad_cols: pad_cols as u32,
+    };
+    let world = World::new(p, world_config).map_err(|e| e.to_string())?;
+    let op = SimAgGemm::<TI, TO>::new(&world, config, pieces).map_err(|e| e.to_string())?;
+    let a: Vec<Vec<TI>> = ops.a.iter().map(|x| convert(x)).collect();
+    let b: Vec<Vec<TI>> = ops.b.iter().map(|x| convert(x)).collect();
+    let bias: Option<Vec<TO>> = ops.bias.as_deref().map(convert);
+    let outs: Vec<Mutex<(Vec<TO>, Vec<TI>)>> = (0..p)
+        .map(|_| Mutex::new((vec![TO::poison(); m * n], vec![TI::poison(); m * k])))
+        .collect();
+    world
+        .run(|ctx| {
+            let r = ctx.rank();
+            let mut guard = outs[r].lock().unwrap();
+            let (out, gathered) = &mut *guard;
+            op.forward(ctx, m, (&a[r], &b[r], bias.as_deref()), out, Some(gathered))
+        })
+        .map_err(|e| e.to_string())?;
+    let mut results = Vec::with_capacity(p);
+    let mut gathered0 = Vec::new();
+    for (r, o) in outs.into_iter().enumerate() {
+        let (out, gathered) = o.into_inner().unwrap();
+        if r == 0 {
+            gathered0 = gathered.iter().map(|x| x.to_f32()).collect();
+        }
+        results.push(out.iter().map(|x| x.to_f32()).collect());
+    }
+    Ok((results, gathered0))
+}
+
+/// Every rank's output, and the gathered A when asked for.
+type Gathered<'py> = (
+    Vec<Bound<'py, PyArray2<f32>>>,
+    Option<Bound<'py, PyArray2<f32>>>,
+);
+
+/// All-gather + GEMM of P simulated ranks: rank r holds `a[r]`, its chunk of the rows of A
+/// ([M_r, K], the chunks in rank order, split as the collectives split M), and `b[r]`; returns
+/// every rank's AllGather(a)·b[r] (+ bias) as float32 arrays [M, N] and, with `return_a`, the
+/// gathered A (in `dtype`, as float32) too.
+#[pyfunction]
+#[pyo3(signature = (a, b, bias=None, *, b_layout="nk", dtype="bf16", out_dtype=None, pieces=1, return_a=false, timeout_ms=20000))]
+#[allow(clippy::too_many_arguments)]
+fn sim_all_gather_matmul<'py>(
+    py: Python<'py>,
+    a: Vec<PyReadonlyArray2<'py, f32>>,
+    b: Vec<PyReadonlyArray2<'py, f32>>,
+    bias: Option<PyReadonlyArray1<'py, f32>>,
+    b_layout: &str,
+    dtype: &str,
+    out_dtype: Option<&str>,
+    pieces: usize,
+    return_a: bool,
+    timeout_ms: u64,
+) -> PyResult<Gathered<'py>> {
+    let layout = parse_layout(b_layout)?;
+    let input = parse_dtype(dtype)?;
+    let output = out_dtype.map_or(Ok(input), parse_dtype)?;
+    let ops = operands(&a, &b, bias.as_ref(), layout)?;
+    let p = a.len();
+    let m: usize = a.iter().map(|x| x.shape()[0]).sum();
+    for (r, x) in a.iter().enumerate() {
+        let want = commfuse_core::op::chunk_range(m, p, r).len();
+        if x.shape()[0] != want {
+            return Err(value_error(format!(
+                "rank {r}'s chunk of A has {} rows; M = {m} over {p} ranks gives it {want}",
+                x.shape()[0]
+            )));
+        }
+    }
+    let config = AgGemmConfig::new(
+        p,
+        m,
+        ops.n,
+        ops.k,
+        layout,
+        input,
+        output,
+        ops.bias.is_some(),
+    );
+    commfuse_sim::ag_gemm::shape(&config, m).map_err(value_error)?;
+    let timeout = Duration::from_millis(timeout_ms);
+    let (outs, gathered) = py
+        .detach(|| by_types!(input, output, run_ag_gemm, config, pieces, &ops, timeout))
+        .map_err(value_error)?;
+    let outs = outs
+        .into_iter()
+        .map(|o| {
+            let array = Array2::from_shape_vec((m, ops.n), o).map_err(value_error)?;
+            Ok(array.into_pyarray(py))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let gathered = if return_a {
+        let array = Array2::from_shape_vec((m, ops.k), gathered).map_err(value_error)?;
+        Some(array.into_pyarray(py))
+    } else {
+        None
+    };
+    Ok((outs, gathered))
+}
+
+/// The path the cost model takes for GEMM + reduce-scatter of this shape: "fused" or
+/// "overlapped (C pieces)".
+#[pyfunction]
+#[pyo3(signature = (world, m, n, k, *, b_layout="nk", dtype="bf16", out_dtype=None))]
+fn gemm_rs_path(
+    world: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    b_layout: &str,
+    dtype: &str,
+    out_dtype: Option<&str>,
+) -> PyResult<String> {
+    let input = parse_dtype(dtype)?;
+    let output = out_dtype.map_or(Ok(input), parse_dtype)?;
+    let shape = GemmRsShape::new(world, m, n, k, parse_layout(b_layout)?, input, output)
+        .map_err(value_error)?;
+    Ok(choose_path(&shape).to_string())
+}
+
+#[pymodule]
+fn _commfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(sim_gemm_reduce_scatter, m)?)?;
+    m.add_function(wrap_pyfunction!(sim_all_gather_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(gemm_rs_path, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

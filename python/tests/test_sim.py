@@ -1,0 +1,134 @@
+"""commfuse.sim against NumPy float64 references: every output element of every rank, both GEMM +
+reduce-scatter paths and all-gather + GEMM, ragged shapes, both B layouts, bf16/f16 inputs with
+16-bit and f32 outputs, with and without bias; and the errors bad arguments raise."""
+
+import numpy as np
+import pytest
+
+import commfuse
+from commfuse import sim
+
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "f16": 2.0**-11, "f32": 2.0**-24}
+
+
+def round_to(x, dtype):
+    """float32 values rounded to `dtype` (round to nearest even), as float64."""
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "f16":
+        return x.astype(np.float16).astype(np.float64)
+    if dtype == "bf16":
+        bits = x.view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def chunks(m, p):
+    """The collectives' split of m rows over p ranks (the first m mod p one longer)."""
+    base, extra = divmod(m, p)
+    starts = [r * base + min(r, extra) for r in range(p + 1)]
+    return [range(starts[r], starts[r + 1]) for r in range(p)]
+
+
+def operands(rng, p, rows, n, k, layout):
+    a = [rng.uniform(-1, 1, (r, k)).astype(np.float32) for r in rows]
+    shape = (n, k) if layout == "nk" else (k, n)
+    b = [rng.uniform(-1, 1, shape).astype(np.float32) for _ in range(p)]
+    return a, b
+
+
+def product(a, b, layout, dtype):
+    bt = round_to(b, dtype)
+    return round_to(a, dtype) @ (bt.T if layout == "nk" else bt)
+
+
+def assert_within(got, want, scale, out_dtype, what):
+    """Every element within a bound that scales with the magnitudes summed (the rounding of the
+    partials and the output to out_dtype, f32 accumulation); a missing or doubled partial is far
+    outside it."""
+    bound = 4 * UNIT_ROUNDOFF[out_dtype] * scale + 1e-5 * (1 + scale)
+    err = np.abs(np.asarray(got, dtype=np.float64) - want)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert np.all(err <= bound), f"{what}: element {worst} off by {err[worst]}, bound {bound[worst]}"
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("path", ["auto", "fused", "overlapped"])
+@pytest.mark.parametrize(
+    "layout,dtype,out_dtype,bias",
+    [("nk", "bf16", "bf16", False), ("kn", "f16", "f32", True), ("nk", "f16", "f16", True)],
+)
+def test_gemm_reduce_scatter_matches_float64(p, path, layout, dtype, out_dtype, bias):
+    rng = np.random.default_rng(p * 31 + len(path))
+    m, n, k = 3 * p + 2, 24, 16
+    a, b = operands(rng, p, [m] * p, n, k, layout)
+    bias_v = rng.uniform(-1, 1, n).astype(np.float32) if bias else None
+    options = dict(b_layout=layout, dtype=dtype, out_dtype=out_dtype, path=path)
+    if path == "overlapped":
+        options["pieces"] = 2
+    outs = sim.gemm_reduce_scatter(a, b, bias_v, **options)
+    partials = [product(a[r], b[r], layout, dtype) for r in range(p)]
+    want = sum(partials)
+    scale = sum(np.abs(x) for x in partials)
+    if bias:
+        want = want + round_to(bias_v, out_dtype)
+        scale = scale + np.abs(round_to(bias_v, out_dtype))
+    assert len(outs) == p
+    for r, rows in enumerate(chunks(m, p)):
+        assert outs[r].shape == (len(rows), n)
+        assert outs[r].dtype == np.float32
+        assert_within(outs[r], want[rows.start : rows.stop], scale[rows.start : rows.stop], out_dtype, f"rank {r}")
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_all_gather_matmul_matches_float64(p, pieces):
+    rng = np.random.default_rng(p * 7 + pieces)
+    m, n, k = 5 * p + 1, 40, 24
+    rows = [len(c) for c in chunks(m, p)]
+    a, b = operands(rng, p, rows, n, k, "kn")
+    bias_v = rng.uniform(-1, 1, n).astype(np.float32)
+    outs, gathered = sim.all_gather_matmul(
+        a, b, bias_v, b_layout="kn", dtype="bf16", out_dtype="f32", pieces=pieces, return_a=True
+    )
+    full = np.concatenate(a)
+    assert np.array_equal(gathered, round_to(full, "bf16").astype(np.float32))
+    for r in range(p):
+        prod = product(full, b[r], "kn", "bf16")
+        want = prod + bias_v
+        scale = np.abs(round_to(full, "bf16")) @ np.abs(round_to(b[r], "bf16")) + np.abs(bias_v)
+        assert_within(outs[r], want, scale, "f32", f"rank {r}")
+    _, none = sim.all_gather_matmul(a, b, None, b_layout="kn")
+    assert none is None
+
+
+def test_the_cost_model_names_its_path():
+    assert commfuse.gemm_rs_path(2, 8192, 8192, 3584) == "overlapped (2 pieces)"
+    assert commfuse.gemm_rs_path(2, 64, 64, 64) == "overlapped (1 piece)"
+    # rows of 300 bf16 are not whole 16-byte units: the fused path
+    assert commfuse.gemm_rs_path(2, 64, 300, 64) == "fused"
+
+
+def test_bad_arguments_raise_value_errors_with_one_line():
+    rng = np.random.default_rng(0)
+    a, b = operands(rng, 2, [8, 8], 16, 16, "nk")
+    cases = [
+        (lambda: sim.gemm_reduce_scatter(a, b[:1]), "one A and one B per rank"),
+        (lambda: sim.gemm_reduce_scatter(a, b, dtype="f64"), "f64"),
+        (lambda: sim.gemm_reduce_scatter(a, b, b_layout="mn"), "unknown B layout 'mn'"),
+        (lambda: sim.gemm_reduce_scatter(a, b, path="fast"), "unknown path"),
+        (lambda: sim.gemm_reduce_scatter(a, b, pieces=2), "pieces goes with"),
+        (lambda: sim.gemm_reduce_scatter(a, b, path="overlapped", pieces=17), "1 to 16 pieces"),
+        (lambda: sim.gemm_reduce_scatter(a, b, out_dtype="f16"), "(the input type) or f32"),
+        (lambda: sim.gemm_reduce_scatter(a, [x[:, :12] for x in b]), "rank 0's B is [16, 12]"),
+        (
+            lambda: sim.gemm_reduce_scatter([x[:, :12] for x in a], [x[:, :12] for x in b]),
+            "multiple of 8",
+        ),
+        (lambda: sim.all_gather_matmul([a[0], a[1][:3]], b), "rank 0's chunk of A has 8 rows"),
+    ]
+    for call, says in cases:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert says in str(e.value), str(e.value)
+        assert "\n" not in str(e.value)
