@@ -297,22 +297,19 @@ impl AgGemmRank {
     /// As [`AgGemmRank::forward`].
     unsafe fn prepare(
         &mut self,
-        stream: &Stream,
         s: &AgGemmSchedule,
         (a, b, bias, out): (u64, u64, Option<u64>, u64),
     ) -> Result<(), CudaError> {
         if self.tuned.contains(&s.shape.m) {
             return Ok(());
         }
-        self.join.record(stream)?;
         let limit = 4 * self.config.timeout;
-        if !crate::host_sync::poll_until(limit, || self.join.is_done())? {
+        if !self.memory.wait_last(limit)? {
             return Err(unsupported(format!(
                 "all-gather + GEMM: rank {}'s earlier calls still run after {limit:?}",
                 self.rank
             )));
         }
-        self.tune.wait_event(&self.join)?;
         let mut seen = HashSet::new();
         for g in s.gemms_of(self.rank) {
             let problem = self.problem(g.rows.len());
@@ -375,7 +372,7 @@ impl AgGemmRank {
         self.gpu.bind()?;
         let s = AgGemmSchedule::new(c.shape(self.world, m)?, c.pieces);
         let result = self
-            .prepare(stream, &s, (a, b, bias, out))
+            .prepare(&s, (a, b, bias, out))
             .and_then(|()| self.enqueue(stream, &s, (a, b, bias), out, gathered));
         if result.is_err() {
             // some ranks may have queued their part: the protocol's state is unknown

@@ -68,6 +68,11 @@ impl<T: InUse> Launched<T> {
     pub(crate) fn launched(&self, stream: &Stream) -> Result<(), CudaError> {
         self.last.record(stream)
     }
+
+    /// Waits on the host, up to `timeout`, for the last launch to end; whether it did.
+    pub(crate) fn wait_last(&self, timeout: std::time::Duration) -> Result<bool, CudaError> {
+        crate::host_sync::poll_until(timeout, || self.last.is_done())
+    }
 }
 
 impl<T: InUse> Drop for Launched<T> {

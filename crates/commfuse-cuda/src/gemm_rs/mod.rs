@@ -516,6 +516,26 @@ impl GemmRsRank {
         }
     }
 
+    /// Before the first call of an M prepares its tables (allocations and uploads, which may
+    /// wait for the GPU and its peers to be idle): wait on the host for this operator's earlier
+    /// calls, so that none of its kernels is still spinning on a flag a peer has yet to raise
+    /// while this thread holds the context (the overlapped path's first calls stalled that way,
+    /// docs/gpu-2026-11-30c). Bounded: every wait of the earlier calls is.
+    fn settle_before_preparing(&self, m: usize) -> Result<(), CudaError> {
+        if self.per_m.contains_key(&m) {
+            return Ok(());
+        }
+        let limit = 4 * self.config.timeout;
+        if self.memory.wait_last(limit)? {
+            Ok(())
+        } else {
+            Err(unsupported(format!(
+                "GEMM + reduce-scatter: rank {}'s earlier calls still run after {limit:?}",
+                self.rank
+            )))
+        }
+    }
+
     fn prepare_fused(&mut self, m: usize) -> Result<(), CudaError> {
         if self.per_m.contains_key(&m) {
             return Ok(());
@@ -609,7 +629,8 @@ impl GemmRsRank {
         let path = self.path_for(m)?;
         let result = match path {
             GemmRsPath::Fused => self
-                .prepare_fused(m)
+                .settle_before_preparing(m)
+                .and_then(|()| self.prepare_fused(m))
                 .and_then(|()| self.enqueue(stream, m, a, b, bias, out)),
             GemmRsPath::Overlapped { pieces } => self
                 .ring

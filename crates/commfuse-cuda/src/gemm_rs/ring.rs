@@ -214,20 +214,13 @@ impl RingPath {
 
     /// Lets cuBLASLt choose the algorithm of every GEMM of (M, pieces) before the call queues
     /// anything, timing the candidates on the call's own A and B into the send buffer. It
-    /// waits for everything queued on `stream` so far (the earlier calls, whose GEMMs share
-    /// cuBLASLt's workspace and whose copies read the send buffer), and the host waits for the
-    /// timing. Nothing is allocated: an allocation can wait for the peers' GPUs, which may be
+    /// first waits on the host for this operator's earlier calls (whose GEMMs share cuBLASLt's
+    /// workspace and whose copies read the send buffer), and the host waits for the timing. Nothing is allocated: an allocation can wait for the peers' GPUs, which may be
     /// spinning on flags this call has yet to raise.
     ///
     /// # Safety
     /// `a` and `b` as for the call.
-    unsafe fn prepare(
-        &mut self,
-        stream: &Stream,
-        s: &RingSchedule,
-        a: u64,
-        b: u64,
-    ) -> Result<(), CudaError> {
+    unsafe fn prepare(&mut self, s: &RingSchedule, a: u64, b: u64) -> Result<(), CudaError> {
         if self.tuned.contains(&(s.shape.m, s.pieces)) {
             return Ok(());
         }
@@ -235,15 +228,13 @@ impl RingPath {
         // first launch) holds this context until the GPU is idle, and a peer's copy into our
         // memory needs this context meanwhile; with a flag wait of ours still spinning, that
         // peer might be the one it waits for. Bounded: every wait of the earlier calls is.
-        self.join.record(stream)?;
         let limit = 4 * self.config.timeout;
-        if !crate::host_sync::poll_until(limit, || self.join.is_done())? {
+        if !self.memory.wait_last(limit)? {
             return Err(CudaError::Unavailable(format!(
                 "GEMM + reduce-scatter (ring): rank {}'s earlier calls still run after {limit:?}",
                 self.rank
             )));
         }
-        self.tune.wait_event(&self.join)?;
         let scratch = self.memory.send.addr();
         let mut seen = HashSet::new();
         for g in s.pieces_of(self.rank) {
@@ -317,7 +308,7 @@ impl RingPath {
     ) -> Result<(), CudaError> {
         let s = self.schedule(m, pieces)?;
         trace(self.rank, self.calls + 1, "prepare");
-        self.prepare(stream, &s, a, b)?;
+        self.prepare(&s, a, b)?;
         trace(self.rank, self.calls + 1, "enqueue");
         let epoch = self.calls + 1;
         let set = RingSchedule::set_of(epoch);
