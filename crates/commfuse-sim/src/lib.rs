@@ -18,6 +18,7 @@ pub mod ag_gemm;
 pub mod backend;
 pub mod barrier;
 pub mod buffer;
+pub mod collective;
 pub mod executor;
 pub mod gemm;
 pub mod gemm_rs;
