@@ -150,6 +150,11 @@ impl CudaBackend {
         })
     }
 
+    /// Rank `r`'s GPU.
+    pub fn gpu(&self, r: usize) -> &Gpu {
+        &self.ranks[r].gpu
+    }
+
     pub fn describe(&self) -> String {
         let names: Vec<String> = self
             .ranks
@@ -305,6 +310,14 @@ impl Launcher for FailingLaunch {
     ) -> Result<Vec<CallTiming>, BackendError> {
         self.inner.after(backend, result)
     }
+}
+
+/// Whether `plan` fits `backend`'s ranks and signal pads (what `prepare` demands).
+pub(crate) fn ensure_plan_fits(
+    backend: &CudaBackend,
+    plan: &CheckedPlan,
+) -> Result<(), BackendError> {
+    ensure_fits(plan, backend.ranks.len(), PadCapacity::Slots(PAD_SLOTS))
 }
 
 /// What [`CudaBackend::run_partial`] accepts: a plan that [`ensure_fits`] the backend (as
@@ -849,7 +862,7 @@ impl<T: Element, L: Launcher> PreparedCall for GpuCall<'_, T, L> {
 }
 
 /// The plan kernel with its tables on every GPU.
-struct PlanLauncher {
+pub(crate) struct PlanLauncher {
     plan: CheckedPlan,
     /// which kernel: [dtype][reduce op]
     dtype_index: usize,
@@ -873,7 +886,7 @@ fn plan_call<'a, T: Element>(
 }
 
 impl PlanLauncher {
-    fn new(
+    pub(crate) fn new(
         backend: &CudaBackend,
         plan: &CheckedPlan,
         dtype: DType,
@@ -946,8 +959,22 @@ impl PlanLauncher {
         })
     }
 
+    /// Queues rank `r`'s plan kernel on `stream` (a stream of rank r's GPU).
+    ///
+    /// # Safety
+    /// The buffers the tables were built on must outlive the launch.
+    pub(crate) unsafe fn launch_on(
+        &self,
+        backend: &CudaBackend,
+        r: usize,
+        stream: &Stream,
+    ) -> Result<(), CudaError> {
+        let f = &backend.ranks[r].kernels[self.dtype_index][self.reduce_index];
+        f.launch(self.lanes.count, THREADS, stream, &self.args[r])
+    }
+
     /// The timeout a kernel recorded, if any.
-    fn failure(&self, backend: &CudaBackend) -> Option<BackendError> {
+    pub(crate) fn failure(&self, backend: &CudaBackend) -> Option<BackendError> {
         let rec = backend.error.read();
         if rec.flag == 0 {
             return None;

@@ -1,0 +1,168 @@
+//! Collectives as operator objects on GPUs: built once on a [`CudaBackend`] for (op, element
+//! count, algorithm or `auto`, element type, reduce op), then called by each rank on the
+//! caller's device buffers and stream — the form NCCL's calls and `torch.distributed`'s
+//! collectives have, over the same checked plans and plan kernel the harness runs.
+//!
+//! A rank's call queues on the caller's stream: a copy of the caller's input into the rank's
+//! symmetric input buffer, the rank's plan kernel, a copy of the rank's symmetric output into
+//! the caller's output. Nothing synchronises the host; the plan kernel advances its epoch bases
+//! itself, so calls go back to back with nothing cleared. Every rank must make the same calls
+//! in the same order (as with NCCL), and one backend's operators share its signal pads, so
+//! they too must be called in one agreed order.
+//!
+//! Written after the third session's device time was spent: its GPU test
+//! (`tests/gpu_collective.rs`) has not run yet. The simulator's twin
+//! (`commfuse_sim::collective::SimCollective`) is checked in CI.
+
+use crate::backend::{CudaBackend, PlanLauncher, RankBuffers};
+use crate::driver::{Event, Stream};
+use commfuse_core::backend::BackendError;
+use commfuse_core::cost::choose_algo;
+use commfuse_core::{build_plan, check, Algo, DType, OpKind, OpSpec, ReduceOp, Topology};
+use std::mem::ManuallyDrop;
+use std::time::Duration;
+
+/// How long dropping an operator waits for its last calls before it leaks their memory.
+const DROP_WAIT: Duration = Duration::from_secs(30);
+
+/// One collective for every rank of a backend.
+pub struct CudaCollective<'b> {
+    backend: &'b CudaBackend,
+    spec: OpSpec,
+    algo: Algo,
+    dtype: DType,
+    /// After each rank's last call (so that dropping waits for it)
+    last: Vec<Event>,
+    // freed by hand in Drop, once the last calls have ended
+    launcher: ManuallyDrop<PlanLauncher>,
+    bufs: ManuallyDrop<Vec<RankBuffers>>,
+}
+
+impl<'b> CudaCollective<'b> {
+    /// `kind` of `count` elements of `dtype` (as [`OpSpec`] counts them) on every GPU of
+    /// `backend`, by `algo` or, with `None`, the algorithm the cost model picks; `root` for
+    /// broadcast, `numa_groups` for the topology the plan is built on.
+    pub fn new(
+        backend: &'b CudaBackend,
+        kind: OpKind,
+        count: usize,
+        dtype: DType,
+        (algo, reduce, root, numa_groups): (Option<Algo>, ReduceOp, usize, usize),
+    ) -> Result<CudaCollective<'b>, BackendError> {
+        backend.check_usable()?;
+        let p = backend.ranks.len();
+        let fail = |e: commfuse_core::Error| BackendError::Unavailable(e.to_string());
+        let spec = OpSpec::new(kind, p, count, root).map_err(fail)?;
+        let topology = Topology::new(p, numa_groups).map_err(fail)?;
+        let (algo, plan) = match algo {
+            Some(algo) => {
+                let plan = build_plan(spec, algo, &topology).map_err(fail)?;
+                let checked = check(plan).map_err(|e| BackendError::Unavailable(e.to_string()))?;
+                (algo, checked)
+            }
+            None => {
+                let choice = choose_algo(spec, &topology, dtype.size()).map_err(fail)?;
+                (choice.algo, choice.plan)
+            }
+        };
+        crate::backend::ensure_plan_fits(backend, &plan)?;
+        let b = plan.plan().buffers;
+        let eb = dtype.size();
+        let bufs = backend
+            .ranks
+            .iter()
+            .map(|rank| RankBuffers::new(&rank.gpu, b.input * eb, b.output * eb, b.scratch * eb))
+            .collect::<Result<Vec<_>, _>>()?;
+        let launcher = PlanLauncher::new(backend, &plan, dtype, reduce, &bufs)?;
+        let last = backend
+            .ranks
+            .iter()
+            .map(|rank| Event::new_untimed(&rank.gpu))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(CudaCollective {
+            backend,
+            spec,
+            algo,
+            dtype,
+            last,
+            launcher: ManuallyDrop::new(launcher),
+            bufs: ManuallyDrop::new(bufs),
+        })
+    }
+
+    /// The algorithm the operator runs (what `auto` picked, when it did).
+    pub fn algo(&self) -> Algo {
+        self.algo
+    }
+
+    /// What the operator computes.
+    pub fn spec(&self) -> &OpSpec {
+        &self.spec
+    }
+
+    /// Queues rank `r`'s call on `stream`: `input` (`spec().input_len(r)` elements of the
+    /// operator's type) into `output` (`spec().output_len(r)` elements). Returns once queued.
+    ///
+    /// # Safety
+    /// `stream` must be a stream of rank r's GPU; `input` and `output` device memory of that GPU
+    /// of those sizes, valid until the call completes on `stream`.
+    pub unsafe fn forward(
+        &self,
+        r: usize,
+        stream: &Stream,
+        input: u64,
+        output: u64,
+    ) -> Result<(), BackendError> {
+        let p = self.backend.ranks.len();
+        if r >= p {
+            return Err(BackendError::Unavailable(format!(
+                "rank {r} is not part of this {}-rank operator",
+                p
+            )));
+        }
+        self.backend.check_usable()?;
+        let rank = &self.backend.ranks[r];
+        rank.gpu.bind()?;
+        let eb = self.dtype.size();
+        let bufs = &self.bufs[r];
+        stream.copy_async(bufs.input.addr(), input, self.spec.input_len(r) * eb)?;
+        self.launcher.launch_on(self.backend, r, stream)?;
+        stream.copy_async(output, bufs.output.addr(), self.spec.output_len(r) * eb)?;
+        self.last[r].record(stream)?;
+        Ok(())
+    }
+
+    /// After the callers' streams were synchronised: the diagnosis of a wait that timed out in
+    /// any call so far (which rank, lane and slot, what it expected and saw), if one did. The
+    /// backend is unusable after one.
+    pub fn check(&self) -> Result<(), BackendError> {
+        match self.launcher.failure(self.backend) {
+            Some(e) => {
+                self.backend.mark_broken();
+                Err(e)
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for CudaCollective<'_> {
+    fn drop(&mut self) {
+        // every rank's last call must have ended before its buffers and tables are freed
+        let ended = self.last.iter().all(|e| {
+            matches!(
+                crate::host_sync::poll_until(DROP_WAIT, || e.is_done()),
+                Ok(true)
+            )
+        });
+        if ended {
+            // SAFETY: dropped once, here; no call that uses them is running
+            unsafe {
+                ManuallyDrop::drop(&mut self.launcher);
+                ManuallyDrop::drop(&mut self.bufs);
+            }
+        }
+        // otherwise leaked: freeing memory a running kernel writes would corrupt what is
+        // allocated there next
+    }
+}
