@@ -18,10 +18,11 @@
 //! simulator runs the same protocol (`commfuse_sim::ag_gemm`) for P = 1..9 in CI.
 
 use crate::cublaslt::Lt;
-use crate::driver::{DeviceMemory, Event, Gpu, Stream};
+use crate::driver::{DeviceMemory, Event, Gpu, IpcMapping, Stream};
 use crate::error::CudaError;
 use crate::flag_step::{hand_on, FlagCmp, FlagSteps, PeerMemory};
 use crate::gemm::{InUse, Launched};
+use crate::ipc::Exported;
 use crate::plan_table::MAX_RANKS;
 use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, AgPiece, MAX_PIECES};
 use commfuse_core::gemm::{BLayout, GemmProblem};
@@ -172,6 +173,46 @@ impl AgGemmAllocation {
         }
     }
 
+    /// What this rank exports for peers in other processes: the IPC handles of its gather
+    /// buffer and flags.
+    pub fn export(&self) -> Result<Exported, CudaError> {
+        Ok(Exported {
+            operator: "ag-gemm".into(),
+            rank: self.rank,
+            world: self.world,
+            handles: vec![
+                self.memory.gather.ipc_handle(&self.gpu)?,
+                self.memory.flags.ipc_handle(&self.gpu)?,
+            ],
+        })
+    }
+
+    /// Finishes the rank from every rank's [`AgGemmAllocation::export`] (rank order, its own
+    /// among them) when the peers live in other processes.
+    pub fn connect_exported(self, exports: &[Exported]) -> Result<AgGemmRank, CudaError> {
+        Exported::check_group(exports, "ag-gemm", self.world, 2)?;
+        let mut mapped = Vec::new();
+        let mut peers = Vec::with_capacity(self.world);
+        for (q, e) in exports.iter().enumerate() {
+            if q == self.rank {
+                peers.push(self.peer());
+                continue;
+            }
+            let gather = IpcMapping::open(&self.gpu, &e.handles[0])?;
+            let flags = IpcMapping::open(&self.gpu, &e.handles[1])?;
+            // mapped into this process's context: copies to them are plain copies
+            peers.push(AgGemmPeer {
+                gather: gather.addr(),
+                flags: flags.addr(),
+                context: 0,
+            });
+            mapped.extend([gather, flags]);
+        }
+        let mut rank = self.connect(&peers)?;
+        rank.mapped = mapped;
+        Ok(rank)
+    }
+
     /// Finishes the rank once every rank's [`AgGemmAllocation::peer`] is known (rank order).
     pub fn connect(self, peers: &[AgGemmPeer]) -> Result<AgGemmRank, CudaError> {
         if peers.len() != self.world || peers[self.rank] != self.peer() {
@@ -211,6 +252,7 @@ impl AgGemmAllocation {
             join: Event::new_untimed(&gpu)?,
             tuned: HashSet::new(),
             memory: Launched::new(&gpu, self.memory)?,
+            mapped: Vec::new(),
             gpu,
         })
     }
@@ -234,6 +276,8 @@ pub struct AgGemmRank {
     tuned: HashSet<usize>,
     // dropped before the context
     memory: Launched<AgMemory>,
+    /// Peers' buffers opened from other processes (closed after the memory above is released)
+    mapped: Vec<IpcMapping>,
     gpu: Arc<Gpu>,
 }
 

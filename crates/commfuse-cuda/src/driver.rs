@@ -313,6 +313,82 @@ impl Drop for DeviceMemory {
     }
 }
 
+/// A CUDA IPC handle of a device allocation: 64 opaque bytes that another process on the same
+/// machine opens with [`IpcMapping::open`] (one process per GPU, PyTorch's model), exchanged
+/// through whatever rendezvous the processes already share.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct IpcHandle(pub [u8; 64]);
+
+impl std::fmt::Debug for IpcHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "IpcHandle(")?;
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, "…)")
+    }
+}
+
+impl DeviceMemory {
+    /// The IPC handle of this allocation (a whole `cuMemAlloc` allocation, as all of ours are),
+    /// for a peer process to open.
+    pub fn ipc_handle(&self, gpu: &Gpu) -> Result<IpcHandle, CudaError> {
+        gpu.bind()?;
+        let mut handle = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: a live allocation of the bound context; the handle is written in place
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(&mut handle, self.ptr)
+        })?;
+        Ok(IpcHandle(handle.reserved.map(|c| c as u8)))
+    }
+}
+
+/// Another process's device allocation opened into this process's context (peer access enabled
+/// as needed), closed on drop. Kernels of this process address it at [`IpcMapping::addr`].
+pub struct IpcMapping {
+    addr: sys::CUdeviceptr,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: a device address is valid from any thread that binds the owning context.
+unsafe impl Send for IpcMapping {}
+unsafe impl Sync for IpcMapping {}
+
+impl IpcMapping {
+    /// Opens `handle` (made by [`DeviceMemory::ipc_handle`] in another process) on `gpu`.
+    pub fn open(gpu: &Gpu, handle: &IpcHandle) -> Result<IpcMapping, CudaError> {
+        gpu.bind()?;
+        let raw = sys::CUipcMemHandle_st {
+            reserved: handle.0.map(|b| b as std::ffi::c_char),
+        };
+        let mut addr = 0;
+        // SAFETY: context bound; the driver validates the handle
+        check("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut addr,
+                raw,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        })?;
+        Ok(IpcMapping { addr, ctx: gpu.ctx })
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        // SAFETY: opened here, in this context, closed once; nothing of ours uses it any more
+        // (its owners drop it after their last launch ended)
+        unsafe {
+            let _ = result::ctx::set_current(self.ctx);
+            let _ = sys::cuIpcCloseMemHandle(self.addr);
+        }
+    }
+}
+
 /// Pinned host memory mapped into every context's address space: the GPU writes it, the host
 /// reads it even while a kernel still runs (timeouts are reported through it). `Pod`: the GPU
 /// may leave any bytes there, and the value is shared between threads as raw memory.

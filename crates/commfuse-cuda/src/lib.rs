@@ -24,6 +24,7 @@ pub mod gemm_bench;
 pub mod gemm_rs;
 pub mod gemm_rs_bench;
 pub mod host_sync;
+pub mod ipc;
 pub mod nccl;
 pub mod nvrtc;
 pub mod plan_table;

@@ -29,12 +29,13 @@ mod ring;
 use ring::{RingMemory, RingPath};
 pub use ring::{RingParts, RingPeer};
 
-use crate::driver::{DeviceMemory, Event, Function, Gpu, MappedHost, Module, Stream};
+use crate::driver::{DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream};
 use crate::error::CudaError;
 use crate::gemm::{
     GemmKernels, GemmOperands, InUse, Launched, PreparedGemm, TileRoute, FLAG_SET_EPOCH,
     ROUTE_DST_FROM_D, ROUTE_NO_BIAS, TILE,
 };
+use crate::ipc::Exported;
 use crate::nvrtc;
 use crate::plan_table::{ErrorRecord, MAX_RANKS};
 use bytemuck::{Pod, Zeroable};
@@ -205,6 +206,9 @@ pub struct GemmRsRank {
     last_path: Option<GemmRsPath>,
     // dropped after every prepared GEMM (fields drop in order) and before the context
     memory: Launched<RsMemory>,
+    /// Peers' buffers opened from other processes (closed once the memory above is released,
+    /// i.e. after the last call that wrote into them)
+    mapped: Vec<IpcMapping>,
     gpu: Arc<Gpu>,
 }
 
@@ -306,6 +310,66 @@ impl GemmRsAllocation {
         }
     }
 
+    /// What this rank exports for peers in other processes (one process per GPU): the IPC
+    /// handles of its receive buffer and flags, and of the overlapped path's when it has one.
+    /// Every rank passes every rank's export to [`GemmRsAllocation::connect_exported`].
+    pub fn export(&self) -> Result<Exported, CudaError> {
+        let mut handles = vec![
+            self.memory.receive.ipc_handle(&self.gpu)?,
+            self.memory.flags.ipc_handle(&self.gpu)?,
+        ];
+        if let Some(ring) = &self.ring {
+            handles.extend(ring.ipc_handles(&self.gpu)?);
+        }
+        Ok(Exported {
+            operator: "gemm-rs".into(),
+            rank: self.rank,
+            world: self.world,
+            handles,
+        })
+    }
+
+    /// Finishes the rank from every rank's [`GemmRsAllocation::export`] (rank order, its own
+    /// among them) when the peers live in other processes: their buffers are opened into this
+    /// process and closed when the rank is dropped.
+    pub fn connect_exported(self, exports: &[Exported]) -> Result<GemmRsRank, CudaError> {
+        let has_ring = self.ring.is_some();
+        Exported::check_group(exports, "gemm-rs", self.world, 2 + 2 * has_ring as usize)?;
+        let mut mapped = Vec::new();
+        let mut peers = Vec::with_capacity(self.world);
+        for (q, e) in exports.iter().enumerate() {
+            if q == self.rank {
+                peers.push(self.peer());
+                continue;
+            }
+            let mut open = |i: usize| -> Result<u64, CudaError> {
+                let m = IpcMapping::open(&self.gpu, &e.handles[i])?;
+                let addr = m.addr();
+                mapped.push(m);
+                Ok(addr)
+            };
+            let (receive, flags) = (open(0)?, open(1)?);
+            // mapped into this process's context: copies to them are plain copies
+            let ring = if has_ring {
+                RingPeer {
+                    receive: open(2)?,
+                    flags: open(3)?,
+                    context: 0,
+                }
+            } else {
+                RingPeer::default()
+            };
+            peers.push(GemmRsPeer {
+                receive,
+                flags,
+                ring,
+            });
+        }
+        let mut rank = self.connect(&peers)?;
+        rank.mapped = mapped;
+        Ok(rank)
+    }
+
     /// Finishes the rank once every rank's [`GemmRsAllocation::peer`] is known (in rank order).
     pub fn connect(self, peers: &[GemmRsPeer]) -> Result<GemmRsRank, CudaError> {
         if peers.len() != self.world || peers[self.rank] != self.peer() {
@@ -353,6 +417,7 @@ impl GemmRsAllocation {
             ring,
             last_path: None,
             memory: Launched::new(&gpu, self.memory)?,
+            mapped: Vec::new(),
             gpu,
         })
     }

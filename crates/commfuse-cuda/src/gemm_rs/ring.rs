@@ -17,7 +17,7 @@
 
 use super::{shape, GemmRsConfig};
 use crate::cublaslt::Lt;
-use crate::driver::{DeviceMemory, Event, Gpu, Stream};
+use crate::driver::{DeviceMemory, Event, Gpu, IpcHandle, Stream};
 use crate::error::CudaError;
 use crate::flag_step::{hand_on, FlagCmp, FlagSteps, PeerMemory};
 use crate::gemm::{InUse, Launched};
@@ -100,6 +100,11 @@ impl RingMemory {
             flags: self.flags.addr(),
             context: gpu.raw_ctx() as u64,
         }
+    }
+
+    /// The IPC handles of the receive buffers and the flags, for peers in other processes.
+    pub(crate) fn ipc_handles(&self, gpu: &Gpu) -> Result<[IpcHandle; 2], CudaError> {
+        Ok([self.receive.ipc_handle(gpu)?, self.flags.ipc_handle(gpu)?])
     }
 }
 

@@ -1,0 +1,168 @@
+//! Groups across processes (one process per GPU, PyTorch's model): what a rank exports of its
+//! operator's buffers for the other processes to open, as bytes any rendezvous can carry
+//! (`torch.distributed`'s `all_gather_object`, NCCL's bootstrap, a file). A rank's operator
+//! exports the IPC handles of its buffers; every peer opens them into its own context
+//! ([`crate::driver::IpcMapping`]), so that its kernels and copies address them as its own
+//! memory (a [`crate::flag_step::PeerMemory`] of context 0).
+
+use crate::driver::IpcHandle;
+use crate::error::CudaError;
+
+/// The format's first byte.
+const VERSION: u8 = 1;
+
+/// The IPC handles of one rank's buffers, in the order its operator lists them, with the rank
+/// and world they belong to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exported {
+    /// What exported it (checked on import: a GEMM + reduce-scatter's handles are not an
+    /// all-gather + GEMM's)
+    pub operator: String,
+    pub rank: usize,
+    pub world: usize,
+    pub handles: Vec<IpcHandle>,
+}
+
+impl Exported {
+    /// As bytes: version, rank and world (u32 LE each), the operator's name (u16 LE length,
+    /// UTF-8), the handle count (u16 LE), the handles (64 bytes each).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = vec![VERSION];
+        out.extend((self.rank as u32).to_le_bytes());
+        out.extend((self.world as u32).to_le_bytes());
+        out.extend((self.operator.len() as u16).to_le_bytes());
+        out.extend(self.operator.as_bytes());
+        out.extend((self.handles.len() as u16).to_le_bytes());
+        for h in &self.handles {
+            out.extend(h.0);
+        }
+        out
+    }
+
+    /// Reads [`Exported::to_bytes`]'s bytes; anything else is a one-line error.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Exported, CudaError> {
+        let bad = |what: &str| {
+            CudaError::Unavailable(format!(
+                "not an exported commfuse operator ({what}, {} bytes)",
+                bytes.len()
+            ))
+        };
+        let mut at = 0usize;
+        let mut take = |n: usize| -> Result<&[u8], CudaError> {
+            let end = at
+                .checked_add(n)
+                .filter(|&e| e <= bytes.len())
+                .ok_or_else(|| bad("too short"))?;
+            let piece = &bytes[at..end];
+            at = end;
+            Ok(piece)
+        };
+        if take(1)?[0] != VERSION {
+            return Err(bad("unknown version"));
+        }
+        let u32_at = |b: &[u8]| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize;
+        let u16_at = |b: &[u8]| u16::from_le_bytes(b.try_into().expect("2 bytes")) as usize;
+        let rank = u32_at(take(4)?);
+        let world = u32_at(take(4)?);
+        let name_len = u16_at(take(2)?);
+        let operator = String::from_utf8(take(name_len)?.to_vec()).map_err(|_| bad("name"))?;
+        let count = u16_at(take(2)?);
+        let mut handles = Vec::with_capacity(count);
+        for _ in 0..count {
+            handles.push(IpcHandle(take(64)?.try_into().expect("64 bytes")));
+        }
+        if at != bytes.len() {
+            return Err(bad("trailing bytes"));
+        }
+        if rank >= world {
+            return Err(bad("rank outside its world"));
+        }
+        Ok(Exported {
+            operator,
+            rank,
+            world,
+            handles,
+        })
+    }
+
+    /// Every rank's export, checked to be of `operator`, of `world` ranks, in rank order, each
+    /// with `handles` handles.
+    pub fn check_group(
+        exports: &[Exported],
+        operator: &str,
+        world: usize,
+        handles: usize,
+    ) -> Result<(), CudaError> {
+        if exports.len() != world {
+            return Err(CudaError::Unavailable(format!(
+                "{operator}: {} exports for a group of {world}",
+                exports.len()
+            )));
+        }
+        for (q, e) in exports.iter().enumerate() {
+            if e.operator != operator
+                || e.rank != q
+                || e.world != world
+                || e.handles.len() != handles
+            {
+                return Err(CudaError::Unavailable(format!(
+                    "{operator}: export {q} is {}'s of rank {} of {} with {} handles, expected rank {q} of {world} with {handles}",
+                    e.operator,
+                    e.rank,
+                    e.world,
+                    e.handles.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(rank: usize) -> Exported {
+        Exported {
+            operator: "gemm-rs".into(),
+            rank,
+            world: 2,
+            handles: vec![IpcHandle([rank as u8; 64]), IpcHandle([7; 64])],
+        }
+    }
+
+    #[test]
+    fn bytes_round_trip_and_bad_bytes_are_refused_in_one_line() {
+        let e = sample(1);
+        let bytes = e.to_bytes();
+        assert_eq!(Exported::from_bytes(&bytes).unwrap(), e);
+        for broken in [
+            &bytes[..bytes.len() - 1],
+            &[bytes.as_slice(), &[0]].concat()[..],
+            &[&[9u8][..], &bytes[1..]].concat()[..],
+            &[][..],
+        ] {
+            let err = Exported::from_bytes(broken).unwrap_err().to_string();
+            assert!(
+                err.contains("not an exported commfuse operator") && !err.contains('\n'),
+                "{err}"
+            );
+        }
+        let mut outside = sample(1);
+        outside.rank = 2;
+        assert!(Exported::from_bytes(&outside.to_bytes()).is_err());
+    }
+
+    #[test]
+    fn a_group_must_be_complete_in_order_and_of_one_operator() {
+        let group = [sample(0), sample(1)];
+        Exported::check_group(&group, "gemm-rs", 2, 2).unwrap();
+        assert!(Exported::check_group(&group[..1], "gemm-rs", 2, 2).is_err());
+        assert!(Exported::check_group(&[sample(1), sample(0)], "gemm-rs", 2, 2).is_err());
+        assert!(Exported::check_group(&group, "ag-gemm", 2, 2).is_err());
+        let e = Exported::check_group(&group, "gemm-rs", 2, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("expected rank 0 of 2 with 4"), "{e}");
+    }
+}
