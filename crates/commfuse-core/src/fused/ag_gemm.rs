@@ -55,17 +55,14 @@ impl AgGemmShape {
         input: DType,
         output: DType,
     ) -> Result<AgGemmShape, Error> {
-        if world == 0 {
-            return Err(Error::Unsupported(
-                "all-gather + GEMM needs at least one rank".into(),
-            ));
-        }
-        if output != DType::F32 && output != input {
-            return Err(Error::Unsupported(format!(
-                "the output is {input} (the input type) or f32, got {output}"
-            )));
-        }
-        GemmProblem::new(m, n, k, b_layout, input, output)?;
+        super::check_shape(
+            "all-gather + GEMM",
+            world,
+            (m, n, k),
+            b_layout,
+            input,
+            output,
+        )?;
         Ok(AgGemmShape {
             world,
             m,

@@ -67,17 +67,14 @@ impl GemmRsShape {
         input: DType,
         output: DType,
     ) -> Result<GemmRsShape, Error> {
-        if world == 0 {
-            return Err(Error::Unsupported(
-                "GEMM + reduce-scatter needs at least one rank".into(),
-            ));
-        }
-        if output != DType::F32 && output != input {
-            return Err(Error::Unsupported(format!(
-                "the output is {input} (the input type) or f32, got {output}"
-            )));
-        }
-        GemmProblem::new(m, n, k, b_layout, input, output)?;
+        super::check_shape(
+            "GEMM + reduce-scatter",
+            world,
+            (m, n, k),
+            b_layout,
+            input,
+            output,
+        )?;
         Ok(GemmRsShape {
             world,
             m,
