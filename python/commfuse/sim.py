@@ -5,7 +5,7 @@ operator's results in ``out_dtype`` (the input type or f32), returned as float32
 bad argument raises ``ValueError`` with a one-line reason.
 """
 
-from ._commfuse import sim_all_gather_matmul, sim_gemm_reduce_scatter
+from ._commfuse import sim_all_gather_matmul, sim_collective, sim_gemm_reduce_scatter
 
 
 def gemm_reduce_scatter(a, b, bias=None, **options):
@@ -29,3 +29,14 @@ def all_gather_matmul(a, b, bias=None, **options):
     ``out_dtype``, ``pieces``, ``return_a``, ``timeout_ms``.
     """
     return sim_all_gather_matmul(list(a), list(b), bias, **options)
+
+
+def collective(op, inputs, **options):
+    """One collective of ``len(inputs)`` ranks on rank r's 1-D ``inputs[r]``: ``op`` is
+    "all-reduce", "reduce-scatter", "all-gather" (the inputs are the chunks of the gathered
+    vector, split as the collectives split it), "broadcast" (only the root's input is non-empty)
+    or "all-to-all". Returns ``(outputs, algo)``: every rank's output and the algorithm that ran
+    (``algo=None``, the default, lets the cost model pick). Options: ``algo``, ``reduce``
+    ("sum", "max", "min", "prod"), ``dtype`` ("f32", "bf16", "f16"), ``root``, ``timeout_ms``.
+    """
+    return sim_collective(op, list(inputs), **options)

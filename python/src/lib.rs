@@ -6,13 +6,18 @@
 
 use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath, GemmRsShape};
 use commfuse_core::gemm::BLayout;
+use commfuse_core::{Algo, OpKind, ReduceOp};
 use commfuse_core::{DType, Element};
 use commfuse_sim::ag_gemm::{AgGemmConfig, SimAgGemm};
+use commfuse_sim::collective::SimCollective;
 use commfuse_sim::gemm_rs::{GemmRsConfig, GemmRsOperator};
 use commfuse_sim::{World, WorldConfig};
 use half::{bf16, f16};
+use numpy::ndarray::Array1;
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use numpy::{
+    IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::sync::Mutex;
@@ -356,8 +361,98 @@ fn gemm_rs_path(
     Ok(choose_path(&shape).to_string())
 }
 
+fn run_collective<T: Element>(
+    (kind, algo, reduce, root): (OpKind, Option<Algo>, ReduceOp, usize),
+    inputs: &[Vec<f32>],
+    timeout: Duration,
+) -> Result<(Vec<Vec<f32>>, Algo), String> {
+    let p = inputs.len();
+    // every rank's input has the op's input length; count is what OpSpec counts
+    let count = match kind {
+        OpKind::AllGather => inputs.iter().map(Vec::len).sum(),
+        _ => inputs[root.min(p - 1)].len(),
+    };
+    let config = WorldConfig {
+        timeout,
+        ..WorldConfig::default()
+    };
+    let world = World::new(p, config).map_err(|e| e.to_string())?;
+    let op = SimCollective::<T>::new(&world, kind, count, (algo, reduce, root, 1))
+        .map_err(|e| e.to_string())?;
+    let spec = *op.spec();
+    for (r, x) in inputs.iter().enumerate() {
+        if x.len() != spec.input_len(r) {
+            return Err(format!(
+                "rank {r}'s input has {} elements, {kind} of {count} gives it {}",
+                x.len(),
+                spec.input_len(r)
+            ));
+        }
+    }
+    let inputs: Vec<Vec<T>> = inputs.iter().map(|x| convert(x)).collect();
+    let outs: Vec<Mutex<Vec<T>>> = (0..p)
+        .map(|r| Mutex::new(vec![T::poison(); spec.output_len(r)]))
+        .collect();
+    world
+        .run(|ctx| {
+            let r = ctx.rank();
+            op.forward(ctx, &inputs[r], &mut outs[r].lock().unwrap())
+        })
+        .map_err(|e| e.to_string())?;
+    let outs = outs
+        .into_iter()
+        .map(|o| o.into_inner().unwrap().iter().map(|x| x.to_f32()).collect())
+        .collect();
+    Ok((outs, op.algo()))
+}
+
+/// One collective of P simulated ranks (`op`: "all-reduce", "reduce-scatter", "all-gather",
+/// "broadcast", "all-to-all") on rank r's 1-D input `inputs[r]` (an all-gather's inputs are the
+/// chunks of the gathered vector), in `dtype`, by `algo` or the cost model's choice; returns
+/// every rank's output (float32) and the algorithm that ran.
+#[pyfunction]
+#[pyo3(signature = (op, inputs, *, algo=None, reduce="sum", dtype="f32", root=0, timeout_ms=20000))]
+#[allow(clippy::too_many_arguments)]
+fn sim_collective<'py>(
+    py: Python<'py>,
+    op: &str,
+    inputs: Vec<PyReadonlyArray1<'py, f32>>,
+    algo: Option<&str>,
+    reduce: &str,
+    dtype: &str,
+    root: usize,
+    timeout_ms: u64,
+) -> PyResult<(Vec<Bound<'py, PyArray1<f32>>>, String)> {
+    let kind: OpKind = op.parse().map_err(value_error)?;
+    let algo: Option<Algo> = algo.map(str::parse).transpose().map_err(value_error)?;
+    let reduce: ReduceOp = reduce.parse().map_err(value_error)?;
+    let dtype = parse_dtype(dtype)?;
+    if inputs.is_empty() {
+        return Err(value_error("one input per rank: got none"));
+    }
+    let data: Vec<Vec<f32>> = inputs
+        .iter()
+        .map(|x| x.as_array().iter().copied().collect())
+        .collect();
+    let timeout = Duration::from_millis(timeout_ms);
+    let what = (kind, algo, reduce, root);
+    let (outs, ran) = py
+        .detach(|| match dtype {
+            DType::F32 => run_collective::<f32>(what, &data, timeout),
+            DType::BF16 => run_collective::<bf16>(what, &data, timeout),
+            DType::F16 => run_collective::<f16>(what, &data, timeout),
+        })
+        .map_err(value_error)?;
+    let outs = outs
+        .into_iter()
+        .map(|o| Array1::from_vec(o).into_pyarray(py))
+        .collect();
+    Ok((outs, ran.to_string()))
+}
+
 #[pymodule]
 fn _commfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(sim_collective, m)?)?;
     m.add_function(wrap_pyfunction!(sim_gemm_reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(sim_all_gather_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_rs_path, m)?)?;

@@ -132,3 +132,41 @@ def test_bad_arguments_raise_value_errors_with_one_line():
             call()
         assert says in str(e.value), str(e.value)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("algo", [None, "ring"])
+def test_collectives_match_numpy(p, algo):
+    rng = np.random.default_rng(p)
+    n = 4 * p + 3
+    xs = [rng.uniform(-1, 1, n).astype(np.float32) for _ in range(p)]
+    total = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    outs, ran = sim.collective("all-reduce", xs, algo=algo)
+    assert algo is None or ran == algo
+    for o in outs:
+        np.testing.assert_allclose(o, total, rtol=1e-5, atol=1e-5)
+    outs, _ = sim.collective("reduce-scatter", xs, algo=algo)
+    for r, rows in enumerate(chunks(n, p)):
+        np.testing.assert_allclose(outs[r], total[rows.start : rows.stop], rtol=1e-5, atol=1e-5)
+    pieces = [xs[0][c.start : c.stop] for c in chunks(n, p)]
+    outs, _ = sim.collective("all-gather", pieces, algo=algo)
+    for o in outs:
+        assert np.array_equal(o, xs[0])
+    outs, _ = sim.collective("all-reduce", xs, reduce="max", dtype="bf16")
+    for o in outs:
+        np.testing.assert_array_equal(o, round_to(np.max(xs, axis=0), "bf16").astype(np.float32))
+
+
+def test_collective_errors_are_one_line_value_errors():
+    xs = [np.zeros(8, dtype=np.float32)] * 2
+    for call, says in [
+        (lambda: sim.collective("all-sum", xs), "all-sum"),
+        (lambda: sim.collective("all-reduce", xs, algo="nope"), "nope"),
+        (lambda: sim.collective("all-reduce", xs, reduce="avg"), "avg"),
+        (lambda: sim.collective("all-reduce", [xs[0], np.zeros(7, dtype=np.float32)]), "rank 1's input has 7"),
+        (lambda: sim.collective("all-reduce", []), "one input per rank"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert says in str(e.value), str(e.value)
+        assert "\n" not in str(e.value)
