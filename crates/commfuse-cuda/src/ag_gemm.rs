@@ -155,7 +155,9 @@ impl AgGemmAllocation {
         Ok(AgGemmAllocation {
             memory: AgMemory {
                 gather: DeviceMemory::zeroed(&gpu, config.max_m * config.k * config.input.size())?,
-                flags: DeviceMemory::zeroed(&gpu, 8 * s.flag_words())?,
+                // the flag words, then a 16-byte landing slot per sender for the first copy
+                // (see connect), which nothing reads
+                flags: DeviceMemory::zeroed(&gpu, 8 * s.flag_words() + 16 * world)?,
                 steps: FlagSteps::new(&gpu, rank, config.timeout)?,
             },
             rank,
@@ -223,18 +225,20 @@ impl AgGemmAllocation {
         }
         let gpu = self.gpu;
         let side = Stream::new(&gpu)?;
-        // the first copy between two contexts, made while nothing spins (see gemm_rs::ring)
+        // the first copy between two contexts, made while nothing spins (see gemm_rs::ring),
+        // into this rank's landing slot behind the peer's flag words: a peer may already be
+        // receiving a call's rows in its gather buffer
+        let s = AgGemmSchedule::new(self.config.shape(self.world, self.config.max_m)?, 1);
         for q in (0..self.world).filter(|&q| q != self.rank) {
             let to = PeerMemory {
-                addr: peers[q].gather,
+                addr: peers[q].flags + 8 * s.flag_words() as u64 + 16 * self.rank as u64,
                 context: peers[q].context,
             };
             let from = PeerMemory {
                 addr: self.memory.gather.addr(),
                 context: peers[self.rank].context,
             };
-            // SAFETY: both buffers hold at least 16 bytes (K·2 ≥ 16) and outlive the sync;
-            // nothing reads a gather buffer before a flag
+            // SAFETY: both hold at least 16 bytes (K·2 ≥ 16) and outlive the synchronisation
             unsafe { hand_on(&side, to, from, 16)? };
         }
         side.synchronize()?;
@@ -260,6 +264,9 @@ impl AgGemmAllocation {
 
 /// One rank's all-gather + GEMM.
 pub struct AgGemmRank {
+    // dropped first (fields drop in order): waits for the last call before anything it uses
+    // (cuBLASLt's workspace, the streams, the events, the peers' mappings) goes
+    memory: Launched<AgMemory>,
     rank: usize,
     world: usize,
     config: AgGemmConfig,
@@ -274,8 +281,6 @@ pub struct AgGemmRank {
     join: Event,
     /// The M whose GEMMs cuBLASLt has chosen algorithms for
     tuned: HashSet<usize>,
-    // dropped before the context
-    memory: Launched<AgMemory>,
     /// Peers' buffers opened from other processes (closed after the memory above is released)
     mapped: Vec<IpcMapping>,
     gpu: Arc<Gpu>,
@@ -341,6 +346,7 @@ impl AgGemmRank {
     /// As [`AgGemmRank::forward`].
     unsafe fn prepare(
         &mut self,
+        stream: &Stream,
         s: &AgGemmSchedule,
         (a, b, bias, out): (u64, u64, Option<u64>, u64),
     ) -> Result<(), CudaError> {
@@ -354,6 +360,10 @@ impl AgGemmRank {
                 self.rank
             )));
         }
+        // and after the caller's earlier work on its stream: the warm-up writes the caller's
+        // output, which that work may still use
+        self.start.record(stream)?;
+        self.tune.wait_event(&self.start)?;
         let mut seen = HashSet::new();
         for g in s.gemms_of(self.rank) {
             let problem = self.problem(g.rows.len());
@@ -415,12 +425,19 @@ impl AgGemmRank {
         }
         self.gpu.bind()?;
         let s = AgGemmSchedule::new(c.shape(self.world, m)?, c.pieces);
+        // after the previous call even if it went on another stream
+        self.memory.order_after_last(stream)?;
         let result = self
-            .prepare(&s, (a, b, bias, out))
+            .prepare(stream, &s, (a, b, bias, out))
             .and_then(|()| self.enqueue(stream, &s, (a, b, bias), out, gathered));
         if result.is_err() {
-            // some ranks may have queued their part: the protocol's state is unknown
+            // some ranks may have queued their part: the protocol's state is unknown. What
+            // this rank queued stays before the caller's later work and before its memory may
+            // be freed; its waits stop spinning
             self.broken = true;
+            let _ = self.join.record(&self.side);
+            let _ = stream.wait_event(&self.join);
+            let _ = self.memory.launched(stream);
             self.memory.steps.abort();
         }
         result

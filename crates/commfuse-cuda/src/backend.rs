@@ -187,6 +187,12 @@ impl CudaBackend {
         self.broken.store(true, Ordering::Release);
     }
 
+    /// Marks that a kernel may still be running that nothing could stop: nothing it may touch
+    /// is freed any more (see `wedged`).
+    pub(crate) fn mark_wedged(&self) {
+        self.wedged.store(true, Ordering::Release);
+    }
+
     /// Whether a kernel may still be running that nothing could stop (see `wedged`).
     pub(crate) fn is_wedged(&self) -> bool {
         self.wedged.load(Ordering::Acquire)

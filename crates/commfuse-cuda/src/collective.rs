@@ -16,6 +16,7 @@
 
 use crate::backend::{CudaBackend, PlanLauncher, RankBuffers};
 use crate::driver::{Event, Stream};
+use crate::error::CudaError;
 use commfuse_core::backend::BackendError;
 use commfuse_core::cost::choose_algo;
 use commfuse_core::{build_plan, check, Algo, DType, OpKind, OpSpec, ReduceOp, Topology};
@@ -125,10 +126,22 @@ impl<'b> CudaCollective<'b> {
         rank.gpu.bind()?;
         let eb = self.dtype.size();
         let bufs = &self.bufs[r];
-        stream.copy_async(bufs.input.addr(), input, self.spec.input_len(r) * eb)?;
-        self.launcher.launch_on(self.backend, r, stream)?;
-        stream.copy_async(output, bufs.output.addr(), self.spec.output_len(r) * eb)?;
-        self.last[r].record(stream)?;
+        let queued = (|| -> Result<(), CudaError> {
+            // after this rank's previous call, even one on another stream
+            stream.wait_event(&self.last[r])?;
+            stream.copy_async(bufs.input.addr(), input, self.spec.input_len(r) * eb)?;
+            self.launcher.launch_on(self.backend, r, stream)?;
+            stream.copy_async(output, bufs.output.addr(), self.spec.output_len(r) * eb)
+        })();
+        // recorded in any case: dropping waits for whatever was queued
+        let recorded = self.last[r].record(stream);
+        if queued.is_err() || recorded.is_err() {
+            // this rank's epoch bases may now differ from its peers': nothing on this backend
+            // can run consistently any more
+            self.backend.mark_broken();
+        }
+        queued?;
+        recorded?;
         Ok(())
     }
 
@@ -161,8 +174,10 @@ impl Drop for CudaCollective<'_> {
                 ManuallyDrop::drop(&mut self.launcher);
                 ManuallyDrop::drop(&mut self.bufs);
             }
+        } else {
+            // leaked: freeing memory a running kernel writes would corrupt what is allocated
+            // there next; and the backend must not free its pads and contexts under it either
+            self.backend.mark_wedged();
         }
-        // otherwise leaked: freeing memory a running kernel writes would corrupt what is
-        // allocated there next
     }
 }

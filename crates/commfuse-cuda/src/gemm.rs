@@ -69,6 +69,12 @@ impl<T: InUse> Launched<T> {
         self.last.record(stream)
     }
 
+    /// Makes `stream` wait for the last launch (on whichever stream it was queued): a call on
+    /// another stream than the previous one still comes after it on the device.
+    pub(crate) fn order_after_last(&self, stream: &Stream) -> Result<(), CudaError> {
+        stream.wait_event(&self.last)
+    }
+
     /// Waits on the host, up to `timeout`, for the last launch to end; whether it did.
     pub(crate) fn wait_last(&self, timeout: std::time::Duration) -> Result<bool, CudaError> {
         crate::host_sync::poll_until(timeout, || self.last.is_done())

@@ -1,7 +1,8 @@
 //! One process per GPU (PyTorch's model): GEMM + reduce-scatter (both paths) and all-gather +
 //! GEMM with rank 0 in this test's process and rank 1 in a child process of the same binary,
 //! the operators' buffers exchanged as IPC handles through files; every output element of two
-//! back-to-back calls checked against float64 in each process. Skips with a printed reason
+//! back-to-back calls (all-gather + GEMM with two different M) checked against float64 in each
+//! process. Skips with a printed reason
 //! without two GPUs (a failure under COMMFUSE_REQUIRE_GPU=1).
 
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath, GemmRsShape};
@@ -92,29 +93,52 @@ fn run_rank(r: usize, dir: &Path) {
     let part = AgGemmAllocation::new(gpu.clone(), r, WORLD, config).unwrap();
     let exports = rendezvous(dir, "ag-gemm", &part.export().unwrap());
     let mut op = part.connect_exported(&exports).unwrap();
+    // two calls, M then fewer rows, back to back: the done flags across processes
     let full = &a[0];
-    let my_rows = upload(&gpu, &full[chunk.start * K..chunk.end * K]);
-    let out = DeviceMemory::zeroed(&gpu, M * N * 2).unwrap();
-    // SAFETY: buffers live until the synchronisation below
-    unsafe {
-        op.forward(
-            &stream,
-            M,
-            (my_rows.addr(), b_dev.addr(), None),
-            out.addr(),
-            None,
-        )
-        .unwrap();
+    let b_refs_r = &b[r];
+    let e = Epilogue::default();
+    let mut pending = Vec::new();
+    for m in [M, M / 2 + 1] {
+        let rows = commfuse_core::op::chunk_range(m, WORLD, r);
+        let mine = upload(&gpu, &full[rows.start * K..rows.end * K]);
+        let out = DeviceMemory::zeroed(&gpu, m * N * 2).unwrap();
+        // SAFETY: buffers live until the synchronisation below
+        unsafe {
+            stream.fill_async(out.addr(), 0xff, m * N * 2).unwrap();
+            op.forward(
+                &stream,
+                m,
+                (mine.addr(), b_dev.addr(), None),
+                out.addr(),
+                None,
+            )
+            .unwrap();
+        }
+        pending.push((m, mine, out));
     }
     stream.synchronize().unwrap();
     op.check().unwrap();
-    let problem = GemmProblem::new(M, N, K, BLayout::NK, DType::BF16, DType::BF16).unwrap();
-    let e = Epilogue::default();
-    let want = reference_gemm::<bf16, bf16>(&problem, &e, full, &b[r], None, None, None);
-    let mut got = vec![bf16::ZERO; M * N];
-    out.download(&gpu, &mut got).unwrap();
-    let check = check_elements(&problem, &e, got.iter().map(|x| x.to_f64()), &want);
-    assert_eq!(check.out_of_bound, 0, "ag-gemm rank {r}: {check:?}");
+    for (m, _, out) in &pending {
+        let problem = GemmProblem::new(*m, N, K, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+        let want =
+            reference_gemm::<bf16, bf16>(&problem, &e, &full[..m * K], b_refs_r, None, None, None);
+        let mut got = vec![bf16::ZERO; m * N];
+        out.download(&gpu, &mut got).unwrap();
+        let check = check_elements(&problem, &e, got.iter().map(|x| x.to_f64()), &want);
+        assert_eq!(check.out_of_bound, 0, "ag-gemm M={m} rank {r}: {check:?}");
+    }
+}
+
+/// Kills the child process if the parent's part fails (no orphan left spinning).
+struct KillOnDrop(Option<std::process::Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 #[test]
@@ -132,8 +156,9 @@ fn operators_across_two_processes_match_float64() {
         .env(DIR_ENV, dir.path())
         .spawn()
         .unwrap();
+    let mut child = KillOnDrop(Some(child));
     run_rank(0, dir.path());
-    let status = wait_bounded(child, Duration::from_secs(120));
+    let status = wait_bounded(child.0.take().unwrap(), Duration::from_secs(120));
     assert!(
         status,
         "the child process (rank 1) failed; its output is above"

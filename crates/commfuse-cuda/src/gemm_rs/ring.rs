@@ -130,6 +130,9 @@ impl RingParts {
 
 /// One rank's ring path.
 pub(crate) struct RingPath {
+    // dropped first (fields drop in order): waits for the last call before anything it uses
+    // (cuBLASLt's workspace, the streams, the events) goes
+    memory: Launched<RingMemory>,
     rank: usize,
     world: usize,
     config: GemmRsConfig,
@@ -145,8 +148,7 @@ pub(crate) struct RingPath {
     join: Event,
     /// (M, pieces) whose GEMMs cuBLASLt has chosen algorithms for
     tuned: HashSet<(usize, usize)>,
-    memory: Launched<RingMemory>,
-    /// Keeps the context alive until the memory above is freed (fields drop in order)
+    /// Keeps the context alive until everything above is freed
     _gpu: Arc<Gpu>,
 }
 
@@ -225,7 +227,13 @@ impl RingPath {
     ///
     /// # Safety
     /// `a` and `b` as for the call.
-    unsafe fn prepare(&mut self, s: &RingSchedule, a: u64, b: u64) -> Result<(), CudaError> {
+    unsafe fn prepare(
+        &mut self,
+        stream: &Stream,
+        s: &RingSchedule,
+        a: u64,
+        b: u64,
+    ) -> Result<(), CudaError> {
         if self.tuned.contains(&(s.shape.m, s.pieces)) {
             return Ok(());
         }
@@ -240,6 +248,9 @@ impl RingPath {
                 self.rank
             )));
         }
+        // and after the caller's earlier work on its stream (which may still write A and B)
+        self.join.record(stream)?;
+        self.tune.wait_event(&self.join)?;
         let scratch = self.memory.send.addr();
         let mut seen = HashSet::new();
         for g in s.pieces_of(self.rank) {
@@ -308,12 +319,34 @@ impl RingPath {
         stream: &Stream,
         m: usize,
         pieces: usize,
+        operands: (u64, u64, Option<u64>, u64),
+        parts: RingParts,
+    ) -> Result<(), CudaError> {
+        let result = self.enqueue_call(stream, m, pieces, operands, parts);
+        if result.is_err() {
+            // part of the call may be queued: keep its side-stream work before the caller's
+            // later work and before this memory may be freed, and stop its waits spinning
+            let _ = self.join.record(&self.side);
+            let _ = stream.wait_event(&self.join);
+            let _ = self.memory.launched(stream);
+            self.memory.steps.abort();
+        }
+        result
+    }
+
+    unsafe fn enqueue_call(
+        &mut self,
+        stream: &Stream,
+        m: usize,
+        pieces: usize,
         (a, b, bias, out): (u64, u64, Option<u64>, u64),
         parts: RingParts,
     ) -> Result<(), CudaError> {
         let s = self.schedule(m, pieces)?;
+        // after the previous call even if it went on another stream
+        self.memory.order_after_last(stream)?;
         trace(self.rank, self.calls + 1, "prepare");
-        self.prepare(&s, a, b)?;
+        self.prepare(stream, &s, a, b)?;
         trace(self.rank, self.calls + 1, "enqueue");
         let epoch = self.calls + 1;
         let set = RingSchedule::set_of(epoch);
