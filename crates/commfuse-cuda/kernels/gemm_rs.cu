@@ -186,10 +186,16 @@ struct RingFlagArgs {
 static_assert(sizeof(RingFlagArgs) == 64 && COMMFUSE_OFFSETOF(RingFlagArgs, wait_cmp) == 48,
               "layout mirrored in flag_step.rs");
 
+// RingFlagArgs.wait_cmp: the comparison in the low byte; this bit raises before waiting (a
+// rank's end-of-call "done" raised on one peer and awaited from another, in one launch).
+constexpr u32 FLAG_RAISE_FIRST = 0x100;
+
 extern "C" __global__ void __launch_bounds__(32) ring_flag(const RingFlagArgs a) {
     if (threadIdx.x != 0) return;
-    if (a.wait != nullptr &&
-        !wait_signal(a.wait, a.wait_cmp, a.wait_value, a.timeout_ns, a.err, a.rank, 0, a.step, a.index))
+    const bool raise_first = (a.wait_cmp & FLAG_RAISE_FIRST) != 0;
+    if (raise_first && a.raise != nullptr) store_release_sys(a.raise, a.raise_value);
+    if (a.wait != nullptr && !wait_signal(a.wait, a.wait_cmp & 0xffu, a.wait_value, a.timeout_ns, a.err, a.rank, 0,
+                                          a.step, a.index))
         return;  // recorded; raising now would let a peer run on
-    if (a.raise != nullptr) store_release_sys(a.raise, a.raise_value);
+    if (!raise_first && a.raise != nullptr) store_release_sys(a.raise, a.raise_value);
 }

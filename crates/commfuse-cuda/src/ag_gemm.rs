@@ -500,20 +500,27 @@ impl AgGemmRank {
         self.join.record(&self.side)?;
         stream.wait_event(&self.join)?;
         // done: every peer's reads of what this rank sent, and its writes into this rank, are
-        // over once every peer has said so
-        for q in (0..self.world).filter(|&q| q != self.rank) {
-            let flag = self.peers[q].flags + 8 * s.done_index(self.rank) as u64;
-            mem.steps.queue(
-                stream,
-                None,
-                Some((flag, epoch)),
-                (self.world, s.done_index(self.rank)),
-            )?;
-        }
-        for q in (0..self.world).filter(|&q| q != self.rank) {
+        // over once every peer has said so (the last raise and the first wait in one launch)
+        let others: Vec<usize> = (0..self.world).filter(|&q| q != self.rank).collect();
+        let at = |index: usize| (self.world, index);
+        let mine = s.done_index(self.rank);
+        let raise = |q: usize| (self.peers[q].flags + 8 * mine as u64, epoch);
+        let wait = |q: usize| {
             let index = s.done_index(q);
-            let wait = Some((mem.flags.addr() + 8 * index as u64, epoch, FlagCmp::Ge));
-            mem.steps.queue(stream, wait, None, (self.world, index))?;
+            (mem.flags.addr() + 8 * index as u64, epoch, FlagCmp::Ge)
+        };
+        if let Some((&last, before)) = others.split_last() {
+            for &q in before {
+                mem.steps.queue(stream, None, Some(raise(q)), at(mine))?;
+            }
+            let first = others[0];
+            let merged_at = at(s.done_index(first));
+            mem.steps
+                .queue_raise_then_wait(stream, raise(last), wait(first), merged_at)?;
+            for &q in &others[1..] {
+                mem.steps
+                    .queue(stream, Some(wait(q)), None, at(s.done_index(q)))?;
+            }
         }
         self.memory.launched(stream)?;
         self.calls = epoch;

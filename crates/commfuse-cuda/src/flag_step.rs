@@ -28,6 +28,9 @@ struct FlagArgs {
 const _: () = assert!(std::mem::size_of::<FlagArgs>() == 64);
 const _: () = assert!(std::mem::offset_of!(FlagArgs, wait_cmp) == 48);
 
+/// `FLAG_RAISE_FIRST` in kernels/gemm_rs.cu: raise before waiting.
+const RAISE_FIRST: u32 = 0x100;
+
 /// How a wait compares (SignalCmp in common.cuh).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FlagCmp {
@@ -91,6 +94,34 @@ impl FlagSteps {
             err: self.error.device_addr(),
             timeout_ns: self.timeout.as_nanos() as u64,
             wait_cmp: cmp as u32,
+            rank: self.rank,
+            step: step as u32,
+            index: index as u32,
+        };
+        self.function.launch(1, 32, stream, &args)
+    }
+
+    /// Queues on `stream`: raise the flag at `raise` to its value, then wait until the flag at
+    /// `wait` (this GPU's) compares true — in one launch (a rank's end-of-call "done", raised
+    /// on one peer and awaited from another).
+    ///
+    /// # Safety
+    /// As [`FlagSteps::queue`].
+    pub unsafe fn queue_raise_then_wait(
+        &self,
+        stream: &Stream,
+        raise: (u64, u64),
+        wait: (u64, u64, FlagCmp),
+        (step, index): (usize, usize),
+    ) -> Result<(), CudaError> {
+        let args = FlagArgs {
+            wait: wait.0,
+            wait_value: wait.1,
+            raise: raise.0,
+            raise_value: raise.1,
+            err: self.error.device_addr(),
+            timeout_ns: self.timeout.as_nanos() as u64,
+            wait_cmp: wait.2 as u32 | RAISE_FIRST,
             rank: self.rank,
             step: step as u32,
             index: index as u32,

@@ -6,9 +6,8 @@
 //! one), compute the piece's GEMM with the model of [`crate::gemm`] (f32 accumulation, the
 //! running sum as C with beta = 1, the bias at the last step) into this rank's send buffer,
 //! then hand it on (a store into the receiver's receive buffer, then its flag) or copy it into
-//! the output. Before its first hand-on of a call a sender checks that its receiver has
-//! finished the call two before (same set); at the end of a call a rank raises "done" on its
-//! sender and waits for its receiver's. Flags live on the world's signal pads (one word per
+//! the output. At the end of a call a rank raises "done" on its sender and waits for its
+//! receiver's. Flags live on the world's signal pads (one word per
 //! flag of the schedule's layout, row-major over the pad's columns) and hold call numbers.
 
 use crate::buffer::SymmetricBuffer;
@@ -148,7 +147,6 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
         let (rank, n, k) = (ctx.rank(), c.n, c.k);
         let set = RingSchedule::set_of(call);
         let (receiver, sender) = (s.receiver(rank), s.sender(rank));
-        let mut credit_taken = false;
         let mut sum = Vec::new();
         let mut product = Vec::new();
         for g in s.pieces_of(rank) {
@@ -192,14 +190,9 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
             match g.target {
                 RingTarget::Output => out[within..within + len].copy_from_slice(&product),
                 RingTarget::Send { step } => {
-                    if !credit_taken {
-                        let credit = RingSchedule::credit_before(call);
-                        let what = "the receiver's done of the call two before";
-                        self.wait(ctx, s.done_index(), credit, Cmp::Ge, what)?;
-                        credit_taken = true;
-                    }
-                    // SAFETY: the receiver reads these rows only after the flag below, and has
-                    // finished reading this set in earlier calls (the credit above)
+                    // SAFETY: the receiver reads these rows only after the flag below, and it
+                    // finished the previous call, which read this buffer's set before, before
+                    // this rank's previous call ended (the end-of-call dones)
                     unsafe {
                         self.receive
                             .store(receiver, s.receive_offset(set, step) + within, &product)

@@ -16,10 +16,10 @@
 //!
 //! At the end of every call a receiver raises a "done" flag on its sender, and a call ends on a
 //! rank only once its own receiver's done has come: then no peer writes into that rank's memory
-//! any more for the call. Receive buffers and flags come in two sets, used by alternate calls,
-//! and before its first hand-on of call c a sender also checks that its receiver has finished
-//! call c − 2 (so the sets stay safe should the end-of-call wait ever be relaxed). Flags hold
-//! call numbers (from 1) and are never cleared.
+//! any more for the call, and a sender's next hand-ons find the receiver done reading. Receive
+//! buffers and flags come in two sets, used by alternate calls (slack the end-of-call wait
+//! makes unnecessary; kept so that a relaxed wait stays safe). Flags hold call numbers (from 1)
+//! and are never cleared.
 //!
 //! Rounding: the running sum is rounded to the output type after every step (P − 1 times), where
 //! the fused path rounds each partial once; [`super::gemm_rs::element_bound`] covers both.
@@ -246,12 +246,6 @@ impl RingSchedule {
     pub fn set_of(call: u64) -> usize {
         (call % 2) as usize
     }
-
-    /// What the done flag must hold before call `call`'s first hand-on: the receiver has
-    /// finished the previous call of the same set.
-    pub fn credit_before(call: u64) -> u64 {
-        call.saturating_sub(2)
-    }
 }
 
 #[cfg(test)]
@@ -335,8 +329,6 @@ mod tests {
         assert!(flags.iter().all(|&f| f < r.flag_words()));
         assert_eq!(r.receive_offset(1, 2) + r.buffer_len(), r.receive_len());
         assert_eq!(RingSchedule::set_of(1), 1);
-        assert_eq!(RingSchedule::credit_before(1), 0);
-        assert_eq!(RingSchedule::credit_before(5), 3);
     }
 
     /// The plan checker proves of the ring what it proves of the collectives (no deadlock, no

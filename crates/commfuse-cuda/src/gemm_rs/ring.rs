@@ -12,8 +12,7 @@
 //! sender that this call's receive buffers are read ("done"), and waits for the receiver's
 //! done: when a call ends on a rank, no peer writes into its memory any more, so back-to-back
 //! calls need nothing else and an operator may be dropped in any order once its stream is past
-//! its last call. (A sender's first copy of a call also waits for the done of the call two
-//! before, the same set; with the end-of-call wait that always holds at once.)
+//! its last call.
 
 use super::{shape, GemmRsConfig};
 use crate::cublaslt::Lt;
@@ -116,7 +115,7 @@ pub struct RingParts {
     pub gemms: bool,
     /// The copy-engine hand-ons
     pub copies: bool,
-    /// The flag waits and raises (credit and done included)
+    /// The flag waits and raises (the end-of-call dones included)
     pub flags: bool,
 }
 
@@ -354,7 +353,6 @@ impl RingPath {
         let eb = self.config.output.size() as u64;
         let mem = &*self.memory;
         let receiver = self.peers[s.receiver(self.rank)];
-        let mut credit_taken = false;
         for (i, g) in s.pieces_of(self.rank).iter().enumerate() {
             let within = g.within.start as u64 * n;
             if let (Some(prev), true) = (g.add, parts.flags) {
@@ -379,14 +377,6 @@ impl RingPath {
                 let done = &self.piece_done[i];
                 done.record(stream)?;
                 self.side.wait_event(done)?;
-                if !credit_taken && parts.flags {
-                    // the receiver has finished reading this set in the call before last
-                    let flag = mem.flags.addr() + 8 * s.done_index() as u64;
-                    let wait = Some((flag, RingSchedule::credit_before(epoch), FlagCmp::Ge));
-                    mem.steps
-                        .queue(&self.side, wait, None, (g.step, s.done_index()))?;
-                    credit_taken = true;
-                }
                 let to = receiver.receive + (s.receive_offset(set, step) as u64 + within) * eb;
                 trace(self.rank, epoch, "copy");
                 if parts.copies {
@@ -407,20 +397,19 @@ impl RingPath {
         stream.wait_event(&self.join)?;
         trace(self.rank, epoch, "done");
         if self.world > 1 && parts.flags {
-            // this call's receive buffers are read: the sender may reuse the set in two calls
+            // this call's receive buffers are read: the sender may write them in its next call
             let sender = self.peers[s.sender(self.rank)];
-            let raise = Some((sender.flags + 8 * s.done_index() as u64, epoch));
-            let at = (s.shape.world, s.done_index());
-            mem.steps.queue(stream, None, raise, at)?;
+            let raise = (sender.flags + 8 * s.done_index() as u64, epoch);
             // and the call ends once the receiver has said the same: after that no peer
             // writes into this rank's memory for this call, so the memory may be freed as soon
             // as the caller's stream is past the call
-            let wait = Some((
+            let wait = (
                 mem.flags.addr() + 8 * s.done_index() as u64,
                 epoch,
                 FlagCmp::Ge,
-            ));
-            mem.steps.queue(stream, wait, None, at)?;
+            );
+            let at = (s.shape.world, s.done_index());
+            mem.steps.queue_raise_then_wait(stream, raise, wait, at)?;
         }
         self.memory.launched(stream)?;
         self.calls = epoch;
