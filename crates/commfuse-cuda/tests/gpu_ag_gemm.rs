@@ -1,9 +1,9 @@
 //! All-gather + GEMM on GPUs, one rank per GPU, one host thread each: every output element of
 //! every rank against the float64 reference and the gathered A exactly, three calls queued back
-//! to back on each rank's stream with different inputs and M (M < P included), outputs poisoned
-//! by the stream before each call; a peer that never arrives ends in a diagnosed error; bad
-//! calls are refused. Skips with a printed reason without two GPUs (a failure under
-//! COMMFUSE_REQUIRE_GPU=1).
+//! to back with different inputs and M (M < P included), alternately on two streams of each
+//! rank, outputs poisoned by the stream before each call; a peer that never arrives ends in a
+//! diagnosed error; bad calls are refused. Skips with a printed reason without two GPUs (a
+//! failure under COMMFUSE_REQUIRE_GPU=1).
 
 use commfuse_core::gemm::{check_elements, reference_gemm, BLayout, Epilogue};
 use commfuse_core::{DType, Element};
@@ -58,7 +58,9 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
                     let gpu = op.gpu().clone();
                     gpu.bind().unwrap();
                     let r = op.rank();
-                    let stream = Stream::new(&gpu).unwrap();
+                    // alternate calls on two streams: the operator orders each call after the
+                    // previous one whatever stream it came on
+                    let streams = [Stream::new(&gpu).unwrap(), Stream::new(&gpu).unwrap()];
                     let dev: Vec<_> = calls
                         .iter()
                         .zip(ms)
@@ -73,6 +75,7 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
                         })
                         .collect();
                     for (c, (&m, (a, b, bias, out, gathered))) in ms.iter().zip(&dev).enumerate() {
+                        let stream = &streams[c % 2];
                         // SAFETY: every buffer lives until the synchronisation below
                         unsafe {
                             stream
@@ -80,10 +83,12 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
                                 .unwrap();
                             let g = (c % 2 == 0).then(|| gathered.addr());
                             let operands = (a.addr(), b.addr(), bias.as_ref().map(|x| x.addr()));
-                            op.forward(&stream, m, operands, out.addr(), g).unwrap();
+                            op.forward(stream, m, operands, out.addr(), g).unwrap();
                         }
                     }
-                    stream.synchronize().unwrap();
+                    for stream in &streams {
+                        stream.synchronize().unwrap();
+                    }
                     op.check().unwrap();
                     dev.iter()
                         .zip(ms)

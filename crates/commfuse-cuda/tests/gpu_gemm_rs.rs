@@ -1,7 +1,7 @@
 //! GEMM + reduce-scatter on GPUs, one rank per GPU, one host thread each: every output element
-//! of every rank against the float64 reference, three calls queued back to back on each rank's
-//! stream with different inputs and M (M < P included), outputs poisoned before each call by
-//! the stream itself; a peer that never arrives ends in a diagnosed error, not a hang. Skips
+//! of every rank against the float64 reference, three calls queued back to back with different
+//! inputs and M (M < P included), alternately on two streams of each rank, outputs poisoned
+//! before each call by the stream itself; a peer that never arrives ends in a diagnosed error, not a hang. Skips
 //! with a printed reason without two GPUs (a failure under COMMFUSE_REQUIRE_GPU=1).
 
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsShape};
@@ -77,7 +77,9 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
                     let gpu = op.gpu().clone();
                     gpu.bind().unwrap();
                     let r = op.rank();
-                    let stream = Stream::new(&gpu).unwrap();
+                    // alternate calls on two streams: the operator orders each call after the
+                    // previous one whatever stream it came on
+                    let streams = [Stream::new(&gpu).unwrap(), Stream::new(&gpu).unwrap()];
                     let dev: Vec<_> = calls
                         .iter()
                         .map(|c| {
@@ -90,13 +92,14 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
                             )
                         })
                         .collect();
-                    for (c, (a, b, bias, out)) in calls.iter().zip(&dev) {
+                    for (i, (c, (a, b, bias, out))) in calls.iter().zip(&dev).enumerate() {
+                        let stream = &streams[i % 2];
                         // SAFETY: every buffer lives until the synchronisation below
                         unsafe {
                             let bytes = op.chunk(c.m).len() * n * TO::DTYPE.size();
                             stream.fill_async(out.addr(), 0xff, bytes).unwrap();
                             op.forward(
-                                &stream,
+                                stream,
                                 c.m,
                                 a.addr(),
                                 b.addr(),
@@ -106,7 +109,9 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
                             .unwrap();
                         }
                     }
-                    stream.synchronize().unwrap();
+                    for stream in &streams {
+                        stream.synchronize().unwrap();
+                    }
                     op.check().unwrap();
                     calls
                         .iter()

@@ -696,6 +696,8 @@ impl GemmRsRank {
             GemmRsPath::Fused => self
                 .settle_before_preparing(m)
                 .and_then(|()| self.prepare_fused(m))
+                // after the previous call even if it went on another stream
+                .and_then(|()| self.memory.order_after_last(stream))
                 .and_then(|()| self.enqueue(stream, m, a, b, bias, out)),
             GemmRsPath::Overlapped { pieces } => self
                 .ring
