@@ -1,8 +1,9 @@
 //! GEMM + reduce-scatter on GPUs, one rank per GPU, one host thread each: every output element
 //! of every rank against the float64 reference, three calls queued back to back with different
 //! inputs and M (M < P included), alternately on two streams of each rank, outputs poisoned
-//! before each call by the stream itself; a peer that never arrives ends in a diagnosed error, not a hang. Skips
-//! with a printed reason without two GPUs (a failure under COMMFUSE_REQUIRE_GPU=1).
+//! before each call by the stream itself; a peer that never arrives ends in a diagnosed error,
+//! not a hang. Skips with a printed reason without two GPUs (a failure under
+//! COMMFUSE_REQUIRE_GPU=1).
 
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsShape};
 use commfuse_core::gemm::BLayout;
