@@ -3,6 +3,7 @@
 # installed in a virtual environment of its own with NumPy and pytest, tested with pytest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT="$PWD"
 cargo test --workspace --release
 
 VENV="${COMMFUSE_VENV:-${TMPDIR:-/tmp}/commfuse-venv}"
@@ -10,10 +11,10 @@ VENV="${COMMFUSE_VENV:-${TMPDIR:-/tmp}/commfuse-venv}"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check numpy pytest maturin
 WHEELS="$(mktemp -d)"
 # the workspace's target folder: the crates both builds share compile once
-CARGO_TARGET_DIR="$PWD/target" "$VENV/bin/maturin" build --release --quiet \
+CARGO_TARGET_DIR="$ROOT/target" "$VENV/bin/maturin" build --release --quiet \
   -m python/Cargo.toml -o "$WHEELS"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall \
   --no-deps "$WHEELS"/commfuse-*.whl
 rm -rf "$WHEELS"
 # from outside the source tree, so that the installed package is the one imported
-(cd "${TMPDIR:-/tmp}" && "$VENV/bin/python" -m pytest -q "$OLDPWD/python/tests")
+(cd "${TMPDIR:-/tmp}" && "$VENV/bin/python" -m pytest -q "$ROOT/python/tests")

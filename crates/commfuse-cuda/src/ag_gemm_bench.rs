@@ -11,7 +11,9 @@ use crate::driver::{DeviceMemory, Gpu, Stream};
 use crate::error::CudaError;
 use crate::gemm_bench::ReferenceGemm;
 use crate::nccl::Comms;
-use crate::rank_bench::{download, interleaved, row, timed, FusedRow, RankStream};
+use crate::rank_bench::{
+    download, interleaved, open_group, row, timed, upload, FusedRow, RankStream,
+};
 use commfuse_core::fused::ag_gemm::AgGemmShape;
 use commfuse_core::gemm::{check_elements, Epilogue, ReferenceElement};
 use commfuse_core::reference::input_value;
@@ -75,12 +77,6 @@ fn random<T: Element>(len: usize, seed: u64, stream: usize) -> Vec<T> {
         .collect()
 }
 
-fn upload<T: bytemuck::Pod>(gpu: &Gpu, host: &[T]) -> Result<DeviceMemory, CudaError> {
-    let mem = DeviceMemory::zeroed(gpu, std::mem::size_of_val(host).max(16))?;
-    mem.upload(gpu, host)?;
-    Ok(mem)
-}
-
 fn run<T: Element + bytemuck::Pod>(cfg: &AgGemmBenchConfig) -> Result<Vec<FusedRow>, CudaError> {
     let s = cfg.shape;
     let world = cfg.devices.len();
@@ -90,18 +86,7 @@ fn run<T: Element + bytemuck::Pod>(cfg: &AgGemmBenchConfig) -> Result<Vec<FusedR
             s.world
         )));
     }
-    let gpus: Vec<Arc<Gpu>> = cfg
-        .devices
-        .iter()
-        .map(|&d| Gpu::open(d).map(Arc::new))
-        .collect::<Result<_, _>>()?;
-    for a in &gpus {
-        for b in &gpus {
-            if a.ordinal != b.ordinal {
-                a.enable_peer_access(b)?;
-            }
-        }
-    }
+    let gpus = open_group(&cfg.devices)?;
     let problem = s.problem();
     let full: Vec<T> = random(s.m * s.k, cfg.seed, 0);
     let mut ranks = Vec::with_capacity(world);

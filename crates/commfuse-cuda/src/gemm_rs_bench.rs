@@ -14,7 +14,9 @@ use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
 use crate::gemm_bench::ReferenceGemm;
 use crate::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction, RingParts};
 use crate::nccl::Comms;
-use crate::rank_bench::{download, interleaved, row, timed, FusedRow, RankStream};
+use crate::rank_bench::{
+    download, interleaved, open_group, row, timed, upload, FusedRow, RankStream,
+};
 use commfuse_core::fused::gemm_rs::{check_elements_on, GemmRsShape, ReferenceElement};
 use commfuse_core::gemm::{grouped_order, Epilogue, GemmPlan};
 use commfuse_core::reference::input_value;
@@ -83,12 +85,6 @@ fn random<T: Element>(len: usize, seed: u64, stream: usize) -> Vec<T> {
         .collect()
 }
 
-fn upload<T: bytemuck::Pod>(gpu: &Gpu, host: &[T]) -> Result<DeviceMemory, CudaError> {
-    let mem = DeviceMemory::zeroed(gpu, std::mem::size_of_val(host))?;
-    mem.upload(gpu, host)?;
-    Ok(mem)
-}
-
 fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRsRow>, CudaError> {
     let s = cfg.shape;
     let world = cfg.devices.len();
@@ -98,18 +94,7 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
             s.world
         )));
     }
-    let gpus: Vec<Arc<Gpu>> = cfg
-        .devices
-        .iter()
-        .map(|&d| Gpu::open(d).map(Arc::new))
-        .collect::<Result<_, _>>()?;
-    for a in &gpus {
-        for b in &gpus {
-            if a.ordinal != b.ordinal {
-                a.enable_peer_access(b)?;
-            }
-        }
-    }
+    let gpus = open_group(&cfg.devices)?;
     let problem = s.problem();
     let out_size = s.output.size();
     let chunk_rows = s.chunk_rows_max();

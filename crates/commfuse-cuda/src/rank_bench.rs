@@ -156,6 +156,32 @@ pub(crate) fn timed<D: RankStream>(
     })
 }
 
+/// The GPUs `devices` (rank r on the r-th), peer access enabled between every pair.
+pub(crate) fn open_group(devices: &[usize]) -> Result<Vec<std::sync::Arc<Gpu>>, CudaError> {
+    let gpus: Vec<std::sync::Arc<Gpu>> = devices
+        .iter()
+        .map(|&d| Gpu::open(d).map(std::sync::Arc::new))
+        .collect::<Result<_, _>>()?;
+    for a in &gpus {
+        for b in &gpus {
+            if a.ordinal != b.ordinal {
+                a.enable_peer_access(b)?;
+            }
+        }
+    }
+    Ok(gpus)
+}
+
+/// `host` copied into new device memory of `gpu` (at least 16 bytes).
+pub(crate) fn upload<T: bytemuck::NoUninit>(
+    gpu: &Gpu,
+    host: &[T],
+) -> Result<DeviceMemory, CudaError> {
+    let mem = DeviceMemory::zeroed(gpu, std::mem::size_of_val(host).max(16))?;
+    mem.upload(gpu, host)?;
+    Ok(mem)
+}
+
 /// `len` elements of `dtype` from `mem`, widened to f64.
 pub(crate) fn download(
     gpu: &Gpu,

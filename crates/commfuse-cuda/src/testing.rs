@@ -84,12 +84,7 @@ pub fn sass_of(kernel: &str) -> Option<String> {
 /// GPUs 0 and 1 with peer access enabled both ways, or `None` (skipped, see [`gpus`]).
 pub fn two_gpus() -> Option<Vec<std::sync::Arc<driver::Gpu>>> {
     gpus(2)?;
-    let g: Vec<std::sync::Arc<driver::Gpu>> = (0..2)
-        .map(|i| std::sync::Arc::new(driver::Gpu::open(i).expect("a GPU counted above")))
-        .collect();
-    g[0].enable_peer_access(&g[1]).expect("peer access 0 → 1");
-    g[1].enable_peer_access(&g[0]).expect("peer access 1 → 0");
-    Some(g)
+    Some(crate::rank_bench::open_group(&[0, 1]).expect("GPUs 0 and 1 with peer access"))
 }
 
 /// `len` values of `T` uniform in [-1, 1) from the project's indexable stream (`seed`,

@@ -7,7 +7,7 @@
 
 use crate::buffer::SymmetricBuffer;
 use crate::gemm::{run_gemm, Operands};
-use crate::gemm_rs::{check_build, check_call, GemmRsConfig};
+use crate::gemm_rs::{check_build, check_call, FlagWords, GemmRsConfig};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
 use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, MAX_PIECES};
@@ -47,7 +47,7 @@ pub struct SimAgGemm<TI: Element, TO: Element> {
     gather: SymmetricBuffer<TI>,
     /// Per rank: one piece's product
     product: SymmetricBuffer<TO>,
-    pad_cols: usize,
+    flags: FlagWords,
     calls: Vec<AtomicU64>,
     broken: AtomicBool,
     world_id: usize,
@@ -58,7 +58,7 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
     /// Signal pad rows its flags need on a pad of `pad_cols` columns.
     pub fn pad_rows(config: &AgGemmConfig, pad_cols: usize) -> Result<usize, BackendError> {
         let s = AgGemmSchedule::new(shape(config, config.max_m)?, 1);
-        Ok(s.flag_words().div_ceil(pad_cols.max(1)))
+        Ok(FlagWords::rows(s.flag_words(), pad_cols))
     }
 
     /// Builds the operator for `world`, each chunk cut into `pieces` row pieces.
@@ -70,20 +70,13 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
             )));
         }
         let s = shape(&config, config.max_m)?;
-        let pad_cols = world.pad(0).cols() as usize;
-        let rows = Self::pad_rows(&config, pad_cols)?;
-        if (world.plan_rows() as usize) < rows {
-            return Err(unavailable(format!(
-                "all-gather + GEMM on {} ranks needs {rows} free signal pad rows of {pad_cols} columns, the world has {} (raise WorldConfig pad_rows/pad_cols)",
-                config.world,
-                world.plan_rows()
-            )));
-        }
+        let words = AgGemmSchedule::new(s, 1).flag_words();
+        let flags = FlagWords::on("all-gather + GEMM", world, words)?;
         let chunk_rows = config.max_m.div_ceil(config.world);
         Ok(SimAgGemm {
             gather: SymmetricBuffer::new(config.world, s.m * s.k)?,
             product: SymmetricBuffer::new(config.world, chunk_rows * s.n)?,
-            pad_cols,
+            flags,
             pieces,
             calls: (0..config.world).map(|_| AtomicU64::new(0)).collect(),
             broken: AtomicBool::new(false),
@@ -94,10 +87,7 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
     }
 
     fn slot(&self, index: usize) -> Slot {
-        Slot::new(
-            (index / self.pad_cols) as u32,
-            (index % self.pad_cols) as u32,
-        )
+        self.flags.slot(index)
     }
 
     /// One call on rank `ctx.rank()` with `m` gathered rows: its chunk of A ([chunk rows, K]),

@@ -164,6 +164,40 @@ pub(crate) fn check_build<TI: Element, TO: Element>(
     Ok(())
 }
 
+/// Where an operator's flag words sit on a world's signal pads: word i at row i / columns,
+/// column i % columns, from the pads' first row (the rows plans use).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FlagWords {
+    cols: usize,
+}
+
+impl FlagWords {
+    /// Pad rows `words` flag words take on pads of `cols` columns.
+    pub(crate) fn rows(words: usize, cols: usize) -> usize {
+        words.div_ceil(cols.max(1))
+    }
+
+    /// The layout of `words` flag words of operator `op` on `world`'s pads, or why they do
+    /// not fit.
+    pub(crate) fn on(op: &str, world: &World, words: usize) -> Result<FlagWords, BackendError> {
+        let cols = world.pad(0).cols() as usize;
+        let rows = Self::rows(words, cols);
+        if (world.plan_rows() as usize) < rows {
+            return Err(unavailable(format!(
+                "{op} on {} ranks needs {words} flag words: {rows} free signal pad rows of {cols} columns, the world has {} (raise WorldConfig pad_rows/pad_cols)",
+                world.size(),
+                world.plan_rows()
+            )));
+        }
+        Ok(FlagWords { cols })
+    }
+
+    /// The slot of flag word `index`.
+    pub(crate) fn slot(&self, index: usize) -> Slot {
+        Slot::new((index / self.cols) as u32, (index % self.cols) as u32)
+    }
+}
+
 /// [`check_call`] for GEMM + reduce-scatter (both paths): A [m, K], B, the bias, and an
 /// output of at least rank's chunk rows × N; returns the chunk.
 pub(crate) fn check_rs_call<TI: Element, TO: Element>(

@@ -12,7 +12,7 @@
 
 use crate::buffer::SymmetricBuffer;
 use crate::gemm::{run_gemm, Operands};
-use crate::gemm_rs::{check_build, check_rs_call, GemmRsConfig};
+use crate::gemm_rs::{check_build, check_rs_call, FlagWords, GemmRsConfig};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
 use commfuse_core::fused::ring_rs::{RingSchedule, RingTarget};
@@ -35,7 +35,7 @@ pub struct SimRingReduceScatter<TI: Element, TO: Element> {
     receive: SymmetricBuffer<TO>,
     /// Per rank: one piece's product before it is handed on
     send: SymmetricBuffer<TO>,
-    pad_cols: usize,
+    flags: FlagWords,
     /// Per rank, calls it has made (only that rank's thread touches it)
     calls: Vec<AtomicU64>,
     broken: AtomicBool,
@@ -47,7 +47,7 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
     /// Signal pad rows the flags of `config` need on a pad of `pad_cols` columns.
     pub fn pad_rows(config: &GemmRsConfig, pad_cols: usize) -> Result<usize, BackendError> {
         let s = RingSchedule::within(config.shape(config.max_m)?, config.max_m, 1);
-        Ok(s.flag_words().div_ceil(pad_cols.max(1)))
+        Ok(FlagWords::rows(s.flag_words(), pad_cols))
     }
 
     /// Builds the operator for `world`, each ring step cut into `pieces` row pieces.
@@ -60,20 +60,15 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
             )));
         }
         let s = RingSchedule::within(config.shape(config.max_m)?, config.max_m, pieces);
-        let pad_cols = world.pad(0).cols() as usize;
-        let rows = Self::pad_rows(&config, pad_cols)?;
-        if (world.plan_rows() as usize) < rows {
-            return Err(unavailable(format!(
-                "the overlapped GEMM + reduce-scatter on {} ranks needs {} flag words: {rows} free signal pad rows of {pad_cols} columns, the world has {} (raise WorldConfig pad_rows/pad_cols)",
-                config.world,
-                s.flag_words(),
-                world.plan_rows()
-            )));
-        }
+        let flags = FlagWords::on(
+            "the overlapped GEMM + reduce-scatter",
+            world,
+            s.flag_words(),
+        )?;
         Ok(SimRingReduceScatter {
             receive: SymmetricBuffer::new(config.world, s.receive_len())?,
             send: SymmetricBuffer::new(config.world, s.buffer_len())?,
-            pad_cols,
+            flags,
             pieces,
             calls: (0..config.world).map(|_| AtomicU64::new(0)).collect(),
             broken: AtomicBool::new(false),
@@ -84,10 +79,7 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
     }
 
     fn slot(&self, index: usize) -> Slot {
-        Slot::new(
-            (index / self.pad_cols) as u32,
-            (index % self.pad_cols) as u32,
-        )
+        self.flags.slot(index)
     }
 
     /// One call on rank `ctx.rank()`, with the operands and output of
