@@ -20,6 +20,7 @@ B=.gpu/commfuse
 # bench: the collectives beside NCCL (and graph replay), calibration
 # gemm-rs: GEMM + reduce-scatter beside cuBLASLt and cuBLASLt + NCCL at six shapes
 # ag-gemm: all-gather + GEMM beside cuBLASLt and NCCL + cuBLASLt at the same six shapes
+# torch: the Python package from PyTorch (torchrun tests, examples/tp_mlp.py)
 # tests: the GPU test binaries only (TESTS="gpu_gemm gpu_gemm_rs" picks some)     full: all of them
 # (each of check, gemm+bench fits one 10-minute device call)
 MODE=${1:-full}
@@ -42,6 +43,17 @@ run_tests() {
   done
 }
 has tests && run_tests
+if has torch; then
+  # the wheel gpu-prepare.sh built, installed beside the machine's PyTorch
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/commfuse-site .gpu/wheels/commfuse-*.whl
+  export PYTHONPATH=/tmp/commfuse-site
+  (cd /tmp && timeout 400 python3 -m pytest -q -rs -s "$OLDPWD/python/tests") >"$R/pytest.txt" 2>&1
+  log "pytest rc=$? $(tail -1 "$R/pytest.txt")"
+  grep -E "FAILED|Error|^ok " "$R/pytest.txt" | head -40 | cut -c1-400 | tee -a "$OUT/summary.txt"
+  timeout 300 torchrun --standalone --nproc-per-node 2 examples/tp_mlp.py ${MLP_FLAGS:-} >"$R/tp_mlp.txt" 2>&1
+  log "tp_mlp rc=$?"; grep -v "^W1\|^\*\*\*" "$R/tp_mlp.txt" | tail -40 | cut -c1-300 | tee -a "$OUT/summary.txt"
+fi
+
 if has check; then
   $B kernels --report >"$R/kernels.txt" 2>&1; log "kernels rc=$?"
   run_tests

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what the GPU machine runs (it has no Rust): the release binary and the test binaries
-# that exercise the cuda backend, copied into .gpu/ (ignored by git, carried by the device tool).
+# that exercise the cuda backend and the Python wheel, copied into .gpu/ (ignored by git, carried by the device tool).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release
@@ -14,4 +14,8 @@ for line in sys.stdin:
         print(m["executable"])' \
   | while read -r exe; do cp "$exe" ".gpu/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
 strip --strip-debug .gpu/commfuse .gpu/tests/*
-ls -la .gpu .gpu/tests
+# the Python package as an abi3 wheel (the GPU machine's Python 3.12 installs it without Rust)
+VENV="${COMMFUSE_VENV:-${TMPDIR:-/tmp}/commfuse-venv}"
+[ -x "$VENV/bin/maturin" ] || { python3 -m venv "$VENV" && "$VENV/bin/python" -m pip install --quiet maturin; }
+CARGO_TARGET_DIR="$PWD/target" "$VENV/bin/maturin" build --release --quiet -m python/Cargo.toml -o .gpu/wheels
+ls -la .gpu .gpu/tests .gpu/wheels

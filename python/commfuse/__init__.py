@@ -1,9 +1,9 @@
 """commfuse: communication-computation fused operators for tensor parallelism on NVLink GPUs.
 
-Today the package runs the operators on commfuse's CPU simulator (``commfuse.sim``), P ranks in
-one call, with NumPy arrays in and out: the same schedules and protocols the GPU kernels run,
-checked here against float64 references. The GPU operators on PyTorch tensors, one process per
-GPU, are the next step (issue 11).
+``commfuse.torch`` runs the fused operators on PyTorch tensors, one process per GPU, on a
+``torch.distributed`` group (imported on its own: PyTorch is optional). ``commfuse.sim`` runs
+them on commfuse's CPU simulator, P ranks in one call, with NumPy arrays in and out: the same
+schedules and protocols the GPU kernels run, checked against float64 references.
 """
 
 from ._commfuse import __version__, gemm_rs_path

@@ -4,6 +4,8 @@
 //! cost model's choice of path. Every error is a `ValueError` carrying the one-line message the
 //! Rust side gives.
 
+mod gpu;
+
 use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath, GemmRsShape};
 use commfuse_core::gemm::BLayout;
 use commfuse_core::{Algo, OpKind, ReduceOp};
@@ -27,11 +29,27 @@ fn value_error(e: impl std::fmt::Display) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
-fn parse_dtype(text: &str) -> PyResult<DType> {
+pub(crate) fn parse_dtype(text: &str) -> PyResult<DType> {
     text.parse::<DType>().map_err(value_error)
 }
 
-fn parse_layout(text: &str) -> PyResult<BLayout> {
+/// `path` ("auto", "fused" or "overlapped") and `pieces` (with "overlapped", default 1) as the
+/// path they force, or None for the cost model's choice.
+pub(crate) fn parse_path(path: &str, pieces: Option<usize>) -> PyResult<Option<GemmRsPath>> {
+    match (path, pieces) {
+        ("auto", None) => Ok(None),
+        ("fused", None) => Ok(Some(GemmRsPath::Fused)),
+        ("overlapped", pieces) => Ok(Some(GemmRsPath::Overlapped {
+            pieces: pieces.unwrap_or(1),
+        })),
+        ("auto" | "fused", Some(_)) => Err(value_error("pieces goes with path=\"overlapped\"")),
+        (other, _) => Err(value_error(format!(
+            "unknown path {other:?}: auto, fused or overlapped"
+        ))),
+    }
+}
+
+pub(crate) fn parse_layout(text: &str) -> PyResult<BLayout> {
     match text {
         "nk" => Ok(BLayout::NK),
         "kn" => Ok(BLayout::KN),
@@ -199,21 +217,7 @@ fn sim_gemm_reduce_scatter<'py>(
         ops.bias.is_some(),
     );
     let shape = GemmRsShape::new(p, m, ops.n, ops.k, layout, input, output).map_err(value_error)?;
-    let path = match (path, pieces) {
-        ("auto", None) => choose_path(&shape),
-        ("fused", None) => GemmRsPath::Fused,
-        ("overlapped", pieces) => GemmRsPath::Overlapped {
-            pieces: pieces.unwrap_or(1),
-        },
-        ("auto" | "fused", Some(_)) => {
-            return Err(value_error("pieces goes with path=\"overlapped\""))
-        }
-        (other, _) => {
-            return Err(value_error(format!(
-                "unknown path {other:?}: auto, fused or overlapped"
-            )))
-        }
-    };
+    let path = parse_path(path, pieces)?.unwrap_or_else(|| choose_path(&shape));
     let timeout = Duration::from_millis(timeout_ms);
     let outs = py
         .detach(|| by_types!(input, output, run_gemm_rs, config, path, &ops, timeout))
@@ -456,6 +460,8 @@ fn _commfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sim_gemm_reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(sim_all_gather_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_rs_path, m)?)?;
+    m.add_class::<gpu::GpuGemmReduceScatter>()?;
+    m.add_class::<gpu::GpuAllGatherMatmul>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

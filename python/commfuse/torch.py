@@ -1,0 +1,267 @@
+"""commfuse's fused operators on PyTorch tensors, one process per GPU.
+
+The semantics are those of PyTorch's symmetric-memory operators
+(``torch.ops.symm_mem.fused_matmul_reduce_scatter`` and ``fused_all_gather_matmul``) on a
+``torch.distributed`` process group::
+
+    import torch, torch.distributed as dist, commfuse.torch as cf
+    dist.init_process_group("nccl")            # torchrun --nproc-per-node P
+    torch.cuda.set_device(dist.get_rank())
+    y = cf.gemm_reduce_scatter(x, w.t())       # this rank's rows of sum_r x_r @ w_r.t()
+    z = cf.all_gather_gemm(x_shard, w.t())     # all_gather(x_shard) @ w.t()
+
+Nothing here links against PyTorch: tensors reach commfuse as device addresses, and the work
+goes on the tensors' current CUDA stream. An operator is built the first time a (group, device,
+N, K, layout, dtypes, bias) combination is called and cached; building one is collective (every
+rank of the group exchanges its buffers' CUDA IPC handles through
+``dist.all_gather_object``), so every rank must make the same calls in the same order, as with
+any ``torch.distributed`` collective. A call of more rows than the cached operator was built
+for builds a larger one (collectively too). The first call of each new M settles on algorithms
+on the host; later calls of that M only queue work, and can be captured in a CUDA graph.
+
+Errors are Python exceptions carrying commfuse's one-line message: ``ValueError`` for a call
+that does not fit, ``RuntimeError`` for a CUDA failure or a peer that never arrived.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ._commfuse import GpuAllGatherMatmul, GpuGemmReduceScatter
+
+__all__ = ["gemm_reduce_scatter", "all_gather_gemm", "operator_path", "clear_cache"]
+
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+# (kind, group, device, n, k, layout, dtype, out dtype, bias, path) -> [operator, max_m, group]
+_CACHE: dict = {}
+
+
+def _name(dtype: torch.dtype, what: str) -> str:
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"{what} must be bfloat16, float16 or float32, got {dtype}") from None
+
+
+def _input_name(dtype: torch.dtype) -> str:
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"a and b must be bfloat16 or float16, got {dtype}")
+    return _NAMES[dtype]
+
+
+def _matrix(x: torch.Tensor, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{what} must be 2-D, got shape {tuple(x.shape)}")
+    if not x.is_cuda:
+        raise ValueError(f"{what} must be on a CUDA device, got {x.device}")
+
+
+def _weight(b: torch.Tensor) -> Tuple[torch.Tensor, str]:
+    """B [K, N] as the kernel takes it: row-major [K, N] ("kn"), or the transpose of a
+    row-major [N, K] weight (``w.t()``, "nk") without a copy."""
+    if b.is_contiguous():
+        return b, "kn"
+    if b.t().is_contiguous():
+        return b.t(), "nk"
+    return b.contiguous(), "kn"
+
+
+def _group(group):
+    if not dist.is_initialized():
+        raise ValueError("commfuse.torch needs torch.distributed initialised (init_process_group)")
+    return group if group is not None else dist.group.WORLD
+
+
+def _operator(kind: str, group, m: int, key: tuple, build):
+    """The cached operator of ``key`` for calls of ``m`` rows, built (collectively) when
+    absent or too small: built for the larger of m and twice the old limit."""
+    full = (kind, id(group)) + key
+    entry = _CACHE.get(full)
+    if entry is not None and entry[1] >= m:
+        return entry[0]
+    max_m = max(m, 2 * entry[1]) if entry is not None else m
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    op = build(rank, world, max_m)
+    exports = [None] * world
+    dist.all_gather_object(exports, bytes(op.export()), group=group)
+    op.connect(exports)
+    # the group is kept so that its id is not reused while the entry lives
+    _CACHE[full] = [op, max_m, group]
+    return op
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _output(out: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, like: torch.Tensor,
+            what: str) -> torch.Tensor:
+    """The caller's ``out`` checked against what the call writes, or a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype \
+            or out.device != like.device or not out.is_contiguous():
+        got = (tuple(out.shape), out.dtype, str(out.device)) if isinstance(out, torch.Tensor) \
+            else type(out).__name__
+        raise ValueError(
+            f"{what} must be a contiguous {list(shape)} tensor of {dtype} on {like.device}, got {got}"
+        )
+    return out
+
+
+def gemm_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group=None,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+    path: str = "auto",
+    pieces: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """GEMM + reduce-scatter (a row-parallel linear layer): this rank's chunk of the rows of
+    ``sum over ranks of a @ b`` (+ ``bias``, added once).
+
+    ``a`` is this rank's [M, K] (K the rank's shard), ``b`` its [K, N] (a weight's ``w.t()``
+    is taken without a copy), both bfloat16 or float16 on this rank's GPU; every rank passes
+    the same M. The output is [rows, N] of ``out_dtype`` (the input type by default, or
+    float32), rows split as ``torch.tensor_split`` splits M into the group's size (the first
+    M mod P chunks one row longer). ``path`` is "auto" (the cost model's choice), "fused" or
+    "overlapped" (with ``pieces`` per ring step). ``out``, when given, receives the result.
+    """
+    _matrix(a, "a")
+    _matrix(b, "b")
+    group = _group(group)
+    dtype = _input_name(a.dtype)
+    if b.dtype != a.dtype:
+        raise ValueError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
+    if b.device != a.device:
+        raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
+    out_dtype = out_dtype or a.dtype
+    out_name = _name(out_dtype, "out_dtype")
+    a = a.contiguous()
+    b, layout = _weight(b)
+    m, k = a.shape
+    n = b.shape[0] if layout == "nk" else b.shape[1]
+    if (b.shape[1] if layout == "nk" else b.shape[0]) != k:
+        raise ValueError(f"a is [{m}, {k}] but b is [{b.shape[0]}, {b.shape[1]}] ({layout})")
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+        bias = bias.to(device=a.device, dtype=out_dtype).contiguous()
+    device = a.device.index
+    key = (device, n, k, layout, dtype, out_name, bias is not None, path, pieces)
+
+    def build(rank, world, max_m):
+        return GpuGemmReduceScatter(
+            device, rank, world, max_m, n, k, b_layout=layout, dtype=dtype,
+            out_dtype=out_name, bias=bias is not None, path=path, pieces=pieces,
+        )
+
+    op = _operator("gemm-rs", group, m, key, build)
+    start, end = op.chunk(m)
+    out = _output(out, (end - start, n), out_dtype, a, "out")
+    op.forward(
+        m, a.data_ptr(), b.data_ptr(), out.data_ptr(), _stream(a.device),
+        bias=None if bias is None else bias.data_ptr(),
+    )
+    return out
+
+
+def all_gather_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group=None,
+    bias: Optional[torch.Tensor] = None,
+    return_a: bool = False,
+    *,
+    m: Optional[int] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    pieces: int = 1,
+    out: Optional[torch.Tensor] = None,
+    gathered: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """All-gather + GEMM (a column-parallel linear layer over sequence-parallel rows):
+    ``all_gather(a) @ b`` (+ ``bias``), [M, N], on every rank; with ``return_a`` also the
+    gathered A [M, K], as ``(out, gathered)``.
+
+    ``a`` is this rank's chunk of the rows of A, ``b`` its [K, N] (``w.t()`` taken without a
+    copy). M is ``m`` when given (chunks split as ``torch.tensor_split`` splits M, so they may
+    differ by a row), else the group's size times this chunk's rows (equal chunks, as PyTorch's
+    operator requires). ``out`` and ``gathered``, when given, receive the results (giving
+    ``gathered`` implies ``return_a``).
+    """
+    _matrix(a, "a")
+    _matrix(b, "b")
+    group = _group(group)
+    dtype = _input_name(a.dtype)
+    if b.dtype != a.dtype:
+        raise ValueError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
+    if b.device != a.device:
+        raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
+    out_dtype = out_dtype or a.dtype
+    out_name = _name(out_dtype, "out_dtype")
+    a = a.contiguous()
+    b, layout = _weight(b)
+    rows, k = a.shape
+    n = b.shape[0] if layout == "nk" else b.shape[1]
+    if (b.shape[1] if layout == "nk" else b.shape[0]) != k:
+        raise ValueError(f"a is [{rows}, {k}] but b is [{b.shape[0]}, {b.shape[1]}] ({layout})")
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+        bias = bias.to(device=a.device, dtype=out_dtype).contiguous()
+    world = dist.get_world_size(group)
+    total = m if m is not None else rows * world
+    device = a.device.index
+    key = (device, n, k, layout, dtype, out_name, bias is not None, pieces)
+
+    def build(rank, world, max_m):
+        return GpuAllGatherMatmul(
+            device, rank, world, max_m, n, k, b_layout=layout, dtype=dtype,
+            out_dtype=out_name, bias=bias is not None, pieces=pieces,
+        )
+
+    op = _operator("ag-gemm", group, total, key, build)
+    start, end = op.chunk(total)
+    if end - start != rows:
+        raise ValueError(
+            f"this rank holds {rows} rows of A, but its chunk of M = {total} has {end - start}"
+            " (pass m= the total rows when chunks differ)"
+        )
+    out = _output(out, (total, n), out_dtype, a, "out")
+    return_a = return_a or gathered is not None
+    if return_a:
+        gathered = _output(gathered, (total, k), a.dtype, a, "gathered")
+    op.forward(
+        total, a.data_ptr(), b.data_ptr(), out.data_ptr(), _stream(a.device),
+        bias=None if bias is None else bias.data_ptr(),
+        gathered=None if gathered is None else gathered.data_ptr(),
+    )
+    return (out, gathered) if return_a else out
+
+
+def operator_path(a_rows: int, b: torch.Tensor, group=None, **options) -> Optional[str]:
+    """The path the cached GEMM + reduce-scatter operator for ``b`` takes for ``a_rows`` rows
+    ("fused" or "overlapped (C pieces)"), or None if no call has built it yet."""
+    group = _group(group)
+    b, layout = _weight(b)
+    n, k = (b.shape[0], b.shape[1]) if layout == "nk" else (b.shape[1], b.shape[0])
+    out_dtype = options.get("out_dtype") or b.dtype
+    key = (b.device.index, n, k, layout, _name(b.dtype, "b"), _name(out_dtype, "out_dtype"),
+           options.get("bias", False), options.get("path", "auto"), options.get("pieces"))
+    entry = _CACHE.get(("gemm-rs", id(group)) + key)
+    return None if entry is None else entry[0].path_for(a_rows)
+
+
+def clear_cache() -> None:
+    """Drops every cached operator (each waits for its last calls before freeing its memory);
+    collective: every rank must call it at the same point."""
+    _CACHE.clear()

@@ -1,0 +1,290 @@
+//! The GPU operators for one process per GPU (PyTorch's model): one object per rank, built for
+//! (rank, world, shape limits, types), its buffers exported as bytes that the caller's own
+//! rendezvous (`torch.distributed.all_gather_object`) carries to every rank, then called with
+//! raw device pointers and the caller's CUDA stream. `commfuse/torch.py` is the face users see;
+//! these classes take addresses so that no PyTorch library is linked (any framework whose
+//! tensors give a device pointer and a stream can call them).
+
+use crate::{parse_dtype, parse_layout, parse_path};
+use commfuse_core::fused::gemm_rs::GemmRsPath;
+use commfuse_cuda::ag_gemm::{AgGemmAllocation, AgGemmConfig, AgGemmRank};
+use commfuse_cuda::driver::{Gpu, Stream};
+use commfuse_cuda::error::CudaError;
+use commfuse_cuda::gemm_rs::{GemmRsAllocation, GemmRsConfig, GemmRsRank, PathChoice};
+use commfuse_cuda::ipc::Exported;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A CUDA failure or a peer that never arrived is a `RuntimeError`; a call that does not fit
+/// the operator is a `ValueError`.
+fn cuda_error(e: CudaError) -> PyErr {
+    match e {
+        CudaError::Unavailable(_) | CudaError::OutOfBounds(_) => {
+            PyValueError::new_err(e.to_string())
+        }
+        _ => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+/// An operator's life: allocated and exported, then connected to its peers.
+enum Stage<A, R> {
+    Allocated(A),
+    Connected(R),
+    /// Between the two, or after a connection failed
+    Gone,
+}
+
+impl<A, R> Stage<A, R> {
+    fn allocated(&self) -> PyResult<&A> {
+        match self {
+            Stage::Allocated(a) => Ok(a),
+            _ => Err(PyValueError::new_err(
+                "this operator is already connected (export comes before connect)",
+            )),
+        }
+    }
+
+    fn connected(&mut self) -> PyResult<&mut R> {
+        match self {
+            Stage::Connected(r) => Ok(r),
+            Stage::Allocated(_) => Err(PyValueError::new_err(
+                "connect the operator to its peers' exports before calling it",
+            )),
+            Stage::Gone => Err(PyValueError::new_err(
+                "this operator failed to connect; build a new one",
+            )),
+        }
+    }
+
+    /// Connects with every rank's exported bytes (rank order, this rank's own among them).
+    fn connect(
+        &mut self,
+        exports: Vec<Vec<u8>>,
+        finish: impl FnOnce(A, &[Exported]) -> Result<R, CudaError>,
+    ) -> PyResult<()> {
+        self.allocated()?;
+        let exports = exports
+            .iter()
+            .map(|b| Exported::from_bytes(b))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(cuda_error)?;
+        let Stage::Allocated(a) = std::mem::replace(self, Stage::Gone) else {
+            unreachable!("checked above");
+        };
+        *self = Stage::Connected(finish(a, &exports).map_err(cuda_error)?);
+        Ok(())
+    }
+}
+
+fn open_gpu(device: usize) -> PyResult<Arc<Gpu>> {
+    Ok(Arc::new(Gpu::open(device).map_err(cuda_error)?))
+}
+
+/// A stream of the caller's (PyTorch's `torch.cuda.current_stream().cuda_stream`), borrowed for
+/// one call.
+fn borrowed_stream(stream: u64) -> Stream {
+    // SAFETY: the caller passes a live stream of the operator's GPU; a borrowed stream is never
+    // destroyed by us
+    unsafe { Stream::borrowed(stream as _) }
+}
+
+/// After the previous calls ended on the device: the diagnosis of a wait that timed out in one
+/// of them, as a `RuntimeError`.
+fn earlier_failure(e: CudaError) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
+
+/// GEMM + reduce-scatter of one rank on its GPU: rank r's output is its chunk of the rows of
+/// Σ_r A_r·B_r (+ bias, added once). Build on every rank, pass every rank's `export()` to
+/// `connect`, then call `forward`.
+#[pyclass(unsendable, module = "commfuse._commfuse")]
+pub struct GpuGemmReduceScatter {
+    stage: Stage<GemmRsAllocation, GemmRsRank>,
+}
+
+#[pymethods]
+impl GpuGemmReduceScatter {
+    /// Allocates rank `rank`'s buffers on CUDA device `device` for calls of up to `max_m` rows,
+    /// N columns, K per rank; `path` is "auto", "fused" or "overlapped" (with `pieces`).
+    #[new]
+    #[pyo3(signature = (device, rank, world, max_m, n, k, *, b_layout="nk", dtype="bf16", out_dtype=None, bias=false, path="auto", pieces=None, timeout_ms=5000))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        device: usize,
+        rank: usize,
+        world: usize,
+        max_m: usize,
+        n: usize,
+        k: usize,
+        b_layout: &str,
+        dtype: &str,
+        out_dtype: Option<&str>,
+        bias: bool,
+        path: &str,
+        pieces: Option<usize>,
+        timeout_ms: u64,
+    ) -> PyResult<Self> {
+        let input = parse_dtype(dtype)?;
+        let output = out_dtype.map_or(Ok(input), parse_dtype)?;
+        let mut config = GemmRsConfig::new(max_m, n, k, parse_layout(b_layout)?, input, output);
+        config.bias = bias;
+        config.path = parse_path(path, pieces)?.map_or(PathChoice::Auto, PathChoice::Always);
+        config.timeout = Duration::from_millis(timeout_ms);
+        let gpu = open_gpu(device)?;
+        let allocation = GemmRsAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
+        Ok(GpuGemmReduceScatter {
+            stage: Stage::Allocated(allocation),
+        })
+    }
+
+    /// This rank's buffers as bytes for the other processes (CUDA IPC handles).
+    fn export<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self.stage.allocated()?.export().map_err(cuda_error)?;
+        Ok(PyBytes::new(py, &bytes.to_bytes()))
+    }
+
+    /// Opens every rank's export (rank order, this rank's own among them).
+    fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
+        self.stage.connect(exports, |a, e| a.connect_exported(e))
+    }
+
+    /// The rows of the output this rank owns for M rows: (start, end).
+    fn chunk(&mut self, m: usize) -> PyResult<(usize, usize)> {
+        let r = self.stage.connected()?.chunk(m);
+        Ok((r.start, r.end))
+    }
+
+    /// The path a call of M rows takes: "fused" or "overlapped (C pieces)".
+    fn path_for(&mut self, m: usize) -> PyResult<String> {
+        let op = self.stage.connected()?;
+        Ok(op.path_for(m).map_err(cuda_error)?.to_string())
+    }
+
+    /// The path the last call took, if any.
+    fn last_path(&mut self) -> PyResult<Option<String>> {
+        Ok(self
+            .stage
+            .connected()?
+            .last_path()
+            .map(|p: GemmRsPath| p.to_string()))
+    }
+
+    /// Queues one call on `stream`: A [m, K] at `a`, B at `b`, the optional bias [N] at `bias`,
+    /// this rank's chunk [chunk rows, N] into `out`. Raises first if an earlier call's wait
+    /// timed out on the device.
+    #[pyo3(signature = (m, a, b, out, stream, bias=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &mut self,
+        py: Python<'_>,
+        m: usize,
+        a: u64,
+        b: u64,
+        out: u64,
+        stream: u64,
+        bias: Option<u64>,
+    ) -> PyResult<()> {
+        let op = self.stage.connected()?;
+        op.check().map_err(earlier_failure)?;
+        let stream = borrowed_stream(stream);
+        // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`
+        py.detach(|| unsafe { op.forward(&stream, m, a, b, bias, out) })
+            .map_err(cuda_error)
+    }
+
+    /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
+    fn check(&mut self) -> PyResult<()> {
+        self.stage.connected()?.check().map_err(earlier_failure)
+    }
+}
+
+/// All-gather + GEMM of one rank on its GPU: every rank's output is AllGather(A)·B_r (+ bias).
+/// Build on every rank, pass every rank's `export()` to `connect`, then call `forward`.
+#[pyclass(unsendable, module = "commfuse._commfuse")]
+pub struct GpuAllGatherMatmul {
+    stage: Stage<AgGemmAllocation, AgGemmRank>,
+}
+
+#[pymethods]
+impl GpuAllGatherMatmul {
+    /// Allocates rank `rank`'s gather buffer for up to `max_m` gathered rows on CUDA device
+    /// `device`; each rank's chunk is handed on in `pieces` row pieces.
+    #[new]
+    #[pyo3(signature = (device, rank, world, max_m, n, k, *, b_layout="nk", dtype="bf16", out_dtype=None, bias=false, pieces=1, timeout_ms=5000))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        device: usize,
+        rank: usize,
+        world: usize,
+        max_m: usize,
+        n: usize,
+        k: usize,
+        b_layout: &str,
+        dtype: &str,
+        out_dtype: Option<&str>,
+        bias: bool,
+        pieces: usize,
+        timeout_ms: u64,
+    ) -> PyResult<Self> {
+        let input = parse_dtype(dtype)?;
+        let output = out_dtype.map_or(Ok(input), parse_dtype)?;
+        let mut config = AgGemmConfig::new(max_m, n, k, parse_layout(b_layout)?, input, output);
+        config.bias = bias;
+        config.pieces = pieces;
+        config.timeout = Duration::from_millis(timeout_ms);
+        let gpu = open_gpu(device)?;
+        let allocation = AgGemmAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
+        Ok(GpuAllGatherMatmul {
+            stage: Stage::Allocated(allocation),
+        })
+    }
+
+    /// This rank's buffers as bytes for the other processes (CUDA IPC handles).
+    fn export<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self.stage.allocated()?.export().map_err(cuda_error)?;
+        Ok(PyBytes::new(py, &bytes.to_bytes()))
+    }
+
+    /// Opens every rank's export (rank order, this rank's own among them).
+    fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
+        self.stage.connect(exports, |a, e| a.connect_exported(e))
+    }
+
+    /// This rank's rows of A for M gathered rows: (start, end).
+    fn chunk(&mut self, m: usize) -> PyResult<(usize, usize)> {
+        let r = self.stage.connected()?.chunk(m);
+        Ok((r.start, r.end))
+    }
+
+    /// Queues one call on `stream`: this rank's rows of A at `a`, B at `b`, the optional bias
+    /// [N], the output [m, N] into `out` and, when given, the gathered A [m, K] into
+    /// `gathered`. Raises first if an earlier call's wait timed out on the device.
+    #[pyo3(signature = (m, a, b, out, stream, bias=None, gathered=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &mut self,
+        py: Python<'_>,
+        m: usize,
+        a: u64,
+        b: u64,
+        out: u64,
+        stream: u64,
+        bias: Option<u64>,
+        gathered: Option<u64>,
+    ) -> PyResult<()> {
+        let op = self.stage.connected()?;
+        op.check().map_err(earlier_failure)?;
+        let stream = borrowed_stream(stream);
+        // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`
+        py.detach(|| unsafe { op.forward(&stream, m, (a, b, bias), out, gathered) })
+            .map_err(cuda_error)
+    }
+
+    /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
+    fn check(&mut self) -> PyResult<()> {
+        self.stage.connected()?.check().map_err(earlier_failure)
+    }
+}

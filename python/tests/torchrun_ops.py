@@ -1,0 +1,189 @@
+"""commfuse.torch against float64 and against PyTorch, one process per GPU.
+
+Run by ``test_torch_gpu.py`` as ``torchrun --nproc-per-node P python/tests/torchrun_ops.py``.
+Every rank builds every rank's operands from shared seeds, so each can compute the float64
+reference of its own output. Each case: outputs poisoned with NaN before the call, two calls
+back to back on one stream with different inputs and M and no synchronisation between them,
+every output element within an element-wise bound, and where PyTorch has the same operation
+(``dist.reduce_scatter_tensor`` / ``dist.all_gather_into_tensor`` after ``torch.matmul``)
+the result compared with PyTorch's too. Exits non-zero on the first failure.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import commfuse.torch as cf
+
+UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}
+
+
+def operands(seed, shapes, dtype):
+    """Random tensors of `shapes` in `dtype` (integers / 8 in [-2, 2], exact in both types)
+    from `seed`, on the CPU: the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(-16, 17, s, generator=g) / 8).to(dtype) for s in shapes]
+
+
+def bound(abs_products, hops, out_dtype, k):
+    """Element-wise bound: the output rounding and one rounding per partial sum handed on
+    (`hops`), each relative to the sum of |products|, plus f32 accumulation over k terms."""
+    return (hops + 1) * UNIT[out_dtype] * abs_products + k * 2.0**-24 * abs_products + 1e-6
+
+
+def compare(name, got, want, limit):
+    got = got.double().cpu()
+    bad = (got - want).abs() > limit
+    bad |= ~torch.isfinite(got)
+    if bad.any():
+        i = bad.nonzero()[0].tolist()
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {got.numel()} elements out of bound, first at {i}:"
+            f" got {got[tuple(i)].item()}, want {want[tuple(i)].item()} ± {limit[tuple(i)].item()}"
+        )
+
+
+def check_gemm_rs(rank, world, dtype, out_dtype, layout, with_bias, ms, seed):
+    dev = torch.device("cuda", rank)
+    n, k = 264, 136  # ragged: neither a multiple of a tile
+    calls = []
+    for c, m in enumerate(ms):
+        a_all = operands(seed + 10 * c, [(m, k)] * world, dtype)
+        b_all = operands(seed + 10 * c + 5, [(k, n)] * world, dtype)
+        bias = operands(seed + 10 * c + 7, [(n,)], out_dtype)[0] if with_bias else None
+        a = a_all[rank].to(dev)
+        # "nk": the transpose of a row-major [N, K] weight, taken without a copy
+        b = b_all[rank].to(dev) if layout == "kn" else b_all[rank].t().contiguous().to(dev).t()
+        start, end = torch.tensor_split(torch.arange(m), world)[rank][[0, -1]].tolist()
+        out = torch.full((end - start + 1, n), float("nan"), dtype=out_dtype, device=dev)
+        calls.append((m, a_all, b_all, bias, a, b, out, (start, end + 1)))
+    # back to back on one stream, nothing synchronised between the calls
+    for m, _, _, bias, a, b, out, _ in calls:
+        cf.gemm_reduce_scatter(a, b, bias=None if bias is None else bias.to(dev), out=out,
+                               out_dtype=out_dtype)
+    torch.cuda.synchronize()
+    for m, a_all, b_all, bias, a, b, out, (start, end) in calls:
+        want = sum(x.double() @ y.double() for x, y in zip(a_all, b_all))[start:end]
+        absp = sum(x.double().abs() @ y.double().abs() for x, y in zip(a_all, b_all))[start:end]
+        if bias is not None:
+            want += bias.double()
+            absp += bias.double().abs()
+        name = f"gemm_reduce_scatter {dtype}->{out_dtype} {layout} bias={with_bias} M={m}"
+        compare(name, out, want, bound(absp, world, out_dtype, k * world))
+        if m % world == 0 and bias is None:
+            # PyTorch's own: matmul, then reduce_scatter_tensor
+            full = torch.matmul(a, b)
+            theirs = torch.empty(out.shape, dtype=full.dtype, device=dev)
+            dist.reduce_scatter_tensor(theirs, full)
+            # PyTorch rounds each partial and each sum to the input type
+            compare(name + " vs PyTorch", out, theirs.double().cpu(),
+                    bound(absp, world, dtype, k * world) + bound(absp, world, out_dtype, k * world))
+    return f"gemm_reduce_scatter {dtype}->{out_dtype} {layout} bias={with_bias} M={ms}"
+
+
+def check_ag_gemm(rank, world, dtype, out_dtype, layout, with_bias, ms, seed):
+    dev = torch.device("cuda", rank)
+    n, k = 264, 136
+    calls = []
+    for c, m in enumerate(ms):
+        a_full, b = operands(seed + 10 * c, [(m, k), (k, n)], dtype)
+        bias = operands(seed + 10 * c + 7, [(n,)], out_dtype)[0] if with_bias else None
+        mine = torch.tensor_split(a_full, world)[rank].to(dev)
+        b_dev = b.to(dev) if layout == "kn" else b.t().contiguous().to(dev).t()
+        out = torch.full((m, n), float("nan"), dtype=out_dtype, device=dev)
+        gathered = torch.full((m, k), float("nan"), dtype=dtype, device=dev)
+        calls.append((m, a_full, b, bias, mine, b_dev, out, gathered))
+    for m, _, _, bias, mine, b_dev, out, gathered in calls:
+        cf.all_gather_gemm(mine, b_dev, bias=None if bias is None else bias.to(dev), m=m,
+                           out=out, gathered=gathered, out_dtype=out_dtype)
+    torch.cuda.synchronize()
+    for m, a_full, b, bias, mine, b_dev, out, gathered in calls:
+        name = f"all_gather_gemm {dtype}->{out_dtype} {layout} bias={with_bias} M={m}"
+        if not torch.equal(gathered.cpu(), a_full):
+            raise AssertionError(f"{name}: the gathered A differs from the ranks' chunks")
+        want = a_full.double() @ b.double()
+        absp = a_full.double().abs() @ b.double().abs()
+        if bias is not None:
+            want += bias.double()
+            absp += bias.double().abs()
+        compare(name, out, want, bound(absp, 0, out_dtype, k))
+        if m % world == 0:
+            theirs = torch.empty((m, k), dtype=dtype, device=dev)
+            dist.all_gather_into_tensor(theirs, mine)
+            if not torch.equal(theirs, gathered):
+                raise AssertionError(f"{name}: differs from PyTorch's all_gather_into_tensor")
+    return f"all_gather_gemm {dtype}->{out_dtype} {layout} bias={with_bias} M={ms}"
+
+
+def check_bad_input(rank, world):
+    dev = torch.device("cuda", rank)
+    a = torch.zeros((64, 32), dtype=torch.bfloat16, device=dev)
+    cases = [
+        ("mismatched dtypes", lambda: cf.gemm_reduce_scatter(
+            a, torch.zeros((32, 16), dtype=torch.float16, device=dev))),
+        ("K mismatch", lambda: cf.gemm_reduce_scatter(
+            a, torch.zeros((48, 16), dtype=torch.bfloat16, device=dev))),
+        ("host tensor", lambda: cf.gemm_reduce_scatter(a.cpu(), a.cpu().t())),
+        ("f32 inputs", lambda: cf.gemm_reduce_scatter(a.float(), a.float().t())),
+        ("wrong out", lambda: cf.all_gather_gemm(
+            a, torch.zeros((32, 16), dtype=torch.bfloat16, device=dev),
+            out=torch.zeros((3, 3), dtype=torch.bfloat16, device=dev))),
+        ("chunk mismatch", lambda: cf.all_gather_gemm(
+            a, torch.zeros((32, 16), dtype=torch.bfloat16, device=dev), m=64 * world + world)),
+    ]
+    for what, call in cases:
+        try:
+            call()
+        except ValueError as e:
+            if "\n" in str(e):
+                raise AssertionError(f"{what}: error of more than one line: {e!r}")
+            continue
+        raise AssertionError(f"{what}: no ValueError raised")
+    return f"bad input raises ValueError ({len(cases)} cases)"
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    results = [check_bad_input(rank, world)]
+    seed = 1
+    for dtype, out_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)]:
+        for layout in ["nk", "kn"]:
+            for with_bias in [False, True]:
+                seed += 100
+                # a ragged M (not a multiple of P) then an even one, back to back
+                ms = [2 * world * 37 + 1, 2 * world * 40]
+                results.append(check_gemm_rs(rank, world, dtype, out_dtype, layout, with_bias,
+                                             ms, seed))
+                results.append(check_ag_gemm(rank, world, dtype, out_dtype, layout, with_bias,
+                                             ms, seed))
+    # forced paths of GEMM + reduce-scatter, and a larger M than the cached operator's limit
+    for path in ["fused", "overlapped"]:
+        dev = torch.device("cuda", rank)
+        a_all = operands(7, [(600, 128)] * world, torch.bfloat16)
+        b_all = operands(8, [(128, 256)] * world, torch.bfloat16)
+        out = cf.gemm_reduce_scatter(a_all[rank].to(dev), b_all[rank].to(dev), path=path)
+        torch.cuda.synchronize()
+        start, end = torch.tensor_split(torch.arange(600), world)[rank][[0, -1]].tolist()
+        want = sum(x.double() @ y.double() for x, y in zip(a_all, b_all))[start:end + 1]
+        absp = sum(x.double().abs() @ y.double().abs() for x, y in zip(a_all, b_all))
+        compare(f"path={path}", out, want, bound(absp[start:end + 1], world, torch.bfloat16,
+                                                  128 * world))
+        results.append(f"gemm_reduce_scatter path={path} ({cf.operator_path(600, b_all[rank].to(dev), path=path)})")
+    dist.barrier()
+    if rank == 0:
+        for line in results:
+            print("ok", line, flush=True)
+    cf.clear_cache()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as e:  # report which rank failed, then fail the job
+        print(f"rank {os.environ.get('RANK')}: FAILED: {e}", file=sys.stderr, flush=True)
+        raise
