@@ -36,7 +36,7 @@ nvidia-smi topo -m >"$R/topo.txt" 2>&1
 run_tests() {
   for t in ${TESTS:-$(ls .gpu/tests)}; do
     t=.gpu/tests/$t
-    timeout 240 "$t" --test-threads 1 >"$R/test-$(basename "$t").txt" 2>&1
+    timeout 360 "$t" --test-threads 1 >"$R/test-$(basename "$t").txt" 2>&1
     rc=$?
     log "test $(basename "$t") rc=$rc $(grep -E '^test result' "$R/test-$(basename "$t").txt" | tail -1)"
     grep -E "^test .* FAILED|panicked" -A2 "$R/test-$(basename "$t").txt" | head -12 | cut -c1-400 | tee -a "$OUT/summary.txt"
@@ -75,9 +75,11 @@ if has gemm; then
   done
 fi
 
+# the six shapes of the issues, or RS_SHAPES="512x4096x4096 1024x8192x3584" (M×N×K)
+RS_SHAPES=${RS_SHAPES:-8192x8192x3584 2048x8192x3584 8192x8192x14336 4096x12288x24576 1024x8192x3584 512x4096x4096}
 if has gemm-rs; then
-  for shape in "8192 8192 3584" "2048 8192 3584" "8192 8192 14336" "4096 12288 24576" "1024 8192 3584" "512 4096 4096"; do
-    set -- $shape
+  for shape in $RS_SHAPES; do
+    set -- ${shape//x/ }
     name=gemm-rs-$1x$2x$3
     timeout 150 $B bench gemm-rs --m $1 --n $2 --k $3 --devices 0,1 ${RS_FLAGS:-} --warmup 5 --iters 30 \
       --json "$R/$name.json" >"$R/$name.txt" 2>&1

@@ -33,18 +33,21 @@ pub(crate) fn parse_dtype(text: &str) -> PyResult<DType> {
     text.parse::<DType>().map_err(value_error)
 }
 
-/// `path` ("auto", "fused" or "overlapped") and `pieces` (with "overlapped", default 1) as the
+/// `path` ("auto", "fused", "overlapped" or "unfused") and `pieces` (with "overlapped", default 1) as the
 /// path they force, or None for the cost model's choice.
 pub(crate) fn parse_path(path: &str, pieces: Option<usize>) -> PyResult<Option<GemmRsPath>> {
     match (path, pieces) {
         ("auto", None) => Ok(None),
         ("fused", None) => Ok(Some(GemmRsPath::Fused)),
+        ("unfused", None) => Ok(Some(GemmRsPath::Unfused)),
         ("overlapped", pieces) => Ok(Some(GemmRsPath::Overlapped {
             pieces: pieces.unwrap_or(1),
         })),
-        ("auto" | "fused", Some(_)) => Err(value_error("pieces goes with path=\"overlapped\"")),
+        ("auto" | "fused" | "unfused", Some(_)) => {
+            Err(value_error("pieces goes with path=\"overlapped\""))
+        }
         (other, _) => Err(value_error(format!(
-            "unknown path {other:?}: auto, fused or overlapped"
+            "unknown path {other:?}: auto, fused, overlapped or unfused"
         ))),
     }
 }

@@ -53,7 +53,7 @@ def assert_within(got, want, scale, out_dtype, what):
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 5])
-@pytest.mark.parametrize("path", ["auto", "fused", "overlapped"])
+@pytest.mark.parametrize("path", ["auto", "fused", "overlapped", "unfused"])
 @pytest.mark.parametrize(
     "layout,dtype,out_dtype,bias",
     [("nk", "bf16", "bf16", False), ("kn", "f16", "f32", True), ("nk", "f16", "f16", True)],
@@ -104,9 +104,11 @@ def test_all_gather_matmul_matches_float64(p, pieces):
 
 def test_the_cost_model_names_its_path():
     assert commfuse.gemm_rs_path(2, 8192, 8192, 3584) == "overlapped (2 pieces)"
-    assert commfuse.gemm_rs_path(2, 64, 64, 64) == "overlapped (1 piece)"
-    # rows of 300 bf16 are not whole 16-byte units: the fused path
-    assert commfuse.gemm_rs_path(2, 64, 300, 64) == "fused"
+    assert commfuse.gemm_rs_path(2, 300, 16384, 64) == "overlapped (1 piece)"
+    # a reduce-scatter of under 4 MiB a rank: not worth hiding
+    assert commfuse.gemm_rs_path(2, 64, 64, 64) == "unfused"
+    # rows of 8190 bf16 are not whole 16-byte units: the fused path
+    assert commfuse.gemm_rs_path(2, 8192, 8190, 64) == "fused"
 
 
 def test_bad_arguments_raise_value_errors_with_one_line():

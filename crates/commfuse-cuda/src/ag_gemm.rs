@@ -186,6 +186,7 @@ impl AgGemmAllocation {
                 self.memory.gather.ipc_handle(&self.gpu)?,
                 self.memory.flags.ipc_handle(&self.gpu)?,
             ],
+            extra: Vec::new(),
         })
     }
 

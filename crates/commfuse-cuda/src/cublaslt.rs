@@ -110,7 +110,7 @@ impl Lt {
         Lt::with_alignment(gpu, 256)
     }
 
-    /// An Lt whose operands may start on any `alignment`-byte boundary (a multiple of 16; 256,
+    /// An Lt whose operands may start on any `alignment`-byte boundary (a power of two; 256,
     /// cuBLASLt's default, for whole buffers from the allocator). Calls on row pieces of a
     /// matrix need 16: the heuristic's default assumes 256 and may pick algorithms that fail on
     /// less.

@@ -148,7 +148,6 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
     };
     // one operator per row (the ablation's partial calls leave their ring's flags behind the
     // call count; no other row may share it)
-    let auto_path = commfuse_core::fused::gemm_rs::choose_path(&s);
     let group =
         |path: PathChoice, reduction: Reduction| -> Result<Vec<Mutex<GemmRsRank>>, CudaError> {
             let mut c = GemmRsConfig::new(s.m, s.n, s.k, s.b_layout, s.input, s.output);
@@ -175,15 +174,18 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
         let name = format!("commfuse-overlapped ({pieces})");
         fused.push((name, group(path, Reduction::Fold)?, None));
     }
-    fused.push((
-        format!("commfuse-auto: {auto_path}"),
-        group(PathChoice::Auto, Reduction::Fold)?,
-        None,
-    ));
+    match group(PathChoice::Always(GemmRsPath::Unfused), Reduction::Fold) {
+        Ok(ops) => fused.push(("commfuse-unfused".into(), ops, None)),
+        Err(e) => eprintln!("# commfuse-unfused not run: {e}"),
+    }
+    let auto = group(PathChoice::Auto, Reduction::Fold)?;
+    // what the operator takes (without NCCL it leaves the unfused path out)
+    let auto_path = auto[0].lock().unwrap().path_for(s.m)?;
+    fused.push((format!("commfuse-auto: {auto_path}"), auto, None));
     if cfg.ablation {
         let pieces = match auto_path {
             GemmRsPath::Overlapped { pieces } => pieces,
-            GemmRsPath::Fused => cfg.pieces.first().copied().unwrap_or(1),
+            GemmRsPath::Fused | GemmRsPath::Unfused => cfg.pieces.first().copied().unwrap_or(1),
         };
         let only = |gemms, copies, flags| RingParts {
             gemms,

@@ -9,7 +9,7 @@ use crate::driver::IpcHandle;
 use crate::error::CudaError;
 
 /// The format's first byte.
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 
 /// The IPC handles of one rank's buffers, in the order its operator lists them, with the rank
 /// and world they belong to.
@@ -21,11 +21,15 @@ pub struct Exported {
     pub rank: usize,
     pub world: usize,
     pub handles: Vec<IpcHandle>,
+    /// The operator's other shared bytes (GEMM + reduce-scatter: rank 0's NCCL unique id for
+    /// its unfused path; empty when there are none)
+    pub extra: Vec<u8>,
 }
 
 impl Exported {
     /// As bytes: version, rank and world (u32 LE each), the operator's name (u16 LE length,
-    /// UTF-8), the handle count (u16 LE), the handles (64 bytes each).
+    /// UTF-8), the handle count (u16 LE), the handles (64 bytes each), the extra bytes (u16 LE
+    /// length, then them).
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = vec![VERSION];
         out.extend((self.rank as u32).to_le_bytes());
@@ -36,6 +40,8 @@ impl Exported {
         for h in &self.handles {
             out.extend(h.0);
         }
+        out.extend((self.extra.len() as u16).to_le_bytes());
+        out.extend(&self.extra);
         out
     }
 
@@ -71,6 +77,8 @@ impl Exported {
         for _ in 0..count {
             handles.push(IpcHandle(take(64)?.try_into().expect("64 bytes")));
         }
+        let extra_len = u16_at(take(2)?);
+        let extra = take(extra_len)?.to_vec();
         if at != bytes.len() {
             return Err(bad("trailing bytes"));
         }
@@ -82,6 +90,7 @@ impl Exported {
             rank,
             world,
             handles,
+            extra,
         })
     }
 
@@ -128,6 +137,7 @@ mod tests {
             rank,
             world: 2,
             handles: vec![IpcHandle([rank as u8; 64]), IpcHandle([7; 64])],
+            extra: vec![rank as u8; 3],
         }
     }
 

@@ -244,7 +244,7 @@ struct BaselineLauncher<'a> {
     reduce: ReduceOp,
 }
 
-fn nccl_type(d: DType) -> sys::ncclDataType_t {
+pub(crate) fn nccl_type(d: DType) -> sys::ncclDataType_t {
     match d {
         DType::F32 => sys::ncclDataType_t::ncclFloat32,
         DType::BF16 => sys::ncclDataType_t::ncclBfloat16,

@@ -28,6 +28,13 @@ struct CallInputs<TI, TO> {
 enum Way {
     Fused(Reduction),
     Overlapped(usize),
+    Unfused,
+}
+
+/// Whether NCCL may run here (the GPU script sets NCCL_NVLS_ENABLE=0): the unfused path, and
+/// `auto`'s choice of it, need it.
+fn nccl_allowed() -> bool {
+    std::env::var("NCCL_NVLS_ENABLE").as_deref() == Ok("0")
 }
 
 /// Runs `ms.len()` calls back to back on every rank and checks every output element.
@@ -54,6 +61,7 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
         Way::Overlapped(pieces) => {
             config.path = PathChoice::Always(GemmRsPath::Overlapped { pieces })
         }
+        Way::Unfused => config.path = PathChoice::Always(GemmRsPath::Unfused),
     }
     let ranks = GemmRsRank::create_group(gpus, config).unwrap();
     let calls: Vec<CallInputs<TI, TO>> = ms
@@ -140,6 +148,7 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
             let path = match way {
                 Way::Fused(_) => GemmRsPath::Fused,
                 Way::Overlapped(pieces) => GemmRsPath::Overlapped { pieces },
+                Way::Unfused => GemmRsPath::Unfused,
             };
             let check = check_elements_on(&shape, path, got.iter().map(|x| x.to_f64()), &want);
             assert_eq!(
@@ -165,6 +174,25 @@ fn every_element_of_back_to_back_calls_matches_float64() {
         Way::Overlapped(1),
         Way::Overlapped(3),
     ];
+    if nccl_allowed() {
+        // the unfused path: cuBLASLt and NCCL's own, so a sample (ragged M, short chunks
+        // through the receive buffer, both layouts, f32 output, bias, one GPU) is enough
+        for layout in [BLayout::NK, BLayout::KN] {
+            run_case::<bf16, bf16>(&g, Way::Unfused, 264, 136, layout, false, &ms, 11);
+            run_case::<f16, f32>(&g, Way::Unfused, 256, 64, layout, true, &[2, 1, 700], 12);
+        }
+        run_case::<bf16, bf16>(&g, Way::Unfused, 300, 64, BLayout::NK, true, &[300, 7], 13);
+        run_case::<bf16, bf16>(
+            &g[..1],
+            Way::Unfused,
+            264,
+            64,
+            BLayout::NK,
+            true,
+            &[300, 1],
+            14,
+        );
+    }
     for red in ways {
         for layout in [BLayout::NK, BLayout::KN] {
             run_case::<bf16, bf16>(&g, red, 264, 136, layout, false, &ms, 1);
@@ -260,21 +288,54 @@ fn a_peer_that_never_arrives_is_reported_by_the_ring() {
 #[test]
 fn the_operator_says_which_path_it_took() {
     let Some(g) = two_gpus() else { return };
-    let config = GemmRsConfig::new(4096, 512, 64, BLayout::NK, DType::BF16, DType::BF16);
+    let config = GemmRsConfig::new(4096, 8192, 64, BLayout::NK, DType::BF16, DType::BF16);
     let ranks = GemmRsRank::create_group(&g, config).unwrap();
+    // 32 MiB sent per rank: the ring, two pieces a step
     assert_eq!(
         ranks[0].path_for(4096).unwrap(),
         GemmRsPath::Overlapped { pieces: 2 }
     );
-    assert_eq!(
-        ranks[0].path_for(1).unwrap(),
+    // 16 KiB: too little to hide, the unfused path where NCCL runs, else one piece a step
+    let small = if nccl_allowed() {
+        GemmRsPath::Unfused
+    } else {
         GemmRsPath::Overlapped { pieces: 1 }
-    );
+    };
+    assert_eq!(ranks[0].path_for(1).unwrap(), small);
     assert!(ranks[0].last_path().is_none());
-    // rows of 300 bf16 are not whole 16-byte units: the fused path
+    // rows of 300 bf16 are not whole 16-byte units: the fused path where unfused cannot run
     let config = GemmRsConfig::new(64, 300, 64, BLayout::NK, DType::BF16, DType::BF16);
     let ranks = GemmRsRank::create_group(&g, config).unwrap();
-    assert_eq!(ranks[1].path_for(64).unwrap(), GemmRsPath::Fused);
+    let small = if nccl_allowed() {
+        GemmRsPath::Unfused
+    } else {
+        GemmRsPath::Fused
+    };
+    assert_eq!(ranks[1].path_for(64).unwrap(), small);
+}
+
+#[test]
+fn a_peer_that_never_joins_the_unfused_path_ends_in_a_diagnosed_error() {
+    let Some(g) = two_gpus() else { return };
+    if !nccl_allowed() {
+        return;
+    }
+    let mut config = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
+    config.timeout = Duration::from_millis(300);
+    config.path = PathChoice::Always(GemmRsPath::Unfused);
+    let mut ranks = GemmRsRank::create_group(&g, config).unwrap();
+    let stream = Stream::new(&g[0]).unwrap();
+    let mem = DeviceMemory::zeroed(&g[0], 1 << 20).unwrap();
+    let x = mem.addr();
+    let started = Instant::now();
+    // SAFETY: buffers outlive the call; rank 1 never calls, so nothing is queued
+    let err = unsafe { ranks[0].forward(&stream, 256, x, x, None, x) }.unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(10), "no hang");
+    let err = err.to_string();
+    assert!(
+        err.contains("rank 0 waited") && err.contains("NCCL communicator"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -470,6 +470,7 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
 pub enum GemmRsOperator<TI: Element, TO: Element> {
     Fused(SimGemmReduceScatter<TI, TO>),
     Overlapped(crate::ring_rs::SimRingReduceScatter<TI, TO>),
+    Unfused(crate::unfused_rs::SimUnfusedReduceScatter<TI, TO>),
 }
 
 impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
@@ -483,6 +484,9 @@ impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
             GemmRsPath::Fused => GemmRsOperator::Fused(SimGemmReduceScatter::new(world, config)?),
             GemmRsPath::Overlapped { pieces } => GemmRsOperator::Overlapped(
                 crate::ring_rs::SimRingReduceScatter::new(world, config, pieces)?,
+            ),
+            GemmRsPath::Unfused => GemmRsOperator::Unfused(
+                crate::unfused_rs::SimUnfusedReduceScatter::new(world, config)?,
             ),
         })
     }
@@ -514,6 +518,7 @@ impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
         match self {
             GemmRsOperator::Fused(op) => op.forward(ctx, m, a, b, bias, out),
             GemmRsOperator::Overlapped(op) => op.forward(ctx, m, a, b, bias, out),
+            GemmRsOperator::Unfused(op) => op.forward(ctx, m, a, b, bias, out),
         }
     }
 }

@@ -25,6 +25,7 @@ pub mod gemm_rs;
 pub mod protocol;
 pub mod ring_rs;
 pub mod signal;
+pub mod unfused_rs;
 pub mod world;
 
 pub use backend::SimBackend;

@@ -268,6 +268,35 @@ fn the_overlapped_ring_matches_the_reference_on_four_to_nine_ranks() {
 }
 
 #[test]
+fn the_unfused_path_matches_the_reference_on_one_to_nine_ranks() {
+    let variants = variants();
+    let mut failures = Vec::new();
+    for p in 1..=9 {
+        for (s, shape) in shapes(p).into_iter().enumerate() {
+            // every variant on up to three ranks, a rotating sample beyond
+            let picks: Vec<usize> = if p <= 3 {
+                (0..variants.len()).collect()
+            } else {
+                vec![(p * 5 + s * 3) % variants.len()]
+            };
+            for v in picks {
+                let seed = (p * 100 + s * 20 + v) as u64;
+                let path = GemmRsPath::Unfused;
+                failures.extend(run_variant_on(
+                    path,
+                    p,
+                    shape,
+                    variants[v],
+                    SMALL_TILE,
+                    seed,
+                ));
+            }
+        }
+    }
+    assert_none(failures);
+}
+
+#[test]
 fn the_overlapped_ring_on_sixteen_ranks() {
     let variant = (BLayout::KN, DType::F16, DType::F32, true);
     let path = GemmRsPath::Overlapped { pieces: 2 };

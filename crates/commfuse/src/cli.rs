@@ -192,7 +192,8 @@ pub struct RunGemmRsArgs {
     #[arg(long, short = 'p', default_value_t = 2)]
     pub ranks: usize,
     /// Which path: auto (the cost model's pick for the shape), fused (the tile schedule of our
-    /// GEMM) or overlapped (the ring of library GEMMs; --pieces cuts each step)
+    /// GEMM), overlapped (the ring of library GEMMs; --pieces cuts each step) or unfused (the
+    /// whole GEMM, then a reduce-scatter)
     #[arg(long, default_value = "auto")]
     pub path: String,
     /// Row pieces per ring step on the overlapped path (default: what auto would take)
@@ -780,22 +781,22 @@ fn parse_gemm_rs_path(
     pieces: Option<usize>,
     shape: &commfuse_core::fused::gemm_rs::GemmRsShape,
 ) -> Result<commfuse_core::fused::gemm_rs::GemmRsPath> {
-    use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath};
-    let auto = choose_path(shape);
-    let auto_pieces = match auto {
+    use commfuse_core::fused::gemm_rs::{choose_overlapping_path, choose_path, GemmRsPath};
+    let auto_pieces = match choose_overlapping_path(shape) {
         GemmRsPath::Overlapped { pieces } => pieces,
-        GemmRsPath::Fused => 1,
+        GemmRsPath::Fused | GemmRsPath::Unfused => 1,
     };
     Ok(match (path, pieces) {
-        ("auto", None) => auto,
+        ("auto", None) => choose_path(shape),
         ("fused", None) => GemmRsPath::Fused,
+        ("unfused", None) => GemmRsPath::Unfused,
         ("overlapped", p) => GemmRsPath::Overlapped {
             pieces: p.unwrap_or(auto_pieces),
         },
-        ("auto" | "fused", Some(_)) => {
+        ("auto" | "fused" | "unfused", Some(_)) => {
             bail!("--pieces goes with --path overlapped")
         }
-        (other, _) => bail!("unknown path {other:?}: auto, fused or overlapped"),
+        (other, _) => bail!("unknown path {other:?}: auto, fused, overlapped or unfused"),
     })
 }
 

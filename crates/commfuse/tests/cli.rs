@@ -604,13 +604,15 @@ fn run_gemm_rs_checks_every_element_on_the_simulator() {
     assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
     assert!(stdout(&o).contains("f16 → f32, bias, on 5 ranks"));
     // auto names the path it took; each path can be asked for
-    assert!(out.contains("overlapped (1 piece) (auto)"), "{out}");
+    // (a reduce-scatter of under 4 MiB a rank: the unfused path)
+    assert!(out.contains("unfused (auto)"), "{out}");
     for (path, says) in [
         (&["--path", "fused"][..], "(sim), fused, seed"),
         (
             &["--path", "overlapped", "--pieces", "3"][..],
             "overlapped (3 pieces), seed",
         ),
+        (&["--path", "unfused"][..], "(sim), unfused, seed"),
     ] {
         let args: Vec<&str> = [
             "run", "gemm-rs", "--ranks", "4", "--m", "61", "--n", "16", "--k", "8",
@@ -707,7 +709,7 @@ fn run_gemm_rs_refuses_bad_input_in_one_line() {
     );
     fails_with(
         &with(&["--k", "8", "--path", "fast"]),
-        "unknown path \"fast\": auto, fused or overlapped",
+        "unknown path \"fast\": auto, fused, overlapped or unfused",
     );
     fails_with(
         &with(&["--k", "8", "--path", "overlapped", "--pieces", "17"]),

@@ -117,6 +117,9 @@ pub enum GemmRsPath {
     /// The ring of library GEMMs whose running sums are handed on while the next piece is
     /// computed, each step cut into this many row pieces ([`super::ring_rs`])
     Overlapped { pieces: usize },
+    /// The library GEMM of the whole product, then a reduce-scatter of it (no overlap): where
+    /// the reduce-scatter is too short for either path to hide it profitably
+    Unfused,
 }
 
 impl std::fmt::Display for GemmRsPath {
@@ -125,6 +128,7 @@ impl std::fmt::Display for GemmRsPath {
             GemmRsPath::Fused => write!(f, "fused"),
             GemmRsPath::Overlapped { pieces: 1 } => write!(f, "overlapped (1 piece)"),
             GemmRsPath::Overlapped { pieces } => write!(f, "overlapped ({pieces} pieces)"),
+            GemmRsPath::Unfused => write!(f, "unfused"),
         }
     }
 }
@@ -132,16 +136,34 @@ impl std::fmt::Display for GemmRsPath {
 /// Rows below which a step of the overlapped path is not cut in two.
 pub const PIECE_ROWS_MIN: usize = 128;
 
-/// The path the cost model takes for `shape`: the overlapped ring wherever its rows are whole
-/// 16-byte units (cuBLASLt's pieces start on row boundaries), the fused path otherwise. Its
-/// steps are cut in two pieces when each keeps at least [`PIECE_ROWS_MIN`] rows: on 2 × H200
-/// two pieces measured fastest at every shape tried (M×N×K = 8192×8192×3584, 2048×8192×3584,
-/// 8192×8192×14336, 1024×8192×3584; 1, 2, 4 and 8 pieces, docs/perf.md): more pieces give
-/// cuBLASLt GEMMs too small to run at full speed, one piece leaves the first hand-on exposed.
-/// The fused path measured slower than the overlapped one at every shape (our GEMM trails
-/// cuBLASLt's by 10–15 % at K = 3584). A pure function of the shape, so every rank of a group
-/// picks the same.
+/// Bytes a rank sends in the reduce-scatter below which `auto` takes the unfused path.
+/// Measured on 2 × H200 (docs/perf.md, fourth session): at 512×4096×4096 (2 MiB sent per rank)
+/// cuBLASLt then NCCL took 52.6 µs, the overlapped ring 66.9 µs (1 piece) and 83.4 µs (2) —
+/// its flag kernels and copy-engine start-up cost some 30 µs a call, more than the
+/// reduce-scatter it hides (25 µs); at 1024×8192×3584 (8 MiB) the ring already won (1.12×).
+pub const UNFUSED_BELOW_BYTES: usize = 4 << 20;
+
+/// The path the cost model takes for `shape`: unfused where the reduce-scatter each rank sends
+/// is under [`UNFUSED_BELOW_BYTES`]; else the overlapped ring wherever its rows are whole
+/// 16-byte units (cuBLASLt's pieces start on row boundaries), the fused path otherwise. The
+/// ring's steps are cut in two pieces when each keeps at least [`PIECE_ROWS_MIN`] rows: on
+/// 2 × H200 two pieces measured fastest at every larger shape tried (M×N×K =
+/// 8192×8192×3584, 2048×8192×3584, 8192×8192×14336, 1024×8192×3584; 1, 2, 4 and 8 pieces,
+/// docs/perf.md): more pieces give cuBLASLt GEMMs too small to run at full speed, one piece
+/// leaves the first hand-on exposed. The fused path measured slower than the overlapped one
+/// at every shape (our GEMM trails cuBLASLt's by 10–15 % at K = 3584). A pure function of the
+/// shape, so every rank of a group picks the same.
 pub fn choose_path(shape: &GemmRsShape) -> GemmRsPath {
+    let sent = (shape.world - 1) * shape.chunk_rows_max() * shape.n * shape.output.size();
+    if sent < UNFUSED_BELOW_BYTES {
+        return GemmRsPath::Unfused;
+    }
+    choose_overlapping_path(shape)
+}
+
+/// [`choose_path`]'s choice between the two paths that overlap the reduce-scatter with the
+/// GEMM, for a shape of any size (and where the unfused path cannot run).
+pub fn choose_overlapping_path(shape: &GemmRsShape) -> GemmRsPath {
     if !(shape.n * shape.output.size()).is_multiple_of(16) {
         return GemmRsPath::Fused;
     }
@@ -514,6 +536,8 @@ pub fn element_bound_on(shape: &GemmRsShape, path: GemmRsPath, want: &ReferenceE
     let roundings = match path {
         GemmRsPath::Fused => 1.0,
         GemmRsPath::Overlapped { .. } => (p - 1.0).max(1.0),
+        // the GEMM rounds each partial, then each of the P − 1 sums is rounded
+        GemmRsPath::Unfused => p,
     };
     let partial_casts = roundings * u_out * want.abs_partials;
     let sum = p * u_f32 * ((1.0 + u_out) * want.abs_partials + want.abs_bias);

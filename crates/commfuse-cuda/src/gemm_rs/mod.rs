@@ -25,9 +25,12 @@
 //! the same M.
 
 mod ring;
+mod unfused;
 
 use ring::{RingMemory, RingPath};
 pub use ring::{RingParts, RingPeer};
+use unfused::{draw_nccl_id, UnfusedPath};
+pub use unfused::{NcclId, NCCL_ID_BYTES};
 
 use crate::driver::{DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream};
 use crate::error::CudaError;
@@ -40,11 +43,13 @@ use crate::nvrtc;
 use crate::plan_table::{ErrorRecord, MAX_RANKS};
 use bytemuck::{Pod, Zeroable};
 pub use commfuse_core::fused::gemm_rs::GemmRsPath;
-use commfuse_core::fused::gemm_rs::{choose_path, GemmRsSchedule, GemmRsShape};
+use commfuse_core::fused::gemm_rs::{
+    choose_overlapping_path, choose_path, GemmRsSchedule, GemmRsShape,
+};
 use commfuse_core::fused::ring_rs::MAX_PIECES;
 use commfuse_core::gemm::BLayout;
 use commfuse_core::DType;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -160,6 +165,9 @@ pub struct GemmRsPeer {
     pub flags: u64,
     /// The overlapped path's buffers (zero when the rank was built without that path)
     pub ring: RingPeer,
+    /// The NCCL unique id rank 0 drew for the unfused path (zero on other ranks, and where
+    /// NCCL cannot run: the unfused path is then left out)
+    pub nccl_id: NcclId,
 }
 
 /// The memory the kernels of a call use: freed only once the last call has ended.
@@ -206,6 +214,11 @@ pub struct GemmRsRank {
     last_path: Option<GemmRsPath>,
     // dropped after every prepared GEMM (fields drop in order) and before the context
     memory: Launched<RsMemory>,
+    /// The unfused path, where NCCL runs (dropped after `memory`, which waits for the last
+    /// call, so its buffers and communicator outlive every call that uses them)
+    unfused: Option<UnfusedPath>,
+    /// The M of every unfused call so far (the first of each waits on the host)
+    unfused_ms: HashSet<usize>,
     /// Peers' buffers opened from other processes (closed once the memory above is released,
     /// i.e. after the last call that wrote into them)
     mapped: Vec<IpcMapping>,
@@ -225,6 +238,8 @@ pub struct GemmRsAllocation {
     flag_stride: usize,
     memory: RsMemory,
     ring: Option<RingMemory>,
+    /// Rank 0's NCCL unique id for the unfused path (zero elsewhere, or without it)
+    nccl_id: NcclId,
     gpu: Arc<Gpu>,
 }
 
@@ -265,12 +280,28 @@ impl GemmRsAllocation {
                 }
                 (false, true)
             }
+            PathChoice::Always(GemmRsPath::Unfused) => (false, false),
         };
         if overlapped && !whole_rows {
             return Err(unsupported(format!(
                 "the overlapped path needs rows of a multiple of 16 bytes (N = {} of {})",
                 config.n, config.output
             )));
+        }
+        let may_unfuse = matches!(
+            config.path,
+            PathChoice::Auto | PathChoice::Always(GemmRsPath::Unfused)
+        );
+        let nccl_id = match (rank, may_unfuse) {
+            (0, true) => draw_nccl_id(),
+            _ => None,
+        };
+        if config.path == PathChoice::Always(GemmRsPath::Unfused) && rank == 0 && nccl_id.is_none()
+        {
+            return Err(unsupported(
+                "the unfused path needs NCCL (libnccl.so on the library path) and NCCL_NVLS_ENABLE=0"
+                    .into(),
+            ));
         }
         let receive_bytes = if fused {
             2 * world * layout.slot_len * config.output.size()
@@ -293,6 +324,7 @@ impl GemmRsAllocation {
             world,
             config,
             flag_stride: layout.flag_stride,
+            nccl_id: nccl_id.unwrap_or([0; NCCL_ID_BYTES]),
             gpu,
         })
     }
@@ -307,6 +339,7 @@ impl GemmRsAllocation {
                 .as_ref()
                 .map(|r| r.peer(&self.gpu))
                 .unwrap_or_default(),
+            nccl_id: self.nccl_id,
         }
     }
 
@@ -326,6 +359,7 @@ impl GemmRsAllocation {
             rank: self.rank,
             world: self.world,
             handles,
+            extra: self.nccl_id.to_vec(),
         })
     }
 
@@ -359,10 +393,17 @@ impl GemmRsAllocation {
             } else {
                 RingPeer::default()
             };
+            let nccl_id = NcclId::try_from(e.extra.as_slice()).map_err(|_| {
+                unsupported(format!(
+                    "gemm-rs: export {q} carries {} extra bytes, expected an NCCL id of {NCCL_ID_BYTES}",
+                    e.extra.len()
+                ))
+            })?;
             peers.push(GemmRsPeer {
                 receive,
                 flags,
                 ring,
+                nccl_id,
             });
         }
         let mut rank = self.connect(&peers)?;
@@ -400,6 +441,19 @@ impl GemmRsAllocation {
             }
             None => None,
         };
+        // the unfused path where rank 0 drew an NCCL id for it
+        let unfused = if peers[0].nccl_id != [0; NCCL_ID_BYTES] {
+            let id = peers[0].nccl_id;
+            Some(UnfusedPath::new(
+                gpu.clone(),
+                self.rank,
+                self.world,
+                self.config,
+                id,
+            )?)
+        } else {
+            None
+        };
         Ok(GemmRsRank {
             rank: self.rank,
             world: self.world,
@@ -417,6 +471,8 @@ impl GemmRsAllocation {
             ring,
             last_path: None,
             memory: Launched::new(&gpu, self.memory)?,
+            unfused,
+            unfused_ms: HashSet::new(),
             mapped: Vec::new(),
             gpu,
         })
@@ -559,9 +615,14 @@ impl GemmRsRank {
                 self.config.max_m
             )));
         }
+        let shape = shape(&self.config, self.world, m)?;
         Ok(match self.config.path {
             PathChoice::Always(path) => path,
-            PathChoice::Auto => choose_path(&shape(&self.config, self.world, m)?),
+            PathChoice::Auto => match choose_path(&shape) {
+                // without NCCL, the better of the paths that overlap
+                GemmRsPath::Unfused if self.unfused.is_none() => choose_overlapping_path(&shape),
+                path => path,
+            },
         })
     }
 
@@ -577,7 +638,7 @@ impl GemmRsRank {
     pub fn prepare(&mut self, m: usize) -> Result<(), CudaError> {
         match self.path_for(m)? {
             GemmRsPath::Fused => self.prepare_fused(m),
-            GemmRsPath::Overlapped { .. } => Ok(()),
+            GemmRsPath::Overlapped { .. } | GemmRsPath::Unfused => Ok(()),
         }
     }
 
@@ -704,6 +765,7 @@ impl GemmRsRank {
                 .as_mut()
                 .expect("path_for offers the ring only when it was built")
                 .enqueue(stream, m, pieces, (a, b, bias, out), RingParts::WHOLE),
+            GemmRsPath::Unfused => self.enqueue_unfused(stream, m, (a, b, bias, out)),
         };
         if result.is_ok() {
             self.last_path = Some(path);
@@ -714,6 +776,33 @@ impl GemmRsRank {
             self.memory.error.raise_abort();
         }
         result
+    }
+
+    /// One unfused call: after this operator's previous calls (the first call of an M waits
+    /// for them on the host, as it joins the communicator and tunes cuBLASLt there).
+    unsafe fn enqueue_unfused(
+        &mut self,
+        stream: &Stream,
+        m: usize,
+        operands: (u64, u64, Option<u64>, u64),
+    ) -> Result<(), CudaError> {
+        let limit = 4 * self.config.timeout;
+        if !self.unfused_ms.contains(&m) && !self.memory.wait_last(limit)? {
+            return Err(unsupported(format!(
+                "GEMM + reduce-scatter: rank {}'s earlier calls still run after {limit:?}",
+                self.rank
+            )));
+        }
+        self.memory.order_after_last(stream)?;
+        let path = self.unfused.as_mut().ok_or_else(|| {
+            unsupported(
+                "the unfused path needs NCCL where rank 0 was built (libnccl.so, NCCL_NVLS_ENABLE=0)"
+                    .into(),
+            )
+        })?;
+        path.enqueue(stream, m, operands, limit)?;
+        self.unfused_ms.insert(m);
+        self.memory.launched(stream)
     }
 
     unsafe fn enqueue(
@@ -832,6 +921,7 @@ mod tests {
                 receive: (q as u64 + 1) << 40,
                 flags: ((q as u64 + 1) << 40) | (1 << 39),
                 ring: RingPeer::default(),
+                nccl_id: [0; NCCL_ID_BYTES],
             })
             .collect()
     }
