@@ -30,9 +30,19 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ._commfuse import GpuAllGatherMatmul, GpuGemmReduceScatter
+from ._commfuse import GpuAllGatherMatmul, GpuCollective, GpuGemmReduceScatter
 
-__all__ = ["gemm_reduce_scatter", "all_gather_gemm", "operator_path", "clear_cache"]
+__all__ = [
+    "gemm_reduce_scatter",
+    "all_gather_gemm",
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "all_to_all",
+    "barrier",
+    "operator_path",
+    "clear_cache",
+]
 
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
@@ -246,6 +256,125 @@ def all_gather_gemm(
         gathered=None if gathered is None else gathered.data_ptr(),
     )
     return (out, gathered) if return_a else out
+
+
+def _reduce_name(op) -> str:
+    names = {"sum", "max", "min", "prod"}
+    if isinstance(op, str) and op.lower() in names:
+        return op.lower()
+    by_enum = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
+               dist.ReduceOp.PRODUCT: "prod"}
+    for enum, name in by_enum.items():
+        if op == enum:
+            return name
+    raise ValueError(f"op must be sum, max, min or prod (or the dist.ReduceOp of one), got {op!r}")
+
+
+def _vector(x: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_cuda:
+        raise ValueError(f"{what} must be on a CUDA device, got {x.device}")
+    _name(x.dtype, what)
+    return x
+
+
+def _collective(kind: str, count: int, like: torch.Tensor, group, reduce: str = "sum"):
+    """The cached collective of ``kind`` over ``count`` elements of ``like``'s dtype."""
+    device = like.device.index if like is not None else torch.cuda.current_device()
+    dtype = _name(like.dtype, "the tensor") if like is not None else "f32"
+    key = (device, kind, count, dtype, reduce)
+
+    def build(rank, world, _max_m):
+        return GpuCollective(device, rank, world, kind, count, dtype=dtype, reduce=reduce)
+
+    return _operator("collective", group, 0, key, build)
+
+
+def _run(op, input: Optional[torch.Tensor], output: Optional[torch.Tensor], device) -> None:
+    op.forward(
+        0 if input is None else input.data_ptr(),
+        0 if output is None else output.data_ptr(),
+        _stream(device),
+    )
+
+
+def _sizes(op, input: torch.Tensor, output: torch.Tensor, what: str) -> None:
+    want_in, want_out = op.lengths()
+    if input.numel() != want_in or output.numel() != want_out:
+        raise ValueError(
+            f"{what}: this rank's input must hold {want_in} elements and its output {want_out},"
+            f" got {input.numel()} and {output.numel()}"
+        )
+    if output.dtype != input.dtype or output.device != input.device:
+        raise ValueError(f"{what}: input and output must have one dtype and device")
+
+
+def all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+    """``dist.all_reduce``, in place on the tensor's current stream: every rank's ``tensor``
+    becomes the element-wise ``op`` ("sum", "max", "min", "prod") of all ranks'. Returns it."""
+    _vector(tensor, "tensor")
+    group = _group(group)
+    t = tensor.contiguous()
+    coll = _collective("all-reduce", t.numel(), t, group, _reduce_name(op))
+    _run(coll, t, t, t.device)
+    if t.data_ptr() != tensor.data_ptr():
+        tensor.copy_(t.view_as(tensor))
+    return tensor
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+    """``dist.reduce_scatter_tensor``: this rank's chunk of the element-wise ``op`` of every
+    rank's ``input`` into ``output``; chunks split as ``torch.tensor_split`` splits the input
+    (so the input need not divide by the group's size). Returns ``output``."""
+    _vector(input, "input")
+    _vector(output, "output")
+    group = _group(group)
+    coll = _collective("reduce-scatter", input.numel(), input, group, _reduce_name(op))
+    _sizes(coll, input, output, "reduce_scatter")
+    _run(coll, input.contiguous(), _contiguous_out(output), input.device)
+    return output
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+    """``dist.all_gather_into_tensor``: every rank's ``input`` (its chunk, as
+    ``torch.tensor_split`` splits the output) concatenated into ``output``. Returns it."""
+    _vector(input, "input")
+    _vector(output, "output")
+    group = _group(group)
+    coll = _collective("all-gather", output.numel(), input, group)
+    _sizes(coll, input, output, "all_gather")
+    _run(coll, input.contiguous(), _contiguous_out(output), input.device)
+    return output
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+    """``dist.all_to_all_single`` with equal splits: chunk j of this rank's ``input`` goes to
+    rank j, and ``output`` holds chunk r of every rank's input, rank by rank. Returns it."""
+    _vector(input, "input")
+    _vector(output, "output")
+    group = _group(group)
+    coll = _collective("all-to-all", input.numel(), input, group)
+    _sizes(coll, input, output, "all_to_all")
+    _run(coll, input.contiguous(), _contiguous_out(output), input.device)
+    return output
+
+
+def barrier(group=None) -> None:
+    """``dist.barrier``: returns once every rank of the group has reached it (a device-side
+    barrier on the current stream, which this call then waits for)."""
+    group = _group(group)
+    device = torch.device("cuda", torch.cuda.current_device())
+    coll = _collective("barrier", 0, None, group)
+    _run(coll, None, None, device)
+    torch.cuda.current_stream(device).synchronize()
+    coll.check()
+
+
+def _contiguous_out(output: torch.Tensor) -> torch.Tensor:
+    if not output.is_contiguous():
+        raise ValueError("output must be contiguous")
+    return output
 
 
 def operator_path(a_rows: int, b: torch.Tensor, group=None, **options) -> Optional[str]:

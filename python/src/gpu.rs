@@ -5,9 +5,11 @@
 //! these classes take addresses so that no PyTorch library is linked (any framework whose
 //! tensors give a device pointer and a stream can call them).
 
-use crate::{parse_dtype, parse_layout, parse_path};
+use crate::{parse_dtype, parse_layout, parse_path, value_error};
 use commfuse_core::fused::gemm_rs::GemmRsPath;
+use commfuse_core::{Algo, OpKind, ReduceOp};
 use commfuse_cuda::ag_gemm::{AgGemmAllocation, AgGemmConfig, AgGemmRank};
+use commfuse_cuda::collective_rank::{CollectiveAllocation, CollectiveConfig, CollectiveRank};
 use commfuse_cuda::driver::{Gpu, Stream};
 use commfuse_cuda::error::CudaError;
 use commfuse_cuda::gemm_rs::{GemmRsAllocation, GemmRsConfig, GemmRsRank, PathChoice};
@@ -280,6 +282,86 @@ impl GpuAllGatherMatmul {
         let stream = borrowed_stream(stream);
         // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`
         py.detach(|| unsafe { op.forward(&stream, m, (a, b, bias), out, gathered) })
+            .map_err(cuda_error)
+    }
+
+    /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
+    fn check(&mut self) -> PyResult<()> {
+        self.stage.connected()?.check().map_err(earlier_failure)
+    }
+}
+
+/// One rank of a collective (`op`: "all-reduce", "reduce-scatter", "all-gather", "broadcast",
+/// "all-to-all", "barrier") of `count` elements of `dtype` on its GPU, by `algo` or the cost
+/// model's pick. Build on every rank, pass every rank's `export()` to `connect`, then call
+/// `forward`.
+#[pyclass(unsendable, module = "commfuse._commfuse")]
+pub struct GpuCollective {
+    stage: Stage<CollectiveAllocation, CollectiveRank>,
+}
+
+#[pymethods]
+impl GpuCollective {
+    #[new]
+    #[pyo3(signature = (device, rank, world, op, count, *, dtype="f32", reduce="sum", algo=None, root=0, timeout_ms=5000))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        device: usize,
+        rank: usize,
+        world: usize,
+        op: &str,
+        count: usize,
+        dtype: &str,
+        reduce: &str,
+        algo: Option<&str>,
+        root: usize,
+        timeout_ms: u64,
+    ) -> PyResult<Self> {
+        let kind: OpKind = op.parse().map_err(value_error)?;
+        let mut config = CollectiveConfig::new(kind, count, parse_dtype(dtype)?);
+        config.reduce = reduce.parse::<ReduceOp>().map_err(value_error)?;
+        config.algo = algo
+            .map(str::parse::<Algo>)
+            .transpose()
+            .map_err(value_error)?;
+        config.root = root;
+        config.timeout = Duration::from_millis(timeout_ms);
+        let gpu = open_gpu(device)?;
+        let allocation = CollectiveAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
+        Ok(GpuCollective {
+            stage: Stage::Allocated(allocation),
+        })
+    }
+
+    /// This rank's pads and buffers as bytes for the other processes (CUDA IPC handles).
+    fn export<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self.stage.allocated()?.export().map_err(cuda_error)?;
+        Ok(PyBytes::new(py, &bytes.to_bytes()))
+    }
+
+    /// Opens every rank's export (rank order, this rank's own among them).
+    fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
+        self.stage.connect(exports, |a, e| a.connect_exported(e))
+    }
+
+    /// Elements of this rank's input and output.
+    fn lengths(&mut self) -> PyResult<(usize, usize)> {
+        Ok(self.stage.connected()?.lengths())
+    }
+
+    /// The algorithm that runs.
+    fn algo(&mut self) -> PyResult<String> {
+        Ok(self.stage.connected()?.algo().to_string())
+    }
+
+    /// Queues one call on `stream`: `input` into `output` (device addresses of `lengths()`
+    /// elements). Raises first if an earlier call's wait timed out on the device.
+    fn forward(&mut self, py: Python<'_>, input: u64, output: u64, stream: u64) -> PyResult<()> {
+        let op = self.stage.connected()?;
+        op.check().map_err(earlier_failure)?;
+        let stream = borrowed_stream(stream);
+        // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`
+        py.detach(|| unsafe { op.forward(&stream, input, output) })
             .map_err(cuda_error)
     }
 

@@ -25,7 +25,7 @@ use pyo3::prelude::*;
 use std::sync::Mutex;
 use std::time::Duration;
 
-fn value_error(e: impl std::fmt::Display) -> PyErr {
+pub(crate) fn value_error(e: impl std::fmt::Display) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
@@ -465,6 +465,7 @@ fn _commfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gemm_rs_path, m)?)?;
     m.add_class::<gpu::GpuGemmReduceScatter>()?;
     m.add_class::<gpu::GpuAllGatherMatmul>()?;
+    m.add_class::<gpu::GpuCollective>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

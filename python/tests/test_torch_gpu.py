@@ -44,4 +44,6 @@ def test_every_torch_op_matches_float64_and_pytorch_across_processes():
     sys.stdout.write(run.stdout)
     sys.stderr.write(run.stderr[-8000:])
     assert run.returncode == 0, f"torchrun exited with {run.returncode}"
-    assert "ok gemm_reduce_scatter" in run.stdout and "ok all_gather_gemm" in run.stdout
+    for op in ["gemm_reduce_scatter", "all_gather_gemm", "all_reduce", "reduce_scatter",
+               "all_gather", "all_to_all", "barrier"]:
+        assert f"ok {op}" in run.stdout, f"{op} did not report"

@@ -117,6 +117,70 @@ def check_ag_gemm(rank, world, dtype, out_dtype, layout, with_bias, ms, seed):
     return f"all_gather_gemm {dtype}->{out_dtype} {layout} bias={with_bias} M={ms}"
 
 
+def check_collectives(rank, world, dtype, seed):
+    """Every collective on small integers (exact in every type, so results must be equal to
+    float64's and to PyTorch's bit for bit), counts that do not divide by P, two calls back to
+    back with new inputs before any synchronisation."""
+    dev = torch.device("cuda", rank)
+    lines = []
+
+    def ints(s, n):  # every rank's input from shared seeds
+        g = torch.Generator().manual_seed(s)
+        return [torch.randint(-8, 9, (n,), generator=g).to(dtype) for _ in range(world)]
+
+    def same(name, got, want):
+        if not torch.equal(got.cpu().double(), want.double()):
+            bad = (got.cpu().double() != want.double()).nonzero()[0].item()
+            raise AssertionError(f"{name}: element {bad}: got {got[bad].item()}, want {want[bad].item()}")
+
+    count = 3 * 4096 + 7
+    for op, reduce in [("sum", lambda xs: sum(x.double() for x in xs)),
+                       ("max", lambda xs: torch.stack([x.double() for x in xs]).amax(0))]:
+        calls = [ints(seed + c, count) for c in range(2)]
+        tensors = [xs[rank].to(dev) for xs in calls]
+        for t in tensors:
+            cf.all_reduce(t, op=op)
+        torch.cuda.synchronize()
+        for xs, t in zip(calls, tensors):
+            same(f"all_reduce {op} {dtype}", t, reduce(xs))
+            theirs = xs[rank].to(dev)
+            dist.all_reduce(theirs, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+            same(f"all_reduce {op} {dtype} vs PyTorch", t, theirs.cpu())
+    lines.append(f"all_reduce sum, max {dtype} ({count} elements, back to back)")
+
+    count = world * 1000 + 1  # chunks differ by one
+    xs = ints(seed + 5, count)
+    mine = torch.tensor_split(torch.arange(count), world)[rank]
+    out = torch.full((len(mine),), float("nan"), dtype=dtype, device=dev)
+    cf.reduce_scatter(out, xs[rank].to(dev))
+    torch.cuda.synchronize()
+    same(f"reduce_scatter {dtype}", out, sum(x.double() for x in xs)[mine])
+    lines.append(f"reduce_scatter {dtype} ({count} elements)")
+
+    full = ints(seed + 6, count)[0]
+    out = torch.full((count,), float("nan"), dtype=dtype, device=dev)
+    cf.all_gather(out, full[mine].to(dev))
+    torch.cuda.synchronize()
+    same(f"all_gather {dtype}", out, full)
+    lines.append(f"all_gather {dtype} ({count} elements)")
+
+    count = world * 96
+    xs = ints(seed + 7, count)
+    out = torch.full((count,), float("nan"), dtype=dtype, device=dev)
+    cf.all_to_all(out, xs[rank].to(dev))
+    theirs = torch.empty_like(out)
+    dist.all_to_all_single(theirs, xs[rank].to(dev))
+    torch.cuda.synchronize()
+    want = torch.cat([torch.tensor_split(x, world)[rank] for x in xs])
+    same(f"all_to_all {dtype}", out, want)
+    same(f"all_to_all {dtype} vs PyTorch", out, theirs.cpu())
+    lines.append(f"all_to_all {dtype} ({count} elements)")
+
+    cf.barrier()
+    lines.append("barrier")
+    return lines
+
+
 def check_bad_input(rank, world):
     dev = torch.device("cuda", rank)
     a = torch.zeros((64, 32), dtype=torch.bfloat16, device=dev)
@@ -132,6 +196,10 @@ def check_bad_input(rank, world):
             out=torch.zeros((3, 3), dtype=torch.bfloat16, device=dev))),
         ("chunk mismatch", lambda: cf.all_gather_gemm(
             a, torch.zeros((32, 16), dtype=torch.bfloat16, device=dev), m=64 * world + world)),
+        ("reduce_scatter sizes", lambda: cf.reduce_scatter(
+            torch.zeros(5, device=dev), torch.zeros(64, device=dev))),
+        ("unknown reduce op", lambda: cf.all_reduce(torch.zeros(8, device=dev), op="avg")),
+        ("integer tensor", lambda: cf.all_reduce(torch.zeros(8, dtype=torch.int32, device=dev))),
     ]
     for what, call in cases:
         try:
@@ -149,6 +217,8 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
     results = [check_bad_input(rank, world)]
+    for dtype in [torch.float32, torch.bfloat16]:
+        results.extend(check_collectives(rank, world, dtype, 1000))
     seed = 1
     for dtype, out_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)]:
         for layout in ["nk", "kn"]:

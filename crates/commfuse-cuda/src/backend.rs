@@ -19,14 +19,14 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 /// Signal slots per lane on every GPU; plans need rows × cols of them.
-const PAD_SLOTS: usize = 1024;
+pub(crate) const PAD_SLOTS: usize = 1024;
 /// Bytes of the longest region a lane aims to handle. Measured on 2 × H200 (docs/perf.md):
 /// 64 KiB per lane serves messages from 4 MiB up; 4 KiB per lane for every message made 4–16 MiB
 /// calls 10 µs slower; one block per small message was latency-bound (64 KiB took 20 µs).
-const LANE_TARGET_BYTES: usize = 64 << 10;
+pub(crate) const LANE_TARGET_BYTES: usize = 64 << 10;
 /// Small messages still get this many lanes, down to LANE_MIN_BYTES each.
-const LANE_MIN_COUNT: usize = 16;
-const LANE_MIN_BYTES: usize = 4 << 10;
+pub(crate) const LANE_MIN_COUNT: usize = 16;
+pub(crate) const LANE_MIN_BYTES: usize = 4 << 10;
 /// What a host wait allows beyond the device-side wait timeout: launch queues, first-call
 /// setup, a large message's transfer. A host wait past it means a GPU is stuck.
 const HOST_SLACK: Duration = Duration::from_secs(20);
@@ -75,7 +75,17 @@ impl Drop for CudaBackend {
     }
 }
 
-fn dtype_index(d: DType) -> usize {
+/// The plan kernel of `reduce` among a dtype's four (`plan_{dtype}_{sum,max,min,prod}`).
+pub(crate) fn reduce_index(reduce: ReduceOp) -> usize {
+    match reduce {
+        ReduceOp::Sum => 0,
+        ReduceOp::Max => 1,
+        ReduceOp::Min => 2,
+        ReduceOp::Prod => 3,
+    }
+}
+
+pub(crate) fn dtype_index(d: DType) -> usize {
     match d {
         DType::F32 => 0,
         DType::BF16 => 1,
@@ -953,12 +963,7 @@ impl PlanLauncher {
         Ok(PlanLauncher {
             plan: plan.clone(),
             dtype_index: dtype_index(dtype),
-            reduce_index: match reduce {
-                ReduceOp::Sum => 0,
-                ReduceOp::Max => 1,
-                ReduceOp::Min => 2,
-                ReduceOp::Prod => 3,
-            },
+            reduce_index: reduce_index(reduce),
             lanes,
             _tables: tables,
             args,

@@ -15,6 +15,7 @@ pub mod ag_gemm;
 pub mod ag_gemm_bench;
 pub mod backend;
 pub mod collective;
+pub mod collective_rank;
 pub mod cublaslt;
 pub mod driver;
 pub mod error;

@@ -1,0 +1,397 @@
+//! One rank's collective for groups whose ranks are separate processes, one GPU each
+//! (PyTorch's model): the same checked plans and plan kernel as [`crate::collective`], with
+//! every rank owning its signal pads, epoch bases, symmetric buffers and error record, and
+//! knowing its peers' pads and buffers through CUDA IPC ([`crate::ipc::Exported`]).
+//!
+//! A rank is built in two steps, as the fused operators are: [`CollectiveAllocation::new`]
+//! (the plan — a pure function of the op, so every rank builds the same — and the memory), then
+//! [`CollectiveAllocation::connect_exported`] with every rank's export, gathered by the caller's
+//! rendezvous. A call queues on the caller's stream: the caller's input into the rank's
+//! symmetric input buffer, the plan kernel, the symmetric output into the caller's output.
+//! Nothing is cleared between calls (the kernel advances its epoch bases); every rank makes the
+//! same calls in the same order. A wait that times out is recorded in the rank's own record
+//! (`check`); a peer that never calls leaves this rank's waits to time out, not hang.
+
+use crate::backend::{
+    reduce_index, RankBuffers, LANE_MIN_BYTES, LANE_MIN_COUNT, LANE_TARGET_BYTES, PAD_SLOTS,
+};
+use crate::driver::{DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream};
+use crate::error::CudaError;
+use crate::ipc::Exported;
+use crate::nvrtc;
+use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
+use commfuse_core::backend::{ensure_fits, PadCapacity};
+use commfuse_core::cost::choose_algo;
+use commfuse_core::{build_plan, check, Algo, CheckedPlan, DType, OpKind, OpSpec, ReduceOp};
+use commfuse_core::{Slot, Topology};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long dropping a rank waits for its last call before it leaks its memory instead.
+const DROP_WAIT: Duration = Duration::from_secs(30);
+
+fn unavailable(msg: String) -> CudaError {
+    CudaError::Unavailable(msg)
+}
+
+/// What a collective is: `kind` of `count` elements (as [`OpSpec`] counts them) of `dtype`,
+/// by `algo` (None: the cost model's pick), with `reduce` and `root`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CollectiveConfig {
+    pub kind: OpKind,
+    pub count: usize,
+    pub dtype: DType,
+    pub algo: Option<Algo>,
+    pub reduce: ReduceOp,
+    pub root: usize,
+    /// How long any device-side wait may last before the call fails with a diagnosis
+    pub timeout: Duration,
+}
+
+impl CollectiveConfig {
+    /// `kind` of `count` elements of `dtype`, summed where it reduces, root 0, the cost
+    /// model's algorithm, 5 s waits.
+    pub fn new(kind: OpKind, count: usize, dtype: DType) -> CollectiveConfig {
+        CollectiveConfig {
+            kind,
+            count,
+            dtype,
+            algo: None,
+            reduce: ReduceOp::Sum,
+            root: 0,
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A rank's memory, before it knows its peers.
+pub struct CollectiveAllocation {
+    rank: usize,
+    world: usize,
+    config: CollectiveConfig,
+    spec: OpSpec,
+    algo: Algo,
+    plan: CheckedPlan,
+    lanes: Lanes,
+    kernel: Function,
+    memory: RankMemory,
+    gpu: Arc<Gpu>,
+}
+
+/// What the plan kernel of a rank touches: freed only once its last call has ended.
+struct RankMemory {
+    pads: DeviceMemory,
+    bases: DeviceMemory,
+    bufs: RankBuffers,
+    error: MappedHost<ErrorRecord>,
+    /// The rank's table (steps, regions, slot increments), once connected
+    tables: Vec<DeviceMemory>,
+    /// The peers' pads and buffers opened into this process
+    mapped: Vec<IpcMapping>,
+}
+
+impl CollectiveAllocation {
+    /// Builds rank `rank` of `world` on `gpu`: checks the plan, compiles (or loads) the plan
+    /// kernel, allocates the pads and buffers.
+    pub fn new(
+        gpu: Arc<Gpu>,
+        rank: usize,
+        world: usize,
+        config: CollectiveConfig,
+    ) -> Result<CollectiveAllocation, CudaError> {
+        if world == 0 || world > MAX_RANKS || rank >= world {
+            return Err(unavailable(format!(
+                "rank {rank} of {world}: collectives take 1 to {MAX_RANKS} ranks"
+            )));
+        }
+        let fail = |e: commfuse_core::Error| unavailable(e.to_string());
+        let spec = OpSpec::new(config.kind, world, config.count, config.root).map_err(fail)?;
+        let topology = Topology::new(world, 1).map_err(fail)?;
+        let (algo, plan) = match config.algo {
+            Some(algo) => {
+                let plan = build_plan(spec, algo, &topology).map_err(fail)?;
+                (algo, check(plan).map_err(|e| unavailable(e.to_string()))?)
+            }
+            None => {
+                let choice = choose_algo(spec, &topology, config.dtype.size()).map_err(fail)?;
+                (choice.algo, choice.plan)
+            }
+        };
+        ensure_fits(&plan, world, PadCapacity::Slots(PAD_SLOTS))
+            .map_err(|e| unavailable(e.to_string()))?;
+        let compiled = nvrtc::compile(nvrtc::kernel("plan.cu").expect("embedded"), false)?;
+        let module = Module::load(&gpu, &compiled.cubin)?;
+        let dtype = match config.dtype {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+        };
+        let reduce = ["sum", "max", "min", "prod"][reduce_index(config.reduce)];
+        let kernel = module.function(&format!("plan_{dtype}_{reduce}"))?;
+        // lanes spin on their peers' lanes: all must be resident at once (the same GPUs give
+        // every rank the same count; connect checks)
+        let resident = kernel.max_blocks_per_sm(THREADS)? * gpu.sm_count;
+        let max_lanes = resident.min(4 * gpu.sm_count);
+        let eb = config.dtype.size();
+        let lanes = plan_table::lanes(
+            &plan,
+            eb,
+            LANE_TARGET_BYTES,
+            LANE_MIN_BYTES,
+            LANE_MIN_COUNT,
+            max_lanes,
+        );
+        let pad_bytes = max_lanes as usize * PAD_SLOTS * 8;
+        let b = plan.plan().buffers;
+        // at least one element each: an empty allocation has no IPC handle
+        let bytes = |n: usize| n.max(1) * eb;
+        Ok(CollectiveAllocation {
+            memory: RankMemory {
+                pads: DeviceMemory::zeroed(&gpu, pad_bytes)?,
+                bases: DeviceMemory::zeroed(&gpu, pad_bytes)?,
+                bufs: RankBuffers::new(&gpu, bytes(b.input), bytes(b.output), bytes(b.scratch))?,
+                error: MappedHost::new(&gpu, ErrorRecord::default())?,
+                tables: Vec::new(),
+                mapped: Vec::new(),
+            },
+            rank,
+            world,
+            config,
+            spec,
+            algo,
+            plan,
+            lanes,
+            kernel,
+            gpu,
+        })
+    }
+
+    /// The op, algorithm and lanes every rank must agree on, as bytes.
+    fn agreement(&self) -> Vec<u8> {
+        format!(
+            "{} {} {} {} {} {} lanes {}x{}",
+            self.spec.kind,
+            self.spec.count,
+            self.config.dtype,
+            self.algo,
+            self.config.reduce,
+            self.spec.root,
+            self.lanes.count,
+            self.lanes.len
+        )
+        .into_bytes()
+    }
+
+    /// What this rank exports for its peers: the IPC handles of its pads and its three
+    /// buffers, and what the op is (checked on connect).
+    pub fn export(&self) -> Result<Exported, CudaError> {
+        let m = &self.memory;
+        Ok(Exported {
+            operator: "collective".into(),
+            rank: self.rank,
+            world: self.world,
+            handles: vec![
+                m.pads.ipc_handle(&self.gpu)?,
+                m.bufs.input.ipc_handle(&self.gpu)?,
+                m.bufs.output.ipc_handle(&self.gpu)?,
+                m.bufs.scratch.ipc_handle(&self.gpu)?,
+            ],
+            extra: self.agreement(),
+        })
+    }
+
+    /// Finishes the rank from every rank's [`CollectiveAllocation::export`] (rank order, its
+    /// own among them): opens the peers' pads and buffers and builds its table.
+    pub fn connect_exported(mut self, exports: &[Exported]) -> Result<CollectiveRank, CudaError> {
+        Exported::check_group(exports, "collective", self.world, 4)?;
+        let mine = self.agreement();
+        if let Some(e) = exports.iter().find(|e| e.extra != mine) {
+            return Err(unavailable(format!(
+                "collective: rank {} built {:?}, rank {} built {:?}",
+                e.rank,
+                String::from_utf8_lossy(&e.extra),
+                self.rank,
+                String::from_utf8_lossy(&mine)
+            )));
+        }
+        let mut pads = [0u64; MAX_RANKS];
+        let mut addrs = Vec::with_capacity(self.world);
+        for (q, e) in exports.iter().enumerate() {
+            let m = &mut self.memory;
+            if q == self.rank {
+                pads[q] = m.pads.addr();
+                addrs.push(BufferAddrs {
+                    input: m.bufs.input.addr(),
+                    output: m.bufs.output.addr(),
+                    scratch: m.bufs.scratch.addr(),
+                });
+                continue;
+            }
+            let mut open = |i: usize| -> Result<u64, CudaError> {
+                let mapping = IpcMapping::open(&self.gpu, &e.handles[i])?;
+                let addr = mapping.addr();
+                m.mapped.push(mapping);
+                Ok(addr)
+            };
+            pads[q] = open(0)?;
+            addrs.push(BufferAddrs {
+                input: open(1)?,
+                output: open(2)?,
+                scratch: open(3)?,
+            });
+        }
+        let eb = self.config.dtype.size();
+        let table = plan_table::encode(&self.plan, self.rank, &addrs, eb);
+        let upload = |bytes: &[u8]| -> Result<DeviceMemory, CudaError> {
+            let d = DeviceMemory::zeroed(&self.gpu, bytes.len().max(1))?;
+            d.upload(&self.gpu, bytes)?;
+            Ok(d)
+        };
+        let steps = upload(bytemuck::cast_slice(&table.steps))?;
+        let regions = upload(bytemuck::cast_slice(&table.regions))?;
+        let increments = upload(bytemuck::cast_slice(self.plan.slot_increments(self.rank)))?;
+        let p = self.plan.plan();
+        let args = PlanArgs {
+            steps: steps.addr(),
+            regions: regions.addr(),
+            pads,
+            bases: self.memory.bases.addr(),
+            increments: increments.addr(),
+            error: self.memory.error.device_addr(),
+            lane_len: self.lanes.len,
+            timeout_ns: self.config.timeout.as_nanos() as u64,
+            nsteps: table.steps.len() as u32,
+            rank: self.rank as u32,
+            slots: p.pad_rows * p.pad_cols,
+            pad: 0,
+        };
+        self.memory.tables = vec![steps, regions, increments];
+        Ok(CollectiveRank {
+            last: Event::new_untimed(&self.gpu)?,
+            args,
+            broken: false,
+            memory: Some(self.memory),
+            rank: self.rank,
+            spec: self.spec,
+            algo: self.algo,
+            config: self.config,
+            plan: self.plan,
+            lanes: self.lanes,
+            kernel: self.kernel,
+            gpu: self.gpu,
+        })
+    }
+}
+
+/// One rank of a collective whose peers may live in other processes.
+pub struct CollectiveRank {
+    rank: usize,
+    spec: OpSpec,
+    algo: Algo,
+    config: CollectiveConfig,
+    plan: CheckedPlan,
+    lanes: Lanes,
+    kernel: Function,
+    args: PlanArgs,
+    /// After this rank's last call (dropping waits for it)
+    last: Event,
+    broken: bool,
+    /// None once leaked (a call that never ended)
+    memory: Option<RankMemory>,
+    gpu: Arc<Gpu>,
+}
+
+impl CollectiveRank {
+    /// The algorithm the rank runs (what `auto` picked, when it did).
+    pub fn algo(&self) -> Algo {
+        self.algo
+    }
+
+    /// What the collective computes.
+    pub fn spec(&self) -> &OpSpec {
+        &self.spec
+    }
+
+    /// Elements of this rank's input and output.
+    pub fn lengths(&self) -> (usize, usize) {
+        (
+            self.spec.input_len(self.rank),
+            self.spec.output_len(self.rank),
+        )
+    }
+
+    /// Queues this rank's call on `stream`: `input` (`lengths().0` elements) into `output`
+    /// (`lengths().1`). Returns once queued.
+    ///
+    /// # Safety
+    /// `stream` must be a stream of this rank's GPU; `input` and `output` device memory of that
+    /// GPU of those sizes, valid until the call completes on `stream`.
+    pub unsafe fn forward(
+        &mut self,
+        stream: &Stream,
+        input: u64,
+        output: u64,
+    ) -> Result<(), CudaError> {
+        if self.broken {
+            return Err(unavailable(
+                "this collective failed earlier; its peers' state is unknown: build a new one"
+                    .into(),
+            ));
+        }
+        let memory = self.memory.as_ref().expect("present until dropped");
+        self.gpu.bind()?;
+        let eb = self.config.dtype.size();
+        let (n_in, n_out) = self.lengths();
+        let queued = (|| -> Result<(), CudaError> {
+            // after this rank's previous call, even one on another stream
+            stream.wait_event(&self.last)?;
+            if n_in > 0 {
+                stream.copy_async(memory.bufs.input.addr(), input, n_in * eb)?;
+            }
+            self.kernel
+                .launch(self.lanes.count, THREADS, stream, &self.args)?;
+            if n_out > 0 {
+                stream.copy_async(output, memory.bufs.output.addr(), n_out * eb)?;
+            }
+            Ok(())
+        })();
+        let recorded = self.last.record(stream);
+        if queued.is_err() || recorded.is_err() {
+            // this rank's epoch bases may now differ from its peers'
+            self.broken = true;
+        }
+        queued?;
+        recorded
+    }
+
+    /// After the caller's stream was synchronised: the diagnosis of a wait that timed out in
+    /// any call so far (lane, slot, expected, seen), if one did. The rank is unusable after.
+    pub fn check(&mut self) -> Result<(), CudaError> {
+        let memory = self.memory.as_ref().expect("present until dropped");
+        let rec = memory.error.read();
+        if rec.flag == 0 {
+            return Ok(());
+        }
+        self.broken = true;
+        let cols = self.plan.plan().pad_cols;
+        let slot = Slot::new(rec.slot / cols, rec.slot % cols);
+        Err(CudaError::Stalled(format!(
+            "{}: rank {} lane {} waited for slot {slot} to reach {}, saw {} after {:?}",
+            self.spec.kind, rec.rank, rec.lane, rec.expected, rec.seen, self.config.timeout
+        )))
+    }
+}
+
+impl Drop for CollectiveRank {
+    fn drop(&mut self) {
+        let ended = matches!(
+            crate::host_sync::poll_until(DROP_WAIT, || self.last.is_done()),
+            Ok(true)
+        );
+        if !ended {
+            // a kernel may still write the pads and buffers: leak them rather than let it
+            // corrupt what is allocated there next
+            std::mem::forget(self.memory.take());
+        }
+    }
+}
