@@ -3,9 +3,21 @@
 Inputs are float32 arrays rounded to ``dtype`` (bf16 or f16) on the way in; outputs are the
 operator's results in ``out_dtype`` (the input type or f32), returned as float32 arrays. Every
 bad argument raises ``ValueError`` with a one-line reason.
+
+``Group(name, rank, world)`` is the multi-process simulator: one rank per process (as under
+``torchrun`` or ``multiprocessing``), the group's signal pads and buffers in POSIX shared memory
+that rank 0 creates under ``name`` (a job id every rank knows) and that is gone once every rank
+has joined and the last process ends. Its methods run this process's rank of an op on NumPy
+arrays — ``collective(op, x, count=, algo=, reduce=, dtype=, root=)``, ``barrier()``,
+``gemm_reduce_scatter(a, b, bias, ...)``, ``all_gather_matmul(a, b, bias, m=, ..., return_a=)``
+— and every rank must make the same calls in the same order. A rank that fails raises the
+group's abort flag; a rank that dies leaves the others' waits to time out (``timeout_ms``).
 """
 
+from ._commfuse import SimGroup as Group
 from ._commfuse import sim_all_gather_matmul, sim_collective, sim_gemm_reduce_scatter
+
+__all__ = ["Group", "gemm_reduce_scatter", "all_gather_matmul", "collective"]
 
 
 def gemm_reduce_scatter(a, b, bias=None, **options):

@@ -5,6 +5,7 @@
 //! Rust side gives.
 
 mod gpu;
+mod group;
 
 use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath, GemmRsShape};
 use commfuse_core::gemm::BLayout;
@@ -129,7 +130,7 @@ fn operands(
     })
 }
 
-fn convert<T: Element>(x: &[f32]) -> Vec<T> {
+pub(crate) fn convert<T: Element>(x: &[f32]) -> Vec<T> {
     x.iter().map(|&v| T::from_f32(v)).collect()
 }
 
@@ -466,6 +467,7 @@ fn _commfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<gpu::GpuGemmReduceScatter>()?;
     m.add_class::<gpu::GpuAllGatherMatmul>()?;
     m.add_class::<gpu::GpuCollective>()?;
+    m.add_class::<group::SimGroup>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

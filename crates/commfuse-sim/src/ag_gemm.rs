@@ -74,8 +74,8 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
         let flags = FlagWords::on("all-gather + GEMM", world, words)?;
         let chunk_rows = config.max_m.div_ceil(config.world);
         Ok(SimAgGemm {
-            gather: SymmetricBuffer::new(config.world, s.m * s.k)?,
-            product: SymmetricBuffer::new(config.world, chunk_rows * s.n)?,
+            gather: SymmetricBuffer::new_in(world, s.m * s.k)?,
+            product: SymmetricBuffer::new_in(world, chunk_rows * s.n)?,
             flags,
             pieces,
             calls: (0..config.world).map(|_| AtomicU64::new(0)).collect(),

@@ -11,11 +11,13 @@ use std::ptr::NonNull;
 struct Allocation<T> {
     ptr: NonNull<T>,
     len: usize,
+    /// Whether this process allocated it (else it lies in a group's shared arena)
+    owned: bool,
 }
 
 impl<T> Drop for Allocation<T> {
     fn drop(&mut self) {
-        if self.len > 0 {
+        if self.owned && self.len > 0 {
             // SAFETY: allocated in `SymmetricBuffer::new` with this layout
             unsafe {
                 dealloc(
@@ -50,6 +52,8 @@ fn prefer_huge_pages(ptr: *mut u8, bytes: usize) {
 pub struct SymmetricBuffer<T: Element> {
     ranks: Vec<Allocation<T>>,
     len: usize,
+    /// The shared memory the copies lie in, for a buffer of a multi-process group
+    _arena: Option<std::sync::Arc<crate::shared::Arena>>,
 }
 
 // SAFETY: the buffer owns plain-old-data memory; concurrent access goes through unsafe methods
@@ -79,9 +83,46 @@ impl<T: Element> SymmetricBuffer<T> {
                 prefer_huge_pages(raw, layout.size());
                 ptr
             };
-            ranks.push(Allocation { ptr, len });
+            ranks.push(Allocation {
+                ptr,
+                len,
+                owned: true,
+            });
         }
-        Ok(SymmetricBuffer { ranks, len })
+        Ok(SymmetricBuffer {
+            ranks,
+            len,
+            _arena: None,
+        })
+    }
+
+    /// A buffer of `world`: in this process's memory, or for a shared world (one rank of a
+    /// multi-process group) every rank's copy carved from the group's shared memory, at the
+    /// same place in every process.
+    pub fn new_in(world: &crate::World, len: usize) -> Result<Self, BackendError> {
+        let Some(arena) = world.arena() else {
+            return SymmetricBuffer::new(world.size(), len);
+        };
+        let bytes = Layout::array::<T>(len)
+            .map_err(|_| {
+                BackendError::Unavailable(format!("a buffer of {len} elements overflows"))
+            })?
+            .size();
+        let ranks = (0..world.size())
+            .map(|_| {
+                let raw = arena.alloc(bytes.max(1))?;
+                Ok(Allocation {
+                    ptr: NonNull::new(raw.cast::<T>()).expect("inside a mapping"),
+                    len,
+                    owned: false,
+                })
+            })
+            .collect::<Result<_, BackendError>>()?;
+        Ok(SymmetricBuffer {
+            ranks,
+            len,
+            _arena: Some(arena.clone()),
+        })
     }
 
     pub fn len(&self) -> usize {

@@ -66,9 +66,9 @@ impl<T: Element> SimCollective<T> {
         let b = plan.plan().buffers;
         Ok(SimCollective {
             bufs: CallBuffers {
-                input: SymmetricBuffer::new(p, b.input)?,
-                output: SymmetricBuffer::new(p, b.output)?,
-                scratch: SymmetricBuffer::new(p, b.scratch)?,
+                input: SymmetricBuffer::new_in(world, b.input)?,
+                output: SymmetricBuffer::new_in(world, b.output)?,
+                scratch: SymmetricBuffer::new_in(world, b.scratch)?,
             },
             spec,
             algo,

@@ -295,7 +295,14 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
                 pad.cols()
             )));
         }
-        for rank in 0..world.size() {
+        // a shared world's pads are fresh from the group's arena, and its peers (other
+        // processes) may already be raising flags in them
+        let ranks = if world.arena().is_some() {
+            0
+        } else {
+            world.size()
+        };
+        for rank in 0..ranks {
             for row in 0..PAD_ROWS {
                 for col in 0..cols as u32 {
                     let slot = world.pad(rank).slot(row, col).expect("checked above");
@@ -311,7 +318,7 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
             .checked_mul(sched.slot_len)
             .ok_or_else(|| unavailable("the receive buffer's size overflows".into()))?;
         Ok(SimGemmReduceScatter {
-            receive: SymmetricBuffer::new(config.world, len)?,
+            receive: SymmetricBuffer::new_in(world, len)?,
             slot_len: sched.slot_len,
             flag_stride: sched.flag_stride,
             calls: (0..config.world).map(|_| AtomicU64::new(0)).collect(),

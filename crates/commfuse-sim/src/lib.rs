@@ -24,6 +24,7 @@ pub mod gemm;
 pub mod gemm_rs;
 pub mod protocol;
 pub mod ring_rs;
+pub mod shared;
 pub mod signal;
 pub mod unfused_rs;
 pub mod world;

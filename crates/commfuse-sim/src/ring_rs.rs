@@ -66,8 +66,8 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
             s.flag_words(),
         )?;
         Ok(SimRingReduceScatter {
-            receive: SymmetricBuffer::new(config.world, s.receive_len())?,
-            send: SymmetricBuffer::new(config.world, s.buffer_len())?,
+            receive: SymmetricBuffer::new_in(world, s.receive_len())?,
+            send: SymmetricBuffer::new_in(world, s.buffer_len())?,
             flags,
             pieces,
             calls: (0..config.world).map(|_| AtomicU64::new(0)).collect(),

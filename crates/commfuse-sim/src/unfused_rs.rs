@@ -41,7 +41,7 @@ impl<TI: Element, TO: Element> SimUnfusedReduceScatter<TI, TO> {
         config.shape(config.max_m)?;
         let rows = config.max_m.div_ceil(config.world);
         Ok(SimUnfusedReduceScatter {
-            product: SymmetricBuffer::new(config.world, rows * config.n)?,
+            product: SymmetricBuffer::new_in(world, rows * config.n)?,
             collectives: Mutex::new(HashMap::new()),
             broken: AtomicBool::new(false),
             world_id: world as *const World as usize,

@@ -1,11 +1,12 @@
 //! The simulated world: P ranks as scoped threads sharing signal pads.
 
 use crate::protocol::{self, Pads, SignalWord, Stop};
+use crate::shared::Arena;
 use crate::signal::{SignalPad, SimBackoff};
 use commfuse_core::backend::BackendError;
 use commfuse_core::{Cmp, NotifyOp, Slot, MAX_WORLD_SIZE};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 #[derive(Debug, Clone)]
@@ -28,12 +29,17 @@ impl Default for WorldConfig {
     }
 }
 
-/// P simulated ranks.
+/// P simulated ranks: all of them threads of this process, or (a shared world) one rank of a
+/// group whose other ranks are other processes, its pads and buffers in the group's
+/// [`Arena`].
 pub struct World {
     size: usize,
     config: WorldConfig,
     pads: Vec<SignalPad>,
-    abort: AtomicBool,
+    /// Raised when a rank's call failed (a shared world uses its group's flag instead)
+    abort: AtomicU64,
+    /// The group's shared memory, for a shared world
+    arena: Option<Arc<Arena>>,
     /// Set when a call failed: pads may hold half a call's signals, so the world is spent.
     broken: AtomicBool,
     /// Per rank, the epoch base of each slot for plans (see `CheckedPlan::slot_increments`).
@@ -55,12 +61,48 @@ impl World {
             pads: (0..size)
                 .map(|_| SignalPad::new(config.pad_rows, config.pad_cols))
                 .collect(),
-            abort: AtomicBool::new(false),
+            abort: AtomicU64::new(0),
+            arena: None,
             broken: AtomicBool::new(false),
             bases: (0..size).map(|_| Mutex::new(vec![0; slots])).collect(),
             next_barrier_row: Mutex::new(config.pad_rows),
             config,
         })
+    }
+
+    /// This process's rank of the group `arena` maps, as a world of the group's size: every
+    /// rank's signal pads carved from the arena (every process must make its worlds and
+    /// operators in the same order); [`World::run`] runs this process's rank only.
+    pub fn shared(arena: Arc<Arena>, mut config: WorldConfig) -> Result<World, BackendError> {
+        let size = arena.world();
+        let mut world = World::new(size, config.clone())?;
+        config.pad_cols = config.pad_cols.max(size as u32);
+        world.pads = (0..size)
+            .map(|_| SignalPad::in_arena(&arena, config.pad_rows, config.pad_cols))
+            .collect::<Result<_, _>>()?;
+        world.arena = Some(arena);
+        Ok(world)
+    }
+
+    /// The group's shared memory, when this world is one rank of a multi-process group.
+    pub fn arena(&self) -> Option<&Arc<Arena>> {
+        self.arena.as_ref()
+    }
+
+    /// The flag every rank's waits watch.
+    fn abort_flag(&self) -> &AtomicU64 {
+        match &self.arena {
+            Some(arena) => arena.abort_flag(),
+            None => &self.abort,
+        }
+    }
+
+    /// The ranks [`World::run`] runs in this process.
+    fn local_ranks(&self) -> std::ops::Range<usize> {
+        match &self.arena {
+            Some(arena) => arena.rank()..arena.rank() + 1,
+            None => 0..self.size,
+        }
     }
 
     pub fn size(&self) -> usize {
@@ -92,9 +134,10 @@ impl World {
         *self.next_barrier_row.lock().unwrap()
     }
 
-    /// Runs `f` on every rank, each on its own thread, and returns the ranks' results in rank
-    /// order. If a rank fails, the others are aborted and the first real failure (not an abort
-    /// caused by it) is returned.
+    /// Runs `f` on every rank of this process, each on its own thread (all ranks, or a shared
+    /// world's one), and returns their results in rank order. If a rank fails, the others —
+    /// in other processes too — are aborted and the first real failure (not an abort caused by
+    /// it) is returned.
     pub fn run<R, F>(&self, f: F) -> Result<Vec<R>, BackendError>
     where
         R: Send,
@@ -106,14 +149,15 @@ impl World {
             ));
         }
         let results: Vec<Result<R, BackendError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..self.size)
+            let handles: Vec<_> = self
+                .local_ranks()
                 .map(|rank| {
                     let f = &f;
                     s.spawn(move || {
                         let ctx = RankContext { world: self, rank };
                         let out = f(&ctx);
                         if out.is_err() {
-                            self.abort.store(true, Ordering::Relaxed);
+                            self.abort_flag().store(1, Ordering::Relaxed);
                         }
                         out
                     })
@@ -210,7 +254,7 @@ impl<'w> RankContext<'w> {
     }
 
     pub(crate) fn backoff(&self) -> SimBackoff<'w> {
-        SimBackoff::new(self.world.config.timeout, &self.world.abort)
+        SimBackoff::new(self.world.config.timeout, self.world.abort_flag())
     }
 
     pub(crate) fn stuck(

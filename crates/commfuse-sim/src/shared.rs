@@ -1,0 +1,260 @@
+//! Shared memory for a simulated world whose ranks are separate processes (PyTorch's model on
+//! a CPU, as PyPTO's simulator runs its ranks): one POSIX shared-memory object per group,
+//! mapped by every process, holding a small header (the group's abort flag, how many ranks
+//! joined) and an arena from which every world's signal pads and every operator's symmetric
+//! buffers are carved. Allocation is a bump pointer, so every process must create the same
+//! worlds and operators in the same order (as every NCCL rank makes the same calls); the
+//! arena's contents start zeroed, as the in-process allocations do.
+//!
+//! The object's name is removed as soon as every rank has mapped it (or rank 0 gave up
+//! waiting): the memory then lives exactly as long as the last process that maps it, however
+//! the processes end.
+
+use commfuse_core::backend::BackendError;
+use std::ffi::CString;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const MAGIC: u64 = 0x636f_6d6d_6675_7365; // "commfuse"
+/// Bytes of the header; the arena starts after it.
+const HEADER: usize = 4096;
+/// Arena allocations start on cache lines.
+const ALIGN: usize = 64;
+
+fn unavailable(msg: String) -> BackendError {
+    BackendError::Unavailable(msg)
+}
+
+/// The header at the start of the mapping.
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    world: AtomicU64,
+    bytes: AtomicU64,
+    /// Ranks that mapped the object so far
+    joined: AtomicU64,
+    /// Raised by a rank whose call failed: every rank's waits give up
+    abort: AtomicU64,
+}
+
+/// One group's shared memory, mapped into this process.
+pub struct Arena {
+    ptr: *mut u8,
+    len: usize,
+    rank: usize,
+    world: usize,
+    /// Offset of the next allocation
+    next: Mutex<usize>,
+}
+
+// SAFETY: the mapping is plain memory; the header's words are atomics, and the arena's
+// allocations are handed out once each (their users order their accesses)
+unsafe impl Send for Arena {}
+unsafe impl Sync for Arena {}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `open` with this length; every allocation's owner holds an Arc to
+        // this arena, so nothing points into it any more
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+impl Arena {
+    /// Maps the group `name` as rank `rank` of `world`, `bytes` of arena: rank 0 creates the
+    /// object, the others open it once it exists (each waits at most `timeout`). `name` is the
+    /// caller's: a job id every rank knows (letters, digits, `-`, `_`, `.`).
+    pub fn open(
+        name: &str,
+        rank: usize,
+        world: usize,
+        bytes: usize,
+        timeout: Duration,
+    ) -> Result<Arena, BackendError> {
+        if world == 0 || rank >= world {
+            return Err(unavailable(format!("rank {rank} of a group of {world}")));
+        }
+        if name.is_empty()
+            || name.len() > 200
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return Err(unavailable(format!(
+                "group name {name:?}: 1 to 200 letters, digits, '-', '_' or '.'"
+            )));
+        }
+        let path = CString::new(format!("/commfuse-{name}")).expect("checked above");
+        let len = HEADER + bytes.next_multiple_of(ALIGN);
+        let deadline = Instant::now() + timeout;
+        let fd = if rank == 0 {
+            // SAFETY: a NUL-terminated name; the flags create it or fail if it exists
+            let fd = unsafe {
+                libc::shm_open(
+                    path.as_ptr(),
+                    libc::O_CREAT | libc::O_EXCL | libc::O_RDWR,
+                    0o600,
+                )
+            };
+            if fd < 0 {
+                return Err(unavailable(format!(
+                    "rank 0 cannot create shared memory /commfuse-{name}: {} (a group of that name exists: pick another name, or remove /dev/shm/commfuse-{name} left by a crash)",
+                    std::io::Error::last_os_error()
+                )));
+            }
+            // SAFETY: our descriptor; sizes the object (zero-filled)
+            if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+                let e = std::io::Error::last_os_error();
+                // SAFETY: ours to close and remove
+                unsafe {
+                    libc::close(fd);
+                    libc::shm_unlink(path.as_ptr());
+                }
+                return Err(unavailable(format!(
+                    "sizing shared memory to {len} bytes: {e}"
+                )));
+            }
+            fd
+        } else {
+            loop {
+                // SAFETY: a NUL-terminated name
+                let fd = unsafe { libc::shm_open(path.as_ptr(), libc::O_RDWR, 0) };
+                if fd >= 0 {
+                    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+                    // SAFETY: our descriptor and a stat buffer
+                    let sized =
+                        unsafe { libc::fstat(fd, &mut stat) } == 0 && stat.st_size as usize == len;
+                    if sized {
+                        break fd;
+                    }
+                    // SAFETY: ours to close
+                    unsafe { libc::close(fd) };
+                }
+                if Instant::now() >= deadline {
+                    return Err(unavailable(format!(
+                        "rank {rank} waited {timeout:?} for rank 0 to create the group's shared memory /commfuse-{name} of {len} bytes"
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        };
+        // SAFETY: maps the whole object shared, read-write
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        // SAFETY: the mapping keeps the object alive; the descriptor is no longer needed
+        unsafe { libc::close(fd) };
+        if ptr == libc::MAP_FAILED {
+            return Err(unavailable(format!(
+                "mapping {len} bytes of shared memory: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let arena = Arena {
+            ptr: ptr.cast(),
+            len,
+            rank,
+            world,
+            next: Mutex::new(HEADER),
+        };
+        let h = arena.header();
+        if rank == 0 {
+            h.world.store(world as u64, Ordering::Relaxed);
+            h.bytes.store(bytes as u64, Ordering::Relaxed);
+            h.magic.store(MAGIC, Ordering::Release);
+        } else {
+            while h.magic.load(Ordering::Acquire) != MAGIC {
+                if Instant::now() >= deadline {
+                    return Err(unavailable(format!(
+                        "rank {rank} waited {timeout:?} for rank 0 to set up /commfuse-{name}"
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let (w, b) = (
+                h.world.load(Ordering::Relaxed),
+                h.bytes.load(Ordering::Relaxed),
+            );
+            if w != world as u64 || b != bytes as u64 {
+                return Err(unavailable(format!(
+                    "rank {rank} joined /commfuse-{name} for {world} ranks and {bytes} bytes, rank 0 made it for {w} and {b}"
+                )));
+            }
+        }
+        h.joined.fetch_add(1, Ordering::AcqRel);
+        if rank == 0 {
+            // once every rank mapped it, the name goes: the memory ends with the last process
+            let mut waited = Ok(());
+            while h.joined.load(Ordering::Acquire) < world as u64 {
+                if Instant::now() >= deadline {
+                    waited = Err(unavailable(format!(
+                        "rank 0 waited {timeout:?} for the group's other ranks to join /commfuse-{name}: {} of {world} did",
+                        h.joined.load(Ordering::Acquire)
+                    )));
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // SAFETY: a NUL-terminated name we created
+            unsafe { libc::shm_unlink(path.as_ptr()) };
+            waited?;
+        }
+        Ok(arena)
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping starts with a header-sized, page-aligned, zeroed region
+        unsafe { &*(self.ptr as *const Header) }
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The group's size.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The group's abort flag (non-zero: a rank failed).
+    pub(crate) fn abort_flag(&self) -> &AtomicU64 {
+        &self.header().abort
+    }
+
+    /// Raises the group's abort flag: every rank's waits, in every process, give up. For a
+    /// rank that fails outside a call (building an operator its peers are already running).
+    pub fn raise_abort(&self) {
+        self.header().abort.store(1, Ordering::Relaxed);
+    }
+
+    /// `bytes` of zeroed shared memory at the same offset in every process (when every process
+    /// allocates in the same order).
+    pub(crate) fn alloc(&self, bytes: usize) -> Result<*mut u8, BackendError> {
+        let mut next = self.next.lock().unwrap();
+        let start = *next;
+        let end = start
+            .checked_add(bytes.next_multiple_of(ALIGN))
+            .filter(|&e| e <= self.len)
+            .ok_or_else(|| {
+                unavailable(format!(
+                    "the group's shared memory is full: {} of {} bytes used, {bytes} more asked for (make the group with more)",
+                    start - HEADER,
+                    self.len - HEADER
+                ))
+            })?;
+        *next = end;
+        // SAFETY: in bounds of the mapping
+        Ok(unsafe { self.ptr.add(start) })
+    }
+}

@@ -1,0 +1,405 @@
+//! The multi-process simulator from Python: `commfuse.sim.Group` is one rank of a group whose
+//! ranks are separate processes (as under `torchrun` or `multiprocessing`), its signal pads and
+//! symmetric buffers in the group's POSIX shared memory (`commfuse_sim::shared`). Each call
+//! runs this process's rank of the operator on NumPy arrays; operators are built at their first
+//! call and cached by what they are, so every rank must make the same calls in the same order.
+
+use crate::{convert, parse_dtype, parse_layout, parse_path, value_error};
+use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath};
+use commfuse_core::gemm::BLayout;
+use commfuse_core::{Algo, DType, Element, OpKind, ReduceOp};
+use commfuse_sim::ag_gemm::{AgGemmConfig, SimAgGemm};
+use commfuse_sim::collective::SimCollective;
+use commfuse_sim::gemm_rs::{GemmRsConfig, GemmRsOperator};
+use commfuse_sim::shared::Arena;
+use commfuse_sim::{World, WorldConfig};
+use half::{bf16, f16};
+use numpy::ndarray::{Array1, Array2};
+use numpy::PyUntypedArrayMethods;
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1, PyReadonlyArray2};
+use pyo3::prelude::*;
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// This rank's output, and the gathered A when asked for.
+type GatheredOne<'py> = (Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>);
+
+/// An operator and the world (signal pads) it was built on; the world is boxed so that its
+/// address, which the operator checks, stays put.
+struct Cached {
+    op: Box<dyn Any>,
+    world: Box<World>,
+}
+
+/// One rank of a simulated group across processes.
+#[pyclass(unsendable, module = "commfuse._commfuse")]
+pub struct SimGroup {
+    arena: Arc<Arena>,
+    timeout: Duration,
+    ops: HashMap<String, Cached>,
+}
+
+impl SimGroup {
+    /// The cached operator of `key`, built by `build` on a new world of `config` at its first
+    /// use.
+    fn operator<T: 'static>(
+        &mut self,
+        key: String,
+        config: WorldConfig,
+        build: impl FnOnce(&World) -> Result<T, String>,
+    ) -> Result<&Cached, String> {
+        if !self.ops.contains_key(&key) {
+            let built = World::shared(self.arena.clone(), config)
+                .map_err(|e| e.to_string())
+                .map(Box::new)
+                .and_then(|world| Ok((Box::new(build(&world)?) as Box<dyn Any>, world)));
+            let (op, world) = built.inspect_err(|_| {
+                // the peers may already run this operator: stop their waits
+                self.arena.raise_abort();
+            })?;
+            self.ops.insert(key.clone(), Cached { op, world });
+        }
+        Ok(&self.ops[&key])
+    }
+
+    fn world_config(&self) -> WorldConfig {
+        WorldConfig {
+            timeout: self.timeout,
+            ..WorldConfig::default()
+        }
+    }
+}
+
+fn collective_call<T: Element + 'static>(
+    g: &mut SimGroup,
+    key: String,
+    (kind, count, options): (OpKind, usize, (Option<Algo>, ReduceOp, usize, usize)),
+    input: &[f32],
+) -> Result<(Vec<f32>, Algo), String> {
+    let config = g.world_config();
+    let rank = g.arena.rank();
+    let cached = g.operator(key, config, |w| {
+        SimCollective::<T>::new(w, kind, count, options).map_err(|e| e.to_string())
+    })?;
+    let op = cached
+        .op
+        .downcast_ref::<SimCollective<T>>()
+        .expect("cached by its key");
+    let spec = *op.spec();
+    if input.len() != spec.input_len(rank) {
+        return Err(format!(
+            "rank {rank}'s input has {} elements, {kind} of {count} gives it {}",
+            input.len(),
+            spec.input_len(rank)
+        ));
+    }
+    let input: Vec<T> = convert(input);
+    // run takes a closure any rank thread may call: the output behind a lock
+    let out = Mutex::new(vec![T::poison(); spec.output_len(rank)]);
+    cached
+        .world
+        .run(|ctx| op.forward(ctx, &input, &mut out.lock().unwrap()))
+        .map_err(|e| e.to_string())?;
+    let out = out.into_inner().unwrap();
+    Ok((out.iter().map(|x| x.to_f32()).collect(), op.algo()))
+}
+
+/// What a GEMM call of this rank carries: A, B and the bias as f32, and the shape.
+struct GemmCall {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    bias: Option<Vec<f32>>,
+    rows: usize,
+    n: usize,
+    k: usize,
+    layout: BLayout,
+}
+
+fn gemm_call(
+    a: &PyReadonlyArray2<'_, f32>,
+    b: &PyReadonlyArray2<'_, f32>,
+    bias: Option<&PyReadonlyArray1<'_, f32>>,
+    layout: BLayout,
+) -> PyResult<GemmCall> {
+    let (rows, k) = (a.shape()[0], a.shape()[1]);
+    let (b0, b1) = (b.shape()[0], b.shape()[1]);
+    let (n, bk) = match layout {
+        BLayout::NK => (b0, b1),
+        BLayout::KN => (b1, b0),
+    };
+    if bk != k {
+        return Err(value_error(format!(
+            "A is [{rows}, {k}] but B is [{b0}, {b1}] ({layout:?}): K differs"
+        )));
+    }
+    if let Some(bias) = bias {
+        if bias.len() != n {
+            return Err(value_error(format!(
+                "the bias has {} elements, N = {n}",
+                bias.len()
+            )));
+        }
+    }
+    let flat = |x: &PyReadonlyArray2<'_, f32>| x.as_array().iter().copied().collect::<Vec<f32>>();
+    Ok(GemmCall {
+        a: flat(a),
+        b: flat(b),
+        bias: bias.map(|x| x.as_array().iter().copied().collect()),
+        rows,
+        n,
+        k,
+        layout,
+    })
+}
+
+fn gemm_rs_call<TI: Element + 'static, TO: Element + 'static>(
+    g: &mut SimGroup,
+    (config, path): (GemmRsConfig, GemmRsPath),
+    c: &GemmCall,
+) -> Result<Vec<f32>, String> {
+    let key = format!("gemm-rs {config:?} {path:?}");
+    let world_config =
+        GemmRsOperator::<TI, TO>::world_config(&config, g.timeout).map_err(|e| e.to_string())?;
+    let rank = g.arena.rank();
+    let cached = g.operator(key, world_config, |w| {
+        GemmRsOperator::<TI, TO>::new(w, config, path).map_err(|e| e.to_string())
+    })?;
+    let op = cached
+        .op
+        .downcast_ref::<GemmRsOperator<TI, TO>>()
+        .expect("cached by its key");
+    let (a, b): (Vec<TI>, Vec<TI>) = (convert(&c.a), convert(&c.b));
+    let bias: Option<Vec<TO>> = c.bias.as_deref().map(convert);
+    let rows = commfuse_core::op::chunk_range(config.max_m, config.world, rank).len();
+    let out = Mutex::new(vec![TO::poison(); rows * config.n]);
+    let operands = (a.as_slice(), b.as_slice(), bias.as_deref());
+    cached
+        .world
+        .run(|ctx| op.forward(ctx, config.max_m, operands, &mut out.lock().unwrap()))
+        .map_err(|e| e.to_string())?;
+    let out = out.into_inner().unwrap();
+    Ok(out.iter().map(|x| x.to_f32()).collect())
+}
+
+fn ag_gemm_call<TI: Element + 'static, TO: Element + 'static>(
+    g: &mut SimGroup,
+    (config, pieces): (AgGemmConfig, usize),
+    c: &GemmCall,
+) -> Result<(Vec<f32>, Vec<f32>), String> {
+    let key = format!("ag-gemm {config:?} {pieces}");
+    let pad_cols = 64;
+    let rows = SimAgGemm::<TI, TO>::pad_rows(&config, pad_cols).map_err(|e| e.to_string())?;
+    let world_config = WorldConfig {
+        timeout: g.timeout,
+        pad_rows: rows as u32 + 8,
+        pad_cols: pad_cols as u32,
+    };
+    let cached = g.operator(key, world_config, |w| {
+        SimAgGemm::<TI, TO>::new(w, config, pieces).map_err(|e| e.to_string())
+    })?;
+    let op = cached
+        .op
+        .downcast_ref::<SimAgGemm<TI, TO>>()
+        .expect("cached by its key");
+    let (a, b): (Vec<TI>, Vec<TI>) = (convert(&c.a), convert(&c.b));
+    let bias: Option<Vec<TO>> = c.bias.as_deref().map(convert);
+    let (m, n, k) = (config.max_m, config.n, config.k);
+    let results = Mutex::new((vec![TO::poison(); m * n], vec![TI::poison(); m * k]));
+    let operands = (a.as_slice(), b.as_slice(), bias.as_deref());
+    cached
+        .world
+        .run(|ctx| {
+            let mut guard = results.lock().unwrap();
+            let (out, gathered) = &mut *guard;
+            op.forward(ctx, m, operands, out, Some(gathered))
+        })
+        .map_err(|e| e.to_string())?;
+    let (out, gathered) = results.into_inner().unwrap();
+    Ok((
+        out.iter().map(|x| x.to_f32()).collect(),
+        gathered.iter().map(|x| x.to_f32()).collect(),
+    ))
+}
+
+/// Runs `f::<TI, TO>` for the (input, output) pair given.
+macro_rules! by_pair {
+    ($input:expr, $output:expr, $f:ident, $($arg:expr),*) => {
+        match ($input, $output) {
+            (DType::BF16, DType::BF16) => $f::<bf16, bf16>($($arg),*),
+            (DType::BF16, DType::F32) => $f::<bf16, f32>($($arg),*),
+            (DType::F16, DType::F16) => $f::<f16, f16>($($arg),*),
+            (DType::F16, DType::F32) => $f::<f16, f32>($($arg),*),
+            (i, o) => Err(format!(
+                "inputs are bf16 or f16 and outputs the input type or f32, got {i} → {o}"
+            )),
+        }
+    };
+}
+
+#[pymethods]
+impl SimGroup {
+    /// Joins the group `name` as rank `rank` of `world` (rank 0 creates its shared memory of
+    /// `arena_mb` MiB; the others wait for it, at most `timeout_ms`). Every wait of every call
+    /// is bounded by `timeout_ms` too.
+    #[new]
+    #[pyo3(signature = (name, rank, world, *, arena_mb=256, timeout_ms=20000))]
+    fn new(
+        name: &str,
+        rank: usize,
+        world: usize,
+        arena_mb: usize,
+        timeout_ms: u64,
+    ) -> PyResult<Self> {
+        let timeout = Duration::from_millis(timeout_ms);
+        let arena = Arena::open(name, rank, world, arena_mb << 20, timeout).map_err(value_error)?;
+        Ok(SimGroup {
+            arena: Arc::new(arena),
+            timeout,
+            ops: HashMap::new(),
+        })
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.arena.rank()
+    }
+
+    #[getter]
+    fn world(&self) -> usize {
+        self.arena.world()
+    }
+
+    /// This rank's part of a collective: `op` ("all-reduce", "reduce-scatter", "all-gather",
+    /// "broadcast", "all-to-all", "barrier") of `count` elements (default: this rank's input
+    /// length, times P for all-gather) on this rank's 1-D input; returns (output, algorithm).
+    #[pyo3(signature = (op, x, *, count=None, algo=None, reduce="sum", dtype="f32", root=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn collective<'py>(
+        &mut self,
+        py: Python<'py>,
+        op: &str,
+        x: PyReadonlyArray1<'py, f32>,
+        count: Option<usize>,
+        algo: Option<&str>,
+        reduce: &str,
+        dtype: &str,
+        root: usize,
+    ) -> PyResult<(Bound<'py, PyArray1<f32>>, String)> {
+        let kind: OpKind = op.parse().map_err(value_error)?;
+        let algo: Option<Algo> = algo.map(str::parse).transpose().map_err(value_error)?;
+        let reduce: ReduceOp = reduce.parse().map_err(value_error)?;
+        let dtype = parse_dtype(dtype)?;
+        let input: Vec<f32> = x.as_array().iter().copied().collect();
+        let count = count.unwrap_or(match kind {
+            OpKind::AllGather => input.len() * self.arena.world(),
+            _ => input.len(),
+        });
+        let key = format!("collective {kind} {count} {dtype} {algo:?} {reduce} {root}");
+        let what = (kind, count, (algo, reduce, root, 1));
+        let (out, ran) = match dtype {
+            DType::F32 => collective_call::<f32>(self, key, what, &input),
+            DType::BF16 => collective_call::<bf16>(self, key, what, &input),
+            DType::F16 => collective_call::<f16>(self, key, what, &input),
+        }
+        .map_err(value_error)?;
+        Ok((Array1::from_vec(out).into_pyarray(py), ran.to_string()))
+    }
+
+    /// Returns once every rank of the group has called it.
+    fn barrier(&mut self) -> PyResult<()> {
+        let key = "barrier".to_string();
+        collective_call::<f32>(
+            self,
+            key,
+            (OpKind::Barrier, 0, (None, ReduceOp::Sum, 0, 1)),
+            &[],
+        )
+        .map_err(value_error)?;
+        Ok(())
+    }
+
+    /// This rank's chunk of the rows of Σ_r a_r·b_r (+ bias), as `commfuse.sim.gemm_reduce_scatter`
+    /// computes it; every rank passes its own A [M, K] (the same M) and B.
+    #[pyo3(signature = (a, b, bias=None, *, b_layout="nk", dtype="bf16", out_dtype=None, path="auto", pieces=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_reduce_scatter<'py>(
+        &mut self,
+        py: Python<'py>,
+        a: PyReadonlyArray2<'py, f32>,
+        b: PyReadonlyArray2<'py, f32>,
+        bias: Option<PyReadonlyArray1<'py, f32>>,
+        b_layout: &str,
+        dtype: &str,
+        out_dtype: Option<&str>,
+        path: &str,
+        pieces: Option<usize>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let layout = parse_layout(b_layout)?;
+        let input = parse_dtype(dtype)?;
+        let output = out_dtype.map_or(Ok(input), parse_dtype)?;
+        let c = gemm_call(&a, &b, bias.as_ref(), layout)?;
+        let p = self.arena.world();
+        let config = GemmRsConfig::new(
+            p,
+            c.rows,
+            c.n,
+            c.k,
+            c.layout,
+            input,
+            output,
+            c.bias.is_some(),
+        );
+        let shape = config.shape(c.rows).map_err(value_error)?;
+        let path = parse_path(path, pieces)?.unwrap_or_else(|| choose_path(&shape));
+        let out =
+            by_pair!(input, output, gemm_rs_call, self, (config, path), &c).map_err(value_error)?;
+        let rows = commfuse_core::op::chunk_range(c.rows, p, self.arena.rank()).len();
+        let array = Array2::from_shape_vec((rows, c.n), out).map_err(value_error)?;
+        Ok(array.into_pyarray(py))
+    }
+
+    /// AllGather(A)·b (+ bias) on this rank, [M, N], and with `return_a` the gathered A: `a`
+    /// is this rank's chunk of the rows of A; M is `m` (default: P × this chunk's rows).
+    #[pyo3(signature = (a, b, bias=None, *, m=None, b_layout="nk", dtype="bf16", out_dtype=None, pieces=1, return_a=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_gather_matmul<'py>(
+        &mut self,
+        py: Python<'py>,
+        a: PyReadonlyArray2<'py, f32>,
+        b: PyReadonlyArray2<'py, f32>,
+        bias: Option<PyReadonlyArray1<'py, f32>>,
+        m: Option<usize>,
+        b_layout: &str,
+        dtype: &str,
+        out_dtype: Option<&str>,
+        pieces: usize,
+        return_a: bool,
+    ) -> PyResult<GatheredOne<'py>> {
+        let layout = parse_layout(b_layout)?;
+        let input = parse_dtype(dtype)?;
+        let output = out_dtype.map_or(Ok(input), parse_dtype)?;
+        let c = gemm_call(&a, &b, bias.as_ref(), layout)?;
+        let (p, rank) = (self.arena.world(), self.arena.rank());
+        let m = m.unwrap_or(c.rows * p);
+        let mine = commfuse_core::op::chunk_range(m, p, rank).len();
+        if mine != c.rows {
+            return Err(value_error(format!(
+                "rank {rank} holds {} rows of A, its chunk of M = {m} has {mine} (pass m= the total rows)",
+                c.rows
+            )));
+        }
+        let config = AgGemmConfig::new(p, m, c.n, c.k, c.layout, input, output, c.bias.is_some());
+        let (out, gathered) = by_pair!(input, output, ag_gemm_call, self, (config, pieces), &c)
+            .map_err(value_error)?;
+        let out = Array2::from_shape_vec((m, c.n), out).map_err(value_error)?;
+        let gathered = if return_a {
+            let g = Array2::from_shape_vec((m, c.k), gathered).map_err(value_error)?;
+            Some(g.into_pyarray(py))
+        } else {
+            None
+        };
+        Ok((out.into_pyarray(py), gathered))
+    }
+}

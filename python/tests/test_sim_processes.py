@@ -1,0 +1,154 @@
+"""The multi-process simulator: P separate processes (P = 1..4), each one rank of a
+``commfuse.sim.Group`` whose signal pads and buffers live in POSIX shared memory. Every op on
+uneven sizes against float64 NumPy references computed in each process from shared seeds, bad
+input raising, a rank that dies ending the others in an error instead of a hang, and no shared
+memory left behind."""
+
+import multiprocessing as mp
+import os
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from commfuse import sim
+from test_sim import assert_within, chunks, operands, product, round_to
+
+SHM = "/dev/shm"
+
+
+def every_op(rank, p, name):
+    """Rank `rank`'s part of every op; returns one line per op checked."""
+    g = sim.Group(name, rank, p, arena_mb=64, timeout_ms=20000)
+    assert (g.rank, g.world) == (rank, p)
+    done = []
+    rng = np.random.default_rng(1)  # the same inputs on every rank
+    n = 5 * p + 3  # uneven chunks
+    xs = [rng.uniform(-1, 1, n).astype(np.float32) for _ in range(p)]
+    total = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    for call in range(2):  # the same op again: the cached operator, nothing cleared
+        out, _ = g.collective("all-reduce", xs[rank] * (call + 1))
+        np.testing.assert_allclose(out, total * (call + 1), rtol=1e-5, atol=1e-5)
+    done.append("all-reduce")
+    mine = chunks(n, p)[rank]
+    out, _ = g.collective("reduce-scatter", xs[rank], algo="ring")
+    np.testing.assert_allclose(out, total[mine.start : mine.stop], rtol=1e-5, atol=1e-5)
+    done.append("reduce-scatter")
+    out, _ = g.collective("all-gather", xs[0][mine.start : mine.stop], count=n)
+    assert np.array_equal(out, xs[0])
+    done.append("all-gather")
+    out, _ = g.collective("all-to-all", xs[rank])
+    want = np.concatenate([x[mine.start : mine.stop] for x in xs])
+    assert np.array_equal(out, want)
+    done.append("all-to-all")
+    root = p - 1
+    out, _ = g.collective("broadcast", xs[root] if rank == root else np.zeros(0, np.float32),
+                          count=n, root=root)
+    assert np.array_equal(out, xs[root])
+    done.append("broadcast")
+    g.barrier()
+    done.append("barrier")
+
+    m, nn, k = 3 * p + 2, 24, 16
+    a, b = operands(np.random.default_rng(2), p, [m] * p, nn, k, "nk")
+    bias = np.random.default_rng(3).uniform(-1, 1, nn).astype(np.float32)
+    partials = [product(a[r], b[r], "nk", "bf16") for r in range(p)]
+    want = sum(partials) + round_to(bias, "bf16")
+    scale = sum(np.abs(x) for x in partials) + np.abs(round_to(bias, "bf16"))
+    for path in ["auto", "overlapped", "fused"]:
+        out = g.gemm_reduce_scatter(a[rank], b[rank], bias, path=path)
+        rows = chunks(m, p)[rank]
+        assert_within(out, want[rows.start : rows.stop], scale[rows.start : rows.stop], "bf16",
+                      f"gemm_reduce_scatter {path} rank {rank}")
+    done.append("gemm_reduce_scatter")
+
+    m = 4 * p + 1
+    full, bs = operands(np.random.default_rng(4), p, [m], 40, 24, "kn")
+    rows = chunks(m, p)[rank]
+    out, gathered = g.all_gather_matmul(full[0][rows.start : rows.stop], bs[rank], m=m,
+                                        b_layout="kn", out_dtype="f32", return_a=True)
+    assert np.array_equal(gathered, round_to(full[0], "bf16").astype(np.float32))
+    want = product(full[0], bs[rank], "kn", "bf16")
+    scale = np.abs(round_to(full[0], "bf16")) @ np.abs(round_to(bs[rank], "bf16"))
+    assert_within(out, want, scale, "f32", f"all_gather_matmul rank {rank}")
+    done.append("all_gather_matmul")
+
+    for call, says in [
+        (lambda: g.collective("all-sum", xs[rank]), "all-sum"),
+        (lambda: g.collective("all-reduce", xs[rank], reduce="avg"), "avg"),
+        (lambda: g.gemm_reduce_scatter(a[rank], b[rank][:, :8]), "K differs"),
+        (lambda: g.all_gather_matmul(full[0][:1], bs[rank], m=m, b_layout="kn"), "pass m="),
+    ]:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    done.append("bad input")
+    return done
+
+
+def dies_or_waits(rank, p, name):
+    """Rank 1 joins and dies; rank 0's all-reduce must end in an error, not hang."""
+    g = sim.Group(name, rank, p, arena_mb=8, timeout_ms=1000)
+    if rank == 1:
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        g.collective("all-reduce", np.ones(16, np.float32))
+    except ValueError as e:
+        assert time.monotonic() - started < 10, "no hang"
+        return [f"error: {e}"]
+    raise AssertionError("an all-reduce whose peer died returned")
+
+
+def _worker(target, rank, p, name, results):
+    try:
+        results.put((rank, "ok", target(rank, p, name)))
+    except BaseException as e:  # reported to the parent, which fails the test
+        results.put((rank, "failed", f"{type(e).__name__}: {e}"))
+
+
+def run_group(target, p, expect):
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(target, r, p, name, results)) for r in range(p)]
+    for proc in procs:
+        proc.start()
+    got = {}
+    try:
+        for _ in range(expect):
+            rank, status, detail = results.get(timeout=120)
+            got[rank] = (status, detail)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert not os.path.exists(os.path.join(SHM, f"commfuse-{name}")), "shared memory left behind"
+    return got
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_every_op_across_processes_matches_float64(p):
+    got = run_group(every_op, p, p)
+    for rank in range(p):
+        status, detail = got[rank]
+        assert status == "ok", f"rank {rank}: {detail}"
+        assert "all_gather_matmul" in detail and "bad input" in detail
+
+
+def test_a_rank_that_dies_ends_the_others_in_an_error():
+    got = run_group(dies_or_waits, 2, 1)
+    status, detail = got[0]
+    assert status == "ok", detail
+    assert "rank 0" in detail[0] and "waits" in detail[0], detail[0]
+
+
+def test_joining_a_group_that_never_forms_is_an_error():
+    with pytest.raises(ValueError) as e:
+        sim.Group(f"test-{uuid.uuid4().hex[:12]}", 1, 2, timeout_ms=200)
+    assert "waited" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        sim.Group("bad name/", 0, 1)
+    assert "group name" in str(e.value)
