@@ -172,3 +172,14 @@ def test_collective_errors_are_one_line_value_errors():
             call()
         assert says in str(e.value), str(e.value)
         assert "\n" not in str(e.value)
+
+
+def test_type_hints_ship_in_the_package():
+    import os
+
+    here = os.path.dirname(commfuse.__file__)
+    assert os.path.exists(os.path.join(here, "py.typed"))
+    stub = open(os.path.join(here, "_commfuse.pyi")).read()
+    for name in ["SimGroup", "GpuGemmReduceScatter", "GpuAllGatherMatmul", "GpuCollective"]:
+        assert f"class {name}" in stub
+        assert getattr(commfuse._commfuse, name).__doc__, f"{name} has no docstring"

@@ -94,6 +94,53 @@ impl Exported {
         })
     }
 
+    /// Every rank's export from this rank's, through the caller's own all-gather of bytes
+    /// (`all_gather` gets this rank's bytes and returns every rank's, in rank order: MPI's
+    /// `Allgather`, a key-value store, ...).
+    pub fn exchange_with<E: std::fmt::Display>(
+        &self,
+        all_gather: impl FnOnce(Vec<u8>) -> Result<Vec<Vec<u8>>, E>,
+    ) -> Result<Vec<Exported>, CudaError> {
+        let all = all_gather(self.to_bytes())
+            .map_err(|e| CudaError::Unavailable(format!("exchanging exports: {e}")))?;
+        all.iter().map(|b| Exported::from_bytes(b)).collect()
+    }
+
+    /// Every rank's export from this rank's, through files in `dir` (a directory every rank
+    /// sees, different for each group and operator): this rank writes `{dir}/{rank}` (atomically,
+    /// by rename) and reads the others' as they appear, waiting at most `timeout` in all.
+    pub fn exchange_through_dir(
+        &self,
+        dir: &std::path::Path,
+        timeout: std::time::Duration,
+    ) -> Result<Vec<Exported>, CudaError> {
+        let io = |what: &str, e: std::io::Error| {
+            CudaError::Unavailable(format!(
+                "exchanging exports in {}: {what}: {e}",
+                dir.display()
+            ))
+        };
+        let tmp = dir.join(format!("{}.tmp", self.rank));
+        std::fs::write(&tmp, self.to_bytes()).map_err(|e| io("write", e))?;
+        std::fs::rename(&tmp, dir.join(self.rank.to_string())).map_err(|e| io("rename", e))?;
+        let deadline = std::time::Instant::now() + timeout;
+        (0..self.world)
+            .map(|r| loop {
+                if let Ok(bytes) = std::fs::read(dir.join(r.to_string())) {
+                    break Exported::from_bytes(&bytes);
+                }
+                if std::time::Instant::now() >= deadline {
+                    break Err(CudaError::Stalled(format!(
+                        "rank {} waited {timeout:?} for rank {r}'s export in {}",
+                        self.rank,
+                        dir.display()
+                    )));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            })
+            .collect()
+    }
+
     /// Every rank's export, checked to be of `operator`, of `world` ranks, in rank order, each
     /// with `handles` handles.
     pub fn check_group(
@@ -130,6 +177,38 @@ impl Exported {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exports_travel_through_a_directory_and_a_closure() {
+        let dir = tempfile::tempdir().unwrap();
+        let all: Vec<Vec<Exported>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let d = dir.path();
+                    s.spawn(move || {
+                        sample(r)
+                            .exchange_through_dir(d, std::time::Duration::from_secs(10))
+                            .unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(all[0], vec![sample(0), sample(1)]);
+        assert_eq!(all[0], all[1]);
+        // a rank that never writes: a bounded wait naming it
+        let lone = tempfile::tempdir().unwrap();
+        let e = sample(0)
+            .exchange_through_dir(lone.path(), std::time::Duration::from_millis(50))
+            .unwrap_err();
+        assert!(e.to_string().contains("for rank 1's export"), "{e}");
+        let got = sample(1)
+            .exchange_with(|mine| Ok::<_, String>(vec![sample(0).to_bytes(), mine]))
+            .unwrap();
+        assert_eq!(got, vec![sample(0), sample(1)]);
+        let e = sample(0).exchange_with(|_| Err("store down")).unwrap_err();
+        assert!(e.to_string().contains("store down"));
+    }
 
     fn sample(rank: usize) -> Exported {
         Exported {

@@ -25,23 +25,12 @@ const M: usize = 300;
 const N: usize = 264;
 const K: usize = 136;
 
-/// Publishes this rank's export under `name` and returns every rank's, waiting (bounded) for
-/// the others'.
+/// Every rank's export of operator `name`, through a directory of the test's.
 fn rendezvous(dir: &Path, name: &str, mine: &Exported) -> Vec<Exported> {
-    let path = |r: usize| dir.join(format!("{name}.{r}"));
-    let tmp = dir.join(format!("{name}.{}.tmp", mine.rank));
-    std::fs::write(&tmp, mine.to_bytes()).unwrap();
-    std::fs::rename(&tmp, path(mine.rank)).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    (0..WORLD)
-        .map(|r| loop {
-            if let Ok(bytes) = std::fs::read(path(r)) {
-                break Exported::from_bytes(&bytes).unwrap();
-            }
-            assert!(Instant::now() < deadline, "rank {r}'s export never came");
-            std::thread::sleep(Duration::from_millis(20));
-        })
-        .collect()
+    let dir = dir.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    mine.exchange_through_dir(&dir, Duration::from_secs(60))
+        .unwrap()
 }
 
 /// Rank `r`'s whole part, in whichever process runs it.
