@@ -82,6 +82,35 @@ def _weight(b: torch.Tensor) -> Tuple[torch.Tensor, str]:
     return b.contiguous(), "kn"
 
 
+class _GemmOperands:
+    """A GEMM's operands checked and laid out as the kernels take them: ``a`` contiguous,
+    ``b`` as [K, N] ("kn") or the transpose of [N, K] ("nk"), the bias in the output type."""
+
+    def __init__(self, a, b, bias, out_dtype):
+        _matrix(a, "a")
+        _matrix(b, "b")
+        self.dtype = _input_name(a.dtype)
+        if b.dtype != a.dtype:
+            raise ValueError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
+        if b.device != a.device:
+            raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
+        self.out_dtype = out_dtype or a.dtype
+        self.out_name = _name(self.out_dtype, "out_dtype")
+        self.a = a.contiguous()
+        self.b, self.layout = _weight(b)
+        rows, k = self.a.shape
+        kb, self.n = (self.b.shape[1], self.b.shape[0]) if self.layout == "nk" else self.b.shape
+        if kb != k:
+            raise ValueError(
+                f"a is [{rows}, {k}] but b is [{self.b.shape[0]}, {self.b.shape[1]}] ({self.layout})"
+            )
+        self.bias = bias
+        if bias is not None:
+            if tuple(bias.shape) != (self.n,):
+                raise ValueError(f"bias must be [{self.n}], got {tuple(bias.shape)}")
+            self.bias = bias.to(device=a.device, dtype=self.out_dtype).contiguous()
+
+
 def _group(group):
     if not dist.is_initialized():
         raise ValueError("commfuse.torch needs torch.distributed initialised (init_process_group)")
@@ -146,26 +175,10 @@ def gemm_reduce_scatter(
     M mod P chunks one row longer). ``path`` is "auto" (the cost model's choice), "fused" or
     "overlapped" (with ``pieces`` per ring step). ``out``, when given, receives the result.
     """
-    _matrix(a, "a")
-    _matrix(b, "b")
     group = _group(group)
-    dtype = _input_name(a.dtype)
-    if b.dtype != a.dtype:
-        raise ValueError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
-    if b.device != a.device:
-        raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
-    out_dtype = out_dtype or a.dtype
-    out_name = _name(out_dtype, "out_dtype")
-    a = a.contiguous()
-    b, layout = _weight(b)
-    m, k = a.shape
-    n = b.shape[0] if layout == "nk" else b.shape[1]
-    if (b.shape[1] if layout == "nk" else b.shape[0]) != k:
-        raise ValueError(f"a is [{m}, {k}] but b is [{b.shape[0]}, {b.shape[1]}] ({layout})")
-    if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-        bias = bias.to(device=a.device, dtype=out_dtype).contiguous()
+    g = _GemmOperands(a, b, bias, out_dtype)
+    a, b, bias, out_dtype = g.a, g.b, g.bias, g.out_dtype
+    dtype, out_name, layout, (m, k), n = g.dtype, g.out_name, g.layout, a.shape, g.n
     device = a.device.index
     key = (device, n, k, layout, dtype, out_name, bias is not None, path, pieces)
 
@@ -208,26 +221,10 @@ def all_gather_gemm(
     operator requires). ``out`` and ``gathered``, when given, receive the results (giving
     ``gathered`` implies ``return_a``).
     """
-    _matrix(a, "a")
-    _matrix(b, "b")
     group = _group(group)
-    dtype = _input_name(a.dtype)
-    if b.dtype != a.dtype:
-        raise ValueError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
-    if b.device != a.device:
-        raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
-    out_dtype = out_dtype or a.dtype
-    out_name = _name(out_dtype, "out_dtype")
-    a = a.contiguous()
-    b, layout = _weight(b)
-    rows, k = a.shape
-    n = b.shape[0] if layout == "nk" else b.shape[1]
-    if (b.shape[1] if layout == "nk" else b.shape[0]) != k:
-        raise ValueError(f"a is [{rows}, {k}] but b is [{b.shape[0]}, {b.shape[1]}] ({layout})")
-    if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-        bias = bias.to(device=a.device, dtype=out_dtype).contiguous()
+    g = _GemmOperands(a, b, bias, out_dtype)
+    a, b, bias, out_dtype = g.a, g.b, g.bias, g.out_dtype
+    dtype, out_name, layout, (rows, k), n = g.dtype, g.out_name, g.layout, a.shape, g.n
     world = dist.get_world_size(group)
     total = m if m is not None else rows * world
     device = a.device.index
