@@ -1,0 +1,145 @@
+//! Worlds whose ranks share memory through a group's POSIX shared-memory arena: here every rank
+//! is a thread that maps the group itself (the mechanism is the same as with one process per
+//! rank, which `python/tests/test_sim_processes.py` runs). A collective and GEMM +
+//! reduce-scatter through it against their references, the group's name gone once every rank
+//! joined, and the errors: a rank that never joins, a group name in use, a full arena.
+
+use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath};
+use commfuse_core::gemm::BLayout;
+use commfuse_core::{DType, OpKind, ReduceOp};
+use commfuse_sim::collective::SimCollective;
+use commfuse_sim::gemm_rs::{CallInputs, GemmRsConfig, GemmRsOperator};
+use commfuse_sim::shared::Arena;
+use commfuse_sim::{World, WorldConfig};
+use half::bf16;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn name(what: &str) -> String {
+    format!("rust-test-{what}-{}", std::process::id())
+}
+
+/// Runs `f` as every rank of a `p`-rank group, each on its own thread with its own mapping.
+fn group<R: Send>(what: &str, p: usize, f: impl Fn(Arc<Arena>) -> R + Sync) -> Vec<R> {
+    let name = name(what);
+    let out = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..p)
+            .map(|r| {
+                let (f, name) = (&f, &name);
+                s.spawn(move || {
+                    let arena = Arena::open(name, r, p, 16 << 20, Duration::from_secs(10)).unwrap();
+                    f(Arc::new(arena))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(
+        !std::path::Path::new(&format!("/dev/shm/commfuse-{name}")).exists(),
+        "the group's name outlived its joining"
+    );
+    out
+}
+
+#[test]
+fn a_collective_through_shared_memory_matches_the_sum() {
+    for p in [1, 3, 4] {
+        let n = 7 * p + 2;
+        let outs = group(&format!("ar{p}"), p, |arena| {
+            let r = arena.rank();
+            let world = World::shared(arena, WorldConfig::default()).unwrap();
+            let op = SimCollective::<f32>::new(
+                &world,
+                OpKind::AllReduce,
+                n,
+                (None, ReduceOp::Sum, 0, 1),
+            )
+            .unwrap();
+            let input: Vec<f32> = (0..n).map(|i| (i * (r + 1)) as f32).collect();
+            let mut out = vec![f32::NAN; n];
+            for _ in 0..2 {
+                let done = std::sync::Mutex::new(&mut out);
+                world
+                    .run(|ctx| op.forward(ctx, &input, &mut done.lock().unwrap()))
+                    .unwrap();
+            }
+            out
+        });
+        let factor: usize = (1..=p).sum();
+        for out in outs {
+            let want: Vec<f32> = (0..n).map(|i| (i * factor) as f32).collect();
+            assert_eq!(out, want, "P={p}");
+        }
+    }
+}
+
+#[test]
+fn gemm_reduce_scatter_through_shared_memory_matches_float64() {
+    let p = 3;
+    let config = GemmRsConfig::new(p, 20, 24, 16, BLayout::NK, DType::BF16, DType::BF16, true);
+    let CallInputs { a, b, bias } = CallInputs::<bf16, bf16>::random(&config, &[20], 9);
+    let paths = [
+        GemmRsPath::Fused,
+        GemmRsPath::Overlapped { pieces: 2 },
+        GemmRsPath::Unfused,
+    ];
+    for (i, path) in paths.into_iter().enumerate() {
+        let outs = group(&format!("rs{i}"), p, |arena| {
+            let r = arena.rank();
+            let wc = GemmRsOperator::<bf16, bf16>::world_config(&config, Duration::from_secs(10));
+            let world = World::shared(arena, wc.unwrap()).unwrap();
+            let op = GemmRsOperator::<bf16, bf16>::new(&world, config, path).unwrap();
+            let rows = commfuse_core::op::chunk_range(20, p, r).len();
+            let out = std::sync::Mutex::new(vec![bf16::NAN; rows * 24]);
+            let operands = (a[0][r].as_slice(), b[0][r].as_slice(), bias[0].as_deref());
+            world
+                .run(|ctx| op.forward(ctx, 20, operands, &mut out.lock().unwrap()))
+                .unwrap();
+            out.into_inner().unwrap()
+        });
+        let shape = config.shape(20).unwrap();
+        let av: Vec<&[bf16]> = a[0].iter().map(Vec::as_slice).collect();
+        let bv: Vec<&[bf16]> = b[0].iter().map(Vec::as_slice).collect();
+        for (r, out) in outs.iter().enumerate() {
+            let want = reference(&shape, r, &av, &bv, bias[0].as_deref());
+            let check = check_elements_on(&shape, path, out.iter().map(|x| x.to_f64()), &want);
+            assert!(check.passed(), "{path} rank {r}: {check}");
+        }
+    }
+}
+
+#[test]
+fn joining_fails_in_one_line_without_hanging() {
+    // rank 1 of a group rank 0 never makes
+    let e = Arena::open(&name("nobody"), 1, 2, 1 << 20, Duration::from_millis(100))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("rank 1 waited") && !e.contains('\n'), "{e}");
+    // rank 0 whose peer never joins: an error, and the name is removed all the same
+    let lonely = name("lonely");
+    let e = Arena::open(&lonely, 0, 2, 1 << 20, Duration::from_millis(100))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("0 waited") && e.contains("1 of 2 did"), "{e}");
+    assert!(!std::path::Path::new(&format!("/dev/shm/commfuse-{lonely}")).exists());
+    let e = Arena::open("a/b", 0, 1, 1 << 20, Duration::from_millis(100))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("group name"), "{e}");
+    // a full arena says so
+    let arena = Arc::new(Arena::open(&name("small"), 0, 1, 4096, Duration::from_secs(1)).unwrap());
+    let world = World::shared(arena.clone(), WorldConfig::default());
+    let e = match world {
+        Ok(w) => {
+            SimCollective::<f32>::new(&w, OpKind::AllReduce, 1 << 20, (None, ReduceOp::Sum, 0, 1))
+                .err()
+                .unwrap()
+                .to_string()
+        }
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("shared memory is full"), "{e}");
+}
