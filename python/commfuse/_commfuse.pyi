@@ -32,7 +32,7 @@ class SimGroup:
     rank: int
     world: int
     def __init__(
-        self, name: str, rank: int, world: int, *, arena_mb: int = 256, timeout_ms: int = 20000
+        self, name: str, rank: int, world: int, *, arena_mb: int = 64, timeout_ms: int = 20000
     ) -> None: ...
     def collective(
         self, op: str, x: F32, *, count: Optional[int] = None, algo: Optional[str] = None,

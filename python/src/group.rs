@@ -244,7 +244,7 @@ impl SimGroup {
     /// `arena_mb` MiB; the others wait for it, at most `timeout_ms`). Every wait of every call
     /// is bounded by `timeout_ms` too.
     #[new]
-    #[pyo3(signature = (name, rank, world, *, arena_mb=256, timeout_ms=20000))]
+    #[pyo3(signature = (name, rank, world, *, arena_mb=64, timeout_ms=20000))]
     fn new(
         name: &str,
         rank: usize,
@@ -253,7 +253,10 @@ impl SimGroup {
         timeout_ms: u64,
     ) -> PyResult<Self> {
         let timeout = Duration::from_millis(timeout_ms);
-        let arena = Arena::open(name, rank, world, arena_mb << 20, timeout).map_err(value_error)?;
+        let bytes = arena_mb
+            .checked_mul(1 << 20)
+            .ok_or_else(|| value_error(format!("arena_mb={arena_mb} overflows")))?;
+        let arena = Arena::open(name, rank, world, bytes, timeout).map_err(value_error)?;
         Ok(SimGroup {
             arena: Arc::new(arena),
             timeout,

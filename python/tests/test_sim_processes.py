@@ -20,7 +20,7 @@ SHM = "/dev/shm"
 
 def every_op(rank, p, name):
     """Rank `rank`'s part of every op; returns one line per op checked."""
-    g = sim.Group(name, rank, p, arena_mb=64, timeout_ms=20000)
+    g = sim.Group(name, rank, p, arena_mb=16, timeout_ms=20000)
     assert (g.rank, g.world) == (rank, p)
     done = []
     rng = np.random.default_rng(1)  # the same inputs on every rank

@@ -105,9 +105,11 @@ impl Arena {
                     std::io::Error::last_os_error()
                 )));
             }
-            // SAFETY: our descriptor; sizes the object (zero-filled)
-            if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
-                let e = std::io::Error::last_os_error();
+            // SAFETY: our descriptor; sizes the object (zero-filled) and reserves its pages
+            // now, so that a full /dev/shm is this error rather than a SIGBUS at first touch
+            let reserved = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
+            if reserved != 0 {
+                let e = std::io::Error::from_raw_os_error(reserved);
                 // SAFETY: ours to close and remove
                 unsafe {
                     libc::close(fd);
