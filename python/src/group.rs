@@ -89,6 +89,8 @@ fn collective_call<T: Element + 'static>(
         .expect("cached by its key");
     let spec = *op.spec();
     if input.len() != spec.input_len(rank) {
+        // the peers may already be in this call: stop their waits
+        g.arena.raise_abort();
         return Err(format!(
             "rank {rank}'s input has {} elements, {kind} of {count} gives it {}",
             input.len(),

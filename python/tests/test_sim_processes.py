@@ -101,6 +101,18 @@ def dies_or_waits(rank, p, name):
     raise AssertionError("an all-reduce whose peer died returned")
 
 
+def one_rank_errs(rank, p, name):
+    """Rank 1's input does not fit the op: it raises, and rank 0, already waiting in the same
+    call, ends at once (the group's abort flag) instead of at its 20 s timeout."""
+    g = sim.Group(name, rank, p, arena_mb=8, timeout_ms=20000)
+    started = time.monotonic()
+    try:
+        g.collective("all-reduce", np.ones(16 - rank, np.float32), count=16)
+    except ValueError as e:
+        return [f"{time.monotonic() - started:.1f} s: {e}"]
+    raise AssertionError("a call with a misfit input returned")
+
+
 def _worker(target, rank, p, name, results):
     try:
         results.put((rank, "ok", target(rank, p, name)))
@@ -143,6 +155,16 @@ def test_a_rank_that_dies_ends_the_others_in_an_error():
     status, detail = got[0]
     assert status == "ok", detail
     assert "rank 0" in detail[0] and "waits" in detail[0], detail[0]
+
+
+def test_a_rank_that_fails_stops_the_others_at_once():
+    got = run_group(one_rank_errs, 2, 2)
+    for rank in range(2):
+        status, detail = got[rank]
+        assert status == "ok", f"rank {rank}: {detail}"
+        seconds = float(detail[0].split(" s:")[0])
+        assert seconds < 10, f"rank {rank} waited for its timeout: {detail[0]}"
+    assert "input has 15 elements" in got[1][1][0], got[1][1][0]
 
 
 def test_joining_a_group_that_never_forms_is_an_error():
