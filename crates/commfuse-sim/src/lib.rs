@@ -22,6 +22,7 @@ pub mod collective;
 pub mod executor;
 pub mod gemm;
 pub mod gemm_rs;
+pub mod ll;
 pub mod protocol;
 pub mod ring_rs;
 pub mod shared;

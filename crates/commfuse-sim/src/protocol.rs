@@ -153,3 +153,97 @@ pub fn ring_barrier<P: Pads, B: Backoff + ?Sized>(
     }
     Ok(())
 }
+
+/// The low-latency protocol (NCCL's LL): a 64-bit line carries 32 bits of data in its low half
+/// and the call's 32-bit sequence number in its high half, written by one store, so a reader
+/// that sees the sequence number has the data with it — one trip over the link, no separate
+/// signal, nothing to clear between calls (the next call's number replaces the flag). Data and
+/// flag travel in one word, so no ordering between two stores is needed (GPUs give a single
+/// 8-byte store that guarantee).
+pub fn ll_line(data: u32, seq: u32) -> u64 {
+    (u64::from(seq) << 32) | u64::from(data)
+}
+
+/// Stores `data` into `line` for call `seq`.
+pub fn ll_store<W: SignalWord + ?Sized>(line: &W, data: u32, seq: u32) {
+    line.store_release(ll_line(data, seq));
+}
+
+/// Polls `line` until it holds call `seq`'s data and returns the data; or why it stopped and
+/// the line last seen.
+pub fn ll_load<W: SignalWord + ?Sized, B: Backoff + ?Sized>(
+    line: &W,
+    seq: u32,
+    backoff: &mut B,
+) -> Result<u32, (Stop, u64)> {
+    loop {
+        let seen = line.load_acquire();
+        if (seen >> 32) as u32 == seq {
+            return Ok(seen as u32);
+        }
+        if let Err(stop) = backoff.pause() {
+            return Err((stop, seen));
+        }
+    }
+}
+
+/// Lines of every rank's LL buffers, addressed as (rank, line).
+pub trait LlLines {
+    type Word: SignalWord + ?Sized;
+    fn line(&self, rank: usize, index: usize) -> &Self::Word;
+}
+
+/// Where sender `sender`'s line `i` of call parity `parity` lies in a receiver's LL buffer of
+/// `world` senders × `len` lines × 2 parities.
+pub fn ll_index(world: usize, len: usize, parity: usize, sender: usize, i: usize) -> usize {
+    (parity * world + sender) * len + i
+}
+
+/// An LL wait that failed: which sender's line, what it waited for, what it saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LlStuck {
+    pub stop: Stop,
+    pub sender: usize,
+    pub line: usize,
+    pub seq: u32,
+    pub seen: u64,
+}
+
+/// One-shot LL all-reduce (sum), call `seq` (≥ 1) of rank `rank`: its input goes as LL lines
+/// into every rank's buffer (its own included), then it reads every sender's lines, each as its
+/// flag arrives, and sums them in rank order (the same order, so the same bits, on every rank).
+/// Two buffers alternate by the call's parity: a rank writes call c + 2's lines into a peer
+/// only after finishing call c + 1, which needed that peer's call c + 1 lines, which the peer
+/// wrote after finishing reading call c's — so no line is overwritten before it is read.
+pub fn ll_one_shot_all_reduce<L: LlLines, B: Backoff + ?Sized>(
+    lines: &L,
+    (world, rank, seq): (usize, usize, u32),
+    input: &[f32],
+    output: &mut [f32],
+    backoff: &mut B,
+) -> Result<(), LlStuck> {
+    let (len, parity) = (input.len(), (seq % 2) as usize);
+    for peer in std::iter::once(rank).chain(staggered_peers(rank, world)) {
+        for (i, x) in input.iter().enumerate() {
+            let at = ll_index(world, len, parity, rank, i);
+            ll_store(lines.line(peer, at), x.to_bits(), seq);
+        }
+    }
+    for (i, out) in output.iter_mut().enumerate().take(len) {
+        let mut sum = 0.0f32;
+        for sender in 0..world {
+            let at = ll_index(world, len, parity, sender, i);
+            let bits =
+                ll_load(lines.line(rank, at), seq, backoff).map_err(|(stop, seen)| LlStuck {
+                    stop,
+                    sender,
+                    line: i,
+                    seq,
+                    seen,
+                })?;
+            sum += f32::from_bits(bits);
+        }
+        *out = sum;
+    }
+    Ok(())
+}
