@@ -5,7 +5,9 @@
 //! shared world). The reference for the GPU kernel of issue 12; f32 sums in rank order, so every
 //! rank's result is the same bits.
 
-use crate::protocol::{ll_index, ll_one_shot_all_reduce, LlLines, Stop};
+use crate::protocol::{
+    ll_one_shot_all_reduce, ll_two_shot_all_reduce, ll_two_shot_lines, LlLines, Stop,
+};
 use crate::signal::SignalPad;
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
@@ -15,9 +17,18 @@ fn unavailable(msg: String) -> BackendError {
     BackendError::Unavailable(msg)
 }
 
-/// One-shot LL all-reduce (sum) of `len` f32 elements for every rank of a world.
+/// Which LL all-reduce: one trip (every rank sends everything to everyone) or two (a
+/// reduce-scatter then an all-gather, each rank sending 2·len lines).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LlShots {
+    One,
+    Two,
+}
+
+/// An LL all-reduce (sum) of `len` f32 elements for every rank of a world.
 pub struct SimLlAllReduce {
     len: usize,
+    shots: LlShots,
     /// Per rank: 2 parities × P senders × `len` lines
     lines: Vec<SignalPad>,
     /// Per rank, calls it has made (only that rank's thread touches it)
@@ -43,7 +54,7 @@ impl SimLlAllReduce {
     /// element costs a line per sender in every rank's buffer).
     pub const MAX_LEN: usize = 1 << 20;
 
-    pub fn new(world: &World, len: usize) -> Result<Self, BackendError> {
+    pub fn new(world: &World, len: usize, shots: LlShots) -> Result<Self, BackendError> {
         if len > Self::MAX_LEN {
             return Err(unavailable(format!(
                 "the LL all-reduce takes up to {} elements, got {len}",
@@ -51,7 +62,11 @@ impl SimLlAllReduce {
             )));
         }
         let p = world.size();
-        let words = 2 * p * len.max(1);
+        let words = match shots {
+            LlShots::One => 2 * p * len,
+            LlShots::Two => ll_two_shot_lines(p, len),
+        }
+        .max(1);
         let cols = 1024u32;
         let rows = words.div_ceil(cols as usize) as u32;
         let lines = (0..p)
@@ -62,6 +77,7 @@ impl SimLlAllReduce {
             .collect::<Result<_, _>>()?;
         Ok(SimLlAllReduce {
             len,
+            shots,
             lines,
             calls: (0..p).map(|_| AtomicU64::new(0)).collect(),
             broken: AtomicBool::new(false),
@@ -101,13 +117,12 @@ impl SimLlAllReduce {
             u32::try_from(call).map_err(|_| unavailable("2^32 calls: build a new one".into()))?;
         let mut backoff = ctx.backoff();
         let p = ctx.world_size();
-        let result = ll_one_shot_all_reduce(
-            &Lines(&self.lines),
-            (p, rank, seq),
-            input,
-            output,
-            &mut backoff,
-        );
+        let who = (p, rank, seq);
+        let lines = Lines(&self.lines);
+        let result = match self.shots {
+            LlShots::One => ll_one_shot_all_reduce(&lines, who, input, output, &mut backoff),
+            LlShots::Two => ll_two_shot_all_reduce(&lines, who, input, output, &mut backoff),
+        };
         match result {
             Ok(()) => {
                 self.calls[rank].store(call, Ordering::Relaxed);
@@ -118,11 +133,11 @@ impl SimLlAllReduce {
                 Err(match s.stop {
                     Stop::Aborted => BackendError::Aborted { rank },
                     Stop::Timeout => unavailable(format!(
-                        "timeout after {} ms: LL all-reduce rank {rank} waits for sender {}'s line {} (at {}) to carry call {}, sees call {} (line {:#018x})",
+                        "timeout after {} ms: LL all-reduce ({:?} shot) rank {rank} waits for sender {}'s line {} to carry call {}, sees call {} (line {:#018x})",
                         ctx.world().config().timeout.as_millis(),
+                        self.shots,
                         s.sender,
                         s.line,
-                        ll_index(p, self.len, (seq % 2) as usize, s.sender, s.line),
                         s.seq,
                         s.seen >> 32,
                         s.seen

@@ -247,3 +247,71 @@ pub fn ll_one_shot_all_reduce<L: LlLines, B: Backoff + ?Sized>(
     }
     Ok(())
 }
+
+/// Two-shot LL all-reduce (sum), call `seq` (≥ 1) of rank `rank`, for larger small messages:
+/// rank q owns chunk q (`chunk_range` of the input); each rank sends chunk q of its input as LL
+/// lines to q, each owner sums its chunk's P senders in rank order and sends the sum as LL
+/// lines to every rank. Each rank's buffer holds P senders × the longest chunk for the first
+/// phase and every owner's chunk (the whole vector) for the second: [`ll_two_shot_lines`]
+/// lines. Two trips, but each rank sends 2·len lines instead of P·len.
+///
+/// One buffer suffices here, unlike the one-shot protocol: a sender writes call c + 1's
+/// first-phase lines into an owner only after its own call c ended, which needed that owner's
+/// call c sums, which the owner sent only after reading all its call c lines; and an owner
+/// writes call c + 1's sums into a rank only after that rank's call c + 1 lines reached it,
+/// which the rank sent after reading every call c sum. (loom checks it, `tests/model_check.rs`.)
+pub fn ll_two_shot_all_reduce<L: LlLines, B: Backoff + ?Sized>(
+    lines: &L,
+    (world, rank, seq): (usize, usize, u32),
+    input: &[f32],
+    output: &mut [f32],
+    backoff: &mut B,
+) -> Result<(), LlStuck> {
+    let len = input.len();
+    let longest = len.div_ceil(world);
+    let chunk = |q: usize| commfuse_core::op::chunk_range(len, world, q);
+    // first-phase lines: [sender][longest]; second-phase lines after them: [len]
+    let scatter = |sender: usize, i: usize| sender * longest + i;
+    let gather = |i: usize| world * longest + i;
+    let stuck = |sender: usize, line: usize| {
+        move |(stop, seen): (Stop, u64)| LlStuck {
+            stop,
+            sender,
+            line,
+            seq,
+            seen,
+        }
+    };
+    for owner in std::iter::once(rank).chain(staggered_peers(rank, world)) {
+        for (i, x) in input[chunk(owner)].iter().enumerate() {
+            ll_store(lines.line(owner, scatter(rank, i)), x.to_bits(), seq);
+        }
+    }
+    let mine = chunk(rank);
+    let mut sums = vec![0.0f32; mine.len()];
+    for (i, sum) in sums.iter_mut().enumerate() {
+        for sender in 0..world {
+            let bits = ll_load(lines.line(rank, scatter(sender, i)), seq, backoff)
+                .map_err(stuck(sender, mine.start + i))?;
+            *sum += f32::from_bits(bits);
+        }
+    }
+    for peer in std::iter::once(rank).chain(staggered_peers(rank, world)) {
+        for (i, s) in sums.iter().enumerate() {
+            ll_store(lines.line(peer, gather(mine.start + i)), s.to_bits(), seq);
+        }
+    }
+    for owner in 0..world {
+        for i in chunk(owner) {
+            let bits =
+                ll_load(lines.line(rank, gather(i)), seq, backoff).map_err(stuck(owner, i))?;
+            output[i] = f32::from_bits(bits);
+        }
+    }
+    Ok(())
+}
+
+/// Lines of one rank's buffer for [`ll_two_shot_all_reduce`] of `len` elements over `world`.
+pub fn ll_two_shot_lines(world: usize, len: usize) -> usize {
+    world * len.div_ceil(world) + len
+}

@@ -122,24 +122,33 @@ mod loom_checks {
         });
     }
 
-    /// The LL all-reduce, two ranks, two lines, three calls back to back with new inputs: every
-    /// interleaving gives both ranks every call's sum — no line of a call is overwritten by a
-    /// later call before its reader has it (the parity buffers), none read stale.
-    #[test]
-    fn ll_all_reduce_keeps_back_to_back_calls_apart() {
-        struct Lines(Vec<Vec<Word>>);
-        impl protocol::LlLines for Lines {
-            type Word = Word;
-            fn line(&self, rank: usize, index: usize) -> &Word {
-                &self.0[rank][index]
-            }
+    /// One LL all-reduce's protocol: (lines, (world, rank, seq), input, output, backoff).
+    type LlAllReduce = fn(
+        &LlModelLines,
+        (usize, usize, u32),
+        &[f32],
+        &mut [f32],
+        &mut Yield,
+    ) -> Result<(), protocol::LlStuck>;
+
+    struct LlModelLines(Vec<Vec<Word>>);
+    impl protocol::LlLines for LlModelLines {
+        type Word = Word;
+        fn line(&self, rank: usize, index: usize) -> &Word {
+            &self.0[rank][index]
         }
-        model(|| {
+    }
+
+    /// An LL all-reduce, two ranks, two elements, three calls back to back with new inputs:
+    /// every interleaving gives both ranks every call's sum — no line of a call is overwritten
+    /// by a later call before its reader has it (the parity buffers), none read stale.
+    fn ll_keeps_back_to_back_calls_apart(all_reduce: LlAllReduce, lines_per_rank: usize) {
+        model(move || {
             let (world, len, calls) = (2usize, 2usize, 3u32);
-            let lines = Arc::new(Lines(
+            let lines = Arc::new(LlModelLines(
                 (0..world)
                     .map(|_| {
-                        (0..2 * world * len)
+                        (0..lines_per_rank)
                             .map(|_| Word(AtomicU64::new(0)))
                             .collect()
                     })
@@ -154,14 +163,8 @@ mod loom_checks {
                         for seq in 1..=calls {
                             let input: Vec<f32> = (0..len).map(|i| value(rank, seq, i)).collect();
                             let mut out = vec![0.0; len];
-                            protocol::ll_one_shot_all_reduce(
-                                &*lines,
-                                (world, rank, seq),
-                                &input,
-                                &mut out,
-                                &mut Yield,
-                            )
-                            .unwrap();
+                            all_reduce(&lines, (world, rank, seq), &input, &mut out, &mut Yield)
+                                .unwrap();
                             for (i, o) in out.iter().enumerate() {
                                 assert_eq!(*o, value(0, seq, i) + value(1, seq, i));
                             }
@@ -173,6 +176,19 @@ mod loom_checks {
                 h.join().unwrap();
             }
         });
+    }
+
+    #[test]
+    fn ll_one_shot_keeps_back_to_back_calls_apart() {
+        ll_keeps_back_to_back_calls_apart(protocol::ll_one_shot_all_reduce, 2 * 2 * 2);
+    }
+
+    #[test]
+    fn ll_two_shot_keeps_back_to_back_calls_apart() {
+        ll_keeps_back_to_back_calls_apart(
+            protocol::ll_two_shot_all_reduce,
+            protocol::ll_two_shot_lines(2, 2),
+        );
     }
 
     /// Two ranks, two barrier epochs: what a rank writes before the barrier its peer reads after
