@@ -70,10 +70,7 @@ impl SimLlAllReduce {
         let cols = 1024u32;
         let rows = words.div_ceil(cols as usize) as u32;
         let lines = (0..p)
-            .map(|_| match world.arena() {
-                Some(arena) => SignalPad::in_arena(arena, rows, cols),
-                None => Ok(SignalPad::new(rows, cols)),
-            })
+            .map(|_| SignalPad::new_in(world.arena().map(|a| &**a), rows, cols))
             .collect::<Result<_, _>>()?;
         Ok(SimLlAllReduce {
             len,

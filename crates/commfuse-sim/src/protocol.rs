@@ -209,6 +209,24 @@ pub struct LlStuck {
     pub seen: u64,
 }
 
+/// [`ll_load`] of rank `rank`'s line `at`, a failure reported as sender `sender`'s line `line`.
+fn ll_receive<L: LlLines, B: Backoff + ?Sized>(
+    lines: &L,
+    (rank, at, seq): (usize, usize, u32),
+    (sender, line): (usize, usize),
+    backoff: &mut B,
+) -> Result<f32, LlStuck> {
+    ll_load(lines.line(rank, at), seq, backoff)
+        .map(f32::from_bits)
+        .map_err(|(stop, seen)| LlStuck {
+            stop,
+            sender,
+            line,
+            seq,
+            seen,
+        })
+}
+
 /// One-shot LL all-reduce (sum), call `seq` (≥ 1) of rank `rank`: its input goes as LL lines
 /// into every rank's buffer (its own included), then it reads every sender's lines, each as its
 /// flag arrives, and sums them in rank order (the same order, so the same bits, on every rank).
@@ -233,15 +251,7 @@ pub fn ll_one_shot_all_reduce<L: LlLines, B: Backoff + ?Sized>(
         let mut sum = 0.0f32;
         for sender in 0..world {
             let at = ll_index(world, len, parity, sender, i);
-            let bits =
-                ll_load(lines.line(rank, at), seq, backoff).map_err(|(stop, seen)| LlStuck {
-                    stop,
-                    sender,
-                    line: i,
-                    seq,
-                    seen,
-                })?;
-            sum += f32::from_bits(bits);
+            sum += ll_receive(lines, (rank, at, seq), (sender, i), backoff)?;
         }
         *out = sum;
     }
@@ -273,15 +283,6 @@ pub fn ll_two_shot_all_reduce<L: LlLines, B: Backoff + ?Sized>(
     // first-phase lines: [sender][longest]; second-phase lines after them: [len]
     let scatter = |sender: usize, i: usize| sender * longest + i;
     let gather = |i: usize| world * longest + i;
-    let stuck = |sender: usize, line: usize| {
-        move |(stop, seen): (Stop, u64)| LlStuck {
-            stop,
-            sender,
-            line,
-            seq,
-            seen,
-        }
-    };
     for owner in std::iter::once(rank).chain(staggered_peers(rank, world)) {
         for (i, x) in input[chunk(owner)].iter().enumerate() {
             ll_store(lines.line(owner, scatter(rank, i)), x.to_bits(), seq);
@@ -291,9 +292,8 @@ pub fn ll_two_shot_all_reduce<L: LlLines, B: Backoff + ?Sized>(
     let mut sums = vec![0.0f32; mine.len()];
     for (i, sum) in sums.iter_mut().enumerate() {
         for sender in 0..world {
-            let bits = ll_load(lines.line(rank, scatter(sender, i)), seq, backoff)
-                .map_err(stuck(sender, mine.start + i))?;
-            *sum += f32::from_bits(bits);
+            let at = scatter(sender, i);
+            *sum += ll_receive(lines, (rank, at, seq), (sender, mine.start + i), backoff)?;
         }
     }
     for peer in std::iter::once(rank).chain(staggered_peers(rank, world)) {
@@ -303,9 +303,7 @@ pub fn ll_two_shot_all_reduce<L: LlLines, B: Backoff + ?Sized>(
     }
     for owner in 0..world {
         for i in chunk(owner) {
-            let bits =
-                ll_load(lines.line(rank, gather(i)), seq, backoff).map_err(stuck(owner, i))?;
-            output[i] = f32::from_bits(bits);
+            output[i] = ll_receive(lines, (rank, gather(i), seq), (owner, i), backoff)?;
         }
     }
     Ok(())

@@ -36,8 +36,21 @@ impl SignalPad {
         }
     }
 
+    /// A zeroed pad carved from `arena` when given (at the same place in every process of the
+    /// group), in this process's memory otherwise.
+    pub(crate) fn new_in(
+        arena: Option<&Arena>,
+        rows: u32,
+        cols: u32,
+    ) -> Result<Self, BackendError> {
+        match arena {
+            Some(arena) => SignalPad::in_arena(arena, rows, cols),
+            None => Ok(SignalPad::new(rows, cols)),
+        }
+    }
+
     /// A pad carved from `arena` (zeroed), at the same place in every process of the group.
-    pub(crate) fn in_arena(arena: &Arena, rows: u32, cols: u32) -> Result<Self, BackendError> {
+    fn in_arena(arena: &Arena, rows: u32, cols: u32) -> Result<Self, BackendError> {
         let bytes = rows as usize * cols as usize * std::mem::size_of::<AtomicU64>();
         let ptr = arena.alloc(bytes)?;
         Ok(SignalPad {

@@ -48,40 +48,44 @@ pub struct World {
 }
 
 impl World {
-    pub fn new(size: usize, mut config: WorldConfig) -> Result<World, BackendError> {
+    pub fn new(size: usize, config: WorldConfig) -> Result<World, BackendError> {
+        World::build(size, config, None)
+    }
+
+    /// This process's rank of the group `arena` maps, as a world of the group's size: every
+    /// rank's signal pads carved from the arena (every process must make its worlds and
+    /// operators in the same order); [`World::run`] runs this process's rank only.
+    pub fn shared(arena: Arc<Arena>, config: WorldConfig) -> Result<World, BackendError> {
+        World::build(arena.world(), config, Some(arena))
+    }
+
+    /// A world of `size` ranks whose pads lie in `arena` when given, in this process otherwise.
+    fn build(
+        size: usize,
+        mut config: WorldConfig,
+        arena: Option<Arc<Arena>>,
+    ) -> Result<World, BackendError> {
         if size == 0 || size > MAX_WORLD_SIZE {
             return Err(BackendError::Unavailable(format!(
                 "world size must be between 1 and {MAX_WORLD_SIZE}, got {size}"
             )));
         }
         config.pad_cols = config.pad_cols.max(size as u32);
-        let slots = config.pad_rows as usize * config.pad_cols as usize;
+        let (rows, cols) = (config.pad_rows, config.pad_cols);
+        let slots = rows as usize * cols as usize;
+        let pads = (0..size)
+            .map(|_| SignalPad::new_in(arena.as_deref(), rows, cols))
+            .collect::<Result<_, _>>()?;
         Ok(World {
             size,
-            pads: (0..size)
-                .map(|_| SignalPad::new(config.pad_rows, config.pad_cols))
-                .collect(),
+            pads,
             abort: AtomicU64::new(0),
-            arena: None,
+            arena,
             broken: AtomicBool::new(false),
             bases: (0..size).map(|_| Mutex::new(vec![0; slots])).collect(),
-            next_barrier_row: Mutex::new(config.pad_rows),
+            next_barrier_row: Mutex::new(rows),
             config,
         })
-    }
-
-    /// This process's rank of the group `arena` maps, as a world of the group's size: every
-    /// rank's signal pads carved from the arena (every process must make its worlds and
-    /// operators in the same order); [`World::run`] runs this process's rank only.
-    pub fn shared(arena: Arc<Arena>, mut config: WorldConfig) -> Result<World, BackendError> {
-        let size = arena.world();
-        let mut world = World::new(size, config.clone())?;
-        config.pad_cols = config.pad_cols.max(size as u32);
-        world.pads = (0..size)
-            .map(|_| SignalPad::in_arena(&arena, config.pad_rows, config.pad_cols))
-            .collect::<Result<_, _>>()?;
-        world.arena = Some(arena);
-        Ok(world)
     }
 
     /// The group's shared memory, when this world is one rank of a multi-process group.
