@@ -127,10 +127,10 @@ impl CudaBackend {
         for gpu in gpus {
             let module = Module::load(&gpu, &compiled.cubin)?;
             let mut kernels = Vec::new();
-            for dtype in ["f32", "bf16", "f16"] {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let mut row = Vec::new();
-                for op in ["sum", "max", "min", "prod"] {
-                    row.push(module.function(&format!("plan_{dtype}_{op}"))?);
+                for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Prod] {
+                    row.push(plan_kernel(&module, dtype, op)?);
                 }
                 kernels.push(<[Function; 4]>::try_from(row).ok().unwrap());
             }
@@ -878,14 +878,83 @@ impl<T: Element, L: Launcher> PreparedCall for GpuCall<'_, T, L> {
 }
 
 /// The plan kernel with its tables on every GPU.
+/// The plan kernel of `dtype` and `reduce` in a module of `plan.cu`.
+pub(crate) fn plan_kernel(
+    module: &Module,
+    dtype: DType,
+    reduce: ReduceOp,
+) -> Result<Function, CudaError> {
+    let d = ["f32", "bf16", "f16"][dtype_index(dtype)];
+    let op = ["sum", "max", "min", "prod"][reduce_index(reduce)];
+    module.function(&format!("plan_{d}_{op}"))
+}
+
+/// What a rank's plan kernel reads besides its table: every rank's signal pads as this rank
+/// addresses them, its epoch bases, its error record, the lanes and the bound of its waits.
+pub(crate) struct KernelContext {
+    pub pads: [u64; MAX_RANKS],
+    pub bases: u64,
+    pub error: u64,
+    pub lanes: Lanes,
+    pub timeout: Duration,
+}
+
+/// A rank's table of a plan on its GPU: kept as long as its kernel may read it.
+pub(crate) struct DeviceTable {
+    _steps: DeviceMemory,
+    _regions: DeviceMemory,
+    _increments: DeviceMemory,
+}
+
+/// Rank `r`'s table of `plan` (steps and regions over every rank's buffers `addrs`, as rank r
+/// addresses them; its slot increments) uploaded to `gpu`, and its plan kernel's arguments.
+pub(crate) fn upload_table(
+    gpu: &Gpu,
+    plan: &CheckedPlan,
+    r: usize,
+    addrs: &[BufferAddrs],
+    elem_bytes: usize,
+    context: &KernelContext,
+) -> Result<(DeviceTable, PlanArgs), CudaError> {
+    let table = plan_table::encode(plan, r, addrs, elem_bytes);
+    let steps = DeviceMemory::zeroed(gpu, std::mem::size_of_val(&table.steps[..]))?;
+    steps.upload(gpu, &table.steps)?;
+    let regions = DeviceMemory::zeroed(gpu, std::mem::size_of_val(&table.regions[..]))?;
+    regions.upload(gpu, &table.regions)?;
+    let inc = plan.slot_increments(r);
+    let increments = DeviceMemory::zeroed(gpu, std::mem::size_of_val(inc))?;
+    increments.upload(gpu, inc)?;
+    let p = plan.plan();
+    let args = PlanArgs {
+        steps: steps.addr(),
+        regions: regions.addr(),
+        pads: context.pads,
+        bases: context.bases,
+        increments: increments.addr(),
+        error: context.error,
+        lane_len: context.lanes.len,
+        timeout_ns: context.timeout.as_nanos() as u64,
+        nsteps: table.steps.len() as u32,
+        rank: r as u32,
+        slots: p.pad_rows * p.pad_cols,
+        pad: 0,
+    };
+    let table = DeviceTable {
+        _steps: steps,
+        _regions: regions,
+        _increments: increments,
+    };
+    Ok((table, args))
+}
+
 pub(crate) struct PlanLauncher {
     plan: CheckedPlan,
     /// which kernel: [dtype][reduce op]
     dtype_index: usize,
     reduce_index: usize,
     lanes: Lanes,
-    /// per rank: steps, regions, slot increments (the kernel reads them through `args`)
-    _tables: Vec<(DeviceMemory, DeviceMemory, DeviceMemory)>,
+    /// per rank: its table (the kernel reads it through `args`)
+    _tables: Vec<DeviceTable>,
     args: Vec<PlanArgs>,
 }
 
@@ -909,7 +978,6 @@ impl PlanLauncher {
         reduce: ReduceOp,
         bufs: &[RankBuffers],
     ) -> Result<Self, BackendError> {
-        let p = plan.plan();
         let eb = dtype.size();
         let world = backend.ranks.len();
         let addrs: Vec<BufferAddrs> = bufs
@@ -935,30 +1003,16 @@ impl PlanLauncher {
         let mut tables = Vec::with_capacity(world);
         let mut args = Vec::with_capacity(world);
         for (r, rank) in backend.ranks.iter().enumerate() {
-            let table = plan_table::encode(plan, r, &addrs, eb);
-            let steps = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(&table.steps[..]))?;
-            steps.upload(&rank.gpu, &table.steps)?;
-            let regions =
-                DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(&table.regions[..]))?;
-            regions.upload(&rank.gpu, &table.regions)?;
-            let inc = plan.slot_increments(r);
-            let increments = DeviceMemory::zeroed(&rank.gpu, std::mem::size_of_val(inc))?;
-            increments.upload(&rank.gpu, inc)?;
-            args.push(PlanArgs {
-                steps: steps.addr(),
-                regions: regions.addr(),
+            let context = KernelContext {
                 pads,
                 bases: rank.bases.addr(),
-                increments: increments.addr(),
                 error: backend.error.device_addr(),
-                lane_len: lanes.len,
-                timeout_ns: backend.timeout.as_nanos() as u64,
-                nsteps: table.steps.len() as u32,
-                rank: r as u32,
-                slots: p.pad_rows * p.pad_cols,
-                pad: 0,
-            });
-            tables.push((steps, regions, increments));
+                lanes,
+                timeout: backend.timeout,
+            };
+            let (table, a) = upload_table(&rank.gpu, plan, r, &addrs, eb, &context)?;
+            tables.push(table);
+            args.push(a);
         }
         Ok(PlanLauncher {
             plan: plan.clone(),

@@ -13,7 +13,8 @@
 //! (`check`); a peer that never calls leaves this rank's waits to time out, not hang.
 
 use crate::backend::{
-    reduce_index, RankBuffers, LANE_MIN_BYTES, LANE_MIN_COUNT, LANE_TARGET_BYTES, PAD_SLOTS,
+    plan_kernel, upload_table, DeviceTable, KernelContext, RankBuffers, LANE_MIN_BYTES,
+    LANE_MIN_COUNT, LANE_TARGET_BYTES, PAD_SLOTS,
 };
 use crate::driver::{DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream};
 use crate::error::CudaError;
@@ -84,8 +85,8 @@ struct RankMemory {
     bases: DeviceMemory,
     bufs: RankBuffers,
     error: MappedHost<ErrorRecord>,
-    /// The rank's table (steps, regions, slot increments), once connected
-    tables: Vec<DeviceMemory>,
+    /// The rank's table, once connected
+    table: Option<DeviceTable>,
     /// The peers' pads and buffers opened into this process
     mapped: Vec<IpcMapping>,
 }
@@ -121,13 +122,7 @@ impl CollectiveAllocation {
             .map_err(|e| unavailable(e.to_string()))?;
         let compiled = nvrtc::compile(nvrtc::kernel("plan.cu").expect("embedded"), false)?;
         let module = Module::load(&gpu, &compiled.cubin)?;
-        let dtype = match config.dtype {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-        };
-        let reduce = ["sum", "max", "min", "prod"][reduce_index(config.reduce)];
-        let kernel = module.function(&format!("plan_{dtype}_{reduce}"))?;
+        let kernel = plan_kernel(&module, config.dtype, config.reduce)?;
         // lanes spin on their peers' lanes: all must be resident at once (the same GPUs give
         // every rank the same count; connect checks)
         let resident = kernel.max_blocks_per_sm(THREADS)? * gpu.sm_count;
@@ -143,15 +138,14 @@ impl CollectiveAllocation {
         );
         let pad_bytes = max_lanes as usize * PAD_SLOTS * 8;
         let b = plan.plan().buffers;
-        // at least one element each: an empty allocation has no IPC handle
-        let bytes = |n: usize| n.max(1) * eb;
         Ok(CollectiveAllocation {
             memory: RankMemory {
                 pads: DeviceMemory::zeroed(&gpu, pad_bytes)?,
                 bases: DeviceMemory::zeroed(&gpu, pad_bytes)?,
-                bufs: RankBuffers::new(&gpu, bytes(b.input), bytes(b.output), bytes(b.scratch))?,
+                // (an empty buffer still gets an allocation, and so an IPC handle)
+                bufs: RankBuffers::new(&gpu, b.input * eb, b.output * eb, b.scratch * eb)?,
                 error: MappedHost::new(&gpu, ErrorRecord::default())?,
-                tables: Vec::new(),
+                table: None,
                 mapped: Vec::new(),
             },
             rank,
@@ -240,32 +234,16 @@ impl CollectiveAllocation {
                 scratch: open(3)?,
             });
         }
-        let eb = self.config.dtype.size();
-        let table = plan_table::encode(&self.plan, self.rank, &addrs, eb);
-        let upload = |bytes: &[u8]| -> Result<DeviceMemory, CudaError> {
-            let d = DeviceMemory::zeroed(&self.gpu, bytes.len().max(1))?;
-            d.upload(&self.gpu, bytes)?;
-            Ok(d)
-        };
-        let steps = upload(bytemuck::cast_slice(&table.steps))?;
-        let regions = upload(bytemuck::cast_slice(&table.regions))?;
-        let increments = upload(bytemuck::cast_slice(self.plan.slot_increments(self.rank)))?;
-        let p = self.plan.plan();
-        let args = PlanArgs {
-            steps: steps.addr(),
-            regions: regions.addr(),
+        let context = KernelContext {
             pads,
             bases: self.memory.bases.addr(),
-            increments: increments.addr(),
             error: self.memory.error.device_addr(),
-            lane_len: self.lanes.len,
-            timeout_ns: self.config.timeout.as_nanos() as u64,
-            nsteps: table.steps.len() as u32,
-            rank: self.rank as u32,
-            slots: p.pad_rows * p.pad_cols,
-            pad: 0,
+            lanes: self.lanes,
+            timeout: self.config.timeout,
         };
-        self.memory.tables = vec![steps, regions, increments];
+        let eb = self.config.dtype.size();
+        let (table, args) = upload_table(&self.gpu, &self.plan, self.rank, &addrs, eb, &context)?;
+        self.memory.table = Some(table);
         Ok(CollectiveRank {
             last: Event::new_untimed(&self.gpu)?,
             args,

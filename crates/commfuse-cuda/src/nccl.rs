@@ -16,6 +16,52 @@ use half::{bf16, f16};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+/// Whether NCCL may start here: libnccl on the library path, and NVLink multicast switched off
+/// (`NCCL_NVLS_ENABLE=0`, which this project's machines require).
+pub(crate) fn usable() -> Result<(), CudaError> {
+    // SAFETY: only tries to dlopen libnccl
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaError::Unavailable(
+            "NCCL (libnccl.so) is not on the library path".into(),
+        ));
+    }
+    if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
+        return Err(CudaError::Unavailable(
+            "refusing to start NCCL without NCCL_NVLS_ENABLE=0 (NVLink multicast is off limits)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// `ncclReduceScatter` (sum) of `count` elements per rank from `send` (P·count) into `recv` on
+/// communicator `comm`, queued on `stream`.
+///
+/// # Safety
+/// `comm` must be a live communicator; both buffers device memory of its GPU of those sizes,
+/// valid until the call completes on `stream`.
+pub(crate) unsafe fn reduce_scatter_on(
+    comm: sys::ncclComm_t,
+    (send, recv, count): (u64, u64, usize),
+    dtype: DType,
+    stream: &crate::driver::Stream,
+) -> Result<(), CudaError> {
+    result::reduce_scatter(
+        send as *const c_void,
+        recv as *mut c_void,
+        count,
+        nccl_type(dtype),
+        nccl_op(ReduceOp::Sum),
+        comm,
+        stream.raw() as sys::cudaStream_t,
+    )
+    .map(|_| ())
+    .map_err(|e| CudaError::Nccl {
+        call: "ncclReduceScatter",
+        message: format!("{e:?}"),
+    })
+}
+
 /// One NCCL communicator per rank.
 pub struct Comms {
     comms: Vec<sys::ncclComm_t>,
@@ -35,17 +81,7 @@ impl Comms {
 
     /// One communicator per GPU of `devs` (rank r on `devs[r]`), in this process.
     pub(crate) fn for_devices(devs: &[i32]) -> Result<Comms, CudaError> {
-        // SAFETY: only tries to dlopen libnccl
-        if !unsafe { sys::is_culib_present() } {
-            return Err(CudaError::Unavailable(
-                "NCCL (libnccl.so) is not on the library path".into(),
-            ));
-        }
-        if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
-            return Err(CudaError::Unavailable(
-                "refusing to start NCCL without NCCL_NVLS_ENABLE=0 (NVLink multicast is off limits)".into(),
-            ));
-        }
+        usable()?;
         let mut comms = vec![std::ptr::null_mut(); devs.len()];
         // SAFETY: out-array of ndev communicators, device list of ndev ordinals
         unsafe { result::comm_init_all(comms.as_mut_ptr(), devs.len() as i32, devs.as_ptr()) }
@@ -88,20 +124,7 @@ impl Comms {
         let comm = self
             .comm(r)
             .map_err(|e| CudaError::Unavailable(e.to_string()))?;
-        result::reduce_scatter(
-            send as *const c_void,
-            recv as *mut c_void,
-            count,
-            nccl_type(dtype),
-            nccl_op(ReduceOp::Sum),
-            comm,
-            stream.raw() as sys::cudaStream_t,
-        )
-        .map(|_| ())
-        .map_err(|e| CudaError::Nccl {
-            call: "ncclReduceScatter",
-            message: format!("{e:?}"),
-        })
+        reduce_scatter_on(comm, (send, recv, count), dtype, stream)
     }
 
     /// `ncclAllGather` of `count` elements per rank from `send` into `recv` (P·count) on rank
@@ -244,7 +267,7 @@ struct BaselineLauncher<'a> {
     reduce: ReduceOp,
 }
 
-pub(crate) fn nccl_type(d: DType) -> sys::ncclDataType_t {
+fn nccl_type(d: DType) -> sys::ncclDataType_t {
     match d {
         DType::F32 => sys::ncclDataType_t::ncclFloat32,
         DType::BF16 => sys::ncclDataType_t::ncclBfloat16,

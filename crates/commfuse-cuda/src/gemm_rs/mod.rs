@@ -646,12 +646,13 @@ impl GemmRsRank {
     /// wait for the GPU and its peers to be idle): wait on the host for this operator's earlier
     /// calls, so that none of its kernels is still spinning on a flag a peer has yet to raise
     /// while this thread holds the context (the overlapped path's first calls stalled that way,
-    /// docs/gpu-2026-11-30c). Bounded: every wait of the earlier calls is.
-    fn settle_before_preparing(&self, m: usize) -> Result<(), CudaError> {
-        if self.per_m.contains_key(&m) {
+    /// docs/gpu-2026-11-30c). Bounded: every wait of the earlier calls is. Nothing to do when
+    /// the M was `prepared` already.
+    fn settle_before_preparing(&self, prepared: bool) -> Result<(), CudaError> {
+        if prepared {
             return Ok(());
         }
-        let limit = 4 * self.config.timeout;
+        let limit = self.host_limit();
         if self.memory.wait_last(limit)? {
             Ok(())
         } else {
@@ -660,6 +661,11 @@ impl GemmRsRank {
                 self.rank
             )))
         }
+    }
+
+    /// How long the host waits for this operator's earlier calls or its peers.
+    fn host_limit(&self) -> Duration {
+        4 * self.config.timeout
     }
 
     fn prepare_fused(&mut self, m: usize) -> Result<(), CudaError> {
@@ -755,7 +761,7 @@ impl GemmRsRank {
         let path = self.path_for(m)?;
         let result = match path {
             GemmRsPath::Fused => self
-                .settle_before_preparing(m)
+                .settle_before_preparing(self.per_m.contains_key(&m))
                 .and_then(|()| self.prepare_fused(m))
                 // after the previous call even if it went on another stream
                 .and_then(|()| self.memory.order_after_last(stream))
@@ -786,14 +792,9 @@ impl GemmRsRank {
         m: usize,
         operands: (u64, u64, Option<u64>, u64),
     ) -> Result<(), CudaError> {
-        let limit = 4 * self.config.timeout;
-        if !self.unfused_ms.contains(&m) && !self.memory.wait_last(limit)? {
-            return Err(unsupported(format!(
-                "GEMM + reduce-scatter: rank {}'s earlier calls still run after {limit:?}",
-                self.rank
-            )));
-        }
+        self.settle_before_preparing(self.unfused_ms.contains(&m))?;
         self.memory.order_after_last(stream)?;
+        let limit = self.host_limit();
         let path = self.unfused.as_mut().ok_or_else(|| {
             unsupported(
                 "the unfused path needs NCCL where rank 0 was built (libnccl.so, NCCL_NVLS_ENABLE=0)"

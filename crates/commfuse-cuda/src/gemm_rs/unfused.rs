@@ -22,7 +22,6 @@ use commfuse_core::gemm::GemmProblem;
 use commfuse_core::op::chunk_range;
 use cudarc::nccl::{result, sys};
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,12 +35,7 @@ pub type NcclId = [u8; NCCL_ID_BYTES];
 /// A fresh NCCL unique id, or None where NCCL cannot run (no libnccl, or NVLink multicast not
 /// switched off by `NCCL_NVLS_ENABLE=0`, which this project's machines require).
 pub(crate) fn draw_nccl_id() -> Option<NcclId> {
-    // SAFETY: only tries to dlopen libnccl
-    if !unsafe { sys::is_culib_present() }
-        || std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0")
-    {
-        return None;
-    }
+    crate::nccl::usable().ok()?;
     let id = result::get_uniqueid().ok()?;
     let mut out = [0u8; NCCL_ID_BYTES];
     for (o, i) in out.iter_mut().zip(id.internal.iter()) {
@@ -205,19 +199,7 @@ impl UnfusedPath {
         let mine = chunk_range(m, p, self.rank).len();
         let received = self.received.as_ref().expect("made above").addr();
         let land = if mine == rows { out } else { received };
-        result::reduce_scatter(
-            product as *const c_void,
-            land as *mut c_void,
-            rows * n,
-            crate::nccl::nccl_type(c.output),
-            sys::ncclRedOp_t::ncclSum,
-            comm,
-            stream.raw() as sys::cudaStream_t,
-        )
-        .map_err(|e| CudaError::Nccl {
-            call: "ncclReduceScatter",
-            message: format!("{e:?}"),
-        })?;
+        crate::nccl::reduce_scatter_on(comm, (product, land, rows * n), c.output, stream)?;
         if land != out && mine > 0 {
             stream.copy_async(out, received, mine * n * eb)?;
         }
