@@ -63,13 +63,17 @@ def _input_name(dtype: torch.dtype) -> str:
     return _NAMES[dtype]
 
 
-def _matrix(x: torch.Tensor, what: str) -> None:
+def _cuda_tensor(x: torch.Tensor, what: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"{what} must be 2-D, got shape {tuple(x.shape)}")
     if not x.is_cuda:
         raise ValueError(f"{what} must be on a CUDA device, got {x.device}")
+
+
+def _matrix(x: torch.Tensor, what: str) -> None:
+    _cuda_tensor(x, what)
+    if x.dim() != 2:
+        raise ValueError(f"{what} must be 2-D, got shape {tuple(x.shape)}")
 
 
 def _weight(b: torch.Tensor) -> Tuple[torch.Tensor, str]:
@@ -268,10 +272,7 @@ def _reduce_name(op) -> str:
 
 
 def _vector(x: torch.Tensor, what: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_cuda:
-        raise ValueError(f"{what} must be on a CUDA device, got {x.device}")
+    _cuda_tensor(x, what)
     _name(x.dtype, what)
     return x
 
