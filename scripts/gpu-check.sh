@@ -45,7 +45,7 @@ run_tests() {
 has tests && run_tests
 if has torch; then
   # the wheel gpu-prepare.sh built, installed beside the machine's PyTorch
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/commfuse-site .gpu/wheels/commfuse-*.whl
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/commfuse-site .gpu/wheels/commfuse-*.whl
   export PYTHONPATH=/tmp/commfuse-site
   (cd /tmp && timeout 400 python3 -m pytest -q -rs -s "$OLDPWD/python/tests") >"$R/pytest.txt" 2>&1
   log "pytest rc=$? $(tail -1 "$R/pytest.txt")"

@@ -17,7 +17,16 @@ rank of the group exchanges its buffers' CUDA IPC handles through
 ``dist.all_gather_object``), so every rank must make the same calls in the same order, as with
 any ``torch.distributed`` collective. A call of more rows than the cached operator was built
 for builds a larger one (collectively too). The first call of each new M settles on algorithms
-on the host; later calls of that M only queue work, and can be captured in a CUDA graph.
+on the host; later calls of that M only queue work.
+
+Calls can be captured into a CUDA graph (``torch.cuda.graph``) and replayed: the operators
+number their calls on the GPU, so every replay is a new call, and eager calls may come between
+replays. As PyTorch asks of any captured work, call each shape and M once before capturing,
+the largest M first (building an operator and a new M's first call run on the host, which
+raises under capture, and a call of more rows than the cached operator's builds a new one).
+Every rank must capture and replay the same calls. GEMM + reduce-scatter's "overlapped" path
+cannot be captured (``path="auto"`` takes the fused path instead where it would take it), nor
+can ``barrier`` (it waits on the host).
 
 Errors are Python exceptions carrying commfuse's one-line message: ``ValueError`` for a call
 that does not fit, ``RuntimeError`` for a CUDA failure or a peer that never arrived.
@@ -128,6 +137,12 @@ def _operator(kind: str, group, m: int, key: tuple, build):
     entry = _CACHE.get(full)
     if entry is not None and entry[1] >= m:
         return entry[0]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"commfuse.torch: the {kind} operator for this shape (M = {m}) is built by its first"
+            " call, collectively and on the host, which a CUDA graph cannot capture: call it"
+            " once before capturing"
+        )
     max_m = max(m, 2 * entry[1]) if entry is not None else m
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     op = build(rank, world, max_m)

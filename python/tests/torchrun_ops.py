@@ -6,7 +6,8 @@ reference of its own output. Each case: outputs poisoned with NaN before the cal
 back to back on one stream with different inputs and M and no synchronisation between them,
 every output element within an element-wise bound, and where PyTorch has the same operation
 (``dist.reduce_scatter_tensor`` / ``dist.all_gather_into_tensor`` after ``torch.matmul``)
-the result compared with PyTorch's too. Exits non-zero on the first failure.
+the result compared with PyTorch's too. Then the same operators captured into CUDA graphs and
+replayed on new inputs. Exits non-zero on the first failure.
 """
 
 import os
@@ -181,6 +182,172 @@ def check_collectives(rank, world, dtype, seed):
     return lines
 
 
+def captured(make, warm_up=True):
+    """A CUDA graph of `make()`'s calls (after one eager warm-up call of each, on a side stream
+    as PyTorch recommends), and what the calls returned (the graph's static outputs)."""
+    if warm_up:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            make()
+        torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = make()
+    return graph, outs
+
+
+def check_graphs(rank, world):
+    """Calls captured into a CUDA graph and replayed three times, each replay on new inputs
+    copied into the graph's inputs and with its outputs poisoned, an eager call of the same
+    operator on other inputs queued between two replays, nothing synchronised in between:
+    every output element against float64. Each graph holds two calls (a ragged M and M < P
+    rows, or an even M and a ragged one), so replays go through both sets of buffers and
+    flags."""
+    dev = torch.device("cuda", rank)
+    n, k, dtype = 264, 136, torch.bfloat16
+    lines = []
+
+    def rs_want(a_all, b_all, m):
+        start, end = torch.tensor_split(torch.arange(m), world)[rank][[0, -1]].tolist() \
+            if m >= world or rank < m else (0, -1)
+        want = sum(x.double() @ y.double() for x, y in zip(a_all, b_all))[start:end + 1]
+        absp = sum(x.double().abs() @ y.double().abs() for x, y in zip(a_all, b_all))
+        return want, bound(absp[start:end + 1], world, dtype, k * world)
+
+    for path, ms in [("auto", [2 * world * 37 + 1, 1]), ("fused", [2 * world * 37 + 1, 1]),
+                     ("unfused", [2 * world * 40, 2 * world * 37 + 1])]:
+        b = torch.empty((k, n), dtype=dtype, device=dev)
+        a = [torch.empty((m, k), dtype=dtype, device=dev) for m in ms]
+
+        def load(seed):
+            b_all = operands(seed, [(k, n)] * world, dtype)
+            b.copy_(b_all[rank])
+            a_alls = [operands(seed + 1 + i, [(m, k)] * world, dtype) for i, m in enumerate(ms)]
+            for x, a_all in zip(a, a_alls):
+                x.copy_(a_all[rank])
+            return a_alls, b_all
+
+        load(500)
+        graph, outs = captured(lambda: [cf.gemm_reduce_scatter(x, b, path=path) for x in a])
+        taken = cf.operator_path(ms[0], b, path=path)
+        for replay in range(3):
+            a_alls, b_all = load(600 + 10 * replay)
+            for o in outs:
+                o.fill_(float("nan"))
+            graph.replay()
+            if replay == 1:
+                # an eager call between replays, on its own inputs
+                e_all = operands(700, [(ms[0], k)] * world, dtype)
+                eager = cf.gemm_reduce_scatter(e_all[rank].to(dev), b, path=path)
+            torch.cuda.synchronize()
+            for m, a_all, o in zip(ms, a_alls, outs):
+                want, limit = rs_want(a_all, b_all, m)
+                compare(f"graph gemm_reduce_scatter path={path} replay {replay} M={m}", o, want,
+                        limit)
+            if replay == 1:
+                want, limit = rs_want(e_all, b_all, ms[0])
+                compare(f"eager gemm_reduce_scatter path={path} between replays", eager, want,
+                        limit)
+        lines.append(f"gemm_reduce_scatter path={path} ({taken}) in a CUDA graph: M={ms},"
+                     " 3 replays, an eager call between")
+
+    # all-gather + GEMM: an even M then a ragged one, the gathered A returned (the larger M
+    # first: a call of more rows than the cached operator's builds a new one, whose M are new)
+    ms = [2 * world * 40, 2 * world * 37 + 1]
+    b = torch.empty((k, n), dtype=dtype, device=dev)
+    fulls = [torch.empty((m, k), dtype=dtype) for m in ms]
+    mine = [torch.empty_like(torch.tensor_split(f, world)[rank], device=dev) for f in fulls]
+
+    def load_ag(seed):
+        b.copy_(operands(seed, [(k, n)], dtype)[0])
+        for i, (f, x) in enumerate(zip(fulls, mine)):
+            f.copy_(operands(seed + 1 + i, [f.shape], dtype)[0])
+            x.copy_(torch.tensor_split(f, world)[rank])
+
+    load_ag(800)
+    graph, outs = captured(lambda: [cf.all_gather_gemm(x, b, m=m, return_a=True)
+                                    for x, m in zip(mine, ms)])
+    for replay in range(3):
+        load_ag(900 + 10 * replay)
+        for out, gathered in outs:
+            out.fill_(float("nan"))
+            gathered.fill_(float("nan"))
+        graph.replay()
+        if replay == 1:
+            eager = cf.all_gather_gemm(mine[1].clone(), b, m=ms[1])
+        torch.cuda.synchronize()
+        b_cpu = b.double().cpu()
+        for m, f, (out, gathered) in zip(ms, fulls, outs):
+            name = f"graph all_gather_gemm replay {replay} M={m}"
+            if not torch.equal(gathered.cpu(), f):
+                raise AssertionError(f"{name}: the gathered A differs")
+            compare(name, out, f.double() @ b_cpu, bound(f.double().abs() @ b_cpu.abs(), 0, dtype, k))
+        if replay == 1:
+            compare("eager all_gather_gemm between replays", eager, fulls[1].double() @ b_cpu,
+                    bound(fulls[1].double().abs() @ b_cpu.abs(), 0, dtype, k))
+    lines.append(f"all_gather_gemm in a CUDA graph: M={ms}, return_a, 3 replays, an eager call between")
+
+    # collectives: two all-reduces and an all-gather per replay
+    count = 3 * 4096 + 7
+    xs = [torch.empty(count, dtype=torch.float32, device=dev) for _ in range(2)]
+    part = torch.empty(count // world, dtype=torch.float32, device=dev)
+    gathered = torch.empty(count // world * world, dtype=torch.float32, device=dev)
+
+    def ints(seed, size):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randint(-8, 9, (size,), generator=g).float() for _ in range(world)]
+
+    def make():
+        for x in xs:
+            cf.all_reduce(x)
+        cf.all_gather(gathered, part)
+        return xs + [gathered]
+
+    for x, v in zip(xs, [ints(1000 + i, count) for i in range(2)]):
+        x.copy_(v[rank])
+    graph, _ = captured(make)
+    for replay in range(3):
+        inputs = [ints(1100 + 10 * replay + i, count) for i in range(2)]
+        parts = ints(1200 + replay, count // world)
+        for x, v in zip(xs, inputs):
+            x.copy_(v[rank])
+        part.copy_(parts[rank])
+        gathered.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (x, v) in enumerate(zip(xs, inputs)):
+            if not torch.equal(x.cpu().double(), sum(t.double() for t in v)):
+                raise AssertionError(f"graph all_reduce {i} replay {replay} differs")
+        if not torch.equal(gathered.cpu(), torch.cat(parts)):
+            raise AssertionError(f"graph all_gather replay {replay} differs")
+    lines.append("all_reduce x2 + all_gather in a CUDA graph: 3 replays")
+
+    # what cannot be captured says so, in one line, and leaves the operator usable
+    a = torch.zeros((96, k), dtype=dtype, device=dev)
+    a64 = torch.zeros((96, 64), dtype=dtype, device=dev)
+    for what, make, warm, says in [
+        ("overlapped path", lambda: cf.gemm_reduce_scatter(a, b, path="overlapped"), True,
+         "cannot be captured into a CUDA graph"),
+        ("an M never called before", lambda: cf.gemm_reduce_scatter(a[:90], b, path="fused"),
+         False, "call it once before capturing"),
+        ("a shape never called before", lambda: cf.gemm_reduce_scatter(a64, b[:64]),
+         False, "call it once before capturing"),
+    ]:
+        if not warm:
+            cf.gemm_reduce_scatter(a, b, path="fused")  # builds the operator, prepares M = 96
+        try:
+            captured(make, warm_up=warm)
+        except (ValueError, RuntimeError) as e:
+            if says not in str(e) or "\n" in str(e):
+                raise AssertionError(f"graph of the {what}: unexpected error {e!r}")
+            lines.append(f"capturing the {what} is refused: {e}")
+            continue
+        raise AssertionError(f"graph of the {what}: no error")
+    return lines
+
+
 def check_bad_input(rank, world):
     dev = torch.device("cuda", rank)
     a = torch.zeros((64, 32), dtype=torch.bfloat16, device=dev)
@@ -243,6 +410,7 @@ def main():
         compare(f"path={path}", out, want, bound(absp[start:end + 1], world, torch.bfloat16,
                                                   128 * world))
         results.append(f"gemm_reduce_scatter path={path} ({cf.operator_path(600, b_all[rank].to(dev), path=path)})")
+    results.extend(check_graphs(rank, world))
     dist.barrier()
     if rank == 0:
         for line in results:

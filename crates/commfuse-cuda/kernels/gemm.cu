@@ -68,6 +68,14 @@ constexpr u32 FLAG_SET_EPOCH = 2;
 constexpr u32 ROUTE_DST_FROM_D = 1;  // dst is an offset from GemmParams.d
 constexpr u32 ROUTE_NO_BIAS = 2;     // this tile does not add the bias (a peer's partial)
 
+// A rank's count of its graph-safe calls (GemmParams.calls), in device memory; mirrored by
+// `CallCounter` in src/gemm.rs. Zero when the operator is built.
+struct CallCounter {
+    u64 last;      // the number of the last call that finished
+    u32 finished;  // blocks of the running call that have finished (reset by the last one)
+    u32 pad;
+};
+
 // Mirrored by `GemmParams` in src/gemm.rs.
 struct GemmParams {
     TmaDesc a;                 // A [M, K], box 64 (K) x 128 (M)
@@ -100,11 +108,19 @@ struct GemmParams {
     const u32* bands;
     // This call's number (from 1): the value FLAG_SET_EPOCH flags store and folds wait for.
     u64 epoch;
+    // Calls that may be captured into a CUDA graph and replayed: when not null, this call's
+    // number is one more than the counter's last (read on the device, so that every replay is
+    // a new call), `epoch` is unused, the tiles route by `routes` in calls of set 0 (odd
+    // numbers) and by `routes_alt` in calls of set 1, and the block that finishes last advances
+    // the counter.
+    CallCounter* calls;
+    const TileRoute* routes_alt;
 };
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
                   COMMFUSE_OFFSETOF(GemmParams, rank) == 344 && COMMFUSE_OFFSETOF(GemmParams, workspace) == 368 &&
                   COMMFUSE_OFFSETOF(GemmParams, counters) == 376 && COMMFUSE_OFFSETOF(GemmParams, bands) == 384 &&
-                  COMMFUSE_OFFSETOF(GemmParams, epoch) == 392,
+                  COMMFUSE_OFFSETOF(GemmParams, epoch) == 392 && COMMFUSE_OFFSETOF(GemmParams, calls) == 400 &&
+                  COMMFUSE_OFFSETOF(GemmParams, routes_alt) == 408,
               "layout mirrored by GemmParams in src/gemm.rs");
 // The 128 accumulator registers of one m64n256k16 wgmma, as asm operands %0..%127.
 #define WGMMA_ACC_OPERANDS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
@@ -127,6 +143,14 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(G
     "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
 // ---- shared memory, mbarriers, TMA -------------------------------------------------------
+
+// This call's number and tile routes, decided once per block (thread 0, before the block's
+// first barrier) from GemmParams.epoch/routes or from the call counter.
+struct CallState {
+    u64 epoch;
+    const TileRoute* routes;
+};
+__shared__ CallState call_state;
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -408,11 +432,11 @@ __device__ __forceinline__ void fold_wait(const GemmParams& p, const TileRoute& 
     for (u32 f = 0; f < r.fold_count; ++f) {
         const u64* flag = (const u64*)(r.fold_flag + (u64)f * r.fold_flag_stride);
         u64 seen = load_acquire_sys(flag);
-        if (seen >= p.epoch) continue;
+        if (seen >= call_state.epoch) continue;
         const u64 start = global_timer_ns();
         for (u32 spins = 1;; ++spins) {
             seen = load_relaxed_sys(flag);
-            if (seen >= p.epoch) {
+            if (seen >= call_state.epoch) {
                 fence_acquire_sys();
                 break;
             }
@@ -424,7 +448,7 @@ __device__ __forceinline__ void fold_wait(const GemmParams& p, const TileRoute& 
                     p.err->lane = blockIdx.x;
                     p.err->step = tile;
                     p.err->slot = WAIT_FOLD_FLAG;
-                    p.err->expected = p.epoch;
+                    p.err->expected = call_state.epoch;
                     p.err->seen = seen;
                     __threadfence_system();
                     p.err->abort = 1;
@@ -486,7 +510,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // Partials folded in (the owner's tiles of GEMM + reduce-scatter): wait until every
         // peer's partial of this tile is there. The owner computes its own tiles last, so in
         // practice they have long arrived and the wait is one look at each flag.
-        const TileRoute* route = p.routes != nullptr ? p.routes + c.tile : nullptr;
+        const TileRoute* route = call_state.routes != nullptr ? call_state.routes + c.tile : nullptr;
         const u32 fold_count = route != nullptr ? route->fold_count : 0;
         if (fold_count != 0) {
             if (leader) fold_wait(p, *route, c.tile, cw);
@@ -566,8 +590,8 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
         const Unit c = unit_at(p, i);
         if (c.part != 0) continue;  // helper parts of a split tile stage nothing
         TileRoute r;
-        if (p.routes != nullptr) {
-            r = p.routes[c.tile];
+        if (call_state.routes != nullptr) {
+            r = call_state.routes[c.tile];
             if (r.options & ROUTE_DST_FROM_D) r.dst += p.d;
         } else {
             r.dst = p.d + ((u64)c.row0 * p.n + (u64)c.tn * gemm::BN) * sizeof(Out);
@@ -627,12 +651,21 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
                 // the barrier (or the warp sync) above ordered every storer's stores before this
                 // thread's release, which carries them (cumulativity): no separate fence, whose
                 // sequentially consistent form (__threadfence_system) costs ~4 % at long K
-                if (r.flag_op == FLAG_SET_EPOCH) store_release_sys((u64*)r.flag, p.epoch);
+                if (r.flag_op == FLAG_SET_EPOCH) store_release_sys((u64*)r.flag, call_state.epoch);
                 else notify((u64*)r.flag, r.flag_value, r.flag_op);
             }
         }
     }
     if (t < 32) bulk_wait_all();  // no write may be in flight when the block ends
+    // The block that finishes last advances the call counter: every block read it (thread 0,
+    // before the block's first barrier) before it counted itself finished here.
+    if (t == 0 && p.calls != nullptr) {
+        __threadfence();
+        if (atomicAdd(&p.calls->finished, 1u) == gridDim.x - 1) {
+            p.calls->finished = 0;
+            *(volatile u64*)&p.calls->last = call_state.epoch;
+        }
+    }
 }
 
 template <typename In, typename Out, bool B_KN>
@@ -658,6 +691,14 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b) : "memory");
+        if (p.calls != nullptr) {
+            const u64 epoch = *(volatile const u64*)&p.calls->last + 1;
+            call_state.epoch = epoch;
+            call_state.routes = (epoch - 1) % 2 == 0 ? p.routes : p.routes_alt;  // set_of(epoch)
+        } else {
+            call_state.epoch = p.epoch;
+            call_state.routes = p.routes;
+        }
     }
     __syncthreads();
     const u32 wg = threadIdx.x / 128;

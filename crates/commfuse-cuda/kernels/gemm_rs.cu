@@ -41,12 +41,19 @@ struct GemmRsReduceArgs {
     u32 rank;
     u32 owners_with_rows;                // min(M, P): ranks from here on own no rows this call
     u32 rowless;                         // 1 when this rank owns no rows this call
+    // A call numbered on the device (launched after the GEMM, which advanced the counter to
+    // this call's number): when not null, `epoch` is the counter's `last` and `flags` and
+    // `peer_flags` are set 0's rows, set 1's being `set_words` flags further; null: as given.
+    const u64* calls;
+    u64 set_words;
 };
 static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, out) == 16 * COMMFUSE_MAX_RANKS, "layout mirrored in gemm_rs.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, epoch) == 16 * COMMFUSE_MAX_RANKS + 48,
               "layout mirrored in gemm_rs.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmRsReduceArgs, rank) == 16 * COMMFUSE_MAX_RANKS + 76, "layout mirrored in gemm_rs.rs");
-static_assert(sizeof(GemmRsReduceArgs) == 16 * COMMFUSE_MAX_RANKS + 88, "layout mirrored in gemm_rs.rs");
+static_assert(sizeof(GemmRsReduceArgs) == 16 * COMMFUSE_MAX_RANKS + 104 &&
+                  COMMFUSE_OFFSETOF(GemmRsReduceArgs, calls) == 16 * COMMFUSE_MAX_RANKS + 88,
+              "layout mirrored in gemm_rs.rs");
 
 constexpr int REDUCE_THREADS = 512;
 
@@ -124,6 +131,10 @@ __device__ __forceinline__ void reduce_tile(const GemmRsReduceArgs& a, const Red
 template <typename Out>
 __device__ void gemm_rs_reduce(const GemmRsReduceArgs& a) {
     __shared__ int ready;
+    // this call's number, and the offset of its set's flag rows from the rows given
+    const u64 epoch = a.calls != nullptr ? *(volatile const u64*)a.calls : a.epoch;
+    const u64 set_off = a.calls != nullptr ? (epoch - 1) % 2 * a.set_words : 0;
+    u64* const flags = a.flags + set_off;
     // When M < P some ranks own no rows. Such a rank's call would wait for nobody and could run
     // into its next call on the same set while a peer still reads that set's partials, so every
     // rank tells each of them that its part of this call is under way (this kernel runs after
@@ -131,12 +142,12 @@ __device__ void gemm_rs_reduce(const GemmRsReduceArgs& a) {
     // have no tile 0) before ending the call.
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         for (u32 o = a.owners_with_rows; o < a.world; ++o)
-            store_release_sys((u64*)a.peer_flags[o] + (u64)slot_of(a.rank, o, a.world) * a.stride, a.epoch);
+            store_release_sys((u64*)a.peer_flags[o] + set_off + (u64)slot_of(a.rank, o, a.world) * a.stride, epoch);
         if (a.rowless) {
             ready = 1;
             for (u32 q = 0; q < a.world && ready; ++q)
-                ready = wait_signal(a.flags + (u64)q * a.stride, CMP_GE, a.epoch, a.timeout_ns, a.err, a.rank, blockIdx.x,
-                                    0, q * a.stride);
+                ready = wait_signal(flags + (u64)q * a.stride, CMP_GE, epoch, a.timeout_ns, a.err, a.rank, blockIdx.x, 0,
+                                    q * a.stride);
         }
     }
     for (u32 i = blockIdx.x; i < a.tile_count; i += gridDim.x) {
@@ -145,7 +156,7 @@ __device__ void gemm_rs_reduce(const GemmRsReduceArgs& a) {
             ready = 1;
             for (u32 q = 0; q < a.world && ready; ++q) {
                 const u32 col = slot_of(q, a.rank, a.world) * a.stride + i;
-                ready = wait_signal(a.flags + col, CMP_GE, a.epoch, a.timeout_ns, a.err, a.rank, blockIdx.x, i, col);
+                ready = wait_signal(flags + col, CMP_GE, epoch, a.timeout_ns, a.err, a.rank, blockIdx.x, i, col);
             }
         }
         __syncthreads();
@@ -182,20 +193,29 @@ struct RingFlagArgs {
     u32 rank;
     u32 step;           // for the diagnosis: the ring step and flag index waited on
     u32 index;
+    // Calls numbered on the device (a CUDA graph may replay them): when not null, both values
+    // are added to the rank's count of finished calls (so 1 means "this call"), and a step
+    // with FLAG_ADVANCE, the call's last, counts the call finished.
+    u64* calls;
 };
-static_assert(sizeof(RingFlagArgs) == 64 && COMMFUSE_OFFSETOF(RingFlagArgs, wait_cmp) == 48,
+static_assert(sizeof(RingFlagArgs) == 72 && COMMFUSE_OFFSETOF(RingFlagArgs, wait_cmp) == 48 &&
+                  COMMFUSE_OFFSETOF(RingFlagArgs, calls) == 64,
               "layout mirrored in flag_step.rs");
 
 // RingFlagArgs.wait_cmp: the comparison in the low byte; this bit raises before waiting (a
 // rank's end-of-call "done" raised on one peer and awaited from another, in one launch).
 constexpr u32 FLAG_RAISE_FIRST = 0x100;
+// RingFlagArgs.wait_cmp: after its wait and raise, the step advances RingFlagArgs.calls.
+constexpr u32 FLAG_ADVANCE = 0x200;
 
 extern "C" __global__ void __launch_bounds__(32) ring_flag(const RingFlagArgs a) {
     if (threadIdx.x != 0) return;
+    const u64 base = a.calls != nullptr ? *(volatile const u64*)a.calls : 0;
     const bool raise_first = (a.wait_cmp & FLAG_RAISE_FIRST) != 0;
-    if (raise_first && a.raise != nullptr) store_release_sys(a.raise, a.raise_value);
-    if (a.wait != nullptr && !wait_signal(a.wait, a.wait_cmp & 0xffu, a.wait_value, a.timeout_ns, a.err, a.rank, 0,
-                                          a.step, a.index))
+    if (raise_first && a.raise != nullptr) store_release_sys(a.raise, base + a.raise_value);
+    if (a.wait != nullptr && !wait_signal(a.wait, a.wait_cmp & 0xffu, base + a.wait_value, a.timeout_ns, a.err, a.rank,
+                                          0, a.step, a.index))
         return;  // recorded; raising now would let a peer run on
-    if (!raise_first && a.raise != nullptr) store_release_sys(a.raise, a.raise_value);
+    if (!raise_first && a.raise != nullptr) store_release_sys(a.raise, base + a.raise_value);
+    if ((a.wait_cmp & FLAG_ADVANCE) != 0 && a.calls != nullptr) *(volatile u64*)a.calls = base + 1;
 }

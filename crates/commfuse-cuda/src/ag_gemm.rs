@@ -14,13 +14,15 @@
 //! once before queueing anything (after the earlier calls, waited for on the host): a kernel
 //! loaded while a flag wait spins can stall the peers (docs/gpu-2026-11-30c).
 //!
-//! Not run on GPUs yet (written after the third session's device time was spent); the
-//! simulator runs the same protocol (`commfuse_sim::ag_gemm`) for P = 1..9 in CI.
+//! The flag steps number the calls on the device (each call's last step advances the rank's
+//! count), so a call captured into a CUDA graph is a new call at every replay; the first call of
+//! an M, which waits on the host, must come before the capture. The simulator runs the same
+//! protocol (`commfuse_sim::ag_gemm`) for P = 1..9 in CI.
 
 use crate::cublaslt::Lt;
 use crate::driver::{DeviceMemory, Event, Gpu, IpcMapping, Stream};
 use crate::error::CudaError;
-use crate::flag_step::{hand_on, FlagCmp, FlagSteps, PeerMemory};
+use crate::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory, THIS_CALL};
 use crate::gemm::{InUse, Launched};
 use crate::ipc::Exported;
 use crate::plan_table::MAX_RANKS;
@@ -158,7 +160,7 @@ impl AgGemmAllocation {
                 // the flag words, then a 16-byte landing slot per sender for the first copy
                 // (see connect), which nothing reads
                 flags: DeviceMemory::zeroed(&gpu, 8 * s.flag_words() + 16 * world)?,
-                steps: FlagSteps::new(&gpu, rank, config.timeout)?,
+                steps: FlagSteps::numbered_on_device(&gpu, rank, config.timeout)?,
             },
             rank,
             world,
@@ -354,6 +356,12 @@ impl AgGemmRank {
         if self.tuned.contains(&s.shape.m) {
             return Ok(());
         }
+        if stream.is_capturing()? {
+            return Err(unsupported(format!(
+                "all-gather + GEMM: M = {} was never called outside a CUDA graph capture, and its first call prepares on the host: call it once before capturing",
+                s.shape.m
+            )));
+        }
         let limit = 4 * self.config.timeout;
         if !self.memory.wait_last(limit)? {
             return Err(unsupported(format!(
@@ -453,7 +461,8 @@ impl AgGemmRank {
         gathered: Option<u64>,
     ) -> Result<(), CudaError> {
         let c = self.config;
-        let epoch = self.calls + 1;
+        // the steps number the call on the device (a CUDA graph may replay it)
+        let epoch = THIS_CALL;
         let mem = &*self.memory;
         let (row_in, row_out) = (
             (c.k * c.input.size()) as u64,
@@ -514,17 +523,27 @@ impl AgGemmRank {
             for &q in before {
                 mem.steps.queue(stream, None, Some(raise(q)), at(mine))?;
             }
+            // the last raise and the first wait in one launch; the call's last step ends it
             let first = others[0];
-            let merged_at = at(s.done_index(first));
+            let merged = FlagStep {
+                wait: Some(wait(first)),
+                raise: Some(raise(last)),
+                raise_first: true,
+                ends_call: others.len() == 1,
+            };
             mem.steps
-                .queue_raise_then_wait(stream, raise(last), wait(first), merged_at)?;
-            for &q in &others[1..] {
-                mem.steps
-                    .queue(stream, Some(wait(q)), None, at(s.done_index(q)))?;
+                .queue_step(stream, merged, at(s.done_index(first)))?;
+            for (i, &q) in others.iter().enumerate().skip(1) {
+                let step = FlagStep {
+                    wait: Some(wait(q)),
+                    ends_call: i + 1 == others.len(),
+                    ..FlagStep::default()
+                };
+                mem.steps.queue_step(stream, step, at(s.done_index(q)))?;
             }
         }
         self.memory.launched(stream)?;
-        self.calls = epoch;
+        self.calls += 1;
         Ok(())
     }
 

@@ -16,7 +16,9 @@ use crate::backend::{
     plan_kernel, upload_table, DeviceTable, KernelContext, RankBuffers, LANE_MIN_BYTES,
     LANE_MIN_COUNT, LANE_TARGET_BYTES, PAD_SLOTS,
 };
-use crate::driver::{DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream};
+use crate::driver::{
+    CallOrder, DeviceMemory, Function, Gpu, IpcMapping, MappedHost, Module, Stream,
+};
 use crate::error::CudaError;
 use crate::ipc::Exported;
 use crate::nvrtc;
@@ -245,7 +247,7 @@ impl CollectiveAllocation {
         let (table, args) = upload_table(&self.gpu, &self.plan, self.rank, &addrs, eb, &context)?;
         self.memory.table = Some(table);
         Ok(CollectiveRank {
-            last: Event::new_untimed(&self.gpu)?,
+            last: CallOrder::new(&self.gpu)?,
             args,
             broken: false,
             memory: Some(self.memory),
@@ -272,7 +274,7 @@ pub struct CollectiveRank {
     kernel: Function,
     args: PlanArgs,
     /// After this rank's last call (dropping waits for it)
-    last: Event,
+    last: CallOrder,
     broken: bool,
     /// None once leaked (a call that never ended)
     memory: Option<RankMemory>,
@@ -322,7 +324,7 @@ impl CollectiveRank {
         let (n_in, n_out) = self.lengths();
         let queued = (|| -> Result<(), CudaError> {
             // after this rank's previous call, even one on another stream
-            stream.wait_event(&self.last)?;
+            self.last.after_last(stream)?;
             if n_in > 0 {
                 stream.copy_async(memory.bufs.input.addr(), input, n_in * eb)?;
             }

@@ -502,6 +502,17 @@ impl Lt {
         )
     }
 
+    /// Whether `problem` (with or without a bias, on `sms` SMs) has its algorithm chosen, so
+    /// that its calls synchronise nothing (what a call captured into a CUDA graph needs).
+    pub fn is_tuned(&self, problem: &GemmProblem, sms: u32, bias: bool) -> bool {
+        let key = Key {
+            problem: *problem,
+            sms,
+            bias,
+        };
+        self.cache.lock().unwrap().contains_key(&key)
+    }
+
     /// Chooses the algorithm of `problem` (with or without a bias) ahead of its first call, by
     /// timing the candidates on `a` and `b` into `scratch` on `stream` (which it
     /// synchronises); allocates nothing.

@@ -503,6 +503,17 @@ impl Stream {
         })
     }
 
+    /// Whether work queued on this stream now is being captured into a CUDA graph (by us or by
+    /// the caller, as `torch.cuda.graph` does) rather than run.
+    pub fn is_capturing(&self) -> Result<bool, CudaError> {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: live stream, a valid out-pointer
+        check("cuStreamIsCapturing", unsafe {
+            sys::cuStreamIsCapturing(self.raw, &mut status)
+        })?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
     /// Whether everything queued so far has finished (a failed kernel is an error).
     pub fn is_idle(&self) -> Result<bool, CudaError> {
         // SAFETY: live stream
@@ -822,6 +833,46 @@ impl Function {
 
 /// Stream-ordered copies and fills: the work a caller queues between calls (new inputs,
 /// poisoned outputs, outputs set aside) without synchronising the host.
+/// The end of an operator's last call, so that its next call comes after it on the device even
+/// when the caller moves to another stream, and so that the host can wait for it.
+///
+/// Calls queued while their stream is captured into a CUDA graph are left out: a graph's calls
+/// are ordered by the graph, and each replay by the stream it is launched on, as any work of
+/// the caller's is. (An event recorded during a capture cannot be waited on after it, and one
+/// recorded before it cannot order the replays.)
+pub struct CallOrder {
+    last: Event,
+}
+
+impl CallOrder {
+    pub fn new(gpu: &Gpu) -> Result<CallOrder, CudaError> {
+        Ok(CallOrder {
+            last: Event::new_untimed(gpu)?,
+        })
+    }
+
+    /// Makes `stream` wait for the last call recorded (unless `stream` is capturing).
+    pub fn after_last(&self, stream: &Stream) -> Result<(), CudaError> {
+        if stream.is_capturing()? {
+            return Ok(());
+        }
+        stream.wait_event(&self.last)
+    }
+
+    /// Marks the end of the call just queued on `stream` (unless `stream` is capturing).
+    pub fn record(&self, stream: &Stream) -> Result<(), CudaError> {
+        if stream.is_capturing()? {
+            return Ok(());
+        }
+        self.last.record(stream)
+    }
+
+    /// Whether the last call recorded has finished.
+    pub fn is_done(&self) -> Result<bool, CudaError> {
+        self.last.is_done()
+    }
+}
+
 impl Stream {
     /// Makes work queued on this stream from now on wait until `event`'s last record is done
     /// (on the device: the host does not wait). Forks and joins a side stream.

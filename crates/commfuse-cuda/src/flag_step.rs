@@ -4,7 +4,7 @@
 //! (release, system scope) on any GPU; and the hand-on copy of a buffer into a peer's memory.
 //! The overlapped paths of GEMM + reduce-scatter and all-gather + GEMM are built from these.
 
-use crate::driver::{Function, Gpu, MappedHost, Module, Stream};
+use crate::driver::{DeviceMemory, Function, Gpu, MappedHost, Module, Stream};
 use crate::error::CudaError;
 use crate::nvrtc;
 use crate::plan_table::ErrorRecord;
@@ -24,12 +24,35 @@ struct FlagArgs {
     rank: u32,
     step: u32,
     index: u32,
+    calls: u64,
 }
-const _: () = assert!(std::mem::size_of::<FlagArgs>() == 64);
+const _: () = assert!(std::mem::size_of::<FlagArgs>() == 72);
 const _: () = assert!(std::mem::offset_of!(FlagArgs, wait_cmp) == 48);
+const _: () = assert!(std::mem::offset_of!(FlagArgs, calls) == 64);
 
 /// `FLAG_RAISE_FIRST` in kernels/gemm_rs.cu: raise before waiting.
 const RAISE_FIRST: u32 = 0x100;
+/// `FLAG_ADVANCE` in kernels/gemm_rs.cu: the step ends the call (advances the call counter).
+const ADVANCE: u32 = 0x200;
+
+/// With steps numbered on the device ([`FlagSteps::numbered_on_device`]), the value that
+/// stands for this call's number.
+pub const THIS_CALL: u64 = 1;
+
+/// One flag step: wait until a flag of this rank compares true with a value, raise a flag (on
+/// any GPU) to a value, or both; with numbered steps, values count from the calls finished.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FlagStep {
+    /// This GPU's flag, the value, the comparison
+    pub wait: Option<(u64, u64, FlagCmp)>,
+    /// The flag (any GPU with peer access) and the value
+    pub raise: Option<(u64, u64)>,
+    /// Raise before waiting (a rank's end-of-call "done", raised on one peer and awaited from
+    /// another, in one launch)
+    pub raise_first: bool,
+    /// The call's last step: with numbered steps it counts the call finished
+    pub ends_call: bool,
+}
 
 /// How a wait compares (SignalCmp in common.cuh).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,39 +76,57 @@ pub struct FlagTimeout {
 pub struct FlagSteps {
     function: Function,
     error: MappedHost<ErrorRecord>,
+    /// The count of calls finished, for steps numbered on the device
+    calls: Option<DeviceMemory>,
     timeout: Duration,
     rank: u32,
 }
 
 impl FlagSteps {
-    /// Loads the kernel on `gpu` for rank `rank`, waits bounded by `timeout`.
+    /// Loads the kernel on `gpu` for rank `rank`, waits bounded by `timeout`; values are as
+    /// the host gives them.
     pub fn new(gpu: &Gpu, rank: usize, timeout: Duration) -> Result<FlagSteps, CudaError> {
         let compiled = nvrtc::compile(nvrtc::kernel("gemm_rs.cu").expect("embedded"), false)?;
         let module = Module::load(gpu, &compiled.cubin)?;
         Ok(FlagSteps {
             function: module.function("ring_flag")?,
             error: MappedHost::new(gpu, ErrorRecord::default())?,
+            calls: None,
             timeout,
             rank: rank as u32,
         })
     }
 
-    /// Queues on `stream`: wait until the flag at `wait` (this GPU's) compares true with the
-    /// value, then (if it did not time out) raise the flag at `raise` to its value. `step` and
-    /// `index` are the caller's words for the diagnosis.
+    /// As [`FlagSteps::new`], but the steps number their calls on the device: every value
+    /// given is added to the count of calls finished (so [`THIS_CALL`] is this call's number)
+    /// and each call's last step ([`FlagStep::ends_call`]) advances that count. Such calls may
+    /// be captured into a CUDA graph and replayed, each replay a new call.
+    pub fn numbered_on_device(
+        gpu: &Gpu,
+        rank: usize,
+        timeout: Duration,
+    ) -> Result<FlagSteps, CudaError> {
+        let mut steps = FlagSteps::new(gpu, rank, timeout)?;
+        steps.calls = Some(DeviceMemory::zeroed(gpu, 8)?);
+        Ok(steps)
+    }
+
+    /// Queues `step` on `stream`. `step` and `index` of `at` are the caller's words for the
+    /// diagnosis of a wait that times out.
     ///
     /// # Safety
-    /// Both flags must be live 8-byte device words (the raised one on any GPU with peer
-    /// access) until the kernel has run.
-    pub unsafe fn queue(
+    /// The flags must be live 8-byte device words (a raised one on any GPU with peer access)
+    /// until the kernel has run.
+    pub unsafe fn queue_step(
         &self,
         stream: &Stream,
-        wait: Option<(u64, u64, FlagCmp)>,
-        raise: Option<(u64, u64)>,
-        (step, index): (usize, usize),
+        step: FlagStep,
+        (at_step, index): (usize, usize),
     ) -> Result<(), CudaError> {
-        let (wait, wait_value, cmp) = wait.unwrap_or((0, 0, FlagCmp::Eq));
-        let (raise, raise_value) = raise.unwrap_or((0, 0));
+        let (wait, wait_value, cmp) = step.wait.unwrap_or((0, 0, FlagCmp::Eq));
+        let (raise, raise_value) = step.raise.unwrap_or((0, 0));
+        let bits = if step.raise_first { RAISE_FIRST } else { 0 }
+            | if step.ends_call { ADVANCE } else { 0 };
         let args = FlagArgs {
             wait,
             wait_value,
@@ -93,40 +134,33 @@ impl FlagSteps {
             raise_value,
             err: self.error.device_addr(),
             timeout_ns: self.timeout.as_nanos() as u64,
-            wait_cmp: cmp as u32,
+            wait_cmp: cmp as u32 | bits,
             rank: self.rank,
-            step: step as u32,
+            step: at_step as u32,
             index: index as u32,
+            calls: self.calls.as_ref().map_or(0, DeviceMemory::addr),
         };
         self.function.launch(1, 32, stream, &args)
     }
 
-    /// Queues on `stream`: raise the flag at `raise` to its value, then wait until the flag at
-    /// `wait` (this GPU's) compares true — in one launch (a rank's end-of-call "done", raised
-    /// on one peer and awaited from another).
+    /// Queues on `stream`: wait until the flag at `wait` (this GPU's) compares true with the
+    /// value, then (if it did not time out) raise the flag at `raise` to its value.
     ///
     /// # Safety
-    /// As [`FlagSteps::queue`].
-    pub unsafe fn queue_raise_then_wait(
+    /// As [`FlagSteps::queue_step`].
+    pub unsafe fn queue(
         &self,
         stream: &Stream,
-        raise: (u64, u64),
-        wait: (u64, u64, FlagCmp),
-        (step, index): (usize, usize),
+        wait: Option<(u64, u64, FlagCmp)>,
+        raise: Option<(u64, u64)>,
+        at: (usize, usize),
     ) -> Result<(), CudaError> {
-        let args = FlagArgs {
-            wait: wait.0,
-            wait_value: wait.1,
-            raise: raise.0,
-            raise_value: raise.1,
-            err: self.error.device_addr(),
-            timeout_ns: self.timeout.as_nanos() as u64,
-            wait_cmp: wait.2 as u32 | RAISE_FIRST,
-            rank: self.rank,
-            step: step as u32,
-            index: index as u32,
+        let step = FlagStep {
+            wait,
+            raise,
+            ..FlagStep::default()
         };
-        self.function.launch(1, 32, stream, &args)
+        self.queue_step(stream, step, at)
     }
 
     /// The first wait that timed out, if any (read after the stream synchronised).

@@ -7,12 +7,13 @@
 //! enabled): the storer warps' stores then cross NVLink and the flag is raised there.
 
 use crate::driver::{
-    copy_2d, tensor_map_2d, DeviceMemory, Event, Function, Gpu, MappedHost, Module, Stream,
+    copy_2d, tensor_map_2d, CallOrder, DeviceMemory, Function, Gpu, MappedHost, Module, Stream,
 };
 use crate::error::CudaError;
 use crate::host_sync::poll_until;
 use crate::nvrtc;
 use crate::plan_table::ErrorRecord;
+use bytemuck::{Pod, Zeroable};
 use commfuse_core::gemm::{BLayout, GemmPlan, TileShape};
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::DType;
@@ -52,19 +53,19 @@ impl InUse for DeviceMemory {}
 /// under a running kernel would let the kernel write into whatever is allocated there next.
 /// Launches on several streams are covered by the last one's only (callers use one stream).
 pub(crate) struct Launched<T: InUse> {
-    last: Event,
+    last: CallOrder,
     held: ManuallyDrop<T>,
 }
 
 impl<T: InUse> Launched<T> {
     pub(crate) fn new(gpu: &Gpu, held: T) -> Result<Self, CudaError> {
         Ok(Launched {
-            last: Event::new(gpu)?,
+            last: CallOrder::new(gpu)?,
             held: ManuallyDrop::new(held),
         })
     }
 
-    /// Marks the end of the launch just queued on `stream`.
+    /// Marks the end of the launch just queued on `stream` (see [`CallOrder`] for captures).
     pub(crate) fn launched(&self, stream: &Stream) -> Result<(), CudaError> {
         self.last.record(stream)
     }
@@ -72,7 +73,7 @@ impl<T: InUse> Launched<T> {
     /// Makes `stream` wait for the last launch (on whichever stream it was queued): a call on
     /// another stream than the previous one still comes after it on the device.
     pub(crate) fn order_after_last(&self, stream: &Stream) -> Result<(), CudaError> {
-        stream.wait_event(&self.last)
+        self.last.after_last(stream)
     }
 
     /// Waits on the host, up to `timeout`, for the last launch to end; whether it did.
@@ -178,6 +179,31 @@ struct GemmParams {
     counters: u64,
     bands: u64,
     epoch: u64,
+    calls: u64,
+    routes_alt: u64,
+}
+
+/// Mirrors `CallCounter` in kernels/gemm.cu: a rank's count of its calls in device memory
+/// (zeroed when made), which a call that numbers itself on the device reads and advances.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Pod, Zeroable)]
+pub struct CallCounter {
+    /// The number of the last call that finished
+    pub last: u64,
+    finished: u32,
+    pad: u32,
+}
+
+/// How a [`PreparedGemm::launch_call`] learns its call's number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallNumber {
+    /// Given by the host (a call that must not be replayed from a CUDA graph)
+    Host(u64),
+    /// One more than the [`CallCounter`] at `counter` (device memory of this GPU) says, read
+    /// and advanced on the device, so that every replay of a captured call is a new call; the
+    /// tiles route by the prepared routes in calls of set 0 and by the routes at `routes_alt`
+    /// (as many, same form) in calls of set 1
+    Device { counter: u64, routes_alt: u64 },
 }
 
 /// Most K parts a tail tile is cut into.
@@ -524,6 +550,8 @@ impl PreparedGemm {
                 0
             },
             epoch: 1,
+            calls: 0,
+            routes_alt: 0,
         };
         Ok(PreparedGemm {
             function,
@@ -544,6 +572,12 @@ impl PreparedGemm {
         })
     }
 
+    /// Where this GEMM's tile routes are on the device (0 for none): what a GEMM of the other
+    /// set takes as [`CallNumber::Device`]'s `routes_alt`.
+    pub fn routes_addr(&self) -> u64 {
+        self.params.routes
+    }
+
     /// Queues the GEMM on `stream`.
     ///
     /// # Safety
@@ -557,7 +591,7 @@ impl PreparedGemm {
 
     /// Queues the GEMM on `stream` with this call's A, B and bias (the shapes prepared; the
     /// tables unchanged), D (for routes relative to it; `None` keeps the prepared one) and
-    /// epoch (the value epoch flags store and folds wait for): the TMA descriptors are encoded
+    /// call number (the value epoch flags store and folds wait for): the TMA descriptors are encoded
     /// again on the host, a few microseconds, no device work and no synchronisation. How an
     /// operator runs on the caller's buffers.
     ///
@@ -572,7 +606,7 @@ impl PreparedGemm {
         b: u64,
         bias: Option<u64>,
         d: Option<u64>,
-        epoch: u64,
+        call: CallNumber,
     ) -> Result<(), CudaError> {
         let p = &self.problem;
         if self.b_padded {
@@ -620,7 +654,21 @@ impl PreparedGemm {
         });
         params.bias = bias.unwrap_or(0);
         params.d = d.unwrap_or(params.d);
-        params.epoch = epoch;
+        match call {
+            CallNumber::Host(epoch) => params.epoch = epoch,
+            CallNumber::Device {
+                counter,
+                routes_alt,
+            } => {
+                if params.routes == 0 {
+                    return Err(unsupported(
+                        "a GEMM numbering its calls on the device needs routed tiles".into(),
+                    ));
+                }
+                params.calls = counter;
+                params.routes_alt = routes_alt;
+            }
+        }
         self.function
             .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &params)?;
         self.memory.launched(stream)
@@ -797,6 +845,9 @@ mod tests {
         assert_eq!(std::mem::offset_of!(GemmParams, counters), 376);
         assert_eq!(std::mem::offset_of!(GemmParams, bands), 384);
         assert_eq!(std::mem::offset_of!(GemmParams, epoch), 392);
+        assert_eq!(std::mem::offset_of!(GemmParams, calls), 400);
+        assert_eq!(std::mem::offset_of!(GemmParams, routes_alt), 408);
+        assert_eq!(std::mem::size_of::<CallCounter>(), 16);
         const { assert!(SMEM_BYTES <= 227 * 1024) };
     }
 

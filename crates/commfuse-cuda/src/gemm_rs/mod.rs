@@ -16,13 +16,14 @@
 //!
 //! Nothing synchronises the host. Alternate calls use alternate sets of receive buffers and flag
 //! rows (the schedule's module doc says why that makes back-to-back calls safe), and flags hold
-//! call numbers, so nothing is cleared between calls. The call number and the set are chosen on
-//! the host when a call is queued, so a call must not be captured into a CUDA graph and
-//! replayed (a replay would reuse them; moving them to the device is the next step), and the
-//! first call of each M prepares that M's tables with synchronous uploads
-//! ([`GemmRsRank::prepare`] does it ahead). When M < P, ranks without rows join a small
-//! handshake kernel (see gemm_rs.cu). All ranks must make the same calls in the same order with
-//! the same M.
+//! call numbers, so nothing is cleared between calls. Folding calls number themselves on the
+//! device: the GEMM reads the rank's call counter when it starts, picks the set's routes by the
+//! number, and its last block to finish advances the counter; so a call captured into a CUDA
+//! graph is a new call at every replay, and eager calls may come between replays
+//! ([`GemmRsRank::path_to_capture`] says which paths a capture may take). The first call of each
+//! M prepares that M's tables with synchronous uploads ([`GemmRsRank::prepare`] does it ahead),
+//! so it must not be the captured one. When M < P, ranks without rows join a small handshake
+//! kernel (see gemm_rs.cu). All ranks must make the same calls in the same order with the same M.
 
 mod ring;
 mod unfused;
@@ -35,8 +36,8 @@ pub use unfused::{NcclId, NCCL_ID_BYTES};
 use crate::driver::{DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream};
 use crate::error::CudaError;
 use crate::gemm::{
-    GemmKernels, GemmOperands, InUse, Launched, PreparedGemm, TileRoute, FLAG_SET_EPOCH,
-    ROUTE_DST_FROM_D, ROUTE_NO_BIAS, TILE,
+    CallCounter, CallNumber, GemmKernels, GemmOperands, InUse, Launched, PreparedGemm, TileRoute,
+    FLAG_SET_EPOCH, ROUTE_DST_FROM_D, ROUTE_NO_BIAS, TILE,
 };
 use crate::ipc::Exported;
 use crate::nvrtc;
@@ -152,8 +153,11 @@ struct GemmRsReduceArgs {
     rank: u32,
     owners_with_rows: u32,
     rowless: u32,
+    calls: u64,
+    set_words: u64,
 }
-const _: () = assert!(std::mem::size_of::<GemmRsReduceArgs>() == 16 * MAX_RANKS + 88);
+const _: () = assert!(std::mem::size_of::<GemmRsReduceArgs>() == 16 * MAX_RANKS + 104);
+const _: () = assert!(std::mem::offset_of!(GemmRsReduceArgs, calls) == 16 * MAX_RANKS + 88);
 const _: () = assert!(std::mem::offset_of!(GemmRsReduceArgs, epoch) == 16 * MAX_RANKS + 48);
 const _: () = assert!(std::mem::offset_of!(GemmRsReduceArgs, rank) == 16 * MAX_RANKS + 76);
 
@@ -174,6 +178,8 @@ pub struct GemmRsPeer {
 struct RsMemory {
     receive: DeviceMemory,
     flags: DeviceMemory,
+    /// The fused path's [`CallCounter`] (calls that fold number themselves on the device)
+    calls: DeviceMemory,
     error: MappedHost<ErrorRecord>,
 }
 
@@ -313,6 +319,7 @@ impl GemmRsAllocation {
             memory: RsMemory {
                 receive: DeviceMemory::zeroed(&gpu, receive_bytes)?,
                 flags: DeviceMemory::zeroed(&gpu, flag_bytes)?,
+                calls: DeviceMemory::zeroed(&gpu, std::mem::size_of::<CallCounter>())?,
                 error: MappedHost::new(&gpu, ErrorRecord::default())?,
             },
             ring: if overlapped {
@@ -626,6 +633,52 @@ impl GemmRsRank {
         })
     }
 
+    /// The path a call of `m` rows takes while its stream is captured into a CUDA graph. A
+    /// captured call must be replayable: its numbers and buffers chosen on the device, nothing
+    /// prepared on the host. The fused path (partials folded) and the unfused one (cuBLASLt
+    /// and NCCL, both capturable) are, once a call of this M has run outside a capture; the
+    /// overlapped path is not (its copy-engine copies alternate between two sets of buffers,
+    /// chosen on the host), so `auto` takes the fused path instead, which its first call of
+    /// the M prepared for this ([`GemmRsRank::prepare_capturable`]).
+    pub fn path_to_capture(&self, m: usize) -> Result<GemmRsPath, CudaError> {
+        let path = self.path_for(m)?;
+        let fused_ready = self.config.reduction == Reduction::Fold && self.per_m.contains_key(&m);
+        let warm_up = || {
+            unsupported(format!(
+                "GEMM + reduce-scatter: M = {m} was never called outside a CUDA graph capture, and its first call prepares on the host: call it once before capturing"
+            ))
+        };
+        match path {
+            GemmRsPath::Fused if self.config.reduction != Reduction::Fold => Err(unsupported(
+                "a separate reduction's calls are numbered on the host and cannot be captured into a CUDA graph".into(),
+            )),
+            GemmRsPath::Fused if !fused_ready => Err(warm_up()),
+            GemmRsPath::Unfused if !self.unfused_ms.contains(&m) => Err(warm_up()),
+            GemmRsPath::Overlapped { .. } if fused_ready && self.config.path == PathChoice::Auto => {
+                Ok(GemmRsPath::Fused)
+            }
+            GemmRsPath::Overlapped { .. } if self.config.path == PathChoice::Auto => Err(warm_up()),
+            GemmRsPath::Overlapped { .. } => Err(unsupported(
+                "the overlapped path cannot be captured into a CUDA graph (its copies alternate between buffers chosen on the host): build the operator with the fused, unfused or auto path".into(),
+            )),
+            path => Ok(path),
+        }
+    }
+
+    /// Before the first overlapped call of an M under `auto`: prepares the fused path for it
+    /// too, so that a later capture of this M can take that path (see
+    /// [`GemmRsRank::path_to_capture`]).
+    fn prepare_capturable(&mut self, m: usize) -> Result<(), CudaError> {
+        if self.config.path != PathChoice::Auto
+            || self.config.reduction != Reduction::Fold
+            || self.per_m.contains_key(&m)
+        {
+            return Ok(());
+        }
+        self.settle_before_preparing(false)?;
+        self.prepare_fused(m)
+    }
+
     /// The path the last queued call took.
     pub fn last_path(&self) -> Option<GemmRsPath> {
         self.last_path
@@ -758,7 +811,10 @@ impl GemmRsRank {
             ));
         }
         self.gpu.bind()?;
-        let path = self.path_for(m)?;
+        let path = match stream.is_capturing()? {
+            true => self.path_to_capture(m)?,
+            false => self.path_for(m)?,
+        };
         let result = match path {
             GemmRsPath::Fused => self
                 .settle_before_preparing(self.per_m.contains_key(&m))
@@ -766,11 +822,12 @@ impl GemmRsRank {
                 // after the previous call even if it went on another stream
                 .and_then(|()| self.memory.order_after_last(stream))
                 .and_then(|()| self.enqueue(stream, m, a, b, bias, out)),
-            GemmRsPath::Overlapped { pieces } => self
-                .ring
-                .as_mut()
-                .expect("path_for offers the ring only when it was built")
-                .enqueue(stream, m, pieces, (a, b, bias, out), RingParts::WHOLE),
+            GemmRsPath::Overlapped { pieces } => self.prepare_capturable(m).and_then(|()| {
+                self.ring
+                    .as_mut()
+                    .expect("path_for offers the ring only when it was built")
+                    .enqueue(stream, m, pieces, (a, b, bias, out), RingParts::WHOLE)
+            }),
             GemmRsPath::Unfused => self.enqueue_unfused(stream, m, (a, b, bias, out)),
         };
         if result.is_ok() {
@@ -815,13 +872,30 @@ impl GemmRsRank {
         bias: Option<u64>,
         out: u64,
     ) -> Result<(), CudaError> {
-        let epoch = self.calls + 1;
-        let set = GemmRsSchedule::set_of(epoch);
         let pm = &self.per_m[&m];
         let s = &pm.schedule;
         let eb = self.config.output.size() as u64;
         let columns = s.flag_columns() as u64;
         let mine = s.owner_tiles[self.rank].len();
+        // Folding calls number themselves on the device (a CUDA graph may replay them): the
+        // GEMM of set 0 is launched with set 1's routes beside its own and picks by the
+        // number, and the handshake gets set 0's flag rows. A separate reduction's calls are
+        // numbered here (see `capturable`).
+        let (epoch, set, call) = match self.config.reduction {
+            Reduction::Fold => (
+                0,
+                0,
+                CallNumber::Device {
+                    counter: self.memory.calls.addr(),
+                    routes_alt: pm.gemm[1].routes_addr(),
+                },
+            ),
+            Reduction::Separate { .. } => {
+                let epoch = self.calls + 1;
+                let set = GemmRsSchedule::set_of(epoch);
+                (epoch, set, CallNumber::Host(epoch))
+            }
+        };
         let separate = match self.config.reduction {
             Reduction::Fold => None,
             Reduction::Separate { blocks } => Some(blocks),
@@ -844,6 +918,11 @@ impl GemmRsRank {
             rank: self.rank as u32,
             owners_with_rows: m.min(self.world) as u32,
             rowless: u32::from(mine == 0),
+            calls: match call {
+                CallNumber::Device { counter, .. } => counter,
+                CallNumber::Host(_) => 0,
+            },
+            set_words: columns,
         };
         let receive = self.memory.receive.addr();
         for q in 0..self.world {
@@ -854,7 +933,7 @@ impl GemmRsRank {
         match separate {
             None => {
                 // the bias and the output go to the GEMM; its epilogue folds the partials
-                pm.gemm[set].launch_call(stream, a, b, bias, Some(out), epoch)?;
+                pm.gemm[set].launch_call(stream, a, b, bias, Some(out), call)?;
                 if m < self.world {
                     // the handshake of ranks without rows (see gemm_rs.cu), after the GEMM
                     self.reduce.launch(1, REDUCE_THREADS, stream, &args)?;
@@ -863,7 +942,7 @@ impl GemmRsRank {
             Some(blocks) => {
                 self.fork.record(stream)?;
                 self.side.wait_event(&self.fork)?;
-                pm.gemm[set].launch_call(stream, a, b, None, None, epoch)?;
+                pm.gemm[set].launch_call(stream, a, b, None, None, call)?;
                 self.reduce
                     .launch(blocks, REDUCE_THREADS, &self.side, &args)?;
                 self.join.record(&self.side)?;
@@ -871,7 +950,7 @@ impl GemmRsRank {
             }
         }
         self.memory.launched(stream)?;
-        self.calls = epoch;
+        self.calls += 1;
         Ok(())
     }
 

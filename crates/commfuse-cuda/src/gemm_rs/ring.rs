@@ -18,7 +18,7 @@ use super::{shape, GemmRsConfig};
 use crate::cublaslt::Lt;
 use crate::driver::{DeviceMemory, Event, Gpu, IpcHandle, Stream};
 use crate::error::CudaError;
-use crate::flag_step::{hand_on, FlagCmp, FlagSteps, PeerMemory};
+use crate::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory};
 use crate::gemm::{InUse, Launched};
 use commfuse_core::fused::ring_rs::{RingPiece, RingSchedule, RingTarget, MAX_PIECES};
 use commfuse_core::gemm::GemmProblem;
@@ -409,7 +409,13 @@ impl RingPath {
                 FlagCmp::Ge,
             );
             let at = (s.shape.world, s.done_index());
-            mem.steps.queue_raise_then_wait(stream, raise, wait, at)?;
+            let step = FlagStep {
+                wait: Some(wait),
+                raise: Some(raise),
+                raise_first: true,
+                ends_call: true,
+            };
+            mem.steps.queue_step(stream, step, at)?;
         }
         self.memory.launched(stream)?;
         self.calls = epoch;

@@ -154,6 +154,7 @@ impl UnfusedPath {
         (a, b, bias, out): (u64, u64, Option<u64>, u64),
         limit: Duration,
     ) -> Result<(), CudaError> {
+        let capturing = stream.is_capturing()?;
         let c = self.config;
         let (p, n, k) = (self.world, c.n, c.k);
         let eb = c.output.size();
@@ -174,6 +175,15 @@ impl UnfusedPath {
             // the largest power of two (up to 256) every operand's address is a multiple of
             let all = a | b | dst | bias.unwrap_or(0) | 256;
             let alignment = 1u32 << all.trailing_zeros();
+            let tuned = lts
+                .get(&alignment)
+                .is_some_and(|lt| lt.is_tuned(&problem, 0, bias.is_some()));
+            if capturing && !tuned {
+                // choosing an algorithm times candidates and synchronises: not in a capture
+                return Err(CudaError::Unavailable(format!(
+                    "GEMM + reduce-scatter (unfused): no call outside a CUDA graph capture had {len} rows with operands aligned to {alignment} bytes, so cuBLASLt's algorithm is not chosen: call it once so before capturing"
+                )));
+            }
             let lt = match lts.entry(alignment) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => {
