@@ -39,6 +39,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import _operators
 from ._commfuse import GpuAllGatherMatmul, GpuCollective, GpuGemmReduceScatter
 
 __all__ = [
@@ -54,9 +55,6 @@ __all__ = [
 ]
 
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-
-# (kind, group, device, n, k, layout, dtype, out dtype, bias, path) -> [operator, max_m, group]
-_CACHE: dict = {}
 
 
 def _name(dtype: torch.dtype, what: str) -> str:
@@ -131,27 +129,17 @@ def _group(group):
 
 
 def _operator(kind: str, group, m: int, key: tuple, build):
-    """The cached operator of ``key`` for calls of ``m`` rows, built (collectively) when
-    absent or too small: built for the larger of m and twice the old limit."""
-    full = (kind, id(group)) + key
-    entry = _CACHE.get(full)
-    if entry is not None and entry[1] >= m:
-        return entry[0]
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"commfuse.torch: the {kind} operator for this shape (M = {m}) is built by its first"
-            " call, collectively and on the host, which a CUDA graph cannot capture: call it"
-            " once before capturing"
-        )
-    max_m = max(m, 2 * entry[1]) if entry is not None else m
+    """The cached operator of ``key`` for calls of ``m`` rows (``commfuse._operators``), its
+    exports carried by ``dist.all_gather_object``."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    op = build(rank, world, max_m)
-    exports = [None] * world
-    dist.all_gather_object(exports, bytes(op.export()), group=group)
-    op.connect(exports)
-    # the group is kept so that its id is not reused while the entry lives
-    _CACHE[full] = [op, max_m, group]
-    return op
+
+    def all_gather(data: bytes):
+        exports = [None] * world
+        dist.all_gather_object(exports, data, group=group)
+        return exports
+
+    return _operators.cached(kind, group, m, key, lambda max_m: build(rank, world, max_m),
+                             all_gather, torch.cuda.is_current_stream_capturing)
 
 
 def _stream(device: torch.device) -> int:
@@ -399,11 +387,11 @@ def operator_path(a_rows: int, b: torch.Tensor, group=None, **options) -> Option
     out_dtype = options.get("out_dtype") or b.dtype
     key = (b.device.index, n, k, layout, _name(b.dtype, "b"), _name(out_dtype, "out_dtype"),
            options.get("bias", False), options.get("path", "auto"), options.get("pieces"))
-    entry = _CACHE.get(("gemm-rs", id(group)) + key)
-    return None if entry is None else entry[0].path_for(a_rows)
+    op = _operators.lookup("gemm-rs", group, key)
+    return None if op is None else op.path_for(a_rows)
 
 
 def clear_cache() -> None:
     """Drops every cached operator (each waits for its last calls before freeing its memory);
     collective: every rank must call it at the same point."""
-    _CACHE.clear()
+    _operators.clear()

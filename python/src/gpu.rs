@@ -93,6 +93,16 @@ fn borrowed_stream(stream: u64) -> Stream {
     unsafe { Stream::borrowed(stream as _) }
 }
 
+/// Whether `stream` (a `CUstream` handle, 0 the legacy default stream) of CUDA device `device`
+/// is being captured into a CUDA graph: what `commfuse.cuda` asks before building an operator,
+/// which a capture cannot hold.
+#[pyfunction]
+pub fn stream_is_capturing(device: usize, stream: u64) -> PyResult<bool> {
+    let gpu = Gpu::open(device).map_err(cuda_error)?;
+    gpu.bind().map_err(cuda_error)?;
+    borrowed_stream(stream).is_capturing().map_err(cuda_error)
+}
+
 /// After the previous calls ended on the device: the diagnosis of a wait that timed out in one
 /// of them, as a `RuntimeError`.
 fn earlier_failure(e: CudaError) -> PyErr {

@@ -464,6 +464,7 @@ fn _commfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sim_gemm_reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(sim_all_gather_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_rs_path, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::stream_is_capturing, m)?)?;
     m.add_class::<gpu::GpuGemmReduceScatter>()?;
     m.add_class::<gpu::GpuAllGatherMatmul>()?;
     m.add_class::<gpu::GpuCollective>()?;

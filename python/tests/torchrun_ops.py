@@ -348,6 +348,92 @@ def check_graphs(rank, world):
     return lines
 
 
+class OnlyDLPack:
+    """A tensor seen as a framework other than PyTorch offers it: DLPack only."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, stream=None):
+        return self.t.__dlpack__(stream=stream)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+class OnlyCai:
+    """A tensor offered through the CUDA array interface only (as Numba or older CuPy do)."""
+
+    def __init__(self, t):
+        self.t = t  # the array owns its memory, as a framework's array object does
+        self.__cuda_array_interface__ = t.__cuda_array_interface__
+
+
+def check_neutral(rank, world):
+    """commfuse.cuda, the framework-neutral face: tensors passed as bare DLPack producers
+    (bfloat16) or CUDA-array-interface objects (float16, float32), the rendezvous an all-gather
+    of bytes (here torch.distributed's, as mpi4py's would serve), the caller's stream passed
+    explicitly; every output element against float64."""
+    import commfuse.cuda as cn
+
+    def all_gather(data):
+        got = [None] * world
+        dist.all_gather_object(got, data)
+        return got
+
+    group = cn.Group(rank, world, all_gather)
+    stream = torch.cuda.current_stream()
+    dev = torch.device("cuda", rank)
+    n, k, lines = 264, 136, []
+    for dtype, wrap in [(torch.bfloat16, OnlyDLPack), (torch.float16, OnlyCai)]:
+        for m in [2 * world * 37 + 1, world * 40]:
+            a_all = operands(40 + m, [(m, k)] * world, dtype)
+            w_all = operands(41 + m, [(n, k)] * world, dtype)  # row-major [N, K] weights
+            bias = operands(42 + m, [(n,)], dtype)[0]
+            start, end = torch.tensor_split(torch.arange(m), world)[rank][[0, -1]].tolist()
+            out = torch.full((end - start + 1, n), float("nan"), dtype=dtype, device=dev)
+            w = w_all[rank].to(dev)
+            # B as w.t() (the "nk" layout, through the producer's strides)
+            cn.gemm_reduce_scatter(wrap(a_all[rank].to(dev)), wrap(w.t()), wrap(out), group,
+                                   bias=wrap(bias.to(dev)), stream=stream)
+            torch.cuda.synchronize()
+            want = sum(x.double() @ y.double().t() for x, y in zip(a_all, w_all))
+            absp = sum(x.double().abs() @ y.double().abs().t() for x, y in zip(a_all, w_all))
+            want = want[start:end + 1] + bias.double()
+            limit = bound(absp[start:end + 1] + bias.double().abs(), world, dtype, k * world)
+            compare(f"commfuse.cuda gemm_reduce_scatter {dtype} M={m}", out, want, limit)
+
+            full = operands(43 + m, [(m, k)], dtype)[0]
+            mine = torch.tensor_split(full, world)[rank].to(dev)
+            out = torch.full((m, n), float("nan"), dtype=dtype, device=dev)
+            gathered = torch.full((m, k), float("nan"), dtype=dtype, device=dev)
+            cn.all_gather_gemm(wrap(mine), wrap(w.t()), wrap(out), group,
+                               gathered=wrap(gathered), stream=stream.cuda_stream)
+            torch.cuda.synchronize()
+            if not torch.equal(gathered.cpu(), full):
+                raise AssertionError(f"commfuse.cuda all_gather_gemm {dtype} M={m}: gathered A")
+            w_cpu = w_all[rank].double()
+            compare(f"commfuse.cuda all_gather_gemm {dtype} M={m}", out, full.double() @ w_cpu.t(),
+                    bound(full.double().abs() @ w_cpu.abs().t(), 0, dtype, k))
+        lines.append(f"commfuse.cuda gemm_reduce_scatter, all_gather_gemm {dtype} through"
+                     f" {wrap.__name__} (w.t(), bias, gathered A, ragged and even M)")
+    count = 3 * 4096 + 7
+    g = torch.Generator().manual_seed(77)
+    xs = [torch.randint(-8, 9, (count,), generator=g).float() for _ in range(world)]
+    x = xs[rank].to(dev)
+    cn.all_reduce(OnlyCai(x), group, stream=stream)
+    parts = torch.full((count // world * world,), float("nan"), device=dev)
+    cn.all_gather(OnlyCai(parts), OnlyCai(x[: count // world]), group, stream=stream)
+    torch.cuda.synchronize()
+    total = sum(t.double() for t in xs)
+    if not torch.equal(x.cpu().double(), total):
+        raise AssertionError("commfuse.cuda all_reduce differs")
+    if not torch.equal(parts.cpu().double(), total[: count // world].repeat(world)):
+        raise AssertionError("commfuse.cuda all_gather differs")
+    lines.append("commfuse.cuda all_reduce, all_gather f32 through OnlyCai")
+    return lines
+
+
 def check_bad_input(rank, world):
     dev = torch.device("cuda", rank)
     a = torch.zeros((64, 32), dtype=torch.bfloat16, device=dev)
@@ -411,6 +497,7 @@ def main():
                                                   128 * world))
         results.append(f"gemm_reduce_scatter path={path} ({cf.operator_path(600, b_all[rank].to(dev), path=path)})")
     results.extend(check_graphs(rank, world))
+    results.extend(check_neutral(rank, world))
     dist.barrier()
     if rank == 0:
         for line in results:
