@@ -229,8 +229,13 @@ pub trait Backend {
     fn baselines(&self, _op: OpKind) -> Vec<&'static str> {
         Vec::new()
     }
-    /// Prepares baseline `name` for `spec`; its inputs and outputs follow the op's definition,
-    /// so the same reference checks it.
+    /// commfuse's own implementations of `op` beyond the plans (the LL all-reduce), by name:
+    /// prepared like baselines, with [`Backend::prepare_baseline`], and benched as ours.
+    fn protocols(&self, _op: OpKind) -> Vec<&'static str> {
+        Vec::new()
+    }
+    /// Prepares baseline (or protocol, see [`Backend::protocols`]) `name` for `spec`; its inputs
+    /// and outputs follow the op's definition, so the same reference checks it.
     fn prepare_baseline(
         &self,
         name: &str,

@@ -183,6 +183,27 @@ impl CudaBackend {
         )
     }
 
+    /// How long a device-side wait lasts before it gives up.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The device address of the host-mapped error record every rank's waits write.
+    pub(crate) fn error_record(&self) -> u64 {
+        self.error.device_addr()
+    }
+
+    /// Clears the error record before a batch.
+    pub(crate) fn clear_error_record(&self) {
+        self.error.write(ErrorRecord::default());
+    }
+
+    /// What a wait that gave up recorded, if one did.
+    pub(crate) fn recorded_timeout(&self) -> Option<ErrorRecord> {
+        let rec = self.error.read();
+        (rec.flag != 0).then_some(rec)
+    }
+
     pub(crate) fn check_usable(&self) -> Result<(), BackendError> {
         if self.broken.load(Ordering::Acquire) {
             return Err(BackendError::Unavailable(
@@ -388,6 +409,13 @@ impl Backend for CudaBackend {
         crate::nccl::baselines(op)
     }
 
+    fn protocols(&self, op: OpKind) -> Vec<&'static str> {
+        match op {
+            OpKind::AllReduce => vec![crate::ll::LL],
+            _ => Vec::new(),
+        }
+    }
+
     fn prepare_baseline(
         &self,
         name: &str,
@@ -396,6 +424,9 @@ impl Backend for CudaBackend {
         reduce: ReduceOp,
     ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
         self.check_usable()?;
+        if name == crate::ll::LL {
+            return crate::ll::prepare(self, spec, dtype, reduce);
+        }
         crate::nccl::prepare(self, name, spec, dtype, reduce)
     }
 }

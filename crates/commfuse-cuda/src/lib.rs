@@ -26,6 +26,7 @@ pub mod gemm_rs;
 pub mod gemm_rs_bench;
 pub mod host_sync;
 pub mod ipc;
+pub mod ll;
 pub mod nccl;
 pub mod nvrtc;
 pub mod plan_table;

@@ -49,6 +49,10 @@ pub const KERNELS: &[Source] = &[
         name: "gemm_rs.cu",
         text: include_str!("../kernels/gemm_rs.cu"),
     },
+    Source {
+        name: "ll.cu",
+        text: include_str!("../kernels/ll.cu"),
+    },
 ];
 
 pub fn kernel(name: &str) -> Option<Source> {

@@ -30,6 +30,8 @@ pub struct BenchConfig {
     pub auto: bool,
     /// Baselines of the backend to run beside (NCCL, copy engine)
     pub baselines: Vec<&'static str>,
+    /// Our implementations beyond the plans to time beside them ([`Backend::protocols`])
+    pub protocols: Vec<&'static str>,
     pub sizes: Vec<u64>,
     pub dtype: DType,
     pub reduce: ReduceOp,
@@ -126,6 +128,8 @@ fn median(xs: &mut [Duration]) -> Duration {
 struct Candidate<'b> {
     name: String,
     algo: Option<Algo>,
+    /// A baseline (not ours)
+    baseline: bool,
     call: Box<dyn PreparedCall + 'b>,
     spec: OpSpec,
     predicted_us: Option<f64>,
@@ -214,6 +218,7 @@ pub fn run(
             candidates.push(Candidate {
                 name: algo.name().into(),
                 algo: Some(algo),
+                baseline: false,
                 call: backend.prepare(&checked, cfg.dtype, cfg.reduce)?,
                 spec: checked.plan().spec,
                 predicted_us: Some(predicted),
@@ -222,11 +227,13 @@ pub fn run(
             });
         }
         let spec = OpSpec::new(cfg.op, world, count, cfg.root)?;
-        for &name in &cfg.baselines {
+        let named = cfg.protocols.iter().map(|&n| (n, false));
+        for (name, baseline) in named.chain(cfg.baselines.iter().map(|&n| (n, true))) {
             match backend.prepare_baseline(name, &spec, cfg.dtype, cfg.reduce) {
                 Ok(call) => candidates.push(Candidate {
                     name: name.into(),
                     algo: None,
+                    baseline,
                     call,
                     spec,
                     predicted_us: None,
@@ -284,15 +291,17 @@ pub fn run(
                 wrong,
                 iterations: c.iterations,
                 predicted_us: c.predicted_us,
-                baseline: c.algo.is_none(),
+                baseline: c.baseline,
                 graph: cfg.graph && c.call.replays_graphs(),
             };
             measured.push((c.algo, row));
         }
-        // rows in order: our algorithms, auto, baselines
+        // rows in order: our algorithms, our protocols, auto, baselines
         let mut size_rows: Vec<BenchRow> = measured
             .iter()
-            .filter(|(a, _)| a.is_some_and(|a| cfg.algos.contains(&a)))
+            .filter(|(a, r)| {
+                a.is_some_and(|a| cfg.algos.contains(&a)) || (a.is_none() && !r.baseline)
+            })
             .map(|(_, r)| r.clone())
             .collect();
         if let Some(p) = picked {
@@ -309,7 +318,7 @@ pub fn run(
         size_rows.extend(
             measured
                 .into_iter()
-                .filter(|(a, _)| a.is_none())
+                .filter(|(_, r)| r.baseline)
                 .map(|(_, r)| r),
         );
         for row in size_rows {
@@ -549,6 +558,7 @@ mod tests {
             algos: vec![Algo::Direct, Algo::Ring],
             auto: true,
             baselines: vec!["missing", "stand-in"],
+            protocols: Vec::new(),
             sizes: vec![4096],
             dtype: DType::F32,
             reduce: ReduceOp::Sum,
@@ -605,6 +615,41 @@ mod tests {
         assert!(best_table(&report).contains(&format!("auto={pick}")));
     }
 
+    /// A protocol of ours prepared by name (as the LL all-reduce is) is timed beside the plans,
+    /// listed with them before auto, and counts as ours in the best-per-size table.
+    #[test]
+    fn a_protocol_of_ours_is_listed_and_compared_as_ours() {
+        let backend = Logging {
+            sim: SimBackend::new(2, WorldConfig::default()).unwrap(),
+            log: RefCell::new(Vec::new()),
+        };
+        let cfg = BenchConfig {
+            algos: vec![Algo::Ring],
+            baselines: vec!["missing"],
+            protocols: vec!["stand-in"],
+            ..config()
+        };
+        let report = run(&backend, &cfg, |_| {}).unwrap();
+        let rows: Vec<(&str, bool)> = report
+            .rows
+            .iter()
+            .map(|r| (r.algo.as_str(), r.baseline))
+            .collect();
+        assert_eq!(
+            rows,
+            [("ring", false), ("stand-in", false), ("auto", false)]
+        );
+        assert_eq!(report.rows[1].wrong, Some(0));
+        // no baseline ran: ours is the fastest of ring and stand-in, with no speedup to show
+        let table = best_table(&report);
+        let line = table.lines().last().unwrap();
+        assert!(
+            line.contains("ring") || line.contains("stand-in"),
+            "{table}"
+        );
+        assert!(line.trim_end().ends_with('-'), "{table}");
+    }
+
     /// Under --graph, a row the backend could not replay from a graph says so.
     #[test]
     fn rows_timed_without_a_graph_are_marked() {
@@ -615,6 +660,7 @@ mod tests {
         let cfg = BenchConfig {
             graph: true,
             baselines: Vec::new(),
+            protocols: Vec::new(),
             ..config()
         };
         let report = run(&backend, &cfg, |_| {}).unwrap();

@@ -1076,6 +1076,7 @@ fn bench_cmd(a: BenchArgs) -> Result<i32> {
         } else {
             backend.baselines(a.what.op)
         },
+        protocols: backend.protocols(a.what.op),
         algos,
         sizes: parse_sizes(&a.sizes)?,
         dtype: a.what.dtype,

@@ -116,25 +116,57 @@ pub fn run(
     if let Some(dir) = dump {
         crate::dump::dump(dir, call.as_ref(), &spec)?;
     }
-    let mut outcome = Outcome {
+    let (comparison, call) = check_queued(call.as_mut(), &spec, req, calls, comparison)?;
+    Ok(Outcome {
         comparison,
         card,
         timing,
         calls: calls.max(1),
-        call: 0,
-    };
-    if !outcome.comparison.ok() || calls <= 1 {
-        return Ok(outcome);
+        call,
+    })
+}
+
+/// Checks `calls` calls of the backend's candidate `name` (a baseline such as NCCL, or the LL
+/// all-reduce) as [`run`] checks a plan's: call 0 alone, the rest queued back to back on fresh
+/// inputs. Returns the first failing comparison (or the last) and its call.
+pub fn run_named(
+    backend: &dyn Backend,
+    name: &str,
+    req: &Request,
+    calls: usize,
+) -> Result<(Comparison, usize)> {
+    let spec = OpSpec::new(req.op, backend.world_size(), req.count, req.root)?;
+    let mut call = backend.prepare_baseline(name, &spec, req.dtype, req.reduce)?;
+    load(call.as_mut(), &spec, req.reduce, req.seed)?;
+    call.run()
+        .with_context(|| format!("{} {name} call 0", req.op))?;
+    let first = compare(call.as_mut(), &spec, req.reduce, req.seed)?;
+    check_queued(call.as_mut(), &spec, req, calls, first)
+}
+
+/// After call 0's comparison `first`: calls 1..`calls` queued back to back on fresh inputs,
+/// each compared; the first failing comparison (or the last) and its call.
+fn check_queued(
+    call: &mut dyn PreparedCall,
+    spec: &OpSpec,
+    req: &Request,
+    calls: usize,
+    first: Comparison,
+) -> Result<(Comparison, usize)> {
+    if !first.ok() || calls <= 1 {
+        return Ok((first, 0));
     }
     let seeds: Vec<u64> = (1..calls)
         .map(|c| req.seed.wrapping_add(c as u64))
         .collect();
+    // the call's own input length (a plan's buffers may hold more than the op's input)
+    let input_len = call.input(0).len();
     let inputs: Vec<Vec<HostBuffer>> = seeds
         .iter()
         .map(|&seed| {
-            (0..world)
+            (0..spec.world)
                 .map(|r| {
-                    let mut buf = HostBuffer::zeroed(req.dtype, checked.plan().buffers.input);
+                    let mut buf = HostBuffer::zeroed(req.dtype, input_len);
                     reference::fill_input(seed, r, req.reduce, buf.as_mut_slice());
                     buf
                 })
@@ -143,16 +175,16 @@ pub fn run(
         .collect();
     let outputs = call
         .run_queued(&inputs)
-        .with_context(|| format!("{} {} calls 1..{calls} queued", req.op, req.algo))?;
+        .with_context(|| format!("{} calls 1..{calls} queued", req.op))?;
+    let mut last = (first, 0);
     for (c, (outs, &seed)) in outputs.iter().zip(&seeds).enumerate() {
         let views: Vec<_> = outs.iter().map(HostBuffer::as_slice).collect();
-        outcome.comparison = reference::compare(&spec, req.reduce, seed, &views);
-        outcome.call = c + 1;
-        if !outcome.comparison.ok() {
+        last = (reference::compare(spec, req.reduce, seed, &views), c + 1);
+        if !last.0.ok() {
             break;
         }
     }
-    Ok(outcome)
+    Ok(last)
 }
 
 /// A seed that differs from run to run.

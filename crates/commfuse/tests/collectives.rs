@@ -133,6 +133,57 @@ fn gpu_worlds() -> Result<Vec<usize>, String> {
 
 backend_suite!(cuda, BackendKind::Cuda, gpu_worlds());
 
+/// The LL all-reduce (`commfuse_cuda::ll`, a candidate beside the plans) on every world size
+/// the GPUs allow: every dtype and reduce op, counts from one element to LL's larger sizes
+/// (odd counts of 2-byte types pad their last word), four calls each, the last three queued
+/// back to back without host synchronisation, every element against float64.
+#[test]
+fn ll_all_reduce_on_gpus() {
+    let worlds = match gpu_worlds() {
+        Ok(w) => w,
+        Err(why) => return commfuse_cuda::testing::skip(&format!("cuda backend: {why}")),
+    };
+    let mut failures = Vec::new();
+    let seed = driver::fresh_seed();
+    let mut runs = 0;
+    for p in worlds {
+        let placement = Placement {
+            backend: BackendKind::Cuda,
+            ranks: p,
+            devices: None,
+            timeout: Duration::from_secs(20),
+        };
+        let mut backend = backends::open(&placement).expect("backend opens");
+        for dtype in DType::ALL {
+            for reduce in ReduceOp::ALL {
+                for count in [1, 7, 1001, 4096, 65_537, 1 << 20] {
+                    runs += 1;
+                    let mut req = Request::new(OpKind::AllReduce, Algo::Ring, count, dtype);
+                    req.reduce = reduce;
+                    req.seed = seed.wrapping_add(runs);
+                    let what = format!("ll {dtype} {reduce} P={p} n={count} seed={}", req.seed);
+                    match driver::run_named(backend.as_ref(), commfuse_cuda::ll::LL, &req, CALLS) {
+                        Ok((c, _)) if c.ok() => assert_eq!(c.checked as usize, p * count, "{what}"),
+                        Ok((c, call)) => {
+                            failures.push(format!("{what} call {call}: {:?}", c.mismatches))
+                        }
+                        Err(e) => {
+                            failures.push(format!("{what}: {e:#}"));
+                            backend = backends::open(&placement).unwrap();
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {runs} runs failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
 #[test]
 fn a_corrupted_output_is_caught_by_the_reference() {
     // the comparison itself must be able to fail: flip one element after a correct run

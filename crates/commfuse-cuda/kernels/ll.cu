@@ -1,0 +1,182 @@
+// The low-latency (LL) all-reduce for small messages (commfuse_sim::protocol's ll_* on the
+// simulator, where loom checks it): every 4 bytes of a rank's input travel with the call's
+// sequence number in one 8-byte line, stored straight into each peer's LL buffer over NVLink.
+// An 8-byte store is seen whole or not at all, so a receiver that reads a line carrying this
+// call's number holds its data: one NVLink trip, no separate flag, no fence between data and
+// flag, nothing cleared between calls.
+//
+// One-shot: every rank writes its whole input to every peer, then reduces all P inputs itself,
+// in rank order (so every rank gets the same bits). Lines of alternate calls go to alternate
+// halves (parity) of the buffer: a peer can only be one call ahead of this rank (it cannot
+// finish call n + 1 before this rank has written its lines of n + 1, which it does after it
+// finished reading those of n), so its lines of n + 1 land in the other half and those of n + 2,
+// the next into this half, only once this rank is done with n.
+//
+// The call's number is read from the rank's counters on the device (one per block: each block
+// reads and advances its own, so they move in step without any atomic), so calls may be
+// captured into a CUDA graph and replayed. Each thread moves two lines per 16-byte store (each
+// 8-byte half is still seen whole or not at all).
+#include "common.cuh"
+
+// Mirrored by `LlArgs` in src/ll.rs.
+struct LlArgs {
+    u64 bufs[COMMFUSE_MAX_RANKS];  // every rank's LL buffer as this GPU addresses it: [2
+                                   // parities][world senders][words rounded up to even] lines
+    const void* input;             // this rank's `count` elements
+    void* output;                  // `count` elements
+    u64* calls;                    // this rank's counters: the last call each block finished
+    ErrorRecord* err;              // host-mapped
+    u64 timeout_ns;
+    u32 count;                     // elements per rank
+    u32 words;                     // 4-byte words per rank: ceil(count * size / 4)
+    u32 world;
+    u32 rank;
+};
+static_assert(sizeof(LlArgs) == 8 * COMMFUSE_MAX_RANKS + 56 &&
+                  COMMFUSE_OFFSETOF(LlArgs, timeout_ns) == 8 * COMMFUSE_MAX_RANKS + 32,
+              "layout mirrored in src/ll.rs");
+
+__device__ __forceinline__ void store_lines(u64* p, u64 a, u64 b) {
+    asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+
+__device__ __forceinline__ void store_line(u64* p, u64 v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void load_lines(const u64* p, u64* a, u64* b) {
+    asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(*a), "=l"(*b) : "l"(p) : "memory");
+}
+
+// Word `i` of this rank's input; the last word of an odd count of 2-byte elements is padded.
+template <typename T>
+__device__ __forceinline__ u32 input_word(const LlArgs& a, u32 i) {
+    if (sizeof(T) == 4 || 2 * i + 1 < a.count) return reinterpret_cast<const u32*>(a.input)[i];
+    return reinterpret_cast<const unsigned short*>(a.input)[2 * i];
+}
+
+// Lines between two senders' regions of a buffer: the words rounded up to even, so that every
+// pair of lines starts on 16 bytes.
+__device__ __forceinline__ u64 pitch(const LlArgs& a) { return (a.words + 1) & ~1u; }
+
+// Where sender q's line of word i is in `buf`, in the half of call `seq`.
+__device__ __forceinline__ u64 line_index(const LlArgs& a, u32 q, u32 i, u32 seq) {
+    return ((u64)(seq & 1) * a.world + q) * pitch(a) + i;
+}
+
+// Waits until sender q's lines of words i (and i + 1 unless `one`) carry `seq`; their data, or
+// false when the wait gave up (recorded: rank, block, sender as step, word as slot, expected
+// and seen numbers).
+__device__ __forceinline__ bool receive(const LlArgs& a, u32 q, u32 i, bool one, u32 seq, u32* w0, u32* w1) {
+    const u64* line = reinterpret_cast<const u64*>(a.bufs[a.rank]) + line_index(a, q, i, seq);
+    u64 x, y = (u64)seq << 32;
+    const u64 start = global_timer_ns();
+    for (u32 spins = 0;; ++spins) {
+        if (one) x = load_relaxed_sys(line);
+        else load_lines(line, &x, &y);
+        if ((u32)(x >> 32) == seq && (u32)(y >> 32) == seq) {
+            *w0 = (u32)x;
+            *w1 = (u32)y;
+            return true;
+        }
+        if ((spins & 255) == 255) {
+            if (load_relaxed_sys_u32(&a.err->abort)) return false;
+            if (global_timer_ns() - start > a.timeout_ns) {
+                if (cas_sys(&a.err->flag, 0u, 1u) == 0u) {
+                    a.err->rank = a.rank;
+                    a.err->lane = blockIdx.x;
+                    a.err->step = q;
+                    a.err->slot = (u32)(x >> 32) == seq ? i + 1 : i;
+                    a.err->expected = seq;
+                    a.err->seen = ((u32)(x >> 32) == seq ? y : x) >> 32;
+                    store_release_sys_u32(&a.err->abort, 1u);
+                }
+                return false;
+            }
+        }
+    }
+}
+
+template <typename T, int OP>
+__device__ __forceinline__ void fold_word(float* acc, u32 w, bool first) {
+    constexpr int PER_WORD = 4 / sizeof(T);
+    const T* x = reinterpret_cast<const T*>(&w);
+#pragma unroll
+    for (int j = 0; j < PER_WORD; ++j)
+        acc[j] = first ? Elem<T>::to_f32(x[j]) : combine<OP>(acc[j], Elem<T>::to_f32(x[j]));
+}
+
+template <typename T>
+__device__ __forceinline__ void store_word(const LlArgs& a, u32 i, const float* acc) {
+    constexpr int PER_WORD = 4 / sizeof(T);
+    T* out = reinterpret_cast<T*>(a.output);
+#pragma unroll
+    for (int j = 0; j < PER_WORD; ++j)
+        if (PER_WORD * i + j < a.count) out[PER_WORD * i + j] = Elem<T>::from_f32(acc[j]);
+}
+
+template <typename T, int OP>
+__device__ void ll_all_reduce(const LlArgs& a) {
+    constexpr int PER_WORD = 4 / sizeof(T);
+    __shared__ u32 seq_shared;
+    __shared__ int failed;
+    if (threadIdx.x == 0) {
+        seq_shared = (u32)(*(volatile const u64*)(a.calls + blockIdx.x) + 1);
+        failed = 0;
+    }
+    __syncthreads();
+    const u32 seq = seq_shared;
+    const u32 stride = 2 * gridDim.x * blockDim.x;
+    const u64 tag = (u64)seq << 32;
+    // send: two words per thread to every peer, all stores in flight before any wait
+    for (u32 i = 2 * (blockIdx.x * blockDim.x + threadIdx.x); i < a.words; i += stride) {
+        const bool one = i + 1 == a.words;
+        const u64 l0 = tag | input_word<T>(a, i), l1 = one ? 0 : tag | input_word<T>(a, i + 1);
+        for (u32 d = 1; d < a.world; ++d) {
+            const u32 q = (a.rank + d) % a.world;
+            u64* dst = reinterpret_cast<u64*>(a.bufs[q]) + line_index(a, a.rank, i, seq);
+            if (one) store_line(dst, l0);
+            else store_lines(dst, l0, l1);
+        }
+    }
+    // receive and reduce, in rank order
+    for (u32 i = 2 * (blockIdx.x * blockDim.x + threadIdx.x); i < a.words; i += stride) {
+        const bool one = i + 1 == a.words;
+        float acc0[PER_WORD], acc1[PER_WORD];
+        for (u32 q = 0; q < a.world; ++q) {
+            u32 w0, w1 = 0;
+            if (q == a.rank) {
+                w0 = input_word<T>(a, i);
+                if (!one) w1 = input_word<T>(a, i + 1);
+            } else if (!receive(a, q, i, one, seq, &w0, &w1)) {
+                failed = 1;
+                break;
+            }
+            fold_word<T, OP>(acc0, w0, q == 0);
+            fold_word<T, OP>(acc1, w1, q == 0);
+        }
+        if (failed) break;
+        store_word<T>(a, i, acc0);
+        if (!one) store_word<T>(a, i + 1, acc1);
+    }
+    // this block's call is done: its counter moves on (every block's moves once per call)
+    __syncthreads();
+    if (threadIdx.x == 0 && !failed) *(volatile u64*)(a.calls + blockIdx.x) = seq;
+}
+
+#define COMMFUSE_LL(NAME, T, OP) \
+    extern "C" __global__ void __launch_bounds__(512) NAME(const LlArgs args) { ll_all_reduce<T, OP>(args); }
+
+// ll_all_reduce_<type>_<op>
+COMMFUSE_LL(ll_all_reduce_f32_sum, float, OP_SUM)
+COMMFUSE_LL(ll_all_reduce_f32_max, float, OP_MAX)
+COMMFUSE_LL(ll_all_reduce_f32_min, float, OP_MIN)
+COMMFUSE_LL(ll_all_reduce_f32_prod, float, OP_PROD)
+COMMFUSE_LL(ll_all_reduce_bf16_sum, __nv_bfloat16, OP_SUM)
+COMMFUSE_LL(ll_all_reduce_bf16_max, __nv_bfloat16, OP_MAX)
+COMMFUSE_LL(ll_all_reduce_bf16_min, __nv_bfloat16, OP_MIN)
+COMMFUSE_LL(ll_all_reduce_bf16_prod, __nv_bfloat16, OP_PROD)
+COMMFUSE_LL(ll_all_reduce_f16_sum, __half, OP_SUM)
+COMMFUSE_LL(ll_all_reduce_f16_max, __half, OP_MAX)
+COMMFUSE_LL(ll_all_reduce_f16_min, __half, OP_MIN)
+COMMFUSE_LL(ll_all_reduce_f16_prod, __half, OP_PROD)
