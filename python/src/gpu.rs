@@ -359,9 +359,10 @@ impl GpuCollective {
         Ok(self.stage.connected()?.lengths())
     }
 
-    /// The algorithm that runs.
+    /// What runs: "ll" (the low-latency protocol, for small all-reduces) or the plan's
+    /// algorithm.
     fn algo(&mut self) -> PyResult<String> {
-        Ok(self.stage.connected()?.algo().to_string())
+        Ok(self.stage.connected()?.implementation())
     }
 
     /// Queues one call on `stream`: `input` into `output` (device addresses of `lengths()`

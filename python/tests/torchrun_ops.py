@@ -147,7 +147,11 @@ def check_collectives(rank, world, dtype, seed):
             theirs = xs[rank].to(dev)
             dist.all_reduce(theirs, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
             same(f"all_reduce {op} {dtype} vs PyTorch", t, theirs.cpu())
-    lines.append(f"all_reduce sum, max {dtype} ({count} elements, back to back)")
+    # auto takes the LL protocol for an all-reduce this small (commfuse_core::cost::prefers_ll)
+    runs = cf._collective("all-reduce", count, tensors[0], dist.group.WORLD).algo()
+    if runs != "ll":
+        raise AssertionError(f"all_reduce of {count} {dtype} ran {runs}, not the LL protocol")
+    lines.append(f"all_reduce sum, max {dtype} ({count} elements, back to back, by {runs})")
 
     count = world * 1000 + 1  # chunks differ by one
     xs = ints(seed + 5, count)

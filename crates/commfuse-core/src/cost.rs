@@ -21,6 +21,25 @@ pub struct AlgoChoice {
     pub candidates: Vec<(Algo, Result<f64, Error>)>,
 }
 
+/// Bytes a rank sends in all (its message times P − 1) up to which an all-reduce goes by the LL
+/// protocol (data and the call's number in every 8-byte line, one NVLink trip) where a backend
+/// has it and the caller left the choice to `auto`: on 2 × H200 it beat every plan and NCCL
+/// from 4 KiB to 1 MiB and lost to both at 4 MiB (docs/gpu-2026-11-30e, run 8). The one-shot
+/// LL sends every line to each of the P − 1 peers, hence the product; beyond two GPUs the
+/// crossover is a prediction, not a measurement.
+pub const LL_AUTO_MAX_SENT_BYTES: usize = 1 << 20;
+
+/// The LL all-reduce's name among a backend's protocols ([`crate::backend::Backend::protocols`]).
+pub const LL_PROTOCOL: &str = "ll";
+
+/// Whether `auto` takes the LL protocol for `spec` with elements of `elem_bytes` bytes.
+pub fn prefers_ll(spec: &OpSpec, elem_bytes: usize) -> bool {
+    spec.kind == crate::op::OpKind::AllReduce
+        && spec.world > 1
+        && spec.count > 0
+        && (spec.world - 1) * spec.count * elem_bytes <= LL_AUTO_MAX_SENT_BYTES
+}
+
 /// Picks, among `spec`'s algorithms, the one whose checked plan the latency–bandwidth model of
 /// `topology` predicts fastest for elements of `elem_bytes` bytes. Ties go to the algorithm
 /// listed first by [`Algo::for_op`] (the op's default). Fails only when no algorithm can be
@@ -183,6 +202,20 @@ impl fmt::Display for CostCard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_takes_ll_for_small_all_reduces_only() {
+        use crate::op::OpKind;
+        let spec = |kind, world, count| OpSpec::new(kind, world, count, 0).unwrap();
+        assert!(prefers_ll(&spec(OpKind::AllReduce, 2, 2048), 2));
+        assert!(prefers_ll(&spec(OpKind::AllReduce, 2, 1 << 19), 2)); // 1 MiB
+        assert!(!prefers_ll(&spec(OpKind::AllReduce, 2, (1 << 19) + 1), 2));
+        // four ranks send three copies: the crossover a third as large
+        assert!(!prefers_ll(&spec(OpKind::AllReduce, 4, 1 << 18), 2));
+        assert!(prefers_ll(&spec(OpKind::AllReduce, 4, 1 << 17), 2));
+        assert!(!prefers_ll(&spec(OpKind::AllReduce, 1, 16), 4));
+        assert!(!prefers_ll(&spec(OpKind::ReduceScatter, 2, 2048), 2));
+    }
     use crate::op::OpKind;
 
     /// The choice is the candidate with the least predicted time, and it changes with size:

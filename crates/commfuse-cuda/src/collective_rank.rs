@@ -21,10 +21,11 @@ use crate::driver::{
 };
 use crate::error::CudaError;
 use crate::ipc::Exported;
+use crate::ll::LlRank;
 use crate::nvrtc;
 use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
 use commfuse_core::backend::{ensure_fits, PadCapacity};
-use commfuse_core::cost::choose_algo;
+use commfuse_core::cost::{choose_algo, prefers_ll};
 use commfuse_core::{build_plan, check, Algo, CheckedPlan, DType, OpKind, OpSpec, ReduceOp};
 use commfuse_core::{Slot, Topology};
 use std::sync::Arc;
@@ -89,6 +90,9 @@ struct RankMemory {
     error: MappedHost<ErrorRecord>,
     /// The rank's table, once connected
     table: Option<DeviceTable>,
+    /// The LL all-reduce, where `auto` takes it for this op (its buffer is what the peers
+    /// store into)
+    ll: Option<LlRank>,
     /// The peers' pads and buffers opened into this process
     mapped: Vec<IpcMapping>,
 }
@@ -140,14 +144,28 @@ impl CollectiveAllocation {
         );
         let pad_bytes = max_lanes as usize * PAD_SLOTS * 8;
         let b = plan.plan().buffers;
+        let error = MappedHost::new(&gpu, ErrorRecord::default())?;
+        // small all-reduces left to `auto` go by the LL protocol (the plan stays built: it is
+        // what the op is checked against, and it is small)
+        let ll = match config.algo.is_none() && prefers_ll(&spec, eb) {
+            true => Some(LlRank::new(
+                &gpu,
+                (rank, world),
+                (config.count, config.dtype, config.reduce),
+                error.device_addr(),
+                config.timeout,
+            )?),
+            false => None,
+        };
         Ok(CollectiveAllocation {
             memory: RankMemory {
                 pads: DeviceMemory::zeroed(&gpu, pad_bytes)?,
                 bases: DeviceMemory::zeroed(&gpu, pad_bytes)?,
                 // (an empty buffer still gets an allocation, and so an IPC handle)
                 bufs: RankBuffers::new(&gpu, b.input * eb, b.output * eb, b.scratch * eb)?,
-                error: MappedHost::new(&gpu, ErrorRecord::default())?,
+                error,
                 table: None,
+                ll,
                 mapped: Vec::new(),
             },
             rank,
@@ -165,7 +183,7 @@ impl CollectiveAllocation {
     /// The op, algorithm and lanes every rank must agree on, as bytes.
     fn agreement(&self) -> Vec<u8> {
         format!(
-            "{} {} {} {} {} {} lanes {}x{}",
+            "{} {} {} {} {} {} lanes {}x{}{}",
             self.spec.kind,
             self.spec.count,
             self.config.dtype,
@@ -173,25 +191,30 @@ impl CollectiveAllocation {
             self.config.reduce,
             self.spec.root,
             self.lanes.count,
-            self.lanes.len
+            self.lanes.len,
+            if self.memory.ll.is_some() { " ll" } else { "" }
         )
         .into_bytes()
     }
 
     /// What this rank exports for its peers: the IPC handles of its pads and its three
-    /// buffers, and what the op is (checked on connect).
+    /// buffers (and its LL buffer where it has one), and what the op is (checked on connect).
     pub fn export(&self) -> Result<Exported, CudaError> {
         let m = &self.memory;
+        let mut handles = vec![
+            m.pads.ipc_handle(&self.gpu)?,
+            m.bufs.input.ipc_handle(&self.gpu)?,
+            m.bufs.output.ipc_handle(&self.gpu)?,
+            m.bufs.scratch.ipc_handle(&self.gpu)?,
+        ];
+        if let Some(ll) = &m.ll {
+            handles.push(ll.buffer.ipc_handle(&self.gpu)?);
+        }
         Ok(Exported {
             operator: "collective".into(),
             rank: self.rank,
             world: self.world,
-            handles: vec![
-                m.pads.ipc_handle(&self.gpu)?,
-                m.bufs.input.ipc_handle(&self.gpu)?,
-                m.bufs.output.ipc_handle(&self.gpu)?,
-                m.bufs.scratch.ipc_handle(&self.gpu)?,
-            ],
+            handles,
             extra: self.agreement(),
         })
     }
@@ -199,8 +222,8 @@ impl CollectiveAllocation {
     /// Finishes the rank from every rank's [`CollectiveAllocation::export`] (rank order, its
     /// own among them): opens the peers' pads and buffers and builds its table.
     pub fn connect_exported(mut self, exports: &[Exported]) -> Result<CollectiveRank, CudaError> {
-        Exported::check_group(exports, "collective", self.world, 4)?;
         let mine = self.agreement();
+        let handles = 4 + usize::from(self.memory.ll.is_some());
         if let Some(e) = exports.iter().find(|e| e.extra != mine) {
             return Err(unavailable(format!(
                 "collective: rank {} built {:?}, rank {} built {:?}",
@@ -210,11 +233,14 @@ impl CollectiveAllocation {
                 String::from_utf8_lossy(&mine)
             )));
         }
+        Exported::check_group(exports, "collective", self.world, handles)?;
         let mut pads = [0u64; MAX_RANKS];
+        let mut ll_buffers = Vec::with_capacity(self.world);
         let mut addrs = Vec::with_capacity(self.world);
         for (q, e) in exports.iter().enumerate() {
             let m = &mut self.memory;
             if q == self.rank {
+                ll_buffers.extend(m.ll.as_ref().map(|ll| ll.buffer.addr()));
                 pads[q] = m.pads.addr();
                 addrs.push(BufferAddrs {
                     input: m.bufs.input.addr(),
@@ -235,6 +261,12 @@ impl CollectiveAllocation {
                 output: open(2)?,
                 scratch: open(3)?,
             });
+            if handles > 4 {
+                ll_buffers.push(open(4)?);
+            }
+        }
+        if let Some(ll) = &mut self.memory.ll {
+            ll.connect(&ll_buffers);
         }
         let context = KernelContext {
             pads,
@@ -282,9 +314,17 @@ pub struct CollectiveRank {
 }
 
 impl CollectiveRank {
-    /// The algorithm the rank runs (what `auto` picked, when it did).
+    /// The algorithm of the plan the op is built on (what `auto` picked, when it did).
     pub fn algo(&self) -> Algo {
         self.algo
+    }
+
+    /// What runs: "ll" where `auto` took the LL protocol, else the plan's algorithm.
+    pub fn implementation(&self) -> String {
+        match self.memory.as_ref().is_some_and(|m| m.ll.is_some()) {
+            true => crate::ll::LL.into(),
+            false => self.algo.to_string(),
+        }
     }
 
     /// What the collective computes.
@@ -325,6 +365,10 @@ impl CollectiveRank {
         let queued = (|| -> Result<(), CudaError> {
             // after this rank's previous call, even one on another stream
             self.last.after_last(stream)?;
+            if let Some(ll) = &memory.ll {
+                // straight from the caller's input into its output
+                return ll.launch(stream, input, output);
+            }
             if n_in > 0 {
                 stream.copy_async(memory.bufs.input.addr(), input, n_in * eb)?;
             }
@@ -353,6 +397,12 @@ impl CollectiveRank {
             return Ok(());
         }
         self.broken = true;
+        if memory.ll.is_some() {
+            return Err(CudaError::Stalled(crate::ll::describe_timeout(
+                &rec,
+                self.config.timeout,
+            )));
+        }
         let cols = self.plan.plan().pad_cols;
         let slot = Slot::new(rec.slot / cols, rec.slot % cols);
         Err(CudaError::Stalled(format!(

@@ -9,15 +9,17 @@
 //! (`commfuse bench all-reduce`) and `verify`-style checks, on the backend's ranks and buffers.
 
 use crate::backend::{CudaBackend, GpuCall, Launcher, Rank, RankBuffers};
-use crate::driver::{DeviceMemory, Function, Module};
+use crate::driver::{DeviceMemory, Function, Gpu, Module, Stream};
+use crate::error::CudaError;
 use crate::nvrtc;
-use crate::plan_table::MAX_RANKS;
+use crate::plan_table::{ErrorRecord, MAX_RANKS};
 use commfuse_core::backend::{BackendError, CallTiming, PreparedCall};
 use commfuse_core::{DType, OpKind, OpSpec, ReduceOp, Slot};
 use half::{bf16, f16};
+use std::time::Duration;
 
 /// The candidate's name in the collectives' bench.
-pub const LL: &str = "ll";
+pub const LL: &str = commfuse_core::cost::LL_PROTOCOL;
 
 /// The largest message (bytes per rank) the LL all-reduce takes: its buffers hold two lines of
 /// 8 bytes per 4 bytes of every rank's input, so beyond small messages they cost more memory
@@ -64,15 +66,109 @@ fn reduce_name(r: ReduceOp) -> &'static str {
     }
 }
 
-/// Every rank's kernel, LL buffer, call counter and arguments for one (count, type, op).
-pub(crate) struct LlLauncher {
-    functions: Vec<Function>,
-    args: Vec<LlArgs>,
+/// Whether the LL all-reduce takes `kind` of `bytes` per rank.
+pub fn takes(kind: OpKind, bytes: usize) -> Result<(), String> {
+    if kind != OpKind::AllReduce {
+        return Err(format!("the LL protocol runs all-reduce only, not {kind}"));
+    }
+    if bytes > LL_MAX_BYTES {
+        return Err(format!(
+            "the LL all-reduce takes messages up to {} MiB, got {bytes} bytes",
+            LL_MAX_BYTES >> 20
+        ));
+    }
+    Ok(())
+}
+
+/// One rank's LL all-reduce of `count` elements: its kernel (in its GPU's context), its LL
+/// buffer (which its peers store into), its call counters, and the kernel's arguments once
+/// the peers' buffers are known.
+pub(crate) struct LlRank {
+    function: Function,
+    /// Read by the peers' kernels: exported to them, freed only after the last call
+    pub buffer: DeviceMemory,
+    counters: DeviceMemory,
+    args: LlArgs,
     blocks: u32,
+}
+
+impl LlRank {
+    /// Rank `rank` of `world` on `gpu`: loads the kernel and allocates the buffer and
+    /// counters; [`LlRank::connect`] then names every rank's buffer.
+    pub fn new(
+        gpu: &Gpu,
+        (rank, world): (usize, usize),
+        (count, dtype, reduce): (usize, DType, ReduceOp),
+        err: u64,
+        timeout: Duration,
+    ) -> Result<LlRank, CudaError> {
+        takes(OpKind::AllReduce, count * dtype.size()).map_err(CudaError::Unavailable)?;
+        let words = (count * dtype.size()).div_ceil(4);
+        let compiled = nvrtc::compile(nvrtc::kernel("ll.cu").expect("embedded"), false)?;
+        let name = format!("ll_all_reduce_{}_{}", type_name(dtype), reduce_name(reduce));
+        // two halves of `world` regions of the words rounded up to even (`pitch` in ll.cu)
+        let pitch = words + words % 2;
+        Ok(LlRank {
+            function: Module::load(gpu, &compiled.cubin)?.function(&name)?,
+            buffer: DeviceMemory::zeroed(gpu, (2 * world * pitch).max(2) * 8)?,
+            counters: DeviceMemory::zeroed(gpu, 8 * MAX_BLOCKS as usize)?,
+            args: LlArgs {
+                bufs: [0; MAX_RANKS],
+                input: 0,
+                output: 0,
+                calls: 0,
+                err,
+                timeout_ns: timeout.as_nanos() as u64,
+                count: count as u32,
+                words: words as u32,
+                world: world as u32,
+                rank: rank as u32,
+            },
+            // two words per thread
+            blocks: (words as u32).div_ceil(2 * THREADS).clamp(1, MAX_BLOCKS),
+        })
+    }
+
+    /// Names every rank's LL buffer as this GPU addresses it (rank order, its own among them).
+    pub fn connect(&mut self, buffers: &[u64]) {
+        self.args.bufs[..buffers.len()].copy_from_slice(buffers);
+        self.args.calls = self.counters.addr();
+    }
+
+    /// Queues one call on `stream`: `input` into `output` (`count` elements each; they may be
+    /// the same buffer).
+    ///
+    /// # Safety
+    /// `stream` must be a stream of this rank's GPU; `input` and `output` device memory of it
+    /// holding `count` elements, valid until the call completes; every rank's buffer named in
+    /// `connect` must stay valid until then.
+    pub unsafe fn launch(&self, stream: &Stream, input: u64, output: u64) -> Result<(), CudaError> {
+        if self.args.words == 0 {
+            return Ok(());
+        }
+        let args = LlArgs {
+            input,
+            output,
+            ..self.args
+        };
+        self.function.launch(self.blocks, THREADS, stream, &args)
+    }
+}
+
+/// A timeout the LL kernel recorded, in words: who waited for which sender's line of which
+/// word, the call's number expected and the number seen.
+pub(crate) fn describe_timeout(rec: &ErrorRecord, timeout: Duration) -> String {
+    format!(
+        "all-reduce (LL): rank {} (block {}) waited for sender {}'s line of word {} to carry call {}, saw call {} after {timeout:?}",
+        rec.rank, rec.lane, rec.step, rec.slot, rec.expected, rec.seen
+    )
+}
+
+/// Every rank's LL all-reduce for the backend's ranks and one call's buffers.
+pub(crate) struct LlLauncher {
+    ranks: Vec<LlRank>,
+    input_output: Vec<(u64, u64)>,
     timeout_ms: u64,
-    // freed only once every call ended (GpuCall drops the launcher after its batches)
-    _buffers: Vec<DeviceMemory>,
-    _counters: Vec<DeviceMemory>,
 }
 
 /// Prepares the LL all-reduce of `spec` on every rank of `backend`.
@@ -82,65 +178,36 @@ pub(crate) fn prepare<'a>(
     dtype: DType,
     reduce: ReduceOp,
 ) -> Result<Box<dyn PreparedCall + 'a>, BackendError> {
-    if spec.kind != OpKind::AllReduce {
-        return Err(BackendError::Unavailable(format!(
-            "the LL protocol runs all-reduce only, not {}",
-            spec.kind
-        )));
-    }
-    let bytes = spec.count * dtype.size();
-    if bytes > LL_MAX_BYTES {
-        return Err(BackendError::Unavailable(format!(
-            "the LL all-reduce takes messages up to {} MiB, got {bytes} bytes",
-            LL_MAX_BYTES >> 20
-        )));
-    }
+    takes(spec.kind, spec.count * dtype.size()).map_err(BackendError::Unavailable)?;
     let world = backend.ranks.len();
-    let words = bytes.div_ceil(4);
-    let compiled = nvrtc::compile(nvrtc::kernel("ll.cu").expect("embedded"), false)?;
-    let name = format!("ll_all_reduce_{}_{}", type_name(dtype), reduce_name(reduce));
-    let mut functions = Vec::with_capacity(world);
-    let mut buffers = Vec::with_capacity(world);
-    let mut counters = Vec::with_capacity(world);
-    for rank in backend.ranks.iter() {
-        functions.push(Module::load(&rank.gpu, &compiled.cubin)?.function(&name)?);
-        // two halves of `world` regions of the words rounded up to even (`pitch` in ll.cu)
-        let pitch = words + words % 2;
-        buffers.push(DeviceMemory::zeroed(
-            &rank.gpu,
-            (2 * world * pitch).max(2) * 8,
-        )?);
-        counters.push(DeviceMemory::zeroed(&rank.gpu, 8 * MAX_BLOCKS as usize)?);
-    }
-    let mut bufs = [0; MAX_RANKS];
-    for (r, b) in buffers.iter().enumerate() {
-        bufs[r] = b.addr();
-    }
-    // two words per thread
-    let blocks = (words as u32).div_ceil(2 * THREADS).clamp(1, MAX_BLOCKS);
     let timeout = backend.timeout();
-    let launcher = |rank_bufs: &[RankBuffers]| {
-        let args = (0..world)
-            .map(|r| LlArgs {
-                bufs,
-                input: rank_bufs[r].input.addr(),
-                output: rank_bufs[r].output.addr(),
-                calls: counters[r].addr(),
-                err: backend.error_record(),
-                timeout_ns: timeout.as_nanos() as u64,
-                count: spec.count as u32,
-                words: words as u32,
-                world: world as u32,
-                rank: r as u32,
-            })
-            .collect();
+    let mut ranks = backend
+        .ranks
+        .iter()
+        .enumerate()
+        .map(|(r, rank)| {
+            LlRank::new(
+                &rank.gpu,
+                (r, world),
+                (spec.count, dtype, reduce),
+                backend.error_record(),
+                timeout,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // one process: every GPU addresses its peers' memory directly (peer access is enabled)
+    let buffers: Vec<u64> = ranks.iter().map(|r| r.buffer.addr()).collect();
+    for r in &mut ranks {
+        r.connect(&buffers);
+    }
+    let launcher = |bufs: &[RankBuffers]| {
         Ok(LlLauncher {
-            functions,
-            args,
-            blocks,
+            ranks,
+            input_output: bufs
+                .iter()
+                .map(|b| (b.input.addr(), b.output.addr()))
+                .collect(),
             timeout_ms: timeout.as_millis() as u64,
-            _buffers: buffers,
-            _counters: counters,
         })
     };
     let sizes = (spec.input_capacity(), spec.output_capacity(), 0);
@@ -153,13 +220,10 @@ pub(crate) fn prepare<'a>(
 
 impl Launcher for LlLauncher {
     fn launch(&self, _bufs: &[RankBuffers], r: usize, rank: &Rank) -> Result<(), BackendError> {
-        if self.args[r].words == 0 {
-            return Ok(());
-        }
-        // SAFETY: LlArgs mirrors the kernel's parameter; the buffers, counters and the error
-        // record outlive the launch (the batch synchronises before anything is dropped)
-        unsafe { self.functions[r].launch(self.blocks, THREADS, &rank.stream, &self.args[r]) }
-            .map_err(BackendError::from)
+        let (input, output) = self.input_output[r];
+        // SAFETY: the call's buffers, the LL buffers and counters and the error record outlive
+        // the launch (the batch synchronises before anything is dropped)
+        unsafe { self.ranks[r].launch(&rank.stream, input, output) }.map_err(BackendError::from)
     }
 
     fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {

@@ -12,7 +12,7 @@ use crate::driver::{self, Request};
 use crate::sizes::format_size;
 use anyhow::Result;
 use commfuse_core::backend::{Backend, PreparedCall};
-use commfuse_core::cost::{choose_algo, CostCard};
+use commfuse_core::cost::{choose_algo, prefers_ll, CostCard, LL_PROTOCOL};
 use commfuse_core::{Algo, DType, OpKind, OpSpec, ReduceOp, Topology};
 use std::time::{Duration, Instant};
 
@@ -305,13 +305,24 @@ pub fn run(
             .map(|(_, r)| r.clone())
             .collect();
         if let Some(p) = picked {
-            let (_, of_pick) = measured
-                .iter()
-                .find(|(a, _)| *a == Some(p))
-                .expect("the pick is measured");
+            // what the library's `auto` runs: the LL protocol where it takes the op (and it
+            // ran here), else the cost model's plan
+            let spec = OpSpec::new(cfg.op, world, count, cfg.root)?;
+            let ll = measured.iter().find(|(a, r)| {
+                a.is_none()
+                    && !r.baseline
+                    && r.algo == LL_PROTOCOL
+                    && prefers_ll(&spec, cfg.dtype.size())
+            });
+            let (_, of_pick) = ll.unwrap_or_else(|| {
+                measured
+                    .iter()
+                    .find(|(a, _)| *a == Some(p))
+                    .expect("the pick is measured")
+            });
             size_rows.push(BenchRow {
                 algo: "auto".into(),
-                picked: Some(p.name().into()),
+                picked: Some(of_pick.algo.clone()),
                 ..of_pick.clone()
             });
         }
@@ -461,7 +472,7 @@ mod tests {
     use std::cell::RefCell;
 
     /// The simulator with two baselines: `missing`, which fails as a library that is not
-    /// installed does, and `stand-in` (our direct plan under another name). Every timed batch
+    /// installed does, and `stand-in` (the op's first plan under another name). Every timed batch
     /// is logged with its candidate's name.
     struct Logging {
         sim: SimBackend,
@@ -543,7 +554,9 @@ mod tests {
                 ));
             }
             let topology = Topology::new(spec.world, 1).unwrap();
-            let plan = check(build_plan(*spec, Algo::Direct, &topology).unwrap()).unwrap();
+            // the op's first algorithm under another name
+            let algo = Algo::for_op(spec.kind)[0];
+            let plan = check(build_plan(*spec, algo, &topology).unwrap()).unwrap();
             Ok(Box::new(LoggedCall {
                 name: name.into(),
                 inner: self.sim.prepare(&plan, dtype, reduce)?,
@@ -648,6 +661,34 @@ mod tests {
             "{table}"
         );
         assert!(line.trim_end().ends_with('-'), "{table}");
+    }
+
+    /// `auto` is what the library runs: the LL protocol for an all-reduce small enough, where
+    /// the backend has it, and the cost model's plan above that size.
+    #[test]
+    fn auto_takes_the_ll_protocol_for_small_all_reduces() {
+        let backend = Logging {
+            sim: SimBackend::new(2, WorldConfig::default()).unwrap(),
+            log: RefCell::new(Vec::new()),
+        };
+        let cfg = BenchConfig {
+            op: OpKind::AllReduce,
+            algos: vec![Algo::Ring],
+            baselines: Vec::new(),
+            protocols: vec![LL_PROTOCOL],
+            sizes: vec![4096, 4 << 20],
+            iters: 1,
+            ..config()
+        };
+        let report = run(&backend, &cfg, |_| {}).unwrap();
+        let picks: Vec<(u64, &str)> = report
+            .rows
+            .iter()
+            .filter_map(|r| Some((r.bytes, r.picked.as_deref()?)))
+            .collect();
+        assert_eq!(picks.len(), 2, "{:?}", report.rows);
+        assert_eq!(picks[0], (4096, LL_PROTOCOL));
+        assert_ne!(picks[1].1, LL_PROTOCOL);
     }
 
     /// Under --graph, a row the backend could not replay from a graph says so.
