@@ -152,6 +152,22 @@ template <> struct Elem<__half> {
 
 enum ReduceOp { OP_SUM = 0, OP_MAX = 1, OP_MIN = 2, OP_PROD = 3 };
 
+// Instantiates ENTRY(PREFIX_<type>_<op>, T, OP) for every element type and reduce op: the kernel
+// names the Rust side looks up (plan_kernel in src/backend.rs, src/ll.rs).
+#define COMMFUSE_EACH_TYPE_AND_OP(ENTRY, PREFIX)             \
+    ENTRY(PREFIX##_f32_sum, float, OP_SUM)                   \
+    ENTRY(PREFIX##_f32_max, float, OP_MAX)                   \
+    ENTRY(PREFIX##_f32_min, float, OP_MIN)                   \
+    ENTRY(PREFIX##_f32_prod, float, OP_PROD)                 \
+    ENTRY(PREFIX##_bf16_sum, __nv_bfloat16, OP_SUM)          \
+    ENTRY(PREFIX##_bf16_max, __nv_bfloat16, OP_MAX)          \
+    ENTRY(PREFIX##_bf16_min, __nv_bfloat16, OP_MIN)          \
+    ENTRY(PREFIX##_bf16_prod, __nv_bfloat16, OP_PROD)        \
+    ENTRY(PREFIX##_f16_sum, __half, OP_SUM)                  \
+    ENTRY(PREFIX##_f16_max, __half, OP_MAX)                  \
+    ENTRY(PREFIX##_f16_min, __half, OP_MIN)                  \
+    ENTRY(PREFIX##_f16_prod, __half, OP_PROD)
+
 template <int OP> __device__ __forceinline__ float combine(float a, float b) {
     if (OP == OP_SUM) return a + b;
     if (OP == OP_MAX) return fmaxf(a, b);

@@ -168,15 +168,4 @@ __device__ void ll_all_reduce(const LlArgs& a) {
     extern "C" __global__ void __launch_bounds__(512) NAME(const LlArgs args) { ll_all_reduce<T, OP>(args); }
 
 // ll_all_reduce_<type>_<op>
-COMMFUSE_LL(ll_all_reduce_f32_sum, float, OP_SUM)
-COMMFUSE_LL(ll_all_reduce_f32_max, float, OP_MAX)
-COMMFUSE_LL(ll_all_reduce_f32_min, float, OP_MIN)
-COMMFUSE_LL(ll_all_reduce_f32_prod, float, OP_PROD)
-COMMFUSE_LL(ll_all_reduce_bf16_sum, __nv_bfloat16, OP_SUM)
-COMMFUSE_LL(ll_all_reduce_bf16_max, __nv_bfloat16, OP_MAX)
-COMMFUSE_LL(ll_all_reduce_bf16_min, __nv_bfloat16, OP_MIN)
-COMMFUSE_LL(ll_all_reduce_bf16_prod, __nv_bfloat16, OP_PROD)
-COMMFUSE_LL(ll_all_reduce_f16_sum, __half, OP_SUM)
-COMMFUSE_LL(ll_all_reduce_f16_max, __half, OP_MAX)
-COMMFUSE_LL(ll_all_reduce_f16_min, __half, OP_MIN)
-COMMFUSE_LL(ll_all_reduce_f16_prod, __half, OP_PROD)
+COMMFUSE_EACH_TYPE_AND_OP(COMMFUSE_LL, ll_all_reduce)

@@ -208,15 +208,5 @@ __device__ void run_plan(const PlanArgs& a) {
 #define COMMFUSE_PLAN_KERNEL(NAME, T, OP) \
     extern "C" __global__ void __launch_bounds__(512) NAME(const PlanArgs args) { run_plan<T, OP>(args); }
 
-COMMFUSE_PLAN_KERNEL(plan_f32_sum, float, OP_SUM)
-COMMFUSE_PLAN_KERNEL(plan_f32_max, float, OP_MAX)
-COMMFUSE_PLAN_KERNEL(plan_f32_min, float, OP_MIN)
-COMMFUSE_PLAN_KERNEL(plan_f32_prod, float, OP_PROD)
-COMMFUSE_PLAN_KERNEL(plan_bf16_sum, __nv_bfloat16, OP_SUM)
-COMMFUSE_PLAN_KERNEL(plan_bf16_max, __nv_bfloat16, OP_MAX)
-COMMFUSE_PLAN_KERNEL(plan_bf16_min, __nv_bfloat16, OP_MIN)
-COMMFUSE_PLAN_KERNEL(plan_bf16_prod, __nv_bfloat16, OP_PROD)
-COMMFUSE_PLAN_KERNEL(plan_f16_sum, __half, OP_SUM)
-COMMFUSE_PLAN_KERNEL(plan_f16_max, __half, OP_MAX)
-COMMFUSE_PLAN_KERNEL(plan_f16_min, __half, OP_MIN)
-COMMFUSE_PLAN_KERNEL(plan_f16_prod, __half, OP_PROD)
+// plan_<type>_<op>
+COMMFUSE_EACH_TYPE_AND_OP(COMMFUSE_PLAN_KERNEL, plan)

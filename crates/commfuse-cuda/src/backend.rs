@@ -198,6 +198,32 @@ impl CudaBackend {
         self.error.write(ErrorRecord::default());
     }
 
+    /// Before a batch of a kernel that records its timeouts in the error record: the backend
+    /// must be usable, and the record is cleared.
+    pub(crate) fn before_recorded_batch(&self) -> Result<(), BackendError> {
+        self.check_usable()?;
+        self.clear_error_record();
+        Ok(())
+    }
+
+    /// After such a batch: the recorded timeout (`failure`, the launcher's diagnosis of the
+    /// record) or the batch's own error leaves the ranks' protocol state apart, so the backend
+    /// is marked broken; otherwise the batch's timings.
+    pub(crate) fn after_recorded_batch(
+        &self,
+        failure: Option<BackendError>,
+        result: Result<Vec<CallTiming>, BackendError>,
+    ) -> Result<Vec<CallTiming>, BackendError> {
+        if let Some(e) = failure {
+            self.mark_broken();
+            return Err(e);
+        }
+        if result.is_err() {
+            self.mark_broken();
+        }
+        result
+    }
+
     /// What a wait that gave up recorded, if one did.
     pub(crate) fn recorded_timeout(&self) -> Option<ErrorRecord> {
         let rec = self.error.read();
@@ -1098,9 +1124,7 @@ impl Launcher for PlanLauncher {
     }
 
     fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {
-        backend.check_usable()?;
-        backend.error.write(ErrorRecord::default());
-        Ok(())
+        backend.before_recorded_batch()
     }
 
     fn after(
@@ -1109,14 +1133,7 @@ impl Launcher for PlanLauncher {
         result: Result<Vec<CallTiming>, BackendError>,
     ) -> Result<Vec<CallTiming>, BackendError> {
         // a timed-out or failed call leaves the pads mid-protocol
-        if let Some(e) = self.failure(backend) {
-            backend.mark_broken();
-            return Err(e);
-        }
-        if result.is_err() {
-            backend.mark_broken();
-        }
-        result
+        backend.after_recorded_batch(self.failure(backend), result)
     }
 }
 

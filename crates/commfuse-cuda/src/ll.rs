@@ -227,9 +227,7 @@ impl Launcher for LlLauncher {
     }
 
     fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {
-        backend.check_usable()?;
-        backend.clear_error_record();
-        Ok(())
+        backend.before_recorded_batch()
     }
 
     fn after(
@@ -237,10 +235,10 @@ impl Launcher for LlLauncher {
         backend: &CudaBackend,
         result: Result<Vec<CallTiming>, BackendError>,
     ) -> Result<Vec<CallTiming>, BackendError> {
-        if let Some(rec) = backend.recorded_timeout() {
-            // a wait that gave up leaves the counters of the ranks apart
-            backend.mark_broken();
-            return Err(BackendError::DeviceWaitTimeout {
+        // a wait that gave up leaves the ranks' call counters apart
+        let failure = backend
+            .recorded_timeout()
+            .map(|rec| BackendError::DeviceWaitTimeout {
                 rank: rec.rank as usize,
                 lane: rec.lane,
                 // the sender waited for, and the word
@@ -249,10 +247,6 @@ impl Launcher for LlLauncher {
                 seen: rec.seen,
                 timeout_ms: self.timeout_ms,
             });
-        }
-        if result.is_err() {
-            backend.mark_broken();
-        }
-        result
+        backend.after_recorded_batch(failure, result)
     }
 }

@@ -66,6 +66,11 @@ fn matrix(kind: BackendKind, op: OpKind, worlds: &[usize]) {
             }
         }
     }
+    assert_none_failed(&failures, runs);
+}
+
+/// Panics with every failure listed, if any of the `runs` failed.
+fn assert_none_failed(failures: &[String], runs: u64) {
     assert!(
         failures.is_empty(),
         "{} of {runs} runs failed:\n{}",
@@ -176,12 +181,7 @@ fn ll_all_reduce_on_gpus() {
             }
         }
     }
-    assert!(
-        failures.is_empty(),
-        "{} of {runs} runs failed:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert_none_failed(&failures, runs);
 }
 
 #[test]
