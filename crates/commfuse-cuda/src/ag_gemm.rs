@@ -250,7 +250,6 @@ impl AgGemmAllocation {
             world: self.world,
             config: self.config,
             peers: peers.to_vec(),
-            calls: 0,
             broken: false,
             lt: Lt::with_alignment(&gpu, 16)?,
             side,
@@ -274,8 +273,6 @@ pub struct AgGemmRank {
     world: usize,
     config: AgGemmConfig,
     peers: Vec<AgGemmPeer>,
-    /// Calls queued so far (the next call's number is one more)
-    calls: u64,
     broken: bool,
     lt: Lt,
     side: Stream,
@@ -543,7 +540,6 @@ impl AgGemmRank {
             }
         }
         self.memory.launched(stream)?;
-        self.calls += 1;
         Ok(())
     }
 

@@ -204,7 +204,8 @@ pub struct GemmRsRank {
     config: GemmRsConfig,
     peers: Vec<GemmRsPeer>,
     per_m: HashMap<usize, PerM>,
-    /// Calls queued so far (the next call's epoch is one more)
+    /// Fused calls queued so far: a separate reduction's next call is numbered one more (a
+    /// folding call numbers itself on the device)
     calls: u64,
     /// Flag columns per sender slot (fixed by `max_m`, the same for every M)
     flag_stride: usize,
