@@ -234,6 +234,12 @@ pub trait Backend {
     fn protocols(&self, _op: OpKind) -> Vec<&'static str> {
         Vec::new()
     }
+    /// The protocol (one of [`Backend::protocols`]) this backend's operators run for `spec`
+    /// when the caller leaves the choice to `auto`, instead of the cost model's plan; None where
+    /// they run the plan.
+    fn auto_protocol(&self, _spec: &OpSpec, _elem_bytes: usize) -> Option<&'static str> {
+        None
+    }
     /// Prepares baseline (or protocol, see [`Backend::protocols`]) `name` for `spec`; its inputs
     /// and outputs follow the op's definition, so the same reference checks it.
     fn prepare_baseline(

@@ -435,6 +435,11 @@ impl Backend for CudaBackend {
         crate::nccl::baselines(op)
     }
 
+    fn auto_protocol(&self, spec: &OpSpec, elem_bytes: usize) -> Option<&'static str> {
+        // as CollectiveRank does
+        commfuse_core::cost::prefers_ll(spec, elem_bytes).then_some(crate::ll::LL)
+    }
+
     fn protocols(&self, op: OpKind) -> Vec<&'static str> {
         match op {
             OpKind::AllReduce => vec![crate::ll::LL],

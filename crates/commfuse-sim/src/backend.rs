@@ -7,7 +7,8 @@ use commfuse_core::backend::{
     check_queued_inputs, ensure_fits, Backend, BackendError, CallTiming, HostBuffer, HostSlice,
     HostSliceMut, PadCapacity, PreparedCall,
 };
-use commfuse_core::{CheckedPlan, DType, Element, ReduceOp};
+use commfuse_core::cost::LL_PROTOCOL;
+use commfuse_core::{CheckedPlan, DType, Element, OpKind, OpSpec, ReduceOp};
 use half::{bf16, f16};
 use std::time::Instant;
 
@@ -75,6 +76,33 @@ impl Backend for SimBackend {
             DType::BF16 => Box::new(SimCall::<bf16>::new(self, plan, reduce)?),
             DType::F16 => Box::new(SimCall::<f16>::new(self, plan, reduce)?),
         })
+    }
+
+    fn protocols(&self, op: OpKind) -> Vec<&'static str> {
+        match op {
+            OpKind::AllReduce => vec![LL_PROTOCOL],
+            _ => Vec::new(),
+        }
+    }
+
+    fn prepare_baseline(
+        &self,
+        name: &str,
+        spec: &OpSpec,
+        dtype: DType,
+        reduce: ReduceOp,
+    ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
+        if name != LL_PROTOCOL {
+            return Err(BackendError::Unavailable(format!(
+                "the sim backend has no baseline '{name}'"
+            )));
+        }
+        Ok(Box::new(crate::ll::SimLlCall::new(
+            &self.world,
+            spec,
+            dtype,
+            reduce,
+        )?))
     }
 }
 

@@ -10,8 +10,12 @@ use crate::protocol::{
 };
 use crate::signal::SignalPad;
 use crate::world::{RankContext, World};
-use commfuse_core::backend::BackendError;
+use commfuse_core::backend::{
+    check_queued_inputs, BackendError, CallTiming, HostBuffer, HostSlice, HostSliceMut,
+    PreparedCall,
+};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 fn unavailable(msg: String) -> BackendError {
     BackendError::Unavailable(msg)
@@ -142,5 +146,131 @@ impl SimLlAllReduce {
                 })
             }
         }
+    }
+}
+
+/// One rank's outputs of a batch of calls, in call order, and the batch's time on that rank.
+type RankCalls = (Vec<Vec<f32>>, Duration);
+
+/// The LL all-reduce as one of the sim backend's protocols
+/// ([`commfuse_core::backend::Backend::protocols`]): the same checks and benches as the plans
+/// (and as the GPU kernel's, `commfuse_cuda::ll`), on host buffers. The simulator's twin sums
+/// f32 only.
+pub(crate) struct SimLlCall<'a> {
+    world: &'a World,
+    op: SimLlAllReduce,
+    inputs: Vec<Vec<f32>>,
+    outputs: Vec<Vec<f32>>,
+}
+
+impl<'a> SimLlCall<'a> {
+    /// The one-shot LL all-reduce of `spec` on `world`, for f32 sums.
+    pub(crate) fn new(
+        world: &'a World,
+        spec: &commfuse_core::OpSpec,
+        dtype: commfuse_core::DType,
+        reduce: commfuse_core::ReduceOp,
+    ) -> Result<Self, BackendError> {
+        use commfuse_core::{DType, OpKind, ReduceOp};
+        if spec.kind != OpKind::AllReduce || dtype != DType::F32 || reduce != ReduceOp::Sum {
+            return Err(unavailable(format!(
+                "the simulator's LL protocol is an f32 sum all-reduce, not a {dtype} {reduce} {}",
+                spec.kind
+            )));
+        }
+        let p = world.size();
+        Ok(SimLlCall {
+            world,
+            op: SimLlAllReduce::new(world, spec.count, LlShots::One)?,
+            inputs: vec![vec![0.0; spec.count]; p],
+            outputs: vec![vec![0.0; spec.count]; p],
+        })
+    }
+
+    /// Every rank's calls on `inputs[c]`, queued on its own thread without waiting for the
+    /// others in between; each rank's outputs in call order, and its time.
+    fn calls(&self, inputs: &[&[Vec<f32>]]) -> Result<Vec<RankCalls>, BackendError> {
+        let len = self.outputs[0].len();
+        let gate = std::sync::Barrier::new(self.world.size());
+        self.world.run(|ctx| {
+            let r = ctx.rank();
+            gate.wait();
+            let start = Instant::now();
+            let mut outs = Vec::with_capacity(inputs.len());
+            for call in inputs {
+                let mut out = vec![f32::NAN; len];
+                self.op.forward(ctx, &call[r], &mut out)?;
+                outs.push(out);
+            }
+            Ok((outs, start.elapsed()))
+        })
+    }
+}
+
+impl PreparedCall for SimLlCall<'_> {
+    fn input_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
+        HostSliceMut::F32(&mut self.inputs[rank])
+    }
+
+    fn output_mut(&mut self, rank: usize) -> HostSliceMut<'_> {
+        HostSliceMut::F32(&mut self.outputs[rank])
+    }
+
+    fn upload(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn run(&mut self) -> Result<CallTiming, BackendError> {
+        let inputs = std::mem::take(&mut self.inputs);
+        let result = self.calls(&[&inputs]);
+        self.inputs = inputs;
+        let mut per_rank = Vec::new();
+        for (r, (mut outs, time)) in result?.into_iter().enumerate() {
+            self.outputs[r] = outs.pop().expect("one call");
+            per_rank.push(time);
+        }
+        Ok(CallTiming { per_rank })
+    }
+
+    fn run_queued(
+        &mut self,
+        inputs: &[Vec<HostBuffer>],
+    ) -> Result<Vec<Vec<HostBuffer>>, BackendError> {
+        let p = self.world.size();
+        check_queued_inputs(inputs, p, commfuse_core::DType::F32, self.inputs[0].len())?;
+        let calls: Vec<Vec<Vec<f32>>> = inputs
+            .iter()
+            .map(|per_rank| {
+                per_rank
+                    .iter()
+                    .map(|b| match b {
+                        HostBuffer::F32(v) => v.clone(),
+                        _ => unreachable!("checked f32"),
+                    })
+                    .collect()
+            })
+            .collect();
+        let views: Vec<&[Vec<f32>]> = calls.iter().map(Vec::as_slice).collect();
+        let per_rank = self.calls(&views)?;
+        Ok((0..calls.len())
+            .map(|c| {
+                per_rank
+                    .iter()
+                    .map(|(outs, _)| HostBuffer::F32(outs[c].clone()))
+                    .collect()
+            })
+            .collect())
+    }
+
+    fn download(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn input(&self, rank: usize) -> HostSlice<'_> {
+        HostSlice::F32(&self.inputs[rank])
+    }
+
+    fn output(&self, rank: usize) -> HostSlice<'_> {
+        HostSlice::F32(&self.outputs[rank])
     }
 }

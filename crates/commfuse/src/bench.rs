@@ -12,7 +12,7 @@ use crate::driver::{self, Request};
 use crate::sizes::format_size;
 use anyhow::Result;
 use commfuse_core::backend::{Backend, PreparedCall};
-use commfuse_core::cost::{choose_algo, prefers_ll, CostCard, LL_PROTOCOL};
+use commfuse_core::cost::{choose_algo, CostCard};
 use commfuse_core::{Algo, DType, OpKind, OpSpec, ReduceOp, Topology};
 use std::time::{Duration, Instant};
 
@@ -305,16 +305,14 @@ pub fn run(
             .map(|(_, r)| r.clone())
             .collect();
         if let Some(p) = picked {
-            // what the library's `auto` runs: the LL protocol where it takes the op (and it
-            // ran here), else the cost model's plan
+            // what the backend's operators run under `auto`: a protocol of ours where they
+            // take one (and it ran here), else the cost model's plan
             let spec = OpSpec::new(cfg.op, world, count, cfg.root)?;
-            let ll = measured.iter().find(|(a, r)| {
-                a.is_none()
-                    && !r.baseline
-                    && r.algo == LL_PROTOCOL
-                    && prefers_ll(&spec, cfg.dtype.size())
-            });
-            let (_, of_pick) = ll.unwrap_or_else(|| {
+            let protocol = backend.auto_protocol(&spec, cfg.dtype.size());
+            let of_protocol = measured
+                .iter()
+                .find(|(a, r)| a.is_none() && !r.baseline && Some(r.algo.as_str()) == protocol);
+            let (_, of_pick) = of_protocol.unwrap_or_else(|| {
                 measured
                     .iter()
                     .find(|(a, _)| *a == Some(p))
@@ -414,7 +412,7 @@ pub fn header(
     format!(
         "# commfuse bench {op}: backend {backend}, {ranks} ranks, {dtype}, reduce {reduce}\n\
          # time: median of {ROUNDS} interleaved rounds' medians; spread: the fastest and slowest round\n\
-         # auto: the algorithm the cost model picks at that size (what --algo auto runs)\n#\n\
+         # auto: what the operators run when left to choose (the cost model's plan, or a protocol such as ll)\n#\n\
          # {:>8} {:>12} {:>5} {:>20} {:>11} {:>19} {:>11} {:>11} {:>7} {:>11}{}",
         "size",
         "count",
@@ -467,6 +465,7 @@ pub fn format_skipped(skip: &Skipped) -> String {
 mod tests {
     use super::*;
     use commfuse_core::backend::{BackendError, CallTiming, HostBuffer, HostSlice, HostSliceMut};
+    use commfuse_core::cost::LL_PROTOCOL;
     use commfuse_core::{build_plan, check, CheckedPlan};
     use commfuse_sim::{SimBackend, WorldConfig};
     use std::cell::RefCell;
@@ -540,6 +539,9 @@ mod tests {
         }
         fn baselines(&self, _op: OpKind) -> Vec<&'static str> {
             vec!["missing", "stand-in"]
+        }
+        fn auto_protocol(&self, spec: &OpSpec, elem_bytes: usize) -> Option<&'static str> {
+            commfuse_core::cost::prefers_ll(spec, elem_bytes).then_some(LL_PROTOCOL)
         }
         fn prepare_baseline(
             &self,
@@ -663,8 +665,8 @@ mod tests {
         assert!(line.trim_end().ends_with('-'), "{table}");
     }
 
-    /// `auto` is what the library runs: the LL protocol for an all-reduce small enough, where
-    /// the backend has it, and the cost model's plan above that size.
+    /// `auto` is what the backend's operators run: the LL protocol for an all-reduce small
+    /// enough (where the backend says so), the cost model's plan above that size.
     #[test]
     fn auto_takes_the_ll_protocol_for_small_all_reduces() {
         let backend = Logging {

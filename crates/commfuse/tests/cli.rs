@@ -394,10 +394,11 @@ fn bench_prints_the_auto_row_and_the_spread() {
         .collect();
     assert_eq!(
         rows.len(),
-        2,
-        "the auto row and its best-per-size row: {out}"
+        3,
+        "the simulator's LL protocol, the auto row and the best-per-size row: {out}"
     );
-    assert!(rows[0].contains("auto="), "{rows:?}");
+    assert!(rows[0].split_whitespace().nth(3) == Some("ll"), "{rows:?}");
+    assert!(rows[1].contains("auto="), "{rows:?}");
 }
 
 #[test]

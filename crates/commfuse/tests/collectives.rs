@@ -6,6 +6,7 @@
 use commfuse::backends::{self, BackendKind, Placement};
 use commfuse::driver::{self, Request};
 use commfuse::verify::{counts_for, groups_for, large_chunk, CALLS};
+use commfuse_core::cost::LL_PROTOCOL;
 use commfuse_core::{Algo, DType, OpKind, ReduceOp};
 use std::time::Duration;
 
@@ -138,50 +139,88 @@ fn gpu_worlds() -> Result<Vec<usize>, String> {
 
 backend_suite!(cuda, BackendKind::Cuda, gpu_worlds());
 
-/// The LL all-reduce (`commfuse_cuda::ll`, a candidate beside the plans) on every world size
-/// the GPUs allow: every dtype and reduce op, counts from one element to LL's larger sizes
-/// (odd counts of 2-byte types pad their last word), four calls each, the last three queued
-/// back to back without host synchronisation, every element against float64.
-#[test]
-fn ll_all_reduce_on_gpus() {
-    let worlds = match gpu_worlds() {
-        Ok(w) => w,
-        Err(why) => return commfuse_cuda::testing::skip(&format!("cuda backend: {why}")),
-    };
+/// Checks the LL all-reduce protocol (`Backend::protocols`) of backend `kind` on `worlds` for
+/// every type and reduce op in `cases`, counts from one element to LL's larger sizes (odd
+/// counts of 2-byte types pad their last word): four calls each, the last three queued back to
+/// back without host synchronisation, every element against float64.
+fn ll_matrix(kind: BackendKind, worlds: &[usize], cases: &[(DType, ReduceOp)], counts: &[usize]) {
     let mut failures = Vec::new();
     let seed = driver::fresh_seed();
     let mut runs = 0;
-    for p in worlds {
+    for &p in worlds {
         let placement = Placement {
-            backend: BackendKind::Cuda,
+            backend: kind,
             ranks: p,
             devices: None,
             timeout: Duration::from_secs(20),
         };
         let mut backend = backends::open(&placement).expect("backend opens");
-        for dtype in DType::ALL {
-            for reduce in ReduceOp::ALL {
-                for count in [1, 7, 1001, 4096, 65_537, 1 << 20] {
-                    runs += 1;
-                    let mut req = Request::new(OpKind::AllReduce, Algo::Ring, count, dtype);
-                    req.reduce = reduce;
-                    req.seed = seed.wrapping_add(runs);
-                    let what = format!("ll {dtype} {reduce} P={p} n={count} seed={}", req.seed);
-                    match driver::run_named(backend.as_ref(), commfuse_cuda::ll::LL, &req, CALLS) {
-                        Ok((c, _)) if c.ok() => assert_eq!(c.checked as usize, p * count, "{what}"),
-                        Ok((c, call)) => {
-                            failures.push(format!("{what} call {call}: {:?}", c.mismatches))
-                        }
-                        Err(e) => {
-                            failures.push(format!("{what}: {e:#}"));
-                            backend = backends::open(&placement).unwrap();
-                        }
+        for &(dtype, reduce) in cases {
+            for &count in counts {
+                runs += 1;
+                let mut req = Request::new(OpKind::AllReduce, Algo::Ring, count, dtype);
+                req.reduce = reduce;
+                req.seed = seed.wrapping_add(runs);
+                let what = format!("ll {dtype} {reduce} P={p} n={count} seed={}", req.seed);
+                match driver::run_named(backend.as_ref(), LL_PROTOCOL, &req, CALLS) {
+                    Ok((c, _)) if c.ok() => assert_eq!(c.checked as usize, p * count, "{what}"),
+                    Ok((c, call)) => {
+                        failures.push(format!("{what} call {call}: {:?}", c.mismatches))
+                    }
+                    Err(e) => {
+                        failures.push(format!("{what}: {e:#}"));
+                        backend = backends::open(&placement).unwrap();
                     }
                 }
             }
         }
     }
     assert_none_failed(&failures, runs);
+}
+
+/// The GPU kernel (`commfuse_cuda::ll`) on every world size the GPUs allow, every type and op.
+#[test]
+fn ll_all_reduce_on_gpus() {
+    let worlds = match gpu_worlds() {
+        Ok(w) => w,
+        Err(why) => return commfuse_cuda::testing::skip(&format!("cuda backend: {why}")),
+    };
+    let cases: Vec<(DType, ReduceOp)> = DType::ALL
+        .into_iter()
+        .flat_map(|d| ReduceOp::ALL.into_iter().map(move |r| (d, r)))
+        .collect();
+    ll_matrix(
+        BackendKind::Cuda,
+        &worlds,
+        &cases,
+        &[1, 7, 1001, 4096, 65_537, 1 << 20],
+    );
+}
+
+/// The simulator's twin (f32 sums, `commfuse_sim::ll`) through the same checks at P = 1..9.
+#[test]
+fn ll_all_reduce_on_the_simulator() {
+    let worlds: Vec<usize> = (1..=9).collect();
+    ll_matrix(
+        BackendKind::Sim,
+        &worlds,
+        &[(DType::F32, ReduceOp::Sum)],
+        &[1, 7, 1001, 4099],
+    );
+}
+
+/// The simulator's twin refuses what it does not compute, in one line.
+#[test]
+fn the_simulators_ll_refuses_other_types_and_ops() {
+    let backend = backends::open(&Placement::sim(2, Duration::from_secs(5))).unwrap();
+    let spec = commfuse_core::OpSpec::new(OpKind::AllReduce, 2, 16, 0).unwrap();
+    for (dtype, reduce) in [(DType::BF16, ReduceOp::Sum), (DType::F32, ReduceOp::Max)] {
+        let e = backend
+            .prepare_baseline(LL_PROTOCOL, &spec, dtype, reduce)
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("f32 sum all-reduce"), "{e}");
+    }
 }
 
 #[test]
