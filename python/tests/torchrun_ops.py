@@ -160,7 +160,10 @@ def check_collectives(rank, world, dtype, seed):
     cf.reduce_scatter(out, xs[rank].to(dev))
     torch.cuda.synchronize()
     same(f"reduce_scatter {dtype}", out, sum(x.double() for x in xs)[mine])
-    lines.append(f"reduce_scatter {dtype} ({count} elements)")
+    runs = cf._collective("reduce-scatter", count, out, dist.group.WORLD).algo()
+    if runs != "ll":
+        raise AssertionError(f"reduce_scatter of {count} {dtype} ran {runs}, not the LL protocol")
+    lines.append(f"reduce_scatter {dtype} ({count} elements, by {runs})")
 
     full = ints(seed + 6, count)[0]
     out = torch.full((count,), float("nan"), dtype=dtype, device=dev)

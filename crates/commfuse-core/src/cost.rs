@@ -21,23 +21,27 @@ pub struct AlgoChoice {
     pub candidates: Vec<(Algo, Result<f64, Error>)>,
 }
 
-/// Bytes a rank sends in all (its message times P − 1) up to which an all-reduce goes by the LL
+/// Bytes a rank sends in all up to which an all-reduce or a reduce-scatter goes by the LL
 /// protocol (data and the call's number in every 8-byte line, one NVLink trip) where a backend
-/// has it and the caller left the choice to `auto`: on 2 × H200 it beat every plan and NCCL
-/// from 4 KiB to 1 MiB and lost to both at 4 MiB (docs/gpu-2026-11-30e, run 8). The one-shot
-/// LL sends every line to each of the P − 1 peers, hence the product; beyond two GPUs the
-/// crossover is a prediction, not a measurement.
+/// has it and the caller left the choice to `auto`: on 2 × H200 the all-reduce beat every plan
+/// and NCCL from 4 KiB to 1 MiB and lost to both at 4 MiB (docs/gpu-2026-11-30e, run 8). The
+/// one-shot all-reduce sends its whole message to each of the P − 1 peers, the reduce-scatter
+/// each peer's chunk; beyond two GPUs the crossover is a prediction, not a measurement.
 pub const LL_AUTO_MAX_SENT_BYTES: usize = 1 << 20;
 
-/// The LL all-reduce's name among a backend's protocols ([`crate::backend::Backend::protocols`]).
+/// The LL protocol's name among a backend's protocols ([`crate::backend::Backend::protocols`]).
 pub const LL_PROTOCOL: &str = "ll";
 
 /// Whether `auto` takes the LL protocol for `spec` with elements of `elem_bytes` bytes.
 pub fn prefers_ll(spec: &OpSpec, elem_bytes: usize) -> bool {
-    spec.kind == crate::op::OpKind::AllReduce
-        && spec.world > 1
-        && spec.count > 0
-        && (spec.world - 1) * spec.count * elem_bytes <= LL_AUTO_MAX_SENT_BYTES
+    use crate::op::OpKind;
+    let peers = spec.world.saturating_sub(1);
+    let sent = match spec.kind {
+        OpKind::AllReduce => peers * spec.count,
+        OpKind::ReduceScatter => peers * spec.count.div_ceil(spec.world.max(1)),
+        _ => return false,
+    } * elem_bytes;
+    peers > 0 && spec.count > 0 && sent <= LL_AUTO_MAX_SENT_BYTES
 }
 
 /// Picks, among `spec`'s algorithms, the one whose checked plan the latency–bandwidth model of
@@ -214,7 +218,13 @@ mod tests {
         assert!(!prefers_ll(&spec(OpKind::AllReduce, 4, 1 << 18), 2));
         assert!(prefers_ll(&spec(OpKind::AllReduce, 4, 1 << 17), 2));
         assert!(!prefers_ll(&spec(OpKind::AllReduce, 1, 16), 4));
-        assert!(!prefers_ll(&spec(OpKind::ReduceScatter, 2, 2048), 2));
+        // a reduce-scatter sends each peer its chunk only
+        assert!(prefers_ll(&spec(OpKind::ReduceScatter, 2, 1 << 20), 2));
+        assert!(!prefers_ll(
+            &spec(OpKind::ReduceScatter, 2, (1 << 20) + 2),
+            2
+        ));
+        assert!(!prefers_ll(&spec(OpKind::AllGather, 2, 2048), 2));
     }
     use crate::op::OpKind;
 

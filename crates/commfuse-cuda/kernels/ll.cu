@@ -6,7 +6,8 @@
 // flag, nothing cleared between calls.
 //
 // One-shot: every rank writes its whole input to every peer, then reduces all P inputs itself,
-// in rank order (so every rank gets the same bits). Lines of alternate calls go to alternate
+// in rank order (so every rank gets the same bits); as a reduce-scatter, each peer gets only its
+// chunk and each rank reduces only its own. Lines of alternate calls go to alternate
 // halves (parity) of the buffer: a peer can only be one call ahead of this rank (it cannot
 // finish call n + 1 before this rank has written its lines of n + 1, which it does after it
 // finished reading those of n), so its lines of n + 1 land in the other half and those of n + 2,
@@ -23,16 +24,18 @@ struct LlArgs {
     u64 bufs[COMMFUSE_MAX_RANKS];  // every rank's LL buffer as this GPU addresses it: [2
                                    // parities][world senders][words rounded up to even] lines
     const void* input;             // this rank's `count` elements
-    void* output;                  // `count` elements
+    void* output;                  // `count` elements, or this rank's chunk of them (scatter)
     u64* calls;                    // this rank's counters: the last call each block finished
     ErrorRecord* err;              // host-mapped
     u64 timeout_ns;
-    u32 count;                     // elements per rank
-    u32 words;                     // 4-byte words per rank: ceil(count * size / 4)
+    u32 count;                     // elements of each rank's input
+    u32 words;                     // 4-byte words of each rank's input: ceil(count * size / 4)
     u32 world;
     u32 rank;
+    u32 scatter;                   // 0: all-reduce; 1: reduce-scatter (rank q keeps its chunk)
+    u32 pad;
 };
-static_assert(sizeof(LlArgs) == 8 * COMMFUSE_MAX_RANKS + 56 &&
+static_assert(sizeof(LlArgs) == 8 * COMMFUSE_MAX_RANKS + 64 &&
                   COMMFUSE_OFFSETOF(LlArgs, timeout_ns) == 8 * COMMFUSE_MAX_RANKS + 32,
               "layout mirrored in src/ll.rs");
 
@@ -106,13 +109,38 @@ __device__ __forceinline__ void fold_word(float* acc, u32 w, bool first) {
         acc[j] = first ? Elem<T>::to_f32(x[j]) : combine<OP>(acc[j], Elem<T>::to_f32(x[j]));
 }
 
+// The elements rank q reduces: all of them, or (scatter) its chunk as the collectives split
+// them (commfuse_core::op::chunk_range: the first count mod P chunks one element longer).
+__device__ __forceinline__ void chunk_of(const LlArgs& a, u32 q, u32* e0, u32* e1) {
+    if (!a.scatter) {
+        *e0 = 0;
+        *e1 = a.count;
+        return;
+    }
+    const u32 base = a.count / a.world, extra = a.count % a.world;
+    *e0 = q * base + min(q, extra);
+    *e1 = *e0 + base + (q < extra ? 1u : 0u);
+}
+
+// The word pairs that carry elements [e0, e1): from the even word at or below the first (pairs
+// start on 16 bytes; a word of the chunk before may come along, unread) to the word past the
+// last.
 template <typename T>
-__device__ __forceinline__ void store_word(const LlArgs& a, u32 i, const float* acc) {
+__device__ __forceinline__ void pairs_of(u32 e0, u32 e1, u32* lo, u32* hi) {
+    *lo = (u32)((u64)e0 * sizeof(T) / 4) & ~1u;
+    *hi = (u32)(((u64)e1 * sizeof(T) + 3) / 4);
+}
+
+// The elements of word i that lie in [e0, e1), into the output at their place less e0.
+template <typename T>
+__device__ __forceinline__ void store_word(const LlArgs& a, u32 i, const float* acc, u32 e0, u32 e1) {
     constexpr int PER_WORD = 4 / sizeof(T);
     T* out = reinterpret_cast<T*>(a.output);
 #pragma unroll
-    for (int j = 0; j < PER_WORD; ++j)
-        if (PER_WORD * i + j < a.count) out[PER_WORD * i + j] = Elem<T>::from_f32(acc[j]);
+    for (int j = 0; j < PER_WORD; ++j) {
+        const u32 e = PER_WORD * i + j;
+        if (e >= e0 && e < e1) out[e - e0] = Elem<T>::from_f32(acc[j]);
+    }
 }
 
 template <typename T, int OP>
@@ -128,20 +156,28 @@ __device__ void ll_all_reduce(const LlArgs& a) {
     const u32 seq = seq_shared;
     const u32 stride = 2 * gridDim.x * blockDim.x;
     const u64 tag = (u64)seq << 32;
-    // send: two words per thread to every peer, all stores in flight before any wait
-    for (u32 i = 2 * (blockIdx.x * blockDim.x + threadIdx.x); i < a.words; i += stride) {
-        const bool one = i + 1 == a.words;
-        const u64 l0 = tag | input_word<T>(a, i), l1 = one ? 0 : tag | input_word<T>(a, i + 1);
-        for (u32 d = 1; d < a.world; ++d) {
-            const u32 q = (a.rank + d) % a.world;
+    const u32 first = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+    // send: two words per thread to every peer (all of them, or the peer's chunk), all stores
+    // in flight before any wait
+    for (u32 d = 1; d < a.world; ++d) {
+        const u32 q = (a.rank + d) % a.world;
+        u32 e0, e1, lo, hi;
+        chunk_of(a, q, &e0, &e1);
+        pairs_of<T>(e0, e1, &lo, &hi);
+        for (u32 i = lo + first; i < hi; i += stride) {
+            const bool one = i + 1 >= hi;
+            const u64 l0 = tag | input_word<T>(a, i);
             u64* dst = reinterpret_cast<u64*>(a.bufs[q]) + line_index(a, a.rank, i, seq);
             if (one) store_line(dst, l0);
-            else store_lines(dst, l0, l1);
+            else store_lines(dst, l0, tag | input_word<T>(a, i + 1));
         }
     }
-    // receive and reduce, in rank order
-    for (u32 i = 2 * (blockIdx.x * blockDim.x + threadIdx.x); i < a.words; i += stride) {
-        const bool one = i + 1 == a.words;
+    // receive and reduce this rank's elements, in rank order
+    u32 e0, e1, lo, hi;
+    chunk_of(a, a.rank, &e0, &e1);
+    pairs_of<T>(e0, e1, &lo, &hi);
+    for (u32 i = lo + first; i < hi; i += stride) {
+        const bool one = i + 1 >= hi;
         float acc0[PER_WORD], acc1[PER_WORD];
         for (u32 q = 0; q < a.world; ++q) {
             u32 w0, w1 = 0;
@@ -156,8 +192,8 @@ __device__ void ll_all_reduce(const LlArgs& a) {
             fold_word<T, OP>(acc1, w1, q == 0);
         }
         if (failed) break;
-        store_word<T>(a, i, acc0);
-        if (!one) store_word<T>(a, i + 1, acc1);
+        store_word<T>(a, i, acc0, e0, e1);
+        if (!one) store_word<T>(a, i + 1, acc1, e0, e1);
     }
     // this block's call is done: its counter moves on (every block's moves once per call)
     __syncthreads();

@@ -442,7 +442,7 @@ impl Backend for CudaBackend {
 
     fn protocols(&self, op: OpKind) -> Vec<&'static str> {
         match op {
-            OpKind::AllReduce => vec![crate::ll::LL],
+            OpKind::AllReduce | OpKind::ReduceScatter => vec![crate::ll::LL],
             _ => Vec::new(),
         }
     }

@@ -145,13 +145,13 @@ impl CollectiveAllocation {
         let pad_bytes = max_lanes as usize * PAD_SLOTS * 8;
         let b = plan.plan().buffers;
         let error = MappedHost::new(&gpu, ErrorRecord::default())?;
-        // small all-reduces left to `auto` go by the LL protocol (the plan stays built: it is
+        // small all-reduces and reduce-scatters left to `auto` go by the LL protocol (the plan stays built: it is
         // what the op is checked against, and it is small)
         let ll = match config.algo.is_none() && prefers_ll(&spec, eb) {
             true => Some(LlRank::new(
                 &gpu,
                 (rank, world),
-                (config.count, config.dtype, config.reduce),
+                (config.kind, config.count, config.dtype, config.reduce),
                 error.device_addr(),
                 config.timeout,
             )?),

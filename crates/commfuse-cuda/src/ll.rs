@@ -1,12 +1,13 @@
-//! The low-latency (LL) all-reduce on GPUs (kernels/ll.cu): each rank stores its input, 4 bytes
-//! with the call's number in every 8-byte line, straight into every peer's LL buffer, and
-//! reduces the P inputs once their lines carry this call's number — one NVLink trip and no
-//! separate signal, two lines per 16-byte store. The protocol is the simulator's (`commfuse_sim::protocol::ll_*`, model
-//! checked with loom there); calls number themselves on the device, so they can be replayed
-//! from a CUDA graph.
+//! The low-latency (LL) all-reduce and reduce-scatter on GPUs (kernels/ll.cu): each rank stores
+//! its input (a reduce-scatter: each peer's chunk of it), 4 bytes with the call's number in every
+//! 8-byte line, straight into every peer's LL buffer, and reduces the P inputs once their lines
+//! carry this call's number — one NVLink trip and no separate signal, two lines per 16-byte
+//! store. The protocol is the simulator's (`commfuse_sim::protocol::ll_*`, model checked with
+//! loom there); calls number themselves on the device, so they can be replayed from a CUDA
+//! graph.
 //!
-//! It runs as a candidate named [`LL`] beside the plans and NCCL in the collectives' bench
-//! (`commfuse bench all-reduce`) and `verify`-style checks, on the backend's ranks and buffers.
+//! It runs as a protocol named [`LL`] beside the plans and NCCL in the collectives' bench and
+//! checks (`Backend::protocols`), and inside [`crate::collective_rank`] where `auto` takes it.
 
 use crate::backend::{CudaBackend, GpuCall, Launcher, Rank, RankBuffers};
 use crate::driver::{DeviceMemory, Function, Gpu, Module, Stream};
@@ -45,8 +46,10 @@ struct LlArgs {
     words: u32,
     world: u32,
     rank: u32,
+    scatter: u32,
+    pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<LlArgs>() == 8 * MAX_RANKS + 56);
+const _: () = assert!(std::mem::size_of::<LlArgs>() == 8 * MAX_RANKS + 64);
 const _: () = assert!(std::mem::offset_of!(LlArgs, timeout_ns) == 8 * MAX_RANKS + 32);
 
 fn type_name(d: DType) -> &'static str {
@@ -66,10 +69,12 @@ fn reduce_name(r: ReduceOp) -> &'static str {
     }
 }
 
-/// Whether the LL all-reduce takes `kind` of `bytes` per rank.
+/// Whether the LL protocol takes `kind` of `bytes` per rank's input.
 pub fn takes(kind: OpKind, bytes: usize) -> Result<(), String> {
-    if kind != OpKind::AllReduce {
-        return Err(format!("the LL protocol runs all-reduce only, not {kind}"));
+    if !matches!(kind, OpKind::AllReduce | OpKind::ReduceScatter) {
+        return Err(format!(
+            "the LL protocol runs all-reduce and reduce-scatter only, not {kind}"
+        ));
     }
     if bytes > LL_MAX_BYTES {
         return Err(format!(
@@ -80,7 +85,7 @@ pub fn takes(kind: OpKind, bytes: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// One rank's LL all-reduce of `count` elements: its kernel (in its GPU's context), its LL
+/// One rank's LL all-reduce or reduce-scatter of `count` elements: its kernel (in its GPU's context), its LL
 /// buffer (which its peers store into), its call counters, and the kernel's arguments once
 /// the peers' buffers are known.
 pub(crate) struct LlRank {
@@ -98,11 +103,11 @@ impl LlRank {
     pub fn new(
         gpu: &Gpu,
         (rank, world): (usize, usize),
-        (count, dtype, reduce): (usize, DType, ReduceOp),
+        (kind, count, dtype, reduce): (OpKind, usize, DType, ReduceOp),
         err: u64,
         timeout: Duration,
     ) -> Result<LlRank, CudaError> {
-        takes(OpKind::AllReduce, count * dtype.size()).map_err(CudaError::Unavailable)?;
+        takes(kind, count * dtype.size()).map_err(CudaError::Unavailable)?;
         let words = (count * dtype.size()).div_ceil(4);
         let compiled = nvrtc::compile(nvrtc::kernel("ll.cu").expect("embedded"), false)?;
         let name = format!("ll_all_reduce_{}_{}", type_name(dtype), reduce_name(reduce));
@@ -123,6 +128,8 @@ impl LlRank {
                 words: words as u32,
                 world: world as u32,
                 rank: rank as u32,
+                scatter: u32::from(kind == OpKind::ReduceScatter),
+                pad: 0,
             },
             // two words per thread
             blocks: (words as u32).div_ceil(2 * THREADS).clamp(1, MAX_BLOCKS),
@@ -135,8 +142,8 @@ impl LlRank {
         self.args.calls = self.counters.addr();
     }
 
-    /// Queues one call on `stream`: `input` into `output` (`count` elements each; they may be
-    /// the same buffer).
+    /// Queues one call on `stream`: `input` (`count` elements) into `output` (as many, or
+    /// this rank's chunk of them for a reduce-scatter; an all-reduce's may be `input`).
     ///
     /// # Safety
     /// `stream` must be a stream of this rank's GPU; `input` and `output` device memory of it
@@ -189,7 +196,7 @@ pub(crate) fn prepare<'a>(
             LlRank::new(
                 &rank.gpu,
                 (r, world),
-                (spec.count, dtype, reduce),
+                (spec.kind, spec.count, dtype, reduce),
                 backend.error_record(),
                 timeout,
             )
