@@ -131,15 +131,17 @@ def _group(group):
 def _operator(kind: str, group, m: int, key: tuple, build):
     """The cached operator of ``key`` for calls of ``m`` rows (``commfuse._operators``), its
     exports carried by ``dist.all_gather_object``."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    # the group's rank and size are asked only when an operator is built, off the hot path
+    def build_here(max_m: int):
+        return build(dist.get_rank(group), dist.get_world_size(group), max_m)
 
     def all_gather(data: bytes):
-        exports = [None] * world
+        exports = [None] * dist.get_world_size(group)
         dist.all_gather_object(exports, data, group=group)
         return exports
 
-    return _operators.cached(kind, group, m, key, lambda max_m: build(rank, world, max_m),
-                             all_gather, torch.cuda.is_current_stream_capturing)
+    return _operators.cached(kind, group, m, key, build_here, all_gather,
+                             torch.cuda.is_current_stream_capturing)
 
 
 def _stream(device: torch.device) -> int:

@@ -939,16 +939,26 @@ impl<T: Element, L: Launcher> PreparedCall for GpuCall<'_, T, L> {
     }
 }
 
-/// The plan kernel with its tables on every GPU.
 /// The plan kernel of `dtype` and `reduce` in a module of `plan.cu`.
 pub(crate) fn plan_kernel(
     module: &Module,
     dtype: DType,
     reduce: ReduceOp,
 ) -> Result<Function, CudaError> {
+    typed_kernel(module, "plan", dtype, reduce)
+}
+
+/// The entry point `<prefix>_<type>_<op>` of `dtype` and `reduce` in `module`: the names
+/// `COMMFUSE_EACH_TYPE_AND_OP` (common.cuh) gives a kernel's instances.
+pub(crate) fn typed_kernel(
+    module: &Module,
+    prefix: &str,
+    dtype: DType,
+    reduce: ReduceOp,
+) -> Result<Function, CudaError> {
     let d = ["f32", "bf16", "f16"][dtype_index(dtype)];
     let op = ["sum", "max", "min", "prod"][reduce_index(reduce)];
-    module.function(&format!("plan_{d}_{op}"))
+    module.function(&format!("{prefix}_{d}_{op}"))
 }
 
 /// What a rank's plan kernel reads besides its table: every rank's signal pads as this rank

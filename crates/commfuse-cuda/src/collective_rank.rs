@@ -145,8 +145,8 @@ impl CollectiveAllocation {
         let pad_bytes = max_lanes as usize * PAD_SLOTS * 8;
         let b = plan.plan().buffers;
         let error = MappedHost::new(&gpu, ErrorRecord::default())?;
-        // small all-reduces and reduce-scatters left to `auto` go by the LL protocol (the plan stays built: it is
-        // what the op is checked against, and it is small)
+        // small all-reduces and reduce-scatters left to `auto` go by the LL protocol (the plan
+        // stays built: it is what the op is checked against, and it is small)
         let ll = match config.algo.is_none() && prefers_ll(&spec, eb) {
             true => Some(LlRank::new(
                 &gpu,
@@ -399,6 +399,7 @@ impl CollectiveRank {
         self.broken = true;
         if memory.ll.is_some() {
             return Err(CudaError::Stalled(crate::ll::describe_timeout(
+                self.spec.kind,
                 &rec,
                 self.config.timeout,
             )));

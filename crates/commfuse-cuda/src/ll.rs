@@ -9,7 +9,7 @@
 //! It runs as a protocol named [`LL`] beside the plans and NCCL in the collectives' bench and
 //! checks (`Backend::protocols`), and inside [`crate::collective_rank`] where `auto` takes it.
 
-use crate::backend::{CudaBackend, GpuCall, Launcher, Rank, RankBuffers};
+use crate::backend::{typed_kernel, CudaBackend, GpuCall, Launcher, Rank, RankBuffers};
 use crate::driver::{DeviceMemory, Function, Gpu, Module, Stream};
 use crate::error::CudaError;
 use crate::nvrtc;
@@ -52,23 +52,6 @@ struct LlArgs {
 const _: () = assert!(std::mem::size_of::<LlArgs>() == 8 * MAX_RANKS + 64);
 const _: () = assert!(std::mem::offset_of!(LlArgs, timeout_ns) == 8 * MAX_RANKS + 32);
 
-fn type_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-    }
-}
-
-fn reduce_name(r: ReduceOp) -> &'static str {
-    match r {
-        ReduceOp::Sum => "sum",
-        ReduceOp::Max => "max",
-        ReduceOp::Min => "min",
-        ReduceOp::Prod => "prod",
-    }
-}
-
 /// Whether the LL protocol takes `kind` of `bytes` per rank's input.
 pub fn takes(kind: OpKind, bytes: usize) -> Result<(), String> {
     if !matches!(kind, OpKind::AllReduce | OpKind::ReduceScatter) {
@@ -78,16 +61,16 @@ pub fn takes(kind: OpKind, bytes: usize) -> Result<(), String> {
     }
     if bytes > LL_MAX_BYTES {
         return Err(format!(
-            "the LL all-reduce takes messages up to {} MiB, got {bytes} bytes",
+            "the LL protocol takes messages up to {} MiB, got {bytes} bytes",
             LL_MAX_BYTES >> 20
         ));
     }
     Ok(())
 }
 
-/// One rank's LL all-reduce or reduce-scatter of `count` elements: its kernel (in its GPU's context), its LL
-/// buffer (which its peers store into), its call counters, and the kernel's arguments once
-/// the peers' buffers are known.
+/// One rank's LL all-reduce or reduce-scatter of `count` elements: its kernel (in its GPU's
+/// context), its LL buffer (which its peers store into), its call counters, and the kernel's
+/// arguments once the peers' buffers are known.
 pub(crate) struct LlRank {
     function: Function,
     /// Read by the peers' kernels: exported to them, freed only after the last call
@@ -110,11 +93,15 @@ impl LlRank {
         takes(kind, count * dtype.size()).map_err(CudaError::Unavailable)?;
         let words = (count * dtype.size()).div_ceil(4);
         let compiled = nvrtc::compile(nvrtc::kernel("ll.cu").expect("embedded"), false)?;
-        let name = format!("ll_all_reduce_{}_{}", type_name(dtype), reduce_name(reduce));
         // two halves of `world` regions of the words rounded up to even (`pitch` in ll.cu)
         let pitch = words + words % 2;
         Ok(LlRank {
-            function: Module::load(gpu, &compiled.cubin)?.function(&name)?,
+            function: typed_kernel(
+                &Module::load(gpu, &compiled.cubin)?,
+                "ll_all_reduce",
+                dtype,
+                reduce,
+            )?,
             buffer: DeviceMemory::zeroed(gpu, (2 * world * pitch).max(2) * 8)?,
             counters: DeviceMemory::zeroed(gpu, 8 * MAX_BLOCKS as usize)?,
             args: LlArgs {
@@ -162,23 +149,22 @@ impl LlRank {
     }
 }
 
-/// A timeout the LL kernel recorded, in words: who waited for which sender's line of which
-/// word, the call's number expected and the number seen.
-pub(crate) fn describe_timeout(rec: &ErrorRecord, timeout: Duration) -> String {
+/// A timeout the LL kernel of `kind` recorded, in words: who waited for which sender's line
+/// of which word, the call's number expected and the number seen.
+pub(crate) fn describe_timeout(kind: OpKind, rec: &ErrorRecord, timeout: Duration) -> String {
     format!(
-        "all-reduce (LL): rank {} (block {}) waited for sender {}'s line of word {} to carry call {}, saw call {} after {timeout:?}",
+        "{kind} (LL): rank {} (block {}) waited for sender {}'s line of word {} to carry call {}, saw call {} after {timeout:?}",
         rec.rank, rec.lane, rec.step, rec.slot, rec.expected, rec.seen
     )
 }
 
-/// Every rank's LL all-reduce for the backend's ranks and one call's buffers.
+/// Every rank's LL all-reduce or reduce-scatter for the backend's ranks.
 pub(crate) struct LlLauncher {
     ranks: Vec<LlRank>,
-    input_output: Vec<(u64, u64)>,
     timeout_ms: u64,
 }
 
-/// Prepares the LL all-reduce of `spec` on every rank of `backend`.
+/// Prepares the LL all-reduce or reduce-scatter of `spec` on every rank of `backend`.
 pub(crate) fn prepare<'a>(
     backend: &'a CudaBackend,
     spec: &OpSpec,
@@ -207,13 +193,9 @@ pub(crate) fn prepare<'a>(
     for r in &mut ranks {
         r.connect(&buffers);
     }
-    let launcher = |bufs: &[RankBuffers]| {
+    let launcher = |_: &[RankBuffers]| {
         Ok(LlLauncher {
             ranks,
-            input_output: bufs
-                .iter()
-                .map(|b| (b.input.addr(), b.output.addr()))
-                .collect(),
             timeout_ms: timeout.as_millis() as u64,
         })
     };
@@ -226,8 +208,8 @@ pub(crate) fn prepare<'a>(
 }
 
 impl Launcher for LlLauncher {
-    fn launch(&self, _bufs: &[RankBuffers], r: usize, rank: &Rank) -> Result<(), BackendError> {
-        let (input, output) = self.input_output[r];
+    fn launch(&self, bufs: &[RankBuffers], r: usize, rank: &Rank) -> Result<(), BackendError> {
+        let (input, output) = (bufs[r].input.addr(), bufs[r].output.addr());
         // SAFETY: the call's buffers, the LL buffers and counters and the error record outlive
         // the launch (the batch synchronises before anything is dropped)
         unsafe { self.ranks[r].launch(&rank.stream, input, output) }.map_err(BackendError::from)

@@ -221,11 +221,9 @@ impl PreparedCall for SimLlCall<'_> {
     }
 
     fn run(&mut self) -> Result<CallTiming, BackendError> {
-        let inputs = std::mem::take(&mut self.inputs);
-        let result = self.calls(&[&inputs]);
-        self.inputs = inputs;
+        let result = self.calls(&[&self.inputs])?;
         let mut per_rank = Vec::new();
-        for (r, (mut outs, time)) in result?.into_iter().enumerate() {
+        for (r, (mut outs, time)) in result.into_iter().enumerate() {
             self.outputs[r] = outs.pop().expect("one call");
             per_rank.push(time);
         }

@@ -197,8 +197,8 @@ pub fn run(
             req.seed = seed;
             req
         };
+        let spec = OpSpec::new(cfg.op, world, count, cfg.root)?;
         let picked = if cfg.auto {
-            let spec = OpSpec::new(cfg.op, world, count, cfg.root)?;
             let topology = Topology::new(world, cfg.numa_groups)?.with_model(cfg.model);
             Some(choose_algo(spec, &topology, cfg.dtype.size())?.algo)
         } else {
@@ -226,7 +226,6 @@ pub fn run(
                 iterations: 0,
             });
         }
-        let spec = OpSpec::new(cfg.op, world, count, cfg.root)?;
         let named = cfg.protocols.iter().map(|&n| (n, false));
         for (name, baseline) in named.chain(cfg.baselines.iter().map(|&n| (n, true))) {
             match backend.prepare_baseline(name, &spec, cfg.dtype, cfg.reduce) {
@@ -307,7 +306,6 @@ pub fn run(
         if let Some(p) = picked {
             // what the backend's operators run under `auto`: a protocol of ours where they
             // take one (and it ran here), else the cost model's plan
-            let spec = OpSpec::new(cfg.op, world, count, cfg.root)?;
             let protocol = backend.auto_protocol(&spec, cfg.dtype.size());
             let of_protocol = measured
                 .iter()

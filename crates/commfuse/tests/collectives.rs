@@ -12,6 +12,16 @@ use std::time::Duration;
 
 const WORLDS: [usize; 7] = [1, 2, 3, 4, 5, 7, 8];
 
+/// P ranks of `kind` (the first P GPUs on cuda) with waits bounded at 20 s.
+fn suite_placement(kind: BackendKind, p: usize) -> Placement {
+    Placement {
+        backend: kind,
+        ranks: p,
+        devices: None,
+        timeout: Duration::from_secs(20),
+    }
+}
+
 /// Runs every algorithm of `op` in the matrix on `kind` for the world sizes `worlds`; panics
 /// with every failure listed.
 fn matrix(kind: BackendKind, op: OpKind, worlds: &[usize]) {
@@ -19,12 +29,7 @@ fn matrix(kind: BackendKind, op: OpKind, worlds: &[usize]) {
     let mut runs = 0;
     let seed = driver::fresh_seed();
     for &p in worlds {
-        let placement = Placement {
-            backend: kind,
-            ranks: p,
-            devices: None,
-            timeout: Duration::from_secs(20),
-        };
+        let placement = suite_placement(kind, p);
         let mut backend = backends::open(&placement).expect("backend opens");
         for &algo in Algo::for_op(op) {
             for dtype in DType::ALL {
@@ -154,12 +159,7 @@ fn ll_matrix(
     let seed = driver::fresh_seed();
     let mut runs = 0;
     for &p in worlds {
-        let placement = Placement {
-            backend: kind,
-            ranks: p,
-            devices: None,
-            timeout: Duration::from_secs(20),
-        };
+        let placement = suite_placement(kind, p);
         let mut backend = backends::open(&placement).expect("backend opens");
         for (&op, &(dtype, reduce)) in ops.iter().flat_map(|o| cases.iter().map(move |c| (o, c))) {
             for &count in counts {

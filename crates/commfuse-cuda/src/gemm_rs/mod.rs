@@ -881,7 +881,7 @@ impl GemmRsRank {
         // Folding calls number themselves on the device (a CUDA graph may replay them): the
         // GEMM of set 0 is launched with set 1's routes beside its own and picks by the
         // number, and the handshake gets set 0's flag rows. A separate reduction's calls are
-        // numbered here (see `capturable`).
+        // numbered here (see `path_to_capture`).
         let (epoch, set, call) = match self.config.reduction {
             Reduction::Fold => (
                 0,
