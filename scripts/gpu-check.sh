@@ -19,7 +19,7 @@ B=.gpu/commfuse
 # check: compile report, GPU tests, verify        gemm: our GEMM beside cuBLASLt at four shapes
 # bench: the collectives beside NCCL (and graph replay), calibration
 # gemm-rs: GEMM + reduce-scatter beside cuBLASLt and cuBLASLt + NCCL at six shapes
-# ag-gemm: all-gather + GEMM beside cuBLASLt and NCCL + cuBLASLt at the same six shapes
+# ag-gemm: all-gather + GEMM beside cuBLASLt and NCCL + cuBLASLt at the same six shapes (or AG_SHAPES)
 # torch: the Python package from PyTorch (torchrun tests, examples/tp_mlp.py)
 # tests: the GPU test binaries only (TESTS="gpu_gemm gpu_gemm_rs" picks some)     full: all of them
 # (each of check, gemm+bench fits one 10-minute device call)
@@ -87,9 +87,10 @@ if has gemm-rs; then
   done
 fi
 
+AG_SHAPES=${AG_SHAPES:-8192x8192x3584 2048x8192x3584 8192x8192x14336 4096x12288x24576 1024x8192x3584 512x4096x4096}
 if has ag-gemm; then
-  for shape in "8192 8192 3584" "2048 8192 3584" "8192 8192 14336" "4096 12288 24576" "1024 8192 3584" "512 4096 4096"; do
-    set -- $shape
+  for shape in $AG_SHAPES; do
+    set -- ${shape//x/ }
     name=ag-gemm-$1x$2x$3
     timeout 150 $B bench ag-gemm --m $1 --n $2 --k $3 --devices 0,1 ${AG_FLAGS:-} --warmup 5 --iters 30 \
       --json "$R/$name.json" >"$R/$name.txt" 2>&1

@@ -8,9 +8,10 @@
 //! caller's stream computes the rank's own rows from the caller's A, then each peer's piece
 //! after a wait for its flag, from the gather buffer, each GEMM writing its rows of the caller's
 //! output (and, when asked, copying the gathered rows into the caller's buffer). At the end the
-//! rank raises "done" on every peer and waits for every peer's: when a call ends, no peer writes
-//! into this rank's memory any more, so the next call (any M) and dropping the operator are
-//! safe. The first call of each M lets cuBLASLt choose its algorithms and runs each piece's GEMM
+//! rank raises "done" on every peer, and waits for nothing: it is the side stream that waits for
+//! a peer's done of the previous call, before its first copy into that peer, so no cross-GPU
+//! round trip lies on the caller's stream. Dropping a rank first waits (bounded) for its peers'
+//! dones of its last call, the last writes into its memory. The first call of each M lets cuBLASLt choose its algorithms and runs each piece's GEMM
 //! once before queueing anything (after the earlier calls, waited for on the host): a kernel
 //! loaded while a flag wait spins can stall the peers (docs/gpu-2026-11-30c).
 //!
@@ -469,6 +470,8 @@ impl AgGemmRank {
         // the side stream hands this rank's pieces on once the caller's A is written
         self.start.record(stream)?;
         self.side.wait_event(&self.start)?;
+        // and once each peer has finished reading its gather buffer in the previous call
+        self.queue_peers_done(s)?;
         let chunk_start = s.shape.chunk(self.rank).start;
         for g in s.sent_by(self.rank) {
             let from = PeerMemory {
@@ -506,40 +509,34 @@ impl AgGemmRank {
         }
         self.join.record(&self.side)?;
         stream.wait_event(&self.join)?;
-        // done: every peer's reads of what this rank sent, and its writes into this rank, are
-        // over once every peer has said so (the last raise and the first wait in one launch)
-        let others: Vec<usize> = (0..self.world).filter(|&q| q != self.rank).collect();
-        let at = |index: usize| (self.world, index);
+        // done: this rank has read its gather buffer (the peers' side streams wait for it before
+        // they next write there); the last raise ends the call
         let mine = s.done_index(self.rank);
-        let raise = |q: usize| (self.peers[q].flags + 8 * mine as u64, epoch);
-        let wait = |q: usize| {
-            let index = s.done_index(q);
-            (mem.flags.addr() + 8 * index as u64, epoch, FlagCmp::Ge)
-        };
-        if let Some((&last, before)) = others.split_last() {
-            for &q in before {
-                mem.steps.queue(stream, None, Some(raise(q)), at(mine))?;
-            }
-            // the last raise and the first wait in one launch; the call's last step ends it
-            let first = others[0];
-            let merged = FlagStep {
-                wait: Some(wait(first)),
-                raise: Some(raise(last)),
-                raise_first: true,
-                ends_call: others.len() == 1,
+        let others: Vec<usize> = (0..self.world).filter(|&q| q != self.rank).collect();
+        for (i, &q) in others.iter().enumerate() {
+            let step = FlagStep {
+                raise: Some((self.peers[q].flags + 8 * mine as u64, epoch)),
+                ends_call: i + 1 == others.len(),
+                ..FlagStep::default()
             };
-            mem.steps
-                .queue_step(stream, merged, at(s.done_index(first)))?;
-            for (i, &q) in others.iter().enumerate().skip(1) {
-                let step = FlagStep {
-                    wait: Some(wait(q)),
-                    ends_call: i + 1 == others.len(),
-                    ..FlagStep::default()
-                };
-                mem.steps.queue_step(stream, step, at(s.done_index(q)))?;
-            }
+            mem.steps.queue_step(stream, step, (self.world, mine))?;
         }
         self.memory.launched(stream)?;
+        Ok(())
+    }
+
+    /// Queues on the side stream a wait for every peer's done of the last call finished (the
+    /// steps' numbering: value 0 is that call's number; nothing to wait for before a first call).
+    ///
+    /// # Safety
+    /// The flags are this rank's, live until the side stream has run the waits.
+    unsafe fn queue_peers_done(&self, s: &AgGemmSchedule) -> Result<(), CudaError> {
+        let mem = &*self.memory;
+        for q in (0..self.world).filter(|&q| q != self.rank) {
+            let index = s.done_index(q);
+            let wait = Some((mem.flags.addr() + 8 * index as u64, 0, FlagCmp::Ge));
+            mem.steps.queue(&self.side, wait, None, (self.world, index))?;
+        }
         Ok(())
     }
 
@@ -563,5 +560,29 @@ impl AgGemmRank {
             "all-gather + GEMM: rank {} waited for {what} to reach call {}, saw {} after {:?}",
             e.rank, e.expected, e.seen, self.config.timeout
         )))
+    }
+}
+
+impl Drop for AgGemmRank {
+    /// Waits (up to the configured timeout) for every peer's done of this rank's last call: a
+    /// peer raises it into this rank's memory after its own call, possibly after this rank's
+    /// ended. A peer that never raises it leaves the wait to time out, and the memory is then
+    /// freed as any operator's is (see `Launched`).
+    fn drop(&mut self) {
+        if self.world == 1 || self.gpu.bind().is_err() {
+            return;
+        }
+        let Ok(s) = self.config.shape(self.world, self.config.max_m) else {
+            return;
+        };
+        let s = AgGemmSchedule::new(s, 1);
+        let queued = self.memory.order_after_last(&self.side).and_then(|()| {
+            // SAFETY: the flags live until the memory is dropped, after this wait
+            unsafe { self.queue_peers_done(&s) }
+        });
+        if queued.and_then(|()| self.join.record(&self.side)).is_ok() {
+            let limit = self.config.timeout + Duration::from_secs(1);
+            let _ = crate::host_sync::poll_until(limit, || self.join.is_done());
+        }
     }
 }

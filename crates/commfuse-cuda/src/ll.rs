@@ -27,10 +27,32 @@ pub const LL: &str = commfuse_core::cost::LL_PROTOCOL;
 /// than the protocol saves time (the plans' protocols take over well before).
 pub const LL_MAX_BYTES: usize = 16 << 20;
 
-/// Threads per block of the LL kernel (`__launch_bounds__` in ll.cu).
+/// Threads per block of the LL kernel by default (at most `__launch_bounds__` in ll.cu, 512).
 const THREADS: u32 = 512;
-/// Most blocks a call uses: enough words in flight per GPU for the sizes LL serves.
+/// Most blocks a call uses by default: enough words in flight per GPU for the sizes LL serves.
 const MAX_BLOCKS: u32 = 64;
+/// Call counters allocated per rank: one per block, for the most blocks [`geometry`] allows.
+const COUNTERS: usize = 256;
+
+/// The LL kernel's threads per block and most blocks: the defaults above, or for measuring
+/// other launch shapes `COMMFUSE_LL_THREADS` (64 to 512, a multiple of 32) and
+/// `COMMFUSE_LL_MAX_BLOCKS` (1 to 256); other values are ignored.
+fn geometry() -> (u32, u32) {
+    static GEOMETRY: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+    *GEOMETRY.get_or_init(|| {
+        let read = |name: &str, ok: &dyn Fn(u32) -> bool, default: u32| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse::<u32>().ok())
+                .filter(|v| ok(*v))
+                .unwrap_or(default)
+        };
+        (
+            read("COMMFUSE_LL_THREADS", &|t| (64..=512).contains(&t) && t % 32 == 0, THREADS),
+            read("COMMFUSE_LL_MAX_BLOCKS", &|b| (1..=COUNTERS as u32).contains(&b), MAX_BLOCKS),
+        )
+    })
+}
 
 /// Mirrors `LlArgs` in kernels/ll.cu.
 #[repr(C)]
@@ -78,6 +100,7 @@ pub(crate) struct LlRank {
     counters: DeviceMemory,
     args: LlArgs,
     blocks: u32,
+    threads: u32,
 }
 
 impl LlRank {
@@ -92,6 +115,7 @@ impl LlRank {
     ) -> Result<LlRank, CudaError> {
         takes(kind, count * dtype.size()).map_err(CudaError::Unavailable)?;
         let words = (count * dtype.size()).div_ceil(4);
+        let (threads, max_blocks) = geometry();
         let compiled = nvrtc::compile(nvrtc::kernel("ll.cu").expect("embedded"), false)?;
         // two halves of `world` regions of the words rounded up to even (`pitch` in ll.cu)
         let pitch = words + words % 2;
@@ -103,7 +127,7 @@ impl LlRank {
                 reduce,
             )?,
             buffer: DeviceMemory::zeroed(gpu, (2 * world * pitch).max(2) * 8)?,
-            counters: DeviceMemory::zeroed(gpu, 8 * MAX_BLOCKS as usize)?,
+            counters: DeviceMemory::zeroed(gpu, 8 * COUNTERS)?,
             args: LlArgs {
                 bufs: [0; MAX_RANKS],
                 input: 0,
@@ -119,7 +143,8 @@ impl LlRank {
                 pad: 0,
             },
             // two words per thread
-            blocks: (words as u32).div_ceil(2 * THREADS).clamp(1, MAX_BLOCKS),
+            blocks: (words as u32).div_ceil(2 * threads).clamp(1, max_blocks),
+            threads,
         })
     }
 
@@ -145,7 +170,7 @@ impl LlRank {
             output,
             ..self.args
         };
-        self.function.launch(self.blocks, THREADS, stream, &args)
+        self.function.launch(self.blocks, self.threads, stream, &args)
     }
 }
 

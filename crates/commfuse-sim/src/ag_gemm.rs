@@ -3,7 +3,8 @@
 //! into every peer's gather buffer and raises each piece's flag there; its GEMMs (the model of
 //! [`crate::gemm`]) take its own chunk first, from its own A, then the peers' pieces as their
 //! flags come, each into its rows of the output; at the end of a call it raises "done" on every
-//! peer and waits for every peer's.
+//! peer, and it waits for a peer's done of the previous call only before it next stores into
+//! that peer (as the GPU path's side stream does).
 
 use crate::buffer::SymmetricBuffer;
 use crate::gemm::{run_gemm, Operands};
@@ -165,13 +166,17 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
         let c = &self.config;
         let (rank, p, n, k) = (ctx.rank(), c.world, c.n, c.k);
         let start = s.shape.chunk(rank).start;
+        // every peer has finished reading its gather buffer in the previous call
+        for q in (0..p).filter(|&q| q != rank) {
+            let what = format!("rank {q}'s done of the previous call");
+            self.wait(ctx, s.done_index(q), call - 1, Cmp::Ge, what)?;
+        }
         // hand this rank's pieces to every peer
         for g in s.sent_by(rank) {
             let rows = &a[(g.rows.start - start) * k..(g.rows.end - start) * k];
             for q in (0..p).filter(|&q| q != rank) {
-                // SAFETY: the peer reads these rows only after the flag below; it finished
-                // reading its gather buffer of the previous call before this rank's previous
-                // call ended (the done flags)
+                // SAFETY: the peer reads these rows only after the flag below, and it had
+                // finished reading its gather buffer of the previous call (its done, above)
                 unsafe { self.gather.store(q, g.rows.start * k, rows) };
                 ctx.notify(
                     q,
@@ -220,10 +225,6 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
         }
         for q in (0..p).filter(|&q| q != rank) {
             ctx.notify(q, self.slot(s.done_index(rank)), call, NotifyOp::Set)?;
-        }
-        for q in (0..p).filter(|&q| q != rank) {
-            let what = format!("rank {q}'s done of this call");
-            self.wait(ctx, s.done_index(q), call, Cmp::Ge, what)?;
         }
         Ok(())
     }

@@ -6,9 +6,11 @@
 //! one), compute the piece's GEMM with the model of [`crate::gemm`] (f32 accumulation, the
 //! running sum as C with beta = 1, the bias at the last step) into this rank's send buffer,
 //! then hand it on (a store into the receiver's receive buffer, then its flag) or copy it into
-//! the output. At the end of a call a rank raises "done" on its sender and waits for its
-//! receiver's. Flags live on the world's signal pads (one word per
-//! flag of the schedule's layout, row-major over the pad's columns) and hold call numbers.
+//! the output. Alternate calls use alternate sets of receive buffers and flags, and nothing else
+//! orders one call after the next (why that suffices: [`commfuse_core::fused::ring_rs`]) but
+//! where M < P, whose calls end with the "done" handshake. Flags
+//! live on the world's signal pads (one word per flag of the schedule's layout, row-major over
+//! the pad's columns) and hold call numbers.
 
 use crate::buffer::SymmetricBuffer;
 use crate::gemm::{run_gemm, Operands};
@@ -138,7 +140,7 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
         let c = &self.config;
         let (rank, n, k) = (ctx.rank(), c.n, c.k);
         let set = RingSchedule::set_of(call);
-        let (receiver, sender) = (s.receiver(rank), s.sender(rank));
+        let receiver = s.receiver(rank);
         let mut sum = Vec::new();
         let mut product = Vec::new();
         for g in s.pieces_of(rank) {
@@ -151,8 +153,9 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
                 self.wait(ctx, index, call, Cmp::Eq, &what)?;
                 sum.resize(len, TO::from_f32(0.0));
                 // SAFETY: the sender stored these rows before the flag the wait saw (acquire),
-                // and does not store into this set again before this rank has finished the
-                // call (the end-of-call done flags)
+                // and stores into this set again only in its call after next, which starts
+                // after its next call took in this rank's partial of that call, computed after
+                // this call (the two sets)
                 unsafe {
                     self.receive
                         .load(rank, s.receive_offset(set, prev) + within, &mut sum)
@@ -183,8 +186,8 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
                 RingTarget::Output => out[within..within + len].copy_from_slice(&product),
                 RingTarget::Send { step } => {
                     // SAFETY: the receiver reads these rows only after the flag below, and it
-                    // finished the previous call, which read this buffer's set before, before
-                    // this rank's previous call ended (the end-of-call dones)
+                    // finished its call before last, which read this set, before computing its
+                    // partial of the previous call, which this rank's previous call took in
                     unsafe {
                         self.receive
                             .store(receiver, s.receive_offset(set, step) + within, &product)
@@ -194,15 +197,10 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
                 }
             }
         }
-        if c.world > 1 {
-            ctx.notify(sender, self.slot(s.done_index()), call, NotifyOp::Set)?;
-            self.wait(
-                ctx,
-                s.done_index(),
-                call,
-                Cmp::Ge,
-                "the receiver's done of this call",
-            )?;
+        if s.ends_with_done() {
+            ctx.notify(s.sender(rank), self.slot(s.done_index()), call, NotifyOp::Set)?;
+            let what = "the receiver's done of this call";
+            self.wait(ctx, s.done_index(), call, Cmp::Ge, what)?;
         }
         Ok(())
     }

@@ -7,18 +7,21 @@
 //! The overlapped schedule, for every rank r:
 //! * At the start of a call r hands its chunk, cut into `pieces` row pieces, to every peer: a
 //!   copy into the peer's gather buffer at the chunk's rows, then that piece's flag on the peer
-//!   set to the call's number (copies by the copy engine on GPUs, beside the GEMMs).
+//!   set to the call's number (copies by the copy engine on GPUs, beside the GEMMs). Before its
+//!   first copy into a peer it waits until that peer's "done" of the previous call has come:
+//!   the peer has finished reading its gather buffer.
 //! * Its GEMMs take the chunks in the order r, r + 1, …, r + P − 1 (its own first, from the
 //!   caller's A, then the peers' in the order their copies were started), one GEMM per piece,
 //!   each waiting for its piece's flag, writing the output rows of that piece.
-//! * At the end of a call every rank raises its "done" flag on every peer and waits for all the
-//!   peers' dones: when a call ends on a rank, every peer has finished reading what the rank
-//!   sent and nothing writes into the rank's gather buffer any more, so the next call may
-//!   overwrite it and the operator may be dropped. One set of buffers and flags serves every
-//!   call; flags hold call numbers (from 1) and are never cleared.
+//! * At the end of a call every rank raises its "done" flag on every peer, and does not wait:
+//!   the peers wait for it only before they next write into its gather buffer, which on GPUs is
+//!   the side stream's business, so no cross-GPU round trip ends a call. One set of buffers and
+//!   flags serves every call; flags hold call numbers (from 1) and are never cleared. A rank
+//!   that is dropped first waits (bounded) for its peers' last dones, the last writes into its
+//!   memory.
 //!
 //! Cost card (per rank, per call): (P − 1)·M_r·K input elements sent and (M − M_r)·K received;
-//! P·pieces GEMMs; P − 1 + P·pieces flags.
+//! P·pieces GEMMs; P − 1 + (P − 1)·pieces flags raised.
 
 use crate::dtype::DType;
 use crate::error::Error;
@@ -175,9 +178,12 @@ impl AgGemmSchedule {
     /// every peer's gather buffer (scratch) and flagged, and each GEMM's read of its rows is
     /// the copy of those rows into the gathered A the call returns — from the rank's own input
     /// for its chunk, from the gather buffer after the piece's flag for a peer's; at the end
-    /// every rank raises its done on every peer and waits for all of theirs. The checker proves no deadlock, no flag used twice, no row read before it
-    /// landed, none overwritten while read (its two consecutive runs are two calls), and every
-    /// output the gathered A. Its all-gather splits M·K evenly: M must be a multiple of P.
+    /// every rank raises its done on every peer and waits for all of theirs — the wait that
+    /// the side stream makes between this call's copies and the next call's, so that the plan's
+    /// one sequence of steps per rank orders every write into a peer after that peer's reads.
+    /// The checker proves no deadlock, no flag used twice, no row read before it landed, none
+    /// overwritten while read (its two consecutive runs are two calls), and every output the
+    /// gathered A. Its all-gather splits M·K evenly: M must be a multiple of P.
     pub fn plan(&self) -> Result<crate::plan::Plan, Error> {
         use crate::op::{OpKind, OpSpec};
         use crate::plan::{BufferKind, PlanBuilder, Region, Slot};
@@ -237,6 +243,8 @@ impl AgGemmSchedule {
             for q in (0..p).filter(|&q| q != rank) {
                 b.signal(rank, q, Slot::new(done, rank as u32));
             }
+            // the waits for the peers' dones, which on GPUs the side stream makes after its
+            // copies of this call and before those of the next (the caller's stream goes on)
             for q in (0..p).filter(|&q| q != rank) {
                 b.wait(rank, Slot::new(done, q as u32), 1);
             }
@@ -306,7 +314,8 @@ mod tests {
         let mut plan = s.plan().unwrap();
         plan.steps[0].retain(|st| !matches!(st, crate::plan::Step::Wait { .. }));
         assert!(crate::check(plan).is_err());
-        // without the end-of-call dones a rank's next call may overwrite rows a peer still reads
+        // without the waits for the dones a rank's next call may overwrite rows a peer still
+        // reads
         let mut plan = s.plan().unwrap();
         let done_row = 1;
         for steps in plan.steps.iter_mut() {

@@ -14,12 +14,17 @@
 //! piece j + 1 is computed, and the next rank's step s + 1 starts on piece j as soon as piece
 //! j's flag is up. Only the transfer of the first piece is exposed at each rank's start.
 //!
-//! At the end of every call a receiver raises a "done" flag on its sender, and a call ends on a
-//! rank only once its own receiver's done has come: then no peer writes into that rank's memory
-//! any more for the call, and a sender's next hand-ons find the receiver done reading. Receive
-//! buffers and flags come in two sets, used by alternate calls (slack the end-of-call wait
-//! makes unnecessary; kept so that a relaxed wait stays safe). Flags hold call numbers (from 1)
-//! and are never cleared.
+//! Receive buffers and flags come in two sets, used by alternate calls, and nothing else orders
+//! one call after the next: a sender's hand-ons of call n + 2 (into the set call n used) come
+//! after its own call n + 1 ended on its stream, and that call's last GEMM added a running sum
+//! that carries every rank's partial of call n + 1, the receiver's included, which the receiver
+//! computed after it had finished reading call n's set. The checker proves it over four calls
+//! (and rejects the ring with one set). That needs every rank to own rows: a call of M < P
+//! rows ends with a handshake instead ([`RingSchedule::ends_with_done`]): each rank raises
+//! "done" on its sender and waits for its receiver's. Flags hold call numbers (from 1) and are
+//! never cleared.
+//! When a call ends on a rank every write into its memory for that call has landed (it waited
+//! for each one's flag), so its memory may be freed once its stream is past its last call.
 //!
 //! Rounding: the running sum is rounded to the output type after every step (P − 1 times), where
 //! the fused path rounds each partial once; [`super::gemm_rs::element_bound`] covers both.
@@ -143,7 +148,16 @@ impl RingSchedule {
         1 + set * self.flags_per_set() + step * MAX_PIECES + piece
     }
 
-    /// The flag a receiver raises on its sender when it has finished a call.
+    /// Whether a call ends with the "done" handshake: where some rank's chunk is empty (M < P)
+    /// that rank computes nothing that waits for the others, so the two sets alone do not keep
+    /// it from running two calls ahead; then each rank tells its sender it is done and waits
+    /// for its receiver's done.
+    pub fn ends_with_done(&self) -> bool {
+        self.shape.world > 1 && self.shape.m < self.shape.world
+    }
+
+    /// The flag a receiver raises on its sender when it has finished a call (calls that
+    /// [`RingSchedule::ends_with_done`]).
     pub fn done_index(&self) -> usize {
         0
     }
@@ -176,11 +190,16 @@ impl RingSchedule {
     /// the fused schedule: a reduce-scatter of the ranks' partial products (rank r's input is its
     /// [M, N] partial). A piece's GEMM is a reduction of the rank's partial rows and the
     /// received running sum (after its flag) into the send buffer or the output; a hand-on is a
-    /// copy into the receiver's receive buffer and its flag; at the end of a call each rank tells
-    /// its sender it is done and waits for its receiver's done. One plan holds two calls (set 0,
+    /// copy into the receiver's receive buffer and its flag. One plan holds two calls (set 0,
     /// then set 1), and the checker runs it twice: four calls. The checker's reduce-scatter
     /// splits M·N evenly: M must be a multiple of P.
     pub fn plan(&self) -> Result<crate::plan::Plan, crate::error::Error> {
+        self.plan_in_sets(2)
+    }
+
+    /// [`RingSchedule::plan`] with `sets` sets of buffers and flags, one call per set (the ring
+    /// runs with 2; with 1 the checker shows what the second set is for).
+    fn plan_in_sets(&self, sets: usize) -> Result<crate::plan::Plan, crate::error::Error> {
         use crate::op::{OpKind, OpSpec};
         use crate::plan::{BufferKind, PlanBuilder, Region, Slot};
         let (p, n) = (self.shape.world, self.shape.n);
@@ -192,12 +211,11 @@ impl RingSchedule {
         }
         let spec = OpSpec::new(OpKind::ReduceScatter, p, self.shape.m * n, 0)?;
         let mut b = PlanBuilder::new(spec);
-        // per set: a row of arrival flags (step × piece) and a row of the done flag
+        // per set: a row of arrival flags (step × piece)
         let arrival = b.rows(2);
-        let done = b.rows(2);
         let receive = b.scratch(self.receive_len());
         let send = b.scratch(self.send_len());
-        for set in 0..2 {
+        for set in 0..sets {
             for rank in 0..p {
                 let receiver = self.receiver(rank);
                 for g in self.pieces_of(rank) {
@@ -232,10 +250,6 @@ impl RingSchedule {
                             b.signal(rank, receiver, Slot::new(arrival + set as u32, col));
                         }
                     }
-                }
-                if p > 1 {
-                    b.signal(rank, self.sender(rank), Slot::new(done + set as u32, 0));
-                    b.wait(rank, Slot::new(done + set as u32, 0), 1);
                 }
             }
         }
@@ -359,6 +373,13 @@ mod tests {
         let mut plan = r.plan().unwrap();
         plan.steps[0].retain(|st| !matches!(st, crate::plan::Step::Wait { .. }));
         assert!(crate::check(plan).is_err());
+        // one set of buffers for every call: a fast sender's next call overwrites a running
+        // sum its receiver has yet to add
+        for world in [2, 3] {
+            let one = ring(world, 4 * world, 2).plan_in_sets(1).unwrap();
+            let e = crate::check(one).unwrap_err().to_string();
+            assert!(e.contains("overwrites") || e.contains("last written by"), "P={world}: {e}");
+        }
         let e = ring(3, 13, 2).plan().unwrap_err();
         assert!(e.to_string().contains("multiple of P"), "{e}");
     }

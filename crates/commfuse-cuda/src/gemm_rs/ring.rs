@@ -8,11 +8,13 @@
 //! engine: no SM is taken from the GEMMs) and raise its flag there. A piece that adds a received
 //! running sum is preceded on the caller's stream by a wait for that flag; its GEMM reads the
 //! sum as C with beta = 1, so the reduction costs no pass of its own. The caller's stream waits
-//! for the side stream at the end of the call (the send buffers are free again), tells the
-//! sender that this call's receive buffers are read ("done"), and waits for the receiver's
-//! done: when a call ends on a rank, no peer writes into its memory any more, so back-to-back
-//! calls need nothing else and an operator may be dropped in any order once its stream is past
-//! its last call.
+//! for the side stream at the end of the call (the send buffers are free again). Alternate
+//! calls use alternate sets of receive buffers and flags, which is all back-to-back calls need
+//! (why: [`commfuse_core::fused::ring_rs`]; a call of M < P rows also ends with a "done"
+//! handshake: the rank tells its sender it has read its receive buffers and waits for its
+//! receiver to say the same); when a call ends on a rank, every peer's write into
+//! its memory for the call has landed, so an operator may be dropped in any order once its
+//! stream is past its last call.
 
 use super::{shape, GemmRsConfig};
 use crate::cublaslt::Lt;
@@ -115,7 +117,7 @@ pub struct RingParts {
     pub gemms: bool,
     /// The copy-engine hand-ons
     pub copies: bool,
-    /// The flag waits and raises (the end-of-call dones included)
+    /// The flag waits and raises
     pub flags: bool,
 }
 
@@ -395,27 +397,16 @@ impl RingPath {
         trace(self.rank, epoch, "join");
         self.join.record(&self.side)?;
         stream.wait_event(&self.join)?;
-        trace(self.rank, epoch, "done");
-        if self.world > 1 && parts.flags {
-            // this call's receive buffers are read: the sender may write them in its next call
+        if s.ends_with_done() && parts.flags {
             let sender = self.peers[s.sender(self.rank)];
-            let raise = (sender.flags + 8 * s.done_index() as u64, epoch);
-            // and the call ends once the receiver has said the same: after that no peer
-            // writes into this rank's memory for this call, so the memory may be freed as soon
-            // as the caller's stream is past the call
-            let wait = (
-                mem.flags.addr() + 8 * s.done_index() as u64,
-                epoch,
-                FlagCmp::Ge,
-            );
-            let at = (s.shape.world, s.done_index());
+            let index = s.done_index();
             let step = FlagStep {
-                wait: Some(wait),
-                raise: Some(raise),
+                wait: Some((mem.flags.addr() + 8 * index as u64, epoch, FlagCmp::Ge)),
+                raise: Some((sender.flags + 8 * index as u64, epoch)),
                 raise_first: true,
                 ends_call: true,
             };
-            mem.steps.queue_step(stream, step, at)?;
+            mem.steps.queue_step(stream, step, (s.shape.world, index))?;
         }
         self.memory.launched(stream)?;
         self.calls = epoch;
