@@ -3,13 +3,15 @@
     torchrun --standalone --nproc-per-node 2 examples/torch_collectives.py [--sizes 4K,64K,1M,64M]
 
 What a PyTorch user gets from ``commfuse.torch.all_reduce`` / ``reduce_scatter`` /
-``all_gather`` on their own tensors — the copies into and out of commfuse's symmetric buffers
-included, where its algorithm needs them — against ``dist.all_reduce`` /
+``all_gather`` on their own tensors — by default (``path="auto"``: commfuse's collective up to
+the size where it beats NCCL on such tensors, torch.distributed above it) and with
+``path="commfuse"`` (commfuse's at every size: its copies into and out of its symmetric buffers
+included, where its algorithm needs them) — against ``dist.all_reduce`` /
 ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` on the same tensors. Sizes are bytes of
 the all-reduce's tensor, of the reduce-scatter's input and of the all-gather's output, bf16.
-Every commfuse result is first compared with NCCL's (sums in bf16 may differ in the last bit:
-reported as the largest difference over the largest magnitude); then both are timed with CUDA
-events, rows interleaved in rounds, medians of the slowest rank.
+Every commfuse result is first compared with NCCL's (reported as the largest difference over
+the largest magnitude); then the three are timed with CUDA events, rows interleaved in rounds,
+medians of the slowest rank.
 """
 
 import argparse
@@ -26,34 +28,30 @@ def parse_size(text):
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
-def ops(world, n, group):
-    """(name, commfuse call, NCCL call, inputs maker) for a message of n elements."""
+def makers(world, n, group):
+    """Per op: (name, maker, the message's bytes); maker(path) gives a call on fresh inputs
+    (path "nccl": torch.distributed's) and a function returning its output."""
     chunk = n // world
 
-    def ar(lib):
-        def make():
-            x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-            return (lambda: cf.all_reduce(x, group=group)) if lib == "cf" else (
-                lambda: dist.all_reduce(x, group=group)), lambda: x
-        return make
+    def ar(path):
+        x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        if path == "nccl":
+            return (lambda: dist.all_reduce(x, group=group)), lambda: x
+        return (lambda: cf.all_reduce(x, group=group, path=path)), lambda: x
 
-    def rs(lib):
-        def make():
-            x = torch.randn(chunk * world, device="cuda", dtype=torch.bfloat16)
-            y = torch.empty(chunk, device="cuda", dtype=torch.bfloat16)
-            if lib == "cf":
-                return (lambda: cf.reduce_scatter(y, x, group=group)), lambda: y
+    def rs(path):
+        x = torch.randn(chunk * world, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(chunk, device="cuda", dtype=torch.bfloat16)
+        if path == "nccl":
             return (lambda: dist.reduce_scatter_tensor(y, x, group=group)), lambda: y
-        return make
+        return (lambda: cf.reduce_scatter(y, x, group=group, path=path)), lambda: y
 
-    def ag(lib):
-        def make():
-            x = torch.randn(chunk, device="cuda", dtype=torch.bfloat16)
-            y = torch.empty(chunk * world, device="cuda", dtype=torch.bfloat16)
-            if lib == "cf":
-                return (lambda: cf.all_gather(y, x, group=group)), lambda: y
+    def ag(path):
+        x = torch.randn(chunk, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(chunk * world, device="cuda", dtype=torch.bfloat16)
+        if path == "nccl":
             return (lambda: dist.all_gather_into_tensor(y, x, group=group)), lambda: y
-        return make
+        return (lambda: cf.all_gather(y, x, group=group, path=path)), lambda: y
 
     return [("all-reduce", ar), ("reduce-scatter", rs), ("all-gather", ag)]
 
@@ -71,27 +69,31 @@ def main():
     torch.cuda.set_device(rank)
     group = dist.group.WORLD
     if rank == 0:
-        print(f"# commfuse.torch beside torch.distributed (NCCL), bf16, P = {world}, eager")
-        print(f"# {'op':>14} {'size':>6} {'commfuse ms':>12} {'NCCL ms':>10} {'vs NCCL':>8}  check")
+        print(f"# commfuse.torch beside torch.distributed (NCCL), bf16, P = {world}, eager; ms")
+        print(f"# {'op':>14} {'size':>6} {'auto':>9} {'commfuse':>9} {'NCCL':>9}"
+              f" {'auto/NCCL':>9} {'cf/NCCL':>8}  check  auto goes to")
     for size in args.sizes.split(","):
         n = parse_size(size) // 2 // world * world
-        for name, make in ops(world, n, group):
-            torch.manual_seed(1 + rank)
-            cf_call, cf_out = make("cf")()
-            torch.manual_seed(1 + rank)
-            nccl_call, nccl_out = make("nccl")()
-            # the same inputs (same seeds): one call each, results compared
-            cf_call()
-            nccl_call()
+        for name, make in makers(world, n, group):
+            calls, outs = {}, {}
+            for path in ("auto", "commfuse", "nccl"):
+                torch.manual_seed(1 + rank)  # the same inputs for all three
+                calls[path], outs[path] = make(path)
+            for call in calls.values():
+                call()
             torch.cuda.synchronize()
-            a, b = cf_out().float(), nccl_out().float()
-            diff = ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).reshape(1)
+            ref = outs["nccl"]().float()
+            diff = max(((outs[p]().float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+                       for p in ("auto", "commfuse"))
+            diff = torch.tensor([diff], device="cuda")
             dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
-            rows = time_blocks({"cf": cf_call, "nccl": nccl_call}, args, group)
+            rows = time_blocks(calls, args, group)
             if rank == 0:
-                t_cf, t_nccl = rows["cf"][0], rows["nccl"][0]
-                print(f"  {name:>14} {size:>6} {t_cf:12.4f} {t_nccl:10.4f} {t_nccl / t_cf:7.2f}x"
-                      f"  {'OK' if diff.item() < 2**-6 else 'DIFFERS'} ({diff.item():.2g})", flush=True)
+                t = {p: rows[p][0] for p in calls}
+                goes = cf.collective_path(n * 2)
+                print(f"  {name:>14} {size:>6} {t['auto']:9.4f} {t['commfuse']:9.4f} {t['nccl']:9.4f}"
+                      f" {t['nccl'] / t['auto']:8.2f}x {t['nccl'] / t['commfuse']:7.2f}x"
+                      f"  {'OK' if diff.item() < 2**-6 else 'DIFFERS'}  {goes}", flush=True)
     dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ __version__: str
 F32 = npt.NDArray[np.float32]
 
 def stream_is_capturing(device: int, stream: int) -> bool: ...
+def prefers_commfuse_on_user_buffers(nbytes: int) -> bool: ...
 def gemm_rs_path(
     world: int, m: int, n: int, k: int, *, b_layout: str = "nk", dtype: str = "bf16",
     out_dtype: Optional[str] = None,

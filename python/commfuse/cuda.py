@@ -19,6 +19,11 @@ The caller passes every output (commfuse allocates nothing of the caller's) and,
 call, calls capturable in a CUDA graph once a shape and M ran outside it). Errors are
 ``ValueError`` (a call that does not fit) or ``RuntimeError`` (CUDA, a peer that never came),
 one line each.
+
+The collectives here are always commfuse's. Past a few MiB they copy the caller's arrays into
+and out of commfuse's symmetric buffers, and there NCCL on the same arrays is faster (measured
+through ``commfuse.torch``, whose ``path="auto"`` hands such messages to NCCL; the size is
+``prefers_commfuse_on_user_buffers`` of ``commfuse._commfuse``).
 """
 
 from __future__ import annotations

@@ -28,6 +28,12 @@ Every rank must capture and replay the same calls. GEMM + reduce-scatter's "over
 cannot be captured (``path="auto"`` takes the fused path instead where it would take it), nor
 can ``barrier`` (it waits on the host).
 
+The collectives (``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all``) take
+``path="auto"`` by default: commfuse's for messages up to the size where it beats NCCL on the
+caller's own tensors, ``torch.distributed`` (NCCL on the same group) above it — commfuse's
+plans work in symmetric buffers of its own, and copying a large tensor in and out costs more
+than they gain; see :func:`collective_path`. ``path="commfuse"`` or ``"torch"`` picks one.
+
 Errors are Python exceptions carrying commfuse's one-line message: ``ValueError`` for a call
 that does not fit, ``RuntimeError`` for a CUDA failure or a peer that never arrived.
 """
@@ -40,7 +46,12 @@ import torch
 import torch.distributed as dist
 
 from . import _operators
-from ._commfuse import GpuAllGatherMatmul, GpuCollective, GpuGemmReduceScatter
+from ._commfuse import (
+    GpuAllGatherMatmul,
+    GpuCollective,
+    GpuGemmReduceScatter,
+    prefers_commfuse_on_user_buffers,
+)
 
 __all__ = [
     "gemm_reduce_scatter",
@@ -50,6 +61,7 @@ __all__ = [
     "all_gather",
     "all_to_all",
     "barrier",
+    "collective_path",
     "operator_path",
     "clear_cache",
 ]
@@ -264,13 +276,15 @@ def all_gather_gemm(
     return (out, gathered) if return_a else out
 
 
+# commfuse's reduce ops by name, and torch.distributed's
+_DIST_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+             "prod": dist.ReduceOp.PRODUCT}
+
+
 def _reduce_name(op) -> str:
-    names = {"sum", "max", "min", "prod"}
-    if isinstance(op, str) and op.lower() in names:
+    if isinstance(op, str) and op.lower() in _DIST_OPS:
         return op.lower()
-    by_enum = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
-               dist.ReduceOp.PRODUCT: "prod"}
-    for enum, name in by_enum.items():
+    for name, enum in _DIST_OPS.items():
         if op == enum:
             return name
     raise ValueError(f"op must be sum, max, min or prod (or the dist.ReduceOp of one), got {op!r}")
@@ -309,54 +323,114 @@ def _sizes(op, input: torch.Tensor, output: torch.Tensor, what: str) -> None:
             f"{what}: this rank's input must hold {want_in} elements and its output {want_out},"
             f" got {input.numel()} and {output.numel()}"
         )
+    _same_kind(input, output, what)
+
+
+def _same_kind(input: torch.Tensor, output: torch.Tensor, what: str) -> None:
     if output.dtype != input.dtype or output.device != input.device:
         raise ValueError(f"{what}: input and output must have one dtype and device")
 
 
-def all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+def collective_path(nbytes: int, even: bool = True, path: str = "auto") -> str:
+    """Where a collective of a message of ``nbytes`` (an all-reduce's tensor, a reduce-scatter's
+    or all-to-all's input, an all-gather's output) goes: "commfuse" or "torch.distributed".
+
+    ``path="auto"`` (every collective's default) takes commfuse's up to the size where it beats
+    NCCL on the caller's own tensors — beyond it the copies into and out of commfuse's
+    symmetric buffers cost more than commfuse gains (``commfuse_core::cost::
+    USER_BUFFER_MAX_BYTES``, measured) — and ``torch.distributed`` (NCCL on the group) above it
+    when the message splits evenly over the group (``even``), which torch.distributed needs.
+    ``"commfuse"`` and ``"torch"`` ask for one of them."""
+    if path not in ("auto", "commfuse", "torch"):
+        raise ValueError(f'path must be "auto", "commfuse" or "torch", got {path!r}')
+    if path == "torch" and not even:
+        raise ValueError('path="torch": torch.distributed splits a message evenly only, and this '
+                         "one does not split evenly over the group")
+    if path == "torch" or (path == "auto" and even
+                           and not prefers_commfuse_on_user_buffers(nbytes)):
+        return "torch.distributed"
+    return "commfuse"
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, op="sum", group=None, path: str = "auto") -> torch.Tensor:
     """``dist.all_reduce``, in place on the tensor's current stream: every rank's ``tensor``
-    becomes the element-wise ``op`` ("sum", "max", "min", "prod") of all ranks'. Returns it."""
+    becomes the element-wise ``op`` ("sum", "max", "min", "prod") of all ranks'. Returns it.
+    ``path``: see :func:`collective_path`."""
     _vector(tensor, "tensor")
     group = _group(group)
+    op = _reduce_name(op)
     t = tensor.contiguous()
-    coll = _collective("all-reduce", t.numel(), t, group, _reduce_name(op))
-    _run(coll, t, t, t.device)
+    if collective_path(_bytes(t), True, path) == "commfuse":
+        coll = _collective("all-reduce", t.numel(), t, group, op)
+        _run(coll, t, t, t.device)
+    else:
+        dist.all_reduce(t, op=_DIST_OPS[op], group=group)
     if t.data_ptr() != tensor.data_ptr():
         tensor.copy_(t.view_as(tensor))
     return tensor
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=None,
+                   path: str = "auto") -> torch.Tensor:
     """``dist.reduce_scatter_tensor``: this rank's chunk of the element-wise ``op`` of every
     rank's ``input`` into ``output``; chunks split as ``torch.tensor_split`` splits the input
-    (so the input need not divide by the group's size). Returns ``output``."""
+    (so the input need not divide by the group's size). Returns ``output``. ``path``: see
+    :func:`collective_path`."""
     _vector(input, "input")
     _vector(output, "output")
     group = _group(group)
-    coll = _collective("reduce-scatter", input.numel(), input, group, _reduce_name(op))
+    op = _reduce_name(op)
+    world = dist.get_world_size(group)
+    even = input.numel() % world == 0 and output.numel() * world == input.numel()
+    if collective_path(_bytes(input), even, path) == "torch.distributed":
+        _same_kind(input, output, "reduce_scatter")
+        dist.reduce_scatter_tensor(_contiguous_out(output), input.contiguous(),
+                                   op=_DIST_OPS[op], group=group)
+        return output
+    coll = _collective("reduce-scatter", input.numel(), input, group, op)
     _sizes(coll, input, output, "reduce_scatter")
     _run(coll, input.contiguous(), _contiguous_out(output), input.device)
     return output
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
+               path: str = "auto") -> torch.Tensor:
     """``dist.all_gather_into_tensor``: every rank's ``input`` (its chunk, as
-    ``torch.tensor_split`` splits the output) concatenated into ``output``. Returns it."""
+    ``torch.tensor_split`` splits the output) concatenated into ``output``. Returns it.
+    ``path``: see :func:`collective_path`."""
     _vector(input, "input")
     _vector(output, "output")
     group = _group(group)
+    world = dist.get_world_size(group)
+    even = output.numel() % world == 0 and input.numel() * world == output.numel()
+    if collective_path(_bytes(output), even, path) == "torch.distributed":
+        _same_kind(input, output, "all_gather")
+        dist.all_gather_into_tensor(_contiguous_out(output), input.contiguous(), group=group)
+        return output
     coll = _collective("all-gather", output.numel(), input, group)
     _sizes(coll, input, output, "all_gather")
     _run(coll, input.contiguous(), _contiguous_out(output), input.device)
     return output
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
+               path: str = "auto") -> torch.Tensor:
     """``dist.all_to_all_single`` with equal splits: chunk j of this rank's ``input`` goes to
-    rank j, and ``output`` holds chunk r of every rank's input, rank by rank. Returns it."""
+    rank j, and ``output`` holds chunk r of every rank's input, rank by rank. Returns it.
+    ``path``: see :func:`collective_path`."""
     _vector(input, "input")
     _vector(output, "output")
     group = _group(group)
+    world = dist.get_world_size(group)
+    even = input.numel() % world == 0 and output.numel() == input.numel()
+    if collective_path(_bytes(input), even, path) == "torch.distributed":
+        _same_kind(input, output, "all_to_all")
+        dist.all_to_all_single(_contiguous_out(output), input.contiguous(), group=group)
+        return output
     coll = _collective("all-to-all", input.numel(), input, group)
     _sizes(coll, input, output, "all_to_all")
     _run(coll, input.contiguous(), _contiguous_out(output), input.device)

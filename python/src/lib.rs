@@ -369,6 +369,15 @@ fn gemm_rs_path(
     Ok(choose_path(&shape).to_string())
 }
 
+/// Whether commfuse's collective of a message of `nbytes` (an all-reduce's tensor, a
+/// reduce-scatter's or all-to-all's input, an all-gather's output) on buffers of the caller's
+/// own is expected to beat NCCL's on them: the rule `commfuse.torch`'s collectives follow under
+/// `path="auto"` (commfuse_core::cost::USER_BUFFER_MAX_BYTES).
+#[pyfunction]
+fn prefers_commfuse_on_user_buffers(nbytes: usize) -> bool {
+    commfuse_core::cost::prefers_commfuse_on_user_buffers(nbytes)
+}
+
 fn run_collective<T: Element>(
     (kind, algo, reduce, root): (OpKind, Option<Algo>, ReduceOp, usize),
     inputs: &[Vec<f32>],
@@ -464,6 +473,7 @@ fn _commfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sim_gemm_reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(sim_all_gather_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_rs_path, m)?)?;
+    m.add_function(wrap_pyfunction!(prefers_commfuse_on_user_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::stream_is_capturing, m)?)?;
     m.add_class::<gpu::GpuGemmReduceScatter>()?;
     m.add_class::<gpu::GpuAllGatherMatmul>()?;

@@ -189,6 +189,66 @@ def check_collectives(rank, world, dtype, seed):
     return lines
 
 
+def check_collective_paths(rank, world, dtype, seed):
+    """Where the collectives go by size (``cf.collective_path``): past the size where commfuse's
+    copies of the caller's tensors cost more than it gains, ``path="auto"`` hands an even
+    message to torch.distributed and builds no commfuse collective for it; a ragged one stays
+    with commfuse; ``path="commfuse"`` forces commfuse's; ``path="torch"`` on a ragged message
+    and an unknown path are refused. Every result equal to float64's bit for bit."""
+    from commfuse import _operators
+    from commfuse._commfuse import prefers_commfuse_on_user_buffers
+
+    dev = torch.device("cuda", rank)
+    size = torch.tensor([], dtype=dtype).element_size()
+    big = 0
+    while prefers_commfuse_on_user_buffers(big * size):
+        big += world * 65536
+    lines = []
+
+    def ints(s, n):
+        g = torch.Generator().manual_seed(s)
+        return [torch.randint(-8, 9, (n,), generator=g).to(dtype) for _ in range(world)]
+
+    def built(kind, count):
+        key = (rank, kind, count, cf._name(dtype, "x"), "sum")
+        return _operators.lookup("collective", dist.group.WORLD, key) is not None
+
+    for path, goes in [("auto", "torch.distributed"), ("commfuse", "commfuse")]:
+        xs = ints(seed + len(path), big)
+        t = xs[rank].to(dev)
+        cf.all_reduce(t, path=path)
+        torch.cuda.synchronize()
+        want = sum(x.double() for x in xs)
+        if not torch.equal(t.cpu().double(), want):
+            raise AssertionError(f"all_reduce path={path} of {big} {dtype}: wrong sum")
+        if cf.collective_path(big * size, True, path) != goes or built("all-reduce", big) != (
+                goes == "commfuse"):
+            raise AssertionError(f"all_reduce path={path} of {big} {dtype} did not go to {goes}")
+        lines.append(f"all_reduce {dtype} of {big * size >> 20} MiB, path={path}: by {goes}")
+    ragged = big + 1
+    xs = ints(seed + 9, ragged)
+    mine = torch.tensor_split(torch.arange(ragged), world)[rank]
+    out = torch.full((len(mine),), float("nan"), dtype=dtype, device=dev)
+    cf.reduce_scatter(out, xs[rank].to(dev))
+    torch.cuda.synchronize()
+    if not torch.equal(out.cpu().double(), sum(x.double() for x in xs)[mine]):
+        raise AssertionError(f"reduce_scatter of {ragged} {dtype} (ragged): wrong sum")
+    if not built("reduce-scatter", ragged):
+        raise AssertionError(f"reduce_scatter of {ragged} {dtype} (ragged) did not go to commfuse")
+    lines.append(f"reduce_scatter {dtype} of {ragged} elements (ragged, past the size): by commfuse")
+    for what, call in [
+        ("ragged path=torch", lambda: cf.reduce_scatter(out, xs[rank].to(dev), path="torch")),
+        ("unknown path", lambda: cf.all_gather(out, out, path="nccl")),
+    ]:
+        try:
+            call()
+        except ValueError:
+            continue
+        raise AssertionError(f"{what} was not refused")
+    lines.append("path=torch on a ragged message and an unknown path raise ValueError")
+    return lines
+
+
 def captured(make, warm_up=True):
     """A CUDA graph of `make()`'s calls (after one eager warm-up call of each, on a side stream
     as PyTorch recommends), and what the calls returned (the graph's static outputs)."""
@@ -479,6 +539,7 @@ def main():
     results = [check_bad_input(rank, world)]
     for dtype in [torch.float32, torch.bfloat16]:
         results.extend(check_collectives(rank, world, dtype, 1000))
+        results.extend(check_collective_paths(rank, world, dtype, 2000))
     seed = 1
     for dtype, out_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)]:
         for layout in ["nk", "kn"]:

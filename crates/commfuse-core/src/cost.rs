@@ -44,6 +44,23 @@ pub fn prefers_ll(spec: &OpSpec, elem_bytes: usize) -> bool {
     peers > 0 && spec.count > 0 && sent <= LL_AUTO_MAX_SENT_BYTES
 }
 
+/// The largest message (bytes of an all-reduce's tensor, of a reduce-scatter's or an
+/// all-to-all's input, of an all-gather's output) for which a library that has NCCL beside
+/// commfuse should run commfuse's collective on buffers of the caller's own. The plans read and
+/// write commfuse's symmetric buffers (peers load from and store into them), so a call on the
+/// caller's memory copies its input in and its output out, and those copies cost more than the
+/// plans gain over NCCL from there on: through `commfuse.torch` on 2 × H200 (bf16, eager,
+/// docs/gpu-2026-11-30f runs 4 and 6) commfuse took 0.83–1.0× NCCL's speed at 16 MiB and up
+/// (all-reduce 0.87× at 64 MiB) and 1.2–1.33× at 4 MiB. The LL protocol (up to
+/// [`LL_AUTO_MAX_SENT_BYTES`]) copies nothing, and lies below this.
+pub const USER_BUFFER_MAX_BYTES: usize = 4 << 20;
+
+/// Whether commfuse's collective of a message of `bytes` (see [`USER_BUFFER_MAX_BYTES`]) on a
+/// caller's own buffers is expected to beat NCCL's on them.
+pub fn prefers_commfuse_on_user_buffers(bytes: usize) -> bool {
+    bytes <= USER_BUFFER_MAX_BYTES
+}
+
 /// Picks, among `spec`'s algorithms, the one whose checked plan the latency–bandwidth model of
 /// `topology` predicts fastest for elements of `elem_bytes` bytes. Ties go to the algorithm
 /// listed first by [`Algo::for_op`] (the op's default). Fails only when no algorithm can be
