@@ -170,7 +170,10 @@ def check_collectives(rank, world, dtype, seed):
     cf.all_gather(out, full[mine].to(dev))
     torch.cuda.synchronize()
     same(f"all_gather {dtype}", out, full)
-    lines.append(f"all_gather {dtype} ({count} elements)")
+    runs = cf._collective("all-gather", count, out, dist.group.WORLD).algo()
+    if runs != "ll":
+        raise AssertionError(f"all_gather of {count} {dtype} ran {runs}, not the LL protocol")
+    lines.append(f"all_gather {dtype} ({count} elements, by {runs})")
 
     count = world * 96
     xs = ints(seed + 7, count)

@@ -7,7 +7,8 @@
 //
 // One-shot: every rank writes its whole input to every peer, then reduces all P inputs itself,
 // in rank order (so every rank gets the same bits); as a reduce-scatter, each peer gets only its
-// chunk and each rank reduces only its own. Lines of alternate calls go to alternate
+// chunk and each rank reduces only its own; as an all-gather, every rank writes its chunk to
+// every peer and each rank copies every peer's chunk out of its buffer into its output. Lines of alternate calls go to alternate
 // halves (parity) of the buffer: a peer can only be one call ahead of this rank (it cannot
 // finish call n + 1 before this rank has written its lines of n + 1, which it does after it
 // finished reading those of n), so its lines of n + 1 land in the other half and those of n + 2,
@@ -24,20 +25,27 @@ struct LlArgs {
     u64 bufs[COMMFUSE_MAX_RANKS];  // every rank's LL buffer as this GPU addresses it: [2
                                    // parities][world senders][words rounded up to even] lines
     const void* input;             // this rank's `count` elements
-    void* output;                  // `count` elements, or this rank's chunk of them (scatter)
+    void* output;                  // `count` elements, or this rank's chunk of them (reduce-scatter)
     u64* calls;                    // this rank's counters: the last call each block finished
     ErrorRecord* err;              // host-mapped
     u64 timeout_ns;
-    u32 count;                     // elements of each rank's input
-    u32 words;                     // 4-byte words of each rank's input: ceil(count * size / 4)
+    u32 count;                     // elements of each rank's input (all-gather: of the output)
+    u32 words;                     // 4-byte words a sender sends at most: ceil(count * size / 4)
+                                   // (all-gather: of the longest chunk)
     u32 world;
     u32 rank;
-    u32 scatter;                   // 0: all-reduce; 1: reduce-scatter (rank q keeps its chunk)
+    u32 mode;                      // LL_ALL_REDUCE, LL_REDUCE_SCATTER (rank q keeps its chunk)
+                                   // or LL_ALL_GATHER (rank q gives its chunk)
     u32 pad;
 };
 static_assert(sizeof(LlArgs) == 8 * COMMFUSE_MAX_RANKS + 64 &&
                   COMMFUSE_OFFSETOF(LlArgs, timeout_ns) == 8 * COMMFUSE_MAX_RANKS + 32,
               "layout mirrored in src/ll.rs");
+
+// LlArgs::mode
+constexpr u32 LL_ALL_REDUCE = 0, LL_REDUCE_SCATTER = 1, LL_ALL_GATHER = 2;
+static_assert(LL_ALL_REDUCE == 0 && LL_REDUCE_SCATTER == 1 && LL_ALL_GATHER == 2,
+              "mirrored by mode() in src/ll.rs");
 
 __device__ __forceinline__ void store_lines(u64* p, u64 a, u64 b) {
     asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
@@ -51,10 +59,11 @@ __device__ __forceinline__ void load_lines(const u64* p, u64* a, u64* b) {
     asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(*a), "=l"(*b) : "l"(p) : "memory");
 }
 
-// Word `i` of this rank's input; the last word of an odd count of 2-byte elements is padded.
+// Word `i` of this rank's input of `count` elements; the last word of an odd count of 2-byte
+// elements is padded.
 template <typename T>
-__device__ __forceinline__ u32 input_word(const LlArgs& a, u32 i) {
-    if (sizeof(T) == 4 || 2 * i + 1 < a.count) return reinterpret_cast<const u32*>(a.input)[i];
+__device__ __forceinline__ u32 input_word(const LlArgs& a, u32 i, u32 count) {
+    if (sizeof(T) == 4 || 2 * i + 1 < count) return reinterpret_cast<const u32*>(a.input)[i];
     return reinterpret_cast<const unsigned short*>(a.input)[2 * i];
 }
 
@@ -109,17 +118,22 @@ __device__ __forceinline__ void fold_word(float* acc, u32 w, bool first) {
         acc[j] = first ? Elem<T>::to_f32(x[j]) : combine<OP>(acc[j], Elem<T>::to_f32(x[j]));
 }
 
-// The elements rank q reduces: all of them, or (scatter) its chunk as the collectives split
-// them (commfuse_core::op::chunk_range: the first count mod P chunks one element longer).
+// Rank q's chunk of `count` elements as the collectives split them
+// (commfuse_core::op::chunk_range: the first count mod P chunks one element longer).
+__device__ __forceinline__ void chunk_range(const LlArgs& a, u32 q, u32* e0, u32* e1) {
+    const u32 base = a.count / a.world, extra = a.count % a.world;
+    *e0 = q * base + min(q, extra);
+    *e1 = *e0 + base + (q < extra ? 1u : 0u);
+}
+
+// The elements rank q reduces: all of them, or (reduce-scatter) its chunk.
 __device__ __forceinline__ void chunk_of(const LlArgs& a, u32 q, u32* e0, u32* e1) {
-    if (!a.scatter) {
+    if (a.mode == LL_ALL_REDUCE) {
         *e0 = 0;
         *e1 = a.count;
         return;
     }
-    const u32 base = a.count / a.world, extra = a.count % a.world;
-    *e0 = q * base + min(q, extra);
-    *e1 = *e0 + base + (q < extra ? 1u : 0u);
+    chunk_range(a, q, e0, e1);
 }
 
 // The word pairs that carry elements [e0, e1): from the even word at or below the first (pairs
@@ -166,10 +180,10 @@ __device__ void ll_all_reduce(const LlArgs& a) {
         pairs_of<T>(e0, e1, &lo, &hi);
         for (u32 i = lo + first; i < hi; i += stride) {
             const bool one = i + 1 >= hi;
-            const u64 l0 = tag | input_word<T>(a, i);
+            const u64 l0 = tag | input_word<T>(a, i, a.count);
             u64* dst = reinterpret_cast<u64*>(a.bufs[q]) + line_index(a, a.rank, i, seq);
             if (one) store_line(dst, l0);
-            else store_lines(dst, l0, tag | input_word<T>(a, i + 1));
+            else store_lines(dst, l0, tag | input_word<T>(a, i + 1, a.count));
         }
     }
     // receive and reduce this rank's elements, in rank order
@@ -182,8 +196,8 @@ __device__ void ll_all_reduce(const LlArgs& a) {
         for (u32 q = 0; q < a.world; ++q) {
             u32 w0, w1 = 0;
             if (q == a.rank) {
-                w0 = input_word<T>(a, i);
-                if (!one) w1 = input_word<T>(a, i + 1);
+                w0 = input_word<T>(a, i, a.count);
+                if (!one) w1 = input_word<T>(a, i + 1, a.count);
             } else if (!receive(a, q, i, one, seq, &w0, &w1)) {
                 failed = 1;
                 break;
@@ -200,8 +214,66 @@ __device__ void ll_all_reduce(const LlArgs& a) {
     if (threadIdx.x == 0 && !failed) *(volatile u64*)(a.calls + blockIdx.x) = seq;
 }
 
-#define COMMFUSE_LL(NAME, T, OP) \
-    extern "C" __global__ void __launch_bounds__(512) NAME(const LlArgs args) { ll_all_reduce<T, OP>(args); }
+// The all-gather: this rank's chunk (its whole input) to every peer, then every rank's chunk
+// into the output at its place — its own from its input, a peer's from the lines it sent.
+template <typename T>
+__device__ void ll_all_gather(const LlArgs& a) {
+    constexpr int PER_WORD = 4 / sizeof(T);
+    __shared__ u32 seq_shared;
+    __shared__ int failed;
+    if (threadIdx.x == 0) {
+        seq_shared = (u32)(*(volatile const u64*)(a.calls + blockIdx.x) + 1);
+        failed = 0;
+    }
+    __syncthreads();
+    const u32 seq = seq_shared;
+    const u32 stride = 2 * gridDim.x * blockDim.x;
+    const u64 tag = (u64)seq << 32;
+    const u32 first = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+    u32 m0, m1;
+    chunk_range(a, a.rank, &m0, &m1);
+    const u32 mine = m1 - m0, my_words = (u32)(((u64)mine * sizeof(T) + 3) / 4);
+    for (u32 d = 1; d < a.world; ++d) {
+        const u32 q = (a.rank + d) % a.world;
+        for (u32 i = first; i < my_words; i += stride) {
+            const u64 l0 = tag | input_word<T>(a, i, mine);
+            u64* dst = reinterpret_cast<u64*>(a.bufs[q]) + line_index(a, a.rank, i, seq);
+            if (i + 1 >= my_words) store_line(dst, l0);
+            else store_lines(dst, l0, tag | input_word<T>(a, i + 1, mine));
+        }
+    }
+    T* out = reinterpret_cast<T*>(a.output);
+    for (u32 q = 0; q < a.world && !failed; ++q) {
+        u32 e0, e1;
+        chunk_range(a, q, &e0, &e1);
+        const u32 len = e1 - e0, words = (u32)(((u64)len * sizeof(T) + 3) / 4);
+        for (u32 i = first; i < words; i += stride) {
+            const bool one = i + 1 >= words;
+            u32 w[2] = {0, 0};
+            if (q == a.rank) {
+                w[0] = input_word<T>(a, i, len);
+                if (!one) w[1] = input_word<T>(a, i + 1, len);
+            } else if (!receive(a, q, i, one, seq, &w[0], &w[1])) {
+                failed = 1;
+                break;
+            }
+            const T* x = reinterpret_cast<const T*>(w);
+#pragma unroll
+            for (int j = 0; j < 2 * PER_WORD; ++j) {
+                const u32 e = PER_WORD * i + j;
+                if (e < len) out[e0 + e] = x[j];
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && !failed) *(volatile u64*)(a.calls + blockIdx.x) = seq;
+}
 
-// ll_all_reduce_<type>_<op>
+#define COMMFUSE_LL(NAME, T, OP)                                                        \
+    extern "C" __global__ void __launch_bounds__(512) NAME(const LlArgs args) {         \
+        if (args.mode == LL_ALL_GATHER) ll_all_gather<T>(args);                         \
+        else ll_all_reduce<T, OP>(args);                                                \
+    }
+
+// ll_all_reduce_<type>_<op>: every mode (an all-gather's op is not used)
 COMMFUSE_EACH_TYPE_AND_OP(COMMFUSE_LL, ll_all_reduce)

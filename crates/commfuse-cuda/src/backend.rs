@@ -442,7 +442,7 @@ impl Backend for CudaBackend {
 
     fn protocols(&self, op: OpKind) -> Vec<&'static str> {
         match op {
-            OpKind::AllReduce | OpKind::ReduceScatter => vec![crate::ll::LL],
+            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather => vec![crate::ll::LL],
             _ => Vec::new(),
         }
     }

@@ -1,8 +1,8 @@
-//! The low-latency (LL) all-reduce and reduce-scatter on GPUs (kernels/ll.cu): each rank stores
-//! its input (a reduce-scatter: each peer's chunk of it), 4 bytes with the call's number in every
-//! 8-byte line, straight into every peer's LL buffer, and reduces the P inputs once their lines
-//! carry this call's number — one NVLink trip and no separate signal, two lines per 16-byte
-//! store. The protocol is the simulator's (`commfuse_sim::protocol::ll_*`, model checked with
+//! The low-latency (LL) all-reduce, reduce-scatter and all-gather on GPUs (kernels/ll.cu): each
+//! rank stores its input (a reduce-scatter: each peer's chunk of it; an all-gather: its chunk),
+//! 4 bytes with the call's number in every 8-byte line, straight into every peer's LL buffer,
+//! and reduces the P inputs (or copies the P chunks out) once their lines carry this call's
+//! number — one NVLink trip and no separate signal, two lines per 16-byte store. The protocol is the simulator's (`commfuse_sim::protocol::ll_*`, model checked with
 //! loom there); calls number themselves on the device, so they can be replayed from a CUDA
 //! graph.
 //!
@@ -71,17 +71,27 @@ struct LlArgs {
     words: u32,
     world: u32,
     rank: u32,
-    scatter: u32,
+    mode: u32,
     pad: u32,
 }
 const _: () = assert!(std::mem::size_of::<LlArgs>() == 8 * MAX_RANKS + 64);
 const _: () = assert!(std::mem::offset_of!(LlArgs, timeout_ns) == 8 * MAX_RANKS + 32);
 
-/// Whether the LL protocol takes `kind` of `bytes` per rank's input.
+/// `LL_ALL_REDUCE` … in kernels/ll.cu: what a call of the kernel does.
+fn mode(kind: OpKind) -> Option<u32> {
+    match kind {
+        OpKind::AllReduce => Some(0),
+        OpKind::ReduceScatter => Some(1),
+        OpKind::AllGather => Some(2),
+        _ => None,
+    }
+}
+
+/// Whether the LL protocol takes `kind` of `bytes` (the op's `count` elements).
 pub fn takes(kind: OpKind, bytes: usize) -> Result<(), String> {
-    if !matches!(kind, OpKind::AllReduce | OpKind::ReduceScatter) {
+    if mode(kind).is_none() {
         return Err(format!(
-            "the LL protocol runs all-reduce and reduce-scatter only, not {kind}"
+            "the LL protocol runs all-reduce, reduce-scatter and all-gather only, not {kind}"
         ));
     }
     if bytes > LL_MAX_BYTES {
@@ -93,7 +103,7 @@ pub fn takes(kind: OpKind, bytes: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// One rank's LL all-reduce or reduce-scatter of `count` elements: its kernel (in its GPU's
+/// One rank's LL all-reduce, reduce-scatter or all-gather of `count` elements (as `OpSpec`): its kernel (in its GPU's
 /// context), its LL buffer (which its peers store into), its call counters, and the kernel's
 /// arguments once the peers' buffers are known.
 pub(crate) struct LlRank {
@@ -117,7 +127,12 @@ impl LlRank {
         timeout: Duration,
     ) -> Result<LlRank, CudaError> {
         takes(kind, count * dtype.size()).map_err(CudaError::Unavailable)?;
-        let words = (count * dtype.size()).div_ceil(4);
+        // what one sender sends at most: its input, or for an all-gather the longest chunk
+        let sent = match kind {
+            OpKind::AllGather => count.div_ceil(world),
+            _ => count,
+        };
+        let words = (sent * dtype.size()).div_ceil(4);
         let (threads, max_blocks) = geometry();
         let compiled = nvrtc::compile(nvrtc::kernel("ll.cu").expect("embedded"), false)?;
         // two halves of `world` regions of the words rounded up to even (`pitch` in ll.cu)
@@ -142,7 +157,7 @@ impl LlRank {
                 words: words as u32,
                 world: world as u32,
                 rank: rank as u32,
-                scatter: u32::from(kind == OpKind::ReduceScatter),
+                mode: mode(kind).expect("takes checked it"),
                 pad: 0,
             },
             // two words per thread
@@ -186,13 +201,13 @@ pub(crate) fn describe_timeout(kind: OpKind, rec: &ErrorRecord, timeout: Duratio
     )
 }
 
-/// Every rank's LL all-reduce or reduce-scatter for the backend's ranks.
+/// Every rank's LL collective for the backend's ranks.
 pub(crate) struct LlLauncher {
     ranks: Vec<LlRank>,
     timeout_ms: u64,
 }
 
-/// Prepares the LL all-reduce or reduce-scatter of `spec` on every rank of `backend`.
+/// Prepares the LL collective of `spec` on every rank of `backend`.
 pub(crate) fn prepare<'a>(
     backend: &'a CudaBackend,
     spec: &OpSpec,

@@ -189,8 +189,9 @@ fn ll_matrix(
     assert_none_failed(&failures, runs);
 }
 
-/// The GPU kernel (`commfuse_cuda::ll`), all-reduce and reduce-scatter, on every world size the
-/// GPUs allow, every type and op.
+/// The GPU kernel (`commfuse_cuda::ll`), all-reduce and reduce-scatter for every type and op,
+/// all-gather for every type (its chunks too may start inside a word), on every world size the
+/// GPUs allow.
 #[test]
 fn ll_all_reduce_on_gpus() {
     let worlds = match gpu_worlds() {
@@ -201,12 +202,15 @@ fn ll_all_reduce_on_gpus() {
         .into_iter()
         .flat_map(|d| ReduceOp::ALL.into_iter().map(move |r| (d, r)))
         .collect();
+    let counts = [1, 7, 1001, 4096, 65_537, 1 << 20];
     let ops = [OpKind::AllReduce, OpKind::ReduceScatter];
+    ll_matrix(BackendKind::Cuda, (&ops, &worlds), &cases, &counts);
+    let gathers: Vec<(DType, ReduceOp)> = DType::ALL.map(|d| (d, ReduceOp::Sum)).to_vec();
     ll_matrix(
         BackendKind::Cuda,
-        (&ops, &worlds),
-        &cases,
-        &[1, 7, 1001, 4096, 65_537, 1 << 20],
+        (&[OpKind::AllGather], &worlds),
+        &gathers,
+        &counts,
     );
 }
 
