@@ -90,7 +90,7 @@ def main():
             rows = time_blocks(calls, args, group)
             if rank == 0:
                 t = {p: rows[p][0] for p in calls}
-                goes = cf.collective_path(n * 2)
+                goes = cf.collective_path(name, n, torch.bfloat16)
                 print(f"  {name:>14} {size:>6} {t['auto']:9.4f} {t['commfuse']:9.4f} {t['nccl']:9.4f}"
                       f" {t['nccl'] / t['auto']:8.2f}x {t['nccl'] / t['commfuse']:7.2f}x"
                       f"  {'OK' if diff.item() < 2**-6 else 'DIFFERS'}  {goes}", flush=True)

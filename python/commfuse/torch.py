@@ -29,10 +29,11 @@ cannot be captured (``path="auto"`` takes the fused path instead where it would 
 can ``barrier`` (it waits on the host).
 
 The collectives (``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all``) take
-``path="auto"`` by default: commfuse's for messages up to the size where it beats NCCL on the
-caller's own tensors, ``torch.distributed`` (NCCL on the same group) above it — commfuse's
-plans work in symmetric buffers of its own, and copying a large tensor in and out costs more
-than they gain; see :func:`collective_path`. ``path="commfuse"`` or ``"torch"`` picks one.
+``path="auto"`` by default: commfuse's where it beats NCCL on the caller's own tensors (small
+messages by its LL protocol, all-reduces up to 4 MiB), ``torch.distributed`` (NCCL on the same
+group) past that — commfuse's plans work in symmetric buffers of its own, and copying a large
+tensor in and out costs more than they gain; see :func:`collective_path`. ``path="commfuse"``
+or ``"torch"`` picks one.
 
 Errors are Python exceptions carrying commfuse's one-line message: ``ValueError`` for a call
 that does not fit, ``RuntimeError`` for a CUDA failure or a peer that never arrived.
@@ -331,29 +332,30 @@ def _same_kind(input: torch.Tensor, output: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: input and output must have one dtype and device")
 
 
-def collective_path(nbytes: int, even: bool = True, path: str = "auto") -> str:
-    """Where a collective of a message of ``nbytes`` (an all-reduce's tensor, a reduce-scatter's
-    or all-to-all's input, an all-gather's output) goes: "commfuse" or "torch.distributed".
+def collective_path(op: str, count: int, dtype: torch.dtype, group=None, even: bool = True,
+                    path: str = "auto") -> str:
+    """Where collective ``op`` ("all-reduce", "reduce-scatter", "all-gather", "all-to-all") of
+    ``count`` elements of ``dtype`` goes: "commfuse" or "torch.distributed". ``count`` is what
+    commfuse's operators count: the all-reduce's tensor, the reduce-scatter's and all-to-all's
+    input, the all-gather's output.
 
-    ``path="auto"`` (every collective's default) takes commfuse's up to the size where it beats
-    NCCL on the caller's own tensors — beyond it the copies into and out of commfuse's
-    symmetric buffers cost more than commfuse gains (``commfuse_core::cost::
-    USER_BUFFER_MAX_BYTES``, measured) — and ``torch.distributed`` (NCCL on the group) above it
-    when the message splits evenly over the group (``even``), which torch.distributed needs.
+    ``path="auto"`` (every collective's default) takes commfuse's where it beats NCCL on the
+    caller's own tensors — its LL protocol, which copies nothing, up to 1 MiB sent; an
+    all-reduce (or all-to-all) up to 4 MiB — and ``torch.distributed`` (NCCL on the group) past
+    that, where copying the tensors into and out of commfuse's symmetric buffers costs more than
+    its plans gain (``commfuse_core::cost::prefers_commfuse_on_user_buffers``, measured), when
+    the message splits evenly over the group (``even``), which torch.distributed needs.
     ``"commfuse"`` and ``"torch"`` ask for one of them."""
     if path not in ("auto", "commfuse", "torch"):
         raise ValueError(f'path must be "auto", "commfuse" or "torch", got {path!r}')
     if path == "torch" and not even:
         raise ValueError('path="torch": torch.distributed splits a message evenly only, and this '
                          "one does not split evenly over the group")
-    if path == "torch" or (path == "auto" and even
-                           and not prefers_commfuse_on_user_buffers(nbytes)):
-        return "torch.distributed"
-    return "commfuse"
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    if path == "auto" and even:
+        world = dist.get_world_size(_group(group))
+        if not prefers_commfuse_on_user_buffers(op, world, count, _name(dtype, "the tensor")):
+            return "torch.distributed"
+    return "torch.distributed" if path == "torch" else "commfuse"
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, path: str = "auto") -> torch.Tensor:
@@ -364,7 +366,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, path: str = "auto") -
     group = _group(group)
     op = _reduce_name(op)
     t = tensor.contiguous()
-    if collective_path(_bytes(t), True, path) == "commfuse":
+    if collective_path("all-reduce", t.numel(), t.dtype, group, True, path) == "commfuse":
         coll = _collective("all-reduce", t.numel(), t, group, op)
         _run(coll, t, t, t.device)
     else:
@@ -386,7 +388,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=No
     op = _reduce_name(op)
     world = dist.get_world_size(group)
     even = input.numel() % world == 0 and output.numel() * world == input.numel()
-    if collective_path(_bytes(input), even, path) == "torch.distributed":
+    goes = collective_path("reduce-scatter", input.numel(), input.dtype, group, even, path)
+    if goes == "torch.distributed":
         _same_kind(input, output, "reduce_scatter")
         dist.reduce_scatter_tensor(_contiguous_out(output), input.contiguous(),
                                    op=_DIST_OPS[op], group=group)
@@ -407,7 +410,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
     group = _group(group)
     world = dist.get_world_size(group)
     even = output.numel() % world == 0 and input.numel() * world == output.numel()
-    if collective_path(_bytes(output), even, path) == "torch.distributed":
+    goes = collective_path("all-gather", output.numel(), input.dtype, group, even, path)
+    if goes == "torch.distributed":
         _same_kind(input, output, "all_gather")
         dist.all_gather_into_tensor(_contiguous_out(output), input.contiguous(), group=group)
         return output
@@ -427,7 +431,8 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
     group = _group(group)
     world = dist.get_world_size(group)
     even = input.numel() % world == 0 and output.numel() == input.numel()
-    if collective_path(_bytes(input), even, path) == "torch.distributed":
+    goes = collective_path("all-to-all", input.numel(), input.dtype, group, even, path)
+    if goes == "torch.distributed":
         _same_kind(input, output, "all_to_all")
         dist.all_to_all_single(_contiguous_out(output), input.contiguous(), group=group)
         return output

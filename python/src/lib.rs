@@ -9,7 +9,7 @@ mod group;
 
 use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath, GemmRsShape};
 use commfuse_core::gemm::BLayout;
-use commfuse_core::{Algo, OpKind, ReduceOp};
+use commfuse_core::{Algo, OpKind, OpSpec, ReduceOp};
 use commfuse_core::{DType, Element};
 use commfuse_sim::ag_gemm::{AgGemmConfig, SimAgGemm};
 use commfuse_sim::collective::SimCollective;
@@ -369,13 +369,22 @@ fn gemm_rs_path(
     Ok(choose_path(&shape).to_string())
 }
 
-/// Whether commfuse's collective of a message of `nbytes` (an all-reduce's tensor, a
-/// reduce-scatter's or all-to-all's input, an all-gather's output) on buffers of the caller's
-/// own is expected to beat NCCL's on them: the rule `commfuse.torch`'s collectives follow under
-/// `path="auto"` (commfuse_core::cost::USER_BUFFER_MAX_BYTES).
+/// Whether commfuse's collective `op` ("all-reduce", ...) of `count` elements (as its
+/// operators count them: an all-gather's output, a reduce-scatter's input) of `dtype` over
+/// `world` ranks, on buffers of the caller's own, is expected to beat NCCL's on them: the rule
+/// `commfuse.torch`'s collectives follow under `path="auto"`
+/// (commfuse_core::cost::prefers_commfuse_on_user_buffers).
 #[pyfunction]
-fn prefers_commfuse_on_user_buffers(nbytes: usize) -> bool {
-    commfuse_core::cost::prefers_commfuse_on_user_buffers(nbytes)
+fn prefers_commfuse_on_user_buffers(
+    op: &str,
+    world: usize,
+    count: usize,
+    dtype: &str,
+) -> PyResult<bool> {
+    let kind: OpKind = op.parse().map_err(value_error)?;
+    let spec = OpSpec::new(kind, world, count, 0).map_err(value_error)?;
+    let size = parse_dtype(dtype)?.size();
+    Ok(commfuse_core::cost::prefers_commfuse_on_user_buffers(&spec, size))
 }
 
 fn run_collective<T: Element>(

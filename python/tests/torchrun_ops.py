@@ -193,52 +193,63 @@ def check_collectives(rank, world, dtype, seed):
 
 
 def check_collective_paths(rank, world, dtype, seed):
-    """Where the collectives go by size (``cf.collective_path``): past the size where commfuse's
-    copies of the caller's tensors cost more than it gains, ``path="auto"`` hands an even
-    message to torch.distributed and builds no commfuse collective for it; a ragged one stays
-    with commfuse; ``path="commfuse"`` forces commfuse's; ``path="torch"`` on a ragged message
-    and an unknown path are refused. Every result equal to float64's bit for bit."""
+    """Where the collectives go (``cf.collective_path``): past what commfuse's LL protocol takes
+    and, for an all-reduce, past 4 MiB, ``path="auto"`` hands an even message to
+    torch.distributed and builds no commfuse collective for it; a ragged one stays with
+    commfuse; ``path="commfuse"`` forces commfuse's; ``path="torch"`` on a ragged message and an
+    unknown path are refused. Every result equal to float64's bit for bit."""
     from commfuse import _operators
     from commfuse._commfuse import prefers_commfuse_on_user_buffers
 
     dev = torch.device("cuda", rank)
-    size = torch.tensor([], dtype=dtype).element_size()
-    big = 0
-    while prefers_commfuse_on_user_buffers(big * size):
-        big += world * 65536
+    name = cf._name(dtype, "x")
     lines = []
+
+    def past(op):  # the first count divisible by P that commfuse leaves to NCCL
+        count = world
+        while prefers_commfuse_on_user_buffers(op, world, count, name):
+            count += world * 4096
+        return count
 
     def ints(s, n):
         g = torch.Generator().manual_seed(s)
         return [torch.randint(-8, 9, (n,), generator=g).to(dtype) for _ in range(world)]
 
     def built(kind, count):
-        key = (rank, kind, count, cf._name(dtype, "x"), "sum")
+        key = (rank, kind, count, name, "sum")
         return _operators.lookup("collective", dist.group.WORLD, key) is not None
 
+    def went(op, count, goes, path):
+        kind = op.replace("_", "-")
+        if cf.collective_path(kind, count, dtype, None, True, path) != goes or built(kind, count) != (
+                goes == "commfuse"):
+            raise AssertionError(f"{op} path={path} of {count} {dtype} did not go to {goes}")
+        lines.append(f"{op} {dtype} of {count} elements, path={path}: by {goes}")
+
+    big = past("all-reduce")
     for path, goes in [("auto", "torch.distributed"), ("commfuse", "commfuse")]:
         xs = ints(seed + len(path), big)
         t = xs[rank].to(dev)
         cf.all_reduce(t, path=path)
         torch.cuda.synchronize()
-        want = sum(x.double() for x in xs)
-        if not torch.equal(t.cpu().double(), want):
+        if not torch.equal(t.cpu().double(), sum(x.double() for x in xs)):
             raise AssertionError(f"all_reduce path={path} of {big} {dtype}: wrong sum")
-        if cf.collective_path(big * size, True, path) != goes or built("all-reduce", big) != (
-                goes == "commfuse"):
-            raise AssertionError(f"all_reduce path={path} of {big} {dtype} did not go to {goes}")
-        lines.append(f"all_reduce {dtype} of {big * size >> 20} MiB, path={path}: by {goes}")
-    ragged = big + 1
-    xs = ints(seed + 9, ragged)
-    mine = torch.tensor_split(torch.arange(ragged), world)[rank]
-    out = torch.full((len(mine),), float("nan"), dtype=dtype, device=dev)
-    cf.reduce_scatter(out, xs[rank].to(dev))
-    torch.cuda.synchronize()
-    if not torch.equal(out.cpu().double(), sum(x.double() for x in xs)[mine]):
-        raise AssertionError(f"reduce_scatter of {ragged} {dtype} (ragged): wrong sum")
-    if not built("reduce-scatter", ragged):
-        raise AssertionError(f"reduce_scatter of {ragged} {dtype} (ragged) did not go to commfuse")
-    lines.append(f"reduce_scatter {dtype} of {ragged} elements (ragged, past the size): by commfuse")
+        went("all_reduce", big, goes, path)
+    count = past("reduce-scatter")
+    for n, goes in [(count, "torch.distributed"), (count + 1, "commfuse")]:  # even, ragged
+        xs = ints(seed + n, n)
+        mine = torch.tensor_split(torch.arange(n), world)[rank]
+        out = torch.full((len(mine),), float("nan"), dtype=dtype, device=dev)
+        cf.reduce_scatter(out, xs[rank].to(dev))
+        torch.cuda.synchronize()
+        if not torch.equal(out.cpu().double(), sum(x.double() for x in xs)[mine]):
+            raise AssertionError(f"reduce_scatter of {n} {dtype}: wrong sum")
+        if goes == "commfuse":  # a ragged message: torch.distributed cannot split it
+            if not built("reduce-scatter", n):
+                raise AssertionError(f"reduce_scatter of {n} {dtype} (ragged) left commfuse")
+            lines.append(f"reduce_scatter {dtype} of {n} elements (ragged): by commfuse")
+        else:
+            went("reduce_scatter", n, goes, "auto")
     for what, call in [
         ("ragged path=torch", lambda: cf.reduce_scatter(out, xs[rank].to(dev), path="torch")),
         ("unknown path", lambda: cf.all_gather(out, out, path="nccl")),

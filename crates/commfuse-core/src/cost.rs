@@ -46,21 +46,26 @@ pub fn prefers_ll(spec: &OpSpec, elem_bytes: usize) -> bool {
     peers > 0 && spec.count > 0 && sent <= LL_AUTO_MAX_SENT_BYTES
 }
 
-/// The largest message (bytes of an all-reduce's tensor, of a reduce-scatter's or an
-/// all-to-all's input, of an all-gather's output) for which a library that has NCCL beside
-/// commfuse should run commfuse's collective on buffers of the caller's own. The plans read and
+/// The largest all-reduce (bytes of each rank's tensor) for which a library that has NCCL
+/// beside commfuse should run commfuse's plan on buffers of the caller's own. The plans read and
 /// write commfuse's symmetric buffers (peers load from and store into them), so a call on the
-/// caller's memory copies its input in and its output out, and those copies cost more than the
-/// plans gain over NCCL from there on: through `commfuse.torch` on 2 × H200 (bf16, eager,
-/// docs/gpu-2026-11-30f runs 4 and 6) commfuse took 0.83–1.0× NCCL's speed at 16 MiB and up
-/// (all-reduce 0.87× at 64 MiB) and 1.2–1.33× at 4 MiB. The LL protocol (up to
-/// [`LL_AUTO_MAX_SENT_BYTES`]) copies nothing, and lies below this.
-pub const USER_BUFFER_MAX_BYTES: usize = 4 << 20;
+/// caller's memory copies its input in and its output out, and past a few MiB those copies cost
+/// more than the plans gain over NCCL: through `commfuse.torch` on 2 × H200 (bf16, eager,
+/// docs/gpu-2026-11-30f runs 3–7) the one-shot all-reduce took 1.16–1.33× NCCL's speed at
+/// 4 MiB but 0.87–0.94× from 16 MiB, and the reduce-scatter's and all-gather's plans were at
+/// best even with NCCL once past the LL protocol's sizes (0.94–1.25× at 4 MiB). All-to-all, not
+/// measured, keeps the all-reduce's bound.
+pub const USER_BUFFER_ALL_REDUCE_MAX_BYTES: usize = 4 << 20;
 
-/// Whether commfuse's collective of a message of `bytes` (see [`USER_BUFFER_MAX_BYTES`]) on a
-/// caller's own buffers is expected to beat NCCL's on them.
-pub fn prefers_commfuse_on_user_buffers(bytes: usize) -> bool {
-    bytes <= USER_BUFFER_MAX_BYTES
+/// Whether commfuse's collective `spec` (elements of `elem_bytes` bytes) on a caller's own
+/// buffers is expected to beat NCCL's on them: where the LL protocol takes it (it copies
+/// nothing), and an all-reduce or all-to-all up to [`USER_BUFFER_ALL_REDUCE_MAX_BYTES`].
+pub fn prefers_commfuse_on_user_buffers(spec: &OpSpec, elem_bytes: usize) -> bool {
+    use crate::op::OpKind;
+    prefers_ll(spec, elem_bytes)
+        || matches!(spec.kind, OpKind::AllReduce | OpKind::AllToAll)
+            && spec.count * elem_bytes <= USER_BUFFER_ALL_REDUCE_MAX_BYTES
+        || matches!(spec.kind, OpKind::Barrier | OpKind::Broadcast)
 }
 
 /// Picks, among `spec`'s algorithms, the one whose checked plan the latency–bandwidth model of
@@ -226,10 +231,14 @@ impl fmt::Display for CostCard {
 mod tests {
     use super::*;
 
+    use crate::op::OpKind;
+
+    fn spec(kind: OpKind, world: usize, count: usize) -> OpSpec {
+        OpSpec::new(kind, world, count, 0).unwrap()
+    }
+
     #[test]
-    fn auto_takes_ll_for_small_all_reduces_only() {
-        use crate::op::OpKind;
-        let spec = |kind, world, count| OpSpec::new(kind, world, count, 0).unwrap();
+    fn auto_takes_ll_for_small_messages_only() {
         assert!(prefers_ll(&spec(OpKind::AllReduce, 2, 2048), 2));
         assert!(prefers_ll(&spec(OpKind::AllReduce, 2, 1 << 19), 2)); // 1 MiB
         assert!(!prefers_ll(&spec(OpKind::AllReduce, 2, (1 << 19) + 1), 2));
@@ -247,7 +256,22 @@ mod tests {
         assert!(!prefers_ll(&spec(OpKind::AllGather, 2, (1 << 20) + 2), 2));
         assert!(!prefers_ll(&spec(OpKind::AllToAll, 2, 2048), 2));
     }
-    use crate::op::OpKind;
+
+    #[test]
+    fn on_user_buffers_commfuse_takes_what_copies_nothing_and_small_all_reduces() {
+        let on_user =
+            |kind, world, count| prefers_commfuse_on_user_buffers(&spec(kind, world, count), 2);
+        // the LL protocol's sizes, every op it runs
+        for kind in [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather] {
+            assert!(on_user(kind, 2, 1 << 10));
+        }
+        // past them, an all-reduce up to 4 MiB; a reduce-scatter or all-gather goes to NCCL
+        assert!(on_user(OpKind::AllReduce, 2, 2 << 20));
+        assert!(!on_user(OpKind::AllReduce, 2, (2 << 20) + 1));
+        assert!(!on_user(OpKind::ReduceScatter, 2, (1 << 20) + 2));
+        assert!(!on_user(OpKind::AllGather, 2, (1 << 20) + 2));
+        assert!(on_user(OpKind::AllToAll, 2, 1 << 20));
+    }
 
     /// The choice is the candidate with the least predicted time, and it changes with size:
     /// latency-bound small messages and bandwidth-bound large ones want different plans.
