@@ -141,6 +141,19 @@ def _group(group):
     return group if group is not None else dist.group.WORLD
 
 
+def _world(group) -> int:
+    """The group's size, asked of torch.distributed once per group (every call needs it)."""
+    world = _WORLDS.get(id(group))
+    if world is None:
+        world = _WORLDS[id(group)] = dist.get_world_size(group)
+    return world
+
+
+# id(group) -> its size; (op, count, dtype, id(group)) -> where path="auto" sends that collective
+_WORLDS: dict = {}
+_ROUTES: dict = {}
+
+
 def _operator(kind: str, group, m: int, key: tuple, build):
     """The cached operator of ``key`` for calls of ``m`` rows (``commfuse._operators``), its
     exports carried by ``dist.all_gather_object``."""
@@ -247,7 +260,7 @@ def all_gather_gemm(
     g = _GemmOperands(a, b, bias, out_dtype)
     a, b, bias, out_dtype = g.a, g.b, g.bias, g.out_dtype
     dtype, out_name, layout, (rows, k), n = g.dtype, g.out_name, g.layout, a.shape, g.n
-    world = dist.get_world_size(group)
+    world = _world(group)
     total = m if m is not None else rows * world
     device = a.device.index
     key = (device, n, k, layout, dtype, out_name, bias is not None, pieces)
@@ -351,11 +364,17 @@ def collective_path(op: str, count: int, dtype: torch.dtype, group=None, even: b
     if path == "torch" and not even:
         raise ValueError('path="torch": torch.distributed splits a message evenly only, and this '
                          "one does not split evenly over the group")
-    if path == "auto" and even:
-        world = dist.get_world_size(_group(group))
-        if not prefers_commfuse_on_user_buffers(op, world, count, _name(dtype, "the tensor")):
-            return "torch.distributed"
-    return "torch.distributed" if path == "torch" else "commfuse"
+    if path != "auto" or not even:
+        return "torch.distributed" if path == "torch" else "commfuse"
+    group = _group(group)
+    # asked on every call: remembered, as a small message's call costs little more on the host
+    key = (op, count, dtype, id(group))
+    goes = _ROUTES.get(key)
+    if goes is None:
+        ours = prefers_commfuse_on_user_buffers(op, _world(group), count, _name(dtype, "the tensor"))
+        goes = _ROUTES[key] = "commfuse" if ours else "torch.distributed"
+    return goes
+
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, path: str = "auto") -> torch.Tensor:
@@ -386,7 +405,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=No
     _vector(output, "output")
     group = _group(group)
     op = _reduce_name(op)
-    world = dist.get_world_size(group)
+    world = _world(group)
     even = input.numel() % world == 0 and output.numel() * world == input.numel()
     goes = collective_path("reduce-scatter", input.numel(), input.dtype, group, even, path)
     if goes == "torch.distributed":
@@ -408,7 +427,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
     _vector(input, "input")
     _vector(output, "output")
     group = _group(group)
-    world = dist.get_world_size(group)
+    world = _world(group)
     even = output.numel() % world == 0 and input.numel() * world == output.numel()
     goes = collective_path("all-gather", output.numel(), input.dtype, group, even, path)
     if goes == "torch.distributed":
@@ -429,7 +448,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
     _vector(input, "input")
     _vector(output, "output")
     group = _group(group)
-    world = dist.get_world_size(group)
+    world = _world(group)
     even = input.numel() % world == 0 and output.numel() == input.numel()
     goes = collective_path("all-to-all", input.numel(), input.dtype, group, even, path)
     if goes == "torch.distributed":
@@ -476,3 +495,5 @@ def clear_cache() -> None:
     """Drops every cached operator (each waits for its last calls before freeing its memory);
     collective: every rank must call it at the same point."""
     _operators.clear()
+    _ROUTES.clear()
+    _WORLDS.clear()
