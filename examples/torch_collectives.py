@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse.torch as cf
-from tp_mlp import time_blocks
+from tp_mlp import time_blocks, timed_run
 
 
 def parse_size(text):
@@ -59,15 +59,7 @@ def makers(world, n, group):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4K,64K,256K,1M,4M,16M,64M,256M")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
-    group = dist.group.WORLD
+    args, rank, world, group = timed_run(parser, 20)
     if rank == 0:
         print(f"# commfuse.torch beside torch.distributed (NCCL), bf16, P = {world}, eager; ms")
         print(f"# {'op':>14} {'size':>6} {'auto':>9} {'commfuse':>9} {'NCCL':>9}"

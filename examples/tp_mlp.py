@@ -84,20 +84,25 @@ def time_blocks(blocks, args, group):
     return rows
 
 
+def timed_run(parser, iters):
+    """Adds the timing options (`time_blocks`'s) to `parser`, parses, and joins the process group
+    (NCCL, rank r on GPU r): the arguments, rank, world and group."""
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=iters)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    return args, rank, world, dist.group.WORLD
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="2048,8192", help="S, comma-separated")
     parser.add_argument("--hidden", type=int, default=8192, help="H")
     parser.add_argument("--ffn", type=int, default=28672, help="F (all ranks together)")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
-    group = dist.group.WORLD
+    args, rank, world, group = timed_run(parser, 10)
     no_async_tp = enable_async_tp(group)
     H, Fr = args.hidden, args.ffn // world
     g = torch.Generator(device="cuda").manual_seed(0)

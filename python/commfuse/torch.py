@@ -407,16 +407,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=No
     op = _reduce_name(op)
     world = _world(group)
     even = input.numel() % world == 0 and output.numel() * world == input.numel()
-    goes = collective_path("reduce-scatter", input.numel(), input.dtype, group, even, path)
-    if goes == "torch.distributed":
-        _same_kind(input, output, "reduce_scatter")
-        dist.reduce_scatter_tensor(_contiguous_out(output), input.contiguous(),
-                                   op=_DIST_OPS[op], group=group)
-        return output
-    coll = _collective("reduce-scatter", input.numel(), input, group, op)
-    _sizes(coll, input, output, "reduce_scatter")
-    _run(coll, input.contiguous(), _contiguous_out(output), input.device)
-    return output
+    return _into(("reduce-scatter", input.numel(), op), (output, input), group, (even, path),
+                 lambda out, inp: dist.reduce_scatter_tensor(out, inp, op=_DIST_OPS[op],
+                                                             group=group))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
@@ -429,15 +422,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
     group = _group(group)
     world = _world(group)
     even = output.numel() % world == 0 and input.numel() * world == output.numel()
-    goes = collective_path("all-gather", output.numel(), input.dtype, group, even, path)
-    if goes == "torch.distributed":
-        _same_kind(input, output, "all_gather")
-        dist.all_gather_into_tensor(_contiguous_out(output), input.contiguous(), group=group)
-        return output
-    coll = _collective("all-gather", output.numel(), input, group)
-    _sizes(coll, input, output, "all_gather")
-    _run(coll, input.contiguous(), _contiguous_out(output), input.device)
-    return output
+    return _into(("all-gather", output.numel(), "sum"), (output, input), group, (even, path),
+                 lambda out, inp: dist.all_gather_into_tensor(out, inp, group=group))
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
@@ -450,13 +436,22 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
     group = _group(group)
     world = _world(group)
     even = input.numel() % world == 0 and output.numel() == input.numel()
-    goes = collective_path("all-to-all", input.numel(), input.dtype, group, even, path)
-    if goes == "torch.distributed":
-        _same_kind(input, output, "all_to_all")
-        dist.all_to_all_single(_contiguous_out(output), input.contiguous(), group=group)
+    return _into(("all-to-all", input.numel(), "sum"), (output, input), group, (even, path),
+                 lambda out, inp: dist.all_to_all_single(out, inp, group=group))
+
+
+def _into(what, tensors, group, route, by_torch):
+    """What the collectives from one tensor into another share: ``what`` = (op, the count
+    commfuse counts, reduce op), ``tensors`` = (output, input), ``route`` = (whether the message
+    splits evenly, path); ``by_torch(output, input)`` runs torch.distributed's."""
+    (kind, count, reduce), (output, input) = what, tensors
+    name = kind.replace("-", "_")
+    if collective_path(kind, count, input.dtype, group, *route) == "torch.distributed":
+        _same_kind(input, output, name)
+        by_torch(_contiguous_out(output), input.contiguous())
         return output
-    coll = _collective("all-to-all", input.numel(), input, group)
-    _sizes(coll, input, output, "all_to_all")
+    coll = _collective(kind, count, input, group, reduce)
+    _sizes(coll, input, output, name)
     _run(coll, input.contiguous(), _contiguous_out(output), input.device)
     return output
 

@@ -384,7 +384,9 @@ fn prefers_commfuse_on_user_buffers(
     let kind: OpKind = op.parse().map_err(value_error)?;
     let spec = OpSpec::new(kind, world, count, 0).map_err(value_error)?;
     let size = parse_dtype(dtype)?.size();
-    Ok(commfuse_core::cost::prefers_commfuse_on_user_buffers(&spec, size))
+    Ok(commfuse_core::cost::prefers_commfuse_on_user_buffers(
+        &spec, size,
+    ))
 }
 
 fn run_collective<T: Element>(

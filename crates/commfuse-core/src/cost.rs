@@ -38,9 +38,7 @@ pub fn prefers_ll(spec: &OpSpec, elem_bytes: usize) -> bool {
     let peers = spec.world.saturating_sub(1);
     let sent = match spec.kind {
         OpKind::AllReduce => peers * spec.count,
-        OpKind::ReduceScatter | OpKind::AllGather => {
-            peers * spec.count.div_ceil(spec.world.max(1))
-        }
+        OpKind::ReduceScatter | OpKind::AllGather => peers * spec.count.div_ceil(spec.world.max(1)),
         _ => return false,
     } * elem_bytes;
     peers > 0 && spec.count > 0 && sent <= LL_AUTO_MAX_SENT_BYTES

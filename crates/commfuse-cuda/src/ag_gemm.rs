@@ -535,7 +535,8 @@ impl AgGemmRank {
         for q in (0..self.world).filter(|&q| q != self.rank) {
             let index = s.done_index(q);
             let wait = Some((mem.flags.addr() + 8 * index as u64, 0, FlagCmp::Ge));
-            mem.steps.queue(&self.side, wait, None, (self.world, index))?;
+            mem.steps
+                .queue(&self.side, wait, None, (self.world, index))?;
         }
         Ok(())
     }

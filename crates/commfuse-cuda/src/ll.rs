@@ -51,8 +51,16 @@ fn geometry() -> (u32, u32) {
                 .unwrap_or(default)
         };
         (
-            read("COMMFUSE_LL_THREADS", &|t| (64..=512).contains(&t) && t % 32 == 0, THREADS),
-            read("COMMFUSE_LL_MAX_BLOCKS", &|b| (1..=COUNTERS as u32).contains(&b), MAX_BLOCKS),
+            read(
+                "COMMFUSE_LL_THREADS",
+                &|t| (64..=512).contains(&t) && t % 32 == 0,
+                THREADS,
+            ),
+            read(
+                "COMMFUSE_LL_MAX_BLOCKS",
+                &|b| (1..=COUNTERS as u32).contains(&b),
+                MAX_BLOCKS,
+            ),
         )
     })
 }
@@ -188,7 +196,8 @@ impl LlRank {
             output,
             ..self.args
         };
-        self.function.launch(self.blocks, self.threads, stream, &args)
+        self.function
+            .launch(self.blocks, self.threads, stream, &args)
     }
 }
 

@@ -198,7 +198,12 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
             }
         }
         if s.ends_with_done() {
-            ctx.notify(s.sender(rank), self.slot(s.done_index()), call, NotifyOp::Set)?;
+            ctx.notify(
+                s.sender(rank),
+                self.slot(s.done_index()),
+                call,
+                NotifyOp::Set,
+            )?;
             let what = "the receiver's done of this call";
             self.wait(ctx, s.done_index(), call, Cmp::Ge, what)?;
         }

@@ -378,7 +378,10 @@ mod tests {
         for world in [2, 3] {
             let one = ring(world, 4 * world, 2).plan_in_sets(1).unwrap();
             let e = crate::check(one).unwrap_err().to_string();
-            assert!(e.contains("overwrites") || e.contains("last written by"), "P={world}: {e}");
+            assert!(
+                e.contains("overwrites") || e.contains("last written by"),
+                "P={world}: {e}"
+            );
         }
         let e = ring(3, 13, 2).plan().unwrap_err();
         assert!(e.to_string().contains("multiple of P"), "{e}");
