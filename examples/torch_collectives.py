@@ -63,7 +63,8 @@ def main():
     if rank == 0:
         print(f"# commfuse.torch beside torch.distributed (NCCL), bf16, P = {world}, eager; ms")
         print(f"# {'op':>14} {'size':>6} {'auto':>9} {'commfuse':>9} {'NCCL':>9}"
-              f" {'auto/NCCL':>9} {'cf/NCCL':>8}  check  auto goes to")
+              f" {'auto/NCCL':>9} {'cf/NCCL':>8}  check  auto goes to        host ms/call"
+              " (auto, commfuse, NCCL)")
     for size in args.sizes.split(","):
         n = parse_size(size) // 2 // world * world
         for name, make in makers(world, n, group):
@@ -85,7 +86,9 @@ def main():
                 goes = cf.collective_path(name, n, torch.bfloat16)
                 print(f"  {name:>14} {size:>6} {t['auto']:9.4f} {t['commfuse']:9.4f} {t['nccl']:9.4f}"
                       f" {t['nccl'] / t['auto']:8.2f}x {t['nccl'] / t['commfuse']:7.2f}x"
-                      f"  {'OK' if diff.item() < 2**-6 else 'DIFFERS'}  {goes}", flush=True)
+                      f"  {'OK' if diff.item() < 2**-6 else 'DIFFERS'}  {goes:<17}"
+                      f"  {rows['auto'][3]:.4f} {rows['commfuse'][3]:.4f} {rows['nccl'][3]:.4f}",
+                      flush=True)
     dist.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ interleaved in rounds, medians of the slowest rank.
 
 import argparse
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -61,24 +62,30 @@ def enable_async_tp(group):
 
 
 def time_blocks(blocks, args, group):
-    """Median ms per call of each block on the slowest rank, and the min-max of the rounds."""
+    """Per block, on the slowest rank: the median ms per call, the min and max of the rounds'
+    times, and the median host ms per call (the time to queue a round's calls: a loop whose host
+    time matches its GPU time is bound by the host, not by the GPU)."""
     for f in blocks.values():
         for _ in range(args.warmup):
             f()
     per_round = {name: [] for name in blocks}
+    host = {name: [] for name in blocks}
     for _ in range(args.rounds):
         for name, f in blocks.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             dist.barrier(group=group)
             start.record()
+            began = time.perf_counter()
             for _ in range(args.iters):
                 f()
+            host[name].append((time.perf_counter() - began) * 1e3 / args.iters)
             end.record()
             end.synchronize()
             per_round[name].append(start.elapsed_time(end) / args.iters)
     rows = {}
     for name, times in per_round.items():
-        t = torch.tensor([statistics.median(times), min(times), max(times)], device="cuda")
+        t = torch.tensor([statistics.median(times), min(times), max(times),
+                          statistics.median(host[name])], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank
         rows[name] = t.tolist()
     return rows
@@ -155,7 +162,7 @@ def main():
                 if name not in rows:
                     print(f"{name:>30} {'-':>10} {'':>16} {'':>9} {'':>8}  {check}")
                     continue
-                med, lo, hi = rows[name]
+                med, lo, hi, _ = rows[name]
                 print(f"{name:>30} {med:10.4f} {lo:7.4f}-{hi:<8.4f} {flop / med / 1e9:9.1f}"
                       f" {base / med:7.2f}x  {check}")
     cf.clear_cache()
