@@ -157,42 +157,34 @@ __device__ __forceinline__ void store_word(const LlArgs& a, u32 i, const float* 
     }
 }
 
-// Stores words i and i + 1 (i alone when i + 1 is `end`) of this rank's input of `count`
-// elements into peer q's buffer, each in a line tagged with call `seq`: one 16-byte store.
-template <typename T>
-__device__ __forceinline__ void send_words(const LlArgs& a, u32 q, u32 i, u32 end, u32 count, u32 seq) {
-    const u64 tag = (u64)seq << 32;
-    const u64 l0 = tag | input_word<T>(a, i, count);
-    u64* dst = reinterpret_cast<u64*>(a.bufs[q]) + line_index(a, a.rank, i, seq);
-    if (i + 1 >= end) store_line(dst, l0);
-    else store_lines(dst, l0, tag | input_word<T>(a, i + 1, count));
-}
-
-// Words i and i + 1 (i alone when `one`) of rank q's input of `count` elements: this rank's
-// from its input, a peer's from its lines once they carry call `seq`; false when the wait gave
-// up (recorded).
-template <typename T>
-__device__ __forceinline__ bool words_from(const LlArgs& a, u32 q, u32 i, bool one, u32 count, u32 seq,
-                                           u32* w0, u32* w1) {
-    *w1 = 0;
-    if (q != a.rank) return receive(a, q, i, one, seq, w0, w1);
-    *w0 = input_word<T>(a, i, count);
-    if (!one) *w1 = input_word<T>(a, i + 1, count);
-    return true;
-}
-
-// All-reduce and reduce-scatter: each peer's elements (all, or its chunk) to it, then this
-// rank's reduced in rank order. `first` and `stride` place this thread's word pairs.
 template <typename T, int OP>
-__device__ void ll_reduce(const LlArgs& a, u32 seq, u32 first, u32 stride, int* failed) {
+__device__ void ll_all_reduce(const LlArgs& a) {
     constexpr int PER_WORD = 4 / sizeof(T);
-    // send: two words per thread to every peer, all stores in flight before any wait
+    __shared__ u32 seq_shared;
+    __shared__ int failed;
+    if (threadIdx.x == 0) {
+        seq_shared = (u32)(*(volatile const u64*)(a.calls + blockIdx.x) + 1);
+        failed = 0;
+    }
+    __syncthreads();
+    const u32 seq = seq_shared;
+    const u32 stride = 2 * gridDim.x * blockDim.x;
+    const u64 tag = (u64)seq << 32;
+    const u32 first = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+    // send: two words per thread to every peer (all of them, or the peer's chunk), all stores
+    // in flight before any wait
     for (u32 d = 1; d < a.world; ++d) {
         const u32 q = (a.rank + d) % a.world;
         u32 e0, e1, lo, hi;
         chunk_of(a, q, &e0, &e1);
         pairs_of<T>(e0, e1, &lo, &hi);
-        for (u32 i = lo + first; i < hi; i += stride) send_words<T>(a, q, i, hi, a.count, seq);
+        for (u32 i = lo + first; i < hi; i += stride) {
+            const bool one = i + 1 >= hi;
+            const u64 l0 = tag | input_word<T>(a, i, a.count);
+            u64* dst = reinterpret_cast<u64*>(a.bufs[q]) + line_index(a, a.rank, i, seq);
+            if (one) store_line(dst, l0);
+            else store_lines(dst, l0, tag | input_word<T>(a, i + 1, a.count));
+        }
     }
     // receive and reduce this rank's elements, in rank order
     u32 e0, e1, lo, hi;
@@ -202,42 +194,67 @@ __device__ void ll_reduce(const LlArgs& a, u32 seq, u32 first, u32 stride, int* 
         const bool one = i + 1 >= hi;
         float acc0[PER_WORD], acc1[PER_WORD];
         for (u32 q = 0; q < a.world; ++q) {
-            u32 w0, w1;
-            if (!words_from<T>(a, q, i, one, a.count, seq, &w0, &w1)) {
-                *failed = 1;
+            u32 w0, w1 = 0;
+            if (q == a.rank) {
+                w0 = input_word<T>(a, i, a.count);
+                if (!one) w1 = input_word<T>(a, i + 1, a.count);
+            } else if (!receive(a, q, i, one, seq, &w0, &w1)) {
+                failed = 1;
                 break;
             }
             fold_word<T, OP>(acc0, w0, q == 0);
             fold_word<T, OP>(acc1, w1, q == 0);
         }
-        if (*failed) break;
+        if (failed) break;
         store_word<T>(a, i, acc0, e0, e1);
         if (!one) store_word<T>(a, i + 1, acc1, e0, e1);
     }
+    // this block's call is done: its counter moves on (every block's moves once per call)
+    __syncthreads();
+    if (threadIdx.x == 0 && !failed) *(volatile u64*)(a.calls + blockIdx.x) = seq;
 }
 
-// All-gather: this rank's chunk (its whole input) to every peer, then every rank's chunk into
-// the output at its place — its own from its input, a peer's from the lines it sent.
+// The all-gather: this rank's chunk (its whole input) to every peer, then every rank's chunk
+// into the output at its place — its own from its input, a peer's from the lines it sent.
 template <typename T>
-__device__ void ll_gather(const LlArgs& a, u32 seq, u32 first, u32 stride, int* failed) {
+__device__ void ll_all_gather(const LlArgs& a) {
     constexpr int PER_WORD = 4 / sizeof(T);
-    const auto words_of = [](u32 len) { return (u32)(((u64)len * sizeof(T) + 3) / 4); };
+    __shared__ u32 seq_shared;
+    __shared__ int failed;
+    if (threadIdx.x == 0) {
+        seq_shared = (u32)(*(volatile const u64*)(a.calls + blockIdx.x) + 1);
+        failed = 0;
+    }
+    __syncthreads();
+    const u32 seq = seq_shared;
+    const u32 stride = 2 * gridDim.x * blockDim.x;
+    const u64 tag = (u64)seq << 32;
+    const u32 first = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
     u32 m0, m1;
     chunk_range(a, a.rank, &m0, &m1);
-    const u32 mine = m1 - m0;
+    const u32 mine = m1 - m0, my_words = (u32)(((u64)mine * sizeof(T) + 3) / 4);
     for (u32 d = 1; d < a.world; ++d) {
         const u32 q = (a.rank + d) % a.world;
-        for (u32 i = first; i < words_of(mine); i += stride) send_words<T>(a, q, i, words_of(mine), mine, seq);
+        for (u32 i = first; i < my_words; i += stride) {
+            const u64 l0 = tag | input_word<T>(a, i, mine);
+            u64* dst = reinterpret_cast<u64*>(a.bufs[q]) + line_index(a, a.rank, i, seq);
+            if (i + 1 >= my_words) store_line(dst, l0);
+            else store_lines(dst, l0, tag | input_word<T>(a, i + 1, mine));
+        }
     }
     T* out = reinterpret_cast<T*>(a.output);
-    for (u32 q = 0; q < a.world && !*failed; ++q) {
+    for (u32 q = 0; q < a.world && !failed; ++q) {
         u32 e0, e1;
         chunk_range(a, q, &e0, &e1);
-        const u32 len = e1 - e0, words = words_of(len);
+        const u32 len = e1 - e0, words = (u32)(((u64)len * sizeof(T) + 3) / 4);
         for (u32 i = first; i < words; i += stride) {
-            u32 w[2];
-            if (!words_from<T>(a, q, i, i + 1 >= words, len, seq, &w[0], &w[1])) {
-                *failed = 1;
+            const bool one = i + 1 >= words;
+            u32 w[2] = {0, 0};
+            if (q == a.rank) {
+                w[0] = input_word<T>(a, i, len);
+                if (!one) w[1] = input_word<T>(a, i + 1, len);
+            } else if (!receive(a, q, i, one, seq, &w[0], &w[1])) {
+                failed = 1;
                 break;
             }
             const T* x = reinterpret_cast<const T*>(w);
@@ -248,29 +265,15 @@ __device__ void ll_gather(const LlArgs& a, u32 seq, u32 first, u32 stride, int* 
             }
         }
     }
-}
-
-// One call of any mode: the block reads its call number, the mode runs, and the block's counter
-// moves on (every block's moves once per call; a block whose wait gave up leaves it behind).
-template <typename T, int OP>
-__device__ void ll_call(const LlArgs& a) {
-    __shared__ u32 seq_shared;
-    __shared__ int failed;
-    if (threadIdx.x == 0) {
-        seq_shared = (u32)(*(volatile const u64*)(a.calls + blockIdx.x) + 1);
-        failed = 0;
-    }
-    __syncthreads();
-    const u32 seq = seq_shared;
-    const u32 first = 2 * (blockIdx.x * blockDim.x + threadIdx.x), stride = 2 * gridDim.x * blockDim.x;
-    if (a.mode == LL_ALL_GATHER) ll_gather<T>(a, seq, first, stride, &failed);
-    else ll_reduce<T, OP>(a, seq, first, stride, &failed);
     __syncthreads();
     if (threadIdx.x == 0 && !failed) *(volatile u64*)(a.calls + blockIdx.x) = seq;
 }
 
-#define COMMFUSE_LL(NAME, T, OP) \
-    extern "C" __global__ void __launch_bounds__(512) NAME(const LlArgs args) { ll_call<T, OP>(args); }
+#define COMMFUSE_LL(NAME, T, OP)                                                        \
+    extern "C" __global__ void __launch_bounds__(512) NAME(const LlArgs args) {         \
+        if (args.mode == LL_ALL_GATHER) ll_all_gather<T>(args);                         \
+        else ll_all_reduce<T, OP>(args);                                                \
+    }
 
 // ll_all_reduce_<type>_<op>: every mode (an all-gather's op is not used)
 COMMFUSE_EACH_TYPE_AND_OP(COMMFUSE_LL, ll_all_reduce)
