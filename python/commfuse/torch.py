@@ -371,7 +371,8 @@ def collective_path(op: str, count: int, dtype: torch.dtype, group=None, even: b
     key = (op, count, dtype, id(group))
     goes = _ROUTES.get(key)
     if goes is None:
-        ours = prefers_commfuse_on_user_buffers(op, _world(group), count, _name(dtype, "the tensor"))
+        world = _world(group)
+        ours = prefers_commfuse_on_user_buffers(op, world, count, _name(dtype, "the tensor"))
         goes = _ROUTES[key] = "commfuse" if ours else "torch.distributed"
     return goes
 

@@ -11,9 +11,10 @@
 //! rank raises "done" on every peer, and waits for nothing: it is the side stream that waits for
 //! a peer's done of the previous call, before its first copy into that peer, so no cross-GPU
 //! round trip lies on the caller's stream. Dropping a rank first waits (bounded) for its peers'
-//! dones of its last call, the last writes into its memory. The first call of each M lets cuBLASLt choose its algorithms and runs each piece's GEMM
-//! once before queueing anything (after the earlier calls, waited for on the host): a kernel
-//! loaded while a flag wait spins can stall the peers (docs/gpu-2026-11-30c).
+//! dones of its last call, the last writes into its memory. The first call of each M lets
+//! cuBLASLt choose its algorithms and runs each piece's GEMM once before queueing anything
+//! (after the earlier calls, waited for on the host): a kernel loaded while a flag wait spins
+//! can stall the peers (docs/gpu-2026-11-30c).
 //!
 //! The flag steps number the calls on the device (each call's last step advances the rank's
 //! count), so a call captured into a CUDA graph is a new call at every replay; the first call of
