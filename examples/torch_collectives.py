@@ -15,6 +15,8 @@ medians of the slowest rank.
 """
 
 import argparse
+import re
+import subprocess
 
 import torch
 import torch.distributed as dist
@@ -56,9 +58,44 @@ def makers(world, n, group):
     return [("all-reduce", ar), ("reduce-scatter", rs), ("all-gather", ag)]
 
 
+def nvlink_bytes(device):
+    """The NVLink data counters of GPU `device` (`nvidia-smi nvlink -gt d`), summed over its
+    links: (sent, received) bytes, or None where nvidia-smi does not print them."""
+    try:
+        text = subprocess.run(["nvidia-smi", "nvlink", "-gt", "d", "-i", str(device)],
+                              capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sums = {"tx": 0, "rx": 0}
+    for way, value, unit in re.findall(r"Data (Tx|Rx):\s*([0-9]+)\s*(KiB|MiB|GiB|B)", text):
+        sums[way.lower()] += int(value) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
+    return (sums["tx"], sums["rx"]) if text and (sums["tx"] or sums["rx"]) else None
+
+
+def nvlink_per_call(calls, iters, group, device):
+    """Per path, the bytes this GPU sent and received over NVLink per call during `iters` calls
+    of it (the other rank makes the same calls meanwhile): whether a collective's peer bytes go
+    over NVLink at all."""
+    out = {}
+    for path, call in calls.items():
+        dist.barrier(group=group)
+        before = nvlink_bytes(device)
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        after = nvlink_bytes(device)
+        if before is None or after is None:
+            return None
+        out[path] = tuple((b - a) / iters for a, b in zip(before, after))
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4K,64K,256K,1M,4M,16M,64M,256M")
+    parser.add_argument("--nvlink", action="store_true",
+                        help="also read rank 0's GPU's NVLink counters around each path's calls")
     args, rank, world, group = timed_run(parser, 20)
     if rank == 0:
         print(f"# commfuse.torch beside torch.distributed (NCCL), bf16, P = {world}, eager; ms")
@@ -81,6 +118,7 @@ def main():
             diff = torch.tensor([diff], device="cuda")
             dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
             rows = time_blocks(calls, args, group)
+            links = nvlink_per_call(calls, args.iters, group, rank) if args.nvlink else None
             if rank == 0:
                 t = {p: rows[p][0] for p in calls}
                 goes = cf.collective_path(name, n, torch.bfloat16)
@@ -89,6 +127,11 @@ def main():
                       f"  {'OK' if diff.item() < 2**-6 else 'DIFFERS'}  {goes:<17}"
                       f"  {rows['auto'][3]:.4f} {rows['commfuse'][3]:.4f} {rows['nccl'][3]:.4f}",
                       flush=True)
+                if args.nvlink:
+                    seen = "not readable" if links is None else "  ".join(
+                        f"{p} {tx / 2**20:.2f} / {rx / 2**20:.2f}" for p, (tx, rx) in links.items())
+                    print(f"  {'':>14} {'':>6} NVLink MiB sent / received per call: {seen}",
+                          flush=True)
     dist.destroy_process_group()
 
 
