@@ -141,28 +141,32 @@ def _group(group):
     return group if group is not None else dist.group.WORLD
 
 
+# id(group) -> (the group, its size, {(op, count, dtype): where path="auto" sends it}); the
+# group is kept so that its id is not reused while its entry lives (as commfuse._operators does)
+_GROUPS: dict = {}
+
+
+def _group_state(group) -> tuple:
+    """What every call asks of its group, asked of torch.distributed once per group."""
+    state = _GROUPS.get(id(group))
+    if state is None:
+        state = _GROUPS[id(group)] = (group, dist.get_world_size(group), {})
+    return state
+
+
 def _world(group) -> int:
-    """The group's size, asked of torch.distributed once per group (every call needs it)."""
-    world = _WORLDS.get(id(group))
-    if world is None:
-        world = _WORLDS[id(group)] = dist.get_world_size(group)
-    return world
-
-
-# id(group) -> its size; (op, count, dtype, id(group)) -> where path="auto" sends that collective
-_WORLDS: dict = {}
-_ROUTES: dict = {}
+    return _group_state(group)[1]
 
 
 def _operator(kind: str, group, m: int, key: tuple, build):
     """The cached operator of ``key`` for calls of ``m`` rows (``commfuse._operators``), its
     exports carried by ``dist.all_gather_object``."""
-    # the group's rank and size are asked only when an operator is built, off the hot path
+    # the group's rank is asked only when an operator is built, off the hot path
     def build_here(max_m: int):
-        return build(dist.get_rank(group), dist.get_world_size(group), max_m)
+        return build(dist.get_rank(group), _world(group), max_m)
 
     def all_gather(data: bytes):
-        exports = [None] * dist.get_world_size(group)
+        exports = [None] * _world(group)
         dist.all_gather_object(exports, data, group=group)
         return exports
 
@@ -366,16 +370,13 @@ def collective_path(op: str, count: int, dtype: torch.dtype, group=None, even: b
                          "one does not split evenly over the group")
     if path != "auto" or not even:
         return "torch.distributed" if path == "torch" else "commfuse"
-    group = _group(group)
     # asked on every call: remembered, as a small message's call costs little more on the host
-    key = (op, count, dtype, id(group))
-    goes = _ROUTES.get(key)
+    _, world, routes = _group_state(_group(group))
+    goes = routes.get((op, count, dtype))
     if goes is None:
-        world = _world(group)
         ours = prefers_commfuse_on_user_buffers(op, world, count, _name(dtype, "the tensor"))
-        goes = _ROUTES[key] = "commfuse" if ours else "torch.distributed"
+        goes = routes[(op, count, dtype)] = "commfuse" if ours else "torch.distributed"
     return goes
-
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, path: str = "auto") -> torch.Tensor:
@@ -491,5 +492,4 @@ def clear_cache() -> None:
     """Drops every cached operator (each waits for its last calls before freeing its memory);
     collective: every rank must call it at the same point."""
     _operators.clear()
-    _ROUTES.clear()
-    _WORLDS.clear()
+    _GROUPS.clear()

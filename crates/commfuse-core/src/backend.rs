@@ -229,7 +229,7 @@ pub trait Backend {
     fn baselines(&self, _op: OpKind) -> Vec<&'static str> {
         Vec::new()
     }
-    /// commfuse's own implementations of `op` beyond the plans (the LL all-reduce), by name:
+    /// commfuse's own implementations of `op` beyond the plans (the LL protocol), by name:
     /// prepared like baselines, with [`Backend::prepare_baseline`], and benched as ours.
     fn protocols(&self, _op: OpKind) -> Vec<&'static str> {
         Vec::new()

@@ -21,12 +21,14 @@ pub struct AlgoChoice {
     pub candidates: Vec<(Algo, Result<f64, Error>)>,
 }
 
-/// Bytes a rank sends in all up to which an all-reduce or a reduce-scatter goes by the LL
-/// protocol (data and the call's number in every 8-byte line, one NVLink trip) where a backend
-/// has it and the caller left the choice to `auto`: on 2 × H200 the all-reduce beat every plan
-/// and NCCL from 4 KiB to 1 MiB and lost to both at 4 MiB (docs/gpu-2026-11-30e, run 8). The
-/// one-shot all-reduce sends its whole message to each of the P − 1 peers, the reduce-scatter
-/// each peer's chunk; beyond two GPUs the crossover is a prediction, not a measurement.
+/// Bytes a rank sends in all up to which an all-reduce, a reduce-scatter or an all-gather goes
+/// by the LL protocol (data and the call's number in every 8-byte line, one NVLink trip) where a
+/// backend has it and the caller left the choice to `auto`: on 2 × H200 the all-reduce beat
+/// every plan and NCCL from 4 KiB to 1 MiB and lost to both at 4 MiB (docs/gpu-2026-11-30e,
+/// run 8), and the all-gather beat them to 2 MiB (docs/gpu-2026-11-30f, run 7). The one-shot
+/// all-reduce sends its whole message to each of the P − 1 peers, the reduce-scatter each
+/// peer's chunk, the all-gather its own chunk; beyond two GPUs the crossover is a prediction,
+/// not a measurement.
 pub const LL_AUTO_MAX_SENT_BYTES: usize = 1 << 20;
 
 /// The LL protocol's name among a backend's protocols ([`crate::backend::Backend::protocols`]).

@@ -441,9 +441,10 @@ impl Backend for CudaBackend {
     }
 
     fn protocols(&self, op: OpKind) -> Vec<&'static str> {
-        match op {
-            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather => vec![crate::ll::LL],
-            _ => Vec::new(),
+        if crate::ll::runs(op) {
+            vec![crate::ll::LL]
+        } else {
+            Vec::new()
         }
     }
 

@@ -90,7 +90,7 @@ struct RankMemory {
     error: MappedHost<ErrorRecord>,
     /// The rank's table, once connected
     table: Option<DeviceTable>,
-    /// The LL all-reduce, where `auto` takes it for this op (its buffer is what the peers
+    /// The LL protocol, where `auto` takes it for this op (its buffer is what the peers
     /// store into)
     ll: Option<LlRank>,
     /// The peers' pads and buffers opened into this process
@@ -145,8 +145,8 @@ impl CollectiveAllocation {
         let pad_bytes = max_lanes as usize * PAD_SLOTS * 8;
         let b = plan.plan().buffers;
         let error = MappedHost::new(&gpu, ErrorRecord::default())?;
-        // small all-reduces and reduce-scatters left to `auto` go by the LL protocol (the plan
-        // stays built: it is what the op is checked against, and it is small)
+        // small all-reduces, reduce-scatters and all-gathers left to `auto` go by the LL
+        // protocol (the plan stays built: it is what the op is checked against, and it is small)
         let ll = match config.algo.is_none() && prefers_ll(&spec, eb) {
             true => Some(LlRank::new(
                 &gpu,

@@ -2,9 +2,9 @@
 //! rank stores its input (a reduce-scatter: each peer's chunk of it; an all-gather: its chunk),
 //! 4 bytes with the call's number in every 8-byte line, straight into every peer's LL buffer,
 //! and reduces the P inputs (or copies the P chunks out) once their lines carry this call's
-//! number — one NVLink trip and no separate signal, two lines per 16-byte store. The protocol is the simulator's (`commfuse_sim::protocol::ll_*`, model checked with
-//! loom there); calls number themselves on the device, so they can be replayed from a CUDA
-//! graph.
+//! number — one NVLink trip and no separate signal, two lines per 16-byte store. The protocol
+//! is the simulator's (`commfuse_sim::protocol::ll_*`, model checked with loom there); calls
+//! number themselves on the device, so they can be replayed from a CUDA graph.
 //!
 //! It runs as a protocol named [`LL`] beside the plans and NCCL in the collectives' bench and
 //! checks (`Backend::protocols`), and inside [`crate::collective_rank`] where `auto` takes it.
@@ -95,9 +95,14 @@ fn mode(kind: OpKind) -> Option<u32> {
     }
 }
 
+/// Whether the LL protocol runs `kind` at all.
+pub fn runs(kind: OpKind) -> bool {
+    mode(kind).is_some()
+}
+
 /// Whether the LL protocol takes `kind` of `bytes` (the op's `count` elements).
 pub fn takes(kind: OpKind, bytes: usize) -> Result<(), String> {
-    if mode(kind).is_none() {
+    if !runs(kind) {
         return Err(format!(
             "the LL protocol runs all-reduce, reduce-scatter and all-gather only, not {kind}"
         ));
@@ -111,9 +116,9 @@ pub fn takes(kind: OpKind, bytes: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// One rank's LL all-reduce, reduce-scatter or all-gather of `count` elements (as `OpSpec`): its kernel (in its GPU's
-/// context), its LL buffer (which its peers store into), its call counters, and the kernel's
-/// arguments once the peers' buffers are known.
+/// One rank's LL all-reduce, reduce-scatter or all-gather of `count` elements (as `OpSpec`
+/// counts them): its kernel (in its GPU's context), its LL buffer (which its peers store into),
+/// its call counters, and the kernel's arguments once the peers' buffers are known.
 pub(crate) struct LlRank {
     function: Function,
     /// Read by the peers' kernels: exported to them, freed only after the last call
@@ -180,12 +185,13 @@ impl LlRank {
         self.args.calls = self.counters.addr();
     }
 
-    /// Queues one call on `stream`: `input` (`count` elements) into `output` (as many, or
-    /// this rank's chunk of them for a reduce-scatter; an all-reduce's may be `input`).
+    /// Queues one call on `stream`: `input` into `output`, of the op's lengths (`OpSpec`'s
+    /// `input_len` and `output_len`: an all-reduce's `count` elements each, and its output may
+    /// be `input`; a reduce-scatter's output and an all-gather's input this rank's chunk).
     ///
     /// # Safety
     /// `stream` must be a stream of this rank's GPU; `input` and `output` device memory of it
-    /// holding `count` elements, valid until the call completes; every rank's buffer named in
+    /// holding those lengths, valid until the call completes; every rank's buffer named in
     /// `connect` must stay valid until then.
     pub unsafe fn launch(&self, stream: &Stream, input: u64, output: u64) -> Result<(), CudaError> {
         if self.args.words == 0 {
