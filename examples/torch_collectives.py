@@ -15,6 +15,7 @@ medians of the slowest rank.
 """
 
 import argparse
+import os
 import re
 import subprocess
 
@@ -96,6 +97,10 @@ def main():
     parser.add_argument("--sizes", default="4K,64K,256K,1M,4M,16M,64M,256M")
     parser.add_argument("--nvlink", action="store_true",
                         help="also read rank 0's GPU's NVLink counters around each path's calls")
+    parser.add_argument("--contexts", action="store_true",
+                        help="at the end, list the processes nvidia-smi sees on each GPU beside "
+                             "the ranks' pids (a rank's context on another rank's GPU would "
+                             "time-slice with that rank's kernels)")
     args, rank, world, group = timed_run(parser, 20)
     if rank == 0:
         print(f"# commfuse.torch beside torch.distributed (NCCL), bf16, P = {world}, eager; ms")
@@ -130,8 +135,20 @@ def main():
                 if args.nvlink:
                     seen = "not readable" if links is None else "  ".join(
                         f"{p} {tx / 2**20:.2f} / {rx / 2**20:.2f}" for p, (tx, rx) in links.items())
-                    print(f"  {'':>14} {'':>6} NVLink MiB sent / received per call: {seen}",
+                    print(f"  {'':>14} {'':>6} NVLink MiB sent / received per call: {seen};"
+                          " rounds' ms min-max: " + "  ".join(
+                              f"{p} {rows[p][1]:.4f}-{rows[p][2]:.4f}" for p in calls),
                           flush=True)
+    if args.contexts:
+        pids = [None] * world
+        dist.all_gather_object(pids, (os.getpid(), torch.cuda.current_device()), group=group)
+        if rank == 0:
+            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id,used_memory",
+                                   "--format=csv,noheader"], capture_output=True, text=True,
+                                  timeout=20).stdout
+            print(f"# ranks' (pid, GPU): {pids}; nvidia-smi's compute processes:")
+            print("\n".join(f"#   {line}" for line in apps.splitlines()))
+        dist.barrier(group=group)
     dist.destroy_process_group()
 
 

@@ -34,6 +34,10 @@ pub const LL_AUTO_MAX_SENT_BYTES: usize = 1 << 20;
 /// The LL protocol's name among a backend's protocols ([`crate::backend::Backend::protocols`]).
 pub const LL_PROTOCOL: &str = "ll";
 
+/// The copy-engine protocol's name among a backend's protocols (large messages moved by the
+/// copy engines, the SMs only reducing).
+pub const CE_PROTOCOL: &str = "ce";
+
 /// Whether `auto` takes the LL protocol for `spec` with elements of `elem_bytes` bytes.
 pub fn prefers_ll(spec: &OpSpec, elem_bytes: usize) -> bool {
     use crate::op::OpKind;

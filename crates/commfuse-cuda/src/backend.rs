@@ -441,11 +441,9 @@ impl Backend for CudaBackend {
     }
 
     fn protocols(&self, op: OpKind) -> Vec<&'static str> {
-        if crate::ll::runs(op) {
-            vec![crate::ll::LL]
-        } else {
-            Vec::new()
-        }
+        let ll = crate::ll::runs(op).then_some(crate::ll::LL);
+        let ce = crate::ce::runs(op).then_some(crate::ce::CE);
+        ll.into_iter().chain(ce).collect()
     }
 
     fn prepare_baseline(
@@ -458,6 +456,9 @@ impl Backend for CudaBackend {
         self.check_usable()?;
         if name == crate::ll::LL {
             return crate::ll::prepare(self, spec, dtype, reduce);
+        }
+        if name == crate::ce::CE {
+            return crate::ce::prepare(self, spec, dtype, reduce);
         }
         crate::nccl::prepare(self, name, spec, dtype, reduce)
     }

@@ -920,6 +920,18 @@ impl Stream {
         )
     }
 
+    /// Enqueues writing `value` to the 8 bytes at device address `dst` (this GPU's or a peer's)
+    /// once the stream's earlier work is done, that work's writes made visible first (the
+    /// driver's default memory barrier): a flag that tells another GPU a copy has landed.
+    ///
+    /// # Safety
+    /// `dst` must stay valid device memory, aligned to 8 bytes, until the write completes.
+    pub unsafe fn write_value_u64(&self, dst: u64, value: u64) -> Result<(), CudaError> {
+        check("cuStreamWriteValue64", unsafe {
+            sys::cuStreamWriteValue64_v2(self.raw, dst, value, 0)
+        })
+    }
+
     /// Enqueues setting `bytes` bytes at device address `dst` to `value`.
     ///
     /// # Safety

@@ -14,6 +14,7 @@
 pub mod ag_gemm;
 pub mod ag_gemm_bench;
 pub mod backend;
+pub mod ce;
 pub mod collective;
 pub mod collective_rank;
 pub mod cublaslt;

@@ -53,6 +53,10 @@ pub const KERNELS: &[Source] = &[
         name: "ll.cu",
         text: include_str!("../kernels/ll.cu"),
     },
+    Source {
+        name: "ce.cu",
+        text: include_str!("../kernels/ce.cu"),
+    },
 ];
 
 pub fn kernel(name: &str) -> Option<Source> {

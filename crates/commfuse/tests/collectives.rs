@@ -144,13 +144,14 @@ fn gpu_worlds() -> Result<Vec<usize>, String> {
 
 backend_suite!(cuda, BackendKind::Cuda, gpu_worlds());
 
-/// Checks the LL protocol (`Backend::protocols`) of backend `kind` for `ops` on `worlds`, for
-/// every type and reduce op in `cases` (a reduce-scatter's chunks may start inside a 4-byte
-/// word), counts from one element to LL's larger sizes (odd
-/// counts of 2-byte types pad their last word): four calls each, the last three queued back to
-/// back without host synchronisation, every element against float64.
-fn ll_matrix(
+/// Checks protocol `name` (`Backend::protocols`: LL, the copy engines) of backend `kind` for
+/// `ops` on `worlds`, for every type and reduce op in `cases` (a reduce-scatter's chunks may
+/// start inside a 4-byte word), for `counts` (odd counts of 2-byte types pad LL's last word):
+/// four calls each, the last three queued back to back without host synchronisation, every
+/// element against float64.
+fn protocol_matrix(
     kind: BackendKind,
+    name: &str,
     (ops, worlds): (&[OpKind], &[usize]),
     cases: &[(DType, ReduceOp)],
     counts: &[usize],
@@ -167,8 +168,11 @@ fn ll_matrix(
                 let mut req = Request::new(op, Algo::Ring, count, dtype);
                 req.reduce = reduce;
                 req.seed = seed.wrapping_add(runs);
-                let what = format!("ll {op} {dtype} {reduce} P={p} n={count} seed={}", req.seed);
-                match driver::run_named(backend.as_ref(), LL_PROTOCOL, &req, CALLS) {
+                let what = format!(
+                    "{name} {op} {dtype} {reduce} P={p} n={count} seed={}",
+                    req.seed
+                );
+                match driver::run_named(backend.as_ref(), name, &req, CALLS) {
                     Ok((c, _)) if c.ok() => {
                         // every defined output element of every rank was compared
                         let spec = commfuse_core::OpSpec::new(op, p, count, 0).unwrap();
@@ -204,12 +208,43 @@ fn ll_all_reduce_on_gpus() {
         .collect();
     let counts = [1, 7, 1001, 4096, 65_537, 1 << 20];
     let ops = [OpKind::AllReduce, OpKind::ReduceScatter];
-    ll_matrix(BackendKind::Cuda, (&ops, &worlds), &cases, &counts);
-    let gathers: Vec<(DType, ReduceOp)> = DType::ALL.map(|d| (d, ReduceOp::Sum)).to_vec();
-    ll_matrix(
+    protocol_matrix(
         BackendKind::Cuda,
+        LL_PROTOCOL,
+        (&ops, &worlds),
+        &cases,
+        &counts,
+    );
+    let gathers: Vec<(DType, ReduceOp)> = DType::ALL.map(|d| (d, ReduceOp::Sum)).to_vec();
+    protocol_matrix(
+        BackendKind::Cuda,
+        LL_PROTOCOL,
         (&[OpKind::AllGather], &worlds),
         &gathers,
+        &counts,
+    );
+}
+
+/// The copy-engine protocol (`commfuse_cuda::ce`) on every world size the GPUs allow: sums of
+/// every type and every op of bf16, from one element (most ranks' chunks empty) to a ragged count
+/// whose chunks span two sub-chunks of the default 4 MiB (run with `COMMFUSE_CE_SUB_BYTES=65536`
+/// the same counts span up to 64 sub-chunks, the last ones ragged or empty); chunks that do not
+/// start on 16 bytes take the kernel's element-by-element path.
+#[test]
+fn ce_collectives_on_gpus() {
+    let worlds = match gpu_worlds() {
+        Ok(w) => w,
+        Err(why) => return commfuse_cuda::testing::skip(&format!("cuda backend: {why}")),
+    };
+    let mut cases: Vec<(DType, ReduceOp)> = DType::ALL.map(|d| (d, ReduceOp::Sum)).to_vec();
+    cases.extend([ReduceOp::Max, ReduceOp::Min, ReduceOp::Prod].map(|r| (DType::BF16, r)));
+    let counts = [1, 7, 1001, 65_537, 4_200_011];
+    let ops = [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather];
+    protocol_matrix(
+        BackendKind::Cuda,
+        commfuse_core::cost::CE_PROTOCOL,
+        (&ops, &worlds),
+        &cases,
         &counts,
     );
 }
@@ -218,8 +253,9 @@ fn ll_all_reduce_on_gpus() {
 #[test]
 fn ll_all_reduce_on_the_simulator() {
     let worlds: Vec<usize> = (1..=9).collect();
-    ll_matrix(
+    protocol_matrix(
         BackendKind::Sim,
+        LL_PROTOCOL,
         (&[OpKind::AllReduce], &worlds),
         &[(DType::F32, ReduceOp::Sum)],
         &[1, 7, 1001, 4099],
