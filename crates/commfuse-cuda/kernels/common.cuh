@@ -101,10 +101,30 @@ __device__ __forceinline__ void notify(u64* slot, u64 value, u32 op) {
     else add_release_sys(slot, value);
 }
 
+// When a waiter reads the host-mapped abort word: only once it has waited ABORT_POLL_NS, and
+// then once per ABORT_POLL_SPINS polls. The word lives in host memory, so every read crosses
+// PCIe: with every waiting thread reading it every 256 polls, thousands of spinning threads
+// flooded the GPU's PCIe link, and the GPU's front end (which fetches the next launches and
+// stream operations from host memory) fell behind — calls then took a millisecond where they
+// take microseconds (docs/perf.md, seventh session). A wait that ends sooner never reads it.
+constexpr u64 ABORT_POLL_NS = 200000;
+constexpr u32 ABORT_POLL_SPINS = 1u << 14;
+
+// waiter_check: a waiter's periodic check (every 256 polls, after `waited` ns and `spins`
+// polls): GO_ON, ABORTED when the abort was raised, or TIMED_OUT past timeout_ns. Keeps no
+// state, so that no wait loop holds one more live register for it.
+enum GiveUp { GO_ON = 0, ABORTED = 1, TIMED_OUT = 2 };
+__device__ __forceinline__ GiveUp waiter_check(const volatile ErrorRecord* err, u64 waited, u32 spins, u64 timeout_ns) {
+    // called once per 256 polls, so once per ABORT_POLL_SPINS polls the low bits fall below 256
+    if (waited >= ABORT_POLL_NS && (spins & (ABORT_POLL_SPINS - 1)) < 256 && load_relaxed_sys_u32(&err->abort))
+        return ABORTED;
+    return waited > timeout_ns ? TIMED_OUT : GO_ON;
+}
+
 // Spins until the slot compares true with `expected` (acquire, system scope). Gives up after
 // timeout_ns, recording rank, lane, step, slot, expected and seen value, or when another waiter
 // already gave up. Returns false when it gave up.
-__device__ bool wait_signal(const u64* slot, u32 cmp, u64 expected, u64 timeout_ns, volatile ErrorRecord* err,
+__device__ __forceinline__ bool wait_signal(const u64* slot, u32 cmp, u64 expected, u64 timeout_ns, volatile ErrorRecord* err,
                             u32 rank, u32 lane, u32 step, u32 slot_index) {
     u64 seen = load_acquire_sys(slot);
     if (holds(cmp, seen, expected)) return true;
@@ -117,8 +137,9 @@ __device__ bool wait_signal(const u64* slot, u32 cmp, u64 expected, u64 timeout_
             return true;
         }
         if ((spins & 255) == 0) {
-            if (load_relaxed_sys_u32(&err->abort)) return false;
-            if (global_timer_ns() - start > timeout_ns) {
+            const GiveUp why = waiter_check(err, global_timer_ns() - start, spins, timeout_ns);
+            if (why == ABORTED) return false;
+            if (why == TIMED_OUT) {
                 // the first waiter to give up, on any GPU, writes the record
                 if (cas_sys(&err->flag, 0u, 1u) == 0u) {
                     err->rank = rank;

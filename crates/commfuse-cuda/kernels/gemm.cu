@@ -442,7 +442,7 @@ __device__ __forceinline__ void fold_wait(const GemmParams& p, const TileRoute& 
             }
             // half the pipeline's bound: the other roles' waits for this block must not run out
             // (and trap) while it waits here
-            if ((spins & 255) == 0 && (p.err->abort || global_timer_ns() - start > p.timeout_ns / 2)) {
+            if ((spins & 255) == 0 && waiter_check(p.err, global_timer_ns() - start, spins, p.timeout_ns / 2) != GO_ON) {
                 if (atomicCAS_system((u32*)&p.err->flag, 0u, 3u) == 0u) {
                     p.err->rank = p.rank;
                     p.err->lane = blockIdx.x;

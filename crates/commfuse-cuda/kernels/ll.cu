@@ -92,8 +92,9 @@ __device__ __forceinline__ bool receive(const LlArgs& a, u32 q, u32 i, bool one,
             return true;
         }
         if ((spins & 255) == 255) {
-            if (load_relaxed_sys_u32(&a.err->abort)) return false;
-            if (global_timer_ns() - start > a.timeout_ns) {
+            const GiveUp why = waiter_check(a.err, global_timer_ns() - start, spins, a.timeout_ns);
+            if (why == ABORTED) return false;
+            if (why == TIMED_OUT) {
                 if (cas_sys(&a.err->flag, 0u, 1u) == 0u) {
                     a.err->rank = a.rank;
                     a.err->lane = blockIdx.x;

@@ -7,10 +7,9 @@
 //!
 //! What it does (docs/gpu-2026-11-30g, runs 2–5): every result right, but **no faster than the
 //! plans** — reduce-scatter 246–254 GB/s at 256 MiB where the direct plan reaches 296–307,
-//! all-gather 303–326 against 334–353, all-reduce 338 GB/s at 1 GiB, as the ring plan — and
-//! erratic where the reduce kernel fills the GPU or a sub-chunk is large (see
-//! [`REDUCE_BLOCKS`]): the side streams' copies and flags then progress slowly while the reduce
-//! kernel spins. So `auto` never takes it; it stays a protocol of the bench
+//! all-gather 303–326 against 334–353, all-reduce 338 GB/s at 1 GiB, as the ring plan. Its first
+//! runs were erratic (see [`REDUCE_BLOCKS`]): that is how the waits' reads of host memory were
+//! found to stall the GPU's front end. `auto` never takes it; it stays a protocol of the bench
 //! (`Backend::protocols`) for what it shows.
 //! `COMMFUSE_CE_STREAMS`, `COMMFUSE_CE_SUB_BYTES` and `COMMFUSE_CE_REDUCE_BLOCKS` set its side
 //! streams, sub-chunk size and reduce kernel's blocks.
@@ -70,11 +69,12 @@ const STREAMS: usize = 2;
 const MAX_STREAMS: usize = 8;
 const REDUCE_THREADS: u32 = 512;
 /// Most blocks of the reduce kernel, unless `COMMFUSE_CE_REDUCE_BLOCKS` (1 to 1024) says
-/// otherwise. Measured (docs/gpu-2026-11-30g run 5, bf16, 4 MiB sub-chunks, 2 side streams):
-/// 264 blocks (two per multiprocessor, the whole GPU) made calls erratic — a 256 MiB
-/// all-reduce from 0.8 to 2.3 ms — as if the side streams' work stalled while the spinning
-/// kernel held every multiprocessor; 64 blocks ran steadily (all-reduce 1 GiB 3.17 ms, 338 GB/s,
-/// as fast as the ring plan); 16 and 4 blocks could not reduce as fast as the bytes arrived.
+/// otherwise. Measured (docs/gpu-2026-11-30g runs 3, 5, 6; bf16, 4 MiB sub-chunks, 2 side
+/// streams): 264 blocks (two per multiprocessor) made calls erratic — a 1 GiB all-reduce from 4.1
+/// to 9.5 ms — until the waits stopped reading the host-mapped abort word every 256 polls
+/// (`ABORT_POLL_NS` in kernels/common.cuh), after which they ran as steadily as 64 (all-reduce
+/// 1 GiB 3.17 ms, 338 GB/s, as fast as the ring plan); 16 and 4 blocks cannot reduce as fast
+/// as the bytes arrive. 64 holds fewer multiprocessors for the same time.
 const REDUCE_BLOCKS: u32 = 64;
 /// `lane` of a timeout recorded by `ce_wait`: the flags were the peers' "ready" (all-gather) or
 /// "gathered" (all-reduce, all-gather); a reduce kernel's timeout records its block instead.
@@ -383,9 +383,10 @@ impl CeLauncher {
         let others = (1..l.world).map(|d| (r + d) % l.world);
         let side = |i: usize| &me.copies[i % me.copies.len()].0;
         // a copy into a peer, then its flag there, on side stream `on`
-        // a flag is a stream memory operation, not a kernel: a kernel queued on a side stream
-        // did not start while the reduce kernel ran, and the reduce kernel waited for its flag
-        // until the timeout (docs/gpu-2026-11-30g run 4)
+        // a flag is a stream memory operation, not a kernel: a one-thread kernel queued on a
+        // side stream did not start while the reduce kernel ran, which then waited for its flag
+        // until the timeout (docs/gpu-2026-11-30g run 4, before the waits' reads of host memory
+        // were made rare; not tried since)
         let send =
             |on: &Stream, (dst, src, bytes): (u64, u64, usize), (q, flag): (usize, usize)| {
                 on.copy_peer_async((peers[q].ctx, dst), (ctx, src), bytes)?;
