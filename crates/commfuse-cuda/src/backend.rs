@@ -362,16 +362,12 @@ impl Launcher for FailingLaunch {
         self.inner.launch(bufs, r, on)
     }
 
-    fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {
-        self.inner.before(backend)
+    fn records_waits(&self) -> bool {
+        self.inner.records_waits()
     }
 
-    fn after(
-        &self,
-        backend: &CudaBackend,
-        result: Result<Vec<CallTiming>, BackendError>,
-    ) -> Result<Vec<CallTiming>, BackendError> {
-        self.inner.after(backend, result)
+    fn describe_timeout(&self, backend: &CudaBackend, rec: &ErrorRecord) -> BackendError {
+        self.inner.describe_timeout(backend, rec)
     }
 }
 
@@ -736,17 +732,45 @@ pub(crate) trait Launcher: Sync {
     fn capturable(&self) -> bool {
         true
     }
+    /// Whether this launcher's kernels record a wait that gave up in the backend's error record
+    /// (the plans', LL's, the copy engines'): the record is then cleared before each batch, and
+    /// after it a recorded timeout or a failed batch marks the backend broken — the ranks'
+    /// protocol state (pads, counters, epochs) is then apart.
+    fn records_waits(&self) -> bool {
+        false
+    }
+    /// What a timeout recorded by this launcher's kernels means, in its words.
+    fn describe_timeout(&self, backend: &CudaBackend, rec: &ErrorRecord) -> BackendError {
+        BackendError::DeviceWaitTimeout {
+            rank: rec.rank as usize,
+            lane: rec.lane,
+            slot: Slot::new(rec.step, rec.slot),
+            expected: rec.expected,
+            seen: rec.seen,
+            timeout_ms: backend.timeout.as_millis() as u64,
+        }
+    }
     /// Runs before a batch; a backend left unusable by a failed batch refuses it.
     fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {
-        backend.check_usable()
+        if self.records_waits() {
+            backend.before_recorded_batch()
+        } else {
+            backend.check_usable()
+        }
     }
     /// Sees the batch's outcome.
     fn after(
         &self,
-        _backend: &CudaBackend,
+        backend: &CudaBackend,
         result: Result<Vec<CallTiming>, BackendError>,
     ) -> Result<Vec<CallTiming>, BackendError> {
-        result
+        if !self.records_waits() {
+            return result;
+        }
+        let failure = backend
+            .recorded_timeout()
+            .map(|rec| self.describe_timeout(backend, &rec));
+        backend.after_recorded_batch(failure, result)
     }
 }
 
@@ -812,6 +836,21 @@ impl Drop for StopGuard<'_> {
             let _ = backend.stop();
         }
     }
+}
+
+/// A [`GpuCall`] of `dtype` elements, boxed as a [`PreparedCall`]: the one place the element
+/// type is chosen for launchers that serve every type (LL, the copy engines, NCCL).
+pub(crate) fn boxed_call<'a, L: Launcher + 'a>(
+    backend: &'a CudaBackend,
+    dtype: DType,
+    sizes: (usize, usize, usize),
+    launcher: impl FnOnce(&[RankBuffers]) -> Result<L, BackendError>,
+) -> Result<Box<dyn PreparedCall + 'a>, BackendError> {
+    Ok(match dtype {
+        DType::F32 => Box::new(GpuCall::<f32, _>::new(backend, sizes, launcher)?),
+        DType::BF16 => Box::new(GpuCall::<bf16, _>::new(backend, sizes, launcher)?),
+        DType::F16 => Box::new(GpuCall::<f16, _>::new(backend, sizes, launcher)?),
+    })
 }
 
 impl<'a, T: Element, L: Launcher> GpuCall<'a, T, L> {
@@ -1114,19 +1153,9 @@ impl PlanLauncher {
 
     /// The timeout a kernel recorded, if any.
     pub(crate) fn failure(&self, backend: &CudaBackend) -> Option<BackendError> {
-        let rec = backend.error.read();
-        if rec.flag == 0 {
-            return None;
-        }
-        let cols = self.plan.plan().pad_cols;
-        Some(BackendError::DeviceWaitTimeout {
-            rank: rec.rank as usize,
-            lane: rec.lane,
-            slot: Slot::new(rec.slot / cols, rec.slot % cols),
-            expected: rec.expected,
-            seen: rec.seen,
-            timeout_ms: backend.timeout.as_millis() as u64,
-        })
+        backend
+            .recorded_timeout()
+            .map(|rec| self.describe_timeout(backend, &rec))
     }
 }
 
@@ -1140,17 +1169,21 @@ impl Launcher for PlanLauncher {
             .map_err(BackendError::from)
     }
 
-    fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {
-        backend.before_recorded_batch()
+    fn records_waits(&self) -> bool {
+        true
     }
 
-    fn after(
-        &self,
-        backend: &CudaBackend,
-        result: Result<Vec<CallTiming>, BackendError>,
-    ) -> Result<Vec<CallTiming>, BackendError> {
-        // a timed-out or failed call leaves the pads mid-protocol
-        backend.after_recorded_batch(self.failure(backend), result)
+    fn describe_timeout(&self, backend: &CudaBackend, rec: &ErrorRecord) -> BackendError {
+        // the plan kernel records its pad slot as one index
+        let cols = self.plan.plan().pad_cols;
+        BackendError::DeviceWaitTimeout {
+            rank: rec.rank as usize,
+            lane: rec.lane,
+            slot: Slot::new(rec.slot / cols, rec.slot % cols),
+            expected: rec.expected,
+            seen: rec.seen,
+            timeout_ms: backend.timeout.as_millis() as u64,
+        }
     }
 }
 

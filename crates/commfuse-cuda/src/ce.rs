@@ -40,15 +40,14 @@
 //! repeat the numbers): the bench runs it eagerly only. It runs as a protocol named [`CE`]
 //! beside the plans, the LL protocol and NCCL (`Backend::protocols`), on one process's GPUs.
 
-use crate::backend::{typed_kernel, CudaBackend, GpuCall, Launcher, Rank, RankBuffers};
+use crate::backend::{boxed_call, typed_kernel, CudaBackend, Launcher, Rank, RankBuffers};
 use crate::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
 use crate::error::CudaError;
 use crate::nvrtc;
 use crate::plan_table::ErrorRecord;
-use commfuse_core::backend::{BackendError, CallTiming, PreparedCall};
+use commfuse_core::backend::{BackendError, PreparedCall};
 use commfuse_core::op::chunk_range;
 use commfuse_core::{DType, OpKind, OpSpec, ReduceOp};
-use half::{bf16, f16};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -353,11 +352,7 @@ pub(crate) fn prepare<'a>(
         })
     };
     let sizes = (spec.input_capacity(), spec.output_capacity(), 0);
-    Ok(match dtype {
-        DType::F32 => Box::new(GpuCall::<f32, _>::new(backend, sizes, launcher)?),
-        DType::BF16 => Box::new(GpuCall::<bf16, _>::new(backend, sizes, launcher)?),
-        DType::F16 => Box::new(GpuCall::<f16, _>::new(backend, sizes, launcher)?),
-    })
+    boxed_call(backend, dtype, sizes, launcher)
 }
 
 impl CeLauncher {
@@ -551,19 +546,12 @@ impl Launcher for CeLauncher {
         false
     }
 
-    fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {
-        backend.before_recorded_batch()
+    fn records_waits(&self) -> bool {
+        true
     }
 
-    fn after(
-        &self,
-        backend: &CudaBackend,
-        result: Result<Vec<CallTiming>, BackendError>,
-    ) -> Result<Vec<CallTiming>, BackendError> {
-        let failure = backend.recorded_timeout().map(|rec| {
-            CudaError::Stalled(describe_timeout(self.layout.kind, &rec, self.timeout)).into()
-        });
-        backend.after_recorded_batch(failure, result)
+    fn describe_timeout(&self, _backend: &CudaBackend, rec: &ErrorRecord) -> BackendError {
+        CudaError::Stalled(describe_timeout(self.layout.kind, rec, self.timeout)).into()
     }
 }
 

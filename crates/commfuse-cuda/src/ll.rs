@@ -9,14 +9,13 @@
 //! It runs as a protocol named [`LL`] beside the plans and NCCL in the collectives' bench and
 //! checks (`Backend::protocols`), and inside [`crate::collective_rank`] where `auto` takes it.
 
-use crate::backend::{typed_kernel, CudaBackend, GpuCall, Launcher, Rank, RankBuffers};
+use crate::backend::{boxed_call, typed_kernel, CudaBackend, Launcher, Rank, RankBuffers};
 use crate::driver::{DeviceMemory, Function, Gpu, Module, Stream};
 use crate::error::CudaError;
 use crate::nvrtc;
 use crate::plan_table::{ErrorRecord, MAX_RANKS};
-use commfuse_core::backend::{BackendError, CallTiming, PreparedCall};
-use commfuse_core::{DType, OpKind, OpSpec, ReduceOp, Slot};
-use half::{bf16, f16};
+use commfuse_core::backend::{BackendError, PreparedCall};
+use commfuse_core::{DType, OpKind, OpSpec, ReduceOp};
 use std::time::Duration;
 
 /// The candidate's name in the collectives' bench.
@@ -219,7 +218,6 @@ pub(crate) fn describe_timeout(kind: OpKind, rec: &ErrorRecord, timeout: Duratio
 /// Every rank's LL collective for the backend's ranks.
 pub(crate) struct LlLauncher {
     ranks: Vec<LlRank>,
-    timeout_ms: u64,
 }
 
 /// Prepares the LL collective of `spec` on every rank of `backend`.
@@ -251,18 +249,9 @@ pub(crate) fn prepare<'a>(
     for r in &mut ranks {
         r.connect(&buffers);
     }
-    let launcher = |_: &[RankBuffers]| {
-        Ok(LlLauncher {
-            ranks,
-            timeout_ms: timeout.as_millis() as u64,
-        })
-    };
+    let launcher = |_: &[RankBuffers]| Ok(LlLauncher { ranks });
     let sizes = (spec.input_capacity(), spec.output_capacity(), 0);
-    Ok(match dtype {
-        DType::F32 => Box::new(GpuCall::<f32, _>::new(backend, sizes, launcher)?),
-        DType::BF16 => Box::new(GpuCall::<bf16, _>::new(backend, sizes, launcher)?),
-        DType::F16 => Box::new(GpuCall::<f16, _>::new(backend, sizes, launcher)?),
-    })
+    boxed_call(backend, dtype, sizes, launcher)
 }
 
 impl Launcher for LlLauncher {
@@ -273,27 +262,8 @@ impl Launcher for LlLauncher {
         unsafe { self.ranks[r].launch(&rank.stream, input, output) }.map_err(BackendError::from)
     }
 
-    fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {
-        backend.before_recorded_batch()
-    }
-
-    fn after(
-        &self,
-        backend: &CudaBackend,
-        result: Result<Vec<CallTiming>, BackendError>,
-    ) -> Result<Vec<CallTiming>, BackendError> {
-        // a wait that gave up leaves the ranks' call counters apart
-        let failure = backend
-            .recorded_timeout()
-            .map(|rec| BackendError::DeviceWaitTimeout {
-                rank: rec.rank as usize,
-                lane: rec.lane,
-                // the sender waited for, and the word
-                slot: Slot::new(rec.step, rec.slot),
-                expected: rec.expected,
-                seen: rec.seen,
-                timeout_ms: self.timeout_ms,
-            });
-        backend.after_recorded_batch(failure, result)
+    fn records_waits(&self) -> bool {
+        // the default description names the sender waited for (step) and the word (slot)
+        true
     }
 }

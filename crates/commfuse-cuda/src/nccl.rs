@@ -5,14 +5,13 @@
 //! NVLink multicast (NVLS) must never be used on the project's machines: the CLI sets
 //! NCCL_NVLS_ENABLE=0 before any NCCL call, and `Comms::new` refuses to start without it.
 
-use crate::backend::{CudaBackend, GpuCall, Launcher, Rank, RankBuffers};
+use crate::backend::{boxed_call, CudaBackend, Launcher, Rank, RankBuffers};
 use crate::error::CudaError;
 use commfuse_core::backend::{BackendError, CallTiming, PreparedCall};
 use commfuse_core::op::chunk_range;
 use commfuse_core::{DType, OpKind, OpSpec, ReduceOp};
 use cudarc::driver::result as drv;
 use cudarc::nccl::{result, sys};
-use half::{bf16, f16};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -245,11 +244,7 @@ pub(crate) fn prepare<'a>(
             reduce,
         })
     };
-    Ok(match dtype {
-        DType::F32 => Box::new(GpuCall::<f32, _>::new(backend, sizes, launcher)?),
-        DType::BF16 => Box::new(GpuCall::<bf16, _>::new(backend, sizes, launcher)?),
-        DType::F16 => Box::new(GpuCall::<f16, _>::new(backend, sizes, launcher)?),
-    })
+    boxed_call(backend, dtype, sizes, launcher)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
