@@ -136,9 +136,11 @@ class _GemmOperands:
 
 
 def _group(group):
+    if group is not None:
+        return group  # a group exists only once torch.distributed is initialised
     if not dist.is_initialized():
         raise ValueError("commfuse.torch needs torch.distributed initialised (init_process_group)")
-    return group if group is not None else dist.group.WORLD
+    return dist.group.WORLD
 
 
 # id(group) -> (the group, its size, {(op, count, dtype): where path="auto" sends it}); the
@@ -363,20 +365,25 @@ def collective_path(op: str, count: int, dtype: torch.dtype, group=None, even: b
     its plans gain (``commfuse_core::cost::prefers_commfuse_on_user_buffers``, measured), when
     the message splits evenly over the group (``even``), which torch.distributed needs.
     ``"commfuse"`` and ``"torch"`` ask for one of them."""
+    return _route(op, count, dtype, _group_state(_group(group)), even, path)
+
+
+def _route(op: str, count: int, dtype: torch.dtype, state: tuple, even: bool, path: str) -> str:
+    """:func:`collective_path` for a group already looked up (its ``_group_state``): the
+    collectives ask it on every call, so it does no more than a dictionary lookup once a size
+    has been routed (a host-bound loop of NCCL-sized calls shows every microsecond)."""
+    if path == "auto" and even:
+        goes = state[2].get((op, count, dtype))
+        if goes is None:
+            ours = prefers_commfuse_on_user_buffers(op, state[1], count, _name(dtype, "the tensor"))
+            goes = state[2][(op, count, dtype)] = "commfuse" if ours else "torch.distributed"
+        return goes
     if path not in ("auto", "commfuse", "torch"):
         raise ValueError(f'path must be "auto", "commfuse" or "torch", got {path!r}')
     if path == "torch" and not even:
         raise ValueError('path="torch": torch.distributed splits a message evenly only, and this '
                          "one does not split evenly over the group")
-    if path != "auto" or not even:
-        return "torch.distributed" if path == "torch" else "commfuse"
-    # asked on every call: remembered, as a small message's call costs little more on the host
-    _, world, routes = _group_state(_group(group))
-    goes = routes.get((op, count, dtype))
-    if goes is None:
-        ours = prefers_commfuse_on_user_buffers(op, world, count, _name(dtype, "the tensor"))
-        goes = routes[(op, count, dtype)] = "commfuse" if ours else "torch.distributed"
-    return goes
+    return "torch.distributed" if path == "torch" else "commfuse"
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, path: str = "auto") -> torch.Tensor:
@@ -387,7 +394,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, path: str = "auto") -
     group = _group(group)
     op = _reduce_name(op)
     t = tensor.contiguous()
-    if collective_path("all-reduce", t.numel(), t.dtype, group, True, path) == "commfuse":
+    if _route("all-reduce", t.numel(), t.dtype, _group_state(group), True, path) == "commfuse":
         coll = _collective("all-reduce", t.numel(), t, group, op)
         _run(coll, t, t, t.device)
     else:
@@ -407,9 +414,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=No
     _vector(output, "output")
     group = _group(group)
     op = _reduce_name(op)
-    world = _world(group)
-    even = input.numel() % world == 0 and output.numel() * world == input.numel()
-    return _into(("reduce-scatter", input.numel(), op), (output, input), group, (even, path),
+    state = _group_state(group)
+    n, world = input.numel(), state[1]
+    even = n % world == 0 and output.numel() * world == n
+    return _into(("reduce-scatter", n, op), (output, input), (group, state), (even, path),
                  lambda out, inp: dist.reduce_scatter_tensor(out, inp, op=_DIST_OPS[op],
                                                              group=group))
 
@@ -422,9 +430,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
     _vector(input, "input")
     _vector(output, "output")
     group = _group(group)
-    world = _world(group)
-    even = output.numel() % world == 0 and input.numel() * world == output.numel()
-    return _into(("all-gather", output.numel(), "sum"), (output, input), group, (even, path),
+    state = _group_state(group)
+    n, world = output.numel(), state[1]
+    even = n % world == 0 and input.numel() * world == n
+    return _into(("all-gather", n, "sum"), (output, input), (group, state), (even, path),
                  lambda out, inp: dist.all_gather_into_tensor(out, inp, group=group))
 
 
@@ -436,22 +445,26 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
     _vector(input, "input")
     _vector(output, "output")
     group = _group(group)
-    world = _world(group)
-    even = input.numel() % world == 0 and output.numel() == input.numel()
-    return _into(("all-to-all", input.numel(), "sum"), (output, input), group, (even, path),
+    state = _group_state(group)
+    n = input.numel()
+    even = n % state[1] == 0 and output.numel() == n
+    return _into(("all-to-all", n, "sum"), (output, input), (group, state), (even, path),
                  lambda out, inp: dist.all_to_all_single(out, inp, group=group))
 
 
-def _into(what, tensors, group, route, by_torch):
+def _into(what, tensors, group_state, route, by_torch):
     """What the collectives from one tensor into another share: ``what`` = (op, the count
-    commfuse counts, reduce op), ``tensors`` = (output, input), ``route`` = (whether the message
-    splits evenly, path); ``by_torch(output, input)`` runs torch.distributed's."""
-    (kind, count, reduce), (output, input) = what, tensors
-    name = kind.replace("-", "_")
-    if collective_path(kind, count, input.dtype, group, *route) == "torch.distributed":
-        _same_kind(input, output, name)
+    commfuse counts, reduce op), ``tensors`` = (output, input), ``group_state`` = (the group,
+    its ``_group_state``), ``route`` = (whether the message splits evenly, path);
+    ``by_torch(output, input)`` runs torch.distributed's."""
+    (kind, count, reduce), (output, input), (group, state) = what, tensors, group_state
+    if _route(kind, count, input.dtype, state, *route) == "torch.distributed":
+        # the checks of _same_kind, by integer device indices (cheaper than torch.device)
+        if output.dtype != input.dtype or output.get_device() != input.get_device():
+            _same_kind(input, output, kind.replace("-", "_"))
         by_torch(_contiguous_out(output), input.contiguous())
         return output
+    name = kind.replace("-", "_")
     coll = _collective(kind, count, input, group, reduce)
     _sizes(coll, input, output, name)
     _run(coll, input.contiguous(), _contiguous_out(output), input.device)
