@@ -8,8 +8,8 @@ use commfuse_cuda::testing::sass_of;
 #[test]
 fn every_compare_and_swap_on_shared_records_is_system_scope() {
     // plan.cu claims the error record in its waits; gemm.cu in its stalled pipelines and fold
-    // waits; gemm_rs.cu in its flag waits (through common.cuh)
-    for kernel in ["plan.cu", "gemm.cu", "gemm_rs.cu"] {
+    // waits; gemm_rs.cu, ll.cu and ce.cu in their waits (gemm_rs.cu and ce.cu through common.cuh)
+    for kernel in ["plan.cu", "gemm.cu", "gemm_rs.cu", "ll.cu", "ce.cu"] {
         let Some(sass) = sass_of(kernel) else { return };
         check_cas(kernel, &sass);
     }
