@@ -17,7 +17,7 @@ R=$OUT/results
 mkdir -p "$R"
 B=.gpu/commfuse
 # check: compile report, GPU tests, verify        gemm: our GEMM beside cuBLASLt at four shapes
-# bench: the collectives beside NCCL (and graph replay), calibration
+# bench: the link's ceilings (scripts/link-ceilings.py), the collectives beside NCCL (and graph replay), calibration
 # gemm-rs: GEMM + reduce-scatter beside cuBLASLt and cuBLASLt + NCCL at six shapes
 # ag-gemm: all-gather + GEMM beside cuBLASLt and NCCL + cuBLASLt at the same six shapes (or AG_SHAPES)
 # torch: the Python package from PyTorch (torchrun tests, examples/tp_mlp.py)
@@ -99,6 +99,11 @@ if has ag-gemm; then
 fi
 
 if has bench; then
+  # the link's own ceilings under one- and two-way load, beside which the large sizes are read
+  if python3 -c "import torch" 2>/dev/null; then
+    timeout 120 python3 scripts/link-ceilings.py >"$R/link-ceilings.txt" 2>&1
+    log "link ceilings rc=$? $(grep 'both ways  ce ' "$R/link-ceilings.txt" | tr -s ' ' | tr '\n' ';')"
+  fi
   for op in reduce-scatter all-gather all-reduce; do
     timeout 200 $B bench $op --devices 0,1 --algo all --dtype bf16 --sizes "$SIZES" --warmup 5 --iters 20 \
       --json "$R/bench-$op.json" --plot "$R/bench-$op.svg" >"$R/bench-$op.txt" 2>&1
