@@ -50,6 +50,7 @@ use commfuse_core::op::chunk_range;
 use commfuse_core::{DType, OpKind, OpSpec, ReduceOp};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 /// The protocol's name in the collectives' bench.
@@ -125,54 +126,32 @@ pub fn runs(kind: OpKind) -> bool {
     )
 }
 
-/// `name`'s value if it parses and `ok` takes it, else `default` (read once per knob).
-fn knob(
-    cell: &'static std::sync::OnceLock<usize>,
-    name: &str,
-    ok: fn(usize) -> bool,
-    default: usize,
-) -> usize {
-    *cell.get_or_init(|| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|v| ok(*v))
-            .unwrap_or(default)
+/// Bytes of a sub-chunk: [`SUB_BYTES`] or `COMMFUSE_CE_SUB_BYTES` (64 KiB to 1 GiB).
+fn sub_bytes() -> usize {
+    static SUB: OnceLock<usize> = OnceLock::new();
+    *SUB.get_or_init(|| {
+        let ok = |b: usize| (64 << 10..=1 << 30).contains(&b);
+        crate::env_knob("COMMFUSE_CE_SUB_BYTES", ok, SUB_BYTES)
     })
 }
 
-/// Bytes of a sub-chunk: [`SUB_BYTES`] or `COMMFUSE_CE_SUB_BYTES` (64 KiB to 1 GiB).
-fn sub_bytes() -> usize {
-    static SUB: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    knob(
-        &SUB,
-        "COMMFUSE_CE_SUB_BYTES",
-        |b| (64 << 10..=1 << 30).contains(&b),
-        SUB_BYTES,
-    )
-}
-
-/// Most blocks of the reduce kernel: [`REDUCE_BLOCKS`] or `COMMFUSE_CE_REDUCE_BLOCKS`.
+/// Most blocks of the reduce kernel: [`REDUCE_BLOCKS`] or `COMMFUSE_CE_REDUCE_BLOCKS` (1 to
+/// 1024).
 fn reduce_blocks() -> u32 {
-    static BLOCKS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let ok = |b: usize| (1..=1024).contains(&b);
-    knob(
-        &BLOCKS,
-        "COMMFUSE_CE_REDUCE_BLOCKS",
-        ok,
-        REDUCE_BLOCKS as usize,
-    ) as u32
+    static BLOCKS: OnceLock<u32> = OnceLock::new();
+    *BLOCKS.get_or_init(|| {
+        let ok = |b: u32| (1..=1024).contains(&b);
+        crate::env_knob("COMMFUSE_CE_REDUCE_BLOCKS", ok, REDUCE_BLOCKS)
+    })
 }
 
-/// Side streams per rank: [`STREAMS`] or `COMMFUSE_CE_STREAMS`.
+/// Side streams per rank: [`STREAMS`] or `COMMFUSE_CE_STREAMS` (1 to [`MAX_STREAMS`]).
 fn streams() -> usize {
-    static STREAMS_CELL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    knob(
-        &STREAMS_CELL,
-        "COMMFUSE_CE_STREAMS",
-        |k| (1..=MAX_STREAMS).contains(&k),
-        STREAMS,
-    )
+    static STREAMS_CELL: OnceLock<usize> = OnceLock::new();
+    *STREAMS_CELL.get_or_init(|| {
+        let ok = |k: usize| (1..=MAX_STREAMS).contains(&k);
+        crate::env_knob("COMMFUSE_CE_STREAMS", ok, STREAMS)
+    })
 }
 
 /// Where the elements of one call go: every rank's chunk, and the receive buffer's shape.
@@ -279,13 +258,20 @@ pub(crate) struct CeRank {
     epoch: AtomicU64,
 }
 
-/// What a rank addresses of a peer: its context (for `cuMemcpyPeerAsync`) and buffers.
+/// What a rank addresses of a peer: its context (for `cuMemcpyPeerAsync`; a `CUcontext`, kept
+/// as an address so that the launcher is `Sync`) and buffers.
 #[derive(Clone, Copy)]
 pub(crate) struct Peer {
-    pub ctx: cudarc::driver::sys::CUcontext,
+    pub ctx: usize,
     pub scratch: u64,
     pub flags: u64,
     pub output: u64,
+}
+
+impl Peer {
+    fn ctx(&self) -> cudarc::driver::sys::CUcontext {
+        self.ctx as cudarc::driver::sys::CUcontext
+    }
 }
 
 impl CeRank {
@@ -312,8 +298,8 @@ impl CeRank {
 pub(crate) struct CeLauncher {
     layout: Layout,
     ranks: Vec<CeRank>,
-    /// every rank's context (a `CUcontext`, kept as an address so the launcher is `Sync`)
-    contexts: Vec<usize>,
+    /// every rank as the others address it (the call's buffers are fixed when it is prepared)
+    peers: Vec<Peer>,
     err: u64,
     timeout: Duration,
 }
@@ -338,15 +324,19 @@ pub(crate) fn prepare<'a>(
         .iter()
         .map(|rank| CeRank::new(&rank.gpu, &layout, dtype, reduce))
         .collect::<Result<Vec<_>, _>>()?;
-    let launcher = |_: &[RankBuffers]| {
+    let launcher = |bufs: &[RankBuffers]| {
+        let peers = (backend.ranks.iter().zip(&ranks).zip(bufs))
+            .map(|((rank, ce), call)| Peer {
+                ctx: rank.gpu.raw_ctx() as usize,
+                scratch: ce.scratch.addr(),
+                flags: ce.flags.addr(),
+                output: call.output.addr(),
+            })
+            .collect();
         Ok(CeLauncher {
             layout,
             ranks,
-            contexts: backend
-                .ranks
-                .iter()
-                .map(|rank| rank.gpu.raw_ctx() as usize)
-                .collect(),
+            peers,
             err: backend.error_record(),
             timeout: backend.timeout(),
         })
@@ -357,7 +347,8 @@ pub(crate) fn prepare<'a>(
 
 impl CeLauncher {
     /// Queues rank `r`'s call on `stream` (its caller's): `input` into `output` (the op's
-    /// lengths), every peer reached through `peers` (rank order, r's own entry unused).
+    /// lengths; `output` is the one its peers know as r's), every peer reached through
+    /// `self.peers`.
     ///
     /// # Safety
     /// `stream` is a stream of rank r's GPU, bound; `input`, `output` and every peer's memory
@@ -367,24 +358,24 @@ impl CeLauncher {
         r: usize,
         stream: &Stream,
         (input, output): (u64, u64),
-        peers: &[Peer],
     ) -> Result<(), CudaError> {
+        let peers = &self.peers;
         let l = &self.layout;
         let me = &self.ranks[r];
         let eb = l.elem_bytes as u64;
         let epoch = me.epoch.fetch_add(1, Ordering::Relaxed) + 1;
         let set = (epoch % 2) as usize;
-        let ctx = peers[r].ctx;
+        let ctx = peers[r].ctx();
         let others = (1..l.world).map(|d| (r + d) % l.world);
         let side = |i: usize| &me.copies[i % me.copies.len()].0;
-        // a copy into a peer, then its flag there, on side stream `on`
-        // a flag is a stream memory operation, not a kernel: a one-thread kernel queued on a
-        // side stream did not start while the reduce kernel ran, which then waited for its flag
-        // until the timeout (docs/gpu-2026-11-30g run 4, before the waits' reads of host memory
-        // were made rare; not tried since)
+        // a copy into a peer, then its flag there, on side stream `on`; the flag is a stream
+        // memory operation, not a kernel: a one-thread kernel queued on a side stream did not
+        // start while the reduce kernel ran, which then waited for its flag until the timeout
+        // (docs/gpu-2026-11-30g run 4, before the waits' reads of host memory were made rare;
+        // not tried since)
         let send =
             |on: &Stream, (dst, src, bytes): (u64, u64, usize), (q, flag): (usize, usize)| {
-                on.copy_peer_async((peers[q].ctx, dst), (ctx, src), bytes)?;
+                on.copy_peer_async((peers[q].ctx(), dst), (ctx, src), bytes)?;
                 on.write_value_u64(peers[q].flags + 8 * flag as u64, epoch)
             };
         let wait = |on: &Stream, flags: usize, per_sender: usize, lane: u32| {
@@ -520,14 +511,6 @@ pub(crate) fn describe_timeout(kind: OpKind, rec: &ErrorRecord, timeout: Duratio
 
 impl Launcher for CeLauncher {
     fn launch(&self, bufs: &[RankBuffers], r: usize, rank: &Rank) -> Result<(), BackendError> {
-        let peers: Vec<Peer> = (0..self.layout.world)
-            .map(|q| Peer {
-                ctx: self.contexts[q] as cudarc::driver::sys::CUcontext,
-                scratch: self.ranks[q].scratch.addr(),
-                flags: self.ranks[q].flags.addr(),
-                output: bufs[q].output.addr(),
-            })
-            .collect();
         // SAFETY: the call's buffers, every rank's receive buffer and flags and the error record
         // outlive the launch (the batch synchronises before anything is dropped)
         unsafe {
@@ -535,7 +518,6 @@ impl Launcher for CeLauncher {
                 r,
                 &rank.stream,
                 (bufs[r].input.addr(), bufs[r].output.addr()),
-                &peers,
             )
         }
         .map_err(BackendError::from)

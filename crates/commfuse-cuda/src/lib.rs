@@ -37,3 +37,17 @@ pub mod testing;
 
 pub use backend::CudaBackend;
 pub use error::CudaError;
+
+/// A measurement knob from the environment: `name`'s value if it parses as a `T` that `ok`
+/// accepts, else `default` (other values are ignored). Callers read each knob once.
+pub(crate) fn env_knob<T: std::str::FromStr + Copy>(
+    name: &str,
+    ok: impl Fn(T) -> bool,
+    default: T,
+) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse::<T>().ok())
+        .filter(|v| ok(*v))
+        .unwrap_or(default)
+}

@@ -42,22 +42,15 @@ const COUNTERS: usize = 256;
 fn geometry() -> (u32, u32) {
     static GEOMETRY: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
     *GEOMETRY.get_or_init(|| {
-        let read = |name: &str, ok: &dyn Fn(u32) -> bool, default: u32| {
-            std::env::var(name)
-                .ok()
-                .and_then(|v| v.parse::<u32>().ok())
-                .filter(|v| ok(*v))
-                .unwrap_or(default)
-        };
         (
-            read(
+            crate::env_knob(
                 "COMMFUSE_LL_THREADS",
-                &|t| (64..=512).contains(&t) && t % 32 == 0,
+                |t: u32| (64..=512).contains(&t) && t.is_multiple_of(32),
                 THREADS,
             ),
-            read(
+            crate::env_knob(
                 "COMMFUSE_LL_MAX_BLOCKS",
-                &|b| (1..=COUNTERS as u32).contains(&b),
+                |b: u32| (1..=COUNTERS as u32).contains(&b),
                 MAX_BLOCKS,
             ),
         )
