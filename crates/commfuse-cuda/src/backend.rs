@@ -224,6 +224,18 @@ impl CudaBackend {
         result
     }
 
+    /// The error of a recorded wait that gave up on `slot`.
+    pub(crate) fn wait_timeout(&self, rec: &ErrorRecord, slot: Slot) -> BackendError {
+        BackendError::DeviceWaitTimeout {
+            rank: rec.rank as usize,
+            lane: rec.lane,
+            slot,
+            expected: rec.expected,
+            seen: rec.seen,
+            timeout_ms: self.timeout.as_millis() as u64,
+        }
+    }
+
     /// What a wait that gave up recorded, if one did.
     pub(crate) fn recorded_timeout(&self) -> Option<ErrorRecord> {
         let rec = self.error.read();
@@ -739,16 +751,10 @@ pub(crate) trait Launcher: Sync {
     fn records_waits(&self) -> bool {
         false
     }
-    /// What a timeout recorded by this launcher's kernels means, in its words.
+    /// What a timeout recorded by this launcher's kernels means, in its words; by default the
+    /// record's step and slot name the slot waited for.
     fn describe_timeout(&self, backend: &CudaBackend, rec: &ErrorRecord) -> BackendError {
-        BackendError::DeviceWaitTimeout {
-            rank: rec.rank as usize,
-            lane: rec.lane,
-            slot: Slot::new(rec.step, rec.slot),
-            expected: rec.expected,
-            seen: rec.seen,
-            timeout_ms: backend.timeout.as_millis() as u64,
-        }
+        backend.wait_timeout(rec, Slot::new(rec.step, rec.slot))
     }
     /// Runs before a batch; a backend left unusable by a failed batch refuses it.
     fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {
@@ -1176,14 +1182,7 @@ impl Launcher for PlanLauncher {
     fn describe_timeout(&self, backend: &CudaBackend, rec: &ErrorRecord) -> BackendError {
         // the plan kernel records its pad slot as one index
         let cols = self.plan.plan().pad_cols;
-        BackendError::DeviceWaitTimeout {
-            rank: rec.rank as usize,
-            lane: rec.lane,
-            slot: Slot::new(rec.slot / cols, rec.slot % cols),
-            expected: rec.expected,
-            seen: rec.seen,
-            timeout_ms: backend.timeout.as_millis() as u64,
-        }
+        backend.wait_timeout(rec, Slot::new(rec.slot / cols, rec.slot % cols))
     }
 }
 
