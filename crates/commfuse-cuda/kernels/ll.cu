@@ -158,20 +158,36 @@ __device__ __forceinline__ void store_word(const LlArgs& a, u32 i, const float* 
     }
 }
 
-template <typename T, int OP>
-__device__ void ll_all_reduce(const LlArgs& a) {
-    constexpr int PER_WORD = 4 / sizeof(T);
-    __shared__ u32 seq_shared;
-    __shared__ int failed;
+// What both call bodies start with: the call's number (the block's counter + 1, read by one
+// thread and handed to the block through `seq_shared`; `failed` cleared), and this thread's
+// first word pair and its stride over the grid.
+struct LlCall {
+    u32 seq, first, stride;
+};
+__device__ __forceinline__ LlCall ll_begin(const LlArgs& a, u32& seq_shared, int& failed) {
     if (threadIdx.x == 0) {
         seq_shared = (u32)(*(volatile const u64*)(a.calls + blockIdx.x) + 1);
         failed = 0;
     }
     __syncthreads();
-    const u32 seq = seq_shared;
-    const u32 stride = 2 * gridDim.x * blockDim.x;
+    return {seq_shared, 2 * (blockIdx.x * blockDim.x + threadIdx.x), 2 * gridDim.x * blockDim.x};
+}
+
+// And end with: this block's call is done, its counter moves on (every block's moves once per
+// call) — unless a wait gave up.
+__device__ __forceinline__ void ll_end(const LlArgs& a, u32 seq, const int& failed) {
+    __syncthreads();
+    if (threadIdx.x == 0 && !failed) *(volatile u64*)(a.calls + blockIdx.x) = seq;
+}
+
+template <typename T, int OP>
+__device__ void ll_all_reduce(const LlArgs& a) {
+    constexpr int PER_WORD = 4 / sizeof(T);
+    __shared__ u32 seq_shared;
+    __shared__ int failed;
+    const LlCall c = ll_begin(a, seq_shared, failed);
+    const u32 seq = c.seq, stride = c.stride, first = c.first;
     const u64 tag = (u64)seq << 32;
-    const u32 first = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
     // send: two words per thread to every peer (all of them, or the peer's chunk), all stores
     // in flight before any wait
     for (u32 d = 1; d < a.world; ++d) {
@@ -210,9 +226,7 @@ __device__ void ll_all_reduce(const LlArgs& a) {
         store_word<T>(a, i, acc0, e0, e1);
         if (!one) store_word<T>(a, i + 1, acc1, e0, e1);
     }
-    // this block's call is done: its counter moves on (every block's moves once per call)
-    __syncthreads();
-    if (threadIdx.x == 0 && !failed) *(volatile u64*)(a.calls + blockIdx.x) = seq;
+    ll_end(a, seq, failed);
 }
 
 // The all-gather: this rank's chunk (its whole input) to every peer, then every rank's chunk
@@ -222,15 +236,9 @@ __device__ void ll_all_gather(const LlArgs& a) {
     constexpr int PER_WORD = 4 / sizeof(T);
     __shared__ u32 seq_shared;
     __shared__ int failed;
-    if (threadIdx.x == 0) {
-        seq_shared = (u32)(*(volatile const u64*)(a.calls + blockIdx.x) + 1);
-        failed = 0;
-    }
-    __syncthreads();
-    const u32 seq = seq_shared;
-    const u32 stride = 2 * gridDim.x * blockDim.x;
+    const LlCall c = ll_begin(a, seq_shared, failed);
+    const u32 seq = c.seq, stride = c.stride, first = c.first;
     const u64 tag = (u64)seq << 32;
-    const u32 first = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
     u32 m0, m1;
     chunk_range(a, a.rank, &m0, &m1);
     const u32 mine = m1 - m0, my_words = (u32)(((u64)mine * sizeof(T) + 3) / 4);
@@ -266,8 +274,7 @@ __device__ void ll_all_gather(const LlArgs& a) {
             }
         }
     }
-    __syncthreads();
-    if (threadIdx.x == 0 && !failed) *(volatile u64*)(a.calls + blockIdx.x) = seq;
+    ll_end(a, seq, failed);
 }
 
 #define COMMFUSE_LL(NAME, T, OP)                                                        \
