@@ -30,7 +30,7 @@ can ``barrier`` (it waits on the host).
 
 The collectives (``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all``) take
 ``path="auto"`` by default: commfuse's where it beats NCCL on the caller's own tensors (small
-messages by its LL protocol, all-reduces up to 4 MiB), ``torch.distributed`` (NCCL on the same
+messages by its LL protocol, the rest up to 4 MiB), ``torch.distributed`` (NCCL on the same
 group) past that — commfuse's plans work in symmetric buffers of its own, and copying a large
 tensor in and out costs more than they gain; see :func:`collective_path`. ``path="commfuse"``
 or ``"torch"`` picks one.
@@ -359,9 +359,8 @@ def collective_path(op: str, count: int, dtype: torch.dtype, group=None, even: b
     input, the all-gather's output.
 
     ``path="auto"`` (every collective's default) takes commfuse's where it beats NCCL on the
-    caller's own tensors — its LL protocol, which copies nothing, up to 1 MiB sent; an
-    all-reduce (or all-to-all) up to 4 MiB — and ``torch.distributed`` (NCCL on the group) past
-    that, where copying the tensors into and out of commfuse's symmetric buffers costs more than
+    caller's own tensors — its LL protocol, which copies nothing, up to 1 MiB sent; its plans
+    up to 4 MiB of ``count`` — and ``torch.distributed`` (NCCL on the group) past that, where copying the tensors into and out of commfuse's symmetric buffers costs more than
     its plans gain (``commfuse_core::cost::prefers_commfuse_on_user_buffers``, measured), when
     the message splits evenly over the group (``even``), which torch.distributed needs.
     ``"commfuse"`` and ``"torch"`` ask for one of them."""

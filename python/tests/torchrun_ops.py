@@ -193,8 +193,7 @@ def check_collectives(rank, world, dtype, seed):
 
 
 def check_collective_paths(rank, world, dtype, seed):
-    """Where the collectives go (``cf.collective_path``): past what commfuse's LL protocol takes
-    and, for an all-reduce, past 4 MiB, ``path="auto"`` hands an even message to
+    """Where the collectives go (``cf.collective_path``): past 4 MiB, ``path="auto"`` hands an even message to
     torch.distributed and builds no commfuse collective for it; a ragged one stays with
     commfuse; ``path="commfuse"`` forces commfuse's; ``path="torch"`` on a ragged message and an
     unknown path are refused. Every result equal to float64's bit for bit."""

@@ -50,25 +50,31 @@ pub fn prefers_ll(spec: &OpSpec, elem_bytes: usize) -> bool {
     peers > 0 && spec.count > 0 && sent <= LL_AUTO_MAX_SENT_BYTES
 }
 
-/// The largest all-reduce (bytes of each rank's tensor) for which a library that has NCCL
-/// beside commfuse should run commfuse's plan on buffers of the caller's own. The plans read and
-/// write commfuse's symmetric buffers (peers load from and store into them), so a call on the
-/// caller's memory copies its input in and its output out, and past a few MiB those copies cost
-/// more than the plans gain over NCCL: through `commfuse.torch` on 2 × H200 (bf16, eager,
-/// docs/gpu-2026-11-30f runs 3–7) the one-shot all-reduce took 1.16–1.33× NCCL's speed at
-/// 4 MiB but 0.87–0.94× from 16 MiB, and the reduce-scatter's and all-gather's plans were at
-/// best even with NCCL once past the LL protocol's sizes (0.94–1.25× at 4 MiB). All-to-all, not
-/// measured, keeps the all-reduce's bound.
-pub const USER_BUFFER_ALL_REDUCE_MAX_BYTES: usize = 4 << 20;
+/// The largest message (bytes of the all-reduce's tensor, the reduce-scatter's and all-to-all's
+/// input, the all-gather's output) for which a library that has NCCL beside commfuse should run
+/// commfuse's plan on buffers of the caller's own. The plans read and write commfuse's
+/// symmetric buffers (peers load from and store into them), so a call on the caller's memory
+/// copies its input in and its output out, and past a few MiB those copies cost more than the
+/// plans gain over NCCL. Through `commfuse.torch` on 2 × H200 (bf16, eager): the one-shot
+/// all-reduce took 1.16–1.33× NCCL's speed at 4 MiB but 0.87–0.94× from 16 MiB
+/// (docs/gpu-2026-11-30f runs 3–7); once device waits stopped stalling the GPU's front end
+/// (docs/gpu-2026-11-30h run 1) the reduce-scatter and all-gather plans took 1.09× and 1.06×
+/// at 4 MiB and 0.92× and 1.00× at 16 MiB (earlier runs at 4 MiB, 0.94–1.25×, had stalled
+/// rounds).
+pub const USER_BUFFER_MAX_BYTES: usize = 4 << 20;
 
 /// Whether commfuse's collective `spec` (elements of `elem_bytes` bytes) on a caller's own
 /// buffers is expected to beat NCCL's on them: where the LL protocol takes it (it copies
-/// nothing), and an all-reduce or all-to-all up to [`USER_BUFFER_ALL_REDUCE_MAX_BYTES`].
+/// nothing), and an all-reduce, reduce-scatter, all-gather or all-to-all up to
+/// [`USER_BUFFER_MAX_BYTES`] (counted as [`USER_BUFFER_MAX_BYTES`] says).
 pub fn prefers_commfuse_on_user_buffers(spec: &OpSpec, elem_bytes: usize) -> bool {
     use crate::op::OpKind;
+    let copied = matches!(
+        spec.kind,
+        OpKind::AllReduce | OpKind::AllToAll | OpKind::ReduceScatter | OpKind::AllGather
+    );
     prefers_ll(spec, elem_bytes)
-        || matches!(spec.kind, OpKind::AllReduce | OpKind::AllToAll)
-            && spec.count * elem_bytes <= USER_BUFFER_ALL_REDUCE_MAX_BYTES
+        || copied && spec.count * elem_bytes <= USER_BUFFER_MAX_BYTES
         || matches!(spec.kind, OpKind::Barrier | OpKind::Broadcast)
 }
 
@@ -262,18 +268,23 @@ mod tests {
     }
 
     #[test]
-    fn on_user_buffers_commfuse_takes_what_copies_nothing_and_small_all_reduces() {
+    fn on_user_buffers_commfuse_takes_what_copies_nothing_and_messages_up_to_4_mib() {
         let on_user =
             |kind, world, count| prefers_commfuse_on_user_buffers(&spec(kind, world, count), 2);
         // the LL protocol's sizes, every op it runs
         for kind in [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather] {
             assert!(on_user(kind, 2, 1 << 10));
         }
-        // past them, an all-reduce up to 4 MiB; a reduce-scatter or all-gather goes to NCCL
-        assert!(on_user(OpKind::AllReduce, 2, 2 << 20));
-        assert!(!on_user(OpKind::AllReduce, 2, (2 << 20) + 1));
-        assert!(!on_user(OpKind::ReduceScatter, 2, (1 << 20) + 2));
-        assert!(!on_user(OpKind::AllGather, 2, (1 << 20) + 2));
+        // past them, every op up to 4 MiB of its largest tensor; past that NCCL
+        for kind in [
+            OpKind::AllReduce,
+            OpKind::ReduceScatter,
+            OpKind::AllGather,
+            OpKind::AllToAll,
+        ] {
+            assert!(on_user(kind, 2, 2 << 20), "{kind:?}");
+            assert!(!on_user(kind, 2, (2 << 20) + 2), "{kind:?}");
+        }
         assert!(on_user(OpKind::AllToAll, 2, 1 << 20));
     }
 
