@@ -34,6 +34,8 @@ pub struct GemmRsBenchConfig {
     pub reductions: Vec<Reduction>,
     /// One overlapped row each: the row pieces a ring step is cut into
     pub pieces: Vec<usize>,
+    /// NUMA groups of the overlapped path's ring (1: the flat ring)
+    pub numa_groups: usize,
     /// Rows that time the overlapped path's parts apart (at the pieces `auto` picks)
     pub ablation: bool,
     pub warmup: usize,
@@ -154,6 +156,7 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
             c.bias = cfg.bias;
             c.reduction = reduction;
             c.path = path;
+            c.numa_groups = cfg.numa_groups;
             let ops = GemmRsRank::create_group(&gpus, c)?;
             Ok(ops.into_iter().map(Mutex::new).collect())
         };

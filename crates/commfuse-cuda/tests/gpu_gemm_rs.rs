@@ -28,6 +28,8 @@ struct CallInputs<TI, TO> {
 enum Way {
     Fused(Reduction),
     Overlapped(usize),
+    /// The overlapped path's ring over NUMA groups: (pieces, groups)
+    OverlappedInGroups(usize, usize),
     Unfused,
 }
 
@@ -60,6 +62,10 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
         }
         Way::Overlapped(pieces) => {
             config.path = PathChoice::Always(GemmRsPath::Overlapped { pieces })
+        }
+        Way::OverlappedInGroups(pieces, groups) => {
+            config.path = PathChoice::Always(GemmRsPath::Overlapped { pieces });
+            config.numa_groups = groups;
         }
         Way::Unfused => config.path = PathChoice::Always(GemmRsPath::Unfused),
     }
@@ -147,7 +153,9 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
             assert_eq!(got.len(), want.len());
             let path = match way {
                 Way::Fused(_) => GemmRsPath::Fused,
-                Way::Overlapped(pieces) => GemmRsPath::Overlapped { pieces },
+                Way::Overlapped(pieces) | Way::OverlappedInGroups(pieces, _) => {
+                    GemmRsPath::Overlapped { pieces }
+                }
                 Way::Unfused => GemmRsPath::Unfused,
             };
             let check = check_elements_on(&shape, path, got.iter().map(|x| x.to_f64()), &want);
@@ -210,6 +218,18 @@ fn every_element_of_back_to_back_calls_matches_float64() {
         run_case::<bf16, bf16>(&g[..1], red, 264, 64, BLayout::NK, true, &[300, 1], 7);
         // a larger problem: several waves, every SM busy
         run_case::<bf16, bf16>(&g, red, 2048, 512, BLayout::NK, true, &[2048, 1000], 8);
+    }
+}
+
+/// The 2D ring's code on two GPUs: one NUMA group per GPU is the flat ring with every hand-on
+/// across groups (its own done flag when M < P); the simulator checks the 2D ring of P = 4..16.
+#[test]
+fn the_ring_over_numa_groups_matches_float64() {
+    let Some(g) = two_gpus() else { return };
+    for layout in [BLayout::NK, BLayout::KN] {
+        let way = Way::OverlappedInGroups(2, 2);
+        run_case::<bf16, bf16>(&g, way, 264, 136, layout, true, &[301, 130, 1], 21);
+        run_case::<f16, f32>(&g, way, 256, 64, layout, false, &[2, 1, 700], 22);
     }
 }
 

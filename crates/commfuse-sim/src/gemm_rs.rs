@@ -54,6 +54,9 @@ pub struct GemmRsConfig {
     pub bias: bool,
     /// Output tile of the GEMM (default: the GPU kernel's)
     pub tile: TileShape,
+    /// NUMA groups of consecutive ranks the overlapped path's ring crosses as few times as it
+    /// can (1, the default: one flat ring; see [`commfuse_core::fused::ring_rs`])
+    pub numa_groups: usize,
 }
 
 impl GemmRsConfig {
@@ -79,6 +82,7 @@ impl GemmRsConfig {
             output,
             bias,
             tile: GPU_TILE,
+            numa_groups: 1,
         }
     }
 

@@ -17,6 +17,7 @@ use crate::gemm::{run_gemm, Operands};
 use crate::gemm_rs::{check_build, check_rs_call, FlagWords, GemmRsConfig};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
+use commfuse_core::fused::gemm_rs::GemmRsShape;
 use commfuse_core::fused::ring_rs::{RingSchedule, RingTarget};
 use commfuse_core::gemm::{Epilogue, GemmPlan};
 use commfuse_core::{Cmp, Element, NotifyOp, Slot};
@@ -48,7 +49,7 @@ pub struct SimRingReduceScatter<TI: Element, TO: Element> {
 impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
     /// Signal pad rows the flags of `config` need on a pad of `pad_cols` columns.
     pub fn pad_rows(config: &GemmRsConfig, pad_cols: usize) -> Result<usize, BackendError> {
-        let s = RingSchedule::within(config.shape(config.max_m)?, config.max_m, 1);
+        let s = schedule(config, config.shape(config.max_m)?, 1)?;
         Ok(FlagWords::rows(s.flag_words(), pad_cols))
     }
 
@@ -61,7 +62,7 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
                 "the overlapped path cuts a step into 1 to {max} pieces, got {pieces}"
             )));
         }
-        let s = RingSchedule::within(config.shape(config.max_m)?, config.max_m, pieces);
+        let s = schedule(&config, config.shape(config.max_m)?, pieces)?;
         let flags = FlagWords::on(
             "the overlapped GEMM + reduce-scatter",
             world,
@@ -99,7 +100,7 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
         let rank = ctx.rank();
         let state = (self.world_id, &self.broken);
         check_rs_call(ctx, state, c, m, (a, b, bias), out)?;
-        let s = RingSchedule::within(c.shape(m)?, c.max_m, self.pieces);
+        let s = schedule(c, c.shape(m)?, self.pieces)?;
         let call = self.calls[rank].load(Ordering::Relaxed) + 1;
         let result = self.call(ctx, &s, call, (a, b, bias), out);
         match result {
@@ -140,7 +141,6 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
         let c = &self.config;
         let (rank, n, k) = (ctx.rank(), c.n, c.k);
         let set = RingSchedule::set_of(call);
-        let receiver = s.receiver(rank);
         let mut sum = Vec::new();
         let mut product = Vec::new();
         for g in s.pieces_of(rank) {
@@ -185,6 +185,7 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
             match g.target {
                 RingTarget::Output => out[within..within + len].copy_from_slice(&product),
                 RingTarget::Send { step } => {
+                    let receiver = s.receiver(rank, step);
                     // SAFETY: the receiver reads these rows only after the flag below, and it
                     // finished its call before last, which read this set, before computing its
                     // partial of the previous call, which this rank's previous call took in
@@ -198,15 +199,27 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
             }
         }
         if s.ends_with_done() {
-            ctx.notify(
-                s.sender(rank),
-                self.slot(s.done_index()),
-                call,
-                NotifyOp::Set,
-            )?;
-            let what = "the receiver's done of this call";
-            self.wait(ctx, s.done_index(), call, Cmp::Ge, what)?;
+            let links = s.links();
+            for &link in &links {
+                let done = self.slot(s.done_index(link));
+                ctx.notify(s.sender_on(rank, link), done, call, NotifyOp::Set)?;
+            }
+            for link in links {
+                let what = format!("its receiver's done of this call ({})", link.name());
+                self.wait(ctx, s.done_index(link), call, Cmp::Ge, &what)?;
+            }
         }
         Ok(())
     }
+}
+
+/// The ring of `shape` (the config's NUMA groups), steps cut into `pieces`.
+fn schedule(
+    config: &GemmRsConfig,
+    shape: GemmRsShape,
+    pieces: usize,
+) -> Result<RingSchedule, BackendError> {
+    RingSchedule::within(shape, config.max_m, pieces)
+        .in_groups(config.numa_groups)
+        .map_err(|e| unavailable(e.to_string()))
 }

@@ -148,6 +148,18 @@ fn run_variant(
 fn run_variant_on(
     path: GemmRsPath,
     p: usize,
+    shape: (usize, usize, usize),
+    variant: (BLayout, DType, DType, bool),
+    tile: TileShape,
+    seed: u64,
+) -> Vec<String> {
+    run_variant_in_groups(path, (p, 1), shape, variant, tile, seed)
+}
+
+/// [`run_variant_on`] with the ranks in `groups` NUMA groups (the overlapped path's 2D ring).
+fn run_variant_in_groups(
+    path: GemmRsPath,
+    (p, groups): (usize, usize),
     (m, n, k): (usize, usize, usize),
     (layout, input, output, bias): (BLayout, DType, DType, bool),
     tile: TileShape,
@@ -155,6 +167,7 @@ fn run_variant_on(
 ) -> Vec<String> {
     let config = GemmRsConfig {
         tile,
+        numa_groups: groups,
         ..GemmRsConfig::new(p, m, n, k, layout, input, output, bias)
     };
     let ms = call_ms(m);
@@ -267,6 +280,34 @@ fn the_overlapped_ring_matches_the_reference_on_four_to_nine_ranks() {
     assert_none(failures);
 }
 
+/// The 2D ring (ranks in NUMA groups) on every group count strictly between 1 and P of P = 4..9
+/// and 16: ragged shapes, M < P (the done handshake on both links), 1 and 3 pieces.
+#[test]
+fn the_2d_ring_matches_the_reference_on_four_to_nine_and_sixteen_ranks() {
+    let variants = variants();
+    let mut failures = Vec::new();
+    for p in [4, 6, 8, 9, 16] {
+        for groups in (2..p).filter(|g| p % g == 0) {
+            for (s, shape) in shapes(p).into_iter().enumerate() {
+                let i = (s + groups) % 2;
+                let v = (p * 5 + s * 3 + groups * 7) % variants.len();
+                let path = GemmRsPath::Overlapped { pieces: 1 + i * 2 };
+                let seed = (p * 100 + s * 20 + groups) as u64;
+                let world = (p, groups);
+                failures.extend(run_variant_in_groups(
+                    path,
+                    world,
+                    shape,
+                    variants[v],
+                    SMALL_TILE,
+                    seed,
+                ));
+            }
+        }
+    }
+    assert_none(failures);
+}
+
 #[test]
 fn the_unfused_path_matches_the_reference_on_one_to_nine_ranks() {
     let variants = variants();
@@ -334,6 +375,51 @@ fn a_peer_that_never_arrives_at_the_ring_ends_in_a_diagnosed_error() {
     );
     let refused = SimRingReduceScatter::<bf16, bf16>::new(&world, config, 17).err();
     assert!(one_line(refused.unwrap()).contains("1 to 16 pieces"));
+    let three = GemmRsConfig {
+        numa_groups: 3,
+        ..config
+    };
+    let refused = SimRingReduceScatter::<bf16, bf16>::new(&world, three, 1).err();
+    let text = one_line(refused.unwrap());
+    assert!(
+        text.contains("multiple of the NUMA group count (3)"),
+        "{text}"
+    );
+}
+
+/// In the 2D ring a call of M < P rows ends with the done handshake on both links. P = 4 in two
+/// groups, M = 1: owner 0's row travels 3 → 2 → (across) 1 → 0. With rank 0 absent, ranks 3, 2
+/// and 1 hand their sums on; then rank 1 waits for rank 0's done within its group and rank 3 for
+/// rank 0's done across groups, while rank 2, whose receivers both came, ends its call.
+#[test]
+fn a_peer_that_never_arrives_at_the_2d_ring_ends_in_a_diagnosed_error() {
+    let config = GemmRsConfig {
+        numa_groups: 2,
+        ..bf16_config(4, 1, 16, 8)
+    };
+    let world = world_for(&config, Duration::from_millis(300));
+    let op = SimRingReduceScatter::<bf16, bf16>::new(&world, config, 1).unwrap();
+    let (a, b) = (vec![bf16::ONE; 8], vec![bf16::ONE; 16 * 8]);
+    let ended = std::sync::Mutex::new(vec![String::new(); 4]);
+    let _ = world.run(|ctx| {
+        if ctx.rank() == 0 {
+            return Ok(()); // rank 0 never calls
+        }
+        let e = op.forward(ctx, 1, &a, &b, None, &mut []);
+        ended.lock().unwrap()[ctx.rank()] = e.map_or_else(one_line, |()| "ok".into());
+        Ok(())
+    });
+    let ended = ended.into_inner().unwrap();
+    let done = "waits for its receiver's done of this call";
+    assert!(
+        ended[1].contains(&format!("rank 1 {done} (within its NUMA group)")),
+        "{ended:?}"
+    );
+    assert_eq!(ended[2], "ok");
+    assert!(
+        ended[3].contains(&format!("rank 3 {done} (across NUMA groups)")),
+        "{ended:?}"
+    );
 }
 
 fn bf16_config(p: usize, max_m: usize, n: usize, k: usize) -> GemmRsConfig {

@@ -199,6 +199,10 @@ pub struct RunGemmRsArgs {
     /// Row pieces per ring step on the overlapped path (default: what auto would take)
     #[arg(long)]
     pub pieces: Option<usize>,
+    /// NUMA groups of consecutive ranks for the overlapped path's ring (1: one flat ring; more:
+    /// the 2D ring, which crosses groups once per group)
+    #[arg(long, default_value_t = 1)]
+    pub numa_groups: usize,
     /// Seed of the random inputs (default: fresh each run)
     #[arg(long)]
     pub seed: Option<u64>,
@@ -275,6 +279,10 @@ pub struct BenchGemmRsArgs {
     /// One overlapped row each: the row pieces a ring step of cuBLASLt GEMMs is cut into
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
     pub pieces: Vec<usize>,
+    /// NUMA groups of consecutive ranks for the overlapped path's ring (1: one flat ring; more:
+    /// the 2D ring, which crosses groups once per group)
+    #[arg(long, default_value_t = 1)]
+    pub numa_groups: usize,
     /// Also time the overlapped path's parts apart: its GEMMs alone, its copies alone, its flag
     /// waits and raises alone, GEMMs and copies without flags, and the whole call (there is no
     /// clearing to time: flags hold call numbers)
@@ -592,6 +600,7 @@ fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
             })
             .collect(),
         pieces: a.pieces.clone(),
+        numa_groups: a.numa_groups,
         ablation: a.ablation,
         warmup: a.warmup,
         iters: a.iters,
@@ -807,25 +816,35 @@ fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
     }
     let layout = parse_b_layout(&a.shape.b_layout)?;
     let output = a.shape.output();
-    let config = GemmRsConfig::new(
-        a.ranks,
-        a.shape.m,
-        a.shape.n,
-        a.shape.k,
-        layout,
-        a.shape.dtype,
-        output,
-        a.shape.bias,
-    );
+    let config = GemmRsConfig {
+        numa_groups: a.numa_groups,
+        ..GemmRsConfig::new(
+            a.ranks,
+            a.shape.m,
+            a.shape.n,
+            a.shape.k,
+            layout,
+            a.shape.dtype,
+            output,
+            a.shape.bias,
+        )
+    };
     // validates the shape and types before anything runs
     let shape = config.shape(a.shape.m)?;
     let path = parse_gemm_rs_path(&a.path, a.pieces, &shape)?;
+    // the groups shape only the overlapped path's ring, but are checked whatever the path
+    let ring = commfuse_core::fused::ring_rs::RingSchedule::within(shape, a.shape.m, 1);
+    let two_d = ring.in_groups(a.numa_groups)?.groups > 1
+        && matches!(
+            path,
+            commfuse_core::fused::gemm_rs::GemmRsPath::Overlapped { .. }
+        );
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
     let ms = [a.shape.m, a.shape.m.div_ceil(2)];
     let timeout = Duration::from_millis(a.timeout_ms);
     let calls = crate::gemm_rs::run_sim(config, path, &ms, seed, timeout)?;
     println!(
-        "gemm-rs {}×{}×{} (M×N×K, K per rank), B {}, {} → {}, {}, on {} ranks (sim), {path}{}, seed {seed}",
+        "gemm-rs {}×{}×{} (M×N×K, K per rank), B {}, {} → {}, {}, on {} ranks (sim), {path}{}{}, seed {seed}",
         a.shape.m,
         a.shape.n,
         a.shape.k,
@@ -834,7 +853,12 @@ fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
         output,
         if a.shape.bias { "bias" } else { "no bias" },
         a.ranks,
-        if a.path == "auto" { " (auto)" } else { "" }
+        if a.path == "auto" { " (auto)" } else { "" },
+        if two_d {
+            format!(", 2D ring over {} NUMA groups", a.numa_groups)
+        } else {
+            String::new()
+        }
     );
     report_calls(&calls)
 }

@@ -614,6 +614,10 @@ fn run_gemm_rs_checks_every_element_on_the_simulator() {
             "overlapped (3 pieces), seed",
         ),
         (&["--path", "unfused"][..], "(sim), unfused, seed"),
+        (
+            &["--path", "overlapped", "--numa-groups", "2"][..],
+            "overlapped (1 piece), 2D ring over 2 NUMA groups, seed",
+        ),
     ] {
         let args: Vec<&str> = [
             "run", "gemm-rs", "--ranks", "4", "--m", "61", "--n", "16", "--k", "8",
@@ -711,6 +715,10 @@ fn run_gemm_rs_refuses_bad_input_in_one_line() {
     fails_with(
         &with(&["--k", "8", "--path", "fast"]),
         "unknown path \"fast\": auto, fused, overlapped or unfused",
+    );
+    fails_with(
+        &with(&["--k", "8", "--path", "overlapped", "--numa-groups", "2"]),
+        "the 2D ring needs the world size (3) to be a multiple of the NUMA group count (2)",
     );
     fails_with(
         &with(&["--k", "8", "--path", "overlapped", "--pieces", "17"]),

@@ -26,6 +26,18 @@
 //! When a call ends on a rank every write into its memory for that call has landed (it waited
 //! for each one's flag), so its memory may be freed once its stream is past its last call.
 //!
+//! The 2D (NUMA-aware) ring. With the ranks in G NUMA groups of L consecutive ranks
+//! ([`RingSchedule::in_groups`]), rank (g, l) — group g, index l within it — at step s computes
+//! owner (g + ⌊s/L⌋ + 1, l + s mod L + 1)'s rows (both mod their count), and hands its running sum
+//! on to (g, l − 1) inside its group, except after every L-th step, when it hands it across to
+//! (g − 1, l − 1). So each owner's rows pick up the partials of one whole group (L − 1 hops
+//! inside it) before they cross to the next group, and every rank sends G − 1 of its P − 1
+//! pieces across groups: G − 1 crossings of a chunk per rank per call, spread over all L ranks'
+//! links, where a flat ring over the same ranks crosses P − 1 times on each of G links (the
+//! ranks at the groups' edges), the rest idle. Each hop still adds one partial as the GEMM's C
+//! (no extra reduction pass), and the crossings happen during the call, under later steps'
+//! GEMMs, not after them. With G = 1 or G = P it is the flat ring.
+//!
 //! Rounding: the running sum is rounded to the output type after every step (P − 1 times), where
 //! the fused path rounds each partial once; [`super::gemm_rs::element_bound`] covers both.
 
@@ -35,6 +47,9 @@ use std::ops::Range;
 
 /// The most pieces a step is cut into.
 pub const MAX_PIECES: usize = 16;
+
+/// Flag words ahead of the arrival flags: the done flags of the two [`RingLink`]s.
+pub const DONE_FLAGS: usize = 2;
 
 /// Where one piece's result goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -73,6 +88,27 @@ pub struct RingSchedule {
     /// Rows of one send or receive buffer (the longest chunk of the largest M the buffers were
     /// made for)
     pub chunk_rows: usize,
+    /// NUMA groups of consecutive ranks (1: the flat ring; see the module's 2D ring)
+    pub groups: usize,
+}
+
+/// The two links a rank's running sums travel on in the 2D ring (the flat ring has one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum RingLink {
+    /// To a rank of the same NUMA group
+    Within,
+    /// To a rank of the next NUMA group
+    Across,
+}
+
+impl RingLink {
+    /// The link in words, for diagnoses.
+    pub fn name(self) -> &'static str {
+        match self {
+            RingLink::Within => "within its NUMA group",
+            RingLink::Across => "across NUMA groups",
+        }
+    }
 }
 
 impl RingSchedule {
@@ -83,22 +119,90 @@ impl RingSchedule {
             shape,
             pieces: pieces.clamp(1, MAX_PIECES),
             chunk_rows: max_m.max(shape.m).div_ceil(shape.world),
+            groups: 1,
         }
     }
 
-    /// The rank this rank hands its running sums to.
-    pub fn receiver(&self, rank: usize) -> usize {
-        (rank + self.shape.world - 1) % self.shape.world
+    /// The 2D ring of this schedule over `groups` NUMA groups of consecutive ranks (1: the flat
+    /// ring). The world size must be a multiple of `groups`.
+    pub fn in_groups(self, groups: usize) -> Result<RingSchedule, crate::error::Error> {
+        let p = self.shape.world;
+        if groups == 0 || !p.is_multiple_of(groups) {
+            return Err(crate::error::Error::Unsupported(format!(
+                "the 2D ring needs the world size ({p}) to be a multiple of the NUMA group count ({groups})"
+            )));
+        }
+        Ok(RingSchedule { groups, ..self })
     }
 
-    /// The rank this rank receives running sums from.
-    pub fn sender(&self, rank: usize) -> usize {
-        (rank + 1) % self.shape.world
+    /// Ranks per NUMA group (L).
+    pub fn group_size(&self) -> usize {
+        self.shape.world / self.groups
     }
 
-    /// The owner whose rows `rank` computes at `step`.
+    /// The rank of index `l` in group `g` (both taken modulo their counts).
+    fn rank_of(&self, g: usize, l: usize) -> usize {
+        let len = self.group_size();
+        (g % self.groups) * len + l % len
+    }
+
+    /// The link the running sum handed on after `step` travels on.
+    pub fn link_after(&self, step: usize) -> RingLink {
+        if self.groups > 1 && (step + 1).is_multiple_of(self.group_size()) {
+            RingLink::Across
+        } else {
+            RingLink::Within
+        }
+    }
+
+    /// The rank to which `rank` hands its running sum on `link`: (g, l − 1) within its
+    /// group, (g − 1, l − 1) across (the flat ring's rank − 1).
+    pub fn receiver_on(&self, rank: usize, link: RingLink) -> usize {
+        let (len, groups) = (self.group_size(), self.groups);
+        let (g, l) = (rank / len, rank % len);
+        let g = if link == RingLink::Across {
+            g + groups - 1
+        } else {
+            g
+        };
+        self.rank_of(g, l + len - 1)
+    }
+
+    /// The rank whose running sums reach `rank` on `link`: (g, l + 1) within its group,
+    /// (g + 1, l + 1) across (the flat ring's rank + 1).
+    pub fn sender_on(&self, rank: usize, link: RingLink) -> usize {
+        let len = self.group_size();
+        let (g, l) = (rank / len, rank % len);
+        let g = if link == RingLink::Across { g + 1 } else { g };
+        self.rank_of(g, l + 1)
+    }
+
+    /// The rank `rank` hands its running sum to after step `step`.
+    pub fn receiver(&self, rank: usize, step: usize) -> usize {
+        self.receiver_on(rank, self.link_after(step))
+    }
+
+    /// The rank whose running sum `rank` adds at step `step` (≥ 1).
+    pub fn sender(&self, rank: usize, step: usize) -> usize {
+        self.sender_on(rank, self.link_after(step - 1))
+    }
+
+    /// The links a rank's hand-ons use, in [`RingLink`] order (none when P = 1).
+    pub fn links(&self) -> Vec<RingLink> {
+        let p = self.shape.world;
+        let mut links: Vec<RingLink> = (0..p.saturating_sub(1))
+            .map(|s| self.link_after(s))
+            .collect();
+        links.sort();
+        links.dedup();
+        links
+    }
+
+    /// The owner whose rows `rank` computes at `step`: (g + ⌊step/L⌋ + 1, l + step mod L + 1).
     pub fn owner_at(&self, rank: usize, step: usize) -> usize {
-        (rank + step + 1) % self.shape.world
+        let len = self.group_size();
+        let (g, l) = (rank / len, rank % len);
+        self.rank_of(g + step / len + 1, l + step % len + 1)
     }
 
     /// Rows of piece `piece` of `owner`'s chunk, relative to the chunk.
@@ -145,26 +249,29 @@ impl RingSchedule {
 
     /// The arrival flag of piece `piece` handed on after step `step`, in set `set`.
     pub fn flag_index(&self, set: usize, step: usize, piece: usize) -> usize {
-        1 + set * self.flags_per_set() + step * MAX_PIECES + piece
+        DONE_FLAGS + set * self.flags_per_set() + step * MAX_PIECES + piece
     }
 
     /// Whether a call ends with the "done" handshake: where some rank's chunk is empty (M < P)
     /// that rank computes nothing that waits for the others, so the two sets alone do not keep
-    /// it from running two calls ahead; then each rank tells its sender it is done and waits
-    /// for its receiver's done.
+    /// it from running two calls ahead; then each rank tells its sender on each of its
+    /// [`links`](RingSchedule::links) it is done and waits for its receiver's done on each.
     pub fn ends_with_done(&self) -> bool {
         self.shape.world > 1 && self.shape.m < self.shape.world
     }
 
-    /// The flag a receiver raises on its sender when it has finished a call (calls that
-    /// [`RingSchedule::ends_with_done`]).
-    pub fn done_index(&self) -> usize {
-        0
+    /// The flag a receiver on `link` raises on its sender there when it has finished a call
+    /// (calls that [`RingSchedule::ends_with_done`]).
+    pub fn done_index(&self, link: RingLink) -> usize {
+        match link {
+            RingLink::Within => 0,
+            RingLink::Across => 1,
+        }
     }
 
-    /// Flag words a rank needs.
+    /// Flag words a rank needs: the two done flags, then both sets' arrival flags.
     pub fn flag_words(&self) -> usize {
-        1 + 2 * self.flags_per_set()
+        DONE_FLAGS + 2 * self.flags_per_set()
     }
 
     /// Elements of one send or receive buffer (one step's chunk).
@@ -217,7 +324,6 @@ impl RingSchedule {
         let send = b.scratch(self.send_len());
         for set in 0..sets {
             for rank in 0..p {
-                let receiver = self.receiver(rank);
                 for g in self.pieces_of(rank) {
                     let within = g.within.start * n..g.within.end * n;
                     let rows = g.rows.start * n..g.rows.end * n;
@@ -241,6 +347,7 @@ impl RingSchedule {
                             b.reduce(rank, srcs, dst);
                             let at = receive + self.receive_offset(set, step);
                             let theirs = at + within.start..at + within.end;
+                            let receiver = self.receiver(rank, step);
                             b.copy(
                                 rank,
                                 Region::new(rank, BufferKind::Scratch, mine),
@@ -269,17 +376,30 @@ mod tests {
     use crate::DType;
 
     fn ring(world: usize, m: usize, pieces: usize) -> RingSchedule {
+        ring_2d(world, 1, m, pieces)
+    }
+
+    fn ring_2d(world: usize, groups: usize, m: usize, pieces: usize) -> RingSchedule {
         let shape =
             GemmRsShape::new(world, m, 24, 16, BLayout::NK, DType::BF16, DType::BF16).unwrap();
         RingSchedule::within(shape, m, pieces)
+            .in_groups(groups)
+            .unwrap()
+    }
+
+    /// Every (world, groups) with groups dividing the world, P = 1..9 and 16.
+    fn worlds_and_groups() -> impl Iterator<Item = (usize, usize)> {
+        (1..=9)
+            .chain([16])
+            .flat_map(|p| (1..=p).filter(move |g| p % g == 0).map(move |g| (p, g)))
     }
 
     #[test]
     fn every_owner_rows_go_once_around_the_ring_and_end_at_their_owner() {
-        for world in 1..=9 {
+        for (world, groups) in worlds_and_groups() {
             for m in [1, world, 3 * world + 1, 37, 64] {
                 for pieces in [1, 2, 3, 5] {
-                    let r = ring(world, m, pieces);
+                    let r = ring_2d(world, groups, m, pieces);
                     // (owner, piece) -> the steps at which each rank computes it
                     for owner in 0..world {
                         for piece in 0..pieces {
@@ -307,8 +427,8 @@ mod tests {
                                 } else {
                                     assert_eq!(target, RingTarget::Send { step: s });
                                     // the next step's rank is the one this rank hands on to
-                                    assert_eq!(seen[s + 1].1, r.receiver(rank));
-                                    assert_eq!(r.sender(seen[s + 1].1), rank);
+                                    assert_eq!(seen[s + 1].1, r.receiver(rank, s));
+                                    assert_eq!(r.sender(seen[s + 1].1, s + 1), rank);
                                 }
                             }
                         }
@@ -335,7 +455,10 @@ mod tests {
             .flat_map(|set| (0..3).flat_map(move |s| (0..3).map(move |j| (set, s, j))))
             .map(|(set, s, j)| r.flag_index(set, s, j))
             .collect();
-        flags.push(r.done_index());
+        flags.extend([
+            r.done_index(RingLink::Within),
+            r.done_index(RingLink::Across),
+        ]);
         let count = flags.len();
         flags.sort();
         flags.dedup();
@@ -345,17 +468,60 @@ mod tests {
         assert_eq!(RingSchedule::set_of(1), 1);
     }
 
+    /// The 2D ring's traffic: each rank hands G − 1 pieces' worth of steps across groups and
+    /// P − G within its group, every hand-on within a group stays in it, and every hand-on
+    /// across goes to the next group down; with G = 1 or G = P it is the flat ring (owner
+    /// r + s + 1, hand-ons to r − 1).
+    #[test]
+    fn the_2d_ring_crosses_groups_once_per_group_and_is_flat_at_the_ends() {
+        for (world, groups) in worlds_and_groups() {
+            let r = ring_2d(world, groups, 4 * world, 1);
+            let len = world / groups;
+            for rank in 0..world {
+                let across = (0..world - 1)
+                    .filter(|&s| r.link_after(s) == RingLink::Across)
+                    .count();
+                assert_eq!(across, if groups == 1 { 0 } else { groups - 1 });
+                for s in 0..world - 1 {
+                    let to = r.receiver(rank, s);
+                    match r.link_after(s) {
+                        RingLink::Within => assert_eq!(to / len, rank / len),
+                        RingLink::Across => {
+                            assert_eq!(to / len, (rank / len + groups - 1) % groups)
+                        }
+                    }
+                    if groups == 1 || groups == world {
+                        assert_eq!(to, (rank + world - 1) % world);
+                        assert_eq!(r.owner_at(rank, s), (rank + s + 1) % world);
+                    }
+                }
+                // the senders and receivers of one link are each other's
+                for link in r.links() {
+                    assert_eq!(r.sender_on(r.receiver_on(rank, link), link), rank);
+                }
+            }
+        }
+        let shape = GemmRsShape::new(6, 12, 8, 8, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+        let e = RingSchedule::within(shape, 12, 1).in_groups(4).unwrap_err();
+        assert!(
+            e.to_string().contains("multiple of the NUMA group count"),
+            "{e}"
+        );
+        assert!(RingSchedule::within(shape, 12, 1).in_groups(0).is_err());
+    }
+
     /// The plan checker proves of the ring what it proves of the collectives (no deadlock, no
     /// slot used twice in a call, no read before its flag, no buffer overwritten while read,
-    /// every output the right sum) for P = 1..9 and 16 and 1–3 pieces, and rejects it broken.
+    /// every output the right sum) for P = 1..9 and 16, every group count that divides P (the
+    /// 2D ring), 1–3 pieces, and rejects it broken.
     #[test]
     fn the_checker_accepts_the_ring_and_rejects_it_broken() {
-        for world in (1..=9).chain([16]) {
+        for (world, groups) in worlds_and_groups() {
             for m in [world, world * 5, world * 8] {
                 for pieces in 1..=3 {
-                    let r = ring(world, m, pieces);
+                    let r = ring_2d(world, groups, m, pieces);
                     if let Err(e) = crate::check(r.plan().unwrap()) {
-                        panic!("P={world} M={m} pieces={pieces}: {e}");
+                        panic!("P={world} G={groups} M={m} pieces={pieces}: {e}");
                     }
                 }
             }
@@ -396,6 +562,6 @@ mod tests {
             .iter()
             .all(|g| g.target == RingTarget::Output && g.add.is_none()));
         assert_eq!(r.flags_per_set(), 0);
-        assert_eq!(r.flag_words(), 1);
+        assert_eq!(r.flag_words(), DONE_FLAGS);
     }
 }

@@ -92,6 +92,9 @@ pub struct GemmRsConfig {
     pub reduction: Reduction,
     /// Which path calls take
     pub path: PathChoice,
+    /// NUMA groups of consecutive ranks the overlapped path's ring crosses as few times as it
+    /// can (1, the default: one flat ring; see [`commfuse_core::fused::ring_rs`])
+    pub numa_groups: usize,
     /// How long any device-side wait may last before the call fails with a diagnosis
     pub timeout: Duration,
 }
@@ -117,6 +120,7 @@ impl GemmRsConfig {
             bias: false,
             reduction: Reduction::Fold,
             path: PathChoice::Auto,
+            numa_groups: 1,
             timeout: Duration::from_secs(5),
         }
     }

@@ -22,7 +22,9 @@ use crate::driver::{DeviceMemory, Event, Gpu, IpcHandle, Stream};
 use crate::error::CudaError;
 use crate::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory};
 use crate::gemm::{InUse, Launched};
-use commfuse_core::fused::ring_rs::{RingPiece, RingSchedule, RingTarget, MAX_PIECES};
+use commfuse_core::fused::ring_rs::{
+    RingLink, RingPiece, RingSchedule, RingTarget, DONE_FLAGS, MAX_PIECES,
+};
 use commfuse_core::gemm::GemmProblem;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -84,7 +86,7 @@ impl RingMemory {
         world: usize,
         config: &GemmRsConfig,
     ) -> Result<RingMemory, CudaError> {
-        let s = RingSchedule::within(shape(config, world, config.max_m)?, config.max_m, 1);
+        let s = schedule(config, world, config.max_m, 1)?;
         let eb = config.output.size();
         Ok(RingMemory {
             receive: DeviceMemory::zeroed(gpu, (s.receive_len() * eb).max(16))?,
@@ -166,12 +168,14 @@ impl RingPath {
             .map(|_| Event::new_untimed(&gpu))
             .collect::<Result<_, _>>()?;
         let side = Stream::new(&gpu)?;
-        if world > 1 {
-            // The first copy between two GPUs' contexts holds the host until the destination GPU
-            // is idle (measured: 5 s stalls, while that GPU spun on a flag this rank had yet to
-            // raise). Make that first copy here, while nothing spins: 16 bytes of the send
-            // buffer into the start of the receiver's receive buffers, not read before a flag.
-            let receiver = peers[(rank + world - 1) % world];
+        // The first copy between two GPUs' contexts holds the host until the destination GPU
+        // is idle (measured: 5 s stalls, while that GPU spun on a flag this rank had yet to
+        // raise). Make that first copy here, while nothing spins, to the receiver on each link:
+        // 16 bytes of the send buffer into the start of its receive buffers, not read before a
+        // flag.
+        let ring = schedule(&config, world, config.max_m, 1)?;
+        for link in ring.links() {
+            let receiver = peers[ring.receiver_on(rank, link)];
             // SAFETY: both buffers hold at least 16 bytes and outlive the synchronisation
             unsafe {
                 hand_on(
@@ -181,8 +185,8 @@ impl RingPath {
                     16,
                 )?
             };
-            side.synchronize()?;
         }
+        side.synchronize()?;
         Ok(RingPath {
             rank,
             world,
@@ -202,11 +206,7 @@ impl RingPath {
     }
 
     fn schedule(&self, m: usize, pieces: usize) -> Result<RingSchedule, CudaError> {
-        Ok(RingSchedule::within(
-            shape(&self.config, self.world, m)?,
-            self.config.max_m,
-            pieces,
-        ))
+        schedule(&self.config, self.world, m, pieces)
     }
 
     fn problem(&self, rows: usize) -> GemmProblem {
@@ -354,7 +354,6 @@ impl RingPath {
         let n = self.config.n as u64;
         let eb = self.config.output.size() as u64;
         let mem = &*self.memory;
-        let receiver = self.peers[s.receiver(self.rank)];
         for (i, g) in s.pieces_of(self.rank).iter().enumerate() {
             let within = g.within.start as u64 * n;
             if let (Some(prev), true) = (g.add, parts.flags) {
@@ -375,6 +374,7 @@ impl RingPath {
                 self.piece_gemm(stream, &s, g, set, (a, b, bias_here, d))?;
             }
             if let RingTarget::Send { step } = g.target {
+                let receiver = self.peers[s.receiver(self.rank, step)];
                 trace(self.rank, epoch, "record");
                 let done = &self.piece_done[i];
                 done.record(stream)?;
@@ -398,15 +398,21 @@ impl RingPath {
         self.join.record(&self.side)?;
         stream.wait_event(&self.join)?;
         if s.ends_with_done() && parts.flags {
-            let sender = self.peers[s.sender(self.rank)];
-            let index = s.done_index();
-            let step = FlagStep {
-                wait: Some((mem.flags.addr() + 8 * index as u64, epoch, FlagCmp::Ge)),
-                raise: Some((sender.flags + 8 * index as u64, epoch)),
-                raise_first: true,
-                ends_call: true,
-            };
-            mem.steps.queue_step(stream, step, (s.shape.world, index))?;
+            // per link: tell the sender there, then wait for the receiver there (every rank
+            // raises before it waits, link by link in one order, so no wait holds back a raise
+            // that another rank waits for)
+            let links = s.links();
+            for (i, &link) in links.iter().enumerate() {
+                let sender = self.peers[s.sender_on(self.rank, link)];
+                let index = s.done_index(link);
+                let step = FlagStep {
+                    wait: Some((mem.flags.addr() + 8 * index as u64, epoch, FlagCmp::Ge)),
+                    raise: Some((sender.flags + 8 * index as u64, epoch)),
+                    raise_first: true,
+                    ends_call: i + 1 == links.len(),
+                };
+                mem.steps.queue_step(stream, step, (s.shape.world, index))?;
+            }
         }
         self.memory.launched(stream)?;
         self.calls = epoch;
@@ -417,11 +423,16 @@ impl RingPath {
     /// The diagnosis of a flag wait that timed out, if one did (after the stream synchronised).
     pub(crate) fn failure(&self) -> Option<String> {
         let e = self.memory.steps.timeout()?;
-        let what = if e.index == 0 {
-            "its receiver's done flag (the receiver has finished a call)".to_string()
+        let index = e.index as usize;
+        let what = if index < DONE_FLAGS {
+            let link = [RingLink::Within, RingLink::Across][index];
+            format!(
+                "its receiver's done flag (the receiver has finished a call; {})",
+                link.name()
+            )
         } else {
             let per_set = (self.world - 1) * MAX_PIECES;
-            let i = e.index as usize - 1;
+            let i = index - DONE_FLAGS;
             format!(
                 "the flag of piece {} handed on after step {} (set {})",
                 i % MAX_PIECES,
@@ -434,4 +445,16 @@ impl RingPath {
             e.rank, e.step, e.expected, e.seen, self.config.timeout
         ))
     }
+}
+
+/// The ring of a call of `m` rows (the config's NUMA groups), steps cut into `pieces`.
+fn schedule(
+    config: &GemmRsConfig,
+    world: usize,
+    m: usize,
+    pieces: usize,
+) -> Result<RingSchedule, CudaError> {
+    RingSchedule::within(shape(config, world, m)?, config.max_m, pieces)
+        .in_groups(config.numa_groups)
+        .map_err(|e| CudaError::Unavailable(e.to_string()))
 }
