@@ -68,6 +68,9 @@ constexpr u32 FLAG_SET_EPOCH = 2;
 constexpr u32 ROUTE_DST_FROM_D = 1;  // dst is an offset from GemmParams.d
 constexpr u32 ROUTE_NO_BIAS = 2;     // this tile does not add the bias (a peer's partial)
 
+// GemmParams.call_options
+constexpr u32 CALLS_READ_ONLY = 1;
+
 // A rank's count of its graph-safe calls (GemmParams.calls), in device memory; mirrored by
 // `CallCounter` in src/gemm.rs. Zero when the operator is built.
 struct CallCounter {
@@ -99,7 +102,7 @@ struct GemmParams {
     u32 full_units;
     u32 parts;
     u32 unit_count;
-    u32 pad;
+    u32 call_options;  // CALLS_* bits
     float4* workspace;  // (split tiles x (parts - 1)) partial tiles, 32 float4 per consumer thread
     u32* counters;      // one per split tile; part 0 resets it for the next call
     // Row bands: band i covers rows bands[i] .. bands[i + 1] (at most BM rows), so that tiles
@@ -113,9 +116,23 @@ struct GemmParams {
     // a new call), `epoch` is unused, the tiles route by `routes` in calls of set 0 (odd
     // numbers) and by `routes_alt` in calls of set 1, and the block that finishes last advances
     // the counter.
+    // With CALLS_READ_ONLY, `calls` is an operator's count of calls that work after the GEMM
+    // on its stream advances (the flag steps' count): the GEMM reads its number from it and
+    // leaves it alone.
     CallCounter* calls;
     const TileRoute* routes_alt;
+    // All-gather + GEMM (null: nothing to wait for): band i's rows of A are loaded only once
+    // the flag whose address is band_flags[i] (0: none, rows already here) holds at least this
+    // call's number: the rows a peer copies into this rank's gather buffer.
+    const u64* band_flags;
+    // Rows [local_row0, local_row0 + local_rows) of A are loaded from a_local instead (its row
+    // 0 is row local_row0): the caller's own chunk, never copied into the gather buffer.
+    u32 local_row0, local_rows;
+    TmaDesc a_local;
 };
+static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSETOF(GemmParams, local_rows) == 428 &&
+                  COMMFUSE_OFFSETOF(GemmParams, a_local) == 512 && sizeof(GemmParams) == 640,
+              "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
                   COMMFUSE_OFFSETOF(GemmParams, rank) == 344 && COMMFUSE_OFFSETOF(GemmParams, workspace) == 368 &&
                   COMMFUSE_OFFSETOF(GemmParams, counters) == 376 && COMMFUSE_OFFSETOF(GemmParams, bands) == 384 &&
@@ -181,7 +198,7 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
 }
 
 // What a stalled pipeline wait was waiting for (ErrorRecord.slot).
-enum PipelineWait { WAIT_STAGE_EMPTY = 0, WAIT_STAGE_FULL = 1, WAIT_EPI_EMPTY = 2, WAIT_EPI_FULL = 3, WAIT_PARTIALS = 4, WAIT_FOLD_FLAG = 5 };
+enum PipelineWait { WAIT_STAGE_EMPTY = 0, WAIT_STAGE_FULL = 1, WAIT_EPI_EMPTY = 2, WAIT_EPI_FULL = 3, WAIT_PARTIALS = 4, WAIT_FOLD_FLAG = 5, WAIT_BAND_FLAG = 6 };
 
 // A pipeline wait that never completes is a bug (a lost TMA, a miscounted barrier): record
 // which block waited for what at which tile, and stop the kernel rather than hang the GPU.
@@ -336,6 +353,48 @@ __device__ __forceinline__ Unit unit_at(const GemmParams& p, u32 u) {
     return w;
 }
 
+// Waits (acquire, system scope) until `flag` holds at least this call's epoch; true once it
+// does. A peer that never arrives is reported like a stalled pipeline wait (ErrorRecord.slot =
+// `what`, step = tile, expected = epoch, seen = the flag's value) after half the pipeline's
+// bound (the other roles' waits for this block must not run out, and trap, while it waits
+// here), and the caller goes on with whatever is there: the call's result is then wrong, and
+// the host's check says why.
+__device__ __forceinline__ bool flag_wait(const GemmParams& p, const u64* flag, u32 tile, u32 what) {
+    u64 seen = load_acquire_sys(flag);
+    if (seen >= call_state.epoch) return true;
+    const u64 start = global_timer_ns();
+    for (u32 spins = 1;; ++spins) {
+        seen = load_relaxed_sys(flag);
+        if (seen >= call_state.epoch) {
+            fence_acquire_sys();
+            return true;
+        }
+        if ((spins & 255) == 0 && waiter_check(p.err, global_timer_ns() - start, spins, p.timeout_ns / 2) != GO_ON) {
+            if (atomicCAS_system((u32*)&p.err->flag, 0u, 3u) == 0u) {
+                p.err->rank = p.rank;
+                p.err->lane = blockIdx.x;
+                p.err->step = tile;
+                p.err->slot = what;
+                p.err->expected = call_state.epoch;
+                p.err->seen = seen;
+                __threadfence_system();
+                p.err->abort = 1;
+            }
+            return false;
+        }
+    }
+}
+
+// All-gather + GEMM: waits until band `band`'s rows of A have landed (its flag, if it has
+// one), then orders the TMA loads that follow (async proxy) after the rows the flag published
+// (generic proxy: a peer's copy and release).
+__device__ __forceinline__ void band_wait(const GemmParams& p, u32 band, u32 tile) {
+    const u64* flag = (const u64*)p.band_flags[band];
+    if (flag == nullptr) return;
+    flag_wait(p, flag, tile, WAIT_BAND_FLAG);
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // ---- the three roles ---------------------------------------------------------------------------
 
 struct Smem {
@@ -348,15 +407,24 @@ struct Smem {
 template <bool B_KN>
 __device__ void producer(const GemmParams& p, const Smem& s) {
     u32 stage = 0, phase = 0;
+    u32 landed = 0xffffffffu;  // the last band whose rows this block saw land
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at(p, i);
+        if (p.band_flags != nullptr && c.tm != landed) {
+            band_wait(p, c.tm, c.tile);
+            landed = c.tm;
+        }
+        // the caller's own rows (all-gather + GEMM) from its A, the rest from p.a
+        const bool local = c.row0 - p.local_row0 < p.local_rows;
+        const TmaDesc* a_map = local ? &p.a_local : &p.a;
+        const u32 a_row = local ? c.row0 - p.local_row0 : c.row0;
         for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
             const u32 full = s.full + 8 * stage, empty = s.empty + 8 * stage;
             mbar_wait<ROLE_WG0>(empty, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY);
             // out-of-bounds parts of a box are zero-filled and still counted in bytes
             mbar_expect_tx(full, gemm::A_STAGE_BYTES + gemm::B_STAGE_BYTES);
             const u32 a_dst = s.a + stage * gemm::A_STAGE_BYTES, b_dst = s.b + stage * gemm::B_STAGE_BYTES;
-            tma_load_2d(a_dst, &p.a, full, kb * gemm::BK, c.row0);
+            tma_load_2d(a_dst, a_map, full, kb * gemm::BK, a_row);
             if (B_KN) {
                 // four 64 (N) x 64 (K) boxes side by side along N, 8 KiB each
 #pragma unroll
@@ -424,38 +492,12 @@ __device__ __forceinline__ void consumer_group_sync(u32 cw) {
     else asm volatile("bar.sync 4, 128;" ::: "memory");
 }
 
-// Waits (acquire, system scope) until every flag of a fold holds this call's epoch. A peer that
-// never arrives is reported like a stalled pipeline wait (ErrorRecord.slot = WAIT_FOLD_FLAG,
-// step = tile, expected = epoch, seen = the flag's value) and the fold goes on with whatever
-// is there: the call's result is then wrong, and the host's check says why.
+// Waits until every flag of a fold holds this call's epoch (a partial that never comes: see
+// flag_wait; the fold then goes on).
 __device__ __forceinline__ void fold_wait(const GemmParams& p, const TileRoute& r, u32 tile, u32 cw) {
     for (u32 f = 0; f < r.fold_count; ++f) {
         const u64* flag = (const u64*)(r.fold_flag + (u64)f * r.fold_flag_stride);
-        u64 seen = load_acquire_sys(flag);
-        if (seen >= call_state.epoch) continue;
-        const u64 start = global_timer_ns();
-        for (u32 spins = 1;; ++spins) {
-            seen = load_relaxed_sys(flag);
-            if (seen >= call_state.epoch) {
-                fence_acquire_sys();
-                break;
-            }
-            // half the pipeline's bound: the other roles' waits for this block must not run out
-            // (and trap) while it waits here
-            if ((spins & 255) == 0 && waiter_check(p.err, global_timer_ns() - start, spins, p.timeout_ns / 2) != GO_ON) {
-                if (atomicCAS_system((u32*)&p.err->flag, 0u, 3u) == 0u) {
-                    p.err->rank = p.rank;
-                    p.err->lane = blockIdx.x;
-                    p.err->step = tile;
-                    p.err->slot = WAIT_FOLD_FLAG;
-                    p.err->expected = call_state.epoch;
-                    p.err->seen = seen;
-                    __threadfence_system();
-                    p.err->abort = 1;
-                }
-                return;
-            }
-        }
+        if (!flag_wait(p, flag, tile, WAIT_FOLD_FLAG)) return;
     }
 }
 
@@ -659,7 +701,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     if (t < 32) bulk_wait_all();  // no write may be in flight when the block ends
     // The block that finishes last advances the call counter: every block read it (thread 0,
     // before the block's first barrier) before it counted itself finished here.
-    if (t == 0 && p.calls != nullptr) {
+    if (t == 0 && p.calls != nullptr && (p.call_options & CALLS_READ_ONLY) == 0) {
         __threadfence();
         if (atomicAdd(&p.calls->finished, 1u) == gridDim.x - 1) {
             p.calls->finished = 0;
@@ -691,6 +733,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b) : "memory");
+        if (p.local_rows != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a_local) : "memory");
         if (p.calls != nullptr) {
             const u64 epoch = *(volatile const u64*)&p.calls->last + 1;
             call_state.epoch = epoch;

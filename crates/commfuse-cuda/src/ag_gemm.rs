@@ -16,6 +16,15 @@
 //! (after the earlier calls, waited for on the host): a kernel loaded while a flag wait spins
 //! can stall the peers (docs/gpu-2026-11-30c).
 //!
+//! The fused path (`AgGemmConfig::fused`) moves the same pieces with the same flags and
+//! dones, but the caller's stream runs one GEMM of our own over all M rows
+//! ([`commfuse_core::fused::ag_gemm::AgGemmSchedule::fused_plan`]): the rank's own rows straight
+//! from the caller's A (a second TMA map), the peers' from the gather buffer, each row band's
+//! loads held back by its producer until the band's piece flag holds the call's number (read
+//! from the flag steps' count on the device, so a captured call stays graph-safe). The GEMM
+//! leaves one SM free: the side stream's flag kernels must run beside its persistent grid, or
+//! a GEMM waiting for a peer's rows would wait for a flag that cannot be raised.
+//!
 //! The flag steps number the calls on the device (each call's last step advances the rank's
 //! count), so a call captured into a CUDA graph is a new call at every replay; the first call of
 //! an M, which waits on the host, must come before the capture. The simulator runs the same
@@ -25,13 +34,15 @@ use crate::cublaslt::Lt;
 use crate::driver::{DeviceMemory, Event, Gpu, IpcMapping, Stream};
 use crate::error::CudaError;
 use crate::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory, THIS_CALL};
-use crate::gemm::{InUse, Launched};
+use crate::gemm::{
+    CallNumber, Gather, GemmKernels, GemmOperands, InUse, Launched, PreparedGemm, TILE,
+};
 use crate::ipc::Exported;
 use crate::plan_table::MAX_RANKS;
 use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, AgPiece, MAX_PIECES};
 use commfuse_core::gemm::{BLayout, GemmProblem};
 use commfuse_core::DType;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,6 +67,9 @@ pub struct AgGemmConfig {
     pub bias: bool,
     /// Row pieces each chunk is handed on in
     pub pieces: usize,
+    /// The fused path: one GEMM of our own whose producer waits for each row band's piece
+    /// (see the module doc), instead of a cuBLASLt GEMM per piece
+    pub fused: bool,
     /// How long any device-side wait may last before the call fails with a diagnosis
     pub timeout: Duration,
 }
@@ -79,6 +93,7 @@ impl AgGemmConfig {
             output,
             bias: false,
             pieces: 1,
+            fused: false,
             timeout: Duration::from_secs(5),
         }
     }
@@ -153,6 +168,12 @@ impl AgGemmAllocation {
             return Err(unsupported(format!(
                 "all-gather + GEMM needs rows of A and of the output of whole 16-byte units (K = {}, N = {})",
                 config.k, config.n
+            )));
+        }
+        if config.fused && config.b_layout == BLayout::KN && !config.n.is_multiple_of(8) {
+            return Err(unsupported(format!(
+                "the fused all-gather + GEMM reads B as [K, N] with N a multiple of 8, got N = {}",
+                config.n
             )));
         }
         let s = AgGemmSchedule::new(config.shape(world, config.max_m)?, 1);
@@ -259,6 +280,12 @@ impl AgGemmAllocation {
             start: Event::new_untimed(&gpu)?,
             join: Event::new_untimed(&gpu)?,
             tuned: HashSet::new(),
+            kernels: if self.config.fused {
+                Some(GemmKernels::load(&gpu)?)
+            } else {
+                None
+            },
+            fused: HashMap::new(),
             memory: Launched::new(&gpu, self.memory)?,
             mapped: Vec::new(),
             gpu,
@@ -281,8 +308,12 @@ pub struct AgGemmRank {
     tune: Stream,
     start: Event,
     join: Event,
-    /// The M whose GEMMs cuBLASLt has chosen algorithms for
+    /// The M whose GEMMs cuBLASLt has chosen algorithms for (or whose fused GEMM is built)
     tuned: HashSet<usize>,
+    /// Our GEMM's entry points (the fused path)
+    kernels: Option<GemmKernels>,
+    /// The fused path's GEMM of each M called
+    fused: HashMap<usize, PreparedGemm>,
     /// Peers' buffers opened from other processes (closed after the memory above is released)
     mapped: Vec<IpcMapping>,
     gpu: Arc<Gpu>,
@@ -372,6 +403,16 @@ impl AgGemmRank {
         // output, which that work may still use
         self.start.record(stream)?;
         self.tune.wait_event(&self.start)?;
+        if self.config.fused {
+            let gemm = self.fused_gemm(s)?;
+            // once, as call 0: every flag holds at least 0, so nothing waits; the rows read
+            // from the gather buffer are stale, and the output is overwritten by the call
+            gemm.launch_gather_call(&self.tune, a, b, bias, out, CallNumber::Host(0))?;
+            self.tune.synchronize()?;
+            self.fused.insert(s.shape.m, gemm);
+            self.tuned.insert(s.shape.m);
+            return Ok(());
+        }
         let mut seen = HashSet::new();
         for g in s.gemms_of(self.rank) {
             let problem = self.problem(g.rows.len());
@@ -387,6 +428,52 @@ impl AgGemmRank {
         self.tune.synchronize()?;
         self.tuned.insert(s.shape.m);
         Ok(())
+    }
+
+    /// The fused path's GEMM for the shape of `s` on this rank: the gather buffer as A, each
+    /// band waiting for its piece's flag in this rank's flag words, the rank's own rows from
+    /// the caller's A; one SM left to the side stream's flag kernels (see the module doc).
+    fn fused_gemm(&self, s: &AgGemmSchedule) -> Result<PreparedGemm, CudaError> {
+        let kernels = self.kernels.as_ref().ok_or_else(|| {
+            unsupported("this all-gather + GEMM was built without the fused path".into())
+        })?;
+        let group = commfuse_core::fused::gemm_rs::ORDER_GROUP;
+        let plan = s.fused_plan(self.rank, TILE, self.config.bias, group);
+        let flags = self.memory.flags.addr();
+        let band_flags = s
+            .band_waits(self.rank, TILE.m)
+            .into_iter()
+            .map(|w| {
+                w.map_or(0, |(owner, piece)| {
+                    flags + 8 * s.flag_index(owner, piece) as u64
+                })
+            })
+            .collect();
+        let gather = Gather {
+            band_flags,
+            local: s.shape.chunk(self.rank),
+        };
+        // B, the bias and D come with each call; the gather buffer stands in for them here
+        let buffer = self.memory.gather.addr();
+        let ops = GemmOperands {
+            a: buffer,
+            b: buffer,
+            c: None,
+            bias: self.config.bias.then_some(buffer),
+            d: buffer,
+        };
+        let sm_cap = self.gpu.sm_count.saturating_sub(1).max(1);
+        PreparedGemm::gathering(&self.gpu, kernels, &plan, &ops, &gather, sm_cap, self.rank)
+    }
+
+    /// Which path calls take: "fused" or "overlapped (C pieces)".
+    pub fn path(&self) -> String {
+        if self.config.fused {
+            "fused".into()
+        } else {
+            let c = self.config.pieces;
+            format!("overlapped ({c} piece{})", if c == 1 { "" } else { "s" })
+        }
     }
 
     /// Enqueues one call on `stream`: AllGather(A)·B (+ bias) into `out` ([m, N] row-major)
@@ -492,7 +579,37 @@ impl AgGemmRank {
                 mem.steps.queue(&self.side, None, Some((flag, epoch)), at)?;
             }
         }
-        for g in s.gemms_of(self.rank) {
+        if let Some(gemm) = self.fused.get(&s.shape.m) {
+            let counter = mem
+                .steps
+                .counter()
+                .expect("the steps number calls on the device");
+            gemm.launch_gather_call(stream, a, b, bias, out, CallNumber::Counted { counter })?;
+            if let Some(gathered) = gathered {
+                // every piece has landed: the GEMM waited for each one's flag
+                let mine = s.shape.chunk(self.rank);
+                let m = s.shape.m;
+                let at = |row: usize| row as u64 * row_in;
+                for rows in [0..mine.start, mine.end..m] {
+                    if !rows.is_empty() {
+                        let from = mem.gather.addr() + at(rows.start);
+                        stream.copy_async(
+                            gathered + at(rows.start),
+                            from,
+                            rows.len() * row_in as usize,
+                        )?;
+                    }
+                }
+                if !mine.is_empty() {
+                    stream.copy_async(
+                        gathered + at(mine.start),
+                        a,
+                        mine.len() * row_in as usize,
+                    )?;
+                }
+            }
+        }
+        for g in s.gemms_of(self.rank).into_iter().filter(|_| !c.fused) {
             if !g.local {
                 let index = s.flag_index(g.owner, g.piece);
                 let wait = Some((mem.flags.addr() + 8 * index as u64, epoch, FlagCmp::Eq));
@@ -545,6 +662,10 @@ impl AgGemmRank {
     /// After the caller's stream was synchronised: the diagnosis of a wait that timed out in
     /// any call so far, if one did. Marks the operator unusable when it reports one.
     pub fn check(&mut self) -> Result<(), CudaError> {
+        if let Some(stalled) = self.fused.values().find_map(PreparedGemm::stall_report) {
+            self.broken = true;
+            return Err(unsupported(format!("all-gather + GEMM (fused): {stalled}")));
+        }
         let Some(e) = self.memory.steps.timeout() else {
             return Ok(());
         };

@@ -1,7 +1,8 @@
 //! `commfuse bench ag-gemm`: all-gather + GEMM on P GPUs (rank r on `devices[r]`, one host
 //! thread each) with the baselines in the same run: cuBLASLt alone on the gathered A (the GEMM
-//! every path must do), NCCL's all-gather then cuBLASLt (the unfused path), and ours overlapped
-//! with each piece count asked for. Rows interleaved in rounds, a call's time its slowest
+//! every path must do), our GEMM alone on it (what the fused path's GEMM costs without waiting),
+//! NCCL's all-gather then cuBLASLt (the unfused path), and ours overlapped and fused with each
+//! piece count asked for. Rows interleaved in rounds, a call's time its slowest
 //! rank's ([`crate::rank_bench`]). Our rows are checked on every output element of every rank
 //! against a float64 reference computed on the GPUs (kernels/reference_gemm.cu) after timing.
 
@@ -9,13 +10,14 @@ use crate::ag_gemm::{AgGemmConfig, AgGemmRank};
 use crate::cublaslt::Lt;
 use crate::driver::{DeviceMemory, Gpu, Stream};
 use crate::error::CudaError;
+use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
 use crate::gemm_bench::ReferenceGemm;
 use crate::nccl::Comms;
 use crate::rank_bench::{
     download, interleaved, open_group, row, timed, upload, FusedRow, RankStream,
 };
 use commfuse_core::fused::ag_gemm::AgGemmShape;
-use commfuse_core::gemm::{check_elements, Epilogue, ReferenceElement};
+use commfuse_core::gemm::{check_elements, grouped_order, Epilogue, GemmPlan, ReferenceElement};
 use commfuse_core::reference::input_value;
 use commfuse_core::{DType, Element, ReduceOp};
 use half::{bf16, f16};
@@ -118,15 +120,43 @@ fn run<T: Element + bytemuck::Pod>(cfg: &AgGemmBenchConfig) -> Result<Vec<FusedR
         None
     };
     let mut ours: Vec<(String, Vec<Mutex<AgGemmRank>>)> = Vec::new();
-    for &pieces in &cfg.pieces {
-        let mut c = AgGemmConfig::new(s.m, s.n, s.k, s.b_layout, s.input, s.output);
-        c.bias = cfg.bias;
-        c.pieces = pieces;
-        let ops = AgGemmRank::create_group(&gpus, c)?;
-        let name = format!("commfuse-overlapped ({pieces})");
-        ours.push((name, ops.into_iter().map(Mutex::new).collect()));
+    // the overlapped rows, then the fused ones (our GEMM waiting per row band)
+    for fused in [false, true] {
+        for &pieces in &cfg.pieces {
+            let mut c = AgGemmConfig::new(s.m, s.n, s.k, s.b_layout, s.input, s.output);
+            c.bias = cfg.bias;
+            c.pieces = pieces;
+            c.fused = fused;
+            let ops = AgGemmRank::create_group(&gpus, c)?;
+            let path = if fused { "fused" } else { "overlapped" };
+            let name = format!("commfuse-{path} ({pieces})");
+            ours.push((name, ops.into_iter().map(Mutex::new).collect()));
+        }
     }
 
+    // our GEMM alone on the gathered A, all SMs but the one the fused path leaves free
+    let epilogue = Epilogue {
+        bias: cfg.bias,
+        ..Epilogue::default()
+    };
+    let mut plan = GemmPlan::local(problem, TILE, epilogue);
+    plan.order = grouped_order(&problem, TILE, commfuse_core::fused::gemm_rs::ORDER_GROUP);
+    let our_gemms: Vec<PreparedGemm> = ranks
+        .iter()
+        .map(|d| {
+            let kernels = GemmKernels::load(&d.gpu)?;
+            let ops = GemmOperands {
+                a: d.a_full.addr(),
+                b: d.b.addr(),
+                c: None,
+                bias: d.bias.as_ref().map(|b| b.addr()),
+                d: d.out.addr(),
+            };
+            let cap = d.gpu.sm_count.saturating_sub(1).max(1);
+            PreparedGemm::new(&d.gpu, &kernels, &plan, &ops, None, cap, 0)
+        })
+        .collect::<Result<_, _>>()?;
+    let our_gemms = &our_gemms;
     let p = &problem;
     // SAFETY (of every use): operands sized from the problem on this rank's GPU
     let lt_gemm = move |d: &RankData, a: u64| unsafe {
@@ -134,9 +164,12 @@ fn run<T: Element + bytemuck::Pod>(cfg: &AgGemmBenchConfig) -> Result<Vec<FusedR
         let operands = (a, d.b.addr(), d.out.addr(), d.out.addr());
         d.lt.matmul_into(&d.stream, p, 0, operands, bias, 1.0, 0.0)
     };
-    let mut names: Vec<String> = vec!["cublaslt".into()];
-    let mut launches: Vec<Launch<'_>> =
-        vec![Box::new(move |_, d: &RankData| lt_gemm(d, d.a_full.addr()))];
+    let mut names: Vec<String> = vec!["cublaslt".into(), "commfuse-gemm".into()];
+    let mut launches: Vec<Launch<'_>> = vec![
+        Box::new(move |_, d: &RankData| lt_gemm(d, d.a_full.addr())),
+        // SAFETY: prepared on this rank's operands, which outlive the bench
+        Box::new(move |r, d: &RankData| unsafe { our_gemms[r].launch(&d.stream) }),
+    ];
     match &comms {
         Some(Ok(comms)) => {
             names.push("nccl+cublaslt".into());
@@ -198,10 +231,6 @@ fn run<T: Element + bytemuck::Pod>(cfg: &AgGemmBenchConfig) -> Result<Vec<FusedR
                 .collect(),
         );
     }
-    let epilogue = Epilogue {
-        bias: cfg.bias,
-        ..Epilogue::default()
-    };
     let mut rows = Vec::new();
     for (v, name) in names.iter().enumerate() {
         let mut r = row(name, (s.m, s.n, s.k, world), p.flops(), &round_medians[v]);

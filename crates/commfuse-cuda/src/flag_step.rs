@@ -111,6 +111,13 @@ impl FlagSteps {
         Ok(steps)
     }
 
+    /// Where the steps keep their count of finished calls (a u64 of this GPU), when they
+    /// number calls on the device: what other work of the same calls reads its number from
+    /// (`gemm::CallNumber::Counted`).
+    pub fn counter(&self) -> Option<u64> {
+        self.calls.as_ref().map(DeviceMemory::addr)
+    }
+
     /// Queues `step` on `stream`. `step` and `index` of `at` are the caller's words for the
     /// diagnosis of a wait that times out.
     ///

@@ -105,6 +105,8 @@ impl<T: InUse> std::ops::Deref for Launched<T> {
 struct GemmMemory {
     error: MappedHost<ErrorRecord>,
     _tables: DeviceMemory,
+    /// [`Gather::band_flags`] on the device
+    _band_flags: Option<DeviceMemory>,
     _workspace: DeviceMemory,
     _b_padded: Option<DeviceMemory>,
 }
@@ -174,13 +176,33 @@ struct GemmParams {
     full_units: u32,
     parts: u32,
     unit_count: u32,
-    pad: u32,
+    call_options: u32,
     workspace: u64,
     counters: u64,
     bands: u64,
     epoch: u64,
     calls: u64,
     routes_alt: u64,
+    band_flags: u64,
+    local_row0: u32,
+    local_rows: u32,
+    a_local: TmaDesc,
+}
+const _: () = assert!(
+    std::mem::offset_of!(GemmParams, band_flags) == 416
+        && std::mem::offset_of!(GemmParams, a_local) == 512
+        && std::mem::size_of::<GemmParams>() == 640
+);
+
+/// Rows of A that an all-gather brings in while the GEMM runs ([`PreparedGemm::gathering`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gather {
+    /// Per row band of the plan: the address of the flag (on this GPU) that says its rows
+    /// have landed in the prepared A, or 0 for rows that need no wait
+    pub band_flags: Vec<u64>,
+    /// Rows read from the A given per call ([`PreparedGemm::launch_gather_call`]) instead:
+    /// the caller's own chunk, whose row 0 is `local.start`. Whole bands only.
+    pub local: std::ops::Range<usize>,
 }
 
 /// Mirrors `CallCounter` in kernels/gemm.cu: a rank's count of its calls in device memory
@@ -204,7 +226,14 @@ pub enum CallNumber {
     /// tiles route by the prepared routes in calls of set 0 and by the routes at `routes_alt`
     /// (as many, same form) in calls of set 1
     Device { counter: u64, routes_alt: u64 },
+    /// One more than the count of calls (a u64) at `counter`, which later work on the stream
+    /// advances once the call has ended (an operator's flag steps numbered on the device,
+    /// [`crate::flag_step::FlagSteps::counter`]): the GEMM reads it and leaves it alone
+    Counted { counter: u64 },
 }
+
+/// `GemmParams::call_options`: the call counter is read, not advanced (mirrors gemm.cu).
+const CALLS_READ_ONLY: u32 = 1;
 
 /// Most K parts a tail tile is cut into.
 const MAX_PARTS: usize = 4;
@@ -374,7 +403,7 @@ impl PreparedGemm {
         let world = targets.map_or(rank + 1, |t| t.outputs.len());
         check_plan(plan, ops, world)?;
         let routes = routes(plan, ops, targets, rank)?;
-        PreparedGemm::build(gpu, kernels, plan, ops, routes, sm_cap, rank)
+        PreparedGemm::build(gpu, kernels, plan, ops, routes, None, sm_cap, rank)
     }
 
     /// [`PreparedGemm::new`] with the route of every tile given as is (tile order of the plan's
@@ -405,9 +434,47 @@ impl PreparedGemm {
                 plan.tile_count()
             )));
         }
-        let mut gemm = PreparedGemm::build(gpu, kernels, plan, ops, Some(routes), sm_cap, rank)?;
+        let mut gemm =
+            PreparedGemm::build(gpu, kernels, plan, ops, Some(routes), None, sm_cap, rank)?;
         gemm.routed = true;
         Ok(gemm)
+    }
+
+    /// [`PreparedGemm::new`] for an all-gather + GEMM: `ops.a` is the gather buffer (all M rows
+    /// of A), band i's tiles load their rows only once the flag at `gather.band_flags[i]` holds
+    /// the call's number, and the rows `gather.local` come from the A of each call
+    /// ([`PreparedGemm::launch_gather_call`]). Output to the local D; the plan's bands must
+    /// start at `gather.local`'s ends.
+    pub fn gathering(
+        gpu: &Gpu,
+        kernels: &GemmKernels,
+        plan: &GemmPlan,
+        ops: &GemmOperands,
+        gather: &Gather,
+        sm_cap: u32,
+        rank: usize,
+    ) -> Result<PreparedGemm, CudaError> {
+        check_plan(plan, ops, rank + 1)?;
+        let bands = plan.tile_grid().0;
+        if gather.band_flags.len() != bands {
+            return Err(unsupported(format!(
+                "{} band flags for {bands} row bands",
+                gather.band_flags.len()
+            )));
+        }
+        let starts: Vec<usize> = match &plan.bands {
+            Some(b) => b.clone(),
+            None => (0..=bands)
+                .map(|i| (i * TILE.m).min(plan.problem.m))
+                .collect(),
+        };
+        let (l0, l1) = (gather.local.start, gather.local.end);
+        if l0 < l1 && (!starts.contains(&l0) || !starts.contains(&l1)) {
+            return Err(unsupported(format!(
+                "the local rows {l0}..{l1} must be whole row bands of the plan"
+            )));
+        }
+        PreparedGemm::build(gpu, kernels, plan, ops, None, Some(gather), sm_cap, rank)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -417,6 +484,7 @@ impl PreparedGemm {
         plan: &GemmPlan,
         ops: &GemmOperands,
         routes: Option<Vec<TileRoute>>,
+        gather: Option<&Gather>,
         sm_cap: u32,
         rank: usize,
     ) -> Result<PreparedGemm, CudaError> {
@@ -504,6 +572,15 @@ impl PreparedGemm {
         // the helpers' partial tiles (128 × 256 f32 each) and one counter per split tile
         let partial_bytes = split * (parts - 1) * TILE.m * TILE.n * 4;
         let workspace = DeviceMemory::zeroed(gpu, partial_bytes + 4 * split)?;
+        let band_flags = match gather {
+            Some(g) => {
+                let table = DeviceMemory::zeroed(gpu, 8 * g.band_flags.len())?;
+                table.upload(gpu, bytemuck::cast_slice::<u64, u8>(&g.band_flags))?;
+                Some(table)
+            }
+            None => None,
+        };
+        let local = gather.map_or(0..0, |g| g.local.clone());
         let params = GemmParams {
             a: TmaDesc(a),
             b: TmaDesc(b),
@@ -541,7 +618,7 @@ impl PreparedGemm {
             full_units: (tiles - split) as u32,
             parts: parts as u32,
             unit_count: (tiles - split + split * parts) as u32,
-            pad: 0,
+            call_options: 0,
             workspace: workspace.addr(),
             counters: workspace.addr() + partial_bytes as u64,
             bands: if bands.is_some() {
@@ -552,6 +629,10 @@ impl PreparedGemm {
             epoch: 1,
             calls: 0,
             routes_alt: 0,
+            band_flags: band_flags.as_ref().map_or(0, DeviceMemory::addr),
+            local_row0: local.start as u32,
+            local_rows: local.len() as u32,
+            a_local: TmaDesc([0; 16]),
         };
         Ok(PreparedGemm {
             function,
@@ -565,6 +646,7 @@ impl PreparedGemm {
                 GemmMemory {
                     error,
                     _tables: tables,
+                    _band_flags: band_flags,
                     _workspace: workspace,
                     _b_padded: b_padded,
                 },
@@ -609,6 +691,52 @@ impl PreparedGemm {
         call: CallNumber,
     ) -> Result<(), CudaError> {
         let p = &self.problem;
+        let mut params = self.call_params(b, bias, d, call)?;
+        params.a = TmaDesc(a_map(a, p.input, p.k, p.m)?);
+        self.function
+            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &params)?;
+        self.memory.launched(stream)
+    }
+
+    /// [`PreparedGemm::launch_call`] for a GEMM prepared by [`PreparedGemm::gathering`]:
+    /// `a_local` holds this call's own rows ([`Gather::local`], K each), the other rows come
+    /// from the prepared gather buffer as their flags allow.
+    ///
+    /// # Safety
+    /// As [`PreparedGemm::launch_call`]; the flags and the gather buffer must stay valid too.
+    pub unsafe fn launch_gather_call(
+        &self,
+        stream: &Stream,
+        a_local: u64,
+        b: u64,
+        bias: Option<u64>,
+        d: u64,
+        call: CallNumber,
+    ) -> Result<(), CudaError> {
+        let p = &self.problem;
+        if self.params.band_flags == 0 {
+            return Err(unsupported(
+                "this GEMM was not prepared to gather its A".into(),
+            ));
+        }
+        let mut params = self.call_params(b, bias, Some(d), call)?;
+        if params.local_rows != 0 {
+            params.a_local = TmaDesc(a_map(a_local, p.input, p.k, params.local_rows as usize)?);
+        }
+        self.function
+            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &params)?;
+        self.memory.launched(stream)
+    }
+
+    /// The prepared parameters with this call's B, bias, D and number (A as prepared).
+    fn call_params(
+        &self,
+        b: u64,
+        bias: Option<u64>,
+        d: Option<u64>,
+        call: CallNumber,
+    ) -> Result<GemmParams, CudaError> {
+        let p = &self.problem;
         if self.b_padded {
             return Err(unsupported(format!(
                 "B as [K, N] needs N to be a multiple of 8 to change per call, got N={}",
@@ -620,22 +748,13 @@ impl PreparedGemm {
                 "the bias must be given exactly when the GEMM was prepared with one".into(),
             ));
         }
-        for (name, addr) in [("A", a), ("B", b)] {
-            if addr % 16 != 0 {
-                return Err(unsupported(format!(
-                    "{name} must start on a 16-byte boundary (TMA), got {addr:#x}"
-                )));
-            }
+        if !b.is_multiple_of(16) {
+            return Err(unsupported(format!(
+                "B must start on a 16-byte boundary (TMA), got {b:#x}"
+            )));
         }
         let half = p.input == DType::F16;
         let mut params = self.params;
-        params.a = TmaDesc(tensor_map_2d(
-            a,
-            half,
-            (p.k as u64, p.m as u64),
-            2 * p.k as u64,
-            (BK as u32, TILE.m as u32),
-        )?);
         params.b = TmaDesc(match p.b_layout {
             BLayout::NK => tensor_map_2d(
                 b,
@@ -660,18 +779,20 @@ impl PreparedGemm {
                 counter,
                 routes_alt,
             } => {
-                if params.routes == 0 {
+                if params.routes == 0 && routes_alt != 0 {
                     return Err(unsupported(
-                        "a GEMM numbering its calls on the device needs routed tiles".into(),
+                        "a GEMM without routes cannot take other routes in alternate calls".into(),
                     ));
                 }
                 params.calls = counter;
                 params.routes_alt = routes_alt;
             }
+            CallNumber::Counted { counter } => {
+                params.calls = counter;
+                params.call_options = CALLS_READ_ONLY;
+            }
         }
-        self.function
-            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &params)?;
-        self.memory.launched(stream)
+        Ok(params)
     }
 
     /// After a failed synchronisation: what the kernel recorded before it stopped, if anything.
@@ -685,11 +806,12 @@ impl PreparedGemm {
                 "a staged tile",
                 "the partial tiles of a split tile",
                 "a peer's partial of a tile it folds in (its flag)",
+                "the rows of A a peer copies in (their flag)",
             ]
                 .get(e.slot as usize)
                 .copied()
                 .unwrap_or("?");
-            if e.slot == 5 {
+            if e.slot == 5 || e.slot == 6 {
                 return format!(
                     "GEMM on rank {}: block {} waited for {what} at tile {}: the flag held call {}, this is call {}",
                     e.rank, e.lane, e.step, e.seen, e.expected
@@ -826,6 +948,22 @@ fn routes(
         out.push(route);
     }
     Ok(Some(out))
+}
+
+/// The TMA map of an A of `rows` × `k` elements (16-byte aligned) at `a`, in the kernel's box.
+fn a_map(a: u64, input: DType, k: usize, rows: usize) -> Result<[u64; 16], CudaError> {
+    if !a.is_multiple_of(16) {
+        return Err(unsupported(format!(
+            "A must start on a 16-byte boundary (TMA), got {a:#x}"
+        )));
+    }
+    tensor_map_2d(
+        a,
+        input == DType::F16,
+        (k as u64, rows as u64),
+        2 * k as u64,
+        (BK as u32, TILE.m as u32),
+    )
 }
 
 #[cfg(test)]

@@ -14,11 +14,13 @@ use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Runs `ms.len()` calls back to back on every rank and checks every element.
+/// Runs `ms.len()` calls back to back on every rank and checks every element; `(pieces,
+/// fused)`: the pieces a chunk is handed on in, and whether our GEMM runs the call (the fused
+/// path) instead of cuBLASLt per piece.
 #[allow(clippy::too_many_arguments)]
 fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     gpus: &[Arc<Gpu>],
-    pieces: usize,
+    (pieces, fused): (usize, bool),
     n: usize,
     k: usize,
     layout: BLayout,
@@ -27,10 +29,12 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     seed: u64,
 ) {
     let world = gpus.len();
+    let started = Instant::now();
     let max_m = *ms.iter().max().unwrap();
     let mut config = AgGemmConfig::new(max_m, n, k, layout, TI::DTYPE, TO::DTYPE);
     config.bias = bias;
     config.pieces = pieces;
+    config.fused = fused;
     let ranks = AgGemmRank::create_group(gpus, config).unwrap();
     let chunk = |m: usize, r: usize| commfuse_core::op::chunk_range(m, world, r);
     // per call: every rank's chunk of A, every rank's B, the bias
@@ -127,7 +131,7 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
             let check = check_elements(&problem, &epilogue, out.iter().map(|x| x.to_f64()), &want);
             assert_eq!(
                 check.out_of_bound, 0,
-                "pieces {pieces} call {c} (M={m}) rank {r} {n}x{k} {layout:?} {:?}->{:?} bias={bias}: {check:?}",
+                "pieces {pieces} fused {fused} call {c} (M={m}) rank {r} {n}x{k} {layout:?} {:?}->{:?} bias={bias}: {check:?}",
                 TI::DTYPE,
                 TO::DTYPE
             );
@@ -142,20 +146,62 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
             }
         }
     }
+    // with --nocapture: what each case took (a slow one shows which)
+    eprintln!(
+        "ok pieces {pieces} fused {fused} P={world} {n}x{k} {layout:?} {:?}->{:?} M={ms:?}: {:?}",
+        TI::DTYPE,
+        TO::DTYPE,
+        started.elapsed()
+    );
 }
 
 #[test]
 fn every_element_of_back_to_back_calls_matches_float64() {
     let Some(g) = two_gpus() else { return };
-    for pieces in [1, 3] {
+    for way in [(1, false), (3, false), (1, true), (3, true)] {
         for layout in [BLayout::NK, BLayout::KN] {
-            run_case::<bf16, bf16>(&g, pieces, 264, 136, layout, false, &[301, 130, 1], 1);
-            run_case::<f16, f16>(&g, pieces, 520, 64, layout, true, &[257, 1, 384], 2);
-            run_case::<bf16, f32>(&g, pieces, 600, 72, layout, true, &[300, 7], 3);
+            run_case::<bf16, bf16>(&g, way, 264, 136, layout, false, &[301, 130, 1], 1);
+            run_case::<f16, f16>(&g, way, 520, 64, layout, true, &[257, 1, 384], 2);
+            run_case::<bf16, f32>(&g, way, 600, 72, layout, true, &[300, 7], 3);
         }
-        run_case::<bf16, bf16>(&g[..1], pieces, 264, 64, BLayout::NK, true, &[300, 1], 4);
-        run_case::<bf16, bf16>(&g, pieces, 2048, 512, BLayout::NK, true, &[2048, 1000], 5);
+        run_case::<bf16, bf16>(&g[..1], way, 264, 64, BLayout::NK, true, &[300, 1], 4);
+        run_case::<bf16, bf16>(&g, way, 2048, 512, BLayout::NK, true, &[2048, 1000], 5);
     }
+}
+
+/// The fused path with a peer that never calls: the GEMM's producer gives up on the peer's
+/// rows (half the pipeline's bound), the kernel ends, and `check` names the wait.
+#[test]
+fn a_peer_that_never_arrives_is_reported_by_the_fused_gemm() {
+    let Some(g) = two_gpus() else { return };
+    let mut config = AgGemmConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
+    config.timeout = Duration::from_millis(300);
+    config.fused = true;
+    let mut ranks = AgGemmRank::create_group(&g, config).unwrap();
+    let op = &mut ranks[0];
+    assert_eq!(op.path(), "fused");
+    let stream = Stream::new(&g[0]).unwrap();
+    let a = upload(&g[0], &random::<bf16>(128 * 64, 1, 0));
+    let b = upload(&g[0], &random::<bf16>(256 * 64, 1, 1));
+    let out = DeviceMemory::zeroed(&g[0], 256 * 256 * 2).unwrap();
+    let started = Instant::now();
+    // SAFETY: buffers outlive the synchronisation
+    unsafe {
+        op.forward(&stream, 256, (a.addr(), b.addr(), None), out.addr(), None)
+            .unwrap()
+    };
+    stream.synchronize().unwrap();
+    let err = op.check().unwrap_err().to_string();
+    assert!(started.elapsed() < Duration::from_secs(10), "no hang");
+    assert!(
+        err.contains("(fused): GEMM on rank 0")
+            && err.contains("the rows of A a peer copies in")
+            && err.contains("the flag held call 0, this is call 1"),
+        "{err}"
+    );
+    // SAFETY: refused before anything is queued
+    let again = unsafe { op.forward(&stream, 256, (a.addr(), b.addr(), None), out.addr(), None) };
+    assert!(again.is_err(), "the operator refuses further calls");
 }
 
 #[test]

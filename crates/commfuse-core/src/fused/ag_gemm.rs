@@ -22,10 +22,17 @@
 //!
 //! Cost card (per rank, per call): (P − 1)·M_r·K input elements sent and (M − M_r)·K received;
 //! P·pieces GEMMs; P − 1 + (P − 1)·pieces flags raised.
+//!
+//! The fused schedule ([`AgGemmSchedule::fused_plan`]) moves the same pieces with the same flags
+//! but computes one GEMM of all M rows per call: its row bands start at every piece's start (no
+//! band mixes two pieces), its tiles come piece by piece in the overlapped schedule's order (the
+//! rank's own chunk first, read from the caller's A, then the peers' pieces as they arrive),
+//! and before loading a band's rows of A it waits for its piece's flag
+//! ([`AgGemmSchedule::band_waits`]), so no tile waits for more than its own rows.
 
 use crate::dtype::DType;
 use crate::error::Error;
-use crate::gemm::{BLayout, GemmProblem};
+use crate::gemm::{grouped_order_of_grid, BLayout, Epilogue, GemmPlan, GemmProblem, TileShape};
 use crate::op::chunk_range;
 use std::ops::Range;
 
@@ -173,6 +180,61 @@ impl AgGemmSchedule {
         self.shape.world * (MAX_PIECES + 1)
     }
 
+    /// The fused path's row bands (starts, then M): each non-empty piece cut into bands of at
+    /// most `tile_m` rows from its first row.
+    pub fn fused_bands(&self, tile_m: usize) -> Vec<usize> {
+        let mut bands = Vec::new();
+        for owner in 0..self.shape.world {
+            for piece in 0..self.pieces {
+                let rows = self.piece_rows(owner, piece);
+                bands.extend(rows.clone().step_by(tile_m.max(1)));
+            }
+        }
+        bands.push(self.shape.m);
+        bands
+    }
+
+    /// The fused path's GEMM on rank `rank`: all M rows of the gathered A times its B (+ the
+    /// bias with `bias`), in [`AgGemmSchedule::fused_bands`], tiles piece by piece in the order
+    /// of [`AgGemmSchedule::gemms_of`], each piece's tiles in the grouped order (L2 reuse), into
+    /// the local output.
+    pub fn fused_plan(&self, rank: usize, tile: TileShape, bias: bool, group: usize) -> GemmPlan {
+        let bands = self.fused_bands(tile.m);
+        let epilogue = Epilogue {
+            bias,
+            ..Epilogue::default()
+        };
+        let mut plan = GemmPlan::local(self.shape.problem(), tile, epilogue);
+        let tn = plan.tile_grid().1;
+        let band_of = |row: usize| bands.partition_point(|&b| b <= row) - 1;
+        plan.order = self
+            .gemms_of(rank)
+            .iter()
+            .flat_map(|g| {
+                let (b0, b1) = (band_of(g.rows.start), band_of(g.rows.end - 1) + 1);
+                grouped_order_of_grid(b1 - b0, tn, group)
+                    .into_iter()
+                    .map(move |t| b0 * tn + t)
+            })
+            .collect();
+        plan.bands = Some(bands);
+        plan
+    }
+
+    /// Per band of [`AgGemmSchedule::fused_bands`]: the piece (owner, piece) whose flag rank
+    /// `rank` waits for before loading the band's rows, or `None` for its own rows.
+    pub fn band_waits(&self, rank: usize, tile_m: usize) -> Vec<Option<(usize, usize)>> {
+        let mut waits = Vec::new();
+        for owner in 0..self.shape.world {
+            for piece in 0..self.pieces {
+                let bands = self.piece_rows(owner, piece).step_by(tile_m.max(1)).count();
+                let wait = (owner != rank).then_some((owner, piece));
+                waits.extend(std::iter::repeat_n(wait, bands));
+            }
+        }
+        waits
+    }
+
     /// The schedule as a plan for the checker: an all-gather of the rows of A (rank r's input
     /// is its chunk, every rank's output the gathered A) in which each piece is copied into
     /// every peer's gather buffer (scratch) and flagged, and each GEMM's read of its rows is
@@ -261,6 +323,58 @@ mod tests {
         let shape =
             AgGemmShape::new(world, m, 24, 16, BLayout::NK, DType::BF16, DType::BF16).unwrap();
         AgGemmSchedule::new(shape, pieces)
+    }
+
+    /// The fused GEMM: a valid plan of every tile once; no band mixes two pieces; each band
+    /// waits for exactly the piece its rows belong to (none for the rank's own rows); tiles come
+    /// piece by piece in the overlapped schedule's order. Tile rows 4 and 128, ragged M, M < P.
+    #[test]
+    fn the_fused_gemm_takes_pieces_in_order_and_waits_for_each_band_s_own_piece() {
+        for world in 1..=9 {
+            for m in [1, world, 3 * world + 1, 64, 300] {
+                for pieces in [1, 2, 3] {
+                    for tile_m in [4, 128] {
+                        let s = schedule(world, m, pieces);
+                        let tile = TileShape { m: tile_m, n: 8 };
+                        for rank in 0..world {
+                            let plan = s.fused_plan(rank, tile, true, 8);
+                            plan.validate(world).unwrap();
+                            let bands = plan.bands.clone().unwrap();
+                            let waits = s.band_waits(rank, tile_m);
+                            assert_eq!(waits.len(), bands.len() - 1);
+                            // (owner, piece) of every band, from its rows
+                            let piece_of = |row: usize| {
+                                (0..world)
+                                    .flat_map(|o| (0..pieces).map(move |j| (o, j)))
+                                    .find(|&(o, j)| s.piece_rows(o, j).contains(&row))
+                                    .unwrap()
+                            };
+                            for (i, w) in bands.windows(2).enumerate() {
+                                let (o, j) = piece_of(w[0]);
+                                assert_eq!(piece_of(w[1] - 1), (o, j), "band {i} mixes pieces");
+                                assert_eq!(waits[i], (o != rank).then_some((o, j)));
+                            }
+                            // the pieces in the order the tiles first touch them
+                            let tn = plan.tile_grid().1;
+                            let mut seen: Vec<(usize, usize)> = Vec::new();
+                            for &t in &plan.order {
+                                let piece = piece_of(bands[t / tn]);
+                                if seen.last() != Some(&piece) {
+                                    assert!(!seen.contains(&piece), "piece {piece:?} split");
+                                    seen.push(piece);
+                                }
+                            }
+                            let want: Vec<(usize, usize)> = s
+                                .gemms_of(rank)
+                                .iter()
+                                .map(|g| (g.owner, g.piece))
+                                .collect();
+                            assert_eq!(seen, want, "P={world} M={m} rank {rank}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

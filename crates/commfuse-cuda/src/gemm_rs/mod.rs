@@ -924,7 +924,7 @@ impl GemmRsRank {
             owners_with_rows: m.min(self.world) as u32,
             rowless: u32::from(mine == 0),
             calls: match call {
-                CallNumber::Device { counter, .. } => counter,
+                CallNumber::Device { counter, .. } | CallNumber::Counted { counter } => counter,
                 CallNumber::Host(_) => 0,
             },
             set_words: columns,
