@@ -251,6 +251,7 @@ def all_gather_gemm(
     pieces: int = 1,
     out: Optional[torch.Tensor] = None,
     gathered: Optional[torch.Tensor] = None,
+    path: str = "overlapped",
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """All-gather + GEMM (a column-parallel linear layer over sequence-parallel rows):
     ``all_gather(a) @ b`` (+ ``bias``), [M, N], on every rank; with ``return_a`` also the
@@ -260,8 +261,12 @@ def all_gather_gemm(
     copy). M is ``m`` when given (chunks split as ``torch.tensor_split`` splits M, so they may
     differ by a row), else the group's size times this chunk's rows (equal chunks, as PyTorch's
     operator requires). ``out`` and ``gathered``, when given, receive the results (giving
-    ``gathered`` implies ``return_a``).
+    ``gathered`` implies ``return_a``). ``path``: "overlapped" (cuBLASLt per piece as the
+    pieces arrive: the faster on 2 × H200) or "fused" (one GEMM of commfuse's own whose loads of
+    each row band wait for its rows).
     """
+    if path not in ("overlapped", "fused"):
+        raise ValueError(f'path must be "overlapped" or "fused", got {path!r}')
     group = _group(group)
     g = _GemmOperands(a, b, bias, out_dtype)
     a, b, bias, out_dtype = g.a, g.b, g.bias, g.out_dtype
@@ -269,12 +274,12 @@ def all_gather_gemm(
     world = _world(group)
     total = m if m is not None else rows * world
     device = a.device.index
-    key = (device, n, k, layout, dtype, out_name, bias is not None, pieces)
+    key = (device, n, k, layout, dtype, out_name, bias is not None, pieces, path)
 
     def build(rank, world, max_m):
         return GpuAllGatherMatmul(
             device, rank, world, max_m, n, k, b_layout=layout, dtype=dtype,
-            out_dtype=out_name, bias=bias is not None, pieces=pieces,
+            out_dtype=out_name, bias=bias is not None, pieces=pieces, fused=path == "fused",
         )
 
     op = _operator("ag-gemm", group, total, key, build)

@@ -84,7 +84,7 @@ def check_gemm_rs(rank, world, dtype, out_dtype, layout, with_bias, ms, seed):
     return f"gemm_reduce_scatter {dtype}->{out_dtype} {layout} bias={with_bias} M={ms}"
 
 
-def check_ag_gemm(rank, world, dtype, out_dtype, layout, with_bias, ms, seed):
+def check_ag_gemm(rank, world, dtype, out_dtype, layout, with_bias, ms, seed, path="overlapped"):
     dev = torch.device("cuda", rank)
     n, k = 264, 136
     calls = []
@@ -98,10 +98,10 @@ def check_ag_gemm(rank, world, dtype, out_dtype, layout, with_bias, ms, seed):
         calls.append((m, a_full, b, bias, mine, b_dev, out, gathered))
     for m, _, _, bias, mine, b_dev, out, gathered in calls:
         cf.all_gather_gemm(mine, b_dev, bias=None if bias is None else bias.to(dev), m=m,
-                           out=out, gathered=gathered, out_dtype=out_dtype)
+                           out=out, gathered=gathered, out_dtype=out_dtype, path=path)
     torch.cuda.synchronize()
     for m, a_full, b, bias, mine, b_dev, out, gathered in calls:
-        name = f"all_gather_gemm {dtype}->{out_dtype} {layout} bias={with_bias} M={m}"
+        name = f"all_gather_gemm {path} {dtype}->{out_dtype} {layout} bias={with_bias} M={m}"
         if not torch.equal(gathered.cpu(), a_full):
             raise AssertionError(f"{name}: the gathered A differs from the ranks' chunks")
         want = a_full.double() @ b.double()
@@ -115,7 +115,7 @@ def check_ag_gemm(rank, world, dtype, out_dtype, layout, with_bias, ms, seed):
             dist.all_gather_into_tensor(theirs, mine)
             if not torch.equal(theirs, gathered):
                 raise AssertionError(f"{name}: differs from PyTorch's all_gather_into_tensor")
-    return f"all_gather_gemm {dtype}->{out_dtype} {layout} bias={with_bias} M={ms}"
+    return f"all_gather_gemm {path} {dtype}->{out_dtype} {layout} bias={with_bias} M={ms}"
 
 
 def check_collectives(rank, world, dtype, seed):
@@ -529,6 +529,8 @@ def check_bad_input(rank, world):
             out=torch.zeros((3, 3), dtype=torch.bfloat16, device=dev))),
         ("chunk mismatch", lambda: cf.all_gather_gemm(
             a, torch.zeros((32, 16), dtype=torch.bfloat16, device=dev), m=64 * world + world)),
+        ("unknown all_gather_gemm path", lambda: cf.all_gather_gemm(
+            a, torch.zeros((32, 16), dtype=torch.bfloat16, device=dev), path="ring")),
         ("reduce_scatter sizes", lambda: cf.reduce_scatter(
             torch.zeros(5, device=dev), torch.zeros(64, device=dev))),
         ("unknown reduce op", lambda: cf.all_reduce(torch.zeros(8, device=dev), op="avg")),
@@ -564,6 +566,8 @@ def main():
                                              ms, seed))
                 results.append(check_ag_gemm(rank, world, dtype, out_dtype, layout, with_bias,
                                              ms, seed))
+                results.append(check_ag_gemm(rank, world, dtype, out_dtype, layout, with_bias,
+                                             ms, seed + 50, path="fused"))
     # forced paths of GEMM + reduce-scatter, and a larger M than the cached operator's limit
     for path in ["fused", "overlapped"]:
         dev = torch.device("cuda", rank)

@@ -5,9 +5,14 @@
 //! flags come, each into its rows of the output; at the end of a call it raises "done" on every
 //! peer, and it waits for a peer's done of the previous call only before it next stores into
 //! that peer (as the GPU path's side stream does).
+//!
+//! The fused path ([`SimAgGemm::fused`]) moves the same pieces with the same flags and runs the
+//! fused schedule's one GEMM over all M rows (`AgGemmSchedule::fused_plan`) tile by tile in its
+//! order, waiting for a piece's flag before the first tile that reads its rows, as the GPU
+//! GEMM's producer does before a band's loads.
 
 use crate::buffer::SymmetricBuffer;
-use crate::gemm::{run_gemm, Operands};
+use crate::gemm::{run_gemm, run_gemm_tiles, Operands};
 use crate::gemm_rs::{check_build, check_call, FlagWords, GemmRsConfig};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
@@ -46,8 +51,9 @@ pub struct SimAgGemm<TI: Element, TO: Element> {
     pieces: usize,
     /// Per rank: the gathered A, [max_m, K]
     gather: SymmetricBuffer<TI>,
-    /// Per rank: one piece's product
+    /// Per rank: one piece's product, or (fused) the whole [max_m, N] output
     product: SymmetricBuffer<TO>,
+    fused: bool,
     flags: FlagWords,
     calls: Vec<AtomicU64>,
     broken: AtomicBool,
@@ -64,6 +70,21 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
 
     /// Builds the operator for `world`, each chunk cut into `pieces` row pieces.
     pub fn new(world: &World, config: AgGemmConfig, pieces: usize) -> Result<Self, BackendError> {
+        SimAgGemm::with_path(world, config, pieces, false)
+    }
+
+    /// [`SimAgGemm::new`] on the fused path: one GEMM per call that waits per piece before
+    /// the tiles reading its rows (see the module doc).
+    pub fn fused(world: &World, config: AgGemmConfig, pieces: usize) -> Result<Self, BackendError> {
+        SimAgGemm::with_path(world, config, pieces, true)
+    }
+
+    fn with_path(
+        world: &World,
+        config: AgGemmConfig,
+        pieces: usize,
+        fused: bool,
+    ) -> Result<Self, BackendError> {
         check_build::<TI, TO>("all-gather + GEMM", &config, world)?;
         if pieces == 0 || pieces > MAX_PIECES {
             return Err(unavailable(format!(
@@ -73,10 +94,15 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
         let s = shape(&config, config.max_m)?;
         let words = AgGemmSchedule::new(s, 1).flag_words();
         let flags = FlagWords::on("all-gather + GEMM", world, words)?;
-        let chunk_rows = config.max_m.div_ceil(config.world);
+        let rows = if fused {
+            config.max_m
+        } else {
+            config.max_m.div_ceil(config.world)
+        };
         Ok(SimAgGemm {
             gather: SymmetricBuffer::new_in(world, s.m * s.k)?,
-            product: SymmetricBuffer::new_in(world, chunk_rows * s.n)?,
+            product: SymmetricBuffer::new_in(world, rows * s.n)?,
+            fused,
             flags,
             pieces,
             calls: (0..config.world).map(|_| AtomicU64::new(0)).collect(),
@@ -186,6 +212,9 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
                 )?;
             }
         }
+        if self.fused {
+            return self.fused_gemm(ctx, s, call, (a, b, bias), out, gathered);
+        }
         let mut received = Vec::new();
         let mut product = Vec::new();
         for g in s.gemms_of(rank) {
@@ -223,10 +252,78 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
             unsafe { self.product.load(rank, 0, &mut product) };
             out[g.rows.start * n..g.rows.end * n].copy_from_slice(&product);
         }
-        for q in (0..p).filter(|&q| q != rank) {
+        self.raise_done(ctx, s, call)
+    }
+
+    /// "Done" on every peer: this rank has read its gather buffer for call `call`.
+    fn raise_done(
+        &self,
+        ctx: &RankContext<'_>,
+        s: &AgGemmSchedule,
+        call: u64,
+    ) -> Result<(), BackendError> {
+        let rank = ctx.rank();
+        for q in (0..s.shape.world).filter(|&q| q != rank) {
             ctx.notify(q, self.slot(s.done_index(rank)), call, NotifyOp::Set)?;
         }
         Ok(())
+    }
+
+    /// The fused path's GEMM of a call (after this rank's pieces went out): the plan's tiles
+    /// piece by piece, each peer's piece waited for and read from the gather buffer before its
+    /// first tile, the rank's own rows from its A; then the output and the gathered A.
+    fn fused_gemm(
+        &self,
+        ctx: &RankContext<'_>,
+        s: &AgGemmSchedule,
+        call: u64,
+        (a, b, bias): (&[TI], &[TI], Option<&[TO]>),
+        out: &mut [TO],
+        gathered: Option<&mut [TI]>,
+    ) -> Result<(), BackendError> {
+        let c = &self.config;
+        let (rank, n, k, m) = (ctx.rank(), c.n, c.k, s.shape.m);
+        let group = commfuse_core::fused::gemm_rs::ORDER_GROUP;
+        let plan = s.fused_plan(rank, c.tile, bias.is_some(), group);
+        let bands = plan.bands.clone().expect("the fused plan has row bands");
+        let tn = plan.tile_grid().1;
+        let mut full = vec![TI::from_f32(0.0); m * k];
+        let mut order = plan.order.iter().copied().peekable();
+        for g in s.gemms_of(rank) {
+            let rows = g.rows.start * k..g.rows.end * k;
+            if g.local {
+                let start = s.shape.chunk(rank).start * k;
+                full[rows.clone()].copy_from_slice(&a[rows.start - start..rows.end - start]);
+            } else {
+                let what = format!("piece {} of rank {}'s chunk", g.piece, g.owner);
+                self.wait(ctx, s.flag_index(g.owner, g.piece), call, Cmp::Ge, what)?;
+                // SAFETY: the owner stored these rows before the flag the wait saw (acquire)
+                unsafe { self.gather.load(rank, rows.start, &mut full[rows]) };
+            }
+            // the order's tiles of this piece: they come next, together
+            let mut tiles = Vec::new();
+            while let Some(t) = order.next_if(|&t| g.rows.contains(&bands[t / tn])) {
+                tiles.push(t);
+            }
+            let ops = Operands::<TI, TO> {
+                a: &full,
+                b,
+                c: None,
+                bias,
+            };
+            run_gemm_tiles(ctx, &plan, &tiles, &ops, &self.product)?;
+        }
+        if order.next().is_some() {
+            return Err(unavailable(
+                "the fused plan's order left tiles outside the pieces".into(),
+            ));
+        }
+        // SAFETY: only this rank's thread uses its product buffer
+        unsafe { self.product.load(rank, 0, &mut out[..m * n]) };
+        if let Some(gathered) = gathered {
+            gathered[..m * k].copy_from_slice(&full);
+        }
+        self.raise_done(ctx, s, call)
     }
 }
 

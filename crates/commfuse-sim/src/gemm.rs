@@ -38,6 +38,18 @@ pub fn run_gemm<TI: Element, TO: Element>(
     ops: &Operands<'_, TI, TO>,
     out: &SymmetricBuffer<TO>,
 ) -> Result<(), BackendError> {
+    run_gemm_tiles(ctx, plan, &plan.order, ops, out)
+}
+
+/// [`run_gemm`] of the tiles `tiles` only (a stretch of the plan's order: what a GEMM computes
+/// between two waits of a caller that models them, as the fused all-gather + GEMM's producer).
+pub fn run_gemm_tiles<TI: Element, TO: Element>(
+    ctx: &RankContext<'_>,
+    plan: &GemmPlan,
+    tiles: &[usize],
+    ops: &Operands<'_, TI, TO>,
+    out: &SymmetricBuffer<TO>,
+) -> Result<(), BackendError> {
     let p = &plan.problem;
     plan.validate(ctx.world_size())
         .map_err(|e| BackendError::Unavailable(e.to_string()))?;
@@ -54,7 +66,7 @@ pub fn run_gemm<TI: Element, TO: Element>(
         BLayout::NK => ops.b[j * p.k + kk],
     };
     let e = &plan.epilogue;
-    for &t in &plan.order {
+    for &t in tiles {
         let (rows, cols) = plan.tile_bounds(t);
         let dest = plan.destination(t, ctx.rank());
         let width = cols.len();

@@ -27,13 +27,17 @@ fn world_for(config: &AgGemmConfig, timeout: Duration) -> World {
 /// Back-to-back calls of M = `ms[c]`; returns the failures, one line each.
 fn run_calls<TI: Element, TO: Element>(
     config: AgGemmConfig,
-    pieces: usize,
+    (pieces, fused): (usize, bool),
     ms: &[usize],
     seed: u64,
 ) -> Vec<String> {
     let (p, n, k) = (config.world, config.n, config.k);
     let world = world_for(&config, Duration::from_secs(20));
-    let op = SimAgGemm::<TI, TO>::new(&world, config, pieces).unwrap();
+    let op = if fused {
+        SimAgGemm::<TI, TO>::fused(&world, config, pieces).unwrap()
+    } else {
+        SimAgGemm::<TI, TO>::new(&world, config, pieces).unwrap()
+    };
     let AgCallInputs { a, b, bias } = AgCallInputs::<TI, TO>::random(&config, ms, seed).unwrap();
     let max_m = config.max_m;
     // per rank, per call: the output and the gathered A
@@ -107,6 +111,17 @@ fn run_calls<TI: Element, TO: Element>(
 }
 
 fn run_variant(p: usize, (m, n, k): (usize, usize, usize), v: usize, pieces: usize) -> Vec<String> {
+    run_variant_on(p, (m, n, k), v, (pieces, false))
+}
+
+/// [`run_variant`] on the overlapped path or (`fused`) the fused one, whose GEMM then works in
+/// 8 × 16 tiles: several row bands per piece, and bands cut short at every piece's end.
+fn run_variant_on(
+    p: usize,
+    (m, n, k): (usize, usize, usize),
+    v: usize,
+    (pieces, fused): (usize, bool),
+) -> Vec<String> {
     let layout = if v.is_multiple_of(2) {
         BLayout::NK
     } else {
@@ -119,14 +134,18 @@ fn run_variant(p: usize, (m, n, k): (usize, usize, usize), v: usize, pieces: usi
         (DType::F16, DType::F16),
         (DType::F16, DType::F32),
     ][v % 4];
-    let config = AgGemmConfig::new(p, m, n, k, layout, input, output, bias);
+    let mut config = AgGemmConfig::new(p, m, n, k, layout, input, output, bias);
+    if fused {
+        config.tile = commfuse_core::gemm::TileShape { m: 8, n: 16 };
+    }
     let ms = [(2 * m / 3).max(1), (m / 3).max(1), m];
     let seed = (p * 1000 + m * 10 + v) as u64;
+    let way = (pieces, fused);
     match (input, output) {
-        (DType::BF16, DType::BF16) => run_calls::<bf16, bf16>(config, pieces, &ms, seed),
-        (DType::BF16, DType::F32) => run_calls::<bf16, f32>(config, pieces, &ms, seed),
-        (DType::F16, DType::F16) => run_calls::<f16, f16>(config, pieces, &ms, seed),
-        _ => run_calls::<f16, f32>(config, pieces, &ms, seed),
+        (DType::BF16, DType::BF16) => run_calls::<bf16, bf16>(config, way, &ms, seed),
+        (DType::BF16, DType::F32) => run_calls::<bf16, f32>(config, way, &ms, seed),
+        (DType::F16, DType::F16) => run_calls::<f16, f16>(config, way, &ms, seed),
+        _ => run_calls::<f16, f32>(config, way, &ms, seed),
     }
 }
 
@@ -150,6 +169,26 @@ fn every_element_matches_the_reference_on_one_to_nine_ranks() {
             for v in 0..4 {
                 let pieces = 1 + (p + s + v) % 3;
                 failures.extend(run_variant(p, shape, v + 4 * (s % 2), pieces));
+            }
+        }
+    }
+    assert_none(failures);
+}
+
+/// The fused path: one GEMM per call, tiles piece by piece, each peer's piece awaited before
+/// the tiles that read it; P = 1..9 and 16, ragged M, M < P, 1–3 pieces.
+#[test]
+fn the_fused_path_matches_the_reference_on_one_to_nine_and_sixteen_ranks() {
+    let mut failures = Vec::new();
+    for p in (1..=9).chain([16]) {
+        for (s, shape) in [(1, 40, 24), (3 * p + 1, 72, 64), (97, 24, 136)]
+            .into_iter()
+            .enumerate()
+        {
+            for v in 0..2 {
+                let pieces = 1 + (p + s + v) % 3;
+                let variant = v + 2 * s;
+                failures.extend(run_variant_on(p, shape, variant, (pieces, true)));
             }
         }
     }

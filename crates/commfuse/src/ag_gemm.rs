@@ -12,11 +12,12 @@ use half::{bf16, f16};
 use std::sync::Mutex;
 use std::time::Duration;
 
-/// Runs one call per entry of `ms` back to back on a fresh simulated world, each chunk cut into
-/// `pieces`, inputs drawn from `seed`; checks each call's outputs and gathered A.
+/// Runs one call per entry of `ms` back to back on a fresh simulated world, `pieces` = (row
+/// pieces per chunk, whether the fused path runs), inputs drawn from `seed`; checks each call's
+/// outputs and gathered A.
 pub fn run_sim(
     config: AgGemmConfig,
-    pieces: usize,
+    pieces: (usize, bool),
     ms: &[usize],
     seed: u64,
     timeout: Duration,
@@ -37,7 +38,13 @@ pub fn run_sim(
 type Outputs<TO, TI> = Vec<Mutex<Vec<(Vec<TO>, Vec<TI>)>>>;
 
 fn run_typed<TI: Element, TO: Element>(
-    (config, pieces, ms, seed, timeout): (AgGemmConfig, usize, &[usize], u64, Duration),
+    (config, (pieces, fused), ms, seed, timeout): (
+        AgGemmConfig,
+        (usize, bool),
+        &[usize],
+        u64,
+        Duration,
+    ),
 ) -> Result<Vec<CallCheck>> {
     let (p, n, k) = (config.world, config.n, config.k);
     if p == 0 || p > commfuse_core::MAX_WORLD_SIZE {
@@ -56,7 +63,11 @@ fn run_typed<TI: Element, TO: Element>(
             pad_cols: pad_cols as u32,
         },
     )?;
-    let op = SimAgGemm::<TI, TO>::new(&world, config, pieces)?;
+    let op = if fused {
+        SimAgGemm::<TI, TO>::fused(&world, config, pieces)?
+    } else {
+        SimAgGemm::<TI, TO>::new(&world, config, pieces)?
+    };
     let AgCallInputs { a, b, bias } = AgCallInputs::<TI, TO>::random(&config, ms, seed)?;
     let outs: Outputs<TO, TI> = (0..p)
         .map(|_| {

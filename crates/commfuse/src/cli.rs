@@ -143,6 +143,10 @@ pub struct RunAgGemmArgs {
     /// Row pieces each rank's chunk is handed on in (a GEMM per piece)
     #[arg(long, default_value_t = 1)]
     pub pieces: usize,
+    /// The fused path: one GEMM of our own per call whose loads of a piece's rows wait for its
+    /// flag (default: the overlapped path, a library GEMM per piece)
+    #[arg(long)]
+    pub fused: bool,
     /// Seed of the random inputs (default: fresh each run)
     #[arg(long)]
     pub seed: Option<u64>,
@@ -882,9 +886,9 @@ fn run_ag_gemm_cmd(a: RunAgGemmArgs) -> Result<i32> {
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
     let ms = [a.shape.m, a.shape.m.div_ceil(2)];
     let timeout = Duration::from_millis(a.timeout_ms);
-    let calls = crate::ag_gemm::run_sim(config, a.pieces, &ms, seed, timeout)?;
+    let calls = crate::ag_gemm::run_sim(config, (a.pieces, a.fused), &ms, seed, timeout)?;
     println!(
-        "ag-gemm {}×{}×{} (M×N×K, M gathered), B {}, {} → {}, {}, on {} ranks (sim), {} piece{} per chunk, seed {seed}",
+        "ag-gemm {}×{}×{} (M×N×K, M gathered), B {}, {} → {}, {}, on {} ranks (sim), {}{} piece{} per chunk, seed {seed}",
         a.shape.m,
         a.shape.n,
         a.shape.k,
@@ -893,6 +897,7 @@ fn run_ag_gemm_cmd(a: RunAgGemmArgs) -> Result<i32> {
         output,
         if a.shape.bias { "bias" } else { "no bias" },
         a.ranks,
+        if a.fused { "fused, " } else { "" },
         a.pieces,
         if a.pieces == 1 { "" } else { "s" }
     );

@@ -654,6 +654,17 @@ fn run_ag_gemm_checks_every_element_on_the_simulator() {
         "{out}"
     );
     assert_eq!(out.lines().last(), Some("OK"), "{out}");
+    let o = commfuse(&[
+        "run", "ag-gemm", "--ranks", "5", "--m", "301", "--n", "72", "--k", "64", "--pieces", "2",
+        "--fused",
+    ]);
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+    assert!(
+        out.contains("on 5 ranks (sim), fused, 2 pieces per chunk"),
+        "{out}"
+    );
+    assert_eq!(out.lines().last(), Some("OK"), "{out}");
     let base = ["run", "ag-gemm", "--ranks", "3", "--m", "30", "--n", "16"];
     let with = |extra: &[&'static str]| -> Vec<&'static str> {
         base.iter().chain(extra).copied().collect()
