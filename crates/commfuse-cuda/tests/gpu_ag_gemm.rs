@@ -169,17 +169,15 @@ fn every_element_of_back_to_back_calls_matches_float64() {
     }
 }
 
-/// The fused path with a peer that never calls: the GEMM's producer gives up on the peer's
-/// rows (half the pipeline's bound), the kernel ends, and `check` names the wait.
-#[test]
-fn a_peer_that_never_arrives_is_reported_by_the_fused_gemm() {
-    let Some(g) = two_gpus() else { return };
+/// One call of M = 256 on rank 0 alone (rank 1 never calls), 300 ms waits, `fused` or not:
+/// what `check` then says, and whether the operator took a second call. Bounded: no hang.
+fn lone_call(g: &[Arc<Gpu>], fused: bool) -> (String, bool) {
     let mut config = AgGemmConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
     config.timeout = Duration::from_millis(300);
-    config.fused = true;
-    let mut ranks = AgGemmRank::create_group(&g, config).unwrap();
+    config.fused = fused;
+    let mut ranks = AgGemmRank::create_group(g, config).unwrap();
     let op = &mut ranks[0];
-    assert_eq!(op.path(), "fused");
+    assert_eq!(op.path() == "fused", fused);
     let stream = Stream::new(&g[0]).unwrap();
     let a = upload(&g[0], &random::<bf16>(128 * 64, 1, 0));
     let b = upload(&g[0], &random::<bf16>(256 * 64, 1, 1));
@@ -193,44 +191,35 @@ fn a_peer_that_never_arrives_is_reported_by_the_fused_gemm() {
     stream.synchronize().unwrap();
     let err = op.check().unwrap_err().to_string();
     assert!(started.elapsed() < Duration::from_secs(10), "no hang");
+    // SAFETY: refused before anything is queued
+    let again = unsafe { op.forward(&stream, 256, (a.addr(), b.addr(), None), out.addr(), None) };
+    (err, again.is_ok())
+}
+
+/// The fused path with a peer that never calls: the GEMM's producer gives up on the peer's
+/// rows (half the pipeline's bound), the kernel ends, and `check` names the wait.
+#[test]
+fn a_peer_that_never_arrives_is_reported_by_the_fused_gemm() {
+    let Some(g) = two_gpus() else { return };
+    let (err, again) = lone_call(&g, true);
     assert!(
         err.contains("(fused): GEMM on rank 0")
             && err.contains("the rows of A a peer copies in")
             && err.contains("the flag held call 0, this is call 1"),
         "{err}"
     );
-    // SAFETY: refused before anything is queued
-    let again = unsafe { op.forward(&stream, 256, (a.addr(), b.addr(), None), out.addr(), None) };
-    assert!(again.is_err(), "the operator refuses further calls");
+    assert!(!again, "the operator refuses further calls");
 }
 
 #[test]
 fn a_peer_that_never_arrives_ends_in_a_diagnosed_error() {
     let Some(g) = two_gpus() else { return };
-    let mut config = AgGemmConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
-    config.timeout = Duration::from_millis(300);
-    let mut ranks = AgGemmRank::create_group(&g, config).unwrap();
-    let op = &mut ranks[0];
-    let stream = Stream::new(&g[0]).unwrap();
-    let a = upload(&g[0], &random::<bf16>(128 * 64, 1, 0));
-    let b = upload(&g[0], &random::<bf16>(256 * 64, 1, 1));
-    let out = DeviceMemory::zeroed(&g[0], 256 * 256 * 2).unwrap();
-    let started = Instant::now();
-    // SAFETY: buffers outlive the synchronisation
-    unsafe {
-        op.forward(&stream, 256, (a.addr(), b.addr(), None), out.addr(), None)
-            .unwrap()
-    };
-    stream.synchronize().unwrap();
-    let err = op.check().unwrap_err().to_string();
-    assert!(started.elapsed() < Duration::from_secs(10), "no hang");
+    let (err, again) = lone_call(&g, false);
     assert!(
         err.contains("rank 0 waited for piece 0 of rank 1's chunk to reach call 1, saw 0"),
         "{err}"
     );
-    // SAFETY: refused before anything is queued
-    let again = unsafe { op.forward(&stream, 256, (a.addr(), b.addr(), None), out.addr(), None) };
-    assert!(again.is_err(), "the operator refuses further calls");
+    assert!(!again, "the operator refuses further calls");
 }
 
 #[test]

@@ -186,6 +186,21 @@ impl GemmShapeArgs {
     fn output(&self) -> DType {
         self.out_dtype.unwrap_or(self.dtype)
     }
+
+    /// The simulator's configuration of a fused operator of this shape on `ranks` ranks, built
+    /// for calls of up to M rows.
+    fn sim_config(&self, ranks: usize) -> Result<commfuse_sim::gemm_rs::GemmRsConfig> {
+        Ok(commfuse_sim::gemm_rs::GemmRsConfig::new(
+            ranks,
+            self.m,
+            self.n,
+            self.k,
+            parse_b_layout(&self.b_layout)?,
+            self.dtype,
+            self.output(),
+            self.bias,
+        ))
+    }
 }
 
 #[derive(Args, Debug)]
@@ -818,21 +833,11 @@ fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
     if a.backend == BackendKind::Cuda || a.devices.is_some() {
         bail!("gemm-rs on the cuda backend runs through `commfuse bench gemm-rs`");
     }
-    let layout = parse_b_layout(&a.shape.b_layout)?;
-    let output = a.shape.output();
     let config = GemmRsConfig {
         numa_groups: a.numa_groups,
-        ..GemmRsConfig::new(
-            a.ranks,
-            a.shape.m,
-            a.shape.n,
-            a.shape.k,
-            layout,
-            a.shape.dtype,
-            output,
-            a.shape.bias,
-        )
+        ..a.shape.sim_config(a.ranks)?
     };
+    let output = config.output;
     // validates the shape and types before anything runs
     let shape = config.shape(a.shape.m)?;
     let path = parse_gemm_rs_path(&a.path, a.pieces, &shape)?;
@@ -869,18 +874,8 @@ fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
 
 fn run_ag_gemm_cmd(a: RunAgGemmArgs) -> Result<i32> {
     use commfuse_sim::ag_gemm::{shape, AgGemmConfig};
-    let layout = parse_b_layout(&a.shape.b_layout)?;
-    let output = a.shape.output();
-    let config = AgGemmConfig::new(
-        a.ranks,
-        a.shape.m,
-        a.shape.n,
-        a.shape.k,
-        layout,
-        a.shape.dtype,
-        output,
-        a.shape.bias,
-    );
+    let config: AgGemmConfig = a.shape.sim_config(a.ranks)?;
+    let output = config.output;
     // validates the shape and types before anything runs
     shape(&config, a.shape.m)?;
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
