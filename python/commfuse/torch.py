@@ -205,6 +205,7 @@ def gemm_reduce_scatter(
     path: str = "auto",
     pieces: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    numa_groups: int = 1,
 ) -> torch.Tensor:
     """GEMM + reduce-scatter (a row-parallel linear layer): this rank's chunk of the rows of
     ``sum over ranks of a @ b`` (+ ``bias``, added once).
@@ -215,18 +216,22 @@ def gemm_reduce_scatter(
     float32), rows split as ``torch.tensor_split`` splits M into the group's size (the first
     M mod P chunks one row longer). ``path`` is "auto" (the cost model's choice), "fused" or
     "overlapped" (with ``pieces`` per ring step). ``out``, when given, receives the result.
+    ``numa_groups`` > 1 (dividing the group's size) makes the overlapped path's ring 2D: each
+    row chunk collects a whole NUMA group's partials (groups of consecutive ranks) before it
+    crosses to the next group.
     """
     group = _group(group)
     g = _GemmOperands(a, b, bias, out_dtype)
     a, b, bias, out_dtype = g.a, g.b, g.bias, g.out_dtype
     dtype, out_name, layout, (m, k), n = g.dtype, g.out_name, g.layout, a.shape, g.n
     device = a.device.index
-    key = (device, n, k, layout, dtype, out_name, bias is not None, path, pieces)
+    key = (device, n, k, layout, dtype, out_name, bias is not None, path, pieces, numa_groups)
 
     def build(rank, world, max_m):
         return GpuGemmReduceScatter(
             device, rank, world, max_m, n, k, b_layout=layout, dtype=dtype,
             out_dtype=out_name, bias=bias is not None, path=path, pieces=pieces,
+            numa_groups=numa_groups,
         )
 
     op = _operator("gemm-rs", group, m, key, build)
@@ -500,7 +505,8 @@ def operator_path(a_rows: int, b: torch.Tensor, group=None, **options) -> Option
     n, k = (b.shape[0], b.shape[1]) if layout == "nk" else (b.shape[1], b.shape[0])
     out_dtype = options.get("out_dtype") or b.dtype
     key = (b.device.index, n, k, layout, _name(b.dtype, "b"), _name(out_dtype, "out_dtype"),
-           options.get("bias", False), options.get("path", "auto"), options.get("pieces"))
+           options.get("bias", False), options.get("path", "auto"), options.get("pieces"),
+           options.get("numa_groups", 1))
     op = _operators.lookup("gemm-rs", group, key)
     return None if op is None else op.path_for(a_rows)
 

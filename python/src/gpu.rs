@@ -120,9 +120,11 @@ pub struct GpuGemmReduceScatter {
 #[pymethods]
 impl GpuGemmReduceScatter {
     /// Allocates rank `rank`'s buffers on CUDA device `device` for calls of up to `max_m` rows,
-    /// N columns, K per rank; `path` is "auto", "fused" or "overlapped" (with `pieces`).
+    /// N columns, K per rank; `path` is "auto", "fused" or "overlapped" (with `pieces`);
+    /// `numa_groups` > 1 makes the overlapped path's ring 2D over that many groups of
+    /// consecutive ranks.
     #[new]
-    #[pyo3(signature = (device, rank, world, max_m, n, k, *, b_layout="nk", dtype="bf16", out_dtype=None, bias=false, path="auto", pieces=None, timeout_ms=5000))]
+    #[pyo3(signature = (device, rank, world, max_m, n, k, *, b_layout="nk", dtype="bf16", out_dtype=None, bias=false, path="auto", pieces=None, numa_groups=1, timeout_ms=5000))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         device: usize,
@@ -137,6 +139,7 @@ impl GpuGemmReduceScatter {
         bias: bool,
         path: &str,
         pieces: Option<usize>,
+        numa_groups: usize,
         timeout_ms: u64,
     ) -> PyResult<Self> {
         let input = parse_dtype(dtype)?;
@@ -144,6 +147,7 @@ impl GpuGemmReduceScatter {
         let mut config = GemmRsConfig::new(max_m, n, k, parse_layout(b_layout)?, input, output);
         config.bias = bias;
         config.path = parse_path(path, pieces)?.map_or(PathChoice::Auto, PathChoice::Always);
+        config.numa_groups = numa_groups;
         config.timeout = Duration::from_millis(timeout_ms);
         let gpu = open_gpu(device)?;
         let allocation = GemmRsAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;

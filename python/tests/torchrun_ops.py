@@ -569,18 +569,22 @@ def main():
                 results.append(check_ag_gemm(rank, world, dtype, out_dtype, layout, with_bias,
                                              ms, seed + 50, path="fused"))
     # forced paths of GEMM + reduce-scatter, and a larger M than the cached operator's limit
-    for path in ["fused", "overlapped"]:
+    # (the overlapped path also with one NUMA group per rank: its 2D ring's code, every hand-on
+    # across groups)
+    for path, groups in [("fused", 1), ("overlapped", 1), ("overlapped", world)]:
         dev = torch.device("cuda", rank)
         a_all = operands(7, [(600, 128)] * world, torch.bfloat16)
         b_all = operands(8, [(128, 256)] * world, torch.bfloat16)
-        out = cf.gemm_reduce_scatter(a_all[rank].to(dev), b_all[rank].to(dev), path=path)
+        out = cf.gemm_reduce_scatter(a_all[rank].to(dev), b_all[rank].to(dev), path=path,
+                                     numa_groups=groups)
         torch.cuda.synchronize()
         start, end = torch.tensor_split(torch.arange(600), world)[rank][[0, -1]].tolist()
         want = sum(x.double() @ y.double() for x, y in zip(a_all, b_all))[start:end + 1]
         absp = sum(x.double().abs() @ y.double().abs() for x, y in zip(a_all, b_all))
-        compare(f"path={path}", out, want, bound(absp[start:end + 1], world, torch.bfloat16,
-                                                  128 * world))
-        results.append(f"gemm_reduce_scatter path={path} ({cf.operator_path(600, b_all[rank].to(dev), path=path)})")
+        compare(f"path={path} numa_groups={groups}", out, want,
+                bound(absp[start:end + 1], world, torch.bfloat16, 128 * world))
+        took = cf.operator_path(600, b_all[rank].to(dev), path=path, numa_groups=groups)
+        results.append(f"gemm_reduce_scatter path={path} numa_groups={groups} ({took})")
     results.extend(check_graphs(rank, world))
     results.extend(check_neutral(rank, world))
     dist.barrier()

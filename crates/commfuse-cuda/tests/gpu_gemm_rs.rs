@@ -378,4 +378,14 @@ fn bad_calls_are_refused_with_one_line() {
     let bad = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::F16);
     assert!(GemmRsRank::create_group(&g, bad).is_err());
     assert!(!e.to_string().contains('\n'));
+    // NUMA groups that do not divide the world, whatever the path
+    let mut bad = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
+    bad.numa_groups = 3;
+    bad.path = PathChoice::Always(GemmRsPath::Fused);
+    let e = GemmRsRank::create_group(&g, bad).err().unwrap();
+    assert!(
+        e.to_string()
+            .contains("multiple of the NUMA group count (3)"),
+        "{e}"
+    );
 }
