@@ -18,7 +18,7 @@ def gemm_rs_path(
 def sim_gemm_reduce_scatter(
     a: Sequence[F32], b: Sequence[F32], bias: Optional[F32] = None, *, b_layout: str = "nk",
     dtype: str = "bf16", out_dtype: Optional[str] = None, path: str = "auto",
-    pieces: Optional[int] = None, timeout_ms: int = 20000,
+    pieces: Optional[int] = None, numa_groups: int = 1, timeout_ms: int = 20000,
 ) -> List[F32]: ...
 def sim_all_gather_matmul(
     a: Sequence[F32], b: Sequence[F32], bias: Optional[F32] = None, *, b_layout: str = "nk",

@@ -27,7 +27,8 @@ def gemm_reduce_scatter(a, b, bias=None, **options):
     ``"kn"``); the result's entry r is rank r's chunk of the rows of ``sum_r a[r] @ b[r]``
     (+ ``bias``, added once), chunks split as the collectives split M (the first M mod P one row
     longer). Options: ``b_layout``, ``dtype``, ``out_dtype``, ``path`` ("auto", "fused" or
-    "overlapped"), ``pieces`` (with "overlapped"), ``timeout_ms``.
+    "overlapped"), ``pieces`` (with "overlapped"), ``numa_groups`` (the overlapped path's 2D
+    ring over that many groups of consecutive ranks), ``timeout_ms``.
     """
     return sim_gemm_reduce_scatter(list(a), list(b), bias, **options)
 

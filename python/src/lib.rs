@@ -186,9 +186,10 @@ fn run_gemm_rs<TI: Element, TO: Element>(
 /// for `b_layout="nk"`, [K, N] for "kn"); returns rank r's output chunk of the rows of
 /// Σ_r a[r]·b[r] (+ bias), the chunks split as the collectives split M, computed in `dtype`
 /// with f32 accumulation and rounded to `out_dtype`, as float32 arrays. `path` is "auto" (the
-/// cost model's choice), "fused" or "overlapped" (with `pieces` per ring step).
+/// cost model's choice), "fused" or "overlapped" (with `pieces` per ring step); `numa_groups`
+/// > 1 makes the overlapped path's ring 2D over that many groups of consecutive ranks.
 #[pyfunction]
-#[pyo3(signature = (a, b, bias=None, *, b_layout="nk", dtype="bf16", out_dtype=None, path="auto", pieces=None, timeout_ms=20000))]
+#[pyo3(signature = (a, b, bias=None, *, b_layout="nk", dtype="bf16", out_dtype=None, path="auto", pieces=None, numa_groups=1, timeout_ms=20000))]
 #[allow(clippy::too_many_arguments)]
 fn sim_gemm_reduce_scatter<'py>(
     py: Python<'py>,
@@ -200,6 +201,7 @@ fn sim_gemm_reduce_scatter<'py>(
     out_dtype: Option<&str>,
     path: &str,
     pieces: Option<usize>,
+    numa_groups: usize,
     timeout_ms: u64,
 ) -> PyResult<Vec<Bound<'py, PyArray2<f32>>>> {
     let layout = parse_layout(b_layout)?;
@@ -210,16 +212,19 @@ fn sim_gemm_reduce_scatter<'py>(
     if a.iter().any(|x| x.shape()[0] != m) {
         return Err(value_error("every rank's A must have the same rows M"));
     }
-    let config = GemmRsConfig::new(
-        p,
-        m,
-        ops.n,
-        ops.k,
-        layout,
-        input,
-        output,
-        ops.bias.is_some(),
-    );
+    let config = GemmRsConfig {
+        numa_groups,
+        ..GemmRsConfig::new(
+            p,
+            m,
+            ops.n,
+            ops.k,
+            layout,
+            input,
+            output,
+            ops.bias.is_some(),
+        )
+    };
     let shape = GemmRsShape::new(p, m, ops.n, ops.k, layout, input, output).map_err(value_error)?;
     let path = parse_path(path, pieces)?.unwrap_or_else(|| choose_path(&shape));
     let timeout = Duration::from_millis(timeout_ms);

@@ -52,8 +52,8 @@ def assert_within(got, want, scale, out_dtype, what):
     assert np.all(err <= bound), f"{what}: element {worst} off by {err[worst]}, bound {bound[worst]}"
 
 
-@pytest.mark.parametrize("p", [1, 2, 3, 5])
-@pytest.mark.parametrize("path", ["auto", "fused", "overlapped", "unfused"])
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 6])
+@pytest.mark.parametrize("path", ["auto", "fused", "overlapped", "overlapped-2d", "unfused"])
 @pytest.mark.parametrize(
     "layout,dtype,out_dtype,bias",
     [("nk", "bf16", "bf16", False), ("kn", "f16", "f32", True), ("nk", "f16", "f16", True)],
@@ -66,6 +66,8 @@ def test_gemm_reduce_scatter_matches_float64(p, path, layout, dtype, out_dtype, 
     options = dict(b_layout=layout, dtype=dtype, out_dtype=out_dtype, path=path)
     if path == "overlapped":
         options["pieces"] = 2
+    if path == "overlapped-2d":  # the 2D ring: 3 NUMA groups of 2 ranks at P = 6, else P of 1
+        options.update(path="overlapped", numa_groups=3 if p == 6 else p)
     outs = sim.gemm_reduce_scatter(a, b, bias_v, **options)
     partials = [product(a[r], b[r], layout, dtype) for r in range(p)]
     want = sum(partials)
@@ -121,6 +123,10 @@ def test_bad_arguments_raise_value_errors_with_one_line():
         (lambda: sim.gemm_reduce_scatter(a, b, path="fast"), "unknown path"),
         (lambda: sim.gemm_reduce_scatter(a, b, pieces=2), "pieces goes with"),
         (lambda: sim.gemm_reduce_scatter(a, b, path="overlapped", pieces=17), "1 to 16 pieces"),
+        (
+            lambda: sim.gemm_reduce_scatter(a, b, path="overlapped", numa_groups=3),
+            "multiple of the NUMA group count (3)",
+        ),
         (lambda: sim.gemm_reduce_scatter(a, b, out_dtype="f16"), "(the input type) or f32"),
         (lambda: sim.gemm_reduce_scatter(a, [x[:, :12] for x in b]), "rank 0's B is [16, 12]"),
         (
