@@ -341,4 +341,140 @@ mod shuttle_checks {
             200,
         );
     }
+
+    /// GEMM + reduce-scatter's overlapped ring (the schedule of `commfuse_core::fused::ring_rs`,
+    /// partial products stood in by known values, one column) as its simulator and GPU paths
+    /// run it: per piece, wait for the running sum's flag (== the call), add, hand it on (data,
+    /// then a release flag) or keep it; alternate calls in alternate sets; calls of M < P end
+    /// with a done per link. `sets` = 2 is the protocol; 1 leaves out what keeps a fast sender's
+    /// next call from overwriting a sum not yet read. Panics ("the ring broke") on a wrong sum,
+    /// or on a wait that never ends (a flag overwritten by a later call before it was seen).
+    fn ring_calls(world: usize, groups: usize, ms: &'static [usize], sets: u64) {
+        use commfuse_core::fused::gemm_rs::GemmRsShape;
+        use commfuse_core::fused::ring_rs::{RingSchedule, RingTarget};
+        use commfuse_core::gemm::BLayout;
+        use commfuse_core::DType;
+        let max_m = *ms.iter().max().unwrap();
+        let schedule = move |m: usize| {
+            let shape =
+                GemmRsShape::new(world, m, 1, 8, BLayout::NK, DType::BF16, DType::F32).unwrap();
+            RingSchedule::within(shape, max_m, 2)
+                .in_groups(groups)
+                .unwrap()
+        };
+        let layout = schedule(max_m);
+        // per rank: receive buffers (f64 bits, relaxed: only the flags order them) and flags
+        let receive = Arc::new(
+            (0..world)
+                .map(|_| {
+                    (0..layout.receive_len())
+                        .map(|_| AtomicU64::new(0))
+                        .collect()
+                })
+                .collect::<Vec<Vec<AtomicU64>>>(),
+        );
+        let flags = Arc::new(
+            (0..world)
+                .map(|_| {
+                    (0..layout.flag_words())
+                        .map(|_| Word(AtomicU64::new(0)))
+                        .collect()
+                })
+                .collect::<Vec<Vec<Word>>>(),
+        );
+        let partial =
+            |rank: usize, call: usize, row: usize| (1 + rank * 7 + call * 100 + row * 1000) as f64;
+        let wait = |word: &Word, value: u64, cmp: Cmp| {
+            for _ in 0..20_000 {
+                let seen = word.load_acquire();
+                if (cmp == Cmp::Eq && seen == value) || (cmp == Cmp::Ge && seen >= value) {
+                    return;
+                }
+                shuttle::thread::yield_now();
+            }
+            panic!("the ring broke: a wait for {value} never ended");
+        };
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (receive, flags) = (receive.clone(), flags.clone());
+                shuttle::thread::spawn(move || {
+                    for (c, &m) in ms.iter().enumerate() {
+                        let call = c as u64 + 1;
+                        let s = schedule(m);
+                        let set = (call % sets) as usize;
+                        for g in s.pieces_of(rank) {
+                            let mut sums: Vec<f64> =
+                                g.rows.clone().map(|i| partial(rank, c, i)).collect();
+                            if let Some(prev) = g.add {
+                                wait(
+                                    &flags[rank][s.flag_index(set, prev, g.piece)],
+                                    call,
+                                    Cmp::Eq,
+                                );
+                                let at = s.receive_offset(set, prev) + g.within.start;
+                                for (j, x) in sums.iter_mut().enumerate() {
+                                    *x += f64::from_bits(
+                                        receive[rank][at + j].load(Ordering::Relaxed),
+                                    );
+                                }
+                            }
+                            match g.target {
+                                RingTarget::Send { step } => {
+                                    let to = s.receiver(rank, step);
+                                    let at = s.receive_offset(set, step) + g.within.start;
+                                    for (j, x) in sums.iter().enumerate() {
+                                        receive[to][at + j].store(x.to_bits(), Ordering::Relaxed);
+                                    }
+                                    flags[to][s.flag_index(set, step, g.piece)].store_release(call);
+                                }
+                                RingTarget::Output => {
+                                    for (j, x) in sums.iter().enumerate() {
+                                        let row = g.rows.start + j;
+                                        let want: f64 =
+                                            (0..world).map(|r| partial(r, c, row)).sum();
+                                        assert_eq!(
+                                            *x, want,
+                                            "the ring broke: call {call} rank {rank} row {row}: wrong sum"
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                        if s.ends_with_done() {
+                            for link in s.links() {
+                                flags[s.sender_on(rank, link)][s.done_index(link)]
+                                    .store_release(call);
+                            }
+                            for link in s.links() {
+                                wait(&flags[rank][s.done_index(link)], call, Cmp::Ge);
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+
+    /// The flat ring and the 2D ring over NUMA groups, back-to-back calls with M ≥ P and M < P
+    /// (the done handshake on both links), under random and PCT schedules.
+    #[test]
+    fn the_gemm_rs_ring_keeps_back_to_back_calls_apart() {
+        static MS: [usize; 4] = [5, 1, 4, 6];
+        for (world, groups) in [(2, 1), (3, 1), (4, 2), (6, 3), (6, 2)] {
+            shuttle::check_random(move || ring_calls(world, groups, &MS, 2), 100);
+            shuttle::check_pct(move || ring_calls(world, groups, &MS, 2), 100, 3);
+        }
+    }
+
+    /// The check can fail: with one set of receive buffers a fast sender's next call overwrites
+    /// a running sum (or its flag) its receiver has yet to read.
+    #[test]
+    #[should_panic(expected = "the ring broke")]
+    fn a_ring_with_one_set_of_buffers_is_caught() {
+        static MS: [usize; 4] = [4, 4, 4, 4];
+        shuttle::check_pct(|| ring_calls(4, 2, &MS, 1), 1000, 3);
+    }
 }
