@@ -124,24 +124,24 @@ def _gemm(a, b, group: Group, stream: int):
 
 
 def gemm_reduce_scatter(a, b, out, group: Group, bias=None, *, stream=None, path: str = "auto",
-                        pieces: Optional[int] = None):
+                        pieces: Optional[int] = None, numa_groups: int = 1):
     """GEMM + reduce-scatter: this rank's chunk of the rows of ``sum over ranks of a @ b``
     (+ ``bias``, added once) into ``out`` ([rows, N], bf16/f16 as the inputs or f32), rows
     split as the collectives split M (the first M mod P chunks one row longer). ``a`` is this
-    rank's [M, K], ``b`` its [K, N]; ``path`` "auto", "fused", "overlapped" or "unfused".
-    Returns ``out``."""
+    rank's [M, K], ``b`` its [K, N]; ``path`` "auto", "fused", "overlapped" or "unfused";
+    ``numa_groups`` > 1 makes the overlapped path's ring 2D. Returns ``out``."""
     s = stream_handle(stream)
     a_d, b_d, layout, n = _gemm(a, b, group, s)
     m, k = a_d.shape
     out_d = _contiguous(out, "out", group, s)
     bias_d = None if bias is None else _contiguous(bias, "bias", group, s, (n,), out_d.dtype)
-    key = (n, k, layout, a_d.dtype, out_d.dtype, bias is not None, path, pieces)
+    key = (n, k, layout, a_d.dtype, out_d.dtype, bias is not None, path, pieces, numa_groups)
 
     def build(max_m):
         return GpuGemmReduceScatter(
             group.device, group.rank, group.world, max_m, n, k, b_layout=layout,
             dtype=a_d.dtype, out_dtype=out_d.dtype, bias=bias is not None, path=path,
-            pieces=pieces,
+            pieces=pieces, numa_groups=numa_groups,
         )
 
     op = group._operator("gemm-rs", m, key, build, s)
@@ -154,11 +154,14 @@ def gemm_reduce_scatter(a, b, out, group: Group, bias=None, *, stream=None, path
 
 
 def all_gather_gemm(a, b, out, group: Group, bias=None, *, gathered=None, stream=None,
-                    pieces: int = 1):
+                    pieces: int = 1, path: str = "overlapped"):
     """All-gather + GEMM: ``all_gather(a) @ b`` (+ ``bias``) into ``out`` ([M, N]) on every
     rank, and the gathered A into ``gathered`` ([M, K]) when given. ``a`` is this rank's chunk
     of the rows of A (chunks split as the collectives split M = ``out``'s rows), ``b`` its
-    [K, N]. Returns ``out``."""
+    [K, N]; ``path`` "overlapped" or "fused" (see ``commfuse.torch.all_gather_gemm``). Returns
+    ``out``."""
+    if path not in ("overlapped", "fused"):
+        raise ValueError(f'path must be "overlapped" or "fused", got {path!r}')
     s = stream_handle(stream)
     a_d, b_d, layout, n = _gemm(a, b, group, s)
     rows, k = a_d.shape
@@ -169,12 +172,13 @@ def all_gather_gemm(a, b, out, group: Group, bias=None, *, gathered=None, stream
     bias_d = None if bias is None else _contiguous(bias, "bias", group, s, (n,), out_d.dtype)
     gathered_d = None if gathered is None else _contiguous(gathered, "gathered", group, s,
                                                            (m, k), a_d.dtype)
-    key = (n, k, layout, a_d.dtype, out_d.dtype, bias is not None, pieces)
+    key = (n, k, layout, a_d.dtype, out_d.dtype, bias is not None, pieces, path)
 
     def build(max_m):
         return GpuAllGatherMatmul(
             group.device, group.rank, group.world, max_m, n, k, b_layout=layout,
             dtype=a_d.dtype, out_dtype=out_d.dtype, bias=bias is not None, pieces=pieces,
+            fused=path == "fused",
         )
 
     op = group._operator("ag-gemm", m, key, build, s)

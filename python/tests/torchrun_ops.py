@@ -487,8 +487,9 @@ def check_neutral(rank, world):
             mine = torch.tensor_split(full, world)[rank].to(dev)
             out = torch.full((m, n), float("nan"), dtype=dtype, device=dev)
             gathered = torch.full((m, k), float("nan"), dtype=dtype, device=dev)
+            path = "fused" if m % 2 else "overlapped"  # the ragged M fused, the even one not
             cn.all_gather_gemm(wrap(mine), wrap(w.t()), wrap(out), group,
-                               gathered=wrap(gathered), stream=stream.cuda_stream)
+                               gathered=wrap(gathered), stream=stream.cuda_stream, path=path)
             torch.cuda.synchronize()
             if not torch.equal(gathered.cpu(), full):
                 raise AssertionError(f"commfuse.cuda all_gather_gemm {dtype} M={m}: gathered A")
@@ -496,7 +497,8 @@ def check_neutral(rank, world):
             compare(f"commfuse.cuda all_gather_gemm {dtype} M={m}", out, full.double() @ w_cpu.t(),
                     bound(full.double().abs() @ w_cpu.abs().t(), 0, dtype, k))
         lines.append(f"commfuse.cuda gemm_reduce_scatter, all_gather_gemm {dtype} through"
-                     f" {wrap.__name__} (w.t(), bias, gathered A, ragged and even M)")
+                     f" {wrap.__name__} (w.t(), bias, gathered A, ragged M fused and even M"
+                     f" overlapped)")
     count = 3 * 4096 + 7
     g = torch.Generator().manual_seed(77)
     xs = [torch.randint(-8, 9, (count,), generator=g).float() for _ in range(world)]
