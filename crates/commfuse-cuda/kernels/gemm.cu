@@ -128,9 +128,13 @@ struct GemmParams {
     // Rows [local_row0, local_row0 + local_rows) of A are loaded from a_local instead (its row
     // 0 is row local_row0): the caller's own chunk, never copied into the gather buffer.
     u32 local_row0, local_rows;
+    // How long a flag wait (a band's rows, a fold's partials) lasts before it gives up; 0: half
+    // the pipeline's bound (the longest any may last: the other roles' waits must not trap).
+    u64 flag_timeout_ns;
     TmaDesc a_local;
 };
 static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSETOF(GemmParams, local_rows) == 428 &&
+                  COMMFUSE_OFFSETOF(GemmParams, flag_timeout_ns) == 432 &&
                   COMMFUSE_OFFSETOF(GemmParams, a_local) == 512 && sizeof(GemmParams) == 640,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
@@ -355,10 +359,10 @@ __device__ __forceinline__ Unit unit_at(const GemmParams& p, u32 u) {
 
 // Waits (acquire, system scope) until `flag` holds at least this call's epoch; true once it
 // does. A peer that never arrives is reported like a stalled pipeline wait (ErrorRecord.slot =
-// `what`, step = tile, expected = epoch, seen = the flag's value) after half the pipeline's
-// bound (the other roles' waits for this block must not run out, and trap, while it waits
-// here), and the caller goes on with whatever is there: the call's result is then wrong, and
-// the host's check says why.
+// `what`, step = tile, expected = epoch, seen = the flag's value) after flag_timeout_ns, at
+// most half the pipeline's bound (the other roles' waits for this block must not run out, and
+// trap, while it waits here), and the caller goes on with whatever is there: the call's result
+// is then wrong, and the host's check says why.
 __device__ __forceinline__ bool flag_wait(const GemmParams& p, const u64* flag, u32 tile, u32 what) {
     u64 seen = load_acquire_sys(flag);
     if (seen >= call_state.epoch) return true;
@@ -369,7 +373,8 @@ __device__ __forceinline__ bool flag_wait(const GemmParams& p, const u64* flag, 
             fence_acquire_sys();
             return true;
         }
-        if ((spins & 255) == 0 && waiter_check(p.err, global_timer_ns() - start, spins, p.timeout_ns / 2) != GO_ON) {
+        const u64 limit = p.flag_timeout_ns != 0 ? p.flag_timeout_ns : p.timeout_ns / 2;
+        if ((spins & 255) == 0 && waiter_check(p.err, global_timer_ns() - start, spins, limit) != GO_ON) {
             if (atomicCAS_system((u32*)&p.err->flag, 0u, 3u) == 0u) {
                 p.err->rank = p.rank;
                 p.err->lane = blockIdx.x;

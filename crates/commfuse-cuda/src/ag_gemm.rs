@@ -23,7 +23,9 @@
 //! loads held back by its producer until the band's piece flag holds the call's number (read
 //! from the flag steps' count on the device, so a captured call stays graph-safe). The GEMM
 //! leaves one SM free: the side stream's flag kernels must run beside its persistent grid, or
-//! a GEMM waiting for a peer's rows would wait for a flag that cannot be raised.
+//! a GEMM waiting for a peer's rows would wait for a flag that cannot be raised. (Kernels of
+//! other streams may take that SM too; the flags then come late, and a band that waits longer
+//! than the operator's timeout gives up, which `check` reports and which ends the operator.)
 //!
 //! The flag steps number the calls on the device (each call's last step advances the rank's
 //! count), so a call captured into a CUDA graph is a new call at every replay; the first call of
@@ -452,6 +454,7 @@ impl AgGemmRank {
         let gather = Gather {
             band_flags,
             local: s.shape.chunk(self.rank),
+            timeout: self.config.timeout,
         };
         // B, the bias and D come with each call; the gather buffer stands in for them here
         let buffer = self.memory.gather.addr();
@@ -493,6 +496,11 @@ impl AgGemmRank {
         gathered: Option<u64>,
     ) -> Result<(), CudaError> {
         let c = self.config;
+        // a fused GEMM that gave up on a band in an earlier call (its record says so whether or
+        // not `check` ran) leaves the protocol's state unknown
+        if self.fused.values().any(|g| g.stall_report().is_some()) {
+            self.broken = true;
+        }
         if self.broken {
             return Err(unsupported(
                 "this all-gather + GEMM failed earlier; its peers' state is unknown: build a new one"
@@ -567,8 +575,7 @@ impl AgGemmRank {
                 context: me.context,
             };
             let bytes = g.rows.len() * row_in as usize;
-            for d in 1..self.world {
-                let q = (self.rank + d) % self.world;
+            for q in s.receivers_of(self.rank) {
                 let to = PeerMemory {
                     addr: self.peers[q].gather + g.rows.start as u64 * row_in,
                     context: self.peers[q].context,

@@ -112,8 +112,8 @@ struct GemmMemory {
 }
 
 impl InUse for GemmMemory {
-    /// gemm.cu never reads `abort` (its pipeline waits trap after their timeout); raised so
-    /// that the record says the call was given up, and for any wait that comes to read it.
+    /// gemm.cu's pipeline waits never read `abort` (they trap after their timeout); its flag
+    /// waits (a fold's partials, a band's rows) give up once it is raised.
     fn abort(&self) {
         self.error.raise_abort();
     }
@@ -186,10 +186,12 @@ struct GemmParams {
     band_flags: u64,
     local_row0: u32,
     local_rows: u32,
+    flag_timeout_ns: u64,
     a_local: TmaDesc,
 }
 const _: () = assert!(
     std::mem::offset_of!(GemmParams, band_flags) == 416
+        && std::mem::offset_of!(GemmParams, flag_timeout_ns) == 432
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::size_of::<GemmParams>() == 640
 );
@@ -203,6 +205,10 @@ pub struct Gather {
     /// Rows read from the A given per call ([`PreparedGemm::launch_gather_call`]) instead:
     /// the caller's own chunk, whose row 0 is `local.start`. Whole bands only.
     pub local: std::ops::Range<usize>,
+    /// How long a band waits for its rows before the call gives up on them (reported by
+    /// [`PreparedGemm::stall_report`]); at most half the pipeline's bound, which longer
+    /// values are cut to
+    pub timeout: std::time::Duration,
 }
 
 /// Mirrors `CallCounter` in kernels/gemm.cu: a rank's count of its calls in device memory
@@ -632,6 +638,9 @@ impl PreparedGemm {
             band_flags: band_flags.as_ref().map_or(0, DeviceMemory::addr),
             local_row0: local.start as u32,
             local_rows: local.len() as u32,
+            flag_timeout_ns: gather.map_or(0, |g| {
+                (g.timeout.as_nanos() as u64).clamp(1, PIPELINE_TIMEOUT_NS / 2)
+            }),
             a_local: TmaDesc([0; 16]),
         };
         Ok(PreparedGemm {

@@ -200,7 +200,7 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
         // hand this rank's pieces to every peer
         for g in s.sent_by(rank) {
             let rows = &a[(g.rows.start - start) * k..(g.rows.end - start) * k];
-            for q in (0..p).filter(|&q| q != rank) {
+            for q in s.receivers_of(rank) {
                 // SAFETY: the peer reads these rows only after the flag below, and it had
                 // finished reading its gather buffer of the previous call (its done, above)
                 unsafe { self.gather.store(q, g.rows.start * k, rows) };

@@ -5,7 +5,8 @@
 //! AllGather(A)·B_r (+ bias), [M, N], and optionally the gathered A itself.
 //!
 //! The overlapped schedule, for every rank r:
-//! * At the start of a call r hands its chunk, cut into `pieces` row pieces, to every peer: a
+//! * At the start of a call r hands its chunk, cut into `pieces` row pieces, to every peer (r − 1
+//!   first, [`AgGemmSchedule::receivers_of`], so that each rank's first peer chunk lands first): a
 //!   copy into the peer's gather buffer at the chunk's rows, then that piece's flag on the peer
 //!   set to the call's number (copies by the copy engine on GPUs, beside the GEMMs). Before its
 //!   first copy into a peer it waits until that peer's "done" of the previous call has come:
@@ -147,6 +148,14 @@ impl AgGemmSchedule {
             })
             .filter(|g| !g.rows.is_empty())
             .collect()
+    }
+
+    /// The peers rank `rank` hands its pieces to, in order: r − 1, r − 2, …, so that every
+    /// receiver gets the chunks in the order it computes them ([`AgGemmSchedule::gemms_of`]:
+    /// r + 1 first, whose first copy goes to r).
+    pub fn receivers_of(&self, rank: usize) -> impl Iterator<Item = usize> {
+        let p = self.shape.world;
+        (1..p).map(move |d| (rank + p - d) % p)
     }
 
     /// Rank `rank`'s GEMMs in order: its own chunk, then r + 1, r + 2, ….
@@ -372,6 +381,28 @@ mod tests {
                             assert_eq!(seen, want, "P={world} M={m} rank {rank}");
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The d-th chunk a rank computes after its own is the one whose owner sends to it d-th:
+    /// at P ≥ 3 every rank's first peer chunk is the first to land.
+    #[test]
+    fn receivers_get_the_chunks_in_the_order_they_compute_them() {
+        for world in 1..=9 {
+            let s = schedule(world, 4 * world, 1);
+            for rank in 0..world {
+                let owners: Vec<usize> = s
+                    .gemms_of(rank)
+                    .iter()
+                    .filter(|g| !g.local)
+                    .map(|g| g.owner)
+                    .collect();
+                for (d, &owner) in owners.iter().enumerate() {
+                    let sends: Vec<usize> = s.receivers_of(owner).collect();
+                    assert_eq!(sends.len(), world - 1);
+                    assert_eq!(sends[d], rank, "P={world}: owner {owner}'s send {d}");
                 }
             }
         }
