@@ -160,8 +160,6 @@ def all_gather_gemm(a, b, out, group: Group, bias=None, *, gathered=None, stream
     of the rows of A (chunks split as the collectives split M = ``out``'s rows), ``b`` its
     [K, N]; ``path`` "overlapped" or "fused" (see ``commfuse.torch.all_gather_gemm``). Returns
     ``out``."""
-    if path not in ("overlapped", "fused"):
-        raise ValueError(f'path must be "overlapped" or "fused", got {path!r}')
     s = stream_handle(stream)
     a_d, b_d, layout, n = _gemm(a, b, group, s)
     rows, k = a_d.shape
@@ -178,7 +176,7 @@ def all_gather_gemm(a, b, out, group: Group, bias=None, *, gathered=None, stream
         return GpuAllGatherMatmul(
             group.device, group.rank, group.world, max_m, n, k, b_layout=layout,
             dtype=a_d.dtype, out_dtype=out_d.dtype, bias=bias is not None, pieces=pieces,
-            fused=path == "fused",
+            path=path,
         )
 
     op = group._operator("ag-gemm", m, key, build, s)

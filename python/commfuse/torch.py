@@ -270,8 +270,6 @@ def all_gather_gemm(
     pieces arrive: the faster on 2 × H200) or "fused" (one GEMM of commfuse's own whose loads of
     each row band wait for its rows).
     """
-    if path not in ("overlapped", "fused"):
-        raise ValueError(f'path must be "overlapped" or "fused", got {path!r}')
     group = _group(group)
     g = _GemmOperands(a, b, bias, out_dtype)
     a, b, bias, out_dtype = g.a, g.b, g.bias, g.out_dtype
@@ -284,7 +282,7 @@ def all_gather_gemm(
     def build(rank, world, max_m):
         return GpuAllGatherMatmul(
             device, rank, world, max_m, n, k, b_layout=layout, dtype=dtype,
-            out_dtype=out_name, bias=bias is not None, pieces=pieces, fused=path == "fused",
+            out_dtype=out_name, bias=bias is not None, pieces=pieces, path=path,
         )
 
     op = _operator("ag-gemm", group, total, key, build)

@@ -227,10 +227,11 @@ pub struct GpuAllGatherMatmul {
 #[pymethods]
 impl GpuAllGatherMatmul {
     /// Allocates rank `rank`'s gather buffer for up to `max_m` gathered rows on CUDA device
-    /// `device`; each rank's chunk is handed on in `pieces` row pieces; `fused`: one GEMM of
-    /// commfuse's own per call, waiting per row band, instead of cuBLASLt per piece.
+    /// `device`; each rank's chunk is handed on in `pieces` row pieces; `path` "overlapped"
+    /// (cuBLASLt per piece) or "fused" (one GEMM of commfuse's own per call, waiting per row
+    /// band).
     #[new]
-    #[pyo3(signature = (device, rank, world, max_m, n, k, *, b_layout="nk", dtype="bf16", out_dtype=None, bias=false, pieces=1, fused=false, timeout_ms=5000))]
+    #[pyo3(signature = (device, rank, world, max_m, n, k, *, b_layout="nk", dtype="bf16", out_dtype=None, bias=false, pieces=1, path="overlapped", timeout_ms=5000))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         device: usize,
@@ -244,7 +245,7 @@ impl GpuAllGatherMatmul {
         out_dtype: Option<&str>,
         bias: bool,
         pieces: usize,
-        fused: bool,
+        path: &str,
         timeout_ms: u64,
     ) -> PyResult<Self> {
         let input = parse_dtype(dtype)?;
@@ -252,7 +253,15 @@ impl GpuAllGatherMatmul {
         let mut config = AgGemmConfig::new(max_m, n, k, parse_layout(b_layout)?, input, output);
         config.bias = bias;
         config.pieces = pieces;
-        config.fused = fused;
+        config.fused = match path {
+            "overlapped" => false,
+            "fused" => true,
+            other => {
+                return Err(value_error(format!(
+                    "path must be \"overlapped\" or \"fused\", got {other:?}"
+                )))
+            }
+        };
         config.timeout = Duration::from_millis(timeout_ms);
         let gpu = open_gpu(device)?;
         let allocation = AgGemmAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;

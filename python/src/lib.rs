@@ -73,6 +73,28 @@ struct Operands {
     n: usize,
 }
 
+impl Operands {
+    /// The simulator's configuration of a fused operator of `p` ranks on these operands, for
+    /// calls of up to `m` rows (`AgGemmConfig` is the same type).
+    fn sim_config(
+        &self,
+        (p, m): (usize, usize),
+        layout: BLayout,
+        (input, output): (DType, DType),
+    ) -> GemmRsConfig {
+        GemmRsConfig::new(
+            p,
+            m,
+            self.n,
+            self.k,
+            layout,
+            input,
+            output,
+            self.bias.is_some(),
+        )
+    }
+}
+
 fn operands(
     a: &[PyReadonlyArray2<'_, f32>],
     b: &[PyReadonlyArray2<'_, f32>],
@@ -214,18 +236,9 @@ fn sim_gemm_reduce_scatter<'py>(
     }
     let config = GemmRsConfig {
         numa_groups,
-        ..GemmRsConfig::new(
-            p,
-            m,
-            ops.n,
-            ops.k,
-            layout,
-            input,
-            output,
-            ops.bias.is_some(),
-        )
+        ..ops.sim_config((p, m), layout, (input, output))
     };
-    let shape = GemmRsShape::new(p, m, ops.n, ops.k, layout, input, output).map_err(value_error)?;
+    let shape = config.shape(m).map_err(value_error)?;
     let path = parse_path(path, pieces)?.unwrap_or_else(|| choose_path(&shape));
     let timeout = Duration::from_millis(timeout_ms);
     let outs = py
@@ -323,16 +336,7 @@ fn sim_all_gather_matmul<'py>(
             )));
         }
     }
-    let config = AgGemmConfig::new(
-        p,
-        m,
-        ops.n,
-        ops.k,
-        layout,
-        input,
-        output,
-        ops.bias.is_some(),
-    );
+    let config: AgGemmConfig = ops.sim_config((p, m), layout, (input, output));
     commfuse_sim::ag_gemm::shape(&config, m).map_err(value_error)?;
     let timeout = Duration::from_millis(timeout_ms);
     let (outs, gathered) = py

@@ -180,6 +180,13 @@ def test_collective_errors_are_one_line_value_errors():
         assert "\n" not in str(e.value)
 
 
+def test_all_gather_matmul_refuses_an_unknown_path_before_any_gpu():
+    # the binding checks the path for commfuse.torch and commfuse.cuda alike, first of all
+    with pytest.raises(ValueError) as e:
+        commfuse._commfuse.GpuAllGatherMatmul(0, 0, 1, 8, 16, 16, path="ring")
+    assert 'path must be "overlapped" or "fused", got "ring"' in str(e.value)
+
+
 def test_type_hints_ship_in_the_package():
     import os
 

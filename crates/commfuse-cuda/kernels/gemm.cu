@@ -367,13 +367,13 @@ __device__ __forceinline__ bool flag_wait(const GemmParams& p, const u64* flag, 
     u64 seen = load_acquire_sys(flag);
     if (seen >= call_state.epoch) return true;
     const u64 start = global_timer_ns();
+    const u64 limit = p.flag_timeout_ns != 0 ? p.flag_timeout_ns : p.timeout_ns / 2;
     for (u32 spins = 1;; ++spins) {
         seen = load_relaxed_sys(flag);
         if (seen >= call_state.epoch) {
             fence_acquire_sys();
             return true;
         }
-        const u64 limit = p.flag_timeout_ns != 0 ? p.flag_timeout_ns : p.timeout_ns / 2;
         if ((spins & 255) == 0 && waiter_check(p.err, global_timer_ns() - start, spins, limit) != GO_ON) {
             if (atomicCAS_system((u32*)&p.err->flag, 0u, 3u) == 0u) {
                 p.err->rank = p.rank;

@@ -615,22 +615,23 @@ impl AgGemmRank {
                     )?;
                 }
             }
-        }
-        for g in s.gemms_of(self.rank).into_iter().filter(|_| !c.fused) {
-            if !g.local {
-                let index = s.flag_index(g.owner, g.piece);
-                let wait = Some((mem.flags.addr() + 8 * index as u64, epoch, FlagCmp::Eq));
-                mem.steps.queue(stream, wait, None, (g.owner, index))?;
+        } else {
+            for g in s.gemms_of(self.rank) {
+                if !g.local {
+                    let index = s.flag_index(g.owner, g.piece);
+                    let wait = Some((mem.flags.addr() + 8 * index as u64, epoch, FlagCmp::Eq));
+                    mem.steps.queue(stream, wait, None, (g.owner, index))?;
+                }
+                let rows_a = self.a_rows(s, &g, a);
+                if let Some(gathered) = gathered {
+                    let to = gathered + g.rows.start as u64 * row_in;
+                    stream.copy_async(to, rows_a, g.rows.len() * row_in as usize)?;
+                }
+                let d = out + g.rows.start as u64 * row_out;
+                let problem = self.problem(g.rows.len());
+                self.lt
+                    .matmul_into(stream, &problem, 0, (rows_a, b, d, d), bias, 1.0, 0.0)?;
             }
-            let rows_a = self.a_rows(s, &g, a);
-            if let Some(gathered) = gathered {
-                let to = gathered + g.rows.start as u64 * row_in;
-                stream.copy_async(to, rows_a, g.rows.len() * row_in as usize)?;
-            }
-            let d = out + g.rows.start as u64 * row_out;
-            let problem = self.problem(g.rows.len());
-            self.lt
-                .matmul_into(stream, &problem, 0, (rows_a, b, d, d), bias, 1.0, 0.0)?;
         }
         self.join.record(&self.side)?;
         stream.wait_event(&self.join)?;

@@ -189,18 +189,25 @@ impl AgGemmSchedule {
         self.shape.world * (MAX_PIECES + 1)
     }
 
+    /// The fused path's bands in row order: each non-empty piece cut into bands of at most
+    /// `tile_m` rows from its first row, as (first row, owner, piece).
+    fn bands_by_piece(&self, tile_m: usize) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        (0..self.shape.world)
+            .flat_map(move |owner| (0..self.pieces).map(move |piece| (owner, piece)))
+            .flat_map(move |(owner, piece)| {
+                self.piece_rows(owner, piece)
+                    .step_by(tile_m.max(1))
+                    .map(move |row| (row, owner, piece))
+            })
+    }
+
     /// The fused path's row bands (starts, then M): each non-empty piece cut into bands of at
     /// most `tile_m` rows from its first row.
     pub fn fused_bands(&self, tile_m: usize) -> Vec<usize> {
-        let mut bands = Vec::new();
-        for owner in 0..self.shape.world {
-            for piece in 0..self.pieces {
-                let rows = self.piece_rows(owner, piece);
-                bands.extend(rows.clone().step_by(tile_m.max(1)));
-            }
-        }
-        bands.push(self.shape.m);
-        bands
+        self.bands_by_piece(tile_m)
+            .map(|(row, _, _)| row)
+            .chain([self.shape.m])
+            .collect()
     }
 
     /// The fused path's GEMM on rank `rank`: all M rows of the gathered A times its B (+ the
@@ -233,15 +240,9 @@ impl AgGemmSchedule {
     /// Per band of [`AgGemmSchedule::fused_bands`]: the piece (owner, piece) whose flag rank
     /// `rank` waits for before loading the band's rows, or `None` for its own rows.
     pub fn band_waits(&self, rank: usize, tile_m: usize) -> Vec<Option<(usize, usize)>> {
-        let mut waits = Vec::new();
-        for owner in 0..self.shape.world {
-            for piece in 0..self.pieces {
-                let bands = self.piece_rows(owner, piece).step_by(tile_m.max(1)).count();
-                let wait = (owner != rank).then_some((owner, piece));
-                waits.extend(std::iter::repeat_n(wait, bands));
-            }
-        }
-        waits
+        self.bands_by_piece(tile_m)
+            .map(|(_, owner, piece)| (owner != rank).then_some((owner, piece)))
+            .collect()
     }
 
     /// The schedule as a plan for the checker: an all-gather of the rows of A (rank r's input

@@ -187,15 +187,17 @@ impl RingSchedule {
         self.sender_on(rank, self.link_after(step - 1))
     }
 
-    /// The links a rank's hand-ons use, in [`RingLink`] order (none when P = 1).
+    /// The links a rank's hand-ons use, in [`RingLink`] order: within its group when a group
+    /// has more than one rank, across groups when there is more than one group (none when
+    /// P = 1).
     pub fn links(&self) -> Vec<RingLink> {
-        let p = self.shape.world;
-        let mut links: Vec<RingLink> = (0..p.saturating_sub(1))
-            .map(|s| self.link_after(s))
-            .collect();
-        links.sort();
-        links.dedup();
-        links
+        [
+            (self.group_size() > 1).then_some(RingLink::Within),
+            (self.groups > 1).then_some(RingLink::Across),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
     }
 
     /// The owner whose rows `rank` computes at `step`: (g + ⌊step/L⌋ + 1, l + step mod L + 1).
@@ -495,6 +497,11 @@ mod tests {
                         assert_eq!(r.owner_at(rank, s), (rank + s + 1) % world);
                     }
                 }
+                // the links named are exactly those the steps use
+                let mut used: Vec<RingLink> = (0..world - 1).map(|s| r.link_after(s)).collect();
+                used.sort();
+                used.dedup();
+                assert_eq!(r.links(), used, "P={world} G={groups}");
                 // the senders and receivers of one link are each other's
                 for link in r.links() {
                     assert_eq!(r.sender_on(r.receiver_on(rank, link), link), rank);

@@ -47,7 +47,7 @@ pub use commfuse_core::fused::gemm_rs::GemmRsPath;
 use commfuse_core::fused::gemm_rs::{
     choose_overlapping_path, choose_path, GemmRsSchedule, GemmRsShape,
 };
-use commfuse_core::fused::ring_rs::{RingSchedule, MAX_PIECES};
+use commfuse_core::fused::ring_rs::MAX_PIECES;
 use commfuse_core::gemm::BLayout;
 use commfuse_core::DType;
 use std::collections::{HashMap, HashSet};
@@ -277,9 +277,7 @@ impl GemmRsAllocation {
         }
         let shape = shape(&config, world, config.max_m)?;
         // the groups shape only the ring, but are checked whatever the path
-        RingSchedule::within(shape, config.max_m, 1)
-            .in_groups(config.numa_groups)
-            .map_err(|e| unsupported(e.to_string()))?;
+        ring::schedule(&config, world, config.max_m, 1)?;
         let layout = GemmRsSchedule::new(shape, TILE);
         // only the paths the configuration may take get buffers
         let whole_rows = (config.n * config.output.size()).is_multiple_of(16);

@@ -448,7 +448,7 @@ impl RingPath {
 }
 
 /// The ring of a call of `m` rows (the config's NUMA groups), steps cut into `pieces`.
-fn schedule(
+pub(super) fn schedule(
     config: &GemmRsConfig,
     world: usize,
     m: usize,
