@@ -82,6 +82,19 @@ __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
+// Programmatic dependent launch (Hopper). A kernel launched with programmatic stream
+// serialization (driver.rs `Function::launch_programmatic`) may start while the kernel before
+// it on the stream is still running: its blocks must wait here before they touch anything that
+// kernel writes or reads — this returns once that kernel has completed and its memory
+// operations are visible (at once where it was launched the ordinary way).
+__device__ __forceinline__ void wait_for_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// Lets the next kernel on the stream, if it was launched programmatically, be scheduled now
+// (its blocks then wait in wait_for_prior_grid until this grid completes): its launch overlaps
+// this grid's work. Called once a block is past its own wait, so at most two grids of a chain
+// are ever resident.
+__device__ __forceinline__ void allow_next_grid() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 __device__ __forceinline__ void store_release_sys(u64* p, u64 v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }

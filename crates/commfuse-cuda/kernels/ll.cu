@@ -158,13 +158,18 @@ __device__ __forceinline__ void store_word(const LlArgs& a, u32 i, const float* 
     }
 }
 
-// What both call bodies start with: the call's number (the block's counter + 1, read by one
-// thread and handed to the block through `seq_shared`; `failed` cleared), and this thread's
-// first word pair and its stride over the grid.
+// What both call bodies start with: the wait for the kernel before this one on the stream, the
+// call's number (the block's counter + 1, read by one thread and handed to the block through
+// `seq_shared`; `failed` cleared), and this thread's first word pair and its stride over the
+// grid.
 struct LlCall {
     u32 seq, first, stride;
 };
 __device__ __forceinline__ LlCall ll_begin(const LlArgs& a, u32& seq_shared, int& failed) {
+    // launched programmatically (src/ll.rs): the previous call's kernel on this stream may still
+    // run, and it writes this block's counter, the buffer half of call n + 2 and maybe our input
+    wait_for_prior_grid();
+    allow_next_grid();
     if (threadIdx.x == 0) {
         seq_shared = (u32)(*(volatile const u64*)(a.calls + blockIdx.x) + 1);
         failed = 0;

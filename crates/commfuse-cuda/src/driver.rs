@@ -829,6 +829,47 @@ impl Function {
             ),
         )
     }
+
+    /// [`Function::launch`] with programmatic stream serialization (programmatic dependent
+    /// launch): the kernel may be scheduled before the kernel ahead of it on `stream` has
+    /// finished — once every block of that one has exited or let it (`allow_next_grid` in
+    /// common.cuh) — so its launch latency hides under that kernel's tail. Under stream
+    /// capture the dependency becomes a programmatic edge of the graph.
+    ///
+    /// # Safety
+    /// As for [`Function::launch`], and every block of the kernel must execute
+    /// `wait_for_prior_grid` (common.cuh) before it reads or writes memory that earlier work on
+    /// the stream touches.
+    pub unsafe fn launch_programmatic<P>(
+        &self,
+        grid: u32,
+        block: u32,
+        stream: &Stream,
+        params: &P,
+    ) -> Result<(), CudaError> {
+        let mut args = [params as *const P as *mut c_void];
+        // SAFETY: all-zero is a valid attribute (IGNORE) and value union
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: stream.raw,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        check("cuLaunchKernelEx(programmatic stream serialization)", {
+            // SAFETY: the config and its attribute outlive the call; the parameter block
+            // matches the kernel (the caller's contract)
+            sys::cuLaunchKernelEx(&config, self.raw, args.as_mut_ptr(), std::ptr::null_mut())
+        })
+    }
 }
 
 /// Stream-ordered copies and fills: the work a caller queues between calls (new inputs,

@@ -57,6 +57,15 @@ fn geometry() -> (u32, u32) {
     })
 }
 
+/// Whether LL kernels are launched programmatically (programmatic dependent launch: a call's
+/// kernel is scheduled while the kernel before it on the stream finishes, and waits for it on
+/// the GPU — `wait_for_prior_grid` in ll.cu), which takes the launch's latency off small
+/// calls; `COMMFUSE_PDL=0` launches them the ordinary way, for measuring the difference.
+fn programmatic() -> bool {
+    static PROGRAMMATIC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PROGRAMMATIC.get_or_init(|| crate::env_knob("COMMFUSE_PDL", |v: u32| v <= 1, 1) == 1)
+}
+
 /// Mirrors `LlArgs` in kernels/ll.cu.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -194,8 +203,13 @@ impl LlRank {
             output,
             ..self.args
         };
-        self.function
-            .launch(self.blocks, self.threads, stream, &args)
+        if programmatic() {
+            self.function
+                .launch_programmatic(self.blocks, self.threads, stream, &args)
+        } else {
+            self.function
+                .launch(self.blocks, self.threads, stream, &args)
+        }
     }
 }
 
