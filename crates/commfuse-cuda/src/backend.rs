@@ -50,6 +50,8 @@ pub struct CudaBackend {
     pub(crate) nccl: OnceLock<Result<crate::nccl::Comms, String>>,
     error: ManuallyDrop<MappedHost<ErrorRecord>>,
     max_lanes: u32,
+    /// The most ranks on one GPU (1 unless `open` was given a device twice)
+    sharing: u32,
     timeout: Duration,
     broken: AtomicBool,
     /// A kernel did not stop within its bound even after the abort: nothing it may touch (its
@@ -93,9 +95,23 @@ pub(crate) fn dtype_index(d: DType) -> usize {
     }
 }
 
+/// The most ranks that `devices` (rank r on `devices[r]`) place on one GPU.
+fn ranks_per_gpu(devices: &[usize]) -> u32 {
+    devices
+        .iter()
+        .map(|d| devices.iter().filter(|&e| e == d).count() as u32)
+        .max()
+        .unwrap_or(1)
+}
+
 impl CudaBackend {
     /// Opens the GPUs `devices` (rank r on `devices[r]`), enables peer access between every
     /// pair, compiles (or loads from cache) the kernels and allocates the signal pads.
+    ///
+    /// A device may be named more than once: those ranks share the GPU (each its own stream
+    /// and buffers, their kernels running side by side on its SMs, stores between them local).
+    /// That is for checking protocols of P ranks on fewer GPUs, not for speed; NCCL, which
+    /// takes one rank per GPU, is then no baseline.
     pub fn open(devices: &[usize], timeout: Duration) -> Result<CudaBackend, CudaError> {
         if devices.is_empty() || devices.len() > MAX_RANKS {
             return Err(CudaError::Unavailable(format!(
@@ -103,13 +119,7 @@ impl CudaBackend {
                 devices.len()
             )));
         }
-        for (i, d) in devices.iter().enumerate() {
-            if devices[..i].contains(d) {
-                return Err(CudaError::Unavailable(format!(
-                    "device {d} is listed twice"
-                )));
-            }
-        }
+        let sharing = ranks_per_gpu(devices);
         let gpus: Vec<Gpu> = devices
             .iter()
             .map(|&d| Gpu::open(d))
@@ -135,8 +145,9 @@ impl CudaBackend {
                 kernels.push(<[Function; 4]>::try_from(row).ok().unwrap());
             }
             let kernels = <[[Function; 4]; 3]>::try_from(kernels).ok().unwrap();
-            // lanes spin on their peers' lanes: all must be resident at once
-            let resident = kernels[0][0].max_blocks_per_sm(THREADS)? * gpu.sm_count;
+            // lanes spin on their peers' lanes: all must be resident at once, those of the
+            // ranks that share this GPU too
+            let resident = kernels[0][0].max_blocks_per_sm(THREADS)? * gpu.sm_count / sharing;
             max_lanes = max_lanes.min(resident).min(4 * gpu.sm_count);
             let pad_bytes = max_lanes.max(4 * gpu.sm_count) as usize * PAD_SLOTS * 8;
             ranks.push(Rank {
@@ -153,6 +164,7 @@ impl CudaBackend {
             ranks: ManuallyDrop::new(ranks),
             error: ManuallyDrop::new(error),
             max_lanes,
+            sharing,
             timeout,
             broken: AtomicBool::new(false),
             wedged: AtomicBool::new(false),
@@ -181,6 +193,12 @@ impl CudaBackend {
             names.join(", "),
             self.max_lanes
         )
+    }
+
+    /// The most ranks that share one GPU: 1 unless [`CudaBackend::open`] named a device twice.
+    /// Kernels whose blocks wait for other ranks' must fit on a GPU this many times over.
+    pub(crate) fn sharing(&self) -> u32 {
+        self.sharing
     }
 
     /// How long a device-side wait lasts before it gives up.
@@ -1194,6 +1212,14 @@ mod tests {
     fn barrier_plan(world: usize) -> CheckedPlan {
         let spec = OpSpec::new(OpKind::Barrier, world, 0, 0).unwrap();
         check(build_plan(spec, Algo::AllToAll, &Topology::new(world, 1).unwrap()).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn ranks_sharing_a_gpu_are_counted() {
+        assert_eq!(ranks_per_gpu(&[0, 1]), 1);
+        assert_eq!(ranks_per_gpu(&[0, 0]), 2);
+        assert_eq!(ranks_per_gpu(&[1, 0, 1, 1]), 3);
+        assert_eq!(ranks_per_gpu(&[]), 1);
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //!
 //! A rank's call queues on the caller's stream: a copy of the caller's input into the rank's
 //! symmetric input buffer, the rank's plan kernel, a copy of the rank's symmetric output into
-//! the caller's output. Nothing synchronises the host; the plan kernel advances its epoch bases
+//! the caller's output — or, where `auto` takes the LL protocol (small all-reduces,
+//! reduce-scatters and all-gathers, `commfuse_core::cost::prefers_ll`), one LL kernel straight
+//! from the caller's input into its output. Nothing synchronises the host; the plan kernel advances its epoch bases
 //! itself, so calls go back to back with nothing cleared. Every rank must make the same calls
 //! in the same order (as with NCCL), and one backend's operators share its signal pads, so
 //! they too must be called in one agreed order.
@@ -17,8 +19,9 @@
 use crate::backend::{CudaBackend, PlanLauncher, RankBuffers};
 use crate::driver::{Event, Stream};
 use crate::error::CudaError;
+use crate::ll::LlRank;
 use commfuse_core::backend::BackendError;
-use commfuse_core::cost::choose_algo;
+use commfuse_core::cost::{choose_algo, prefers_ll};
 use commfuse_core::{build_plan, check, Algo, DType, OpKind, OpSpec, ReduceOp, Topology};
 use std::mem::ManuallyDrop;
 use std::time::Duration;
@@ -37,6 +40,8 @@ pub struct CudaCollective<'b> {
     // freed by hand in Drop, once the last calls have ended
     launcher: ManuallyDrop<PlanLauncher>,
     bufs: ManuallyDrop<Vec<RankBuffers>>,
+    /// Every rank's LL kernel and buffers, where `auto` took the LL protocol
+    ll: ManuallyDrop<Option<Vec<LlRank>>>,
 }
 
 impl<'b> CudaCollective<'b> {
@@ -55,6 +60,7 @@ impl<'b> CudaCollective<'b> {
         let fail = |e: commfuse_core::Error| BackendError::Unavailable(e.to_string());
         let spec = OpSpec::new(kind, p, count, root).map_err(fail)?;
         let topology = Topology::new(p, numa_groups).map_err(fail)?;
+        let algo_asked = algo;
         let (algo, plan) = match algo {
             Some(algo) => {
                 let plan = build_plan(spec, algo, &topology).map_err(fail)?;
@@ -75,6 +81,11 @@ impl<'b> CudaCollective<'b> {
             .map(|rank| RankBuffers::new(&rank.gpu, b.input * eb, b.output * eb, b.scratch * eb))
             .collect::<Result<Vec<_>, _>>()?;
         let launcher = PlanLauncher::new(backend, &plan, dtype, reduce, &bufs)?;
+        // the plan stays built where LL runs: it is what `algo()` reports, and it is small
+        let ll = match algo_asked.is_none() && prefers_ll(&spec, eb) {
+            true => Some(crate::ll::ranks(backend, &spec, dtype, reduce)?),
+            false => None,
+        };
         let last = backend
             .ranks
             .iter()
@@ -88,12 +99,21 @@ impl<'b> CudaCollective<'b> {
             last,
             launcher: ManuallyDrop::new(launcher),
             bufs: ManuallyDrop::new(bufs),
+            ll: ManuallyDrop::new(ll),
         })
     }
 
-    /// The algorithm the operator runs (what `auto` picked, when it did).
+    /// The algorithm of the plan the operator is built on (what `auto` picked, when it did).
     pub fn algo(&self) -> Algo {
         self.algo
+    }
+
+    /// What runs: "ll" where `auto` took the LL protocol, else the plan's algorithm.
+    pub fn implementation(&self) -> String {
+        match self.ll.is_some() {
+            true => crate::ll::LL.into(),
+            false => self.algo.to_string(),
+        }
     }
 
     /// What the operator computes.
@@ -129,6 +149,10 @@ impl<'b> CudaCollective<'b> {
         let queued = (|| -> Result<(), CudaError> {
             // after this rank's previous call, even one on another stream
             stream.wait_event(&self.last[r])?;
+            if let Some(ll) = self.ll.as_ref() {
+                // straight from the caller's input into its output
+                return ll[r].launch(stream, input, output);
+            }
             stream.copy_async(bufs.input.addr(), input, self.spec.input_len(r) * eb)?;
             self.launcher.launch_on(self.backend, r, stream)?;
             stream.copy_async(output, bufs.output.addr(), self.spec.output_len(r) * eb)
@@ -149,7 +173,17 @@ impl<'b> CudaCollective<'b> {
     /// any call so far (which rank, lane and slot, what it expected and saw), if one did. The
     /// backend is unusable after one.
     pub fn check(&self) -> Result<(), BackendError> {
-        match self.launcher.failure(self.backend) {
+        let failure = match self.ll.is_some() {
+            true => self.backend.recorded_timeout().map(|rec| {
+                BackendError::Unavailable(crate::ll::describe_timeout(
+                    self.spec.kind,
+                    &rec,
+                    self.backend.timeout(),
+                ))
+            }),
+            false => self.launcher.failure(self.backend),
+        };
+        match failure {
             Some(e) => {
                 self.backend.mark_broken();
                 Err(e)
@@ -173,6 +207,7 @@ impl Drop for CudaCollective<'_> {
             unsafe {
                 ManuallyDrop::drop(&mut self.launcher);
                 ManuallyDrop::drop(&mut self.bufs);
+                ManuallyDrop::drop(&mut self.ll);
             }
         } else {
             // leaked: freeing memory a running kernel writes would corrupt what is allocated

@@ -154,6 +154,7 @@ impl CollectiveAllocation {
                 (config.kind, config.count, config.dtype, config.reduce),
                 error.device_addr(),
                 config.timeout,
+                1,
             )?),
             false => None,
         };

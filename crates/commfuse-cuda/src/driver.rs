@@ -741,10 +741,16 @@ impl Module {
             CudaError::OutOfBounds(format!("kernel name {name:?} holds a NUL byte"))
         })?;
         // SAFETY: live module
+        let raw = drv("cuModuleGetFunction", unsafe {
+            result::module::get_function(self.loaded.raw, cname)
+        })?;
+        // Loaded now, not at its first launch (CUDA loads functions lazily by default): a
+        // lazy load waits for the context's running kernels, and where ranks share a GPU
+        // (one context) another rank's kernel may be spinning until this one runs.
+        // SAFETY: a function of the live module
+        check("cuFuncLoad", unsafe { sys::cuFuncLoad(raw) })?;
         Ok(Function {
-            raw: drv("cuModuleGetFunction", unsafe {
-                result::module::get_function(self.loaded.raw, cname)
-            })?,
+            raw,
             _module: Arc::clone(&self.loaded),
         })
     }

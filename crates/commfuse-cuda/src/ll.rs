@@ -132,13 +132,15 @@ pub(crate) struct LlRank {
 
 impl LlRank {
     /// Rank `rank` of `world` on `gpu`: loads the kernel and allocates the buffer and
-    /// counters; [`LlRank::connect`] then names every rank's buffer.
+    /// counters; [`LlRank::connect`] then names every rank's buffer. `sharing` ranks' kernels
+    /// run on this GPU at once (1 but where ranks share a GPU, `CudaBackend::open`).
     pub fn new(
         gpu: &Gpu,
         (rank, world): (usize, usize),
         (kind, count, dtype, reduce): (OpKind, usize, DType, ReduceOp),
         err: u64,
         timeout: Duration,
+        sharing: u32,
     ) -> Result<LlRank, CudaError> {
         takes(kind, count * dtype.size()).map_err(CudaError::Unavailable)?;
         // what one sender sends at most: its input, or for an all-gather the longest chunk
@@ -151,13 +153,19 @@ impl LlRank {
         let compiled = nvrtc::compile(nvrtc::kernel("ll.cu").expect("embedded"), false)?;
         // two halves of `world` regions of the words rounded up to even (`pitch` in ll.cu)
         let pitch = words + words % 2;
+        let function = typed_kernel(
+            &Module::load(gpu, &compiled.cubin)?,
+            "ll_all_reduce",
+            dtype,
+            reduce,
+        )?;
+        // a call's blocks wait for the other ranks' kernels, and (launched programmatically)
+        // the next call's may already sit beside them: two grids of every rank on this GPU
+        // must be resident at once
+        let resident = function.max_blocks_per_sm(threads)? * gpu.sm_count;
+        let max_blocks = max_blocks.min(resident / (2 * sharing.max(1))).max(1);
         Ok(LlRank {
-            function: typed_kernel(
-                &Module::load(gpu, &compiled.cubin)?,
-                "ll_all_reduce",
-                dtype,
-                reduce,
-            )?,
+            function,
             buffer: DeviceMemory::zeroed(gpu, (2 * world * pitch).max(2) * 8)?,
             counters: DeviceMemory::zeroed(gpu, 8 * COUNTERS)?,
             args: LlArgs {
@@ -234,6 +242,20 @@ pub(crate) fn prepare<'a>(
     dtype: DType,
     reduce: ReduceOp,
 ) -> Result<Box<dyn PreparedCall + 'a>, BackendError> {
+    let ranks = ranks(backend, spec, dtype, reduce)?;
+    let launcher = |_: &[RankBuffers]| Ok(LlLauncher { ranks });
+    let sizes = (spec.input_capacity(), spec.output_capacity(), 0);
+    boxed_call(backend, dtype, sizes, launcher)
+}
+
+/// The LL collective of `spec` for every rank of `backend`, each connected to the others'
+/// buffers.
+pub(crate) fn ranks(
+    backend: &CudaBackend,
+    spec: &OpSpec,
+    dtype: DType,
+    reduce: ReduceOp,
+) -> Result<Vec<LlRank>, BackendError> {
     takes(spec.kind, spec.count * dtype.size()).map_err(BackendError::Unavailable)?;
     let world = backend.ranks.len();
     let timeout = backend.timeout();
@@ -248,6 +270,7 @@ pub(crate) fn prepare<'a>(
                 (spec.kind, spec.count, dtype, reduce),
                 backend.error_record(),
                 timeout,
+                backend.sharing(),
             )
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -256,9 +279,7 @@ pub(crate) fn prepare<'a>(
     for r in &mut ranks {
         r.connect(&buffers);
     }
-    let launcher = |_: &[RankBuffers]| Ok(LlLauncher { ranks });
-    let sizes = (spec.input_capacity(), spec.output_capacity(), 0);
-    boxed_call(backend, dtype, sizes, launcher)
+    Ok(ranks)
 }
 
 impl Launcher for LlLauncher {

@@ -75,6 +75,11 @@ unsafe impl Sync for Comms {}
 impl Comms {
     fn new(backend: &CudaBackend) -> Result<Comms, CudaError> {
         let devs: Vec<i32> = backend.ranks.iter().map(|r| r.gpu.ordinal as i32).collect();
+        if backend.sharing() > 1 {
+            return Err(CudaError::Unavailable(format!(
+                "NCCL takes one rank per GPU, and these ranks share GPUs (devices {devs:?})"
+            )));
+        }
         Comms::for_devices(&devs)
     }
 

@@ -81,6 +81,14 @@ pub fn sass_of(kernel: &str) -> Option<String> {
     Some(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// Devices for `p` ranks: GPUs 0..p where there are that many, else the GPUs there are,
+/// round-robin (ranks sharing a GPU, as `CudaBackend::open` allows: for protocol checks that
+/// need P ranks, not P GPUs); `None` (skipped, see [`gpus`]) without any GPU.
+pub fn ranks_on_gpus(p: usize) -> Option<Vec<usize>> {
+    let n = gpus(1)?;
+    Some((0..p).map(|r| r % n).collect())
+}
+
 /// GPUs 0 and 1 with peer access enabled both ways, or `None` (skipped, see [`gpus`]).
 pub fn two_gpus() -> Option<Vec<std::sync::Arc<driver::Gpu>>> {
     gpus(2)?;

@@ -1,15 +1,17 @@
 //! Collectives as operator objects on GPUs (`CudaCollective`): every op, every algorithm and
 //! `auto`, f32 and bf16, three calls queued back to back on each rank's own stream over its own
 //! device buffers (outputs poisoned by the stream before each), every output element of every
-//! call against the float64 reference. Skips with a printed reason without two GPUs (a failure
-//! under COMMFUSE_REQUIRE_GPU=1).
+//! call against the float64 reference; and chains of calls each reading the last one's output.
+//! Skips with a printed reason without the GPUs it needs (a failure under COMMFUSE_REQUIRE_GPU=1):
+//! two for the first, one for the chains (whose ranks share GPUs where there are fewer than P).
 
 use commfuse_core::reference::{compare, fill_input};
 use commfuse_core::{Algo, Element, OpKind, ReduceOp};
 use commfuse_cuda::backend::CudaBackend;
 use commfuse_cuda::collective::CudaCollective;
-use commfuse_cuda::driver::{DeviceMemory, Stream};
-use commfuse_cuda::testing::{gpus, upload};
+use commfuse_cuda::driver::{DeviceMemory, Event, Stream};
+use commfuse_cuda::host_sync::poll_until;
+use commfuse_cuda::testing::{gpus, ranks_on_gpus, upload};
 use half::bf16;
 use std::time::Duration;
 
@@ -125,4 +127,124 @@ fn every_op_and_algorithm_matches_the_reference_back_to_back() {
     }
     failures.retain(|f| !f.starts_with("skip:"));
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// `calls` all-reduces (f32 sums, `auto`) queued back to back on every rank, each reading what
+/// the one before wrote (ping-pong between two buffers, or in place): every rank must end with
+/// P^calls times the sum of the inputs, exactly (small integers). A call's kernel that read its
+/// input, or its call number, before the previous call's kernel had finished — launched
+/// programmatically, the LL kernel may start early and must wait for it on the GPU — would see
+/// the older values. Runs on the GPUs there are, ranks sharing them if fewer than P; the host
+/// does nothing synchronous while kernels run (as the bench's batches), and waits at most a
+/// minute for them.
+#[test]
+fn chained_all_reduces_read_what_the_call_before_wrote() {
+    const CALLS: usize = 6;
+    let mut failures = Vec::new();
+    for p in [2usize, 3] {
+        let Some(devices) = ranks_on_gpus(p) else {
+            return;
+        };
+        let backend = CudaBackend::open(&devices, Duration::from_secs(5)).unwrap();
+        for count in [1usize, 1001, 65_537, 1 << 18] {
+            for in_place in [false, true] {
+                let op = CudaCollective::new(
+                    &backend,
+                    OpKind::AllReduce,
+                    count,
+                    commfuse_core::DType::F32,
+                    (None, ReduceOp::Sum, 0, 1),
+                )
+                .unwrap();
+                let name = format!(
+                    "{} P={p} n={count} in_place={in_place} on {devices:?}",
+                    op.implementation()
+                );
+                failures.extend(
+                    chain(&backend, &op, CALLS, in_place)
+                        .into_iter()
+                        .map(|e| format!("{name}: {e}")),
+                );
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Runs `calls` chained calls of the all-reduce `op` (f32 sums) on every rank; what went wrong.
+fn chain(backend: &CudaBackend, op: &CudaCollective, calls: usize, in_place: bool) -> Vec<String> {
+    let (p, count) = (op.spec().world, op.spec().count);
+    // rank r's input: small integers, different on every rank
+    let input = |r: usize| -> Vec<f32> {
+        (0..count)
+            .map(|i| ((i * 7 + r * 3) % 7) as f32 - 3.0)
+            .collect()
+    };
+    // everything a rank needs, made before any rank launches
+    let ranks: Vec<_> = (0..p)
+        .map(|r| {
+            let gpu = backend.gpu(r);
+            let bufs = [upload(gpu, &input(r)), upload(gpu, &vec![0f32; count])];
+            (
+                Stream::new(gpu).unwrap(),
+                Event::new_untimed(gpu).unwrap(),
+                bufs,
+            )
+        })
+        .collect();
+    let queued: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .enumerate()
+            .map(|(r, (stream, done, bufs))| {
+                s.spawn(move || -> Result<(), String> {
+                    backend.gpu(r).bind().map_err(|e| e.to_string())?;
+                    for c in 0..calls {
+                        let (from, to) = if in_place {
+                            (0, 0)
+                        } else {
+                            (c % 2, (c + 1) % 2)
+                        };
+                        // SAFETY: both buffers outlive the calls (waited for below)
+                        unsafe { op.forward(r, stream, bufs[from].addr(), bufs[to].addr()) }
+                            .map_err(|e| e.to_string())?;
+                    }
+                    done.record(stream).map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, (_, done, _)) in ranks.iter().enumerate() {
+        let finished = poll_until(Duration::from_secs(60), || done.is_done());
+        if !matches!(finished, Ok(true)) {
+            // a kernel still runs: leak what it may touch rather than free it under it
+            std::mem::forget(ranks);
+            panic!("rank {r}'s chained calls did not finish within a minute: {finished:?}");
+        }
+    }
+    let mut failures: Vec<String> = queued.into_iter().filter_map(Result::err).collect();
+    if let Err(e) = op.check() {
+        failures.push(e.to_string());
+    }
+    if !failures.is_empty() {
+        return failures;
+    }
+    let scale = (p as f32).powi(calls as i32);
+    let want: Vec<f32> = (0..count)
+        .map(|i| scale * (0..p).map(|r| input(r)[i]).sum::<f32>())
+        .collect();
+    let last = if in_place { 0 } else { calls % 2 };
+    for (r, (_, _, bufs)) in ranks.iter().enumerate() {
+        let mut h = vec![0f32; count];
+        bufs[last].download(backend.gpu(r), &mut h).unwrap();
+        if let Some(i) = h.iter().zip(&want).position(|(a, b)| a != b) {
+            let wrong = h.iter().zip(&want).filter(|(a, b)| a != b).count();
+            failures.push(format!(
+                "rank {r}: {wrong} of {count} wrong, first at {i}: {} (want {})",
+                h[i], want[i]
+            ));
+        }
+    }
+    failures
 }

@@ -369,7 +369,8 @@ pub struct Where {
     /// Backend: sim (CPU simulator) or cuda
     #[arg(long, default_value = "sim")]
     pub backend: BackendKind,
-    /// GPUs to use, rank r on the r-th (implies --backend cuda and --ranks)
+    /// GPUs to use, rank r on the r-th (implies --backend cuda and --ranks); a GPU named twice
+    /// holds two ranks side by side, for checking protocols on fewer GPUs (no NCCL baseline)
     #[arg(long, value_delimiter = ',')]
     pub devices: Option<Vec<usize>>,
     /// How long a wait may take before the call fails with a diagnosis, ms

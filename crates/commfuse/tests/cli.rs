@@ -121,10 +121,6 @@ fn bad_inputs_get_one_line_and_a_nonzero_exit() {
         );
     }
     fails_with(
-        &["run", "all-reduce", "--devices", "1,1"],
-        "device 1 is listed twice",
-    );
-    fails_with(
         &["run", "all-reduce", "--backend", "tpu"],
         "unknown backend 'tpu'",
     );
