@@ -34,6 +34,11 @@ pub const LL_AUTO_MAX_SENT_BYTES: usize = 1 << 20;
 /// The LL protocol's name among a backend's protocols ([`crate::backend::Backend::protocols`]).
 pub const LL_PROTOCOL: &str = "ll";
 
+/// The LL protocol with 16-byte lines (three data words and the call's number in each, where
+/// LL's 8-byte lines carry one word and the number): fewer bytes on the link for the same data,
+/// for sizes where those bytes set the time. Not taken by `auto` until measured against LL.
+pub const LL16_PROTOCOL: &str = "ll16";
+
 /// The copy-engine protocol's name among a backend's protocols (large messages moved by the
 /// copy engines, the SMs only reducing).
 pub const CE_PROTOCOL: &str = "ce";

@@ -467,9 +467,9 @@ impl Backend for CudaBackend {
     }
 
     fn protocols(&self, op: OpKind) -> Vec<&'static str> {
-        let ll = crate::ll::runs(op).then_some(crate::ll::LL);
+        let ll = crate::ll::runs(op).then_some([crate::ll::LL, crate::ll::LL16]);
         let ce = crate::ce::runs(op).then_some(crate::ce::CE);
-        ll.into_iter().chain(ce).collect()
+        ll.into_iter().flatten().chain(ce).collect()
     }
 
     fn prepare_baseline(
@@ -480,8 +480,8 @@ impl Backend for CudaBackend {
         reduce: ReduceOp,
     ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
         self.check_usable()?;
-        if name == crate::ll::LL {
-            return crate::ll::prepare(self, spec, dtype, reduce);
+        if let Some(lines) = crate::ll::Lines::of_protocol(name) {
+            return crate::ll::prepare(self, spec, (dtype, reduce), lines);
         }
         if name == crate::ce::CE {
             return crate::ce::prepare(self, spec, dtype, reduce);

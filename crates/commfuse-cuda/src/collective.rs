@@ -83,7 +83,12 @@ impl<'b> CudaCollective<'b> {
         let launcher = PlanLauncher::new(backend, &plan, dtype, reduce, &bufs)?;
         // the plan stays built where LL runs: it is what `algo()` reports, and it is small
         let ll = match algo_asked.is_none() && prefers_ll(&spec, eb) {
-            true => Some(crate::ll::ranks(backend, &spec, dtype, reduce)?),
+            true => Some(crate::ll::ranks(
+                backend,
+                &spec,
+                (dtype, reduce),
+                crate::ll::Lines::Eight,
+            )?),
             false => None,
         };
         let last = backend
@@ -173,15 +178,16 @@ impl<'b> CudaCollective<'b> {
     /// any call so far (which rank, lane and slot, what it expected and saw), if one did. The
     /// backend is unusable after one.
     pub fn check(&self) -> Result<(), BackendError> {
-        let failure = match self.ll.is_some() {
-            true => self.backend.recorded_timeout().map(|rec| {
+        let failure = match self.ll.as_ref() {
+            Some(ll) => self.backend.recorded_timeout().map(|rec| {
                 BackendError::Unavailable(crate::ll::describe_timeout(
                     self.spec.kind,
+                    ll[0].lines(),
                     &rec,
                     self.backend.timeout(),
                 ))
             }),
-            false => self.launcher.failure(self.backend),
+            None => self.launcher.failure(self.backend),
         };
         match failure {
             Some(e) => {

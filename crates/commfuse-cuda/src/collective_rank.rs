@@ -154,7 +154,7 @@ impl CollectiveAllocation {
                 (config.kind, config.count, config.dtype, config.reduce),
                 error.device_addr(),
                 config.timeout,
-                1,
+                (crate::ll::Lines::Eight, 1),
             )?),
             false => None,
         };
@@ -398,9 +398,10 @@ impl CollectiveRank {
             return Ok(());
         }
         self.broken = true;
-        if memory.ll.is_some() {
+        if let Some(ll) = &memory.ll {
             return Err(CudaError::Stalled(crate::ll::describe_timeout(
                 self.spec.kind,
+                ll.lines(),
                 &rec,
                 self.config.timeout,
             )));

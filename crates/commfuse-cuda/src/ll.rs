@@ -1,13 +1,18 @@
 //! The low-latency (LL) all-reduce, reduce-scatter and all-gather on GPUs (kernels/ll.cu): each
 //! rank stores its input (a reduce-scatter: each peer's chunk of it; an all-gather: its chunk),
-//! 4 bytes with the call's number in every 8-byte line, straight into every peer's LL buffer,
-//! and reduces the P inputs (or copies the P chunks out) once their lines carry this call's
-//! number — one NVLink trip and no separate signal, two lines per 16-byte store. The protocol
+//! its words with the call's number in every line, straight into every peer's LL buffer, and
+//! reduces the P inputs (or copies the P chunks out) once their lines carry this call's number
+//! — one NVLink trip and no separate signal, one 16-byte store per thread at a time. The protocol
 //! is the simulator's (`commfuse_sim::protocol::ll_*`, model checked with loom there); calls
 //! number themselves on the device, so they can be replayed from a CUDA graph.
 //!
-//! It runs as a protocol named [`LL`] beside the plans and NCCL in the collectives' bench and
-//! checks (`Backend::protocols`), and inside [`crate::collective_rank`] where `auto` takes it.
+//! Two line formats ([`Lines`]): LL's 8-byte lines (4 data bytes and the number each) and
+//! LL16's 16-byte lines (12 data bytes and the number), which put a third fewer bytes on the
+//! link for the same message.
+//!
+//! They run as protocols named [`LL`] and [`LL16`] beside the plans and NCCL in the
+//! collectives' bench and checks (`Backend::protocols`); LL also inside
+//! [`crate::collective_rank`] and [`crate::collective`] where `auto` takes it.
 
 use crate::backend::{boxed_call, typed_kernel, CudaBackend, Launcher, Rank, RankBuffers};
 use crate::driver::{DeviceMemory, Function, Gpu, Module, Stream};
@@ -18,12 +23,59 @@ use commfuse_core::backend::{BackendError, PreparedCall};
 use commfuse_core::{DType, OpKind, OpSpec, ReduceOp};
 use std::time::Duration;
 
-/// The candidate's name in the collectives' bench.
+/// The candidates' names in the collectives' bench.
 pub const LL: &str = commfuse_core::cost::LL_PROTOCOL;
+pub const LL16: &str = commfuse_core::cost::LL16_PROTOCOL;
 
-/// The largest message (bytes per rank) the LL all-reduce takes: its buffers hold two lines of
-/// 8 bytes per 4 bytes of every rank's input, so beyond small messages they cost more memory
-/// than the protocol saves time (the plans' protocols take over well before).
+/// How the LL kernels pack data and the call's number into the 16 bytes a thread stores at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lines {
+    /// Two 8-byte lines of one 4-byte word and the number each (LL): an 8-byte store is seen
+    /// whole, so each line stands alone; half the bytes moved are data.
+    Eight,
+    /// One 16-byte line of three words and the number (LL16), moved by one 128-bit store and
+    /// load: three quarters of the bytes moved are data.
+    Sixteen,
+}
+
+impl Lines {
+    /// The line format of protocol `name` ([`LL`] or [`LL16`]).
+    pub fn of_protocol(name: &str) -> Option<Lines> {
+        match name {
+            LL => Some(Lines::Eight),
+            LL16 => Some(Lines::Sixteen),
+            _ => None,
+        }
+    }
+
+    /// Data words in each 16-byte unit (the kernels' template parameter K).
+    pub fn words_per_unit(self) -> usize {
+        match self {
+            Lines::Eight => 2,
+            Lines::Sixteen => 3,
+        }
+    }
+
+    /// The kernel's entry points' prefix (`<prefix>_<type>_<op>`).
+    fn entry(self) -> &'static str {
+        match self {
+            Lines::Eight => "ll_all_reduce",
+            Lines::Sixteen => "ll16_all_reduce",
+        }
+    }
+
+    /// The protocol's name.
+    pub fn protocol(self) -> &'static str {
+        match self {
+            Lines::Eight => LL,
+            Lines::Sixteen => LL16,
+        }
+    }
+}
+
+/// The largest message (bytes per rank) the LL protocols take: their buffers hold two halves of
+/// 16 bytes per 8 (LL) or 12 (LL16) bytes of every rank's input, so beyond small messages they
+/// cost more memory than the protocol saves time (the plans' protocols take over well before).
 pub const LL_MAX_BYTES: usize = 16 << 20;
 
 /// Threads per block of the LL kernel by default (at most `__launch_bounds__` in ll.cu, 512).
@@ -128,6 +180,7 @@ pub(crate) struct LlRank {
     args: LlArgs,
     blocks: u32,
     threads: u32,
+    lines: Lines,
 }
 
 impl LlRank {
@@ -140,7 +193,7 @@ impl LlRank {
         (kind, count, dtype, reduce): (OpKind, usize, DType, ReduceOp),
         err: u64,
         timeout: Duration,
-        sharing: u32,
+        (lines, sharing): (Lines, u32),
     ) -> Result<LlRank, CudaError> {
         takes(kind, count * dtype.size()).map_err(CudaError::Unavailable)?;
         // what one sender sends at most: its input, or for an all-gather the longest chunk
@@ -151,11 +204,11 @@ impl LlRank {
         let words = (sent * dtype.size()).div_ceil(4);
         let (threads, max_blocks) = geometry();
         let compiled = nvrtc::compile(nvrtc::kernel("ll.cu").expect("embedded"), false)?;
-        // two halves of `world` regions of the words rounded up to even (`pitch` in ll.cu)
-        let pitch = words + words % 2;
+        // two halves of `world` regions of 16-byte units (`pitch` in ll.cu)
+        let units = words.div_ceil(lines.words_per_unit());
         let function = typed_kernel(
             &Module::load(gpu, &compiled.cubin)?,
-            "ll_all_reduce",
+            lines.entry(),
             dtype,
             reduce,
         )?;
@@ -166,7 +219,7 @@ impl LlRank {
         let max_blocks = max_blocks.min(resident / (2 * sharing.max(1))).max(1);
         Ok(LlRank {
             function,
-            buffer: DeviceMemory::zeroed(gpu, (2 * world * pitch).max(2) * 8)?,
+            buffer: DeviceMemory::zeroed(gpu, (2 * world * units).max(1) * 16)?,
             counters: DeviceMemory::zeroed(gpu, 8 * COUNTERS)?,
             args: LlArgs {
                 bufs: [0; MAX_RANKS],
@@ -182,10 +235,16 @@ impl LlRank {
                 mode: mode(kind).expect("takes checked it"),
                 pad: 0,
             },
-            // two words per thread
-            blocks: (words as u32).div_ceil(2 * threads).clamp(1, max_blocks),
+            // one unit per thread
+            blocks: (units as u32).div_ceil(threads).clamp(1, max_blocks),
             threads,
+            lines,
         })
+    }
+
+    /// The line format it moves.
+    pub fn lines(&self) -> Lines {
+        self.lines
     }
 
     /// Names every rank's LL buffer as this GPU addresses it (rank order, its own among them).
@@ -223,9 +282,15 @@ impl LlRank {
 
 /// A timeout the LL kernel of `kind` recorded, in words: who waited for which sender's line
 /// of which word, the call's number expected and the number seen.
-pub(crate) fn describe_timeout(kind: OpKind, rec: &ErrorRecord, timeout: Duration) -> String {
+pub(crate) fn describe_timeout(
+    kind: OpKind,
+    lines: Lines,
+    rec: &ErrorRecord,
+    timeout: Duration,
+) -> String {
     format!(
-        "{kind} (LL): rank {} (block {}) waited for sender {}'s line of word {} to carry call {}, saw call {} after {timeout:?}",
+        "{kind} ({}): rank {} (block {}) waited for sender {}'s line of word {} to carry call {}, saw call {} after {timeout:?}",
+        lines.protocol().to_uppercase(),
         rec.rank, rec.lane, rec.step, rec.slot, rec.expected, rec.seen
     )
 }
@@ -239,10 +304,10 @@ pub(crate) struct LlLauncher {
 pub(crate) fn prepare<'a>(
     backend: &'a CudaBackend,
     spec: &OpSpec,
-    dtype: DType,
-    reduce: ReduceOp,
+    (dtype, reduce): (DType, ReduceOp),
+    lines: Lines,
 ) -> Result<Box<dyn PreparedCall + 'a>, BackendError> {
-    let ranks = ranks(backend, spec, dtype, reduce)?;
+    let ranks = ranks(backend, spec, (dtype, reduce), lines)?;
     let launcher = |_: &[RankBuffers]| Ok(LlLauncher { ranks });
     let sizes = (spec.input_capacity(), spec.output_capacity(), 0);
     boxed_call(backend, dtype, sizes, launcher)
@@ -253,8 +318,8 @@ pub(crate) fn prepare<'a>(
 pub(crate) fn ranks(
     backend: &CudaBackend,
     spec: &OpSpec,
-    dtype: DType,
-    reduce: ReduceOp,
+    (dtype, reduce): (DType, ReduceOp),
+    lines: Lines,
 ) -> Result<Vec<LlRank>, BackendError> {
     takes(spec.kind, spec.count * dtype.size()).map_err(BackendError::Unavailable)?;
     let world = backend.ranks.len();
@@ -270,7 +335,7 @@ pub(crate) fn ranks(
                 (spec.kind, spec.count, dtype, reduce),
                 backend.error_record(),
                 timeout,
-                backend.sharing(),
+                (lines, backend.sharing()),
             )
         })
         .collect::<Result<Vec<_>, _>>()?;

@@ -248,3 +248,72 @@ fn chain(backend: &CudaBackend, op: &CudaCollective, calls: usize, in_place: boo
     }
     failures
 }
+
+/// Tensor views may start one 2-byte element into a 4-byte word (PyTorch's `x[1:]`): a bf16
+/// all-reduce that `auto` gives to the LL kernel, on an input and an output both 2 bytes past
+/// an allocation's start, must read and write exactly those elements (and not fault on a
+/// misaligned word). Ranks share the GPUs where there are fewer than two.
+#[test]
+fn a_bf16_all_reduce_on_views_one_element_into_a_word() {
+    let Some(devices) = ranks_on_gpus(2) else {
+        return;
+    };
+    let backend = CudaBackend::open(&devices, Duration::from_secs(5)).unwrap();
+    let count = 1001;
+    let op = CudaCollective::new(
+        &backend,
+        OpKind::AllReduce,
+        count,
+        commfuse_core::DType::BF16,
+        (None, ReduceOp::Sum, 0, 1),
+    )
+    .unwrap();
+    assert_eq!(op.implementation(), "ll");
+    let input = |r: usize| -> Vec<bf16> {
+        (0..=count)
+            .map(|i| bf16::from_f32(((i * 5 + r) % 7) as f32 - 3.0))
+            .collect()
+    };
+    // element 0 of each allocation lies outside the view: it must come back unchanged
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            let gpu = backend.gpu(r);
+            let out = upload(gpu, &vec![bf16::from_f32(99.0); count + 1]);
+            (Stream::new(gpu).unwrap(), upload(gpu, &input(r)), out)
+        })
+        .collect();
+    std::thread::scope(|s| {
+        for (r, (stream, x, y)) in ranks.iter().enumerate() {
+            let (op, backend) = (&op, &backend);
+            s.spawn(move || {
+                backend.gpu(r).bind().unwrap();
+                // SAFETY: both allocations hold count + 1 elements and live past the sync
+                unsafe { op.forward(r, stream, x.addr() + 2, y.addr() + 2) }.unwrap();
+            });
+        }
+    });
+    for (r, (stream, _, y)) in ranks.iter().enumerate() {
+        let done = Event::new_untimed(backend.gpu(r)).unwrap();
+        done.record(stream).unwrap();
+        let finished = poll_until(Duration::from_secs(60), || done.is_done());
+        assert!(matches!(finished, Ok(true)), "rank {r}: {finished:?}");
+        op.check().unwrap();
+        let mut h = vec![bf16::ZERO; count + 1];
+        y.download(backend.gpu(r), &mut h).unwrap();
+        assert_eq!(
+            h[0].to_f32(),
+            99.0,
+            "rank {r}: the element before the view was written"
+        );
+        let (x0, x1) = (input(0), input(1));
+        for (i, got) in h.iter().enumerate().skip(1) {
+            let want = x0[i].to_f32() + x1[i].to_f32();
+            assert_eq!(
+                got.to_f32(),
+                want,
+                "rank {r}, element {} of the view",
+                i - 1
+            );
+        }
+    }
+}
