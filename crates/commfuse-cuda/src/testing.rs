@@ -81,12 +81,28 @@ pub fn sass_of(kernel: &str) -> Option<String> {
     Some(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Devices for `p` ranks: GPUs 0..p where there are that many, else the GPUs there are,
-/// round-robin (ranks sharing a GPU, as `CudaBackend::open` allows: for protocol checks that
-/// need P ranks, not P GPUs); `None` (skipped, see [`gpus`]) without any GPU.
+/// The switch that lets GPU tests place more ranks than there are GPUs, ranks sharing them.
+pub const SHARE_GPUS: &str = "COMMFUSE_SHARE_GPUS";
+
+/// Devices for `p` ranks: GPUs 0..p where there are that many; else, under
+/// `COMMFUSE_SHARE_GPUS=1`, the GPUs there are, round-robin (ranks sharing a GPU, as
+/// `CudaBackend::open` allows); else `None` with the reason printed (not a skip of the test:
+/// its other world sizes run). `None` (skipped, see [`gpus`]) without any GPU.
+///
+/// Sharing is opt-in because it is best effort: ranks on one GPU need their kernels to run at
+/// the same time, which CUDA does not promise — streams may share a hardware queue (there are
+/// `CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default), and a kernel queued behind a peer's spinning
+/// kernel then waits until the device-side timeout (seen on one H200: docs/gpu-2026-12-01).
 pub fn ranks_on_gpus(p: usize) -> Option<Vec<usize>> {
     let n = gpus(1)?;
-    Some((0..p).map(|r| r % n).collect())
+    if n >= p {
+        return Some((0..p).collect());
+    }
+    if std::env::var(SHARE_GPUS).is_ok_and(|v| v == "1") {
+        return Some((0..p).map(|r| r % n).collect());
+    }
+    eprintln!("P = {p} not run: {n} GPU(s) here; {SHARE_GPUS}=1 lets ranks share them");
+    None
 }
 
 /// GPUs 0 and 1 with peer access enabled both ways, or `None` (skipped, see [`gpus`]).

@@ -13,7 +13,8 @@ use std::time::Duration;
 const WORLDS: [usize; 7] = [1, 2, 3, 4, 5, 7, 8];
 
 /// P ranks of `kind` with waits bounded at 20 s: on cuda the first P GPUs, or where there are
-/// fewer, the GPUs there are round-robin (ranks sharing them).
+/// fewer (only under COMMFUSE_SHARE_GPUS=1, see `gpu_worlds`), the GPUs there are
+/// round-robin, ranks sharing them.
 fn suite_placement(kind: BackendKind, p: usize) -> Placement {
     let devices = match kind {
         BackendKind::Cuda => commfuse_cuda::driver::device_count()
@@ -141,10 +142,13 @@ macro_rules! backend_suite {
 
 backend_suite!(sim, BackendKind::Sim, Ok(WORLDS.to_vec()));
 
-/// On a machine with GPUs: every world size up to the number of GPUs (at most 8).
+/// On a machine with GPUs: every world size up to the number of GPUs (at most 8), and up to 3
+/// where ranks may share GPUs (`COMMFUSE_SHARE_GPUS=1`, see `commfuse_cuda::testing`).
 fn gpu_worlds() -> Result<Vec<usize>, String> {
+    let share = std::env::var(commfuse_cuda::testing::SHARE_GPUS).is_ok_and(|v| v == "1");
     match commfuse_cuda::driver::device_count() {
         Ok(0) => Err("no GPU on this machine".into()),
+        Ok(n) if share => Ok((1..=n.clamp(3, 8)).collect()),
         Ok(n) => Ok((1..=n.min(8)).collect()),
         Err(e) => Err(e.to_string()),
     }
@@ -203,16 +207,14 @@ fn protocol_matrix(
 
 /// The GPU kernels (`commfuse_cuda::ll`) in both line formats, LL and LL16: all-reduce and
 /// reduce-scatter for every type and op, all-gather for every type (its chunks too may start
-/// inside a word, or inside a 16-byte unit), on every world size the GPUs allow and at least
-/// P = 1..3 (ranks sharing GPUs where there are fewer).
+/// inside a word, or inside a 16-byte unit), on every world size the GPUs allow (and up to
+/// P = 3 with ranks sharing GPUs under COMMFUSE_SHARE_GPUS=1).
 #[test]
 fn ll_all_reduce_on_gpus() {
-    let gpus = match commfuse_cuda::driver::device_count() {
-        Ok(0) => return commfuse_cuda::testing::skip("cuda backend: no GPU on this machine"),
-        Ok(n) => n,
-        Err(e) => return commfuse_cuda::testing::skip(&format!("cuda backend: {e}")),
+    let worlds = match gpu_worlds() {
+        Ok(w) => w,
+        Err(why) => return commfuse_cuda::testing::skip(&format!("cuda backend: {why}")),
     };
-    let worlds: Vec<usize> = (1..=gpus.clamp(3, 8)).collect();
     let cases: Vec<(DType, ReduceOp)> = DType::ALL
         .into_iter()
         .flat_map(|d| ReduceOp::ALL.into_iter().map(move |r| (d, r)))
