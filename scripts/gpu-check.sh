@@ -22,6 +22,7 @@ B=.gpu/commfuse
 # ag-gemm: all-gather + GEMM beside cuBLASLt and NCCL + cuBLASLt at the same six shapes (or AG_SHAPES)
 # torch: the Python package from PyTorch (torchrun tests, examples/tp_mlp.py)
 # tests: the GPU test binaries only (TESTS="gpu_gemm gpu_gemm_rs" picks some)     full: all of them
+# small: small all-reduces / reduce-scatters by LL and LL16 beside NCCL, graphs and eager, with and without programmatic launch
 # (each of check, gemm+bench fits one 10-minute device call)
 MODE=${1:-full}
 SIZES=${SIZES:-4K,16K,64K,256K,1M,4M,16M,64M,256M,1G}
@@ -119,6 +120,20 @@ if has bench; then
   done
   $B calibrate "$R"/bench-*.json --json "$R/calibration.json" >"$R/calibration.txt" 2>&1
   log "calibrate rc=$? $(head -1 "$R/calibration.txt") $(tail -1 "$R/calibration.txt")"
+fi
+# small: issue 12's small all-reduces and reduce-scatters, LL and LL16 beside NCCL, graph-replayed
+# and eager, launched programmatically (default) and the ordinary way (COMMFUSE_PDL=0)
+if has small; then
+  for pdl in 1 0; do
+    for g in --graph ""; do
+      for op in all-reduce reduce-scatter; do
+        name=small-$op-pdl$pdl${g:+-graph}
+        COMMFUSE_PDL=$pdl timeout 100 $B bench $op --devices 0,1 --algo all --dtype bf16 --sizes 4K,16K,64K,256K,1M \
+          --warmup 5 --iters 50 $g --json "$R/$name.json" >"$R/$name.txt" 2>&1
+        log "$name rc=$? $(grep -E ' (ll|ll16|nccl) ' "$R/$name.txt" | awk '{print $1"/"$4"="$5}' | tr '\n' ' ')"
+      done
+    done
+  done
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" results
 rm -rf "$R"
