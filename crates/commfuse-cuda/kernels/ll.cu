@@ -211,11 +211,26 @@ __device__ __forceinline__ void chunk_of(const LlArgs& a, u32 q, u32* e0, u32* e
 }
 
 // The units that carry elements [e0, e1): from the unit holding the first (a word or unit of
-// the chunk before may come along, unread) to the unit past the last.
+// the chunk before may come along, unread) to the unit past the last — and at least one, for
+// an empty chunk too. Every receiver must wait on every sender in every call: the parity halves
+// are safe only because a rank cannot finish call n + 1 before each peer has sent (so begun)
+// it, and a sender with nothing to send could otherwise run two calls ahead and overwrite a
+// half its peer still reads. (The extra unit's elements lie outside the chunk: never written.)
 template <typename T, int K>
-__device__ __forceinline__ void units_of(u32 e0, u32 e1, u32* lo, u32* hi) {
+__device__ __forceinline__ void units_of(const LlArgs& a, u32 e0, u32 e1, u32* lo, u32* hi) {
     *lo = (u32)((u64)e0 * sizeof(T) / 4) / K;
     *hi = (u32)((((u64)e1 * sizeof(T) + 3) / 4 + K - 1) / K);
+    if (*hi <= *lo) {
+        *lo = min(*lo, (u32)pitch<K>(a) - 1);
+        *hi = *lo + 1;
+    }
+}
+
+// The units of a chunk of `len` elements counted from its start (the all-gather's): at least
+// one, as in units_of.
+template <typename T, int K>
+__device__ __forceinline__ u32 chunk_units(u32 len) {
+    return max(1u, (u32)((((u64)len * sizeof(T) + 3) / 4 + K - 1) / K));
 }
 
 // Word j of a unit's reduced values `acc` (PER_WORD floats per word), converted back to T and
@@ -296,7 +311,7 @@ __device__ void ll_all_reduce(const LlArgs& a) {
         const u32 q = (a.rank + d) % a.world;
         u32 e0, e1, lo, hi;
         chunk_of(a, q, &e0, &e1);
-        units_of<T, K>(e0, e1, &lo, &hi);
+        units_of<T, K>(a, e0, e1, &lo, &hi);
         for (u32 u = lo + first; u < hi; u += stride) {
             u32 w[K];
             input_unit<T, K>(a, u, a.count, w);
@@ -308,7 +323,7 @@ __device__ void ll_all_reduce(const LlArgs& a) {
     // receive and reduce this rank's elements, in rank order
     u32 e0, e1, lo, hi;
     chunk_of(a, a.rank, &e0, &e1);
-    units_of<T, K>(e0, e1, &lo, &hi);
+    units_of<T, K>(a, e0, e1, &lo, &hi);
     for (u32 u = lo + first; u < hi; u += stride) {
         float acc[K][PER_WORD];
         for (u32 q = 0; q < a.world; ++q) {
@@ -342,7 +357,7 @@ __device__ void ll_all_gather(const LlArgs& a) {
     const u32 seq = c.seq, stride = c.stride, first = c.first;
     u32 m0, m1;
     chunk_range(a, a.rank, &m0, &m1);
-    const u32 mine = m1 - m0, my_units = (u32)((((u64)mine * sizeof(T) + 3) / 4 + K - 1) / K);
+    const u32 mine = m1 - m0, my_units = chunk_units<T, K>(mine);
     for (u32 d = 1; d < a.world; ++d) {
         const u32 q = (a.rank + d) % a.world;
         for (u32 u = first; u < my_units; u += stride) {
@@ -357,7 +372,7 @@ __device__ void ll_all_gather(const LlArgs& a) {
     for (u32 q = 0; q < a.world && !failed; ++q) {
         u32 e0, e1;
         chunk_range(a, q, &e0, &e1);
-        const u32 len = e1 - e0, units = (u32)((((u64)len * sizeof(T) + 3) / 4 + K - 1) / K);
+        const u32 len = e1 - e0, units = chunk_units<T, K>(len);
         for (u32 u = first; u < units; u += stride) {
             u32 w[K];
             if (q == a.rank) {

@@ -16,13 +16,18 @@ use commfuse_cuda::testing::{gpus, ranks_on_gpus, skip, upload, SHARE_GPUS};
 use half::bf16;
 use std::time::Duration;
 
-/// Three back-to-back calls; the failures.
+/// How much later than the others the late ranks of a test queue their calls.
+const LATE: Duration = Duration::from_millis(300);
+
+/// Three back-to-back calls, the ranks in `late` queuing theirs `LATE` after the others; the
+/// failures.
 fn calls<T: Element + bytemuck::Pod>(
     backend: &CudaBackend,
     kind: OpKind,
     count: usize,
     algo: Option<Algo>,
     reduce: ReduceOp,
+    late: &[usize],
 ) -> Vec<String> {
     let options = (algo, reduce, 0, 1);
     let op = match CudaCollective::new(backend, kind, count, T::DTYPE, options) {
@@ -55,6 +60,9 @@ fn calls<T: Element + bytemuck::Pod>(
                         .iter()
                         .map(|_| DeviceMemory::zeroed(gpu, out_bytes.max(16)).unwrap())
                         .collect();
+                    if late.contains(&r) {
+                        std::thread::sleep(LATE);
+                    }
                     for (input, output) in inputs.iter().zip(&outputs) {
                         // SAFETY: the buffers live until the synchronisation below
                         unsafe {
@@ -117,8 +125,10 @@ fn every_op_and_algorithm_matches_the_reference_back_to_back() {
         for count in [1, 7, 1 << 20] {
             let algos = Algo::for_op(kind).iter().map(|&a| Some(a)).chain([None]);
             for algo in algos {
-                failures.extend(calls::<f32>(&backend, kind, count, algo, ReduceOp::Sum));
-                failures.extend(calls::<bf16>(&backend, kind, count, algo, ReduceOp::Max));
+                let sum = calls::<f32>(&backend, kind, count, algo, ReduceOp::Sum, &[]);
+                failures.extend(sum);
+                let max = calls::<bf16>(&backend, kind, count, algo, ReduceOp::Max, &[]);
+                failures.extend(max);
             }
         }
     }
@@ -127,6 +137,44 @@ fn every_op_and_algorithm_matches_the_reference_back_to_back() {
         eprintln!("{skipped}");
     }
     failures.retain(|f| !f.starts_with("skip:"));
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A rank whose chunk is empty (fewer elements than ranks) sends nothing of its own, yet its
+/// peers must still wait for it in every call: the LL protocol keeps two calls' lines apart
+/// only because no rank can finish call n + 1 before every peer has begun it. Were the empty
+/// rank's line left out, the rank that receives nothing from it could run three calls while it
+/// is late, overwrite the buffer half of the first call with the third's lines, and leave the
+/// late rank waiting for a number that never comes (the device timeout, 5 s). Here the all-gather
+/// of one element over two ranks (rank 1's chunk empty) and the reduce-scatter of two over
+/// three (rank 2's), by `auto` (the LL kernel), with the rank that has something to wait for
+/// queuing its three calls 300 ms late; every output checked.
+#[test]
+fn a_rank_with_an_empty_chunk_keeps_its_peers_in_step() {
+    let cases = [
+        (OpKind::AllGather, 2usize, 1usize, &[1usize][..]),
+        (OpKind::ReduceScatter, 3, 2, &[0, 1][..]),
+    ];
+    let mut failures = Vec::new();
+    let mut ran = false;
+    for (kind, p, count, late) in cases {
+        let Some(devices) = ranks_on_gpus(p) else {
+            continue;
+        };
+        ran = true;
+        let backend = CudaBackend::open(&devices, Duration::from_secs(5)).unwrap();
+        let options = (None, ReduceOp::Sum, 0, 1);
+        let op = CudaCollective::new(&backend, kind, count, commfuse_core::DType::F32, options);
+        assert_eq!(op.unwrap().implementation(), "ll", "{kind} n={count} P={p}");
+        let got = calls::<f32>(&backend, kind, count, None, ReduceOp::Sum, late);
+        failures.extend(
+            got.into_iter()
+                .map(|e| format!("P={p} on {devices:?}: {e}")),
+        );
+    }
+    if !ran {
+        return skip(&format!("needs 2 GPUs, or {SHARE_GPUS}=1"));
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
