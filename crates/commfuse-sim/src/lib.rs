@@ -12,6 +12,8 @@
 //! * [`barrier`]: all-to-all and ring barriers with epochs (no reset between calls);
 //! * [`gemm`] and [`gemm_rs`]: the CPU model of the GEMM contract, and fused GEMM + reduce-scatter on it;
 //! * [`executor`]: the plan interpreter and its reduction kernels;
+//! * [`ll`] and [`ll_chunks`]: the low-latency protocol (data and call number in one line): the
+//!   all-reduce as an operator, and the reduce-scatter and all-gather the GPU kernel runs;
 //! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation.
 
 pub mod ag_gemm;
@@ -23,6 +25,7 @@ pub mod executor;
 pub mod gemm;
 pub mod gemm_rs;
 pub mod ll;
+pub mod ll_chunks;
 pub mod protocol;
 pub mod ring_rs;
 pub mod shared;

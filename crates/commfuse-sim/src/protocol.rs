@@ -210,7 +210,7 @@ pub struct LlStuck {
 }
 
 /// [`ll_load`] of rank `rank`'s line `at`, a failure reported as sender `sender`'s line `line`.
-fn ll_receive<L: LlLines, B: Backoff + ?Sized>(
+pub(crate) fn ll_receive<L: LlLines, B: Backoff + ?Sized>(
     lines: &L,
     (rank, at, seq): (usize, usize, u32),
     (sender, line): (usize, usize),

@@ -3,6 +3,7 @@
 //! supposed to order; shuttle runs larger worlds under random and PCT schedules.
 
 use commfuse_core::{Cmp, NotifyOp};
+use commfuse_sim::ll_chunks::{ll_all_gather, ll_reduce_scatter, LlChunks};
 use commfuse_sim::protocol::{self, Backoff, Pads, SignalWord, Stop};
 
 /// The protocol's atomics, backoff and pads for one model checker: `$atomics` is its
@@ -48,6 +49,24 @@ macro_rules! model_primitives {
                         .map(|_| (0..rows * cols).map(|_| Word(AtomicU64::new(0))).collect())
                         .collect(),
                 }
+            }
+        }
+
+        /// Every rank's LL lines, `lines` zeroed words each.
+        struct LlModelLines(Vec<Vec<Word>>);
+        impl LlModelLines {
+            fn new(world: usize, lines: usize) -> Self {
+                LlModelLines(
+                    (0..world)
+                        .map(|_| (0..lines).map(|_| Word(AtomicU64::new(0))).collect())
+                        .collect(),
+                )
+            }
+        }
+        impl protocol::LlLines for LlModelLines {
+            type Word = Word;
+            fn line(&self, rank: usize, index: usize) -> &Word {
+                &self.0[rank][index]
             }
         }
 
@@ -131,29 +150,13 @@ mod loom_checks {
         &mut Yield,
     ) -> Result<(), protocol::LlStuck>;
 
-    struct LlModelLines(Vec<Vec<Word>>);
-    impl protocol::LlLines for LlModelLines {
-        type Word = Word;
-        fn line(&self, rank: usize, index: usize) -> &Word {
-            &self.0[rank][index]
-        }
-    }
-
     /// An LL all-reduce, two ranks, two elements, three calls back to back with new inputs:
     /// every interleaving gives both ranks every call's sum — no line of a call is overwritten
     /// by a later call before its reader has it (the parity buffers), none read stale.
     fn ll_keeps_back_to_back_calls_apart(all_reduce: LlAllReduce, lines_per_rank: usize) {
         model(move || {
             let (world, len, calls) = (2usize, 2usize, 3u32);
-            let lines = Arc::new(LlModelLines(
-                (0..world)
-                    .map(|_| {
-                        (0..lines_per_rank)
-                            .map(|_| Word(AtomicU64::new(0)))
-                            .collect()
-                    })
-                    .collect(),
-            ));
+            let lines = Arc::new(LlModelLines::new(world, lines_per_rank));
             let value =
                 |rank: usize, seq: u32, i: usize| (rank * 10 + seq as usize * 100 + i) as f32;
             let handles: Vec<_> = (0..world)
@@ -476,5 +479,121 @@ mod shuttle_checks {
     fn a_ring_with_one_set_of_buffers_is_caught() {
         static MS: [usize; 4] = [4, 4, 4, 4];
         shuttle::check_pct(|| ring_calls(4, 2, &MS, 1), 1000, 3);
+    }
+
+    /// A wait that gives up after many polls: a line overwritten by a later call before its
+    /// reader saw it never shows the awaited call.
+    struct Bounded(u32);
+    impl Backoff for Bounded {
+        fn pause(&mut self) -> Result<(), Stop> {
+            self.0 += 1;
+            if self.0 > 50_000 {
+                return Err(Stop::Timeout);
+            }
+            shuttle::thread::yield_now();
+            Ok(())
+        }
+    }
+
+    /// The LL reduce-scatter (`gather` false) or all-gather over chunks
+    /// (`commfuse_sim::ll_chunks`, the GPU kernel's two modes): three calls back to back on
+    /// every rank with new inputs, every output element checked. Panics ("the LL calls broke")
+    /// on a wrong element or on a wait that never ends.
+    fn ll_chunked_calls(layout: LlChunks, gather: bool) {
+        let (world, len) = (layout.world, layout.len);
+        let lines = Arc::new(LlModelLines::new(world, layout.buffer_lines()));
+        // small integers: every sum exact
+        let value = |rank: usize, seq: u32, i: usize| {
+            (1 + rank * 10 + seq as usize * 100 + i * 1000) as f32
+        };
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let lines = lines.clone();
+                shuttle::thread::spawn(move || {
+                    let mine = layout.chunk(rank);
+                    let mut backoff = Bounded(0);
+                    for seq in 1..=3u32 {
+                        let broke =
+                            |e| panic!("the LL calls broke: rank {rank}, call {seq}: {e:?}");
+                        if gather {
+                            let input: Vec<f32> =
+                                mine.clone().map(|i| value(rank, seq, i)).collect();
+                            let mut out = vec![f32::NAN; len];
+                            ll_all_gather(
+                                &*lines,
+                                layout,
+                                (rank, seq),
+                                &input,
+                                &mut out,
+                                &mut backoff,
+                            )
+                            .unwrap_or_else(broke);
+                            for q in 0..world {
+                                for i in layout.chunk(q) {
+                                    assert_eq!(
+                                        out[i],
+                                        value(q, seq, i),
+                                        "the LL calls broke: rank {rank}, call {seq}, element {i}"
+                                    );
+                                }
+                            }
+                        } else {
+                            let input: Vec<f32> = (0..len).map(|i| value(rank, seq, i)).collect();
+                            let mut out = vec![f32::NAN; mine.len()];
+                            ll_reduce_scatter(
+                                &*lines,
+                                layout,
+                                (rank, seq),
+                                &input,
+                                &mut out,
+                                &mut backoff,
+                            )
+                            .unwrap_or_else(broke);
+                            for (j, i) in mine.clone().enumerate() {
+                                let want: f32 = (0..world).map(|r| value(r, seq, i)).sum();
+                                assert_eq!(
+                                    out[j], want,
+                                    "the LL calls broke: rank {rank}, call {seq}, element {i}"
+                                );
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+
+    /// Both modes at sizes with empty chunks (fewer elements than ranks) and without, under
+    /// random and PCT schedules.
+    #[test]
+    fn ll_reduce_scatter_and_all_gather_keep_back_to_back_calls_apart() {
+        for (world, len) in [(2, 1), (3, 1), (3, 2), (4, 3), (2, 4), (3, 5)] {
+            for gather in [false, true] {
+                let layout = LlChunks::new(world, len);
+                shuttle::check_random(move || ll_chunked_calls(layout, gather), 100);
+                shuttle::check_pct(move || ll_chunked_calls(layout, gather), 100, 3);
+            }
+        }
+    }
+
+    /// The check can fail: with an empty chunk sending nothing, the rank that receives nothing
+    /// from it runs ahead and overwrites a half its late peer still reads (all-gather of 1
+    /// element over 2 ranks).
+    #[test]
+    #[should_panic(expected = "the LL calls broke")]
+    fn an_all_gather_whose_empty_chunk_sends_nothing_is_caught() {
+        let layout = LlChunks::new(2, 1).without_padding();
+        shuttle::check_pct(move || ll_chunked_calls(layout, true), 1000, 3);
+    }
+
+    /// As above for the reduce-scatter of 2 elements over 3 ranks (rank 2's chunk empty).
+    #[test]
+    #[should_panic(expected = "the LL calls broke")]
+    fn a_reduce_scatter_whose_empty_chunk_sends_nothing_is_caught() {
+        let layout = LlChunks::new(3, 2).without_padding();
+        shuttle::check_pct(move || ll_chunked_calls(layout, false), 1000, 3);
     }
 }
