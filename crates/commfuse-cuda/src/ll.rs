@@ -3,8 +3,11 @@
 //! its words with the call's number in every line, straight into every peer's LL buffer, and
 //! reduces the P inputs (or copies the P chunks out) once their lines carry this call's number
 //! — one NVLink trip and no separate signal, one 16-byte store per thread at a time. The protocol
-//! is the simulator's (`commfuse_sim::protocol::ll_*`, model checked with loom there); calls
-//! number themselves on the device, so they can be replayed from a CUDA graph.
+//! is the simulator's (`commfuse_sim::protocol::ll_one_shot_all_reduce`, model checked with loom
+//! there; `commfuse_sim::ll_chunks` for the reduce-scatter and all-gather, with shuttle: every
+//! sender sends every receiver at least one line, an empty chunk too, which is what keeps two
+//! buffer halves enough); calls number themselves on the device, so they can be replayed from a
+//! CUDA graph.
 //!
 //! Two line formats ([`Lines`]): LL's 8-byte lines (4 data bytes and the number each) and
 //! LL16's 16-byte lines (12 data bytes and the number), which put a third fewer bytes on the
