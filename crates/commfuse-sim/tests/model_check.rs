@@ -515,47 +515,42 @@ mod shuttle_checks {
                     for seq in 1..=3u32 {
                         let broke =
                             |e| panic!("the LL calls broke: rank {rank}, call {seq}: {e:?}");
-                        if gather {
-                            let input: Vec<f32> =
-                                mine.clone().map(|i| value(rank, seq, i)).collect();
-                            let mut out = vec![f32::NAN; len];
-                            ll_all_gather(
-                                &*lines,
-                                layout,
-                                (rank, seq),
-                                &input,
-                                &mut out,
-                                &mut backoff,
+                        // the all-gather's input is the rank's chunk, its output all `len`
+                        // elements (each from its chunk's owner); the reduce-scatter's the reverse
+                        let (input, want): (Vec<f32>, Vec<f32>) = if gather {
+                            let owner = |i| (0..world).find(|&q| layout.chunk(q).contains(&i));
+                            (
+                                mine.clone().map(|i| value(rank, seq, i)).collect(),
+                                (0..len).map(|i| value(owner(i).unwrap(), seq, i)).collect(),
                             )
-                            .unwrap_or_else(broke);
-                            for q in 0..world {
-                                for i in layout.chunk(q) {
-                                    assert_eq!(
-                                        out[i],
-                                        value(q, seq, i),
-                                        "the LL calls broke: rank {rank}, call {seq}, element {i}"
-                                    );
-                                }
-                            }
                         } else {
-                            let input: Vec<f32> = (0..len).map(|i| value(rank, seq, i)).collect();
-                            let mut out = vec![f32::NAN; mine.len()];
-                            ll_reduce_scatter(
-                                &*lines,
-                                layout,
-                                (rank, seq),
-                                &input,
-                                &mut out,
-                                &mut backoff,
+                            (
+                                (0..len).map(|i| value(rank, seq, i)).collect(),
+                                mine.clone()
+                                    .map(|i| (0..world).map(|r| value(r, seq, i)).sum())
+                                    .collect(),
                             )
-                            .unwrap_or_else(broke);
-                            for (j, i) in mine.clone().enumerate() {
-                                let want: f32 = (0..world).map(|r| value(r, seq, i)).sum();
-                                assert_eq!(
-                                    out[j], want,
-                                    "the LL calls broke: rank {rank}, call {seq}, element {i}"
-                                );
-                            }
+                        };
+                        let call = if gather {
+                            ll_all_gather
+                        } else {
+                            ll_reduce_scatter
+                        };
+                        let mut out = vec![f32::NAN; want.len()];
+                        call(
+                            lines.as_ref(),
+                            layout,
+                            (rank, seq),
+                            &input,
+                            &mut out,
+                            &mut backoff,
+                        )
+                        .unwrap_or_else(broke);
+                        for (i, (got, want)) in out.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                got, want,
+                                "the LL calls broke: rank {rank}, call {seq}, output element {i}"
+                            );
                         }
                     }
                 })
