@@ -1,10 +1,12 @@
-//! The low-latency (LL) all-reduce on the simulator: the protocol of
-//! [`crate::protocol::ll_one_shot_all_reduce`] (data and the call's sequence number in one
-//! 64-bit line, so a receiver needs one trip and no separate signal) as an operator object,
-//! one call per rank thread, its lines in the world's memory (a group's shared arena for a
-//! shared world). The reference for the GPU kernel of issue 12; f32 sums in rank order, so every
-//! rank's result is the same bits.
+//! The low-latency (LL) collectives on the simulator: the protocols of
+//! [`crate::protocol::ll_one_shot_all_reduce`] and [`crate::ll_chunks`] (data and the call's
+//! sequence number in one 64-bit line, so a receiver needs one trip and no separate signal) as
+//! an operator object, one call per rank thread, its lines in the world's memory (a group's
+//! shared arena for a shared world). The reference for the GPU kernel of issue 12: all-reduce,
+//! reduce-scatter and all-gather of f32, sums in rank order, so every rank's result is the same
+//! bits.
 
+use crate::ll_chunks::{ll_all_gather, ll_reduce_scatter, LlChunks};
 use crate::protocol::{
     ll_one_shot_all_reduce, ll_two_shot_all_reduce, ll_two_shot_lines, LlLines, Stop,
 };
@@ -29,10 +31,32 @@ pub enum LlShots {
     Two,
 }
 
-/// An LL all-reduce (sum) of `len` f32 elements for every rank of a world.
-pub struct SimLlAllReduce {
+/// Which collective an LL operator runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LlCollective {
+    /// Every rank gets the sum of all `len` elements, in one trip or two.
+    AllReduce(LlShots),
+    /// Rank r gets its chunk of the sum (`commfuse_core::op::chunk_range`), as the GPU kernel's
+    /// reduce-scatter.
+    ReduceScatter,
+    /// Rank r's chunk goes to every rank, as the GPU kernel's all-gather.
+    AllGather,
+}
+
+impl LlCollective {
+    fn name(self) -> &'static str {
+        match self {
+            LlCollective::AllReduce(_) => "all-reduce",
+            LlCollective::ReduceScatter => "reduce-scatter",
+            LlCollective::AllGather => "all-gather",
+        }
+    }
+}
+
+/// An LL collective of `len` f32 elements (sums) for every rank of a world.
+pub struct SimLl {
     len: usize,
-    shots: LlShots,
+    collective: LlCollective,
     /// Per rank: 2 parities × P senders × `len` lines
     lines: Vec<SignalPad>,
     /// Per rank, calls it has made (only that rank's thread touches it)
@@ -53,22 +77,26 @@ impl LlLines for Lines<'_> {
     }
 }
 
-impl SimLlAllReduce {
-    /// The largest all-reduce this protocol takes, in elements: it is for small messages (each
+impl SimLl {
+    /// The largest collective this protocol takes, in elements: it is for small messages (each
     /// element costs a line per sender in every rank's buffer).
     pub const MAX_LEN: usize = 1 << 20;
 
-    pub fn new(world: &World, len: usize, shots: LlShots) -> Result<Self, BackendError> {
+    /// The LL `collective` of `len` elements (an all-reduce's, or the whole vector a
+    /// reduce-scatter splits and an all-gather gathers) on `world`.
+    pub fn new(world: &World, collective: LlCollective, len: usize) -> Result<Self, BackendError> {
         if len > Self::MAX_LEN {
             return Err(unavailable(format!(
-                "the LL all-reduce takes up to {} elements, got {len}",
+                "the LL {} takes up to {} elements, got {len}",
+                collective.name(),
                 Self::MAX_LEN
             )));
         }
         let p = world.size();
-        let words = match shots {
-            LlShots::One => 2 * p * len,
-            LlShots::Two => ll_two_shot_lines(p, len),
+        let words = match collective {
+            LlCollective::AllReduce(LlShots::One) => 2 * p * len,
+            LlCollective::AllReduce(LlShots::Two) => ll_two_shot_lines(p, len),
+            _ => LlChunks::new(p, len).buffer_lines(),
         }
         .max(1);
         let cols = 1024u32;
@@ -76,9 +104,9 @@ impl SimLlAllReduce {
         let lines = (0..p)
             .map(|_| SignalPad::new_in(world.arena().map(|a| &**a), rows, cols))
             .collect::<Result<_, _>>()?;
-        Ok(SimLlAllReduce {
+        Ok(SimLl {
             len,
-            shots,
+            collective,
             lines,
             calls: (0..p).map(|_| AtomicU64::new(0)).collect(),
             broken: AtomicBool::new(false),
@@ -86,28 +114,40 @@ impl SimLlAllReduce {
         })
     }
 
-    /// One call on rank `ctx.rank()`: every rank's `input` summed into `output` (both `len`
-    /// elements). Every rank makes the same calls in order.
+    /// This rank's input and output lengths: `len` each for an all-reduce, `len` in and the
+    /// rank's chunk out for a reduce-scatter, the reverse for an all-gather.
+    pub fn lens(&self, rank: usize, world: usize) -> (usize, usize) {
+        let chunk = LlChunks::new(world, self.len).chunk(rank).len();
+        match self.collective {
+            LlCollective::AllReduce(_) => (self.len, self.len),
+            LlCollective::ReduceScatter => (self.len, chunk),
+            LlCollective::AllGather => (chunk, self.len),
+        }
+    }
+
+    /// One call on rank `ctx.rank()`, `input` into `output` (of [`SimLl::lens`]). Every rank
+    /// makes the same calls in order.
     pub fn forward(
         &self,
         ctx: &RankContext<'_>,
         input: &[f32],
         output: &mut [f32],
     ) -> Result<(), BackendError> {
-        let rank = ctx.rank();
+        let (rank, p, name) = (ctx.rank(), ctx.world_size(), self.collective.name());
         if ctx.world() as *const World as usize != self.world_id {
-            return Err(unavailable(
-                "this LL all-reduce was built for another world".into(),
-            ));
+            return Err(unavailable(format!(
+                "this LL {name} was built for another world"
+            )));
         }
         if self.broken.load(Ordering::Acquire) {
-            return Err(unavailable(
-                "this LL all-reduce failed earlier; its peers' state is unknown".into(),
-            ));
-        }
-        if input.len() != self.len || output.len() != self.len {
             return Err(unavailable(format!(
-                "rank {rank}: the LL all-reduce of {} elements got {} input and {} output elements",
+                "this LL {name} failed earlier; its peers' state is unknown"
+            )));
+        }
+        let (want_in, want_out) = self.lens(rank, p);
+        if input.len() != want_in || output.len() != want_out {
+            return Err(unavailable(format!(
+                "rank {rank}: the LL {name} of {} elements takes {want_in} input and {want_out} output elements, got {} and {}",
                 self.len,
                 input.len(),
                 output.len()
@@ -117,12 +157,21 @@ impl SimLlAllReduce {
         let seq =
             u32::try_from(call).map_err(|_| unavailable("2^32 calls: build a new one".into()))?;
         let mut backoff = ctx.backoff();
-        let p = ctx.world_size();
-        let who = (p, rank, seq);
         let lines = Lines(&self.lines);
-        let result = match self.shots {
-            LlShots::One => ll_one_shot_all_reduce(&lines, who, input, output, &mut backoff),
-            LlShots::Two => ll_two_shot_all_reduce(&lines, who, input, output, &mut backoff),
+        let chunks = LlChunks::new(p, self.len);
+        let result = match self.collective {
+            LlCollective::AllReduce(LlShots::One) => {
+                ll_one_shot_all_reduce(&lines, (p, rank, seq), input, output, &mut backoff)
+            }
+            LlCollective::AllReduce(LlShots::Two) => {
+                ll_two_shot_all_reduce(&lines, (p, rank, seq), input, output, &mut backoff)
+            }
+            LlCollective::ReduceScatter => {
+                ll_reduce_scatter(&lines, chunks, (rank, seq), input, output, &mut backoff)
+            }
+            LlCollective::AllGather => {
+                ll_all_gather(&lines, chunks, (rank, seq), input, output, &mut backoff)
+            }
         };
         match result {
             Ok(()) => {
@@ -134,9 +183,12 @@ impl SimLlAllReduce {
                 Err(match s.stop {
                     Stop::Aborted => BackendError::Aborted { rank },
                     Stop::Timeout => unavailable(format!(
-                        "timeout after {} ms: LL all-reduce ({:?} shot) rank {rank} waits for sender {}'s line {} to carry call {}, sees call {} (line {:#018x})",
+                        "timeout after {} ms: LL {} rank {rank} waits for sender {}'s line {} to carry call {}, sees call {} (line {:#018x})",
                         ctx.world().config().timeout.as_millis(),
-                        self.shots,
+                        match self.collective {
+                            LlCollective::AllReduce(shots) => format!("{name} ({shots:?} shot)"),
+                            _ => name.to_string(),
+                        },
                         s.sender,
                         s.line,
                         s.seq,
@@ -152,19 +204,21 @@ impl SimLlAllReduce {
 /// One rank's outputs of a batch of calls, in call order, and the batch's time on that rank.
 type RankCalls = (Vec<Vec<f32>>, Duration);
 
-/// The LL all-reduce as one of the sim backend's protocols
+/// The LL collectives as one of the sim backend's protocols
 /// ([`commfuse_core::backend::Backend::protocols`]): the same checks and benches as the plans
-/// (and as the GPU kernel's, `commfuse_cuda::ll`), on host buffers. The simulator's twin sums
-/// f32 only.
+/// (and as the GPU kernel's, `commfuse_cuda::ll`), on host buffers. The simulator's twin
+/// computes f32 only: sums (all-reduce one-shot, reduce-scatter) and all-gathers.
 pub(crate) struct SimLlCall<'a> {
     world: &'a World,
-    op: SimLlAllReduce,
+    op: SimLl,
+    /// Per rank, as long as the longest rank's (rank 0's: its chunk is the longest); rank r's
+    /// own are the first `op.lens(r, P)`
     inputs: Vec<Vec<f32>>,
     outputs: Vec<Vec<f32>>,
 }
 
 impl<'a> SimLlCall<'a> {
-    /// The one-shot LL all-reduce of `spec` on `world`, for f32 sums.
+    /// The LL collective of `spec` on `world`, for f32 (sums where it reduces).
     pub(crate) fn new(
         world: &'a World,
         spec: &commfuse_core::OpSpec,
@@ -172,34 +226,49 @@ impl<'a> SimLlCall<'a> {
         reduce: commfuse_core::ReduceOp,
     ) -> Result<Self, BackendError> {
         use commfuse_core::{DType, OpKind, ReduceOp};
-        if spec.kind != OpKind::AllReduce || dtype != DType::F32 || reduce != ReduceOp::Sum {
-            return Err(unavailable(format!(
-                "the simulator's LL protocol is an f32 sum all-reduce, not a {dtype} {reduce} {}",
-                spec.kind
-            )));
-        }
+        let collective = match spec.kind {
+            OpKind::AllReduce => Some(LlCollective::AllReduce(LlShots::One)),
+            OpKind::ReduceScatter => Some(LlCollective::ReduceScatter),
+            OpKind::AllGather => Some(LlCollective::AllGather),
+            _ => None,
+        };
+        let reduces = spec.kind != OpKind::AllGather;
+        let collective = match collective {
+            Some(c) if dtype == DType::F32 && (reduce == ReduceOp::Sum || !reduces) => c,
+            _ => {
+                return Err(unavailable(format!(
+                    "the simulator's LL protocol computes f32 sums (all-reduce, reduce-scatter) and f32 all-gathers, not a {dtype} {reduce} {}",
+                    spec.kind
+                )))
+            }
+        };
         let p = world.size();
+        let op = SimLl::new(world, collective, spec.count)?;
+        let (input, output) = op.lens(0, p);
         Ok(SimLlCall {
             world,
-            op: SimLlAllReduce::new(world, spec.count, LlShots::One)?,
-            inputs: vec![vec![0.0; spec.count]; p],
-            outputs: vec![vec![0.0; spec.count]; p],
+            op,
+            inputs: vec![vec![0.0; input]; p],
+            outputs: vec![vec![0.0; output]; p],
         })
     }
 
     /// Every rank's calls on `inputs[c]`, queued on its own thread without waiting for the
-    /// others in between; each rank's outputs in call order, and its time.
+    /// others in between; each rank's outputs in call order (as long as `outputs`' buffers, the
+    /// rank's own elements first), and its time.
     fn calls(&self, inputs: &[&[Vec<f32>]]) -> Result<Vec<RankCalls>, BackendError> {
         let len = self.outputs[0].len();
         let gate = std::sync::Barrier::new(self.world.size());
         self.world.run(|ctx| {
             let r = ctx.rank();
+            let (input, output) = self.op.lens(r, ctx.world_size());
             gate.wait();
             let start = Instant::now();
             let mut outs = Vec::with_capacity(inputs.len());
             for call in inputs {
                 let mut out = vec![f32::NAN; len];
-                self.op.forward(ctx, &call[r], &mut out)?;
+                self.op
+                    .forward(ctx, &call[r][..input], &mut out[..output])?;
                 outs.push(out);
             }
             Ok((outs, start.elapsed()))

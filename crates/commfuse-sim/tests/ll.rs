@@ -3,7 +3,7 @@
 //! the sequence numbers are what keep them apart), every rank's result equal bit for bit to the
 //! f32 sum in rank order; a peer that never arrives ends in a diagnosed error.
 
-use commfuse_sim::ll::{LlShots, SimLlAllReduce};
+use commfuse_sim::ll::{LlCollective, LlShots, SimLl};
 use commfuse_sim::{World, WorldConfig};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -23,7 +23,7 @@ fn every_rank_gets_the_sum_in_rank_order_back_to_back() {
     for (p, shots) in (1..=9).flat_map(|p| [(p, LlShots::One), (p, LlShots::Two)]) {
         for len in [1, 7, 1000 + p] {
             let world = World::new(p, WorldConfig::default()).unwrap();
-            let op = SimLlAllReduce::new(&world, len, shots).unwrap();
+            let op = SimLl::new(&world, LlCollective::AllReduce(shots), len).unwrap();
             let calls: Vec<_> = (0..3).map(|c| inputs(p, len, c)).collect();
             let outs: Vec<Mutex<Vec<Vec<f32>>>> = (0..p)
                 .map(|_| Mutex::new(vec![vec![f32::NAN; len]; 3]))
@@ -61,7 +61,7 @@ fn a_peer_that_never_arrives_ends_in_a_diagnosed_error() {
         ..WorldConfig::default()
     };
     let world = World::new(2, config).unwrap();
-    let op = SimLlAllReduce::new(&world, 4, LlShots::One).unwrap();
+    let op = SimLl::new(&world, LlCollective::AllReduce(LlShots::One), 4).unwrap();
     let err = world
         .run(|ctx| {
             if ctx.rank() == 1 {
@@ -76,8 +76,12 @@ fn a_peer_that_never_arrives_ends_in_a_diagnosed_error() {
             && err.contains("carry call 1, sees call 0"),
         "{err}"
     );
-    let e = SimLlAllReduce::new(&world, SimLlAllReduce::MAX_LEN + 1, LlShots::Two)
-        .err()
-        .unwrap();
+    let e = SimLl::new(
+        &world,
+        LlCollective::AllReduce(LlShots::Two),
+        SimLl::MAX_LEN + 1,
+    )
+    .err()
+    .unwrap();
     assert!(e.to_string().contains("up to"), "{e}");
 }

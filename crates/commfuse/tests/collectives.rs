@@ -264,16 +264,22 @@ fn ce_collectives_on_gpus() {
     );
 }
 
-/// The simulator's twin (f32 sums, `commfuse_sim::ll`) through the same checks at P = 1..9.
+/// The simulator's twin (f32, `commfuse_sim::ll`: the all-reduce, and the reduce-scatter and
+/// all-gather as the GPU kernel runs them) through the same checks at P = 1..9: counts below P
+/// leave chunks empty, whose ranks must still keep their peers in step over the back-to-back
+/// calls.
 #[test]
 fn ll_all_reduce_on_the_simulator() {
     let worlds: Vec<usize> = (1..=9).collect();
     protocol_matrix(
         BackendKind::Sim,
         LL_PROTOCOL,
-        (&[OpKind::AllReduce], &worlds),
+        (
+            &[OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather],
+            &worlds,
+        ),
         &[(DType::F32, ReduceOp::Sum)],
-        &[1, 7, 1001, 4099],
+        &[1, 2, 7, 1001, 4099],
     );
 }
 
@@ -287,7 +293,7 @@ fn the_simulators_ll_refuses_other_types_and_ops() {
             .prepare_baseline(LL_PROTOCOL, &spec, dtype, reduce)
             .err()
             .expect("refused");
-        assert!(e.to_string().contains("f32 sum all-reduce"), "{e}");
+        assert!(e.to_string().contains("computes f32 sums"), "{e}");
     }
 }
 
