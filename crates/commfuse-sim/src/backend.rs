@@ -80,7 +80,7 @@ impl Backend for SimBackend {
 
     fn protocols(&self, op: OpKind) -> Vec<&'static str> {
         match op {
-            OpKind::AllReduce => vec![LL_PROTOCOL],
+            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather => vec![LL_PROTOCOL],
             _ => Vec::new(),
         }
     }
