@@ -10,6 +10,7 @@ mod broadcast;
 pub(crate) mod direct;
 pub use direct::staggered_peers;
 mod reduce_scatter;
+pub use reduce_scatter::{PIPELINE_STAGES_MAX, PIPELINE_STAGE_MIN};
 pub(crate) mod ring;
 
 use crate::error::Error;
@@ -37,12 +38,14 @@ pub enum Algo {
     Direct,
     /// Direct, with every transfer a store into the receiver's scratch (no exit handshake).
     Push,
+    /// Push in stages, each stage's reduction overlapping the next one's transfer.
+    PushPipelined,
     /// Barrier where every rank signals every peer.
     AllToAll,
 }
 
 impl Algo {
-    pub const ALL: [Algo; 8] = [
+    pub const ALL: [Algo; 9] = [
         Algo::OneShot,
         Algo::OneShotPush,
         Algo::TwoPhase,
@@ -50,6 +53,7 @@ impl Algo {
         Algo::Ring2d,
         Algo::Direct,
         Algo::Push,
+        Algo::PushPipelined,
         Algo::AllToAll,
     ];
 
@@ -62,6 +66,7 @@ impl Algo {
             Algo::Ring2d => "ring-2d",
             Algo::Direct => "direct",
             Algo::Push => "push",
+            Algo::PushPipelined => "push-pipelined",
             Algo::AllToAll => "all-to-all",
         }
     }
@@ -76,7 +81,7 @@ impl Algo {
                 Algo::Ring,
                 Algo::Ring2d,
             ],
-            OpKind::ReduceScatter => &[Algo::Direct, Algo::Push, Algo::Ring],
+            OpKind::ReduceScatter => &[Algo::Direct, Algo::Push, Algo::PushPipelined, Algo::Ring],
             OpKind::AllGather | OpKind::Broadcast => &[Algo::Direct, Algo::Ring],
             OpKind::AllToAll => &[Algo::Direct],
             OpKind::Barrier => &[Algo::AllToAll, Algo::Ring],
@@ -134,6 +139,7 @@ pub fn build_plan(spec: OpSpec, algo: Algo, topology: &Topology) -> Result<Plan,
         (OpKind::AllReduce, Algo::OneShot) => all_reduce::one_shot(&mut b),
         (OpKind::AllReduce, Algo::OneShotPush) => all_reduce::one_shot_push(&mut b),
         (OpKind::ReduceScatter, Algo::Push) => reduce_scatter::push(&mut b),
+        (OpKind::ReduceScatter, Algo::PushPipelined) => reduce_scatter::push_pipelined(&mut b),
         (OpKind::AllReduce, Algo::TwoPhase) => all_reduce::two_phase(&mut b),
         (OpKind::AllReduce, Algo::Ring) => all_reduce::ring(&mut b),
         (OpKind::AllReduce, Algo::Ring2d) => all_reduce::ring_2d(&mut b, topology)?,
