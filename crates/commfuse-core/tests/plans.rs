@@ -84,16 +84,16 @@ fn ring_scratch_is_two_chunks() {
     assert_eq!(plan.buffers.scratch, 2 * 250);
 }
 
-/// The pipelined push reduce-scatter goes in stages: two for any chunk of two elements or more,
-/// up to eight of about `PIPELINE_STAGE_MIN` elements for large ones (ragged), each stage one
-/// reduction per rank after its own signals; every such plan passes the checker.
+/// The pipelined push reduce-scatter goes in stages: two for any chunk of two grains (64
+/// elements) or more, up to eight for large chunks (ragged), each stage one reduction per rank
+/// after its own signals; every such plan passes the checker.
 #[test]
 fn the_pipelined_push_reduces_stage_by_stage() {
     use commfuse_core::algorithms::{PIPELINE_STAGES_MAX, PIPELINE_STAGE_MIN};
     use commfuse_core::Step;
     let cases = [
-        (2, 4, 2),
-        (3, 7, 2),
+        (2, 256, 2),
+        (3, 3 * 130 + 1, 2),
         (2, 2 * 3 * PIPELINE_STAGE_MIN, 3),
         (3, 3 * 8 * PIPELINE_STAGE_MIN + 5, PIPELINE_STAGES_MAX),
         (8, 8 * 100 * PIPELINE_STAGE_MIN, PIPELINE_STAGES_MAX),

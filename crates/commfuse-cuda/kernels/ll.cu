@@ -214,8 +214,9 @@ __device__ __forceinline__ void chunk_of(const LlArgs& a, u32 q, u32* e0, u32* e
 // the chunk before may come along, unread) to the unit past the last — and at least one, for
 // an empty chunk too. Every receiver must wait on every sender in every call: the parity halves
 // are safe only because a rank cannot finish call n + 1 before each peer has sent (so begun)
-// it, and a sender with nothing to send could otherwise run two calls ahead and overwrite a
-// half its peer still reads. (The extra unit's elements lie outside the chunk: never written.)
+// it; were an empty chunk's unit left out, the rank that receives nothing from it would wait
+// on nobody, could run two calls ahead and overwrite a half its peer still reads. (The extra
+// unit's elements lie outside the chunk: never written.)
 template <typename T, int K>
 __device__ __forceinline__ void units_of(const LlArgs& a, u32 e0, u32 e1, u32* lo, u32* hi) {
     *lo = (u32)((u64)e0 * sizeof(T) / 4) / K;

@@ -57,7 +57,8 @@ impl LlCollective {
 pub struct SimLl {
     len: usize,
     collective: LlCollective,
-    /// Per rank: 2 parities × P senders × `len` lines
+    /// Per rank: the protocol's lines (one-shot: 2 parities × P senders × `len`; two-shot:
+    /// `ll_two_shot_lines`; reduce-scatter and all-gather: `LlChunks::buffer_lines`)
     lines: Vec<SignalPad>,
     /// Per rank, calls it has made (only that rank's thread touches it)
     calls: Vec<AtomicU64>,

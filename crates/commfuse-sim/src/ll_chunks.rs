@@ -1,5 +1,7 @@
 //! The LL protocol's reduce-scatter and all-gather, one trip over chunks, as the GPU kernel
-//! (`commfuse-cuda`'s `kernels/ll.cu`, modes reduce-scatter and all-gather) runs them: rank q's
+//! (`commfuse-cuda`'s `kernels/ll.cu`, modes reduce-scatter and all-gather) runs them — the
+//! protocol, not the buffer layout (the kernel's reduce-scatter numbers its units from the
+//! input's start, these lines from each chunk's): rank q's
 //! chunk is `chunk_range(len, P, q)`; a sender stores its lines straight into the receiver's
 //! buffer, half `seq mod 2` of it, and the receiver polls each line until it carries the call's
 //! number. One element per line here (the kernel packs 2 or 3 words per 8- or 16-byte unit);

@@ -62,14 +62,18 @@ pub(super) fn push(b: &mut PlanBuilder) {
     }
 }
 
-/// Elements per stage at least, in [`push_pipelined`]: below it a stage's signals cost more than
-/// the overlap saves.
+/// Elements per stage that [`push_pipelined`] aims at (a chunk of n elements goes in
+/// ⌈n / this⌉ stages, at least two and at most [`PIPELINE_STAGES_MAX`]): smaller stages would
+/// pay more in signals than their overlap saves.
 pub const PIPELINE_STAGE_MIN: usize = 1 << 18;
+/// Stage boundaries fall on multiples of this many elements from the chunk's start, so that a
+/// stage of an aligned chunk stays 16-byte aligned (the GPU kernel's vector path).
+const STAGE_GRAIN: usize = 64;
 /// Stages at most, in [`push_pipelined`].
 pub const PIPELINE_STAGES_MAX: usize = 8;
 
-/// Push, pipelined: as [`push`], but each chunk goes in stages (two, or more of about
-/// [`PIPELINE_STAGE_MIN`] elements, up to [`PIPELINE_STAGES_MAX`]), each with its own signal,
+/// Push, pipelined: as [`push`], but each chunk goes in stages (see [`PIPELINE_STAGE_MIN`]; a
+/// stage of a short chunk may be empty, its signal still sent), each with its own signal,
 /// and a rank reduces stage k of its own chunk right after pushing stage k + 1 of its peers' —
 /// so while one stage's stores cross the link the previous one is reduced locally, where
 /// [`push`] leaves the link idle during its one reduction at the end (on 2 × H200 at 256 MiB that
@@ -90,8 +94,12 @@ pub(super) fn push_pipelined(b: &mut PlanBuilder) {
     let rows = b.rows(1 + stages as u32);
     let data = |k: usize| rows + 1 + k as u32;
     let base = b.scratch((p - 1) * cap);
-    // stage k of chunk q: its elements, counted from the chunk's start
-    let stage = |q: usize, k: usize| chunk_range(chunk_range(n, p, q).len(), stages, k);
+    // stage k of chunk q: its elements, counted from the chunk's start, in whole grains
+    let stage = |q: usize, k: usize| {
+        let len = chunk_range(n, p, q).len();
+        let grains = chunk_range(len.div_ceil(STAGE_GRAIN), stages, k);
+        (grains.start * STAGE_GRAIN).min(len)..(grains.end * STAGE_GRAIN).min(len)
+    };
     // stage k of what `sender` pushes into `receiver`'s scratch
     let slot = |receiver: usize, sender: usize, k: usize| {
         let at = base + push_slot(receiver, sender, p) * cap;
