@@ -382,38 +382,64 @@ pub fn reference_gemm<TI: crate::Element, TO: crate::Element>(
     bias: Option<&[TO]>,
     previous: Option<&[TO]>,
 ) -> Vec<ReferenceElement> {
-    let mut d = Vec::with_capacity(p.m * p.n);
-    for i in 0..p.m {
-        for j in 0..p.n {
-            let (mut dot, mut abs_products) = (0f64, 0f64);
-            for kk in 0..p.k {
-                let bv = match p.b_layout {
-                    BLayout::KN => b[kk * p.n + j],
-                    BLayout::NK => b[j * p.k + kk],
-                };
-                let product = a[i * p.k + kk].to_f64() * bv.to_f64();
-                dot += product;
-                abs_products += product.abs();
-            }
-            let mut terms = vec![e.alpha as f64 * dot];
-            if e.beta != 0.0 {
-                terms.push(e.beta as f64 * c.expect("beta != 0 needs C")[i * p.n + j].to_f64());
-            }
-            if e.bias {
-                terms.push(bias.expect("the epilogue adds a bias")[j].to_f64());
-            }
-            if e.accumulate {
-                terms.push(
-                    previous.expect("accumulating needs the previous D")[i * p.n + j].to_f64(),
-                );
-            }
-            d.push(ReferenceElement {
-                value: terms.iter().sum(),
-                abs_products,
-                abs_terms: terms.iter().map(|t| t.abs()).sum(),
+    let (m, n, k) = (p.m, p.n, p.k);
+    // the operands widened once, B as N rows of K so that every dot product reads both operands
+    // in order (the GPU tests check shapes of 10^10 products: a thread per core, no strided B)
+    let a: Vec<f64> = a[..m * k].iter().map(|x| x.to_f64()).collect();
+    let b: Vec<f64> = match p.b_layout {
+        BLayout::NK => b[..n * k].iter().map(|x| x.to_f64()).collect(),
+        BLayout::KN => (0..n)
+            .flat_map(|j| (0..k).map(move |kk| b[kk * n + j].to_f64()))
+            .collect(),
+    };
+    let element = |i: usize, j: usize| {
+        let (row, col) = (&a[i * k..(i + 1) * k], &b[j * k..(j + 1) * k]);
+        let (mut dot, mut abs_products) = (0f64, 0f64);
+        for (x, y) in row.iter().zip(col) {
+            let product = x * y;
+            dot += product;
+            abs_products += product.abs();
+        }
+        // the terms in a fixed order, summed from zero
+        let mut terms = [0f64; 4];
+        let mut used = 0;
+        let mut term = |t: f64| {
+            terms[used] = t;
+            used += 1;
+        };
+        term(e.alpha as f64 * dot);
+        if e.beta != 0.0 {
+            term(e.beta as f64 * c.expect("beta != 0 needs C")[i * n + j].to_f64());
+        }
+        if e.bias {
+            term(bias.expect("the epilogue adds a bias")[j].to_f64());
+        }
+        if e.accumulate {
+            term(previous.expect("accumulating needs the previous D")[i * n + j].to_f64());
+        }
+        ReferenceElement {
+            value: terms[..used].iter().sum(),
+            abs_products,
+            abs_terms: terms[..used].iter().map(|t| t.abs()).sum(),
+        }
+    };
+    let mut d = vec![ReferenceElement::product(0.0, 0.0); m * n];
+    let threads = if m * n * k < 1 << 22 {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |t| t.get())
+    };
+    let rows_each = m.div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        for (t, rows) in d.chunks_mut(rows_each * n.max(1)).enumerate() {
+            let element = &element;
+            s.spawn(move || {
+                for (x, out) in rows.iter_mut().enumerate() {
+                    *out = element(t * rows_each + x / n, x % n);
+                }
             });
         }
-    }
+    });
     d
 }
 
