@@ -573,8 +573,10 @@ impl PreparedGemm {
         } else {
             sm_cap.min(gpu.sm_count)
         };
-        let grid = cap.min(tiles as u32).max(1);
-        let (parts, split) = tail_split(tiles, grid as usize, p.k.div_ceil(BK));
+        // split against the SMs there are, not against the tiles: fewer tiles than SMs (a
+        // small M) are one partial wave, cut along K so that the idle SMs share the work
+        let (parts, split) = tail_split(tiles, cap as usize, p.k.div_ceil(BK));
+        let grid = cap.min((tiles - split + split * parts) as u32).max(1);
         // the helpers' partial tiles (128 × 256 f32 each) and one counter per split tile
         let partial_bytes = split * (parts - 1) * TILE.m * TILE.n * 4;
         let workspace = DeviceMemory::zeroed(gpu, partial_bytes + 4 * split)?;
@@ -1009,5 +1011,7 @@ mod tests {
         assert_eq!(tail_split(512, 132, 56), (1, 0));
         assert_eq!(tail_split(4, 3, 1), (1, 0));
         assert_eq!(tail_split(4, 3, 3), (3, 1));
+        // fewer tiles than SMs: one partial wave (512 rows × 4096 columns on 131 SMs)
+        assert_eq!(tail_split(32, 131, 32), (4, 32));
     }
 }
