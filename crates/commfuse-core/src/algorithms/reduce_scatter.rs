@@ -29,37 +29,7 @@ pub(super) fn direct(b: &mut PlanBuilder) {
 /// Cost card: P−1 stores of n/P elements per rank, 1 local reduction; 2(P−1) signals; scratch
 /// (P−1)·⌈n/P⌉ (≤ the message).
 pub(super) fn push(b: &mut PlanBuilder) {
-    let (p, n) = (b.world(), b.spec().count);
-    let rows = b.rows(2);
-    let data = rows + 1;
-    let cap = chunk_range(n, p, 0).len();
-    let base = b.scratch((p - 1) * cap);
-    let slot = |receiver: usize, sender: usize| {
-        let at = base + push_slot(receiver, sender, p) * cap;
-        let len = chunk_range(n, p, receiver).len();
-        Region::new(receiver, BufferKind::Scratch, at..at + len)
-    };
-    handshake(b, rows);
-    for r in 0..p {
-        for q in staggered_peers(r, p) {
-            b.copy(r, input(r, chunk_range(n, p, q)), slot(q, r));
-            b.signal(r, q, Slot::new(data, r as u32));
-        }
-        for q in staggered_peers(r, p) {
-            b.wait(r, Slot::new(data, q as u32), 1);
-        }
-        let own = chunk_range(n, p, r);
-        let srcs = (0..p)
-            .map(|q| {
-                if q == r {
-                    input(r, own.clone())
-                } else {
-                    slot(r, q)
-                }
-            })
-            .collect();
-        b.reduce(r, srcs, output(r, 0..own.len()));
-    }
+    push_in_stages(b, 1);
 }
 
 /// Elements per stage that [`push_pipelined`] aims at (a chunk of n elements goes in
@@ -82,8 +52,7 @@ pub const PIPELINE_STAGES_MAX: usize = 8;
 ///
 /// Cost card: as [`push`], with S·(P−1) data signals instead of P−1 and S reductions.
 pub(super) fn push_pipelined(b: &mut PlanBuilder) {
-    let (p, n) = (b.world(), b.spec().count);
-    let cap = chunk_range(n, p, 0).len();
+    let cap = chunk_range(b.spec().count, b.world(), 0).len();
     // two stages at least wherever a chunk has two elements: the pipeline is what this plan
     // is, and small messages (which `auto` leaves to other plans) check it as well as large ones
     let stages = cap
@@ -91,6 +60,14 @@ pub(super) fn push_pipelined(b: &mut PlanBuilder) {
         .clamp(2, PIPELINE_STAGES_MAX)
         .min(cap)
         .max(1);
+    push_in_stages(b, stages);
+}
+
+/// The push reduce-scatter with each chunk in `stages` stages (one: [`push`]), stage k reduced
+/// after stage k + 1 is pushed.
+fn push_in_stages(b: &mut PlanBuilder, stages: usize) {
+    let (p, n) = (b.world(), b.spec().count);
+    let cap = chunk_range(n, p, 0).len();
     let rows = b.rows(1 + stages as u32);
     let data = |k: usize| rows + 1 + k as u32;
     let base = b.scratch((p - 1) * cap);
