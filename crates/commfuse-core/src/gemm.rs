@@ -400,27 +400,20 @@ pub fn reference_gemm<TI: crate::Element, TO: crate::Element>(
             dot += product;
             abs_products += product.abs();
         }
-        // the terms in a fixed order, summed from zero
-        let mut terms = [0f64; 4];
-        let mut used = 0;
-        let mut term = |t: f64| {
-            terms[used] = t;
-            used += 1;
-        };
-        term(e.alpha as f64 * dot);
-        if e.beta != 0.0 {
-            term(e.beta as f64 * c.expect("beta != 0 needs C")[i * n + j].to_f64());
-        }
-        if e.bias {
-            term(bias.expect("the epilogue adds a bias")[j].to_f64());
-        }
-        if e.accumulate {
-            term(previous.expect("accumulating needs the previous D")[i * n + j].to_f64());
-        }
+        // the epilogue's terms, those it uses, in a fixed order
+        let terms = [
+            Some(e.alpha as f64 * dot),
+            (e.beta != 0.0)
+                .then(|| e.beta as f64 * c.expect("beta != 0 needs C")[i * n + j].to_f64()),
+            e.bias
+                .then(|| bias.expect("the epilogue adds a bias")[j].to_f64()),
+            e.accumulate
+                .then(|| previous.expect("accumulating needs the previous D")[i * n + j].to_f64()),
+        ];
         ReferenceElement {
-            value: terms[..used].iter().sum(),
+            value: terms.iter().flatten().sum(),
             abs_products,
-            abs_terms: terms[..used].iter().map(|t| t.abs()).sum(),
+            abs_terms: terms.iter().flatten().map(|t| t.abs()).sum(),
         }
     };
     let mut d = vec![ReferenceElement::product(0.0, 0.0); m * n];

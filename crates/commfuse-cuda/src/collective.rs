@@ -82,14 +82,11 @@ impl<'b> CudaCollective<'b> {
             .collect::<Result<Vec<_>, _>>()?;
         let launcher = PlanLauncher::new(backend, &plan, dtype, reduce, &bufs)?;
         // the plan stays built where LL runs: it is what `algo()` reports, and it is small
-        let ll = match algo_asked.is_none() && prefers_ll(&spec, eb) {
-            true => Some(crate::ll::ranks(
-                backend,
-                &spec,
-                (dtype, reduce),
-                crate::ll::Lines::Eight,
-            )?),
-            false => None,
+        let ll = if algo_asked.is_none() && prefers_ll(&spec, eb) {
+            let lines = crate::ll::Lines::Eight;
+            Some(crate::ll::ranks(backend, &spec, (dtype, reduce), lines)?)
+        } else {
+            None
         };
         let last = backend
             .ranks
@@ -115,9 +112,10 @@ impl<'b> CudaCollective<'b> {
 
     /// What runs: "ll" where `auto` took the LL protocol, else the plan's algorithm.
     pub fn implementation(&self) -> String {
-        match self.ll.is_some() {
-            true => crate::ll::LL.into(),
-            false => self.algo.to_string(),
+        if self.ll.is_some() {
+            crate::ll::LL.into()
+        } else {
+            self.algo.to_string()
         }
     }
 

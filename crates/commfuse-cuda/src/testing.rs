@@ -84,6 +84,11 @@ pub fn sass_of(kernel: &str) -> Option<String> {
 /// The switch that lets GPU tests place more ranks than there are GPUs, ranks sharing them.
 pub const SHARE_GPUS: &str = "COMMFUSE_SHARE_GPUS";
 
+/// Whether `COMMFUSE_SHARE_GPUS=1` lets GPU tests place ranks on a GPU together.
+pub fn sharing_gpus() -> bool {
+    std::env::var(SHARE_GPUS).is_ok_and(|v| v == "1")
+}
+
 /// Devices for `p` ranks: GPUs 0..p where there are that many; else, under
 /// `COMMFUSE_SHARE_GPUS=1`, the GPUs there are, round-robin (ranks sharing a GPU, as
 /// `CudaBackend::open` allows); else `None` with the reason printed (not a skip of the test:
@@ -98,7 +103,7 @@ pub fn ranks_on_gpus(p: usize) -> Option<Vec<usize>> {
     if n >= p {
         return Some((0..p).collect());
     }
-    if std::env::var(SHARE_GPUS).is_ok_and(|v| v == "1") {
+    if sharing_gpus() {
         return Some((0..p).map(|r| r % n).collect());
     }
     eprintln!("P = {p} not run: {n} GPU(s) here; {SHARE_GPUS}=1 lets ranks share them");

@@ -145,7 +145,7 @@ backend_suite!(sim, BackendKind::Sim, Ok(WORLDS.to_vec()));
 /// On a machine with GPUs: every world size up to the number of GPUs (at most 8), and up to 3
 /// where ranks may share GPUs (`COMMFUSE_SHARE_GPUS=1`, see `commfuse_cuda::testing`).
 fn gpu_worlds() -> Result<Vec<usize>, String> {
-    let share = std::env::var(commfuse_cuda::testing::SHARE_GPUS).is_ok_and(|v| v == "1");
+    let share = commfuse_cuda::testing::sharing_gpus();
     match commfuse_cuda::driver::device_count() {
         Ok(0) => Err("no GPU on this machine".into()),
         Ok(n) if share => Ok((1..=n.clamp(3, 8)).collect()),
