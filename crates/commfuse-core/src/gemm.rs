@@ -367,6 +367,54 @@ impl ReferenceElement {
     }
 }
 
+/// A·B and |A|·|B| in float64 for A [m, k] (row-major) and B [k, n] in `layout`: the
+/// operands widened once and multiplied by `matrixmultiply`'s blocked kernel. Products of
+/// 16-bit values are exact in f64 and the sums' rounding (≈ K·2⁻⁵³ relative) is far below any
+/// bound a check applies, so the order of the additions does not matter.
+pub fn products_f64<T: crate::Element>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[T],
+    b: &[T],
+    layout: BLayout,
+) -> (Vec<f64>, Vec<f64>) {
+    let a: Vec<f64> = a[..m * k].iter().map(|x| x.to_f64()).collect();
+    let b: Vec<f64> = b[..k * n].iter().map(|x| x.to_f64()).collect();
+    let (row_stride, col_stride) = match layout {
+        BLayout::KN => (n as isize, 1),
+        BLayout::NK => (1, k as isize),
+    };
+    let product = |a: &[f64], b: &[f64]| {
+        let mut c = vec![0f64; m * n];
+        if m * n * k > 0 {
+            // SAFETY: a is m × k with row stride k; b holds k × n elements read with the
+            // strides of its layout (KN: [k][n], NK: [n][k]); c is m × n with row stride n
+            unsafe {
+                matrixmultiply::dgemm(
+                    m,
+                    k,
+                    n,
+                    1.0,
+                    a.as_ptr(),
+                    k as isize,
+                    1,
+                    b.as_ptr(),
+                    row_stride,
+                    col_stride,
+                    0.0,
+                    c.as_mut_ptr(),
+                    n as isize,
+                    1,
+                );
+            }
+        }
+        c
+    };
+    let abs = |v: &[f64]| v.iter().map(|x| x.abs()).collect::<Vec<f64>>();
+    (product(&a, &b), product(&abs(&a), &abs(&b)))
+}
+
 /// D of one GEMM call in float64 from the operands as stored: alpha·A·B (+ beta·C) (+ bias)
 /// (+ the destination's previous contents when the epilogue accumulates). C, bias and the
 /// previous contents have the output type; each is needed only when the epilogue uses it.
@@ -383,23 +431,9 @@ pub fn reference_gemm<TI: crate::Element, TO: crate::Element>(
     previous: Option<&[TO]>,
 ) -> Vec<ReferenceElement> {
     let (m, n, k) = (p.m, p.n, p.k);
-    // the operands widened once, B as N rows of K so that every dot product reads both operands
-    // in order (the GPU tests check shapes of 10^10 products: a thread per core, no strided B)
-    let a: Vec<f64> = a[..m * k].iter().map(|x| x.to_f64()).collect();
-    let b: Vec<f64> = match p.b_layout {
-        BLayout::NK => b[..n * k].iter().map(|x| x.to_f64()).collect(),
-        BLayout::KN => (0..n)
-            .flat_map(|j| (0..k).map(move |kk| b[kk * n + j].to_f64()))
-            .collect(),
-    };
+    let (dots, abs) = products_f64(m, n, k, a, b, p.b_layout);
     let element = |i: usize, j: usize| {
-        let (row, col) = (&a[i * k..(i + 1) * k], &b[j * k..(j + 1) * k]);
-        let (mut dot, mut abs_products) = (0f64, 0f64);
-        for (x, y) in row.iter().zip(col) {
-            let product = x * y;
-            dot += product;
-            abs_products += product.abs();
-        }
+        let (dot, abs_products) = (dots[i * n + j], abs[i * n + j]);
         // the epilogue's terms, those it uses, in a fixed order
         let terms = [
             Some(e.alpha as f64 * dot),
@@ -416,24 +450,7 @@ pub fn reference_gemm<TI: crate::Element, TO: crate::Element>(
             abs_terms: terms.iter().flatten().map(|t| t.abs()).sum(),
         }
     };
-    let mut d = vec![ReferenceElement::product(0.0, 0.0); m * n];
-    let threads = if m * n * k < 1 << 22 {
-        1
-    } else {
-        std::thread::available_parallelism().map_or(1, |t| t.get())
-    };
-    let rows_each = m.div_ceil(threads).max(1);
-    std::thread::scope(|s| {
-        for (t, rows) in d.chunks_mut(rows_each * n.max(1)).enumerate() {
-            let element = &element;
-            s.spawn(move || {
-                for (x, out) in rows.iter_mut().enumerate() {
-                    *out = element(t * rows_each + x / n, x % n);
-                }
-            });
-        }
-    });
-    d
+    (0..m * n).map(|x| element(x / n, x % n)).collect()
 }
 
 /// The margin of [`element_bound`] over the error model: a correct kernel stays below half the

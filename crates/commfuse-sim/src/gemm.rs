@@ -61,23 +61,16 @@ pub fn run_gemm_tiles<TI: Element, TO: Element>(
     if plan.epilogue.bias {
         check_len("bias", ops.bias.map_or(0, |b| b.len()), p.n)?;
     }
-    let b_at = |kk: usize, j: usize| match p.b_layout {
-        BLayout::KN => ops.b[kk * p.n + j],
-        BLayout::NK => ops.b[j * p.k + kk],
-    };
     let e = &plan.epilogue;
     for &t in tiles {
         let (rows, cols) = plan.tile_bounds(t);
         let dest = plan.destination(t, ctx.rank());
         let width = cols.len();
+        let products = tile_products(p, ops, rows.clone(), cols.clone());
         for (r, i) in rows.clone().enumerate() {
             let mut row = vec![TO::from_f32(0.0); width];
             for (c, j) in cols.clone().enumerate() {
-                let mut acc = 0f32;
-                for kk in 0..p.k {
-                    acc += ops.a[i * p.k + kk].to_f32() * b_at(kk, j).to_f32();
-                }
-                let mut v = e.alpha * acc;
+                let mut v = e.alpha * products[r * width + c];
                 if e.beta != 0.0 {
                     v += e.beta * ops.c.expect("checked above")[i * p.n + j].to_f32();
                 }
@@ -113,4 +106,57 @@ pub fn run_gemm_tiles<TI: Element, TO: Element>(
         }
     }
     Ok(())
+}
+
+/// The tile `rows` × `cols` of A·B in f32 (row-major, `cols.len()` wide): the operands widened
+/// to f32 (exact for bf16 and f16) and multiplied by `matrixmultiply`'s blocked SIMD kernel,
+/// whose f32 accumulation is what the GPU's tensor cores do too, in another order.
+fn tile_products<TI: Element, TO: Element>(
+    p: &commfuse_core::gemm::GemmProblem,
+    ops: &Operands<'_, TI, TO>,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+) -> Vec<f32> {
+    let (height, width, k) = (rows.len(), cols.len(), p.k);
+    let a: Vec<f32> = ops.a[rows.start * k..rows.end * k]
+        .iter()
+        .map(|x| x.to_f32())
+        .collect();
+    // B's columns of the tile as `width` rows of K, whatever its layout
+    let b: Vec<f32> = match p.b_layout {
+        BLayout::NK => ops.b[cols.start * k..cols.end * k]
+            .iter()
+            .map(|x| x.to_f32())
+            .collect(),
+        BLayout::KN => cols
+            .clone()
+            .flat_map(|j| (0..k).map(move |kk| ops.b[kk * p.n + j].to_f32()))
+            .collect(),
+    };
+    let mut products = vec![0f32; height * width];
+    if height == 0 || width == 0 {
+        return products;
+    }
+    // SAFETY: a is height × k (row stride k), b is read as k × width with row stride 1 and
+    // column stride k (it holds width rows of k), products is height × width (row stride
+    // width): every index the kernel forms lies inside its slice
+    unsafe {
+        matrixmultiply::sgemm(
+            height,
+            k,
+            width,
+            1.0,
+            a.as_ptr(),
+            k as isize,
+            1,
+            b.as_ptr(),
+            1,
+            k as isize,
+            0.0,
+            products.as_mut_ptr(),
+            width as isize,
+            1,
+        );
+    }
+    products
 }

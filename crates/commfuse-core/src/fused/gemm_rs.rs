@@ -462,31 +462,24 @@ pub fn reference<TI: crate::Element, TO: crate::Element>(
 ) -> Vec<ReferenceElement> {
     let (n, k) = (shape.n, shape.k);
     let rows = shape.chunk(owner);
-    let mut out = Vec::with_capacity(rows.len() * n);
-    for i in rows {
-        for j in 0..n {
-            let bias_j = bias.map_or(0.0, |bias| bias[j].to_f64());
-            let mut e = ReferenceElement {
+    let mut out: Vec<ReferenceElement> = (0..rows.len() * n)
+        .map(|x| {
+            let bias_j = bias.map_or(0.0, |bias| bias[x % n].to_f64());
+            ReferenceElement {
                 value: bias_j,
                 abs_products: 0.0,
                 abs_partials: 0.0,
                 abs_bias: bias_j.abs(),
-            };
-            for (a, b) in a.iter().zip(b) {
-                let mut dot = 0f64;
-                for kk in 0..k {
-                    let bv = match shape.b_layout {
-                        BLayout::KN => b[kk * n + j],
-                        BLayout::NK => b[j * k + kk],
-                    };
-                    let product = a[i * k + kk].to_f64() * bv.to_f64();
-                    dot += product;
-                    e.abs_products += product.abs();
-                }
-                e.value += dot;
-                e.abs_partials += dot.abs();
             }
-            out.push(e);
+        })
+        .collect();
+    for (a, b) in a.iter().zip(b) {
+        let a = &a[rows.start * k..rows.end * k];
+        let (dots, abs) = crate::gemm::products_f64(rows.len(), n, k, a, b, shape.b_layout);
+        for ((e, dot), abs) in out.iter_mut().zip(dots).zip(abs) {
+            e.value += dot;
+            e.abs_partials += dot.abs();
+            e.abs_products += abs;
         }
     }
     out
