@@ -20,7 +20,8 @@ B=.gpu/commfuse
 # bench: the link's ceilings (scripts/link-ceilings.py), the collectives beside NCCL (and graph replay), calibration
 # gemm-rs: GEMM + reduce-scatter beside cuBLASLt and cuBLASLt + NCCL at six shapes
 # ag-gemm: all-gather + GEMM beside cuBLASLt and NCCL + cuBLASLt at the same six shapes (or AG_SHAPES)
-# torch: the Python package from PyTorch (torchrun tests, examples/tp_mlp.py)
+# torch: the Python package from PyTorch (pytest, torch_cuda.py and examples/tp_train.py on every GPU,
+#        the host-time bench, examples/tp_mlp.py on two)
 # tests: the GPU test binaries only (TESTS="gpu_gemm gpu_gemm_rs" picks some)     full: all of them
 # small: small all-reduces / reduce-scatters by LL and LL16 beside NCCL, graphs and eager, with and without programmatic launch
 # (each of check, gemm+bench fits one 10-minute device call)
@@ -48,11 +49,20 @@ if has torch; then
   # the wheel gpu-prepare.sh built, installed beside the machine's PyTorch
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/commfuse-site .gpu/wheels/commfuse-*.whl
   export PYTHONPATH=/tmp/commfuse-site
-  (cd /tmp && timeout 400 python3 -m pytest -q -rs -s "$OLDPWD/python/tests") >"$R/pytest.txt" 2>&1
+  GPUS=$(nvidia-smi -L | wc -l)
+  (cd /tmp && timeout 400 python3 -m pytest -q -rs -s ${PYTEST_ARGS:-} "$OLDPWD/python/tests") >"$R/pytest.txt" 2>&1
   log "pytest rc=$? $(tail -1 "$R/pytest.txt")"
   grep -E "FAILED|Error|^ok " "$R/pytest.txt" | head -40 | cut -c1-400 | tee -a "$OUT/summary.txt"
-  timeout 300 torchrun --standalone --nproc-per-node 2 examples/tp_mlp.py ${MLP_FLAGS:-} >"$R/tp_mlp.txt" 2>&1
-  log "tp_mlp rc=$?"; grep -v "^W1\|^\*\*\*" "$R/tp_mlp.txt" | tail -40 | cut -c1-300 | tee -a "$OUT/summary.txt"
+  (cd python/tests && timeout 400 torchrun --standalone --nproc-per-node "$GPUS" torch_cuda.py) >"$R/torch_cuda.txt" 2>&1
+  log "torch_cuda rc=$?"; grep -E "^ok |Error|error" "$R/torch_cuda.txt" | head -20 | cut -c1-300 | tee -a "$OUT/summary.txt"
+  timeout 300 torchrun --standalone --nproc-per-node "$GPUS" examples/tp_train.py >"$R/tp_train.txt" 2>&1
+  log "tp_train rc=$?"; grep -v "^W1\|^\*\*\*" "$R/tp_train.txt" | tail -16 | cut -c1-300 | tee -a "$OUT/summary.txt"
+  timeout 300 torchrun --standalone --nproc-per-node "$GPUS" python/benches/torch_host_time.py --json "$R/torch-host-time.json" >"$R/torch_host_time.txt" 2>&1
+  log "torch_host_time rc=$?"; grep -v "^W1\|^\*\*\*" "$R/torch_host_time.txt" | tail -20 | cut -c1-300 | tee -a "$OUT/summary.txt"
+  if [ "$GPUS" -ge 2 ]; then
+    timeout 300 torchrun --standalone --nproc-per-node 2 examples/tp_mlp.py ${MLP_FLAGS:-} >"$R/tp_mlp.txt" 2>&1
+    log "tp_mlp rc=$?"; grep -v "^W1\|^\*\*\*" "$R/tp_mlp.txt" | tail -40 | cut -c1-300 | tee -a "$OUT/summary.txt"
+  fi
 fi
 
 if has check; then

@@ -15,7 +15,7 @@ for line in sys.stdin:
   | while read -r exe; do cp "$exe" ".gpu/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
 strip --strip-debug .gpu/commfuse .gpu/tests/*
 # the Python package as an abi3 wheel (the GPU machine's Python 3.12 installs it without Rust)
-VENV="${COMMFUSE_VENV:-${TMPDIR:-/tmp}/commfuse-venv}"
+VENV="${COMMFUSE_VENV:-$PWD/.venv}"
 [ -x "$VENV/bin/maturin" ] || { python3 -m venv "$VENV" && "$VENV/bin/python" -m pip install --quiet maturin; }
 CARGO_TARGET_DIR="$PWD/target" "$VENV/bin/maturin" build --release --quiet -m python/Cargo.toml -o .gpu/wheels
 ls -la .gpu .gpu/tests .gpu/wheels

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Every test: the Rust workspace's, then the Python package's (built by maturin into a wheel,
-# installed in a virtual environment of its own with NumPy and pytest, tested with pytest).
+# installed in this checkout's own virtual environment, .venv, with NumPy, pytest and PyTorch,
+# tested with pytest; commfuse.torch's suites run on CPU tensors there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 cargo test --workspace --release
 
-VENV="${COMMFUSE_VENV:-${TMPDIR:-/tmp}/commfuse-venv}"
+VENV="${COMMFUSE_VENV:-$ROOT/.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check numpy pytest maturin
+# PyTorch as on the GPU machine (2.11); the PyPI wheel runs on CPUs too
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check numpy pytest maturin \
+  torch==2.11.0
+# commfuse.torch's suites must run here, not skip
+export COMMFUSE_REQUIRE_TORCH=1
 WHEELS="$(mktemp -d)"
 # the workspace's target folder: the crates both builds share compile once
 CARGO_TARGET_DIR="$ROOT/target" "$VENV/bin/maturin" build --release --quiet \

@@ -17,7 +17,7 @@ group's abort flag; a rank that dies leaves the others' waits to time out (``tim
 from ._commfuse import SimGroup as Group
 from ._commfuse import sim_all_gather_matmul, sim_collective, sim_gemm_reduce_scatter
 
-__all__ = ["Group", "gemm_reduce_scatter", "all_gather_matmul", "collective"]
+__all__ = ["Group", "gemm_reduce_scatter", "all_gather_gemm", "all_gather_matmul", "collective"]
 
 
 def gemm_reduce_scatter(a, b, bias=None, **options):
@@ -42,6 +42,11 @@ def all_gather_matmul(a, b, bias=None, **options):
     ``out_dtype``, ``pieces``, ``return_a``, ``timeout_ms``.
     """
     return sim_all_gather_matmul(list(a), list(b), bias, **options)
+
+
+#: The same operator as :func:`all_gather_matmul`, by the name ``commfuse.torch`` and
+#: ``commfuse.cuda`` give it.
+all_gather_gemm = all_gather_matmul
 
 
 def collective(op, inputs, **options):

@@ -19,6 +19,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::sync::Arc;
 use std::time::Duration;
+use sync_wrapper::SyncWrapper;
 
 /// A CUDA failure or a peer that never arrived is a `RuntimeError`; a call that does not fit
 /// the operator is a `ValueError`.
@@ -32,6 +33,11 @@ fn cuda_error(e: CudaError) -> PyErr {
 }
 
 /// An operator's life: allocated and exported, then connected to its peers.
+///
+/// The operator classes hold it in a `SyncWrapper`, which reaches it only through `&mut`
+/// (every method takes `&mut self`: PyO3 hands out one mutable borrow at a time), so they may
+/// be called from any thread — autograd runs a CUDA tensor's backward on a thread of its own
+/// — and every call binds the operator's GPU context first.
 enum Stage<A, R> {
     Allocated(A),
     Connected(R),
@@ -112,9 +118,9 @@ fn earlier_failure(e: CudaError) -> PyErr {
 /// GEMM + reduce-scatter of one rank on its GPU: rank r's output is its chunk of the rows of
 /// Σ_r A_r·B_r (+ bias, added once). Build on every rank, pass every rank's `export()` to
 /// `connect`, then call `forward`.
-#[pyclass(unsendable, module = "commfuse._commfuse")]
+#[pyclass(module = "commfuse._commfuse")]
 pub struct GpuGemmReduceScatter {
-    stage: Stage<GemmRsAllocation, GemmRsRank>,
+    stage: SyncWrapper<Stage<GemmRsAllocation, GemmRsRank>>,
 }
 
 #[pymethods]
@@ -152,30 +158,37 @@ impl GpuGemmReduceScatter {
         let gpu = open_gpu(device)?;
         let allocation = GemmRsAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
         Ok(GpuGemmReduceScatter {
-            stage: Stage::Allocated(allocation),
+            stage: SyncWrapper::new(Stage::Allocated(allocation)),
         })
     }
 
     /// This rank's buffers as bytes for the other processes (CUDA IPC handles).
-    fn export<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self.stage.allocated()?.export().map_err(cuda_error)?;
+    fn export<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self
+            .stage
+            .get_mut()
+            .allocated()?
+            .export()
+            .map_err(cuda_error)?;
         Ok(PyBytes::new(py, &bytes.to_bytes()))
     }
 
     /// Opens every rank's export (rank order, this rank's own among them).
     fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
-        self.stage.connect(exports, |a, e| a.connect_exported(e))
+        self.stage
+            .get_mut()
+            .connect(exports, |a, e| a.connect_exported(e))
     }
 
     /// The rows of the output this rank owns for M rows: (start, end).
     fn chunk(&mut self, m: usize) -> PyResult<(usize, usize)> {
-        let r = self.stage.connected()?.chunk(m);
+        let r = self.stage.get_mut().connected()?.chunk(m);
         Ok((r.start, r.end))
     }
 
     /// The path a call of M rows takes: "fused" or "overlapped (C pieces)".
     fn path_for(&mut self, m: usize) -> PyResult<String> {
-        let op = self.stage.connected()?;
+        let op = self.stage.get_mut().connected()?;
         Ok(op.path_for(m).map_err(cuda_error)?.to_string())
     }
 
@@ -183,6 +196,7 @@ impl GpuGemmReduceScatter {
     fn last_path(&mut self) -> PyResult<Option<String>> {
         Ok(self
             .stage
+            .get_mut()
             .connected()?
             .last_path()
             .map(|p: GemmRsPath| p.to_string()))
@@ -203,7 +217,7 @@ impl GpuGemmReduceScatter {
         stream: u64,
         bias: Option<u64>,
     ) -> PyResult<()> {
-        let op = self.stage.connected()?;
+        let op = self.stage.get_mut().connected()?;
         op.check().map_err(earlier_failure)?;
         let stream = borrowed_stream(stream);
         // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`
@@ -213,15 +227,19 @@ impl GpuGemmReduceScatter {
 
     /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
     fn check(&mut self) -> PyResult<()> {
-        self.stage.connected()?.check().map_err(earlier_failure)
+        self.stage
+            .get_mut()
+            .connected()?
+            .check()
+            .map_err(earlier_failure)
     }
 }
 
 /// All-gather + GEMM of one rank on its GPU: every rank's output is AllGather(A)·B_r (+ bias).
 /// Build on every rank, pass every rank's `export()` to `connect`, then call `forward`.
-#[pyclass(unsendable, module = "commfuse._commfuse")]
+#[pyclass(module = "commfuse._commfuse")]
 pub struct GpuAllGatherMatmul {
-    stage: Stage<AgGemmAllocation, AgGemmRank>,
+    stage: SyncWrapper<Stage<AgGemmAllocation, AgGemmRank>>,
 }
 
 #[pymethods]
@@ -266,24 +284,31 @@ impl GpuAllGatherMatmul {
         let gpu = open_gpu(device)?;
         let allocation = AgGemmAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
         Ok(GpuAllGatherMatmul {
-            stage: Stage::Allocated(allocation),
+            stage: SyncWrapper::new(Stage::Allocated(allocation)),
         })
     }
 
     /// This rank's buffers as bytes for the other processes (CUDA IPC handles).
-    fn export<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self.stage.allocated()?.export().map_err(cuda_error)?;
+    fn export<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self
+            .stage
+            .get_mut()
+            .allocated()?
+            .export()
+            .map_err(cuda_error)?;
         Ok(PyBytes::new(py, &bytes.to_bytes()))
     }
 
     /// Opens every rank's export (rank order, this rank's own among them).
     fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
-        self.stage.connect(exports, |a, e| a.connect_exported(e))
+        self.stage
+            .get_mut()
+            .connect(exports, |a, e| a.connect_exported(e))
     }
 
     /// This rank's rows of A for M gathered rows: (start, end).
     fn chunk(&mut self, m: usize) -> PyResult<(usize, usize)> {
-        let r = self.stage.connected()?.chunk(m);
+        let r = self.stage.get_mut().connected()?.chunk(m);
         Ok((r.start, r.end))
     }
 
@@ -303,7 +328,7 @@ impl GpuAllGatherMatmul {
         bias: Option<u64>,
         gathered: Option<u64>,
     ) -> PyResult<()> {
-        let op = self.stage.connected()?;
+        let op = self.stage.get_mut().connected()?;
         op.check().map_err(earlier_failure)?;
         let stream = borrowed_stream(stream);
         // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`
@@ -313,7 +338,11 @@ impl GpuAllGatherMatmul {
 
     /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
     fn check(&mut self) -> PyResult<()> {
-        self.stage.connected()?.check().map_err(earlier_failure)
+        self.stage
+            .get_mut()
+            .connected()?
+            .check()
+            .map_err(earlier_failure)
     }
 }
 
@@ -321,9 +350,9 @@ impl GpuAllGatherMatmul {
 /// "all-to-all", "barrier") of `count` elements of `dtype` on its GPU, by `algo` or the cost
 /// model's pick. Build on every rank, pass every rank's `export()` to `connect`, then call
 /// `forward`.
-#[pyclass(unsendable, module = "commfuse._commfuse")]
+#[pyclass(module = "commfuse._commfuse")]
 pub struct GpuCollective {
-    stage: Stage<CollectiveAllocation, CollectiveRank>,
+    stage: SyncWrapper<Stage<CollectiveAllocation, CollectiveRank>>,
 }
 
 #[pymethods]
@@ -355,36 +384,43 @@ impl GpuCollective {
         let gpu = open_gpu(device)?;
         let allocation = CollectiveAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
         Ok(GpuCollective {
-            stage: Stage::Allocated(allocation),
+            stage: SyncWrapper::new(Stage::Allocated(allocation)),
         })
     }
 
     /// This rank's pads and buffers as bytes for the other processes (CUDA IPC handles).
-    fn export<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self.stage.allocated()?.export().map_err(cuda_error)?;
+    fn export<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self
+            .stage
+            .get_mut()
+            .allocated()?
+            .export()
+            .map_err(cuda_error)?;
         Ok(PyBytes::new(py, &bytes.to_bytes()))
     }
 
     /// Opens every rank's export (rank order, this rank's own among them).
     fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
-        self.stage.connect(exports, |a, e| a.connect_exported(e))
+        self.stage
+            .get_mut()
+            .connect(exports, |a, e| a.connect_exported(e))
     }
 
     /// Elements of this rank's input and output.
     fn lengths(&mut self) -> PyResult<(usize, usize)> {
-        Ok(self.stage.connected()?.lengths())
+        Ok(self.stage.get_mut().connected()?.lengths())
     }
 
     /// What runs: "ll" (the low-latency protocol, for small all-reduces) or the plan's
     /// algorithm.
     fn algo(&mut self) -> PyResult<String> {
-        Ok(self.stage.connected()?.implementation())
+        Ok(self.stage.get_mut().connected()?.implementation())
     }
 
     /// Queues one call on `stream`: `input` into `output` (device addresses of `lengths()`
     /// elements). Raises first if an earlier call's wait timed out on the device.
     fn forward(&mut self, py: Python<'_>, input: u64, output: u64, stream: u64) -> PyResult<()> {
-        let op = self.stage.connected()?;
+        let op = self.stage.get_mut().connected()?;
         op.check().map_err(earlier_failure)?;
         let stream = borrowed_stream(stream);
         // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`
@@ -394,6 +430,10 @@ impl GpuCollective {
 
     /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
     fn check(&mut self) -> PyResult<()> {
-        self.stage.connected()?.check().map_err(earlier_failure)
+        self.stage
+            .get_mut()
+            .connected()?
+            .check()
+            .map_err(earlier_failure)
     }
 }

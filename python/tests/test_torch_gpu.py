@@ -1,5 +1,6 @@
-"""commfuse.torch on GPUs, one process per GPU: runs ``torchrun_ops.py`` under ``torchrun``
-on every GPU present (at least two). Skips with the reason where PyTorch, torchrun or two GPUs
+"""commfuse.torch on GPUs, one process per GPU: ``torch_cuda.py`` (every op and gradient,
+the layers, torch.compile and CUDA graphs) on every GPU present, and ``torchrun_ops.py``
+(against PyTorch's own fused operators) on every GPU present when there are at least two. Skips with the reason where PyTorch, torchrun or two GPUs
 are missing, and fails instead when ``COMMFUSE_REQUIRE_GPU=1`` (the GPU machine's script)."""
 
 import os
@@ -13,25 +14,47 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-def missing():
+def missing(gpus=2):
     """Why the test cannot run here, or None."""
     try:
         import torch
     except ImportError:
         return "PyTorch is not installed"
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        return f"needs two CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < gpus:
+        return f"needs {gpus} CUDA GPU{'s' if gpus > 1 else ''}, found {found}"
     if shutil.which("torchrun") is None:
         return "torchrun is not on PATH"
     return None
 
 
-def test_every_torch_op_matches_float64_and_pytorch_across_processes():
-    reason = missing()
+def _need(gpus):
+    reason = missing(gpus)
     if reason is not None:
         if os.environ.get("COMMFUSE_REQUIRE_GPU") == "1":
             pytest.fail(f"COMMFUSE_REQUIRE_GPU=1 but {reason}")
         pytest.skip(reason)
+
+
+def test_ops_gradients_layers_compile_and_graphs_on_every_gpu():
+    _need(1)
+    import torch
+
+    run = subprocess.run(
+        ["torchrun", "--standalone", f"--nproc-per-node={torch.cuda.device_count()}",
+         str(HERE / "torch_cuda.py")],
+        capture_output=True, text=True, timeout=600, cwd=HERE,
+    )
+    sys.stdout.write(run.stdout)
+    sys.stderr.write(run.stderr[-8000:])
+    assert run.returncode == 0, f"torchrun exited with {run.returncode}"
+    for check in ["every_op bfloat16", "every_op float16", "layers", "compile inductor",
+                  "cuda graphs"]:
+        assert f"ok {check}" in run.stdout, f"{check} did not report"
+
+
+def test_every_torch_op_matches_float64_and_pytorch_across_processes():
+    _need(2)
     import torch
 
     world = torch.cuda.device_count()

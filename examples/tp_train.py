@@ -1,0 +1,215 @@
+"""Train a tensor-parallel transformer block with commfuse.torch, and check it against the same
+block trained on one device.
+
+    torchrun --nproc-per-node 2 examples/tp_train.py --device cpu     # any machine (gloo)
+    torchrun --nproc-per-node 2 examples/tp_train.py                  # one GPU per rank (NCCL)
+
+The model: token embedding, one pre-norm transformer block (causal self-attention by
+``scaled_dot_product_attention``, then a GELU MLP), a final LayerNorm and an output head. The
+block is tensor-parallel: q, k, v and fc1 are ``ColumnParallelLinear`` (heads and the MLP's
+hidden features split over the ranks), the attention's output projection and fc2
+``RowParallelLinear``, with sequence parallelism by default (every rank holds its rows of the
+sequence outside the block's GEMMs: all-gather + GEMM in, GEMM + reduce-scatter out). The
+parameters outside the split are replicated, and under sequence parallelism their gradients
+are summed over the ranks before each step (as Megatron-LM does).
+
+Every rank also trains the one-device model (the same initial weights, the same batches,
+AdamW) and the loss of every step must agree within ``--tolerance`` (relative: the tensor-
+parallel block computes its GEMMs in bfloat16). Then it times training steps of the commfuse
+block beside the same block served by torch.distributed and torch.matmul, and prints tokens/s
+of both. The last line is OK, or the step that disagreed (and the exit status is 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import commfuse.torch as cf
+from commfuse.torch.nn import ColumnParallelLinear, RowParallelLinear
+
+
+class Model(nn.Module):
+    """The one-device model."""
+
+    def __init__(self, vocab: int, hidden: int, heads: int, ffn: int):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, hidden)
+        self.ln1, self.ln2, self.ln_f = (nn.LayerNorm(hidden) for _ in range(3))
+        self.q, self.k, self.v, self.proj = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def attention(self, h, q, k, v, heads):
+        """Causal attention over the whole sequence of [s, b, heads·d] projections."""
+        s, b = q.shape[0], q.shape[1]
+
+        def split(t):  # [s, b, heads·d] -> [b, heads, s, d]
+            return t.reshape(s, b, heads, -1).permute(1, 2, 0, 3)
+
+        o = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)
+        return o.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def block(self, x, heads):
+        h = self.ln1(x)
+        x = x + self.proj(self.attention(h, self.q(h), self.k(h), self.v(h), heads))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    def forward(self, tokens):  # tokens [s, b] -> logits [s, b, vocab]
+        return self.head(self.ln_f(self.block(self.embed(tokens), self.heads)))
+
+
+class TensorParallelModel(nn.Module):
+    """The same model with its block split over ``group``: built from the one-device model."""
+
+    def __init__(self, model: Model, group, sequence_parallel: bool):
+        super().__init__()
+        self.sp = sequence_parallel
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if model.heads % self.world:
+            raise SystemExit(f"{model.heads} heads do not split over {self.world} ranks")
+        self.heads = model.heads // self.world
+        for name in ("embed", "ln1", "ln2", "ln_f", "head"):
+            setattr(self, name, copy.deepcopy(getattr(model, name)))
+        opts = dict(group=group, sequence_parallel=sequence_parallel)
+        for name in ("q", "k", "v", "fc1"):
+            setattr(self, name, ColumnParallelLinear.from_linear(getattr(model, name), **opts))
+        for name in ("proj", "fc2"):
+            setattr(self, name, RowParallelLinear.from_linear(getattr(model, name), **opts))
+
+    attention = Model.attention
+    block = Model.block
+
+    def replicated(self):
+        """The parameters every rank holds whole."""
+        return [p for n in ("embed", "ln1", "ln2", "ln_f", "head")
+                for p in getattr(self, n).parameters()]
+
+    def forward(self, tokens):  # this rank's rows of the sequence under SP, else all of it
+        return self.head(self.ln_f(self.block(self.embed(tokens), self.heads)))
+
+
+def rows(s: int, world: int, rank: int) -> slice:
+    base, extra = divmod(s, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def step(model, optimizer, tokens, targets, group, sp):
+    """One training step; returns the loss of the whole batch (the same on every rank)."""
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(tokens)
+    # the mean over every token of the batch: each rank's share of the sum
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+    loss = loss / (targets.numel() * (dist.get_world_size(group) if sp else 1))
+    loss.backward()
+    if sp and group is not None:
+        for p in model.replicated():
+            dist.all_reduce(p.grad, group=group)
+    optimizer.step()
+    total = loss.detach().clone()
+    if sp and group is not None:
+        dist.all_reduce(total, group=group)
+    return total.item()
+
+
+def batch(seed, s, b, vocab, device):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, vocab, (s + 1, b), generator=g).to(device)
+    return t[:-1], t[1:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--no-sequence-parallel", action="store_true")
+    ap.add_argument("--tolerance", type=float, default=0.005)
+    ap.add_argument("--timed-steps", type=int, default=5)
+    args = ap.parse_args()
+    if args.steps < 1 or args.seq < 1 or args.batch < 1:
+        raise SystemExit("--steps, --seq and --batch must be positive")
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA GPU: pass --device cpu")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    group = dist.group.WORLD
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device(args.device, torch.cuda.current_device()) \
+        if args.device == "cuda" else torch.device("cpu")
+    sp = not args.no_sequence_parallel
+    if sp and args.seq % world:
+        raise SystemExit(f"--seq {args.seq} must divide by the {world} ranks under sequence"
+                         " parallelism")
+
+    torch.manual_seed(0)
+    reference = Model(args.vocab, args.hidden, args.heads, args.ffn).to(device)
+    tp = TensorParallelModel(reference, group, sp)
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    opt_tp = torch.optim.AdamW(tp.parameters(), lr=1e-3)
+    mine = rows(args.seq, world, rank)
+    bad = None
+    for i in range(args.steps):
+        tokens, targets = batch(i, args.seq, args.batch, args.vocab, device)
+        want = step(reference, opt_ref, tokens, targets, None, False)
+        got = step(tp, opt_tp, tokens[mine] if sp else tokens, targets[mine] if sp else targets,
+                   group, sp)
+        off = abs(got - want) / max(abs(want), 1e-6)
+        if rank == 0:
+            print(f"step {i}: loss {got:.5f}, one device {want:.5f} (relative {off:.2e})")
+        if not math.isfinite(got) or off > args.tolerance:
+            bad = bad or f"step {i}: loss {got} against {want} on one device"
+
+    # tokens/s: the commfuse block, and the same block served by torch.distributed
+    timed = {}
+    baseline_group = dist.new_group(list(range(world)))
+    cf.serve_by_torch_distributed(baseline_group)
+    for label, g in (("commfuse", group), ("torch.distributed + torch.matmul", baseline_group)):
+        model = TensorParallelModel(reference, g, sp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens, targets = batch(1000, args.seq, args.batch, args.vocab, device)
+        x, y = (tokens[mine], targets[mine]) if sp else (tokens, targets)
+        for _ in range(2):  # warm-up: operators built, kernels compiled
+            step(model, opt, x, y, g, sp)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(args.timed_steps):
+            step(model, opt, x, y, g, sp)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        took = torch.tensor([time.perf_counter() - start], device=device)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank
+        timed[label] = args.timed_steps * args.seq * args.batch / took.item()
+    if rank == 0:
+        served = cf.served_by(device)
+        for label, rate in timed.items():
+            print(f"{label:34s} {rate:12.0f} tokens/s  ({world} ranks, {device.type},"
+                  f" sequence_parallel={sp}{', served by ' + served if label == 'commfuse' else ''})")
+        print(f"FAILED: {bad}" if bad else
+              f"OK: {args.steps} steps within {args.tolerance:.1%} of one device's loss")
+    dist.destroy_process_group()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

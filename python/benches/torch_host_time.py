@@ -1,0 +1,123 @@
+"""Host time per call of commfuse.torch's ops beside the torch calls they replace, and the GPU
+time of the same calls replayed from a CUDA graph, in one run:
+
+    torchrun --nproc-per-node P python/benches/torch_host_time.py [--json FILE]
+
+Host time: a loop of back-to-back calls (the same shape, operators cached, nothing
+synchronised inside the loop) divided by the calls, the median of several rounds, the rows
+interleaved round by round. GPU time: the same call captured ``--graph-calls`` times into one
+CUDA graph, replayed, timed by CUDA events (the slowest rank's median). commfuse's rows: the
+public function (which skips the dispatcher when no gradient is needed and nothing is being
+compiled) and the ``torch.ops.commfuse`` op itself (what a compiled or differentiated model
+calls)."""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import commfuse.torch as cf
+
+
+def host_us(fn, calls):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    took = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return took / calls * 1e6
+
+
+def graph_us(fn, calls, replays=20):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # operators built, kernels loaded, outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        t = torch.tensor([begin.elapsed_time(end) * 1e3 / calls], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--graph-calls", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ops = torch.ops.commfuse
+    name = dist.group.WORLD.group_name
+    rows = []
+    for m in (16, 128):
+        n, k = 8192, 3584
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        chunk = torch.randn(max(m // world, 1), k, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(m * n, device=dev, dtype=torch.bfloat16)
+        rows += [
+            (f"gemm_reduce_scatter {m}x{n}x{k}", {
+                "commfuse": lambda a=a, w=w: cf.gemm_reduce_scatter(a, w.t(), path="fused"),
+                "commfuse op": lambda a=a, w=w: ops.gemm_reduce_scatter(
+                    a, w.t(), None, name, None, "fused", None, 1),
+                "torch.matmul": lambda a=a, w=w: torch.matmul(a, w.t()),
+            }),
+            (f"all_gather_gemm {chunk.shape[0] * world}x{n}x{k}", {
+                "commfuse": lambda c=chunk, w=w: cf.all_gather_gemm(c, w.t()),
+                "commfuse op": lambda c=chunk, w=w: ops.all_gather_gemm(
+                    c, w.t(), None, name, c.shape[0] * world, None, 1, "overlapped", False),
+                "torch.matmul": lambda c=chunk, w=w: torch.matmul(c, w.t()),
+            }),
+            (f"all_reduce {m * n} bf16", {
+                "commfuse": lambda x=x: cf.all_reduce(x),
+                "commfuse op": lambda x=x: ops.all_reduce_(x, "sum", name, "auto"),
+                "torch.distributed": lambda x=x: dist.all_reduce(x),
+            }),
+        ]
+    results = []
+    for label, fns in rows:
+        for fn in fns.values():
+            fn()  # operators built
+        host = {key: [] for key in fns}
+        for _ in range(args.rounds):
+            for key, fn in fns.items():
+                host[key].append(host_us(fn, args.calls))
+        gpu = {key: graph_us(fn, args.graph_calls) for key, fn in fns.items()}
+        for key in fns:
+            results.append({"op": label, "impl": key, "ranks": world,
+                            "host_us": statistics.median(host[key]), "gpu_us": gpu[key]})
+    if dist.get_rank() == 0:
+        print(f"{'op':36s} {'impl':18s} {'host us/call':>12s} {'GPU us/call (graph)':>20s}")
+        for r in results:
+            print(f"{r['op']:36s} {r['impl']:18s} {r['host_us']:12.1f} {r['gpu_us']:20.1f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": world, "device": torch.cuda.get_device_name(),
+                           "torch": torch.__version__, "rows": results}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Process groups as commfuse.torch's ops see them: by name (``group.group_name``, as PyTorch's
+functional collectives pass them, so that compiled graphs carry a string), and what serves
+each group on each kind of device — commfuse's kernels (CUDA tensors, ranks that can open each
+other's memory), commfuse's simulator (CPU tensors), or ``torch.distributed`` (everything else:
+ranks on several hosts or sharing a GPU, or ``COMMFUSE_PEER_ACCESS=0``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# what serves a group's calls
+KERNELS, SIMULATOR, TORCH = "commfuse", "commfuse-sim", "torch.distributed"
+
+
+class Group:
+    """One process group: its name, this process's rank, its size, and what serves it on each
+    device type (settled collectively at the first call on that device type)."""
+
+    def __init__(self, process_group, name: str):
+        self.process_group = process_group
+        self.name = name
+        self.rank = dist.get_rank(process_group)
+        self.world = dist.get_world_size(process_group)
+        self._served: dict = {}
+
+    def served_by(self, device: torch.device) -> str:
+        """KERNELS, SIMULATOR or TORCH for tensors on ``device`` (collective at the first call
+        of each device type: every rank must make it)."""
+        kind = device.type
+        served = self._served.get(kind)
+        if served is None:
+            served = self._served[kind] = self._settle(device)
+        return served
+
+    def serve_by_torch(self) -> None:
+        """torch.distributed and torch.matmul serve every later call, on every device."""
+        self._served = {kind: TORCH for kind in ("cpu", "cuda")}
+
+    def _settle(self, device: torch.device) -> str:
+        forbidden = os.environ.get("COMMFUSE_PEER_ACCESS", "1") == "0"
+        if device.type == "cpu":
+            if forbidden:
+                self._warn("COMMFUSE_PEER_ACCESS=0 forbids shared memory between its ranks")
+                return TORCH
+            return SIMULATOR
+        if device.type != "cuda":
+            raise ValueError(f"commfuse.torch runs on CUDA and CPU tensors, got {device}")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        mine = (socket.gethostname(), str(torch.cuda.get_device_properties(index).uuid),
+                forbidden)
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.process_group)
+        if any(e[2] for e in every):
+            self._warn("COMMFUSE_PEER_ACCESS=0 forbids peer access between its GPUs")
+            return TORCH
+        hosts = {e[0] for e in every}
+        if len(hosts) > 1:
+            self._warn(f"its ranks are on {len(hosts)} hosts, and commfuse's kernels need every"
+                       " GPU of a group to open every other's memory")
+            return TORCH
+        gpus = [e[1] for e in every]
+        if len(set(gpus)) < len(gpus):
+            self._warn("some of its ranks share a GPU, and commfuse's kernels need one rank"
+                       " per GPU")
+            return TORCH
+        return KERNELS
+
+    def _warn(self, why: str) -> None:
+        warnings.warn(
+            f"commfuse.torch: group {self.name!r} is served by torch.distributed (NCCL or gloo)"
+            f" and torch.matmul, with the same semantics, because {why}",
+            RuntimeWarning, stacklevel=4,
+        )
+
+
+# group name -> Group
+_BY_NAME: dict = {}
+
+
+def name_of(group) -> str:
+    """The name of ``group`` (the default group's when None) as the ops take it."""
+    if group is None:
+        if not dist.is_initialized():
+            raise ValueError(
+                "commfuse.torch needs torch.distributed initialised (init_process_group)")
+        group = dist.group.WORLD
+    if isinstance(group, str):
+        return group
+    name = group.group_name
+    if name not in _BY_NAME:
+        _BY_NAME[name] = Group(group, name)
+    return name
+
+
+def by_name(name: str) -> Group:
+    """The group an op names (looked up once per name; rank and size need no communication,
+    so fake kernels ask them too)."""
+    g = _BY_NAME.get(name)
+    if g is None:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        g = _BY_NAME[name] = Group(_resolve_process_group(name), name)
+    return g
+
+
+def lookup(group) -> Optional[Group]:
+    return _BY_NAME.get(name_of(group))
+
+
+def clear() -> None:
+    _BY_NAME.clear()

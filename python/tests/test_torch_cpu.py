@@ -1,0 +1,133 @@
+"""commfuse.torch on CPU tensors: P = 1..4 processes on a gloo group, served by commfuse's
+simulator (or, with peer access forbidden, by torch.distributed). Every op and gradient against
+float64, ``torch.library.opcheck`` of every op, ``torch.compile(fullgraph=True)`` of a
+tensor-parallel block, the layers against one device, and the training example. Skips where
+PyTorch is missing, and fails instead when ``COMMFUSE_REQUIRE_TORCH=1`` (CI sets it)."""
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError:
+    if os.environ.get("COMMFUSE_REQUIRE_TORCH") == "1":
+        raise
+    pytest.skip("PyTorch is not installed", allow_module_level=True)
+
+import commfuse.torch as cf  # noqa: E402
+import torch_checks  # noqa: E402
+from torch_ranks import run_ranks  # noqa: E402
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_op_and_gradient_matches_float64(world):
+    run_ranks(torch_checks.every_op, world, "bfloat16")
+
+
+def test_float16_ops_and_gradients():
+    run_ranks(torch_checks.every_op, 2, "float16")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_layers_match_one_device(world):
+    run_ranks(torch_checks.layers_match_one_device, world)
+
+
+def test_compiled_block_has_no_graph_break_and_matches_eager():
+    run_ranks(torch_checks.compiled_block_matches_eager, 2)
+
+
+def test_peer_access_forbidden_falls_back_to_torch_distributed(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_PEER_ACCESS", "0")
+    run_ranks(torch_checks.fallback_serves_the_same, 2)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """This process as a group of one (gloo)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
+                                world_size=1)
+        yield dist.group.WORLD.group_name
+        cf.clear_cache()
+        dist.destroy_process_group()
+
+
+def _samples(name, dtype):
+    g = torch.Generator().manual_seed(3)
+
+    def rand(*shape, dt=dtype, grad=True):
+        return (torch.randint(-8, 9, shape, generator=g) / 8).to(dt).requires_grad_(grad)
+
+    ops = torch.ops.commfuse
+    return [
+        (ops.gemm_reduce_scatter, (rand(6, 8), rand(8, 16), None, name, None, "auto", None, 1)),
+        (ops.gemm_reduce_scatter, (rand(6, 8), rand(16, 8).t(), rand(16, dt=torch.float32), name,
+                                   torch.float32, "fused", None, 1)),
+        (ops.all_gather_gemm, (rand(7, 8), rand(8, 16), rand(16), name, 7, None, 1, "overlapped",
+                               True)),
+        (ops.all_gather_gemm, (rand(7, 8), rand(16, 8).t(), None, name, 7, None, 1, "overlapped",
+                               False)),
+        (ops.all_reduce, (rand(9), "sum", name, "auto")),
+        (ops.reduce_scatter, (rand(5, 3), "sum", name, "auto")),
+        (ops.all_gather, (rand(5, 3), 5, name, "auto")),
+        (ops.all_to_all, (rand(6), name, "auto")),
+        (ops.all_reduce_, (rand(9, grad=False), "max", name, "auto")),
+        (ops.reduce_scatter_into, (rand(9, grad=False), rand(9, grad=False), "sum", name,
+                                   "auto")),
+        (ops.all_gather_into, (rand(9, grad=False), rand(9, grad=False), name, "auto")),
+        (ops.all_to_all_into, (rand(9, grad=False), rand(9, grad=False), name, "auto")),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_opcheck_every_op(one_rank, dtype):
+    for op, args in _samples(one_rank, dtype):
+        torch.library.opcheck(op, args)
+
+
+def test_compile_with_inductor_on_one_rank(one_rank):
+    torch_checks.compiled_block_matches_eager(0, 1, backend="inductor")
+
+
+def test_bad_calls_raise_value_error(one_rank):
+    a = torch.ones(4, 8, dtype=torch.bfloat16)
+    for call, says in [
+        (lambda: cf.gemm_reduce_scatter(a, torch.ones(7, 3, dtype=torch.bfloat16)), "b is"),
+        (lambda: cf.gemm_reduce_scatter(a.float(), a.float().t()), "bfloat16 or float16"),
+        (lambda: cf.gemm_reduce_scatter(a, a.t(), path="sideways"), "path"),
+        (lambda: cf.all_gather_gemm(a, a.t(), m=5), "chunk of M"),
+        (lambda: cf.all_reduce(torch.ones(3, dtype=torch.int32)), "bfloat16, float16 or"),
+        (lambda: cf.all_reduce(torch.ones(3), op="avg"), "sum, max, min or prod"),
+        (lambda: cf.reduce_scatter(torch.ones(2), torch.ones(3)), "output must hold"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            call()
+
+
+def test_import_without_torch_says_how_to_install():
+    code = "import sys; sys.modules['torch'] = None; import commfuse.torch"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tempfile.gettempdir())
+    assert run.returncode != 0
+    assert "ImportError" in run.stderr and "pip install torch" in run.stderr, run.stderr
+
+
+def test_training_example_matches_one_device():
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(ROOT / "examples" / "tp_train.py"), "--device", "cpu", "--steps", "6"],
+        capture_output=True, text=True, timeout=600, cwd=tempfile.gettempdir(),
+    )
+    sys.stdout.write(run.stdout[-4000:])
+    sys.stderr.write(run.stderr[-4000:])
+    assert run.returncode == 0, f"tp_train.py exited with {run.returncode}"
+    assert "OK" in run.stdout.splitlines()[-1]

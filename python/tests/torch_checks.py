@@ -1,0 +1,348 @@
+"""What each rank checks in the PyTorch tests (run by ``test_torch_cpu.py`` in P processes,
+CPU tensors on a gloo group): every op's output and every gradient against float64 computed by
+PyTorch's autograd on the whole group's operands, which every rank builds from shared seeds."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import commfuse.torch as cf
+import commfuse.torch.functional as cff
+from torch_ranks import check, operands, rows_of
+
+
+#: where the ops under test run (the references always on the CPU): set by the runner
+DEVICE = torch.device("cpu")
+
+
+def _on(x: torch.Tensor, dtype) -> torch.Tensor:
+    return x.detach().to(device=DEVICE, dtype=dtype)
+
+
+def _leaf(x: torch.Tensor, dtype) -> torch.Tensor:
+    return _on(x, dtype).requires_grad_()
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    """A float64 leaf of its own (the operands stay untouched)."""
+    return x.detach().clone().requires_grad_()
+
+
+def _weight_view(b: torch.Tensor, layout: str) -> torch.Tensor:
+    """``b`` [K, N] as the op gets it: row-major ("kn") or the transpose of a row-major
+    [N, K] weight ("nk")."""
+    return b if layout == "kn" else b.t().contiguous().t()
+
+
+def gemm_reduce_scatter_grads(rank, world, dtype, seed):
+    """Y_r = (Σ_s A_s B_s)[rows_r] + bias and its gradients in A, B and the bias, against
+    float64 autograd on every rank's operands (and on their magnitudes, for the bound)."""
+    n, k = 24, 16
+    for case, (layout, with_bias, out_dtype, m) in enumerate([
+        ("kn", False, None, 3 * world + 2),
+        ("nk", True, None, 2 * world + 1),
+        ("nk", True, torch.float32, 5 * world),
+        ("kn", True, torch.float32, world + 1),
+    ]):
+        s = seed + 100 * case
+        a = operands(s, [(m, k)] * world)
+        b = operands(s + 1, [(k, n)] * world)
+        # the bias is replicated (the op adds it once); each rank's copy gets its rows' part
+        # of the gradient
+        bias = operands(s + 2, [(n,)]) * world
+        rows = rows_of(m, world)
+        grads = operands(s + 3, [(len(rows[r]), n) for r in range(world)])
+
+        def reference(a, b, bias, grads, abs_values: bool):
+            f = (lambda t: t.abs()) if abs_values else (lambda t: t)
+            a, b, bias = ([_fresh(f(x)) for x in t] for t in (a, b, bias))
+            total = sum(x @ y for x, y in zip(a, b))
+            ys = [total[rows[r]] + (bias[r] if with_bias else 0) for r in range(world)]
+            sum((y * f(g)).sum() for y, g in zip(ys, grads)).backward()
+            return ys[rank].detach(), a[rank].grad, b[rank].grad, bias[rank].grad
+
+        want = reference(a, b, bias, grads, False)
+        scale = reference(a, b, bias, grads, True)
+        ra, rb = _leaf(a[rank], dtype), _leaf(b[rank], dtype)
+        rbias = _leaf(bias[rank], out_dtype or dtype) if with_bias else None
+        y = cf.gemm_reduce_scatter(ra, _weight_view(rb, layout), bias=rbias, out_dtype=out_dtype)
+        out_t = out_dtype or dtype
+        assert y.dtype == out_t, (y.dtype, out_t)
+        name = f"gemm_reduce_scatter {layout} bias={with_bias} out={out_t} M={m} rank {rank}"
+        check(name, y, want[0], scale[0], out_t)
+        y.backward(_on(grads[rank], out_t))
+        check(name + " dA", ra.grad, want[1], scale[1], dtype)
+        check(name + " dB", rb.grad, want[2], scale[2], dtype)
+        if with_bias:
+            check(name + " dbias", rbias.grad, want[3], scale[3], out_t)
+
+
+def all_gather_gemm_grads(rank, world, dtype, seed):
+    """Z_s = AG(X)·B_s + bias_s and its gradients, ragged chunks of X, the gathered A returned
+    (and its gradient taken) or not, kept for the backward or gathered again."""
+    n, k = 24, 16
+    for case, (layout, with_bias, return_a, save, m) in enumerate([
+        ("kn", True, False, True, 3 * world + 1),
+        ("nk", False, True, True, 2 * world + 3),
+        ("nk", True, False, False, 4 * world),
+    ]):
+        s = seed + 100 * case
+        rows = rows_of(m, world)
+        x = operands(s, [(m, k)])[0]
+        b = operands(s + 1, [(k, n)] * world)
+        bias = operands(s + 2, [(n,)] * world)
+        grads = operands(s + 3, [(m, n)] * world)
+        ggrads = operands(s + 4, [(m, k)] * world)
+
+        def reference(abs_values: bool):
+            f = (lambda t: t.abs()) if abs_values else (lambda t: t)
+            xs = [_fresh(f(x[r])) for r in rows]
+            bs, biases = ([_fresh(f(t)) for t in ts] for ts in (b, bias))
+            gathered = torch.cat(xs)
+            zs = [gathered @ bs[r] + (biases[r] if with_bias else 0) for r in range(world)]
+            loss = sum((z * f(g)).sum() for z, g in zip(zs, grads))
+            if return_a:
+                loss = loss + sum((gathered * f(g)).sum() for g in ggrads)
+            loss.backward()
+            return zs[rank].detach(), xs[rank].grad, bs[rank].grad, biases[rank].grad
+
+        want, scale = reference(False), reference(True)
+        ra, rb = _leaf(x[rows[rank]], dtype), _leaf(b[rank], dtype)
+        rbias = _leaf(bias[rank], dtype) if with_bias else None
+        got = cf.all_gather_gemm(ra, _weight_view(rb, layout), bias=rbias, m=m,
+                                 return_a=return_a, save_gathered=save)
+        name = f"all_gather_gemm {layout} bias={with_bias} return_a={return_a} M={m} rank {rank}"
+        if return_a:
+            z, gathered = got
+            assert torch.equal(gathered.double().cpu(), x), name + ": gathered A"
+            torch.autograd.backward([z, gathered], [_on(grads[rank], dtype),
+                                                    _on(ggrads[rank], dtype)])
+        else:
+            z = got
+            z.backward(_on(grads[rank], dtype))
+        check(name, z, want[0], scale[0], dtype)
+        check(name + " dA", ra.grad, want[1], scale[1], dtype)
+        check(name + " dB", rb.grad, want[2], scale[2], dtype)
+        if with_bias:
+            check(name + " dbias", rbias.grad, want[3], scale[3], dtype)
+
+
+def functional_collective_grads(rank, world, dtype, seed):
+    """The functional collectives and their adjoints, ragged rows with and without inner
+    dimensions."""
+    for case, (rows, inner) in enumerate([(3 * world + 1, ()), (2 * world + 1, (3,)),
+                                          (2 * world, (2, 2))]):
+        s = seed + 100 * case
+        xs = operands(s, [(rows,) + inner] * world)
+        parts = rows_of(rows, world)
+        name = f"{rows}x{inner} rank {rank}"
+
+        def leaf():
+            return _leaf(xs[rank], dtype)
+
+        # all-reduce: every rank's sum; its gradient the sum of every rank's upstream gradient
+        g = operands(s + 1, [(rows,) + inner] * world)
+        x = leaf()
+        y = cff.all_reduce(x)
+        check("all_reduce " + name, y, sum(xs), sum(t.abs() for t in xs), dtype)
+        y.backward(_on(g[rank], dtype))
+        check("all_reduce grad " + name, x.grad, sum(g), sum(t.abs() for t in g), dtype)
+        # reduce-scatter: this rank's rows; its gradient the gathered upstream gradients
+        gs = operands(s + 2, [(len(parts[r]),) + inner for r in range(world)])
+        x = leaf()
+        y = cff.reduce_scatter_tensor(x)
+        total = sum(xs)
+        check("reduce_scatter " + name, y, total[parts[rank]],
+              sum(t.abs() for t in xs)[parts[rank]], dtype)
+        y.backward(_on(gs[rank], dtype))
+        assert torch.equal(x.grad.double().cpu(), torch.cat(gs)), "reduce_scatter grad " + name
+        # all-gather: the rows of every rank; its gradient this rank's rows of the summed
+        # upstream gradients
+        mine = _leaf(xs[0][parts[rank]], dtype)
+        y = cff.all_gather_tensor(mine, rows=rows)
+        assert torch.equal(y.double().cpu(), xs[0]), "all_gather " + name
+        y.backward(_on(g[rank], dtype))
+        check("all_gather grad " + name, mine.grad, sum(g)[parts[rank]],
+              sum(t.abs() for t in g)[parts[rank]], dtype)
+        # all-to-all (equal chunks): chunk j of rank i to rank j; its own adjoint
+        if xs[0].numel() % world == 0:
+            flat = [t.reshape(-1) for t in xs]
+            size = flat[0].numel() // world
+            x = leaf()
+            y = cff.all_to_all_single(x)
+            want = torch.cat([f[rank * size:(rank + 1) * size] for f in flat]).reshape(x.shape)
+            assert torch.equal(y.double().cpu(), want), "all_to_all " + name
+            y.backward(_on(g[rank], dtype))
+            gflat = [t.reshape(-1) for t in g]
+            back = torch.cat([gj[rank * size:(rank + 1) * size] for gj in gflat])
+            assert torch.equal(x.grad.double().cpu().reshape(-1), back), "all_to_all grad " + name
+
+
+def in_place_collectives(rank, world, dtype, seed):
+    """torch.distributed's forms (in place, into a given output), flat ragged chunks, outputs
+    poisoned, calls back to back with changing inputs."""
+    for call, n in enumerate([5 * world + 3, 7, 1]):
+        xs = operands(seed + call, [(n,)] * world)
+        chunks = rows_of(n, world)
+        t = _on(xs[rank], dtype)
+        cf.all_reduce(t)
+        check(f"all_reduce n={n}", t, sum(xs), sum(x.abs() for x in xs), dtype)
+        out = torch.full((len(chunks[rank]),), float("nan"), dtype=dtype, device=DEVICE)
+        cf.reduce_scatter(out, _on(xs[rank], dtype))
+        check(f"reduce_scatter n={n}", out, sum(xs)[chunks[rank]],
+              sum(x.abs() for x in xs)[chunks[rank]], dtype)
+        out = torch.full((n,), float("nan"), dtype=dtype, device=DEVICE)
+        cf.all_gather(out, _on(xs[0][chunks[rank]], dtype))
+        assert torch.equal(out.double().cpu(), xs[0]), f"all_gather n={n}"
+        out = torch.full((world * len(chunks[rank]),), float("nan"), dtype=dtype, device=DEVICE)
+        cf.all_to_all(out, _on(xs[rank], dtype))
+        assert torch.equal(out.double().cpu(), torch.cat([x[chunks[rank]] for x in xs])), \
+            f"all_to_all n={n}"
+        mx = _on(xs[rank], dtype)
+        cf.all_reduce(mx, op="max")
+        assert torch.equal(mx.double().cpu(), torch.stack(xs).max(0).values), \
+            f"all_reduce max n={n}"
+    cf.barrier(device=DEVICE)
+
+
+def every_op(rank, world, dtype_name, seed=1):
+    dtype = getattr(torch, dtype_name)
+    gemm_reduce_scatter_grads(rank, world, dtype, seed)
+    all_gather_gemm_grads(rank, world, dtype, seed + 7)
+    functional_collective_grads(rank, world, dtype, seed + 13)
+    in_place_collectives(rank, world, dtype if dtype != torch.float16 else torch.float32,
+                         seed + 17)
+    assert cf.served_by(DEVICE) == ("commfuse-sim" if DEVICE.type == "cpu" else "commfuse")
+    dist.barrier()
+
+
+class _Mlp(torch.nn.Module):
+    """A tensor-parallel MLP block: column-parallel fc1, GELU, row-parallel fc2."""
+
+    def __init__(self, fc1, fc2, sequence_parallel, group=None):
+        super().__init__()
+        from commfuse.torch.nn import ColumnParallelLinear, RowParallelLinear
+
+        self.fc1 = ColumnParallelLinear.from_linear(fc1, group,
+                                                    sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear.from_linear(fc2, group, sequence_parallel=sequence_parallel)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def _reference_mlp(hidden, ffn, seed):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(hidden, ffn), torch.nn.Linear(ffn, hidden)
+
+
+def layers_match_one_device(rank, world, seed=5):
+    """Both layers built from nn.Linear (float32 parameters, bfloat16 compute), sequence
+    parallel and not: outputs and every gradient against the same block on one device in
+    float64, within bfloat16's rounding of the block (norm-wise)."""
+    hidden, ffn, s, b = 32, 48, 2 * world, 3
+    fc1, fc2 = _reference_mlp(hidden, ffn, seed)
+    x = operands(seed + 1, [(s, b, hidden)])[0].float()
+    g = operands(seed + 2, [(s, b, hidden)])[0].float()
+    # the reference: float64 on one device
+    r1, r2 = [torch.nn.Linear(l.in_features, l.out_features).double() for l in (fc1, fc2)]
+    r1.load_state_dict(fc1.state_dict())
+    r2.load_state_dict(fc2.state_dict())
+    xr = x.double().requires_grad_()
+    yr = r2(torch.nn.functional.gelu(r1(xr)))
+    yr.backward(g.double())
+    for sp in (False, True):
+        mlp = _Mlp(copy.deepcopy(fc1).to(DEVICE), copy.deepcopy(fc2).to(DEVICE), sp)
+        assert "rank" in repr(mlp.fc1) and f"sequence_parallel={sp}" in repr(mlp.fc2)
+        start = rows_of(s, world)[rank][0] if sp else 0
+        length = len(rows_of(s, world)[rank]) if sp else s
+        xi = x[start:start + length].clone().to(DEVICE).requires_grad_()
+        y = mlp(xi)
+        want = yr.detach()[start:start + length] if sp else yr.detach()
+        assert y.shape == want.shape and y.dtype == torch.float32, (y.shape, y.dtype)
+        y.backward((g[start:start + length] if sp else g).to(DEVICE))
+        out_rows = rows_of(ffn, world)[rank]
+        in_rows = out_rows
+        pairs = [
+            ("y", y, want),
+            ("dx", xi.grad, xr.grad[start:start + length]),
+            ("fc1.weight", mlp.fc1.weight.grad, r1.weight.grad[out_rows]),
+            ("fc1.bias", mlp.fc1.bias.grad, r1.bias.grad[out_rows]),
+            ("fc2.weight", mlp.fc2.weight.grad, r2.weight.grad[:, in_rows]),
+            ("fc2.bias", mlp.fc2.bias.grad, r2.bias.grad),
+        ]
+        for what, got, ref in pairs:
+            err = (got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-12)
+            assert err < 2e-2, f"sequence_parallel={sp} {what}: relative error {err:.3g}"
+
+
+def compiled_block_matches_eager(rank, world, backend="aot_eager", seed=9):
+    """A tensor-parallel MLP (all-gather + GEMM, GELU, GEMM + reduce-scatter) compiled with
+    fullgraph=True: no graph break, forward and gradients equal to eager's."""
+    import torch._dynamo
+
+    hidden, ffn, rows = 32, 64, 4 * world
+    fc1, fc2 = _reference_mlp(hidden, ffn, seed)
+    x = operands(seed + 1, [(rows, hidden)])[0].float()[rows_of(rows, world)[rank]].to(DEVICE)
+    mlp = _Mlp(fc1.to(DEVICE), fc2.to(DEVICE), True)
+    explain = torch._dynamo.explain(mlp)(x)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    assert explain.graph_count == 1, explain.graph_count
+    compiled = torch.compile(mlp, fullgraph=True, backend=backend)
+    for call in range(2):
+        xi = (x * (call + 1)).requires_grad_()
+        xe = xi.detach().clone().requires_grad_()
+        yc, ye = compiled(xi), mlp(xe)
+        torch.testing.assert_close(yc, ye, rtol=1e-2, atol=1e-2)
+        yc.sum().backward()
+        grads_c = [p.grad.clone() for p in mlp.parameters()]
+        mlp.zero_grad()
+        ye.sum().backward()
+        for gc, p in zip(grads_c, mlp.parameters()):
+            torch.testing.assert_close(gc, p.grad, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(xi.grad, xe.grad, rtol=1e-2, atol=1e-2)
+        mlp.zero_grad()
+    # the collectives and the GEMM ops compile too, each without a break
+    for fn, arg in [(lambda t: cff.all_reduce(t) * 2, x),
+                    (lambda t: cff.all_gather_tensor(t) + 1, x),
+                    (lambda t: cff.reduce_scatter_tensor(t.repeat(world, 1)) - 1, x)]:
+        explain = torch._dynamo.explain(fn)(arg)
+        assert explain.graph_break_count == 0, explain.break_reasons
+        torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend=backend)(arg),
+                                   fn(arg))
+
+
+def fallback_serves_the_same(rank, world, seed=11):
+    """With peer access forbidden, torch.distributed serves the ops, said once in a warning,
+    with the same results."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert cf.served_by("cpu") == "torch.distributed"
+        assert cf.operator_path(8, torch.zeros(4, 4, dtype=torch.bfloat16)) == \
+            "torch.distributed"
+        gemm_reduce_scatter_grads(rank, world, torch.bfloat16, seed)
+        all_gather_gemm_grads(rank, world, torch.bfloat16, seed + 1)
+        functional_collective_grads(rank, world, torch.float32, seed + 2)
+        in_place_collectives(rank, world, torch.float32, seed + 3)
+    ours = [w for w in said if "served by torch.distributed" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in said]
+    assert "COMMFUSE_PEER_ACCESS=0" in str(ours[0].message)
+
+
+def graphs_replay_new_inputs(rank, world, seed=13):
+    """The tensor-parallel block compiled with ``mode="reduce-overhead"`` (CUDA graphs): every
+    replay with new inputs equals eager."""
+    hidden, ffn, rows = 64, 128, 8 * world
+    fc1, fc2 = _reference_mlp(hidden, ffn, seed)
+    mlp = _Mlp(fc1.to(DEVICE), fc2.to(DEVICE), True)
+    compiled = torch.compile(mlp, fullgraph=True, mode="reduce-overhead")
+    base = operands(seed + 1, [(rows, hidden)])[0].float()[rows_of(rows, world)[rank]]
+    with torch.no_grad():
+        for call in range(6):
+            x = (base * (call + 1) / 4).to(DEVICE)
+            torch.testing.assert_close(compiled(x).clone(), mlp(x), rtol=1e-2, atol=1e-2)
