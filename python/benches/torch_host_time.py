@@ -63,6 +63,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--graph-calls", type=int, default=20)
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where the host time of commfuse's first row goes (cProfile)")
     args = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
@@ -108,6 +110,20 @@ def main():
         for key in fns:
             results.append({"op": label, "impl": key, "ranks": world,
                             "host_us": statistics.median(host[key]), "gpu_us": gpu[key]})
+    if args.profile and dist.get_rank() == 0:
+        import cProfile
+        import pstats
+
+        label, fns = rows[0]
+        fn = fns["commfuse"]
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.calls):
+            fn()
+        profile.disable()
+        torch.cuda.synchronize()
+        print(f"# where the host time of {label} (commfuse) goes, {args.calls} calls")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(12)
     if dist.get_rank() == 0:
         print(f"{'op':36s} {'impl':18s} {'host us/call':>12s} {'GPU us/call (graph)':>20s}")
         for r in results:

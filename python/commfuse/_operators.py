@@ -13,6 +13,9 @@ from typing import Callable, List
 # (kind, id(group)) + key -> [operator, max_m, group]; the group is kept so that its id is not
 # reused while the entry lives
 _CACHE: dict = {}
+#: Advances whenever an operator is built or the cache cleared: what was prepared against the
+#: cache before (``commfuse.torch``'s prepared calls) is stale once it moves.
+generation = 0
 
 
 def cached(kind: str, group, m: int, key: tuple, build: Callable[[int], object],
@@ -33,9 +36,11 @@ def cached(kind: str, group, m: int, key: tuple, build: Callable[[int], object],
             " before capturing"
         )
     max_m = max(m, 2 * entry[1]) if entry is not None else m
+    global generation
     op = build(max_m)
     op.connect([bytes(b) for b in all_gather(bytes(op.export()))])
     _CACHE[full] = [op, max_m, group]
+    generation += 1
     return op
 
 
@@ -47,4 +52,6 @@ def lookup(kind: str, group, key: tuple):
 
 def clear() -> None:
     """Drops every cached operator (each waits for its last calls before freeing its memory)."""
+    global generation
     _CACHE.clear()
+    generation += 1

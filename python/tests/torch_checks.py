@@ -208,6 +208,37 @@ def in_place_collectives(rank, world, dtype, seed):
     cf.barrier(device=DEVICE)
 
 
+def eager_calls_back_to_back(rank, world, dtype, seed):
+    """Calls without gradients (the prepared path on GPUs once a signature was seen), the same
+    shapes four times in a row with new inputs each time, nothing synchronised between them,
+    every output against float64."""
+    n, k, m = 32, 16, 3 * world + 1
+    rows = rows_of(m, world)
+    outs = []
+    for call in range(4):
+        s = seed + call
+        a = operands(s, [(m, k)] * world)
+        b = operands(s + 1, [(n, k)] * world)  # weights [N, K], passed as w.t()
+        bias = operands(s + 2, [(n,)])[0]
+        y = cf.gemm_reduce_scatter(_on(a[rank], dtype), _on(b[rank], dtype).t(),
+                                   bias=_on(bias, dtype))
+        z, gathered = cf.all_gather_gemm(_on(a[0][rows[rank]], dtype), _on(b[rank], dtype).t(),
+                                         m=m, return_a=True)
+        t = _on(a[rank][0], torch.float32)
+        cf.all_reduce(t)
+        total = sum(x @ w.t() for x, w in zip(a, b))
+        outs.append((y, z, gathered, t, total, a, b, bias))
+    for call, (y, z, gathered, t, total, a, b, bias) in enumerate(outs):
+        scale = sum(x.abs() @ w.abs().t() for x, w in zip(a, b))
+        check(f"eager gemm_reduce_scatter call {call}", y, (total + bias)[rows[rank]],
+              (scale + bias.abs())[rows[rank]], dtype)
+        check(f"eager all_gather_gemm call {call}", z, a[0] @ b[rank].t(),
+              a[0].abs() @ b[rank].abs().t(), dtype)
+        assert torch.equal(gathered.double().cpu(), a[0]), f"eager gathered A call {call}"
+        check(f"eager all_reduce call {call}", t, sum(x[0] for x in a),
+              sum(x[0].abs() for x in a), torch.float32)
+
+
 def every_op(rank, world, dtype_name, seed=1):
     dtype = getattr(torch, dtype_name)
     gemm_reduce_scatter_grads(rank, world, dtype, seed)
@@ -215,6 +246,8 @@ def every_op(rank, world, dtype_name, seed=1):
     functional_collective_grads(rank, world, dtype, seed + 13)
     in_place_collectives(rank, world, dtype if dtype != torch.float16 else torch.float32,
                          seed + 17)
+    with torch.no_grad():
+        eager_calls_back_to_back(rank, world, dtype, seed + 19)
     assert cf.served_by(DEVICE) == ("commfuse-sim" if DEVICE.type == "cpu" else "commfuse")
     dist.barrier()
 

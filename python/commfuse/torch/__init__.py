@@ -57,7 +57,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from typing import Optional, Tuple, Union
 
-from . import _gpu, _groups, _ops, _sim
+from . import _gpu, _groups, _ops, _prepared, _sim
 from ._common import GemmOperands, dtype_name, reduce_name, tensor, weight
 from ._groups import KERNELS, SIMULATOR, TORCH, name_of
 
@@ -124,6 +124,10 @@ def gemm_reduce_scatter(
     name = name_of(group)
     _choice("path", path, _GEMM_RS_PATHS)
     if _eager(a, b, bias):
+        if out is None:
+            return _prepared.gemm_reduce_scatter(
+                a, b, bias, name, out_dtype, path, pieces, numa_groups,
+                lambda: _ops.gemm_rs_impl(a, b, bias, name, out_dtype, path, pieces, numa_groups))
         return _ops.gemm_rs_impl(a, b, bias, name, out_dtype, path, pieces, numa_groups, out)
     y = torch.ops.commfuse.gemm_reduce_scatter(a, b, bias, name, out_dtype, path, pieces,
                                                numa_groups)
@@ -166,8 +170,14 @@ def all_gather_gemm(
     if m is None:
         m = tensor(a, "a").shape[0] * _groups.by_name(name).world
     if _eager(a, b, bias):
-        y, x = _ops.ag_gemm_impl(a, b, bias, name, m, out_dtype, pieces, path, return_a, out,
-                                 gathered)
+        if out is None and gathered is None:
+            y, x = _prepared.all_gather_gemm(
+                a, b, bias, name, m, out_dtype, pieces, path, return_a,
+                lambda: _ops.ag_gemm_impl(a, b, bias, name, m, out_dtype, pieces, path,
+                                          return_a))
+        else:
+            y, x = _ops.ag_gemm_impl(a, b, bias, name, m, out_dtype, pieces, path, return_a,
+                                     out, gathered)
         return (y, x) if return_a else y
     keep = return_a or (save_gathered and b.requires_grad and torch.is_grad_enabled())
     y, x = torch.ops.commfuse.all_gather_gemm(a, b, bias, name, m, out_dtype, pieces, path, keep)
@@ -197,7 +207,9 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, path: str = "auto") -
     name, op = name_of(group), reduce_name(op)
     _choice("path", path, _COLLECTIVE_PATHS)
     if _eager() and tensor.is_contiguous():
-        _ops.collective_impl("all-reduce", tensor, tensor, op, name, path)
+        _prepared.all_reduce(
+            tensor, op, name, path,
+            lambda: _ops.collective_impl("all-reduce", tensor, tensor, op, name, path))
     else:
         torch.ops.commfuse.all_reduce_(tensor, op, name, path)
     return tensor
@@ -266,6 +278,7 @@ def serve_by_torch_distributed(group=None) -> None:
     """Serve ``group``'s later calls by torch.distributed and torch.matmul (the semantics stay
     the same): for groups commfuse could serve, to compare the two in one program."""
     _groups.by_name(name_of(group)).serve_by_torch()
+    _prepared.clear()
 
 
 def collective_path(op: str, count: int, dtype: torch.dtype, group=None, even: bool = True,
@@ -315,6 +328,7 @@ def clear_cache() -> None:
     _gpu.clear_cache()
     _sim.clear_cache()
     _groups.clear()
+    _prepared.clear()
 
 
 from . import functional, nn  # noqa: E402  (they use the ops above)

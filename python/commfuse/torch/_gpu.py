@@ -51,8 +51,21 @@ def _operator(kind: str, group, m: int, key: tuple, build):
                              torch.cuda.is_current_stream_capturing)
 
 
+try:  # the current stream's handle without a Stream object (what inductor's code calls)
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:  # pragma: no cover - older or CPU-only builds
+    _raw_stream = None
+
+
 def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    return stream_of(device.index)
+
+
+def stream_of(index: int) -> int:
+    """The current stream's handle on CUDA device ``index``."""
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def _output(out: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, like: torch.Tensor,
@@ -70,11 +83,11 @@ def _output(out: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, like:
     return out
 
 
-def gemm_reduce_scatter(g: GemmOperands, group, path: str, pieces: Optional[int],
-                        numa_groups: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """GEMM + reduce-scatter of checked operands on commfuse's kernels (see
-    ``commfuse.torch.gemm_reduce_scatter``), into ``out`` when given."""
-    a, b, bias, out_dtype = g.a, g.b, g.bias, g.out_dtype
+def gemm_rs_operator(g: GemmOperands, group, path: str, pieces: Optional[int],
+                     numa_groups: int):
+    """The cached GEMM + reduce-scatter operator for checked operands (built collectively when
+    absent or too small for their M) and this rank's rows of the output."""
+    a, bias = g.a, g.bias
     dtype, out_name, layout, (m, k), n = g.dtype, g.out_name, g.layout, a.shape, g.n
     device = a.device.index
     key = (device, n, k, layout, dtype, out_name, bias is not None, path, pieces, numa_groups)
@@ -88,23 +101,28 @@ def gemm_reduce_scatter(g: GemmOperands, group, path: str, pieces: Optional[int]
 
     op = _operator("gemm-rs", group, m, key, build)
     start, end = op.chunk(m)
-    out = _output(out, (end - start, n), out_dtype, a, "out")
+    return op, end - start
+
+
+def gemm_reduce_scatter(g: GemmOperands, group, path: str, pieces: Optional[int],
+                        numa_groups: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """GEMM + reduce-scatter of checked operands on commfuse's kernels (see
+    ``commfuse.torch.gemm_reduce_scatter``), into ``out`` when given."""
+    op, rows = gemm_rs_operator(g, group, path, pieces, numa_groups)
+    a, b, bias = g.a, g.b, g.bias
+    out = _output(out, (rows, g.n), g.out_dtype, a, "out")
     op.forward(
-        m, a.data_ptr(), b.data_ptr(), out.data_ptr(), _stream(a.device),
+        a.shape[0], a.data_ptr(), b.data_ptr(), out.data_ptr(), _stream(a.device),
         bias=None if bias is None else bias.data_ptr(),
     )
     return out
 
 
-def all_gather_gemm(g: GemmOperands, group, m: Optional[int], pieces: int, path: str,
-                    return_a: bool, out: Optional[torch.Tensor] = None,
-                    gathered: Optional[torch.Tensor] = None):
-    """All-gather + GEMM of checked operands on commfuse's kernels (see
-    ``commfuse.torch.all_gather_gemm``): ``(out, gathered)``, gathered None unless asked for."""
-    a, b, bias, out_dtype = g.a, g.b, g.bias, g.out_dtype
+def ag_gemm_operator(g: GemmOperands, group, m: int, pieces: int, path: str):
+    """The cached all-gather + GEMM operator for checked operands and ``m`` rows in all (built
+    collectively when absent or too small)."""
+    a, bias = g.a, g.bias
     dtype, out_name, layout, (rows, k), n = g.dtype, g.out_name, g.layout, a.shape, g.n
-    world = _world(group)
-    total = m if m is not None else rows * world
     device = a.device.index
     key = (device, n, k, layout, dtype, out_name, bias is not None, pieces, path)
 
@@ -114,19 +132,29 @@ def all_gather_gemm(g: GemmOperands, group, m: Optional[int], pieces: int, path:
             out_dtype=out_name, bias=bias is not None, pieces=pieces, path=path,
         )
 
-    op = _operator("ag-gemm", group, total, key, build)
-    start, end = op.chunk(total)
+    op = _operator("ag-gemm", group, m, key, build)
+    start, end = op.chunk(m)
     if end - start != rows:
         raise ValueError(
-            f"this rank holds {rows} rows of A, but its chunk of M = {total} has {end - start}"
+            f"this rank holds {rows} rows of A, but its chunk of M = {m} has {end - start}"
             " (pass m= the total rows when chunks differ)"
         )
-    out = _output(out, (total, n), out_dtype, a, "out")
+    return op
+
+
+def all_gather_gemm(g: GemmOperands, group, m: int, pieces: int, path: str,
+                    return_a: bool, out: Optional[torch.Tensor] = None,
+                    gathered: Optional[torch.Tensor] = None):
+    """All-gather + GEMM of checked operands on commfuse's kernels (see
+    ``commfuse.torch.all_gather_gemm``): ``(out, gathered)``, gathered None unless asked for."""
+    op = ag_gemm_operator(g, group, m, pieces, path)
+    a, b, bias = g.a, g.b, g.bias
+    out = _output(out, (m, g.n), g.out_dtype, a, "out")
     return_a = return_a or gathered is not None
     if return_a:
-        gathered = _output(gathered, (total, k), a.dtype, a, "gathered")
+        gathered = _output(gathered, (m, g.k), a.dtype, a, "gathered")
     op.forward(
-        total, a.data_ptr(), b.data_ptr(), out.data_ptr(), _stream(a.device),
+        m, a.data_ptr(), b.data_ptr(), out.data_ptr(), _stream(a.device),
         bias=None if bias is None else bias.data_ptr(),
         gathered=None if gathered is None else gathered.data_ptr(),
     )

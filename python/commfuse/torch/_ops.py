@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _fallback, _gpu, _sim
+from . import _fallback, _gpu, _prepared, _sim
 from ._common import GemmOperands, chunk_rows, chunk_start
 from ._groups import KERNELS, SIMULATOR, by_name
 
@@ -119,7 +119,9 @@ def gemm_reduce_scatter(a: Tensor, b: Tensor, bias: Optional[Tensor], group_name
                         out_dtype: Optional[torch.dtype], path: str, pieces: Optional[int],
                         numa_groups: int) -> Tensor:
     """This rank's rows of Σ_ranks a·b (+ bias): see ``commfuse.torch.gemm_reduce_scatter``."""
-    return gemm_rs_impl(a, b, bias, group_name, out_dtype, path, pieces, numa_groups)
+    return _prepared.gemm_reduce_scatter(
+        a, b, bias, group_name, out_dtype, path, pieces, numa_groups,
+        lambda: gemm_rs_impl(a, b, bias, group_name, out_dtype, path, pieces, numa_groups))
 
 
 @gemm_reduce_scatter.register_fake
@@ -163,7 +165,9 @@ def all_gather_gemm(a: Tensor, b: Tensor, bias: Optional[Tensor], group_name: st
                     out_dtype: Optional[torch.dtype], pieces: int, path: str,
                     return_a: bool) -> Tuple[Tensor, Tensor]:
     """(AG(a)·b (+ bias), AG(a) or an empty [0, K]): see ``commfuse.torch.all_gather_gemm``."""
-    out, gathered = ag_gemm_impl(a, b, bias, group_name, m, out_dtype, pieces, path, return_a)
+    out, gathered = _prepared.all_gather_gemm(
+        a, b, bias, group_name, m, out_dtype, pieces, path, return_a,
+        lambda: ag_gemm_impl(a, b, bias, group_name, m, out_dtype, pieces, path, return_a))
     if gathered is None:
         gathered = a.new_empty((0, a.shape[1]))
     return out, gathered
@@ -351,10 +355,14 @@ all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_set
 @torch.library.custom_op("commfuse::all_reduce_", mutates_args=("tensor",))
 def all_reduce_(tensor: Tensor, op: str, group_name: str, path: str) -> None:
     """``dist.all_reduce``: ``tensor`` becomes the element-wise ``op`` of every rank's."""
-    t = tensor if tensor.is_contiguous() else tensor.contiguous()
+    if tensor.is_contiguous():
+        _prepared.all_reduce(
+            tensor, op, group_name, path,
+            lambda: collective_impl("all-reduce", tensor, tensor, op, group_name, path))
+        return
+    t = tensor.contiguous()
     collective_impl("all-reduce", t, t, op, group_name, path)
-    if t is not tensor:
-        tensor.copy_(t)
+    tensor.copy_(t)
 
 
 @all_reduce_.register_fake

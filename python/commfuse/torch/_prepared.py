@@ -1,0 +1,141 @@
+"""Prepared calls: the eager calls of commfuse's kernels whose every check was made before.
+
+A call outside compilation and autograd whose group, shapes, strides, dtypes, devices and
+options were all seen before needs none of the general path's checks and lookups: the first
+such call runs the general path and, where it went to commfuse's kernels straight from the
+caller's tensors, keeps a closure that allocates the output and queues the kernel; later calls
+with the same signature run the closure. What the closure captured (the operator, the output's
+shape) is valid while the operator cache stands still: it is dropped whenever the cache builds
+an operator or is cleared (``commfuse._operators.generation``) and whenever what serves a group
+changes (``clear``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _operators
+from . import _gpu
+from ._common import DIST_OPS, GemmOperands
+from ._groups import KERNELS, by_name
+
+_PREPARED: dict = {}
+_generation = -1
+# what a signature maps to when its calls cannot skip the general path
+_GENERAL = object()
+
+
+def _get(key) -> Optional[Callable]:
+    global _generation
+    if _operators.generation != _generation:
+        _PREPARED.clear()
+        _generation = _operators.generation
+    return _PREPARED.get(key)
+
+
+def _bias_signature(bias):
+    return None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device)
+
+
+def _direct(g: GemmOperands, a, b, bias) -> bool:
+    """Whether the kernels read the caller's own tensors (no copy or conversion was made)."""
+    return g.a is a and g.b.data_ptr() == b.data_ptr() and (bias is None or g.bias is bias)
+
+
+def gemm_reduce_scatter(a, b, bias, name, out_dtype, path, pieces, numa_groups, general):
+    key = ("gemm-rs", name, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
+           _bias_signature(bias), out_dtype, path, pieces, numa_groups)
+    call = _get(key)
+    if call is _GENERAL:
+        return general()
+    if call is not None:
+        return call(a, b, bias)
+    out = general()
+    group = by_name(name)
+    g = GemmOperands(a, b, bias, out_dtype)
+    if group.served_by(a.device) == KERNELS and _direct(g, a, b, bias):
+        op, rows = _gpu.gemm_rs_operator(g, group.process_group, path, pieces, numa_groups)
+        forward, m, shape, dtype, device = op.forward, a.shape[0], (rows, g.n), g.out_dtype, \
+            a.device
+        index, stream_of = device.index, _gpu.stream_of
+
+        def call(a, b, bias):
+            out = torch.empty(shape, dtype=dtype, device=device)
+            forward(m, a.data_ptr(), b.data_ptr(), out.data_ptr(), stream_of(index),
+                    None if bias is None else bias.data_ptr())
+            return out
+
+    else:
+        call = _GENERAL
+    _PREPARED[key] = call
+    return out
+
+
+def all_gather_gemm(a, b, bias, name, m, out_dtype, pieces, path, return_a, general):
+    key = ("ag-gemm", name, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(),
+           b.dtype, _bias_signature(bias), m, out_dtype, pieces, path, return_a)
+    call = _get(key)
+    if call is _GENERAL:
+        return general()
+    if call is not None:
+        return call(a, b, bias)
+    result = general()
+    group = by_name(name)
+    g = GemmOperands(a, b, bias, out_dtype)
+    if group.served_by(a.device) == KERNELS and _direct(g, a, b, bias):
+        op = _gpu.ag_gemm_operator(g, group.process_group, m, pieces, path)
+        forward, shape, dtype, device = op.forward, (m, g.n), g.out_dtype, a.device
+        gathered_shape = (m, g.k) if return_a else None
+        index, stream_of = device.index, _gpu.stream_of
+
+        def call(a, b, bias):
+            out = torch.empty(shape, dtype=dtype, device=device)
+            gathered = None if gathered_shape is None else \
+                torch.empty(gathered_shape, dtype=a.dtype, device=device)
+            forward(m, a.data_ptr(), b.data_ptr(), out.data_ptr(), stream_of(index),
+                    None if bias is None else bias.data_ptr(),
+                    None if gathered is None else gathered.data_ptr())
+            return out, gathered
+
+    else:
+        call = _GENERAL
+    _PREPARED[key] = call
+    return result
+
+
+def all_reduce(tensor, op, name, path, general):
+    key = ("all-reduce", name, tensor.numel(), tensor.dtype, tensor.device,
+           tensor.is_contiguous(), op, path)
+    call = _get(key)
+    if call is _GENERAL:
+        general()
+        return
+    if call is not None:
+        call(tensor)
+        return
+    general()
+    group = by_name(name)
+    if tensor.is_cuda and tensor.is_contiguous() and group.served_by(tensor.device) == KERNELS:
+        pg = group.process_group
+        goes = _gpu.route("all-reduce", tensor.numel(), tensor.dtype, pg, True, path)
+        if goes == "commfuse":
+            forward = _gpu._collective("all-reduce", tensor.numel(), tensor, pg, op).forward
+            index, stream_of = tensor.device.index, _gpu.stream_of
+
+            def call(t):
+                forward(t.data_ptr(), t.data_ptr(), stream_of(index))
+        else:
+            reduce = DIST_OPS[op]
+
+            def call(t):
+                dist.all_reduce(t, op=reduce, group=pg)
+    else:
+        call = _GENERAL
+    _PREPARED[key] = call
+
+
+def clear() -> None:
+    _PREPARED.clear()
