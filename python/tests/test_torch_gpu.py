@@ -36,21 +36,33 @@ def _need(gpus):
         pytest.skip(reason)
 
 
-def test_ops_gradients_layers_compile_and_graphs_on_every_gpu():
-    _need(1)
+def _torch_cuda(env=None):
     import torch
 
     run = subprocess.run(
         ["torchrun", "--standalone", f"--nproc-per-node={torch.cuda.device_count()}",
          str(HERE / "torch_cuda.py")],
-        capture_output=True, text=True, timeout=600, cwd=HERE,
+        capture_output=True, text=True, timeout=600, cwd=HERE, env={**os.environ, **(env or {})},
     )
     sys.stdout.write(run.stdout)
     sys.stderr.write(run.stderr[-8000:])
     assert run.returncode == 0, f"torchrun exited with {run.returncode}"
+    return run.stdout
+
+
+def test_ops_gradients_layers_compile_and_graphs_on_every_gpu():
+    _need(1)
+    out = _torch_cuda()
     for check in ["every_op bfloat16", "every_op float16", "layers", "compile inductor",
                   "cuda graphs"]:
-        assert f"ok {check}" in run.stdout, f"{check} did not report"
+        assert f"ok {check}" in out, f"{check} did not report"
+
+
+def test_peer_access_forbidden_serves_the_same_by_torch_distributed():
+    _need(1)
+    out = _torch_cuda({"COMMFUSE_PEER_ACCESS": "0"})
+    for check in ["every_op bfloat16", "every_op float16", "layers"]:
+        assert f"ok {check}" in out, f"{check} did not report"
 
 
 def test_every_torch_op_matches_float64_and_pytorch_across_processes():

@@ -77,7 +77,7 @@ __all__ = [
     "clear_cache",
 ]
 
-_GEMM_RS_PATHS = ("auto", "fused", "overlapped")
+_GEMM_RS_PATHS = ("auto", "fused", "overlapped", "unfused")
 _AG_GEMM_PATHS = ("overlapped", "fused")
 _COLLECTIVE_PATHS = ("auto", "commfuse", "torch")
 
@@ -116,8 +116,8 @@ def gemm_reduce_scatter(
     is taken without a copy), both bfloat16 or float16; every rank passes the same M. The
     output is [rows, N] of ``out_dtype`` (the input type by default, or float32), rows split
     as ``torch.tensor_split`` splits M into the group's size (the first M mod P chunks one row
-    longer). ``path`` is "auto" (the cost model's choice), "fused" or "overlapped" (with
-    ``pieces`` per ring step). ``out``, when given, receives the result. ``numa_groups`` > 1
+    longer). ``path`` is "auto" (the cost model's choice), "fused", "overlapped" (with
+    ``pieces`` per ring step) or "unfused" (the GEMM, then a reduce-scatter). ``out``, when given, receives the result. ``numa_groups`` > 1
     (dividing the group's size) makes the overlapped path's ring 2D. Differentiable in ``a``,
     ``b`` and ``bias``.
     """
