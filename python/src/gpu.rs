@@ -6,7 +6,7 @@
 //! tensors give a device pointer and a stream can call them).
 
 use crate::{parse_dtype, parse_layout, parse_path, value_error};
-use commfuse_core::fused::gemm_rs::GemmRsPath;
+use commfuse_core::fused::gemm_rs::{GemmRsPath, GemmRsShape};
 use commfuse_core::{Algo, OpKind, ReduceOp};
 use commfuse_cuda::ag_gemm::{AgGemmAllocation, AgGemmConfig, AgGemmRank};
 use commfuse_cuda::collective_rank::{CollectiveAllocation, CollectiveConfig, CollectiveRank};
@@ -150,9 +150,14 @@ impl GpuGemmReduceScatter {
     ) -> PyResult<Self> {
         let input = parse_dtype(dtype)?;
         let output = out_dtype.map_or(Ok(input), parse_dtype)?;
-        let mut config = GemmRsConfig::new(max_m, n, k, parse_layout(b_layout)?, input, output);
+        let layout = parse_layout(b_layout)?;
+        let mut config = GemmRsConfig::new(max_m, n, k, layout, input, output);
         config.bias = bias;
-        config.path = parse_path(path, pieces)?.map_or(PathChoice::Auto, PathChoice::Always);
+        // an overlapped path without pieces takes what auto would for the largest calls
+        let largest =
+            GemmRsShape::new(world, max_m, n, k, layout, input, output).map_err(value_error)?;
+        config.path =
+            parse_path(path, pieces, &largest)?.map_or(PathChoice::Auto, PathChoice::Always);
         config.numa_groups = numa_groups;
         config.timeout = Duration::from_millis(timeout_ms);
         let gpu = open_gpu(device)?;

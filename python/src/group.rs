@@ -357,7 +357,7 @@ impl SimGroup {
             c.bias.is_some(),
         );
         let shape = config.shape(c.rows).map_err(value_error)?;
-        let path = parse_path(path, pieces)?.unwrap_or_else(|| choose_path(&shape));
+        let path = parse_path(path, pieces, &shape)?.unwrap_or_else(|| choose_path(&shape));
         let out =
             by_pair!(input, output, gemm_rs_call, self, (config, path), &c).map_err(value_error)?;
         let rows = commfuse_core::op::chunk_range(c.rows, p, self.arena.rank()).len();

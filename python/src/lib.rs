@@ -7,7 +7,7 @@
 mod gpu;
 mod group;
 
-use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath, GemmRsShape};
+use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath, GemmRsShape, PathNameError};
 use commfuse_core::gemm::BLayout;
 use commfuse_core::{Algo, OpKind, OpSpec, ReduceOp};
 use commfuse_core::{DType, Element};
@@ -36,21 +36,19 @@ pub(crate) fn parse_dtype(text: &str) -> PyResult<DType> {
 
 /// `path` ("auto", "fused", "overlapped" or "unfused") and `pieces` (with "overlapped", default 1) as the
 /// path they force, or None for the cost model's choice.
-pub(crate) fn parse_path(path: &str, pieces: Option<usize>) -> PyResult<Option<GemmRsPath>> {
-    match (path, pieces) {
-        ("auto", None) => Ok(None),
-        ("fused", None) => Ok(Some(GemmRsPath::Fused)),
-        ("unfused", None) => Ok(Some(GemmRsPath::Unfused)),
-        ("overlapped", pieces) => Ok(Some(GemmRsPath::Overlapped {
-            pieces: pieces.unwrap_or(1),
-        })),
-        ("auto" | "fused" | "unfused", Some(_)) => {
-            Err(value_error("pieces goes with path=\"overlapped\""))
+/// The path `path` and `pieces` name for `shape` (`None`: "auto"), in the command line's
+/// vocabulary ([`commfuse_core::fused::gemm_rs::parse_path`]).
+pub(crate) fn parse_path(
+    path: &str,
+    pieces: Option<usize>,
+    shape: &GemmRsShape,
+) -> PyResult<Option<GemmRsPath>> {
+    commfuse_core::fused::gemm_rs::parse_path(path, pieces, shape).map_err(|e| match e {
+        PathNameError::PiecesWithoutOverlapped => {
+            value_error("pieces goes with path=\"overlapped\"")
         }
-        (other, _) => Err(value_error(format!(
-            "unknown path {other:?}: auto, fused, overlapped or unfused"
-        ))),
-    }
+        e => value_error(e),
+    })
 }
 
 pub(crate) fn parse_layout(text: &str) -> PyResult<BLayout> {
@@ -239,7 +237,7 @@ fn sim_gemm_reduce_scatter<'py>(
         ..ops.sim_config((p, m), layout, (input, output))
     };
     let shape = config.shape(m).map_err(value_error)?;
-    let path = parse_path(path, pieces)?.unwrap_or_else(|| choose_path(&shape));
+    let path = parse_path(path, pieces, &shape)?.unwrap_or_else(|| choose_path(&shape));
     let timeout = Duration::from_millis(timeout_ms);
     let outs = py
         .detach(|| by_types!(input, output, run_gemm_rs, config, path, &ops, timeout))

@@ -804,29 +804,20 @@ fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
     Ok(if ok { 0 } else { 1 })
 }
 
-/// The path `--path` and `--pieces` name for `shape`.
+/// The path `--path` and `--pieces` name for `shape` ("auto" resolved for it).
 fn parse_gemm_rs_path(
     path: &str,
     pieces: Option<usize>,
     shape: &commfuse_core::fused::gemm_rs::GemmRsShape,
 ) -> Result<commfuse_core::fused::gemm_rs::GemmRsPath> {
-    use commfuse_core::fused::gemm_rs::{choose_overlapping_path, choose_path, GemmRsPath};
-    let auto_pieces = match choose_overlapping_path(shape) {
-        GemmRsPath::Overlapped { pieces } => pieces,
-        GemmRsPath::Fused | GemmRsPath::Unfused => 1,
-    };
-    Ok(match (path, pieces) {
-        ("auto", None) => choose_path(shape),
-        ("fused", None) => GemmRsPath::Fused,
-        ("unfused", None) => GemmRsPath::Unfused,
-        ("overlapped", p) => GemmRsPath::Overlapped {
-            pieces: p.unwrap_or(auto_pieces),
-        },
-        ("auto" | "fused" | "unfused", Some(_)) => {
+    use commfuse_core::fused::gemm_rs::{choose_path, parse_path, PathNameError};
+    match parse_path(path, pieces, shape) {
+        Ok(named) => Ok(named.unwrap_or_else(|| choose_path(shape))),
+        Err(PathNameError::PiecesWithoutOverlapped) => {
             bail!("--pieces goes with --path overlapped")
         }
-        (other, _) => bail!("unknown path {other:?}: auto, fused, overlapped or unfused"),
-    })
+        Err(e) => bail!("{e}"),
+    }
 }
 
 fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {

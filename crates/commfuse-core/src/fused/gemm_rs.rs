@@ -175,6 +175,57 @@ pub fn choose_overlapping_path(shape: &GemmRsShape) -> GemmRsPath {
     GemmRsPath::Overlapped { pieces }
 }
 
+/// Why a path's name and pieces name no path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathNameError {
+    /// Not one of auto, fused, overlapped, unfused
+    Unknown(String),
+    /// Pieces given with a path other than overlapped
+    PiecesWithoutOverlapped,
+}
+
+/// The path that a path's name ("auto", "fused", "overlapped", "unfused") and an optional
+/// number of pieces ask for, the one vocabulary of the command line and the Python package:
+/// `None` for "auto" (the caller takes [`choose_path`] for each call's shape), and for
+/// "overlapped" without pieces the pieces "auto" would take for `shape`
+/// ([`choose_overlapping_path`]), so that naming the path changes nothing else.
+pub fn parse_path(
+    name: &str,
+    pieces: Option<usize>,
+    shape: &GemmRsShape,
+) -> Result<Option<GemmRsPath>, PathNameError> {
+    let auto_pieces = match choose_overlapping_path(shape) {
+        GemmRsPath::Overlapped { pieces } => pieces,
+        GemmRsPath::Fused | GemmRsPath::Unfused => 1,
+    };
+    match (name, pieces) {
+        ("auto", None) => Ok(None),
+        ("fused", None) => Ok(Some(GemmRsPath::Fused)),
+        ("unfused", None) => Ok(Some(GemmRsPath::Unfused)),
+        ("overlapped", p) => Ok(Some(GemmRsPath::Overlapped {
+            pieces: p.unwrap_or(auto_pieces),
+        })),
+        ("auto" | "fused" | "unfused", Some(_)) => Err(PathNameError::PiecesWithoutOverlapped),
+        (other, _) => Err(PathNameError::Unknown(other.to_string())),
+    }
+}
+
+impl std::fmt::Display for PathNameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PathNameError::Unknown(name) => {
+                write!(
+                    f,
+                    "unknown path {name:?}: auto, fused, overlapped or unfused"
+                )
+            }
+            PathNameError::PiecesWithoutOverlapped => {
+                write!(f, "pieces go with the overlapped path only")
+            }
+        }
+    }
+}
+
 /// The tile grid, orders, destinations and flags of one shape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GemmRsSchedule {
@@ -581,6 +632,43 @@ mod tests {
 
     fn shape(world: usize, m: usize, n: usize) -> GemmRsShape {
         GemmRsShape::new(world, m, n, 64, BLayout::NK, DType::BF16, DType::BF16).unwrap()
+    }
+
+    #[test]
+    fn a_named_path_takes_what_auto_would_for_what_it_leaves_open() {
+        for (m, n) in [(64, 64), (8192, 8192), (16, 12)] {
+            let s = shape(2, m, n);
+            assert_eq!(parse_path("auto", None, &s), Ok(None));
+            assert_eq!(
+                parse_path("overlapped", None, &s),
+                Ok(Some(match choose_overlapping_path(&s) {
+                    GemmRsPath::Overlapped { pieces } => GemmRsPath::Overlapped { pieces },
+                    _ => GemmRsPath::Overlapped { pieces: 1 },
+                }))
+            );
+            assert_eq!(
+                parse_path("overlapped", Some(4), &s),
+                Ok(Some(GemmRsPath::Overlapped { pieces: 4 }))
+            );
+            assert_eq!(parse_path("fused", None, &s), Ok(Some(GemmRsPath::Fused)));
+            assert_eq!(
+                parse_path("unfused", None, &s),
+                Ok(Some(GemmRsPath::Unfused))
+            );
+            assert_eq!(
+                parse_path("fused", Some(2), &s),
+                Err(PathNameError::PiecesWithoutOverlapped)
+            );
+            assert_eq!(
+                parse_path("fast", None, &s),
+                Err(PathNameError::Unknown("fast".into()))
+            );
+        }
+        // two pieces where auto takes two
+        assert_eq!(
+            parse_path("overlapped", None, &shape(2, 8192, 8192)),
+            Ok(Some(GemmRsPath::Overlapped { pieces: 2 }))
+        );
     }
 
     const TILE: TileShape = TileShape { m: 128, n: 256 };
