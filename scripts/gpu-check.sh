@@ -9,7 +9,7 @@ set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 # never NVLink multicast on these machines
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export COMMFUSE_KERNEL_CACHE=/tmp/commfuse-kernels
+export COMMFUSE_KERNEL_CACHE="$PWD/.gpu/kernel-cache"
 # a GPU test that cannot find its GPUs fails here instead of reporting a skip as a pass
 export COMMFUSE_REQUIRE_GPU=1
 OUT=${OUT:-/tmp/commfuse-out}

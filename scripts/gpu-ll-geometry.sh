@@ -4,7 +4,7 @@
 # Run there after gpu-prepare.sh here: bash scripts/gpu-ll-geometry.sh  (results in $OUT)
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0 COMMFUSE_KERNEL_CACHE=/tmp/commfuse-kernels
+export NCCL_NVLS_ENABLE=0 COMMFUSE_KERNEL_CACHE="$PWD/.gpu/kernel-cache"
 OUT=${OUT:-/tmp/commfuse-out}
 mkdir -p "$OUT"
 for shape in ${LL_SHAPES:-512x64 256x128 256x132 128x256 512x128}; do

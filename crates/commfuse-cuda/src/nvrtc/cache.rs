@@ -71,13 +71,54 @@ impl DiskCache {
         DiskCache { dir: dir.into() }
     }
 
-    /// `COMMFUSE_KERNEL_CACHE`, else `~/.cache/commfuse/kernels`; none without either.
+    /// `COMMFUSE_KERNEL_CACHE`, else the user's cache folder (`$XDG_CACHE_HOME/commfuse/kernels`
+    /// or `~/.cache/commfuse/kernels`); none without any of them.
     pub fn from_env() -> Option<Self> {
         if let Some(dir) = std::env::var_os("COMMFUSE_KERNEL_CACHE") {
             return Some(DiskCache::new(dir));
         }
-        std::env::var_os("HOME")
-            .map(|h| DiskCache::new(PathBuf::from(h).join(".cache/commfuse/kernels")))
+        let base = std::env::var_os("XDG_CACHE_HOME")
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+        Some(DiskCache::new(base.join("commfuse/kernels")))
+    }
+
+    /// The folder, made (mode 0700) if absent, once it is known to be this user's own: owned by
+    /// the effective user and writable by no one else. Loaded cubins run as this process, and
+    /// an entry's hash proves only that it matches its key, which anyone can compute from the
+    /// sources: a folder others may write to could hand this process their code.
+    fn owned_dir(&self) -> Result<&Path, String> {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+        let dir = &self.dir;
+        if !dir.exists() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
+        let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        // SAFETY: geteuid has no preconditions and cannot fail
+        let me = unsafe { libc::geteuid() };
+        if !meta.is_dir() {
+            return Err(format!("{} is not a folder", dir.display()));
+        }
+        if meta.uid() != me {
+            return Err(format!(
+                "{} belongs to user {}, not to this process's user {me}: the kernel cache must be the user's own",
+                dir.display(),
+                meta.uid()
+            ));
+        }
+        if meta.mode() & 0o022 != 0 {
+            return Err(format!(
+                "{} has mode {:o}: others may write in it, so its kernels are not used (chmod 700 it)",
+                dir.display(),
+                meta.mode() & 0o7777
+            ));
+        }
+        Ok(dir)
     }
 
     pub fn dir(&self) -> &Path {
@@ -91,6 +132,7 @@ impl DiskCache {
 
     /// The cubin stored under `key`, if its entry is whole and belongs to `key`.
     pub fn load_verified(&self, key: &CacheKey) -> Result<Vec<u8>, Miss> {
+        self.owned_dir().map_err(Miss::Invalid)?;
         let path = self.path(key);
         let bytes = match std::fs::read(&path) {
             Ok(bytes) => bytes,
@@ -106,7 +148,8 @@ impl DiskCache {
     /// entry's name (atomic within one file system): concurrent writers of the same key each
     /// leave a whole entry, the last rename wins, and readers never see a partial file.
     pub fn store(&self, key: &CacheKey, cubin: &[u8]) -> std::io::Result<()> {
-        std::fs::create_dir_all(&self.dir)?;
+        self.owned_dir()
+            .map_err(|why| std::io::Error::new(std::io::ErrorKind::PermissionDenied, why))?;
         let mut tmp = tempfile::Builder::new()
             .prefix(".tmp-")
             .suffix(".part")
@@ -307,6 +350,39 @@ mod tests {
         invalid(&longer);
         std::fs::write(cache.path(&k), &good).unwrap();
         assert_eq!(cache.load_verified(&k).unwrap(), cubin(3000, 7));
+    }
+
+    #[test]
+    fn a_new_folder_is_made_private_and_a_shared_or_foreign_one_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = tempfile::tempdir().unwrap();
+        let dir = base.path().join("a/b/kernels");
+        let cache = DiskCache::new(&dir);
+        let k = key("private");
+        cache.store(&k, &cubin(64, 1)).unwrap();
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "a new cache folder is the user's alone");
+        assert_eq!(cache.load_verified(&k).unwrap(), cubin(64, 1));
+        // others may write in it: neither read nor written
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        match cache.load_verified(&k) {
+            Err(Miss::Invalid(why)) => assert!(why.contains("others may write"), "{why}"),
+            other => panic!("a world-writable cache was read: {other:?}"),
+        }
+        let err = cache.store(&k, &cubin(64, 2)).unwrap_err();
+        assert!(err.to_string().contains("others may write"), "{err}");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        // another user's folder (only root can make one here)
+        // SAFETY: geteuid has no preconditions
+        if unsafe { libc::geteuid() } == 0 {
+            let path = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+            // SAFETY: a NUL-terminated path; 65534 is "nobody"
+            assert_eq!(unsafe { libc::chown(path.as_ptr(), 65534, 65534) }, 0);
+            match cache.load_verified(&k) {
+                Err(Miss::Invalid(why)) => assert!(why.contains("belongs to user 65534"), "{why}"),
+                other => panic!("another user's cache was read: {other:?}"),
+            }
+        }
     }
 
     #[test]
