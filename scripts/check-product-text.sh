@@ -2,8 +2,9 @@
 # Product text speaks of what the product does, not of how it was developed: none of the
 # periods it was written in, no numbered runs or issues, no "here"/"there" for the machines it
 # was built and measured on.
-# Greps the README, docs/*.md, examples/, scripts/, the Python package and every file under
-# crates/ (sources and their comments) and exits 1 listing each hit as file:line: text.
+# Greps the README, docs/*.md, examples/, scripts/, the Python package and its extension's
+# sources (python/commfuse, python/src) and every file under crates/ (sources and their
+# comments), and exits 1 listing each hit as file:line: text.
 # CHANGELOG.md is exempt: a changelog may carry dates and the story of a change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,7 @@ PATTERN='\bsessions?\b|\brun [0-9]+\b|\bissue [0-9]+\b|\((here|there)\)'
 # words that contain a pattern and are no hit: a process session (setsid)
 ALLOWED='process sessions?|setsid'
 
-paths=(README.md examples scripts python/commfuse crates)
+paths=(README.md examples scripts python/commfuse python/src crates)
 for doc in docs/*.md; do
   [ -e "$doc" ] && paths+=("$doc")
 done
