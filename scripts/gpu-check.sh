@@ -3,8 +3,9 @@
 # correctness matrix, and the benchmark sweeps with NCCL beside ours. Results go to $OUT as one
 # archive plus a summary (the device tool brings back at most 8 files).
 #
-# Prepare here:   bash scripts/gpu-prepare.sh     (release binary + test binaries into .gpu/)
-# Run there:      device run, carry [".gpu"], command: bash scripts/gpu-check.sh [full|check|gemm|bench|gemm,bench]
+# Prepare where Rust is:     bash scripts/gpu-prepare.sh   (release binary + test binaries into .gpu/)
+# Run on the GPU machine:    bash scripts/gpu-check.sh [full|check|gemm|bench|gemm,bench|...]
+#                            with .gpu/ copied beside the checkout
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 # never NVLink multicast on these machines
@@ -86,7 +87,7 @@ if has gemm; then
   done
 fi
 
-# the six shapes of the issues, or RS_SHAPES="512x4096x4096 1024x8192x3584" (M×N×K)
+# six shapes of tensor-parallel layers (docs/performance.md), or RS_SHAPES="512x4096x4096 1024x8192x3584" (M×N×K)
 RS_SHAPES=${RS_SHAPES:-8192x8192x3584 2048x8192x3584 8192x8192x14336 4096x12288x24576 1024x8192x3584 512x4096x4096}
 if has gemm-rs; then
   for shape in $RS_SHAPES; do
@@ -131,7 +132,7 @@ if has bench; then
   $B calibrate "$R"/bench-*.json --json "$R/calibration.json" >"$R/calibration.txt" 2>&1
   log "calibrate rc=$? $(head -1 "$R/calibration.txt") $(tail -1 "$R/calibration.txt")"
 fi
-# small: issue 12's small all-reduces and reduce-scatters, LL and LL16 beside NCCL, graph-replayed
+# small: small all-reduces and reduce-scatters, LL and LL16 beside NCCL, graph-replayed
 # and eager, launched programmatically (default) and the ordinary way (COMMFUSE_PDL=0)
 if has small; then
   for pdl in 1 0; do

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The LL all-reduce (`auto` up to 1 MiB) under other launch shapes (COMMFUSE_LL_THREADS × COMMFUSE_LL_MAX_BLOCKS),
 # graph-replayed beside NCCL, one bench per shape (each shape's rows interleaved with NCCL's).
-# Run there after gpu-prepare.sh here: bash scripts/gpu-ll-geometry.sh  (results in $OUT)
+# Run on the GPU machine after gpu-prepare.sh: bash scripts/gpu-ll-geometry.sh  (results in $OUT)
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0 COMMFUSE_KERNEL_CACHE="$PWD/.gpu/kernel-cache"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what the GPU machine runs (it has no Rust): the release binary and the test binaries
-# that exercise the cuda backend and the Python wheel, copied into .gpu/ (ignored by git, carried by the device tool).
+# that exercise the cuda backend and the Python wheel, copied into .gpu/ (ignored by git; copy it to the GPU machine with the checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release

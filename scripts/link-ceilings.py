@@ -1,9 +1,9 @@
 """Ceilings of the GPU-to-GPU link under the load the large collectives put on it.
 
 The large-message collectives load both directions of a link at once, so the figure that bounds
-them is the rate per direction under bidirectional load, which the one-way `cudaMemcpyPeer`
-figure in HARDWARE.md does not give; and issue 12 asks whether the copy engines moving a share
-of the bytes beside the SMs' stores carry more than either alone. For GPUs 0 and 1 and each
+them is the rate per direction under bidirectional load, which a one-way `cudaMemcpyPeer`
+figure does not give; and it tells whether the copy engines moving a share of the bytes beside
+the SMs' stores carry more than either alone. For GPUs 0 and 1 and each
 size, this script times (median wall time of `--iters` rounds, both GPUs synchronised around
 each; GB/s = bytes one GPU sends / time):
 
