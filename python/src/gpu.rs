@@ -1,7 +1,7 @@
 //! The GPU operators for one process per GPU (PyTorch's model): one object per rank, built for
 //! (rank, world, shape limits, types), its buffers exported as bytes that the caller's own
 //! rendezvous (`torch.distributed.all_gather_object`) carries to every rank, then called with
-//! raw device pointers and the caller's CUDA stream. `commfuse/torch.py` is the face users see;
+//! raw device pointers and the caller's CUDA stream. `commfuse/torch/` is the face users see;
 //! these classes take addresses so that no PyTorch library is linked (any framework whose
 //! tensors give a device pointer and a stream can call them).
 

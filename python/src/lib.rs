@@ -1,5 +1,5 @@
 //! The Python module `commfuse._commfuse` (PyO3, built by maturin; `python/commfuse` is its
-//! Python face). Today it runs the fused operators on the simulator, with NumPy arrays in and
+//! Python face). It runs the fused operators on the simulator, with NumPy arrays in and
 //! out, for P ranks in one call: GEMM + reduce-scatter by either path, all-gather + GEMM, and the
 //! cost model's choice of path. Every error is a `ValueError` carrying the one-line message the
 //! Rust side gives.

@@ -24,8 +24,9 @@ pub struct AlgoChoice {
 /// Bytes a rank sends in all up to which an all-reduce, a reduce-scatter or an all-gather goes
 /// by the LL protocol (data and the call's number in every 8-byte line, one NVLink trip) where a
 /// backend has it and the caller left the choice to `auto`: on 2 × H200 the all-reduce beat
-/// every plan and NCCL from 4 KiB to 1 MiB and lost to both at 4 MiB (docs/gpu-2026-11-30e,
-/// run 8), and the all-gather beat them to 2 MiB (docs/gpu-2026-11-30f, run 7). The one-shot
+/// every plan and NCCL from 4 KiB to 1 MiB and lost to both at 4 MiB (docs/performance.md,
+/// "Small messages: the LL protocol"), and the all-gather beat them to 2 MiB (measured at
+/// `7fd0771`; no result file kept). The one-shot
 /// all-reduce sends its whole message to each of the P − 1 peers, the reduce-scatter each
 /// peer's chunk, the all-gather its own chunk; beyond two GPUs the crossover is a prediction,
 /// not a measurement.
@@ -62,10 +63,10 @@ pub fn prefers_ll(spec: &OpSpec, elem_bytes: usize) -> bool {
 /// copies its input in and its output out, and past a few MiB those copies cost more than the
 /// plans gain over NCCL. Through `commfuse.torch` on 2 × H200 (bf16, eager): the one-shot
 /// all-reduce took 1.16–1.33× NCCL's speed at 4 MiB but 0.87–0.94× from 16 MiB
-/// (docs/gpu-2026-11-30f runs 3–7); once device waits stopped stalling the GPU's front end
-/// (docs/gpu-2026-11-30h run 1) the reduce-scatter and all-gather plans took 1.09× and 1.06×
-/// at 4 MiB and 0.92× and 1.00× at 16 MiB (earlier runs at 4 MiB, 0.94–1.25×, had stalled
-/// rounds).
+/// (CHANGELOG.md, "commfuse.torch routes collectives by size"); once device waits stopped
+/// stalling the GPU's front end the reduce-scatter and all-gather plans took 1.09× and 1.06×
+/// at 4 MiB and 0.92× and 1.00× at 16 MiB (docs/results/torch/collectives-2xH200-4K-16M.txt;
+/// earlier measurements at 4 MiB, 0.94–1.25×, had stalled rounds).
 pub const USER_BUFFER_MAX_BYTES: usize = 4 << 20;
 
 /// Whether commfuse's collective `spec` (elements of `elem_bytes` bytes) on a caller's own

@@ -1,6 +1,6 @@
 //! Topology as code: NUMA groups, ring orders, and the link figures the cost model uses.
 //!
-//! Defaults come from the figures measured on the project's 2 × H200 machine (docs/perf.md has
+//! Defaults come from the figures measured on the project's 2 × H200 machine (docs/performance.md and docs/results/hardware/link-ceilings.txt have
 //! the runs): SM stores over NVLink reach about 370 GB/s per direction, a flag round
 //! trip takes about 2.4 µs (1.2 µs one way), and HBM moves about 3.95 TB/s (read + write).
 

@@ -119,7 +119,7 @@ __device__ __forceinline__ void notify(u64* slot, u64 value, u32 op) {
 // PCIe: with every waiting thread reading it every 256 polls, thousands of spinning threads
 // flooded the GPU's PCIe link, and the GPU's front end (which fetches the next launches and
 // stream operations from host memory) fell behind — calls then took a millisecond where they
-// take microseconds (docs/perf.md, seventh session). A wait that ends sooner never reads it.
+// take microseconds (CHANGELOG.md, "Device waits read host memory rarely"). A wait that ends sooner never reads it.
 constexpr u64 ABORT_POLL_NS = 200000;
 constexpr u32 ABORT_POLL_SPINS = 1u << 14;
 

@@ -14,7 +14,7 @@
 //! dones of its last call, the last writes into its memory. The first call of each M lets
 //! cuBLASLt choose its algorithms and runs each piece's GEMM once before queueing anything
 //! (after the earlier calls, waited for on the host): a kernel loaded while a flag wait spins
-//! can stall the peers (docs/gpu-2026-11-30c).
+//! can stall the peers (CHANGELOG.md, "GEMM + reduce-scatter's overlapped path").
 //!
 //! The fused path (`AgGemmConfig::fused`) moves the same pieces with the same flags and
 //! dones, but the caller's stream runs one GEMM of our own over all M rows

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 /// Signal slots per lane on every GPU; plans need rows × cols of them.
 pub(crate) const PAD_SLOTS: usize = 1024;
-/// Bytes of the longest region a lane aims to handle. Measured on 2 × H200 (docs/perf.md):
+/// Bytes of the longest region a lane aims to handle. Measured on 2 × H200 (CHANGELOG.md, "The cuda backend"):
 /// 64 KiB per lane serves messages from 4 MiB up; 4 KiB per lane for every message made 4–16 MiB
 /// calls 10 µs slower; one block per small message was latency-bound (64 KiB took 20 µs).
 pub(crate) const LANE_TARGET_BYTES: usize = 64 << 10;

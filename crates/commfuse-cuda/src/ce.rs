@@ -3,9 +3,9 @@
 //! SMs only reduce (kernels/ce.cu). Why it was built: with both directions of the link loaded,
 //! as every collective loads them, the copy engines alone carried 377–387 GB/s per direction at
 //! 256 MiB – 1 GiB on 2 × H200, SM stores 345–360, and the two sharing the bytes no more than
-//! the copy engines alone (`scripts/link-ceilings.py`, docs/perf.md).
+//! the copy engines alone (`scripts/link-ceilings.py`, docs/results/hardware/link-ceilings.txt).
 //!
-//! What it does (docs/gpu-2026-11-30g, runs 2–5): every result right, but **no faster than the
+//! What it does (CHANGELOG.md, "The copy-engine protocol"): every result right, but **no faster than the
 //! plans** — reduce-scatter 246–254 GB/s at 256 MiB where the direct plan reaches 296–307,
 //! all-gather 303–326 against 334–353, all-reduce 338 GB/s at 1 GiB, as the ring plan. Its first
 //! runs were erratic (see [`REDUCE_BLOCKS`]): that is how the waits' reads of host memory were
@@ -69,7 +69,7 @@ const STREAMS: usize = 2;
 const MAX_STREAMS: usize = 8;
 const REDUCE_THREADS: u32 = 512;
 /// Most blocks of the reduce kernel, unless `COMMFUSE_CE_REDUCE_BLOCKS` (1 to 1024) says
-/// otherwise. Measured (docs/gpu-2026-11-30g runs 3, 5, 6; bf16, 4 MiB sub-chunks, 2 side
+/// otherwise. Measured (CHANGELOG.md, "The copy-engine protocol"; bf16, 4 MiB sub-chunks, 2 side
 /// streams): 264 blocks (two per multiprocessor) made calls erratic — a 1 GiB all-reduce from 4.1
 /// to 9.5 ms — until the waits stopped reading the host-mapped abort word every 256 polls
 /// (`ABORT_POLL_NS` in kernels/common.cuh), after which they ran as steadily as 64 (all-reduce
@@ -371,7 +371,7 @@ impl CeLauncher {
         // a copy into a peer, then its flag there, on side stream `on`; the flag is a stream
         // memory operation, not a kernel: a one-thread kernel queued on a side stream did not
         // start while the reduce kernel ran, which then waited for its flag until the timeout
-        // (docs/gpu-2026-11-30g run 4, before the waits' reads of host memory were made rare;
+        // (seen on 2 × H200 before the waits' reads of host memory were made rare, `477a737`;
         // not tried since)
         let send =
             |on: &Stream, (dst, src, bytes): (u64, u64, usize), (q, flag): (usize, usize)| {

@@ -12,8 +12,7 @@
 //! in the same order (as with NCCL), and one backend's operators share its signal pads, so
 //! they too must be called in one agreed order.
 //!
-//! Written after the third session's device time was spent: its GPU test
-//! (`tests/gpu_collective.rs`) has not run yet. The simulator's twin
+//! Its GPU test is `tests/gpu_collective.rs`; the simulator's twin
 //! (`commfuse_sim::collective::SimCollective`) is checked in CI.
 
 use crate::backend::{CudaBackend, PlanLauncher, RankBuffers};

@@ -84,7 +84,7 @@ pub const LL_MAX_BYTES: usize = 16 << 20;
 /// Threads per block of the LL kernel by default (at most `__launch_bounds__` in ll.cu, 512).
 const THREADS: u32 = 512;
 /// Most blocks a call uses by default: enough words in flight per GPU for the sizes LL serves
-/// (measured, docs/gpu-2026-11-30f run 2: 128 blocks of 512 threads take a 1 MiB all-reduce
+/// (measured on 2 × H200 at `52399ec`, CHANGELOG.md "LL launch shape": 128 blocks of 512 threads take a 1 MiB all-reduce
 /// in 10.4 µs under graph replay where 64 took 11.3; at 256 KiB and below, which use at most
 /// 64, other shapes — 256 × 128, 256 × 132, 128 × 256 — changed nothing)
 const MAX_BLOCKS: u32 = 128;

@@ -97,7 +97,7 @@ pub fn sharing_gpus() -> bool {
 /// Sharing is opt-in because it is best effort: ranks on one GPU need their kernels to run at
 /// the same time, which CUDA does not promise — streams may share a hardware queue (there are
 /// `CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default), and a kernel queued behind a peer's spinning
-/// kernel then waits until the device-side timeout (seen on one H200: docs/gpu-2026-12-01).
+/// kernel then waits until the device-side timeout (seen on one H200; CHANGELOG.md, "Ranks may share a GPU").
 pub fn ranks_on_gpus(p: usize) -> Option<Vec<usize>> {
     let n = gpus(1)?;
     if n >= p {

@@ -19,7 +19,7 @@ fn code_lines_with(word: &str) -> Vec<(&'static str, usize, String)> {
 
 /// The error record's `abort` word lives in host memory, so a read of it crosses PCIe; waits
 /// that read it every 256 polls in every spinning thread stalled the GPU's front end and made
-/// calls take milliseconds (docs/perf.md, seventh session). Only `waiter_check` in common.cuh
+/// calls take milliseconds (CHANGELOG.md, "Device waits read host memory rarely"). Only `waiter_check` in common.cuh
 /// reads it, gated by `ABORT_POLL_NS` and `ABORT_POLL_SPINS` on the same line; every other
 /// mention may only declare or raise it.
 #[test]

@@ -2,7 +2,7 @@
 //! [`crate::protocol::ll_one_shot_all_reduce`] and [`crate::ll_chunks`] (data and the call's
 //! sequence number in one 64-bit line, so a receiver needs one trip and no separate signal) as
 //! an operator object, one call per rank thread, its lines in the world's memory (a group's
-//! shared arena for a shared world). The reference for the GPU kernel of issue 12: all-reduce,
+//! shared arena for a shared world). The reference for the GPU's LL kernel (kernels/ll.cu): all-reduce,
 //! reduce-scatter and all-gather of f32, sums in rank order, so every rank's result is the same
 //! bits.
 

@@ -137,7 +137,7 @@ impl std::fmt::Display for GemmRsPath {
 pub const PIECE_ROWS_MIN: usize = 128;
 
 /// Bytes a rank sends in the reduce-scatter below which `auto` takes the unfused path.
-/// Measured on 2 × H200 (docs/perf.md, fourth session): at 512×4096×4096 (2 MiB sent per rank)
+/// Measured on 2 × H200 (CHANGELOG.md, "GEMM + reduce-scatter's unfused path"): at 512×4096×4096 (2 MiB sent per rank)
 /// cuBLASLt then NCCL took 52.6 µs, the overlapped ring 66.9 µs (1 piece) and 83.4 µs (2) —
 /// its flag kernels and copy-engine start-up cost some 30 µs a call, more than the
 /// reduce-scatter it hides (25 µs); at 1024×8192×3584 (8 MiB) the ring already won (1.12×).
@@ -149,7 +149,7 @@ pub const UNFUSED_BELOW_BYTES: usize = 4 << 20;
 /// ring's steps are cut in two pieces when each keeps at least [`PIECE_ROWS_MIN`] rows: on
 /// 2 × H200 two pieces measured fastest at every larger shape tried (M×N×K =
 /// 8192×8192×3584, 2048×8192×3584, 8192×8192×14336, 1024×8192×3584; 1, 2, 4 and 8 pieces,
-/// docs/perf.md): more pieces give cuBLASLt GEMMs too small to run at full speed, one piece
+/// docs/results/gemm-rs/): more pieces give cuBLASLt GEMMs too small to run at full speed, one piece
 /// leaves the first hand-on exposed. The fused path measured slower than the overlapped one
 /// at every shape (our GEMM trails cuBLASLt's by 10–15 % at K = 3584). A pure function of the
 /// shape, so every rank of a group picks the same.

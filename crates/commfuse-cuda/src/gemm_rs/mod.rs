@@ -12,7 +12,7 @@
 //!   reducing kernel (kernels/gemm_rs.cu) on a second stream, forked from and joined to the
 //!   caller's by events, sum the P partials per tile as their flags come in. The GEMM is capped at
 //!   `SMs − blocks` so that both are always resident together (the reduction waits for tiles the
-//!   GEMM makes). Measured slower (docs/perf.md): kept to compare, and for what it shows.
+//!   GEMM makes). Measured slower (CHANGELOG.md, "GEMM + reduce-scatter, fused into our GEMM"): kept to compare, and for what it shows.
 //!
 //! Nothing synchronises the host. Alternate calls use alternate sets of receive buffers and flag
 //! rows (the schedule's module doc says why that makes back-to-back calls safe), and flags hold
@@ -706,7 +706,7 @@ impl GemmRsRank {
     /// wait for the GPU and its peers to be idle): wait on the host for this operator's earlier
     /// calls, so that none of its kernels is still spinning on a flag a peer has yet to raise
     /// while this thread holds the context (the overlapped path's first calls stalled that way,
-    /// docs/gpu-2026-11-30c). Bounded: every wait of the earlier calls is. Nothing to do when
+    /// CHANGELOG.md, "GEMM + reduce-scatter's overlapped path"). Bounded: every wait of the earlier calls is. Nothing to do when
     /// the M was `prepared` already.
     fn settle_before_preparing(&self, prepared: bool) -> Result<(), CudaError> {
         if prepared {
