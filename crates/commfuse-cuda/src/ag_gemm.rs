@@ -213,14 +213,32 @@ impl AgGemmAllocation {
                 self.memory.gather.ipc_handle(&self.gpu)?,
                 self.memory.flags.ipc_handle(&self.gpu)?,
             ],
-            extra: Vec::new(),
+            extra: self.agreement(),
         })
+    }
+
+    /// What every rank must have built alike (see [`crate::ipc::agreement`]): the rows and
+    /// the input type and K of the gathered A (peers write their rows into this rank's gather
+    /// buffer), and how its pieces are handed on. N, B's layout, the bias and the output are
+    /// each rank's own: a column-parallel layer's shards may differ in N.
+    fn agreement(&self) -> Vec<u8> {
+        let c = &self.config;
+        crate::ipc::agreement(&[
+            ("max_m", c.max_m.to_string()),
+            ("k", c.k.to_string()),
+            ("input", c.input.to_string()),
+            ("pieces", c.pieces.to_string()),
+            ("fused", c.fused.to_string()),
+        ])
     }
 
     /// Finishes the rank from every rank's [`AgGemmAllocation::export`] (rank order, its own
     /// among them) when the peers live in other processes.
     pub fn connect_exported(self, exports: &[Exported]) -> Result<AgGemmRank, CudaError> {
         Exported::check_group(exports, "ag-gemm", self.world, 2)?;
+        crate::ipc::check_agreement("ag-gemm", self.rank, &self.agreement(), exports, |e| {
+            e.extra.as_slice()
+        })?;
         let mut mapped = Vec::new();
         let mut peers = Vec::with_capacity(self.world);
         for (q, e) in exports.iter().enumerate() {

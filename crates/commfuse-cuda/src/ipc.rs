@@ -21,9 +21,77 @@ pub struct Exported {
     pub rank: usize,
     pub world: usize,
     pub handles: Vec<IpcHandle>,
-    /// The operator's other shared bytes (GEMM + reduce-scatter: rank 0's NCCL unique id for
-    /// its unfused path; empty when there are none)
+    /// The operator's other shared bytes: what every rank must have built alike
+    /// ([`agreement`]), after GEMM + reduce-scatter's rank 0 NCCL unique id for its unfused path
     pub extra: Vec<u8>,
+}
+
+/// What every rank of a group must have built alike, as the `name=value` lines an operator puts
+/// in its export ([`Exported::extra`]); [`check_agreement`] compares them on connect.
+pub fn agreement(fields: &[(&str, String)]) -> Vec<u8> {
+    fields
+        .iter()
+        .map(|(name, value)| format!("{name}={value}\n"))
+        .collect::<String>()
+        .into_bytes()
+}
+
+/// Refuses a group whose ranks built `operator` differently: `mine` is this rank's
+/// [`agreement`], `theirs(e)` the agreement in export `e`. The error names the first field that
+/// differs and its value on both ranks, so that every rank ends in the same one-line diagnosis
+/// instead of writing into buffers its peers sized for another shape.
+pub fn check_agreement(
+    operator: &str,
+    rank: usize,
+    mine: &[u8],
+    exports: &[Exported],
+    theirs: impl Fn(&Exported) -> &[u8],
+) -> Result<(), CudaError> {
+    let fields = |bytes: &[u8]| -> Vec<(String, String)> {
+        String::from_utf8_lossy(bytes)
+            .lines()
+            .map(|l| match l.split_once('=') {
+                Some((name, value)) => (name.to_string(), value.to_string()),
+                None => (l.to_string(), String::new()),
+            })
+            .collect()
+    };
+    let ours = fields(mine);
+    for e in exports {
+        let other = fields(theirs(e));
+        if other == ours {
+            continue;
+        }
+        let differs = ours
+            .iter()
+            .zip(&other)
+            .find(|(a, b)| a != b)
+            .map(|((name, value), (their_name, their_value))| {
+                if name == their_name {
+                    format!(
+                        "{name}={their_value} on rank {}, {name}={value} on rank {rank}",
+                        e.rank
+                    )
+                } else {
+                    format!(
+                        "field {their_name} on rank {}, {name} on rank {rank}",
+                        e.rank
+                    )
+                }
+            })
+            .unwrap_or_else(|| {
+                format!(
+                    "{} fields on rank {}, {} on rank {rank}",
+                    other.len(),
+                    e.rank,
+                    ours.len()
+                )
+            });
+        return Err(CudaError::Unavailable(format!(
+            "{operator}: the ranks built it differently ({differs}): every rank of a group must build it alike"
+        )));
+    }
+    Ok(())
 }
 
 impl Exported {
@@ -208,6 +276,37 @@ mod tests {
         assert_eq!(got, vec![sample(0), sample(1)]);
         let e = sample(0).exchange_with(|_| Err("store down")).unwrap_err();
         assert!(e.to_string().contains("store down"));
+    }
+
+    #[test]
+    fn ranks_built_alike_agree_and_a_difference_names_the_field_and_both_values() {
+        let built = |n: usize| agreement(&[("max_m", "64".into()), ("n", n.to_string())]);
+        let exports: Vec<Exported> = [4096, 4096, 8192]
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| Exported {
+                extra: built(n),
+                ..sample(r)
+            })
+            .collect();
+        fn theirs(e: &Exported) -> &[u8] {
+            &e.extra
+        }
+        assert!(check_agreement("gemm-rs", 0, &built(4096), &exports[..2], theirs).is_ok());
+        let err = check_agreement("gemm-rs", 0, &built(4096), &exports, theirs)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("n=8192 on rank 2, n=4096 on rank 0") && err.contains("gemm-rs"),
+            "{err}"
+        );
+        assert!(!err.contains('\n'), "one line: {err}");
+        // a field the other rank does not have
+        let short = agreement(&[("max_m", "64".into())]);
+        let err = check_agreement("ag-gemm", 1, &short, &exports[..1], theirs)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("2 fields on rank 0, 1 on rank 1"), "{err}");
     }
 
     fn sample(rank: usize) -> Exported {

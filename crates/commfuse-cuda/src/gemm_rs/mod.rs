@@ -373,8 +373,25 @@ impl GemmRsAllocation {
             rank: self.rank,
             world: self.world,
             handles,
-            extra: self.nccl_id.to_vec(),
+            extra: [self.nccl_id.as_slice(), &self.agreement()].concat(),
         })
+    }
+
+    /// What every rank must have built alike (see [`crate::ipc::agreement`]): the calls' rows,
+    /// the output's columns and type (the partials peers write into this rank's buffers), the
+    /// bias (added once), the path and its ring. K, B's layout and the input type are each
+    /// rank's own: a row-parallel layer's shards may differ in K by one.
+    fn agreement(&self) -> Vec<u8> {
+        let c = &self.config;
+        crate::ipc::agreement(&[
+            ("max_m", c.max_m.to_string()),
+            ("n", c.n.to_string()),
+            ("output", c.output.to_string()),
+            ("bias", c.bias.to_string()),
+            ("reduction", format!("{:?}", c.reduction)),
+            ("path", format!("{:?}", c.path)),
+            ("numa_groups", c.numa_groups.to_string()),
+        ])
     }
 
     /// Finishes the rank from every rank's [`GemmRsAllocation::export`] (rank order, its own
@@ -383,6 +400,9 @@ impl GemmRsAllocation {
     pub fn connect_exported(self, exports: &[Exported]) -> Result<GemmRsRank, CudaError> {
         let has_ring = self.ring.is_some();
         Exported::check_group(exports, "gemm-rs", self.world, 2 + 2 * has_ring as usize)?;
+        crate::ipc::check_agreement("gemm-rs", self.rank, &self.agreement(), exports, |e| {
+            e.extra.get(NCCL_ID_BYTES..).unwrap_or_default()
+        })?;
         let mut mapped = Vec::new();
         let mut peers = Vec::with_capacity(self.world);
         for (q, e) in exports.iter().enumerate() {
@@ -407,7 +427,8 @@ impl GemmRsAllocation {
             } else {
                 RingPeer::default()
             };
-            let nccl_id = NcclId::try_from(e.extra.as_slice()).map_err(|_| {
+            let id = e.extra.get(..NCCL_ID_BYTES).unwrap_or_default();
+            let nccl_id = NcclId::try_from(id).map_err(|_| {
                 unsupported(format!(
                     "gemm-rs: export {q} carries {} extra bytes, expected an NCCL id of {NCCL_ID_BYTES}",
                     e.extra.len()
