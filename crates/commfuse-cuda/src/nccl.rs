@@ -2,8 +2,9 @@
 //! communicators over all ranks, one host thread per GPU) and the copy engine
 //! (`cuMemcpyPeerAsync`). Both are `PreparedCall`s, so the same reference checks them.
 //!
-//! NVLink multicast (NVLS) must never be used on the project's machines: the CLI sets
-//! NCCL_NVLS_ENABLE=0 before any NCCL call, and `Comms::new` refuses to start without it.
+//! NCCL runs as its environment configures it (`NCCL_*` variables); [`configuration`] says how,
+//! for a bench's header. The `commfuse` binary defaults `NCCL_NVLS_ENABLE` to 0 (no NVLink
+//! multicast) where the environment leaves it unset.
 
 use crate::backend::{boxed_call, CudaBackend, Launcher, Rank, RankBuffers};
 use crate::error::CudaError;
@@ -15,8 +16,7 @@ use cudarc::nccl::{result, sys};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Whether NCCL may start here: libnccl on the library path, and NVLink multicast switched off
-/// (`NCCL_NVLS_ENABLE=0`, which this project's machines require).
+/// Whether NCCL may start here: libnccl on the library path.
 pub(crate) fn usable() -> Result<(), CudaError> {
     // SAFETY: only tries to dlopen libnccl
     if !unsafe { sys::is_culib_present() } {
@@ -24,13 +24,30 @@ pub(crate) fn usable() -> Result<(), CudaError> {
             "NCCL (libnccl.so) is not on the library path".into(),
         ));
     }
-    if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
-        return Err(CudaError::Unavailable(
-            "refusing to start NCCL without NCCL_NVLS_ENABLE=0 (NVLink multicast is off limits)"
-                .into(),
-        ));
-    }
     Ok(())
+}
+
+/// How NCCL is configured in this process, as one line for a bench's header: its version (or
+/// why it cannot run) and every `NCCL_*` variable set, in name order.
+pub fn configuration() -> String {
+    let version = match usable() {
+        Err(e) => format!("not usable: {e}"),
+        Ok(()) => match result::get_nccl_version() {
+            Ok(v) => format!("{}.{}.{}", v / 10000, (v / 100) % 100, v % 100),
+            Err(e) => format!("version unknown: {e:?}"),
+        },
+    };
+    let mut vars: Vec<String> = std::env::vars()
+        .filter(|(k, _)| k.starts_with("NCCL_"))
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    vars.sort();
+    let vars = if vars.is_empty() {
+        "no NCCL_* variables set".to_string()
+    } else {
+        vars.join(" ")
+    };
+    format!("NCCL {version}; {vars}")
 }
 
 /// `ncclReduceScatter` (sum) of `count` elements per rank from `send` (P·count) into `recv` on
@@ -460,5 +477,24 @@ impl Launcher for BaselineLauncher<'_> {
             backend.wait_streams()?;
         }
         result
+    }
+}
+
+#[cfg(test)]
+mod configuration_tests {
+    #[test]
+    fn the_configuration_line_names_the_version_or_why_not_and_every_nccl_variable() {
+        std::env::set_var("NCCL_COMMFUSE_CONFIGURATION_TEST", "7");
+        let line = super::configuration();
+        assert!(line.starts_with("NCCL "), "{line}");
+        assert!(
+            line.contains("NCCL_COMMFUSE_CONFIGURATION_TEST=7"),
+            "{line}"
+        );
+        assert!(!line.contains('\n'), "one line: {line}");
+        // SAFETY: only tries to dlopen libnccl
+        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+            assert!(line.contains("not usable"), "{line}");
+        }
     }
 }

@@ -407,9 +407,15 @@ pub fn header(
     reduce: ReduceOp,
     graph: bool,
 ) -> String {
+    // the NCCL rows' configuration, beside them
+    let nccl = if backend == "cuda" {
+        format!("# {}\n", commfuse_cuda::nccl::configuration())
+    } else {
+        String::new()
+    };
     format!(
         "# commfuse bench {op}: backend {backend}, {ranks} ranks, {dtype}, reduce {reduce}\n\
-         # time: median of {ROUNDS} interleaved rounds' medians; spread: the fastest and slowest round\n\
+         {nccl}# time: median of {ROUNDS} interleaved rounds' medians; spread: the fastest and slowest round\n\
          # auto: what the operators run when left to choose (the cost model's plan, or a protocol such as ll)\n#\n\
          # {:>8} {:>12} {:>5} {:>20} {:>11} {:>19} {:>11} {:>11} {:>7} {:>11}{}",
         "size",

@@ -631,6 +631,7 @@ fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
         "# commfuse bench gemm-rs: {}×{}×{} (M×N×K, K per rank), B {:?}, {} → {}, GPUs {:?}",
         a.shape.m, a.shape.n, a.shape.k, layout, shape.input, shape.output, a.devices
     );
+    println!("# {}", commfuse_cuda::nccl::configuration());
     print_fused_rows(&rows, "cublaslt+nccl", a.json.as_deref())
 }
 
@@ -721,6 +722,7 @@ fn bench_ag_gemm_cmd(a: BenchAgGemmArgs) -> Result<i32> {
         "# commfuse bench ag-gemm: {}×{}×{} (M×N×K, M gathered), B {:?}, {} → {}, GPUs {:?}",
         a.shape.m, a.shape.n, a.shape.k, layout, shape.input, shape.output, a.devices
     );
+    println!("# {}", commfuse_cuda::nccl::configuration());
     print_fused_rows(&rows, "nccl+cublaslt", a.json.as_deref())
 }
 

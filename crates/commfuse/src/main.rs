@@ -5,9 +5,11 @@ use clap::Parser;
 use commfuse::cli::{execute, Cli};
 
 fn main() {
-    // NVLink multicast can take a shared host's GPUs out of service: never let NCCL use it.
-    // Set before any thread exists.
-    std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    // NVLink multicast can take a shared host's GPUs out of service: NCCL does not use it
+    // unless the environment asks for it. Set before any thread exists.
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    }
     std::panic::set_hook(Box::new(|info| {
         let msg = info
             .payload()

@@ -312,8 +312,7 @@ impl GemmRsAllocation {
         if config.path == PathChoice::Always(GemmRsPath::Unfused) && rank == 0 && nccl_id.is_none()
         {
             return Err(unsupported(
-                "the unfused path needs NCCL (libnccl.so on the library path) and NCCL_NVLS_ENABLE=0"
-                    .into(),
+                "the unfused path needs NCCL (libnccl.so on the library path)".into(),
             ));
         }
         let receive_bytes = if fused {
@@ -882,7 +881,7 @@ impl GemmRsRank {
         let limit = self.host_limit();
         let path = self.unfused.as_mut().ok_or_else(|| {
             unsupported(
-                "the unfused path needs NCCL where rank 0 was built (libnccl.so, NCCL_NVLS_ENABLE=0)"
+                "the unfused path needs NCCL where rank 0 was built (libnccl.so on its library path)"
                     .into(),
             )
         })?;

@@ -32,8 +32,7 @@ pub const NCCL_ID_BYTES: usize = 128;
 /// A rank-0 NCCL unique id as peers carry it (zero: no NCCL where rank 0 was built).
 pub type NcclId = [u8; NCCL_ID_BYTES];
 
-/// A fresh NCCL unique id, or None where NCCL cannot run (no libnccl, or NVLink multicast not
-/// switched off by `NCCL_NVLS_ENABLE=0`, which this project's machines require).
+/// A fresh NCCL unique id, or None where NCCL cannot run (no libnccl).
 pub(crate) fn draw_nccl_id() -> Option<NcclId> {
     crate::nccl::usable().ok()?;
     let id = result::get_uniqueid().ok()?;
