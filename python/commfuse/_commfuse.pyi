@@ -34,7 +34,8 @@ class SimGroup:
     rank: int
     world: int
     def __init__(
-        self, name: str, rank: int, world: int, *, arena_mb: int = 64, timeout_ms: int = 20000
+        self, name: str, rank: int, world: int, *, arena_mb: int = 64, timeout_ms: int = 20000,
+        nonce: int = 0
     ) -> None: ...
     def collective(
         self, op: str, x: F32, *, count: Optional[int] = None, algo: Optional[str] = None,

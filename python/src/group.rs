@@ -244,21 +244,24 @@ macro_rules! by_pair {
 impl SimGroup {
     /// Joins the group `name` as rank `rank` of `world` (rank 0 creates its shared memory of
     /// `arena_mb` MiB; the others wait for it, at most `timeout_ms`). Every wait of every call
-    /// is bounded by `timeout_ms` too.
+    /// is bounded by `timeout_ms` too. `nonce`, a random number every rank got through the
+    /// same rendezvous as the name, keeps a segment left or planted under the name out.
     #[new]
-    #[pyo3(signature = (name, rank, world, *, arena_mb=64, timeout_ms=20000))]
+    #[pyo3(signature = (name, rank, world, *, arena_mb=64, timeout_ms=20000, nonce=0))]
     fn new(
         name: &str,
         rank: usize,
         world: usize,
         arena_mb: usize,
         timeout_ms: u64,
+        nonce: u64,
     ) -> PyResult<Self> {
         let timeout = Duration::from_millis(timeout_ms);
         let bytes = arena_mb
             .checked_mul(1 << 20)
             .ok_or_else(|| value_error(format!("arena_mb={arena_mb} overflows")))?;
-        let arena = Arena::open(name, rank, world, bytes, timeout).map_err(value_error)?;
+        let arena = Arena::open_with_nonce(name, rank, world, bytes, timeout, nonce)
+            .map_err(value_error)?;
         Ok(SimGroup {
             arena: Arc::new(arena),
             timeout,

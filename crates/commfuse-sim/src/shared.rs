@@ -36,6 +36,9 @@ struct Header {
     joined: AtomicU64,
     /// Raised by a rank whose call failed: every rank's waits give up
     abort: AtomicU64,
+    /// The group's nonce, set by rank 0: a segment another group left or planted under the
+    /// name carries another
+    nonce: AtomicU64,
 }
 
 /// One group's shared memory, mapped into this process.
@@ -66,13 +69,29 @@ impl Drop for Arena {
 impl Arena {
     /// Maps the group `name` as rank `rank` of `world`, `bytes` of arena: rank 0 creates the
     /// object, the others open it once it exists (each waits at most `timeout`). `name` is the
-    /// caller's: a job id every rank knows (letters, digits, `-`, `_`, `.`).
+    /// caller's: a job id every rank knows (letters, digits, `-`, `_`, `.`). The same as
+    /// [`Arena::open_with_nonce`] with nonce 0.
     pub fn open(
         name: &str,
         rank: usize,
         world: usize,
         bytes: usize,
         timeout: Duration,
+    ) -> Result<Arena, BackendError> {
+        Arena::open_with_nonce(name, rank, world, bytes, timeout, 0)
+    }
+
+    /// [`Arena::open`] for a group whose ranks also share `nonce` (a random number passed
+    /// through the caller's rendezvous with the name): a rank joins only an object that this
+    /// user owns, that no one else may open, and that rank 0 made with the same nonce, so
+    /// that a segment left by a crash or planted under the name cannot capture the group.
+    pub fn open_with_nonce(
+        name: &str,
+        rank: usize,
+        world: usize,
+        bytes: usize,
+        timeout: Duration,
+        nonce: u64,
     ) -> Result<Arena, BackendError> {
         if world == 0 || rank >= world {
             return Err(unavailable(format!("rank {rank} of a group of {world}")));
@@ -129,6 +148,17 @@ impl Arena {
                     // SAFETY: our descriptor and a stat buffer
                     let sized =
                         unsafe { libc::fstat(fd, &mut stat) } == 0 && stat.st_size as usize == len;
+                    // SAFETY: geteuid has no preconditions and cannot fail
+                    let me = unsafe { libc::geteuid() };
+                    if sized && (stat.st_uid != me || stat.st_mode & 0o077 != 0) {
+                        // SAFETY: ours to close
+                        unsafe { libc::close(fd) };
+                        return Err(unavailable(format!(
+                            "rank {rank} refuses /commfuse-{name}: it belongs to user {} with mode {:o}, not to this process's user {me} alone",
+                            stat.st_uid,
+                            stat.st_mode & 0o777
+                        )));
+                    }
                     if sized {
                         break fd;
                     }
@@ -173,6 +203,7 @@ impl Arena {
         if rank == 0 {
             h.world.store(world as u64, Ordering::Relaxed);
             h.bytes.store(bytes as u64, Ordering::Relaxed);
+            h.nonce.store(nonce, Ordering::Relaxed);
             h.magic.store(MAGIC, Ordering::Release);
         } else {
             while h.magic.load(Ordering::Acquire) != MAGIC {
@@ -190,6 +221,11 @@ impl Arena {
             if w != world as u64 || b != bytes as u64 {
                 return Err(unavailable(format!(
                     "rank {rank} joined /commfuse-{name} for {world} ranks and {bytes} bytes, rank 0 made it for {w} and {b}"
+                )));
+            }
+            if h.nonce.load(Ordering::Relaxed) != nonce {
+                return Err(unavailable(format!(
+                    "rank {rank} refuses /commfuse-{name}: it was made with another nonce than the group's (a segment left by another group, or planted)"
                 )));
             }
         }

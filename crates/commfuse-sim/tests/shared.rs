@@ -109,6 +109,60 @@ fn gemm_reduce_scatter_through_shared_memory_matches_float64() {
 }
 
 #[test]
+fn a_segment_of_another_nonce_or_owner_is_refused() {
+    // rank 0 made the group with nonce 1; a rank expecting nonce 2 refuses it
+    let n = name("nonce");
+    let maker = {
+        let n = n.clone();
+        std::thread::spawn(move || {
+            Arena::open_with_nonce(&n, 0, 2, 1 << 20, Duration::from_millis(500), 1)
+        })
+    };
+    let e = Arena::open_with_nonce(&n, 1, 2, 1 << 20, Duration::from_secs(5), 2)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("another nonce") && !e.contains('\n'), "{e}");
+    assert!(maker.join().unwrap().is_err(), "rank 0 saw its peer leave");
+    // the same nonce joins
+    let n = name("same-nonce");
+    let maker = {
+        let n = n.clone();
+        std::thread::spawn(move || {
+            Arena::open_with_nonce(&n, 0, 2, 1 << 20, Duration::from_secs(5), 7)
+        })
+    };
+    Arena::open_with_nonce(&n, 1, 2, 1 << 20, Duration::from_secs(5), 7).unwrap();
+    maker.join().unwrap().unwrap();
+    // a segment of another user (only root can make one here)
+    // SAFETY: geteuid has no preconditions
+    if unsafe { libc::geteuid() } == 0 {
+        let n = name("foreign");
+        let path = std::ffi::CString::new(format!("/commfuse-{n}")).unwrap();
+        // SAFETY: a NUL-terminated name; the object is sized as rank 0 would (header + arena)
+        // and handed to user 65534 ("nobody")
+        unsafe {
+            let fd = libc::shm_open(
+                path.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR,
+                0o600,
+            );
+            assert!(fd >= 0);
+            assert_eq!(libc::ftruncate(fd, (4096 + (1 << 20)) as libc::off_t), 0);
+            assert_eq!(libc::fchown(fd, 65534, 65534), 0);
+            libc::close(fd);
+        }
+        let e = Arena::open(&n, 1, 2, 1 << 20, Duration::from_secs(2))
+            .err()
+            .unwrap()
+            .to_string();
+        // SAFETY: the name made above
+        unsafe { libc::shm_unlink(path.as_ptr()) };
+        assert!(e.contains("belongs to user 65534"), "{e}");
+    }
+}
+
+#[test]
 fn joining_fails_in_one_line_without_hanging() {
     // rank 1 of a group rank 0 never makes
     let e = Arena::open(&name("nobody"), 1, 2, 1 << 20, Duration::from_millis(100))

@@ -6,6 +6,7 @@ the group when a group's first CPU call comes, so that first call is collective.
 from __future__ import annotations
 
 import os
+import secrets
 import uuid
 from typing import Optional
 
@@ -42,12 +43,14 @@ def group_of(process_group, name: str, rank: int, world: int) -> SimGroup:
     """The simulator group behind ``process_group`` (built collectively at its first use)."""
     sim = _GROUPS.get(name)
     if sim is None:
-        shared = [f"torch-{uuid.uuid4().hex}" if rank == 0 else None]
+        # the segment's name and a nonce, both random, from rank 0 through the group itself
+        shared = [(f"torch-{uuid.uuid4().hex}", secrets.randbits(63)) if rank == 0 else None]
         if world > 1:
             dist.broadcast_object_list(shared, src=dist.get_global_rank(process_group, 0),
                                        group=process_group)
-        sim = _GROUPS[name] = SimGroup(shared[0], rank, world, arena_mb=_arena_mb(),
-                                       timeout_ms=_timeout_ms())
+        segment, nonce = shared[0]
+        sim = _GROUPS[name] = SimGroup(segment, rank, world, arena_mb=_arena_mb(),
+                                       timeout_ms=_timeout_ms(), nonce=nonce)
     return sim
 
 
