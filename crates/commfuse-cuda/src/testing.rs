@@ -92,7 +92,8 @@ pub fn sharing_gpus() -> bool {
 /// Devices for `p` ranks: GPUs 0..p where there are that many; else, under
 /// `COMMFUSE_SHARE_GPUS=1`, the GPUs there are, round-robin (ranks sharing a GPU, as
 /// `CudaBackend::open` allows); else `None` with the reason printed (not a skip of the test:
-/// its other world sizes run). `None` (skipped, see [`gpus`]) without any GPU.
+/// its other world sizes run), or a failure under `COMMFUSE_REQUIRE_GPU=1`. `None` (skipped,
+/// see [`gpus`]) without any GPU.
 ///
 /// Sharing is opt-in because it is best effort: ranks on one GPU need their kernels to run at
 /// the same time, which CUDA does not promise — streams may share a hardware queue (there are
@@ -106,7 +107,9 @@ pub fn ranks_on_gpus(p: usize) -> Option<Vec<usize>> {
     if sharing_gpus() {
         return Some((0..p).map(|r| r % n).collect());
     }
-    eprintln!("P = {p} not run: {n} GPU(s) here; {SHARE_GPUS}=1 lets ranks share them");
+    let why = format!("P = {p} not run: {n} GPU(s) here; {SHARE_GPUS}=1 lets ranks share them");
+    // a world size left out is a check not made: under COMMFUSE_REQUIRE_GPU=1 it fails
+    skip_or_fail(gpu_required(), &why);
     None
 }
 
