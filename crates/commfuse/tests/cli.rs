@@ -736,3 +736,83 @@ fn run_gemm_rs_refuses_bad_input_in_one_line() {
         "--pieces goes with --path overlapped",
     );
 }
+
+/// Fails unless the command exits with status 2 and prints one line on stderr starting with
+/// `start` (the whole line, where it does not depend on the machine's memory), and no panic or
+/// backtrace.
+fn refused(args: &[&str], start: &str) -> Output {
+    let o = commfuse(args);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?} printed more than one line:\n{err}"
+    );
+    assert!(
+        err.starts_with(start),
+        "{args:?}: expected '{start}…', got: {err}"
+    );
+    for sign in ["panicked", "backtrace", "internal error"] {
+        assert!(!err.contains(sign), "{args:?}: {err}");
+    }
+    o
+}
+
+#[test]
+fn inputs_too_big_for_memory_are_refused_before_anything_is_allocated() {
+    let huge = ["--m", "100000000", "--n", "100000000", "--k", "8"];
+    let gemm_rs = |extra: &[&'static str]| -> Vec<&'static str> {
+        ["run", "gemm-rs"]
+            .iter()
+            .chain(&huge)
+            .chain(extra)
+            .copied()
+            .collect()
+    };
+    refused(
+        &gemm_rs(&[]),
+        "error: run gemm-rs 100000000×100000000×8 on 2 ranks by the overlapped (2 pieces) path needs 346.4 PiB (390024444525294912 bytes), more than 90 % of the ",
+    );
+    refused(
+        &gemm_rs(&["--path", "fused"]),
+        "error: run gemm-rs 100000000×100000000×8 on 2 ranks by the fused path needs 346.5 PiB",
+    );
+    refused(
+        &gemm_rs(&["--path", "unfused", "--ranks", "8"]),
+        "error: run gemm-rs 100000000×100000000×8 on 8 ranks by the unfused path needs",
+    );
+    refused(
+        &[
+            "run", "gemm-rs", "--m", "2147483648", "--n", "2147483648", "--k", "8", "--path",
+            "fused",
+        ],
+        "error: run gemm-rs 2147483648×2147483648×8 on 2 ranks by the fused path needs more bytes than 64 bits count (its size overflows)",
+    );
+    for fused in [&[][..], &["--fused"][..]] {
+        let args: Vec<&str> = [
+            "run", "ag-gemm", "--m", "2000000", "--n", "2000000", "--k", "8",
+        ]
+        .iter()
+        .chain(fused)
+        .copied()
+        .collect();
+        refused(
+            &args,
+            "error: run ag-gemm 2000000×2000000×8 on 2 ranks needs",
+        );
+    }
+    // the queued calls' inputs and outputs count, not only the backend's buffers
+    refused(
+        &[
+            "run", "all-reduce", "--algo", "ring", "--ranks", "64", "--size", "1000000000",
+        ],
+        "error: all-reduce ring of 1000000000 f32 elements on 64 ranks, 4 calls checked needs 1.9 TiB",
+    );
+    // a sweep is refused before its first size is measured
+    let o = refused(
+        &["bench", "all-reduce", "--ranks", "64", "--sizes", "1K,64G"],
+        "error: bench all-reduce at 64G on 64 ranks needs",
+    );
+    assert!(!stdout(&o).contains("        1K "), "{}", stdout(&o));
+}
