@@ -816,3 +816,145 @@ fn inputs_too_big_for_memory_are_refused_before_anything_is_allocated() {
     );
     assert!(!stdout(&o).contains("        1K "), "{}", stdout(&o));
 }
+
+#[test]
+fn bad_values_and_flags_that_contradict_each_other_are_refused_in_one_line() {
+    let gemm = ["--m", "64", "--n", "64", "--k", "8"];
+    let with = |head: &[&'static str], tail: &[&'static str]| -> Vec<&'static str> {
+        head.iter().chain(&gemm).chain(tail).copied().collect()
+    };
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["run", "all-reduce", "--size", "-5"],
+            "error: --size must be a non-negative number of elements, got -5",
+        ),
+        (
+            vec!["plan", "all-reduce", "--size", "-5"],
+            "error: --size must be a non-negative number of elements, got -5",
+        ),
+        (
+            vec!["run", "gemm-rs", "--m", "-4", "--n", "8", "--k", "8"],
+            "error: --m must be a non-negative number of rows, got -4",
+        ),
+        (
+            vec!["run", "ag-gemm", "--m", "8", "--n", "-8", "--k", "8"],
+            "error: --n must be a non-negative number of columns, got -8",
+        ),
+        (
+            vec!["run", "all-reduce", "--ranks", "-2"],
+            "error: --ranks must be a non-negative number of ranks, got -2",
+        ),
+        (
+            vec!["run", "all-reduce", "--seed", "-1"],
+            "error: --seed must be a whole number from 0 to 2^64 - 1, got -1",
+        ),
+        (
+            vec!["run", "all-reduce", "--devices", "-1"],
+            "error: --devices must be a GPU index (0, 1, ...), got -1",
+        ),
+        (
+            vec!["run", "all-reduce", "--devices", "0,1", "--backend", "sim"],
+            "error: --devices 0,1 names GPUs, but --backend sim runs on the CPU: drop one of the two",
+        ),
+        (
+            vec!["bench", "all-reduce", "--devices", "0", "--backend", "sim"],
+            "error: --devices 0 names GPUs, but --backend sim runs on the CPU: drop one of the two",
+        ),
+        (
+            vec!["run", "all-reduce", "--devices", "0,1", "--ranks", "4"],
+            "error: --ranks 4 disagrees with --devices 0,1 (2 GPUs, one rank each): drop --ranks or name 4 GPUs",
+        ),
+        (
+            with(&["run", "gemm-rs"], &["--numa-groups", "2", "--path", "fused"]),
+            "error: --numa-groups 2 shapes the overlapped path's ring; --path fused has none: drop --numa-groups, or take --path overlapped",
+        ),
+        (
+            with(&["run", "gemm-rs"], &["--numa-groups", "2", "--path", "unfused"]),
+            "error: --numa-groups 2 shapes the overlapped path's ring; --path unfused has none: drop --numa-groups, or take --path overlapped",
+        ),
+        (
+            vec!["bench", "all-reduce", "--sizes", "0"],
+            "error: --sizes: size list '0' has a size of 0 bytes: there is nothing to measure",
+        ),
+        (
+            vec!["bench", "all-reduce", "--sizes", "1K,,2K"],
+            "error: --sizes: size list '1K,,2K' has an empty item (write sizes such as 4K,1M or 1K..1G)",
+        ),
+        (
+            vec!["bench", "all-reduce", "--sizes", "1K,"],
+            "error: --sizes: size list '1K,' has an empty item (write sizes such as 4K,1M or 1K..1G)",
+        ),
+        (
+            vec!["bench", "all-reduce", "--sizes", "2"],
+            "error: --sizes 2: 2 bytes is less than one f32 element (4 bytes)",
+        ),
+        (
+            vec!["bench", "all-reduce", "--iters", "0"],
+            "error: --iters must be at least 1 (timed calls), got 0",
+        ),
+        (
+            vec!["bench", "all-reduce", "--link-gbps", "0"],
+            "error: --link-gbps must be a positive number of GB/s, got 0",
+        ),
+        (
+            vec!["bench", "all-reduce", "--link-gbps", "nan"],
+            "error: --link-gbps must be a positive number of GB/s, got nan",
+        ),
+        (
+            vec!["bench", "all-reduce", "--latency-us", "-1"],
+            "error: --latency-us must be a non-negative number of µs, got -1",
+        ),
+        (
+            vec!["bench", "all-reduce", "--graph"],
+            "error: --graph times replays of captured CUDA graphs, which the sim backend does not have: drop --graph, or run on --backend cuda",
+        ),
+        (
+            vec!["verify", "--ranks", "2,2"],
+            "error: --ranks 2,2 names world size 2 twice (the second time as item 2): name each once",
+        ),
+        (
+            vec!["verify", "--devices", "0", "--ranks", "1,2"],
+            "error: --ranks 1,2: world size 2 needs 2 GPUs, --devices 0 names 1",
+        ),
+        (
+            vec!["verify", "--devices", "0", "--backend", "sim"],
+            "error: --devices 0 names GPUs, but --backend sim runs on the CPU: drop one of the two",
+        ),
+        (
+            with(&["run", "gemm-rs"], &["--path", "overlapped", "--pieces", "0"]),
+            "error: --pieces must be 1 to 16 pieces, got 0",
+        ),
+        (
+            with(&["run", "ag-gemm"], &["--pieces", "17"]),
+            "error: --pieces must be 1 to 16 pieces, got 17",
+        ),
+        (
+            with(&["bench", "gemm-rs"], &["--pieces", "1,0"]),
+            "error: --pieces must be 1 to 16 pieces, got 0",
+        ),
+        (
+            with(&["run", "gemm-rs"], &["--pieces", "2"]),
+            "error: --pieces goes with --path overlapped",
+        ),
+    ];
+    for (args, line) in &cases {
+        let o = refused(args, line);
+        assert_eq!(stderr(&o).trim_end(), *line, "{args:?}");
+    }
+}
+
+#[test]
+fn pieces_says_in_its_help_what_it_takes() {
+    let o = commfuse(&["run", "gemm-rs", "--help"]);
+    let help = stdout(&o).split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        help.contains("Row pieces per ring step, 1 to 16, with --path overlapped only (default: what auto would take for the shape)"),
+        "{help}"
+    );
+    let o = commfuse(&["run", "ag-gemm", "--help"]);
+    let help = stdout(&o).split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        help.contains("1 to 16: a GEMM per piece on the overlapped path, a wait per piece"),
+        "{help}"
+    );
+}
