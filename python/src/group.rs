@@ -157,7 +157,9 @@ fn gemm_call(
         }
     }
     Footprint::new(format!("copying operands of {rows}×{n}×{k}"))
-        .item(&[a.len() + b.len() + bias.map_or(0, |x| x.len()), 4])
+        .item(&[a.len(), 4])
+        .item(&[b.len(), 4])
+        .item(&[bias.map_or(0, |x| x.len()), 4])
         .check()
         .map_err(value_error)?;
     let flat = |x: &PyReadonlyArray2<'_, f32>| x.as_array().iter().copied().collect::<Vec<f32>>();
@@ -188,7 +190,8 @@ fn gemm_rs_call<TI: Element + 'static, TO: Element + 'static>(
     in_process(commfuse_sim::gemm_rs::memory(&config, path))
         .and_then(|op| Ok(op.and(&in_process(world_config.memory(config.world))?)))
         .map(|f| {
-            f.item(&[c.a.len() + c.b.len(), config.input.size()])
+            f.item(&[c.a.len(), config.input.size()])
+                .item(&[c.b.len(), config.input.size()])
                 .item(&[rows, config.n, config.output.size() + 4])
         })
         .and_then(|f| f.check())
@@ -236,7 +239,8 @@ fn ag_gemm_call<TI: Element + 'static, TO: Element + 'static>(
     in_process(commfuse_sim::ag_gemm::memory(&config, pieces, false))
         .and_then(|op| Ok(op.and(&in_process(world_config.memory(config.world))?)))
         .map(|f| {
-            f.item(&[c.a.len() + c.b.len(), config.input.size()])
+            f.item(&[c.a.len(), config.input.size()])
+                .item(&[c.b.len(), config.input.size()])
                 .item(&[m, n, config.output.size() + 4])
                 .item(&[m, k, config.input.size() + 4])
         })
@@ -448,7 +452,12 @@ impl SimGroup {
         let bias = bias.as_ref().map(|x| vector(x, "bias")).transpose()?;
         let (p, rank) = (self.arena.world(), self.arena.rank());
         let rows = a.shape()[0];
-        let m = m.unwrap_or(rows * p);
+        let m = match m {
+            Some(m) => m,
+            None => rows
+                .checked_mul(p)
+                .ok_or_else(|| value_error(format!("{rows} rows on each of {p} ranks overflow")))?,
+        };
         let mine = commfuse_core::op::chunk_range(m, p, rank).len();
         if mine != rows {
             return Err(value_error(format!(

@@ -177,12 +177,13 @@ fn operands(
 /// B as f32 copies and again in the input type, and the bias.
 fn operand_memory(
     f: Footprint,
-    (a_rows, p, n, k): (usize, usize, usize, usize),
+    (a_rows, p, n, k): (&[usize], usize, usize, usize),
     (input, output): (DType, DType),
     bias: bool,
 ) -> Footprint {
     let si = 4 + input.size();
-    f.item(&[a_rows, k, si])
+    let a = a_rows.iter().copied().chain([k, si]).collect::<Vec<_>>();
+    f.item(&a)
         .item(&[p, k, n, si])
         .item(&[usize::from(bias), n, 4 + output.size()])
 }
@@ -293,7 +294,7 @@ fn sim_gemm_reduce_scatter<'py>(
     let what = format!("sim_gemm_reduce_scatter of {m}×{n}×{k} on {p} ranks by the {path} path");
     let memory = operand_memory(
         Footprint::new(what),
-        (p * m, p, n, k),
+        (&[p, m], p, n, k),
         (input, output),
         bias.is_some(),
     )
@@ -396,7 +397,10 @@ fn sim_all_gather_matmul<'py>(
     let bias = bias.as_ref().map(|x| vector(x, "bias")).transpose()?;
     let (k, n) = operand_shapes(&a, &b, bias.as_ref(), layout)?;
     let p = a.len();
-    let m: usize = a.iter().map(|x| x.shape()[0]).sum();
+    let m = a
+        .iter()
+        .try_fold(0usize, |m, x| m.checked_add(x.shape()[0]))
+        .ok_or_else(|| value_error("the chunks of A have more rows than 64 bits count"))?;
     for (r, x) in a.iter().enumerate() {
         let want = commfuse_core::op::chunk_range(m, p, r).len();
         if x.shape()[0] != want {
@@ -412,7 +416,7 @@ fn sim_all_gather_matmul<'py>(
     let what = format!("sim_all_gather_matmul of {m}×{n}×{k} on {p} ranks");
     let memory = operand_memory(
         Footprint::new(what),
-        (m, p, n, k),
+        (&[m], p, n, k),
         (input, output),
         bias.is_some(),
     )
@@ -491,7 +495,8 @@ fn run_collective<T: Element>(
     timeout: Duration,
 ) -> Result<(Vec<Vec<f32>>, Algo), String> {
     let p = inputs.len();
-    let count = collective_count(kind, root, inputs.iter().map(Vec::len));
+    let count = collective_count(kind, root, inputs.iter().map(Vec::len))
+        .ok_or("the inputs hold more elements than 64 bits count")?;
     let config = WorldConfig {
         timeout,
         ..WorldConfig::default()
@@ -528,14 +533,15 @@ fn run_collective<T: Element>(
 
 /// The element count a collective of these inputs has, as `OpSpec` counts it: an all-gather's
 /// output (every chunk together), else the root's input (every rank's input, but broadcast's).
-fn collective_count(kind: OpKind, root: usize, lens: impl Iterator<Item = usize>) -> usize {
+fn collective_count(kind: OpKind, root: usize, lens: impl Iterator<Item = usize>) -> Option<usize> {
     let lens: Vec<usize> = lens.collect();
     match kind {
-        OpKind::AllGather => lens.iter().sum(),
-        _ => lens
-            .get(root.min(lens.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or(0),
+        OpKind::AllGather => lens.iter().try_fold(0usize, |n, &l| n.checked_add(l)),
+        _ => Some(
+            lens.get(root.min(lens.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or(0),
+        ),
     }
 }
 
@@ -580,7 +586,8 @@ fn sim_collective<'py>(
         return Err(value_error("one input per rank: got none"));
     }
     let p = inputs.len();
-    let count = collective_count(kind, root, inputs.iter().map(|x| x.len()));
+    let count = collective_count(kind, root, inputs.iter().map(|x| x.len()))
+        .ok_or_else(|| value_error("the inputs hold more elements than 64 bits count"))?;
     let spec = OpSpec::new(kind, p, count, root).map_err(value_error)?;
     // the inputs as f32 and in the type, every output in the type and as f32 (the operator's
     // own buffers it checks itself)

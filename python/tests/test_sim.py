@@ -272,3 +272,16 @@ def test_calls_too_large_for_memory_are_refused_before_anything_is_copied():
         lambda: sim.collective("all-reduce", [zeros(1 << 40)] * 2),
         "sim_collective all-reduce of 1099511627776 f32 elements on 2 ranks needs 32.0 TiB",
     )
+    # counts past 64 bits (NumPy's arrays hold at most 2^63 bytes each)
+    one_line_value_error(
+        lambda: sim.collective("all-gather", [zeros((1 << 61) - 1)] * 9),
+        "the inputs hold more elements than 64 bits count",
+    )
+    one_line_value_error(
+        lambda: sim.gemm_reduce_scatter([zeros(1 << 40, k)] * 2, [zeros(1 << 40, k)] * 2),
+        "size overflow: GEMM 1099511627776×1099511627776×8",
+    )
+    one_line_value_error(
+        lambda: sim.all_gather_matmul([zeros(1 << 57, k)] * 200, [zeros(8, k)] * 200),
+        "the chunks of A have more rows than 64 bits count",
+    )
