@@ -330,7 +330,7 @@ pub struct CalibrateArgs {
     #[arg(required = true)]
     pub reports: Vec<PathBuf>,
     /// Fit and judge only rows of at least this many bytes
-    #[arg(long, default_value = "8M")]
+    #[arg(long, default_value = "8M", allow_hyphen_values = true)]
     pub min_size: String,
     /// Write the fitted figures as JSON (for --link-gbps/--latency-us/--launch-us)
     #[arg(long)]
@@ -562,7 +562,7 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub place: Where,
     /// Sizes in bytes: 64M, 1K..1G (doubling) or 4K,1M
-    #[arg(long, default_value = "1K..16M")]
+    #[arg(long, default_value = "1K..16M", allow_hyphen_values = true)]
     pub sizes: String,
     /// Untimed calls before the first round (and up to one before each later round)
     #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = warmup())]
@@ -977,6 +977,7 @@ fn report_calls(calls: &[crate::gemm_rs::CallCheck]) -> Result<i32> {
 }
 
 fn calibrate_cmd(a: CalibrateArgs) -> Result<i32> {
+    let min = crate::sizes::parse_size(&a.min_size).context("--min-size")?;
     let mut reports = Vec::new();
     for path in &a.reports {
         let text = std::fs::read_to_string(path)
@@ -995,7 +996,6 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<i32> {
             .with_context(|| format!("{} is not a bench --json file", path.display()))?;
         reports.push(report);
     }
-    let min = crate::sizes::parse_size(&a.min_size)?;
     let samples = crate::calibrate::samples(&reports, min)?;
     let before = crate::calibrate::worst_error(&samples, LinkModel::default());
     let held = crate::calibrate::held_out(&samples)?;

@@ -885,6 +885,14 @@ fn bad_values_and_flags_that_contradict_each_other_are_refused_in_one_line() {
             "error: --sizes: size list '1K,' has an empty item (write sizes such as 4K,1M or 1K..1G)",
         ),
         (
+            vec!["bench", "all-reduce", "--sizes", "-1K"],
+            "error: --sizes: '-1K' is not a size (e.g. 4096, 64K, 16M, 1G)",
+        ),
+        (
+            vec!["calibrate", "x.json", "--min-size", "-1"],
+            "error: --min-size: '-1' is not a size (e.g. 4096, 64K, 16M, 1G)",
+        ),
+        (
             vec!["bench", "all-reduce", "--sizes", "2"],
             "error: --sizes 2: 2 bytes is less than one f32 element (4 bytes)",
         ),
