@@ -18,6 +18,8 @@ _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 # DLDataTypeCode codes: float, bfloat
 _DL_FLOAT, _DL_BFLOAT = 2, 4
 _DL_NAMES = {(_DL_FLOAT, 16): "f16", (_DL_FLOAT, 32): "f32", (_DL_BFLOAT, 16): "bf16"}
+# every DLDataTypeCode by the name its types take (int32, float64, ...), for error messages
+_DL_KINDS = {0: "int", 1: "uint", 2: "float", 3: "opaque", 4: "bfloat", 5: "complex", 6: "bool"}
 # the CUDA array interface's type strings (little-endian; it has none for bfloat16)
 _CAI_NAMES = {"<f2": "f16", "<f4": "f32"}
 _SIZES = {"bf16": 2, "f16": 2, "f32": 4}
@@ -91,9 +93,11 @@ def read_capsule(capsule, what: str) -> DeviceArray:
     t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
     key = (t.dtype.code, t.dtype.bits)
     if key not in _DL_NAMES or t.dtype.lanes != 1:
+        kind = _DL_KINDS.get(t.dtype.code, "type")
+        lanes = "" if t.dtype.lanes == 1 else f" x {t.dtype.lanes} lanes"
         raise ValueError(
-            f"{what} must be bfloat16, float16 or float32, got DLPack type code {t.dtype.code}"
-            f" of {t.dtype.bits} bits x {t.dtype.lanes}"
+            f"{what} must be bfloat16, float16 or float32, got {kind}{t.dtype.bits}{lanes}"
+            f" (DLPack type code {t.dtype.code})"
         )
     shape = tuple(t.shape[i] for i in range(t.ndim))
     strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else _row_major(shape)

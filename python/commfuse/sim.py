@@ -20,6 +20,14 @@ from ._commfuse import sim_all_gather_matmul, sim_collective, sim_gemm_reduce_sc
 __all__ = ["Group", "gemm_reduce_scatter", "all_gather_gemm", "all_gather_matmul", "collective"]
 
 
+def _per_rank(x):
+    """One item per rank as a list; a string or a non-iterable is left for the binding to refuse
+    by name (``list()`` would split a string into characters, or raise a TypeError)."""
+    if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+        return x
+    return list(x)
+
+
 def gemm_reduce_scatter(a, b, bias=None, **options):
     """GEMM + reduce-scatter (a row-parallel linear layer) of ``len(a)`` ranks.
 
@@ -30,7 +38,7 @@ def gemm_reduce_scatter(a, b, bias=None, **options):
     "overlapped"), ``pieces`` (with "overlapped"), ``numa_groups`` (the overlapped path's 2D
     ring over that many groups of consecutive ranks), ``timeout_ms``.
     """
-    return sim_gemm_reduce_scatter(list(a), list(b), bias, **options)
+    return sim_gemm_reduce_scatter(_per_rank(a), _per_rank(b), bias, **options)
 
 
 def all_gather_matmul(a, b, bias=None, **options):
@@ -41,7 +49,7 @@ def all_gather_matmul(a, b, bias=None, **options):
     and, with ``return_a=True``, the gathered A (else None). Options: ``b_layout``, ``dtype``,
     ``out_dtype``, ``pieces``, ``return_a``, ``timeout_ms``.
     """
-    return sim_all_gather_matmul(list(a), list(b), bias, **options)
+    return sim_all_gather_matmul(_per_rank(a), _per_rank(b), bias, **options)
 
 
 #: The same operator as :func:`all_gather_matmul`, by the name ``commfuse.torch`` and
@@ -57,4 +65,4 @@ def collective(op, inputs, **options):
     (``algo=None``, the default, lets the cost model pick). Options: ``algo``, ``reduce``
     ("sum", "max", "min", "prod"), ``dtype`` ("f32", "bf16", "f16"), ``root``, ``timeout_ms``.
     """
-    return sim_collective(op, list(inputs), **options)
+    return sim_collective(op, _per_rank(inputs), **options)

@@ -4,13 +4,17 @@
 //! runs this process's rank of the operator on NumPy arrays; operators are built at their first
 //! call and cached by what they are, so every rank must make the same calls in the same order.
 
-use crate::{convert, parse_dtype, parse_layout, parse_path, value_error};
+use crate::args::{matrix, vector, Int, Name};
+use crate::{
+    collective_args, convert, gemm_types, layout_arg, parse_path, path_arg, timeout_arg, value_error,
+};
 use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath};
 use commfuse_core::gemm::BLayout;
 use commfuse_core::{Algo, DType, Element, OpKind, ReduceOp};
 use commfuse_sim::ag_gemm::{AgGemmConfig, SimAgGemm};
 use commfuse_sim::collective::SimCollective;
 use commfuse_sim::gemm_rs::{GemmRsConfig, GemmRsOperator};
+use commfuse_sim::memory::Footprint;
 use commfuse_sim::shared::Arena;
 use commfuse_sim::{World, WorldConfig};
 use half::{bf16, f16};
@@ -88,6 +92,14 @@ fn collective_call<T: Element + 'static>(
         .downcast_ref::<SimCollective<T>>()
         .expect("cached by its key");
     let spec = *op.spec();
+    let check = Footprint::new(format!("{kind} of {count} {} elements", T::DTYPE))
+        .item(&[input.len(), T::DTYPE.size()])
+        .item(&[spec.output_len(rank), T::DTYPE.size() + 4])
+        .check();
+    if let Err(e) = check {
+        g.arena.raise_abort();
+        return Err(e.to_string());
+    }
     if input.len() != spec.input_len(rank) {
         // the peers may already be in this call: stop their waits
         g.arena.raise_abort();
@@ -119,6 +131,8 @@ struct GemmCall {
     layout: BLayout,
 }
 
+/// The operands of a GEMM call of this rank checked ([rows, K], B by `layout`, the bias [N])
+/// and copied as f32, once their copies fit in memory.
 fn gemm_call(
     a: &PyReadonlyArray2<'_, f32>,
     b: &PyReadonlyArray2<'_, f32>,
@@ -144,6 +158,12 @@ fn gemm_call(
             )));
         }
     }
+    Footprint::new(format!("copying operands of {rows}×{n}×{k}"))
+        .item(&[a.len(), 4])
+        .item(&[b.len(), 4])
+        .item(&[bias.map_or(0, |x| x.len()), 4])
+        .check()
+        .map_err(value_error)?;
     let flat = |x: &PyReadonlyArray2<'_, f32>| x.as_array().iter().copied().collect::<Vec<f32>>();
     Ok(GemmCall {
         a: flat(a),
@@ -165,6 +185,22 @@ fn gemm_rs_call<TI: Element + 'static, TO: Element + 'static>(
     let world_config =
         GemmRsOperator::<TI, TO>::world_config(&config, g.timeout).map_err(|e| e.to_string())?;
     let rank = g.arena.rank();
+    // this process's part: the operator's heap and the world's epoch bases (buffers and pads
+    // lie in the group's arena), the converted operands, this rank's output
+    let rows = commfuse_core::op::chunk_range(config.max_m, config.world, rank).len();
+    let in_process = |m: commfuse_sim::memory::OperatorMemory| m.in_process(true);
+    in_process(commfuse_sim::gemm_rs::memory(&config, path))
+        .and_then(|op| Ok(op.and(&in_process(world_config.memory(config.world))?)))
+        .map(|f| {
+            f.item(&[c.a.len(), config.input.size()])
+                .item(&[c.b.len(), config.input.size()])
+                .item(&[rows, config.n, config.output.size() + 4])
+        })
+        .and_then(|f| f.check())
+        .map_err(|e| {
+            g.arena.raise_abort();
+            e.to_string()
+        })?;
     let cached = g.operator(key, world_config, |w| {
         GemmRsOperator::<TI, TO>::new(w, config, path).map_err(|e| e.to_string())
     })?;
@@ -198,6 +234,23 @@ fn ag_gemm_call<TI: Element + 'static, TO: Element + 'static>(
         pad_rows: rows as u32 + 8,
         pad_cols: pad_cols as u32,
     };
+    // this process's part: the operator's heap and the world's epoch bases, the converted
+    // operands, this rank's [M, N] output and gathered A, both again as f32
+    let in_process = |m: commfuse_sim::memory::OperatorMemory| m.in_process(true);
+    let (m, n, k) = (config.max_m, config.n, config.k);
+    in_process(commfuse_sim::ag_gemm::memory(&config, pieces, false))
+        .and_then(|op| Ok(op.and(&in_process(world_config.memory(config.world))?)))
+        .map(|f| {
+            f.item(&[c.a.len(), config.input.size()])
+                .item(&[c.b.len(), config.input.size()])
+                .item(&[m, n, config.output.size() + 4])
+                .item(&[m, k, config.input.size() + 4])
+        })
+        .and_then(|f| f.check())
+        .map_err(|e| {
+            g.arena.raise_abort();
+            e.to_string()
+        })?;
     let cached = g.operator(key, world_config, |w| {
         SimAgGemm::<TI, TO>::new(w, config, pieces).map_err(|e| e.to_string())
     })?;
@@ -247,16 +300,23 @@ impl SimGroup {
     /// is bounded by `timeout_ms` too. `nonce`, a random number every rank got through the
     /// same rendezvous as the name, keeps a segment left or planted under the name out.
     #[new]
-    #[pyo3(signature = (name, rank, world, *, arena_mb=64, timeout_ms=20000, nonce=0))]
+    #[pyo3(signature = (name, rank, world, *, arena_mb=Int::new(64), timeout_ms=Int::new(20000), nonce=Int::new(0)))]
     fn new(
-        name: &str,
-        rank: usize,
-        world: usize,
-        arena_mb: usize,
-        timeout_ms: u64,
-        nonce: u64,
+        name: Name,
+        rank: Int,
+        world: Int,
+        arena_mb: Int,
+        timeout_ms: Int,
+        nonce: Int,
     ) -> PyResult<Self> {
-        let timeout = Duration::from_millis(timeout_ms);
+        let name = name.text("name", "the group (letters, digits, '-', '_' or '.')")?;
+        let max = commfuse_core::MAX_WORLD_SIZE;
+        let world = world.within("world", &format!("1 to {max} ranks"), (1, max as i64))?;
+        let last = world as i64 - 1;
+        let rank = rank.within("rank", &format!("0 to world - 1 = {last}"), (0, last))?;
+        let arena_mb = arena_mb.within("arena_mb", "a positive number of MiB", (1, i64::MAX))?;
+        let timeout = timeout_arg(&timeout_ms)?;
+        let nonce = nonce.within("nonce", "a non-negative 63-bit number", (0, i64::MAX))? as u64;
         let bytes = arena_mb
             .checked_mul(1 << 20)
             .ok_or_else(|| value_error(format!("arena_mb={arena_mb} overflows")))?;
@@ -282,23 +342,30 @@ impl SimGroup {
     /// This rank's part of a collective: `op` ("all-reduce", "reduce-scatter", "all-gather",
     /// "broadcast", "all-to-all", "barrier") of `count` elements (default: this rank's input
     /// length, times P for all-gather) on this rank's 1-D input; returns (output, algorithm).
-    #[pyo3(signature = (op, x, *, count=None, algo=None, reduce="sum", dtype="f32", root=0))]
+    #[pyo3(signature = (op, x, *, count=None, algo=None, reduce=Name::new("sum"), dtype=Name::new("f32"), root=Int::new(0)))]
     #[allow(clippy::too_many_arguments)]
     fn collective<'py>(
         &mut self,
         py: Python<'py>,
-        op: &str,
-        x: PyReadonlyArray1<'py, f32>,
-        count: Option<usize>,
-        algo: Option<&str>,
-        reduce: &str,
-        dtype: &str,
-        root: usize,
+        op: Name,
+        x: Bound<'py, PyAny>,
+        count: Option<Int>,
+        algo: Option<Name>,
+        reduce: Name,
+        dtype: Name,
+        root: Int,
     ) -> PyResult<(Bound<'py, PyArray1<f32>>, String)> {
-        let kind: OpKind = op.parse().map_err(value_error)?;
-        let algo: Option<Algo> = algo.map(str::parse).transpose().map_err(value_error)?;
-        let reduce: ReduceOp = reduce.parse().map_err(value_error)?;
-        let dtype = parse_dtype(dtype)?;
+        let (kind, algo, reduce, dtype) = collective_args(&op, algo.as_ref(), &reduce, &dtype)?;
+        let last = self.arena.world() as i64 - 1;
+        let root = root.within("root", &format!("a rank, 0 to {last}"), (0, last))?;
+        let count = count
+            .map(|c| c.count("count", "a non-negative number of elements"))
+            .transpose()?;
+        let x = vector(&x, "x")?;
+        Footprint::new(format!("copying the input of {} elements", x.len()))
+            .item(&[x.len(), 4])
+            .check()
+            .map_err(value_error)?;
         let input: Vec<f32> = x.as_array().iter().copied().collect();
         let count = count.unwrap_or(match kind {
             OpKind::AllGather => input.len() * self.arena.world(),
@@ -330,23 +397,25 @@ impl SimGroup {
 
     /// This rank's chunk of the rows of Σ_r a_r·b_r (+ bias), as `commfuse.sim.gemm_reduce_scatter`
     /// computes it; every rank passes its own A [M, K] (the same M) and B.
-    #[pyo3(signature = (a, b, bias=None, *, b_layout="nk", dtype="bf16", out_dtype=None, path="auto", pieces=None))]
+    #[pyo3(signature = (a, b, bias=None, *, b_layout=Name::new("nk"), dtype=Name::new("bf16"), out_dtype=None, path=Name::new("auto"), pieces=None))]
     #[allow(clippy::too_many_arguments)]
     fn gemm_reduce_scatter<'py>(
         &mut self,
         py: Python<'py>,
-        a: PyReadonlyArray2<'py, f32>,
-        b: PyReadonlyArray2<'py, f32>,
-        bias: Option<PyReadonlyArray1<'py, f32>>,
-        b_layout: &str,
-        dtype: &str,
-        out_dtype: Option<&str>,
-        path: &str,
-        pieces: Option<usize>,
+        a: Bound<'py, PyAny>,
+        b: Bound<'py, PyAny>,
+        bias: Option<Bound<'py, PyAny>>,
+        b_layout: Name,
+        dtype: Name,
+        out_dtype: Option<Name>,
+        path: Name,
+        pieces: Option<Int>,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
-        let layout = parse_layout(b_layout)?;
-        let input = parse_dtype(dtype)?;
-        let output = out_dtype.map_or(Ok(input), parse_dtype)?;
+        let layout = layout_arg(&b_layout)?;
+        let (input, output) = gemm_types(&dtype, out_dtype.as_ref())?;
+        let forced = path_arg(&path, pieces.as_ref())?;
+        let (a, b) = (matrix(&a, "a")?, matrix(&b, "b")?);
+        let bias = bias.as_ref().map(|x| vector(x, "bias")).transpose()?;
         let c = gemm_call(&a, &b, bias.as_ref(), layout)?;
         let p = self.arena.world();
         let config = GemmRsConfig::new(
@@ -360,7 +429,7 @@ impl SimGroup {
             c.bias.is_some(),
         );
         let shape = config.shape(c.rows).map_err(value_error)?;
-        let path = parse_path(path, pieces, &shape)?.unwrap_or_else(|| choose_path(&shape));
+        let path = parse_path(&forced.0, forced.1, &shape)?.unwrap_or_else(|| choose_path(&shape));
         let out =
             by_pair!(input, output, gemm_rs_call, self, (config, path), &c).map_err(value_error)?;
         let rows = commfuse_core::op::chunk_range(c.rows, p, self.arena.rank()).len();
@@ -370,34 +439,44 @@ impl SimGroup {
 
     /// AllGather(A)·b (+ bias) on this rank, [M, N], and with `return_a` the gathered A: `a`
     /// is this rank's chunk of the rows of A; M is `m` (default: P × this chunk's rows).
-    #[pyo3(signature = (a, b, bias=None, *, m=None, b_layout="nk", dtype="bf16", out_dtype=None, pieces=1, return_a=false))]
+    #[pyo3(signature = (a, b, bias=None, *, m=None, b_layout=Name::new("nk"), dtype=Name::new("bf16"), out_dtype=None, pieces=Int::new(1), return_a=false))]
     #[allow(clippy::too_many_arguments)]
     fn all_gather_matmul<'py>(
         &mut self,
         py: Python<'py>,
-        a: PyReadonlyArray2<'py, f32>,
-        b: PyReadonlyArray2<'py, f32>,
-        bias: Option<PyReadonlyArray1<'py, f32>>,
-        m: Option<usize>,
-        b_layout: &str,
-        dtype: &str,
-        out_dtype: Option<&str>,
-        pieces: usize,
+        a: Bound<'py, PyAny>,
+        b: Bound<'py, PyAny>,
+        bias: Option<Bound<'py, PyAny>>,
+        m: Option<Int>,
+        b_layout: Name,
+        dtype: Name,
+        out_dtype: Option<Name>,
+        pieces: Int,
         return_a: bool,
     ) -> PyResult<GatheredOne<'py>> {
-        let layout = parse_layout(b_layout)?;
-        let input = parse_dtype(dtype)?;
-        let output = out_dtype.map_or(Ok(input), parse_dtype)?;
-        let c = gemm_call(&a, &b, bias.as_ref(), layout)?;
+        let layout = layout_arg(&b_layout)?;
+        let (input, output) = gemm_types(&dtype, out_dtype.as_ref())?;
+        let pieces = pieces.within("pieces", "1 to 16 pieces", (1, 16))?;
+        let m = m
+            .map(|m| m.count("m", "a non-negative number of rows (of the gathered A)"))
+            .transpose()?;
+        let (a, b) = (matrix(&a, "a")?, matrix(&b, "b")?);
+        let bias = bias.as_ref().map(|x| vector(x, "bias")).transpose()?;
         let (p, rank) = (self.arena.world(), self.arena.rank());
-        let m = m.unwrap_or(c.rows * p);
+        let rows = a.shape()[0];
+        let m = match m {
+            Some(m) => m,
+            None => rows
+                .checked_mul(p)
+                .ok_or_else(|| value_error(format!("{rows} rows on each of {p} ranks overflow")))?,
+        };
         let mine = commfuse_core::op::chunk_range(m, p, rank).len();
-        if mine != c.rows {
+        if mine != rows {
             return Err(value_error(format!(
-                "rank {rank} holds {} rows of A, its chunk of M = {m} has {mine} (pass m= the total rows)",
-                c.rows
+                "rank {rank} holds {rows} rows of A, its chunk of M = {m} has {mine} (pass m= the total rows)"
             )));
         }
+        let c = gemm_call(&a, &b, bias.as_ref(), layout)?;
         let config = AgGemmConfig::new(p, m, c.n, c.k, c.layout, input, output, c.bias.is_some());
         let (out, gathered) = by_pair!(input, output, ag_gemm_call, self, (config, pieces), &c)
             .map_err(value_error)?;

@@ -4,9 +4,11 @@
 //! cost model's choice of path. Every error is a `ValueError` carrying the one-line message the
 //! Rust side gives.
 
+mod args;
 mod gpu;
 mod group;
 
+use args::{matrix, per_rank, vector, Int, Name};
 use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath, GemmRsShape, PathNameError};
 use commfuse_core::gemm::BLayout;
 use commfuse_core::{Algo, OpKind, OpSpec, ReduceOp};
@@ -14,6 +16,7 @@ use commfuse_core::{DType, Element};
 use commfuse_sim::ag_gemm::{AgGemmConfig, SimAgGemm};
 use commfuse_sim::collective::SimCollective;
 use commfuse_sim::gemm_rs::{GemmRsConfig, GemmRsOperator};
+use commfuse_sim::memory::Footprint;
 use commfuse_sim::{World, WorldConfig};
 use half::{bf16, f16};
 use numpy::ndarray::Array1;
@@ -34,8 +37,38 @@ pub(crate) fn parse_dtype(text: &str) -> PyResult<DType> {
     text.parse::<DType>().map_err(value_error)
 }
 
-/// `path` ("auto", "fused", "overlapped" or "unfused") and `pieces` (with "overlapped", default 1) as the
-/// path they force, or None for the cost model's choice.
+/// The input type of a fused operator (`dtype=`) and its output type (`out_dtype=`, the input
+/// type when None), each a name.
+pub(crate) fn gemm_types(dtype: &Name, out_dtype: Option<&Name>) -> PyResult<(DType, DType)> {
+    let input = dtype.parse("dtype", "the input type, 'bf16' or 'f16'")?;
+    let output = match out_dtype {
+        Some(name) => name.parse("out_dtype", "the output type, the input type or 'f32'")?,
+        None => input,
+    };
+    Ok((input, output))
+}
+
+/// `b_layout=`, a name.
+pub(crate) fn layout_arg(name: &Name) -> PyResult<BLayout> {
+    parse_layout(name.text("b_layout", "'nk' or 'kn'")?)
+}
+
+/// `path=` (a name) and `pieces=` (an integer from 1 to 16, or None), as [`parse_path`] takes
+/// them.
+pub(crate) fn path_arg(path: &Name, pieces: Option<&Int>) -> PyResult<(String, Option<usize>)> {
+    let pieces = pieces
+        .map(|p| p.within("pieces", "1 to 16 pieces", (1, 16)))
+        .transpose()?;
+    let name = path.text("path", "'auto', 'fused', 'overlapped' or 'unfused'")?;
+    Ok((name.to_string(), pieces))
+}
+
+/// `timeout_ms=` as a duration.
+pub(crate) fn timeout_arg(timeout_ms: &Int) -> PyResult<Duration> {
+    let ms = timeout_ms.count("timeout_ms", "a non-negative number of milliseconds")?;
+    Ok(Duration::from_millis(ms as u64))
+}
+
 /// The path `path` and `pieces` name for `shape` (`None`: "auto"), in the command line's
 /// vocabulary ([`commfuse_core::fused::gemm_rs::parse_path`]).
 pub(crate) fn parse_path(
@@ -62,43 +95,20 @@ pub(crate) fn parse_layout(text: &str) -> PyResult<BLayout> {
 }
 
 /// The operands of P ranks as plain row-major f32 data with their shapes checked: every A of
-/// `a_rows(r)` rows and K columns, every B [N, K] or [K, N], the bias [N].
+/// K columns, every B [N, K] or [K, N], the bias [N].
 struct Operands {
     a: Vec<Vec<f32>>,
     b: Vec<Vec<f32>>,
     bias: Option<Vec<f32>>,
-    k: usize,
-    n: usize,
 }
 
-impl Operands {
-    /// The simulator's configuration of a fused operator of `p` ranks on these operands, for
-    /// calls of up to `m` rows (`AgGemmConfig` is the same type).
-    fn sim_config(
-        &self,
-        (p, m): (usize, usize),
-        layout: BLayout,
-        (input, output): (DType, DType),
-    ) -> GemmRsConfig {
-        GemmRsConfig::new(
-            p,
-            m,
-            self.n,
-            self.k,
-            layout,
-            input,
-            output,
-            self.bias.is_some(),
-        )
-    }
-}
-
-fn operands(
+/// K and N of every rank's A and B ([N, K] or [K, N] by `layout`) and the bias [N], checked.
+fn operand_shapes(
     a: &[PyReadonlyArray2<'_, f32>],
     b: &[PyReadonlyArray2<'_, f32>],
     bias: Option<&PyReadonlyArray1<'_, f32>>,
     layout: BLayout,
-) -> PyResult<Operands> {
+) -> PyResult<(usize, usize)> {
     if a.is_empty() || a.len() != b.len() {
         return Err(value_error(format!(
             "one A and one B per rank: got {} A and {} B",
@@ -140,14 +150,36 @@ fn operands(
             )));
         }
     }
+    Ok((k, n))
+}
+
+/// The operands as plain f32 data, once their shapes and what they take in memory are checked.
+fn operands(
+    a: &[PyReadonlyArray2<'_, f32>],
+    b: &[PyReadonlyArray2<'_, f32>],
+    bias: Option<&PyReadonlyArray1<'_, f32>>,
+) -> Operands {
     let data = |x: &PyReadonlyArray2<'_, f32>| x.as_array().iter().copied().collect::<Vec<f32>>();
-    Ok(Operands {
+    Operands {
         a: a.iter().map(data).collect(),
         b: b.iter().map(data).collect(),
         bias: bias.map(|x| x.as_array().iter().copied().collect()),
-        k,
-        n,
-    })
+    }
+}
+
+/// Adds what a call's operands take on their way in: every rank's A (`a_rows` rows in all) and
+/// B as f32 copies and again in the input type, and the bias.
+fn operand_memory(
+    f: Footprint,
+    (a_rows, p, n, k): (&[usize], usize, usize, usize),
+    (input, output): (DType, DType),
+    bias: bool,
+) -> Footprint {
+    let si = 4 + input.size();
+    let a = a_rows.iter().copied().chain([k, si]).collect::<Vec<_>>();
+    f.item(&a)
+        .item(&[p, k, n, si])
+        .item(&[usize::from(bias), n, 4 + output.size()])
 }
 
 pub(crate) fn convert<T: Element>(x: &[f32]) -> Vec<T> {
@@ -172,12 +204,17 @@ macro_rules! by_types {
 fn run_gemm_rs<TI: Element, TO: Element>(
     config: GemmRsConfig,
     path: GemmRsPath,
-    ops: &Operands,
+    (ops, memory): (&Operands, &Footprint),
     timeout: Duration,
 ) -> Result<Vec<Vec<f32>>, String> {
     let p = config.world;
     let world_config =
         GemmRsOperator::<TI, TO>::world_config(&config, timeout).map_err(|e| e.to_string())?;
+    memory
+        .clone()
+        .and(&world_config.memory(p).total())
+        .check()
+        .map_err(|e| e.to_string())?;
     let world = World::new(p, world_config).map_err(|e| e.to_string())?;
     let op = GemmRsOperator::<TI, TO>::new(&world, config, path).map_err(|e| e.to_string())?;
     let a: Vec<Vec<TI>> = ops.a.iter().map(|x| convert(x)).collect();
@@ -209,44 +246,65 @@ fn run_gemm_rs<TI: Element, TO: Element>(
 /// cost model's choice), "fused" or "overlapped" (with `pieces` per ring step); `numa_groups`
 /// > 1 makes the overlapped path's ring 2D over that many groups of consecutive ranks.
 #[pyfunction]
-#[pyo3(signature = (a, b, bias=None, *, b_layout="nk", dtype="bf16", out_dtype=None, path="auto", pieces=None, numa_groups=1, timeout_ms=20000))]
+#[pyo3(signature = (a, b, bias=None, *, b_layout=Name::new("nk"), dtype=Name::new("bf16"), out_dtype=None, path=Name::new("auto"), pieces=None, numa_groups=Int::new(1), timeout_ms=Int::new(20000)))]
 #[allow(clippy::too_many_arguments)]
 fn sim_gemm_reduce_scatter<'py>(
     py: Python<'py>,
-    a: Vec<PyReadonlyArray2<'py, f32>>,
-    b: Vec<PyReadonlyArray2<'py, f32>>,
-    bias: Option<PyReadonlyArray1<'py, f32>>,
-    b_layout: &str,
-    dtype: &str,
-    out_dtype: Option<&str>,
-    path: &str,
-    pieces: Option<usize>,
-    numa_groups: usize,
-    timeout_ms: u64,
+    a: Bound<'py, PyAny>,
+    b: Bound<'py, PyAny>,
+    bias: Option<Bound<'py, PyAny>>,
+    b_layout: Name,
+    dtype: Name,
+    out_dtype: Option<Name>,
+    path: Name,
+    pieces: Option<Int>,
+    numa_groups: Int,
+    timeout_ms: Int,
 ) -> PyResult<Vec<Bound<'py, PyArray2<f32>>>> {
-    let layout = parse_layout(b_layout)?;
-    let input = parse_dtype(dtype)?;
-    let output = out_dtype.map_or(Ok(input), parse_dtype)?;
-    let ops = operands(&a, &b, bias.as_ref(), layout)?;
+    let layout = layout_arg(&b_layout)?;
+    let (input, output) = gemm_types(&dtype, out_dtype.as_ref())?;
+    let forced = path_arg(&path, pieces.as_ref())?;
+    let numa_groups = numa_groups.within(
+        "numa_groups",
+        "a positive number of NUMA groups",
+        (1, i64::MAX),
+    )?;
+    let timeout = timeout_arg(&timeout_ms)?;
+    let a = per_rank(&a, "a", matrix)?;
+    let b = per_rank(&b, "b", matrix)?;
+    let bias = bias.as_ref().map(|x| vector(x, "bias")).transpose()?;
+    let (k, n) = operand_shapes(&a, &b, bias.as_ref(), layout)?;
     let (p, m) = (a.len(), a[0].shape()[0]);
     if a.iter().any(|x| x.shape()[0] != m) {
         return Err(value_error("every rank's A must have the same rows M"));
     }
     let config = GemmRsConfig {
         numa_groups,
-        ..ops.sim_config((p, m), layout, (input, output))
+        ..GemmRsConfig::new(p, m, n, k, layout, input, output, bias.is_some())
     };
     let shape = config.shape(m).map_err(value_error)?;
-    let path = parse_path(path, pieces, &shape)?.unwrap_or_else(|| choose_path(&shape));
-    let timeout = Duration::from_millis(timeout_ms);
+    let path = parse_path(&forced.0, forced.1, &shape)?.unwrap_or_else(|| choose_path(&shape));
+    // every rank's chunk of the output in the output type, then as f32
+    let what = format!("sim_gemm_reduce_scatter of {m}×{n}×{k} on {p} ranks by the {path} path");
+    let memory = operand_memory(
+        Footprint::new(what),
+        (&[p, m], p, n, k),
+        (input, output),
+        bias.is_some(),
+    )
+    .and(&commfuse_sim::gemm_rs::memory(&config, path).total())
+    .item(&[m, n, output.size() + 4]);
+    memory.check().map_err(value_error)?;
+    let ops = operands(&a, &b, bias.as_ref());
+    let run = (&ops, &memory);
     let outs = py
-        .detach(|| by_types!(input, output, run_gemm_rs, config, path, &ops, timeout))
+        .detach(|| by_types!(input, output, run_gemm_rs, config, path, run, timeout))
         .map_err(value_error)?;
     outs.into_iter()
         .enumerate()
         .map(|(r, o)| {
             let rows = commfuse_core::op::chunk_range(m, p, r).len();
-            let array = Array2::from_shape_vec((rows, ops.n), o).map_err(value_error)?;
+            let array = Array2::from_shape_vec((rows, n), o).map_err(value_error)?;
             Ok(array.into_pyarray(py))
         })
         .collect()
@@ -255,7 +313,7 @@ fn sim_gemm_reduce_scatter<'py>(
 fn run_ag_gemm<TI: Element, TO: Element>(
     config: AgGemmConfig,
     pieces: usize,
-    ops: &Operands,
+    (ops, memory): (&Operands, &Footprint),
     timeout: Duration,
 ) -> Result<(Vec<Vec<f32>>, Vec<f32>), String> {
     let (p, m, n, k) = (config.world, config.max_m, config.n, config.k);
@@ -266,6 +324,11 @@ fn run_ag_gemm<TI: Element, TO: Element>(
         pad_rows: rows as u32 + 8,
         pad_cols: pad_cols as u32,
     };
+    memory
+        .clone()
+        .and(&world_config.memory(p).total())
+        .check()
+        .map_err(|e| e.to_string())?;
     let world = World::new(p, world_config).map_err(|e| e.to_string())?;
     let op = SimAgGemm::<TI, TO>::new(&world, config, pieces).map_err(|e| e.to_string())?;
     let a: Vec<Vec<TI>> = ops.a.iter().map(|x| convert(x)).collect();
@@ -305,26 +368,33 @@ type Gathered<'py> = (
 /// every rank's AllGather(a)·b[r] (+ bias) as float32 arrays [M, N] and, with `return_a`, the
 /// gathered A (in `dtype`, as float32) too.
 #[pyfunction]
-#[pyo3(signature = (a, b, bias=None, *, b_layout="nk", dtype="bf16", out_dtype=None, pieces=1, return_a=false, timeout_ms=20000))]
+#[pyo3(signature = (a, b, bias=None, *, b_layout=Name::new("nk"), dtype=Name::new("bf16"), out_dtype=None, pieces=Int::new(1), return_a=false, timeout_ms=Int::new(20000)))]
 #[allow(clippy::too_many_arguments)]
 fn sim_all_gather_matmul<'py>(
     py: Python<'py>,
-    a: Vec<PyReadonlyArray2<'py, f32>>,
-    b: Vec<PyReadonlyArray2<'py, f32>>,
-    bias: Option<PyReadonlyArray1<'py, f32>>,
-    b_layout: &str,
-    dtype: &str,
-    out_dtype: Option<&str>,
-    pieces: usize,
+    a: Bound<'py, PyAny>,
+    b: Bound<'py, PyAny>,
+    bias: Option<Bound<'py, PyAny>>,
+    b_layout: Name,
+    dtype: Name,
+    out_dtype: Option<Name>,
+    pieces: Int,
     return_a: bool,
-    timeout_ms: u64,
+    timeout_ms: Int,
 ) -> PyResult<Gathered<'py>> {
-    let layout = parse_layout(b_layout)?;
-    let input = parse_dtype(dtype)?;
-    let output = out_dtype.map_or(Ok(input), parse_dtype)?;
-    let ops = operands(&a, &b, bias.as_ref(), layout)?;
+    let layout = layout_arg(&b_layout)?;
+    let (input, output) = gemm_types(&dtype, out_dtype.as_ref())?;
+    let pieces = pieces.within("pieces", "1 to 16 pieces", (1, 16))?;
+    let timeout = timeout_arg(&timeout_ms)?;
+    let a = per_rank(&a, "a", matrix)?;
+    let b = per_rank(&b, "b", matrix)?;
+    let bias = bias.as_ref().map(|x| vector(x, "bias")).transpose()?;
+    let (k, n) = operand_shapes(&a, &b, bias.as_ref(), layout)?;
     let p = a.len();
-    let m: usize = a.iter().map(|x| x.shape()[0]).sum();
+    let m = a
+        .iter()
+        .try_fold(0usize, |m, x| m.checked_add(x.shape()[0]))
+        .ok_or_else(|| value_error("the chunks of A have more rows than 64 bits count"))?;
     for (r, x) in a.iter().enumerate() {
         let want = commfuse_core::op::chunk_range(m, p, r).len();
         if x.shape()[0] != want {
@@ -334,21 +404,35 @@ fn sim_all_gather_matmul<'py>(
             )));
         }
     }
-    let config: AgGemmConfig = ops.sim_config((p, m), layout, (input, output));
+    let config = AgGemmConfig::new(p, m, n, k, layout, input, output, bias.is_some());
     commfuse_sim::ag_gemm::shape(&config, m).map_err(value_error)?;
-    let timeout = Duration::from_millis(timeout_ms);
+    // every rank's [M, N] output and gathered A, the outputs as f32 and rank 0's gathered A
+    let what = format!("sim_all_gather_matmul of {m}×{n}×{k} on {p} ranks");
+    let memory = operand_memory(
+        Footprint::new(what),
+        (&[m], p, n, k),
+        (input, output),
+        bias.is_some(),
+    )
+    .and(&commfuse_sim::ag_gemm::memory(&config, pieces, false).total())
+    .item(&[p, m, n, output.size() + 4])
+    .item(&[p, m, k, input.size()])
+    .item(&[m, k, 4]);
+    memory.check().map_err(value_error)?;
+    let ops = operands(&a, &b, bias.as_ref());
+    let run = (&ops, &memory);
     let (outs, gathered) = py
-        .detach(|| by_types!(input, output, run_ag_gemm, config, pieces, &ops, timeout))
+        .detach(|| by_types!(input, output, run_ag_gemm, config, pieces, run, timeout))
         .map_err(value_error)?;
     let outs = outs
         .into_iter()
         .map(|o| {
-            let array = Array2::from_shape_vec((m, ops.n), o).map_err(value_error)?;
+            let array = Array2::from_shape_vec((m, n), o).map_err(value_error)?;
             Ok(array.into_pyarray(py))
         })
         .collect::<PyResult<Vec<_>>>()?;
     let gathered = if return_a {
-        let array = Array2::from_shape_vec((m, ops.k), gathered).map_err(value_error)?;
+        let array = Array2::from_shape_vec((m, k), gathered).map_err(value_error)?;
         Some(array.into_pyarray(py))
     } else {
         None
@@ -359,19 +443,22 @@ fn sim_all_gather_matmul<'py>(
 /// The path the cost model takes for GEMM + reduce-scatter of this shape: "fused" or
 /// "overlapped (C pieces)".
 #[pyfunction]
-#[pyo3(signature = (world, m, n, k, *, b_layout="nk", dtype="bf16", out_dtype=None))]
+#[pyo3(signature = (world, m, n, k, *, b_layout=Name::new("nk"), dtype=Name::new("bf16"), out_dtype=None))]
 fn gemm_rs_path(
-    world: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-    b_layout: &str,
-    dtype: &str,
-    out_dtype: Option<&str>,
+    world: Int,
+    m: Int,
+    n: Int,
+    k: Int,
+    b_layout: Name,
+    dtype: Name,
+    out_dtype: Option<Name>,
 ) -> PyResult<String> {
-    let input = parse_dtype(dtype)?;
-    let output = out_dtype.map_or(Ok(input), parse_dtype)?;
-    let shape = GemmRsShape::new(world, m, n, k, parse_layout(b_layout)?, input, output)
+    let (input, output) = gemm_types(&dtype, out_dtype.as_ref())?;
+    let world = world.within("world", "1 to 64 ranks", (1, 64))?;
+    let m = m.count("m", "a non-negative number of rows")?;
+    let n = n.count("n", "a non-negative number of columns")?;
+    let k = k.count("k", "a non-negative number of columns of A")?;
+    let shape = GemmRsShape::new(world, m, n, k, layout_arg(&b_layout)?, input, output)
         .map_err(value_error)?;
     Ok(choose_path(&shape).to_string())
 }
@@ -402,11 +489,8 @@ fn run_collective<T: Element>(
     timeout: Duration,
 ) -> Result<(Vec<Vec<f32>>, Algo), String> {
     let p = inputs.len();
-    // every rank's input has the op's input length; count is what OpSpec counts
-    let count = match kind {
-        OpKind::AllGather => inputs.iter().map(Vec::len).sum(),
-        _ => inputs[root.min(p - 1)].len(),
-    };
+    let count = collective_count(kind, root, inputs.iter().map(Vec::len))
+        .ok_or("the inputs hold more elements than 64 bits count")?;
     let config = WorldConfig {
         timeout,
         ..WorldConfig::default()
@@ -441,35 +525,79 @@ fn run_collective<T: Element>(
     Ok((outs, op.algo()))
 }
 
+/// The element count a collective of these inputs has, as `OpSpec` counts it: an all-gather's
+/// output (every chunk together), else the root's input (every rank's input, but broadcast's).
+fn collective_count(kind: OpKind, root: usize, lens: impl Iterator<Item = usize>) -> Option<usize> {
+    let lens: Vec<usize> = lens.collect();
+    match kind {
+        OpKind::AllGather => lens.iter().try_fold(0usize, |n, &l| n.checked_add(l)),
+        _ => Some(
+            lens.get(root.min(lens.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or(0),
+        ),
+    }
+}
+
+/// `op=`, `algo=`, `reduce=` and `dtype=` of a collective, each a name.
+pub(crate) fn collective_args(
+    op: &Name,
+    algo: Option<&Name>,
+    reduce: &Name,
+    dtype: &Name,
+) -> PyResult<(OpKind, Option<Algo>, ReduceOp, DType)> {
+    let kind: OpKind = op.parse("op", "a collective such as 'all-reduce'")?;
+    let algo: Option<Algo> = algo
+        .map(|a| a.parse("algo", "one of the op's algorithms such as 'ring'"))
+        .transpose()?;
+    let reduce: ReduceOp = reduce.parse("reduce", "'sum', 'max', 'min' or 'prod'")?;
+    let dtype: DType = dtype.parse("dtype", "'f32', 'bf16' or 'f16'")?;
+    Ok((kind, algo, reduce, dtype))
+}
+
 /// One collective of P simulated ranks (`op`: "all-reduce", "reduce-scatter", "all-gather",
 /// "broadcast", "all-to-all") on rank r's 1-D input `inputs[r]` (an all-gather's inputs are the
 /// chunks of the gathered vector), in `dtype`, by `algo` or the cost model's choice; returns
 /// every rank's output (float32) and the algorithm that ran.
 #[pyfunction]
-#[pyo3(signature = (op, inputs, *, algo=None, reduce="sum", dtype="f32", root=0, timeout_ms=20000))]
+#[pyo3(signature = (op, inputs, *, algo=None, reduce=Name::new("sum"), dtype=Name::new("f32"), root=Int::new(0), timeout_ms=Int::new(20000)))]
 #[allow(clippy::too_many_arguments)]
 fn sim_collective<'py>(
     py: Python<'py>,
-    op: &str,
-    inputs: Vec<PyReadonlyArray1<'py, f32>>,
-    algo: Option<&str>,
-    reduce: &str,
-    dtype: &str,
-    root: usize,
-    timeout_ms: u64,
+    op: Name,
+    inputs: Bound<'py, PyAny>,
+    algo: Option<Name>,
+    reduce: Name,
+    dtype: Name,
+    root: Int,
+    timeout_ms: Int,
 ) -> PyResult<(Vec<Bound<'py, PyArray1<f32>>>, String)> {
-    let kind: OpKind = op.parse().map_err(value_error)?;
-    let algo: Option<Algo> = algo.map(str::parse).transpose().map_err(value_error)?;
-    let reduce: ReduceOp = reduce.parse().map_err(value_error)?;
-    let dtype = parse_dtype(dtype)?;
+    let (kind, algo, reduce, dtype) = collective_args(&op, algo.as_ref(), &reduce, &dtype)?;
+    let root = root.count("root", "a rank (0 to P - 1)")?;
+    let timeout = timeout_arg(&timeout_ms)?;
+    let inputs = per_rank(&inputs, "inputs", vector)?;
     if inputs.is_empty() {
         return Err(value_error("one input per rank: got none"));
     }
+    let p = inputs.len();
+    let count = collective_count(kind, root, inputs.iter().map(|x| x.len()))
+        .ok_or_else(|| value_error("the inputs hold more elements than 64 bits count"))?;
+    let spec = OpSpec::new(kind, p, count, root).map_err(value_error)?;
+    // the inputs as f32 and in the type, every output in the type and as f32 (the operator's
+    // own buffers it checks itself)
+    let what = format!("sim_collective {kind} of {count} {dtype} elements on {p} ranks");
+    let size = dtype.size() + 4;
+    (0..p)
+        .fold(Footprint::new(what), |f, r| {
+            f.item(&[inputs[r].len(), size])
+                .item(&[spec.output_len(r), size])
+        })
+        .check()
+        .map_err(value_error)?;
     let data: Vec<Vec<f32>> = inputs
         .iter()
         .map(|x| x.as_array().iter().copied().collect())
         .collect();
-    let timeout = Duration::from_millis(timeout_ms);
     let what = (kind, algo, reduce, root);
     let (outs, ran) = py
         .detach(|| match dtype {

@@ -53,8 +53,10 @@ def test_an_array_on_a_cuda_device_comes_through_dlpack_with_the_callers_stream(
 def test_host_arrays_and_unsupported_types_are_refused_in_one_line():
     with pytest.raises(ValueError, match="a must be in CUDA device memory, got DLPack device type 1"):
         device_array(np.zeros(4, np.float32), "a")
-    with pytest.raises(ValueError, match="bfloat16, float16 or float32, got DLPack type code 0"):
+    with pytest.raises(ValueError, match=r"bfloat16, float16 or float32, got int32 \(DLPack type code 0\)"):
         device_array(FakeCuda(np.zeros(4, np.int32)), "a")
+    with pytest.raises(ValueError, match=r"^b must be bfloat16, float16 or float32, got float64 \(DLPack"):
+        device_array(FakeCuda(np.zeros((2, 2), np.float64)), "b")
     with pytest.raises(ValueError, match="must be a CUDA array offering DLPack"):
         device_array([1.0, 2.0], "b")
 

@@ -196,3 +196,92 @@ def test_type_hints_ship_in_the_package():
     for name in ["SimGroup", "GpuGemmReduceScatter", "GpuAllGatherMatmul", "GpuCollective"]:
         assert f"class {name}" in stub
         assert getattr(commfuse._commfuse, name).__doc__, f"{name} has no docstring"
+
+
+def one_line_value_error(call, says):
+    """The call raises a ValueError whose message holds `says`, on one line and with no note
+    beneath it (PyO3's argument errors were TypeErrors or OverflowErrors with a second line)."""
+    with pytest.raises(ValueError) as e:
+        call()
+    assert says in str(e.value), str(e.value)
+    assert "\n" not in str(e.value), str(e.value)
+    assert not getattr(e.value, "__notes__", None), e.value.__notes__
+
+
+def test_arguments_of_the_wrong_kind_name_what_is_accepted():
+    rng = np.random.default_rng(0)
+    a, b = operands(rng, 2, [8, 8], 16, 16, "nk")
+    xs = [np.zeros(8, dtype=np.float32)] * 2
+    f32 = "must be a 2-D float32 NumPy array (convert with numpy.asarray(x, numpy.float32)), got"
+    cases = [
+        (lambda: sim.gemm_reduce_scatter([x.astype(np.float64) for x in a], b),
+         f"a[0] {f32} a 2-D float64 array of shape (8, 16)"),
+        (lambda: sim.gemm_reduce_scatter(a, [b[0], b[1].astype(np.int32)]),
+         f"b[1] {f32} a 2-D int32 array of shape (16, 16)"),
+        (lambda: sim.gemm_reduce_scatter([x[0] for x in a], b), f"a[0] {f32} a 1-D float32 array of shape (16,)"),
+        (lambda: sim.gemm_reduce_scatter(a, b, np.zeros((1, 16), np.float32)),
+         "bias must be a 1-D float32 NumPy array (convert with numpy.asarray(x, numpy.float32)), got a 2-D"),
+        (lambda: sim.gemm_reduce_scatter(a, b, dtype=np.float16),
+         "dtype must be a string naming the input type, 'bf16' or 'f16', got <class 'numpy.float16'> (type)"),
+        (lambda: sim.gemm_reduce_scatter(a, b, out_dtype=np.dtype("float32")),
+         "out_dtype must be a string naming the output type, the input type or 'f32', got dtype('float32')"),
+        (lambda: sim.gemm_reduce_scatter(a, b, b_layout=0), "b_layout must be a string naming 'nk' or 'kn', got 0 (int)"),
+        (lambda: sim.gemm_reduce_scatter(a, b, path=None), "path must be a string naming 'auto', 'fused', 'overlapped' or 'unfused', got None"),
+        (lambda: sim.gemm_reduce_scatter(a, b, path="overlapped", pieces=-1), "pieces must be 1 to 16 pieces, got -1"),
+        (lambda: sim.gemm_reduce_scatter(a, b, numa_groups=0), "numa_groups must be a positive number of NUMA groups, got 0"),
+        (lambda: sim.gemm_reduce_scatter(a, b, timeout_ms=-5), "timeout_ms must be a non-negative number of milliseconds, got -5"),
+        (lambda: sim.gemm_reduce_scatter(a, b, timeout_ms=1.5), "timeout_ms must be a non-negative number of milliseconds, got 1.5 (float)"),
+        (lambda: sim.all_gather_matmul([x.astype(np.float16) for x in a], b), f"a[0] {f32} a 2-D float16 array"),
+        (lambda: sim.all_gather_matmul(a, b, pieces=0), "pieces must be 1 to 16 pieces, got 0"),
+        (lambda: sim.all_gather_matmul(a, b, dtype=np.float32), "dtype must be a string naming the input type"),
+        (lambda: sim.collective("all-reduce", [x.astype(np.float64) for x in xs]),
+         "inputs[0] must be a 1-D float32 NumPy array (convert with numpy.asarray(x, numpy.float32)), got a 1-D float64 array of shape (8,)"),
+        (lambda: sim.collective("all-reduce", [np.zeros((2, 4), np.float32)] * 2), "inputs[0] must be a 1-D float32"),
+        (lambda: sim.collective("all-reduce", "abc"), "inputs must be a list or tuple with one array per rank, got 'abc' (str)"),
+        (lambda: sim.collective("all-reduce", 3), "inputs must be a list or tuple with one array per rank, got 3 (int)"),
+        (lambda: sim.gemm_reduce_scatter(a[0], b), "a[0] must be a 2-D float32 NumPy array"),
+        (lambda: sim.all_gather_matmul(None, b), "a must be a list or tuple with one array per rank, got None"),
+        (lambda: sim.collective(np.sum, xs), "op must be a string naming a collective such as 'all-reduce', got"),
+        (lambda: sim.collective("all-reduce", xs, dtype=np.float32), "dtype must be a string naming 'f32', 'bf16' or 'f16', got <class 'numpy.float32'>"),
+        (lambda: sim.collective("all-reduce", xs, reduce=max), "reduce must be a string naming 'sum', 'max', 'min' or 'prod', got"),
+        (lambda: sim.collective("broadcast", xs, root=-1), "root must be a rank (0 to P - 1), got -1"),
+        (lambda: commfuse.gemm_rs_path(2, -1, 8, 8), "m must be a non-negative number of rows, got -1"),
+        (lambda: commfuse.gemm_rs_path(100, 8, 8, 8), "world must be 1 to 64 ranks, got 100"),
+    ]
+    for call, says in cases:
+        one_line_value_error(call, says)
+
+
+def test_calls_too_large_for_memory_are_refused_before_anything_is_copied():
+    # broadcast views: arrays of any shape that take no memory of their own
+    def zeros(*shape):
+        return np.broadcast_to(np.float32(0), shape)
+
+    k = 8
+    a = [zeros(1_000_000, k)] * 2
+    b = [zeros(1_000_000, k)] * 2
+    one_line_value_error(
+        lambda: sim.gemm_reduce_scatter(a, b, path="fused"),
+        "sim_gemm_reduce_scatter of 1000000×1000000×8 on 2 ranks by the fused path needs",
+    )
+    one_line_value_error(
+        lambda: sim.all_gather_matmul([zeros(500_000, k)] * 2, b),
+        "sim_all_gather_matmul of 1000000×1000000×8 on 2 ranks needs",
+    )
+    one_line_value_error(
+        lambda: sim.collective("all-reduce", [zeros(1 << 40)] * 2),
+        "sim_collective all-reduce of 1099511627776 f32 elements on 2 ranks needs 32.0 TiB",
+    )
+    # counts past 64 bits (NumPy's arrays hold at most 2^63 bytes each)
+    one_line_value_error(
+        lambda: sim.collective("all-gather", [zeros((1 << 61) - 1)] * 9),
+        "the inputs hold more elements than 64 bits count",
+    )
+    one_line_value_error(
+        lambda: sim.gemm_reduce_scatter([zeros(1 << 40, k)] * 2, [zeros(1 << 40, k)] * 2),
+        "size overflow: GEMM 1099511627776×1099511627776×8",
+    )
+    one_line_value_error(
+        lambda: sim.all_gather_matmul([zeros(1 << 57, k)] * 200, [zeros(8, k)] * 200),
+        "the chunks of A have more rows than 64 bits count",
+    )

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from commfuse import sim
-from test_sim import assert_within, chunks, operands, product, round_to
+from test_sim import assert_within, chunks, one_line_value_error, operands, product, round_to
 
 SHM = "/dev/shm"
 
@@ -174,3 +174,52 @@ def test_joining_a_group_that_never_forms_is_an_error():
     with pytest.raises(ValueError) as e:
         sim.Group("bad name/", 0, 1)
     assert "group name" in str(e.value)
+
+
+def test_a_group_refuses_what_it_cannot_be_at_once_in_one_line():
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    started = time.monotonic()
+    for call, says in [
+        # a world past 64 ranks waited for its 99 peers until the timeout
+        (lambda: sim.Group(name, 0, 100), "world must be 1 to 64 ranks, got 100"),
+        (lambda: sim.Group(name, 0, 0), "world must be 1 to 64 ranks, got 0"),
+        # a negative rank was an OverflowError
+        (lambda: sim.Group(name, -1, 2), "rank must be 0 to world - 1 = 1, got -1"),
+        (lambda: sim.Group(name, 2, 2), "rank must be 0 to world - 1 = 1, got 2"),
+        (lambda: sim.Group(name, "0", 2), "rank must be 0 to world - 1 = 1, got '0' (str)"),
+        (lambda: sim.Group(name, 0, 1, arena_mb=0), "arena_mb must be a positive number of MiB, got 0"),
+        (lambda: sim.Group(name, 0, 1, arena_mb=1 << 40), f"the shared memory of group {name} needs 1.0 EiB"),
+        (lambda: sim.Group(name, 0, 1, timeout_ms=-1), "timeout_ms must be a non-negative number of milliseconds, got -1"),
+        (lambda: sim.Group(7, 0, 1), "name must be a string naming the group"),
+    ]:
+        one_line_value_error(call, says)
+    assert time.monotonic() - started < 5, "refused at once, not after a timeout"
+    assert not os.path.exists(os.path.join(SHM, f"commfuse-{name}"))
+
+
+def test_a_ranks_calls_refuse_bad_arrays_names_and_sizes_in_one_line():
+    g = sim.Group(f"test-{uuid.uuid4().hex[:12]}", 0, 1, arena_mb=8)
+    x = np.ones(4, np.float32)
+    a, b = operands(np.random.default_rng(5), 1, [8], 16, 16, "nk")
+    f32 = "must be a 2-D float32 NumPy array (convert with numpy.asarray(x, numpy.float32)), got"
+    for call, says in [
+        (lambda: g.collective("all-reduce", np.zeros(4)),
+         "x must be a 1-D float32 NumPy array (convert with numpy.asarray(x, numpy.float32)), got a 1-D float64 array of shape (4,)"),
+        (lambda: g.collective("all-reduce", np.zeros((2, 2), np.float32)), "x must be a 1-D float32"),
+        (lambda: g.collective("all-reduce", [1.0, 2.0]), "x must be a 1-D float32 NumPy array"),
+        (lambda: g.collective("all-reduce", x, dtype=np.float16), "dtype must be a string naming 'f32', 'bf16' or 'f16'"),
+        (lambda: g.collective("all-reduce", x, root=-1), "root must be a rank, 0 to 0, got -1"),
+        (lambda: g.collective("all-reduce", x, count=-3), "count must be a non-negative number of elements, got -3"),
+        (lambda: g.gemm_reduce_scatter(a[0].astype(np.float64), b[0]), f"a {f32} a 2-D float64 array of shape (8, 16)"),
+        (lambda: g.gemm_reduce_scatter(a[0], b[0].astype(np.int64)), f"b {f32} a 2-D int64 array"),
+        (lambda: g.gemm_reduce_scatter(a[0], b[0], dtype=np.float16), "dtype must be a string naming the input type"),
+        (lambda: g.gemm_reduce_scatter(a[0], b[0], path="overlapped", pieces=99), "pieces must be 1 to 16 pieces, got 99"),
+        (lambda: g.all_gather_matmul(a[0], b[0], m=-1), "m must be a non-negative number of rows (of the gathered A), got -1"),
+        (lambda: g.all_gather_matmul(a[0], b[0], pieces=0), "pieces must be 1 to 16 pieces, got 0"),
+        (lambda: g.collective("all-reduce", np.broadcast_to(np.float32(0), (1 << 40,))),
+         "copying the input of 1099511627776 elements needs 4.0 TiB"),
+    ]:
+        one_line_value_error(call, says)
+    # none of them touched the group
+    out, _ = g.collective("all-reduce", x)
+    assert np.array_equal(out, x)

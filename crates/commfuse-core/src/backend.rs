@@ -224,6 +224,16 @@ pub trait Backend {
         dtype: DType,
         reduce: ReduceOp,
     ) -> Result<Box<dyn PreparedCall + '_>, BackendError>;
+    /// Bytes of host memory [`Backend::prepare`] of `plan` allocates (the simulator's buffers
+    /// live there; a GPU backend's on its devices), or None where the count overflows: what a
+    /// harness adds to its own to know whether a run fits before it starts.
+    fn host_bytes(&self, _plan: &CheckedPlan, _dtype: DType) -> Option<u64> {
+        Some(0)
+    }
+    /// [`Backend::host_bytes`] of [`Backend::prepare_baseline`] of `name` for `spec`.
+    fn baseline_host_bytes(&self, _name: &str, _spec: &OpSpec, _dtype: DType) -> Option<u64> {
+        Some(0)
+    }
     /// Other implementations of the same op that this backend can run for comparison (NCCL,
     /// the copy engine), by name.
     fn baselines(&self, _op: OpKind) -> Vec<&'static str> {

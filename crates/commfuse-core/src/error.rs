@@ -125,7 +125,54 @@ pub enum BackendError {
     /// This rank stopped because another rank failed first.
     #[error("rank {rank} aborted because another rank failed")]
     Aborted { rank: usize },
-    /// The backend cannot run this request (too large, not built, no device, ...).
+    /// The backend cannot run this request (not built, no device, ...).
     #[error("{0}")]
     Unavailable(String),
+    /// `what` needs more host memory than a run may take (see [`MEMORY_SHARE_PERCENT`]) of what
+    /// the OS says is available, or more bytes than 64 bits count (`needs` None). Checked before
+    /// anything is allocated; `available` is None where the OS does not say.
+    #[error("{}", too_large(what, *needs, *available))]
+    TooLarge {
+        what: String,
+        needs: Option<u64>,
+        available: Option<u64>,
+    },
+}
+
+/// The share of the memory the OS says is available that one run may take, in percent: the
+/// estimates count every large allocation, not the allocator's overhead, thread stacks or the
+/// rest of the process.
+pub const MEMORY_SHARE_PERCENT: u64 = 90;
+
+/// Bytes in the binary units people read: 512 B, 1.5 KiB, 20.0 GiB, 91.0 PiB.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+fn too_large(what: &str, needs: Option<u64>, available: Option<u64>) -> String {
+    match (needs, available) {
+        (Some(needs), Some(available)) => format!(
+            "{what} needs {} ({needs} bytes), more than {MEMORY_SHARE_PERCENT} % of the {} ({available} bytes) of memory available",
+            human_bytes(needs),
+            human_bytes(available)
+        ),
+        (Some(needs), None) => format!("{what} needs {} ({needs} bytes)", human_bytes(needs)),
+        (None, Some(available)) => format!(
+            "{what} needs more bytes than 64 bits count (its size overflows); {} ({available} bytes) of memory is available",
+            human_bytes(available)
+        ),
+        (None, None) => {
+            format!("{what} needs more bytes than 64 bits count (its size overflows)")
+        }
+    }
 }

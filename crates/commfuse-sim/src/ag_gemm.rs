@@ -14,6 +14,7 @@
 use crate::buffer::SymmetricBuffer;
 use crate::gemm::{run_gemm, run_gemm_tiles, Operands};
 use crate::gemm_rs::{check_build, check_call, FlagWords, GemmRsConfig};
+use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
 use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, MAX_PIECES};
@@ -42,6 +43,44 @@ pub fn shape(config: &AgGemmConfig, m: usize) -> Result<AgGemmShape, BackendErro
         config.output,
     )
     .map_err(|e| unavailable(e.to_string()))
+}
+
+/// What [`SimAgGemm`] of `config` allocates, each chunk in `pieces` pieces, on the fused path
+/// or not: every rank's gather buffer [max_m, K] and product buffer (one chunk's rows, or all
+/// M rows on the fused path), and the heap of a call (each rank thread's received piece and
+/// product, or on the fused path its whole gathered A and the fused plan's tables, and the
+/// GEMM's widened tiles).
+pub fn memory(config: &AgGemmConfig, pieces: usize, fused: bool) -> OperatorMemory {
+    let c = config;
+    let what = c.describe(if fused {
+        "all-gather + GEMM (fused)"
+    } else {
+        "all-gather + GEMM"
+    });
+    let (si, so) = (c.input.size(), c.output.size());
+    let chunk = c.max_m.div_ceil(c.world.max(1));
+    let piece = chunk.div_ceil(pieces.max(1));
+    let rows = if fused { c.max_m } else { chunk };
+    let buffers = Footprint::new(what.clone())
+        .item(&[c.world, c.max_m, c.k, si])
+        .item(&[c.world, rows, c.n, so]);
+    let heap = if fused {
+        let tiles = c
+            .max_m
+            .div_ceil(c.tile.m.max(1))
+            .checked_add(c.world)
+            .and_then(|b| b.checked_mul(c.n.div_ceil(c.tile.n.max(1))));
+        let heap = Footprint::new(what).item(&[c.world, c.max_m, c.k, si]);
+        GemmRsConfig::table_heap(heap, c.world, tiles)
+    } else {
+        Footprint::new(what)
+            .item(&[c.world, piece, c.k, si])
+            .item(&[c.world, piece, c.n, so])
+    };
+    OperatorMemory {
+        buffers,
+        heap: c.gemm_heap(heap, rows),
+    }
 }
 
 /// All-gather + GEMM for every rank of one simulated world, built once and called many times.
@@ -92,6 +131,7 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
             )));
         }
         let s = shape(&config, config.max_m)?;
+        memory(&config, pieces, fused).check(world.arena().is_some())?;
         let words = AgGemmSchedule::new(s, 1).flag_words();
         let flags = FlagWords::on("all-gather + GEMM", world, words)?;
         let rows = if fused {

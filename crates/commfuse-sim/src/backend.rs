@@ -2,6 +2,7 @@
 
 use crate::buffer::SymmetricBuffer;
 use crate::executor::{run_rank, CallBuffers};
+use crate::memory::Footprint;
 use crate::world::{World, WorldConfig};
 use commfuse_core::backend::{
     check_queued_inputs, ensure_fits, Backend, BackendError, CallTiming, HostBuffer, HostSlice,
@@ -28,12 +29,20 @@ impl SimBackend {
     }
 }
 
-/// Bytes of memory the OS says are available, if it says.
-fn available_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+/// What `prepare` of `plan` allocates: every rank's input, output and scratch.
+fn plan_memory(plan: &CheckedPlan, dtype: DType) -> Footprint {
+    let p = plan.plan();
+    let b = &p.buffers;
+    let what = format!(
+        "{} of {} {dtype} elements on {} ranks (sim)",
+        p.spec.kind,
+        p.spec.count,
+        p.world()
+    );
+    Footprint::new(what)
+        .item(&[p.world(), b.input, dtype.size()])
+        .item(&[p.world(), b.output, dtype.size()])
+        .item(&[p.world(), b.scratch, dtype.size()])
 }
 
 impl Backend for SimBackend {
@@ -56,26 +65,24 @@ impl Backend for SimBackend {
             cols: self.world.pad(0).cols(),
         };
         ensure_fits(plan, self.world.size(), pad)?;
-        let p = plan.plan();
-        let b = &p.buffers;
-        let bytes = (b.input as u128 + b.output as u128 + b.scratch as u128)
-            * dtype.size() as u128
-            * p.world() as u128;
-        if let Some(avail) = available_memory() {
-            if bytes > avail as u128 * 9 / 10 {
-                return Err(BackendError::Unavailable(format!(
-                    "the simulator needs {:.1} GiB for {} ranks but only {:.1} GiB of memory is available",
-                    bytes as f64 / (1u64 << 30) as f64,
-                    p.world(),
-                    avail as f64 / (1u64 << 30) as f64
-                )));
-            }
-        }
+        plan_memory(plan, dtype).check()?;
         Ok(match dtype {
             DType::F32 => Box::new(SimCall::<f32>::new(self, plan, reduce)?),
             DType::BF16 => Box::new(SimCall::<bf16>::new(self, plan, reduce)?),
             DType::F16 => Box::new(SimCall::<f16>::new(self, plan, reduce)?),
         })
+    }
+
+    fn host_bytes(&self, plan: &CheckedPlan, dtype: DType) -> Option<u64> {
+        plan_memory(plan, dtype).bytes()
+    }
+
+    fn baseline_host_bytes(&self, name: &str, spec: &OpSpec, dtype: DType) -> Option<u64> {
+        if name == LL_PROTOCOL {
+            crate::ll::SimLlCall::memory(self.world.size(), spec, dtype).bytes()
+        } else {
+            Some(0)
+        }
     }
 
     fn protocols(&self, op: OpKind) -> Vec<&'static str> {

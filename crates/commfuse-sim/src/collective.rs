@@ -13,6 +13,7 @@
 use crate::backend::SimBackend;
 use crate::buffer::SymmetricBuffer;
 use crate::executor::{run_rank, CallBuffers};
+use crate::memory::Footprint;
 use crate::world::{RankContext, World};
 use commfuse_core::backend::{ensure_fits, BackendError, PadCapacity};
 use commfuse_core::cost::choose_algo;
@@ -64,6 +65,13 @@ impl<T: Element> SimCollective<T> {
         };
         ensure_fits(&plan, p, pad)?;
         let b = plan.plan().buffers;
+        let what = format!("{kind} of {count} {} elements on {p} ranks", T::DTYPE);
+        let size = T::DTYPE.size();
+        Footprint::new(what)
+            .item(&[p, b.input, size])
+            .item(&[p, b.output, size])
+            .item(&[p, b.scratch, size])
+            .check_on(world.arena().is_some())?;
         Ok(SimCollective {
             bufs: CallBuffers {
                 input: SymmetricBuffer::new_in(world, b.input)?,

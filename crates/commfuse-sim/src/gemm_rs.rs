@@ -25,6 +25,7 @@
 
 use crate::buffer::SymmetricBuffer;
 use crate::gemm::{run_gemm, Operands};
+use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
 use commfuse_core::fused::gemm_rs::{GemmRsPath, GemmRsSchedule, GemmRsShape};
@@ -109,11 +110,68 @@ impl GemmRsConfig {
         ))
     }
 
-    /// Signal pad columns the operator needs on every rank: P senders × flag stride.
+    /// Signal pad columns the operator needs on every rank: P senders × flag stride (the
+    /// schedule's `flag_columns`, counted without building it).
     pub fn pad_cols(&self) -> Result<usize, BackendError> {
-        Ok(self.schedule(self.max_m)?.flag_columns())
+        self.shape(self.max_m)?;
+        let (_, per_owner) = self.tiles();
+        per_owner
+            .and_then(|t| t.checked_mul(self.world))
+            .ok_or_else(|| {
+                unavailable(format!(
+                    "GEMM + reduce-scatter of M up to {}, N {} on {} ranks needs more flag columns than a signal pad can have",
+                    self.max_m, self.n, self.world
+                ))
+            })
+    }
+
+    /// Tiles of the fused schedule of `max_m` rows, at most (every owner's chunk starts a band,
+    /// so there are at most M / tile.m + P bands), and the tiles the longest chunk has (the
+    /// schedule's `tiles_per_owner_max`); None where the count overflows.
+    fn tiles(&self) -> (Option<usize>, Option<usize>) {
+        let (tm, tn) = (self.tile.m.max(1), self.tile.n.max(1));
+        let world = self.world.max(1);
+        let tiles_n = self.n.div_ceil(tn);
+        let bands = self.max_m.div_ceil(tm).checked_add(world);
+        let owner_bands = self.max_m.div_ceil(world).div_ceil(tm);
+        (
+            bands.and_then(|b| b.checked_mul(tiles_n)),
+            owner_bands.checked_mul(tiles_n),
+        )
+    }
+
+    /// What the operator is, as its memory errors name it.
+    pub(crate) fn describe(&self, op: &str) -> String {
+        format!(
+            "{op} of M up to {}, N {}, K {} on {} ranks",
+            self.max_m, self.n, self.k, self.world
+        )
+    }
+
+    /// Adds what every rank thread's GEMM holds at once on `rows` rows at most: one tile's
+    /// operands widened to f32 (rows of A and columns of B, K each) and its products, and one
+    /// output row and its f32 sums.
+    pub(crate) fn gemm_heap(&self, heap: Footprint, rows: usize) -> Footprint {
+        let (tm, tn) = (self.tile.m.min(rows), self.tile.n.min(self.n));
+        heap.item(&[self.world, tm.saturating_add(tn), self.k, 4])
+            .item(&[self.world, tm, tn, 4])
+            .item(&[self.world, 2, tn, 8])
+    }
+
+    /// Adds tile tables of `tiles` tiles (None: too many to count) held by `holders` at once.
+    pub(crate) fn table_heap(heap: Footprint, holders: usize, tiles: Option<usize>) -> Footprint {
+        let bytes = tiles
+            .and_then(|t| u64::try_from(t).ok())
+            .and_then(|t| t.checked_mul(TABLE_BYTES_PER_TILE))
+            .and_then(|b| b.checked_mul(holders as u64));
+        heap.add_bytes(bytes)
     }
 }
+
+/// Bytes of tile tables one holder may keep per tile of a schedule, at most: the schedule's
+/// placement, owner lists and grouped order, a GEMM plan's order, destination and flag, and the
+/// owner's reduction ranges.
+pub(crate) const TABLE_BYTES_PER_TILE: u64 = 160;
 
 /// Signal pad rows the operator uses (rows 0 and 1: one flag row per set).
 pub const PAD_ROWS: u32 = 2;
@@ -285,6 +343,8 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
         if config.tile.m == 0 || config.tile.n == 0 {
             return Err(unavailable("the tile shape must be positive".into()));
         }
+        config.shape(config.max_m)?;
+        fused_memory(&config).check(world.arena().is_some())?;
         let sched = config.schedule(config.max_m)?;
         let cols = sched.flag_columns();
         let pad = world.pad(0);
@@ -473,6 +533,31 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
             }
         }
         Ok(())
+    }
+}
+
+/// What the operator of `path` for `config` allocates ([`fused_memory`],
+/// [`crate::ring_rs::memory`], [`crate::unfused_rs::memory`]).
+pub fn memory(config: &GemmRsConfig, path: GemmRsPath) -> OperatorMemory {
+    match path {
+        GemmRsPath::Fused => fused_memory(config),
+        GemmRsPath::Overlapped { pieces } => crate::ring_rs::memory(config, pieces),
+        GemmRsPath::Unfused => crate::unfused_rs::memory(config),
+    }
+}
+
+/// What [`SimGemmReduceScatter`] of `config` allocates: every rank's receive buffers (2 sets ×
+/// P sender slots of the longest chunk) and the heap of a call (the schedule's tables on the
+/// constructor and on every rank thread, the GEMM's widened tiles).
+pub fn fused_memory(config: &GemmRsConfig) -> OperatorMemory {
+    let c = config;
+    let what = c.describe("GEMM + reduce-scatter (fused)");
+    let chunk = c.max_m.div_ceil(c.world.max(1));
+    let (tiles, _) = c.tiles();
+    let heap = GemmRsConfig::table_heap(Footprint::new(what.clone()), c.world + 1, tiles);
+    OperatorMemory {
+        buffers: Footprint::new(what).item(&[c.world, 2, c.world, chunk, c.n, c.output.size()]),
+        heap: c.gemm_heap(heap, c.max_m),
     }
 }
 

@@ -14,6 +14,8 @@
 //! * [`executor`]: the plan interpreter and its reduction kernels;
 //! * [`ll`] and [`ll_chunks`]: the low-latency protocol (data and call number in one line): the
 //!   all-reduce as an operator, and the reduce-scatter and all-gather the GPU kernel runs;
+//! * [`memory`]: what a run allocates, counted and compared with the memory available before
+//!   anything is allocated;
 //! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation.
 
 pub mod ag_gemm;
@@ -26,6 +28,7 @@ pub mod gemm;
 pub mod gemm_rs;
 pub mod ll;
 pub mod ll_chunks;
+pub mod memory;
 pub mod protocol;
 pub mod ring_rs;
 pub mod shared;

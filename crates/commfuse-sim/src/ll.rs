@@ -7,6 +7,7 @@
 //! bits.
 
 use crate::ll_chunks::{ll_all_gather, ll_reduce_scatter, LlChunks};
+use crate::memory::Footprint;
 use crate::protocol::{
     ll_one_shot_all_reduce, ll_two_shot_all_reduce, ll_two_shot_lines, LlLines, Stop,
 };
@@ -94,12 +95,8 @@ impl SimLl {
             )));
         }
         let p = world.size();
-        let words = match collective {
-            LlCollective::AllReduce(LlShots::One) => 2 * p * len,
-            LlCollective::AllReduce(LlShots::Two) => ll_two_shot_lines(p, len),
-            _ => LlChunks::new(p, len).buffer_lines(),
-        }
-        .max(1);
+        Self::memory(p, collective, len).check_on(world.arena().is_some())?;
+        let words = Self::lines(p, collective, len);
         let cols = 1024u32;
         let rows = words.div_ceil(cols as usize) as u32;
         let lines = (0..p)
@@ -113,6 +110,27 @@ impl SimLl {
             broken: AtomicBool::new(false),
             world_id: world as *const World as usize,
         })
+    }
+
+    /// Lines of one rank's buffer (at least one).
+    fn lines(world: usize, collective: LlCollective, len: usize) -> usize {
+        match collective {
+            LlCollective::AllReduce(LlShots::One) => 2 * world * len,
+            LlCollective::AllReduce(LlShots::Two) => ll_two_shot_lines(world, len),
+            _ => LlChunks::new(world, len).buffer_lines(),
+        }
+        .max(1)
+    }
+
+    /// What the LL `collective` of `len` elements on `world` ranks allocates: every rank's
+    /// lines, rounded up to whole rows of its pad (see [`SimLl::new`]).
+    pub fn memory(world: usize, collective: LlCollective, len: usize) -> Footprint {
+        let rows = Self::lines(world, collective, len.min(Self::MAX_LEN)).div_ceil(1024);
+        let what = format!(
+            "the LL {} of {len} elements on {world} ranks",
+            collective.name()
+        );
+        Footprint::new(what).item(&[world, rows, 1024, 8])
     }
 
     /// This rank's input and output lengths: `len` each for an all-reduce, `len` in and the
@@ -219,6 +237,26 @@ pub(crate) struct SimLlCall<'a> {
 }
 
 impl<'a> SimLlCall<'a> {
+    /// What [`SimLlCall::new`] of `spec` on `world` ranks allocates: the protocol's lines and
+    /// every rank's f32 input and output (none where the protocol does not serve `spec`).
+    pub(crate) fn memory(
+        world: usize,
+        spec: &commfuse_core::OpSpec,
+        dtype: commfuse_core::DType,
+    ) -> Footprint {
+        use commfuse_core::{DType, OpKind};
+        let collective = match spec.kind {
+            OpKind::AllReduce => LlCollective::AllReduce(LlShots::One),
+            OpKind::ReduceScatter => LlCollective::ReduceScatter,
+            OpKind::AllGather => LlCollective::AllGather,
+            _ => return Footprint::new("the LL protocol"),
+        };
+        if dtype != DType::F32 || spec.count > SimLl::MAX_LEN {
+            return Footprint::new("the LL protocol");
+        }
+        SimLl::memory(world, collective, spec.count).item(&[world, 2, spec.count, 4])
+    }
+
     /// The LL collective of `spec` on `world`, for f32 (sums where it reduces).
     pub(crate) fn new(
         world: &'a World,
@@ -244,6 +282,7 @@ impl<'a> SimLlCall<'a> {
             }
         };
         let p = world.size();
+        Self::memory(p, spec, dtype).check()?;
         let op = SimLl::new(world, collective, spec.count)?;
         let (input, output) = op.lens(0, p);
         Ok(SimLlCall {

@@ -15,6 +15,7 @@
 use crate::buffer::SymmetricBuffer;
 use crate::gemm::{run_gemm, Operands};
 use crate::gemm_rs::{check_build, check_rs_call, FlagWords, GemmRsConfig};
+use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
 use commfuse_core::fused::gemm_rs::GemmRsShape;
@@ -62,6 +63,8 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
                 "the overlapped path cuts a step into 1 to {max} pieces, got {pieces}"
             )));
         }
+        config.shape(config.max_m)?;
+        memory(&config, pieces).check(world.arena().is_some())?;
         let s = schedule(&config, config.shape(config.max_m)?, pieces)?;
         let flags = FlagWords::on(
             "the overlapped GEMM + reduce-scatter",
@@ -210,6 +213,29 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
             }
         }
         Ok(())
+    }
+}
+
+/// What [`SimRingReduceScatter`] of `config` allocates: every rank's receive buffers (2 sets ×
+/// P − 1 buffers of the longest chunk) and send buffer, and the heap of a call (each rank
+/// thread's running sum and product of a piece, the piece's GEMM plan and widened tiles).
+pub fn memory(config: &GemmRsConfig, pieces: usize) -> OperatorMemory {
+    let c = config;
+    let what = c.describe("GEMM + reduce-scatter (overlapped)");
+    let chunk = c.max_m.div_ceil(c.world.max(1));
+    let piece = chunk.div_ceil(pieces.max(1));
+    let so = c.output.size();
+    let buffers = Footprint::new(what.clone())
+        .item(&[c.world, 2, c.world.saturating_sub(1), chunk, c.n, so])
+        .item(&[c.world, chunk, c.n, so]);
+    let heap = Footprint::new(what).item(&[c.world, 2, piece, c.n, so]);
+    let piece_tiles = piece
+        .div_ceil(c.tile.m.max(1))
+        .checked_mul(c.n.div_ceil(c.tile.n.max(1)));
+    let heap = GemmRsConfig::table_heap(heap, c.world, piece_tiles);
+    OperatorMemory {
+        buffers,
+        heap: c.gemm_heap(heap, piece),
     }
 }
 

@@ -93,8 +93,17 @@ impl Arena {
         timeout: Duration,
         nonce: u64,
     ) -> Result<Arena, BackendError> {
-        if world == 0 || rank >= world {
-            return Err(unavailable(format!("rank {rank} of a group of {world}")));
+        let max = commfuse_core::MAX_WORLD_SIZE;
+        if world == 0 || world > max {
+            return Err(unavailable(format!(
+                "a group has 1 to {max} ranks, got {world}"
+            )));
+        }
+        if rank >= world {
+            return Err(unavailable(format!(
+                "rank {rank} is not a rank of a group of {world} (0 to {})",
+                world - 1
+            )));
         }
         if name.is_empty()
             || name.len() > 200
@@ -107,6 +116,10 @@ impl Arena {
             )));
         }
         let path = CString::new(format!("/commfuse-{name}")).expect("checked above");
+        crate::memory::Footprint::new(format!("the shared memory of group {name}"))
+            .item(&[bytes])
+            .item(&[HEADER + ALIGN])
+            .check()?;
         let len = HEADER + bytes.next_multiple_of(ALIGN);
         let deadline = Instant::now() + timeout;
         let fd = if rank == 0 {

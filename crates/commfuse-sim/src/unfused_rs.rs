@@ -14,6 +14,7 @@ use crate::buffer::SymmetricBuffer;
 use crate::collective::SimCollective;
 use crate::gemm::{run_gemm, Operands};
 use crate::gemm_rs::{check_build, check_rs_call, GemmRsConfig};
+use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
 use commfuse_core::gemm::{Epilogue, GemmPlan, GemmProblem};
@@ -22,6 +23,28 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
+
+/// What [`SimUnfusedReduceScatter`] of `config` allocates: every rank's product block, the
+/// reduce-scatter of P·⌈M/P⌉·N elements (its input, output and at most as much scratch as
+/// input), and the heap of a call (each rank thread's whole partial product, its summed block,
+/// the GEMM's widened tiles).
+pub fn memory(config: &GemmRsConfig) -> OperatorMemory {
+    let c = config;
+    let what = c.describe("GEMM + reduce-scatter (unfused)");
+    let rows = c.max_m.div_ceil(c.world.max(1));
+    let so = c.output.size();
+    let buffers = Footprint::new(what.clone())
+        .item(&[c.world, rows, c.n, so])
+        .item(&[c.world, 2, c.world, rows, c.n, so])
+        .item(&[c.world, rows, c.n, so]);
+    let heap = Footprint::new(what)
+        .item(&[c.world, c.world, rows, c.n, so])
+        .item(&[c.world, rows, c.n, so]);
+    OperatorMemory {
+        buffers,
+        heap: c.gemm_heap(heap, rows),
+    }
+}
 
 /// The unfused GEMM + reduce-scatter for every rank of one simulated world.
 pub struct SimUnfusedReduceScatter<TI: Element, TO: Element> {
@@ -39,6 +62,7 @@ impl<TI: Element, TO: Element> SimUnfusedReduceScatter<TI, TO> {
     pub fn new(world: &World, config: GemmRsConfig) -> Result<Self, BackendError> {
         check_build::<TI, TO>("GEMM + reduce-scatter", &config, world)?;
         config.shape(config.max_m)?;
+        memory(&config).check(world.arena().is_some())?;
         let rows = config.max_m.div_ceil(config.world);
         Ok(SimUnfusedReduceScatter {
             product: SymmetricBuffer::new_in(world, rows * config.n)?,

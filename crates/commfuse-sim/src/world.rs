@@ -1,5 +1,6 @@
 //! The simulated world: P ranks as scoped threads sharing signal pads.
 
+use crate::memory::{Footprint, OperatorMemory};
 use crate::protocol::{self, Pads, SignalWord, Stop};
 use crate::shared::Arena;
 use crate::signal::{SignalPad, SimBackoff};
@@ -17,6 +18,24 @@ pub struct WorldConfig {
     pub pad_rows: u32,
     /// Signal pad columns per rank (at least the world size).
     pub pad_cols: u32,
+}
+
+impl WorldConfig {
+    /// What a world of `size` ranks of this configuration allocates: every rank's signal pad
+    /// (in the group's arena for a shared world) and the epoch bases of its slots (always in
+    /// this process).
+    pub fn memory(&self, size: usize) -> OperatorMemory {
+        let cols = (self.pad_cols as usize).max(size);
+        let what = format!(
+            "a simulated world of {size} ranks with {}×{cols} signal pads",
+            self.pad_rows
+        );
+        let slots = [size, self.pad_rows as usize, cols, 8];
+        OperatorMemory {
+            buffers: Footprint::new(what.clone()).item(&slots),
+            heap: Footprint::new(what).item(&slots),
+        }
+    }
 }
 
 impl Default for WorldConfig {
@@ -71,6 +90,7 @@ impl World {
             )));
         }
         config.pad_cols = config.pad_cols.max(size as u32);
+        config.memory(size).check(arena.is_some())?;
         let (rows, cols) = (config.pad_rows, config.pad_cols);
         let slots = rows as usize * cols as usize;
         let pads = (0..size)

@@ -197,3 +197,28 @@ fn joining_fails_in_one_line_without_hanging() {
     };
     assert!(e.contains("shared memory is full"), "{e}");
 }
+
+#[test]
+fn groups_of_no_rank_too_many_ranks_or_too_much_memory_are_refused_at_once() {
+    let open = |rank, world, bytes| {
+        let started = std::time::Instant::now();
+        let e = Arena::open(&name("refused"), rank, world, bytes, Duration::from_secs(5))
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(started.elapsed() < Duration::from_secs(1), "{e}: waited");
+        assert!(!e.contains('\n'), "{e}");
+        e
+    };
+    assert_eq!(open(0, 100, 1 << 20), "a group has 1 to 64 ranks, got 100");
+    assert_eq!(open(0, 0, 1 << 20), "a group has 1 to 64 ranks, got 0");
+    assert_eq!(
+        open(2, 2, 1 << 20),
+        "rank 2 is not a rank of a group of 2 (0 to 1)"
+    );
+    let e = open(0, 1, usize::MAX);
+    assert!(
+        e.starts_with("the shared memory of group ") && e.contains("overflows"),
+        "{e}"
+    );
+}

@@ -7,10 +7,39 @@ use anyhow::{anyhow, Result};
 use commfuse_core::gemm::{check_elements, reference_gemm, Epilogue};
 use commfuse_core::{DType, Element};
 use commfuse_sim::ag_gemm::{shape, AgCallInputs, AgGemmConfig, SimAgGemm};
+use commfuse_sim::memory::Footprint;
 use commfuse_sim::{World, WorldConfig};
 use half::{bf16, f16};
 use std::sync::Mutex;
 use std::time::Duration;
+
+/// What [`run_sim`] holds at its peak, but for the world's signal pads: the operator
+/// (`commfuse_sim::ag_gemm::memory`), every call's inputs (each rank's chunk of A and its B,
+/// the bias) and outputs (every rank's [M, N] product and gathered A), and the float64 check
+/// of one rank's output at a time (the gathered A, the reference elements, the operands
+/// widened and the products).
+pub fn footprint(config: &AgGemmConfig, (pieces, fused): (usize, bool), ms: &[usize]) -> Footprint {
+    use commfuse_core::gemm::ReferenceElement;
+    let c = config;
+    let (p, n, k) = (c.world, c.n, c.k);
+    let (si, so) = (c.input.size(), c.output.size());
+    let what = format!("run ag-gemm {}×{n}×{k} on {p} ranks", c.max_m);
+    let op = commfuse_sim::ag_gemm::memory(c, pieces, fused);
+    let mut f = Footprint::new(what).and(&op.total());
+    for &m in ms {
+        f = f
+            .item(&[m, k, si])
+            .item(&[p, k, n, si])
+            .item(&[n * usize::from(c.bias), so])
+            .item(&[p, m, n, so])
+            .item(&[p, m, k, si]);
+    }
+    let m = ms.iter().copied().max().unwrap_or(0);
+    f.item(&[m, k, si])
+        .item(&[m, n, std::mem::size_of::<ReferenceElement>() + 2 * 8])
+        .item(&[2, m, k, 8])
+        .item(&[2, k, n, 8])
+}
 
 /// Runs one call per entry of `ms` back to back on a fresh simulated world, `pieces` = (row
 /// pieces per chunk, whether the fused path runs), inputs drawn from `seed`; checks each call's
@@ -53,16 +82,17 @@ fn run_typed<TI: Element, TO: Element>(
             commfuse_core::MAX_WORLD_SIZE
         ));
     }
+    let footprint = footprint(&config, (pieces, fused), ms);
+    footprint.check()?;
     let pad_cols = 64;
     let pad_rows = SimAgGemm::<TI, TO>::pad_rows(&config, pad_cols)? as u32 + 8;
-    let world = World::new(
-        p,
-        WorldConfig {
-            timeout,
-            pad_rows,
-            pad_cols: pad_cols as u32,
-        },
-    )?;
+    let world_config = WorldConfig {
+        timeout,
+        pad_rows,
+        pad_cols: pad_cols as u32,
+    };
+    footprint.and(&world_config.memory(p).total()).check()?;
+    let world = World::new(p, world_config)?;
     let op = if fused {
         SimAgGemm::<TI, TO>::fused(&world, config, pieces)?
     } else {
@@ -127,4 +157,40 @@ fn run_typed<TI: Element, TO: Element>(
         checks.push(CallCheck { m, ranks });
     }
     Ok(checks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use commfuse_core::gemm::BLayout;
+
+    #[test]
+    fn a_run_counts_every_ranks_whole_output_and_the_float64_check() {
+        // 50000 × 50000: every rank's output alone is 5 GB in bf16, the float64 check of one
+        // rank 100 GB
+        let config = AgGemmConfig::new(
+            2,
+            50_000,
+            50_000,
+            8,
+            BLayout::NK,
+            DType::BF16,
+            DType::BF16,
+            false,
+        );
+        let total = footprint(&config, (1, false), &[50_000, 25_000])
+            .bytes()
+            .unwrap();
+        let outputs = 2 * (50_000u64 * 50_000 + 25_000 * 50_000) * 2;
+        let check = 50_000u64 * 50_000 * 40;
+        assert!(total >= outputs + check, "{total}");
+        let err = footprint(&config, (1, false), &[50_000, 25_000])
+            .check_within(Some(24 << 30))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("run ag-gemm 50000×50000×8 on 2 ranks needs 116.4 GiB"),
+            "{err}"
+        );
+    }
 }

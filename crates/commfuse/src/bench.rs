@@ -13,7 +13,8 @@ use crate::sizes::format_size;
 use anyhow::Result;
 use commfuse_core::backend::{Backend, PreparedCall};
 use commfuse_core::cost::{choose_algo, CostCard};
-use commfuse_core::{Algo, DType, OpKind, OpSpec, ReduceOp, Topology};
+use commfuse_core::{Algo, CheckedPlan, DType, OpKind, OpSpec, ReduceOp, Topology};
+use commfuse_sim::memory::{Footprint, REFERENCE_BLOCK_BYTES};
 use std::time::{Duration, Instant};
 
 /// Rounds in which the candidates of one size take turns.
@@ -176,6 +177,60 @@ fn measure_round(
 /// Timed calls queued at once (a GPU backend launches a batch back to back).
 const BATCH: usize = 50;
 
+/// The op at `bytes` on `world` ranks, the cost model's pick (with `auto`), and the checked
+/// plans of our algorithms there (those asked for and the pick, measured once even when it
+/// also has a row of its own).
+#[allow(clippy::type_complexity)]
+fn ours_at(
+    cfg: &BenchConfig,
+    world: usize,
+    bytes: u64,
+) -> Result<(OpSpec, Option<Algo>, Vec<(Algo, (CheckedPlan, Topology))>)> {
+    let count = (bytes / cfg.dtype.size() as u64) as usize;
+    let spec = OpSpec::new(cfg.op, world, count, cfg.root)?;
+    let picked = if cfg.auto {
+        let topology = Topology::new(world, cfg.numa_groups)?.with_model(cfg.model);
+        Some(choose_algo(spec, &topology, cfg.dtype.size())?.algo)
+    } else {
+        None
+    };
+    let mut ours = cfg.algos.clone();
+    if let Some(p) = picked.filter(|p| !ours.contains(p)) {
+        ours.push(p);
+    }
+    let plans = ours
+        .into_iter()
+        .map(|algo| {
+            let mut req = Request::new(cfg.op, algo, count, cfg.dtype);
+            req.reduce = cfg.reduce;
+            req.root = cfg.root;
+            req.numa_groups = cfg.numa_groups;
+            Ok((algo, driver::plan(&req, world)?))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((spec, picked, plans))
+}
+
+/// What our candidates at `bytes` hold together (all are prepared before any runs), and the
+/// reference check's blocks.
+fn memory_of(
+    backend: &dyn Backend,
+    cfg: &BenchConfig,
+    world: usize,
+    bytes: u64,
+    plans: &[(Algo, (CheckedPlan, Topology))],
+) -> Footprint {
+    let what = format!(
+        "bench {} at {} on {world} ranks",
+        cfg.op,
+        format_size(bytes)
+    );
+    plans.iter().fold(
+        Footprint::new(what).item(&[REFERENCE_BLOCK_BYTES]),
+        |f, (_, (checked, _))| f.add_bytes(backend.host_bytes(checked, cfg.dtype)),
+    )
+}
+
 /// Runs the sweep; `on_progress` sees each row and each skipped baseline as soon as known.
 pub fn run(
     backend: &dyn Backend,
@@ -184,34 +239,20 @@ pub fn run(
 ) -> Result<BenchReport> {
     let world = backend.world_size();
     let per_round = cfg.iters.div_ceil(ROUNDS).max(1);
+    // every size is known to fit before the first is measured
+    for &bytes in &cfg.sizes {
+        let (_, _, plans) = ours_at(cfg, world, bytes)?;
+        memory_of(backend, cfg, world, bytes, &plans).check()?;
+    }
     let mut rows = Vec::new();
     let mut skipped = Vec::new();
     for &bytes in &cfg.sizes {
         let count = (bytes / cfg.dtype.size() as u64) as usize;
         let seed = driver::fresh_seed();
-        let request = |algo: Algo| {
-            let mut req = Request::new(cfg.op, algo, count, cfg.dtype);
-            req.reduce = cfg.reduce;
-            req.root = cfg.root;
-            req.numa_groups = cfg.numa_groups;
-            req.seed = seed;
-            req
-        };
-        let spec = OpSpec::new(cfg.op, world, count, cfg.root)?;
-        let picked = if cfg.auto {
-            let topology = Topology::new(world, cfg.numa_groups)?.with_model(cfg.model);
-            Some(choose_algo(spec, &topology, cfg.dtype.size())?.algo)
-        } else {
-            None
-        };
-        // our algorithms, the pick measured once even when it also has a row of its own
-        let mut ours = cfg.algos.clone();
-        if let Some(p) = picked.filter(|p| !ours.contains(p)) {
-            ours.push(p);
-        }
+        let (spec, picked, plans) = ours_at(cfg, world, bytes)?;
+        let mut memory = memory_of(backend, cfg, world, bytes, &plans);
         let mut candidates = Vec::new();
-        for algo in ours {
-            let (checked, topology) = driver::plan(&request(algo), world)?;
+        for (algo, (checked, topology)) in plans {
             let predicted =
                 CostCard::of(&checked, &topology.with_model(cfg.model), cfg.dtype.size())
                     .predicted_us;
@@ -228,7 +269,16 @@ pub fn run(
         }
         let named = cfg.protocols.iter().map(|&n| (n, false));
         for (name, baseline) in named.chain(cfg.baselines.iter().map(|&n| (n, true))) {
-            match backend.prepare_baseline(name, &spec, cfg.dtype, cfg.reduce) {
+            let with = memory
+                .clone()
+                .add_bytes(backend.baseline_host_bytes(name, &spec, cfg.dtype));
+            let prepared = with
+                .check()
+                .and_then(|()| backend.prepare_baseline(name, &spec, cfg.dtype, cfg.reduce));
+            if prepared.is_ok() {
+                memory = with;
+            }
+            match prepared {
                 Ok(call) => candidates.push(Candidate {
                     name: name.into(),
                     algo: None,

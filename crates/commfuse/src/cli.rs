@@ -1,5 +1,9 @@
 //! The `commfuse` command line: run, plan, bench, verify.
 
+use crate::args::{
+    columns, depth, elements, gpu, groups, iters, millis, pieces, ranks, rows, seed, warmup, Real,
+    Whole,
+};
 use crate::backends::{self, BackendKind, Placement};
 use crate::bench::{self, BenchConfig, Progress};
 use crate::driver::{self, Request};
@@ -102,14 +106,14 @@ pub struct BenchAgGemmArgs {
     #[command(flatten)]
     pub shape: GemmShapeArgs,
     /// GPUs, rank r on the r-th
-    #[arg(long, value_delimiter = ',', default_value = "0,1")]
+    #[arg(long, value_delimiter = ',', default_value = "0,1", allow_negative_numbers = true, value_parser = gpu())]
     pub devices: Vec<usize>,
-    /// One row each: the row pieces each rank's chunk is handed on in
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    /// One row each: the row pieces each rank's chunk is handed on in (1 to 16)
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4", allow_negative_numbers = true, value_parser = pieces())]
     pub pieces: Vec<usize>,
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
     pub warmup: usize,
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
     pub iters: usize,
     /// Write the rows as JSON
     #[arg(long)]
@@ -138,20 +142,21 @@ pub struct RunAgGemmArgs {
     #[command(flatten)]
     pub shape: GemmShapeArgs,
     /// Number of ranks (simulated threads)
-    #[arg(long, short = 'p', default_value_t = 2)]
+    #[arg(long, short = 'p', default_value_t = 2, allow_negative_numbers = true, value_parser = ranks())]
     pub ranks: usize,
-    /// Row pieces each rank's chunk is handed on in (a GEMM per piece)
-    #[arg(long, default_value_t = 1)]
+    /// Row pieces each rank's chunk is handed on in, 1 to 16: a GEMM per piece on the overlapped
+    /// path, a wait per piece before the tiles that read its rows on the fused one
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = pieces())]
     pub pieces: usize,
     /// The fused path: one GEMM of our own per call whose loads of a piece's rows wait for its
     /// flag (default: the overlapped path, a library GEMM per piece)
     #[arg(long)]
     pub fused: bool,
     /// Seed of the random inputs (default: fresh each run)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = seed())]
     pub seed: Option<u64>,
     /// How long a wait may take before the call fails with a diagnosis, ms
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 5000, allow_negative_numbers = true, value_parser = millis())]
     pub timeout_ms: u64,
 }
 
@@ -160,13 +165,13 @@ pub struct RunAgGemmArgs {
 pub struct GemmShapeArgs {
     /// Rows of A: for gemm-rs every rank's A (the output's rows in all, split over the ranks),
     /// for ag-gemm the gathered A (each rank holds its chunk)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = rows())]
     pub m: usize,
     /// Columns of B and of the output
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = columns())]
     pub n: usize,
     /// K (a multiple of 8): for gemm-rs each rank's shard
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = depth())]
     pub k: usize,
     /// Input type: bf16 or f16
     #[arg(long, default_value = "bf16")]
@@ -208,31 +213,33 @@ pub struct RunGemmRsArgs {
     #[command(flatten)]
     pub shape: GemmShapeArgs,
     /// Number of ranks (simulated threads)
-    #[arg(long, short = 'p', default_value_t = 2)]
+    #[arg(long, short = 'p', default_value_t = 2, allow_negative_numbers = true, value_parser = ranks())]
     pub ranks: usize,
     /// Which path: auto (the cost model's pick for the shape), fused (the tile schedule of our
     /// GEMM), overlapped (the ring of library GEMMs; --pieces cuts each step) or unfused (the
     /// whole GEMM, then a reduce-scatter)
     #[arg(long, default_value = "auto")]
     pub path: String,
-    /// Row pieces per ring step on the overlapped path (default: what auto would take)
-    #[arg(long)]
+    /// Row pieces per ring step, 1 to 16, with --path overlapped only (default: what auto
+    /// would take for the shape)
+    #[arg(long, allow_negative_numbers = true, value_parser = pieces())]
     pub pieces: Option<usize>,
     /// NUMA groups of consecutive ranks for the overlapped path's ring (1: one flat ring; more:
-    /// the 2D ring, which crosses groups once per group)
-    #[arg(long, default_value_t = 1)]
+    /// the 2D ring, which crosses groups once per group); not with --path fused or unfused,
+    /// which have no ring
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = groups())]
     pub numa_groups: usize,
     /// Seed of the random inputs (default: fresh each run)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = seed())]
     pub seed: Option<u64>,
     /// Backend (gemm-rs runs here on sim; on GPUs through `commfuse bench gemm-rs`)
     #[arg(long, default_value = "sim")]
     pub backend: BackendKind,
     /// GPUs (the cuda backend: not run here)
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, value_parser = gpu())]
     pub devices: Option<Vec<usize>>,
     /// How long a wait may take before the call fails with a diagnosis, ms
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 5000, allow_negative_numbers = true, value_parser = millis())]
     pub timeout_ms: u64,
 }
 
@@ -247,11 +254,11 @@ fn parse_b_layout(text: &str) -> Result<commfuse_core::gemm::BLayout> {
 
 #[derive(Args, Debug)]
 pub struct BenchGemmArgs {
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = rows())]
     pub m: usize,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = columns())]
     pub n: usize,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = depth())]
     pub k: usize,
     /// How B is stored: kn ([K, N]) or nk ([N, K], weights transposed)
     #[arg(long, default_value = "nk")]
@@ -263,21 +270,21 @@ pub struct BenchGemmArgs {
     #[arg(long)]
     pub out_dtype: Option<DType>,
     /// SM caps to measure (0 = all SMs)
-    #[arg(long, value_delimiter = ',', default_value = "0,116")]
+    #[arg(long, value_delimiter = ',', default_value = "0,116", allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of SMs (0: all of them)"))]
     pub sms: Vec<u32>,
     /// Backend (the GEMM runs on cuda only)
     #[arg(long, default_value = "cuda")]
     pub backend: BackendKind,
     /// GPU to run on
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = gpu())]
     pub device: usize,
     /// GPU for the rows whose epilogue stores tiles over NVLink and raises flags there: an
     /// index, or "none" (default: the next GPU when the machine has two or more)
     #[arg(long)]
     pub peer: Option<String>,
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
     pub warmup: usize,
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
     pub iters: usize,
     /// Write the rows as JSON
     #[arg(long)]
@@ -289,27 +296,28 @@ pub struct BenchGemmRsArgs {
     #[command(flatten)]
     pub shape: GemmShapeArgs,
     /// GPUs, rank r on the r-th
-    #[arg(long, value_delimiter = ',', default_value = "0,1")]
+    #[arg(long, value_delimiter = ',', default_value = "0,1", allow_negative_numbers = true, value_parser = gpu())]
     pub devices: Vec<usize>,
     /// One fused row each: 0 folds the partials into the epilogue of the owner's tiles (the
     /// default design), B > 0 sums them in a separate kernel of B blocks beside the GEMM
-    #[arg(long, value_delimiter = ',', default_value = "0,16")]
+    #[arg(long, value_delimiter = ',', default_value = "0,16", allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of blocks (0: folded into the epilogue)"))]
     pub reduce_blocks: Vec<u32>,
-    /// One overlapped row each: the row pieces a ring step of cuBLASLt GEMMs is cut into
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    /// One overlapped row each: the row pieces (1 to 16) a ring step of cuBLASLt GEMMs is cut
+    /// into
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8", allow_negative_numbers = true, value_parser = pieces())]
     pub pieces: Vec<usize>,
     /// NUMA groups of consecutive ranks for the overlapped path's ring (1: one flat ring; more:
     /// the 2D ring, which crosses groups once per group)
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = groups())]
     pub numa_groups: usize,
     /// Also time the overlapped path's parts apart: its GEMMs alone, its copies alone, its flag
     /// waits and raises alone, GEMMs and copies without flags, and the whole call (there is no
     /// clearing to time: flags hold call numbers)
     #[arg(long)]
     pub ablation: bool,
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
     pub warmup: usize,
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
     pub iters: usize,
     /// Write the rows as JSON
     #[arg(long)]
@@ -322,7 +330,7 @@ pub struct CalibrateArgs {
     #[arg(required = true)]
     pub reports: Vec<PathBuf>,
     /// Fit and judge only rows of at least this many bytes
-    #[arg(long, default_value = "8M")]
+    #[arg(long, default_value = "8M", allow_hyphen_values = true)]
     pub min_size: String,
     /// Write the fitted figures as JSON (for --link-gbps/--latency-us/--launch-us)
     #[arg(long)]
@@ -334,13 +342,13 @@ pub struct CalibrateArgs {
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Link bandwidth per rank and direction, GB/s
-    #[arg(long, default_value_t = 370.0)]
+    #[arg(long, default_value_t = 370.0, allow_negative_numbers = true, value_parser = Real::positive("a positive number of GB/s"))]
     pub link_gbps: f64,
     /// One-way signal latency, µs
-    #[arg(long, default_value_t = 1.2)]
+    #[arg(long, default_value_t = 1.2, allow_negative_numbers = true, value_parser = Real::non_negative("a non-negative number of µs"))]
     pub latency_us: f64,
     /// Launch cost of one call, µs
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, allow_negative_numbers = true, value_parser = Real::non_negative("a non-negative number of µs"))]
     pub launch_us: f64,
 }
 
@@ -363,38 +371,69 @@ pub struct KernelsArgs {
 
 #[derive(Args, Debug, Clone)]
 pub struct Where {
-    /// Number of ranks (simulated threads, or GPUs 0..P with --backend cuda)
-    #[arg(long, short = 'p', default_value_t = 8)]
-    pub ranks: usize,
-    /// Backend: sim (CPU simulator) or cuda
-    #[arg(long, default_value = "sim")]
-    pub backend: BackendKind,
+    /// Number of ranks (simulated threads, or GPUs 0..P with --backend cuda) [default: 8, or
+    /// one per GPU of --devices]
+    #[arg(long, short = 'p', allow_negative_numbers = true, value_parser = ranks())]
+    pub ranks: Option<usize>,
+    /// Backend: sim (CPU simulator) or cuda [default: sim, or cuda with --devices]
+    #[arg(long)]
+    pub backend: Option<BackendKind>,
     /// GPUs to use, rank r on the r-th (implies --backend cuda and --ranks); a GPU named twice
     /// holds two ranks side by side, for checking protocols on fewer GPUs (no NCCL baseline)
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, value_parser = gpu())]
     pub devices: Option<Vec<usize>>,
     /// How long a wait may take before the call fails with a diagnosis, ms
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 5000, allow_negative_numbers = true, value_parser = millis())]
     pub timeout_ms: u64,
 }
 
 impl Where {
-    fn placement(&self) -> Placement {
-        match &self.devices {
-            Some(devices) => Placement {
-                backend: BackendKind::Cuda,
-                ranks: devices.len(),
-                devices: Some(devices.clone()),
-                timeout: Duration::from_millis(self.timeout_ms),
-            },
-            None => Placement {
-                backend: self.backend,
-                ranks: self.ranks,
+    /// Where to run, or why the flags disagree.
+    fn placement(&self) -> Result<Placement> {
+        let timeout = Duration::from_millis(self.timeout_ms);
+        let Some(devices) = &self.devices else {
+            return Ok(Placement {
+                backend: self.backend.unwrap_or(BackendKind::Sim),
+                ranks: self.ranks.unwrap_or(8),
                 devices: None,
-                timeout: Duration::from_millis(self.timeout_ms),
-            },
+                timeout,
+            });
+        };
+        devices_on_cuda(self.backend, devices)?;
+        if let Some(ranks) = self.ranks.filter(|&r| r != devices.len()) {
+            bail!(
+                "--ranks {ranks} disagrees with --devices {} ({} GPUs, one rank each): drop --ranks or name {ranks} GPUs",
+                list(devices),
+                devices.len()
+            );
         }
+        Ok(Placement {
+            backend: BackendKind::Cuda,
+            ranks: devices.len(),
+            devices: Some(devices.clone()),
+            timeout,
+        })
     }
+}
+
+/// Refuses `--devices` beside `--backend sim`: GPUs on a backend that has none.
+fn devices_on_cuda(backend: Option<BackendKind>, devices: &[usize]) -> Result<()> {
+    if backend == Some(BackendKind::Sim) {
+        bail!(
+            "--devices {} names GPUs, but --backend sim runs on the CPU: drop one of the two",
+            list(devices)
+        );
+    }
+    Ok(())
+}
+
+/// `0,1,3`, as the flags take lists.
+fn list(items: &[usize]) -> String {
+    items
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[derive(Args, Debug, Clone)]
@@ -412,10 +451,10 @@ pub struct What {
     #[arg(long, default_value = "sum")]
     pub reduce: ReduceOp,
     /// Root rank (broadcast)
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = Whole::<usize>::new("a rank (0 to P - 1)"))]
     pub root: usize,
     /// NUMA groups of consecutive ranks (ring-2d)
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = groups())]
     pub numa_groups: usize,
 }
 
@@ -491,10 +530,10 @@ pub struct RunArgs {
     pub place: Where,
     /// Element count: per rank for all-reduce and broadcast; of each rank's input for
     /// reduce-scatter and all-to-all; of the gathered output for all-gather; ignored by barrier
-    #[arg(long, short = 'n', default_value_t = 1 << 20)]
+    #[arg(long, short = 'n', default_value_t = 1 << 20, allow_negative_numbers = true, value_parser = elements())]
     pub size: usize,
     /// Seed of the random inputs (default: fresh each run)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = seed())]
     pub seed: Option<u64>,
     /// Write rank{r}_input.npy and rank{r}_output.npy into this folder
     #[arg(long)]
@@ -506,10 +545,10 @@ pub struct PlanArgs {
     #[command(flatten)]
     pub what: What,
     /// Number of ranks
-    #[arg(long, short = 'p', default_value_t = 4)]
+    #[arg(long, short = 'p', default_value_t = 4, allow_negative_numbers = true, value_parser = ranks())]
     pub ranks: usize,
     /// Element count
-    #[arg(long, short = 'n', default_value_t = 1 << 20)]
+    #[arg(long, short = 'n', default_value_t = 1 << 20, allow_negative_numbers = true, value_parser = elements())]
     pub size: usize,
     /// Print the plan as JSON instead of a listing
     #[arg(long)]
@@ -523,17 +562,17 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub place: Where,
     /// Sizes in bytes: 64M, 1K..1G (doubling) or 4K,1M
-    #[arg(long, default_value = "1K..16M")]
+    #[arg(long, default_value = "1K..16M", allow_hyphen_values = true)]
     pub sizes: String,
     /// Untimed calls before the first round (and up to one before each later round)
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = warmup())]
     pub warmup: usize,
-    /// Timed calls per size and row, spread over 5 interleaved rounds (at least one per round;
-    /// a round stops early once its share of --budget-ms is spent)
-    #[arg(long, default_value_t = 5)]
+    /// Timed calls per size and row, at least 1, spread over 5 interleaved rounds (at least one
+    /// per round; a round stops early once its share of --budget-ms is spent)
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = iters())]
     pub iters: usize,
     /// Time budget per size and row, ms
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = 500, allow_negative_numbers = true, value_parser = millis())]
     pub budget_ms: u64,
     /// Skip the correctness check of the last call
     #[arg(long)]
@@ -544,7 +583,7 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Time batches replayed from captured CUDA graphs (for small messages: launch overhead
-    /// then counts for neither us nor the baselines)
+    /// then counts for neither us nor the baselines); cuda backend only
     #[arg(long)]
     pub graph: bool,
     /// Write the results as JSON
@@ -557,23 +596,29 @@ pub struct BenchArgs {
 
 #[derive(Args, Debug)]
 pub struct VerifyArgs {
-    /// Backend: sim or cuda
-    #[arg(long, default_value = "sim")]
-    pub backend: BackendKind,
-    /// World sizes to cover (cuda: each P uses GPUs 0..P, or the first P of --devices)
-    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,5,7,8")]
-    pub ranks: Vec<usize>,
+    /// Backend: sim or cuda [default: sim, or cuda with --devices]
+    #[arg(long)]
+    pub backend: Option<BackendKind>,
+    /// World sizes to cover, each once (cuda: each P uses GPUs 0..P, or the first P of
+    /// --devices) [default: 1,2,3,4,5,7,8, or 1 to the number of --devices]
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, value_parser = ranks())]
+    pub ranks: Option<Vec<usize>>,
     /// GPUs (implies --backend cuda; world sizes default to 1..=len)
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, value_parser = gpu())]
     pub devices: Option<Vec<usize>>,
     /// Seed (default: fresh)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = seed())]
     pub seed: Option<u64>,
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 5000, allow_negative_numbers = true, value_parser = millis())]
     pub timeout_ms: u64,
     /// Write the matrix as JSON
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// The world sizes `verify` covers unless --ranks or --devices says.
+fn default_worlds() -> Vec<usize> {
+    vec![1, 2, 3, 4, 5, 7, 8]
 }
 
 /// Runs the parsed command; returns the process exit code.
@@ -835,6 +880,13 @@ fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
     // validates the shape and types before anything runs
     let shape = config.shape(a.shape.m)?;
     let path = parse_gemm_rs_path(&a.path, a.pieces, &shape)?;
+    if a.numa_groups != 1 && matches!(a.path.as_str(), "fused" | "unfused") {
+        bail!(
+            "--numa-groups {} shapes the overlapped path's ring; --path {} has none: drop --numa-groups, or take --path overlapped",
+            a.numa_groups,
+            a.path
+        );
+    }
     // the groups shape only the overlapped path's ring, but are checked whatever the path
     let ring = commfuse_core::fused::ring_rs::RingSchedule::within(shape, a.shape.m, 1);
     let two_d = ring.in_groups(a.numa_groups)?.groups > 1
@@ -918,6 +970,7 @@ fn report_calls(calls: &[crate::gemm_rs::CallCheck]) -> Result<i32> {
 }
 
 fn calibrate_cmd(a: CalibrateArgs) -> Result<i32> {
+    let min = crate::sizes::parse_size(&a.min_size).context("--min-size")?;
     let mut reports = Vec::new();
     for path in &a.reports {
         let text = std::fs::read_to_string(path)
@@ -936,7 +989,6 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<i32> {
             .with_context(|| format!("{} is not a bench --json file", path.display()))?;
         reports.push(report);
     }
-    let min = crate::sizes::parse_size(&a.min_size)?;
     let samples = crate::calibrate::samples(&reports, min)?;
     let before = crate::calibrate::worst_error(&samples, LinkModel::default());
     let held = crate::calibrate::held_out(&samples)?;
@@ -1013,7 +1065,7 @@ fn kernels_cmd(a: KernelsArgs) -> Result<i32> {
 
 fn run(a: RunArgs) -> Result<i32> {
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
-    let backend = backends::open(&a.place.placement())?;
+    let backend = backends::open(&a.place.placement()?)?;
     let (algo, auto) = a
         .what
         .resolve(a.size, backend.world_size(), LinkModel::default())?;
@@ -1080,7 +1132,20 @@ fn plan(a: PlanArgs) -> Result<i32> {
 }
 
 fn bench_cmd(a: BenchArgs) -> Result<i32> {
-    let backend = backends::open(&a.place.placement())?;
+    let placement = a.place.placement()?;
+    if a.graph && placement.backend == BackendKind::Sim {
+        bail!("--graph times replays of captured CUDA graphs, which the sim backend does not have: drop --graph, or run on --backend cuda");
+    }
+    let sizes = parse_sizes(&a.sizes).context("--sizes")?;
+    let element = a.what.dtype.size() as u64;
+    if let Some(small) = sizes.iter().find(|&&s| s < element) {
+        bail!(
+            "--sizes {}: {small} bytes is less than one {} element ({element} bytes)",
+            a.sizes,
+            a.what.dtype
+        );
+    }
+    let backend = backends::open(&placement)?;
     let (algos, auto) = match a.what.algo_arg()? {
         AlgoArg::All => (Algo::for_op(a.what.op).to_vec(), true),
         AlgoArg::Auto => (Vec::new(), true),
@@ -1096,7 +1161,7 @@ fn bench_cmd(a: BenchArgs) -> Result<i32> {
         },
         protocols: backend.protocols(a.what.op),
         algos,
-        sizes: parse_sizes(&a.sizes)?,
+        sizes,
         dtype: a.what.dtype,
         reduce: a.what.reduce,
         root: a.what.root,
@@ -1136,25 +1201,55 @@ fn bench_cmd(a: BenchArgs) -> Result<i32> {
 }
 
 fn verify_cmd(a: VerifyArgs) -> Result<i32> {
-    if a.ranks.is_empty() || a.ranks.contains(&0) {
-        bail!("--ranks needs world sizes of at least 1");
+    if let Some(ranks) = &a.ranks {
+        if ranks.is_empty() || ranks.contains(&0) {
+            bail!("--ranks needs world sizes of at least 1");
+        }
+        if let Some((i, p)) = ranks
+            .iter()
+            .enumerate()
+            .find(|&(i, p)| ranks[..i].contains(p))
+        {
+            bail!(
+                "--ranks {} names world size {p} twice (the second time as item {}): name each once",
+                list(ranks),
+                i + 1
+            );
+        }
     }
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
     let (backend, worlds): (BackendKind, Vec<usize>) = match &a.devices {
-        Some(d) => (BackendKind::Cuda, (1..=d.len()).collect()),
+        Some(d) => {
+            devices_on_cuda(a.backend, d)?;
+            match &a.ranks {
+                Some(ranks) => {
+                    if let Some(p) = ranks.iter().find(|&&p| p > d.len()) {
+                        bail!(
+                            "--ranks {}: world size {p} needs {p} GPUs, --devices {} names {}",
+                            list(ranks),
+                            list(d),
+                            d.len()
+                        );
+                    }
+                    (BackendKind::Cuda, ranks.clone())
+                }
+                None => (BackendKind::Cuda, (1..=d.len()).collect()),
+            }
+        }
         // on GPUs, the world sizes this machine can hold
-        None if a.backend == BackendKind::Cuda => {
+        None if a.backend == Some(BackendKind::Cuda) => {
+            let ranks = a.ranks.clone().unwrap_or_else(default_worlds);
             let gpus = commfuse_cuda::driver::device_count()?;
-            let worlds: Vec<usize> = a.ranks.iter().copied().filter(|&p| p <= gpus).collect();
+            let worlds: Vec<usize> = ranks.iter().copied().filter(|&p| p <= gpus).collect();
             if worlds.is_empty() {
-                bail!(
-                    "none of the world sizes {:?} fits on this machine's {gpus} GPU(s)",
-                    a.ranks
-                );
+                bail!("none of the world sizes {ranks:?} fits on this machine's {gpus} GPU(s)");
             }
             (BackendKind::Cuda, worlds)
         }
-        None => (a.backend, a.ranks.clone()),
+        None => (
+            BackendKind::Sim,
+            a.ranks.clone().unwrap_or_else(default_worlds),
+        ),
     };
     let placement = Placement {
         backend,

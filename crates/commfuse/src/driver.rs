@@ -9,6 +9,7 @@ use commfuse_core::reference::{self, Comparison};
 use commfuse_core::{
     build_plan, check, Algo, CheckedPlan, DType, Error, OpKind, OpSpec, ReduceOp, Topology,
 };
+use commfuse_sim::memory::{Footprint, REFERENCE_BLOCK_BYTES};
 use std::path::Path;
 
 /// What to run, independent of where.
@@ -54,6 +55,33 @@ pub fn plan(req: &Request, world: usize) -> Result<(CheckedPlan, Topology), Erro
     let topology = Topology::new(world, req.numa_groups)?;
     let plan = build_plan(spec, req.algo, &topology)?;
     Ok((check(plan)?, topology))
+}
+
+/// What a checked run of `calls` calls of `plan` (for `req`) on `backend` holds in host
+/// memory at its peak: the backend's buffers ([`Backend::host_bytes`]), every queued call's
+/// inputs and outputs (calls 1.. run back to back), and the float64 reference's blocks.
+pub fn footprint(
+    backend: &dyn Backend,
+    plan: &CheckedPlan,
+    req: &Request,
+    calls: usize,
+) -> Footprint {
+    let p = plan.plan();
+    let (world, size) = (p.world(), req.dtype.size());
+    let queued = calls.saturating_sub(1);
+    let what = format!(
+        "{} {} of {} {} elements on {world} ranks, {} calls checked",
+        req.op,
+        req.algo,
+        req.count,
+        req.dtype,
+        calls.max(1)
+    );
+    Footprint::new(what)
+        .add_bytes(backend.host_bytes(plan, req.dtype))
+        .item(&[queued, world, p.buffers.input, size])
+        .item(&[queued, world, p.buffers.output, size])
+        .item(&[REFERENCE_BLOCK_BYTES])
 }
 
 /// Fills fresh inputs from `seed` and poisons every output.
@@ -107,6 +135,7 @@ pub fn run(
     let (checked, topology) = plan(req, world)?;
     let card = CostCard::of(&checked, &topology, req.dtype.size());
     let spec = checked.plan().spec;
+    footprint(backend, &checked, req, calls).check()?;
     let mut call = backend.prepare(&checked, req.dtype, req.reduce)?;
     load(call.as_mut(), &spec, req.reduce, req.seed)?;
     let timing = call
@@ -136,6 +165,18 @@ pub fn run_named(
     calls: usize,
 ) -> Result<(Comparison, usize)> {
     let spec = OpSpec::new(req.op, backend.world_size(), req.count, req.root)?;
+    let world = spec.world;
+    let what = format!(
+        "{} {name} of {} {} elements on {world} ranks",
+        req.op, req.count, req.dtype
+    );
+    let queued = calls.saturating_sub(1);
+    Footprint::new(what)
+        .add_bytes(backend.baseline_host_bytes(name, &spec, req.dtype))
+        .item(&[queued, world, spec.input_capacity(), req.dtype.size()])
+        .item(&[queued, world, spec.output_capacity(), req.dtype.size()])
+        .item(&[REFERENCE_BLOCK_BYTES])
+        .check()?;
     let mut call = backend.prepare_baseline(name, &spec, req.dtype, req.reduce)?;
     load(call.as_mut(), &spec, req.reduce, req.seed)?;
     call.run()
@@ -195,4 +236,38 @@ pub fn fresh_seed() -> u64 {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
     t ^ (std::process::id() as u64).rotate_left(32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use commfuse_sim::{SimBackend, WorldConfig};
+
+    #[test]
+    fn a_run_counts_its_queued_calls_beside_the_backends_buffers() {
+        // 64 ranks × 10^7 f32: the backend's buffers are 5.1 GB, the three queued calls'
+        // inputs and outputs another 15.4 GB (the run measured a 20.0 GB peak)
+        let backend = SimBackend::new(64, WorldConfig::default()).unwrap();
+        let mut req = Request::new(OpKind::AllReduce, Algo::Ring, 10_000_000, DType::F32);
+        req.numa_groups = 1;
+        let (plan, _) = plan(&req, 64).unwrap();
+        let b = plan.plan().buffers;
+        let buffers = 64 * 4 * (b.input + b.output + b.scratch) as u64;
+        assert_eq!(backend.host_bytes(&plan, DType::F32), Some(buffers));
+        let queued = 3 * 64 * 4 * (b.input + b.output) as u64;
+        let total = footprint(&backend, &plan, &req, 4).bytes().unwrap();
+        assert_eq!(
+            total,
+            buffers + queued + commfuse_sim::memory::REFERENCE_BLOCK_BYTES as u64
+        );
+        assert!(total > 20_000_000_000, "{total}");
+        let err = footprint(&backend, &plan, &req, 4)
+            .check_within(Some(16 << 30))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("all-reduce ring of 10000000 f32 elements on 64 ranks, 4 calls checked needs 19.1 GiB (20560131072 bytes)"),
+            "{err}"
+        );
+    }
 }

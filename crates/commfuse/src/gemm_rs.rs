@@ -7,6 +7,7 @@ use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath};
 use commfuse_core::gemm::ElementCheck;
 use commfuse_core::{DType, Element};
 use commfuse_sim::gemm_rs::{CallInputs, GemmRsConfig, GemmRsOperator};
+use commfuse_sim::memory::Footprint;
 use commfuse_sim::World;
 use half::{bf16, f16};
 use std::sync::Mutex;
@@ -26,6 +27,33 @@ impl CallCheck {
             .iter()
             .fold(ElementCheck::default(), |all, r| all.merge(*r))
     }
+}
+
+/// What [`run_sim`] holds at its peak, but for the world's signal pads: the operator of `path`
+/// (`commfuse_sim::gemm_rs::memory`), every call's inputs (each rank's A and B, the bias) and
+/// outputs, and the float64 check of one rank's chunk at a time (the reference elements, the
+/// operands widened, the products and the computed values as f64).
+pub fn footprint(config: &GemmRsConfig, path: GemmRsPath, ms: &[usize]) -> Footprint {
+    use commfuse_core::fused::gemm_rs::ReferenceElement;
+    let c = config;
+    let (p, n, k) = (c.world, c.n, c.k);
+    let (si, so) = (c.input.size(), c.output.size());
+    let what = format!(
+        "run gemm-rs {}×{n}×{k} on {p} ranks by the {path} path",
+        c.max_m
+    );
+    let mut f = Footprint::new(what).and(&commfuse_sim::gemm_rs::memory(c, path).total());
+    for &m in ms {
+        f = f
+            .item(&[p, m, k, si])
+            .item(&[p, k, n, si])
+            .item(&[n * usize::from(c.bias), so])
+            .item(&[m, n, so]);
+    }
+    let chunk = ms.iter().max().map_or(0, |m| m.div_ceil(p.max(1)));
+    f.item(&[chunk, n, std::mem::size_of::<ReferenceElement>() + 3 * 8])
+        .item(&[2, chunk, k, 8])
+        .item(&[2, k, n, 8])
 }
 
 /// Runs one call per entry of `ms` back to back on a fresh simulated world (no barrier between
@@ -59,7 +87,11 @@ fn run_typed<TI: Element, TO: Element>(
             commfuse_core::MAX_WORLD_SIZE
         ));
     }
-    let world = World::new(p, GemmRsOperator::<TI, TO>::world_config(&config, timeout)?)?;
+    let footprint = footprint(&config, path, ms);
+    footprint.check()?;
+    let world_config = GemmRsOperator::<TI, TO>::world_config(&config, timeout)?;
+    footprint.and(&world_config.memory(p).total()).check()?;
+    let world = World::new(p, world_config)?;
     let op = GemmRsOperator::<TI, TO>::new(&world, config, path)?;
     let CallInputs { a, b, bias } = CallInputs::<TI, TO>::random(&config, ms, seed);
     let outs: Vec<Mutex<Vec<Vec<TO>>>> = (0..p)
@@ -100,4 +132,33 @@ fn run_typed<TI: Element, TO: Element>(
         checks.push(CallCheck { m, ranks });
     }
     Ok(checks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use commfuse_core::gemm::BLayout;
+
+    #[test]
+    fn a_run_counts_its_inputs_outputs_and_float64_checks_beside_the_operator() {
+        let (p, m, n, k) = (2, 4096, 4096, 512);
+        let config = GemmRsConfig::new(p, m, n, k, BLayout::NK, DType::BF16, DType::BF16, false);
+        let path = GemmRsPath::Fused;
+        let ms = [m, m / 2];
+        let op = commfuse_sim::gemm_rs::memory(&config, path)
+            .total()
+            .bytes()
+            .unwrap();
+        let total = footprint(&config, path, &ms).bytes().unwrap();
+        // every call's A and B on every rank, and its outputs, in bf16
+        let inputs: u64 = ms.iter().map(|&m| (p * (m * k + k * n) * 2) as u64).sum();
+        let outputs: u64 = ms.iter().map(|&m| (m * n * 2) as u64).sum();
+        // one rank's chunk checked in f64 at a time: at least its reference elements
+        let check = (m / p * n * 32) as u64;
+        assert!(total >= op + inputs + outputs + check, "{total}");
+        // the run measured a 0.64 GB peak
+        assert!(total < 800 << 20, "{total}");
+        let fits = footprint(&config, path, &ms).check_within(Some(1 << 30));
+        assert!(fits.is_ok(), "{fits:?}");
+    }
 }

@@ -7,6 +7,7 @@
 //! The `commfuse` binary (src/main.rs and [`cli`]) is a thin shell over them.
 
 pub mod ag_gemm;
+pub mod args;
 pub mod backends;
 pub mod bench;
 pub mod calibrate;

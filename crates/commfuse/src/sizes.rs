@@ -24,10 +24,15 @@ pub fn parse_size(text: &str) -> Result<u64> {
         .ok_or_else(|| anyhow!("size '{text}' overflows"))
 }
 
-/// Parses a size list: `A..B` doubles from A to B, commas separate items.
+/// Parses a size list: `A..B` doubles from A to B, commas separate items. Every item names a
+/// size above 0: an empty item (`1K,,2K`, a trailing comma) or a zero is refused rather than
+/// skipped or measured as nothing.
 pub fn parse_sizes(text: &str) -> Result<Vec<u64>> {
     let mut out = Vec::new();
-    for item in text.split(',').filter(|s| !s.trim().is_empty()) {
+    for item in text.split(',') {
+        if item.trim().is_empty() {
+            bail!("size list '{text}' has an empty item (write sizes such as 4K,1M or 1K..1G)");
+        }
         if let Some((lo, hi)) = item.split_once("..") {
             let (lo, hi) = (parse_size(lo)?, parse_size(hi)?);
             if lo == 0 || lo > hi {
@@ -42,11 +47,12 @@ pub fn parse_sizes(text: &str) -> Result<Vec<u64>> {
                 };
             }
         } else {
-            out.push(parse_size(item)?);
+            let size = parse_size(item)?;
+            if size == 0 {
+                bail!("size list '{text}' has a size of 0 bytes: there is nothing to measure");
+            }
+            out.push(size);
         }
-    }
-    if out.is_empty() {
-        bail!("no sizes given");
     }
     Ok(out)
 }
@@ -76,6 +82,13 @@ mod tests {
         assert!(parse_size("x").is_err());
         assert!(parse_size("99999999999G").is_err());
         assert!(parse_sizes("8K..1K").is_err());
+        for bad in ["", "1K,,2K", "1K,", ",1K", " , ", "0", "4K,0"] {
+            let err = parse_sizes(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("empty item") || err.contains("0 bytes"),
+                "{bad}: {err}"
+            );
+        }
         assert_eq!(format_size(16 << 20), "16M");
         assert_eq!(format_size(1000), "1000");
     }

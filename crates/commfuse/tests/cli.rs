@@ -738,3 +738,233 @@ fn run_gemm_rs_refuses_bad_input_in_one_line() {
         "--pieces goes with --path overlapped",
     );
 }
+
+/// Fails unless the command exits with status 2 and prints one line on stderr starting with
+/// `start` (the whole line, where it does not depend on the machine's memory), and no panic or
+/// backtrace.
+fn refused(args: &[&str], start: &str) -> Output {
+    let o = commfuse(args);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?} printed more than one line:\n{err}"
+    );
+    assert!(
+        err.starts_with(start),
+        "{args:?}: expected '{start}…', got: {err}"
+    );
+    for sign in ["panicked", "backtrace", "internal error"] {
+        assert!(!err.contains(sign), "{args:?}: {err}");
+    }
+    o
+}
+
+#[test]
+fn inputs_too_big_for_memory_are_refused_before_anything_is_allocated() {
+    let huge = ["--m", "100000000", "--n", "100000000", "--k", "8"];
+    let gemm_rs = |extra: &[&'static str]| -> Vec<&'static str> {
+        ["run", "gemm-rs"]
+            .iter()
+            .chain(&huge)
+            .chain(extra)
+            .copied()
+            .collect()
+    };
+    refused(
+        &gemm_rs(&[]),
+        "error: run gemm-rs 100000000×100000000×8 on 2 ranks by the overlapped (2 pieces) path needs 346.4 PiB (390024444525294912 bytes), more than 90 % of the ",
+    );
+    refused(
+        &gemm_rs(&["--path", "fused"]),
+        "error: run gemm-rs 100000000×100000000×8 on 2 ranks by the fused path needs 346.5 PiB",
+    );
+    refused(
+        &gemm_rs(&["--path", "unfused", "--ranks", "8"]),
+        "error: run gemm-rs 100000000×100000000×8 on 8 ranks by the unfused path needs",
+    );
+    refused(
+        &[
+            "run", "gemm-rs", "--m", "2147483648", "--n", "2147483648", "--k", "8", "--path",
+            "fused",
+        ],
+        "error: run gemm-rs 2147483648×2147483648×8 on 2 ranks by the fused path needs more bytes than 64 bits count (its size overflows)",
+    );
+    for fused in [&[][..], &["--fused"][..]] {
+        let args: Vec<&str> = [
+            "run", "ag-gemm", "--m", "2000000", "--n", "2000000", "--k", "8",
+        ]
+        .iter()
+        .chain(fused)
+        .copied()
+        .collect();
+        refused(
+            &args,
+            "error: run ag-gemm 2000000×2000000×8 on 2 ranks needs",
+        );
+    }
+    // the queued calls' inputs and outputs count, not only the backend's buffers
+    refused(
+        &[
+            "run", "all-reduce", "--algo", "ring", "--ranks", "64", "--size", "1000000000",
+        ],
+        "error: all-reduce ring of 1000000000 f32 elements on 64 ranks, 4 calls checked needs 1.9 TiB",
+    );
+    // a sweep is refused before its first size is measured
+    let o = refused(
+        &["bench", "all-reduce", "--ranks", "64", "--sizes", "1K,64G"],
+        "error: bench all-reduce at 64G on 64 ranks needs",
+    );
+    assert!(!stdout(&o).contains("        1K "), "{}", stdout(&o));
+}
+
+#[test]
+fn bad_values_and_flags_that_contradict_each_other_are_refused_in_one_line() {
+    let gemm = ["--m", "64", "--n", "64", "--k", "8"];
+    let with = |head: &[&'static str], tail: &[&'static str]| -> Vec<&'static str> {
+        head.iter().chain(&gemm).chain(tail).copied().collect()
+    };
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["run", "all-reduce", "--size", "-5"],
+            "error: --size must be a non-negative number of elements, got -5",
+        ),
+        (
+            vec!["plan", "all-reduce", "--size", "-5"],
+            "error: --size must be a non-negative number of elements, got -5",
+        ),
+        (
+            vec!["run", "gemm-rs", "--m", "-4", "--n", "8", "--k", "8"],
+            "error: --m must be a non-negative number of rows, got -4",
+        ),
+        (
+            vec!["run", "ag-gemm", "--m", "8", "--n", "-8", "--k", "8"],
+            "error: --n must be a non-negative number of columns, got -8",
+        ),
+        (
+            vec!["run", "all-reduce", "--ranks", "-2"],
+            "error: --ranks must be a non-negative number of ranks, got -2",
+        ),
+        (
+            vec!["run", "all-reduce", "--seed", "-1"],
+            "error: --seed must be a whole number from 0 to 2^64 - 1, got -1",
+        ),
+        (
+            vec!["run", "all-reduce", "--devices", "-1"],
+            "error: --devices must be a GPU index (0, 1, ...), got -1",
+        ),
+        (
+            vec!["run", "all-reduce", "--devices", "0,1", "--backend", "sim"],
+            "error: --devices 0,1 names GPUs, but --backend sim runs on the CPU: drop one of the two",
+        ),
+        (
+            vec!["bench", "all-reduce", "--devices", "0", "--backend", "sim"],
+            "error: --devices 0 names GPUs, but --backend sim runs on the CPU: drop one of the two",
+        ),
+        (
+            vec!["run", "all-reduce", "--devices", "0,1", "--ranks", "4"],
+            "error: --ranks 4 disagrees with --devices 0,1 (2 GPUs, one rank each): drop --ranks or name 4 GPUs",
+        ),
+        (
+            with(&["run", "gemm-rs"], &["--numa-groups", "2", "--path", "fused"]),
+            "error: --numa-groups 2 shapes the overlapped path's ring; --path fused has none: drop --numa-groups, or take --path overlapped",
+        ),
+        (
+            with(&["run", "gemm-rs"], &["--numa-groups", "2", "--path", "unfused"]),
+            "error: --numa-groups 2 shapes the overlapped path's ring; --path unfused has none: drop --numa-groups, or take --path overlapped",
+        ),
+        (
+            vec!["bench", "all-reduce", "--sizes", "0"],
+            "error: --sizes: size list '0' has a size of 0 bytes: there is nothing to measure",
+        ),
+        (
+            vec!["bench", "all-reduce", "--sizes", "1K,,2K"],
+            "error: --sizes: size list '1K,,2K' has an empty item (write sizes such as 4K,1M or 1K..1G)",
+        ),
+        (
+            vec!["bench", "all-reduce", "--sizes", "1K,"],
+            "error: --sizes: size list '1K,' has an empty item (write sizes such as 4K,1M or 1K..1G)",
+        ),
+        (
+            vec!["bench", "all-reduce", "--sizes", "-1K"],
+            "error: --sizes: '-1K' is not a size (e.g. 4096, 64K, 16M, 1G)",
+        ),
+        (
+            vec!["calibrate", "x.json", "--min-size", "-1"],
+            "error: --min-size: '-1' is not a size (e.g. 4096, 64K, 16M, 1G)",
+        ),
+        (
+            vec!["bench", "all-reduce", "--sizes", "2"],
+            "error: --sizes 2: 2 bytes is less than one f32 element (4 bytes)",
+        ),
+        (
+            vec!["bench", "all-reduce", "--iters", "0"],
+            "error: --iters must be at least 1 (timed calls), got 0",
+        ),
+        (
+            vec!["bench", "all-reduce", "--link-gbps", "0"],
+            "error: --link-gbps must be a positive number of GB/s, got 0",
+        ),
+        (
+            vec!["bench", "all-reduce", "--link-gbps", "nan"],
+            "error: --link-gbps must be a positive number of GB/s, got nan",
+        ),
+        (
+            vec!["bench", "all-reduce", "--latency-us", "-1"],
+            "error: --latency-us must be a non-negative number of µs, got -1",
+        ),
+        (
+            vec!["bench", "all-reduce", "--graph"],
+            "error: --graph times replays of captured CUDA graphs, which the sim backend does not have: drop --graph, or run on --backend cuda",
+        ),
+        (
+            vec!["verify", "--ranks", "2,2"],
+            "error: --ranks 2,2 names world size 2 twice (the second time as item 2): name each once",
+        ),
+        (
+            vec!["verify", "--devices", "0", "--ranks", "1,2"],
+            "error: --ranks 1,2: world size 2 needs 2 GPUs, --devices 0 names 1",
+        ),
+        (
+            vec!["verify", "--devices", "0", "--backend", "sim"],
+            "error: --devices 0 names GPUs, but --backend sim runs on the CPU: drop one of the two",
+        ),
+        (
+            with(&["run", "gemm-rs"], &["--path", "overlapped", "--pieces", "0"]),
+            "error: --pieces must be 1 to 16 pieces, got 0",
+        ),
+        (
+            with(&["run", "ag-gemm"], &["--pieces", "17"]),
+            "error: --pieces must be 1 to 16 pieces, got 17",
+        ),
+        (
+            with(&["bench", "gemm-rs"], &["--pieces", "1,0"]),
+            "error: --pieces must be 1 to 16 pieces, got 0",
+        ),
+        (
+            with(&["run", "gemm-rs"], &["--pieces", "2"]),
+            "error: --pieces goes with --path overlapped",
+        ),
+    ];
+    for (args, line) in &cases {
+        let o = refused(args, line);
+        assert_eq!(stderr(&o).trim_end(), *line, "{args:?}");
+    }
+}
+
+#[test]
+fn pieces_says_in_its_help_what_it_takes() {
+    let o = commfuse(&["run", "gemm-rs", "--help"]);
+    let help = stdout(&o).split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        help.contains("Row pieces per ring step, 1 to 16, with --path overlapped only (default: what auto would take for the shape)"),
+        "{help}"
+    );
+    let o = commfuse(&["run", "ag-gemm", "--help"]);
+    let help = stdout(&o).split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        help.contains("1 to 16: a GEMM per piece on the overlapped path, a wait per piece"),
+        "{help}"
+    );
+}
