@@ -6,7 +6,8 @@
 
 use crate::args::{matrix, vector, Int, Name};
 use crate::{
-    collective_args, convert, gemm_types, layout_arg, parse_path, path_arg, timeout_arg, value_error,
+    collective_args, convert, gemm_types, layout_arg, parse_path, path_arg, timeout_arg,
+    value_error,
 };
 use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath};
 use commfuse_core::gemm::BLayout;
