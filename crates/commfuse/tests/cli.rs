@@ -234,7 +234,9 @@ fn plan_prints_steps_verdict_and_cost_card() {
 
 #[test]
 fn bench_prints_nccl_tests_columns_and_writes_json() {
-    let dir = std::env::temp_dir().join(format!("commfuse-bench-{}", std::process::id()));
+    // removed with everything in it when the test ends
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().to_path_buf();
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("bench.json");
     let o = commfuse(&[
@@ -281,7 +283,9 @@ fn bench_prints_nccl_tests_columns_and_writes_json() {
 #[test]
 fn dump_writes_npy_that_a_reader_checks() {
     use npyz::NpyFile;
-    let dir = std::env::temp_dir().join(format!("commfuse-dump-{}", std::process::id()));
+    // removed with everything in it when the test ends
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().to_path_buf();
     let o = commfuse(&[
         "run",
         "reduce-scatter",
@@ -462,7 +466,9 @@ fn calibrate_reads_back_numa_groups_and_reports_held_out_error() {
         "op": "all-reduce", "backend": "cuda", "ranks": 8, "dtype": "bf16", "reduce": "sum",
         "root": 0, "numa_groups": 4, "rows": rows, "skipped": []
     });
-    let dir = std::env::temp_dir().join(format!("commfuse-calibrate-{}", std::process::id()));
+    // removed with everything in it when the test ends
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().to_path_buf();
     std::fs::create_dir_all(&dir).unwrap();
     let (bench, out) = (dir.join("bench.json"), dir.join("fit.json"));
     std::fs::write(&bench, report.to_string()).unwrap();
