@@ -7,6 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
+import commfuse.torch as cf
 import torch_checks
 
 
@@ -33,6 +34,7 @@ def main():
         torch.cuda.synchronize()
         if rank == 0:
             print(f"ok {name} ({world} ranks)", flush=True)
+    cf.clear_cache()
     dist.destroy_process_group()
 
 

@@ -23,6 +23,10 @@ def _rank_main(fn, rank, world, store, errors, args):
                                 world_size=world)
         fn(rank, world, *args)
         dist.barrier()
+        import commfuse.torch as cf
+
+        # commfuse's operators and its references to the groups go before the groups do
+        cf.clear_cache()
         dist.destroy_process_group()
         errors.put((rank, None))
     except BaseException:  # noqa: BLE001 - every failure goes back to the test

@@ -30,6 +30,8 @@ Nothing here links against PyTorch: tensors reach commfuse as addresses, and the
 the tensors' current CUDA stream. An operator is built the first time a (group, device, N, K,
 layout, dtypes, bias) combination is called and cached; building one is collective, so every
 rank must make the same calls in the same order, as with any ``torch.distributed`` collective.
+Call :func:`clear_cache` before ``dist.destroy_process_group()``: the cache holds the groups,
+and a gloo group outliving its destruction until the interpreter's exit can abort it there.
 
 Calls can be captured into a CUDA graph (``torch.cuda.graph``, or ``torch.compile``'s
 ``mode="reduce-overhead"``) and replayed: the operators number their calls on the GPU, so
