@@ -60,8 +60,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from typing import Optional, Tuple, Union
 
 from . import _gpu, _groups, _ops, _prepared, _sim
-from ._common import GemmOperands, dtype_name, reduce_name, tensor, weight
-from ._groups import KERNELS, SIMULATOR, TORCH, name_of
+from ._common import dtype_name, reduce_name, tensor, weight
+from ._groups import KERNELS, SIMULATOR, name_of
 
 __all__ = [
     "gemm_reduce_scatter",
@@ -333,4 +333,4 @@ def clear_cache() -> None:
     _prepared.clear()
 
 
-from . import functional, nn  # noqa: E402  (they use the ops above)
+from . import functional, nn  # noqa: E402,F401  (submodules; they use the ops above)

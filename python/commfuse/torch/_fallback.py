@@ -5,7 +5,7 @@ NCCL (or gloo on CPU tensors) carries the traffic."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist

@@ -4,7 +4,7 @@ GPU, operators cached per (group, shape, types) and built collectively at a shap
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from .._commfuse import (
     GpuGemmReduceScatter,
     prefers_commfuse_on_user_buffers,
 )
-from ._common import DIST_OPS, GemmOperands, dtype_name
+from ._common import GemmOperands, dtype_name
 
 # id(group) -> (the group, its size, {(op, count, dtype): where path="auto" sends it}); the
 # group is kept so that its id is not reused while its entry lives (as commfuse._operators does)

@@ -28,12 +28,22 @@ _generation = -1
 _GENERAL = object()
 
 
-def _get(key) -> Optional[Callable]:
+def _run(key, args: tuple, general: Callable, prepare: Callable[[], Optional[Callable]]):
+    """The prepared call of `key` on `args` if there is one; else the general path, after which
+    ``prepare()`` gives the closure later calls of `key` take (None: they take the general path
+    too). The general path runs first, so whatever it builds exists when ``prepare`` looks."""
     global _generation
     if _operators.generation != _generation:
         _PREPARED.clear()
         _generation = _operators.generation
-    return _PREPARED.get(key)
+    call = _PREPARED.get(key)
+    if call is _GENERAL:
+        return general()
+    if call is not None:
+        return call(*args)
+    result = general()
+    _PREPARED[key] = prepare() or _GENERAL
+    return result
 
 
 def _bias_signature(bias):
@@ -45,18 +55,25 @@ def _direct(g: GemmOperands, a, b, bias) -> bool:
     return g.a is a and g.b.data_ptr() == b.data_ptr() and (bias is None or g.bias is bias)
 
 
-def gemm_reduce_scatter(a, b, bias, name, out_dtype, path, pieces, numa_groups, general):
-    key = ("gemm-rs", name, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
-           _bias_signature(bias), out_dtype, path, pieces, numa_groups)
-    call = _get(key)
-    if call is _GENERAL:
-        return general()
-    if call is not None:
-        return call(a, b, bias)
-    out = general()
+def _on_kernels(a, b, bias, name, out_dtype):
+    """The checked operands and the group where commfuse's kernels read the caller's own
+    tensors, else None."""
     group = by_name(name)
     g = GemmOperands(a, b, bias, out_dtype)
     if group.served_by(a.device) == KERNELS and _direct(g, a, b, bias):
+        return g, group
+    return None
+
+
+def gemm_reduce_scatter(a, b, bias, name, out_dtype, path, pieces, numa_groups, general):
+    key = ("gemm-rs", name, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
+           _bias_signature(bias), out_dtype, path, pieces, numa_groups)
+
+    def prepare():
+        found = _on_kernels(a, b, bias, name, out_dtype)
+        if found is None:
+            return None
+        g, group = found
         op, rows = _gpu.gemm_rs_operator(g, group.process_group, path, pieces, numa_groups)
         forward, m, shape, dtype, device = op.forward, a.shape[0], (rows, g.n), g.out_dtype, \
             a.device
@@ -68,24 +85,20 @@ def gemm_reduce_scatter(a, b, bias, name, out_dtype, path, pieces, numa_groups, 
                     None if bias is None else bias.data_ptr())
             return out
 
-    else:
-        call = _GENERAL
-    _PREPARED[key] = call
-    return out
+        return call
+
+    return _run(key, (a, b, bias), general, prepare)
 
 
 def all_gather_gemm(a, b, bias, name, m, out_dtype, pieces, path, return_a, general):
     key = ("ag-gemm", name, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(),
            b.dtype, _bias_signature(bias), m, out_dtype, pieces, path, return_a)
-    call = _get(key)
-    if call is _GENERAL:
-        return general()
-    if call is not None:
-        return call(a, b, bias)
-    result = general()
-    group = by_name(name)
-    g = GemmOperands(a, b, bias, out_dtype)
-    if group.served_by(a.device) == KERNELS and _direct(g, a, b, bias):
+
+    def prepare():
+        found = _on_kernels(a, b, bias, name, out_dtype)
+        if found is None:
+            return None
+        g, group = found
         op = _gpu.ag_gemm_operator(g, group.process_group, m, pieces, path)
         forward, shape, dtype, device = op.forward, (m, g.n), g.out_dtype, a.device
         gathered_shape = (m, g.k) if return_a else None
@@ -100,25 +113,20 @@ def all_gather_gemm(a, b, bias, name, m, out_dtype, pieces, path, return_a, gene
                     None if gathered is None else gathered.data_ptr())
             return out, gathered
 
-    else:
-        call = _GENERAL
-    _PREPARED[key] = call
-    return result
+        return call
+
+    return _run(key, (a, b, bias), general, prepare)
 
 
 def all_reduce(tensor, op, name, path, general):
     key = ("all-reduce", name, tensor.numel(), tensor.dtype, tensor.device,
            tensor.is_contiguous(), op, path)
-    call = _get(key)
-    if call is _GENERAL:
-        general()
-        return
-    if call is not None:
-        call(tensor)
-        return
-    general()
-    group = by_name(name)
-    if tensor.is_cuda and tensor.is_contiguous() and group.served_by(tensor.device) == KERNELS:
+
+    def prepare():
+        group = by_name(name)
+        if not (tensor.is_cuda and tensor.is_contiguous()
+                and group.served_by(tensor.device) == KERNELS):
+            return None
         pg = group.process_group
         goes = _gpu.route("all-reduce", tensor.numel(), tensor.dtype, pg, True, path)
         if goes == "commfuse":
@@ -127,14 +135,16 @@ def all_reduce(tensor, op, name, path, general):
 
             def call(t):
                 forward(t.data_ptr(), t.data_ptr(), stream_of(index))
-        else:
-            reduce = DIST_OPS[op]
 
-            def call(t):
-                dist.all_reduce(t, op=reduce, group=pg)
-    else:
-        call = _GENERAL
-    _PREPARED[key] = call
+            return call
+        reduce = DIST_OPS[op]
+
+        def call(t):
+            dist.all_reduce(t, op=reduce, group=pg)
+
+        return call
+
+    _run(key, (tensor,), general, prepare)
 
 
 def clear() -> None:
