@@ -178,7 +178,8 @@ impl DeviceMemory {
         // SAFETY: the whole allocation, context bound
         drv("cuMemsetD8", unsafe {
             result::memset_d8_sync(self.ptr, value, self.bytes.max(16))
-        })
+        })?;
+        legacy_stream_finished()
     }
 
     pub fn addr(&self) -> u64 {
@@ -201,7 +202,8 @@ impl DeviceMemory {
         // SAFETY: in bounds (checked above), context bound
         drv("cuMemcpyHtoD", unsafe {
             result::memcpy_htod_sync(self.ptr, src)
-        })
+        })?;
+        legacy_stream_finished()
     }
 
     /// Copies the start of this memory into `dst` (synchronously); a `dst` larger than the
@@ -214,6 +216,18 @@ impl DeviceMemory {
             result::memcpy_dtoh_sync(dst, self.ptr)
         })
     }
+}
+
+/// Waits until the legacy default stream has run what was queued on it. The "synchronous"
+/// `cuMemsetD8` (on device memory) and `cuMemcpyHtoD` (from pageable memory) return before the
+/// device has written: they are ordered on the legacy stream only, and every stream of ours is
+/// non-blocking, so a kernel queued next on one of them could run before the write lands (and
+/// the write then overwrite its output). `fill` and `upload` promise finished writes.
+fn legacy_stream_finished() -> Result<(), CudaError> {
+    // SAFETY: the null stream is the bound context's legacy default stream
+    drv("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(std::ptr::null_mut()).result()
+    })
 }
 
 /// A host copy of `bytes` must fit in an allocation of `capacity` bytes.

@@ -116,3 +116,49 @@ fn a_copy_larger_than_its_allocation_is_an_error_not_a_panic() {
     mem.download(&gpu, &mut fits).unwrap();
     assert_eq!(fits, vec![7u32; 16]);
 }
+
+/// `fill` and `upload` have written when they return: work queued next on one of our
+/// (non-blocking) streams comes after them. The driver's memset of device memory returns
+/// before it has run; unwaited, its last bytes land after the copy below and erase it.
+#[test]
+fn fill_and_upload_finish_before_work_queued_on_a_stream() {
+    if commfuse_cuda::testing::gpus(1).is_none() {
+        return;
+    }
+    let gpu = Gpu::open(0).unwrap();
+    let stream = commfuse_cuda::driver::Stream::new(&gpu).unwrap();
+    // large enough that the memset is still running when the copy is queued
+    let bytes = 4 << 30;
+    let big = DeviceMemory::zeroed(&gpu, bytes).unwrap();
+    let pattern = DeviceMemory::zeroed(&gpu, 16).unwrap();
+    let seen = DeviceMemory::zeroed(&gpu, 16).unwrap();
+    for round in 0..8u8 {
+        let value = 0xa0 + round;
+        pattern.upload(&gpu, &[value; 16]).unwrap();
+        big.fill(&gpu, 0).unwrap();
+        let tail = big.addr() + (bytes - 16) as u64;
+        // SAFETY: every address is a live allocation of this GPU, 16 bytes long from there
+        unsafe {
+            stream.copy_async(tail, pattern.addr(), 16).unwrap();
+            stream.copy_async(seen.addr(), tail, 16).unwrap();
+        }
+        stream.synchronize().unwrap();
+        let mut got = [0u8; 16];
+        seen.download(&gpu, &mut got).unwrap();
+        assert_eq!(
+            got, [value; 16],
+            "round {round}: the copy was overwritten by the fill"
+        );
+        // and the tail itself, after the stream and the fill have both finished
+        let mut whole = vec![0u8; 16];
+        // SAFETY: as above
+        unsafe { stream.copy_async(seen.addr(), tail, 16).unwrap() };
+        stream.synchronize().unwrap();
+        seen.download(&gpu, &mut whole).unwrap();
+        assert_eq!(
+            whole,
+            vec![value; 16],
+            "round {round}: the fill landed after the copy"
+        );
+    }
+}
