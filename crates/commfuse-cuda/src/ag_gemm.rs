@@ -581,11 +581,16 @@ impl AgGemmRank {
             (c.n * c.output.size()) as u64,
         );
         let me = self.peers[self.rank];
-        // the side stream hands this rank's pieces on once the caller's A is written
-        self.start.record(stream)?;
-        self.side.wait_event(&self.start)?;
-        // and once each peer has finished reading its gather buffer in the previous call
-        self.queue_peers_done(s)?;
+        // alone, a rank hands nothing on and waits for no peer: the side stream stays idle, and
+        // the call is its GEMMs on the caller's stream (no fork and join to pay on the host)
+        let forks = self.world > 1;
+        if forks {
+            // the side stream hands this rank's pieces on once the caller's A is written
+            self.start.record(stream)?;
+            self.side.wait_event(&self.start)?;
+            // and once each peer has finished reading its gather buffer in the previous call
+            self.queue_peers_done(s)?;
+        }
         let chunk_start = s.shape.chunk(self.rank).start;
         for g in s.sent_by(self.rank) {
             let from = PeerMemory {
@@ -651,8 +656,10 @@ impl AgGemmRank {
                     .matmul_into(stream, &problem, 0, (rows_a, b, d, d), bias, 1.0, 0.0)?;
             }
         }
-        self.join.record(&self.side)?;
-        stream.wait_event(&self.join)?;
+        if forks {
+            self.join.record(&self.side)?;
+            stream.wait_event(&self.join)?;
+        }
         // done: this rank has read its gather buffer (the peers' side streams wait for it before
         // they next write there); the last raise ends the call
         let mine = s.done_index(self.rank);
