@@ -94,6 +94,30 @@ def test_opcheck_every_op(one_rank, dtype):
         torch.library.opcheck(op, args)
 
 
+def test_dispatcher_calls_bump_versions_and_refuse_gradients_of_mutating_ops(one_rank):
+    ops = torch.ops.commfuse
+    t = torch.arange(6, dtype=torch.bfloat16)
+    before = t._version
+    ops.all_reduce_(t, "sum", one_rank, "auto")
+    assert t._version == before + 1, "an in-place op must bump its argument's version"
+    out = torch.full((6,), float("nan"), dtype=torch.bfloat16)
+    before = out._version
+    ops.all_gather_into(out, t, one_rank, "auto")
+    assert out._version == before + 1 and torch.equal(out, t)
+    leaf = torch.ones(6, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="has no gradient"):
+        ops.all_reduce_(leaf, "sum", one_rank, "auto")
+    # a tensor saved for backward and then overwritten in place: autograd notices
+    a = torch.ones(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(8, 8, dtype=torch.bfloat16)
+    y = ops.gemm_reduce_scatter(a, w, None, one_rank, None, "auto", None, 1)
+    saved = a.detach()
+    with torch.no_grad():
+        ops.all_reduce_(saved, "sum", one_rank, "auto")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def test_compile_with_inductor_on_one_rank(one_rank):
     torch_checks.compiled_block_matches_eager(0, 1, backend="inductor")
 

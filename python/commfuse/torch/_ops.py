@@ -1,6 +1,6 @@
-"""commfuse.torch's operators as ``torch.library`` custom ops in the ``commfuse`` namespace:
-what ``torch.compile`` traces (fake kernels give exact shapes, dtypes and strides without
-running anything), what autograd differentiates, and what runs: commfuse's kernels, its
+"""commfuse.torch's operators as dispatcher ops in the ``commfuse`` namespace (defined by
+``_library``): what ``torch.compile`` traces (fake kernels give exact shapes, dtypes and
+strides without running anything), what autograd differentiates, and what runs: commfuse's kernels, its
 simulator or torch.distributed, by what serves the group on the tensors' device.
 
 The group travels as its name (``group.group_name``), as in PyTorch's functional collectives.
@@ -23,6 +23,7 @@ from torch import Tensor
 from . import _fallback, _gpu, _prepared, _sim
 from ._common import GemmOperands, chunk_rows, chunk_start
 from ._groups import KERNELS, SIMULATOR, by_name
+from ._library import op
 
 ops = torch.ops.commfuse
 
@@ -114,7 +115,7 @@ def collective_impl(kind: str, output: Tensor, input: Tensor, reduce: str, group
 # the fused GEMMs
 
 
-@torch.library.custom_op("commfuse::gemm_reduce_scatter", mutates_args=())
+@op(mutates_args=())
 def gemm_reduce_scatter(a: Tensor, b: Tensor, bias: Optional[Tensor], group_name: str,
                         out_dtype: Optional[torch.dtype], path: str, pieces: Optional[int],
                         numa_groups: int) -> Tensor:
@@ -160,7 +161,7 @@ def _gemm_rs_backward(ctx, dy):
 gemm_reduce_scatter.register_autograd(_gemm_rs_backward, setup_context=_gemm_rs_setup)
 
 
-@torch.library.custom_op("commfuse::all_gather_gemm", mutates_args=())
+@op(mutates_args=())
 def all_gather_gemm(a: Tensor, b: Tensor, bias: Optional[Tensor], group_name: str, m: int,
                     out_dtype: Optional[torch.dtype], pieces: int, path: str,
                     return_a: bool) -> Tuple[Tensor, Tensor]:
@@ -219,7 +220,7 @@ def _flat_rows_agree(rows: int, inner: int, world: int) -> bool:
     return inner == 1 or rows % world == 0
 
 
-@torch.library.custom_op("commfuse::all_reduce", mutates_args=())
+@op(mutates_args=())
 def all_reduce(x: Tensor, op: str, group_name: str, path: str) -> Tensor:
     """The element-wise ``op`` of every rank's ``x``, as a new tensor."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -246,7 +247,7 @@ def _all_reduce_backward(ctx, dy):
 all_reduce.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
 
 
-@torch.library.custom_op("commfuse::reduce_scatter", mutates_args=())
+@op(mutates_args=())
 def reduce_scatter(x: Tensor, op: str, group_name: str, path: str) -> Tensor:
     """This rank's rows (dim 0 split as ``torch.tensor_split`` splits it) of the element-wise
     ``op`` of every rank's ``x``."""
@@ -283,7 +284,7 @@ def _reduce_scatter_backward(ctx, dy):
 reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce_scatter_setup)
 
 
-@torch.library.custom_op("commfuse::all_gather", mutates_args=())
+@op(mutates_args=())
 def all_gather(x: Tensor, rows: int, group_name: str, path: str) -> Tensor:
     """Every rank's ``x`` concatenated along dim 0 into ``rows`` rows (rank r holds its chunk
     of them, as ``torch.tensor_split`` splits them)."""
@@ -319,7 +320,7 @@ def _all_gather_backward(ctx, dy):
 all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
 
 
-@torch.library.custom_op("commfuse::all_to_all", mutates_args=())
+@op(mutates_args=())
 def all_to_all(x: Tensor, group_name: str, path: str) -> Tensor:
     """Chunk j of this rank's flattened ``x`` to rank j; the result (shaped as ``x``) holds
     chunk r of every rank's, rank by rank. ``x`` splits into equal chunks."""
@@ -352,7 +353,7 @@ all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_set
 # collectives in place or into a given output (torch.distributed's forms), mutation declared
 
 
-@torch.library.custom_op("commfuse::all_reduce_", mutates_args=("tensor",))
+@op(mutates_args=("tensor",))
 def all_reduce_(tensor: Tensor, op: str, group_name: str, path: str) -> None:
     """``dist.all_reduce``: ``tensor`` becomes the element-wise ``op`` of every rank's."""
     if tensor.is_contiguous():
@@ -370,7 +371,7 @@ def _(tensor, op, group_name, path):
     return None
 
 
-@torch.library.custom_op("commfuse::reduce_scatter_into", mutates_args=("output",))
+@op(mutates_args=("output",))
 def reduce_scatter_into(output: Tensor, input: Tensor, op: str, group_name: str,
                         path: str) -> None:
     """``dist.reduce_scatter_tensor`` with flat chunks: see ``commfuse.torch.reduce_scatter``."""
@@ -382,7 +383,7 @@ def _(output, input, op, group_name, path):
     return None
 
 
-@torch.library.custom_op("commfuse::all_gather_into", mutates_args=("output",))
+@op(mutates_args=("output",))
 def all_gather_into(output: Tensor, input: Tensor, group_name: str, path: str) -> None:
     """``dist.all_gather_into_tensor`` with flat chunks: see ``commfuse.torch.all_gather``."""
     collective_impl("all-gather", output, input, "sum", group_name, path)
@@ -393,7 +394,7 @@ def _(output, input, group_name, path):
     return None
 
 
-@torch.library.custom_op("commfuse::all_to_all_into", mutates_args=("output",))
+@op(mutates_args=("output",))
 def all_to_all_into(output: Tensor, input: Tensor, group_name: str, path: str) -> None:
     """``dist.all_to_all_single`` with equal splits: see ``commfuse.torch.all_to_all``."""
     collective_impl("all-to-all", output, input, "sum", group_name, path)
