@@ -147,6 +147,10 @@ fn run<T: Element>(
     let lt = Lt::new(&gpu)?;
     let a_dev = upload_random::<T>(&gpu, p.m * p.k, seed, 0)?;
     let b_dev = upload_random::<T>(&gpu, p.k * p.n, seed, 1)?;
+    // the float64 reference first, from copies of the operands taken before any timed call:
+    // what a timed launch writes (in bounds or not) cannot reach what the rows are checked
+    // against, and a launch that wrote into A or B fails its check
+    let reference = reference_of(&gpu, &stream, p, (&a_dev, &b_dev))?;
     let out_bytes = p.m * p.n * p.output.size();
     let d_dev = DeviceMemory::zeroed(&gpu, out_bytes)?;
     let kernels = GemmKernels::load(&gpu)?;
@@ -228,10 +232,6 @@ fn run<T: Element>(
         }
     }
     let times = interleaved_medians(&gpu, stream, &variants, warmup, iters)?;
-    // one reference for every row: they all compute A·B from the same operands
-    let reference = ReferenceGemm::load(&gpu)?;
-    // SAFETY: A and B hold the problem's operands on this GPU
-    let reference = unsafe { reference.compute(&gpu, stream, p, a_dev.addr(), b_dev.addr())? };
     let mut rows = Vec::new();
     for (v, time_ms) in variants.iter().zip(times) {
         // a checked call on a poisoned output: an element the GEMM skipped fails the check
@@ -273,6 +273,29 @@ fn run<T: Element>(
         });
     }
     Ok(rows)
+}
+
+/// The reference of every row (they all compute A·B from the same operands), computed from
+/// copies of `a` and `b` made on `stream` and freed before this returns.
+fn reference_of(
+    gpu: &Gpu,
+    stream: &Stream,
+    p: &GemmProblem,
+    (a, b): (&DeviceMemory, &DeviceMemory),
+) -> Result<DeviceReference, CudaError> {
+    let (a_bytes, b_bytes) = (p.m * p.k * p.input.size(), p.k * p.n * p.input.size());
+    let (a_copy, b_copy) = (
+        DeviceMemory::zeroed(gpu, a_bytes)?,
+        DeviceMemory::zeroed(gpu, b_bytes)?,
+    );
+    let _drain = StreamGuard::new(stream);
+    // SAFETY: each copy stays within allocations of these sizes on this GPU; `compute`
+    // synchronises the stream before the copies are freed (and the guard on error paths)
+    unsafe {
+        stream.copy_async(a_copy.addr(), a.addr(), a_bytes)?;
+        stream.copy_async(b_copy.addr(), b.addr(), b_bytes)?;
+        ReferenceGemm::load(gpu)?.compute(gpu, stream, p, a_copy.addr(), b_copy.addr())
+    }
 }
 
 /// Downloads one row's output — the first `rows` rows from the peer's buffer when the

@@ -118,8 +118,9 @@ fn a_copy_larger_than_its_allocation_is_an_error_not_a_panic() {
 }
 
 /// `fill` and `upload` have written when they return: work queued next on one of our
-/// (non-blocking) streams comes after them. The driver's memset of device memory returns
-/// before it has run; unwaited, its last bytes land after the copy below and erase it.
+/// (non-blocking) streams comes after them. The driver documents its memset of device memory
+/// as asynchronous with respect to the host and ordered on the legacy stream only: were it
+/// left unwaited, its last bytes could land after the copy below and erase it.
 #[test]
 fn fill_and_upload_finish_before_work_queued_on_a_stream() {
     if commfuse_cuda::testing::gpus(1).is_none() {
