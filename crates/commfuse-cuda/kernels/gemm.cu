@@ -455,11 +455,17 @@ __device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
     const u32 tid = threadIdx.x - 128;  // 0..255 over both consumer warpgroups
     const u32 helpers = p.parts - 1;
     u32* counter = p.counters + c.split;
+    // this thread's accumulators hold rows (tid / 32) * 16 + lane / 4 and 8 below; rows past
+    // the tile's last are never stored, so their partials are neither written nor read (a
+    // skinny M's split tiles move a fraction of a whole tile's)
+    const bool rows_in = (tid / 32) * 16 + (tid % 32) / 4 < c.rows;
     if (c.part != 0) {
         float4* slot = p.workspace + (size_t)(c.split * helpers + c.part - 1) * 32 * 256;
+        if (rows_in) {
 #pragma unroll
-        for (int j = 0; j < 32; ++j)
-            slot[j * 256 + tid] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+            for (int j = 0; j < 32; ++j)
+                slot[j * 256 + tid] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+        }
         consumers_sync();
         if (tid == 0) {
             __threadfence();
@@ -476,7 +482,7 @@ __device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
         *counter = 0;  // ready for the next call (kernel boundaries order it)
     }
     consumers_sync();
-    for (u32 h = 0; h < helpers; ++h) {
+    for (u32 h = 0; h < helpers && rows_in; ++h) {
         const float4* slot = p.workspace + (size_t)(c.split * helpers + h) * 32 * 256;
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
@@ -519,37 +525,54 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     float acc[128];
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at(p, i);
-        u32 prev = 0;
-        for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
-            mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
-            const u32 a = s.a + stage * gemm::A_STAGE_BYTES + cw * (64 * 128);
-            const u32 b = s.b + stage * gemm::B_STAGE_BYTES;
-            wgmma_fence();
-            fence_acc(acc);
+        // A warpgroup whose 64 rows all lie past the tile's last (M or a band ends within the
+        // tile's first half) issues no matrix instruction: its accumulators stay zero and are
+        // never stored (the storers stop at the tile's rows). It still takes its turn on every
+        // stage, so the pipeline's barriers count as before.
+        if (cw * 64 >= c.rows) {
 #pragma unroll
-            for (int kk = 0; kk < gemm::BK / 16; ++kk) {
-                // A: K-major, 8-row groups 1024 bytes apart, a k16 step is 32 bytes along the row.
-                // B [N, K]: the same. B [K, N]: N-major, 64-column blocks 8 KiB apart (LBO),
-                // 8-row K groups 1024 bytes apart (SBO), a k16 step is 16 rows = 2048 bytes.
-                const u64 da = smem_desc(a + 32 * kk, 16, 1024);
-                const u64 db = B_KN ? smem_desc(b + 2048 * kk, 8192, 1024) : smem_desc(b + 32 * kk, 16, 1024);
-                Wgmma<In>::template mma<B_KN ? 1 : 0>(acc, da, db, kb != c.kb0 || kk != 0);
+            for (int j = 0; j < 128; ++j) acc[j] = 0.0f;
+            for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
+                mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
+                if (leader) mbar_arrive(s.empty + 8 * stage);
+                if (++stage == gemm::STAGES) {
+                    stage = 0;
+                    phase ^= 1;
+                }
             }
-            wgmma_commit();
-            fence_acc(acc);
-            // keep this k-block's wgmmas in flight; the previous one's stage can be refilled
-            wgmma_wait<1>();
-            fence_acc(acc);
-            if (kb > c.kb0 && leader) mbar_arrive(s.empty + 8 * prev);
-            prev = stage;
-            if (++stage == gemm::STAGES) {
-                stage = 0;
-                phase ^= 1;
+        } else {
+            u32 prev = 0;
+            for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
+                mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
+                const u32 a = s.a + stage * gemm::A_STAGE_BYTES + cw * (64 * 128);
+                const u32 b = s.b + stage * gemm::B_STAGE_BYTES;
+                wgmma_fence();
+                fence_acc(acc);
+#pragma unroll
+                for (int kk = 0; kk < gemm::BK / 16; ++kk) {
+                    // A: K-major, 8-row groups 1024 bytes apart, a k16 step is 32 bytes along the row.
+                    // B [N, K]: the same. B [K, N]: N-major, 64-column blocks 8 KiB apart (LBO),
+                    // 8-row K groups 1024 bytes apart (SBO), a k16 step is 16 rows = 2048 bytes.
+                    const u64 da = smem_desc(a + 32 * kk, 16, 1024);
+                    const u64 db = B_KN ? smem_desc(b + 2048 * kk, 8192, 1024) : smem_desc(b + 32 * kk, 16, 1024);
+                    Wgmma<In>::template mma<B_KN ? 1 : 0>(acc, da, db, kb != c.kb0 || kk != 0);
+                }
+                wgmma_commit();
+                fence_acc(acc);
+                // keep this k-block's wgmmas in flight; the previous one's stage can be refilled
+                wgmma_wait<1>();
+                fence_acc(acc);
+                if (kb > c.kb0 && leader) mbar_arrive(s.empty + 8 * prev);
+                prev = stage;
+                if (++stage == gemm::STAGES) {
+                    stage = 0;
+                    phase ^= 1;
+                }
             }
+            wgmma_wait<0>();
+            fence_acc(acc);
+            if (leader) mbar_arrive(s.empty + 8 * prev);
         }
-        wgmma_wait<0>();
-        fence_acc(acc);
-        if (leader) mbar_arrive(s.empty + 8 * prev);
         if (c.split != NO_SPLIT) {
             if (!split_partials(p, c, acc)) continue;  // a helper part: no epilogue
         }

@@ -220,25 +220,32 @@ fn split_tail_tiles_sum_their_k_parts() {
         return;
     };
     // 16 tiles: cap 5 leaves 1 (4 parts), cap 6 leaves 4 (no cut fits), cap 7 leaves 2 (3 parts)
-    let p = GemmProblem::new(500, 1000, 1544, BLayout::NK, DType::BF16, DType::F32).unwrap();
+    split_parts_sum(&gpu, &kernels, &stream, 500, &[5, 6, 7, 15]);
+    // a skinny M (one row band of 40 rows, 4 tiles): cap 16 cuts each into 4 parts, cap 9 into
+    // 2; the second consumer warpgroup has no rows, and the partials carry only 40 rows
+    split_parts_sum(&gpu, &kernels, &stream, 40, &[9, 16]);
+}
+
+fn split_parts_sum(gpu: &Gpu, kernels: &GemmKernels, stream: &Stream, m: usize, caps: &[u32]) {
+    let p = GemmProblem::new(m, 1000, 1544, BLayout::NK, DType::BF16, DType::F32).unwrap();
     let mut rng = Rng(99);
     let a: Vec<bf16> = rng.vec(p.m * p.k);
     let b: Vec<bf16> = rng.vec(p.k * p.n);
-    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
-    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 4).unwrap();
+    let (a_dev, b_dev) = (upload(gpu, &a), upload(gpu, &b));
+    let d_dev = DeviceMemory::zeroed(gpu, p.m * p.n * 4).unwrap();
     let want = reference_gemm::<bf16, f32>(&p, &Epilogue::default(), &a, &b, None, None, None);
     let mut plan = GemmPlan::local(p, TILE, Epilogue::default());
     rng.shuffle(&mut plan.order);
     let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
-    for cap in [5, 6, 7, 15] {
-        let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, cap, 0).unwrap();
+    for &cap in caps {
+        let gemm = PreparedGemm::new(gpu, kernels, &plan, &ops, None, cap, 0).unwrap();
         for call in 0..3 {
-            d_dev.fill(&gpu, 0xff).unwrap();
-            run(&gemm, &stream);
+            d_dev.fill(gpu, 0xff).unwrap();
+            run(&gemm, stream);
             let mut got = vec![0f32; p.m * p.n];
-            d_dev.download(&gpu, &mut got).unwrap();
+            d_dev.download(gpu, &mut got).unwrap();
             let check = check(&p, &Epilogue::default(), &got, &want);
-            assert!(check.passed(), "cap {cap} call {call}: {check}");
+            assert!(check.passed(), "M {m} cap {cap} call {call}: {check}");
         }
     }
 }

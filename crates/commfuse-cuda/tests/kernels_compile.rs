@@ -56,6 +56,21 @@ fn every_kernel_compiles_for_sm90a() {
             source.name,
             spilling.join(", ")
         );
+        // ptxas serialises a function's wgmma when it cannot prove them warpgroup-uniform
+        // (a wgmma under a branch on the thread index, say): performance note C7520
+        let serialised: Vec<&str> = compiled
+            .log
+            .lines()
+            .filter(|l| {
+                l.contains("C7520") || l.contains("wgmma.mma_async instructions are serialized")
+            })
+            .collect();
+        assert!(
+            serialised.is_empty(),
+            "{}: ptxas serialised warpgroup MMAs:\n{}",
+            source.name,
+            serialised.join("\n")
+        );
         eprintln!("{}:\n{}", source.name, compiled.log);
     }
 }
