@@ -547,6 +547,29 @@ impl Drop for Stream {
     }
 }
 
+/// Waits for everything enqueued on a stream when dropped. Declared after the device memory
+/// (and modules, handles) that kernels on the stream use, it drops before them, so that no
+/// error path frees memory a running kernel still writes. The wait is bounded: every wait of
+/// our GEMM times out after 5 s and ends the kernel (the error path has already reported it
+/// through `PreparedGemm::stall_report`); the other kernels run to completion on their own.
+pub struct StreamGuard<'a> {
+    stream: &'a Stream,
+}
+
+impl<'a> StreamGuard<'a> {
+    pub fn new(stream: &'a Stream) -> StreamGuard<'a> {
+        StreamGuard { stream }
+    }
+}
+
+impl Drop for StreamGuard<'_> {
+    fn drop(&mut self) {
+        // an error here is the kernel's own failure, already reported by whoever returned it;
+        // what matters is that the stream has stopped
+        let _ = self.stream.synchronize();
+    }
+}
+
 /// A timing event (created with CU_EVENT_DEFAULT: events made without timing cannot be timed).
 pub struct Event {
     raw: sys::CUevent,
