@@ -1,6 +1,7 @@
-//! Element types: f32, bf16 and f16. Reductions on the half types accumulate in f32.
+//! Element types: f32, bf16 and f16, and host data of any of them: the borrowed and owned
+//! buffers of one rank that cross the backend interface tagged with their type. Reductions on
+//! the half types accumulate in f32.
 
-use crate::backend::{HostBuffer, HostSlice, HostSliceMut};
 use half::{bf16, f16};
 use std::fmt;
 use std::str::FromStr;
@@ -75,6 +76,91 @@ impl FromStr for DType {
             "f16" | "half" | "float16" => Ok(DType::F16),
             _ => Err(format!("unknown dtype '{s}' (choose f32, bf16 or f16)")),
         }
+    }
+}
+
+/// A borrowed host view of one rank's buffer.
+#[derive(Debug, Clone, Copy)]
+pub enum HostSlice<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+/// A mutable host view of one rank's buffer.
+#[derive(Debug)]
+pub enum HostSliceMut<'a> {
+    F32(&'a mut [f32]),
+    BF16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+}
+
+impl HostSlice<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            HostSlice::F32(s) => s.len(),
+            HostSlice::BF16(s) => s.len(),
+            HostSlice::F16(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostSlice::F32(_) => DType::F32,
+            HostSlice::BF16(_) => DType::BF16,
+            HostSlice::F16(_) => DType::F16,
+        }
+    }
+}
+
+/// An owned host buffer of one rank: the inputs and outputs of queued calls.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HostBuffer {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl HostBuffer {
+    /// `len` zeros of `dtype`.
+    pub fn zeroed(dtype: DType, len: usize) -> HostBuffer {
+        match dtype {
+            DType::F32 => HostBuffer::F32(vec![0.0; len]),
+            DType::BF16 => HostBuffer::BF16(vec![bf16::ZERO; len]),
+            DType::F16 => HostBuffer::F16(vec![f16::ZERO; len]),
+        }
+    }
+
+    pub fn as_slice(&self) -> HostSlice<'_> {
+        match self {
+            HostBuffer::F32(v) => HostSlice::F32(v),
+            HostBuffer::BF16(v) => HostSlice::BF16(v),
+            HostBuffer::F16(v) => HostSlice::F16(v),
+        }
+    }
+
+    pub fn as_mut_slice(&mut self) -> HostSliceMut<'_> {
+        match self {
+            HostBuffer::F32(v) => HostSliceMut::F32(v),
+            HostBuffer::BF16(v) => HostSliceMut::BF16(v),
+            HostBuffer::F16(v) => HostSliceMut::F16(v),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.as_slice().dtype()
     }
 }
 

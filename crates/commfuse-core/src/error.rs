@@ -1,6 +1,6 @@
 //! The crate's errors: bad requests ([`Error`]) and plans the checker rejects ([`PlanError`]).
 
-use crate::plan::Slot;
+use crate::signal::Slot;
 
 /// A request that cannot be served: it names the offending value in one line.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]

@@ -4,6 +4,7 @@
 //!   made of), independent of any algorithm;
 //! * [`plan`] and [`algorithms`]: per-rank step lists (wait, notify, copy, reduce) built by pure
 //!   functions of world size, topology and sizes;
+//! * [`signal`]: signal slots, how a wait compares one and how a notify changes one;
 //! * [`checker`]: runs a plan abstractly and rejects deadlocks, reused signal slots, data races and
 //!   wrong results before any backend executes it;
 //! * [`cost`]: cost cards and a latency–bandwidth model of a [`topology::Topology`];
@@ -22,6 +23,7 @@ pub mod op;
 pub mod plan;
 pub mod reduce;
 pub mod reference;
+pub mod signal;
 pub mod topology;
 
 pub use algorithms::{build_plan, Algo};
@@ -29,8 +31,9 @@ pub use checker::{check, CheckedPlan};
 pub use dtype::{DType, Element};
 pub use error::{Error, PlanError};
 pub use op::{OpKind, OpSpec};
-pub use plan::{BufferKind, Cmp, NotifyOp, Plan, Region, Slot, Step};
+pub use plan::{BufferKind, Plan, Region, Step};
 pub use reduce::ReduceOp;
+pub use signal::{Cmp, NotifyOp, Slot};
 pub use topology::Topology;
 
 /// The largest world size the library accepts: contribution sets are 64-bit masks.

@@ -3,6 +3,7 @@
 //! CUDA kernels read them as tables.
 
 use crate::op::OpSpec;
+pub use crate::signal::{Cmp, NotifyOp, Slot};
 use std::fmt;
 use std::ops::Range;
 
@@ -73,53 +74,6 @@ impl fmt::Display for Region {
             self.offset + self.len
         )
     }
-}
-
-/// A signal slot: one 64-bit counter of a rank's signal pad.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
-pub struct Slot {
-    pub row: u32,
-    pub col: u32,
-}
-
-impl Slot {
-    pub fn new(row: u32, col: u32) -> Self {
-        Slot { row, col }
-    }
-}
-
-impl fmt::Display for Slot {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "(row {}, col {})", self.row, self.col)
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum Cmp {
-    Eq,
-    Ge,
-}
-
-impl Cmp {
-    pub fn symbol(self) -> &'static str {
-        match self {
-            Cmp::Eq => "==",
-            Cmp::Ge => ">=",
-        }
-    }
-
-    pub fn holds(self, seen: u64, expected: u64) -> bool {
-        match self {
-            Cmp::Eq => seen == expected,
-            Cmp::Ge => seen >= expected,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum NotifyOp {
-    Set,
-    Add,
 }
 
 /// One step of one rank. Values in `Wait` and `Notify` count from the start of the call:

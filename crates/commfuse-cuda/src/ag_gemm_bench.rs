@@ -8,14 +8,12 @@
 
 use crate::ag_gemm::{AgGemmConfig, AgGemmRank};
 use crate::cublaslt::Lt;
-use crate::driver::{DeviceMemory, Gpu, Stream};
+use crate::driver::{open_group, DeviceMemory, Gpu, Stream};
 use crate::error::CudaError;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
 use crate::gemm_bench::ReferenceGemm;
 use crate::nccl::Comms;
-use crate::rank_bench::{
-    download, interleaved, open_group, row, timed, upload, FusedRow, RankStream,
-};
+use crate::rank_bench::{download, interleaved, row, timed, upload, FusedRow, RankStream};
 use commfuse_core::fused::ag_gemm::AgGemmShape;
 use commfuse_core::gemm::{check_elements, grouped_order, Epilogue, GemmPlan, ReferenceElement};
 use commfuse_core::reference::input_value;

@@ -40,10 +40,12 @@
 //! repeat the numbers): the bench runs it eagerly only. It runs as a protocol named [`CE`]
 //! beside the plans, the LL protocol and NCCL (`Backend::protocols`), on one process's GPUs.
 
-use crate::backend::{boxed_call, typed_kernel, CudaBackend, Launcher, Rank, RankBuffers};
+use crate::call::{boxed_call, Launcher, RankBuffers};
 use crate::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
 use crate::error::CudaError;
+use crate::gpus::{CudaBackend, Rank};
 use crate::nvrtc;
+use crate::plan_kernel::typed_kernel;
 use crate::plan_table::ErrorRecord;
 use commfuse_core::backend::{BackendError, PreparedCall};
 use commfuse_core::op::chunk_range;

@@ -15,7 +15,8 @@
 //! Its GPU test is `tests/gpu_collective.rs`; the simulator's twin
 //! (`commfuse_sim::collective::SimCollective`) is checked in CI.
 
-use crate::backend::{CudaBackend, PlanLauncher, RankBuffers};
+use crate::backend::{CudaBackend, PlanLauncher};
+use crate::call::RankBuffers;
 use crate::driver::{Event, Stream};
 use crate::error::CudaError;
 use crate::ll::LlRank;
@@ -71,7 +72,7 @@ impl<'b> CudaCollective<'b> {
                 (choice.algo, choice.plan)
             }
         };
-        crate::backend::ensure_plan_fits(backend, &plan)?;
+        crate::gpus::ensure_plan_fits(backend, &plan)?;
         let b = plan.plan().buffers;
         let eb = dtype.size();
         let bufs = backend

@@ -12,10 +12,7 @@
 //! same calls in the same order. A wait that times out is recorded in the rank's own record
 //! (`check`); a peer that never calls leaves this rank's waits to time out, not hang.
 
-use crate::backend::{
-    plan_kernel, upload_table, DeviceTable, KernelContext, RankBuffers, LANE_MIN_BYTES,
-    LANE_MIN_COUNT, LANE_TARGET_BYTES, PAD_SLOTS,
-};
+use crate::call::RankBuffers;
 use crate::driver::{
     CallOrder, DeviceMemory, Function, Gpu, IpcMapping, MappedHost, Module, Stream,
 };
@@ -23,6 +20,10 @@ use crate::error::CudaError;
 use crate::ipc::Exported;
 use crate::ll::LlRank;
 use crate::nvrtc;
+use crate::plan_kernel::{
+    plan_kernel, upload_table, DeviceTable, KernelContext, LANE_MIN_BYTES, LANE_MIN_COUNT,
+    LANE_TARGET_BYTES, PAD_SLOTS,
+};
 use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
 use commfuse_core::backend::{ensure_fits, PadCapacity};
 use commfuse_core::cost::{choose_algo, prefers_ll};

@@ -7,9 +7,8 @@
 //!
 //! Row-major D[M,N] = A[M,K]·B is computed as the column-major Dᵀ[N,M] = Bᵀ·Aᵀ: B goes first.
 
-use crate::driver::{DeviceMemory, Event, Gpu, Stream};
+use crate::driver::{DeviceMemory, Event, Gpu, Stream, StreamGuard};
 use crate::error::CudaError;
-use crate::gemm_bench::StreamGuard;
 use commfuse_core::gemm::{BLayout, GemmProblem};
 use commfuse_core::DType;
 use cudarc::cublaslt::{result, sys};

@@ -135,6 +135,38 @@ impl Drop for Gpu {
     }
 }
 
+/// The GPUs `devices` (rank r on the r-th), peer access enabled between every pair. Each GPU
+/// once: the fused operators' GEMMs fill a GPU, so ranks sharing one could never meet.
+pub(crate) fn open_group(devices: &[usize]) -> Result<Vec<std::sync::Arc<Gpu>>, CudaError> {
+    one_rank_per_gpu(devices).map_err(CudaError::Unavailable)?;
+    let gpus: Vec<std::sync::Arc<Gpu>> = devices
+        .iter()
+        .map(|&d| Gpu::open(d).map(std::sync::Arc::new))
+        .collect::<Result<_, _>>()?;
+    for a in &gpus {
+        for b in &gpus {
+            if a.ordinal != b.ordinal {
+                a.enable_peer_access(b)?;
+            }
+        }
+    }
+    Ok(gpus)
+}
+
+/// Refuses a device named twice, naming it.
+fn one_rank_per_gpu(devices: &[usize]) -> Result<(), String> {
+    match devices
+        .iter()
+        .enumerate()
+        .find(|(i, d)| devices[..*i].contains(d))
+    {
+        Some((_, d)) => Err(format!(
+            "device {d} is listed twice: the GEMM operators take one rank per GPU"
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Device memory from `cuMemAlloc`, zeroed, freed on drop.
 pub struct DeviceMemory {
     ptr: sys::CUdeviceptr,
@@ -558,6 +590,29 @@ impl Drop for Stream {
         unsafe {
             let _ = result::stream::destroy(self.raw);
         }
+    }
+}
+
+/// Waits for everything enqueued on a stream when dropped. Declared after the device memory
+/// (and modules, handles) that kernels on the stream use, it drops before them, so that no
+/// error path frees memory a running kernel still writes. The wait is bounded: every wait of
+/// our GEMM times out after 5 s and ends the kernel (the error path has already reported it
+/// through `PreparedGemm::stall_report`); the other kernels run to completion on their own.
+pub struct StreamGuard<'a> {
+    stream: &'a Stream,
+}
+
+impl<'a> StreamGuard<'a> {
+    pub fn new(stream: &'a Stream) -> StreamGuard<'a> {
+        StreamGuard { stream }
+    }
+}
+
+impl Drop for StreamGuard<'_> {
+    fn drop(&mut self) {
+        // an error here is the kernel's own failure, already reported by whoever returned it;
+        // what matters is that the stream has stopped
+        let _ = self.stream.synchronize();
     }
 }
 
@@ -1011,6 +1066,13 @@ impl Stream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_gemm_operators_refuse_a_gpu_named_twice() {
+        assert!(one_rank_per_gpu(&[0, 1, 2]).is_ok());
+        let e = one_rank_per_gpu(&[0, 1, 1]).unwrap_err();
+        assert!(e.starts_with("device 1 is listed twice"), "{e}");
+    }
 
     #[test]
     fn a_host_copy_larger_than_its_allocation_is_an_error() {

@@ -6,6 +6,7 @@
 //! output poisoned first.
 
 use crate::cublaslt::Lt;
+pub use crate::driver::StreamGuard;
 use crate::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
 use crate::error::CudaError;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TILE};
@@ -370,29 +371,6 @@ impl Routed {
             d_peer,
             _flags: flags,
         })
-    }
-}
-
-/// Waits for everything enqueued on a stream when dropped. Declared after the device memory
-/// (and modules, handles) that kernels on the stream use, it drops before them, so that no
-/// error path frees memory a running kernel still writes. The wait is bounded: every wait of
-/// our GEMM times out after 5 s and ends the kernel (the error path has already reported it
-/// through `PreparedGemm::stall_report`); the other kernels run to completion on their own.
-pub struct StreamGuard<'a> {
-    stream: &'a Stream,
-}
-
-impl<'a> StreamGuard<'a> {
-    pub fn new(stream: &'a Stream) -> StreamGuard<'a> {
-        StreamGuard { stream }
-    }
-}
-
-impl Drop for StreamGuard<'_> {
-    fn drop(&mut self) {
-        // an error here is the kernel's own failure, already reported by whoever returned it;
-        // what matters is that the stream has stopped
-        let _ = self.stream.synchronize();
     }
 }
 

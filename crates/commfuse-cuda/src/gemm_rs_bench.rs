@@ -8,15 +8,13 @@
 //! on the GPUs (kernels/reference_gemm.cu per rank, summed on the host) after the timing.
 
 use crate::cublaslt::Lt;
-use crate::driver::{DeviceMemory, Gpu, Stream};
+use crate::driver::{open_group, DeviceMemory, Gpu, Stream};
 use crate::error::CudaError;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
 use crate::gemm_bench::ReferenceGemm;
 use crate::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction, RingParts};
 use crate::nccl::Comms;
-use crate::rank_bench::{
-    download, interleaved, open_group, row, timed, upload, FusedRow, RankStream,
-};
+use crate::rank_bench::{download, interleaved, row, timed, upload, FusedRow, RankStream};
 use commfuse_core::fused::gemm_rs::{check_elements_on, GemmRsShape, ReferenceElement};
 use commfuse_core::gemm::{grouped_order, Epilogue, GemmPlan};
 use commfuse_core::reference::input_value;

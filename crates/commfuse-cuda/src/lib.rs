@@ -3,8 +3,11 @@
 //! * [`driver`]: the only module with raw driver calls — GPUs, memory, streams, events, modules;
 //! * [`nvrtc`]: embedded kernels compiled for sm_90a at first use, cached in memory and on disk;
 //! * [`plan_table`]: plans encoded as the `#[repr(C)]` tables the plan kernel reads;
-//! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation;
-//! * [`nccl`]: NCCL and copy-engine baselines on the same GPUs;
+//! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation, over the backend's
+//!   GPUs and their state (`gpus`), prepared calls and their timed batches (`call`) and the plan
+//!   kernel's instances and tables (`plan_kernel`);
+//! * [`nccl`]: NCCL's communicators and calls in this process (the NCCL and copy-engine
+//!   baselines on the same GPUs are prepared by `baselines`);
 //! * [`host_sync`]: host-side waits that end: an abortable start barrier, a bounded poll;
 //! * [`error`]: one error enum;
 //! * [`testing`]: GPU-test skips that `COMMFUSE_REQUIRE_GPU=1` turns into failures.
@@ -14,6 +17,8 @@
 pub mod ag_gemm;
 pub mod ag_gemm_bench;
 pub mod backend;
+mod baselines;
+mod call;
 pub mod ce;
 pub mod collective;
 pub mod collective_rank;
@@ -25,13 +30,14 @@ pub mod gemm;
 pub mod gemm_bench;
 pub mod gemm_rs;
 pub mod gemm_rs_bench;
+mod gpus;
 pub mod host_sync;
 pub mod ipc;
 pub mod ll;
 pub mod nccl;
 pub mod nvrtc;
+mod plan_kernel;
 pub mod plan_table;
-mod queued;
 pub mod rank_bench;
 pub mod testing;
 

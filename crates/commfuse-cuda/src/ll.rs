@@ -17,10 +17,12 @@
 //! collectives' bench and checks (`Backend::protocols`); LL also inside
 //! [`crate::collective_rank`] and [`crate::collective`] where `auto` takes it.
 
-use crate::backend::{boxed_call, typed_kernel, CudaBackend, Launcher, Rank, RankBuffers};
+use crate::call::{boxed_call, Launcher, RankBuffers};
 use crate::driver::{DeviceMemory, Function, Gpu, Module, Stream};
 use crate::error::CudaError;
+use crate::gpus::{CudaBackend, Rank};
 use crate::nvrtc;
+use crate::plan_kernel::typed_kernel;
 use crate::plan_table::{ErrorRecord, MAX_RANKS};
 use commfuse_core::backend::{BackendError, PreparedCall};
 use commfuse_core::{DType, OpKind, OpSpec, ReduceOp};

@@ -156,38 +156,6 @@ pub(crate) fn timed<D: RankStream>(
     })
 }
 
-/// The GPUs `devices` (rank r on the r-th), peer access enabled between every pair. Each GPU
-/// once: the fused operators' GEMMs fill a GPU, so ranks sharing one could never meet.
-pub(crate) fn open_group(devices: &[usize]) -> Result<Vec<std::sync::Arc<Gpu>>, CudaError> {
-    one_rank_per_gpu(devices).map_err(CudaError::Unavailable)?;
-    let gpus: Vec<std::sync::Arc<Gpu>> = devices
-        .iter()
-        .map(|&d| Gpu::open(d).map(std::sync::Arc::new))
-        .collect::<Result<_, _>>()?;
-    for a in &gpus {
-        for b in &gpus {
-            if a.ordinal != b.ordinal {
-                a.enable_peer_access(b)?;
-            }
-        }
-    }
-    Ok(gpus)
-}
-
-/// Refuses a device named twice, naming it.
-fn one_rank_per_gpu(devices: &[usize]) -> Result<(), String> {
-    match devices
-        .iter()
-        .enumerate()
-        .find(|(i, d)| devices[..*i].contains(d))
-    {
-        Some((_, d)) => Err(format!(
-            "device {d} is listed twice: the GEMM operators take one rank per GPU"
-        )),
-        None => Ok(()),
-    }
-}
-
 /// `host` copied into new device memory of `gpu` (at least 16 bytes).
 pub(crate) fn upload<T: bytemuck::NoUninit>(
     gpu: &Gpu,
@@ -222,16 +190,4 @@ pub(crate) fn download(
             h.into_iter().map(|x| x.to_f64()).collect()
         }
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::one_rank_per_gpu;
-
-    #[test]
-    fn the_gemm_operators_refuse_a_gpu_named_twice() {
-        assert!(one_rank_per_gpu(&[0, 1, 2]).is_ok());
-        let e = one_rank_per_gpu(&[0, 1, 1]).unwrap_err();
-        assert!(e.starts_with("device 1 is listed twice"), "{e}");
-    }
 }

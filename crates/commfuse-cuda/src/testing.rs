@@ -116,7 +116,7 @@ pub fn ranks_on_gpus(p: usize) -> Option<Vec<usize>> {
 /// GPUs 0 and 1 with peer access enabled both ways, or `None` (skipped, see [`gpus`]).
 pub fn two_gpus() -> Option<Vec<std::sync::Arc<driver::Gpu>>> {
     gpus(2)?;
-    Some(crate::rank_bench::open_group(&[0, 1]).expect("GPUs 0 and 1 with peer access"))
+    Some(driver::open_group(&[0, 1]).expect("GPUs 0 and 1 with peer access"))
 }
 
 /// `len` values of `T` uniform in [-1, 1) from the project's indexable stream (`seed`,

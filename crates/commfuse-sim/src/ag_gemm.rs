@@ -12,8 +12,8 @@
 //! GEMM's producer does before a band's loads.
 
 use crate::buffer::SymmetricBuffer;
+use crate::fused::{check_build, check_call, FlagWords, GemmRsConfig};
 use crate::gemm::{run_gemm, run_gemm_tiles, Operands};
-use crate::gemm_rs::{check_build, check_call, FlagWords, GemmRsConfig};
 use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;

@@ -11,6 +11,8 @@
 //! * [`world`]: ranks as scoped threads and the abort flag that stops all of them when one fails;
 //! * [`barrier`]: all-to-all and ring barriers with epochs (no reset between calls);
 //! * [`gemm`] and [`gemm_rs`]: the CPU model of the GEMM contract, and fused GEMM + reduce-scatter on it;
+//! * [`fused`]: what the fused operators share: the configuration they are built for, the checks
+//!   of their constructors and calls, their flag words on the signal pads;
 //! * [`executor`]: the plan interpreter and its reduction kernels;
 //! * [`ll`] and [`ll_chunks`]: the low-latency protocol (data and call number in one line): the
 //!   all-reduce as an operator, and the reduce-scatter and all-gather the GPU kernel runs;
@@ -24,6 +26,7 @@ pub mod barrier;
 pub mod buffer;
 pub mod collective;
 pub mod executor;
+pub mod fused;
 pub mod gemm;
 pub mod gemm_rs;
 pub mod ll;

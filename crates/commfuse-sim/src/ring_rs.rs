@@ -13,8 +13,8 @@
 //! the pad's columns) and hold call numbers.
 
 use crate::buffer::SymmetricBuffer;
+use crate::fused::{check_build, check_rs_call, FlagWords, GemmRsConfig};
 use crate::gemm::{run_gemm, Operands};
-use crate::gemm_rs::{check_build, check_rs_call, FlagWords, GemmRsConfig};
 use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;

@@ -12,8 +12,8 @@
 
 use crate::buffer::SymmetricBuffer;
 use crate::collective::SimCollective;
+use crate::fused::{check_build, check_rs_call, GemmRsConfig};
 use crate::gemm::{run_gemm, Operands};
-use crate::gemm_rs::{check_build, check_rs_call, GemmRsConfig};
 use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;

@@ -1,0 +1,290 @@
+//! What the simulator's fused operators share: the configuration they are built for
+//! ([`GemmRsConfig`]: GEMM + reduce-scatter by each of its paths, and all-gather + GEMM), what
+//! their constructors and calls check, where their flag words sit on a world's signal pads, and
+//! how the heap of their GEMMs and tile tables is counted.
+
+use crate::memory::Footprint;
+use crate::world::{RankContext, World};
+use commfuse_core::backend::BackendError;
+use commfuse_core::fused::gemm_rs::{GemmRsSchedule, GemmRsShape};
+use commfuse_core::gemm::{BLayout, TileShape};
+use commfuse_core::{DType, Element, Slot};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The GPU kernel's tile (`commfuse_cuda::gemm::TILE`), the simulator's default.
+pub const GPU_TILE: TileShape = TileShape { m: 128, n: 256 };
+
+/// What a [`SimGemmReduceScatter`](crate::gemm_rs::SimGemmReduceScatter) is built for: every
+/// call has this N, K, layout and types, and any M from 1 to `max_m`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmRsConfig {
+    pub world: usize,
+    /// The largest M of any call (the receive buffers and flag rows are sized for it)
+    pub max_m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub b_layout: BLayout,
+    /// bf16 or f16
+    pub input: DType,
+    /// The input type or f32
+    pub output: DType,
+    /// Whether calls add a bias [N] (in the output type)
+    pub bias: bool,
+    /// Output tile of the GEMM (default: the GPU kernel's)
+    pub tile: TileShape,
+    /// NUMA groups of consecutive ranks the overlapped path's ring crosses as few times as it
+    /// can (1, the default: one flat ring; see [`commfuse_core::fused::ring_rs`])
+    pub numa_groups: usize,
+}
+
+impl GemmRsConfig {
+    /// The configuration with the GPU kernel's tile.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        world: usize,
+        max_m: usize,
+        n: usize,
+        k: usize,
+        b_layout: BLayout,
+        input: DType,
+        output: DType,
+        bias: bool,
+    ) -> GemmRsConfig {
+        GemmRsConfig {
+            world,
+            max_m,
+            n,
+            k,
+            b_layout,
+            input,
+            output,
+            bias,
+            tile: GPU_TILE,
+            numa_groups: 1,
+        }
+    }
+
+    /// The shape of a call with `m` rows (validated).
+    pub fn shape(&self, m: usize) -> Result<GemmRsShape, BackendError> {
+        GemmRsShape::new(
+            self.world,
+            m,
+            self.n,
+            self.k,
+            self.b_layout,
+            self.input,
+            self.output,
+        )
+        .map_err(|e| BackendError::Unavailable(e.to_string()))
+    }
+
+    /// The schedule of a call with `m` rows in buffers made for `max_m`.
+    pub fn schedule(&self, m: usize) -> Result<GemmRsSchedule, BackendError> {
+        Ok(GemmRsSchedule::within(
+            self.shape(m)?,
+            self.max_m,
+            self.tile,
+        ))
+    }
+
+    /// Signal pad columns the operator needs on every rank: P senders × flag stride (the
+    /// schedule's `flag_columns`, counted without building it).
+    pub fn pad_cols(&self) -> Result<usize, BackendError> {
+        self.shape(self.max_m)?;
+        let (_, per_owner) = self.tiles();
+        per_owner
+            .and_then(|t| t.checked_mul(self.world))
+            .ok_or_else(|| {
+                unavailable(format!(
+                    "GEMM + reduce-scatter of M up to {}, N {} on {} ranks needs more flag columns than a signal pad can have",
+                    self.max_m, self.n, self.world
+                ))
+            })
+    }
+
+    /// Tiles of the fused schedule of `max_m` rows, at most (every owner's chunk starts a band,
+    /// so there are at most M / tile.m + P bands), and the tiles the longest chunk has (the
+    /// schedule's `tiles_per_owner_max`); None where the count overflows.
+    pub(crate) fn tiles(&self) -> (Option<usize>, Option<usize>) {
+        let (tm, tn) = (self.tile.m.max(1), self.tile.n.max(1));
+        let world = self.world.max(1);
+        let tiles_n = self.n.div_ceil(tn);
+        let bands = self.max_m.div_ceil(tm).checked_add(world);
+        let owner_bands = self.max_m.div_ceil(world).div_ceil(tm);
+        (
+            bands.and_then(|b| b.checked_mul(tiles_n)),
+            owner_bands.checked_mul(tiles_n),
+        )
+    }
+
+    /// What the operator is, as its memory errors name it.
+    pub(crate) fn describe(&self, op: &str) -> String {
+        format!(
+            "{op} of M up to {}, N {}, K {} on {} ranks",
+            self.max_m, self.n, self.k, self.world
+        )
+    }
+
+    /// Adds what every rank thread's GEMM holds at once on `rows` rows at most: one tile's
+    /// operands widened to f32 (rows of A and columns of B, K each) and its products, and one
+    /// output row and its f32 sums.
+    pub(crate) fn gemm_heap(&self, heap: Footprint, rows: usize) -> Footprint {
+        let (tm, tn) = (self.tile.m.min(rows), self.tile.n.min(self.n));
+        heap.item(&[self.world, tm.saturating_add(tn), self.k, 4])
+            .item(&[self.world, tm, tn, 4])
+            .item(&[self.world, 2, tn, 8])
+    }
+
+    /// Adds tile tables of `tiles` tiles (None: too many to count) held by `holders` at once.
+    pub(crate) fn table_heap(heap: Footprint, holders: usize, tiles: Option<usize>) -> Footprint {
+        let bytes = tiles
+            .and_then(|t| u64::try_from(t).ok())
+            .and_then(|t| t.checked_mul(TABLE_BYTES_PER_TILE))
+            .and_then(|b| b.checked_mul(holders as u64));
+        heap.add_bytes(bytes)
+    }
+}
+
+/// Bytes of tile tables one holder may keep per tile of a schedule, at most: the schedule's
+/// placement, owner lists and grouped order, a GEMM plan's order, destination and flag, and the
+/// owner's reduction ranges.
+pub(crate) const TABLE_BYTES_PER_TILE: u64 = 160;
+
+pub(crate) fn unavailable(msg: String) -> BackendError {
+    BackendError::Unavailable(msg)
+}
+
+/// What every fused operator's constructor checks: the configuration's types are the buffers'
+/// (`TI`, `TO`) and its world size the world's.
+pub(crate) fn check_build<TI: Element, TO: Element>(
+    op: &str,
+    config: &GemmRsConfig,
+    world: &World,
+) -> Result<(), BackendError> {
+    if config.input != TI::DTYPE || config.output != TO::DTYPE {
+        return Err(unavailable(format!(
+            "{op} configured for {} → {} but built with {} → {} buffers",
+            config.input,
+            config.output,
+            TI::DTYPE,
+            TO::DTYPE
+        )));
+    }
+    if config.world != world.size() {
+        return Err(unavailable(format!(
+            "{op} configured for {} ranks, the world has {}",
+            config.world,
+            world.size()
+        )));
+    }
+    Ok(())
+}
+
+/// Where an operator's flag words sit on a world's signal pads: word i at row i / columns,
+/// column i % columns, from the pads' first row (the rows plans use).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FlagWords {
+    cols: usize,
+}
+
+impl FlagWords {
+    /// Pad rows `words` flag words take on pads of `cols` columns.
+    pub(crate) fn rows(words: usize, cols: usize) -> usize {
+        words.div_ceil(cols.max(1))
+    }
+
+    /// The layout of `words` flag words of operator `op` on `world`'s pads, or why they do
+    /// not fit.
+    pub(crate) fn on(op: &str, world: &World, words: usize) -> Result<FlagWords, BackendError> {
+        let cols = world.pad(0).cols() as usize;
+        let rows = Self::rows(words, cols);
+        if (world.plan_rows() as usize) < rows {
+            return Err(unavailable(format!(
+                "{op} on {} ranks needs {words} flag words: {rows} free signal pad rows of {cols} columns, the world has {} (raise WorldConfig pad_rows/pad_cols)",
+                world.size(),
+                world.plan_rows()
+            )));
+        }
+        Ok(FlagWords { cols })
+    }
+
+    /// The slot of flag word `index`.
+    pub(crate) fn slot(&self, index: usize) -> Slot {
+        Slot::new((index / self.cols) as u32, (index % self.cols) as u32)
+    }
+}
+
+/// [`check_call`] for GEMM + reduce-scatter (both paths): A [m, K], B, the bias, and an
+/// output of at least rank's chunk rows × N; returns the chunk.
+pub(crate) fn check_rs_call<TI: Element, TO: Element>(
+    ctx: &RankContext<'_>,
+    state: (usize, &AtomicBool),
+    c: &GemmRsConfig,
+    m: usize,
+    (a, b, bias): (&[TI], &[TI], Option<&[TO]>),
+    out: &[TO],
+) -> Result<std::ops::Range<usize>, BackendError> {
+    let lengths = [
+        ("A", a.len(), m * c.k),
+        ("B", b.len(), c.k * c.n),
+        (
+            "the bias",
+            bias.map_or(0, <[TO]>::len),
+            c.n * c.bias as usize,
+        ),
+    ];
+    check_call("GEMM + reduce-scatter", ctx, state, c, m, &lengths)?;
+    let chunk = commfuse_core::op::chunk_range(m, c.world, ctx.rank());
+    if out.len() < chunk.len() * c.n {
+        return Err(unavailable(format!(
+            "rank {}: the output holds {} elements, its {} rows × N={} need {}",
+            ctx.rank(),
+            out.len(),
+            chunk.len(),
+            c.n,
+            chunk.len() * c.n
+        )));
+    }
+    Ok(chunk)
+}
+
+/// What every fused operator's `forward` checks before anything runs: that the rank belongs to
+/// the world the operator `op` was built for (`world_id`), that no earlier call failed, that
+/// M is within 1..=`config.max_m`, and that each operand (what, elements given, elements
+/// needed) has its exact length.
+pub(crate) fn check_call(
+    op: &str,
+    ctx: &RankContext<'_>,
+    (world_id, broken): (usize, &AtomicBool),
+    config: &GemmRsConfig,
+    m: usize,
+    lengths: &[(&str, usize, usize)],
+) -> Result<(), BackendError> {
+    if ctx.world() as *const World as usize != world_id {
+        return Err(unavailable(format!(
+            "this {op} was built for another world"
+        )));
+    }
+    if broken.load(Ordering::Acquire) {
+        return Err(unavailable(format!(
+            "this {op} is unusable after a failed call"
+        )));
+    }
+    if m == 0 || m > config.max_m {
+        return Err(unavailable(format!(
+            "M = {m} is outside 1..={} (the largest M this operator was built for)",
+            config.max_m
+        )));
+    }
+    for &(what, got, want) in lengths {
+        if got != want {
+            return Err(unavailable(format!(
+                "rank {}: {what} holds {got} elements, M={m} N={} K={} needs {want}",
+                ctx.rank(),
+                config.n,
+                config.k
+            )));
+        }
+    }
+    Ok(())
+}

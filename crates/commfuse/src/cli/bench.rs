@@ -1,0 +1,472 @@
+//! `commfuse bench`: a collective's size sweep in the nccl-tests format (`bench <op>`), and on
+//! GPUs our GEMM beside cuBLASLt (`bench gemm`) and the fused operators beside their unfused
+//! baselines (`bench gemm-rs`, `bench ag-gemm`).
+
+use super::common::{parse_b_layout, AlgoArg, ArgsOr, GemmShapeArgs, What, Where};
+use crate::args::{columns, depth, gpu, groups, iters, millis, pieces, rows, warmup, Real, Whole};
+use crate::backends::{self, BackendKind};
+use crate::bench::{self, BenchConfig, Progress};
+use crate::driver;
+use crate::sizes::parse_sizes;
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use commfuse_core::topology::LinkModel;
+use commfuse_core::{Algo, DType};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// `bench <op> [flags]` measures a collective; `bench gemm` the GEMM, `bench gemm-rs` the fused
+/// GEMM + reduce-scatter.
+pub type BenchCmd = ArgsOr<BenchArgs, BenchSub>;
+
+#[derive(Subcommand, Debug)]
+pub enum BenchSub {
+    /// Our GEMM beside cuBLASLt on one GPU: all SMs, capped (--sms), and with its epilogue
+    /// storing tiles to a peer GPU and raising flags there (--peer)
+    Gemm(BenchGemmArgs),
+    /// GEMM + reduce-scatter on P GPUs: ours fused beside cuBLASLt alone, cuBLASLt then NCCL's
+    /// reduce-scatter, and our GEMM alone
+    #[command(name = "gemm-rs")]
+    GemmRs(BenchGemmRsArgs),
+    /// All-gather + GEMM on P GPUs: ours overlapped beside cuBLASLt alone on the gathered A and
+    /// NCCL's all-gather then cuBLASLt
+    #[command(name = "ag-gemm")]
+    AgGemm(BenchAgGemmArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub what: What,
+    #[command(flatten)]
+    pub place: Where,
+    /// Sizes in bytes: 64M, 1K..1G (doubling) or 4K,1M
+    #[arg(long, default_value = "1K..16M", allow_hyphen_values = true)]
+    pub sizes: String,
+    /// Untimed calls before the first round (and up to one before each later round)
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = warmup())]
+    pub warmup: usize,
+    /// Timed calls per size and row, at least 1, spread over 5 interleaved rounds (at least one
+    /// per round; a round stops early once its share of --budget-ms is spent)
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = iters())]
+    pub iters: usize,
+    /// Time budget per size and row, ms
+    #[arg(long, default_value_t = 500, allow_negative_numbers = true, value_parser = millis())]
+    pub budget_ms: u64,
+    /// Skip the correctness check of the last call
+    #[arg(long)]
+    pub no_check: bool,
+    /// Skip the baselines (NCCL, copy engine) the backend offers
+    #[arg(long)]
+    pub no_baselines: bool,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Time batches replayed from captured CUDA graphs (for small messages: launch overhead
+    /// then counts for neither us nor the baselines); cuda backend only
+    #[arg(long)]
+    pub graph: bool,
+    /// Write the results as JSON
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw busbw against size, ours beside the baselines, as SVG
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+/// The cost model's link figures (defaults: what was measured on 2 × H200 over NVLink: SM stores
+/// carry about 370 GB/s per direction, a flag takes about 1.2 µs one way).
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Link bandwidth per rank and direction, GB/s
+    #[arg(long, default_value_t = 370.0, allow_negative_numbers = true, value_parser = Real::positive("a positive number of GB/s"))]
+    pub link_gbps: f64,
+    /// One-way signal latency, µs
+    #[arg(long, default_value_t = 1.2, allow_negative_numbers = true, value_parser = Real::non_negative("a non-negative number of µs"))]
+    pub latency_us: f64,
+    /// Launch cost of one call, µs
+    #[arg(long, default_value_t = 5.0, allow_negative_numbers = true, value_parser = Real::non_negative("a non-negative number of µs"))]
+    pub launch_us: f64,
+}
+
+impl ModelArgs {
+    fn model(&self) -> LinkModel {
+        LinkModel {
+            link_gbps: self.link_gbps,
+            latency_us: self.latency_us,
+            launch_us: self.launch_us,
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct BenchGemmArgs {
+    #[arg(long, allow_negative_numbers = true, value_parser = rows())]
+    pub m: usize,
+    #[arg(long, allow_negative_numbers = true, value_parser = columns())]
+    pub n: usize,
+    #[arg(long, allow_negative_numbers = true, value_parser = depth())]
+    pub k: usize,
+    /// How B is stored: kn ([K, N]) or nk ([N, K], weights transposed)
+    #[arg(long, default_value = "nk")]
+    pub b_layout: String,
+    /// Input type: bf16 or f16
+    #[arg(long, default_value = "bf16")]
+    pub dtype: DType,
+    /// Output type (default: the input type)
+    #[arg(long)]
+    pub out_dtype: Option<DType>,
+    /// SM caps to measure (0 = all SMs)
+    #[arg(long, value_delimiter = ',', default_value = "0,116", allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of SMs (0: all of them)"))]
+    pub sms: Vec<u32>,
+    /// Backend (the GEMM runs on cuda only)
+    #[arg(long, default_value = "cuda")]
+    pub backend: BackendKind,
+    /// GPU to run on
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = gpu())]
+    pub device: usize,
+    /// GPU for the rows whose epilogue stores tiles over NVLink and raises flags there: an
+    /// index, or "none" (default: the next GPU when the machine has two or more)
+    #[arg(long)]
+    pub peer: Option<String>,
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
+    pub iters: usize,
+    /// Write the rows as JSON
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchGemmRsArgs {
+    #[command(flatten)]
+    pub shape: GemmShapeArgs,
+    /// GPUs, rank r on the r-th
+    #[arg(long, value_delimiter = ',', default_value = "0,1", allow_negative_numbers = true, value_parser = gpu())]
+    pub devices: Vec<usize>,
+    /// One fused row each: 0 folds the partials into the epilogue of the owner's tiles (the
+    /// default design), B > 0 sums them in a separate kernel of B blocks beside the GEMM
+    #[arg(long, value_delimiter = ',', default_value = "0,16", allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of blocks (0: folded into the epilogue)"))]
+    pub reduce_blocks: Vec<u32>,
+    /// One overlapped row each: the row pieces (1 to 16) a ring step of cuBLASLt GEMMs is cut
+    /// into
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8", allow_negative_numbers = true, value_parser = pieces())]
+    pub pieces: Vec<usize>,
+    /// NUMA groups of consecutive ranks for the overlapped path's ring (1: one flat ring; more:
+    /// the 2D ring, which crosses groups once per group)
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = groups())]
+    pub numa_groups: usize,
+    /// Also time the overlapped path's parts apart: its GEMMs alone, its copies alone, its flag
+    /// waits and raises alone, GEMMs and copies without flags, and the whole call (there is no
+    /// clearing to time: flags hold call numbers)
+    #[arg(long)]
+    pub ablation: bool,
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
+    pub iters: usize,
+    /// Write the rows as JSON
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchAgGemmArgs {
+    #[command(flatten)]
+    pub shape: GemmShapeArgs,
+    /// GPUs, rank r on the r-th
+    #[arg(long, value_delimiter = ',', default_value = "0,1", allow_negative_numbers = true, value_parser = gpu())]
+    pub devices: Vec<usize>,
+    /// One row each: the row pieces each rank's chunk is handed on in (1 to 16)
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4", allow_negative_numbers = true, value_parser = pieces())]
+    pub pieces: Vec<usize>,
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
+    pub iters: usize,
+    /// Write the rows as JSON
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+pub(super) fn bench_cmd(a: BenchArgs) -> Result<i32> {
+    let placement = a.place.placement()?;
+    if a.graph && placement.backend == BackendKind::Sim {
+        bail!("--graph times replays of captured CUDA graphs, which the sim backend does not have: drop --graph, or run on --backend cuda");
+    }
+    let sizes = parse_sizes(&a.sizes).context("--sizes")?;
+    let element = a.what.dtype.size() as u64;
+    if let Some(small) = sizes.iter().find(|&&s| s < element) {
+        bail!(
+            "--sizes {}: {small} bytes is less than one {} element ({element} bytes)",
+            a.sizes,
+            a.what.dtype
+        );
+    }
+    let backend = backends::open(&placement)?;
+    let (algos, auto) = match a.what.algo_arg()? {
+        AlgoArg::All => (Algo::for_op(a.what.op).to_vec(), true),
+        AlgoArg::Auto => (Vec::new(), true),
+        AlgoArg::One(algo) => (vec![algo], false),
+    };
+    let cfg = BenchConfig {
+        op: a.what.op,
+        auto,
+        baselines: if a.no_baselines {
+            Vec::new()
+        } else {
+            backend.baselines(a.what.op)
+        },
+        protocols: backend.protocols(a.what.op),
+        algos,
+        sizes,
+        dtype: a.what.dtype,
+        reduce: a.what.reduce,
+        root: a.what.root,
+        numa_groups: a.what.numa_groups,
+        warmup: a.warmup,
+        iters: a.iters,
+        budget: Duration::from_millis(a.budget_ms),
+        check: !a.no_check,
+        graph: a.graph,
+        model: a.model.model(),
+    };
+    println!(
+        "{}",
+        bench::header(
+            cfg.op,
+            backend.name(),
+            backend.world_size(),
+            cfg.dtype,
+            cfg.reduce,
+            cfg.graph
+        )
+    );
+    let report = bench::run(backend.as_ref(), &cfg, |progress| match progress {
+        Progress::Row(row) => println!("{}", bench::format_row(row, cfg.graph)),
+        Progress::Skipped(skip) => println!("{}", bench::format_skipped(skip)),
+    })?;
+    println!("{}", bench::best_table(&report));
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = &a.plot {
+        crate::plot::busbw_svg(&report, path)?;
+    }
+    let wrong: u64 = report.rows.iter().filter_map(|r| r.wrong).sum();
+    Ok(if wrong == 0 { 0 } else { 1 })
+}
+
+pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
+    use commfuse_core::gemm::{BLayout, GemmProblem};
+    if a.backend != BackendKind::Cuda {
+        bail!("bench gemm runs on the cuda backend (the simulator's GEMM model is checked by the tests, not timed)");
+    }
+    let layout = match a.b_layout.as_str() {
+        "kn" => BLayout::KN,
+        "nk" => BLayout::NK,
+        other => bail!("unknown B layout '{other}' (choose kn or nk)"),
+    };
+    let problem = GemmProblem::new(
+        a.m,
+        a.n,
+        a.k,
+        layout,
+        a.dtype,
+        a.out_dtype.unwrap_or(a.dtype),
+    )?;
+    let peer = match a.peer.as_deref() {
+        Some("none") => None,
+        Some(text) => {
+            let peer: usize = text
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--peer takes a GPU index or 'none', got '{text}'"))?;
+            if peer == a.device {
+                bail!("--peer {peer} is the GPU the GEMM runs on: name another GPU or 'none'");
+            }
+            Some(peer)
+        }
+        None => match commfuse_cuda::driver::device_count() {
+            Ok(count) if count >= 2 => Some((a.device + 1) % count),
+            _ => None,
+        },
+    };
+    let rows = commfuse_cuda::gemm_bench::bench_gemm(
+        a.device,
+        peer,
+        &problem,
+        &a.sms,
+        a.warmup,
+        a.iters,
+        driver::fresh_seed(),
+    )?;
+    println!(
+        "# commfuse bench gemm: {}×{}×{} (M×N×K), B {:?}, {} → {}, GPU {}",
+        a.m, a.n, a.k, layout, problem.input, problem.output, a.device
+    );
+    println!(
+        "# {:>26} {:>5} {:>10} {:>9} {:>10} {:>10}  check",
+        "impl", "sms", "time(ms)", "TFLOP/s", "#wrong", "err/bound"
+    );
+    let mut ok = true;
+    for r in &rows {
+        let pass = r.out_of_bound == 0;
+        ok &= pass;
+        println!(
+            "  {:>26} {:>5} {:>10.4} {:>9.1} {:>10} {:>10.3}  {}",
+            r.implementation,
+            if r.sms == 0 {
+                "all".to_string()
+            } else {
+                r.sms.to_string()
+            },
+            r.time_ms,
+            r.tflops,
+            r.out_of_bound,
+            r.worst_ratio,
+            if pass { "OK" } else { "WRONG" }
+        );
+        if let (false, Some((i, j, got, want, bound))) = (pass, r.worst) {
+            println!("      worst: D[{i}, {j}] = {got} against {want} (bound {bound:.3e})");
+        }
+    }
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(if ok { 0 } else { 1 })
+}
+
+pub(super) fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
+    use commfuse_core::fused::gemm_rs::GemmRsShape;
+    use commfuse_cuda::gemm_rs::Reduction;
+    use commfuse_cuda::gemm_rs_bench::{bench_gemm_rs, GemmRsBenchConfig};
+    let layout = parse_b_layout(&a.shape.b_layout)?;
+    let shape = GemmRsShape::new(
+        a.devices.len(),
+        a.shape.m,
+        a.shape.n,
+        a.shape.k,
+        layout,
+        a.shape.dtype,
+        a.shape.output(),
+    )?;
+    let cfg = GemmRsBenchConfig {
+        devices: a.devices.clone(),
+        shape,
+        bias: a.shape.bias,
+        reductions: a
+            .reduce_blocks
+            .iter()
+            .map(|&b| match b {
+                0 => Reduction::Fold,
+                blocks => Reduction::Separate { blocks },
+            })
+            .collect(),
+        pieces: a.pieces.clone(),
+        numa_groups: a.numa_groups,
+        ablation: a.ablation,
+        warmup: a.warmup,
+        iters: a.iters,
+        seed: driver::fresh_seed(),
+    };
+    let rows = bench_gemm_rs(&cfg)?;
+    println!(
+        "# commfuse bench gemm-rs: {}×{}×{} (M×N×K, K per rank), B {:?}, {} → {}, GPUs {:?}",
+        a.shape.m, a.shape.n, a.shape.k, layout, shape.input, shape.output, a.devices
+    );
+    println!("# {}", commfuse_cuda::nccl::configuration());
+    print_fused_rows(&rows, "cublaslt+nccl", a.json.as_deref())
+}
+
+pub(super) fn bench_ag_gemm_cmd(a: BenchAgGemmArgs) -> Result<i32> {
+    use commfuse_core::fused::ag_gemm::AgGemmShape;
+    use commfuse_cuda::ag_gemm_bench::{bench_ag_gemm, AgGemmBenchConfig};
+    let layout = parse_b_layout(&a.shape.b_layout)?;
+    let shape = AgGemmShape::new(
+        a.devices.len(),
+        a.shape.m,
+        a.shape.n,
+        a.shape.k,
+        layout,
+        a.shape.dtype,
+        a.shape.output(),
+    )?;
+    let cfg = AgGemmBenchConfig {
+        devices: a.devices.clone(),
+        shape,
+        bias: a.shape.bias,
+        pieces: a.pieces.clone(),
+        warmup: a.warmup,
+        iters: a.iters,
+        seed: driver::fresh_seed(),
+    };
+    let rows = bench_ag_gemm(&cfg)?;
+    println!(
+        "# commfuse bench ag-gemm: {}×{}×{} (M×N×K, M gathered), B {:?}, {} → {}, GPUs {:?}",
+        a.shape.m, a.shape.n, a.shape.k, layout, shape.input, shape.output, a.devices
+    );
+    println!("# {}", commfuse_cuda::nccl::configuration());
+    print_fused_rows(&rows, "nccl+cublaslt", a.json.as_deref())
+}
+
+/// Prints a fused operator's bench rows (time, rounds, TFLOP/s, exposed time over cuBLASLt
+/// alone, E against the unfused row `unfused`, speed-up over it, the check) and writes them as
+/// JSON; exit 1 when a checked row is wrong.
+fn print_fused_rows(
+    rows: &[commfuse_cuda::rank_bench::FusedRow],
+    unfused: &str,
+    json: Option<&std::path::Path>,
+) -> Result<i32> {
+    let gemm = rows
+        .iter()
+        .find(|r| r.implementation == "cublaslt")
+        .map(|r| r.time_ms);
+    let unfused = rows
+        .iter()
+        .find(|r| r.implementation == unfused)
+        .map(|r| r.time_ms);
+    println!(
+        "# {:>36} {:>10} {:>19} {:>9} {:>10} {:>8} {:>8} {:>11}  check",
+        "impl", "time(ms)", "rounds min-max", "TFLOP/s", "exposed", "E", "vs unf.", "err/bound"
+    );
+    let mut ok = true;
+    for r in rows {
+        let exposed = gemm.map(|g| r.time_ms - g);
+        let e = match (gemm, unfused) {
+            (Some(g), Some(u)) if u > g => Some((u - r.time_ms) / (u - g)),
+            _ => None,
+        };
+        let checked = r.checked > 0;
+        let pass = r.out_of_bound == 0;
+        ok &= pass;
+        println!(
+            "  {:>36} {:>10.4} {:>9.4}-{:<9.4} {:>9.1} {:>10} {:>8} {:>8} {:>11}  {}",
+            r.implementation,
+            r.time_ms,
+            r.min_ms,
+            r.max_ms,
+            r.tflops,
+            exposed.map_or("-".into(), |x| format!("{x:.4}")),
+            e.map_or("-".into(), |x| format!("{x:.2}")),
+            unfused.map_or("-".into(), |u| format!("{:.2}x", u / r.time_ms)),
+            if checked {
+                format!("{:.3}", r.worst_ratio)
+            } else {
+                "-".into()
+            },
+            match (checked, pass) {
+                (false, _) if r.implementation.starts_with("ablation") => "(part of a call)",
+                (false, _) => "(baseline)",
+                (true, true) => "OK",
+                (true, false) => "WRONG",
+            }
+        );
+    }
+    if let Some(path) = json {
+        std::fs::write(path, serde_json::to_string_pretty(rows)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(if ok { 0 } else { 1 })
+}

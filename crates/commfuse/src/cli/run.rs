@@ -1,0 +1,268 @@
+//! `commfuse run`: one checked call of a collective (`run <op>`), or back-to-back checked calls
+//! of the fused operators on the simulator (`run gemm-rs`, `run ag-gemm`).
+
+use super::common::{algo_label, ArgsOr, GemmShapeArgs, What, Where};
+use crate::args::{elements, gpu, groups, millis, pieces, ranks, seed};
+use crate::backends::{self, BackendKind};
+use crate::driver;
+use crate::verify;
+use anyhow::{bail, Result};
+use clap::{Args, Subcommand};
+use commfuse_core::topology::LinkModel;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// `run <op> [flags]` runs a collective, `run gemm-rs [flags]` the fused GEMM + reduce-scatter.
+pub type RunCmd = ArgsOr<RunArgs, RunSub>;
+
+#[derive(Subcommand, Debug)]
+pub enum RunSub {
+    /// GEMM + reduce-scatter (rank r holds A_r [M, K] and B_r; rank r's output is chunk r of the
+    /// rows of Σ_r A_r·B_r + bias): two back-to-back calls, M then about M/2, every output
+    /// element of every rank checked against the float64 reference
+    #[command(name = "gemm-rs")]
+    GemmRs(RunGemmRsArgs),
+    /// All-gather + GEMM (rank r holds chunk r of the rows of A and its own B_r; every rank's
+    /// output is AllGather(A)·B_r + bias, and the gathered A): two back-to-back calls, M then
+    /// about M/2, every output element and the gathered A of every rank checked
+    #[command(name = "ag-gemm")]
+    AgGemm(RunAgGemmArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub what: What,
+    #[command(flatten)]
+    pub place: Where,
+    /// Element count: per rank for all-reduce and broadcast; of each rank's input for
+    /// reduce-scatter and all-to-all; of the gathered output for all-gather; ignored by barrier
+    #[arg(long, short = 'n', default_value_t = 1 << 20, allow_negative_numbers = true, value_parser = elements())]
+    pub size: usize,
+    /// Seed of the random inputs (default: fresh each run)
+    #[arg(long, allow_negative_numbers = true, value_parser = seed())]
+    pub seed: Option<u64>,
+    /// Write rank{r}_input.npy and rank{r}_output.npy into this folder
+    #[arg(long)]
+    pub dump: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct RunGemmRsArgs {
+    #[command(flatten)]
+    pub shape: GemmShapeArgs,
+    /// Number of ranks (simulated threads)
+    #[arg(long, short = 'p', default_value_t = 2, allow_negative_numbers = true, value_parser = ranks())]
+    pub ranks: usize,
+    /// Which path: auto (the cost model's pick for the shape), fused (the tile schedule of our
+    /// GEMM), overlapped (the ring of library GEMMs; --pieces cuts each step) or unfused (the
+    /// whole GEMM, then a reduce-scatter)
+    #[arg(long, default_value = "auto")]
+    pub path: String,
+    /// Row pieces per ring step, 1 to 16, with --path overlapped only (default: what auto
+    /// would take for the shape)
+    #[arg(long, allow_negative_numbers = true, value_parser = pieces())]
+    pub pieces: Option<usize>,
+    /// NUMA groups of consecutive ranks for the overlapped path's ring (1: one flat ring; more:
+    /// the 2D ring, which crosses groups once per group); not with --path fused or unfused,
+    /// which have no ring
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = groups())]
+    pub numa_groups: usize,
+    /// Seed of the random inputs (default: fresh each run)
+    #[arg(long, allow_negative_numbers = true, value_parser = seed())]
+    pub seed: Option<u64>,
+    /// Backend (gemm-rs runs here on sim; on GPUs through `commfuse bench gemm-rs`)
+    #[arg(long, default_value = "sim")]
+    pub backend: BackendKind,
+    /// GPUs (the cuda backend: not run here)
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, value_parser = gpu())]
+    pub devices: Option<Vec<usize>>,
+    /// How long a wait may take before the call fails with a diagnosis, ms
+    #[arg(long, default_value_t = 5000, allow_negative_numbers = true, value_parser = millis())]
+    pub timeout_ms: u64,
+}
+
+#[derive(Args, Debug)]
+pub struct RunAgGemmArgs {
+    #[command(flatten)]
+    pub shape: GemmShapeArgs,
+    /// Number of ranks (simulated threads)
+    #[arg(long, short = 'p', default_value_t = 2, allow_negative_numbers = true, value_parser = ranks())]
+    pub ranks: usize,
+    /// Row pieces each rank's chunk is handed on in, 1 to 16: a GEMM per piece on the overlapped
+    /// path, a wait per piece before the tiles that read its rows on the fused one
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = pieces())]
+    pub pieces: usize,
+    /// The fused path: one GEMM of our own per call whose loads of a piece's rows wait for its
+    /// flag (default: the overlapped path, a library GEMM per piece)
+    #[arg(long)]
+    pub fused: bool,
+    /// Seed of the random inputs (default: fresh each run)
+    #[arg(long, allow_negative_numbers = true, value_parser = seed())]
+    pub seed: Option<u64>,
+    /// How long a wait may take before the call fails with a diagnosis, ms
+    #[arg(long, default_value_t = 5000, allow_negative_numbers = true, value_parser = millis())]
+    pub timeout_ms: u64,
+}
+
+pub(super) fn run(a: RunArgs) -> Result<i32> {
+    let seed = a.seed.unwrap_or_else(driver::fresh_seed);
+    let backend = backends::open(&a.place.placement()?)?;
+    let (algo, auto) = a
+        .what
+        .resolve(a.size, backend.world_size(), LinkModel::default())?;
+    let req = a.what.request(algo, a.size, seed);
+    let out = driver::run(backend.as_ref(), &req, verify::CALLS, a.dump.as_deref())?;
+    println!(
+        "{} {} on {} ranks ({}), {} × {}, reduce {}, seed {seed}",
+        req.op,
+        algo_label(algo, auto),
+        backend.world_size(),
+        backend.name(),
+        req.count,
+        req.dtype,
+        req.reduce
+    );
+    println!("{}", out.card);
+    println!(
+        "measured: {:.1} µs (slowest rank, the first call); {} calls checked (the first alone, the rest queued back to back); {} elements each, max error {:.2e}",
+        out.timing.slowest().as_secs_f64() * 1e6,
+        out.calls,
+        out.comparison.checked,
+        out.comparison.max_error
+    );
+    if out.comparison.ok() {
+        println!("OK");
+        Ok(0)
+    } else {
+        println!(
+            "MISMATCH in call {}: {} wrong elements; first ones:",
+            out.call, out.comparison.wrong
+        );
+        for m in &out.comparison.mismatches {
+            println!(
+                "  rank {} output[{}] = {} (expected {})",
+                m.rank, m.index, m.got, m.expected
+            );
+        }
+        Ok(1)
+    }
+}
+
+/// The path `--path` and `--pieces` name for `shape` ("auto" resolved for it).
+fn parse_gemm_rs_path(
+    path: &str,
+    pieces: Option<usize>,
+    shape: &commfuse_core::fused::gemm_rs::GemmRsShape,
+) -> Result<commfuse_core::fused::gemm_rs::GemmRsPath> {
+    use commfuse_core::fused::gemm_rs::{choose_path, parse_path, PathNameError};
+    match parse_path(path, pieces, shape) {
+        Ok(named) => Ok(named.unwrap_or_else(|| choose_path(shape))),
+        Err(PathNameError::PiecesWithoutOverlapped) => {
+            bail!("--pieces goes with --path overlapped")
+        }
+        Err(e) => bail!("{e}"),
+    }
+}
+
+pub(super) fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
+    use commfuse_sim::gemm_rs::GemmRsConfig;
+    if a.backend == BackendKind::Cuda || a.devices.is_some() {
+        bail!("gemm-rs on the cuda backend runs through `commfuse bench gemm-rs`");
+    }
+    let config = GemmRsConfig {
+        numa_groups: a.numa_groups,
+        ..a.shape.sim_config(a.ranks)?
+    };
+    let output = config.output;
+    // validates the shape and types before anything runs
+    let shape = config.shape(a.shape.m)?;
+    let path = parse_gemm_rs_path(&a.path, a.pieces, &shape)?;
+    if a.numa_groups != 1 && matches!(a.path.as_str(), "fused" | "unfused") {
+        bail!(
+            "--numa-groups {} shapes the overlapped path's ring; --path {} has none: drop --numa-groups, or take --path overlapped",
+            a.numa_groups,
+            a.path
+        );
+    }
+    // the groups shape only the overlapped path's ring, but are checked whatever the path
+    let ring = commfuse_core::fused::ring_rs::RingSchedule::within(shape, a.shape.m, 1);
+    let two_d = ring.in_groups(a.numa_groups)?.groups > 1
+        && matches!(
+            path,
+            commfuse_core::fused::gemm_rs::GemmRsPath::Overlapped { .. }
+        );
+    let seed = a.seed.unwrap_or_else(driver::fresh_seed);
+    let ms = [a.shape.m, a.shape.m.div_ceil(2)];
+    let timeout = Duration::from_millis(a.timeout_ms);
+    let calls = crate::gemm_rs::run_sim(config, path, &ms, seed, timeout)?;
+    println!(
+        "gemm-rs {}×{}×{} (M×N×K, K per rank), B {}, {} → {}, {}, on {} ranks (sim), {path}{}{}, seed {seed}",
+        a.shape.m,
+        a.shape.n,
+        a.shape.k,
+        a.shape.b_layout,
+        a.shape.dtype,
+        output,
+        if a.shape.bias { "bias" } else { "no bias" },
+        a.ranks,
+        if a.path == "auto" { " (auto)" } else { "" },
+        if two_d {
+            format!(", 2D ring over {} NUMA groups", a.numa_groups)
+        } else {
+            String::new()
+        }
+    );
+    report_calls(&calls)
+}
+
+pub(super) fn run_ag_gemm_cmd(a: RunAgGemmArgs) -> Result<i32> {
+    use commfuse_sim::ag_gemm::{shape, AgGemmConfig};
+    let config: AgGemmConfig = a.shape.sim_config(a.ranks)?;
+    let output = config.output;
+    // validates the shape and types before anything runs
+    shape(&config, a.shape.m)?;
+    let seed = a.seed.unwrap_or_else(driver::fresh_seed);
+    let ms = [a.shape.m, a.shape.m.div_ceil(2)];
+    let timeout = Duration::from_millis(a.timeout_ms);
+    let calls = crate::ag_gemm::run_sim(config, (a.pieces, a.fused), &ms, seed, timeout)?;
+    println!(
+        "ag-gemm {}×{}×{} (M×N×K, M gathered), B {}, {} → {}, {}, on {} ranks (sim), {}{} piece{} per chunk, seed {seed}",
+        a.shape.m,
+        a.shape.n,
+        a.shape.k,
+        a.shape.b_layout,
+        a.shape.dtype,
+        output,
+        if a.shape.bias { "bias" } else { "no bias" },
+        a.ranks,
+        if a.fused { "fused, " } else { "" },
+        a.pieces,
+        if a.pieces == 1 { "" } else { "s" }
+    );
+    report_calls(&calls)
+}
+
+/// Prints each checked call and OK (exit 0), or the mismatches (exit 1).
+fn report_calls(calls: &[crate::gemm_rs::CallCheck]) -> Result<i32> {
+    let mut ok = true;
+    for (c, call) in calls.iter().enumerate() {
+        let total = call.total();
+        println!(
+            "call {c}: M={}: checked {} elements, worst error {:.3} × the bound",
+            call.m, total.checked, total.worst_ratio
+        );
+        for (r, check) in call.ranks.iter().enumerate() {
+            if !check.passed() {
+                ok = false;
+                println!("  MISMATCH rank {r}: {check}");
+            }
+        }
+    }
+    if ok {
+        println!("OK");
+        Ok(0)
+    } else {
+        Ok(1)
+    }
+}
