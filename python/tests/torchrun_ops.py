@@ -524,7 +524,8 @@ def check_bad_input(rank, world):
             a, torch.zeros((32, 16), dtype=torch.float16, device=dev))),
         ("K mismatch", lambda: cf.gemm_reduce_scatter(
             a, torch.zeros((48, 16), dtype=torch.bfloat16, device=dev))),
-        ("host tensor", lambda: cf.gemm_reduce_scatter(a.cpu(), a.cpu().t())),
+        # (CPU tensors alone are served, by the simulator: not bad input)
+        ("a on the GPU, b on the host", lambda: cf.gemm_reduce_scatter(a, a.cpu().t())),
         ("f32 inputs", lambda: cf.gemm_reduce_scatter(a.float(), a.float().t())),
         ("wrong out", lambda: cf.all_gather_gemm(
             a, torch.zeros((32, 16), dtype=torch.bfloat16, device=dev),
