@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 import commfuse.torch as cf
+from commfuse.torch._common import dtype_name
+from commfuse.torch._gpu import _collective
 
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}
 
@@ -148,7 +150,7 @@ def check_collectives(rank, world, dtype, seed):
             dist.all_reduce(theirs, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
             same(f"all_reduce {op} {dtype} vs PyTorch", t, theirs.cpu())
     # auto takes the LL protocol for an all-reduce this small (commfuse_core::cost::prefers_ll)
-    runs = cf._collective("all-reduce", count, tensors[0], dist.group.WORLD).algo()
+    runs = _collective("all-reduce", count, tensors[0], dist.group.WORLD).algo()
     if runs != "ll":
         raise AssertionError(f"all_reduce of {count} {dtype} ran {runs}, not the LL protocol")
     lines.append(f"all_reduce sum, max {dtype} ({count} elements, back to back, by {runs})")
@@ -160,7 +162,7 @@ def check_collectives(rank, world, dtype, seed):
     cf.reduce_scatter(out, xs[rank].to(dev))
     torch.cuda.synchronize()
     same(f"reduce_scatter {dtype}", out, sum(x.double() for x in xs)[mine])
-    runs = cf._collective("reduce-scatter", count, out, dist.group.WORLD).algo()
+    runs = _collective("reduce-scatter", count, out, dist.group.WORLD).algo()
     if runs != "ll":
         raise AssertionError(f"reduce_scatter of {count} {dtype} ran {runs}, not the LL protocol")
     lines.append(f"reduce_scatter {dtype} ({count} elements, by {runs})")
@@ -170,7 +172,7 @@ def check_collectives(rank, world, dtype, seed):
     cf.all_gather(out, full[mine].to(dev))
     torch.cuda.synchronize()
     same(f"all_gather {dtype}", out, full)
-    runs = cf._collective("all-gather", count, out, dist.group.WORLD).algo()
+    runs = _collective("all-gather", count, out, dist.group.WORLD).algo()
     if runs != "ll":
         raise AssertionError(f"all_gather of {count} {dtype} ran {runs}, not the LL protocol")
     lines.append(f"all_gather {dtype} ({count} elements, by {runs})")
@@ -201,7 +203,7 @@ def check_collective_paths(rank, world, dtype, seed):
     from commfuse._commfuse import prefers_commfuse_on_user_buffers
 
     dev = torch.device("cuda", rank)
-    name = cf._name(dtype, "x")
+    name = dtype_name(dtype, "x")
     lines = []
 
     def past(op):  # the first count divisible by P that commfuse leaves to NCCL
