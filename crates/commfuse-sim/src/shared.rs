@@ -9,8 +9,14 @@
 //! The object's name is removed as soon as every rank has mapped it (or rank 0 gave up
 //! waiting): the memory then lives exactly as long as the last process that maps it, however
 //! the processes end.
+//!
+//! Each rank records its process (pid, start time, pid namespace) in the header when it joins,
+//! so that a rank waiting for a peer's notify can tell that the peer's process has ended
+//! (killed, crashed, exited) and stop at once, naming it, instead of waiting out its timeout.
 
 use commfuse_core::backend::BackendError;
+use commfuse_core::error::AbortCause;
+use commfuse_core::MAX_WORLD_SIZE;
 use std::ffi::CString;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -39,6 +45,69 @@ struct Header {
     /// The group's nonce, set by rank 0: a segment another group left or planted under the
     /// name carries another
     nonce: AtomicU64,
+    /// Bit r: rank r mapped the object
+    joined_ranks: AtomicU64,
+    /// Each rank's process, recorded when it joins
+    members: [Member; MAX_WORLD_SIZE],
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() <= HEADER && MAX_WORLD_SIZE <= 64);
+
+/// The process of one rank: its pid (0 until it joins), its start time in clock ticks since
+/// boot (0 where /proc does not say), and the inode of its pid namespace (0 where unknown: its
+/// pid then means nothing to the others).
+#[repr(C)]
+struct Member {
+    pid: AtomicU64,
+    start: AtomicU64,
+    pid_ns: AtomicU64,
+}
+
+/// Where a process is: running, ended (no such process, a zombie, or its pid now names a
+/// process started at another time), or not known (/proc unreadable).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Seen {
+    Running { start: u64 },
+    Ended,
+    Unknown,
+}
+
+/// What /proc/`pid`/stat says of process `pid` ("self" for this one).
+fn look_at(pid: &str) -> Seen {
+    let stat = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Seen::Ended,
+        Err(_) => return Seen::Unknown,
+    };
+    // "pid (comm) state ppid ...": comm may hold spaces and parentheses, so fields count from
+    // the last ')'; the start time is field 22, the 20th after the state
+    let Some(fields) = stat.rfind(')').map(|i| stat[i + 1..].split_whitespace()) else {
+        return Seen::Unknown;
+    };
+    let fields: Vec<&str> = fields.collect();
+    match (fields.first(), fields.get(19).and_then(|f| f.parse().ok())) {
+        (Some(&("Z" | "X" | "x")), _) => Seen::Ended,
+        (Some(_), Some(start)) => Seen::Running { start },
+        _ => Seen::Unknown,
+    }
+}
+
+/// The inode of this process's pid namespace, 0 where unknown.
+fn pid_namespace() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
+}
+
+/// "rank 2", "ranks 1, 3": the ranks whose bits are clear in `joined`, of `world`.
+fn missing(joined: u64, world: usize) -> String {
+    let ranks: Vec<String> = (0..world)
+        .filter(|r| joined >> r & 1 == 0)
+        .map(|r| r.to_string())
+        .collect();
+    match ranks.len() {
+        1 => format!("rank {}", ranks[0]),
+        _ => format!("ranks {}", ranks.join(", ")),
+    }
 }
 
 /// One group's shared memory, mapped into this process.
@@ -47,6 +116,8 @@ pub struct Arena {
     len: usize,
     rank: usize,
     world: usize,
+    /// This process's pid namespace (see [`Member`])
+    pid_ns: u64,
     /// Offset of the next allocation
     next: Mutex<usize>,
 }
@@ -210,6 +281,7 @@ impl Arena {
             len,
             rank,
             world,
+            pid_ns: pid_namespace(),
             next: Mutex::new(HEADER),
         };
         let h = arena.header();
@@ -242,6 +314,18 @@ impl Arena {
                 )));
             }
         }
+        let me = &h.members[rank];
+        me.start.store(
+            match look_at("self") {
+                Seen::Running { start } => start,
+                _ => 0,
+            },
+            Ordering::Relaxed,
+        );
+        me.pid_ns.store(arena.pid_ns, Ordering::Relaxed);
+        me.pid
+            .store(u64::from(std::process::id()), Ordering::Release);
+        h.joined_ranks.fetch_or(1 << rank, Ordering::AcqRel);
         h.joined.fetch_add(1, Ordering::AcqRel);
         if rank == 0 {
             // once every rank mapped it, the name goes: the memory ends with the last process
@@ -249,8 +333,9 @@ impl Arena {
             while h.joined.load(Ordering::Acquire) < world as u64 {
                 if Instant::now() >= deadline {
                     waited = Err(unavailable(format!(
-                        "rank 0 waited {timeout:?} for the group's other ranks to join /commfuse-{name}: {} of {world} did",
-                        h.joined.load(Ordering::Acquire)
+                        "rank 0 waited {timeout:?} for the group's other ranks to join /commfuse-{name}: {} of {world} did, not {}",
+                        h.joined.load(Ordering::Acquire),
+                        missing(h.joined_ranks.load(Ordering::Acquire), world)
                     )));
                     break;
                 }
@@ -278,15 +363,45 @@ impl Arena {
         self.world
     }
 
-    /// The group's abort flag (non-zero: a rank failed).
+    /// The group's abort flag (non-zero: a rank failed, and why).
     pub(crate) fn abort_flag(&self) -> &AtomicU64 {
         &self.header().abort
     }
 
-    /// Raises the group's abort flag: every rank's waits, in every process, give up. For a
-    /// rank that fails outside a call (building an operator its peers are already running).
+    /// Raises the group's abort flag as this rank's failure: every rank's waits, in every
+    /// process, give up and name this rank. For a rank that fails outside a call (building an
+    /// operator its peers are already running).
     pub fn raise_abort(&self) {
-        self.header().abort.store(1, Ordering::Relaxed);
+        crate::signal::raise_abort(self.abort_flag(), AbortCause::Failed { rank: self.rank });
+    }
+
+    /// Why the group was aborted, if it was: the first rank that failed and how.
+    pub fn abort_cause(&self) -> Option<AbortCause> {
+        crate::signal::abort_cause(self.abort_flag())
+    }
+
+    /// The pid of rank `rank`'s process if that process has ended (killed, crashed or exited);
+    /// None while it runs, before it joined, for this process's own rank, and where this
+    /// process cannot tell (another pid namespace, no /proc).
+    pub fn ended(&self, rank: usize) -> Option<u64> {
+        let m = self.header().members.get(rank)?;
+        let pid = m.pid.load(Ordering::Acquire);
+        let (start, ns) = (
+            m.start.load(Ordering::Relaxed),
+            m.pid_ns.load(Ordering::Relaxed),
+        );
+        if rank == self.rank || pid == 0 || ns == 0 || ns != self.pid_ns {
+            return None;
+        }
+        if pid == u64::from(std::process::id()) {
+            // ranks of one process (threads that each joined): alive while this code runs
+            return None;
+        }
+        match look_at(&pid.to_string()) {
+            Seen::Ended => Some(pid),
+            Seen::Running { start: now } if start != 0 && now != start => Some(pid),
+            Seen::Running { .. } | Seen::Unknown => None,
+        }
     }
 
     /// `bytes` of zeroed shared memory at the same offset in every process (when every process

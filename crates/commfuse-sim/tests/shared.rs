@@ -2,7 +2,8 @@
 //! is a thread that maps the group itself (the mechanism is the same as with one process per
 //! rank, which `python/tests/test_sim_processes.py` runs). A collective and GEMM +
 //! reduce-scatter through it against their references, the group's name gone once every rank
-//! joined, and the errors: a rank that never joins, a group name in use, a full arena.
+//! joined, and the errors: a rank that never joins, a group name in use, a full arena, and a
+//! peer whose process ends (a child process here) while a rank waits for it.
 
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath};
 use commfuse_core::gemm::BLayout;
@@ -13,7 +14,7 @@ use commfuse_sim::shared::Arena;
 use commfuse_sim::{World, WorldConfig};
 use half::bf16;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 fn name(what: &str) -> String {
     format!("rust-test-{what}-{}", std::process::id())
@@ -176,7 +177,10 @@ fn joining_fails_in_one_line_without_hanging() {
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("0 waited") && e.contains("1 of 2 did"), "{e}");
+    assert!(
+        e.contains("0 waited") && e.contains("1 of 2 did, not rank 1"),
+        "{e}"
+    );
     assert!(!std::path::Path::new(&format!("/dev/shm/commfuse-{lonely}")).exists());
     let e = Arena::open("a/b", 0, 1, 1 << 20, Duration::from_millis(100))
         .err()
@@ -221,4 +225,73 @@ fn groups_of_no_rank_too_many_ranks_or_too_much_memory_are_refused_at_once() {
         e.starts_with("the shared memory of group ") && e.contains("overflows"),
         "{e}"
     );
+}
+
+/// The child's side of [`a_wait_for_a_peer_whose_process_ended_stops_at_once_naming_it`]: rank
+/// 1 of the group named by `COMMFUSE_TEST_GROUP`, which joins and then waits for a line on its
+/// standard input (or its end) before it exits, never taking part in a call.
+#[test]
+#[ignore = "run by the test below as rank 1 of its group, in a child process"]
+fn rank_1_in_a_child_process() {
+    let name = std::env::var("COMMFUSE_TEST_GROUP").expect("started by the test below");
+    let _arena = Arena::open(&name, 1, 2, 1 << 20, Duration::from_secs(20)).unwrap();
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+}
+
+#[test]
+fn a_wait_for_a_peer_whose_process_ended_stops_at_once_naming_it() {
+    use std::process::{Command, Stdio};
+    let n = name("child");
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "rank_1_in_a_child_process",
+            "--test-threads=1",
+        ])
+        .env("COMMFUSE_TEST_GROUP", &n)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let arena = Arc::new(Arena::open(&n, 0, 2, 1 << 20, Duration::from_secs(20)).unwrap());
+    let pid = u64::from(child.id());
+    assert_eq!(arena.ended(1), None, "the child runs");
+    assert_eq!(arena.ended(0), None, "this process is never seen ended");
+    // the child ends: a zombie until it is reaped, then no process at all
+    drop(child.stdin.take());
+    let started = Instant::now();
+    while arena.ended(1).is_none() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the child did not end"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(arena.ended(1), Some(pid));
+    // a call whose peer is gone stops long before its 20 s timeout, naming the peer
+    let config = WorldConfig {
+        timeout: Duration::from_secs(20),
+        ..WorldConfig::default()
+    };
+    let world = World::shared(arena.clone(), config).unwrap();
+    let op = SimCollective::<f32>::new(&world, OpKind::AllReduce, 8, (None, ReduceOp::Sum, 0, 1))
+        .unwrap();
+    let started = Instant::now();
+    let e = world
+        .run(|ctx| op.forward(ctx, &[1.0; 8], &mut [0.0; 8]))
+        .unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(2), "{e}");
+    assert_eq!(
+        e.to_string(),
+        format!("rank 0 stopped waiting for rank 1: the process of rank 1 (pid {pid}) has ended")
+    );
+    // the group is aborted with that cause
+    assert_eq!(
+        arena.abort_cause(),
+        Some(commfuse_core::error::AbortCause::PeerGone { rank: 0, gone: 1 })
+    );
+    child.wait().unwrap();
+    assert_eq!(arena.ended(1), Some(pid), "reaped, it is still ended");
 }
