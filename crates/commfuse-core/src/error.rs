@@ -158,6 +158,8 @@ pub enum AbortCause {
     TimedOut { rank: usize, from: usize },
     /// Rank `rank` saw that the process of rank `gone` has ended.
     PeerGone { rank: usize, gone: usize },
+    /// Rank `rank` (the group's maker) waited past its timeout for rank `missing` to join.
+    NotJoined { rank: usize, missing: usize },
 }
 
 impl std::fmt::Display for AbortCause {
@@ -171,6 +173,12 @@ impl std::fmt::Display for AbortCause {
                 write!(
                     f,
                     "the process of rank {gone} has ended (seen by rank {rank})"
+                )
+            }
+            AbortCause::NotJoined { rank, missing } => {
+                write!(
+                    f,
+                    "rank {missing} did not join the group (seen by rank {rank})"
                 )
             }
         }

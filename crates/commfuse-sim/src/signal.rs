@@ -87,6 +87,7 @@ pub(crate) fn raise_abort(flag: &AtomicU64, cause: AbortCause) {
         AbortCause::Failed { rank } => (1, rank, 0),
         AbortCause::TimedOut { rank, from } => (2, rank, from),
         AbortCause::PeerGone { rank, gone } => (3, rank, gone),
+        AbortCause::NotJoined { rank, missing } => (4, rank, missing),
     };
     // ranks are below 2^24 (a world has at most 64), so the fields do not overlap
     let word = kind | (a as u64 & 0xff_ffff) << 8 | (b as u64 & 0xff_ffff) << 32;
@@ -104,6 +105,10 @@ pub(crate) fn abort_cause(flag: &AtomicU64) -> Option<AbortCause> {
         0 => None,
         2 => Some(AbortCause::TimedOut { rank: a, from: b }),
         3 => Some(AbortCause::PeerGone { rank: a, gone: b }),
+        4 => Some(AbortCause::NotJoined {
+            rank: a,
+            missing: b,
+        }),
         _ => Some(AbortCause::Failed { rank: a }),
     }
 }
