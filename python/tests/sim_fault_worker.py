@@ -6,9 +6,9 @@ Messages come and go over a ``multiprocessing`` connection as tuples. The worker
 ``("up",)`` (so that a slow start does not eat into a group's time to form). The parent sends
 ``("loop", job)`` (join the group, answer ``("ready",)``, then call until a call raises and answer
 ``("raised", message, when, calls)``, ``when`` being ``time.monotonic()`` of the raise, the same
-clock across processes), ``("once", job)`` (join, make one call, answer ``("ok", calls)``) and
-``None`` (leave). Any failure of the worker itself (a wrong result, a group it cannot join) is
-answered ``("failed", text)``.
+clock across processes, and ``calls`` -1 where the group could not form), ``("once", job)``
+(join, make two calls, answer ``("ok", 2)``) and ``None`` (leave). Any other failure of the
+worker (a wrong result, an exception other than ValueError) is answered ``("failed", text)``.
 
 A job is a dict: ``name``, ``nonce``, ``rank``, ``world``, ``timeout_ms``, ``op`` (one of
 :data:`OPS`), ``algo`` (a collective's algorithm or None), ``root``, ``seed``.
@@ -135,7 +135,12 @@ def serve(conn):
             return
         kind, job = order
         try:
-            g = join(job)
+            try:
+                g = join(job)
+            except ValueError as e:
+                # a group that cannot form: the parent judges the error like a call's
+                conn.send(("raised", str(e), time.monotonic(), -1))
+                continue
             call = Call(g, job)
             if kind == "once":
                 call.run(0)

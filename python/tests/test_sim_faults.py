@@ -1,8 +1,10 @@
 """Fault injection on the multi-process simulator: a rank of a ``commfuse.sim.Group`` is killed
-(SIGKILL) or frozen (SIGSTOP) at a random moment of a loop of calls of a random operator, and
-every surviving rank must raise, within the group's timeout and a margin, an error of one line
-that names the rank; nothing may hang (the parent gives every answer a deadline); and each
-survivor must then join a new group (among the survivors, or alone) and make correct calls.
+(SIGKILL) or frozen (SIGSTOP) at a random moment of a loop of calls of a random operator, or
+killed while the group forms, and every surviving rank must raise, within the group's timeout
+and a margin, an error of one line that names the rank; nothing may hang (the parent gives every
+answer a deadline); no shared memory may be left under the group's name; and each survivor must
+then join a new group (among the survivors, or alone; after a fault while the group formed,
+under the same name) and make correct calls.
 
 Workers are long-lived processes (``sim_fault_worker.serve``) forked from a forkserver that has
 imported NumPy and commfuse, so that a run costs one new process (the victim's replacement),
@@ -26,13 +28,15 @@ import pytest
 
 from sim_fault_worker import ALGOS, OPS, serve
 
-SEED = int(os.environ.get("COMMFUSE_FAULT_SEED", random.SystemRandom().randrange(1 << 32)))
+SEED = int(os.environ.get("COMMFUSE_FAULT_SEED") or random.SystemRandom().randrange(1 << 32))
 #: Every wait of every call is bounded by this.
 TIMEOUT_MS = 1500
 #: How late past the timeout a survivor's error may come on a loaded machine.
 MARGIN_S = 2.0
 #: Kill runs of each (operator, P).
 KILLS_EACH = 4
+#: Runs at each P whose victim is killed while the group forms.
+JOINS_EACH = 5
 #: Runs at a time.
 PARALLEL = 3
 SHM = "/dev/shm"
@@ -130,35 +134,53 @@ def names_rank(message, rank):
 
 def fault_run(pool, index, op, p, how):
     """One run: P workers loop `op`; one of them is killed (`how` "kill") or frozen ("stop")
-    after a random delay; the survivors must raise naming it, then recover. Returns (problems,
-    each a kind and a line, and the seconds from the fault to each survivor's error)."""
+    after a random delay, or killed while the group forms ("join"); the survivors must raise
+    naming it, then recover. Returns (problems, each a kind and a line, and the seconds from the
+    fault to each survivor's error)."""
     rng = random.Random(f"{SEED}-{index}")
     victim, delay = rng.randrange(p), rng.uniform(0, 0.03)
+    if how == "join":
+        delay /= 6
     name = f"{PREFIX}-{index}-{uuid.uuid4().hex[:8]}"
     mine = jobs(name, p, op, rng)
     what = (f"seed {SEED} run {index}: {how} rank {victim} of P={p} in {op} "
             f"(algo {mine[0]['algo']}, root {mine[0]['root']}) after {delay * 1000:.1f} ms")
     problems, lags = [], []
     workers = pool.take(p)
-    for w, j in zip(workers, mine):
-        w.send(("loop", j))
-    for r, w in enumerate(workers):
-        answer = w.recv(time.monotonic() + 60)
-        if answer != ("ready",):
-            problems.append(("join", f"{what}: rank {r} did not join: {answer}"))
-    if problems:
-        for w in workers:
-            w.end()
-        return problems, lags
-    time.sleep(delay)
-    faulted = time.monotonic()
-    os.kill(workers[victim].pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    if how == "join":
+        # rank 0 and the victim start to form the group and the victim dies within 5 ms:
+        # before it joined, while rank 0 waits for it, or just after; the others come after
+        first = sorted({0, victim})
+        for r in first:
+            workers[r].send(("loop", mine[r]))
+        time.sleep(delay)
+        faulted = time.monotonic()
+        os.kill(workers[victim].pid, signal.SIGKILL)
+        for r in range(p):
+            if r not in first:
+                workers[r].send(("loop", mine[r]))
+    else:
+        for w, j in zip(workers, mine):
+            w.send(("loop", j))
+        for r, w in enumerate(workers):
+            answer = w.recv(time.monotonic() + 60)
+            if answer != ("ready",):
+                problems.append(("join", f"{what}: rank {r} did not join: {answer}"))
+        if problems:
+            for w in workers:
+                w.end()
+            return problems, lags
+        time.sleep(delay)
+        faulted = time.monotonic()
+        os.kill(workers[victim].pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
     deadline = faulted + TIMEOUT_MS / 1000 + MARGIN_S
     survivors, messages = [], {}
     for r, w in enumerate(workers):
         if r == victim:
             continue
         answer = w.recv(deadline)
+        if how == "join" and answer == ("ready",):
+            answer = w.recv(deadline)  # joined; now its calls must end
         if answer is None:
             problems.append(("hang", f"{what}: rank {r} hung (no error {TIMEOUT_MS} ms + {MARGIN_S} s after the fault)"))
             w.end()
@@ -177,6 +199,10 @@ def fault_run(pool, index, op, p, how):
             problems.append(("late", f"{what}: rank {r} raised {when - faulted:.2f} s after the fault"))
         if how == "kill" and not names_rank(message, victim):
             problems.append(("unnamed", f"{what}: rank {r}'s error does not name rank {victim}: {message}"))
+        # a rank that never joins looks slow until rank 0 gives up on it, so a rank that joined
+        # may time out first waiting for rank 0 (still waiting for the victim) and name it
+        if how == "join" and not (names_rank(message, victim) or (r != 0 and calls >= 0 and names_rank(message, 0))):
+            problems.append(("unnamed", f"{what}: rank {r}'s error names neither rank {victim} nor rank 0: {message}"))
         if how == "kill" and f"the process of rank {victim}" not in message:
             problems.append(("not ended", f"{what}: rank {r}'s error does not say rank {victim}'s process ended: {message}"))
         if how == "stop" and not re.search(r"\brank \d+\b", message.replace(f"rank {r} ", "", 1)):
@@ -189,13 +215,14 @@ def fault_run(pool, index, op, p, how):
     if os.path.exists(os.path.join(SHM, f"commfuse-{name}")):
         problems.append(("leak", f"{what}: the group's shared memory /dev/shm/commfuse-{name} was left"))
 
-    # the survivors recover: a new group of all of them, or each alone
-    together = len(survivors) > 1 and rng.random() < 0.6
+    # the survivors recover: a new group of all of them, or each alone; after a fault while
+    # the group formed, under the same name (nothing left under it may block it)
+    together = len(survivors) > 1 and (how == "join" or rng.random() < 0.6)
     groups = [survivors] if together else [[s] for s in survivors]
     pending = []
     for k, members in enumerate(groups):
         op2 = rng.choice(OPS)
-        theirs = jobs(f"{name}-again{k}", len(members), op2, rng)
+        theirs = jobs(name if how == "join" else f"{name}-again{k}", len(members), op2, rng)
         for (old, w), j in zip(members, theirs):
             w.send(("once", j))
             pending.append((old, w, f"a new group of {len(members)} running {op2} ({j['algo']})"))
@@ -216,10 +243,11 @@ def test_ranks_killed_or_frozen_at_random_leave_survivors_an_error_naming_them()
     plan = [(op, p, "kill") for op in OPS for p in (2, 3, 4) for _ in range(KILLS_EACH)]
     rng = random.Random(SEED)
     plan += [(op, rng.choice((2, 3, 4)), "stop") for op in OPS]
+    plan += [(rng.choice(OPS), p, "join") for p in (2, 3, 4) for _ in range(JOINS_EACH)]
     rng.shuffle(plan)
     started = time.monotonic()
     pool = Pool()
-    problems, lags = [], {"kill": [], "stop": []}
+    problems, lags = [], {"kill": [], "stop": [], "join": []}
     try:
         with concurrent.futures.ThreadPoolExecutor(PARALLEL) as runs:
             futures = [runs.submit(fault_run, pool, i, *spec) for i, spec in enumerate(plan)]
@@ -229,17 +257,16 @@ def test_ranks_killed_or_frozen_at_random_leave_survivors_an_error_naming_them()
                 lags[how] += seconds
     finally:
         pool.close()
-    kills = sum(1 for *_, how in plan if how == "kill")
+    kills = sum(1 for *_, how in plan if how != "stop")
     left = [f for f in os.listdir(SHM) if f.startswith(f"commfuse-{PREFIX}")]
     print(
-        f"{kills} kill runs and {len(plan) - kills} freeze runs in {time.monotonic() - started:.1f} s, "
+        f"{kills} kill runs ({JOINS_EACH * 3} while the group formed) and {len(plan) - kills} "
+        f"freeze runs in {time.monotonic() - started:.1f} s, "
         f"{pool.started} processes; a killed rank was named after at most "
         f"{max(lags['kill'], default=0) * 1000:.0f} ms (median "
         f"{sorted(lags['kill'])[len(lags['kill']) // 2] * 1000 if lags['kill'] else 0:.0f} ms), "
         f"a frozen one after at most {max(lags['stop'], default=0):.2f} s"
     )
-    assert kills >= 100
-    assert not left, f"shared memory left behind: {left}"
     kinds = collections.Counter(kind for kind, _ in problems)
     firsts = {}
     for kind, text in problems:
@@ -247,6 +274,8 @@ def test_ranks_killed_or_frozen_at_random_leave_survivors_an_error_naming_them()
     assert not problems, f"{len(problems)} problems {dict(kinds)}; the first of each: " + "\n".join(
         firsts.values()
     )
+    assert kills >= 100
+    assert not left, f"shared memory left behind: {left}"
 
 
 def test_a_frozen_rank_is_named_by_the_timeout_of_the_rank_waiting_for_it():
