@@ -11,7 +11,9 @@ has joined and the last process ends. Its methods run this process's rank of an 
 arrays — ``collective(op, x, count=, algo=, reduce=, dtype=, root=)``, ``barrier()``,
 ``gemm_reduce_scatter(a, b, bias, ...)``, ``all_gather_matmul(a, b, bias, m=, ..., return_a=)``
 — and every rank must make the same calls in the same order. A rank that fails raises the
-group's abort flag; a rank that dies leaves the others' waits to time out (``timeout_ms``).
+group's abort flag, which stops the others' waits naming it; a wait for a rank whose process has
+ended (killed, crashed, exited) stops at once naming that rank, and a wait for a rank that hangs
+times out (``timeout_ms``) naming it. A failed group refuses further calls; make a new one.
 """
 
 from ._commfuse import SimGroup as Group

@@ -102,8 +102,9 @@ pub enum PlanError {
 /// A backend failed to run a plan.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum BackendError {
-    /// A spin-wait ran past its deadline: which rank waited on which slot, for what, seeing what.
-    #[error("timeout after {timeout_ms} ms: rank {rank} waits on slot {slot} for {cmp} {expected} but sees {seen}")]
+    /// A spin-wait ran past its deadline: which rank waited on which slot for which peer's
+    /// notify (`from`), for what, seeing what.
+    #[error("timeout after {timeout_ms} ms: rank {rank} waits on slot {slot} for {cmp} {expected} from rank {from} but sees {seen}")]
     WaitTimeout {
         rank: usize,
         slot: Slot,
@@ -111,6 +112,7 @@ pub enum BackendError {
         expected: u64,
         seen: u64,
         timeout_ms: u64,
+        from: usize,
     },
     /// A spin-wait inside a GPU kernel ran past its deadline (lane = the block that waited).
     #[error("timeout after {timeout_ms} ms on the GPU: rank {rank} (lane {lane}) waits on slot {slot} for >= {expected} but sees {seen}")]
@@ -122,9 +124,17 @@ pub enum BackendError {
         seen: u64,
         timeout_ms: u64,
     },
-    /// This rank stopped because another rank failed first.
-    #[error("rank {rank} aborted because another rank failed")]
-    Aborted { rank: usize },
+    /// This rank stopped waiting for rank `from` because another rank failed first (`cause`).
+    #[error("rank {rank} aborted its wait for rank {from} because {cause}")]
+    Aborted {
+        rank: usize,
+        from: usize,
+        cause: AbortCause,
+    },
+    /// The process of rank `from` (pid `pid`) ended while rank `rank` waited for its notify,
+    /// which will never come.
+    #[error("rank {rank} stopped waiting for rank {from}: the process of rank {from} (pid {pid}) has ended")]
+    PeerGone { rank: usize, from: usize, pid: u64 },
     /// The backend cannot run this request (not built, no device, ...).
     #[error("{0}")]
     Unavailable(String),
@@ -137,6 +147,42 @@ pub enum BackendError {
         needs: Option<u64>,
         available: Option<u64>,
     },
+}
+
+/// Why a group's ranks were told to stop: the first rank that failed and how.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortCause {
+    /// Rank `rank` failed otherwise (a bad argument, an operator it could not build, ...).
+    Failed { rank: usize },
+    /// Rank `rank` waited past its timeout for rank `from`'s notify.
+    TimedOut { rank: usize, from: usize },
+    /// Rank `rank` saw that the process of rank `gone` has ended.
+    PeerGone { rank: usize, gone: usize },
+    /// Rank `rank` (the group's maker) waited past its timeout for rank `missing` to join.
+    NotJoined { rank: usize, missing: usize },
+}
+
+impl std::fmt::Display for AbortCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            AbortCause::Failed { rank } => write!(f, "rank {rank} failed"),
+            AbortCause::TimedOut { rank, from } => {
+                write!(f, "rank {rank} timed out waiting for rank {from}")
+            }
+            AbortCause::PeerGone { rank, gone } => {
+                write!(
+                    f,
+                    "the process of rank {gone} has ended (seen by rank {rank})"
+                )
+            }
+            AbortCause::NotJoined { rank, missing } => {
+                write!(
+                    f,
+                    "rank {missing} did not join the group (seen by rank {rank})"
+                )
+            }
+        }
+    }
 }
 
 /// The share of the memory the OS says is available that one run may take, in percent: the

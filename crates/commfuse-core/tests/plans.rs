@@ -2,7 +2,7 @@
 //! uneven sizes, and its cost card adds up.
 
 use commfuse_core::cost::CostCard;
-use commfuse_core::{build_plan, check, Algo, OpKind, OpSpec, Topology};
+use commfuse_core::{build_plan, check, Algo, OpKind, OpSpec, Step, Topology};
 use proptest::prelude::*;
 
 fn all_pairs() -> Vec<(OpKind, Algo)> {
@@ -34,6 +34,36 @@ fn check_one(op: OpKind, algo: Algo, p: usize, n: usize, root: usize, groups: us
         "every byte sent over a link is received once or more"
     );
     assert!(card.predicted_us > 0.0);
+    // every wait knows the one rank whose notify it awaits (the peer a timeout names)
+    let steps = &checked.plan().steps;
+    for (r, mine) in steps.iter().enumerate() {
+        for step in mine {
+            let Step::Wait { slot, expected, .. } = step else {
+                continue;
+            };
+            let notifiers: Vec<usize> = (0..p)
+                .filter(|&q| {
+                    steps[q].iter().any(
+                        |s| matches!(s, Step::Notify { peer, slot: ns, .. } if *peer == r && ns == slot),
+                    )
+                })
+                .collect();
+            let want = if *expected == 0 {
+                None
+            } else {
+                Some(notifiers[0])
+            };
+            assert!(
+                notifiers.len() <= 1,
+                "{op} {algo} P={p}: slot {slot} of rank {r} has notifiers {notifiers:?}"
+            );
+            assert_eq!(
+                checked.notifier(r, *slot),
+                want,
+                "{op} {algo} P={p} n={n}: rank {r} slot {slot}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -204,12 +204,11 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
         &self,
         ctx: &RankContext<'_>,
         index: usize,
-        call: u64,
-        cmp: Cmp,
-        what: String,
+        (call, cmp): (u64, Cmp),
+        (what, from): (String, usize),
     ) -> Result<(), BackendError> {
         let slot = self.slot(index);
-        ctx.wait(slot, call, cmp).map(|_| ()).map_err(|e| match e {
+        ctx.wait(slot, call, cmp, from).map(|_| ()).map_err(|e| match e {
             BackendError::WaitTimeout {
                 seen, timeout_ms, ..
             } => unavailable(format!(
@@ -235,7 +234,7 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
         // every peer has finished reading its gather buffer in the previous call
         for q in (0..p).filter(|&q| q != rank) {
             let what = format!("rank {q}'s done of the previous call");
-            self.wait(ctx, s.done_index(q), call - 1, Cmp::Ge, what)?;
+            self.wait(ctx, s.done_index(q), (call - 1, Cmp::Ge), (what, q))?;
         }
         // hand this rank's pieces to every peer
         for g in s.sent_by(rank) {
@@ -262,7 +261,8 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
                 &a[(g.rows.start - start) * k..(g.rows.end - start) * k]
             } else {
                 let what = format!("piece {} of rank {}'s chunk", g.piece, g.owner);
-                self.wait(ctx, s.flag_index(g.owner, g.piece), call, Cmp::Eq, what)?;
+                let flag = s.flag_index(g.owner, g.piece);
+                self.wait(ctx, flag, (call, Cmp::Eq), (what, g.owner))?;
                 received.resize(g.rows.len() * k, TI::from_f32(0.0));
                 // SAFETY: the owner stored these rows before the flag the wait saw (acquire)
                 unsafe { self.gather.load(rank, g.rows.start * k, &mut received) };
@@ -336,7 +336,8 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
                 full[rows.clone()].copy_from_slice(&a[rows.start - start..rows.end - start]);
             } else {
                 let what = format!("piece {} of rank {}'s chunk", g.piece, g.owner);
-                self.wait(ctx, s.flag_index(g.owner, g.piece), call, Cmp::Ge, what)?;
+                let flag = s.flag_index(g.owner, g.piece);
+                self.wait(ctx, flag, (call, Cmp::Ge), (what, g.owner))?;
                 // SAFETY: the owner stored these rows before the flag the wait saw (acquire)
                 unsafe { self.gather.load(rank, rows.start, &mut full[rows]) };
             }

@@ -48,6 +48,9 @@ impl Barrier {
                 ring_barrier(world, world.size(), rank, self.row, epoch, &mut backoff)
             }
         };
-        result.map_err(|s| ctx.stuck(s.stop, Slot::new(s.row, s.col), Cmp::Ge, s.expected, s.seen))
+        result.map_err(|s| {
+            let slot = Slot::new(s.row, s.col);
+            ctx.stuck(s.stop, slot, Cmp::Ge, (s.expected, s.seen), s.peer)
+        })
     }
 }

@@ -50,7 +50,14 @@ pub(crate) fn run_rank<T: Element>(
                 expected,
                 cmp,
             } => {
-                ctx.wait(*slot, base[index(slot.row, slot.col)] + expected, *cmp)?;
+                // a slot nobody notifies has a wait for 0, which holds at once
+                let from = plan.notifier(rank, *slot).unwrap_or(rank);
+                ctx.wait(
+                    *slot,
+                    base[index(slot.row, slot.col)] + expected,
+                    *cmp,
+                    from,
+                )?;
             }
             // A slot is set at most once per call (the checker enforces it), so setting it to
             // base + value is the same as adding value: epochs then need no reset.

@@ -198,11 +198,11 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
                     set as u32,
                     (sched.slot_of(sender, rank) * self.flag_stride) as u32,
                 );
-                ctx.wait(slot, expected, Cmp::Ge).map_err(|e| match e {
+                ctx.wait(slot, expected, Cmp::Ge, sender).map_err(|e| match e {
                     BackendError::WaitTimeout {
                         seen, timeout_ms, ..
                     } => unavailable(format!(
-                        "timeout after {timeout_ms} ms: GEMM + reduce-scatter rank {rank}, call {call} (set {set}), which owns no rows at M = {}, waits on sender {sender}'s flag {slot} for >= {expected} but sees {seen}",
+                        "timeout after {timeout_ms} ms: GEMM + reduce-scatter rank {rank}, call {call} (set {set}), which owns no rows at M = {}, waits on rank {sender}'s flag {slot} for >= {expected} but sees {seen}",
                         sched.shape.m
                     )),
                     other => other,
@@ -217,11 +217,11 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
                     set as u32,
                     (sched.slot_of(sender, rank) * self.flag_stride + index) as u32,
                 );
-                ctx.wait(slot, expected, Cmp::Ge).map_err(|e| match e {
+                ctx.wait(slot, expected, Cmp::Ge, sender).map_err(|e| match e {
                     BackendError::WaitTimeout {
                         seen, timeout_ms, ..
                     } => unavailable(format!(
-                        "timeout after {timeout_ms} ms: GEMM + reduce-scatter rank {rank}, call {call} (set {set}), tile {} (rows {rows:?} of its chunk, columns {cols:?}) waits on sender {sender}'s flag {slot} for >= {expected} but sees {seen}",
+                        "timeout after {timeout_ms} ms: GEMM + reduce-scatter rank {rank}, call {call} (set {set}), tile {} (rows {rows:?} of its chunk, columns {cols:?}) waits on rank {sender}'s flag {slot} for >= {expected} but sees {seen}",
                         tiles[index]
                     )),
                     other => other,

@@ -6,9 +6,11 @@
 //! * [`protocol`]: notify, wait and the barrier protocols, generic over the atomic word so that
 //!   the tests can model-check them under loom and shuttle;
 //! * [`signal`]: the signal pad, with waits that spin, then yield, then sleep, and end in a
-//!   diagnosed timeout instead of a hang;
+//!   diagnosed timeout instead of a hang (or at once, in a group of processes, when the process
+//!   of the rank waited for has ended);
 //! * [`buffer`]: zero-initialised symmetric buffers;
-//! * [`world`]: ranks as scoped threads and the abort flag that stops all of them when one fails;
+//! * [`world`]: ranks as scoped threads and the abort flag that stops all of them when one fails,
+//!   carrying which rank failed first and how;
 //! * [`barrier`]: all-to-all and ring barriers with epochs (no reset between calls);
 //! * [`gemm`] and [`gemm_rs`]: the CPU model of the GEMM contract, and fused GEMM + reduce-scatter on it;
 //! * [`fused`]: what the fused operators share: the configuration they are built for, the checks

@@ -8,9 +8,7 @@
 
 use crate::ll_chunks::{ll_all_gather, ll_reduce_scatter, LlChunks};
 use crate::memory::Footprint;
-use crate::protocol::{
-    ll_one_shot_all_reduce, ll_two_shot_all_reduce, ll_two_shot_lines, LlLines, Stop,
-};
+use crate::protocol::{ll_one_shot_all_reduce, ll_two_shot_all_reduce, ll_two_shot_lines, LlLines};
 use crate::signal::SignalPad;
 use crate::world::{RankContext, World};
 use commfuse_core::backend::{
@@ -199,11 +197,9 @@ impl SimLl {
             }
             Err(s) => {
                 self.broken.store(true, Ordering::Release);
-                Err(match s.stop {
-                    Stop::Aborted => BackendError::Aborted { rank },
-                    Stop::Timeout => unavailable(format!(
-                        "timeout after {} ms: LL {} rank {rank} waits for sender {}'s line {} to carry call {}, sees call {} (line {:#018x})",
-                        ctx.world().config().timeout.as_millis(),
+                Err(ctx.wait_ended(s.stop, s.sender, |timeout_ms| {
+                    unavailable(format!(
+                        "timeout after {timeout_ms} ms: LL {} rank {rank} waits for rank {}'s line {} to carry call {}, sees call {} (line {:#018x})",
                         match self.collective {
                             LlCollective::AllReduce(shots) => format!("{name} ({shots:?} shot)"),
                             _ => name.to_string(),
@@ -213,8 +209,8 @@ impl SimLl {
                         s.seq,
                         s.seen >> 32,
                         s.seen
-                    )),
-                })
+                    ))
+                }))
             }
         }
     }

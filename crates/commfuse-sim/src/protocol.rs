@@ -36,11 +36,19 @@ impl SignalWord for std::sync::atomic::AtomicU64 {
 pub enum Stop {
     Timeout,
     Aborted,
+    /// The process of the rank the wait was for (see [`Backoff::waits_for`]) has ended: process
+    /// `pid`.
+    Gone {
+        pid: u64,
+    },
 }
 
 /// What a waiter does between unsuccessful polls.
 pub trait Backoff {
     fn pause(&mut self) -> Result<(), Stop>;
+    /// Says which rank's notify the waits from now on are for (a backoff may watch that rank's
+    /// process and stop when it ends).
+    fn waits_for(&mut self, _rank: usize) {}
 }
 
 pub fn notify<W: SignalWord + ?Sized>(word: &W, value: u64, op: NotifyOp) {
@@ -75,30 +83,34 @@ pub trait Pads {
     fn slot(&self, rank: usize, row: u32, col: u32) -> &Self::Word;
 }
 
-/// A barrier wait that failed: the slot of the waiting rank, what it waited for, what it saw.
+/// A barrier wait that failed: the slot of the waiting rank, the peer whose notify it waited
+/// for, what it waited for, what it saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stuck {
     pub stop: Stop,
     pub row: u32,
     pub col: u32,
+    pub peer: usize,
     pub expected: u64,
     pub seen: u64,
 }
 
+/// Waits until `rank`'s slot (`row`, `col`) reaches `epoch`, which `peer` notifies.
 fn wait_slot<P: Pads, B: Backoff + ?Sized>(
     pads: &P,
-    rank: usize,
-    row: u32,
-    col: u32,
+    (rank, row, col): (usize, u32, u32),
+    peer: usize,
     epoch: u64,
     backoff: &mut B,
 ) -> Result<(), Stuck> {
+    backoff.waits_for(peer);
     wait(pads.slot(rank, row, col), epoch, Cmp::Ge, backoff)
         .map(|_| ())
         .map_err(|(stop, seen)| Stuck {
             stop,
             row,
             col,
+            peer,
             expected: epoch,
             seen,
         })
@@ -118,7 +130,7 @@ pub fn all_to_all_barrier<P: Pads, B: Backoff + ?Sized>(
         notify(pads.slot(peer, row, rank as u32), epoch, NotifyOp::Set);
     }
     for peer in staggered_peers(rank, world) {
-        wait_slot(pads, rank, row, peer as u32, epoch, backoff)?;
+        wait_slot(pads, (rank, row, peer as u32), peer, epoch, backoff)?;
     }
     Ok(())
 }
@@ -137,16 +149,16 @@ pub fn ring_barrier<P: Pads, B: Backoff + ?Sized>(
     if world == 1 {
         return Ok(());
     }
-    let right = (rank + 1) % world;
+    let (left, right) = ((rank + world - 1) % world, (rank + 1) % world);
     let (arrive, release) = (row, row + 1);
     if rank == 0 {
         notify(pads.slot(right, arrive, 0), epoch, NotifyOp::Set);
-        wait_slot(pads, rank, arrive, 0, epoch, backoff)?;
+        wait_slot(pads, (rank, arrive, 0), left, epoch, backoff)?;
         notify(pads.slot(right, release, 0), epoch, NotifyOp::Set);
     } else {
-        wait_slot(pads, rank, arrive, 0, epoch, backoff)?;
+        wait_slot(pads, (rank, arrive, 0), left, epoch, backoff)?;
         notify(pads.slot(right, arrive, 0), epoch, NotifyOp::Set);
-        wait_slot(pads, rank, release, 0, epoch, backoff)?;
+        wait_slot(pads, (rank, release, 0), left, epoch, backoff)?;
         if right != 0 {
             notify(pads.slot(right, release, 0), epoch, NotifyOp::Set);
         }
@@ -216,6 +228,7 @@ pub(crate) fn ll_receive<L: LlLines, B: Backoff + ?Sized>(
     (sender, line): (usize, usize),
     backoff: &mut B,
 ) -> Result<f32, LlStuck> {
+    backoff.waits_for(sender);
     ll_load(lines.line(rank, at), seq, backoff)
         .map(f32::from_bits)
         .map_err(|(stop, seen)| LlStuck {

@@ -117,16 +117,15 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
         &self,
         ctx: &RankContext<'_>,
         index: usize,
-        expected: u64,
-        cmp: Cmp,
-        what: &str,
+        (expected, cmp): (u64, Cmp),
+        (what, from): (&str, usize),
     ) -> Result<(), BackendError> {
         let slot = self.slot(index);
-        ctx.wait(slot, expected, cmp).map(|_| ()).map_err(|e| match e {
+        ctx.wait(slot, expected, cmp, from).map(|_| ()).map_err(|e| match e {
             BackendError::WaitTimeout {
                 seen, timeout_ms, ..
             } => unavailable(format!(
-                "timeout after {timeout_ms} ms: GEMM + reduce-scatter (ring) rank {} waits for {what} (flag {slot}) to reach {expected}, sees {seen}",
+                "timeout after {timeout_ms} ms: GEMM + reduce-scatter (ring) rank {} waits for {what} from rank {from} (flag {slot}) to reach {expected}, sees {seen}",
                 ctx.rank()
             )),
             other => other,
@@ -153,7 +152,8 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
             if let Some(prev) = g.add {
                 let index = s.flag_index(set, prev, g.piece);
                 let what = format!("the running sum of piece {} after step {prev}", g.piece);
-                self.wait(ctx, index, call, Cmp::Eq, &what)?;
+                let from = s.sender(rank, g.step);
+                self.wait(ctx, index, (call, Cmp::Eq), (&what, from))?;
                 sum.resize(len, TO::from_f32(0.0));
                 // SAFETY: the sender stored these rows before the flag the wait saw (acquire),
                 // and stores into this set again only in its call after next, which starts
@@ -209,7 +209,8 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
             }
             for link in links {
                 let what = format!("its receiver's done of this call ({})", link.name());
-                self.wait(ctx, s.done_index(link), call, Cmp::Ge, &what)?;
+                let from = s.receiver_on(rank, link);
+                self.wait(ctx, s.done_index(link), (call, Cmp::Ge), (&what, from))?;
             }
         }
         Ok(())

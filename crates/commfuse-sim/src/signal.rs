@@ -3,6 +3,7 @@
 use crate::protocol::{Backoff, Stop};
 use crate::shared::Arena;
 use commfuse_core::backend::BackendError;
+use commfuse_core::error::AbortCause;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -79,25 +80,79 @@ impl SignalPad {
     }
 }
 
+/// Raises the abort flag `flag` with `cause`, unless a cause is there already: the first
+/// failure is the one every rank names.
+pub(crate) fn raise_abort(flag: &AtomicU64, cause: AbortCause) {
+    let (kind, a, b) = match cause {
+        AbortCause::Failed { rank } => (1, rank, 0),
+        AbortCause::TimedOut { rank, from } => (2, rank, from),
+        AbortCause::PeerGone { rank, gone } => (3, rank, gone),
+        AbortCause::NotJoined { rank, missing } => (4, rank, missing),
+    };
+    // ranks are below 2^24 (a world has at most 64), so the fields do not overlap
+    let word = kind | (a as u64 & 0xff_ffff) << 8 | (b as u64 & 0xff_ffff) << 32;
+    let _ = flag.compare_exchange(0, word, Ordering::AcqRel, Ordering::Relaxed);
+}
+
+/// Why the abort flag `flag` was raised (by [`raise_abort`]); None while it is down.
+pub(crate) fn abort_cause(flag: &AtomicU64) -> Option<AbortCause> {
+    let word = flag.load(Ordering::Acquire);
+    let (a, b) = (
+        (word >> 8 & 0xff_ffff) as usize,
+        (word >> 32 & 0xff_ffff) as usize,
+    );
+    match word & 0xff {
+        0 => None,
+        2 => Some(AbortCause::TimedOut { rank: a, from: b }),
+        3 => Some(AbortCause::PeerGone { rank: a, gone: b }),
+        4 => Some(AbortCause::NotJoined {
+            rank: a,
+            missing: b,
+        }),
+        _ => Some(AbortCause::Failed { rank: a }),
+    }
+}
+
 /// Spin briefly (a peer on another core answers within a microsecond), then yield (more ranks
 /// than cores: let the peer run), then sleep in growing steps (a long wait should not burn a
-/// core). Gives up at the deadline or when another rank raised the abort flag.
+/// core). Gives up at the deadline, when another rank raised the abort flag, or (in a group of
+/// processes) when the process of the rank being waited for has ended: that process is looked
+/// at every [`LOOK_EVERY`] of a wait, and a wait whose peer ended polls its word once more
+/// before it stops, so that a notify the peer made just before it ended still counts.
 pub struct SimBackoff<'a> {
     polls: u32,
     deadline: Instant,
     abort: &'a AtomicU64,
+    /// The group whose members' processes are watched, with the rank waited for
+    watch: Option<(&'a Arena, usize)>,
+    next_look: Instant,
+    /// The watched rank's process ended (its pid): the next pause stops
+    gone: Option<u64>,
 }
 
 const SPIN_POLLS: u32 = 64;
 const YIELD_POLLS: u32 = 1024;
+/// How often a wait looks whether the process of the rank it waits for has ended.
+pub const LOOK_EVERY: Duration = Duration::from_millis(5);
 
 impl<'a> SimBackoff<'a> {
     pub fn new(timeout: Duration, abort: &'a AtomicU64) -> Self {
+        let now = Instant::now();
         SimBackoff {
             polls: 0,
-            deadline: Instant::now() + timeout,
+            deadline: now + timeout,
             abort,
+            watch: None,
+            next_look: now + LOOK_EVERY,
+            gone: None,
         }
+    }
+
+    /// Also watches the processes of `arena`'s ranks: a wait for a rank whose process has
+    /// ended stops ([`Stop::Gone`]).
+    pub(crate) fn watching(mut self, arena: Option<&'a Arena>) -> Self {
+        self.watch = arena.map(|a| (a, a.rank()));
+        self
     }
 }
 
@@ -111,7 +166,21 @@ impl Backoff for SimBackoff<'_> {
         if self.abort.load(Ordering::Relaxed) != 0 {
             return Err(Stop::Aborted);
         }
-        if Instant::now() >= self.deadline {
+        if let Some(pid) = self.gone {
+            return Err(Stop::Gone { pid });
+        }
+        let now = Instant::now();
+        if let Some((arena, peer)) = self.watch {
+            if now >= self.next_look {
+                self.next_look = now + LOOK_EVERY;
+                if let Some(pid) = arena.ended(peer) {
+                    // one more poll first: what the peer notified before it ended counts
+                    self.gone = Some(pid);
+                    return Ok(());
+                }
+            }
+        }
+        if now >= self.deadline {
             return Err(Stop::Timeout);
         }
         if self.polls < YIELD_POLLS {
@@ -121,5 +190,14 @@ impl Backoff for SimBackoff<'_> {
             std::thread::sleep(Duration::from_micros(10 + 10 * extra));
         }
         Ok(())
+    }
+
+    fn waits_for(&mut self, rank: usize) {
+        if let Some((_, peer)) = &mut self.watch {
+            if *peer != rank {
+                *peer = rank;
+                self.gone = None;
+            }
+        }
     }
 }

@@ -1,10 +1,11 @@
 //! The simulated world: P ranks as scoped threads sharing signal pads.
 
 use crate::memory::{Footprint, OperatorMemory};
-use crate::protocol::{self, Pads, SignalWord, Stop};
+use crate::protocol::{self, Backoff, Pads, SignalWord, Stop};
 use crate::shared::Arena;
 use crate::signal::{SignalPad, SimBackoff};
 use commfuse_core::backend::BackendError;
+use commfuse_core::error::AbortCause;
 use commfuse_core::{Cmp, NotifyOp, Slot, MAX_WORLD_SIZE};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -121,6 +122,17 @@ impl World {
         }
     }
 
+    /// Stops every rank's waits (in every process of a shared world) with `cause`, unless a
+    /// rank failed first.
+    pub(crate) fn raise_abort(&self, cause: AbortCause) {
+        crate::signal::raise_abort(self.abort_flag(), cause);
+    }
+
+    /// Why the world was aborted, if it was: the first rank that failed and how.
+    pub fn abort_cause(&self) -> Option<AbortCause> {
+        crate::signal::abort_cause(self.abort_flag())
+    }
+
     /// The ranks [`World::run`] runs in this process.
     fn local_ranks(&self) -> std::ops::Range<usize> {
         match &self.arena {
@@ -181,7 +193,8 @@ impl World {
                         let ctx = RankContext { world: self, rank };
                         let out = f(&ctx);
                         if out.is_err() {
-                            self.abort_flag().store(1, Ordering::Relaxed);
+                            // a wait that ended raised the flag with its cause already
+                            self.raise_abort(AbortCause::Failed { rank });
                         }
                         out
                     })
@@ -263,13 +276,22 @@ impl<'w> RankContext<'w> {
         Ok(())
     }
 
-    /// Waits, with acquire semantics, until this rank's slot compares true with `expected`;
-    /// returns the value seen. Times out after the world's timeout with a diagnosis.
-    pub fn wait(&self, slot: Slot, expected: u64, cmp: Cmp) -> Result<u64, BackendError> {
+    /// Waits, with acquire semantics, until this rank's slot compares true with `expected`, for
+    /// the notify of rank `from`; returns the value seen. Times out after the world's timeout
+    /// with a diagnosis naming `from`, and in a shared world stops as soon as `from`'s process
+    /// has ended.
+    pub fn wait(
+        &self,
+        slot: Slot,
+        expected: u64,
+        cmp: Cmp,
+        from: usize,
+    ) -> Result<u64, BackendError> {
         let word = self.slot_of(self.rank, slot)?;
         let mut backoff = self.backoff();
+        backoff.waits_for(from);
         protocol::wait(word, expected, cmp, &mut backoff)
-            .map_err(|(stop, seen)| self.stuck(stop, slot, cmp, expected, seen))
+            .map_err(|(stop, seen)| self.stuck(stop, slot, cmp, (expected, seen), from))
     }
 
     /// The current value of this rank's slot.
@@ -277,28 +299,63 @@ impl<'w> RankContext<'w> {
         Ok(self.slot_of(self.rank, slot)?.load_acquire())
     }
 
+    /// The waiting policy of this rank's waits: the world's timeout and abort flag, and in a
+    /// shared world the processes of the ranks waited for.
     pub(crate) fn backoff(&self) -> SimBackoff<'w> {
         SimBackoff::new(self.world.config.timeout, self.world.abort_flag())
+            .watching(self.world.arena.as_deref())
     }
 
+    /// The error of a wait on `slot` for `cmp` (expected, seen) that `stop` ended (see
+    /// [`RankContext::wait_ended`]).
     pub(crate) fn stuck(
         &self,
         stop: Stop,
         slot: Slot,
         cmp: Cmp,
-        expected: u64,
-        seen: u64,
+        (expected, seen): (u64, u64),
+        from: usize,
     ) -> BackendError {
+        self.wait_ended(stop, from, |timeout_ms| BackendError::WaitTimeout {
+            rank: self.rank,
+            slot,
+            cmp: cmp.symbol(),
+            expected,
+            seen,
+            timeout_ms,
+            from,
+        })
+    }
+
+    /// The error of a wait of this rank for rank `from`'s notify that `stop` ended, `timeout`
+    /// making the error of a timeout from the world's timeout in ms. A timeout and a peer's
+    /// ended process raise the world's abort flag with that cause (unless another rank failed
+    /// first), so that every other rank's waits stop too and name it.
+    pub(crate) fn wait_ended(
+        &self,
+        stop: Stop,
+        from: usize,
+        timeout: impl FnOnce(u64) -> BackendError,
+    ) -> BackendError {
+        let rank = self.rank;
         match stop {
-            Stop::Aborted => BackendError::Aborted { rank: self.rank },
-            Stop::Timeout => BackendError::WaitTimeout {
-                rank: self.rank,
-                slot,
-                cmp: cmp.symbol(),
-                expected,
-                seen,
-                timeout_ms: self.world.config.timeout.as_millis() as u64,
+            Stop::Aborted => BackendError::Aborted {
+                rank,
+                from,
+                cause: self
+                    .world
+                    .abort_cause()
+                    .unwrap_or(AbortCause::Failed { rank }),
             },
+            Stop::Gone { pid } => {
+                self.world
+                    .raise_abort(AbortCause::PeerGone { rank, gone: from });
+                BackendError::PeerGone { rank, from, pid }
+            }
+            Stop::Timeout => {
+                self.world.raise_abort(AbortCause::TimedOut { rank, from });
+                timeout(self.world.config.timeout.as_millis() as u64)
+            }
         }
     }
 }

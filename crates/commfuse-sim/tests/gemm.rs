@@ -167,7 +167,7 @@ fn tiles_pushed_to_a_peer_are_never_read_before_their_flag() {
                 return run_gemm(ctx, &plan, &ops, &out);
             }
             for t in 0..count {
-                ctx.wait(Slot::new(1, t as u32), 1, Cmp::Ge)?;
+                ctx.wait(Slot::new(1, t as u32), 1, Cmp::Ge, 0)?;
                 let (rows, cols) = plan.tile_bounds(t);
                 for i in rows {
                     let mut row = vec![bf16::ZERO; cols.len()];

@@ -72,7 +72,7 @@ fn a_peer_that_never_arrives_ends_in_a_diagnosed_error() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("rank 0 waits for sender 1's line 0")
+        err.contains("rank 0 waits for rank 1's line 0")
             && err.contains("carry call 1, sees call 0"),
         "{err}"
     );

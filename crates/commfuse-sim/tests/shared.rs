@@ -2,18 +2,20 @@
 //! is a thread that maps the group itself (the mechanism is the same as with one process per
 //! rank, which `python/tests/test_sim_processes.py` runs). A collective and GEMM +
 //! reduce-scatter through it against their references, the group's name gone once every rank
-//! joined, and the errors: a rank that never joins, a group name in use, a full arena.
+//! joined, and the errors: a rank that never joins, a group name in use, a full arena, a peer
+//! whose process ends (a child process here) while a rank waits for it, and a group whose
+//! maker dies before it formed.
 
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath};
 use commfuse_core::gemm::BLayout;
-use commfuse_core::{DType, OpKind, ReduceOp};
+use commfuse_core::{Cmp, DType, OpKind, ReduceOp, Slot};
 use commfuse_sim::collective::SimCollective;
 use commfuse_sim::gemm_rs::{CallInputs, GemmRsConfig, GemmRsOperator};
 use commfuse_sim::shared::Arena;
 use commfuse_sim::{World, WorldConfig};
 use half::bf16;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 fn name(what: &str) -> String {
     format!("rust-test-{what}-{}", std::process::id())
@@ -176,7 +178,10 @@ fn joining_fails_in_one_line_without_hanging() {
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("0 waited") && e.contains("1 of 2 did"), "{e}");
+    assert!(
+        e.contains("0 waited") && e.contains("1 of 2 did, not rank 1"),
+        "{e}"
+    );
     assert!(!std::path::Path::new(&format!("/dev/shm/commfuse-{lonely}")).exists());
     let e = Arena::open("a/b", 0, 1, 1 << 20, Duration::from_millis(100))
         .err()
@@ -221,4 +226,253 @@ fn groups_of_no_rank_too_many_ranks_or_too_much_memory_are_refused_at_once() {
         e.starts_with("the shared memory of group ") && e.contains("overflows"),
         "{e}"
     );
+}
+
+/// The child's side of the tests below: rank `COMMFUSE_TEST_RANK` of a group of
+/// `COMMFUSE_TEST_WORLD` ranks named `COMMFUSE_TEST_GROUP`, which joins (rank 0: waits up to
+/// 20 s for the others to join) and then waits for a line on its standard input (or its end)
+/// before it exits, never making a call.
+#[test]
+#[ignore = "run by the tests below as a rank of their group, in a child process"]
+fn a_rank_in_a_child_process() {
+    let name = std::env::var("COMMFUSE_TEST_GROUP").expect("started by a test below");
+    let rank = std::env::var("COMMFUSE_TEST_RANK")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let world = std::env::var("COMMFUSE_TEST_WORLD")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let _arena = Arena::open(&name, rank, world, 1 << 20, Duration::from_secs(20)).unwrap();
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+}
+
+/// Rank `rank` of the group `name` of `world` ranks in a child process
+/// ([`a_rank_in_a_child_process`]).
+fn child_rank(name: &str, rank: usize, world: usize) -> std::process::Child {
+    use std::process::{Command, Stdio};
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "a_rank_in_a_child_process"])
+        .args(["--test-threads=1"])
+        .env("COMMFUSE_TEST_GROUP", name)
+        .env("COMMFUSE_TEST_RANK", rank.to_string())
+        .env("COMMFUSE_TEST_WORLD", world.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn a_wait_for_a_peer_whose_process_ended_stops_at_once_naming_it() {
+    let n = name("child");
+    let mut child = child_rank(&n, 1, 2);
+    let arena = Arc::new(Arena::open(&n, 0, 2, 1 << 20, Duration::from_secs(20)).unwrap());
+    let pid = u64::from(child.id());
+    assert_eq!(arena.ended(1), None, "the child runs");
+    assert_eq!(arena.ended(0), None, "this process is never seen ended");
+    // the child ends: a zombie until it is reaped, then no process at all
+    drop(child.stdin.take());
+    let started = Instant::now();
+    while arena.ended(1).is_none() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the child did not end"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(arena.ended(1), Some(pid));
+    // a call whose peer is gone stops long before its 20 s timeout, naming the peer
+    let config = WorldConfig {
+        timeout: Duration::from_secs(20),
+        ..WorldConfig::default()
+    };
+    let world = World::shared(arena.clone(), config).unwrap();
+    let op = SimCollective::<f32>::new(&world, OpKind::AllReduce, 8, (None, ReduceOp::Sum, 0, 1))
+        .unwrap();
+    let started = Instant::now();
+    let e = world
+        .run(|ctx| op.forward(ctx, &[1.0; 8], &mut [0.0; 8]))
+        .unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(2), "{e}");
+    assert_eq!(
+        e.to_string(),
+        format!("rank 0 stopped waiting for rank 1: the process of rank 1 (pid {pid}) has ended")
+    );
+    // the group is aborted with that cause
+    assert_eq!(
+        arena.abort_cause(),
+        Some(commfuse_core::error::AbortCause::PeerGone { rank: 0, gone: 1 })
+    );
+    child.wait().unwrap();
+    assert_eq!(arena.ended(1), Some(pid), "reaped, it is still ended");
+}
+
+/// Kills a child that made the group `name` of `world` ranks as its rank 0 once the group is
+/// set up, while it waits for the others to join (`before` has run); returns its pid.
+fn kill_maker_while_it_waits(name: &str, world: usize, before: impl FnOnce()) -> u64 {
+    let mut maker = child_rank(name, 0, world);
+    let object = format!("/dev/shm/commfuse-{name}");
+    let started = Instant::now();
+    // the header starts with the magic, written once rank 0's process is recorded there
+    let magic = 0x636f_6d6d_6675_7365u64.to_le_bytes();
+    while std::fs::read(&object).map_or(true, |b| !b.starts_with(&magic)) {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "no group set up"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    before();
+    maker.kill().unwrap();
+    maker.wait().unwrap();
+    u64::from(maker.id())
+}
+
+#[test]
+fn a_group_whose_maker_died_before_it_formed_leaves_no_name_behind() {
+    // a rank that comes later refuses it at once, naming rank 0, and removes its name
+    let n = name("maker-died");
+    let object = format!("/dev/shm/commfuse-{n}");
+    let pid = kill_maker_while_it_waits(&n, 2, || ());
+    assert!(std::path::Path::new(&object).exists(), "the name is left");
+    let started = Instant::now();
+    let e = Arena::open(&n, 1, 2, 1 << 20, Duration::from_secs(20))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(started.elapsed() < Duration::from_secs(2), "{e}");
+    assert_eq!(
+        e,
+        format!("rank 1 found /commfuse-{n} made by rank 0, whose process (pid {pid}) has ended before the group formed (the name is removed: start the group again)")
+    );
+    assert!(!std::path::Path::new(&object).exists());
+    // a new rank 0 under the same name replaces what a dead one left
+    kill_maker_while_it_waits(&n, 2, || ());
+    let arena = Arena::open(&n, 0, 1, 1 << 20, Duration::from_secs(5)).unwrap();
+    assert_eq!(arena.world(), 1);
+    assert!(
+        !std::path::Path::new(&object).exists(),
+        "a formed group's name goes"
+    );
+}
+
+#[test]
+fn ranks_that_joined_stop_naming_the_rank_that_never_did() {
+    // rank 1 joins a group of 3 and waits in a call; rank 2 never comes, so rank 0 gives up
+    // joining after 300 ms, and rank 1's wait (of a 20 s timeout) stops with it
+    let n = name("never-joined");
+    let maker = {
+        let n = n.clone();
+        std::thread::spawn(move || Arena::open(&n, 0, 3, 1 << 20, Duration::from_millis(300)))
+    };
+    let arena = Arc::new(Arena::open(&n, 1, 3, 1 << 20, Duration::from_secs(5)).unwrap());
+    let config = WorldConfig {
+        timeout: Duration::from_secs(20),
+        ..WorldConfig::default()
+    };
+    let world = World::shared(arena, config).unwrap();
+    let op = SimCollective::<f32>::new(&world, OpKind::AllReduce, 8, (None, ReduceOp::Sum, 0, 1))
+        .unwrap();
+    let started = Instant::now();
+    let e = world
+        .run(|ctx| op.forward(ctx, &[1.0; 8], &mut [0.0; 8]))
+        .unwrap_err()
+        .to_string();
+    assert!(started.elapsed() < Duration::from_secs(5), "{e}");
+    assert!(
+        e.starts_with("rank 1 aborted its wait for rank ")
+            && e.ends_with(" because rank 2 did not join the group (seen by rank 0)"),
+        "{e}"
+    );
+    let e = maker.join().unwrap().err().unwrap().to_string();
+    assert!(e.ends_with(": 2 of 3 did, not rank 2"), "{e}");
+    assert!(!std::path::Path::new(&format!("/dev/shm/commfuse-{n}")).exists());
+}
+
+#[test]
+fn a_rank_that_finds_the_maker_gone_stops_the_ranks_that_joined() {
+    // rank 1 joins while rank 0 (a child) waits for rank 2, and waits for rank 2's notify;
+    // rank 0 dies; rank 2 comes, finds the group's maker gone, and rank 1's wait (of a 20 s
+    // timeout) stops at once, naming rank 0
+    let n = name("joined-then-maker-died");
+    let joined = std::sync::Mutex::new(None);
+    let maker = kill_maker_while_it_waits(&n, 3, || {
+        let arena = Arena::open(&n, 1, 3, 1 << 20, Duration::from_secs(5)).unwrap();
+        *joined.lock().unwrap() = Some(Arc::new(arena));
+    });
+    let arena = joined.into_inner().unwrap().unwrap();
+    let config = WorldConfig {
+        timeout: Duration::from_secs(20),
+        ..WorldConfig::default()
+    };
+    let world = World::shared(arena, config).unwrap();
+    let late = {
+        let n = n.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            Arena::open(&n, 2, 3, 1 << 20, Duration::from_secs(5))
+        })
+    };
+    let started = Instant::now();
+    let e = world
+        .run(|ctx| ctx.wait(Slot::new(0, 2), 1, Cmp::Ge, 2).map(|_| ()))
+        .unwrap_err()
+        .to_string();
+    assert!(started.elapsed() < Duration::from_secs(5), "{e}");
+    assert_eq!(
+        e,
+        "rank 1 aborted its wait for rank 2 because the process of rank 0 has ended (seen by rank 2)"
+    );
+    let e = late.join().unwrap().err().unwrap().to_string();
+    assert!(
+        e.contains(&format!("process (pid {maker}) has ended")),
+        "{e}"
+    );
+    assert!(!std::path::Path::new(&format!("/dev/shm/commfuse-{n}")).exists());
+}
+
+/// An empty object of the group's name, as a rank 0 that ended between creating and sizing it
+/// leaves.
+fn empty_object(name: &str) {
+    let path = std::ffi::CString::new(format!("/commfuse-{name}")).unwrap();
+    // SAFETY: a NUL-terminated name; the descriptor is ours to close
+    unsafe {
+        let fd = libc::shm_open(
+            path.as_ptr(),
+            libc::O_CREAT | libc::O_EXCL | libc::O_RDWR,
+            0o600,
+        );
+        assert!(fd >= 0);
+        libc::close(fd);
+    }
+}
+
+#[test]
+fn an_empty_object_left_under_the_name_is_removed_once_it_is_old() {
+    let (maker, joiner) = (name("empty-maker"), name("empty-joiner"));
+    empty_object(&maker);
+    empty_object(&joiner);
+    // a fresh one may be a rank 0 between creating and sizing it: left alone
+    let e = Arena::open(&maker, 0, 1, 1 << 20, Duration::from_secs(1))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("a group of that name exists"), "{e}");
+    std::thread::sleep(Duration::from_millis(1100));
+    // an old one: rank 0 replaces it, a rank that gave up waiting removes it
+    Arena::open(&maker, 0, 1, 1 << 20, Duration::from_secs(1)).unwrap();
+    let e = Arena::open(&joiner, 1, 2, 1 << 20, Duration::from_millis(100))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.ends_with("(one left there by a rank 0 that ended was removed)"),
+        "{e}"
+    );
+    for n in [maker, joiner] {
+        assert!(!std::path::Path::new(&format!("/dev/shm/commfuse-{n}")).exists());
+    }
 }

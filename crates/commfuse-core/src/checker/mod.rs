@@ -41,6 +41,8 @@ use std::collections::HashMap;
 pub struct CheckedPlan {
     plan: Plan,
     increments: Vec<Vec<u64>>,
+    /// `[rank][row * pad_cols + col]`: the lowest rank that notifies that slot of `rank`
+    notifiers: Vec<Vec<Option<usize>>>,
 }
 
 impl CheckedPlan {
@@ -53,6 +55,17 @@ impl CheckedPlan {
     /// value and advances it by this increment after each call, so slots never need a reset.
     pub fn slot_increments(&self, rank: usize) -> &[u64] {
         &self.increments[rank]
+    }
+
+    /// The rank whose notify a wait of rank `rank` on its `slot` awaits (where several ranks add
+    /// to the slot, the lowest of them); None where no rank notifies the slot (a wait there
+    /// holds at once) or the slot is outside the plan's pad.
+    pub fn notifier(&self, rank: usize, slot: Slot) -> Option<usize> {
+        if slot.row >= self.plan.pad_rows || slot.col >= self.plan.pad_cols {
+            return None;
+        }
+        let s = slot.row as usize * self.plan.pad_cols as usize + slot.col as usize;
+        self.notifiers.get(rank)?.get(s).copied().flatten()
     }
 
     /// Runs the plan abstractly under `topology`'s latency–bandwidth model and returns the
@@ -69,7 +82,29 @@ pub fn check(plan: Plan) -> Result<CheckedPlan, PlanError> {
     let increments = check_shape(&plan)?;
     check_lane_alignment(&plan)?;
     engine::Engine::new(&plan, &increments, None).run(2)?;
-    Ok(CheckedPlan { plan, increments })
+    let notifiers = notifiers(&plan);
+    Ok(CheckedPlan {
+        plan,
+        increments,
+        notifiers,
+    })
+}
+
+/// For every rank and slot of its pad, the lowest rank that notifies it (slots in bounds: the
+/// shape was checked).
+fn notifiers(plan: &Plan) -> Vec<Vec<Option<usize>>> {
+    let slots = plan.pad_rows as usize * plan.pad_cols as usize;
+    let mut out = vec![vec![None; slots]; plan.world()];
+    for (r, steps) in plan.steps.iter().enumerate() {
+        for step in steps {
+            if let Step::Notify { peer, slot, .. } = step {
+                let s = slot.row as usize * plan.pad_cols as usize + slot.col as usize;
+                let first: &mut Option<usize> = &mut out[*peer][s];
+                *first = Some(first.map_or(r, |f| f.min(r)));
+            }
+        }
+    }
+    out
 }
 
 /// Backends may split every data step into lanes by position within its regions (element i of
