@@ -974,3 +974,58 @@ fn pieces_says_in_its_help_what_it_takes() {
         "{help}"
     );
 }
+
+#[test]
+fn run_writes_its_result_as_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("run.json");
+    let o = commfuse(&[
+        "run",
+        "reduce-scatter",
+        "--ranks",
+        "3",
+        "--size",
+        "1001",
+        "--seed",
+        "7",
+        "--json",
+        path.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(record["op"], "reduce-scatter", "{record}");
+    assert_eq!(record["ranks"], 3, "{record}");
+    assert_eq!(record["count"], 1001, "{record}");
+    assert_eq!(record["seed"], 7, "{record}");
+    assert_eq!(record["auto"], true, "{record}");
+    assert_eq!(record["ok"], true, "{record}");
+    assert_eq!(record["wrong"], 0, "{record}");
+    assert!(record["checked"].as_u64().unwrap() > 0, "{record}");
+    assert!(record["time_us"].as_f64().unwrap() > 0.0, "{record}");
+    fails_with(
+        &["run", "all-reduce", "--json", "/nonexistent-dir/run.json"],
+        "cannot write /nonexistent-dir/run.json",
+    );
+}
+
+#[test]
+fn completions_cover_every_command() {
+    for shell in ["bash", "zsh", "fish", "elvish", "powershell"] {
+        let o = commfuse(&["completions", shell]);
+        assert_eq!(o.status.code(), Some(0), "{shell}: {}", stderr(&o));
+        let script = stdout(&o);
+        for word in [
+            "run",
+            "plan",
+            "bench",
+            "verify",
+            "kernels",
+            "calibrate",
+            "--ranks",
+        ] {
+            assert!(script.contains(word), "{shell}: no '{word}' in the script");
+        }
+    }
+    fails_with(&["completions", "tcsh"], "invalid value 'tcsh'");
+}

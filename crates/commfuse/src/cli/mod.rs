@@ -1,11 +1,12 @@
-//! The `commfuse` command line: run, plan, bench, verify, kernels, calibrate. This module is
-//! the clap top level ([`Cli`], [`Command`]) and [`execute`], which hands each command to the
-//! module of the same name (`run`, `plan`, `bench`, `verify`, `kernels`, `calibrate`); the flags
-//! several commands share are `common`'s.
+//! The `commfuse` command line: run, plan, bench, verify, kernels, calibrate, completions. This
+//! module is the clap top level ([`Cli`], [`Command`]) and [`execute`], which hands each command
+//! to the module of the same name (`run`, `plan`, `bench`, `verify`, `kernels`, `calibrate`,
+//! `completions`); the flags several commands share are `common`'s.
 
 mod bench;
 mod calibrate;
 mod common;
+mod completions;
 mod kernels;
 mod plan;
 mod run;
@@ -16,6 +17,7 @@ pub use bench::{
 };
 pub use calibrate::CalibrateArgs;
 pub use common::{AlgoArg, ArgsOr, GemmShapeArgs, What, Where};
+pub use completions::CompletionsArgs;
 pub use kernels::KernelsArgs;
 pub use plan::PlanArgs;
 pub use run::{RunAgGemmArgs, RunArgs, RunCmd, RunGemmRsArgs, RunSub};
@@ -51,6 +53,8 @@ pub enum Command {
     Kernels(KernelsArgs),
     /// Fit the cost model's link figures to measured bench tables (bench --json files)
     Calibrate(CalibrateArgs),
+    /// Print the completion script of a shell (bash, zsh, fish, elvish, powershell)
+    Completions(CompletionsArgs),
 }
 
 /// Runs the parsed command; returns the process exit code.
@@ -67,5 +71,6 @@ pub fn execute(cli: Cli) -> Result<i32> {
         Command::Verify(a) => verify::verify_cmd(a),
         Command::Kernels(a) => kernels::kernels_cmd(a),
         Command::Calibrate(a) => calibrate::calibrate_cmd(a),
+        Command::Completions(a) => completions::completions_cmd(a),
     }
 }

@@ -45,6 +45,10 @@ pub struct RunArgs {
     /// Write rank{r}_input.npy and rank{r}_output.npy into this folder
     #[arg(long)]
     pub dump: Option<PathBuf>,
+    /// Also write the call and its result as JSON to this file (op, algo, ranks, backend,
+    /// count, dtype, reduce, seed, time_us, calls, checked, max_error, wrong, ok)
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -131,6 +135,27 @@ pub(super) fn run(a: RunArgs) -> Result<i32> {
         out.comparison.checked,
         out.comparison.max_error
     );
+    if let Some(path) = &a.json {
+        let record = serde_json::json!({
+            "op": req.op.to_string(),
+            "algo": algo.to_string(),
+            "auto": auto,
+            "ranks": backend.world_size(),
+            "backend": backend.name(),
+            "count": req.count,
+            "dtype": req.dtype.to_string(),
+            "reduce": req.reduce.to_string(),
+            "seed": seed,
+            "time_us": out.timing.slowest().as_secs_f64() * 1e6,
+            "calls": out.calls,
+            "checked": out.comparison.checked,
+            "max_error": out.comparison.max_error,
+            "wrong": out.comparison.wrong,
+            "ok": out.comparison.ok(),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&record)?)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    }
     if out.comparison.ok() {
         println!("OK");
         Ok(0)
