@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
 mod cache;
+pub mod wheels;
 pub use cache::{CacheKey, DiskCache, Miss};
 
 /// The architecture every kernel is built for (wgmma and setmaxnreg need the `a` variant).
@@ -148,7 +149,12 @@ pub fn ptxas_functions(log: &str) -> Vec<FunctionResources> {
 /// Whether the NVRTC library can be loaded (cudarc panics on use otherwise).
 pub fn available() -> bool {
     // SAFETY: only tries to dlopen the library
-    unsafe { sys::is_culib_present() }
+    if unsafe { sys::is_culib_present() } {
+        return true;
+    }
+    // not on the library path: a pip-installed copy, loaded by its full path
+    // SAFETY: as above
+    wheels::load().is_some() && unsafe { sys::is_culib_present() }
 }
 
 /// NVRTC's full version: `nvrtcVersion` gives only major.minor, so the comment block that
@@ -221,6 +227,9 @@ fn options() -> Vec<String> {
     ];
     if let Ok(dir) = std::env::var("COMMFUSE_CUDA_INCLUDE") {
         opts.push(format!("--include-path={dir}"));
+    } else if let Some(dir) = wheels::include_dir() {
+        // the headers of the wheel whose NVRTC was loaded
+        opts.push(format!("--include-path={}", dir.display()));
     }
     for dir in ["/usr/local/cuda/include", "/usr/local/cuda-13.0/include"] {
         if std::path::Path::new(dir).join("cuda_bf16.h").exists() {
@@ -282,7 +291,10 @@ fn ensure_available() -> Result<(), CudaError> {
         Ok(())
     } else {
         Err(CudaError::Unavailable(
-            "NVRTC (libnvrtc.so.13) was not found: install CUDA 13.0 or the nvidia-cuda-nvrtc wheel and put its lib folder on LD_LIBRARY_PATH".into(),
+            format!(
+                "NVRTC (libnvrtc.so.13) was found neither on the library path nor in a Python environment: `{}` (or put CUDA 13.0's lib folder on LD_LIBRARY_PATH)",
+                wheels::INSTALL
+            ),
         ))
     }
 }

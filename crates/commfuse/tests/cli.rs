@@ -1029,3 +1029,59 @@ fn completions_cover_every_command() {
     }
     fails_with(&["completions", "tcsh"], "invalid value 'tcsh'");
 }
+
+/// `commfuse kernels` finds NVRTC and the CUDA headers in a Python environment's pip-installed
+/// NVIDIA wheels with no `LD_LIBRARY_PATH` or include folder given; and where there is none,
+/// says in one line the command that installs them. `COMMFUSE_TEST_NVRTC_WHEELS` names a folder
+/// holding the wheels' `nvidia/` (CI sets it; required under `COMMFUSE_REQUIRE_NVRTC`).
+#[test]
+fn kernels_find_nvrtc_in_a_python_environment() {
+    let Some(wheels) = std::env::var_os("COMMFUSE_TEST_NVRTC_WHEELS") else {
+        assert!(
+            std::env::var_os("COMMFUSE_REQUIRE_NVRTC").is_none(),
+            "COMMFUSE_REQUIRE_NVRTC is set but COMMFUSE_TEST_NVRTC_WHEELS is not"
+        );
+        eprintln!("skipped: COMMFUSE_TEST_NVRTC_WHEELS names no folder of NVRTC wheels");
+        return;
+    };
+    let venv = tempfile::tempdir().unwrap();
+    let site = venv.path().join("lib/python3.11/site-packages");
+    std::fs::create_dir_all(&site).unwrap();
+    std::os::unix::fs::symlink(
+        std::path::Path::new(&wheels).join("nvidia"),
+        site.join("nvidia"),
+    )
+    .unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let bare = |venv: Option<&std::path::Path>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_commfuse"));
+        c.arg("kernels")
+            .env_remove("LD_LIBRARY_PATH")
+            .env_remove("COMMFUSE_CUDA_INCLUDE")
+            .env_remove("CONDA_PREFIX")
+            .env("PATH", "/nonexistent")
+            .env("HOME", "/nonexistent")
+            .env("COMMFUSE_KERNEL_CACHE", cache.path());
+        match venv {
+            Some(v) => c.env("VIRTUAL_ENV", v),
+            None => c.env_remove("VIRTUAL_ENV"),
+        };
+        c.output().unwrap()
+    };
+    let o = bare(Some(venv.path()));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("gemm.cu: compiled for sm_90a"),
+        "{}",
+        stdout(&o)
+    );
+    let o = bare(None);
+    if o.status.code() != Some(0) {
+        let err = stderr(&o);
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(
+            err.contains("pip install nvidia-cuda-nvrtc==13.0.88"),
+            "{err}"
+        );
+    }
+}
