@@ -112,8 +112,8 @@ struct GemmMemory {
 }
 
 impl InUse for GemmMemory {
-    /// gemm.cu's pipeline waits never read `abort` (they trap after their timeout); its flag
-    /// waits (a fold's partials, a band's rows) give up once it is raised.
+    /// gemm.cu's flag waits (a fold's partials, a band's rows) give up once it is raised, and
+    /// the block then ends without storing more; its pipeline waits end after their timeout.
     fn abort(&self) {
         self.error.raise_abort();
     }
@@ -832,7 +832,24 @@ impl PreparedGemm {
         Ok(params)
     }
 
-    /// After a failed synchronisation: what the kernel recorded before it stopped, if anything.
+    /// The bound of every pipeline wait of later launches (by default 5 s); flag waits keep
+    /// the bound they were prepared with ([`Gather::timeout`] or half the default), so one
+    /// below theirs makes a long flag wait end as a pipeline stall.
+    pub fn set_pipeline_timeout(&mut self, timeout: Duration) {
+        self.params.timeout_ns = (timeout.as_nanos() as u64).max(1);
+    }
+
+    /// After the launches so far were waited for: the stall report of a wait that gave up in
+    /// any of them, as an error. A kernel whose wait gave up ends on its own without storing
+    /// the tiles it had left (the synchronisation itself succeeds), so every caller checks.
+    pub fn check(&self) -> Result<(), CudaError> {
+        match self.stall_report() {
+            Some(report) => Err(CudaError::Stalled(report)),
+            None => Ok(()),
+        }
+    }
+
+    /// What the kernel recorded when a wait of one of its launches gave up, if one did.
     pub fn stall_report(&self) -> Option<String> {
         let e = self.memory.error.read();
         (e.flag != 0).then(|| {
