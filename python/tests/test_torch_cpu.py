@@ -50,6 +50,14 @@ def test_peer_access_forbidden_falls_back_to_torch_distributed(monkeypatch):
     run_ranks(torch_checks.fallback_serves_the_same, 2)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("served_by", ["commfuse-sim", "torch.distributed"])
+def test_calls_that_differ_between_ranks_fail_on_every_rank(world, served_by, monkeypatch):
+    if served_by == "torch.distributed":
+        monkeypatch.setenv("COMMFUSE_PEER_ACCESS", "0")
+    run_ranks(torch_checks.unequal_calls_fail_on_every_rank, world, timeout=300)
+
+
 @pytest.fixture(scope="module")
 def one_rank():
     """This process as a group of one (gloo)."""

@@ -374,6 +374,86 @@ def fallback_serves_the_same(rank, world, seed=11):
     assert "COMMFUSE_PEER_ACCESS=0" in str(ours[0].message)
 
 
+def unequal_calls_fail_on_every_rank(rank, world, seed=17):
+    """A GEMM op whose M or N differs between ranks, or whose rows of A do not make the agreed
+    M's chunks, ends in a ValueError on every rank that names each rank's value (the calls are
+    compared before anything is built or run, so no rank waits in a collective alone); equal
+    calls run correctly after, and a signature seen before exchanges nothing."""
+    import pytest
+
+    dtype, n, k = torch.bfloat16, 16, 8
+
+    def each(name, value_of):
+        return " and ".join(f"{name} = {value_of(r)} on rank {r}" for r in range(world))
+
+    def fails(call, says):
+        with pytest.raises(ValueError) as raised:
+            call()
+        assert says in str(raised.value), (str(raised.value), says)
+
+    w = _on(operands(seed, [(k, n)])[0], dtype)
+    a = _on(operands(seed + 1, [(4 + rank, k)])[0], dtype)
+    fails(lambda: cf.gemm_reduce_scatter(a, w),
+          "gemm_reduce_scatter: every rank must pass the same M, got "
+          + each("M", lambda r: 4 + r))
+    # the same failure again, exchanged again on every rank (a refused call is not remembered,
+    # so rank 1's later M = 5 is new to it too)
+    fails(lambda: cf.gemm_reduce_scatter(a, w), "every rank must pass the same M")
+    # (a request new on every rank: one repeated on some ranks is not exchanged there)
+    wide = _on(operands(seed + 2, [(k, n + 8 + 8 * rank)])[0], dtype)
+    fails(lambda: cf.gemm_reduce_scatter(a[:4], wide),
+          "every rank must pass the same N, got " + each("N", lambda r: n + 8 + 8 * r))
+    # M defaults to P × this rank's rows: rows that differ make Ms that differ
+    fails(lambda: cf.all_gather_gemm(_on(operands(seed + 3, [(2 + rank, k)])[0], dtype), w),
+          "all_gather_gemm: every rank must pass the same M, got "
+          + each("M", lambda r: (2 + r) * world))
+    # M given, the last rank holding a row too many: every rank says which
+    last = world - 1
+    held = 4 if rank == last else 3
+    chunk = _on(operands(seed + 4, [(held, k)])[0], dtype)
+    who = "this rank" if rank == last else f"rank {last}"
+    fails(lambda: cf.all_gather_gemm(chunk, w, m=3 * world),
+          f"{who} holds 4 rows of A, but its chunk of M = {3 * world} has 3")
+
+    # equal calls serve as before; a signature's first call exchanges once, later ones never
+    counted = []
+    exchange = dist.all_gather_object
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return exchange(*args, **kwargs)
+
+    dist.all_gather_object = counting
+    try:
+        m = 2 * world + 1
+        rows = rows_of(m, world)
+        every_a = operands(seed + 5, [(m, k)] * world)
+        every_b = operands(seed + 6, [(k, n)] * world)
+        total = sum(x @ y for x, y in zip(every_a, every_b))
+        scale = sum(x.abs() @ y.abs() for x, y in zip(every_a, every_b))
+        def exchanges(call, first):
+            if call == 0:
+                assert len(counted) > first or world == 1, "a first call exchanges its request"
+                return len(counted)
+            assert len(counted) == first, f"call {call} of a signature seen before exchanged"
+            return first
+
+        first = 0
+        for call in range(3):
+            y = cf.gemm_reduce_scatter(_on(every_a[rank], dtype), _on(every_b[rank], dtype))
+            check(f"gemm_reduce_scatter after unequal calls, call {call}", y, total[rows[rank]],
+                  scale[rows[rank]], dtype)
+            first = exchanges(call, first)
+        for call in range(3):
+            z = cf.all_gather_gemm(_on(every_a[0][rows[rank]], dtype),
+                                   _on(every_b[rank], dtype), m=m)
+            check(f"all_gather_gemm after unequal calls, call {call}", z,
+                  every_a[0] @ every_b[rank], every_a[0].abs() @ every_b[rank].abs(), dtype)
+            first = exchanges(call, first)
+    finally:
+        dist.all_gather_object = exchange
+
+
 def graphs_replay_new_inputs(rank, world, seed=13):
     """The tensor-parallel block compiled with ``mode="reduce-overhead"`` (CUDA graphs): every
     replay with new inputs equals eager."""

@@ -15,6 +15,10 @@ pub enum Error {
     },
     #[error("{0}")]
     Unsupported(String),
+    /// An algorithm that cannot run on this world size (or this grouping of its ranks), though
+    /// it can on others: the message names both.
+    #[error("{0}")]
+    NotForWorld(String),
     #[error("size overflow: {0}")]
     SizeOverflow(String),
     #[error("invalid plan")]
@@ -138,6 +142,9 @@ pub enum BackendError {
     /// The backend cannot run this request (not built, no device, ...).
     #[error("{0}")]
     Unavailable(String),
+    /// The algorithm asked for cannot run on this world size ([`Error::NotForWorld`]).
+    #[error("{0}")]
+    NotForWorld(String),
     /// `what` needs more host memory than a run may take (see [`MEMORY_SHARE_PERCENT`]) of what
     /// the OS says is available, or more bytes than 64 bits count (`needs` None). Checked before
     /// anything is allocated; `available` is None where the OS does not say.
@@ -181,6 +188,17 @@ impl std::fmt::Display for AbortCause {
                     "rank {missing} did not join the group (seen by rank {rank})"
                 )
             }
+        }
+    }
+}
+
+impl From<Error> for BackendError {
+    /// A request the backend cannot serve: [`BackendError::NotForWorld`] for an algorithm that
+    /// does not fit the world size, [`BackendError::Unavailable`] with the message otherwise.
+    fn from(e: Error) -> Self {
+        match e {
+            Error::NotForWorld(why) => BackendError::NotForWorld(why),
+            e => BackendError::Unavailable(e.to_string()),
         }
     }
 }

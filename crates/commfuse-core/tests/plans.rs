@@ -95,6 +95,21 @@ fn ring_2d_rejects_groups_that_do_not_divide() {
         err.to_string().contains("multiple of the NUMA group count"),
         "{err}"
     );
+    // typed, so that callers tell "not on this world size" from a failure
+    assert!(
+        matches!(err, commfuse_core::Error::NotForWorld(_)),
+        "{err:?}"
+    );
+    let backend = commfuse_core::backend::BackendError::from(err.clone());
+    assert_eq!(
+        backend,
+        commfuse_core::backend::BackendError::NotForWorld(err.to_string())
+    );
+    let other = commfuse_core::Error::Unsupported("no".into());
+    assert_eq!(
+        commfuse_core::backend::BackendError::from(other),
+        commfuse_core::backend::BackendError::Unavailable("no".into())
+    );
 }
 
 #[test]

@@ -166,12 +166,21 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(G
 // ---- shared memory, mbarriers, TMA -------------------------------------------------------
 
 // This call's number and tile routes, decided once per block (thread 0, before the block's
-// first barrier) from GemmParams.epoch/routes or from the call counter.
+// first barrier) from GemmParams.epoch/routes or from the call counter; and the block's stop
+// word, raised by the first of its waits that gives up (see pipeline_stalled). It lives in
+// shared memory: unlike the error record's word in host memory, reading it is cheap.
 struct CallState {
     u64 epoch;
     const TileRoute* routes;
+    u32 stopped;
 };
 __shared__ CallState call_state;
+
+// Whether a wait of this block gave up: its roles then stop waiting, store nothing more and
+// raise no flag (a shared-memory load, read only where a wait has already failed to complete
+// at once, once per tile by the storers, and at their flags).
+__device__ __forceinline__ bool block_stopped() { return *(volatile u32*)&call_state.stopped != 0; }
+__device__ __forceinline__ void stop_block() { *(volatile u32*)&call_state.stopped = 1u; }
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -205,7 +214,14 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
 enum PipelineWait { WAIT_STAGE_EMPTY = 0, WAIT_STAGE_FULL = 1, WAIT_EPI_EMPTY = 2, WAIT_EPI_FULL = 3, WAIT_PARTIALS = 4, WAIT_FOLD_FLAG = 5, WAIT_BAND_FLAG = 6 };
 
 // A pipeline wait that never completes is a bug (a lost TMA, a miscounted barrier): record
-// which block waited for what at which tile, and stop the kernel rather than hang the GPU.
+// which block waited for what at which tile (the first record of the launch wins) and raise
+// the block's stop word. The kernel then ends on its own instead of hanging the GPU, and
+// without a trap, which would take the whole CUDA context (every library's in the process)
+// with it: every role goes on through its loop with the same control flow (so that every
+// named barrier and warpgroup instruction still meets all of its threads), but each wait that
+// does not complete at once returns, the producer issues no more loads, and the storers store
+// nothing and raise no flag, so no peer takes this call's tiles for finished ones. The host
+// reports the record (PreparedGemm::stall_report).
 // One copy per role (ROLE 0: producer and storers, 1: consumers): a callee shared by both is
 // register-allocated above the consumers' live registers and would overrun the 56 registers
 // the producer warpgroup keeps after setmaxnreg; inlining it spills in the consumers.
@@ -221,16 +237,23 @@ __device__ __noinline__ void pipeline_stalled(const GemmParams& p, u32 tile, u32
         __threadfence_system();
         p.err->abort = 1;
     }
-    __trap();
+    stop_block();
 }
 
+// Waits for the phase of `bar` of this parity; false when it gave up instead: after the
+// pipeline's timeout (recorded), or at once once the block's stop word is up.
 template <int ROLE>
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, const GemmParams& p, u32 tile, u32 what) {
-    if (mbar_try_wait(bar, parity)) return;
+__device__ __forceinline__ bool mbar_wait(u32 bar, u32 parity, const GemmParams& p, u32 tile, u32 what) {
+    if (mbar_try_wait(bar, parity)) return true;
     const u64 start = global_timer_ns();
     while (!mbar_try_wait(bar, parity)) {
-        if (global_timer_ns() - start > p.timeout_ns) pipeline_stalled<ROLE>(p, tile, what, parity);
+        if (block_stopped()) return false;
+        if (global_timer_ns() - start > p.timeout_ns) {
+            pipeline_stalled<ROLE>(p, tile, what, parity);
+            return false;
+        }
     }
+    return true;
 }
 constexpr int ROLE_WG0 = 0, ROLE_CONSUMER = 1;
 
@@ -360,9 +383,10 @@ __device__ __forceinline__ Unit unit_at(const GemmParams& p, u32 u) {
 // Waits (acquire, system scope) until `flag` holds at least this call's epoch; true once it
 // does. A peer that never arrives is reported like a stalled pipeline wait (ErrorRecord.slot =
 // `what`, step = tile, expected = epoch, seen = the flag's value) after flag_timeout_ns, at
-// most half the pipeline's bound (the other roles' waits for this block must not run out, and
-// trap, while it waits here), and the caller goes on with whatever is there: the call's result
-// is then wrong, and the host's check says why.
+// most half the pipeline's bound (the other roles' waits for this block should not run out
+// while it waits here: the record then names the wait that caused it), and the block stops
+// (see pipeline_stalled); it also gives up once the block's stop word or the launch's abort is up
+// (recording this wait only where nothing was recorded before). The host's check says why.
 __device__ __forceinline__ bool flag_wait(const GemmParams& p, const u64* flag, u32 tile, u32 what) {
     u64 seen = load_acquire_sys(flag);
     if (seen >= call_state.epoch) return true;
@@ -374,7 +398,9 @@ __device__ __forceinline__ bool flag_wait(const GemmParams& p, const u64* flag, 
             fence_acquire_sys();
             return true;
         }
-        if ((spins & 255) == 0 && waiter_check(p.err, global_timer_ns() - start, spins, limit) != GO_ON) {
+        if ((spins & 255) == 0 &&
+            (block_stopped() || waiter_check(p.err, global_timer_ns() - start, spins, limit) != GO_ON)) {
+            stop_block();
             if (atomicCAS_system((u32*)&p.err->flag, 0u, 3u) == 0u) {
                 p.err->rank = p.rank;
                 p.err->lane = blockIdx.x;
@@ -392,12 +418,13 @@ __device__ __forceinline__ bool flag_wait(const GemmParams& p, const u64* flag, 
 
 // All-gather + GEMM: waits until band `band`'s rows of A have landed (its flag, if it has
 // one), then orders the TMA loads that follow (async proxy) after the rows the flag published
-// (generic proxy: a peer's copy and release).
-__device__ __forceinline__ void band_wait(const GemmParams& p, u32 band, u32 tile) {
+// (generic proxy: a peer's copy and release). False when the wait gave up.
+__device__ __forceinline__ bool band_wait(const GemmParams& p, u32 band, u32 tile) {
     const u64* flag = (const u64*)p.band_flags[band];
-    if (flag == nullptr) return;
-    flag_wait(p, flag, tile, WAIT_BAND_FLAG);
+    if (flag == nullptr) return true;
+    const bool landed = flag_wait(p, flag, tile, WAIT_BAND_FLAG);
     asm volatile("fence.proxy.async.global;" ::: "memory");
+    return landed;
 }
 
 // ---- the three roles ---------------------------------------------------------------------------
@@ -413,10 +440,12 @@ template <bool B_KN>
 __device__ void producer(const GemmParams& p, const Smem& s) {
     u32 stage = 0, phase = 0;
     u32 landed = 0xffffffffu;  // the last band whose rows this block saw land
-    for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
+    u32 issued = 0;            // stages loaded at least once (at most STAGES)
+    bool live = true;          // false once a wait gave up: no more loads
+    for (u32 i = blockIdx.x; live && i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at(p, i);
         if (p.band_flags != nullptr && c.tm != landed) {
-            band_wait(p, c.tm, c.tile);
+            if (!band_wait(p, c.tm, c.tile)) break;
             landed = c.tm;
         }
         // the caller's own rows (all-gather + GEMM) from its A, the rest from p.a
@@ -425,7 +454,10 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         const u32 a_row = local ? c.row0 - p.local_row0 : c.row0;
         for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
             const u32 full = s.full + 8 * stage, empty = s.empty + 8 * stage;
-            mbar_wait<ROLE_WG0>(empty, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY);
+            if (!mbar_wait<ROLE_WG0>(empty, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY)) {
+                live = false;
+                break;
+            }
             // out-of-bounds parts of a box are zero-filled and still counted in bytes
             mbar_expect_tx(full, gemm::A_STAGE_BYTES + gemm::B_STAGE_BYTES);
             const u32 a_dst = s.a + stage * gemm::A_STAGE_BYTES, b_dst = s.b + stage * gemm::B_STAGE_BYTES;
@@ -437,10 +469,26 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             } else {
                 tma_load_2d(b_dst, &p.b, full, kb * gemm::BK, c.tn * gemm::BN);
             }
+            if (issued < gemm::STAGES) ++issued;
             if (++stage == gemm::STAGES) {
                 stage = 0;
                 phase ^= 1;
             }
+        }
+    }
+    // The consumers of a block that gave up no longer wait for every stage: wait here (bounded)
+    // for the last load into each stage, which would otherwise land in shared memory that may
+    // belong to another block by then. In a call that went well they have landed or are about
+    // to: the consumers wait for them too.
+    for (u32 j = 0; j < issued; ++j) {
+        if (stage == 0) {
+            stage = gemm::STAGES - 1;
+            phase ^= 1;
+        } else {
+            --stage;
+        }
+        const u64 start = global_timer_ns();
+        while (!mbar_try_wait(s.full + 8 * stage, phase) && global_timer_ns() - start <= p.timeout_ns) {
         }
     }
 }
@@ -476,7 +524,11 @@ __device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
     if (tid == 0) {
         const u64 start = global_timer_ns();
         while (atomicAdd(counter, 0u) < helpers) {
-            if (global_timer_ns() - start > p.timeout_ns) pipeline_stalled<ROLE_CONSUMER>(p, c.tile, WAIT_PARTIALS, helpers);
+            if (block_stopped()) break;
+            if (global_timer_ns() - start > p.timeout_ns) {
+                pipeline_stalled<ROLE_CONSUMER>(p, c.tile, WAIT_PARTIALS, helpers);
+                break;
+            }
         }
         __threadfence();
         *counter = 0;  // ready for the next call (kernel boundaries order it)
@@ -676,9 +728,10 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
         // per-thread path.
         const bool bulk = vec_ok && !p.accumulate && cols % VEC == 0;
         for (int pass = 0; pass < PASSES; ++pass) {
-            mbar_wait<ROLE_WG0>(s.epi_full, epi_phase, p, c.tile, WAIT_EPI_FULL);
+            // a block that gave up stores nothing more (the staged tile may be anything)
+            const bool store = mbar_wait<ROLE_WG0>(s.epi_full, epi_phase, p, c.tile, WAIT_EPI_FULL) && !block_stopped();
             const int pass_cols = min(PASS_COLS, (int)cols - pass * PASS_COLS);
-            if (bulk) {
+            if (store && bulk) {
                 if (t < 32 && pass_cols > 0) {
                     for (u32 row = t; row < rows; row += 32) {
                         bulk_store(r.dst + ((u64)row * r.ld + pass * PASS_COLS) * sizeof(Out),
@@ -687,7 +740,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
                     bulk_commit();
                     bulk_wait_read();
                 }
-            } else {
+            } else if (store) {
                 for (u32 u = t; u < gemm::BM * UNITS; u += gemm::STORERS) {
                     const u32 row = u / UNITS, unit = u % UNITS, col = pass * PASS_COLS + unit * VEC;
                     if (row >= rows || col >= cols) continue;
@@ -717,7 +770,8 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
                 asm volatile("fence.proxy.async.global;" ::: "memory");
                 __syncwarp();
             }
-            if (t == 0) {
+            // no flag of a block that gave up: no peer may take its tiles for finished ones
+            if (t == 0 && !block_stopped()) {
                 // the barrier (or the warp sync) above ordered every storer's stores before this
                 // thread's release, which carries them (cumulativity): no separate fence, whose
                 // sequentially consistent form (__threadfence_system) costs ~4 % at long K
@@ -762,6 +816,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b) : "memory");
         if (p.local_rows != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a_local) : "memory");
+        call_state.stopped = 0;
         if (p.calls != nullptr) {
             const u64 epoch = *(volatile const u64*)&p.calls->last + 1;
             call_state.epoch = epoch;

@@ -37,7 +37,8 @@ use crate::driver::{DeviceMemory, Event, Gpu, IpcMapping, Stream};
 use crate::error::CudaError;
 use crate::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory, THIS_CALL};
 use crate::gemm::{
-    CallNumber, Gather, GemmKernels, GemmOperands, InUse, Launched, PreparedGemm, TILE,
+    check_problem, CallNumber, Gather, GemmKernels, GemmOperands, InUse, Launched, PreparedGemm,
+    TILE,
 };
 use crate::ipc::Exported;
 use crate::plan_table::MAX_RANKS;
@@ -177,6 +178,18 @@ impl AgGemmAllocation {
                 "the fused all-gather + GEMM reads B as [K, N] with N a multiple of 8, got N = {}",
                 config.n
             )));
+        }
+        if config.fused {
+            let p = GemmProblem::new(
+                config.max_m,
+                config.n,
+                config.k,
+                config.b_layout,
+                config.input,
+                config.output,
+            )
+            .map_err(|e| unsupported(e.to_string()))?;
+            check_problem(&p)?;
         }
         let s = AgGemmSchedule::new(config.shape(world, config.max_m)?, 1);
         Ok(AgGemmAllocation {

@@ -22,12 +22,36 @@ use crate::error::CudaError;
 use crate::ll::LlRank;
 use commfuse_core::backend::BackendError;
 use commfuse_core::cost::{choose_algo, prefers_ll};
-use commfuse_core::{build_plan, check, Algo, DType, OpKind, OpSpec, ReduceOp, Topology};
+use commfuse_core::{
+    build_plan, check, Algo, CheckedPlan, DType, OpKind, OpSpec, ReduceOp, Topology,
+};
 use std::mem::ManuallyDrop;
 use std::time::Duration;
 
 /// How long dropping an operator waits for its last calls before it leaks their memory.
 const DROP_WAIT: Duration = Duration::from_secs(30);
+
+/// The algorithm and checked plan of `spec`: `algo`'s, or what `auto` chooses. An algorithm
+/// that cannot run on this world size fails with [`BackendError::NotForWorld`], anything else
+/// with [`BackendError::Unavailable`].
+fn plan_for(
+    spec: OpSpec,
+    algo: Option<Algo>,
+    topology: &Topology,
+    dtype: DType,
+) -> Result<(Algo, CheckedPlan), BackendError> {
+    match algo {
+        Some(algo) => {
+            let plan = build_plan(spec, algo, topology)?;
+            let checked = check(plan).map_err(|e| BackendError::Unavailable(e.to_string()))?;
+            Ok((algo, checked))
+        }
+        None => {
+            let choice = choose_algo(spec, topology, dtype.size())?;
+            Ok((choice.algo, choice.plan))
+        }
+    }
+}
 
 /// One collective for every rank of a backend.
 pub struct CudaCollective<'b> {
@@ -57,21 +81,10 @@ impl<'b> CudaCollective<'b> {
     ) -> Result<CudaCollective<'b>, BackendError> {
         backend.check_usable()?;
         let p = backend.ranks.len();
-        let fail = |e: commfuse_core::Error| BackendError::Unavailable(e.to_string());
-        let spec = OpSpec::new(kind, p, count, root).map_err(fail)?;
-        let topology = Topology::new(p, numa_groups).map_err(fail)?;
+        let spec = OpSpec::new(kind, p, count, root)?;
+        let topology = Topology::new(p, numa_groups)?;
         let algo_asked = algo;
-        let (algo, plan) = match algo {
-            Some(algo) => {
-                let plan = build_plan(spec, algo, &topology).map_err(fail)?;
-                let checked = check(plan).map_err(|e| BackendError::Unavailable(e.to_string()))?;
-                (algo, checked)
-            }
-            None => {
-                let choice = choose_algo(spec, &topology, dtype.size()).map_err(fail)?;
-                (choice.algo, choice.plan)
-            }
-        };
+        let (algo, plan) = plan_for(spec, algo, &topology, dtype)?;
         crate::gpus::ensure_plan_fits(backend, &plan)?;
         let b = plan.plan().buffers;
         let eb = dtype.size();
@@ -218,5 +231,29 @@ impl Drop for CudaCollective<'_> {
             // there next; and the backend must not free its pads and contexts under it either
             self.backend.mark_wedged();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_algorithm_that_does_not_fit_the_world_says_so_by_its_type() {
+        let spec = OpSpec::new(OpKind::AllReduce, 3, 100, 0).unwrap();
+        let groups = Topology::new(3, 2).unwrap();
+        let e = plan_for(spec, Some(Algo::Ring2d), &groups, DType::F32).unwrap_err();
+        assert!(
+            matches!(&e, BackendError::NotForWorld(why) if why.contains("(3)")),
+            "{e:?}"
+        );
+        // the same algorithm where it fits, and auto, which leaves out what does not
+        let flat = Topology::new(3, 1).unwrap();
+        let (algo, _) = plan_for(spec, Some(Algo::Ring2d), &flat, DType::F32).unwrap();
+        assert_eq!(algo, Algo::Ring2d);
+        plan_for(spec, None, &groups, DType::F32).unwrap();
+        // an algorithm of another op is a plain failure, not a skip
+        let e = plan_for(spec, Some(Algo::AllToAll), &flat, DType::F32).unwrap_err();
+        assert!(matches!(e, BackendError::Unavailable(_)), "{e:?}");
     }
 }

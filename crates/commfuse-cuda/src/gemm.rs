@@ -112,8 +112,8 @@ struct GemmMemory {
 }
 
 impl InUse for GemmMemory {
-    /// gemm.cu's pipeline waits never read `abort` (they trap after their timeout); its flag
-    /// waits (a fold's partials, a band's rows) give up once it is raised.
+    /// gemm.cu's flag waits (a fold's partials, a band's rows) give up once it is raised, and
+    /// the block then ends without storing more; its pipeline waits end after their timeout.
     fn abort(&self) {
         self.error.raise_abort();
     }
@@ -366,8 +366,39 @@ fn unsupported(msg: String) -> CudaError {
     CudaError::Unavailable(msg)
 }
 
-/// What the kernel needs of a plan and its operands: its tile, a valid order and tables for
-/// `world` ranks, dimensions below 2^31, 16-byte aligned operands.
+/// The largest M, N or K the kernel takes: its TMA coordinates and its row and column
+/// arithmetic are signed 32-bit.
+pub const MAX_DIM: usize = i32::MAX as usize;
+/// The most output tiles the kernel takes: tile numbers, work units (a split tail adds at most
+/// three per SM), its grid-stride loop indices and the byte strides of a tile's flags
+/// (8 bytes per tile) are 32-bit.
+pub const MAX_TILES: usize = 1 << 28;
+
+/// Whether the kernel's 32-bit parameters and index arithmetic hold `p`: M, N and K at most
+/// [`MAX_DIM`], at most [`MAX_TILES`] output tiles of [`TILE`]. The error names the value and
+/// the limit.
+pub fn check_problem(p: &commfuse_core::gemm::GemmProblem) -> Result<(), CudaError> {
+    for (name, value) in [("M", p.m), ("N", p.n), ("K", p.k)] {
+        if value > MAX_DIM {
+            return Err(unsupported(format!(
+                "GEMM {name} = {value} exceeds the kernel's limit of {MAX_DIM}"
+            )));
+        }
+    }
+    let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
+    let count = rows.saturating_mul(cols);
+    if count > MAX_TILES {
+        return Err(unsupported(format!(
+            "GEMM {}×{} has {count} output tiles of {}×{}, more than the kernel's limit of {MAX_TILES}",
+            p.m, p.n, TILE.m, TILE.n
+        )));
+    }
+    Ok(())
+}
+
+/// What the kernel needs of a plan and its operands: its tile, dimensions and a tile count
+/// within [`check_problem`]'s limits, a valid order and tables for `world` ranks, 16-byte
+/// aligned operands.
 fn check_plan(plan: &GemmPlan, ops: &GemmOperands, world: usize) -> Result<(), CudaError> {
     let p = &plan.problem;
     if plan.tile != TILE {
@@ -376,14 +407,9 @@ fn check_plan(plan: &GemmPlan, ops: &GemmOperands, world: usize) -> Result<(), C
             TILE.m, TILE.n, plan.tile.m, plan.tile.n
         )));
     }
+    check_problem(p)?;
     plan.validate(world)
         .map_err(|e| unsupported(e.to_string()))?;
-    if p.m >= 1 << 31 || p.n >= 1 << 31 || p.k >= 1 << 31 {
-        return Err(unsupported(format!(
-            "GEMM dimensions must stay below 2^31, got {}×{}×{}",
-            p.m, p.n, p.k
-        )));
-    }
     for (name, addr) in [("A", ops.a), ("B", ops.b), ("D", ops.d)] {
         if !addr.is_multiple_of(16) {
             return Err(unsupported(format!(
@@ -806,7 +832,24 @@ impl PreparedGemm {
         Ok(params)
     }
 
-    /// After a failed synchronisation: what the kernel recorded before it stopped, if anything.
+    /// The bound of every pipeline wait of later launches (by default 5 s); flag waits keep
+    /// the bound they were prepared with ([`Gather::timeout`] or half the default), so one
+    /// below theirs makes a long flag wait end as a pipeline stall.
+    pub fn set_pipeline_timeout(&mut self, timeout: Duration) {
+        self.params.timeout_ns = (timeout.as_nanos() as u64).max(1);
+    }
+
+    /// After the launches so far were waited for: the stall report of a wait that gave up in
+    /// any of them, as an error. A kernel whose wait gave up ends on its own without storing
+    /// the tiles it had left (the synchronisation itself succeeds), so every caller checks.
+    pub fn check(&self) -> Result<(), CudaError> {
+        match self.stall_report() {
+            Some(report) => Err(CudaError::Stalled(report)),
+            None => Ok(()),
+        }
+    }
+
+    /// What the kernel recorded when a wait of one of its launches gave up, if one did.
     pub fn stall_report(&self) -> Option<String> {
         let e = self.memory.error.read();
         (e.flag != 0).then(|| {
@@ -874,10 +917,11 @@ impl TileSnapshot {
         flags: u64,
         error: &MappedHost<ErrorRecord>,
     ) -> Result<TileSnapshot, CudaError> {
+        let p = &plan.problem;
+        check_problem(p)?;
         let order: Vec<u32> = plan.order.iter().map(|&t| t as u32).collect();
         let table = DeviceMemory::zeroed(gpu, 4 * order.len())?;
         table.upload(gpu, &order)?;
-        let p = &plan.problem;
         Ok(TileSnapshot {
             params: SnapshotParams {
                 order: table.addr(),
@@ -998,6 +1042,45 @@ mod tests {
         assert_eq!(std::mem::offset_of!(GemmParams, routes_alt), 408);
         assert_eq!(std::mem::size_of::<CallCounter>(), 16);
         const { assert!(SMEM_BYTES <= 227 * 1024) };
+    }
+
+    fn problem(m: usize, n: usize, k: usize) -> commfuse_core::gemm::GemmProblem {
+        commfuse_core::gemm::GemmProblem::new(m, n, k, BLayout::NK, DType::BF16, DType::BF16)
+            .unwrap()
+    }
+
+    #[test]
+    fn problems_beyond_the_kernels_32_bit_arithmetic_are_refused() {
+        // the largest dimensions, in few tiles
+        check_problem(&problem(MAX_DIM, 256, 8)).unwrap();
+        check_problem(&problem(128, MAX_DIM, 8)).unwrap();
+        check_problem(&problem(128, 256, MAX_DIM - 7)).unwrap();
+        for (name, p) in [
+            ("M", problem(MAX_DIM + 1, 256, 64)),
+            ("N", problem(128, MAX_DIM + 1, 64)),
+            ("K", problem(128, 256, MAX_DIM + 1)),
+        ] {
+            let e = check_problem(&p).unwrap_err().to_string();
+            assert_eq!(
+                e,
+                format!("GEMM {name} = 2147483648 exceeds the kernel's limit of 2147483647"),
+                "{e}"
+            );
+        }
+        // exactly the most tiles, then one row of tiles more
+        check_problem(&problem(128 << 14, 256 << 14, 64)).unwrap();
+        let e = check_problem(&problem(128 << 14, (256 << 14) + 1, 64))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("268451840 output tiles") && e.contains(&format!("limit of {MAX_TILES}")),
+            "{e}"
+        );
+        // dimensions each within bounds whose tile count a u32 would not even hold
+        let e = check_problem(&problem(1 << 30, 1 << 30, 64))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("{} output tiles", 1u64 << 45)), "{e}");
     }
 
     #[test]

@@ -116,6 +116,7 @@ fn interleaved_medians(
                 e.record(stream)?;
             }
             stream.synchronize().map_err(fail)?;
+            v.gemm.map_or(Ok(()), PreparedGemm::check)?;
             for w in events.windows(2) {
                 out.push(w[0].elapsed_ms(&w[1])? as f64);
             }
@@ -245,6 +246,7 @@ fn run<T: Element>(
         stream
             .synchronize()
             .map_err(|e| with_stall_report(e, v.gemm))?;
+        v.gemm.map_or(Ok(()), PreparedGemm::check)?;
         let peer_rows = v.peer_rows;
         let check = match p.output {
             DType::F32 => check_output::<f32>(p, &reference, (out_gpu, out), peer_rows)?,

@@ -12,11 +12,12 @@ use commfuse_core::{DType, Element};
 use commfuse_cuda::cublaslt::Lt;
 use commfuse_cuda::driver::{DeviceMemory, Gpu, MappedHost, Stream};
 use commfuse_cuda::gemm::{
-    GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TileSnapshot, TILE,
+    CallNumber, Gather, GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TileSnapshot, TILE,
 };
 use commfuse_cuda::gemm_bench::{bench_gemm, DeviceReference, ReferenceGemm, StreamGuard};
 use commfuse_cuda::plan_table::ErrorRecord;
 use half::{bf16, f16};
+use std::time::{Duration, Instant};
 
 fn gpus(needed: usize) -> bool {
     commfuse_cuda::testing::gpus(needed).is_some()
@@ -61,12 +62,15 @@ fn upload<T: bytemuck::NoUninit>(gpu: &Gpu, host: &[T]) -> DeviceMemory {
     mem
 }
 
-/// One call, waited for; a stalled pipeline panics with the kernel's own report.
+/// One call, waited for; a wait that gave up panics with the kernel's own report.
 fn run(gemm: &PreparedGemm, stream: &Stream) {
     // SAFETY: the callers keep every operand alive past this synchronisation
     unsafe { gemm.launch(stream).unwrap() };
     if let Err(e) = stream.synchronize() {
         panic!("{e}: {:?}", gemm.stall_report());
+    }
+    if let Err(e) = gemm.check() {
+        panic!("{e}");
     }
 }
 
@@ -210,6 +214,93 @@ fn gemm_matches_float64_reference_on_ragged_shapes() {
             }
         }
     }
+}
+
+/// A wait that gives up ends the kernel without a trap (which would end every kernel of the
+/// context, PyTorch's included, and leave the context unusable): the call's synchronisation
+/// succeeds, `check` reports the diagnosed wait, no tile is stored, the kernel stops soon after
+/// the bound, and a new GEMM on the same GPU is right. An all-gather + GEMM whose band flag
+/// never rises, twice: the band's own bound (100 ms) runs out; then a pipeline bound (100 ms)
+/// below the band's (2 s), so that the waits for a full stage and a staged tile run out first.
+#[test]
+fn a_wait_that_gives_up_ends_the_kernel_and_the_context_goes_on() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let p = GemmProblem::new(256, 512, 128, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let mut rng = Rng(77);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
+    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * p.output.size()).unwrap();
+    let never_raised = DeviceMemory::zeroed(&gpu, 8).unwrap();
+    let plan = GemmPlan::local(p, TILE, Epilogue::default());
+    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
+    let cases = [
+        (
+            Duration::from_millis(100),
+            None,
+            "waited for the rows of A a peer copies in (their flag)",
+        ),
+        (
+            Duration::from_secs(2),
+            Some(Duration::from_millis(100)),
+            "GEMM pipeline stalled on rank 0",
+        ),
+    ];
+    for (band_bound, pipeline_bound, says) in cases {
+        let gather = Gather {
+            band_flags: vec![never_raised.addr(); plan.tile_grid().0],
+            local: 0..0,
+            timeout: band_bound,
+        };
+        let mut gemm = PreparedGemm::gathering(&gpu, &kernels, &plan, &ops, &gather, 0, 0).unwrap();
+        if let Some(bound) = pipeline_bound {
+            gemm.set_pipeline_timeout(bound);
+        }
+        d_dev.fill(&gpu, 0xff).unwrap();
+        let start = Instant::now();
+        // SAFETY: the operands, the flag and the output live past the synchronisation below
+        unsafe {
+            gemm.launch_gather_call(
+                &stream,
+                0,
+                b_dev.addr(),
+                None,
+                d_dev.addr(),
+                CallNumber::Host(1),
+            )
+            .unwrap();
+        }
+        let synced = stream.synchronize();
+        let took = start.elapsed();
+        assert!(
+            synced.is_ok(),
+            "a wait that gave up ended the kernel in an error: {synced:?}, {:?}",
+            gemm.stall_report()
+        );
+        let e = gemm
+            .check()
+            .expect_err("the call's wait gave up")
+            .to_string();
+        assert!(
+            e.contains(says) && e.contains("this is call 1") == pipeline_bound.is_none(),
+            "{e}"
+        );
+        assert!(
+            took < Duration::from_secs(2),
+            "the kernel stopped {took:?} after its launch"
+        );
+        let mut got = vec![0u16; p.m * p.n];
+        d_dev.download(&gpu, &mut got).unwrap();
+        let stored = got.iter().filter(|&&x| x != 0xffff).count();
+        assert_eq!(
+            stored, 0,
+            "{stored} elements stored by blocks that gave up ({e})"
+        );
+    }
+    // the context serves the next GEMM
+    check_one::<bf16, bf16>(&gpu, &kernels, &stream, p, Case::Full, 78);
 }
 
 /// A grid capped so that the last wave is cut along K (2, 3 or 4 parts, many k-blocks each):

@@ -52,3 +52,15 @@ fn only_the_gated_check_reads_the_abort_word() {
         "the abort word read outside waiter_check (every read crosses PCIe): {others:?}"
     );
 }
+
+/// A trap ends every kernel of the CUDA context, other libraries' (PyTorch's) included, and
+/// leaves the context unusable for the rest of the process: a wait that gives up records why in
+/// its error record and the kernel leaves on its own instead (gemm.cu's `pipeline_stalled`).
+#[test]
+fn no_kernel_traps() {
+    let traps: Vec<_> = code_lines_with("trap")
+        .into_iter()
+        .filter(|(_, _, code)| code.contains("__trap") || code.contains("trap;"))
+        .collect();
+    assert!(traps.is_empty(), "kernels that trap: {traps:?}");
+}

@@ -28,6 +28,29 @@ class Group:
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         self._served: dict = {}
+        # (what, request) -> every rank's request, exchanged at this rank's first such call
+        self._requests: dict = {}
+
+    def requests(self, what: str, request: tuple) -> list:
+        """Every rank's ``request`` for its call of ``what``, in rank order: exchanged by
+        ``dist.all_gather_object`` (collective) at this rank's first call of each (what,
+        request), a dictionary lookup at later ones. Every rank makes the same calls in the
+        same order, so a first call meets the other ranks' first calls: a rank whose request
+        differs from the others' makes a first call of its own too. (A rank repeating an earlier
+        request while another makes a new one is not met: that one waits alone.)"""
+        every = self._requests.get((what, request))
+        if every is None:
+            every = [request]
+            if self.world > 1:
+                every = [None] * self.world
+                dist.all_gather_object(every, request, group=self.process_group)
+            self._requests[(what, request)] = every
+        return every
+
+    def forget(self, what: str, request: tuple) -> None:
+        """Drops the exchange of ``request`` (a call every rank refused), so that every rank
+        exchanges it again at its next such call."""
+        self._requests.pop((what, request), None)
 
     def served_by(self, device: torch.device) -> str:
         """KERNELS, SIMULATOR or TORCH for tensors on ``device`` (collective at the first call

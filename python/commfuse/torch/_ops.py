@@ -32,11 +32,38 @@ ops = torch.ops.commfuse
 # what runs
 
 
+def _same_call(group, what: str, fields: tuple, own=None) -> list:
+    """Every rank's ``own`` (what may differ between ranks, such as its rows), in rank order,
+    once every rank is known to call ``what`` with the same ``fields`` (``(name, value)`` pairs:
+    M, N, K, types, options): both exchanged at the first call of each (see
+    ``Group.requests``), else a ValueError on every rank naming each rank's value of the first
+    field that differs (and nothing remembered, so that every rank exchanges again). The
+    exchange comes before anything is built or run, so that a rank whose call differs fails with
+    the others instead of entering a collective alone."""
+    request = (fields, own)
+    every = group.requests(what, request)
+    for i, (name, _) in enumerate(fields):
+        seen = [e[0][i][1] for e in every]
+        if len(set(seen)) > 1:
+            group.forget(what, request)
+            got = " and ".join(f"{name} = {v} on rank {r}" for r, v in enumerate(seen))
+            raise ValueError(f"{what}: every rank must pass the same {name}, got {got}")
+    return [e[1] for e in every]
+
+
+def _gemm_fields(g: GemmOperands, m: int, *options) -> tuple:
+    return (("M", m), ("N", g.n), ("K", g.k), ("the layout of b", g.layout), ("dtype", g.dtype),
+            ("out_dtype", g.out_name), ("bias (given)", g.bias is not None)) + options
+
+
 def gemm_rs_impl(a, b, bias, group_name: str, out_dtype, path: str, pieces, numa_groups: int,
                  out: Optional[Tensor] = None) -> Tensor:
     """GEMM + reduce-scatter, eagerly, by what serves the group (into ``out`` when given)."""
     g = GemmOperands(a, b, bias, out_dtype)
     group = by_name(group_name)
+    _same_call(group, "gemm_reduce_scatter",
+               _gemm_fields(g, g.a.shape[0], ("path", path), ("pieces", pieces),
+                            ("numa_groups", numa_groups)))
     served = group.served_by(g.a.device)
     if served == KERNELS:
         return _gpu.gemm_reduce_scatter(g, group.process_group, path, pieces, numa_groups, out)
@@ -55,12 +82,18 @@ def ag_gemm_impl(a, b, bias, group_name: str, m: Optional[int], out_dtype, piece
     g = GemmOperands(a, b, bias, out_dtype)
     group = by_name(group_name)
     total = m if m is not None else g.a.shape[0] * group.world
-    rows = chunk_rows(total, group.world, group.rank)
-    if rows != g.a.shape[0]:
-        raise ValueError(
-            f"this rank holds {g.a.shape[0]} rows of A, but its chunk of M = {total} has {rows}"
-            " (pass m= the total rows when chunks differ)"
-        )
+    # every rank's rows are checked on every rank, so that all fail together
+    fields = _gemm_fields(g, total, ("pieces", pieces), ("path", path))
+    held_by = _same_call(group, "all_gather_gemm", fields, g.a.shape[0])
+    for r, held in enumerate(held_by):
+        rows = chunk_rows(total, group.world, r)
+        if held != rows:
+            group.forget("all_gather_gemm", (fields, g.a.shape[0]))
+            who = "this rank" if r == group.rank else f"rank {r}"
+            raise ValueError(
+                f"{who} holds {held} rows of A, but its chunk of M = {total} has {rows}"
+                " (pass m= the total rows when chunks differ)"
+            )
     served = group.served_by(g.a.device)
     return_a = return_a or gathered is not None
     if served == KERNELS:

@@ -116,7 +116,7 @@ pub(super) fn ring_2d(b: &mut PlanBuilder, topology: &Topology) -> Result<(), Er
     let (p, n) = (b.world(), b.spec().count);
     let groups = topology.numa_groups;
     if !p.is_multiple_of(groups) {
-        return Err(Error::Unsupported(format!(
+        return Err(Error::NotForWorld(format!(
             "ring-2d needs the world size ({p}) to be a multiple of the NUMA group count ({groups})"
         )));
     }

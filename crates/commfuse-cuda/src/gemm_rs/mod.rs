@@ -36,8 +36,8 @@ pub use unfused::{NcclId, NCCL_ID_BYTES};
 use crate::driver::{DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream};
 use crate::error::CudaError;
 use crate::gemm::{
-    CallCounter, CallNumber, GemmKernels, GemmOperands, InUse, Launched, PreparedGemm, TileRoute,
-    FLAG_SET_EPOCH, ROUTE_DST_FROM_D, ROUTE_NO_BIAS, TILE,
+    check_problem, CallCounter, CallNumber, GemmKernels, GemmOperands, InUse, Launched,
+    PreparedGemm, TileRoute, FLAG_SET_EPOCH, ROUTE_DST_FROM_D, ROUTE_NO_BIAS, TILE,
 };
 use crate::ipc::Exported;
 use crate::nvrtc;
@@ -48,7 +48,7 @@ use commfuse_core::fused::gemm_rs::{
     choose_overlapping_path, choose_path, GemmRsSchedule, GemmRsShape,
 };
 use commfuse_core::fused::ring_rs::MAX_PIECES;
-use commfuse_core::gemm::BLayout;
+use commfuse_core::gemm::{BLayout, GemmProblem};
 use commfuse_core::DType;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -300,6 +300,9 @@ impl GemmRsAllocation {
                 "the overlapped path needs rows of a multiple of 16 bytes (N = {} of {})",
                 config.n, config.output
             )));
+        }
+        if fused {
+            check_problem(&problem(&config, config.max_m)?)?;
         }
         let may_unfuse = matches!(
             config.path,
@@ -571,6 +574,19 @@ pub(crate) fn tile_routes(
 fn shape(config: &GemmRsConfig, world: usize, m: usize) -> Result<GemmRsShape, CudaError> {
     GemmRsShape::new(
         world,
+        m,
+        config.n,
+        config.k,
+        config.b_layout,
+        config.input,
+        config.output,
+    )
+    .map_err(|e| unsupported(e.to_string()))
+}
+
+/// The GEMM every rank computes on the fused path for `m` rows (all of them, N columns).
+fn problem(config: &GemmRsConfig, m: usize) -> Result<GemmProblem, CudaError> {
+    GemmProblem::new(
         m,
         config.n,
         config.k,
