@@ -149,9 +149,10 @@ def check_collectives(rank, world, dtype, seed):
             theirs = xs[rank].to(dev)
             dist.all_reduce(theirs, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
             same(f"all_reduce {op} {dtype} vs PyTorch", t, theirs.cpu())
-    # auto takes the LL protocol for an all-reduce this small (commfuse_core::cost::prefers_ll)
+    # auto takes the LL protocol for an all-reduce this small (commfuse_core::cost::prefers_ll),
+    # when there is a peer to send to
     runs = _collective("all-reduce", count, tensors[0], dist.group.WORLD).algo()
-    if runs != "ll":
+    if world > 1 and runs != "ll":
         raise AssertionError(f"all_reduce of {count} {dtype} ran {runs}, not the LL protocol")
     lines.append(f"all_reduce sum, max {dtype} ({count} elements, back to back, by {runs})")
 
@@ -163,7 +164,7 @@ def check_collectives(rank, world, dtype, seed):
     torch.cuda.synchronize()
     same(f"reduce_scatter {dtype}", out, sum(x.double() for x in xs)[mine])
     runs = _collective("reduce-scatter", count, out, dist.group.WORLD).algo()
-    if runs != "ll":
+    if world > 1 and runs != "ll":
         raise AssertionError(f"reduce_scatter of {count} {dtype} ran {runs}, not the LL protocol")
     lines.append(f"reduce_scatter {dtype} ({count} elements, by {runs})")
 
@@ -173,7 +174,7 @@ def check_collectives(rank, world, dtype, seed):
     torch.cuda.synchronize()
     same(f"all_gather {dtype}", out, full)
     runs = _collective("all-gather", count, out, dist.group.WORLD).algo()
-    if runs != "ll":
+    if world > 1 and runs != "ll":
         raise AssertionError(f"all_gather of {count} {dtype} ran {runs}, not the LL protocol")
     lines.append(f"all_gather {dtype} ({count} elements, by {runs})")
 
@@ -202,6 +203,9 @@ def check_collective_paths(rank, world, dtype, seed):
     from commfuse import _operators
     from commfuse._commfuse import prefers_commfuse_on_user_buffers
 
+    if world == 1:
+        # one rank has no ragged message and nothing to route: the checks below need peers
+        return [f"collective paths {dtype}: not checked on one rank"]
     dev = torch.device("cuda", rank)
     name = dtype_name(dtype, "x")
     lines = []
