@@ -179,19 +179,11 @@ impl AgGemmAllocation {
                 config.n
             )));
         }
+        let shape = config.shape(world, config.max_m)?;
         if config.fused {
-            let p = GemmProblem::new(
-                config.max_m,
-                config.n,
-                config.k,
-                config.b_layout,
-                config.input,
-                config.output,
-            )
-            .map_err(|e| unsupported(e.to_string()))?;
-            check_problem(&p)?;
+            check_problem(&shape.problem())?;
         }
-        let s = AgGemmSchedule::new(config.shape(world, config.max_m)?, 1);
+        let s = AgGemmSchedule::new(shape, 1);
         Ok(AgGemmAllocation {
             memory: AgMemory {
                 gather: DeviceMemory::zeroed(&gpu, config.max_m * config.k * config.input.size())?,

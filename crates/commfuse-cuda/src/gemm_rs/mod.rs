@@ -48,7 +48,7 @@ use commfuse_core::fused::gemm_rs::{
     choose_overlapping_path, choose_path, GemmRsSchedule, GemmRsShape,
 };
 use commfuse_core::fused::ring_rs::MAX_PIECES;
-use commfuse_core::gemm::{BLayout, GemmProblem};
+use commfuse_core::gemm::BLayout;
 use commfuse_core::DType;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -302,7 +302,7 @@ impl GemmRsAllocation {
             )));
         }
         if fused {
-            check_problem(&problem(&config, config.max_m)?)?;
+            check_problem(&shape.problem())?;
         }
         let may_unfuse = matches!(
             config.path,
@@ -574,19 +574,6 @@ pub(crate) fn tile_routes(
 fn shape(config: &GemmRsConfig, world: usize, m: usize) -> Result<GemmRsShape, CudaError> {
     GemmRsShape::new(
         world,
-        m,
-        config.n,
-        config.k,
-        config.b_layout,
-        config.input,
-        config.output,
-    )
-    .map_err(|e| unsupported(e.to_string()))
-}
-
-/// The GEMM every rank computes on the fused path for `m` rows (all of them, N columns).
-fn problem(config: &GemmRsConfig, m: usize) -> Result<GemmProblem, CudaError> {
-    GemmProblem::new(
         m,
         config.n,
         config.k,

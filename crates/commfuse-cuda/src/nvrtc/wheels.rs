@@ -32,8 +32,10 @@ pub fn include_dir() -> Option<PathBuf> {
 }
 
 fn preload() -> Option<PathBuf> {
+    // python3 is asked only when none of the usual folders holds a copy
     let cu13 = site_packages()
         .into_iter()
+        .chain(std::iter::once_with(reported_by_python).flatten())
         .map(|sp| sp.join(CU13))
         .find(|d| d.join("lib/libnvrtc.so.13").is_file())?;
     // NVRTC loads its builtins by name when it compiles: they go first, from the same folder
@@ -60,7 +62,7 @@ fn preload() -> Option<PathBuf> {
     Some(cu13)
 }
 
-/// Candidate site-packages folders, most specific first.
+/// The usual site-packages folders, most specific first.
 fn site_packages() -> Vec<PathBuf> {
     let mut prefixes: Vec<PathBuf> = ["VIRTUAL_ENV", "CONDA_PREFIX"]
         .iter()
@@ -90,7 +92,6 @@ fn site_packages() -> Vec<PathBuf> {
             found.push(python.join("dist-packages"));
         }
     }
-    found.extend(reported_by_python());
     found
 }
 

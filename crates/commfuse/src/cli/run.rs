@@ -6,7 +6,7 @@ use crate::args::{elements, gpu, groups, millis, pieces, ranks, seed};
 use crate::backends::{self, BackendKind};
 use crate::driver;
 use crate::verify;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use commfuse_core::topology::LinkModel;
 use std::path::PathBuf;
@@ -154,7 +154,7 @@ pub(super) fn run(a: RunArgs) -> Result<i32> {
             "ok": out.comparison.ok(),
         });
         std::fs::write(path, serde_json::to_string_pretty(&record)?)
-            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+            .with_context(|| format!("cannot write {}", path.display()))?;
     }
     if out.comparison.ok() {
         println!("OK");
