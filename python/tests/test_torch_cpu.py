@@ -140,6 +140,11 @@ def test_bad_calls_raise_value_error(one_rank):
         (lambda: cf.all_reduce(torch.ones(3, dtype=torch.int32)), "bfloat16, float16 or"),
         (lambda: cf.all_reduce(torch.ones(3), op="avg"), "sum, max, min or prod"),
         (lambda: cf.reduce_scatter(torch.ones(2), torch.ones(3)), "output must hold"),
+        # what is not a tensor is named as such, not met by an AttributeError
+        (lambda: cf.gemm_reduce_scatter([[1.0] * 8], a.t()), "a must be a torch.Tensor"),
+        (lambda: cf.all_gather_gemm([[1.0] * 8], a.t()), "a must be a torch.Tensor"),
+        (lambda: cf.all_gather_gemm(a, "w", m=4), "b must be a torch.Tensor"),
+        (lambda: cf.all_gather_gemm(a, a.t(), bias=3), "bias must be a torch.Tensor"),
     ]:
         with pytest.raises(ValueError, match=says):
             call()

@@ -89,13 +89,20 @@ def _choice(what: str, value: str, allowed) -> None:
         raise ValueError(f"{what} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
 def _eager(*tensors) -> bool:
     """Whether a call may skip the dispatcher: nothing is being compiled and no input needs a
-    gradient (the result is the op's, without the dispatcher's few microseconds)."""
-    if torch.compiler.is_compiling():
+    gradient (the result is the op's, without the dispatcher's few microseconds). Every call
+    asks, so it is written for speed: a loop rather than a generator, the functions bound."""
+    if _is_compiling():
         return False
     if torch.is_grad_enabled():
-        return not any(t is not None and t.requires_grad for t in tensors)
+        for t in tensors:
+            # (what is not a tensor is left to the op's checks)
+            if getattr(t, "requires_grad", False):
+                return False
     return True
 
 
@@ -169,17 +176,19 @@ def all_gather_gemm(
     name = name_of(group)
     _choice("path", path, _AG_GEMM_PATHS)
     return_a = return_a or gathered is not None
-    if m is None:
-        m = tensor(a, "a").shape[0] * _groups.by_name(name).world
-    if _eager(a, b, bias):
-        if out is None and gathered is None:
-            y, x = _prepared.all_gather_gemm(
-                a, b, bias, name, m, out_dtype, pieces, path, return_a,
-                lambda: _ops.ag_gemm_impl(a, b, bias, name, m, out_dtype, pieces, path,
-                                          return_a))
-        else:
-            y, x = _ops.ag_gemm_impl(a, b, bias, name, m, out_dtype, pieces, path, return_a,
-                                     out, gathered)
+    eager = _eager(a, b, bias)
+    if eager and out is None and gathered is None:
+        # the signature (with `m` as given) fixes the rows in all, so a prepared call does
+        # not work them out again
+        y, x = _prepared.all_gather_gemm(
+            a, b, bias, name, m, out_dtype, pieces, path, return_a,
+            lambda: _ops.ag_gemm_impl(a, b, bias, name, _rows(a, name, m), out_dtype, pieces,
+                                      path, return_a))
+        return (y, x) if return_a else y
+    m = _rows(a, name, m)
+    if eager:
+        y, x = _ops.ag_gemm_impl(a, b, bias, name, m, out_dtype, pieces, path, return_a, out,
+                                 gathered)
         return (y, x) if return_a else y
     keep = return_a or (save_gathered and b.requires_grad and torch.is_grad_enabled())
     y, x = torch.ops.commfuse.all_gather_gemm(a, b, bias, name, m, out_dtype, pieces, path, keep)
@@ -188,6 +197,12 @@ def all_gather_gemm(
     if not return_a:
         return y
     return y, (x if gathered is None else _ops._into(gathered, x, "gathered"))
+
+
+def _rows(a, name: str, m: Optional[int]) -> int:
+    """All-gather + GEMM's rows in all: ``m`` when given, else the group's size times the
+    rows of this rank's chunk."""
+    return tensor(a, "a").shape[0] * _groups.by_name(name).world if m is None else m
 
 
 #: The same operator as :func:`all_gather_gemm` (the name ``commfuse.sim`` used first).

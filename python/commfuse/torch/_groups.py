@@ -104,15 +104,25 @@ class Group:
 
 # group name -> Group
 _BY_NAME: dict = {}
+# the default group last named, and its name: most calls name no group, and asking a group's
+# name costs more than the rest of the lookup (the default group is replaced, never renamed,
+# when torch.distributed is initialised again)
+_world: tuple = (None, None)
 
 
 def name_of(group) -> str:
     """The name of ``group`` (the default group's when None) as the ops take it."""
+    global _world
     if group is None:
-        if not dist.is_initialized():
+        group = dist.group.WORLD  # None until torch.distributed is initialised
+        if group is None:
             raise ValueError(
                 "commfuse.torch needs torch.distributed initialised (init_process_group)")
-        group = dist.group.WORLD
+        if group is _world[0]:
+            return _world[1]
+        name = name_of(group)
+        _world = (group, name)
+        return name
     if isinstance(group, str):
         return group
     name = group.group_name
@@ -137,4 +147,6 @@ def lookup(group) -> Optional[Group]:
 
 
 def clear() -> None:
+    global _world
     _BY_NAME.clear()
+    _world = (None, None)

@@ -46,6 +46,11 @@ def _run(key, args: tuple, general: Callable, prepare: Callable[[], Optional[Cal
     return result
 
 
+# A signature holds a's shape and whether it is contiguous rather than its strides (cheaper to
+# ask): only a contiguous A is read where it lies (`_direct`), and every other layout of one
+# shape takes the general path alike. B's strides tell its layout, so they are kept.
+
+
 def _bias_signature(bias):
     return None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device)
 
@@ -66,8 +71,11 @@ def _on_kernels(a, b, bias, name, out_dtype):
 
 
 def gemm_reduce_scatter(a, b, bias, name, out_dtype, path, pieces, numa_groups, general):
-    key = ("gemm-rs", name, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
-           _bias_signature(bias), out_dtype, path, pieces, numa_groups)
+    try:
+        key = ("gemm-rs", name, a.shape, a.is_contiguous(), a.dtype, a.device, b.shape, b.stride(),
+               b.dtype, _bias_signature(bias), out_dtype, path, pieces, numa_groups)
+    except (AttributeError, TypeError):
+        return general()  # not tensors: the general path says what is wrong
 
     def prepare():
         found = _on_kernels(a, b, bias, name, out_dtype)
@@ -91,24 +99,29 @@ def gemm_reduce_scatter(a, b, bias, name, out_dtype, path, pieces, numa_groups, 
 
 
 def all_gather_gemm(a, b, bias, name, m, out_dtype, pieces, path, return_a, general):
-    key = ("ag-gemm", name, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(),
-           b.dtype, _bias_signature(bias), m, out_dtype, pieces, path, return_a)
+    """``m``: the rows in all as the caller gave them (None: the group's size times a's)."""
+    try:
+        key = ("ag-gemm", name, a.shape, a.is_contiguous(), a.dtype, a.device, b.shape, b.stride(),
+               b.dtype, _bias_signature(bias), m, out_dtype, pieces, path, return_a)
+    except (AttributeError, TypeError):
+        return general()  # not tensors: the general path says what is wrong
 
     def prepare():
         found = _on_kernels(a, b, bias, name, out_dtype)
         if found is None:
             return None
         g, group = found
-        op = _gpu.ag_gemm_operator(g, group.process_group, m, pieces, path)
-        forward, shape, dtype, device = op.forward, (m, g.n), g.out_dtype, a.device
-        gathered_shape = (m, g.k) if return_a else None
+        rows = a.shape[0] * group.world if m is None else m
+        op = _gpu.ag_gemm_operator(g, group.process_group, rows, pieces, path)
+        forward, shape, dtype, device = op.forward, (rows, g.n), g.out_dtype, a.device
+        gathered_shape = (rows, g.k) if return_a else None
         index, stream_of = device.index, _gpu.stream_of
 
         def call(a, b, bias):
             out = torch.empty(shape, dtype=dtype, device=device)
             gathered = None if gathered_shape is None else \
                 torch.empty(gathered_shape, dtype=a.dtype, device=device)
-            forward(m, a.data_ptr(), b.data_ptr(), out.data_ptr(), stream_of(index),
+            forward(rows, a.data_ptr(), b.data_ptr(), out.data_ptr(), stream_of(index),
                     None if bias is None else bias.data_ptr(),
                     None if gathered is None else gathered.data_ptr())
             return out, gathered
