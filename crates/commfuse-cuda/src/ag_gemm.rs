@@ -405,13 +405,14 @@ impl AgGemmRank {
     unsafe fn prepare(
         &mut self,
         stream: &Stream,
+        capturing: bool,
         s: &AgGemmSchedule,
         (a, b, bias, out): (u64, u64, Option<u64>, u64),
     ) -> Result<(), CudaError> {
         if self.tuned.contains(&s.shape.m) {
             return Ok(());
         }
-        if stream.is_capturing()? {
+        if capturing {
             return Err(unsupported(format!(
                 "all-gather + GEMM: M = {} was never called outside a CUDA graph capture, and its first call prepares on the host: call it once before capturing",
                 s.shape.m
@@ -551,11 +552,13 @@ impl AgGemmRank {
         }
         self.gpu.bind()?;
         let s = AgGemmSchedule::new(c.shape(self.world, m)?, c.pieces);
+        // asked once: each ask is a driver call on every call's path
+        let capturing = stream.is_capturing()?;
         // after the previous call even if it went on another stream
-        self.memory.order_after_last(stream)?;
+        self.memory.order_after_last_if(stream, capturing)?;
         let result = self
-            .prepare(stream, &s, (a, b, bias, out))
-            .and_then(|()| self.enqueue(stream, &s, (a, b, bias), out, gathered));
+            .prepare(stream, capturing, &s, (a, b, bias, out))
+            .and_then(|()| self.enqueue(stream, capturing, &s, (a, b, bias), out, gathered));
         if result.is_err() {
             // some ranks may have queued their part: the protocol's state is unknown. What
             // this rank queued stays before the caller's later work and before its memory may
@@ -569,9 +572,11 @@ impl AgGemmRank {
         result
     }
 
+    #[allow(clippy::too_many_arguments)]
     unsafe fn enqueue(
         &mut self,
         stream: &Stream,
+        capturing: bool,
         s: &AgGemmSchedule,
         (a, b, bias): (u64, u64, Option<u64>),
         out: u64,
@@ -677,7 +682,7 @@ impl AgGemmRank {
             };
             mem.steps.queue_step(stream, step, (self.world, mine))?;
         }
-        self.memory.launched(stream)?;
+        self.memory.launched_if(stream, capturing)?;
         Ok(())
     }
 

@@ -969,15 +969,26 @@ impl CallOrder {
 
     /// Makes `stream` wait for the last call recorded (unless `stream` is capturing).
     pub fn after_last(&self, stream: &Stream) -> Result<(), CudaError> {
-        if stream.is_capturing()? {
+        self.after_last_if(stream, stream.is_capturing()?)
+    }
+
+    /// Marks the end of the call just queued on `stream` (unless `stream` is capturing).
+    pub fn record(&self, stream: &Stream) -> Result<(), CudaError> {
+        self.record_if(stream, stream.is_capturing()?)
+    }
+
+    /// [`CallOrder::after_last`] for a caller that asked once per call whether `stream` is
+    /// capturing (`capturing`): each ask is a driver call, on the path of every call.
+    pub fn after_last_if(&self, stream: &Stream, capturing: bool) -> Result<(), CudaError> {
+        if capturing {
             return Ok(());
         }
         stream.wait_event(&self.last)
     }
 
-    /// Marks the end of the call just queued on `stream` (unless `stream` is capturing).
-    pub fn record(&self, stream: &Stream) -> Result<(), CudaError> {
-        if stream.is_capturing()? {
+    /// [`CallOrder::record`] for a caller that asked whether `stream` is capturing.
+    pub fn record_if(&self, stream: &Stream, capturing: bool) -> Result<(), CudaError> {
+        if capturing {
             return Ok(());
         }
         self.last.record(stream)

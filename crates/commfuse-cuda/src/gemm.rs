@@ -76,6 +76,20 @@ impl<T: InUse> Launched<T> {
         self.last.after_last(stream)
     }
 
+    /// [`Launched::launched`] for a caller that knows whether `stream` is `capturing`.
+    pub(crate) fn launched_if(&self, stream: &Stream, capturing: bool) -> Result<(), CudaError> {
+        self.last.record_if(stream, capturing)
+    }
+
+    /// [`Launched::order_after_last`] for a caller that knows whether `stream` is `capturing`.
+    pub(crate) fn order_after_last_if(
+        &self,
+        stream: &Stream,
+        capturing: bool,
+    ) -> Result<(), CudaError> {
+        self.last.after_last_if(stream, capturing)
+    }
+
     /// Waits on the host, up to `timeout`, for the last launch to end; whether it did.
     pub(crate) fn wait_last(&self, timeout: std::time::Duration) -> Result<bool, CudaError> {
         crate::host_sync::poll_until(timeout, || self.last.is_done())

@@ -841,7 +841,9 @@ impl GemmRsRank {
             ));
         }
         self.gpu.bind()?;
-        let path = match stream.is_capturing()? {
+        // asked once: each ask is a driver call on every call's path
+        let capturing = stream.is_capturing()?;
+        let path = match capturing {
             true => self.path_to_capture(m)?,
             false => self.path_for(m)?,
         };
@@ -850,8 +852,8 @@ impl GemmRsRank {
                 .settle_before_preparing(self.per_m.contains_key(&m))
                 .and_then(|()| self.prepare_fused(m))
                 // after the previous call even if it went on another stream
-                .and_then(|()| self.memory.order_after_last(stream))
-                .and_then(|()| self.enqueue(stream, m, a, b, bias, out)),
+                .and_then(|()| self.memory.order_after_last_if(stream, capturing))
+                .and_then(|()| self.enqueue(stream, capturing, m, a, b, bias, out)),
             GemmRsPath::Overlapped { pieces } => self.prepare_capturable(m).and_then(|()| {
                 self.ring
                     .as_mut()
@@ -893,9 +895,11 @@ impl GemmRsRank {
         self.memory.launched(stream)
     }
 
+    #[allow(clippy::too_many_arguments)]
     unsafe fn enqueue(
         &mut self,
         stream: &Stream,
+        capturing: bool,
         m: usize,
         a: u64,
         b: u64,
@@ -979,7 +983,7 @@ impl GemmRsRank {
                 stream.wait_event(&self.join)?;
             }
         }
-        self.memory.launched(stream)?;
+        self.memory.launched_if(stream, capturing)?;
         self.calls += 1;
         Ok(())
     }
