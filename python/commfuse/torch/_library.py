@@ -47,8 +47,15 @@ class Op:
         for key in ("CPU", "CUDA"):
             _LIB.impl(self.name, impl, key)
         self.overload = getattr(torch.ops.commfuse, self.name).default
-        arguments = [a.name for a in self.overload._schema.arguments]
+        schema_args = self.overload._schema.arguments
+        arguments = [a.name for a in schema_args]
         self._mutated = tuple(arguments.index(a) for a in mutates_args)
+        # where the tensors are: every call asks whether one needs a gradient, and looking at
+        # these alone costs less than torch._C._any_requires_grad over every argument
+        types = [str(a.type) for a in schema_args]
+        if any(t not in ("Tensor", "Optional[Tensor]") and "Tensor" in t for t in types):
+            raise TypeError(f"commfuse::{self.name}: tensor lists are not supported ({types})")
+        self._tensors = tuple(i for i, t in enumerate(types) if t in ("Tensor", "Optional[Tensor]"))
         self._function: Optional[type] = None
         _LIB.impl(self.name, self._autograd_kernel, "Autograd", with_keyset=True)
         self.__doc__ = impl.__doc__
@@ -91,13 +98,26 @@ class Op:
         if _traced(keyset):
             with torch._C._AutoDispatchBelowAutograd():
                 return self.overload.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+        if not self._mutated:
+            # no input needs a gradient, so the torch ops inside record none; the outputs are
+            # new tensors (opcheck checks they alias nothing)
+            return self.impl(*args)
         # below autograd and the version counters, as a backend kernel runs: the torch ops
-        # inside record no gradients and bump no versions (the op bumps its own)
+        # inside bump no versions (the op bumps its own, once)
         with torch._C._AutoDispatchBelowADInplaceOrView():
             return self.impl(*args)
 
+    def _needs_grad(self, args) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        for i in self._tensors:
+            t = args[i]
+            if t is not None and t.requires_grad:
+                return True
+        return False
+
     def _autograd_kernel(self, keyset, *args):
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        if self._needs_grad(args):
             if self._function is None:
                 raise RuntimeError(
                     f"commfuse::{self.name} has no gradient (it writes into its arguments):"
