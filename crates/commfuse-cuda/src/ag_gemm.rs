@@ -49,6 +49,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// What the first call of an M waits for on the host (see [`AgGemmRank::forward`]).
+fn warm_up(m: usize) -> String {
+    format!("its warm-up GEMMs of M = {m} on the tuning stream")
+}
+
 fn unsupported(msg: String) -> CudaError {
     CudaError::Unavailable(msg)
 }
@@ -292,7 +297,11 @@ impl AgGemmAllocation {
             // SAFETY: both hold at least 16 bytes (K·2 ≥ 16) and outlive the synchronisation
             unsafe { hand_on(&side, to, from, 16)? };
         }
-        side.synchronize()?;
+        side.synchronize_within(
+            4 * self.config.timeout,
+            &format!("all-gather + GEMM rank {}", self.rank),
+            "its first copies into the peers' memory",
+        )?;
         Ok(AgGemmRank {
             rank: self.rank,
             world: self.world,
@@ -368,6 +377,11 @@ impl AgGemmRank {
         &self.gpu
     }
 
+    /// Who waits, in a bounded host wait's error.
+    fn who(&self) -> String {
+        format!("all-gather + GEMM rank {}", self.rank)
+    }
+
     /// Rows of the gathered A this rank holds at `m`.
     pub fn chunk(&self, m: usize) -> std::ops::Range<usize> {
         commfuse_core::op::chunk_range(m, self.world, self.rank)
@@ -433,7 +447,8 @@ impl AgGemmRank {
             // once, as call 0: every flag holds at least 0, so nothing waits; the rows read
             // from the gather buffer are stale, and the output is overwritten by the call
             gemm.launch_gather_call(&self.tune, a, b, bias, out, CallNumber::Host(0))?;
-            self.tune.synchronize()?;
+            self.tune
+                .synchronize_within(limit, &self.who(), &warm_up(s.shape.m))?;
             self.fused.insert(s.shape.m, gemm);
             self.tuned.insert(s.shape.m);
             return Ok(());
@@ -450,7 +465,8 @@ impl AgGemmRank {
             self.lt
                 .matmul_into(&self.tune, &problem, 0, at, bias, 1.0, 0.0)?;
         }
-        self.tune.synchronize()?;
+        self.tune
+            .synchronize_within(limit, &self.who(), &warm_up(s.shape.m))?;
         self.tuned.insert(s.shape.m);
         Ok(())
     }

@@ -571,6 +571,22 @@ impl Stream {
     pub fn wait_idle(&self, timeout: Duration) -> Result<bool, CudaError> {
         host_sync::poll_until(timeout, || self.is_idle())
     }
+
+    /// [`Stream::synchronize`] bounded by `limit`: past it, [`CudaError::stalled`] saying that
+    /// `who` waited on `what` (the work queued on this stream). The owning context must be
+    /// bound.
+    pub fn synchronize_within(
+        &self,
+        limit: Duration,
+        who: &str,
+        what: &str,
+    ) -> Result<(), CudaError> {
+        if self.wait_idle(limit)? {
+            Ok(())
+        } else {
+            Err(CudaError::stalled(who, what, limit))
+        }
+    }
 }
 
 /// `CUDA_SUCCESS` → true, `CUDA_ERROR_NOT_READY` → false, anything else an error.
