@@ -58,6 +58,15 @@ def test_calls_that_differ_between_ranks_fail_on_every_rank(world, served_by, mo
     run_ranks(torch_checks.unequal_calls_fail_on_every_rank, world, timeout=300)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("served_by", ["commfuse-sim", "torch.distributed"])
+def test_collectives_that_differ_between_ranks_fail_on_every_rank(world, served_by,
+                                                                  monkeypatch):
+    if served_by == "torch.distributed":
+        monkeypatch.setenv("COMMFUSE_PEER_ACCESS", "0")
+    run_ranks(torch_checks.unequal_collectives_fail_on_every_rank, world, timeout=300)
+
+
 @pytest.fixture(scope="module")
 def one_rank():
     """This process as a group of one (gloo)."""

@@ -454,6 +454,94 @@ def unequal_calls_fail_on_every_rank(rank, world, seed=17):
         dist.all_gather_object = exchange
 
 
+def unequal_collectives_fail_on_every_rank(rank, world, seed=19):
+    """A collective whose element count, dtype or reduction differs between ranks ends in a
+    one-line ValueError on every rank that names each rank's value (compared before anything is
+    built or run, so no rank waits in a collective alone); equal calls then give the float64
+    reference, and a signature seen before exchanges nothing."""
+    import pytest
+
+    def each(name, value_of):
+        return " and ".join(f"{name} = {value_of(r)} on rank {r}" for r in range(world))
+
+    def fails(call, says):
+        with pytest.raises(ValueError) as raised:
+            call()
+        text = str(raised.value)
+        assert says in text and "\n" not in text, (text, says)
+
+    def chunk(total, r):
+        return len(rows_of(total, world)[r])
+
+    dtype = torch.float32
+    x = _on(operands(seed, [(8 + rank,)])[0], dtype)
+    fails(lambda: cf.all_reduce(x),
+          "all_reduce: every rank must pass the same element count, got "
+          + each("element count", lambda r: 8 + r))
+    # the same refusal again: a refused call is not remembered, so every rank exchanges again
+    fails(lambda: cf.all_reduce(x), "all_reduce: every rank must pass the same element count")
+    fails(lambda: cf.all_reduce(_on(operands(seed, [(8,)])[0],
+                                    torch.float32 if rank == 0 else torch.bfloat16)),
+          "all_reduce: every rank must pass the same dtype, got "
+          + each("dtype", lambda r: torch.float32 if r == 0 else torch.bfloat16))
+    fails(lambda: cf.all_reduce(_on(operands(seed, [(10,)])[0], dtype),
+                                op="sum" if rank == 0 else "max"),
+          "all_reduce: every rank must pass the same op, got "
+          + each("op", lambda r: "sum" if r == 0 else "max"))
+    total = 3 * world + rank
+    fails(lambda: cf.reduce_scatter(torch.empty(chunk(total, rank), dtype=dtype, device=DEVICE),
+                                    _on(operands(seed, [(total,)])[0], dtype)),
+          "reduce_scatter: every rank must pass the same element count, got "
+          + each("element count", lambda r: 3 * world + r))
+    total = 4 * world + rank
+    fails(lambda: cf.all_gather(torch.empty(total, dtype=dtype, device=DEVICE),
+                                _on(operands(seed, [(chunk(total, rank),)])[0], dtype)),
+          "all_gather: every rank must pass the same element count, got "
+          + each("element count", lambda r: 4 * world + r))
+    fails(lambda: cf.all_to_all(torch.empty(world * (2 + rank), dtype=dtype, device=DEVICE),
+                                _on(operands(seed, [(world * (2 + rank),)])[0], dtype)),
+          "all_to_all: every rank must pass the same element count, got "
+          + each("element count", lambda r: world * (2 + r)))
+    # the functional (dispatcher) ops are compared alike
+    fails(lambda: cff.reduce_scatter_tensor(_on(operands(seed, [(world * (5 + rank), 2)])[0],
+                                                dtype), "sum", None),
+          "reduce_scatter: every rank must pass the same element count, got "
+          + each("element count", lambda r: world * (5 + r) * 2))
+
+    # equal calls serve as before; a signature's first call exchanges once, later ones never
+    counted = []
+    exchange = dist.all_gather_object
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return exchange(*args, **kwargs)
+
+    dist.all_gather_object = counting
+    try:
+        n = 3 * world + 1
+        every = operands(seed + 1, [(n,)] * world)
+        total, scale = sum(every), sum(e.abs() for e in every)
+        rows = rows_of(n, world)
+        first = None
+        for call in range(3):
+            y = cf.all_reduce(_on(every[rank], dtype))
+            check(f"all_reduce after unequal calls, call {call}", y, total, scale, dtype)
+            out = torch.empty(len(rows[rank]), dtype=dtype, device=DEVICE)
+            cf.reduce_scatter(out, _on(every[rank], dtype))
+            check(f"reduce_scatter after unequal calls, call {call}", out, total[rows[rank]],
+                  scale[rows[rank]], dtype)
+            gathered = torch.empty(n, dtype=dtype, device=DEVICE)
+            cf.all_gather(gathered, _on(every[0][rows[rank]], dtype))
+            check(f"all_gather after unequal calls, call {call}", gathered, every[0],
+                  every[0].abs(), dtype)
+            if call == 0:
+                assert counted or world == 1, "a first call exchanges its request"
+                first = len(counted)
+            assert len(counted) == first, f"call {call} of a signature seen before exchanged"
+    finally:
+        dist.all_gather_object = exchange
+
+
 def graphs_replay_new_inputs(rank, world, seed=13):
     """The tensor-parallel block compiled with ``mode="reduce-overhead"`` (CUDA graphs): every
     replay with new inputs equals eager."""

@@ -5,16 +5,17 @@
 //!
 //! A call: the side stream (after the caller's earlier work) copies this rank's chunk, piece by
 //! piece, into every peer's gather buffer and raises each piece's flag there. Meanwhile the
-//! caller's stream computes the rank's own rows from the caller's A, then each peer's piece
-//! after a wait for its flag, from the gather buffer, each GEMM writing its rows of the caller's
-//! output (and, when asked, copying the gathered rows into the caller's buffer). At the end the
-//! rank raises "done" on every peer, and waits for nothing: it is the side stream that waits for
-//! a peer's done of the previous call, before its first copy into that peer, so no cross-GPU
-//! round trip lies on the caller's stream. Dropping a rank first waits (bounded) for its peers'
-//! dones of its last call, the last writes into its memory. The first call of each M lets
-//! cuBLASLt choose its algorithms and runs each piece's GEMM once before queueing anything
-//! (after the earlier calls, waited for on the host): a kernel loaded while a flag wait spins
-//! can stall the peers (CHANGELOG.md, "GEMM + reduce-scatter's overlapped path").
+//! caller's stream computes the rank's own rows from the caller's A, then each peer's piece after a
+//! wait for its flag, from the gather buffer, each GEMM writing its rows of the caller's output
+//! (and, when asked, copying the gathered rows into the caller's buffer). At the end the rank
+//! raises "done" on every peer, and waits for nothing: it is the side stream that waits for a
+//! peer's done of the previous call, before its first copy into that peer, so no cross-GPU round
+//! trip lies on the caller's stream. Dropping a rank first waits (bounded) for its peers' dones of
+//! its last call, the last writes into its memory, and leaks that memory where one has not come.
+//! The first call of each M lets cuBLASLt choose its algorithms and runs each piece's GEMM once
+//! before queueing anything (after the earlier calls, waited for on the host): a kernel loaded
+//! while a flag wait spins can stall the peers (CHANGELOG.md, "GEMM + reduce-scatter's overlapped
+//! path").
 //!
 //! The fused path (`AgGemmConfig::fused`) moves the same pieces with the same flags and
 //! dones, but the caller's stream runs one GEMM of our own over all M rows
@@ -46,8 +47,14 @@ use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, AgPiece, MAX_PI
 use commfuse_core::gemm::{BLayout, GemmProblem};
 use commfuse_core::DType;
 use std::collections::{HashMap, HashSet};
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// What the first call of an M waits for on the host (see [`AgGemmRank::forward`]).
+fn warm_up(m: usize) -> String {
+    format!("its warm-up GEMMs of M = {m} on the tuning stream")
+}
 
 fn unsupported(msg: String) -> CudaError {
     CudaError::Unavailable(msg)
@@ -292,7 +299,11 @@ impl AgGemmAllocation {
             // SAFETY: both hold at least 16 bytes (K·2 ≥ 16) and outlive the synchronisation
             unsafe { hand_on(&side, to, from, 16)? };
         }
-        side.synchronize()?;
+        side.synchronize_within(
+            4 * self.config.timeout,
+            &format!("all-gather + GEMM rank {}", self.rank),
+            "its first copies into the peers' memory",
+        )?;
         Ok(AgGemmRank {
             rank: self.rank,
             world: self.world,
@@ -311,7 +322,7 @@ impl AgGemmAllocation {
                 None
             },
             fused: HashMap::new(),
-            memory: Launched::new(&gpu, self.memory)?,
+            memory: ManuallyDrop::new(Launched::new(&gpu, self.memory)?),
             mapped: Vec::new(),
             gpu,
         })
@@ -320,9 +331,9 @@ impl AgGemmAllocation {
 
 /// One rank's all-gather + GEMM.
 pub struct AgGemmRank {
-    // dropped first (fields drop in order): waits for the last call before anything it uses
-    // (cuBLASLt's workspace, the streams, the events, the peers' mappings) goes
-    memory: Launched<AgMemory>,
+    // dropped first, by `drop` (or leaked there, see it): waits for the last call before
+    // anything it uses (cuBLASLt's workspace, the streams, the events, the peers' mappings) goes
+    memory: ManuallyDrop<Launched<AgMemory>>,
     rank: usize,
     world: usize,
     config: AgGemmConfig,
@@ -366,6 +377,11 @@ impl AgGemmRank {
 
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+
+    /// Who waits, in a bounded host wait's error.
+    fn who(&self) -> String {
+        format!("all-gather + GEMM rank {}", self.rank)
     }
 
     /// Rows of the gathered A this rank holds at `m`.
@@ -434,7 +450,8 @@ impl AgGemmRank {
             // once, as call 0: every flag holds at least 0, so nothing waits; the rows read
             // from the gather buffer are stale, and the output is overwritten by the call
             gemm.launch_gather_call(&self.tune, a, b, bias, out, CallNumber::Host(0))?;
-            self.tune.synchronize()?;
+            self.tune
+                .synchronize_within(limit, &self.who(), &warm_up(s.shape.m))?;
             self.fused.insert(s.shape.m, gemm);
             self.tuned.insert(s.shape.m);
             return Ok(());
@@ -451,7 +468,8 @@ impl AgGemmRank {
             self.lt
                 .matmul_into(&self.tune, &problem, 0, at, bias, 1.0, 0.0)?;
         }
-        self.tune.synchronize()?;
+        self.tune
+            .synchronize_within(limit, &self.who(), &warm_up(s.shape.m))?;
         self.tuned.insert(s.shape.m);
         Ok(())
     }
@@ -729,26 +747,78 @@ impl AgGemmRank {
     }
 }
 
-impl Drop for AgGemmRank {
-    /// Waits (up to the configured timeout) for every peer's done of this rank's last call: a
-    /// peer raises it into this rank's memory after its own call, possibly after this rank's
-    /// ended. A peer that never raises it leaves the wait to time out, and the memory is then
-    /// freed as any operator's is (see `Launched`).
-    fn drop(&mut self) {
-        if self.world == 1 || self.gpu.bind().is_err() {
-            return;
+impl AgGemmRank {
+    /// Whether no peer can write into this rank's memory any more: every peer's done of this
+    /// rank's last call has arrived (waited for on the side stream, bounded on the device by
+    /// the configured timeout and on the host by a second more), or why not.
+    fn peers_are_done(&mut self) -> Result<(), String> {
+        if self.world == 1 {
+            return Ok(());
         }
-        let Ok(s) = self.config.shape(self.world, self.config.max_m) else {
-            return;
-        };
+        if self.broken {
+            return Err("it failed earlier, so its peers' state is unknown".into());
+        }
+        self.gpu.bind().map_err(|e| e.to_string())?;
+        let s = self
+            .config
+            .shape(self.world, self.config.max_m)
+            .map_err(|e| e.to_string())?;
         let s = AgGemmSchedule::new(s, 1);
-        let queued = self.memory.order_after_last(&self.side).and_then(|()| {
-            // SAFETY: the flags live until the memory is dropped, after this wait
-            unsafe { self.queue_peers_done(&s) }
-        });
-        if queued.and_then(|()| self.join.record(&self.side)).is_ok() {
-            let limit = self.config.timeout + Duration::from_secs(1);
-            let _ = crate::host_sync::poll_until(limit, || self.join.is_done());
+        self.memory
+            .order_after_last(&self.side)
+            .and_then(|()| {
+                // SAFETY: the flags live until the memory is dropped, after this wait
+                unsafe { self.queue_peers_done(&s) }
+            })
+            .and_then(|()| self.join.record(&self.side))
+            .map_err(|e| e.to_string())?;
+        let limit = self.config.timeout + Duration::from_secs(1);
+        match crate::host_sync::poll_until(limit, || self.join.is_done()) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(format!(
+                    "its wait for the peers' dones of its last call still ran after {limit:?}"
+                ))
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+        // a device wait that gave up lets the side stream go on without the done it awaited
+        match self.memory.steps.timeout() {
+            None => Ok(()),
+            Some(e) => Err(format!(
+                "rank {}'s done of its last call had not come after {:?}",
+                e.index as usize - self.world * MAX_PIECES,
+                self.config.timeout
+            )),
+        }
+    }
+}
+
+impl Drop for AgGemmRank {
+    /// Frees the memory only once no peer can write into it: a peer raises its done of this
+    /// rank's last call into this rank's flags after its own call, possibly after this rank's
+    /// ended, and a done written into freed memory corrupts whatever is allocated there next
+    /// (in this process or, through IPC, in the peer's view of it). Where a done has not come
+    /// (a peer slow, stuck or dead, or the operator failed earlier), the gather buffer and
+    /// flags are leaked on purpose, with one line on stderr saying so.
+    fn drop(&mut self) {
+        match self.peers_are_done() {
+            // SAFETY: dropped once, here; its own drop waits for this rank's last launch
+            Ok(()) => unsafe { ManuallyDrop::drop(&mut self.memory) },
+            Err(why) => {
+                self.memory.steps.abort();
+                // this rank's own last launch reads the peers' memory mapped here: closed
+                // only once it has ended
+                let limit = 4 * self.config.timeout;
+                if !matches!(self.memory.wait_last(limit), Ok(true)) {
+                    std::mem::forget(std::mem::take(&mut self.mapped));
+                }
+                let bytes = self.memory.gather.len_bytes() + self.memory.flags.len_bytes();
+                eprintln!(
+                    "commfuse: all-gather + GEMM rank {} leaves its gather buffer and flags ({bytes} bytes on GPU {}) allocated: {why}, and a late done would write into freed memory",
+                    self.rank, self.gpu.ordinal
+                );
+            }
         }
     }
 }

@@ -7,7 +7,7 @@
 //!
 //! Row-major D[M,N] = A[M,K]·B is computed as the column-major Dᵀ[N,M] = Bᵀ·Aᵀ: B goes first.
 
-use crate::driver::{DeviceMemory, Event, Gpu, Stream, StreamGuard};
+use crate::driver::{DeviceMemory, Event, Gpu, Stream};
 use crate::error::CudaError;
 use commfuse_core::gemm::{BLayout, GemmProblem};
 use commfuse_core::DType;
@@ -15,6 +15,7 @@ use cudarc::cublaslt::{result, sys};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// The workspace every candidate may use (the heuristic only offers algorithms that fit).
 const WORKSPACE_BYTES: usize = 64 << 20;
@@ -23,6 +24,9 @@ pub const CANDIDATES: usize = 16;
 /// Untimed then timed calls per candidate when choosing.
 const TUNE_WARMUP: usize = 2;
 const TUNE_RUNS: usize = 5;
+/// How long choosing an algorithm waits for one candidate's timed runs: they take
+/// milliseconds, so a wait this long means the GPU is stuck (or held by a kernel that is).
+const TUNE_WAIT: Duration = Duration::from_secs(60);
 // cublasOperation_t (cudarc's cublasLt bindings do not carry the enum)
 const CUBLAS_OP_N: i32 = 0;
 const CUBLAS_OP_T: i32 = 1;
@@ -341,36 +345,57 @@ impl Lt {
         };
         let scratch_addr = scratch.unwrap_or_else(|| own.as_ref().map_or(0, DeviceMemory::addr));
         // a bias while choosing: the scratch itself (N elements of the output type)
-        // waits for the timed calls before the scratch output is freed, on every path
-        let drain = StreamGuard::new(stream);
-        let mut best: Option<(usize, f32)> = None;
-        for (index, algo) in algos.iter().enumerate() {
-            let call = || {
-                // SAFETY: operands as the caller promised, scratch sized for D, live descriptors
-                unsafe {
-                    let d = scratch_addr;
-                    let bias = key.bias.then_some(d);
-                    self.launch(&descriptors, algo, stream, (a, b, d, d), bias, 1.0, 0.0)
+        let who = format!("cuBLASLt's tuning on GPU {}", self.gpu.ordinal);
+        let mut stuck = false;
+        let mut time = || -> Result<Option<(usize, f32)>, CudaError> {
+            let mut best: Option<(usize, f32)> = None;
+            for (index, algo) in algos.iter().enumerate() {
+                let call = || {
+                    // SAFETY: operands as the caller promised, scratch sized for D, live
+                    // descriptors
+                    unsafe {
+                        let d = scratch_addr;
+                        let bias = key.bias.then_some(d);
+                        self.launch(&descriptors, algo, stream, (a, b, d, d), bias, 1.0, 0.0)
+                    }
+                };
+                let (start, end) = (Event::new(&self.gpu)?, Event::new(&self.gpu)?);
+                // a candidate cuBLASLt refuses at launch (its status, returned before anything
+                // is enqueued) is skipped
+                let timed = (0..TUNE_WARMUP).try_for_each(|_| call()).and_then(|()| {
+                    start.record(stream)?;
+                    (0..TUNE_RUNS).try_for_each(|_| call())?;
+                    end.record(stream)
+                });
+                if timed.is_err() {
+                    continue;
                 }
-            };
-            let (start, end) = (Event::new(&self.gpu)?, Event::new(&self.gpu)?);
-            // a candidate cuBLASLt refuses at launch (its status, returned before anything is
-            // enqueued) is skipped
-            let timed = (0..TUNE_WARMUP).try_for_each(|_| call()).and_then(|()| {
-                start.record(stream)?;
-                (0..TUNE_RUNS).try_for_each(|_| call())?;
-                end.record(stream)
-            });
-            if timed.is_err() {
-                continue;
+                let what = format!(
+                    "the timed runs of candidate {index} of {} for the {}×{}×{} GEMM",
+                    algos.len(),
+                    p.m,
+                    p.n,
+                    p.k
+                );
+                if let Err(e) = stream.synchronize_within(TUNE_WAIT, &who, &what) {
+                    stuck = true;
+                    return Err(e);
+                }
+                let ms = start.elapsed_ms(&end)? / TUNE_RUNS as f32;
+                if best.is_none_or(|(_, t)| ms < t) {
+                    best = Some((index, ms));
+                }
             }
-            stream.synchronize()?;
-            let ms = start.elapsed_ms(&end)? / TUNE_RUNS as f32;
-            if best.is_none_or(|(_, t)| ms < t) {
-                best = Some((index, ms));
-            }
+            Ok(best)
+        };
+        let best = time();
+        // on every path the timed calls must have ended before the scratch output is freed:
+        // one still running after the bound keeps it (leaked) rather than write into whatever
+        // is allocated there next
+        if stuck || !matches!(stream.wait_idle(TUNE_WAIT), Ok(true)) {
+            std::mem::forget(own);
         }
-        drop(drain);
+        let best = best?;
         let (index, time_ms) = best.ok_or_else(|| {
             CudaError::Unavailable(format!(
                 "none of cuBLASLt's {} candidate algorithms ran",

@@ -262,6 +262,83 @@ fn legacy_stream_finished() -> Result<(), CudaError> {
     })
 }
 
+/// The device allocation that holds an address, as the driver knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocation {
+    /// The GPU whose memory it is
+    pub ordinal: usize,
+    /// Where the allocation starts
+    pub base: u64,
+    /// Its size in bytes
+    pub bytes: usize,
+}
+
+/// The allocation holding `addr`, or None where the driver knows none: a host pointer, freed
+/// memory, a made-up address. One driver call (`cuPointerGetAttributes`), which needs no bound
+/// context and reports an address it does not know as such instead of failing.
+pub fn allocation_of(addr: u64) -> Result<Option<Allocation>, CudaError> {
+    let mut ordinal: i32 = -1;
+    let mut base: sys::CUdeviceptr = 0;
+    let mut bytes: usize = 0;
+    let mut attributes = [
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+    ];
+    let mut data = [
+        (&mut ordinal as *mut i32).cast::<c_void>(),
+        (&mut base as *mut sys::CUdeviceptr).cast::<c_void>(),
+        (&mut bytes as *mut usize).cast::<c_void>(),
+    ];
+    // SAFETY: three attributes, each with an out-pointer of its type (int, CUdeviceptr, size_t)
+    check("cuPointerGetAttributes", unsafe {
+        sys::cuPointerGetAttributes(
+            attributes.len() as u32,
+            attributes.as_mut_ptr(),
+            data.as_mut_ptr(),
+            addr,
+        )
+    })?;
+    if ordinal < 0 || bytes == 0 || addr < base {
+        return Ok(None);
+    }
+    Ok(Some(Allocation {
+        ordinal: ordinal as usize,
+        base,
+        bytes,
+    }))
+}
+
+/// Whether `bytes` bytes from `addr` lie in one allocation of GPU `ordinal` (the driver's
+/// view, [`allocation_of`]); else a one-line [`CudaError::OutOfBounds`] naming `what`, where
+/// it is and what its allocation holds.
+pub fn check_device_span(
+    what: &str,
+    addr: u64,
+    bytes: usize,
+    ordinal: usize,
+) -> Result<(), CudaError> {
+    let wrong = |why: String| Err(CudaError::OutOfBounds(format!("{what} ({addr:#x}) {why}")));
+    match allocation_of(addr)? {
+        None => wrong("is not device memory".into()),
+        Some(a) if a.ordinal != ordinal => wrong(format!(
+            "is memory of GPU {}, and this operator runs on GPU {ordinal}",
+            a.ordinal
+        )),
+        Some(a) => {
+            let left = a.bytes - (addr - a.base) as usize;
+            if bytes > left {
+                wrong(format!(
+                    "needs {bytes} bytes, but its allocation ({} bytes from {:#x}) holds {left} from there",
+                    a.bytes, a.base
+                ))
+            } else {
+                Ok(())
+            }
+        }
+    }
+}
+
 /// A host copy of `bytes` must fit in an allocation of `capacity` bytes.
 fn fits(what: &str, bytes: usize, capacity: usize) -> Result<(), CudaError> {
     if bytes > capacity {
@@ -570,6 +647,22 @@ impl Stream {
     /// running then. The owning context must be bound.
     pub fn wait_idle(&self, timeout: Duration) -> Result<bool, CudaError> {
         host_sync::poll_until(timeout, || self.is_idle())
+    }
+
+    /// [`Stream::synchronize`] bounded by `limit`: past it, [`CudaError::stalled`] saying that
+    /// `who` waited on `what` (the work queued on this stream). The owning context must be
+    /// bound.
+    pub fn synchronize_within(
+        &self,
+        limit: Duration,
+        who: &str,
+        what: &str,
+    ) -> Result<(), CudaError> {
+        if self.wait_idle(limit)? {
+            Ok(())
+        } else {
+            Err(CudaError::stalled(who, what, limit))
+        }
     }
 }
 

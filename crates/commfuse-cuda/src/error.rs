@@ -23,8 +23,38 @@ pub enum CudaError {
     Nccl { call: &'static str, message: String },
 }
 
+impl CudaError {
+    /// A bounded host wait that ran out: `who` (an operator's rank, a tuning pass) waited
+    /// `limit` for `what`, which had not finished then.
+    pub fn stalled(who: &str, what: &str, limit: std::time::Duration) -> CudaError {
+        CudaError::Stalled(format!(
+            "{who} waited {limit:?} for {what}, which had not finished"
+        ))
+    }
+}
+
 impl From<CudaError> for BackendError {
     fn from(e: CudaError) -> Self {
         BackendError::Unavailable(e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_stalled_wait_names_who_waited_on_what_and_the_limit() {
+        let e = CudaError::stalled(
+            "all-gather + GEMM rank 3",
+            "its warm-up GEMMs of M = 256 on the tuning stream",
+            Duration::from_secs(20),
+        );
+        assert!(matches!(e, CudaError::Stalled(_)));
+        assert_eq!(
+            e.to_string(),
+            "all-gather + GEMM rank 3 waited 20s for its warm-up GEMMs of M = 256 on the tuning stream, which had not finished"
+        );
     }
 }

@@ -163,3 +163,44 @@ fn fill_and_upload_finish_before_work_queued_on_a_stream() {
         );
     }
 }
+
+/// A stream held by a flag wait that no one raises (2 s, the wait's own bound): a host wait
+/// bounded at 200 ms ends in an error naming who waited on what and the limit, instead of
+/// waiting the stream out; the stream is idle once the flag wait has given up.
+#[test]
+fn a_bounded_stream_wait_names_who_waited_on_what() {
+    if commfuse_cuda::testing::gpus(1).is_none() {
+        return;
+    }
+    use commfuse_cuda::driver::Stream;
+    use commfuse_cuda::flag_step::{FlagCmp, FlagSteps};
+    let gpu = Gpu::open(0).unwrap();
+    let stream = Stream::new(&gpu).unwrap();
+    let steps = FlagSteps::new(&gpu, 0, Duration::from_secs(2)).unwrap();
+    let flag = DeviceMemory::zeroed(&gpu, 8).unwrap();
+    // SAFETY: the flag outlives the wait (the stream is idle before it is freed)
+    unsafe {
+        steps
+            .queue(&stream, Some((flag.addr(), 1, FlagCmp::Eq)), None, (0, 0))
+            .unwrap()
+    };
+    let started = Instant::now();
+    let err = stream
+        .synchronize_within(Duration::from_millis(200), "a test's rank 0", "a flag wait")
+        .unwrap_err();
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(200) && waited < Duration::from_millis(1500),
+        "{waited:?}"
+    );
+    assert!(matches!(err, CudaError::Stalled(_)), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        "a test's rank 0 waited 200ms for a flag wait, which had not finished"
+    );
+    assert!(
+        stream.wait_idle(Duration::from_secs(10)).unwrap(),
+        "the flag wait gives up"
+    );
+    assert!(steps.timeout().is_some(), "and says so");
+}

@@ -31,21 +31,23 @@ class Group:
         # (what, request) -> every rank's request, exchanged at this rank's first such call
         self._requests: dict = {}
 
-    def requests(self, what: str, request: tuple) -> list:
-        """Every rank's ``request`` for its call of ``what``, in rank order: exchanged by
-        ``dist.all_gather_object`` (collective) at this rank's first call of each (what,
-        request), a dictionary lookup at later ones. Every rank makes the same calls in the
-        same order, so a first call meets the other ranks' first calls: a rank whose request
-        differs from the others' makes a first call of its own too. (A rank repeating an earlier
-        request while another makes a new one is not met: that one waits alone.)"""
+    def requests(self, what: str, request: tuple) -> tuple:
+        """``(every, first)``: every rank's ``request`` for its call of ``what``, in rank order,
+        and whether this call exchanged it. Exchanged by ``dist.all_gather_object``
+        (collective) at this rank's first call of each (what, request), a dictionary lookup at
+        later ones. Every rank makes the same calls in the same order, so a first call meets the
+        other ranks' first calls: a rank whose request differs from the others' makes a first
+        call of its own too. (A rank repeating an earlier request while another makes a new one
+        is not met: that one waits alone.)"""
         every = self._requests.get((what, request))
-        if every is None:
-            every = [request]
-            if self.world > 1:
-                every = [None] * self.world
-                dist.all_gather_object(every, request, group=self.process_group)
-            self._requests[(what, request)] = every
-        return every
+        if every is not None:
+            return every, False
+        every = [request]
+        if self.world > 1:
+            every = [None] * self.world
+            dist.all_gather_object(every, request, group=self.process_group)
+        self._requests[(what, request)] = every
+        return every, True
 
     def forget(self, what: str, request: tuple) -> None:
         """Drops the exchange of ``request`` (a call every rank refused), so that every rank

@@ -41,7 +41,10 @@ def _same_call(group, what: str, fields: tuple, own=None) -> list:
     exchange comes before anything is built or run, so that a rank whose call differs fails with
     the others instead of entering a collective alone."""
     request = (fields, own)
-    every = group.requests(what, request)
+    every, first = group.requests(what, request)
+    if not first:
+        # a request kept from an earlier call was compared then (a refused one is not kept)
+        return [e[1] for e in every]
     for i, (name, _) in enumerate(fields):
         seen = [e[0][i][1] for e in every]
         if len(set(seen)) > 1:
@@ -123,13 +126,21 @@ def collective_impl(kind: str, output: Tensor, input: Tensor, reduce: str, group
                     path: str) -> None:
     """Collective ``kind`` from ``input`` into ``output`` (flat semantics), eagerly."""
     group = by_name(group_name)
+    what = kind.replace("-", "_")
     if not output.is_contiguous():
         raise ValueError("output must be contiguous")
     input = input.contiguous()
-    served = group.served_by(input.device)
     if output.dtype != input.dtype or output.device != input.device:
-        raise ValueError(f"{kind.replace('-', '_')}: input and output must have one dtype and"
-                         " device")
+        raise ValueError(f"{what}: input and output must have one dtype and device")
+    # ranks whose counts or dtypes differ would build operators for different messages (or
+    # meet in torch.distributed with different sizes): compared before anything is built or
+    # run, once per signature, so that every rank fails together instead of one hanging
+    count = output.numel() if kind == "all-gather" else input.numel()
+    fields = (("element count", count), ("dtype", input.dtype), ("path", path))
+    if kind in ("all-reduce", "reduce-scatter"):
+        fields += (("op", reduce),)
+    _same_call(group, what, fields)
+    served = group.served_by(input.device)
 
     def by_torch():
         _fallback.collective_into(kind, output, input, group.process_group, group.rank,

@@ -186,7 +186,11 @@ impl RingPath {
                 )?
             };
         }
-        side.synchronize()?;
+        side.synchronize_within(
+            4 * config.timeout,
+            &format!("GEMM + reduce-scatter (ring) rank {rank}"),
+            "its first copies into the peers' memory",
+        )?;
         Ok(RingPath {
             rank,
             world,
@@ -272,7 +276,14 @@ impl RingPath {
             let bias = (self.config.bias && g.target == RingTarget::Output).then_some(scratch);
             self.piece_gemm(&self.tune, s, &g, set, (a, b, bias, scratch))?;
         }
-        self.tune.synchronize()?;
+        self.tune.synchronize_within(
+            limit,
+            &format!("GEMM + reduce-scatter (ring) rank {}", self.rank),
+            &format!(
+                "its warm-up GEMMs of M = {} on the tuning stream",
+                s.shape.m
+            ),
+        )?;
         self.tuned.insert((s.shape.m, s.pieces));
         Ok(())
     }
