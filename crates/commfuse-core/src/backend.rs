@@ -6,6 +6,7 @@ use crate::checker::CheckedPlan;
 use crate::dtype::DType;
 pub use crate::dtype::{HostBuffer, HostSlice, HostSliceMut};
 pub use crate::error::BackendError;
+use crate::implementation::{Baseline, Implementation, Protocol};
 use crate::op::{OpKind, OpSpec};
 use crate::reduce::ReduceOp;
 use std::time::Duration;
@@ -146,37 +147,52 @@ pub trait Backend {
     fn host_bytes(&self, _plan: &CheckedPlan, _dtype: DType) -> Option<u64> {
         Some(0)
     }
-    /// [`Backend::host_bytes`] of [`Backend::prepare_baseline`] of `name` for `spec`.
-    fn baseline_host_bytes(&self, _name: &str, _spec: &OpSpec, _dtype: DType) -> Option<u64> {
+    /// [`Backend::host_bytes`] of [`Backend::prepare_baseline`] of `which` for `spec`.
+    fn baseline_host_bytes(
+        &self,
+        _which: Implementation,
+        _spec: &OpSpec,
+        _dtype: DType,
+    ) -> Option<u64> {
         Some(0)
     }
     /// Other implementations of the same op that this backend can run for comparison (NCCL,
-    /// the copy engine), by name.
-    fn baselines(&self, _op: OpKind) -> Vec<&'static str> {
+    /// the copy engine).
+    fn baselines(&self, _op: OpKind) -> Vec<Baseline> {
         Vec::new()
     }
-    /// commfuse's own implementations of `op` beyond the plans (the LL protocol), by name:
-    /// prepared like baselines, with [`Backend::prepare_baseline`], and benched as ours.
-    fn protocols(&self, _op: OpKind) -> Vec<&'static str> {
+    /// commfuse's own implementations of `op` beyond the plans (the LL protocol): prepared like
+    /// baselines, with [`Backend::prepare_baseline`], and benched as ours.
+    fn protocols(&self, _op: OpKind) -> Vec<Protocol> {
         Vec::new()
     }
     /// The protocol (one of [`Backend::protocols`]) this backend's operators run for `spec`
     /// when the caller leaves the choice to `auto`, instead of the cost model's plan; None where
     /// they run the plan.
-    fn auto_protocol(&self, _spec: &OpSpec, _elem_bytes: usize) -> Option<&'static str> {
+    fn auto_protocol(&self, _spec: &OpSpec, _elem_bytes: usize) -> Option<Protocol> {
         None
     }
-    /// Prepares baseline (or protocol, see [`Backend::protocols`]) `name` for `spec`; its inputs
-    /// and outputs follow the op's definition, so the same reference checks it.
+    /// Whether this backend runs `which` for `op`: every plan of the op, and the protocols and
+    /// baselines it lists.
+    fn offers(&self, op: OpKind, which: Implementation) -> bool {
+        match which {
+            Implementation::Plan(algo) => crate::Algo::for_op(op).contains(&algo),
+            Implementation::Protocol(p) => self.protocols(op).contains(&p),
+            Implementation::Baseline(b) => self.baselines(op).contains(&b),
+        }
+    }
+    /// Prepares baseline (or protocol, see [`Backend::protocols`]) `which` for `spec`; its
+    /// inputs and outputs follow the op's definition, so the same reference checks it. A plan
+    /// is prepared from its checked plan, with [`Backend::prepare`], not here.
     fn prepare_baseline(
         &self,
-        name: &str,
+        which: Implementation,
         _spec: &OpSpec,
         _dtype: DType,
         _reduce: ReduceOp,
     ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
         Err(BackendError::Unavailable(format!(
-            "the {} backend has no baseline '{name}'",
+            "the {} backend has no baseline '{which}'",
             self.name()
         )))
     }

@@ -32,18 +32,6 @@ pub struct AlgoChoice {
 /// not a measurement.
 pub const LL_AUTO_MAX_SENT_BYTES: usize = 1 << 20;
 
-/// The LL protocol's name among a backend's protocols ([`crate::backend::Backend::protocols`]).
-pub const LL_PROTOCOL: &str = "ll";
-
-/// The LL protocol with 16-byte lines (three data words and the call's number in each, where
-/// LL's 8-byte lines carry one word and the number): fewer bytes on the link for the same data,
-/// for sizes where those bytes set the time. Not taken by `auto` until measured against LL.
-pub const LL16_PROTOCOL: &str = "ll16";
-
-/// The copy-engine protocol's name among a backend's protocols (large messages moved by the
-/// copy engines, the SMs only reducing).
-pub const CE_PROTOCOL: &str = "ce";
-
 /// Whether `auto` takes the LL protocol for `spec` with elements of `elem_bytes` bytes.
 pub fn prefers_ll(spec: &OpSpec, elem_bytes: usize) -> bool {
     use crate::op::OpKind;

@@ -21,7 +21,9 @@ use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RAN
 use commfuse_core::backend::{
     ensure_fits, Backend, BackendError, CallTiming, PadCapacity, PreparedCall,
 };
-use commfuse_core::{CheckedPlan, DType, Element, OpKind, OpSpec, ReduceOp, Slot};
+use commfuse_core::{
+    Baseline, CheckedPlan, DType, Element, Implementation, OpKind, OpSpec, Protocol, ReduceOp, Slot,
+};
 use half::{bf16, f16};
 use std::time::Duration;
 
@@ -144,36 +146,39 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn baselines(&self, op: OpKind) -> Vec<&'static str> {
-        crate::nccl::baselines(op)
+    fn baselines(&self, op: OpKind) -> Vec<Baseline> {
+        Baseline::for_op(op)
     }
 
-    fn auto_protocol(&self, spec: &OpSpec, elem_bytes: usize) -> Option<&'static str> {
+    fn auto_protocol(&self, spec: &OpSpec, elem_bytes: usize) -> Option<Protocol> {
         // as CollectiveRank does
-        commfuse_core::cost::prefers_ll(spec, elem_bytes).then_some(crate::ll::LL)
+        commfuse_core::cost::prefers_ll(spec, elem_bytes).then_some(Protocol::Ll)
     }
 
-    fn protocols(&self, op: OpKind) -> Vec<&'static str> {
-        let ll = crate::ll::runs(op).then_some([crate::ll::LL, crate::ll::LL16]);
-        let ce = crate::ce::runs(op).then_some(crate::ce::CE);
+    fn protocols(&self, op: OpKind) -> Vec<Protocol> {
+        let ll = crate::ll::runs(op).then_some([Protocol::Ll, Protocol::Ll16]);
+        let ce = crate::ce::runs(op).then_some(Protocol::Ce);
         ll.into_iter().flatten().chain(ce).collect()
     }
 
     fn prepare_baseline(
         &self,
-        name: &str,
+        which: Implementation,
         spec: &OpSpec,
         dtype: DType,
         reduce: ReduceOp,
     ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
         self.check_usable()?;
-        if let Some(lines) = crate::ll::Lines::of_protocol(name) {
-            return crate::ll::prepare(self, spec, (dtype, reduce), lines);
+        match which {
+            Implementation::Protocol(p) => match crate::ll::Lines::of_protocol(p) {
+                Some(lines) => crate::ll::prepare(self, spec, (dtype, reduce), lines),
+                None => crate::ce::prepare(self, spec, dtype, reduce),
+            },
+            Implementation::Baseline(b) => crate::baselines::prepare(self, b, spec, dtype, reduce),
+            Implementation::Plan(algo) => Err(BackendError::Unavailable(format!(
+                "{algo} is a plan: prepare its checked plan, not a baseline"
+            ))),
         }
-        if name == crate::ce::CE {
-            return crate::ce::prepare(self, spec, dtype, reduce);
-        }
-        crate::baselines::prepare(self, name, spec, dtype, reduce)
     }
 }
 
@@ -305,6 +310,15 @@ mod tests {
     fn barrier_plan(world: usize) -> CheckedPlan {
         let spec = OpSpec::new(OpKind::Barrier, world, 0, 0).unwrap();
         check(build_plan(spec, Algo::AllToAll, &Topology::new(world, 1).unwrap()).unwrap()).unwrap()
+    }
+
+    /// The backend offers the baselines the NCCL module implements, no more and no fewer.
+    #[test]
+    fn the_offered_baselines_are_the_nccl_modules() {
+        for op in OpKind::ALL {
+            let offered: Vec<&str> = Baseline::for_op(op).iter().map(|b| b.name()).collect();
+            assert_eq!(offered, crate::nccl::baselines(op), "{op}");
+        }
     }
 
     #[test]

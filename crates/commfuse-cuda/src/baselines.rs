@@ -5,10 +5,10 @@
 use crate::call::{boxed_call, Launcher, RankBuffers};
 use crate::error::CudaError;
 use crate::gpus::{CudaBackend, Rank};
-use crate::nccl::{baselines, nccl_op, nccl_type, Comms};
+use crate::nccl::{nccl_op, nccl_type, Comms};
 use commfuse_core::backend::{BackendError, CallTiming, PreparedCall};
 use commfuse_core::op::chunk_range;
-use commfuse_core::{DType, OpKind, OpSpec, ReduceOp};
+use commfuse_core::{Baseline, DType, OpKind, OpSpec, ReduceOp};
 use cudarc::driver::result as drv;
 use cudarc::nccl::{result, sys};
 use std::ffi::c_void;
@@ -26,17 +26,17 @@ fn comms_of(backend: &CudaBackend) -> Result<Comms, CudaError> {
 
 pub(crate) fn prepare<'a>(
     backend: &'a CudaBackend,
-    name: &str,
+    which: Baseline,
     spec: &OpSpec,
     dtype: DType,
     reduce: ReduceOp,
 ) -> Result<Box<dyn PreparedCall + 'a>, BackendError> {
-    let kind = match name {
-        "nccl" => Kind::Nccl,
-        "copy-engine" => Kind::CopyEngine,
-        _ => return Err(BackendError::Unavailable(format!("no baseline '{name}'"))),
+    let kind = match which {
+        Baseline::Nccl => Kind::Nccl,
+        Baseline::CopyEngine => Kind::CopyEngine,
     };
-    if !baselines(spec.kind).contains(&name) {
+    let name = which.name();
+    if !which.implements(spec.kind) {
         return Err(BackendError::Unavailable(format!(
             "{} has no {name} baseline",
             spec.kind

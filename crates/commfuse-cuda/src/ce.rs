@@ -37,7 +37,7 @@
 //! copies, which the caller's stream joins before the call ends.
 //!
 //! Flags carry the host's epochs, so a call cannot be captured into a CUDA graph (a replay would
-//! repeat the numbers): the bench runs it eagerly only. It runs as a protocol named [`CE`]
+//! repeat the numbers): the bench runs it eagerly only. It runs as protocol `Protocol::Ce`
 //! beside the plans, the LL protocol and NCCL (`Backend::protocols`), on one process's GPUs.
 
 use crate::call::{boxed_call, Launcher, RankBuffers};
@@ -54,9 +54,6 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
-
-/// The protocol's name in the collectives' bench.
-pub const CE: &str = commfuse_core::cost::CE_PROTOCOL;
 
 /// Bytes of a sub-chunk (the unit whose reduction overlaps the next one's copies), unless
 /// `COMMFUSE_CE_SUB_BYTES` says otherwise: small enough that the last one's reduction, which

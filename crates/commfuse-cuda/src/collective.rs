@@ -126,7 +126,7 @@ impl<'b> CudaCollective<'b> {
     /// What runs: "ll" where `auto` took the LL protocol, else the plan's algorithm.
     pub fn implementation(&self) -> String {
         if self.ll.is_some() {
-            crate::ll::LL.into()
+            commfuse_core::Protocol::Ll.name().into()
         } else {
             self.algo.to_string()
         }

@@ -324,7 +324,7 @@ impl CollectiveRank {
     /// What runs: "ll" where `auto` took the LL protocol, else the plan's algorithm.
     pub fn implementation(&self) -> String {
         match self.memory.as_ref().is_some_and(|m| m.ll.is_some()) {
-            true => crate::ll::LL.into(),
+            true => commfuse_core::Protocol::Ll.name().into(),
             false => self.algo.to_string(),
         }
     }

@@ -13,7 +13,7 @@
 //! LL16's 16-byte lines (12 data bytes and the number), which put a third fewer bytes on the
 //! link for the same message.
 //!
-//! They run as protocols named [`LL`] and [`LL16`] beside the plans and NCCL in the
+//! They run as protocols `Protocol::Ll` and `Protocol::Ll16` beside the plans and NCCL in the
 //! collectives' bench and checks (`Backend::protocols`); LL also inside
 //! [`crate::collective_rank`] and [`crate::collective`] where `auto` takes it.
 
@@ -25,12 +25,8 @@ use crate::nvrtc;
 use crate::plan_kernel::typed_kernel;
 use crate::plan_table::{ErrorRecord, MAX_RANKS};
 use commfuse_core::backend::{BackendError, PreparedCall};
-use commfuse_core::{DType, OpKind, OpSpec, ReduceOp};
+use commfuse_core::{DType, OpKind, OpSpec, Protocol, ReduceOp};
 use std::time::Duration;
-
-/// The candidates' names in the collectives' bench.
-pub const LL: &str = commfuse_core::cost::LL_PROTOCOL;
-pub const LL16: &str = commfuse_core::cost::LL16_PROTOCOL;
 
 /// How the LL kernels pack data and the call's number into the 16 bytes a thread stores at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,12 +40,12 @@ pub enum Lines {
 }
 
 impl Lines {
-    /// The line format of protocol `name` ([`LL`] or [`LL16`]).
-    pub fn of_protocol(name: &str) -> Option<Lines> {
-        match name {
-            LL => Some(Lines::Eight),
-            LL16 => Some(Lines::Sixteen),
-            _ => None,
+    /// The line format of `protocol` (LL or LL16; None for the others).
+    pub fn of_protocol(protocol: Protocol) -> Option<Lines> {
+        match protocol {
+            Protocol::Ll => Some(Lines::Eight),
+            Protocol::Ll16 => Some(Lines::Sixteen),
+            Protocol::Ce => None,
         }
     }
 
@@ -69,11 +65,11 @@ impl Lines {
         }
     }
 
-    /// The protocol's name.
-    pub fn protocol(self) -> &'static str {
+    /// The protocol of this line format.
+    pub fn protocol(self) -> Protocol {
         match self {
-            Lines::Eight => LL,
-            Lines::Sixteen => LL16,
+            Lines::Eight => Protocol::Ll,
+            Lines::Sixteen => Protocol::Ll16,
         }
     }
 }
@@ -295,7 +291,7 @@ pub(crate) fn describe_timeout(
 ) -> String {
     format!(
         "{kind} ({}): rank {} (block {}) waited for sender {}'s line of word {} to carry call {}, saw call {} after {timeout:?}",
-        lines.protocol().to_uppercase(),
+        lines.protocol().name().to_uppercase(),
         rec.rank, rec.lane, rec.step, rec.slot, rec.expected, rec.seen
     )
 }

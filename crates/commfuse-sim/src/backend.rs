@@ -8,8 +8,8 @@ use commfuse_core::backend::{
     check_queued_inputs, ensure_fits, Backend, BackendError, CallTiming, HostBuffer, HostSlice,
     HostSliceMut, PadCapacity, PreparedCall,
 };
-use commfuse_core::cost::LL_PROTOCOL;
 use commfuse_core::{CheckedPlan, DType, Element, OpKind, OpSpec, ReduceOp};
+use commfuse_core::{Implementation, Protocol};
 use half::{bf16, f16};
 use std::time::Instant;
 
@@ -77,31 +77,37 @@ impl Backend for SimBackend {
         plan_memory(plan, dtype).bytes()
     }
 
-    fn baseline_host_bytes(&self, name: &str, spec: &OpSpec, dtype: DType) -> Option<u64> {
-        if name == LL_PROTOCOL {
+    fn baseline_host_bytes(
+        &self,
+        which: Implementation,
+        spec: &OpSpec,
+        dtype: DType,
+    ) -> Option<u64> {
+        if which == Implementation::Protocol(Protocol::Ll) {
             crate::ll::SimLlCall::memory(self.world.size(), spec, dtype).bytes()
         } else {
             Some(0)
         }
     }
 
-    fn protocols(&self, op: OpKind) -> Vec<&'static str> {
+    fn protocols(&self, op: OpKind) -> Vec<Protocol> {
+        // the simulator's twin of the LL kernels; LL16 and the copy engine are GPU-only
         match op {
-            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather => vec![LL_PROTOCOL],
+            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather => vec![Protocol::Ll],
             _ => Vec::new(),
         }
     }
 
     fn prepare_baseline(
         &self,
-        name: &str,
+        which: Implementation,
         spec: &OpSpec,
         dtype: DType,
         reduce: ReduceOp,
     ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
-        if name != LL_PROTOCOL {
+        if which != Implementation::Protocol(Protocol::Ll) {
             return Err(BackendError::Unavailable(format!(
-                "the sim backend has no baseline '{name}'"
+                "the sim backend has no baseline '{which}'"
             )));
         }
         Ok(Box::new(crate::ll::SimLlCall::new(

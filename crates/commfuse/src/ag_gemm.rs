@@ -3,6 +3,7 @@
 //! the GEMM's error bound, and every element of the gathered A (which must be exact).
 
 use crate::gemm_rs::CallCheck;
+use crate::progress::long_run_warning;
 use anyhow::{anyhow, Result};
 use commfuse_core::gemm::{check_elements, reference_gemm, Epilogue};
 use commfuse_core::{DType, Element};
@@ -92,6 +93,13 @@ fn run_typed<TI: Element, TO: Element>(
         pad_cols: pad_cols as u32,
     };
     footprint.and(&world_config.memory(p).total()).check()?;
+    let what = format!("ag-gemm {}×{n}×{k} on {p} ranks", config.max_m);
+    let ranks_and_cores = (p, crate::progress::cores());
+    if let Some(warning) = long_run_warning(&what, (ms, n, k), ranks_and_cores) {
+        eprintln!("{warning}");
+    }
+    // a step per rank's call, then one per rank's check of it
+    let bar = crate::progress::bar(2 * (p * ms.len()) as u64, &what);
     let world = World::new(p, world_config)?;
     let op = if fused {
         SimAgGemm::<TI, TO>::fused(&world, config, pieces)?
@@ -115,6 +123,7 @@ fn run_typed<TI: Element, TO: Element>(
             let (out, gathered) = &mut outs[c];
             let operands = (a[c][r].as_slice(), b[c][r].as_slice(), bias[c].as_deref());
             op.forward(ctx, m, operands, out, Some(gathered))?;
+            bar.inc(1);
         }
         Ok(())
     })?;
@@ -153,9 +162,11 @@ fn run_typed<TI: Element, TO: Element>(
                 ));
             }
             ranks.push(check);
+            bar.inc(1);
         }
         checks.push(CallCheck { m, ranks });
     }
+    bar.finish_and_clear();
     Ok(checks)
 }
 

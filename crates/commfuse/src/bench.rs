@@ -13,7 +13,10 @@ use crate::sizes::format_size;
 use anyhow::Result;
 use commfuse_core::backend::{Backend, PreparedCall};
 use commfuse_core::cost::{choose_algo, CostCard};
-use commfuse_core::{Algo, CheckedPlan, DType, OpKind, OpSpec, ReduceOp, Topology};
+use commfuse_core::{
+    Algo, Baseline, CheckedPlan, DType, Implementation, OpKind, OpSpec, Protocol, ReduceOp,
+    Topology,
+};
 use commfuse_sim::memory::{Footprint, REFERENCE_BLOCK_BYTES};
 use std::time::{Duration, Instant};
 
@@ -30,9 +33,9 @@ pub struct BenchConfig {
     /// predicts fastest, which is what `--algo auto` (the default) runs
     pub auto: bool,
     /// Baselines of the backend to run beside (NCCL, copy engine)
-    pub baselines: Vec<&'static str>,
+    pub baselines: Vec<Baseline>,
     /// Our implementations beyond the plans to time beside them ([`Backend::protocols`])
-    pub protocols: Vec<&'static str>,
+    pub protocols: Vec<Protocol>,
     pub sizes: Vec<u64>,
     pub dtype: DType,
     pub reduce: ReduceOp,
@@ -267,14 +270,16 @@ pub fn run(
                 iterations: 0,
             });
         }
-        let named = cfg.protocols.iter().map(|&n| (n, false));
-        for (name, baseline) in named.chain(cfg.baselines.iter().map(|&n| (n, true))) {
+        let protocols = cfg.protocols.iter().map(|&p| Implementation::Protocol(p));
+        let baselines = cfg.baselines.iter().map(|&b| Implementation::Baseline(b));
+        for which in protocols.chain(baselines) {
+            let (name, baseline) = (which.name(), matches!(which, Implementation::Baseline(_)));
             let with = memory
                 .clone()
-                .add_bytes(backend.baseline_host_bytes(name, &spec, cfg.dtype));
+                .add_bytes(backend.baseline_host_bytes(which, &spec, cfg.dtype));
             let prepared = with
                 .check()
-                .and_then(|()| backend.prepare_baseline(name, &spec, cfg.dtype, cfg.reduce));
+                .and_then(|()| backend.prepare_baseline(which, &spec, cfg.dtype, cfg.reduce));
             if prepared.is_ok() {
                 memory = with;
             }
@@ -356,7 +361,9 @@ pub fn run(
         if let Some(p) = picked {
             // what the backend's operators run under `auto`: a protocol of ours where they
             // take one (and it ran here), else the cost model's plan
-            let protocol = backend.auto_protocol(&spec, cfg.dtype.size());
+            let protocol = backend
+                .auto_protocol(&spec, cfg.dtype.size())
+                .map(|p| p.name());
             let of_protocol = measured
                 .iter()
                 .find(|(a, r)| a.is_none() && !r.baseline && Some(r.algo.as_str()) == protocol);
@@ -519,14 +526,14 @@ pub fn format_skipped(skip: &Skipped) -> String {
 mod tests {
     use super::*;
     use commfuse_core::backend::{BackendError, CallTiming, HostBuffer, HostSlice, HostSliceMut};
-    use commfuse_core::cost::LL_PROTOCOL;
     use commfuse_core::{build_plan, check, CheckedPlan};
     use commfuse_sim::{SimBackend, WorldConfig};
     use std::cell::RefCell;
 
-    /// The simulator with two baselines: `missing`, which fails as a library that is not
-    /// installed does, and `stand-in` (the op's first plan under another name). Every timed batch
-    /// is logged with its candidate's name.
+    /// The simulator with two baselines: NCCL, which fails as a library that is not installed
+    /// does, and the copy engine, a stand-in (the op's first plan under another name), as is
+    /// every protocol but the simulator's own LL. Every timed batch is logged with its
+    /// candidate's name.
     struct Logging {
         sim: SimBackend,
         log: RefCell<Vec<String>>,
@@ -591,22 +598,23 @@ mod tests {
                 log: &self.log,
             }))
         }
-        fn baselines(&self, _op: OpKind) -> Vec<&'static str> {
-            vec!["missing", "stand-in"]
+        fn baselines(&self, _op: OpKind) -> Vec<Baseline> {
+            vec![Baseline::Nccl, Baseline::CopyEngine]
         }
-        fn auto_protocol(&self, spec: &OpSpec, elem_bytes: usize) -> Option<&'static str> {
-            commfuse_core::cost::prefers_ll(spec, elem_bytes).then_some(LL_PROTOCOL)
+        fn auto_protocol(&self, spec: &OpSpec, elem_bytes: usize) -> Option<Protocol> {
+            commfuse_core::cost::prefers_ll(spec, elem_bytes).then_some(Protocol::Ll)
         }
         fn prepare_baseline(
             &self,
-            name: &str,
+            which: Implementation,
             spec: &OpSpec,
             dtype: DType,
             reduce: ReduceOp,
         ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
-            if name == "missing" {
+            let name = which.name();
+            if which == Implementation::Baseline(Baseline::Nccl) {
                 return Err(BackendError::Unavailable(
-                    "libmissing.so.2: cannot open shared object file".into(),
+                    "libnccl.so.2: cannot open shared object file".into(),
                 ));
             }
             let topology = Topology::new(spec.world, 1).unwrap();
@@ -626,7 +634,7 @@ mod tests {
             op: OpKind::AllGather,
             algos: vec![Algo::Direct, Algo::Ring],
             auto: true,
-            baselines: vec!["missing", "stand-in"],
+            baselines: vec![Baseline::Nccl, Baseline::CopyEngine],
             protocols: Vec::new(),
             sizes: vec![4096],
             dtype: DType::F32,
@@ -660,18 +668,18 @@ mod tests {
         for round in log.chunks(3) {
             let mut names = round.to_vec();
             names.sort();
-            assert_eq!(names, ["direct", "ring", "stand-in"], "{log:?}");
+            assert_eq!(names, ["copy-engine", "direct", "ring"], "{log:?}");
         }
         // the missing baseline: one line saying which and why, and in the JSON
         assert!(
-            seen[0].contains("baseline missing not run at 4K: libmissing.so.2"),
+            seen[0].contains("baseline nccl not run at 4K: libnccl.so.2"),
             "{seen:?}"
         );
         assert_eq!(report.skipped.len(), 1);
-        assert_eq!(report.skipped[0].baseline, "missing");
+        assert_eq!(report.skipped[0].baseline, "nccl");
         // rows: ours, auto (the pick, measured once), the baseline that ran
         let names: Vec<&str> = report.rows.iter().map(|r| r.algo.as_str()).collect();
-        assert_eq!(names, ["direct", "ring", "auto", "stand-in"]);
+        assert_eq!(names, ["direct", "ring", "auto", "copy-engine"]);
         let auto = &report.rows[2];
         let pick = auto.picked.as_deref().unwrap();
         let of_pick = report.rows.iter().find(|r| r.algo == pick).unwrap();
@@ -694,8 +702,8 @@ mod tests {
         };
         let cfg = BenchConfig {
             algos: vec![Algo::Ring],
-            baselines: vec!["missing"],
-            protocols: vec!["stand-in"],
+            baselines: vec![Baseline::Nccl],
+            protocols: vec![Protocol::Ce],
             ..config()
         };
         let report = run(&backend, &cfg, |_| {}).unwrap();
@@ -704,18 +712,12 @@ mod tests {
             .iter()
             .map(|r| (r.algo.as_str(), r.baseline))
             .collect();
-        assert_eq!(
-            rows,
-            [("ring", false), ("stand-in", false), ("auto", false)]
-        );
+        assert_eq!(rows, [("ring", false), ("ce", false), ("auto", false)]);
         assert_eq!(report.rows[1].wrong, Some(0));
-        // no baseline ran: ours is the fastest of ring and stand-in, with no speedup to show
+        // no baseline ran: ours is the fastest of ring and ce, with no speedup to show
         let table = best_table(&report);
         let line = table.lines().last().unwrap();
-        assert!(
-            line.contains("ring") || line.contains("stand-in"),
-            "{table}"
-        );
+        assert!(line.contains("ring") || line.contains("ce"), "{table}");
         assert!(line.trim_end().ends_with('-'), "{table}");
     }
 
@@ -731,7 +733,7 @@ mod tests {
             op: OpKind::AllReduce,
             algos: vec![Algo::Ring],
             baselines: Vec::new(),
-            protocols: vec![LL_PROTOCOL],
+            protocols: vec![Protocol::Ll],
             sizes: vec![4096, 4 << 20],
             iters: 1,
             ..config()
@@ -743,8 +745,8 @@ mod tests {
             .filter_map(|r| Some((r.bytes, r.picked.as_deref()?)))
             .collect();
         assert_eq!(picks.len(), 2, "{:?}", report.rows);
-        assert_eq!(picks[0], (4096, LL_PROTOCOL));
-        assert_ne!(picks[1].1, LL_PROTOCOL);
+        assert_eq!(picks[0], (4096, "ll"));
+        assert_ne!(picks[1].1, "ll");
     }
 
     /// Under --graph, a row the backend could not replay from a graph says so.

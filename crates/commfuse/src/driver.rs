@@ -7,7 +7,8 @@ use commfuse_core::backend::{Backend, CallTiming, HostBuffer, PreparedCall};
 use commfuse_core::cost::CostCard;
 use commfuse_core::reference::{self, Comparison};
 use commfuse_core::{
-    build_plan, check, Algo, CheckedPlan, DType, Error, OpKind, OpSpec, ReduceOp, Topology,
+    build_plan, check, Algo, CheckedPlan, DType, Error, Implementation, OpKind, OpSpec, ReduceOp,
+    Topology,
 };
 use commfuse_sim::memory::{Footprint, REFERENCE_BLOCK_BYTES};
 use std::path::Path;
@@ -110,7 +111,8 @@ pub fn compare(
 pub struct Outcome {
     /// The first failing comparison, or the last call's.
     pub comparison: Comparison,
-    pub card: CostCard,
+    /// The plan's cost card (None for a protocol or baseline, which have no plan).
+    pub card: Option<CostCard>,
     /// The first call's time (it runs alone).
     pub timing: CallTiming,
     /// Calls checked in all: the first alone, the rest queued back to back.
@@ -148,22 +150,25 @@ pub fn run(
     let (comparison, call) = check_queued(call.as_mut(), &spec, req, calls, comparison)?;
     Ok(Outcome {
         comparison,
-        card,
+        card: Some(card),
         timing,
         calls: calls.max(1),
         call,
     })
 }
 
-/// Checks `calls` calls of the backend's candidate `name` (a baseline such as NCCL, or the LL
-/// all-reduce) as [`run`] checks a plan's: call 0 alone, the rest queued back to back on fresh
-/// inputs. Returns the first failing comparison (or the last) and its call.
+/// Checks `calls` calls of the backend's implementation `which` (a baseline such as NCCL, or
+/// the LL all-reduce; `req.algo` is not used) as [`run`] checks a plan's: call 0 alone and
+/// timed, the rest queued back to back on fresh inputs, call 0's inputs and outputs written to
+/// `dump` as .npy files where given. The outcome has no cost card.
 pub fn run_named(
     backend: &dyn Backend,
-    name: &str,
+    which: Implementation,
     req: &Request,
     calls: usize,
-) -> Result<(Comparison, usize)> {
+    dump: Option<&Path>,
+) -> Result<Outcome> {
+    let name = which.name();
     let spec = OpSpec::new(req.op, backend.world_size(), req.count, req.root)?;
     let world = spec.world;
     let what = format!(
@@ -172,17 +177,28 @@ pub fn run_named(
     );
     let queued = calls.saturating_sub(1);
     Footprint::new(what)
-        .add_bytes(backend.baseline_host_bytes(name, &spec, req.dtype))
+        .add_bytes(backend.baseline_host_bytes(which, &spec, req.dtype))
         .item(&[queued, world, spec.input_capacity(), req.dtype.size()])
         .item(&[queued, world, spec.output_capacity(), req.dtype.size()])
         .item(&[REFERENCE_BLOCK_BYTES])
         .check()?;
-    let mut call = backend.prepare_baseline(name, &spec, req.dtype, req.reduce)?;
+    let mut call = backend.prepare_baseline(which, &spec, req.dtype, req.reduce)?;
     load(call.as_mut(), &spec, req.reduce, req.seed)?;
-    call.run()
+    let timing = call
+        .run()
         .with_context(|| format!("{} {name} call 0", req.op))?;
     let first = compare(call.as_mut(), &spec, req.reduce, req.seed)?;
-    check_queued(call.as_mut(), &spec, req, calls, first)
+    if let Some(dir) = dump {
+        crate::dump::dump(dir, call.as_ref(), &spec)?;
+    }
+    let (comparison, call) = check_queued(call.as_mut(), &spec, req, calls, first)?;
+    Ok(Outcome {
+        comparison,
+        card: None,
+        timing,
+        calls: calls.max(1),
+        call,
+    })
 }
 
 /// After call 0's comparison `first`: calls 1..`calls` queued back to back on fresh inputs,

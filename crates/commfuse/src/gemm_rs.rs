@@ -2,6 +2,7 @@
 //! reduce-scatter (by the path asked for, or the one `auto` picks) with fresh random inputs,
 //! every output element of every rank against the float64 reference and the path's error bound.
 
+use crate::progress::long_run_warning;
 use anyhow::{anyhow, Result};
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath};
 use commfuse_core::gemm::ElementCheck;
@@ -91,6 +92,13 @@ fn run_typed<TI: Element, TO: Element>(
     footprint.check()?;
     let world_config = GemmRsOperator::<TI, TO>::world_config(&config, timeout)?;
     footprint.and(&world_config.memory(p).total()).check()?;
+    let what = format!("gemm-rs {}×{n}×{} on {p} ranks", config.max_m, config.k);
+    let ranks_and_cores = (p, crate::progress::cores());
+    if let Some(warning) = long_run_warning(&what, (ms, n, config.k), ranks_and_cores) {
+        eprintln!("{warning}");
+    }
+    // a step per rank's call, then one per rank's check of it
+    let bar = crate::progress::bar(2 * (p * ms.len()) as u64, &what);
     let world = World::new(p, world_config)?;
     let op = GemmRsOperator::<TI, TO>::new(&world, config, path)?;
     let CallInputs { a, b, bias } = CallInputs::<TI, TO>::random(&config, ms, seed);
@@ -109,6 +117,7 @@ fn run_typed<TI: Element, TO: Element>(
         for (c, &m) in ms.iter().enumerate() {
             let operands = (a[c][r].as_slice(), b[c][r].as_slice(), bias[c].as_deref());
             op.forward(ctx, m, operands, &mut outs[c])?;
+            bar.inc(1);
         }
         Ok(())
     })?;
@@ -126,11 +135,13 @@ fn run_typed<TI: Element, TO: Element>(
                     .iter()
                     .map(|x| x.to_f64())
                     .collect::<Vec<_>>();
+                bar.inc(1);
                 check_elements_on(&shape, path, got, &want)
             })
             .collect();
         checks.push(CallCheck { m, ranks });
     }
+    bar.finish_and_clear();
     Ok(checks)
 }
 

@@ -16,6 +16,7 @@ pub mod driver;
 pub mod dump;
 pub mod gemm_rs;
 pub mod plot;
+pub mod progress;
 pub mod sizes;
 pub mod verify;
 

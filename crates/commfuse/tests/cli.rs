@@ -1085,3 +1085,147 @@ fn kernels_find_nvrtc_in_a_python_environment() {
         );
     }
 }
+
+/// Whether the simulator runs `which` for `op`: every plan, and its twin of the LL kernels
+/// for the reducing and gathering collectives (the rest are GPU kernels or GPU libraries).
+fn sim_runs(op: commfuse_core::OpKind, which: commfuse_core::Implementation) -> bool {
+    use commfuse_core::{Implementation, OpKind, Protocol};
+    match which {
+        Implementation::Plan(_) => true,
+        Implementation::Protocol(p) => {
+            p == Protocol::Ll
+                && matches!(
+                    op,
+                    OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather
+                )
+        }
+        Implementation::Baseline(_) => false,
+    }
+}
+
+/// Every implementation the bench can print is a choice of `--algo` in `run`, `plan` and
+/// `bench`: where the simulator has it, it runs, is checked and is named in the output; where it
+/// does not, one line says which backend has what; `plan` lists plans and says of the others
+/// that they have none.
+#[test]
+fn every_implementation_is_a_choice_of_algo_in_run_plan_and_bench() {
+    use commfuse_core::{Implementation, OpKind};
+    for op in OpKind::ALL {
+        let name = op.name();
+        for which in Implementation::for_op(op) {
+            let algo = which.name();
+            let run = ["run", name, "--algo", algo, "-p", "3", "-n", "100"];
+            let bench = [
+                "bench",
+                name,
+                "--algo",
+                algo,
+                "-p",
+                "2",
+                "--sizes",
+                "4K",
+                "--iters",
+                "1",
+                "--budget-ms",
+                "5",
+            ];
+            if sim_runs(op, which) {
+                let o = commfuse(&run);
+                let out = stdout(&o);
+                assert_eq!(o.status.code(), Some(0), "{run:?}: {}", stderr(&o));
+                assert!(
+                    out.starts_with(&format!("{name} {algo} on 3 ranks (sim)")),
+                    "{run:?}: {out}"
+                );
+                assert!(out.trim_end().ends_with("OK"), "{run:?}: {out}");
+                let o = commfuse(&bench);
+                let out = stdout(&o);
+                assert_eq!(o.status.code(), Some(0), "{bench:?}: {}", stderr(&o));
+                let row = out
+                    .lines()
+                    .find(|l| !l.starts_with('#') && l.split_whitespace().nth(3) == Some(algo));
+                assert!(row.is_some(), "{bench:?}: no {algo} row in {out}");
+            } else {
+                let needle = format!("the sim backend has no {algo} for {name} (it runs: ");
+                fails_with(&run, &needle);
+                fails_with(&bench, &needle);
+                assert_eq!(commfuse(&run).status.code(), Some(2), "{run:?}");
+            }
+            let plan = ["plan", name, "--algo", algo, "-p", "3", "-n", "100"];
+            if let Implementation::Plan(_) = which {
+                let o = commfuse(&plan);
+                assert_eq!(o.status.code(), Some(0), "{plan:?}: {}", stderr(&o));
+                assert!(stdout(&o).contains("checker: OK"), "{plan:?}");
+            } else {
+                fails_with(&plan, "with no plan of steps to list");
+                assert_eq!(commfuse(&plan).status.code(), Some(2), "{plan:?}");
+            }
+        }
+    }
+}
+
+/// An unknown `--algo` ends with exit 2 and one line listing the op's choices, in each command;
+/// each op's choices are in `--help`.
+#[test]
+fn an_unknown_algo_gets_one_line_listing_the_choices() {
+    for cmd in ["run", "plan", "bench"] {
+        let args = [cmd, "all-reduce", "--algo", "ll32"];
+        fails_with(
+            &args,
+            "error: all-reduce has no algorithm 'll32' (choose auto, one of: two-phase, one-shot, one-shot-push, ring, ring-2d, ll, ll16, ce, nccl, or all with bench)",
+        );
+        assert_eq!(commfuse(&args).status.code(), Some(2), "{args:?}");
+        let help = stdout(&commfuse(&[cmd, "--help"]));
+        for op in commfuse_core::OpKind::ALL {
+            let choices = commfuse_core::Implementation::names_for(op);
+            assert!(
+                help.contains(&format!("{op}: {choices}")),
+                "{cmd} --help lacks {op}'s choices: {help}"
+            );
+        }
+        assert!(
+            help.contains("all-gather: direct, ring, ll, ll16, ce, nccl, copy-engine"),
+            "{help}"
+        );
+    }
+    // a baseline on its own, with the flag that skips baselines
+    fails_with(
+        &["bench", "broadcast", "--algo", "nccl", "--no-baselines"],
+        "the sim backend has no nccl for broadcast",
+    );
+}
+
+/// On GPUs every implementation of every op runs by name through `run --algo` on all the
+/// machine's GPUs (up to 8), is checked and named.
+#[test]
+fn every_implementation_runs_by_name_on_gpus() {
+    let gpus = commfuse_cuda::driver::device_count().unwrap_or(0);
+    if gpus == 0 {
+        return commfuse_cuda::testing::skip("run --algo on the cuda backend: no GPU");
+    }
+    let devices: Vec<String> = (0..gpus.min(8)).map(|g| g.to_string()).collect();
+    let devices = devices.join(",");
+    for op in commfuse_core::OpKind::ALL {
+        for which in commfuse_core::Implementation::for_op(op) {
+            let (name, algo) = (op.name(), which.name());
+            let args = [
+                "run",
+                name,
+                "--algo",
+                algo,
+                "--devices",
+                &devices,
+                "-n",
+                "4096",
+            ];
+            let o = commfuse(&args);
+            let out = stdout(&o);
+            assert_eq!(o.status.code(), Some(0), "{args:?}: {}", stderr(&o));
+            assert!(
+                out.starts_with(&format!("{name} {algo} on ")),
+                "{args:?}: {out}"
+            );
+            assert!(out.trim_end().ends_with("OK"), "{args:?}: {out}");
+        }
+    }
+}

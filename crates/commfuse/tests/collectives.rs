@@ -6,8 +6,7 @@
 use commfuse::backends::{self, BackendKind, Placement};
 use commfuse::driver::{self, Request};
 use commfuse::verify::{counts_for, groups_for, large_chunk, CALLS};
-use commfuse_core::cost::{LL16_PROTOCOL, LL_PROTOCOL};
-use commfuse_core::{Algo, DType, OpKind, ReduceOp};
+use commfuse_core::{Algo, DType, Implementation, OpKind, Protocol, ReduceOp};
 use std::time::Duration;
 
 const WORLDS: [usize; 7] = [1, 2, 3, 4, 5, 7, 8];
@@ -163,7 +162,7 @@ backend_suite!(cuda, BackendKind::Cuda, gpu_worlds());
 /// element against float64.
 fn protocol_matrix(
     kind: BackendKind,
-    name: &str,
+    protocol: Protocol,
     (ops, worlds): (&[OpKind], &[usize]),
     cases: &[(DType, ReduceOp)],
     counts: &[usize],
@@ -181,19 +180,27 @@ fn protocol_matrix(
                 req.reduce = reduce;
                 req.seed = seed.wrapping_add(runs);
                 let what = format!(
-                    "{name} {op} {dtype} {reduce} P={p} n={count} seed={}",
+                    "{protocol} {op} {dtype} {reduce} P={p} n={count} seed={}",
                     req.seed
                 );
-                match driver::run_named(backend.as_ref(), name, &req, CALLS) {
-                    Ok((c, _)) if c.ok() => {
+                match driver::run_named(
+                    backend.as_ref(),
+                    Implementation::Protocol(protocol),
+                    &req,
+                    CALLS,
+                    None,
+                ) {
+                    Ok(out) if out.comparison.ok() => {
+                        let c = out.comparison;
                         // every defined output element of every rank was compared
                         let spec = commfuse_core::OpSpec::new(op, p, count, 0).unwrap();
                         let defined: usize = (0..p).map(|r| spec.output_len(r)).sum();
                         assert_eq!(c.checked as usize, defined, "{what}")
                     }
-                    Ok((c, call)) => {
-                        failures.push(format!("{what} call {call}: {:?}", c.mismatches))
-                    }
+                    Ok(out) => failures.push(format!(
+                        "{what} call {}: {:?}",
+                        out.call, out.comparison.mismatches
+                    )),
                     Err(e) => {
                         failures.push(format!("{what}: {e:#}"));
                         backend = backends::open(&placement).unwrap();
@@ -222,7 +229,7 @@ fn ll_all_reduce_on_gpus() {
     let counts = [1, 7, 1001, 4096, 65_537, 1 << 20];
     let ops = [OpKind::AllReduce, OpKind::ReduceScatter];
     let gathers: Vec<(DType, ReduceOp)> = DType::ALL.map(|d| (d, ReduceOp::Sum)).to_vec();
-    for protocol in [LL_PROTOCOL, LL16_PROTOCOL] {
+    for protocol in [Protocol::Ll, Protocol::Ll16] {
         protocol_matrix(
             BackendKind::Cuda,
             protocol,
@@ -257,7 +264,7 @@ fn ce_collectives_on_gpus() {
     let ops = [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather];
     protocol_matrix(
         BackendKind::Cuda,
-        commfuse_core::cost::CE_PROTOCOL,
+        Protocol::Ce,
         (&ops, &worlds),
         &cases,
         &counts,
@@ -273,7 +280,7 @@ fn ll_all_reduce_on_the_simulator() {
     let worlds: Vec<usize> = (1..=9).collect();
     protocol_matrix(
         BackendKind::Sim,
-        LL_PROTOCOL,
+        Protocol::Ll,
         (
             &[OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather],
             &worlds,
@@ -290,7 +297,7 @@ fn the_simulators_ll_refuses_other_types_and_ops() {
     let spec = commfuse_core::OpSpec::new(OpKind::AllReduce, 2, 16, 0).unwrap();
     for (dtype, reduce) in [(DType::BF16, ReduceOp::Sum), (DType::F32, ReduceOp::Max)] {
         let e = backend
-            .prepare_baseline(LL_PROTOCOL, &spec, dtype, reduce)
+            .prepare_baseline(Implementation::Protocol(Protocol::Ll), &spec, dtype, reduce)
             .err()
             .expect("refused");
         assert!(e.to_string().contains("computes f32 sums"), "{e}");

@@ -2,7 +2,7 @@
 //! GPUs our GEMM beside cuBLASLt (`bench gemm`) and the fused operators beside their unfused
 //! baselines (`bench gemm-rs`, `bench ag-gemm`).
 
-use super::common::{parse_b_layout, AlgoArg, ArgsOr, GemmShapeArgs, What, Where};
+use super::common::{ensure_offered, parse_b_layout, AlgoArg, ArgsOr, GemmShapeArgs, What, Where};
 use crate::args::{columns, depth, gpu, groups, iters, millis, pieces, rows, warmup, Real, Whole};
 use crate::backends::{self, BackendKind};
 use crate::bench::{self, BenchConfig, Progress};
@@ -11,7 +11,7 @@ use crate::sizes::parse_sizes;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use commfuse_core::topology::LinkModel;
-use commfuse_core::{Algo, DType};
+use commfuse_core::{Algo, DType, Implementation};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -204,20 +204,41 @@ pub(super) fn bench_cmd(a: BenchArgs) -> Result<i32> {
         );
     }
     let backend = backends::open(&placement)?;
-    let (algos, auto) = match a.what.algo_arg()? {
-        AlgoArg::All => (Algo::for_op(a.what.op).to_vec(), true),
-        AlgoArg::Auto => (Vec::new(), true),
-        AlgoArg::One(algo) => (vec![algo], false),
+    let op = a.what.op;
+    let baselines = if a.no_baselines {
+        Vec::new()
+    } else {
+        backend.baselines(op)
+    };
+    // a plan (or auto, or all) is timed beside our protocols and the baselines; a protocol
+    // beside the baselines; a baseline alone
+    let (algos, auto, protocols, baselines) = match a.what.algo_arg()? {
+        AlgoArg::All => (
+            Algo::for_op(op).to_vec(),
+            true,
+            backend.protocols(op),
+            baselines,
+        ),
+        AlgoArg::Auto => (Vec::new(), true, backend.protocols(op), baselines),
+        AlgoArg::One(which) => {
+            ensure_offered(backend.as_ref(), op, which)?;
+            match which {
+                Implementation::Plan(algo) => (vec![algo], false, backend.protocols(op), baselines),
+                Implementation::Protocol(p) => (Vec::new(), false, vec![p], baselines),
+                Implementation::Baseline(b) => {
+                    if a.no_baselines {
+                        bail!("--algo {b} is a baseline, and --no-baselines skips the baselines: drop one of the two");
+                    }
+                    (Vec::new(), false, Vec::new(), vec![b])
+                }
+            }
+        }
     };
     let cfg = BenchConfig {
-        op: a.what.op,
+        op,
         auto,
-        baselines: if a.no_baselines {
-            Vec::new()
-        } else {
-            backend.baselines(a.what.op)
-        },
-        protocols: backend.protocols(a.what.op),
+        baselines,
+        protocols,
         algos,
         sizes,
         dtype: a.what.dtype,

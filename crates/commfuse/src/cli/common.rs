@@ -8,9 +8,10 @@ use crate::backends::{BackendKind, Placement};
 use crate::driver::Request;
 use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
+use commfuse_core::backend::Backend;
 use commfuse_core::cost::choose_algo;
 use commfuse_core::topology::LinkModel;
-use commfuse_core::{Algo, DType, OpKind, OpSpec, ReduceOp, Topology};
+use commfuse_core::{Algo, DType, Implementation, OpKind, OpSpec, ReduceOp, Topology};
 use std::time::Duration;
 
 /// A command whose positional arguments (`A`: `bench <op> [flags]`, `run <op> [flags]`) give
@@ -177,9 +178,7 @@ pub(super) fn list(items: &[usize]) -> String {
 pub struct What {
     /// all-reduce, reduce-scatter, all-gather, broadcast, all-to-all or barrier
     pub op: OpKind,
-    /// Algorithm: auto (the one the cost model predicts fastest for this op, size and world),
-    /// one of the op's algorithms (see the table in README.md), or, for bench, all
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", help = algo_help())]
     pub algo: String,
     /// Element type: f32, bf16 or f16
     #[arg(long, default_value = "f32")]
@@ -195,6 +194,18 @@ pub struct What {
     pub numa_groups: usize,
 }
 
+/// `--algo`'s help: every op's implementations, from the registry.
+fn algo_help() -> String {
+    let per_op: Vec<String> = OpKind::ALL
+        .iter()
+        .map(|&op| format!("{op}: {}", Implementation::names_for(op)))
+        .collect();
+    format!(
+        "Algorithm: auto (the one the cost model predicts fastest for this op, size and world), all (bench: every plan as well), or one of the op's implementations (plans, our protocols, baselines; the sim backend runs the plans and ll) — {}",
+        per_op.join("; ")
+    )
+}
+
 /// What `--algo` asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AlgoArg {
@@ -202,42 +213,43 @@ pub enum AlgoArg {
     Auto,
     /// Every algorithm of the op (bench only)
     All,
-    /// One named algorithm
-    One(Algo),
+    /// One named implementation: a plan, a protocol of ours or a baseline
+    One(Implementation),
 }
 
 impl What {
+    /// `--algo` parsed against the op's implementations; the error lists them.
     pub(super) fn algo_arg(&self) -> Result<AlgoArg> {
         match self.algo.as_str() {
             "auto" => Ok(AlgoArg::Auto),
             "all" => Ok(AlgoArg::All),
-            name => Algo::parse_for(self.op, name)
+            name => Implementation::parse_for(self.op, name)
                 .map(AlgoArg::One)
                 .map_err(|_| {
-                    let names: Vec<_> = Algo::for_op(self.op).iter().map(|a| a.name()).collect();
                     anyhow::anyhow!(
                         "{} has no algorithm '{name}' (choose auto, one of: {}, or all with bench)",
                         self.op,
-                        names.join(", ")
+                        Implementation::names_for(self.op)
                     )
                 }),
         }
     }
 
-    /// The algorithm to run for `count` elements on `world` ranks: the named one, or for
-    /// `auto` the cost model's pick under `model`'s link figures (second value true).
+    /// The implementation to run for `count` elements on `world` ranks: the named one, or for
+    /// `auto` the cost model's pick of plan under `model`'s link figures (second value true).
     pub(super) fn resolve(
         &self,
         count: usize,
         world: usize,
         model: LinkModel,
-    ) -> Result<(Algo, bool)> {
+    ) -> Result<(Implementation, bool)> {
         match self.algo_arg()? {
-            AlgoArg::One(algo) => Ok((algo, false)),
+            AlgoArg::One(which) => Ok((which, false)),
             AlgoArg::Auto => {
                 let spec = OpSpec::new(self.op, world, count, self.root)?;
                 let topology = Topology::new(world, self.numa_groups)?.with_model(model);
-                Ok((choose_algo(spec, &topology, self.dtype.size())?.algo, true))
+                let algo = choose_algo(spec, &topology, self.dtype.size())?.algo;
+                Ok((Implementation::Plan(algo), true))
             }
             AlgoArg::All => {
                 bail!("--algo all is for bench; this command runs one algorithm (or auto)")
@@ -255,8 +267,34 @@ impl What {
     }
 }
 
+/// Refuses `which` where `backend` does not run it for `op`, naming what it does run.
+pub(super) fn ensure_offered(
+    backend: &dyn Backend,
+    op: OpKind,
+    which: Implementation,
+) -> Result<()> {
+    if backend.offers(op, which) {
+        return Ok(());
+    }
+    let offered: Vec<&str> = Implementation::for_op(op)
+        .into_iter()
+        .filter(|&i| backend.offers(op, i))
+        .map(Implementation::name)
+        .collect();
+    bail!(
+        "the {} backend has no {which} for {op} (it runs: {}){}",
+        backend.name(),
+        offered.join(", "),
+        if backend.name() == "sim" {
+            "; the cuda backend runs it"
+        } else {
+            ""
+        }
+    )
+}
+
 /// How `run` and `plan` name the algorithm: `ring`, or `ring (auto: the cost model's pick)`.
-pub(super) fn algo_label(algo: Algo, auto: bool) -> String {
+pub(super) fn algo_label(algo: impl std::fmt::Display, auto: bool) -> String {
     if auto {
         format!("{algo} (auto: the cost model's pick)")
     } else {

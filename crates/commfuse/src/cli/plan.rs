@@ -4,10 +4,11 @@
 use super::common::{algo_label, What};
 use crate::args::{elements, ranks};
 use crate::driver;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
 use commfuse_core::cost::CostCard;
 use commfuse_core::topology::LinkModel;
+use commfuse_core::Implementation;
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -25,7 +26,20 @@ pub struct PlanArgs {
 }
 
 pub(super) fn plan(a: PlanArgs) -> Result<i32> {
-    let (algo, auto) = a.what.resolve(a.size, a.ranks, LinkModel::default())?;
+    let (which, auto) = a.what.resolve(a.size, a.ranks, LinkModel::default())?;
+    let algo = match which {
+        Implementation::Plan(algo) => algo,
+        Implementation::Protocol(p) => bail!(
+            "{p} ({}) is a kernel of its own, with no plan of steps to list: `commfuse run {} --algo {p}` runs it",
+            p.describe(),
+            a.what.op
+        ),
+        Implementation::Baseline(b) => bail!(
+            "{b} ({}) is a library call, with no plan of steps to list: `commfuse run {} --algo {b} --backend cuda` runs it",
+            b.describe(),
+            a.what.op
+        ),
+    };
     let req = a.what.request(algo, a.size, 0);
     if auto && !a.json {
         println!("algorithm: {}", algo_label(algo, auto));

@@ -1,7 +1,7 @@
 //! `commfuse run`: one checked call of a collective (`run <op>`), or back-to-back checked calls
 //! of the fused operators on the simulator (`run gemm-rs`, `run ag-gemm`).
 
-use super::common::{algo_label, ArgsOr, GemmShapeArgs, What, Where};
+use super::common::{algo_label, ensure_offered, ArgsOr, GemmShapeArgs, What, Where};
 use crate::args::{elements, gpu, groups, millis, pieces, ranks, seed};
 use crate::backends::{self, BackendKind};
 use crate::driver;
@@ -9,6 +9,7 @@ use crate::verify;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use commfuse_core::topology::LinkModel;
+use commfuse_core::{Algo, Implementation};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -112,22 +113,45 @@ pub struct RunAgGemmArgs {
 pub(super) fn run(a: RunArgs) -> Result<i32> {
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
     let backend = backends::open(&a.place.placement()?)?;
-    let (algo, auto) = a
+    let (which, auto) = a
         .what
         .resolve(a.size, backend.world_size(), LinkModel::default())?;
-    let req = a.what.request(algo, a.size, seed);
-    let out = driver::run(backend.as_ref(), &req, verify::CALLS, a.dump.as_deref())?;
+    ensure_offered(backend.as_ref(), a.what.op, which)?;
+    let out = match which {
+        Implementation::Plan(algo) => {
+            let req = a.what.request(algo, a.size, seed);
+            driver::run(backend.as_ref(), &req, verify::CALLS, a.dump.as_deref())?
+        }
+        _ => {
+            // the request's plan is not used: the implementation is prepared by name
+            let plan = Algo::for_op(a.what.op)[0];
+            let req = a.what.request(plan, a.size, seed);
+            driver::run_named(
+                backend.as_ref(),
+                which,
+                &req,
+                verify::CALLS,
+                a.dump.as_deref(),
+            )?
+        }
+    };
+    let req = &a.what;
     println!(
         "{} {} on {} ranks ({}), {} × {}, reduce {}, seed {seed}",
         req.op,
-        algo_label(algo, auto),
+        algo_label(which, auto),
         backend.world_size(),
         backend.name(),
-        req.count,
+        a.size,
         req.dtype,
         req.reduce
     );
-    println!("{}", out.card);
+    match (&out.card, which) {
+        (Some(card), _) => println!("{card}"),
+        (None, Implementation::Protocol(p)) => println!("{p}: {}", p.describe()),
+        (None, Implementation::Baseline(b)) => println!("{b}: {}", b.describe()),
+        (None, Implementation::Plan(_)) => {}
+    }
     println!(
         "measured: {:.1} µs (slowest rank, the first call); {} calls checked (the first alone, the rest queued back to back); {} elements each, max error {:.2e}",
         out.timing.slowest().as_secs_f64() * 1e6,
@@ -138,11 +162,11 @@ pub(super) fn run(a: RunArgs) -> Result<i32> {
     if let Some(path) = &a.json {
         let record = serde_json::json!({
             "op": req.op.to_string(),
-            "algo": algo.to_string(),
+            "algo": which.to_string(),
             "auto": auto,
             "ranks": backend.world_size(),
             "backend": backend.name(),
-            "count": req.count,
+            "count": a.size,
             "dtype": req.dtype.to_string(),
             "reduce": req.reduce.to_string(),
             "seed": seed,
