@@ -895,3 +895,29 @@ extern "C" __global__ void __launch_bounds__(256) tile_snapshot(const SnapshotPa
         __syncthreads();
     }
 }
+
+// ---- a kernel that holds SMs, for the GPU test of the split tail's residency ------------------
+
+// Mirrored by `HoldParams` in src/gemm.rs; all three counters in host-mapped memory.
+struct HoldParams {
+    u32* arrived;        // blocks that have started
+    u32* timed_out;      // blocks that ended at the bound instead of being released
+    const u32* release;  // set by the host: every block ends
+    u64 timeout_ns;      // how long a block holds its SM at most
+};
+
+// Each block (one per SM: the dynamic shared memory it is launched with leaves no room for a
+// second one, nor for a GEMM block) counts itself in, then spins until the host releases it
+// or the bound passes. Stands for another stream's kernel that keeps SMs busy while a GEMM
+// is launched.
+extern "C" __global__ void __launch_bounds__(32) hold_sms(const HoldParams p) {
+    if (threadIdx.x != 0) return;
+    atomicAdd_system(p.arrived, 1u);
+    const u64 start = global_timer_ns();
+    while (*(volatile const u32*)p.release == 0) {
+        if (global_timer_ns() - start > p.timeout_ns) {
+            atomicAdd_system(p.timed_out, 1u);
+            return;
+        }
+    }
+}

@@ -247,8 +247,9 @@ const MAX_PARTS: usize = 4;
 /// How the last, partial wave is split: `(parts, split tiles)`. With `tiles = q · grid + rem`,
 /// the last `rem` tiles of the order are cut along K into as many parts as keep the wave
 /// within the grid (at most [`MAX_PARTS`], at most one k-block each); `(1, 0)` when the tiles
-/// fill whole waves or no cut fits. All parts of the wave run at once (the grid is resident),
-/// so part 0 can wait for the others.
+/// fill whole waves or no cut fits. All parts of the wave run at once (a GEMM with a split
+/// tail is a cooperative launch, so its whole grid is resident), so part 0 can wait for the
+/// others.
 pub fn tail_split(tiles: usize, grid: usize, k_blocks: usize) -> (usize, usize) {
     let rem = tiles % grid.max(1);
     if rem == 0 {
@@ -274,6 +275,7 @@ fn type_name(d: DType) -> &'static str {
 pub struct GemmKernels {
     functions: HashMap<String, Function>,
     pub(crate) snapshot: Function,
+    hold: Function,
     _module: Module,
 }
 
@@ -292,9 +294,12 @@ impl GemmKernels {
                 }
             }
         }
+        let hold = module.function("hold_sms")?;
+        hold.allow_dynamic_smem(HOLD_SMEM_BYTES)?;
         Ok(GemmKernels {
             functions,
             snapshot: module.function("tile_snapshot")?,
+            hold,
             _module: module,
         })
     }
@@ -354,6 +359,9 @@ pub struct PreparedGemm {
     function: Function,
     params: GemmParams,
     grid: u32,
+    /// Launched cooperatively: the split tail's part 0 waits for its helpers, which must
+    /// therefore be resident beside it even when another stream's kernels hold SMs
+    cooperative: bool,
     problem: commfuse_core::gemm::GemmProblem,
     /// B was copied to a padded pitch at preparation: its address cannot change per call
     b_padded: bool,
@@ -675,6 +683,7 @@ impl PreparedGemm {
             function,
             params,
             grid,
+            cooperative: parts > 1,
             problem: *p,
             b_padded: b_padded.is_some(),
             routed: false,
@@ -703,9 +712,7 @@ impl PreparedGemm {
     /// The operands and destinations given to [`PreparedGemm::new`] must still be valid and
     /// not in use by anything else until the launch completes.
     pub unsafe fn launch(&self, stream: &Stream) -> Result<(), CudaError> {
-        self.function
-            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &self.params)?;
-        self.memory.launched(stream)
+        self.queue(stream, &self.params)
     }
 
     /// Queues the GEMM on `stream` with this call's A, B and bias (the shapes prepared; the
@@ -730,9 +737,7 @@ impl PreparedGemm {
         let p = &self.problem;
         let mut params = self.call_params(b, bias, d, call)?;
         params.a = TmaDesc(a_map(a, p.input, p.k, p.m)?);
-        self.function
-            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &params)?;
-        self.memory.launched(stream)
+        self.queue(stream, &params)
     }
 
     /// [`PreparedGemm::launch_call`] for a GEMM prepared by [`PreparedGemm::gathering`]:
@@ -760,8 +765,26 @@ impl PreparedGemm {
         if params.local_rows != 0 {
             params.a_local = TmaDesc(a_map(a_local, p.input, p.k, params.local_rows as usize)?);
         }
-        self.function
-            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &params)?;
+        self.queue(stream, &params)
+    }
+
+    /// Queues the kernel with `params` and records the launch. A split tail's part 0 waits
+    /// for its helper parts, so every block must be resident at once: such a grid is a
+    /// cooperative launch, which the driver starts only once all of it fits (it waits for SMs
+    /// that other streams' kernels hold instead of starting part of the grid, whose part 0
+    /// could then wait for helpers that never get an SM). Other grids have no block that waits
+    /// for another and launch as usual.
+    ///
+    /// # Safety
+    /// As [`PreparedGemm::launch_call`], for the addresses in `params`.
+    unsafe fn queue(&self, stream: &Stream, params: &GemmParams) -> Result<(), CudaError> {
+        if self.cooperative {
+            self.function
+                .launch_cooperative_with_smem(self.grid, THREADS, SMEM_BYTES, stream, params)?;
+        } else {
+            self.function
+                .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, params)?;
+        }
         self.memory.launched(stream)
     }
 
@@ -956,6 +979,95 @@ impl TileSnapshot {
         self.params.expected = expected;
         self.function.launch(blocks, 256, stream, &self.params)?;
         self.order.launched(stream)
+    }
+}
+
+/// Dynamic shared memory of one `hold_sms` block: more than half an SM's 228 KiB, so that
+/// one block holds a whole SM (neither a second holder nor a GEMM block fits beside it).
+const HOLD_SMEM_BYTES: u32 = 120 * 1024;
+
+/// Mirrors `HoldParams` in gemm.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct HoldParams {
+    arrived: u64,
+    timed_out: u64,
+    release: u64,
+    timeout_ns: u64,
+}
+
+/// The holder's counters, in host-mapped memory.
+struct HoldMemory {
+    arrived: MappedHost<u32>,
+    timed_out: MappedHost<u32>,
+    release: MappedHost<u32>,
+}
+
+impl InUse for HoldMemory {
+    /// Releases every block.
+    fn abort(&self) {
+        self.release.write(1);
+    }
+}
+
+/// A kernel that keeps SMs busy until the host releases it, for testing a GEMM launched while
+/// another stream's kernel holds most of the GPU: each of its blocks takes a whole SM and
+/// spins (thread 0 of 32) until [`SmHolder::release`] or its bound.
+pub struct SmHolder {
+    function: Function,
+    memory: Launched<HoldMemory>,
+}
+
+impl SmHolder {
+    pub fn new(gpu: &Gpu, kernels: &GemmKernels) -> Result<SmHolder, CudaError> {
+        Ok(SmHolder {
+            function: kernels.hold.clone(),
+            memory: Launched::new(
+                gpu,
+                HoldMemory {
+                    arrived: MappedHost::new(gpu, 0)?,
+                    timed_out: MappedHost::new(gpu, 0)?,
+                    release: MappedHost::new(gpu, 0)?,
+                },
+            )?,
+        })
+    }
+
+    /// Queues `blocks` holding blocks on `stream` (at most one per SM), each ending once
+    /// released or after `timeout`. The previous launch must have ended.
+    pub fn launch(&self, stream: &Stream, blocks: u32, timeout: Duration) -> Result<(), CudaError> {
+        let m = &*self.memory;
+        m.arrived.write(0);
+        m.timed_out.write(0);
+        m.release.write(0);
+        let params = HoldParams {
+            arrived: m.arrived.device_addr(),
+            timed_out: m.timed_out.device_addr(),
+            release: m.release.device_addr(),
+            timeout_ns: (timeout.as_nanos() as u64).max(1),
+        };
+        // SAFETY: the counters live as long as `memory`, whose drop releases the blocks and
+        // waits for them to end
+        unsafe {
+            self.function
+                .launch_with_smem(blocks, 32, HOLD_SMEM_BYTES, stream, &params)?
+        };
+        self.memory.launched(stream)
+    }
+
+    /// Waits on the host, up to `timeout`, until `blocks` blocks have started; whether they did.
+    pub fn wait_resident(&self, blocks: u32, timeout: Duration) -> Result<bool, CudaError> {
+        poll_until(timeout, || Ok(self.memory.arrived.read() >= blocks))
+    }
+
+    /// Lets every block of the launch end.
+    pub fn release(&self) {
+        self.memory.release.write(1);
+    }
+
+    /// Blocks of the last launch that ended at their bound instead of being released.
+    pub fn timed_out(&self) -> u32 {
+        self.memory.timed_out.read()
     }
 }
 

@@ -12,7 +12,8 @@ use commfuse_core::{DType, Element};
 use commfuse_cuda::cublaslt::Lt;
 use commfuse_cuda::driver::{DeviceMemory, Gpu, MappedHost, Stream};
 use commfuse_cuda::gemm::{
-    CallNumber, Gather, GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TileSnapshot, TILE,
+    CallNumber, Gather, GemmKernels, GemmOperands, PreparedGemm, RouteTargets, SmHolder,
+    TileSnapshot, TILE,
 };
 use commfuse_cuda::gemm_bench::{bench_gemm, DeviceReference, ReferenceGemm, StreamGuard};
 use commfuse_cuda::plan_table::ErrorRecord;
@@ -338,6 +339,83 @@ fn split_parts_sum(gpu: &Gpu, kernels: &GemmKernels, stream: &Stream, m: usize, 
             let check = check(&p, &Epilogue::default(), &got, &want);
             assert!(check.passed(), "M {m} cap {cap} call {call}: {check}");
         }
+    }
+}
+
+/// A split tail's part 0 waits for its helper parts, so its grid must be resident at once even
+/// while another stream's kernel holds the SMs: a kernel holding every SM but one is running
+/// when a GEMM whose 16 tiles are cut into 4 K-parts (64 blocks) is launched, with a pipeline
+/// bound of 300 ms. The GEMM must wait for its whole grid to fit rather than start on the free
+/// SM (where part 0 of the first tile would wait for helpers that get no SM, and give up at
+/// the bound): one second later it has neither finished nor recorded a stall; once the holder
+/// is released it runs, and every element is right. Twice, then once more with the SMs free.
+#[test]
+fn a_split_tail_beside_a_kernel_holding_the_sms_waits_for_its_grid() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let p = GemmProblem::new(64, 4096, 1024, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let mut rng = Rng(31);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
+    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
+    let plan = GemmPlan::local(p, TILE, Epilogue::default());
+    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
+    let mut gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, 0, 0).unwrap();
+    gemm.set_pipeline_timeout(Duration::from_millis(300));
+    let want = reference_gemm::<bf16, bf16>(&p, &Epilogue::default(), &a, &b, None, None, None);
+    let holder = SmHolder::new(&gpu, &kernels).unwrap();
+    let side = Stream::new(&gpu).unwrap();
+    let blocks = gpu.sm_count - 1;
+    for call in 0..3 {
+        d_dev.fill(&gpu, 0xff).unwrap();
+        let held = call < 2;
+        if held {
+            holder
+                .launch(&side, blocks, Duration::from_secs(30))
+                .unwrap();
+            assert!(
+                holder
+                    .wait_resident(blocks, Duration::from_secs(10))
+                    .unwrap(),
+                "call {call}: the holder's {blocks} blocks did not all start"
+            );
+        }
+        // SAFETY: every operand outlives the waits below
+        unsafe { gemm.launch(&stream).unwrap() };
+        if held {
+            std::thread::sleep(Duration::from_secs(1));
+            let report = gemm.stall_report();
+            let waiting = !stream.is_idle().unwrap();
+            holder.release();
+            assert!(
+                side.wait_idle(Duration::from_secs(10)).unwrap(),
+                "the holder did not end once released"
+            );
+            assert_eq!(
+                report, None,
+                "call {call}: the GEMM started part of its grid"
+            );
+            assert!(
+                waiting,
+                "call {call}: the GEMM ended while the SMs its grid needs were held"
+            );
+            assert_eq!(
+                holder.timed_out(),
+                0,
+                "the holder let go before its release"
+            );
+        }
+        assert!(
+            stream.wait_idle(Duration::from_secs(20)).unwrap(),
+            "call {call}: the GEMM did not end"
+        );
+        gemm.check().unwrap();
+        let mut got = vec![bf16::ZERO; p.m * p.n];
+        d_dev.download(&gpu, &mut got).unwrap();
+        let check = check(&p, &Epilogue::default(), &got, &want);
+        assert!(check.passed(), "call {call}: {check}");
     }
 }
 
