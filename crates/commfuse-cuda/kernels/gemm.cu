@@ -15,6 +15,8 @@
 //                         arithmetic in registers and the staging of the tile in shared memory.
 // The grid is persistent (any size up to the tile count: the SM cap) and takes tiles in the
 // order of a caller-provided table, block b taking entries b, b + grid, b + 2 grid, ...
+// A second build of the same code (gemm_skinny_*, `Cfg` below) serves plans whose tiles have
+// at most 64 rows: one consumer warpgroup and four stages.
 #include "common.cuh"
 
 namespace gemm {
@@ -34,6 +36,31 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * (A_STAGE_BYTES 
                            EPI_BYTES + 8 * (2 * STAGES + 2);
 static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
 }  // namespace gemm
+
+// What one build of the kernel computes of each of the plan's BM x BN tiles. The main build:
+// all 128 rows, on two consumer warpgroups, 3 stages. The skinny build, for plans whose tiles
+// all have at most 64 rows (decode sizes; the host picks it, see src/gemm.rs): one consumer
+// warpgroup, a 64-row A box and staged tile, and the shared memory that frees spent on a
+// fourth stage, so that more of B is in flight where the loads' latency is what bounds the
+// GEMM. Both builds take the same tiles, orders, routes, bands and split tail.
+template <int ROWS_> struct Cfg {
+    static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
+    static constexpr int CONSUMERS = ROWS / 64;  // consumer warpgroups with rows to compute
+    static constexpr int STAGES = ROWS == gemm::BM ? gemm::STAGES : 4;
+    static constexpr int A_STAGE_BYTES = ROWS * gemm::BK * 2;
+    static constexpr int STAGE_BYTES = A_STAGE_BYTES + gemm::B_STAGE_BYTES;
+    static constexpr int EPI_BYTES = ROWS * gemm::EPI_PITCH;
+    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + 8 * (2 * STAGES + 2);
+    static_assert(ROWS == 64 || ROWS == gemm::BM, "a build computes one or two 64-row halves of a tile");
+    static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
+    // 128-byte swizzled stages start on 1024-byte boundaries
+    static_assert(A_STAGE_BYTES % 1024 == 0 && gemm::B_STAGE_BYTES % 1024 == 0, "stage alignment");
+};
+using MainCfg = Cfg<gemm::BM>;
+using SkinnyCfg = Cfg<64>;
+static_assert(MainCfg::SMEM_BYTES == gemm::SMEM_BYTES, "the main build is the kernel's design");
+// mirrored by SKINNY_SMEM_BYTES in src/gemm.rs
+static_assert(SkinnyCfg::SMEM_BYTES == 198736, "layout mirrored by SKINNY_SMEM_BYTES in src/gemm.rs");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -436,7 +463,7 @@ struct Smem {
     u32 epi_full, epi_empty;
 };
 
-template <bool B_KN>
+template <class C, bool B_KN>
 __device__ void producer(const GemmParams& p, const Smem& s) {
     u32 stage = 0, phase = 0;
     u32 landed = 0xffffffffu;  // the last band whose rows this block saw land
@@ -459,8 +486,8 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
                 break;
             }
             // out-of-bounds parts of a box are zero-filled and still counted in bytes
-            mbar_expect_tx(full, gemm::A_STAGE_BYTES + gemm::B_STAGE_BYTES);
-            const u32 a_dst = s.a + stage * gemm::A_STAGE_BYTES, b_dst = s.b + stage * gemm::B_STAGE_BYTES;
+            mbar_expect_tx(full, C::STAGE_BYTES);
+            const u32 a_dst = s.a + stage * C::A_STAGE_BYTES, b_dst = s.b + stage * gemm::B_STAGE_BYTES;
             tma_load_2d(a_dst, a_map, full, kb * gemm::BK, a_row);
             if (B_KN) {
                 // four 64 (N) x 64 (K) boxes side by side along N, 8 KiB each
@@ -469,8 +496,8 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             } else {
                 tma_load_2d(b_dst, &p.b, full, kb * gemm::BK, c.tn * gemm::BN);
             }
-            if (issued < gemm::STAGES) ++issued;
-            if (++stage == gemm::STAGES) {
+            if (issued < C::STAGES) ++issued;
+            if (++stage == C::STAGES) {
                 stage = 0;
                 phase ^= 1;
             }
@@ -482,7 +509,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
     // to: the consumers wait for them too.
     for (u32 j = 0; j < issued; ++j) {
         if (stage == 0) {
-            stage = gemm::STAGES - 1;
+            stage = C::STAGES - 1;
             phase ^= 1;
         } else {
             --stage;
@@ -493,14 +520,20 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
     }
 }
 
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
+// Every consumer warpgroup of the build (named barrier 2).
+template <class C> __device__ __forceinline__ void consumers_sync() {
+    asm volatile("bar.sync 2, %0;" ::"n"(C::CONSUMERS * 128) : "memory");
+}
 
 // A split tile's K parts meet here. Helper parts (part > 0) leave their f32 partial tile in the
 // workspace and count themselves in; part 0 waits for all of them (acquire), adds their
 // partials to its accumulators in a fixed order (results do not depend on timing) and returns
 // true to run the epilogue. Returns false for helper parts.
+template <class C>
 __device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
-    const u32 tid = threadIdx.x - 128;  // 0..255 over both consumer warpgroups
+    // 0..255 over both consumer warpgroups (0..127 in the skinny build, whose partials use the
+    // first half of each workspace slot: the slots keep the main build's layout)
+    const u32 tid = threadIdx.x - 128;
     const u32 helpers = p.parts - 1;
     u32* counter = p.counters + c.split;
     // this thread's accumulators hold rows (tid / 32) * 16 + lane / 4 and 8 below; rows past
@@ -514,7 +547,7 @@ __device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
             for (int j = 0; j < 32; ++j)
                 slot[j * 256 + tid] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
         }
-        consumers_sync();
+        consumers_sync<C>();
         if (tid == 0) {
             __threadfence();
             atomicAdd(counter, 1u);
@@ -533,7 +566,7 @@ __device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
         __threadfence();
         *counter = 0;  // ready for the next call (kernel boundaries order it)
     }
-    consumers_sync();
+    consumers_sync<C>();
     for (u32 h = 0; h < helpers && rows_in; ++h) {
         const float4* slot = p.workspace + (size_t)(c.split * helpers + h) * 32 * 256;
 #pragma unroll
@@ -564,7 +597,7 @@ __device__ __forceinline__ void fold_wait(const GemmParams& p, const TileRoute& 
     }
 }
 
-template <typename In, typename Out, bool B_KN>
+template <class C, typename In, typename Out, bool B_KN>
 __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     constexpr int PASSES = sizeof(Out) / 2;  // f32 tiles are staged in two column halves
     constexpr int PASS_COLS = gemm::BN / PASSES;
@@ -587,7 +620,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
                 mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
                 if (leader) mbar_arrive(s.empty + 8 * stage);
-                if (++stage == gemm::STAGES) {
+                if (++stage == C::STAGES) {
                     stage = 0;
                     phase ^= 1;
                 }
@@ -596,7 +629,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             u32 prev = 0;
             for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
                 mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
-                const u32 a = s.a + stage * gemm::A_STAGE_BYTES + cw * (64 * 128);
+                const u32 a = s.a + stage * C::A_STAGE_BYTES + cw * (64 * 128);
                 const u32 b = s.b + stage * gemm::B_STAGE_BYTES;
                 wgmma_fence();
                 fence_acc(acc);
@@ -616,7 +649,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                 fence_acc(acc);
                 if (kb > c.kb0 && leader) mbar_arrive(s.empty + 8 * prev);
                 prev = stage;
-                if (++stage == gemm::STAGES) {
+                if (++stage == C::STAGES) {
                     stage = 0;
                     phase ^= 1;
                 }
@@ -626,7 +659,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             if (leader) mbar_arrive(s.empty + 8 * prev);
         }
         if (c.split != NO_SPLIT) {
-            if (!split_partials(p, c, acc)) continue;  // a helper part: no epilogue
+            if (!split_partials<C>(p, c, acc)) continue;  // a helper part: no epilogue
         }
 
         // Partials folded in (the owner's tiles of GEMM + reduce-scatter): wait until every
@@ -701,7 +734,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
 
 __device__ __forceinline__ void storers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(gemm::STORERS) : "memory"); }
 
-template <typename Out>
+template <class C, typename Out>
 __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     constexpr int PASSES = sizeof(Out) / 2;
     constexpr int PASS_COLS = gemm::BN / PASSES;
@@ -741,7 +774,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
                     bulk_wait_read();
                 }
             } else if (store) {
-                for (u32 u = t; u < gemm::BM * UNITS; u += gemm::STORERS) {
+                for (u32 u = t; u < C::ROWS * UNITS; u += gemm::STORERS) {
                     const u32 row = u / UNITS, unit = u % UNITS, col = pass * PASS_COLS + unit * VEC;
                     if (row >= rows || col >= cols) continue;
                     const unsigned char* src = s.epi + row * gemm::EPI_PITCH + unit * 16;
@@ -792,25 +825,25 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     }
 }
 
-template <typename In, typename Out, bool B_KN>
+template <class C, typename In, typename Out, bool B_KN>
 __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     extern __shared__ unsigned char smem_raw[];
     // 128-byte swizzled stages must start on 1024-byte boundaries
     unsigned char* base = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
     Smem s;
     s.a = smem_u32(base);
-    s.b = s.a + gemm::STAGES * gemm::A_STAGE_BYTES;
-    s.epi = base + gemm::STAGES * (gemm::A_STAGE_BYTES + gemm::B_STAGE_BYTES);
-    s.full = smem_u32(s.epi + gemm::EPI_BYTES);
-    s.empty = s.full + 8 * gemm::STAGES;
-    s.epi_full = s.empty + 8 * gemm::STAGES;
+    s.b = s.a + C::STAGES * C::A_STAGE_BYTES;
+    s.epi = base + C::STAGES * C::STAGE_BYTES;
+    s.full = smem_u32(s.epi + C::EPI_BYTES);
+    s.empty = s.full + 8 * C::STAGES;
+    s.epi_full = s.empty + 8 * C::STAGES;
     s.epi_empty = s.epi_full + 8;
     if (threadIdx.x == 0) {
-        for (int i = 0; i < gemm::STAGES; ++i) {
-            mbar_init(s.full + 8 * i, 1);   // the producer's expect_tx arrival (+ the TMA bytes)
-            mbar_init(s.empty + 8 * i, 2);  // one arrival per consumer warpgroup
+        for (int i = 0; i < C::STAGES; ++i) {
+            mbar_init(s.full + 8 * i, 1);             // the producer's expect_tx arrival (+ the TMA bytes)
+            mbar_init(s.empty + 8 * i, C::CONSUMERS);  // one arrival per consumer warpgroup
         }
-        mbar_init(s.epi_full, 256);  // every consumer thread has staged its fragment
+        mbar_init(s.epi_full, C::CONSUMERS * 128);  // every consumer thread has staged its fragment
         mbar_init(s.epi_empty, 1);   // the storers are done with the staged tile
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a) : "memory");
@@ -831,34 +864,44 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
         if (threadIdx.x < 32) {
-            if (threadIdx.x == 0) producer<B_KN>(p, s);
+            if (threadIdx.x == 0) producer<C, B_KN>(p, s);
         } else {
-            storer<Out>(p, s, threadIdx.x - 32);
+            storer<C, Out>(p, s, threadIdx.x - 32);
         }
-    } else {
+    } else if (C::CONSUMERS == 2 || wg == 1) {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
-        consumer<In, Out, B_KN>(p, s, wg - 1);
+        // The warpgroup's number hidden from the optimiser: in the skinny build it is known to
+        // be 0 here, and ptxas, given that constant, spilled ~200 bytes in every skinny entry
+        // (the main build, where it is not known, spills nothing).
+        u32 cw = wg - 1;
+        asm volatile("" : "+r"(cw));
+        consumer<C, In, Out, B_KN>(p, s, cw);
     }
+    // (the skinny build's third warpgroup has no rows to compute: it ends here, and no barrier
+    // after the first counts it)
 }
 
-#define COMMFUSE_GEMM_ENTRY(NAME, IN_T, OUT_T, KN)                                                      \
+#define COMMFUSE_GEMM_ENTRY(NAME, CFG, IN_T, OUT_T, KN)                                                 \
     extern "C" __global__ void __launch_bounds__(gemm::THREADS, 1) NAME(const __grid_constant__ GemmParams p) { \
-        gemm_kernel<IN_T, OUT_T, KN>(p);                                                                 \
+        gemm_kernel<CFG, IN_T, OUT_T, KN>(p);                                                            \
     }
+#define COMMFUSE_GEMM_ENTRIES(PREFIX, CFG)                                                    \
+    COMMFUSE_GEMM_ENTRY(PREFIX##bf16_nk_bf16, CFG, __nv_bfloat16, __nv_bfloat16, false)        \
+    COMMFUSE_GEMM_ENTRY(PREFIX##bf16_kn_bf16, CFG, __nv_bfloat16, __nv_bfloat16, true)         \
+    COMMFUSE_GEMM_ENTRY(PREFIX##bf16_nk_f16, CFG, __nv_bfloat16, __half, false)                \
+    COMMFUSE_GEMM_ENTRY(PREFIX##bf16_kn_f16, CFG, __nv_bfloat16, __half, true)                 \
+    COMMFUSE_GEMM_ENTRY(PREFIX##bf16_nk_f32, CFG, __nv_bfloat16, float, false)                 \
+    COMMFUSE_GEMM_ENTRY(PREFIX##bf16_kn_f32, CFG, __nv_bfloat16, float, true)                  \
+    COMMFUSE_GEMM_ENTRY(PREFIX##f16_nk_bf16, CFG, __half, __nv_bfloat16, false)                \
+    COMMFUSE_GEMM_ENTRY(PREFIX##f16_kn_bf16, CFG, __half, __nv_bfloat16, true)                 \
+    COMMFUSE_GEMM_ENTRY(PREFIX##f16_nk_f16, CFG, __half, __half, false)                        \
+    COMMFUSE_GEMM_ENTRY(PREFIX##f16_kn_f16, CFG, __half, __half, true)                         \
+    COMMFUSE_GEMM_ENTRY(PREFIX##f16_nk_f32, CFG, __half, float, false)                         \
+    COMMFUSE_GEMM_ENTRY(PREFIX##f16_kn_f32, CFG, __half, float, true)
 
-// gemm_<input>_<B layout>_<output>
-COMMFUSE_GEMM_ENTRY(gemm_bf16_nk_bf16, __nv_bfloat16, __nv_bfloat16, false)
-COMMFUSE_GEMM_ENTRY(gemm_bf16_kn_bf16, __nv_bfloat16, __nv_bfloat16, true)
-COMMFUSE_GEMM_ENTRY(gemm_bf16_nk_f16, __nv_bfloat16, __half, false)
-COMMFUSE_GEMM_ENTRY(gemm_bf16_kn_f16, __nv_bfloat16, __half, true)
-COMMFUSE_GEMM_ENTRY(gemm_bf16_nk_f32, __nv_bfloat16, float, false)
-COMMFUSE_GEMM_ENTRY(gemm_bf16_kn_f32, __nv_bfloat16, float, true)
-COMMFUSE_GEMM_ENTRY(gemm_f16_nk_bf16, __half, __nv_bfloat16, false)
-COMMFUSE_GEMM_ENTRY(gemm_f16_kn_bf16, __half, __nv_bfloat16, true)
-COMMFUSE_GEMM_ENTRY(gemm_f16_nk_f16, __half, __half, false)
-COMMFUSE_GEMM_ENTRY(gemm_f16_kn_f16, __half, __half, true)
-COMMFUSE_GEMM_ENTRY(gemm_f16_nk_f32, __half, float, false)
-COMMFUSE_GEMM_ENTRY(gemm_f16_kn_f32, __half, float, true)
+// gemm_<input>_<B layout>_<output>: the main build; gemm_skinny_...: tiles of at most 64 rows
+COMMFUSE_GEMM_ENTRIES(gemm_, MainCfg)
+COMMFUSE_GEMM_ENTRIES(gemm_skinny_, SkinnyCfg)
 
 // ---- a consumer of flagged tiles, for the GPU test of the release/acquire protocol -------------
 
@@ -893,5 +936,31 @@ extern "C" __global__ void __launch_bounds__(256) tile_snapshot(const SnapshotPa
             *(unsigned short*)(p.snap + off) = *(const unsigned short*)(p.src + off);
         }
         __syncthreads();
+    }
+}
+
+// ---- a kernel that holds SMs, for the GPU test of the split tail's residency ------------------
+
+// Mirrored by `HoldParams` in src/gemm.rs; all three counters in host-mapped memory.
+struct HoldParams {
+    u32* arrived;        // blocks that have started
+    u32* timed_out;      // blocks that ended at the bound instead of being released
+    const u32* release;  // set by the host: every block ends
+    u64 timeout_ns;      // how long a block holds its SM at most
+};
+
+// Each block (one per SM: the dynamic shared memory it is launched with leaves no room for a
+// second one, nor for a GEMM block) counts itself in, then spins until the host releases it
+// or the bound passes. Stands for another stream's kernel that keeps SMs busy while a GEMM
+// is launched.
+extern "C" __global__ void __launch_bounds__(32) hold_sms(const HoldParams p) {
+    if (threadIdx.x != 0) return;
+    atomicAdd_system(p.arrived, 1u);
+    const u64 start = global_timer_ns();
+    while (*(volatile const u32*)p.release == 0) {
+        if (global_timer_ns() - start > p.timeout_ns) {
+            atomicAdd_system(p.timed_out, 1u);
+            return;
+        }
     }
 }

@@ -998,6 +998,46 @@ impl Function {
         )
     }
 
+    /// [`Function::launch_with_smem`] as a cooperative launch: the driver schedules the grid
+    /// only once every block of it can be resident at the same time (it waits for SMs that
+    /// other kernels hold to free up rather than start a part of the grid), and refuses a grid
+    /// larger than the GPU can hold at once. What a kernel needs whose blocks wait for one
+    /// another.
+    ///
+    /// # Safety
+    /// As for [`Function::launch`].
+    pub unsafe fn launch_cooperative_with_smem<P>(
+        &self,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        stream: &Stream,
+        params: &P,
+    ) -> Result<(), CudaError> {
+        let mut args = [params as *const P as *mut c_void];
+        // SAFETY: all-zero is a valid attribute (IGNORE) and value union
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attr.value.cooperative = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: stream.raw,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        check("cuLaunchKernelEx(cooperative)", {
+            // SAFETY: the config and its attribute outlive the call; the parameter block
+            // matches the kernel (the caller's contract)
+            sys::cuLaunchKernelEx(&config, self.raw, args.as_mut_ptr(), std::ptr::null_mut())
+        })
+    }
+
     /// [`Function::launch`] with programmatic stream serialization (programmatic dependent
     /// launch): the kernel may be scheduled before the kernel ahead of it on `stream` has
     /// finished — once every block of that one has exited or let it (`allow_next_grid` in

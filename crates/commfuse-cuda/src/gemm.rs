@@ -19,6 +19,7 @@ use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::DType;
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 /// The kernel's output tile.
@@ -33,6 +34,130 @@ const SMEM_BYTES: u32 = 1024
     + STAGES * ((TILE.m + TILE.n) * BK * 2) as u32
     + TILE.m as u32 * 528
     + 8 * (2 * STAGES + 2);
+/// Rows of a tile the skinny build computes (`SkinnyCfg` in gemm.cu): plans whose tiles all
+/// have at most this many rows can run on it.
+pub const SKINNY_ROWS: usize = 64;
+const SKINNY_STAGES: u32 = 4;
+/// Mirrors `SkinnyCfg::SMEM_BYTES` in gemm.cu: a 64-row A box per stage, four stages, a 64-row
+/// staged tile.
+const SKINNY_SMEM_BYTES: u32 = 1024
+    + SKINNY_STAGES * ((SKINNY_ROWS + TILE.n) * BK * 2) as u32
+    + SKINNY_ROWS as u32 * 528
+    + 8 * (2 * SKINNY_STAGES + 2);
+
+/// Which build of the kernel a [`PreparedGemm`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmVariant {
+    /// All 128 rows of each tile, two consumer warpgroups, 3 pipeline stages
+    Main,
+    /// The first [`SKINNY_ROWS`] rows of each tile, one consumer warpgroup, 4 stages: for
+    /// plans whose tiles have no more rows (decode sizes), where the main build's second
+    /// warpgroup and half of each A stage would stay empty
+    Skinny,
+}
+
+impl GemmVariant {
+    /// Rows of the A box and of the staged tile.
+    fn rows(self) -> usize {
+        match self {
+            GemmVariant::Main => TILE.m,
+            GemmVariant::Skinny => SKINNY_ROWS,
+        }
+    }
+
+    fn smem_bytes(self) -> u32 {
+        match self {
+            GemmVariant::Main => SMEM_BYTES,
+            GemmVariant::Skinny => SKINNY_SMEM_BYTES,
+        }
+    }
+
+    fn prefix(self) -> &'static str {
+        match self {
+            GemmVariant::Main => "gemm_",
+            GemmVariant::Skinny => "gemm_skinny_",
+        }
+    }
+
+    /// `main` or `skinny`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmVariant::Main => "main",
+            GemmVariant::Skinny => "skinny",
+        }
+    }
+}
+
+/// Which build GEMMs prepared from a [`GemmKernels`] use ([`GemmKernels::set_choice`]); the
+/// environment variable [`VARIANT_ENV`] sets it when the kernels are loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VariantChoice {
+    /// The skinny build where every tile has at most [`SKINNY_ROWS`] rows, else the main one
+    Auto,
+    /// Always the main build
+    Main,
+    /// The skinny build wherever it can compute the plan (every tile at most
+    /// [`SKINNY_ROWS`] rows), the main one elsewhere
+    Skinny,
+}
+
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|auto` (default `auto`): the [`VariantChoice`] of kernels
+/// loaded in this process.
+pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
+
+impl VariantChoice {
+    /// The choice named `main`, `skinny` or `auto`.
+    pub fn parse(name: &str) -> Result<VariantChoice, CudaError> {
+        match name {
+            "auto" => Ok(VariantChoice::Auto),
+            "main" => Ok(VariantChoice::Main),
+            "skinny" => Ok(VariantChoice::Skinny),
+            _ => Err(unsupported(format!(
+                "{VARIANT_ENV} must be main, skinny or auto, got {name:?}"
+            ))),
+        }
+    }
+
+    /// The build that runs `plan`: the skinny one only where every tile has at most
+    /// [`SKINNY_ROWS`] rows (it computes no more of a tile).
+    pub fn variant_for(self, plan: &GemmPlan) -> GemmVariant {
+        let fits = tallest_band(plan) <= SKINNY_ROWS;
+        match self {
+            VariantChoice::Main => GemmVariant::Main,
+            VariantChoice::Auto | VariantChoice::Skinny if fits => GemmVariant::Skinny,
+            VariantChoice::Auto | VariantChoice::Skinny => GemmVariant::Main,
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            VariantChoice::Auto => 0,
+            VariantChoice::Main => 1,
+            VariantChoice::Skinny => 2,
+        }
+    }
+
+    fn from_code(code: u8) -> VariantChoice {
+        match code {
+            1 => VariantChoice::Main,
+            2 => VariantChoice::Skinny,
+            _ => VariantChoice::Auto,
+        }
+    }
+}
+
+/// Rows of the plan's tallest row band (a tile has as many rows as its band).
+fn tallest_band(plan: &GemmPlan) -> usize {
+    match &plan.bands {
+        Some(b) => b
+            .windows(2)
+            .map(|w| w[1].saturating_sub(w[0]))
+            .max()
+            .unwrap_or(0),
+        None => plan.problem.m.min(TILE.m),
+    }
+}
+
 /// A pipeline wait that lasts this long is a bug, reported instead of hanging the GPU.
 const PIPELINE_TIMEOUT_NS: u64 = 5_000_000_000;
 /// How long dropping a launched GEMM or consumer waits for its last launch: every device-side
@@ -261,8 +386,9 @@ const MAX_PARTS: usize = 4;
 /// How the last, partial wave is split: `(parts, split tiles)`. With `tiles = q · grid + rem`,
 /// the last `rem` tiles of the order are cut along K into as many parts as keep the wave
 /// within the grid (at most [`MAX_PARTS`], at most one k-block each); `(1, 0)` when the tiles
-/// fill whole waves or no cut fits. All parts of the wave run at once (the grid is resident),
-/// so part 0 can wait for the others.
+/// fill whole waves or no cut fits. All parts of the wave run at once (a GEMM with a split
+/// tail is a cooperative launch, so its whole grid is resident), so part 0 can wait for the
+/// others.
 pub fn tail_split(tiles: usize, grid: usize, k_blocks: usize) -> (usize, usize) {
     let rem = tiles % grid.max(1);
     if rem == 0 {
@@ -284,43 +410,69 @@ fn type_name(d: DType) -> &'static str {
     }
 }
 
-/// The GEMM entry points of gemm.cu loaded on one GPU.
+/// The GEMM entry points of gemm.cu loaded on one GPU (both builds).
 pub struct GemmKernels {
     functions: HashMap<String, Function>,
+    /// [`VariantChoice::code`] of the GEMMs prepared from here on
+    choice: AtomicU8,
     pub(crate) snapshot: Function,
+    hold: Function,
     _module: Module,
 }
 
 impl GemmKernels {
+    /// Compiles (or takes from the cache) and loads gemm.cu; the build choice comes from
+    /// [`VARIANT_ENV`] (an unknown value is an error).
     pub fn load(gpu: &Gpu) -> Result<GemmKernels, CudaError> {
+        let choice = match std::env::var(VARIANT_ENV) {
+            Ok(v) => VariantChoice::parse(&v)?,
+            Err(_) => VariantChoice::Auto,
+        };
         let compiled = nvrtc::compile(nvrtc::kernel("gemm.cu").expect("embedded"), false)?;
         let module = Module::load(gpu, &compiled.cubin)?;
         let mut functions = HashMap::new();
-        for input in ["bf16", "f16"] {
-            for layout in ["nk", "kn"] {
-                for output in ["bf16", "f16", "f32"] {
-                    let name = format!("gemm_{input}_{layout}_{output}");
-                    let f = module.function(&name)?;
-                    f.allow_dynamic_smem(SMEM_BYTES)?;
-                    functions.insert(name, f);
+        for variant in [GemmVariant::Main, GemmVariant::Skinny] {
+            for input in ["bf16", "f16"] {
+                for layout in ["nk", "kn"] {
+                    for output in ["bf16", "f16", "f32"] {
+                        let name = format!("{}{input}_{layout}_{output}", variant.prefix());
+                        let f = module.function(&name)?;
+                        f.allow_dynamic_smem(variant.smem_bytes())?;
+                        functions.insert(name, f);
+                    }
                 }
             }
         }
+        let hold = module.function("hold_sms")?;
+        hold.allow_dynamic_smem(HOLD_SMEM_BYTES)?;
         Ok(GemmKernels {
             functions,
+            choice: AtomicU8::new(choice.code()),
             snapshot: module.function("tile_snapshot")?,
+            hold,
             _module: module,
         })
     }
 
-    fn entry(&self, plan: &GemmPlan) -> Result<Function, CudaError> {
+    /// Which build the GEMMs prepared from now on use (what a bench sets to time both).
+    pub fn set_choice(&self, choice: VariantChoice) {
+        self.choice.store(choice.code(), Ordering::Relaxed);
+    }
+
+    /// The build choice in force.
+    pub fn choice(&self) -> VariantChoice {
+        VariantChoice::from_code(self.choice.load(Ordering::Relaxed))
+    }
+
+    fn entry(&self, plan: &GemmPlan, variant: GemmVariant) -> Result<Function, CudaError> {
         let p = &plan.problem;
         let layout = match p.b_layout {
             BLayout::NK => "nk",
             BLayout::KN => "kn",
         };
         let name = format!(
-            "gemm_{}_{layout}_{}",
+            "{}{}_{layout}_{}",
+            variant.prefix(),
             type_name(p.input),
             type_name(p.output)
         );
@@ -368,6 +520,11 @@ pub struct PreparedGemm {
     function: Function,
     params: GemmParams,
     grid: u32,
+    /// The build it runs, and so the rows of its A boxes (per-call A maps) and its shared memory
+    variant: GemmVariant,
+    /// Launched cooperatively: the split tail's part 0 waits for its helpers, which must
+    /// therefore be resident beside it even when another stream's kernels hold SMs
+    cooperative: bool,
     problem: commfuse_core::gemm::GemmProblem,
     /// B was copied to a padded pitch at preparation: its address cannot change per call
     b_padded: bool,
@@ -535,15 +692,10 @@ impl PreparedGemm {
         rank: usize,
     ) -> Result<PreparedGemm, CudaError> {
         let p = &plan.problem;
-        let function = kernels.entry(plan)?;
+        let variant = kernels.choice().variant_for(plan);
+        let function = kernels.entry(plan, variant)?;
         let half = p.input == DType::F16;
-        let a = tensor_map_2d(
-            ops.a,
-            half,
-            (p.k as u64, p.m as u64),
-            2 * p.k as u64,
-            (BK as u32, TILE.m as u32),
-        )?;
+        let a = a_map(ops.a, p.input, p.k, p.m, variant)?;
         let mut b_padded = None;
         let b = match p.b_layout {
             BLayout::NK => tensor_map_2d(
@@ -689,6 +841,8 @@ impl PreparedGemm {
             function,
             params,
             grid,
+            variant,
+            cooperative: parts > 1,
             problem: *p,
             b_padded: b_padded.is_some(),
             routed: false,
@@ -705,6 +859,11 @@ impl PreparedGemm {
         })
     }
 
+    /// The build of the kernel this GEMM runs (chosen when it was prepared).
+    pub fn variant(&self) -> GemmVariant {
+        self.variant
+    }
+
     /// Where this GEMM's tile routes are on the device (0 for none): what a GEMM of the other
     /// set takes as [`CallNumber::Device`]'s `routes_alt`.
     pub fn routes_addr(&self) -> u64 {
@@ -717,9 +876,7 @@ impl PreparedGemm {
     /// The operands and destinations given to [`PreparedGemm::new`] must still be valid and
     /// not in use by anything else until the launch completes.
     pub unsafe fn launch(&self, stream: &Stream) -> Result<(), CudaError> {
-        self.function
-            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &self.params)?;
-        self.memory.launched(stream)
+        self.queue(stream, &self.params)
     }
 
     /// Queues the GEMM on `stream` with this call's A, B and bias (the shapes prepared; the
@@ -743,10 +900,8 @@ impl PreparedGemm {
     ) -> Result<(), CudaError> {
         let p = &self.problem;
         let mut params = self.call_params(b, bias, d, call)?;
-        params.a = TmaDesc(a_map(a, p.input, p.k, p.m)?);
-        self.function
-            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &params)?;
-        self.memory.launched(stream)
+        params.a = TmaDesc(a_map(a, p.input, p.k, p.m, self.variant)?);
+        self.queue(stream, &params)
     }
 
     /// [`PreparedGemm::launch_call`] for a GEMM prepared by [`PreparedGemm::gathering`]:
@@ -772,10 +927,44 @@ impl PreparedGemm {
         }
         let mut params = self.call_params(b, bias, Some(d), call)?;
         if params.local_rows != 0 {
-            params.a_local = TmaDesc(a_map(a_local, p.input, p.k, params.local_rows as usize)?);
+            params.a_local = TmaDesc(a_map(
+                a_local,
+                p.input,
+                p.k,
+                params.local_rows as usize,
+                self.variant,
+            )?);
         }
-        self.function
-            .launch_with_smem(self.grid, THREADS, SMEM_BYTES, stream, &params)?;
+        self.queue(stream, &params)
+    }
+
+    /// Queues the kernel with `params` and records the launch. A split tail's part 0 waits
+    /// for its helper parts, so every block must be resident at once: such a grid is a
+    /// cooperative launch, which the driver starts only once all of it fits (it waits for SMs
+    /// that other streams' kernels hold instead of starting part of the grid, whose part 0
+    /// could then wait for helpers that never get an SM). Other grids have no block that waits
+    /// for another and launch as usual.
+    ///
+    /// # Safety
+    /// As [`PreparedGemm::launch_call`], for the addresses in `params`.
+    unsafe fn queue(&self, stream: &Stream, params: &GemmParams) -> Result<(), CudaError> {
+        if self.cooperative {
+            self.function.launch_cooperative_with_smem(
+                self.grid,
+                THREADS,
+                self.variant.smem_bytes(),
+                stream,
+                params,
+            )?;
+        } else {
+            self.function.launch_with_smem(
+                self.grid,
+                THREADS,
+                self.variant.smem_bytes(),
+                stream,
+                params,
+            )?;
+        }
         self.memory.launched(stream)
     }
 
@@ -973,6 +1162,95 @@ impl TileSnapshot {
     }
 }
 
+/// Dynamic shared memory of one `hold_sms` block: more than half an SM's 228 KiB, so that
+/// one block holds a whole SM (neither a second holder nor a GEMM block fits beside it).
+const HOLD_SMEM_BYTES: u32 = 120 * 1024;
+
+/// Mirrors `HoldParams` in gemm.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct HoldParams {
+    arrived: u64,
+    timed_out: u64,
+    release: u64,
+    timeout_ns: u64,
+}
+
+/// The holder's counters, in host-mapped memory.
+struct HoldMemory {
+    arrived: MappedHost<u32>,
+    timed_out: MappedHost<u32>,
+    release: MappedHost<u32>,
+}
+
+impl InUse for HoldMemory {
+    /// Releases every block.
+    fn abort(&self) {
+        self.release.write(1);
+    }
+}
+
+/// A kernel that keeps SMs busy until the host releases it, for testing a GEMM launched while
+/// another stream's kernel holds most of the GPU: each of its blocks takes a whole SM and
+/// spins (thread 0 of 32) until [`SmHolder::release`] or its bound.
+pub struct SmHolder {
+    function: Function,
+    memory: Launched<HoldMemory>,
+}
+
+impl SmHolder {
+    pub fn new(gpu: &Gpu, kernels: &GemmKernels) -> Result<SmHolder, CudaError> {
+        Ok(SmHolder {
+            function: kernels.hold.clone(),
+            memory: Launched::new(
+                gpu,
+                HoldMemory {
+                    arrived: MappedHost::new(gpu, 0)?,
+                    timed_out: MappedHost::new(gpu, 0)?,
+                    release: MappedHost::new(gpu, 0)?,
+                },
+            )?,
+        })
+    }
+
+    /// Queues `blocks` holding blocks on `stream` (at most one per SM), each ending once
+    /// released or after `timeout`. The previous launch must have ended.
+    pub fn launch(&self, stream: &Stream, blocks: u32, timeout: Duration) -> Result<(), CudaError> {
+        let m = &*self.memory;
+        m.arrived.write(0);
+        m.timed_out.write(0);
+        m.release.write(0);
+        let params = HoldParams {
+            arrived: m.arrived.device_addr(),
+            timed_out: m.timed_out.device_addr(),
+            release: m.release.device_addr(),
+            timeout_ns: (timeout.as_nanos() as u64).max(1),
+        };
+        // SAFETY: the counters live as long as `memory`, whose drop releases the blocks and
+        // waits for them to end
+        unsafe {
+            self.function
+                .launch_with_smem(blocks, 32, HOLD_SMEM_BYTES, stream, &params)?
+        };
+        self.memory.launched(stream)
+    }
+
+    /// Waits on the host, up to `timeout`, until `blocks` blocks have started; whether they did.
+    pub fn wait_resident(&self, blocks: u32, timeout: Duration) -> Result<bool, CudaError> {
+        poll_until(timeout, || Ok(self.memory.arrived.read() >= blocks))
+    }
+
+    /// Lets every block of the launch end.
+    pub fn release(&self) {
+        self.memory.release.write(1);
+    }
+
+    /// Blocks of the last launch that ended at their bound instead of being released.
+    pub fn timed_out(&self) -> u32 {
+        self.memory.timed_out.read()
+    }
+}
+
 /// The route table, or None when every tile goes to the local D without a flag.
 fn routes(
     plan: &GemmPlan,
@@ -1019,8 +1297,15 @@ fn routes(
     Ok(Some(out))
 }
 
-/// The TMA map of an A of `rows` × `k` elements (16-byte aligned) at `a`, in the kernel's box.
-fn a_map(a: u64, input: DType, k: usize, rows: usize) -> Result<[u64; 16], CudaError> {
+/// The TMA map of an A of `rows` × `k` elements (16-byte aligned) at `a`, in the box of the
+/// build `variant` (as many rows as it computes of a tile).
+fn a_map(
+    a: u64,
+    input: DType,
+    k: usize,
+    rows: usize,
+    variant: GemmVariant,
+) -> Result<[u64; 16], CudaError> {
     if !a.is_multiple_of(16) {
         return Err(unsupported(format!(
             "A must start on a 16-byte boundary (TMA), got {a:#x}"
@@ -1031,7 +1316,7 @@ fn a_map(a: u64, input: DType, k: usize, rows: usize) -> Result<[u64; 16], CudaE
         input == DType::F16,
         (k as u64, rows as u64),
         2 * k as u64,
-        (BK as u32, TILE.m as u32),
+        (BK as u32, variant.rows() as u32),
     )
 }
 
@@ -1056,6 +1341,8 @@ mod tests {
         assert_eq!(std::mem::offset_of!(GemmParams, routes_alt), 408);
         assert_eq!(std::mem::size_of::<CallCounter>(), 16);
         const { assert!(SMEM_BYTES <= 227 * 1024) };
+        // SkinnyCfg::SMEM_BYTES, static_assert in gemm.cu
+        assert_eq!(SKINNY_SMEM_BYTES, 198736);
     }
 
     fn problem(m: usize, n: usize, k: usize) -> commfuse_core::gemm::GemmProblem {
@@ -1095,6 +1382,45 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains(&format!("{} output tiles", 1u64 << 45)), "{e}");
+    }
+
+    #[test]
+    fn the_skinny_build_runs_exactly_the_plans_whose_bands_fit_it() {
+        use GemmVariant::{Main, Skinny};
+        let plan = |m: usize, bands: Option<Vec<usize>>| {
+            let mut plan = GemmPlan::local(problem(m, 1000, 64), TILE, Default::default());
+            plan.bands = bands;
+            plan
+        };
+        for (plan, fits) in [
+            (plan(1, None), true),
+            (plan(64, None), true),
+            (plan(65, None), false),
+            (plan(4096, None), false),
+            // bands of 40, 60 and 30 rows; then one of 65
+            (plan(130, Some(vec![0, 40, 100, 130])), true),
+            (plan(130, Some(vec![0, 65, 130])), false),
+            (plan(128, Some(vec![0, 64, 128])), true),
+        ] {
+            let want = if fits { Skinny } else { Main };
+            let bands = &plan.bands;
+            assert_eq!(VariantChoice::Auto.variant_for(&plan), want, "{bands:?}");
+            assert_eq!(VariantChoice::Skinny.variant_for(&plan), want, "{bands:?}");
+            assert_eq!(VariantChoice::Main.variant_for(&plan), Main, "{bands:?}");
+        }
+        for (name, choice) in [
+            ("auto", VariantChoice::Auto),
+            ("main", VariantChoice::Main),
+            ("skinny", VariantChoice::Skinny),
+        ] {
+            assert_eq!(VariantChoice::parse(name).unwrap(), choice);
+            assert_eq!(VariantChoice::from_code(choice.code()), choice);
+        }
+        let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
+        assert!(
+            e.contains("COMMFUSE_GEMM_VARIANT must be main, skinny or auto, got \"Skinny\""),
+            "{e}"
+        );
     }
 
     #[test]

@@ -9,7 +9,9 @@ use crate::cublaslt::Lt;
 pub use crate::driver::StreamGuard;
 use crate::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
 use crate::error::CudaError;
-use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TILE};
+use crate::gemm::{
+    GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, VariantChoice, TILE,
+};
 use crate::nvrtc;
 use commfuse_core::gemm::{
     grouped_order, staggered_remote_first, BLayout, ElementCheck, Epilogue, GemmPlan, GemmProblem,
@@ -163,6 +165,23 @@ fn run<T: Element>(
         .iter()
         .map(|&cap| PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, cap, 0))
         .collect::<Result<_, _>>()?;
+    // where the skinny build can compute the plan, both builds forced, side by side with the
+    // row of the build chosen (by COMMFUSE_GEMM_VARIANT, auto by default)
+    let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
+    if VariantChoice::Skinny.variant_for(&plan) == GemmVariant::Skinny {
+        let chosen = kernels.choice();
+        for (name, choice) in [
+            ("commfuse-main", VariantChoice::Main),
+            ("commfuse-skinny", VariantChoice::Skinny),
+        ] {
+            kernels.set_choice(choice);
+            for &cap in sms {
+                let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, cap, 0);
+                forced.push((name, cap, gemm?));
+            }
+        }
+        kernels.set_choice(chosen);
+    }
 
     // the rows with routes: local tiles with flags (what a flag costs), every tile to the peer
     // with and without flags, and the reduce-scatter pattern at two ranks (the peer's half of
@@ -197,6 +216,17 @@ fn run<T: Element>(
         variants.push(Variant {
             name: "commfuse",
             cap,
+            // SAFETY: operands sized from the problem on this GPU
+            launch: Box::new(move || unsafe { gemm.launch(stream) }),
+            output: (&gpu, &d_dev),
+            peer_rows: None,
+            gemm: Some(gemm),
+        });
+    }
+    for (name, cap, gemm) in &forced {
+        variants.push(Variant {
+            name,
+            cap: *cap,
             // SAFETY: operands sized from the problem on this GPU
             launch: Box::new(move || unsafe { gemm.launch(stream) }),
             output: (&gpu, &d_dev),

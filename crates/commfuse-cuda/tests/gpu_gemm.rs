@@ -12,7 +12,8 @@ use commfuse_core::{DType, Element};
 use commfuse_cuda::cublaslt::Lt;
 use commfuse_cuda::driver::{DeviceMemory, Gpu, MappedHost, Stream};
 use commfuse_cuda::gemm::{
-    CallNumber, Gather, GemmKernels, GemmOperands, PreparedGemm, RouteTargets, TileSnapshot, TILE,
+    CallNumber, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets,
+    SmHolder, TileSnapshot, VariantChoice, SKINNY_ROWS, TILE,
 };
 use commfuse_cuda::gemm_bench::{bench_gemm, DeviceReference, ReferenceGemm, StreamGuard};
 use commfuse_cuda::plan_table::ErrorRecord;
@@ -216,6 +217,185 @@ fn gemm_matches_float64_reference_on_ragged_shapes() {
     }
 }
 
+/// One skinny-build case: the plan's row bands (`None`: bands of 128 rows), the grid cap, and
+/// the epilogue: [`Case::Plain`], [`Case::Full`] (alpha, beta·C, bias, a shuffled order) or
+/// [`Case::Accumulate`] (D += 2·A·B: the storers' per-thread path), at the cap given.
+#[derive(Clone, Copy, Debug)]
+struct SkinnyCase {
+    bands: Option<&'static [usize]>,
+    cap: u32,
+    epilogue: Case,
+}
+
+/// Prepares `p` under `choice`, checks the build chosen is `want`, runs it twice on a poisoned
+/// output and checks every element against float64.
+#[allow(clippy::too_many_arguments)]
+fn check_variant<TI: Element, TO: Element>(
+    gpu: &Gpu,
+    kernels: &GemmKernels,
+    stream: &Stream,
+    p: GemmProblem,
+    case: SkinnyCase,
+    choice: VariantChoice,
+    want_variant: GemmVariant,
+    seed: u64,
+) {
+    let mut rng = Rng(seed);
+    let a: Vec<TI> = rng.vec(p.m * p.k);
+    let b: Vec<TI> = rng.vec(p.k * p.n);
+    let c: Vec<TO> = rng.vec(p.m * p.n);
+    let bias: Vec<TO> = rng.vec(p.n);
+    let d0: Vec<TO> = rng.vec(p.m * p.n);
+    let epilogue = match case.epilogue {
+        Case::Plain => Epilogue::default(),
+        Case::Full => Epilogue {
+            alpha: 0.5,
+            beta: -0.75,
+            bias: true,
+            accumulate: false,
+        },
+        Case::Accumulate => Epilogue {
+            alpha: 2.0,
+            accumulate: true,
+            ..Epilogue::default()
+        },
+    };
+    let mut plan = GemmPlan::local(p, TILE, epilogue);
+    if let Some(bands) = case.bands {
+        plan.bands = Some(bands.to_vec());
+        plan.order = (0..plan.tile_count()).collect();
+    }
+    if let Case::Full = case.epilogue {
+        rng.shuffle(&mut plan.order);
+    }
+    let (a_dev, b_dev, c_dev, bias_dev) = (
+        upload(gpu, &a),
+        upload(gpu, &b),
+        upload(gpu, &c),
+        upload(gpu, &bias),
+    );
+    let d_dev = DeviceMemory::zeroed(gpu, p.m * p.n * p.output.size()).unwrap();
+    let ops = GemmOperands {
+        a: a_dev.addr(),
+        b: b_dev.addr(),
+        c: Some(c_dev.addr()),
+        bias: Some(bias_dev.addr()),
+        d: d_dev.addr(),
+    };
+    kernels.set_choice(choice);
+    let gemm = PreparedGemm::new(gpu, kernels, &plan, &ops, None, case.cap, 0);
+    kernels.set_choice(VariantChoice::Auto);
+    let gemm = gemm.unwrap();
+    let what = format!(
+        "{case:?} {choice:?} {}×{}×{} B {:?} {}→{}",
+        p.m, p.n, p.k, p.b_layout, p.input, p.output
+    );
+    assert_eq!(gemm.variant(), want_variant, "{what}: the build chosen");
+    let want = reference_gemm(&p, &epilogue, &a, &b, Some(&c), Some(&bias), Some(&d0));
+    for call in 0..2 {
+        if epilogue.accumulate {
+            d_dev.upload(gpu, &d0).unwrap();
+        } else {
+            d_dev.fill(gpu, 0xff).unwrap();
+        }
+        run(&gemm, stream);
+        let mut got = vec![TO::from_f32(0.0); p.m * p.n];
+        d_dev.download(gpu, &mut got).unwrap();
+        let check = check(&p, &epilogue, &got, &want);
+        assert!(check.passed(), "{what} call {call}: {check}");
+    }
+}
+
+/// The skinny build (tiles of at most 64 rows: one consumer warpgroup, 64-row A boxes, four
+/// stages), chosen by default wherever it fits, against float64 over every element: M = 1, 16,
+/// 33 and 64 with ragged N and K (4 column tiles, 24 k-blocks and a part), both B layouts,
+/// bf16 and f32 outputs from bf16 and f16 inputs; on every SM (the 4 tiles cut into 4 K-parts)
+/// with a plain and a full epilogue (alpha, beta·C, bias, a shuffled order), on 4 SMs (one
+/// whole wave, no cut) with the full one, and on 3 (one whole wave, then the last tile cut
+/// into 3 parts) with the full one and D += 2·A·B (the storers' per-thread path); then row
+/// bands of at most 64 rows in a taller M (40, 60 and 30 rows: M = 130); and the builds each
+/// plan must take: forced main, forced skinny where it fits, and the main build for a 65-row
+/// tile or a band of 65 rows even when the skinny one is asked for.
+#[test]
+fn skinny_build_matches_float64_reference() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let mut seed = 500;
+    let mut each = |p: GemmProblem, case: SkinnyCase, choice, want| {
+        seed += 1;
+        match (p.input, p.output) {
+            (DType::BF16, DType::BF16) => {
+                check_variant::<bf16, bf16>(&gpu, &kernels, &stream, p, case, choice, want, seed)
+            }
+            (DType::BF16, DType::F32) => {
+                check_variant::<bf16, f32>(&gpu, &kernels, &stream, p, case, choice, want, seed)
+            }
+            (DType::F16, DType::F16) => {
+                check_variant::<f16, f16>(&gpu, &kernels, &stream, p, case, choice, want, seed)
+            }
+            _ => check_variant::<f16, f32>(&gpu, &kernels, &stream, p, case, choice, want, seed),
+        }
+    };
+    let auto = VariantChoice::Auto;
+    for m in [1, 16, 33, SKINNY_ROWS] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            for (input, output) in [
+                (DType::BF16, DType::BF16),
+                (DType::BF16, DType::F32),
+                (DType::F16, DType::F32),
+            ] {
+                let p = GemmProblem::new(m, 1000, 1544, layout, input, output).unwrap();
+                for (cap, epilogue) in [
+                    (0, Case::Plain),
+                    (0, Case::Full),
+                    (4, Case::Full),
+                    (3, Case::Full),
+                    (3, Case::Accumulate),
+                ] {
+                    let case = SkinnyCase {
+                        bands: None,
+                        cap,
+                        epilogue,
+                    };
+                    each(p, case, auto, GemmVariant::Skinny);
+                }
+            }
+        }
+    }
+    let banded: &[usize] = &[0, 40, 100, 130];
+    for layout in [BLayout::NK, BLayout::KN] {
+        let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
+        for cap in [0, 5] {
+            let case = SkinnyCase {
+                bands: Some(banded),
+                cap,
+                epilogue: Case::Full,
+            };
+            each(p, case, auto, GemmVariant::Skinny);
+            each(p, case, VariantChoice::Main, GemmVariant::Main);
+        }
+    }
+    let p = GemmProblem::new(16, 1000, 1544, BLayout::NK, DType::BF16, DType::F32).unwrap();
+    let case = SkinnyCase {
+        bands: None,
+        cap: 0,
+        epilogue: Case::Full,
+    };
+    each(p, case, VariantChoice::Main, GemmVariant::Main);
+    each(p, case, VariantChoice::Skinny, GemmVariant::Skinny);
+    // one row too many for the skinny build: a 65-row tile, a 65-row band
+    let p = GemmProblem::new(65, 1000, 1544, BLayout::NK, DType::BF16, DType::F32).unwrap();
+    each(p, case, VariantChoice::Skinny, GemmVariant::Main);
+    let p = GemmProblem::new(130, 1000, 1544, BLayout::KN, DType::BF16, DType::BF16).unwrap();
+    let case = SkinnyCase {
+        bands: Some(&[0, 65, 130]),
+        cap: 0,
+        epilogue: Case::Full,
+    };
+    each(p, case, VariantChoice::Skinny, GemmVariant::Main);
+}
+
 /// A wait that gives up ends the kernel without a trap (which would end every kernel of the
 /// context, PyTorch's included, and leave the context unusable): the call's synchronisation
 /// succeeds, `check` reports the diagnosed wait, no tile is stored, the kernel stops soon after
@@ -341,6 +521,93 @@ fn split_parts_sum(gpu: &Gpu, kernels: &GemmKernels, stream: &Stream, m: usize, 
     }
 }
 
+/// A split tail's part 0 waits for its helper parts, so its grid must be resident at once even
+/// while another stream's kernel holds the SMs: a kernel holding every SM but one is running
+/// when a GEMM whose 16 tiles are cut into 4 K-parts (64 blocks) is launched, with a pipeline
+/// bound of 300 ms. The GEMM must wait for its whole grid to fit rather than start on the free
+/// SM (where part 0 of the first tile would wait for helpers that get no SM, and give up at
+/// the bound): one second later it has neither finished nor recorded a stall; once the holder
+/// is released it runs, and every element is right. Twice, then once more with the SMs free;
+/// for the main build and the skinny one (M = 64).
+#[test]
+fn a_split_tail_beside_a_kernel_holding_the_sms_waits_for_its_grid() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let p = GemmProblem::new(64, 4096, 1024, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let mut rng = Rng(31);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
+    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
+    let plan = GemmPlan::local(p, TILE, Epilogue::default());
+    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
+    let want = reference_gemm::<bf16, bf16>(&p, &Epilogue::default(), &a, &b, None, None, None);
+    let holder = SmHolder::new(&gpu, &kernels).unwrap();
+    let side = Stream::new(&gpu).unwrap();
+    let blocks = gpu.sm_count - 1;
+    for (choice, variant) in [
+        (VariantChoice::Main, GemmVariant::Main),
+        (VariantChoice::Skinny, GemmVariant::Skinny),
+    ] {
+        kernels.set_choice(choice);
+        let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, 0, 0);
+        kernels.set_choice(VariantChoice::Auto);
+        let mut gemm = gemm.unwrap();
+        assert_eq!(gemm.variant(), variant);
+        gemm.set_pipeline_timeout(Duration::from_millis(300));
+        for call in 0..3 {
+            d_dev.fill(&gpu, 0xff).unwrap();
+            let held = call < 2;
+            if held {
+                holder
+                    .launch(&side, blocks, Duration::from_secs(30))
+                    .unwrap();
+                assert!(
+                    holder
+                        .wait_resident(blocks, Duration::from_secs(10))
+                        .unwrap(),
+                    "{variant:?} call {call}: the holder's {blocks} blocks did not all start"
+                );
+            }
+            // SAFETY: every operand outlives the waits below
+            unsafe { gemm.launch(&stream).unwrap() };
+            if held {
+                std::thread::sleep(Duration::from_secs(1));
+                let report = gemm.stall_report();
+                let waiting = !stream.is_idle().unwrap();
+                holder.release();
+                assert!(
+                    side.wait_idle(Duration::from_secs(10)).unwrap(),
+                    "the holder did not end once released"
+                );
+                assert_eq!(
+                    report, None,
+                    "{variant:?} call {call}: the GEMM started part of its grid"
+                );
+                assert!(
+                    waiting,
+                    "{variant:?} call {call}: the GEMM ended while the SMs its grid needs were held"
+                );
+                assert_eq!(
+                    holder.timed_out(),
+                    0,
+                    "the holder let go before its release"
+                );
+            }
+            assert!(
+                stream.wait_idle(Duration::from_secs(20)).unwrap(),
+                "{variant:?} call {call}: the GEMM did not end"
+            );
+            gemm.check().unwrap();
+            let mut got = vec![bf16::ZERO; p.m * p.n];
+            d_dev.download(&gpu, &mut got).unwrap();
+            let check = check(&p, &Epilogue::default(), &got, &want);
+            assert!(check.passed(), "{variant:?} call {call}: {check}");
+        }
+    }
+}
+
 /// The bench checks every element of every row (ours and cuBLASLt's, capped or not) against
 /// the device reference.
 #[test]
@@ -353,6 +620,8 @@ fn bench_rows_pass_the_check_of_every_element() {
         (1000, 3000, 1032, DType::BF16),
         (1000, 3000, 1032, DType::F32),
         (777, 1500, 520, DType::F16),
+        (16, 8192, 3584, DType::BF16),
+        (33, 3000, 1032, DType::F32),
     ] {
         for layout in [BLayout::NK, BLayout::KN] {
             // cuBLASLt (a row of the bench) has no bf16 → f16 GEMM: f16 outputs take f16 inputs
@@ -363,7 +632,16 @@ fn bench_rows_pass_the_check_of_every_element() {
             };
             let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
             let rows = bench_gemm(0, None, &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
-            assert_eq!(rows.len(), 4);
+            // cuBLASLt and ours at both caps; where the skinny build fits, each build forced too
+            let skinny = m <= SKINNY_ROWS;
+            assert_eq!(rows.len(), if skinny { 8 } else { 4 }, "{rows:?}");
+            let forced = rows
+                .iter()
+                .filter(|r| {
+                    r.implementation == "commfuse-main" || r.implementation == "commfuse-skinny"
+                })
+                .count();
+            assert_eq!(forced, if skinny { 4 } else { 0 }, "{rows:?}");
             for r in rows {
                 assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{r:?}");
             }

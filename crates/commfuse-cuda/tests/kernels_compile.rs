@@ -76,21 +76,25 @@ fn every_kernel_compiles_for_sm90a() {
 }
 
 /// The GEMM's main loop must run on the tensor cores' warpgroup instructions: every GEMM entry
-/// point's SASS holds HGMMA 64x256x16 with f32 accumulation (transposed B for the [K, N]
-/// layout). Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both from PyPI and sets
+/// point's SASS, in both builds (the main one and the skinny one), holds HGMMA 64x256x16 with
+/// f32 accumulation (transposed B for the [K, N] layout). Needs NVRTC and cuobjdump
+/// (+ nvdisasm); CI installs both from PyPI and sets
 /// COMMFUSE_REQUIRE_SASS=1.
 #[test]
 fn gemm_sass_uses_hgmma() {
     let Some(sass) = commfuse_cuda::testing::sass_of("gemm.cu") else {
         return;
     };
-    let mut entries = 0;
+    let (mut entries, mut skinny) = (0, 0);
     for section in sass.split("Function : ").skip(1) {
         let name = section.split_whitespace().next().unwrap_or("");
         if !name.starts_with("gemm_") {
             continue;
         }
         entries += 1;
+        if name.starts_with("gemm_skinny_") {
+            skinny += 1;
+        }
         let hgmma = section
             .lines()
             .filter(|l| l.contains("HGMMA.64x256x16.F32"))
@@ -107,7 +111,8 @@ fn gemm_sass_uses_hgmma() {
             );
         }
     }
-    assert_eq!(entries, 12, "GEMM entry points found in the SASS");
+    assert_eq!(entries, 24, "GEMM entry points found in the SASS");
+    assert_eq!(skinny, 12, "skinny GEMM entry points found in the SASS");
 }
 
 /// The small kernel file the cache tests compile.
