@@ -234,12 +234,20 @@ fn memory_of(
     )
 }
 
-/// Runs the sweep; `on_progress` sees each row and each skipped baseline as soon as known.
+/// Runs the sweep; `on_progress` sees each row and each skipped baseline as soon as known. A
+/// progress bar of the rounds measured (every size's [`ROUNDS`]) is drawn on stderr where that
+/// is a terminal, advanced between rounds so that its drawing falls outside every timed call;
+/// `on_progress` runs with the bar lifted, so that what it prints is not torn by it.
 pub fn run(
     backend: &dyn Backend,
     cfg: &BenchConfig,
     mut on_progress: impl FnMut(Progress<'_>),
 ) -> Result<BenchReport> {
+    let bar = crate::progress::bar(
+        (cfg.sizes.len() * ROUNDS) as u64,
+        &format!("bench {}", cfg.op),
+    );
+    let mut on_progress = |progress: Progress<'_>| bar.suspend(|| on_progress(progress));
     let world = backend.world_size();
     let per_round = cfg.iters.div_ceil(ROUNDS).max(1);
     // every size is known to fit before the first is measured
@@ -315,6 +323,7 @@ pub fn run(
             for k in 0..n {
                 measure_round(&mut candidates[(round + k) % n], cfg, round, per_round)?;
             }
+            bar.inc(1);
         }
         let mut measured = Vec::new();
         for mut c in candidates {
@@ -390,6 +399,7 @@ pub fn run(
             rows.push(row);
         }
     }
+    bar.finish_and_clear();
     Ok(BenchReport {
         op: cfg.op,
         backend: backend.name().into(),

@@ -3,16 +3,17 @@
 //! and logs hold the results alone) and cleared when done; and, before a simulated GEMM starts,
 //! a one-line warning with an estimate of its time when that is long.
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressFinish, ProgressStyle};
 use std::io::IsTerminal;
 
 /// A bar of `len` steps titled `what` on stderr where stderr is a terminal, else one that draws
-/// nothing.
+/// nothing. Dropped unfinished (a command that fails midway), it clears itself, so that the
+/// one-line error stands alone.
 pub fn bar(len: u64, what: &str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
-    let bar = ProgressBar::new(len);
+    let bar = ProgressBar::new(len).with_finish(ProgressFinish::AndClear);
     let style = ProgressStyle::with_template(
         "{msg} [{elapsed_precise}] {wide_bar} {pos}/{len} (about {eta} left)",
     )

@@ -55,13 +55,39 @@ pub struct MatrixRow {
     pub first_failure: Option<String>,
 }
 
-/// Runs the matrix; `on_row` sees each (op, algo, dtype) row when it is done.
+/// The reduce ops the matrix covers for `op`: all of them where it reduces, else one.
+fn reduces_for(op: OpKind) -> &'static [ReduceOp] {
+    if op.reduces() {
+        &ReduceOp::ALL
+    } else {
+        &[ReduceOp::Sum]
+    }
+}
+
+/// The checked runs the matrix makes over `worlds` on `backend` (one per op, algorithm, type,
+/// world size, reduce op and count): the length of [`run`]'s progress bar.
+pub fn cases(worlds: &[usize], seed: u64, backend: BackendKind) -> usize {
+    let per_world: usize = worlds
+        .iter()
+        .map(|&p| counts_for(p, seed ^ p as u64, large_chunk(backend)).len())
+        .sum();
+    OpKind::ALL
+        .iter()
+        .map(|&op| Algo::for_op(op).len() * DType::ALL.len() * reduces_for(op).len() * per_world)
+        .sum()
+}
+
+/// Runs the matrix; `on_row` sees each (op, algo, dtype) row when it is done. A progress bar of
+/// the runs made so far is drawn on stderr where that is a terminal; `on_row` runs with the bar
+/// lifted, so that what it prints is not torn by it.
 pub fn run(
     placement: &Placement,
     worlds: &[usize],
     seed: u64,
     mut on_row: impl FnMut(&MatrixRow),
 ) -> Result<Vec<MatrixRow>> {
+    let total = cases(worlds, seed, placement.backend);
+    let bar = crate::progress::bar(total as u64, "verify");
     let mut rows = Vec::new();
     for op in OpKind::ALL {
         for &algo in Algo::for_op(op) {
@@ -75,11 +101,7 @@ pub fn run(
                     max_error: 0.0,
                     first_failure: None,
                 };
-                let reduces: &[ReduceOp] = if op.reduces() {
-                    &ReduceOp::ALL
-                } else {
-                    &[ReduceOp::Sum]
-                };
+                let reduces = reduces_for(op);
                 for &p in worlds {
                     let at_p = Placement {
                         ranks: p,
@@ -118,14 +140,16 @@ pub fn run(
                                 // a failed call leaves signal pads mid-protocol: start afresh
                                 backend = backends::open(&at_p)?;
                             }
+                            bar.inc(1);
                         }
                     }
                 }
-                on_row(&row);
+                bar.suspend(|| on_row(&row));
                 rows.push(row);
             }
         }
     }
+    bar.finish_and_clear();
     Ok(rows)
 }
 
@@ -144,4 +168,24 @@ pub fn format_row(row: &MatrixRow) -> String {
         row.max_error,
         row.first_failure.as_deref().unwrap_or("")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_progress_bar_is_as_long_as_the_runs_the_matrix_makes() {
+        let placement = Placement {
+            backend: BackendKind::Sim,
+            ranks: 1,
+            devices: None,
+            timeout: Duration::from_secs(5),
+        };
+        let (worlds, seed) = ([1, 2], 7);
+        let rows = run(&placement, &worlds, seed, |_| {}).unwrap();
+        let runs: usize = rows.iter().map(|r| r.runs).sum();
+        assert_eq!(cases(&worlds, seed, BackendKind::Sim), runs);
+    }
 }

@@ -329,6 +329,31 @@ fn verify_prints_the_matrix() {
 }
 
 #[test]
+fn the_long_commands_draw_no_progress_on_a_stderr_that_is_not_a_terminal() {
+    // piped, as in scripts and logs: the results alone, as before there were bars
+    for args in [
+        &["verify", "--ranks", "2", "--seed", "1"][..],
+        &[
+            "bench",
+            "all-reduce",
+            "-p",
+            "2",
+            "--sizes",
+            "4K,8K",
+            "--iters",
+            "1",
+        ],
+        &[
+            "run", "gemm-rs", "--m", "64", "--n", "32", "--k", "16", "-p", "2",
+        ],
+    ] {
+        let o = commfuse(args);
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {}", stderr(&o));
+        assert_eq!(stderr(&o), "", "{args:?} wrote to stderr");
+    }
+}
+
+#[test]
 fn run_defaults_to_auto_and_says_what_it_chose() {
     let o = commfuse(&["run", "all-reduce", "--ranks", "3", "--size", "1000"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
