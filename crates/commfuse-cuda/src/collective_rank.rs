@@ -329,6 +329,11 @@ impl CollectiveRank {
         }
     }
 
+    /// What the rank was built for.
+    pub fn config(&self) -> &CollectiveConfig {
+        &self.config
+    }
+
     /// What the collective computes.
     pub fn spec(&self) -> &OpSpec {
         &self.spec
