@@ -14,6 +14,7 @@ use commfuse_cuda::driver::{Gpu, Stream};
 use commfuse_cuda::error::CudaError;
 use commfuse_cuda::gemm_rs::{GemmRsAllocation, GemmRsConfig, GemmRsRank, PathChoice};
 use commfuse_cuda::ipc::Exported;
+use commfuse_cuda::spans::CheckedSpans;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -109,6 +110,12 @@ pub fn stream_is_capturing(device: usize, stream: u64) -> PyResult<bool> {
     borrowed_stream(stream).is_capturing().map_err(cuda_error)
 }
 
+/// The bytes of an array of these extents (the last one the element size); saturating, so
+/// that a product past memory fails the span check instead of wrapping.
+fn bytes(extents: &[usize]) -> usize {
+    extents.iter().fold(1, |p, &e| p.saturating_mul(e))
+}
+
 /// After the previous calls ended on the device: the diagnosis of a wait that timed out in one
 /// of them, as a `RuntimeError`.
 fn earlier_failure(e: CudaError) -> PyErr {
@@ -121,6 +128,8 @@ fn earlier_failure(e: CudaError) -> PyErr {
 #[pyclass(module = "commfuse._commfuse")]
 pub struct GpuGemmReduceScatter {
     stage: SyncWrapper<Stage<GemmRsAllocation, GemmRsRank>>,
+    /// a, b, bias, out: checked at the first call that passes each (see `spans`)
+    spans: CheckedSpans<4>,
 }
 
 #[pymethods]
@@ -164,6 +173,7 @@ impl GpuGemmReduceScatter {
         let allocation = GemmRsAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
         Ok(GpuGemmReduceScatter {
             stage: SyncWrapper::new(Stage::Allocated(allocation)),
+            spans: CheckedSpans::new(device),
         })
     }
 
@@ -210,6 +220,8 @@ impl GpuGemmReduceScatter {
     /// Queues one call on `stream`: A [m, K] at `a`, B at `b`, the optional bias [N] at `bias`,
     /// this rank's chunk [chunk rows, N] into `out`. Raises first if an earlier call's wait
     /// timed out on the device.
+    /// ValueError where an address is not device memory of this GPU holding what the call
+    /// touches there (each address checked at the first call that passes it).
     #[pyo3(signature = (m, a, b, out, stream, bias=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
@@ -224,8 +236,30 @@ impl GpuGemmReduceScatter {
     ) -> PyResult<()> {
         let op = self.stage.get_mut().connected()?;
         op.check().map_err(earlier_failure)?;
+        let c = op.config();
+        // an M out of range is the operator's to refuse, with its own message
+        if (1..=c.max_m).contains(&m) {
+            let (input, output) = (c.input.size(), c.output.size());
+            let rows = op.chunk(m).len();
+            let spans = &mut self.spans;
+            spans
+                .check(0, "a", a, bytes(&[m, c.k, input]))
+                .map_err(cuda_error)?;
+            spans
+                .check(1, "b", b, bytes(&[c.k, c.n, input]))
+                .map_err(cuda_error)?;
+            if let Some(bias) = bias {
+                spans
+                    .check(2, "bias", bias, bytes(&[c.n, output]))
+                    .map_err(cuda_error)?;
+            }
+            spans
+                .check(3, "out", out, bytes(&[rows, c.n, output]))
+                .map_err(cuda_error)?;
+        }
         let stream = borrowed_stream(stream);
-        // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`
+        // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`;
+        // every address was checked to hold the bytes the call touches on this GPU
         py.detach(|| unsafe { op.forward(&stream, m, a, b, bias, out) })
             .map_err(cuda_error)
     }
@@ -245,6 +279,8 @@ impl GpuGemmReduceScatter {
 #[pyclass(module = "commfuse._commfuse")]
 pub struct GpuAllGatherMatmul {
     stage: SyncWrapper<Stage<AgGemmAllocation, AgGemmRank>>,
+    /// a, b, bias, out, gathered: checked at the first call that passes each (see `spans`)
+    spans: CheckedSpans<5>,
 }
 
 #[pymethods]
@@ -290,6 +326,7 @@ impl GpuAllGatherMatmul {
         let allocation = AgGemmAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
         Ok(GpuAllGatherMatmul {
             stage: SyncWrapper::new(Stage::Allocated(allocation)),
+            spans: CheckedSpans::new(device),
         })
     }
 
@@ -320,6 +357,8 @@ impl GpuAllGatherMatmul {
     /// Queues one call on `stream`: this rank's rows of A at `a`, B at `b`, the optional bias
     /// [N], the output [m, N] into `out` and, when given, the gathered A [m, K] into
     /// `gathered`. Raises first if an earlier call's wait timed out on the device.
+    /// ValueError where an address is not device memory of this GPU holding what the call
+    /// touches there (each address checked at the first call that passes it).
     #[pyo3(signature = (m, a, b, out, stream, bias=None, gathered=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
@@ -335,8 +374,35 @@ impl GpuAllGatherMatmul {
     ) -> PyResult<()> {
         let op = self.stage.get_mut().connected()?;
         op.check().map_err(earlier_failure)?;
+        let c = *op.config();
+        // an M out of range is the operator's to refuse, with its own message
+        if (1..=c.max_m).contains(&m) {
+            let (input, output) = (c.input.size(), c.output.size());
+            let rows = op.chunk(m).len();
+            let spans = &mut self.spans;
+            spans
+                .check(0, "a", a, bytes(&[rows, c.k, input]))
+                .map_err(cuda_error)?;
+            spans
+                .check(1, "b", b, bytes(&[c.k, c.n, input]))
+                .map_err(cuda_error)?;
+            if let Some(bias) = bias {
+                spans
+                    .check(2, "bias", bias, bytes(&[c.n, output]))
+                    .map_err(cuda_error)?;
+            }
+            spans
+                .check(3, "out", out, bytes(&[m, c.n, output]))
+                .map_err(cuda_error)?;
+            if let Some(gathered) = gathered {
+                spans
+                    .check(4, "gathered", gathered, bytes(&[m, c.k, input]))
+                    .map_err(cuda_error)?;
+            }
+        }
         let stream = borrowed_stream(stream);
-        // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`
+        // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`;
+        // every address was checked to hold the bytes the call touches on this GPU
         py.detach(|| unsafe { op.forward(&stream, m, (a, b, bias), out, gathered) })
             .map_err(cuda_error)
     }
@@ -358,6 +424,8 @@ impl GpuAllGatherMatmul {
 #[pyclass(module = "commfuse._commfuse")]
 pub struct GpuCollective {
     stage: SyncWrapper<Stage<CollectiveAllocation, CollectiveRank>>,
+    /// input, output: checked at the first call that passes each (see `spans`)
+    spans: CheckedSpans<2>,
 }
 
 #[pymethods]
@@ -390,6 +458,7 @@ impl GpuCollective {
         let allocation = CollectiveAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
         Ok(GpuCollective {
             stage: SyncWrapper::new(Stage::Allocated(allocation)),
+            spans: CheckedSpans::new(device),
         })
     }
 
@@ -424,11 +493,22 @@ impl GpuCollective {
 
     /// Queues one call on `stream`: `input` into `output` (device addresses of `lengths()`
     /// elements). Raises first if an earlier call's wait timed out on the device.
+    /// ValueError where an address is not device memory of this GPU holding what the call
+    /// touches there (each address checked at the first call that passes it).
     fn forward(&mut self, py: Python<'_>, input: u64, output: u64, stream: u64) -> PyResult<()> {
         let op = self.stage.get_mut().connected()?;
         op.check().map_err(earlier_failure)?;
+        let (n_in, n_out) = op.lengths();
+        let element = op.config().dtype.size();
+        self.spans
+            .check(0, "input", input, bytes(&[n_in, element]))
+            .map_err(cuda_error)?;
+        self.spans
+            .check(1, "output", output, bytes(&[n_out, element]))
+            .map_err(cuda_error)?;
         let stream = borrowed_stream(stream);
-        // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`
+        // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`;
+        // both addresses were checked to hold the bytes the call touches on this GPU
         py.detach(|| unsafe { op.forward(&stream, input, output) })
             .map_err(cuda_error)
     }

@@ -371,6 +371,11 @@ impl AgGemmRank {
         parts.into_iter().map(|p| p.connect(&peers)).collect()
     }
 
+    /// What the operator was built for.
+    pub fn config(&self) -> &AgGemmConfig {
+        &self.config
+    }
+
     pub fn rank(&self) -> usize {
         self.rank
     }

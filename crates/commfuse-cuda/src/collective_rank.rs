@@ -329,6 +329,11 @@ impl CollectiveRank {
         }
     }
 
+    /// What the rank was built for.
+    pub fn config(&self) -> &CollectiveConfig {
+        &self.config
+    }
+
     /// What the collective computes.
     pub fn spec(&self) -> &OpSpec {
         &self.spec
@@ -407,13 +412,36 @@ impl CollectiveRank {
                 self.config.timeout,
             )));
         }
-        let cols = self.plan.plan().pad_cols;
-        let slot = Slot::new(rec.slot / cols, rec.slot % cols);
-        Err(CudaError::Stalled(format!(
-            "{}: rank {} lane {} waited for slot {slot} to reach {}, saw {} after {:?}",
-            self.spec.kind, rec.rank, rec.lane, rec.expected, rec.seen, self.config.timeout
+        Err(CudaError::Stalled(describe_timeout(
+            self.spec.kind,
+            &self.plan,
+            &rec,
+            self.config.timeout,
         )))
     }
+}
+
+/// A timeout the plan kernel of `kind` recorded, in words: which rank and lane waited for
+/// which rank's notify of which slot (the plan's notifier of that slot, as the simulator names
+/// it), to reach what, seeing what.
+pub(crate) fn describe_timeout(
+    kind: OpKind,
+    plan: &CheckedPlan,
+    rec: &ErrorRecord,
+    timeout: Duration,
+) -> String {
+    // the plan kernel records its pad slot as one index, row * cols + col
+    let cols = plan.plan().pad_cols.max(1);
+    let slot = Slot::new(rec.slot / cols, rec.slot % cols);
+    let awaited = match plan.notifier(rec.rank as usize, slot) {
+        Some(from) => format!("rank {from}'s notify of slot {slot}"),
+        // no rank notifies it: only a corrupted record names such a slot
+        None => format!("slot {slot}, which no rank notifies,"),
+    };
+    format!(
+        "{kind}: rank {} lane {} waited for {awaited} to reach {}, saw {} after {timeout:?}",
+        rec.rank, rec.lane, rec.expected, rec.seen
+    )
 }
 
 impl Drop for CollectiveRank {
@@ -427,5 +455,86 @@ impl Drop for CollectiveRank {
             // corrupt what is allocated there next
             std::mem::forget(self.memory.take());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn checked(kind: OpKind, world: usize, algo: Algo) -> CheckedPlan {
+        let spec = OpSpec::new(kind, world, 1024, 0).unwrap();
+        check(build_plan(spec, algo, &Topology::new(world, 1).unwrap()).unwrap()).unwrap()
+    }
+
+    /// The record the kernel writes when rank `rank`'s wait at its step `step` gives up.
+    fn record_of_wait(plan: &CheckedPlan, rank: usize, step: usize) -> ErrorRecord {
+        let commfuse_core::Step::Wait { slot, expected, .. } = plan.plan().steps[rank][step] else {
+            panic!("step {step} of rank {rank} is not a wait");
+        };
+        ErrorRecord {
+            flag: 1,
+            rank: rank as u32,
+            lane: 2,
+            step: step as u32,
+            slot: slot.row * plan.plan().pad_cols + slot.col,
+            expected: expected + 7,
+            seen: 7,
+            ..ErrorRecord::default()
+        }
+    }
+
+    #[test]
+    fn a_timeout_names_the_rank_whose_notify_was_awaited() {
+        // a ring all-reduce of 4: every rank waits only on its ring predecessor
+        let plan = checked(OpKind::AllReduce, 4, Algo::Ring);
+        for rank in 0..4 {
+            let step = plan.plan().steps[rank]
+                .iter()
+                .position(|s| matches!(s, commfuse_core::Step::Wait { .. }))
+                .unwrap();
+            let rec = record_of_wait(&plan, rank, step);
+            let cols = plan.plan().pad_cols;
+            let slot = Slot::new(rec.slot / cols, rec.slot % cols);
+            let from = plan.notifier(rank, slot).unwrap();
+            assert_ne!(from, rank);
+            let line = describe_timeout(OpKind::AllReduce, &plan, &rec, Duration::from_millis(250));
+            assert_eq!(
+                line,
+                format!(
+                    "all-reduce: rank {rank} lane 2 waited for rank {from}'s notify of slot {slot} to reach {}, saw 7 after 250ms",
+                    rec.expected
+                )
+            );
+            assert!(!line.contains('\n'));
+        }
+    }
+
+    #[test]
+    fn every_wait_of_a_one_shot_all_reduce_names_a_peer() {
+        let plan = checked(OpKind::AllReduce, 3, Algo::OneShot);
+        let mut named = std::collections::BTreeSet::new();
+        for (step, s) in plan.plan().steps[0].iter().enumerate() {
+            if matches!(s, commfuse_core::Step::Wait { .. }) {
+                let rec = record_of_wait(&plan, 0, step);
+                let line = describe_timeout(OpKind::AllReduce, &plan, &rec, Duration::from_secs(1));
+                let peer = (1..3).find(|q| line.contains(&format!("rank {q}'s notify")));
+                named.insert(peer.expect(&line));
+            }
+        }
+        // rank 0 waits on both its peers, and the line says which
+        assert_eq!(named.into_iter().collect::<Vec<_>>(), vec![1, 2]);
+    }
+
+    #[test]
+    fn a_slot_no_rank_notifies_is_said_to_be_one() {
+        let plan = checked(OpKind::AllReduce, 2, Algo::OneShot);
+        let rec = ErrorRecord {
+            flag: 1,
+            slot: plan.plan().pad_rows * plan.plan().pad_cols + 3,
+            ..ErrorRecord::default()
+        };
+        let line = describe_timeout(OpKind::AllReduce, &plan, &rec, Duration::from_secs(1));
+        assert!(line.contains("which no rank notifies"), "{line}");
     }
 }

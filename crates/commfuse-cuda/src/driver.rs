@@ -319,6 +319,9 @@ pub fn check_device_span(
     ordinal: usize,
 ) -> Result<(), CudaError> {
     let wrong = |why: String| Err(CudaError::OutOfBounds(format!("{what} ({addr:#x}) {why}")));
+    if addr == 0 {
+        return wrong("is a null pointer".into());
+    }
     match allocation_of(addr)? {
         None => wrong("is not device memory".into()),
         Some(a) if a.ordinal != ordinal => wrong(format!(
@@ -326,7 +329,9 @@ pub fn check_device_span(
             a.ordinal
         )),
         Some(a) => {
-            let left = a.bytes - (addr - a.base) as usize;
+            // (the driver's range holds addr; saturating all the same: a bad answer fails the
+            // check instead of wrapping)
+            let left = a.bytes.saturating_sub((addr - a.base) as usize);
             if bytes > left {
                 wrong(format!(
                     "needs {bytes} bytes, but its allocation ({} bytes from {:#x}) holds {left} from there",

@@ -9,6 +9,7 @@
 //! * [`nccl`]: NCCL's communicators and calls in this process (the NCCL and copy-engine
 //!   baselines on the same GPUs are prepared by `baselines`);
 //! * [`host_sync`]: host-side waits that end: an abortable start barrier, a bounded poll;
+//! * [`spans`]: raw pointer arguments checked against their allocations, once per address;
 //! * [`error`]: one error enum;
 //! * [`testing`]: GPU-test skips that `COMMFUSE_REQUIRE_GPU=1` turns into failures.
 //!
@@ -39,6 +40,7 @@ pub mod nvrtc;
 mod plan_kernel;
 pub mod plan_table;
 pub mod rank_bench;
+pub mod spans;
 pub mod testing;
 
 pub use backend::CudaBackend;

@@ -2,15 +2,15 @@
 //! of every rank against the float64 reference, three calls queued back to back with different
 //! inputs and M (M < P included), alternately on two streams of each rank, outputs poisoned
 //! before each call by the stream itself; a peer that never arrives ends in a diagnosed error,
-//! not a hang. Skips with a printed reason without two GPUs (a failure under
-//! COMMFUSE_REQUIRE_GPU=1).
+//! not a hang. Skips with a printed reason without two GPUs (one for the unfused path's test
+//! on one GPU; a failure under COMMFUSE_REQUIRE_GPU=1).
 
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsShape};
 use commfuse_core::gemm::BLayout;
 use commfuse_core::{DType, Element};
 use commfuse_cuda::driver::{DeviceMemory, Gpu, Stream};
 use commfuse_cuda::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction};
-use commfuse_cuda::testing::{random, skip, two_gpus, upload};
+use commfuse_cuda::testing::{gpus, random, skip, two_gpus, upload};
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -225,6 +225,27 @@ fn every_element_of_back_to_back_calls_matches_float64() {
         // a larger problem: several waves, every SM busy
         run_case::<bf16, bf16>(&g, red, 2048, 512, BLayout::NK, true, &[2048, 1000], 8);
     }
+}
+
+/// The unfused path on one GPU: its non-blocking NCCL communicator of one rank is joined at the
+/// first call, takes back-to-back reduce-scatters and is freed when the operator is dropped
+/// (run_case's end), every element checked.
+#[test]
+fn the_unfused_path_runs_on_one_gpu_over_a_non_blocking_communicator() {
+    if gpus(1).is_none() || !nccl_allowed() {
+        return;
+    }
+    let g = vec![Arc::new(Gpu::open(0).unwrap())];
+    run_case::<bf16, bf16>(
+        &g,
+        Way::Unfused,
+        264,
+        64,
+        BLayout::NK,
+        true,
+        &[300, 1, 77],
+        15,
+    );
 }
 
 /// The 2D ring's code on two GPUs: one NUMA group per GPU is the flat ring with every hand-on

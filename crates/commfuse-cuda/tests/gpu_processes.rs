@@ -2,13 +2,14 @@
 //! GEMM with rank 0 in this test's process and rank 1 in a child process of the same binary,
 //! the operators' buffers exchanged as IPC handles through files; every output element of two
 //! back-to-back calls (all-gather + GEMM with two different M) checked against float64 in each
-//! process. Skips with a printed reason
-//! without two GPUs (a failure under COMMFUSE_REQUIRE_GPU=1).
+//! process; then a collective whose rank 1 never calls, whose timeout on rank 0 names rank 1.
+//! Skips with a printed reason without two GPUs (a failure under COMMFUSE_REQUIRE_GPU=1).
 
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath, GemmRsShape};
 use commfuse_core::gemm::{check_elements, reference_gemm, BLayout, Epilogue, GemmProblem};
-use commfuse_core::DType;
+use commfuse_core::{Algo, DType, OpKind};
 use commfuse_cuda::ag_gemm::{AgGemmAllocation, AgGemmConfig};
+use commfuse_cuda::collective_rank::{CollectiveAllocation, CollectiveConfig};
 use commfuse_cuda::driver::{DeviceMemory, Gpu, Stream};
 use commfuse_cuda::gemm_rs::{GemmRsAllocation, GemmRsConfig, PathChoice};
 use commfuse_cuda::ipc::Exported;
@@ -116,6 +117,40 @@ fn run_rank(r: usize, dir: &Path) {
         let check = check_elements(&problem, &e, got.iter().map(|x| x.to_f64()), &want);
         assert_eq!(check.out_of_bound, 0, "ag-gemm M={m} rank {r}: {check:?}");
     }
+    drop(op);
+    peer_that_never_calls(r, &gpu, &stream, dir);
+}
+
+/// A collective whose rank 1 never calls: rank 0's wait times out and its error names rank 1
+/// as the rank whose notify it awaited. Rank 1 keeps its memory until rank 0 has looked.
+fn peer_that_never_calls(r: usize, gpu: &Arc<Gpu>, stream: &Stream, dir: &Path) {
+    let mut config = CollectiveConfig::new(OpKind::AllReduce, 1024, DType::F32);
+    config.algo = Some(Algo::OneShot);
+    config.timeout = Duration::from_millis(300);
+    let part = CollectiveAllocation::new(gpu.clone(), r, WORLD, config).unwrap();
+    let mine = part.export().unwrap();
+    let exports = rendezvous(dir, "collective-silent", &mine);
+    let mut op = part.connect_exported(&exports).unwrap();
+    if r == 0 {
+        let bufs: Vec<DeviceMemory> = (0..2)
+            .map(|_| DeviceMemory::zeroed(gpu, 1024 * 4).unwrap())
+            .collect();
+        // SAFETY: buffers of this GPU of the op's sizes, live until the synchronisation below
+        unsafe { op.forward(stream, bufs[0].addr(), bufs[1].addr()) }.unwrap();
+        stream
+            .synchronize_within(
+                Duration::from_secs(30),
+                "rank 0",
+                "its timed-out all-reduce",
+            )
+            .unwrap();
+        let e = op.check().unwrap_err().to_string();
+        assert!(e.contains("rank 1's notify of slot"), "{e}");
+        assert!(e.starts_with("all-reduce: rank 0 lane "), "{e}");
+    }
+    // both ranks here once rank 0 has its error: only then may rank 1 free what rank 0 writes
+    rendezvous(dir, "collective-silent-done", &mine);
+    drop(op);
 }
 
 /// Kills the child process if the parent's part fails (no orphan left spinning).

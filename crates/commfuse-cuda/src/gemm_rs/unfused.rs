@@ -11,18 +11,19 @@
 //!
 //! The communicator is made at the first unfused call (every rank of the group reaches it in
 //! the same call), from the NCCL unique id rank 0 drew when it was allocated and shared with its
-//! peers' addresses or its export; that wait is bounded. NCCL's own waits inside its kernels are
-//! not: a peer that dies mid-call leaves this rank's NCCL kernel waiting, as with any NCCL call.
-
+//! peers' addresses or its export. It is non-blocking ([`crate::nccl::RankComm`]): joining it,
+//! queueing the reduce-scatter and freeing it wait at most the operator's host limit, and one
+//! that runs out aborts the communicator, which also ends an NCCL kernel still waiting for a
+//! peer that died mid-call.
 use crate::cublaslt::Lt;
 use crate::driver::{DeviceMemory, Gpu, Stream};
 use crate::error::CudaError;
 use crate::gemm_rs::GemmRsConfig;
+use crate::nccl::RankComm;
 use commfuse_core::gemm::GemmProblem;
 use commfuse_core::op::chunk_range;
 use cudarc::nccl::{result, sys};
 use std::collections::HashMap;
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,29 +44,13 @@ pub(crate) fn draw_nccl_id() -> Option<NcclId> {
     Some(out)
 }
 
-/// One rank's NCCL communicator.
-struct Comm(sys::ncclComm_t);
-
-// SAFETY: a communicator is used by one thread at a time (the operator's owner)
-unsafe impl Send for Comm {}
-
-impl Drop for Comm {
-    fn drop(&mut self) {
-        // SAFETY: created by ncclCommInitRank; the operator's last call has ended (the owner
-        // waits for it before dropping)
-        unsafe {
-            let _ = result::comm_destroy(self.0);
-        }
-    }
-}
-
 /// The unfused path of one rank.
 pub(crate) struct UnfusedPath {
     rank: usize,
     world: usize,
     config: GemmRsConfig,
     id: NcclId,
-    comm: Option<Comm>,
+    comm: Option<RankComm>,
     /// cuBLASLt per operand alignment (bytes): its heuristic's candidates depend on it, and
     /// whole allocations (256) get faster ones than row pieces
     lts: HashMap<u32, Lt>,
@@ -99,45 +84,21 @@ impl UnfusedPath {
 
     /// Joins the group's communicator (at the first call, on every rank), waiting at most
     /// `limit` for the peers.
-    fn communicator(&mut self, limit: Duration) -> Result<sys::ncclComm_t, CudaError> {
-        if let Some(c) = &self.comm {
-            return Ok(c.0);
-        }
-        let mut id = sys::ncclUniqueId {
-            internal: [0; NCCL_ID_BYTES],
-        };
-        for (i, b) in id.internal.iter_mut().zip(self.id) {
-            *i = b as _;
-        }
-        let (world, rank, gpu) = (self.world as i32, self.rank as i32, self.gpu.clone());
-        let (send, receive) = mpsc::channel();
-        // on a thread of its own: ncclCommInitRank blocks until every rank has joined, and a
-        // peer that never joins must not hang this one
-        std::thread::spawn(move || {
-            let made = gpu.bind().and_then(|()| {
-                let mut comm = std::ptr::null_mut();
-                // SAFETY: out-pointer to a communicator; id is rank 0's
-                unsafe { result::comm_init_rank(&mut comm, world, id, rank) }
-                    .map(|_| comm as usize)
-                    .map_err(|e| CudaError::Nccl {
-                        call: "ncclCommInitRank",
-                        message: format!("{e:?}"),
-                    })
-            });
-            let _ = send.send(made);
-        });
-        let comm = match receive.recv_timeout(limit) {
-            Ok(made) => made? as sys::ncclComm_t,
-            Err(_) => {
-                return Err(CudaError::Stalled(format!(
-                    "GEMM + reduce-scatter (unfused): rank {} waited {limit:?} for its {} peers to join the NCCL communicator",
-                    self.rank,
-                    self.world - 1
-                )))
+    fn communicator(&mut self, limit: Duration) -> Result<&mut RankComm, CudaError> {
+        if self.comm.is_none() {
+            let mut id = sys::ncclUniqueId {
+                internal: [0; NCCL_ID_BYTES],
+            };
+            for (i, b) in id.internal.iter_mut().zip(self.id) {
+                *i = b as _;
             }
-        };
-        self.comm = Some(Comm(comm));
-        Ok(comm)
+            // the communicator is made on the GPU bound to this thread
+            self.gpu.bind()?;
+            let who = format!("GEMM + reduce-scatter (unfused): rank {}", self.rank);
+            let comm = RankComm::join(id, (self.rank, self.world), limit, who)?;
+            self.comm = Some(comm);
+        }
+        Ok(self.comm.as_mut().expect("made above"))
     }
 
     /// Queues one call on `stream` (the operator checked the call and orders it after its
@@ -162,7 +123,7 @@ impl UnfusedPath {
             self.product = Some(DeviceMemory::zeroed(&self.gpu, p * block_rows * n * eb)?);
             self.received = Some(DeviceMemory::zeroed(&self.gpu, block_rows * n * eb)?);
         }
-        let comm = self.communicator(limit)?;
+        self.communicator(limit)?;
         let product = self.product.as_ref().expect("made above").addr();
         let rows = m.div_ceil(p);
         let bias = if self.rank == 0 { bias } else { None };
@@ -208,7 +169,8 @@ impl UnfusedPath {
         let mine = chunk_range(m, p, self.rank).len();
         let received = self.received.as_ref().expect("made above").addr();
         let land = if mine == rows { out } else { received };
-        crate::nccl::reduce_scatter_on(comm, (product, land, rows * n), c.output, stream)?;
+        let comm = self.comm.as_mut().expect("joined above");
+        comm.reduce_scatter((product, land, rows * n), c.output, stream)?;
         if land != out && mine > 0 {
             stream.copy_async(out, received, mine * n * eb)?;
         }
