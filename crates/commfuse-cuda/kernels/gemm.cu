@@ -870,11 +870,11 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         }
     } else if (C::CONSUMERS == 2 || wg == 1) {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
-        // The warpgroup's number hidden from the optimiser: in the skinny build it is known to
-        // be 0 here, and ptxas, given that constant, spilled ~200 bytes in every skinny entry
-        // (the main build, where it is not known, spills nothing).
+        // The skinny build hides the warpgroup's number from the optimiser: it is known to be 0
+        // here, and ptxas, given that constant, spilled ~200 bytes in every skinny entry (in
+        // the main build it is not known, nothing spills, and the code stays as it was).
         u32 cw = wg - 1;
-        asm volatile("" : "+r"(cw));
+        if (C::CONSUMERS == 1) asm volatile("" : "+r"(cw));
         consumer<C, In, Out, B_KN>(p, s, cw);
     }
     // (the skinny build's third warpgroup has no rows to compute: it ends here, and no barrier
