@@ -13,7 +13,7 @@ from commfuse import _commfuse
 
 
 def _missing(gpus=1):
-    """Why the test cannot run here, or None."""
+    """Why the test cannot run on this machine, or None."""
     try:
         import torch
     except ImportError:
@@ -155,14 +155,14 @@ def test_an_array_of_another_gpu_through_the_cuda_array_interface_is_refused(tor
     import commfuse.cuda as cc
 
     group = cc.Group(0, 1, lambda b: [b], device=0)
-    elsewhere = torch.ones(256, device="cuda:1")
+    on_gpu1 = torch.ones(256, device="cuda:1")
     with pytest.raises(ValueError) as e:
-        cc.all_reduce(_Cai(elsewhere), group)
+        cc.all_reduce(_Cai(on_gpu1), group)
     text = _one_line(e)
     assert "is memory of GPU 1, and this operator runs on GPU 0" in text, text
-    here = torch.ones(256, device="cuda:0")
-    cc.all_reduce(_Cai(here), group)
+    on_gpu0 = torch.ones(256, device="cuda:0")
+    cc.all_reduce(_Cai(on_gpu0), group)
     torch.cuda.synchronize()
-    assert torch.equal(here, torch.ones(256, device="cuda:0"))
+    assert torch.equal(on_gpu0, torch.ones(256, device="cuda:0"))
     cc.clear_cache()
 
