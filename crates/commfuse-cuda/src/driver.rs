@@ -1019,28 +1019,17 @@ impl Function {
         stream: &Stream,
         params: &P,
     ) -> Result<(), CudaError> {
-        let mut args = [params as *const P as *mut c_void];
         // SAFETY: all-zero is a valid attribute (IGNORE) and value union
         let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
         attr.value.cooperative = 1;
-        let config = sys::CUlaunchConfig {
-            gridDimX: grid,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: stream.raw,
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        check("cuLaunchKernelEx(cooperative)", {
-            // SAFETY: the config and its attribute outlive the call; the parameter block
-            // matches the kernel (the caller's contract)
-            sys::cuLaunchKernelEx(&config, self.raw, args.as_mut_ptr(), std::ptr::null_mut())
-        })
+        self.launch_with_attribute(
+            "cuLaunchKernelEx(cooperative)",
+            (grid, block, smem),
+            stream,
+            params,
+            attr,
+        )
     }
 
     /// [`Function::launch`] with programmatic stream serialization (programmatic dependent
@@ -1060,11 +1049,33 @@ impl Function {
         stream: &Stream,
         params: &P,
     ) -> Result<(), CudaError> {
-        let mut args = [params as *const P as *mut c_void];
         // SAFETY: all-zero is a valid attribute (IGNORE) and value union
         let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr.value.programmaticStreamSerializationAllowed = 1;
+        self.launch_with_attribute(
+            "cuLaunchKernelEx(programmatic stream serialization)",
+            (grid, block, 0),
+            stream,
+            params,
+            attr,
+        )
+    }
+
+    /// One `cuLaunchKernelEx` of a 1-D grid with one launch attribute (`what` names the call
+    /// in its error).
+    ///
+    /// # Safety
+    /// As for [`Function::launch`], and whatever `attr` asks of the kernel.
+    unsafe fn launch_with_attribute<P>(
+        &self,
+        what: &'static str,
+        (grid, block, smem): (u32, u32, u32),
+        stream: &Stream,
+        params: &P,
+        mut attr: sys::CUlaunchAttribute,
+    ) -> Result<(), CudaError> {
+        let mut args = [params as *const P as *mut c_void];
         let config = sys::CUlaunchConfig {
             gridDimX: grid,
             gridDimY: 1,
@@ -1072,12 +1083,12 @@ impl Function {
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: 0,
+            sharedMemBytes: smem,
             hStream: stream.raw,
             attrs: &mut attr,
             numAttrs: 1,
         };
-        check("cuLaunchKernelEx(programmatic stream serialization)", {
+        check(what, {
             // SAFETY: the config and its attribute outlive the call; the parameter block
             // matches the kernel (the caller's contract)
             sys::cuLaunchKernelEx(&config, self.raw, args.as_mut_ptr(), std::ptr::null_mut())
