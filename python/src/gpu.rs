@@ -116,6 +116,31 @@ fn bytes(extents: &[usize]) -> usize {
     extents.iter().fold(1, |p, &e| p.saturating_mul(e))
 }
 
+/// The GEMM operators' operand checks (spans 0..4: A, B, the bias, the output): A of
+/// `a_rows` × K and the output of `out_rows` × N, B K × N of the input type, the bias N of the
+/// output type; `(input, output)` are the types' sizes in bytes.
+fn check_gemm_spans<const ARGS: usize>(
+    spans: &mut CheckedSpans<ARGS>,
+    (a_rows, out_rows, k, n): (usize, usize, usize, usize),
+    (input, output): (usize, usize),
+    (a, b, bias, out): (u64, u64, Option<u64>, u64),
+) -> PyResult<()> {
+    spans
+        .check(0, "a", a, bytes(&[a_rows, k, input]))
+        .map_err(cuda_error)?;
+    spans
+        .check(1, "b", b, bytes(&[k, n, input]))
+        .map_err(cuda_error)?;
+    if let Some(bias) = bias {
+        spans
+            .check(2, "bias", bias, bytes(&[n, output]))
+            .map_err(cuda_error)?;
+    }
+    spans
+        .check(3, "out", out, bytes(&[out_rows, n, output]))
+        .map_err(cuda_error)
+}
+
 /// After the previous calls ended on the device: the diagnosis of a wait that timed out in one
 /// of them, as a `RuntimeError`.
 fn earlier_failure(e: CudaError) -> PyErr {
@@ -239,23 +264,9 @@ impl GpuGemmReduceScatter {
         let c = op.config();
         // an M out of range is the operator's to refuse, with its own message
         if (1..=c.max_m).contains(&m) {
-            let (input, output) = (c.input.size(), c.output.size());
-            let rows = op.chunk(m).len();
-            let spans = &mut self.spans;
-            spans
-                .check(0, "a", a, bytes(&[m, c.k, input]))
-                .map_err(cuda_error)?;
-            spans
-                .check(1, "b", b, bytes(&[c.k, c.n, input]))
-                .map_err(cuda_error)?;
-            if let Some(bias) = bias {
-                spans
-                    .check(2, "bias", bias, bytes(&[c.n, output]))
-                    .map_err(cuda_error)?;
-            }
-            spans
-                .check(3, "out", out, bytes(&[rows, c.n, output]))
-                .map_err(cuda_error)?;
+            let shape = (m, op.chunk(m).len(), c.k, c.n);
+            let sizes = (c.input.size(), c.output.size());
+            check_gemm_spans(&mut self.spans, shape, sizes, (a, b, bias, out))?;
         }
         let stream = borrowed_stream(stream);
         // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`;
@@ -377,25 +388,12 @@ impl GpuAllGatherMatmul {
         let c = *op.config();
         // an M out of range is the operator's to refuse, with its own message
         if (1..=c.max_m).contains(&m) {
-            let (input, output) = (c.input.size(), c.output.size());
-            let rows = op.chunk(m).len();
-            let spans = &mut self.spans;
-            spans
-                .check(0, "a", a, bytes(&[rows, c.k, input]))
-                .map_err(cuda_error)?;
-            spans
-                .check(1, "b", b, bytes(&[c.k, c.n, input]))
-                .map_err(cuda_error)?;
-            if let Some(bias) = bias {
-                spans
-                    .check(2, "bias", bias, bytes(&[c.n, output]))
-                    .map_err(cuda_error)?;
-            }
-            spans
-                .check(3, "out", out, bytes(&[m, c.n, output]))
-                .map_err(cuda_error)?;
+            let input = c.input.size();
+            let shape = (op.chunk(m).len(), m, c.k, c.n);
+            let sizes = (input, c.output.size());
+            check_gemm_spans(&mut self.spans, shape, sizes, (a, b, bias, out))?;
             if let Some(gathered) = gathered {
-                spans
+                self.spans
                     .check(4, "gathered", gathered, bytes(&[m, c.k, input]))
                     .map_err(cuda_error)?;
             }
