@@ -10,23 +10,12 @@ import numpy as np
 import pytest
 
 from commfuse import _commfuse
-
-
-def _missing(gpus=1):
-    """Why the test cannot run on this machine, or None."""
-    try:
-        import torch
-    except ImportError:
-        return "PyTorch is not installed"
-    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if found < gpus:
-        return f"needs {gpus} CUDA GPU{'s' if gpus > 1 else ''}, found {found}"
-    return None
+from test_torch_gpu import cuda_missing
 
 
 @pytest.fixture
 def torch():
-    reason = _missing()
+    reason = cuda_missing(1)
     if reason is not None:
         if os.environ.get("COMMFUSE_REQUIRE_GPU") == "1":
             pytest.fail(f"COMMFUSE_REQUIRE_GPU=1 but {reason}")
@@ -148,7 +137,7 @@ class _Cai:
 
 
 def test_an_array_of_another_gpu_through_the_cuda_array_interface_is_refused(torch):
-    reason = _missing(2)
+    reason = cuda_missing(2)
     if reason is not None:
         print(f"skipped: {reason}")
         pytest.skip(reason)

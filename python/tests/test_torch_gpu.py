@@ -14,8 +14,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-def missing(gpus=2):
-    """Why the test cannot run here, or None."""
+def cuda_missing(gpus: int):
+    """Why a test on `gpus` CUDA GPUs through PyTorch cannot run on this machine, or None."""
     try:
         import torch
     except ImportError:
@@ -23,9 +23,15 @@ def missing(gpus=2):
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if found < gpus:
         return f"needs {gpus} CUDA GPU{'s' if gpus > 1 else ''}, found {found}"
-    if shutil.which("torchrun") is None:
-        return "torchrun is not on PATH"
     return None
+
+
+def missing(gpus=2):
+    """Why the test (on `gpus` GPUs, under torchrun) cannot run on this machine, or None."""
+    reason = cuda_missing(gpus)
+    if reason is None and shutil.which("torchrun") is None:
+        return "torchrun is not on PATH"
+    return reason
 
 
 def _need(gpus):
