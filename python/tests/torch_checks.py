@@ -4,6 +4,7 @@ PyTorch's autograd on the whole group's operands, which every rank builds from s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -17,6 +18,24 @@ from torch_ranks import check, operands, rows_of
 
 #: where the ops under test run (the references always on the CPU): set by the runner
 DEVICE = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def counted_exchanges():
+    """A list that gains an entry for every exchange of requests between ranks
+    (``dist.all_gather_object``) made inside the block."""
+    counted = []
+    exchange = dist.all_gather_object
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return exchange(*args, **kwargs)
+
+    dist.all_gather_object = counting
+    try:
+        yield counted
+    finally:
+        dist.all_gather_object = exchange
 
 
 def _on(x: torch.Tensor, dtype) -> torch.Tensor:
@@ -416,15 +435,7 @@ def unequal_calls_fail_on_every_rank(rank, world, seed=17):
           f"{who} holds 4 rows of A, but its chunk of M = {3 * world} has 3")
 
     # equal calls serve as before; a signature's first call exchanges once, later ones never
-    counted = []
-    exchange = dist.all_gather_object
-
-    def counting(*args, **kwargs):
-        counted.append(1)
-        return exchange(*args, **kwargs)
-
-    dist.all_gather_object = counting
-    try:
+    with counted_exchanges() as counted:
         m = 2 * world + 1
         rows = rows_of(m, world)
         every_a = operands(seed + 5, [(m, k)] * world)
@@ -450,8 +461,6 @@ def unequal_calls_fail_on_every_rank(rank, world, seed=17):
             check(f"all_gather_gemm after unequal calls, call {call}", z,
                   every_a[0] @ every_b[rank], every_a[0].abs() @ every_b[rank].abs(), dtype)
             first = exchanges(call, first)
-    finally:
-        dist.all_gather_object = exchange
 
 
 def unequal_collectives_fail_on_every_rank(rank, world, seed=19):
@@ -509,15 +518,7 @@ def unequal_collectives_fail_on_every_rank(rank, world, seed=19):
           + each("element count", lambda r: world * (5 + r) * 2))
 
     # equal calls serve as before; a signature's first call exchanges once, later ones never
-    counted = []
-    exchange = dist.all_gather_object
-
-    def counting(*args, **kwargs):
-        counted.append(1)
-        return exchange(*args, **kwargs)
-
-    dist.all_gather_object = counting
-    try:
+    with counted_exchanges() as counted:
         n = 3 * world + 1
         every = operands(seed + 1, [(n,)] * world)
         total, scale = sum(every), sum(e.abs() for e in every)
@@ -538,8 +539,6 @@ def unequal_collectives_fail_on_every_rank(rank, world, seed=19):
                 assert counted or world == 1, "a first call exchanges its request"
                 first = len(counted)
             assert len(counted) == first, f"call {call} of a signature seen before exchanged"
-    finally:
-        dist.all_gather_object = exchange
 
 
 def graphs_replay_new_inputs(rank, world, seed=13):
