@@ -16,8 +16,14 @@ are summed over the ranks before each step (as Megatron-LM does).
 Every rank also trains the one-device model (the same initial weights, the same batches,
 AdamW) and the loss of every step must agree within ``--tolerance`` (relative: the tensor-
 parallel block computes its GEMMs in bfloat16). Then it times training steps of the commfuse
-block beside the same block served by torch.distributed and torch.matmul, and prints tokens/s
-of both. The last line is OK, or the step that disagreed (and the exit status is 1).
+block beside the same block served by torch.distributed and torch.matmul, and beside PyTorch's
+async-TP: the same layers written with torch's functional collectives (the all-gather before a
+GEMM, the reduce-scatter after it) and compiled with ``_micro_pipeline_tp``, the inductor pass
+that replaces them by symmetric-memory fused operators (CUDA, sequence parallelism; elsewhere
+that row runs the functional collectives eagerly, unfused, and says so). It prints tokens/s of
+each, and how many all-gather + GEMM and GEMM + reduce-scatter fusions the pass made. Every
+row's first timed step must give the commfuse block's loss. ``--compile`` compiles the first
+two rows too. The last line is OK, or what disagreed (and the exit status is 1).
 """
 
 from __future__ import annotations
@@ -33,9 +39,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._inductor.utils import run_and_get_code
 
 import commfuse.torch as cf
 from commfuse.torch.nn import ColumnParallelLinear, RowParallelLinear
+from tp_mlp import enable_async_tp
+
+c10d = torch.ops._c10d_functional
 
 
 class Model(nn.Module):
@@ -69,10 +79,83 @@ class Model(nn.Module):
         return self.head(self.ln_f(self.block(self.embed(tokens), self.heads)))
 
 
-class TensorParallelModel(nn.Module):
-    """The same model with its block split over ``group``: built from the one-device model."""
+class _GatherRows(torch.autograd.Function):
+    """All-gather of dim 0 by torch's functional collectives (the node async-TP's pass fuses
+    with the GEMMs that consume it); the backward reduce-scatters."""
 
-    def __init__(self, model: Model, group, sequence_parallel: bool):
+    @staticmethod
+    def forward(ctx, x, group_name, world):
+        ctx.group_name, ctx.world = group_name, world
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), world, group_name))
+
+    @staticmethod
+    def backward(ctx, dy):
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(
+            dy.contiguous(), "sum", ctx.world, ctx.group_name)), None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Reduce-scatter of dim 0 (fused by the pass with the GEMM that feeds it); the backward
+    all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group_name, world):
+        ctx.group_name, ctx.world = group_name, world
+        return c10d.wait_tensor(
+            c10d.reduce_scatter_tensor(x.contiguous(), "sum", world, group_name))
+
+    @staticmethod
+    def backward(ctx, dy):
+        return c10d.wait_tensor(
+            c10d.all_gather_into_tensor(dy.contiguous(), ctx.world, ctx.group_name)), None, None
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity; the backward sums the gradient over the group (a replicated bias)."""
+
+    @staticmethod
+    def forward(ctx, x, group_name):
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return c10d.wait_tensor(c10d.all_reduce(dy.contiguous(), "sum", ctx.group_name)), None
+
+
+class FuncolColumnLinear(ColumnParallelLinear):
+    """The column-parallel layer (the same shard, sequence parallel) as async-TP sees it:
+    all-gather, then ``torch.mm``."""
+
+    def forward(self, x):
+        a, w, out_dtype = self._operands(x, self.in_features)
+        y = torch.mm(_GatherRows.apply(a, self.group_name, self.world), w.t())
+        y = y if out_dtype is None else y.to(out_dtype)
+        y = y if self.bias is None else y + self.bias.to(y.dtype)
+        return y.reshape((x.shape[0] * self.world,) + tuple(x.shape[1:-1]) +
+                         (self.out_per_rank,))
+
+
+class FuncolRowLinear(RowParallelLinear):
+    """The row-parallel layer (sequence parallel) as async-TP sees it: ``torch.mm``, then
+    reduce-scatter."""
+
+    def forward(self, x):
+        a, w, out_dtype = self._operands(x, self.in_per_rank)
+        y = _ScatterRows.apply(torch.mm(a, w.t()), self.group_name, self.world)
+        y = y if out_dtype is None else y.to(out_dtype)
+        if self.bias is not None:
+            y = y + _SumGradient.apply(self.bias, self.group_name).to(y.dtype)
+        return y.reshape((x.shape[0] // self.world,) + tuple(x.shape[1:-1]) +
+                         (self.out_features,))
+
+
+class TensorParallelModel(nn.Module):
+    """The same model with its block split over ``group``: built from the one-device model
+    with the layers ``column`` and ``row``."""
+
+    def __init__(self, model: Model, group, sequence_parallel: bool,
+                 column=ColumnParallelLinear, row=RowParallelLinear):
         super().__init__()
         self.sp = sequence_parallel
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -83,9 +166,9 @@ class TensorParallelModel(nn.Module):
             setattr(self, name, copy.deepcopy(getattr(model, name)))
         opts = dict(group=group, sequence_parallel=sequence_parallel)
         for name in ("q", "k", "v", "fc1"):
-            setattr(self, name, ColumnParallelLinear.from_linear(getattr(model, name), **opts))
+            setattr(self, name, column.from_linear(getattr(model, name), **opts))
         for name in ("proj", "fc2"):
-            setattr(self, name, RowParallelLinear.from_linear(getattr(model, name), **opts))
+            setattr(self, name, row.from_linear(getattr(model, name), **opts))
 
     attention = Model.attention
     block = Model.block
@@ -106,7 +189,8 @@ def rows(s: int, world: int, rank: int) -> slice:
 
 
 def step(model, optimizer, tokens, targets, group, sp):
-    """One training step; returns the loss of the whole batch (the same on every rank)."""
+    """One training step; returns the loss of the whole batch (the same on every rank) and
+    this rank's logits."""
     optimizer.zero_grad(set_to_none=True)
     logits = model(tokens)
     # the mean over every token of the batch: each rank's share of the sum
@@ -120,7 +204,22 @@ def step(model, optimizer, tokens, targets, group, sp):
     total = loss.detach().clone()
     if sp and group is not None:
         dist.all_reduce(total, group=group)
-    return total.item()
+    return total.item(), logits.detach()
+
+
+def async_tp_missing(device, sp, group):
+    """Why PyTorch's async-TP cannot run here, or None (then symmetric memory is enabled for
+    ``group``)."""
+    if not sp:
+        return "it fuses the collectives of sequence-parallel layers only"
+    if device.type != "cuda":
+        return "it needs CUDA GPUs"
+    return enable_async_tp(group)
+
+
+def print_rank0(rank, text):
+    if rank == 0:
+        print(text, flush=True)
 
 
 def batch(seed, s, b, vocab, device):
@@ -141,7 +240,12 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--no-sequence-parallel", action="store_true")
     ap.add_argument("--tolerance", type=float, default=0.005)
+    ap.add_argument("--logit-tolerance", type=float, default=0.01,
+                    help="the timed variants' first logits against one device's: the largest"
+                         " error over the largest logit")
     ap.add_argument("--timed-steps", type=int, default=5)
+    ap.add_argument("--compile", action="store_true",
+                    help="compile the commfuse and torch.distributed blocks too")
     args = ap.parse_args()
     if args.steps < 1 or args.seq < 1 or args.batch < 1:
         raise SystemExit("--steps, --seq and --batch must be positive")
@@ -169,8 +273,8 @@ def main() -> int:
     bad = None
     for i in range(args.steps):
         tokens, targets = batch(i, args.seq, args.batch, args.vocab, device)
-        want = step(reference, opt_ref, tokens, targets, None, False)
-        got = step(tp, opt_tp, tokens[mine] if sp else tokens, targets[mine] if sp else targets,
+        want, _ = step(reference, opt_ref, tokens, targets, None, False)
+        got, _ = step(tp, opt_tp, tokens[mine] if sp else tokens, targets[mine] if sp else targets,
                    group, sp)
         off = abs(got - want) / max(abs(want), 1e-6)
         if rank == 0:
@@ -178,17 +282,45 @@ def main() -> int:
         if not math.isfinite(got) or off > args.tolerance:
             bad = bad or f"step {i}: loss {got} against {want} on one device"
 
-    # tokens/s: the commfuse block, and the same block served by torch.distributed
-    timed = {}
+    # tokens/s: the commfuse block, the same block served by torch.distributed, and async-TP
     baseline_group = dist.new_group(list(range(world)))
     cf.serve_by_torch_distributed(baseline_group)
-    for label, g in (("commfuse", group), ("torch.distributed + torch.matmul", baseline_group)):
-        model = TensorParallelModel(reference, g, sp)
+    variants = [("commfuse", group, ColumnParallelLinear, RowParallelLinear, args.compile),
+                ("torch.distributed + torch.matmul", baseline_group, ColumnParallelLinear,
+                 RowParallelLinear, args.compile)]
+    funcol_group = dist.new_group(list(range(world)))
+    why_not = async_tp_missing(device, sp, funcol_group)
+    if not sp:
+        print_rank0(rank, f"# PyTorch async-TP not run: {why_not}")
+    else:
+        label = "PyTorch async-TP" if why_not is None else "functional collectives, eager"
+        if why_not is not None:
+            print_rank0(rank, f"# PyTorch async-TP not run ({why_not}): its layers run"
+                              " eagerly, unfused")
+        variants.append((label, funcol_group, FuncolColumnLinear, FuncolRowLinear,
+                         why_not is None))
+    timed, first = {}, {}
+    tokens, targets = batch(1000, args.seq, args.batch, args.vocab, device)
+    with torch.no_grad():
+        want = reference(tokens)[mine if sp else slice(None)].float()
+    for label, g, column, row, compiled in variants:
+        model = TensorParallelModel(reference, g, sp, column, row)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tokens, targets = batch(1000, args.seq, args.batch, args.vocab, device)
         x, y = (tokens[mine], targets[mine]) if sp else (tokens, targets)
-        for _ in range(2):  # warm-up: operators built, kernels compiled
-            step(model, opt, x, y, g, sp)
+        if compiled:
+            model.compile(fullgraph=True)
+        # the pass runs where the forward and backward graphs are compiled: the first step
+        with torch._inductor.config.patch(_micro_pipeline_tp=label == "PyTorch async-TP"):
+            if label == "PyTorch async-TP":
+                (_, first[label]), code = run_and_get_code(step, model, opt, x, y, g, sp)
+                fusions = [sum(c.count(f"symm_mem.{op}") for c in code) for op in
+                           ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")]
+                print_rank0(rank, f"# PyTorch async-TP: {fusions[0]} all-gather + GEMM and"
+                                  f" {fusions[1]} GEMM + reduce-scatter fusions in its"
+                                  " compiled forward and backward")
+            else:
+                first[label] = step(model, opt, x, y, g, sp)[1]
+            step(model, opt, x, y, g, sp)  # warm-up: operators built, kernels compiled
         if device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
@@ -200,10 +332,18 @@ def main() -> int:
         took = torch.tensor([time.perf_counter() - start], device=device)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank
         timed[label] = args.timed_steps * args.seq * args.batch / took.item()
+    # every variant's first logits against the one-device model's (bfloat16 GEMMs)
+    for label, logits in first.items():
+        off = ((logits.float() - want).abs().max() / want.abs().max()).item()
+        print_rank0(rank, f"# {label}: logits within {off:.2e} of one device's (the largest"
+                          " error over the largest logit)")
+        if not math.isfinite(off) or off > args.logit_tolerance:
+            bad = bad or f"{label}: logits {off:.2e} off one device's (rank {rank})"
     if rank == 0:
         served = cf.served_by(device)
         for label, rate in timed.items():
-            print(f"{label:34s} {rate:12.0f} tokens/s  ({world} ranks, {device.type},"
+            how = "compiled" if dict((v[0], v[4]) for v in variants)[label] else "eager"
+            print(f"{label:34s} {rate:12.0f} tokens/s  ({world} ranks, {device.type}, {how},"
                   f" sequence_parallel={sp}{', served by ' + served if label == 'commfuse' else ''})")
         print(f"FAILED: {bad}" if bad else
               f"OK: {args.steps} steps within {args.tolerance:.1%} of one device's loss")

@@ -56,7 +56,7 @@ if has torch; then
   grep -E "FAILED|Error|^ok " "$R/pytest.txt" | head -40 | cut -c1-400 | tee -a "$OUT/summary.txt"
   (cd python/tests && timeout 400 torchrun --standalone --nproc-per-node "$GPUS" torch_cuda.py) >"$R/torch_cuda.txt" 2>&1
   log "torch_cuda rc=$?"; grep -E "^ok |Error|error" "$R/torch_cuda.txt" | head -20 | cut -c1-300 | tee -a "$OUT/summary.txt"
-  timeout 300 torchrun --standalone --nproc-per-node "$GPUS" examples/tp_train.py >"$R/tp_train.txt" 2>&1
+  timeout 300 torchrun --standalone --nproc-per-node "$GPUS" examples/tp_train.py ${TRAIN_FLAGS:---compile} >"$R/tp_train.txt" 2>&1
   log "tp_train rc=$?"; grep -v "^W1\|^\*\*\*" "$R/tp_train.txt" | tail -16 | cut -c1-300 | tee -a "$OUT/summary.txt"
   timeout 300 torchrun --standalone --nproc-per-node "$GPUS" python/benches/torch_host_time.py --json "$R/torch-host-time.json" >"$R/torch_host_time.txt" 2>&1
   log "torch_host_time rc=$?"; grep -v "^W1\|^\*\*\*" "$R/torch_host_time.txt" | tail -20 | cut -c1-300 | tee -a "$OUT/summary.txt"

@@ -13,14 +13,20 @@ from commfuse import _commfuse
 from test_torch_gpu import cuda_missing
 
 
-@pytest.fixture
-def torch():
-    reason = cuda_missing(1)
+def _require(gpus):
+    """Skips the test without ``gpus`` CUDA GPUs and PyTorch, or fails it under
+    ``COMMFUSE_REQUIRE_GPU=1``."""
+    reason = cuda_missing(gpus)
     if reason is not None:
         if os.environ.get("COMMFUSE_REQUIRE_GPU") == "1":
             pytest.fail(f"COMMFUSE_REQUIRE_GPU=1 but {reason}")
         print(f"skipped: {reason}")
         pytest.skip(reason)
+
+
+@pytest.fixture
+def torch():
+    _require(1)
     import torch
 
     torch.cuda.set_device(0)
@@ -137,10 +143,7 @@ class _Cai:
 
 
 def test_an_array_of_another_gpu_through_the_cuda_array_interface_is_refused(torch):
-    reason = cuda_missing(2)
-    if reason is not None:
-        print(f"skipped: {reason}")
-        pytest.skip(reason)
+    _require(2)
     import commfuse.cuda as cc
 
     group = cc.Group(0, 1, lambda b: [b], device=0)

@@ -177,3 +177,8 @@ def test_training_example_matches_one_device():
     sys.stderr.write(run.stderr[-4000:])
     assert run.returncode == 0, f"tp_train.py exited with {run.returncode}"
     assert "OK" in run.stdout.splitlines()[-1]
+    # every timed variant (async-TP's layers eagerly on CPU) checked against one device, timed
+    for label in ("commfuse", "torch.distributed + torch.matmul", "functional collectives, eager"):
+        assert f"# {label}: logits within" in run.stdout, label
+        assert any(line.startswith(label) and "tokens/s" in line
+                   for line in run.stdout.splitlines()), label
