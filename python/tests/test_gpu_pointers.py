@@ -123,7 +123,6 @@ def test_all_gather_matmul_refuses_an_out_past_its_allocation(torch):
         op.forward(m, a.data_ptr(), b.data_ptr(), _near_end(torch, need, 64), _stream(torch))
     text = _one_line(e)
     assert text.startswith("out (0x") and f"needs {need} bytes" in text, text
-    gathered = torch.empty(m - 1, k, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError) as e:
         op.forward(m, a.data_ptr(), b.data_ptr(), out.data_ptr(), _stream(torch),
