@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import os
 import sys
@@ -207,14 +208,32 @@ def step(model, optimizer, tokens, targets, group, sp):
     return total.item(), logits.detach()
 
 
-def async_tp_missing(device, sp, group):
-    """Why PyTorch's async-TP cannot run here, or None (then symmetric memory is enabled for
-    ``group``)."""
+@dataclasses.dataclass
+class Variant:
+    """One timed build of the block: its layers, its group, whether it is compiled, whether
+    async-TP's pass runs on it, and the context its steps run in."""
+
+    label: str
+    group: object
+    column: type
+    row: type
+    compiled: bool
+    async_tp: bool = False
+
+
+def async_tp_variant(device, sp, group):
+    """PyTorch's async-TP on ``group`` (symmetric memory enabled for it), and why not where it
+    cannot run: then its layers run eagerly and unfused (its fused operators have CUDA kernels
+    only), or not at all without sequence parallelism."""
     if not sp:
-        return "it fuses the collectives of sequence-parallel layers only"
-    if device.type != "cuda":
-        return "it needs CUDA GPUs"
-    return enable_async_tp(group)
+        return None, "it fuses the collectives of sequence-parallel layers only"
+    why_not = enable_async_tp(group) if device.type == "cuda" else \
+        "its fused operators need CUDA"
+    if why_not is None:
+        return Variant("PyTorch async-TP", group, FuncolColumnLinear, FuncolRowLinear, True,
+                       True), None
+    return (Variant("functional collectives, eager", group, FuncolColumnLinear, FuncolRowLinear,
+                    False), f"{why_not}: its layers run eagerly, unfused")
 
 
 def print_rank0(rank, text):
@@ -285,53 +304,50 @@ def main() -> int:
     # tokens/s: the commfuse block, the same block served by torch.distributed, and async-TP
     baseline_group = dist.new_group(list(range(world)))
     cf.serve_by_torch_distributed(baseline_group)
-    variants = [("commfuse", group, ColumnParallelLinear, RowParallelLinear, args.compile),
-                ("torch.distributed + torch.matmul", baseline_group, ColumnParallelLinear,
-                 RowParallelLinear, args.compile)]
+    variants = [Variant("commfuse", group, ColumnParallelLinear, RowParallelLinear,
+                        args.compile),
+                Variant("torch.distributed + torch.matmul", baseline_group, ColumnParallelLinear,
+                        RowParallelLinear, args.compile)]
     funcol_group = dist.new_group(list(range(world)))
-    why_not = async_tp_missing(device, sp, funcol_group)
-    if not sp:
+    async_tp, why_not = async_tp_variant(device, sp, funcol_group)
+    if why_not is not None:
         print_rank0(rank, f"# PyTorch async-TP not run: {why_not}")
-    else:
-        label = "PyTorch async-TP" if why_not is None else "functional collectives, eager"
-        if why_not is not None:
-            print_rank0(rank, f"# PyTorch async-TP not run ({why_not}): its layers run"
-                              " eagerly, unfused")
-        variants.append((label, funcol_group, FuncolColumnLinear, FuncolRowLinear,
-                         why_not is None))
+    if async_tp is not None:
+        variants.append(async_tp)
     timed, first = {}, {}
     tokens, targets = batch(1000, args.seq, args.batch, args.vocab, device)
+    x, y = (tokens[mine], targets[mine]) if sp else (tokens, targets)
     with torch.no_grad():
         want = reference(tokens)[mine if sp else slice(None)].float()
-    for label, g, column, row, compiled in variants:
-        model = TensorParallelModel(reference, g, sp, column, row)
+    for v in variants:
+        model = TensorParallelModel(reference, v.group, sp, v.column, v.row)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x, y = (tokens[mine], targets[mine]) if sp else (tokens, targets)
-        if compiled:
+        if v.compiled:
             model.compile(fullgraph=True)
         # the pass runs where the forward and backward graphs are compiled: the first step
-        with torch._inductor.config.patch(_micro_pipeline_tp=label == "PyTorch async-TP"):
-            if label == "PyTorch async-TP":
-                (_, first[label]), code = run_and_get_code(step, model, opt, x, y, g, sp)
-                fusions = [sum(c.count(f"symm_mem.{op}") for c in code) for op in
-                           ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")]
-                print_rank0(rank, f"# PyTorch async-TP: {fusions[0]} all-gather + GEMM and"
-                                  f" {fusions[1]} GEMM + reduce-scatter fusions in its"
-                                  " compiled forward and backward")
-            else:
-                first[label] = step(model, opt, x, y, g, sp)[1]
-            step(model, opt, x, y, g, sp)  # warm-up: operators built, kernels compiled
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.timed_steps):
-            step(model, opt, x, y, g, sp)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        with torch._inductor.config.patch(_micro_pipeline_tp=v.async_tp):
+            (_, first[v.label]), code = run_and_get_code(step, model, opt, x, y, v.group, sp)
+            if v.async_tp:
+                fused = [sum(c.count(f"torch.ops.symm_mem.{op}.default(") for c in code)
+                         for op in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")]
+                print_rank0(rank, f"# {v.label}: {fused[0]} all-gather + GEMM and {fused[1]}"
+                                  " GEMM + reduce-scatter fused operators in its compiled"
+                                  " forward and backward")
+                if not all(fused):
+                    bad = bad or f"{v.label}: the pass fused {fused} (all-gather + GEMM," \
+                                 " GEMM + reduce-scatter)"
+            step(model, opt, x, y, v.group, sp)  # warm-up: operators built, kernels compiled
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.timed_steps):
+                step(model, opt, x, y, v.group, sp)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
         took = torch.tensor([time.perf_counter() - start], device=device)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank
-        timed[label] = args.timed_steps * args.seq * args.batch / took.item()
+        timed[v.label] = args.timed_steps * args.seq * args.batch / took.item()
     # every variant's first logits against the one-device model's (bfloat16 GEMMs)
     for label, logits in first.items():
         off = ((logits.float() - want).abs().max() / want.abs().max()).item()
@@ -341,8 +357,8 @@ def main() -> int:
             bad = bad or f"{label}: logits {off:.2e} off one device's (rank {rank})"
     if rank == 0:
         served = cf.served_by(device)
-        for label, rate in timed.items():
-            how = "compiled" if dict((v[0], v[4]) for v in variants)[label] else "eager"
+        for v in variants:
+            label, rate, how = v.label, timed[v.label], "compiled" if v.compiled else "eager"
             print(f"{label:34s} {rate:12.0f} tokens/s  ({world} ranks, {device.type}, {how},"
                   f" sequence_parallel={sp}{', served by ' + served if label == 'commfuse' else ''})")
         print(f"FAILED: {bad}" if bad else
