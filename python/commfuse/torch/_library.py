@@ -28,11 +28,12 @@ import torch
 
 _LIB = torch.library.Library("commfuse", "DEF")
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
-_TRACED = (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot)
+_PYTHON, _PYTHON_TLS = torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot
 
 
 def _traced(keyset) -> bool:
-    return any(keyset.has(k) for k in _TRACED)
+    # two calls rather than a loop over the keys: this runs on every call
+    return keyset.has(_PYTHON) or keyset.has(_PYTHON_TLS)
 
 
 class Op:
