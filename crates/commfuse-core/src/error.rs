@@ -118,8 +118,9 @@ pub enum BackendError {
         timeout_ms: u64,
         from: usize,
     },
-    /// A spin-wait inside a GPU kernel ran past its deadline (lane = the block that waited).
-    #[error("timeout after {timeout_ms} ms on the GPU: rank {rank} (lane {lane}) waits on slot {slot} for >= {expected} but sees {seen}")]
+    /// A spin-wait inside a GPU kernel ran past its deadline (lane = the block that waited;
+    /// `from` = the rank whose notify it awaited, where the plan tells).
+    #[error("timeout after {timeout_ms} ms on the GPU: rank {rank} (lane {lane}) waits on slot {slot} for >= {expected}{} but sees {seen}", from_rank(.from))]
     DeviceWaitTimeout {
         rank: usize,
         lane: u32,
@@ -127,6 +128,7 @@ pub enum BackendError {
         expected: u64,
         seen: u64,
         timeout_ms: u64,
+        from: Option<usize>,
     },
     /// This rank stopped waiting for rank `from` because another rank failed first (`cause`).
     #[error("rank {rank} aborted its wait for rank {from} because {cause}")]
@@ -239,4 +241,9 @@ fn too_large(what: &str, needs: Option<u64>, available: Option<u64>) -> String {
             format!("{what} needs more bytes than 64 bits count (its size overflows)")
         }
     }
+}
+
+/// " from rank N" for a wait whose notifier is known, else nothing.
+fn from_rank(from: &Option<usize>) -> String {
+    from.map(|r| format!(" from rank {r}")).unwrap_or_default()
 }

@@ -296,10 +296,16 @@ impl Launcher for PlanLauncher {
     }
 
     fn describe_timeout(&self, backend: &CudaBackend, rec: &ErrorRecord) -> BackendError {
-        // the plan kernel records its pad slot as one index
-        let cols = self.plan.plan().pad_cols;
-        backend.wait_timeout(rec, Slot::new(rec.slot / cols, rec.slot % cols))
+        plan_wait_timeout(&self.plan, rec, backend.timeout)
     }
+}
+
+/// A plan kernel's recorded timeout: the slot (recorded as one index, row · cols + col) and the
+/// rank whose notify of it the waiter awaited, by the plan.
+fn plan_wait_timeout(plan: &CheckedPlan, rec: &ErrorRecord, timeout: Duration) -> BackendError {
+    let cols = plan.plan().pad_cols.max(1);
+    let slot = Slot::new(rec.slot / cols, rec.slot % cols);
+    crate::gpus::wait_timeout(rec, slot, plan.notifier(rec.rank as usize, slot), timeout)
 }
 
 #[cfg(test)]
@@ -319,6 +325,28 @@ mod tests {
             let offered: Vec<&str> = Baseline::for_op(op).iter().map(|b| b.name()).collect();
             assert_eq!(offered, crate::nccl::baselines(op), "{op}");
         }
+    }
+
+    #[test]
+    fn a_plan_timeout_names_the_rank_whose_notify_was_awaited() {
+        // in the all-to-all barrier of two ranks, rank 0 waits on (0, 1) for rank 1's notify
+        let rec = ErrorRecord {
+            flag: 1,
+            rank: 0,
+            lane: 0,
+            slot: 1,
+            expected: 1,
+            ..Default::default()
+        };
+        let e = plan_wait_timeout(&barrier_plan(2), &rec, Duration::from_millis(300));
+        assert_eq!(
+            e.to_string(),
+            "timeout after 300 ms on the GPU: rank 0 (lane 0) waits on slot (row 0, col 1) for >= 1 from rank 1 but sees 0"
+        );
+        // a slot no rank notifies (only a corrupted record names one) names no rank
+        let rec = ErrorRecord { slot: 7, ..rec };
+        let e = plan_wait_timeout(&barrier_plan(2), &rec, Duration::from_millis(300));
+        assert!(e.to_string().contains("for >= 1 but sees 0"), "{e}");
     }
 
     #[test]

@@ -213,16 +213,15 @@ impl CudaBackend {
         result
     }
 
-    /// The error of a recorded wait that gave up on `slot`.
-    pub(crate) fn wait_timeout(&self, rec: &ErrorRecord, slot: Slot) -> BackendError {
-        BackendError::DeviceWaitTimeout {
-            rank: rec.rank as usize,
-            lane: rec.lane,
-            slot,
-            expected: rec.expected,
-            seen: rec.seen,
-            timeout_ms: self.timeout.as_millis() as u64,
-        }
+    /// The error of a recorded wait that gave up on `slot`, notified by rank `from` where
+    /// that is known.
+    pub(crate) fn wait_timeout(
+        &self,
+        rec: &ErrorRecord,
+        slot: Slot,
+        from: Option<usize>,
+    ) -> BackendError {
+        wait_timeout(rec, slot, from, self.timeout)
     }
 
     /// What a wait that gave up recorded, if one did.
@@ -318,6 +317,24 @@ pub(crate) fn ensure_plan_fits(
     plan: &CheckedPlan,
 ) -> Result<(), BackendError> {
     ensure_fits(plan, backend.ranks.len(), PadCapacity::Slots(PAD_SLOTS))
+}
+
+/// The error of a recorded wait that gave up on `slot` after `timeout`.
+pub(crate) fn wait_timeout(
+    rec: &ErrorRecord,
+    slot: Slot,
+    from: Option<usize>,
+    timeout: Duration,
+) -> BackendError {
+    BackendError::DeviceWaitTimeout {
+        rank: rec.rank as usize,
+        lane: rec.lane,
+        slot,
+        expected: rec.expected,
+        seen: rec.seen,
+        timeout_ms: timeout.as_millis() as u64,
+        from,
+    }
 }
 
 #[cfg(test)]

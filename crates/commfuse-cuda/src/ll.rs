@@ -299,6 +299,7 @@ pub(crate) fn describe_timeout(
 /// Every rank's LL collective for the backend's ranks.
 pub(crate) struct LlLauncher {
     ranks: Vec<LlRank>,
+    kind: OpKind,
 }
 
 /// Prepares the LL collective of `spec` on every rank of `backend`.
@@ -309,7 +310,8 @@ pub(crate) fn prepare<'a>(
     lines: Lines,
 ) -> Result<Box<dyn PreparedCall + 'a>, BackendError> {
     let ranks = ranks(backend, spec, (dtype, reduce), lines)?;
-    let launcher = |_: &[RankBuffers]| Ok(LlLauncher { ranks });
+    let kind = spec.kind;
+    let launcher = |_: &[RankBuffers]| Ok(LlLauncher { ranks, kind });
     let sizes = (spec.input_capacity(), spec.output_capacity(), 0);
     boxed_call(backend, dtype, sizes, launcher)
 }
@@ -357,7 +359,16 @@ impl Launcher for LlLauncher {
     }
 
     fn records_waits(&self) -> bool {
-        // the default description names the sender waited for (step) and the word (slot)
         true
+    }
+
+    fn describe_timeout(&self, backend: &CudaBackend, rec: &ErrorRecord) -> BackendError {
+        // as the per-process LL collective says it: the sender waited for, the word, the calls
+        BackendError::Unavailable(describe_timeout(
+            self.kind,
+            self.ranks[0].lines(),
+            rec,
+            backend.timeout(),
+        ))
     }
 }

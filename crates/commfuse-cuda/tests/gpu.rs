@@ -33,7 +33,8 @@ fn a_peer_that_never_arrives_times_out_with_rank_lane_and_slot() {
             slot: Slot::new(0, 1),
             expected: 1,
             seen: 0,
-            timeout_ms: 300
+            timeout_ms: 300,
+            from: Some(1)
         }
     );
     // the backend refuses further calls on its half-signalled pads
