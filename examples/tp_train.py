@@ -111,19 +111,6 @@ class _ScatterRows(torch.autograd.Function):
             c10d.all_gather_into_tensor(dy.contiguous(), ctx.world, ctx.group_name)), None, None
 
 
-class _SumGradient(torch.autograd.Function):
-    """Identity; the backward sums the gradient over the group (a replicated bias)."""
-
-    @staticmethod
-    def forward(ctx, x, group_name):
-        ctx.group_name = group_name
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return c10d.wait_tensor(c10d.all_reduce(dy.contiguous(), "sum", ctx.group_name)), None
-
-
 class FuncolColumnLinear(ColumnParallelLinear):
     """The column-parallel layer (the same shard, sequence parallel) as async-TP sees it:
     all-gather, then ``torch.mm``."""
@@ -146,7 +133,9 @@ class FuncolRowLinear(RowParallelLinear):
         y = _ScatterRows.apply(torch.mm(a, w.t()), self.group_name, self.world)
         y = y if out_dtype is None else y.to(out_dtype)
         if self.bias is not None:
-            y = y + _SumGradient.apply(self.bias, self.group_name).to(y.dtype)
+            # replicated: its gradient is summed over the ranks with the other replicated
+            # parameters' (TensorParallelModel.replicated)
+            y = y + self.bias.to(y.dtype)
         return y.reshape((x.shape[0] // self.world,) + tuple(x.shape[1:-1]) +
                          (self.out_features,))
 
@@ -175,9 +164,12 @@ class TensorParallelModel(nn.Module):
     block = Model.block
 
     def replicated(self):
-        """The parameters every rank holds whole."""
-        return [p for n in ("embed", "ln1", "ln2", "ln_f", "head")
-                for p in getattr(self, n).parameters()]
+        """The parameters every rank holds whole, whose gradients ``step`` sums over the ranks
+        (commfuse's row-parallel layers sum their bias's in their backward)."""
+        whole = [p for n in ("embed", "ln1", "ln2", "ln_f", "head")
+                 for p in getattr(self, n).parameters()]
+        return whole + [layer.bias for layer in (self.proj, self.fc2)
+                        if isinstance(layer, FuncolRowLinear) and layer.bias is not None]
 
     def forward(self, tokens):  # this rank's rows of the sequence under SP, else all of it
         return self.head(self.ln_f(self.block(self.embed(tokens), self.heads)))
