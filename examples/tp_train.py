@@ -21,9 +21,11 @@ async-TP: the same layers written with torch's functional collectives (the all-g
 GEMM, the reduce-scatter after it) and compiled with ``_micro_pipeline_tp``, the inductor pass
 that replaces them by symmetric-memory fused operators (CUDA, sequence parallelism; elsewhere
 that row runs the functional collectives eagerly, unfused, and says so). It prints tokens/s of
-each, and how many all-gather + GEMM and GEMM + reduce-scatter fusions the pass made. Every
-row's first timed step must give the commfuse block's loss. ``--compile`` compiles the first
-two rows too. The last line is OK, or what disagreed (and the exit status is 1).
+each, and how many all-gather + GEMM and GEMM + reduce-scatter fused operators the pass put
+in the compiled code (none is a failure). The logits of every row's first timed step must lie
+within ``--logit-tolerance`` of the one-device model's (the largest error over the largest
+logit). ``--compile`` compiles the first two rows too. The last line is OK, or what disagreed
+(and the exit status is 1).
 """
 
 from __future__ import annotations
