@@ -22,7 +22,7 @@ use commfuse_core::backend::{
     ensure_fits, Backend, BackendError, CallTiming, PadCapacity, PreparedCall,
 };
 use commfuse_core::{
-    Baseline, CheckedPlan, DType, Element, Implementation, OpKind, OpSpec, Protocol, ReduceOp, Slot,
+    Baseline, CheckedPlan, DType, Element, Implementation, OpKind, OpSpec, Protocol, ReduceOp,
 };
 use half::{bf16, f16};
 use std::time::Duration;
@@ -300,12 +300,10 @@ impl Launcher for PlanLauncher {
     }
 }
 
-/// A plan kernel's recorded timeout: the slot (recorded as one index, row · cols + col) and the
-/// rank whose notify of it the waiter awaited, by the plan.
+/// A plan kernel's recorded timeout, naming the slot and the rank whose notify was awaited.
 fn plan_wait_timeout(plan: &CheckedPlan, rec: &ErrorRecord, timeout: Duration) -> BackendError {
-    let cols = plan.plan().pad_cols.max(1);
-    let slot = Slot::new(rec.slot / cols, rec.slot % cols);
-    crate::gpus::wait_timeout(rec, slot, plan.notifier(rec.rank as usize, slot), timeout)
+    let (slot, from) = rec.plan_slot(plan);
+    crate::gpus::wait_timeout(rec, slot, from, timeout)
 }
 
 #[cfg(test)]

@@ -292,7 +292,7 @@ pub(crate) trait Launcher: Sync {
     /// What a timeout recorded by this launcher's kernels means, in its words; by default the
     /// record's step and slot name the slot waited for.
     fn describe_timeout(&self, backend: &CudaBackend, rec: &ErrorRecord) -> BackendError {
-        backend.wait_timeout(rec, Slot::new(rec.step, rec.slot), None)
+        crate::gpus::wait_timeout(rec, Slot::new(rec.step, rec.slot), None, backend.timeout)
     }
     /// Runs before a batch; a backend left unusable by a failed batch refuses it.
     fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {

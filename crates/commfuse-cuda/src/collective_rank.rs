@@ -27,8 +27,8 @@ use crate::plan_kernel::{
 use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
 use commfuse_core::backend::{ensure_fits, PadCapacity};
 use commfuse_core::cost::{choose_algo, prefers_ll};
+use commfuse_core::Topology;
 use commfuse_core::{build_plan, check, Algo, CheckedPlan, DType, OpKind, OpSpec, ReduceOp};
-use commfuse_core::{Slot, Topology};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -430,10 +430,8 @@ pub(crate) fn describe_timeout(
     rec: &ErrorRecord,
     timeout: Duration,
 ) -> String {
-    // the plan kernel records its pad slot as one index, row * cols + col
-    let cols = plan.plan().pad_cols.max(1);
-    let slot = Slot::new(rec.slot / cols, rec.slot % cols);
-    let awaited = match plan.notifier(rec.rank as usize, slot) {
+    let (slot, from) = rec.plan_slot(plan);
+    let awaited = match from {
         Some(from) => format!("rank {from}'s notify of slot {slot}"),
         // no rank notifies it: only a corrupted record names such a slot
         None => format!("slot {slot}, which no rank notifies,"),
@@ -461,6 +459,7 @@ impl Drop for CollectiveRank {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use commfuse_core::Slot;
 
     fn checked(kind: OpKind, world: usize, algo: Algo) -> CheckedPlan {
         let spec = OpSpec::new(kind, world, 1024, 0).unwrap();

@@ -213,17 +213,6 @@ impl CudaBackend {
         result
     }
 
-    /// The error of a recorded wait that gave up on `slot`, notified by rank `from` where
-    /// that is known.
-    pub(crate) fn wait_timeout(
-        &self,
-        rec: &ErrorRecord,
-        slot: Slot,
-        from: Option<usize>,
-    ) -> BackendError {
-        wait_timeout(rec, slot, from, self.timeout)
-    }
-
     /// What a wait that gave up recorded, if one did.
     pub(crate) fn recorded_timeout(&self) -> Option<ErrorRecord> {
         let rec = self.error.read();
@@ -319,7 +308,8 @@ pub(crate) fn ensure_plan_fits(
     ensure_fits(plan, backend.ranks.len(), PadCapacity::Slots(PAD_SLOTS))
 }
 
-/// The error of a recorded wait that gave up on `slot` after `timeout`.
+/// The error of a recorded wait that gave up on `slot` after `timeout`, notified by rank
+/// `from` where that is known.
 pub(crate) fn wait_timeout(
     rec: &ErrorRecord,
     slot: Slot,

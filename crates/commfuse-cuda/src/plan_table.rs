@@ -2,7 +2,7 @@
 //! the structs in kernels/plan.cu and kernels/common.cuh.
 
 use bytemuck::{Pod, Zeroable};
-use commfuse_core::{BufferKind, CheckedPlan, Cmp, Region, Step};
+use commfuse_core::{BufferKind, CheckedPlan, Cmp, Region, Slot, Step};
 
 /// The most ranks a kernel's tables address: the project's one maximum world size (the
 /// kernels get it as `COMMFUSE_MAX_RANKS` from the compiler options).
@@ -58,6 +58,17 @@ pub struct ErrorRecord {
     pub slot: u32,
     pub expected: u64,
     pub seen: u64,
+}
+
+impl ErrorRecord {
+    /// What a plan kernel's wait that gave up waited on: the pad slot (recorded as one index,
+    /// row · cols + col) and the rank whose notify of it `plan` says the waiter awaited (None:
+    /// no rank notifies it, which only a corrupted record names).
+    pub(crate) fn plan_slot(&self, plan: &CheckedPlan) -> (Slot, Option<usize>) {
+        let cols = plan.plan().pad_cols.max(1);
+        let slot = Slot::new(self.slot / cols, self.slot % cols);
+        (slot, plan.notifier(self.rank as usize, slot))
+    }
 }
 
 #[repr(C)]
