@@ -4,29 +4,16 @@ ValueError naming the argument (and its GPU, or the bytes needed and what its al
 holds). One process, groups of one rank; skips with the reason without PyTorch or a CUDA GPU,
 and fails instead when ``COMMFUSE_REQUIRE_GPU=1`` (the GPU machine's script)."""
 
-import os
-
 import numpy as np
 import pytest
 
 from commfuse import _commfuse
-from test_torch_gpu import cuda_missing
-
-
-def _require(gpus):
-    """Skips the test without ``gpus`` CUDA GPUs and PyTorch, or fails it under
-    ``COMMFUSE_REQUIRE_GPU=1``."""
-    reason = cuda_missing(gpus)
-    if reason is not None:
-        if os.environ.get("COMMFUSE_REQUIRE_GPU") == "1":
-            pytest.fail(f"COMMFUSE_REQUIRE_GPU=1 but {reason}")
-        print(f"skipped: {reason}")
-        pytest.skip(reason)
+from test_torch_gpu import cuda_missing, skip_for
 
 
 @pytest.fixture
 def torch():
-    _require(1)
+    skip_for(cuda_missing(1))
     import torch
 
     torch.cuda.set_device(0)
@@ -142,7 +129,7 @@ class _Cai:
 
 
 def test_an_array_of_another_gpu_through_the_cuda_array_interface_is_refused(torch):
-    _require(2)
+    skip_for(cuda_missing(2))
     import commfuse.cuda as cc
 
     group = cc.Group(0, 1, lambda b: [b], device=0)

@@ -34,12 +34,18 @@ def missing(gpus=2):
     return reason
 
 
-def _need(gpus):
-    reason = missing(gpus)
+def skip_for(reason):
+    """Skips the calling test for ``reason`` (printed), or fails it under
+    ``COMMFUSE_REQUIRE_GPU=1``; nothing when ``reason`` is None."""
     if reason is not None:
         if os.environ.get("COMMFUSE_REQUIRE_GPU") == "1":
             pytest.fail(f"COMMFUSE_REQUIRE_GPU=1 but {reason}")
+        print(f"skipped: {reason}")
         pytest.skip(reason)
+
+
+def _need(gpus):
+    skip_for(missing(gpus))
 
 
 def _torch_cuda(env=None):
