@@ -10,8 +10,8 @@
 
 use commfuse_core::gemm::BLayout;
 use commfuse_core::DType;
-use commfuse_cuda::driver::{device_count, DeviceMemory, Gpu, Stream};
 use commfuse_cuda::gemm_rs::{GemmRsConfig, GemmRsRank};
+use commfuse_cuda::sys::driver::{device_count, DeviceMemory, Gpu, Stream};
 use half::bf16;
 use std::sync::Arc;
 

@@ -33,16 +33,16 @@
 //! an M, which waits on the host, must come before the capture. The simulator runs the same
 //! protocol (`commfuse_sim::ag_gemm`) for P = 1..9 in CI.
 
-use crate::cublaslt::Lt;
-use crate::driver::{DeviceMemory, Event, Gpu, IpcMapping, Stream};
 use crate::error::CudaError;
 use crate::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory, THIS_CALL};
 use crate::gemm::{
     check_problem, CallNumber, Gather, GemmKernels, GemmOperands, InUse, Launched, PreparedGemm,
     TILE,
 };
-use crate::ipc::Exported;
 use crate::plan_table::MAX_RANKS;
+use crate::sys::cublaslt::Lt;
+use crate::sys::driver::{DeviceMemory, Event, Gpu, IpcMapping, Stream};
+use crate::sys::ipc::Exported;
 use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, AgPiece, MAX_PIECES};
 use commfuse_core::gemm::{BLayout, GemmProblem};
 use commfuse_core::DType;
@@ -229,13 +229,13 @@ impl AgGemmAllocation {
         })
     }
 
-    /// What every rank must have built alike (see [`crate::ipc::agreement`]): the rows and
+    /// What every rank must have built alike (see [`crate::sys::ipc::agreement`]): the rows and
     /// the input type and K of the gathered A (peers write their rows into this rank's gather
     /// buffer), and how its pieces are handed on. N, B's layout, the bias and the output are
     /// each rank's own: a column-parallel layer's shards may differ in N.
     fn agreement(&self) -> Vec<u8> {
         let c = &self.config;
-        crate::ipc::agreement(&[
+        crate::sys::ipc::agreement(&[
             ("max_m", c.max_m.to_string()),
             ("k", c.k.to_string()),
             ("input", c.input.to_string()),
@@ -248,7 +248,7 @@ impl AgGemmAllocation {
     /// among them) when the peers live in other processes.
     pub fn connect_exported(self, exports: &[Exported]) -> Result<AgGemmRank, CudaError> {
         Exported::check_group(exports, "ag-gemm", self.world, 2)?;
-        crate::ipc::check_agreement("ag-gemm", self.rank, &self.agreement(), exports, |e| {
+        crate::sys::ipc::check_agreement("ag-gemm", self.rank, &self.agreement(), exports, |e| {
             e.extra.as_slice()
         })?;
         let mut mapped = Vec::new();
@@ -778,7 +778,7 @@ impl AgGemmRank {
             .and_then(|()| self.join.record(&self.side))
             .map_err(|e| e.to_string())?;
         let limit = self.config.timeout + Duration::from_secs(1);
-        match crate::host_sync::poll_until(limit, || self.join.is_done()) {
+        match crate::sys::host_sync::poll_until(limit, || self.join.is_done()) {
             Ok(true) => {}
             Ok(false) => {
                 return Err(format!(

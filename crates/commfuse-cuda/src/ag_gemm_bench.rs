@@ -7,13 +7,13 @@
 //! against a float64 reference computed on the GPUs (kernels/reference_gemm.cu) after timing.
 
 use crate::ag_gemm::{AgGemmConfig, AgGemmRank};
-use crate::cublaslt::Lt;
-use crate::driver::{open_group, DeviceMemory, Gpu, Stream};
 use crate::error::CudaError;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
 use crate::gemm_bench::ReferenceGemm;
-use crate::nccl::Comms;
 use crate::rank_bench::{download, interleaved, row, timed, upload, FusedRow, RankStream};
+use crate::sys::cublaslt::Lt;
+use crate::sys::driver::{open_group, DeviceMemory, Gpu, Stream};
+use crate::sys::nccl::Comms;
 use commfuse_core::fused::ag_gemm::AgGemmShape;
 use commfuse_core::gemm::{check_elements, grouped_order, Epilogue, GemmPlan, ReferenceElement};
 use commfuse_core::reference::input_value;

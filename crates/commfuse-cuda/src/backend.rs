@@ -9,7 +9,6 @@
 //! module's, the plan kernel's instances and tables the `plan_kernel` module's.
 
 use crate::call::{GpuCall, Issue, Launcher, RankBuffers};
-use crate::driver::Stream;
 use crate::error::CudaError;
 pub use crate::gpus::CudaBackend;
 use crate::gpus::Rank;
@@ -18,6 +17,7 @@ use crate::plan_kernel::{
     LANE_MIN_COUNT, LANE_TARGET_BYTES, PAD_SLOTS,
 };
 use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
+use crate::sys::driver::Stream;
 use commfuse_core::backend::{
     ensure_fits, Backend, BackendError, CallTiming, PadCapacity, PreparedCall,
 };
@@ -321,7 +321,7 @@ mod tests {
     fn the_offered_baselines_are_the_nccl_modules() {
         for op in OpKind::ALL {
             let offered: Vec<&str> = Baseline::for_op(op).iter().map(|b| b.name()).collect();
-            assert_eq!(offered, crate::nccl::baselines(op), "{op}");
+            assert_eq!(offered, crate::sys::nccl::baselines(op), "{op}");
         }
     }
 

@@ -5,7 +5,7 @@
 use crate::call::{boxed_call, Launcher, RankBuffers};
 use crate::error::CudaError;
 use crate::gpus::{CudaBackend, Rank};
-use crate::nccl::{nccl_op, nccl_type, Comms};
+use crate::sys::nccl::{nccl_op, nccl_type, Comms};
 use commfuse_core::backend::{BackendError, CallTiming, PreparedCall};
 use commfuse_core::op::chunk_range;
 use commfuse_core::{Baseline, DType, OpKind, OpSpec, ReduceOp};

@@ -4,11 +4,11 @@
 //! start, every host wait bounded; the stop of every GPU before anything is freed when a batch
 //! fails; and calls queued back to back with new inputs each.
 
-use crate::driver::{DeviceMemory, Event, Gpu, Graph};
 use crate::error::CudaError;
 use crate::gpus::{CudaBackend, HostBounds, Rank};
-use crate::host_sync::{poll_until, BarrierError, StartBarrier};
 use crate::plan_table::ErrorRecord;
+use crate::sys::driver::{DeviceMemory, Event, Gpu, Graph};
+use crate::sys::host_sync::{poll_until, BarrierError, StartBarrier};
 use commfuse_core::backend::{
     check_queued_inputs, BackendError, CallTiming, HostBuffer, HostSlice, HostSliceMut,
     PreparedCall,

@@ -41,12 +41,12 @@
 //! beside the plans, the LL protocol and NCCL (`Backend::protocols`), on one process's GPUs.
 
 use crate::call::{boxed_call, Launcher, RankBuffers};
-use crate::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
 use crate::error::CudaError;
 use crate::gpus::{CudaBackend, Rank};
-use crate::nvrtc;
 use crate::plan_kernel::typed_kernel;
 use crate::plan_table::ErrorRecord;
+use crate::sys::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
+use crate::sys::nvrtc;
 use commfuse_core::backend::{BackendError, PreparedCall};
 use commfuse_core::op::chunk_range;
 use commfuse_core::{DType, OpKind, OpSpec, ReduceOp};
@@ -71,7 +71,7 @@ const REDUCE_THREADS: u32 = 512;
 /// otherwise. Measured (CHANGELOG.md, "The copy-engine protocol"; bf16, 4 MiB sub-chunks, 2 side
 /// streams): 264 blocks (two per multiprocessor) made calls erratic — a 1 GiB all-reduce from 4.1
 /// to 9.5 ms — until the waits stopped reading the host-mapped abort word every 256 polls
-/// (`ABORT_POLL_NS` in kernels/common.cuh), after which they ran as steadily as 64 (all-reduce
+/// (`ABORT_POLL_NS` in sys/common.cuh), after which they ran as steadily as 64 (all-reduce
 /// 1 GiB 3.17 ms, 338 GB/s, as fast as the ring plan); 16 and 4 blocks cannot reduce as fast
 /// as the bytes arrive. 64 holds fewer multiprocessors for the same time.
 const REDUCE_BLOCKS: u32 = 64;

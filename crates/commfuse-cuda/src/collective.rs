@@ -17,9 +17,9 @@
 
 use crate::backend::{CudaBackend, PlanLauncher};
 use crate::call::RankBuffers;
-use crate::driver::{Event, Stream};
 use crate::error::CudaError;
 use crate::ll::LlRank;
+use crate::sys::driver::{Event, Stream};
 use commfuse_core::backend::BackendError;
 use commfuse_core::cost::{choose_algo, prefers_ll};
 use commfuse_core::{
@@ -215,7 +215,7 @@ impl Drop for CudaCollective<'_> {
         // every rank's last call must have ended before its buffers and tables are freed
         let ended = self.last.iter().all(|e| {
             matches!(
-                crate::host_sync::poll_until(DROP_WAIT, || e.is_done()),
+                crate::sys::host_sync::poll_until(DROP_WAIT, || e.is_done()),
                 Ok(true)
             )
         });

@@ -1,7 +1,7 @@
 //! One rank's collective for groups whose ranks are separate processes, one GPU each
 //! (PyTorch's model): the same checked plans and plan kernel as [`crate::collective`], with
 //! every rank owning its signal pads, epoch bases, symmetric buffers and error record, and
-//! knowing its peers' pads and buffers through CUDA IPC ([`crate::ipc::Exported`]).
+//! knowing its peers' pads and buffers through CUDA IPC ([`crate::sys::ipc::Exported`]).
 //!
 //! A rank is built in two steps, as the fused operators are: [`CollectiveAllocation::new`]
 //! (the plan — a pure function of the op, so every rank builds the same — and the memory), then
@@ -13,18 +13,18 @@
 //! (`check`); a peer that never calls leaves this rank's waits to time out, not hang.
 
 use crate::call::RankBuffers;
-use crate::driver::{
-    CallOrder, DeviceMemory, Function, Gpu, IpcMapping, MappedHost, Module, Stream,
-};
 use crate::error::CudaError;
-use crate::ipc::Exported;
 use crate::ll::LlRank;
-use crate::nvrtc;
 use crate::plan_kernel::{
     plan_kernel, upload_table, DeviceTable, KernelContext, LANE_MIN_BYTES, LANE_MIN_COUNT,
     LANE_TARGET_BYTES, PAD_SLOTS,
 };
 use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
+use crate::sys::driver::{
+    CallOrder, DeviceMemory, Function, Gpu, IpcMapping, MappedHost, Module, Stream,
+};
+use crate::sys::ipc::Exported;
+use crate::sys::nvrtc;
 use commfuse_core::backend::{ensure_fits, PadCapacity};
 use commfuse_core::cost::{choose_algo, prefers_ll};
 use commfuse_core::Topology;
@@ -445,7 +445,7 @@ pub(crate) fn describe_timeout(
 impl Drop for CollectiveRank {
     fn drop(&mut self) {
         let ended = matches!(
-            crate::host_sync::poll_until(DROP_WAIT, || self.last.is_done()),
+            crate::sys::host_sync::poll_until(DROP_WAIT, || self.last.is_done()),
             Ok(true)
         );
         if !ended {

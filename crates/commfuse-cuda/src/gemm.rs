@@ -6,13 +6,13 @@
 //! Destinations on other GPUs are addresses in their memory as this GPU sees it (peer access
 //! enabled): the storer warps' stores then cross NVLink and the flag is raised there.
 
-use crate::driver::{
+use crate::error::CudaError;
+use crate::plan_table::ErrorRecord;
+use crate::sys::driver::{
     copy_2d, tensor_map_2d, CallOrder, DeviceMemory, Function, Gpu, MappedHost, Module, Stream,
 };
-use crate::error::CudaError;
-use crate::host_sync::poll_until;
-use crate::nvrtc;
-use crate::plan_table::ErrorRecord;
+use crate::sys::host_sync::poll_until;
+use crate::sys::nvrtc;
 use bytemuck::{Pod, Zeroable};
 use commfuse_core::gemm::{BLayout, GemmPlan, TileShape};
 use commfuse_core::plan::{NotifyOp, Slot};
@@ -217,7 +217,7 @@ impl<T: InUse> Launched<T> {
 
     /// Waits on the host, up to `timeout`, for the last launch to end; whether it did.
     pub(crate) fn wait_last(&self, timeout: std::time::Duration) -> Result<bool, CudaError> {
-        crate::host_sync::poll_until(timeout, || self.last.is_done())
+        crate::sys::host_sync::poll_until(timeout, || self.last.is_done())
     }
 }
 

@@ -5,14 +5,14 @@
 //! element-wise bound of `commfuse_core::gemm::element_bound`, on fresh random inputs with the
 //! output poisoned first.
 
-use crate::cublaslt::Lt;
-pub use crate::driver::StreamGuard;
-use crate::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
 use crate::error::CudaError;
 use crate::gemm::{
     GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, VariantChoice, TILE,
 };
-use crate::nvrtc;
+use crate::sys::cublaslt::Lt;
+pub use crate::sys::driver::StreamGuard;
+use crate::sys::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
+use crate::sys::nvrtc;
 use commfuse_core::gemm::{
     grouped_order, staggered_remote_first, BLayout, ElementCheck, Epilogue, GemmPlan, GemmProblem,
     ReferenceElement,

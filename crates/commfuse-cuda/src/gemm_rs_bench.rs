@@ -7,14 +7,14 @@
 //! rows are checked on every output element of every rank against a float64 reference computed
 //! on the GPUs (kernels/reference_gemm.cu per rank, summed on the host) after the timing.
 
-use crate::cublaslt::Lt;
-use crate::driver::{open_group, DeviceMemory, Gpu, Stream};
 use crate::error::CudaError;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
 use crate::gemm_bench::ReferenceGemm;
 use crate::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction, RingParts};
-use crate::nccl::Comms;
 use crate::rank_bench::{download, interleaved, row, timed, upload, FusedRow, RankStream};
+use crate::sys::cublaslt::Lt;
+use crate::sys::driver::{open_group, DeviceMemory, Gpu, Stream};
+use crate::sys::nccl::Comms;
 use commfuse_core::fused::gemm_rs::{check_elements_on, GemmRsShape, ReferenceElement};
 use commfuse_core::gemm::{grouped_order, Epilogue, GemmPlan};
 use commfuse_core::reference::input_value;

@@ -4,11 +4,11 @@
 //! call, wedged when a kernel could not be stopped); the bounds of the host's waits, and the
 //! stop that ends a failed batch.
 
-use crate::driver::{DeviceMemory, Function, Gpu, MappedHost, Module, Stream};
 use crate::error::CudaError;
-use crate::nvrtc;
 use crate::plan_kernel::{plan_kernel, PAD_SLOTS};
 use crate::plan_table::{ErrorRecord, MAX_RANKS, THREADS};
+use crate::sys::driver::{DeviceMemory, Function, Gpu, MappedHost, Module, Stream};
+use crate::sys::nvrtc;
 use commfuse_core::backend::{ensure_fits, BackendError, CallTiming, PadCapacity};
 use commfuse_core::{CheckedPlan, DType, ReduceOp, Slot};
 use std::mem::ManuallyDrop;
@@ -36,7 +36,7 @@ pub struct CudaBackend {
     // drop order: NCCL communicators and the mapped record need live contexts, so `ranks`
     // (which owns the contexts) comes last. `error` and `ranks` are dropped by hand (see Drop):
     // while a kernel may still run they are leaked instead.
-    pub(crate) nccl: OnceLock<Result<crate::nccl::Comms, String>>,
+    pub(crate) nccl: OnceLock<Result<crate::sys::nccl::Comms, String>>,
     pub(crate) error: ManuallyDrop<MappedHost<ErrorRecord>>,
     pub(crate) max_lanes: u32,
     /// The most ranks on one GPU (1 unless `open` was given a device twice)

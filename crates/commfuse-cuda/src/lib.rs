@@ -1,15 +1,12 @@
 //! commfuse-cuda: the `cuda` backend.
 //!
-//! * [`driver`]: the only module with raw driver calls — GPUs, memory, streams, events, modules;
-//! * [`nvrtc`]: embedded kernels compiled for sm_90a at first use, cached in memory and on disk;
+//! * [`sys`]: the raw layer — the driver (the only module with raw driver calls), NVRTC and the
+//!   embedded kernels, cuBLASLt, NCCL, CUDA IPC, host waits that end, pointer checks;
 //! * [`plan_table`]: plans encoded as the `#[repr(C)]` tables the plan kernel reads;
 //! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation, over the backend's
 //!   GPUs and their state (`gpus`), prepared calls and their timed batches (`call`) and the plan
-//!   kernel's instances and tables (`plan_kernel`);
-//! * [`nccl`]: NCCL's communicators and calls in this process (the NCCL and copy-engine
-//!   baselines on the same GPUs are prepared by `baselines`);
-//! * [`host_sync`]: host-side waits that end: an abortable start barrier, a bounded poll;
-//! * [`spans`]: raw pointer arguments checked against their allocations, once per address;
+//!   kernel's instances and tables (`plan_kernel`); the NCCL and copy-engine baselines on the
+//!   same GPUs are prepared by `baselines`;
 //! * [`error`]: one error enum;
 //! * [`testing`]: GPU-test skips that `COMMFUSE_REQUIRE_GPU=1` turns into failures.
 //!
@@ -23,8 +20,6 @@ mod call;
 pub mod ce;
 pub mod collective;
 pub mod collective_rank;
-pub mod cublaslt;
-pub mod driver;
 pub mod error;
 pub mod flag_step;
 pub mod gemm;
@@ -32,15 +27,11 @@ pub mod gemm_bench;
 pub mod gemm_rs;
 pub mod gemm_rs_bench;
 mod gpus;
-pub mod host_sync;
-pub mod ipc;
 pub mod ll;
-pub mod nccl;
-pub mod nvrtc;
 mod plan_kernel;
 pub mod plan_table;
 pub mod rank_bench;
-pub mod spans;
+pub mod sys;
 pub mod testing;
 
 pub use backend::CudaBackend;

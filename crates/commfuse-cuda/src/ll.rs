@@ -18,12 +18,12 @@
 //! [`crate::collective_rank`] and [`crate::collective`] where `auto` takes it.
 
 use crate::call::{boxed_call, Launcher, RankBuffers};
-use crate::driver::{DeviceMemory, Function, Gpu, Module, Stream};
 use crate::error::CudaError;
 use crate::gpus::{CudaBackend, Rank};
-use crate::nvrtc;
 use crate::plan_kernel::typed_kernel;
 use crate::plan_table::{ErrorRecord, MAX_RANKS};
+use crate::sys::driver::{DeviceMemory, Function, Gpu, Module, Stream};
+use crate::sys::nvrtc;
 use commfuse_core::backend::{BackendError, PreparedCall};
 use commfuse_core::{DType, OpKind, OpSpec, Protocol, ReduceOp};
 use std::time::Duration;

@@ -3,9 +3,9 @@
 //! names every kernel's typed instances follow), the signal slots and lanes it is sized for,
 //! and a rank's table of a plan uploaded to its GPU with the kernel's arguments.
 
-use crate::driver::{DeviceMemory, Function, Gpu, Module};
 use crate::error::CudaError;
 use crate::plan_table::{self, BufferAddrs, Lanes, PlanArgs, MAX_RANKS};
+use crate::sys::driver::{DeviceMemory, Function, Gpu, Module};
 use commfuse_core::{CheckedPlan, DType, ReduceOp};
 use std::time::Duration;
 

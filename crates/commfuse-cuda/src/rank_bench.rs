@@ -2,9 +2,9 @@
 //! CUDA events on each rank's stream, rows interleaved in rounds, a call's time its slowest
 //! rank's, each row the median of its rounds' medians; the row type; downloads to f64.
 
-use crate::driver::{DeviceMemory, Event, Gpu, Stream};
 use crate::error::CudaError;
-use crate::host_sync::StartBarrier;
+use crate::sys::driver::{DeviceMemory, Event, Gpu, Stream};
+use crate::sys::host_sync::StartBarrier;
 use commfuse_core::DType;
 use half::{bf16, f16};
 use std::time::Duration;

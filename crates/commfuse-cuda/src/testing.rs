@@ -3,7 +3,7 @@
 //! `COMMFUSE_REQUIRE_GPU=1` is set (the GPU script sets it): then a skip is a failure, so that
 //! a recorded GPU run cannot count a test that did not run.
 
-use crate::driver;
+use crate::sys::driver;
 
 /// The environment switch that turns a skip into a failure.
 pub const REQUIRE_GPU: &str = "COMMFUSE_REQUIRE_GPU";
@@ -51,7 +51,7 @@ pub fn sass_of(kernel: &str) -> Option<String> {
         .chain([std::path::PathBuf::from("/usr/local/cuda/bin")])
         .map(|d| d.join("cuobjdump"))
         .find(|p| p.exists());
-    let (Some(cuobjdump), true) = (cuobjdump, crate::nvrtc::available()) else {
+    let (Some(cuobjdump), true) = (cuobjdump, crate::sys::nvrtc::available()) else {
         assert!(
             std::env::var_os("COMMFUSE_REQUIRE_SASS").is_none(),
             "COMMFUSE_REQUIRE_SASS is set but cuobjdump or NVRTC is missing"
@@ -59,8 +59,8 @@ pub fn sass_of(kernel: &str) -> Option<String> {
         eprintln!("skipped: needs cuobjdump on PATH and NVRTC");
         return None;
     };
-    let source = crate::nvrtc::kernel(kernel).unwrap_or_else(|| panic!("no kernel {kernel}"));
-    let compiled = crate::nvrtc::compile(source, false).unwrap_or_else(|e| panic!("{e}"));
+    let source = crate::sys::nvrtc::kernel(kernel).unwrap_or_else(|| panic!("no kernel {kernel}"));
+    let compiled = crate::sys::nvrtc::compile(source, false).unwrap_or_else(|e| panic!("{e}"));
     let path = std::env::temp_dir().join(format!(
         "commfuse-{}-{}.cubin",
         kernel.trim_end_matches(".cu"),

@@ -4,7 +4,7 @@
 
 use commfuse_core::backend::BackendError;
 use commfuse_core::{build_plan, check, Algo, OpKind, OpSpec, Slot, Topology};
-use commfuse_cuda::driver::{DeviceMemory, Gpu};
+use commfuse_cuda::sys::driver::{DeviceMemory, Gpu};
 use commfuse_cuda::{CudaBackend, CudaError};
 use std::time::{Duration, Instant};
 
@@ -128,7 +128,7 @@ fn fill_and_upload_finish_before_work_queued_on_a_stream() {
         return;
     }
     let gpu = Gpu::open(0).unwrap();
-    let stream = commfuse_cuda::driver::Stream::new(&gpu).unwrap();
+    let stream = commfuse_cuda::sys::driver::Stream::new(&gpu).unwrap();
     // large enough that the memset is still running when the copy is queued
     let bytes = 4 << 30;
     let big = DeviceMemory::zeroed(&gpu, bytes).unwrap();
@@ -173,8 +173,8 @@ fn a_bounded_stream_wait_names_who_waited_on_what() {
     if commfuse_cuda::testing::gpus(1).is_none() {
         return;
     }
-    use commfuse_cuda::driver::Stream;
     use commfuse_cuda::flag_step::{FlagCmp, FlagSteps};
+    use commfuse_cuda::sys::driver::Stream;
     let gpu = Gpu::open(0).unwrap();
     let stream = Stream::new(&gpu).unwrap();
     let steps = FlagSteps::new(&gpu, 0, Duration::from_secs(2)).unwrap();

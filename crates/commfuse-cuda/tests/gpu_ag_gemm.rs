@@ -8,7 +8,7 @@
 use commfuse_core::gemm::{check_elements, reference_gemm, BLayout, Epilogue};
 use commfuse_core::{DType, Element};
 use commfuse_cuda::ag_gemm::{AgGemmConfig, AgGemmRank};
-use commfuse_cuda::driver::{DeviceMemory, Gpu, Stream};
+use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, Stream};
 use commfuse_cuda::testing::{random, two_gpus, upload};
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -253,7 +253,7 @@ fn bad_calls_are_refused_with_one_line() {
 /// dropped rank by rank. Whether each gather buffer is still allocated after the drops.
 fn gather_allocated_after_drop(g: &[Arc<Gpu>], calling: &[usize]) -> Vec<bool> {
     use commfuse_cuda::ag_gemm::AgGemmAllocation;
-    use commfuse_cuda::driver::allocation_of;
+    use commfuse_cuda::sys::driver::allocation_of;
     let mut config = AgGemmConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
     config.timeout = Duration::from_millis(300);
     let parts: Vec<_> = g

@@ -8,8 +8,8 @@
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsShape};
 use commfuse_core::gemm::BLayout;
 use commfuse_core::{DType, Element};
-use commfuse_cuda::driver::{DeviceMemory, Gpu, Stream};
 use commfuse_cuda::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction};
+use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, Stream};
 use commfuse_cuda::testing::{gpus, random, skip, two_gpus, upload};
 use half::{bf16, f16};
 use std::sync::Arc;

@@ -10,9 +10,9 @@ use commfuse_core::gemm::{check_elements, reference_gemm, BLayout, Epilogue, Gem
 use commfuse_core::{Algo, DType, OpKind};
 use commfuse_cuda::ag_gemm::{AgGemmAllocation, AgGemmConfig};
 use commfuse_cuda::collective_rank::{CollectiveAllocation, CollectiveConfig};
-use commfuse_cuda::driver::{DeviceMemory, Gpu, Stream};
 use commfuse_cuda::gemm_rs::{GemmRsAllocation, GemmRsConfig, PathChoice};
-use commfuse_cuda::ipc::Exported;
+use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, Stream};
+use commfuse_cuda::sys::ipc::Exported;
 use commfuse_cuda::testing::{gpus, random, upload};
 use half::bf16;
 use std::path::{Path, PathBuf};

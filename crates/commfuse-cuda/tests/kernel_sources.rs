@@ -1,6 +1,6 @@
 //! What the kernels' sources must not do, read as text: needs neither NVRTC nor a GPU.
 
-use commfuse_cuda::nvrtc;
+use commfuse_cuda::sys::nvrtc;
 
 /// Every line of code (comments dropped) of every kernel and header that mentions `word`:
 /// (file, line number, the code).

@@ -1,7 +1,7 @@
 //! Every kernel compiles for sm_90a under NVRTC. Needs no GPU, only libnvrtc: CI installs the
 //! PyPI wheels and sets COMMFUSE_REQUIRE_NVRTC=1 so that a missing NVRTC fails instead of skipping.
 
-use commfuse_cuda::nvrtc;
+use commfuse_cuda::sys::nvrtc;
 
 /// Whether NVRTC can be used; prints the skip (or fails under COMMFUSE_REQUIRE_NVRTC) if not.
 fn nvrtc_here() -> bool {

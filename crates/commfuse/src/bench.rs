@@ -476,7 +476,7 @@ pub fn header(
 ) -> String {
     // the NCCL rows' configuration, beside them
     let nccl = if backend == "cuda" {
-        format!("# {}\n", commfuse_cuda::nccl::configuration())
+        format!("# {}\n", commfuse_cuda::sys::nccl::configuration())
     } else {
         String::new()
     };

@@ -108,7 +108,7 @@ fn bad_inputs_get_one_line_and_a_nonzero_exit() {
         ],
         "memory",
     );
-    if commfuse_cuda::driver::device_count().unwrap_or(0) == 0 {
+    if commfuse_cuda::sys::driver::device_count().unwrap_or(0) == 0 {
         fails_with(
             &["run", "all-reduce", "--backend", "cuda"],
             "no CUDA driver",
@@ -1224,7 +1224,7 @@ fn an_unknown_algo_gets_one_line_listing_the_choices() {
 /// machine's GPUs (up to 8), is checked and named.
 #[test]
 fn every_implementation_runs_by_name_on_gpus() {
-    let gpus = commfuse_cuda::driver::device_count().unwrap_or(0);
+    let gpus = commfuse_cuda::sys::driver::device_count().unwrap_or(0);
     if gpus == 0 {
         return commfuse_cuda::testing::skip("run --algo on the cuda backend: no GPU");
     }

@@ -16,7 +16,7 @@ const WORLDS: [usize; 7] = [1, 2, 3, 4, 5, 7, 8];
 /// round-robin, ranks sharing them.
 fn suite_placement(kind: BackendKind, p: usize) -> Placement {
     let devices = match kind {
-        BackendKind::Cuda => commfuse_cuda::driver::device_count()
+        BackendKind::Cuda => commfuse_cuda::sys::driver::device_count()
             .ok()
             .filter(|&n| n > 0 && n < p)
             .map(|n| (0..p).map(|r| r % n).collect()),
@@ -145,7 +145,7 @@ backend_suite!(sim, BackendKind::Sim, Ok(WORLDS.to_vec()));
 /// where ranks may share GPUs (`COMMFUSE_SHARE_GPUS=1`, see `commfuse_cuda::testing`).
 fn gpu_worlds() -> Result<Vec<usize>, String> {
     let share = commfuse_cuda::testing::sharing_gpus();
-    match commfuse_cuda::driver::device_count() {
+    match commfuse_cuda::sys::driver::device_count() {
         Ok(0) => Err("no GPU on this machine".into()),
         Ok(n) if share => Ok((1..=n.clamp(3, 8)).collect()),
         Ok(n) => Ok((1..=n.min(8)).collect()),

@@ -33,15 +33,17 @@ pub use ring::{RingParts, RingPeer};
 use unfused::{draw_nccl_id, UnfusedPath};
 pub use unfused::{NcclId, NCCL_ID_BYTES};
 
-use crate::driver::{DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream};
 use crate::error::CudaError;
 use crate::gemm::{
     check_problem, CallCounter, CallNumber, GemmKernels, GemmOperands, InUse, Launched,
     PreparedGemm, TileRoute, FLAG_SET_EPOCH, ROUTE_DST_FROM_D, ROUTE_NO_BIAS, TILE,
 };
-use crate::ipc::Exported;
-use crate::nvrtc;
 use crate::plan_table::{ErrorRecord, MAX_RANKS};
+use crate::sys::driver::{
+    DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream,
+};
+use crate::sys::ipc::Exported;
+use crate::sys::nvrtc;
 use bytemuck::{Pod, Zeroable};
 pub use commfuse_core::fused::gemm_rs::GemmRsPath;
 use commfuse_core::fused::gemm_rs::{
@@ -379,13 +381,13 @@ impl GemmRsAllocation {
         })
     }
 
-    /// What every rank must have built alike (see [`crate::ipc::agreement`]): the calls' rows,
+    /// What every rank must have built alike (see [`crate::sys::ipc::agreement`]): the calls' rows,
     /// the output's columns and type (the partials peers write into this rank's buffers), the
     /// bias (added once), the path and its ring. K, B's layout and the input type are each
     /// rank's own: a row-parallel layer's shards may differ in K by one.
     fn agreement(&self) -> Vec<u8> {
         let c = &self.config;
-        crate::ipc::agreement(&[
+        crate::sys::ipc::agreement(&[
             ("max_m", c.max_m.to_string()),
             ("n", c.n.to_string()),
             ("output", c.output.to_string()),
@@ -402,7 +404,7 @@ impl GemmRsAllocation {
     pub fn connect_exported(self, exports: &[Exported]) -> Result<GemmRsRank, CudaError> {
         let has_ring = self.ring.is_some();
         Exported::check_group(exports, "gemm-rs", self.world, 2 + 2 * has_ring as usize)?;
-        crate::ipc::check_agreement("gemm-rs", self.rank, &self.agreement(), exports, |e| {
+        crate::sys::ipc::check_agreement("gemm-rs", self.rank, &self.agreement(), exports, |e| {
             e.extra.get(NCCL_ID_BYTES..).unwrap_or_default()
         })?;
         let mut mapped = Vec::new();

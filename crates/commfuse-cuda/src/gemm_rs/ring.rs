@@ -17,11 +17,11 @@
 //! stream is past its last call.
 
 use super::{shape, GemmRsConfig};
-use crate::cublaslt::Lt;
-use crate::driver::{DeviceMemory, Event, Gpu, IpcHandle, Stream};
 use crate::error::CudaError;
 use crate::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory};
 use crate::gemm::{InUse, Launched};
+use crate::sys::cublaslt::Lt;
+use crate::sys::driver::{DeviceMemory, Event, Gpu, IpcHandle, Stream};
 use commfuse_core::fused::ring_rs::{
     RingLink, RingPiece, RingSchedule, RingTarget, DONE_FLAGS, MAX_PIECES,
 };

@@ -11,15 +11,15 @@
 //!
 //! The communicator is made at the first unfused call (every rank of the group reaches it in
 //! the same call), from the NCCL unique id rank 0 drew when it was allocated and shared with its
-//! peers' addresses or its export. It is non-blocking ([`crate::nccl::RankComm`]): joining it,
+//! peers' addresses or its export. It is non-blocking ([`crate::sys::nccl::RankComm`]): joining it,
 //! queueing the reduce-scatter and freeing it wait at most the operator's host limit, and one
 //! that runs out aborts the communicator, which also ends an NCCL kernel still waiting for a
 //! peer that died mid-call.
-use crate::cublaslt::Lt;
-use crate::driver::{DeviceMemory, Gpu, Stream};
 use crate::error::CudaError;
 use crate::gemm_rs::GemmRsConfig;
-use crate::nccl::RankComm;
+use crate::sys::cublaslt::Lt;
+use crate::sys::driver::{DeviceMemory, Gpu, Stream};
+use crate::sys::nccl::RankComm;
 use commfuse_core::gemm::GemmProblem;
 use commfuse_core::op::chunk_range;
 use cudarc::nccl::{result, sys};
@@ -35,7 +35,7 @@ pub type NcclId = [u8; NCCL_ID_BYTES];
 
 /// A fresh NCCL unique id, or None where NCCL cannot run (no libnccl).
 pub(crate) fn draw_nccl_id() -> Option<NcclId> {
-    crate::nccl::usable().ok()?;
+    crate::sys::nccl::usable().ok()?;
     let id = result::get_uniqueid().ok()?;
     let mut out = [0u8; NCCL_ID_BYTES];
     for (o, i) in out.iter_mut().zip(id.internal.iter()) {

@@ -308,7 +308,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
             }
             Some(peer)
         }
-        None => match commfuse_cuda::driver::device_count() {
+        None => match commfuse_cuda::sys::driver::device_count() {
             Ok(count) if count >= 2 => Some((a.device + 1) % count),
             _ => None,
         },
@@ -397,7 +397,7 @@ pub(super) fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
         "# commfuse bench gemm-rs: {}×{}×{} (M×N×K, K per rank), B {:?}, {} → {}, GPUs {:?}",
         a.shape.m, a.shape.n, a.shape.k, layout, shape.input, shape.output, a.devices
     );
-    println!("# {}", commfuse_cuda::nccl::configuration());
+    println!("# {}", commfuse_cuda::sys::nccl::configuration());
     print_fused_rows(&rows, "cublaslt+nccl", a.json.as_deref())
 }
 
@@ -428,7 +428,7 @@ pub(super) fn bench_ag_gemm_cmd(a: BenchAgGemmArgs) -> Result<i32> {
         "# commfuse bench ag-gemm: {}×{}×{} (M×N×K, M gathered), B {:?}, {} → {}, GPUs {:?}",
         a.shape.m, a.shape.n, a.shape.k, layout, shape.input, shape.output, a.devices
     );
-    println!("# {}", commfuse_cuda::nccl::configuration());
+    println!("# {}", commfuse_cuda::sys::nccl::configuration());
     print_fused_rows(&rows, "nccl+cublaslt", a.json.as_deref())
 }
 

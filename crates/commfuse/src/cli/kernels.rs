@@ -12,12 +12,12 @@ pub struct KernelsArgs {
 }
 
 pub(super) fn kernels_cmd(a: KernelsArgs) -> Result<i32> {
-    for source in commfuse_cuda::nvrtc::KERNELS {
-        let compiled = commfuse_cuda::nvrtc::compile(*source, true)?;
+    for source in commfuse_cuda::sys::nvrtc::KERNELS {
+        let compiled = commfuse_cuda::sys::nvrtc::compile(*source, true)?;
         println!(
             "{}: compiled for {} ({} bytes of cubin)",
             source.name,
-            commfuse_cuda::nvrtc::ARCH,
+            commfuse_cuda::sys::nvrtc::ARCH,
             compiled.cubin.len()
         );
         if a.report {

@@ -77,7 +77,7 @@ pub(super) fn verify_cmd(a: VerifyArgs) -> Result<i32> {
         // on GPUs, the world sizes this machine can hold
         None if a.backend == Some(BackendKind::Cuda) => {
             let ranks = a.ranks.clone().unwrap_or_else(default_worlds);
-            let gpus = commfuse_cuda::driver::device_count()?;
+            let gpus = commfuse_cuda::sys::driver::device_count()?;
             let worlds: Vec<usize> = ranks.iter().copied().filter(|&p| p <= gpus).collect();
             if worlds.is_empty() {
                 bail!("none of the world sizes {ranks:?} fits on this machine's {gpus} GPU(s)");

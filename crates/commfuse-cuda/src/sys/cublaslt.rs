@@ -7,8 +7,8 @@
 //!
 //! Row-major D[M,N] = A[M,K]·B is computed as the column-major Dᵀ[N,M] = Bᵀ·Aᵀ: B goes first.
 
-use crate::driver::{DeviceMemory, Event, Gpu, Stream};
 use crate::error::CudaError;
+use crate::sys::driver::{DeviceMemory, Event, Gpu, Stream};
 use commfuse_core::gemm::{BLayout, GemmProblem};
 use commfuse_core::DType;
 use cudarc::cublaslt::{result, sys};

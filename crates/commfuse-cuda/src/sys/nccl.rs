@@ -60,7 +60,7 @@ pub(crate) unsafe fn reduce_scatter_on(
     comm: sys::ncclComm_t,
     (send, recv, count): (u64, u64, usize),
     dtype: DType,
-    stream: &crate::driver::Stream,
+    stream: &crate::sys::driver::Stream,
 ) -> Result<(), CudaError> {
     result::reduce_scatter(
         send as *const c_void,
@@ -126,7 +126,7 @@ fn wait_settled(
     call: &'static str,
     mut state: impl FnMut() -> sys::ncclResult_t,
 ) -> Result<(), CudaError> {
-    let done = crate::host_sync::poll_until(limit, || settled(state())).map_err(|failed| {
+    let done = crate::sys::host_sync::poll_until(limit, || settled(state())).map_err(|failed| {
         CudaError::Nccl {
             call,
             message: format!("{failed} while {who} waited for {what}"),
@@ -242,7 +242,7 @@ impl RankComm {
         &mut self,
         (send, recv, count): (u64, u64, usize),
         dtype: DType,
-        stream: &crate::driver::Stream,
+        stream: &crate::sys::driver::Stream,
     ) -> Result<(), CudaError> {
         if self.aborted {
             return Err(CudaError::Unavailable(format!(
@@ -336,7 +336,7 @@ impl Comms {
         recv: u64,
         count: usize,
         dtype: DType,
-        stream: &crate::driver::Stream,
+        stream: &crate::sys::driver::Stream,
     ) -> Result<(), CudaError> {
         let comm = self
             .comm(r)
@@ -357,7 +357,7 @@ impl Comms {
         recv: u64,
         count: usize,
         dtype: DType,
-        stream: &crate::driver::Stream,
+        stream: &crate::sys::driver::Stream,
     ) -> Result<(), CudaError> {
         let comm = self
             .comm(r)

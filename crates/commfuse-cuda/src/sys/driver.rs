@@ -8,8 +8,8 @@
 //! plain `u64`s.
 
 use crate::error::CudaError;
-use crate::host_sync;
 use crate::plan_table::ErrorRecord;
+use crate::sys::host_sync;
 use bytemuck::Pod;
 use cudarc::driver::{result, sys, DriverError};
 use std::ffi::{c_void, CString};

@@ -2,11 +2,11 @@
 //! operator's buffers for the other processes to open, as bytes any rendezvous can carry
 //! (`torch.distributed`'s `all_gather_object`, NCCL's bootstrap, a file). A rank's operator
 //! exports the IPC handles of its buffers; every peer opens them into its own context
-//! ([`crate::driver::IpcMapping`]), so that its kernels and copies address them as its own
+//! ([`crate::sys::driver::IpcMapping`]), so that its kernels and copies address them as its own
 //! memory (a [`crate::flag_step::PeerMemory`] of context 0).
 
-use crate::driver::IpcHandle;
 use crate::error::CudaError;
+use crate::sys::driver::IpcHandle;
 
 /// The format's first byte.
 const VERSION: u8 = 2;

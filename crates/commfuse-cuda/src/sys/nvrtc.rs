@@ -29,34 +29,34 @@ pub struct Source {
 /// Headers every kernel may include by name.
 pub const HEADERS: &[Source] = &[Source {
     name: "common.cuh",
-    text: include_str!("../kernels/common.cuh"),
+    text: include_str!("common.cuh"),
 }];
 
 /// Every kernel file of the crate, for `commfuse kernels` and the CI compile check.
 pub const KERNELS: &[Source] = &[
     Source {
         name: "plan.cu",
-        text: include_str!("../kernels/plan.cu"),
+        text: include_str!("../../kernels/plan.cu"),
     },
     Source {
         name: "gemm.cu",
-        text: include_str!("../kernels/gemm.cu"),
+        text: include_str!("../../kernels/gemm.cu"),
     },
     Source {
         name: "reference_gemm.cu",
-        text: include_str!("../kernels/reference_gemm.cu"),
+        text: include_str!("../../kernels/reference_gemm.cu"),
     },
     Source {
         name: "gemm_rs.cu",
-        text: include_str!("../kernels/gemm_rs.cu"),
+        text: include_str!("../../kernels/gemm_rs.cu"),
     },
     Source {
         name: "ll.cu",
-        text: include_str!("../kernels/ll.cu"),
+        text: include_str!("../../kernels/ll.cu"),
     },
     Source {
         name: "ce.cu",
-        text: include_str!("../kernels/ce.cu"),
+        text: include_str!("../../kernels/ce.cu"),
     },
 ];
 

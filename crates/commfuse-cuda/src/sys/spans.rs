@@ -13,8 +13,8 @@
 //! passes unchecked while its pair is remembered: the check catches wrong arguments, not every
 //! misuse of freed memory.
 
-use crate::driver::check_device_span;
 use crate::error::CudaError;
+use crate::sys::driver::check_device_span;
 
 /// How many passed (address, bytes) pairs each argument remembers.
 pub const RECENT: usize = 4;
