@@ -13,7 +13,6 @@
 //! Without a driver or GPUs every entry point returns a clear error; nothing panics.
 
 pub mod ag_gemm;
-pub mod ag_gemm_bench;
 pub mod backend;
 mod baselines;
 mod call;
@@ -21,11 +20,8 @@ pub mod ce;
 pub mod collective;
 pub mod collective_rank;
 pub mod error;
-pub mod flag_step;
 pub mod gemm;
-pub mod gemm_bench;
 pub mod gemm_rs;
-pub mod gemm_rs_bench;
 mod gpus;
 pub mod ll;
 mod plan_kernel;

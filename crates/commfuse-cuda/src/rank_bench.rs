@@ -1,6 +1,7 @@
-//! What the fused operators' benches share: one host thread per rank timing a row's calls with
-//! CUDA events on each rank's stream, rows interleaved in rounds, a call's time its slowest
-//! rank's, each row the median of its rounds' medians; the row type; downloads to f64.
+//! What the fused operators' benches ([`crate::gemm_rs::bench`], [`crate::ag_gemm::bench`])
+//! share: one host thread per rank timing a row's calls with CUDA events on each rank's stream,
+//! rows interleaved in rounds, a call's time its slowest rank's, each row the median of its
+//! rounds' medians; the row type; downloads to f64.
 
 use crate::error::CudaError;
 use crate::sys::driver::{DeviceMemory, Event, Gpu, Stream};

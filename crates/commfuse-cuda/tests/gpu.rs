@@ -173,7 +173,7 @@ fn a_bounded_stream_wait_names_who_waited_on_what() {
     if commfuse_cuda::testing::gpus(1).is_none() {
         return;
     }
-    use commfuse_cuda::flag_step::{FlagCmp, FlagSteps};
+    use commfuse_cuda::gemm_rs::flag_step::{FlagCmp, FlagSteps};
     use commfuse_cuda::sys::driver::Stream;
     let gpu = Gpu::open(0).unwrap();
     let stream = Stream::new(&gpu).unwrap();

@@ -1,5 +1,6 @@
 //! GEMM + reduce-scatter on the simulator: the protocol of [`commfuse_core::fused::gemm_rs`]
-//! (and of the GPU kernel, `kernels/gemm_rs.cu`) at tile granularity, one call per rank thread.
+//! (and of the GPU kernel, `commfuse-cuda`'s `src/gemm_rs/gemm_rs.cu`) at tile granularity, one
+//! call per rank thread.
 //!
 //! Every rank's GEMM ([`run_gemm`] on the schedule's plan) stores each tile into its owner's
 //! receive slot and sets the tile's flag there to the call's number (from 1), as the GPU

@@ -1,6 +1,6 @@
 //! GEMM + reduce-scatter on GPUs, one object per rank ([`GemmRsRank`]), called on the caller's
 //! buffers and stream: the schedule of [`commfuse_core::fused::gemm_rs`] run by our GEMM
-//! (kernels/gemm.cu): every tile of a peer's rows goes into that peer's receive buffer over
+//! (gemm/gemm.cu): every tile of a peer's rows goes into that peer's receive buffer over
 //! NVLink, then its flag is set to the call's number. The owner's partials are summed one of two
 //! ways ([`Reduction`]):
 //!
@@ -9,7 +9,7 @@
 //!   partials from its own receive buffer, then the bias, and writes the caller's output. One
 //!   kernel on all SMs; nothing but the GEMM's own stores and P − 1 local reads per element.
 //! * **Separate**: the owner's tiles too go into its receive buffer, and a few blocks of the
-//!   reducing kernel (kernels/gemm_rs.cu) on a second stream, forked from and joined to the
+//!   reducing kernel (gemm_rs.cu) on a second stream, forked from and joined to the
 //!   caller's by events, sum the P partials per tile as their flags come in. The GEMM is capped at
 //!   `SMs − blocks` so that both are always resident together (the reduction waits for tiles the
 //!   GEMM makes). Measured slower (CHANGELOG.md, "GEMM + reduce-scatter, fused into our GEMM"): kept to compare, and for what it shows.
@@ -24,7 +24,14 @@
 //! M prepares that M's tables with synchronous uploads ([`GemmRsRank::prepare`] does it ahead),
 //! so it must not be the captured one. When M < P, ranks without rows join a small handshake
 //! kernel (see gemm_rs.cu). All ranks must make the same calls in the same order with the same M.
+//!
+//! The other paths are `ring.rs` (overlapped) and `unfused.rs`; [`flag_step`] holds the
+//! one-thread flag kernels of gemm_rs.cu that order the ring's library calls across GPUs (and
+//! all-gather + GEMM's overlapped path, [`crate::ag_gemm`]); [`bench`] is
+//! `commfuse bench gemm-rs`.
 
+pub mod bench;
+pub mod flag_step;
 mod ring;
 mod unfused;
 

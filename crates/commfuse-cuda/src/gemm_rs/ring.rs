@@ -1,7 +1,7 @@
 //! The overlapped path of GEMM + reduce-scatter: the ring of
 //! [`commfuse_core::fused::ring_rs`] run with cuBLASLt GEMMs on the caller's stream and
 //! copy-engine copies on a side stream, ordered across GPUs by one-thread flag kernels
-//! (`ring_flag` in kernels/gemm_rs.cu).
+//! (`ring_flag` in gemm_rs.cu).
 //!
 //! Per piece of a step that is handed on: the GEMM writes the running sum into this rank's send
 //! buffer, an event lets the side stream copy it into the receiver's receive buffer (the copy
@@ -18,8 +18,8 @@
 
 use super::{shape, GemmRsConfig};
 use crate::error::CudaError;
-use crate::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory};
 use crate::gemm::{InUse, Launched};
+use crate::gemm_rs::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory};
 use crate::sys::cublaslt::Lt;
 use crate::sys::driver::{DeviceMemory, Event, Gpu, IpcHandle, Stream};
 use commfuse_core::fused::ring_rs::{

@@ -3,7 +3,7 @@
 //! (`torch.distributed`'s `all_gather_object`, NCCL's bootstrap, a file). A rank's operator
 //! exports the IPC handles of its buffers; every peer opens them into its own context
 //! ([`crate::sys::driver::IpcMapping`]), so that its kernels and copies address them as its own
-//! memory (a [`crate::flag_step::PeerMemory`] of context 0).
+//! memory (a [`crate::gemm_rs::flag_step::PeerMemory`] of context 0).
 
 use crate::error::CudaError;
 use crate::sys::driver::IpcHandle;

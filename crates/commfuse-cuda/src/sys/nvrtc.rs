@@ -40,15 +40,15 @@ pub const KERNELS: &[Source] = &[
     },
     Source {
         name: "gemm.cu",
-        text: include_str!("../../kernels/gemm.cu"),
+        text: include_str!("../gemm/gemm.cu"),
     },
     Source {
         name: "reference_gemm.cu",
-        text: include_str!("../../kernels/reference_gemm.cu"),
+        text: include_str!("../gemm/reference_gemm.cu"),
     },
     Source {
         name: "gemm_rs.cu",
-        text: include_str!("../../kernels/gemm_rs.cu"),
+        text: include_str!("../gemm_rs/gemm_rs.cu"),
     },
     Source {
         name: "ll.cu",

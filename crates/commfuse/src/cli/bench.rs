@@ -313,7 +313,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
             _ => None,
         },
     };
-    let rows = commfuse_cuda::gemm_bench::bench_gemm(
+    let rows = commfuse_cuda::gemm::bench::bench_gemm(
         a.device,
         peer,
         &problem,
@@ -361,8 +361,8 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
 
 pub(super) fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
     use commfuse_core::fused::gemm_rs::GemmRsShape;
+    use commfuse_cuda::gemm_rs::bench::{bench_gemm_rs, GemmRsBenchConfig};
     use commfuse_cuda::gemm_rs::Reduction;
-    use commfuse_cuda::gemm_rs_bench::{bench_gemm_rs, GemmRsBenchConfig};
     let layout = parse_b_layout(&a.shape.b_layout)?;
     let shape = GemmRsShape::new(
         a.devices.len(),
@@ -403,7 +403,7 @@ pub(super) fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
 
 pub(super) fn bench_ag_gemm_cmd(a: BenchAgGemmArgs) -> Result<i32> {
     use commfuse_core::fused::ag_gemm::AgGemmShape;
-    use commfuse_cuda::ag_gemm_bench::{bench_ag_gemm, AgGemmBenchConfig};
+    use commfuse_cuda::ag_gemm::bench::{bench_ag_gemm, AgGemmBenchConfig};
     let layout = parse_b_layout(&a.shape.b_layout)?;
     let shape = AgGemmShape::new(
         a.devices.len(),

@@ -1,10 +1,16 @@
-//! Our Hopper GEMM (`kernels/gemm.cu`) on one GPU: a [`GemmPlan`] (problem, tile order,
-//! destinations, flags, epilogue) becomes TMA descriptors, a tile-order table and a per-tile
-//! route table (destination address and leading dimension, flag address and value) in device
-//! memory, and one launch of a persistent grid capped at any number of SMs.
+//! Our Hopper GEMM (`gemm.cu`, beside this module) on one GPU: a [`GemmPlan`] (problem, tile
+//! order, destinations, flags, epilogue) becomes TMA descriptors, a tile-order table and a
+//! per-tile route table (destination address and leading dimension, flag address and value) in
+//! device memory, and one launch of a persistent grid capped at any number of SMs.
 //!
 //! Destinations on other GPUs are addresses in their memory as this GPU sees it (peer access
 //! enabled): the storer warps' stores then cross NVLink and the flag is raised there.
+//!
+//! Beside it: `GEMM-NOTES.md` (the kernel's design and what each version measured) and
+//! [`bench`], its bench beside cuBLASLt, with the float64 reference GEMM on the device
+//! (`reference_gemm.cu`) that the GEMM benches check every output element against.
+
+pub mod bench;
 
 use crate::error::CudaError;
 use crate::plan_table::ErrorRecord;
@@ -350,7 +356,7 @@ pub struct Gather {
     pub timeout: std::time::Duration,
 }
 
-/// Mirrors `CallCounter` in kernels/gemm.cu: a rank's count of its calls in device memory
+/// Mirrors `CallCounter` in gemm.cu: a rank's count of its calls in device memory
 /// (zeroed when made), which a call that numbers itself on the device reads and advances.
 #[repr(C)]
 #[derive(Clone, Copy, Default, Pod, Zeroable)]
@@ -373,7 +379,7 @@ pub enum CallNumber {
     Device { counter: u64, routes_alt: u64 },
     /// One more than the count of calls (a u64) at `counter`, which later work on the stream
     /// advances once the call has ended (an operator's flag steps numbered on the device,
-    /// [`crate::flag_step::FlagSteps::counter`]): the GEMM reads it and leaves it alone
+    /// [`crate::gemm_rs::flag_step::FlagSteps::counter`]): the GEMM reads it and leaves it alone
     Counted { counter: u64 },
 }
 

@@ -5,11 +5,11 @@
 //! its slowest rank's (CUDA events around each call on every rank's stream); each row's time is
 //! the median of its rounds' medians, with the fastest and slowest round beside it. The fused
 //! rows are checked on every output element of every rank against a float64 reference computed
-//! on the GPUs (kernels/reference_gemm.cu per rank, summed on the host) after the timing.
+//! on the GPUs (gemm/reference_gemm.cu per rank, summed on the host) after the timing.
 
 use crate::error::CudaError;
+use crate::gemm::bench::ReferenceGemm;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
-use crate::gemm_bench::ReferenceGemm;
 use crate::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction, RingParts};
 use crate::rank_bench::{download, interleaved, row, timed, upload, FusedRow, RankStream};
 use crate::sys::cublaslt::Lt;

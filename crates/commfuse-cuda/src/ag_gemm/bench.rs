@@ -4,12 +4,12 @@
 //! NCCL's all-gather then cuBLASLt (the unfused path), and ours overlapped and fused with each
 //! piece count asked for. Rows interleaved in rounds, a call's time its slowest
 //! rank's ([`crate::rank_bench`]). Our rows are checked on every output element of every rank
-//! against a float64 reference computed on the GPUs (kernels/reference_gemm.cu) after timing.
+//! against a float64 reference computed on the GPUs (gemm/reference_gemm.cu) after timing.
 
 use crate::ag_gemm::{AgGemmConfig, AgGemmRank};
 use crate::error::CudaError;
+use crate::gemm::bench::ReferenceGemm;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
-use crate::gemm_bench::ReferenceGemm;
 use crate::rank_bench::{download, interleaved, row, timed, upload, FusedRow, RankStream};
 use crate::sys::cublaslt::Lt;
 use crate::sys::driver::{open_group, DeviceMemory, Gpu, Stream};

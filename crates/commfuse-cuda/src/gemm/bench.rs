@@ -1,7 +1,7 @@
 //! `commfuse bench gemm`: our GEMM beside cuBLASLt on one GPU (same inputs, same run), at all
 //! SMs and capped, plus our GEMM with its epilogue storing every tile to a peer GPU; timed with
 //! events (warm-up, median), every element of each row's output checked against a float64
-//! reference computed on the device ([`DeviceReference`], kernels/reference_gemm.cu) with the
+//! reference computed on the device ([`DeviceReference`], reference_gemm.cu) with the
 //! element-wise bound of `commfuse_core::gemm::element_bound`, on fresh random inputs with the
 //! output poisoned first.
 
@@ -413,7 +413,7 @@ fn with_stall_report(e: CudaError, gemm: Option<&PreparedGemm>) -> CudaError {
     }
 }
 
-/// The parameters of kernels/reference_gemm.cu (its `ReferenceParams`).
+/// The parameters of reference_gemm.cu (its `ReferenceParams`).
 #[repr(C)]
 struct ReferenceParams {
     a: u64,
@@ -426,11 +426,11 @@ struct ReferenceParams {
     tiles_n: u32,
 }
 
-/// The tile and block of kernels/reference_gemm.cu (`reference::TILE`, `reference::THREADS`).
+/// The tile and block of reference_gemm.cu (`reference::TILE`, `reference::THREADS`).
 const REFERENCE_TILE: usize = 64;
 const REFERENCE_THREADS: u32 = 256;
 
-/// The reference GEMM of kernels/reference_gemm.cu loaded on one GPU: A·B in float64 and
+/// The reference GEMM of reference_gemm.cu loaded on one GPU: A·B in float64 and
 /// Σ|a·b| per element, on CUDA cores (no code shared with the GEMMs it checks).
 pub struct ReferenceGemm {
     /// bf16 nk, bf16 kn, f16 nk, f16 kn

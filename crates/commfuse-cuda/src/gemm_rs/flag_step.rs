@@ -1,5 +1,5 @@
 //! Ordering library work across GPUs from streams: one-thread kernels (`ring_flag` in
-//! kernels/gemm_rs.cu) queued between cuBLASLt GEMMs and copy-engine copies, each waiting
+//! gemm_rs.cu) queued between cuBLASLt GEMMs and copy-engine copies, each waiting
 //! (acquire, bounded, diagnosed) until a flag of this rank holds a value and/or raising a flag
 //! (release, system scope) on any GPU; and the hand-on copy of a buffer into a peer's memory.
 //! The overlapped paths of GEMM + reduce-scatter and all-gather + GEMM are built from these.
@@ -10,7 +10,7 @@ use crate::sys::driver::{DeviceMemory, Function, Gpu, MappedHost, Module, Stream
 use crate::sys::nvrtc;
 use std::time::Duration;
 
-/// Mirrors `RingFlagArgs` in kernels/gemm_rs.cu.
+/// Mirrors `RingFlagArgs` in gemm_rs.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 struct FlagArgs {
@@ -30,9 +30,9 @@ const _: () = assert!(std::mem::size_of::<FlagArgs>() == 72);
 const _: () = assert!(std::mem::offset_of!(FlagArgs, wait_cmp) == 48);
 const _: () = assert!(std::mem::offset_of!(FlagArgs, calls) == 64);
 
-/// `FLAG_RAISE_FIRST` in kernels/gemm_rs.cu: raise before waiting.
+/// `FLAG_RAISE_FIRST` in gemm_rs.cu: raise before waiting.
 const RAISE_FIRST: u32 = 0x100;
-/// `FLAG_ADVANCE` in kernels/gemm_rs.cu: the step ends the call (advances the call counter).
+/// `FLAG_ADVANCE` in gemm_rs.cu: the step ends the call (advances the call counter).
 const ADVANCE: u32 = 0x200;
 
 /// With steps numbered on the device ([`FlagSteps::numbered_on_device`]), the value that

@@ -1,7 +1,7 @@
 //! All-gather + GEMM on GPUs, one object per rank ([`AgGemmRank`]), called on the caller's
 //! buffers and stream: the overlapped schedule of [`commfuse_core::fused::ag_gemm`] with
 //! cuBLASLt GEMMs on the caller's stream and copy-engine copies on a side stream, ordered across
-//! GPUs by the one-thread flag kernels of [`crate::flag_step`].
+//! GPUs by the one-thread flag kernels of [`crate::gemm_rs::flag_step`].
 //!
 //! A call: the side stream (after the caller's earlier work) copies this rank's chunk, piece by
 //! piece, into every peer's gather buffer and raises each piece's flag there. Meanwhile the
@@ -32,13 +32,17 @@
 //! count), so a call captured into a CUDA graph is a new call at every replay; the first call of
 //! an M, which waits on the host, must come before the capture. The simulator runs the same
 //! protocol (`commfuse_sim::ag_gemm`) for P = 1..9 in CI.
+//!
+//! Its bench, `commfuse bench ag-gemm`, is [`bench`].
+
+pub mod bench;
 
 use crate::error::CudaError;
-use crate::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory, THIS_CALL};
 use crate::gemm::{
     check_problem, CallNumber, Gather, GemmKernels, GemmOperands, InUse, Launched, PreparedGemm,
     TILE,
 };
+use crate::gemm_rs::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory, THIS_CALL};
 use crate::plan_table::MAX_RANKS;
 use crate::sys::cublaslt::Lt;
 use crate::sys::driver::{DeviceMemory, Event, Gpu, IpcMapping, Stream};
