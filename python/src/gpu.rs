@@ -9,7 +9,7 @@ use crate::{parse_dtype, parse_layout, parse_path, value_error};
 use commfuse_core::fused::gemm_rs::{GemmRsPath, GemmRsShape};
 use commfuse_core::{Algo, OpKind, ReduceOp};
 use commfuse_cuda::ag_gemm::{AgGemmAllocation, AgGemmConfig, AgGemmRank};
-use commfuse_cuda::collective_rank::{CollectiveAllocation, CollectiveConfig, CollectiveRank};
+use commfuse_cuda::collective::rank::{CollectiveAllocation, CollectiveConfig, CollectiveRank};
 use commfuse_cuda::error::CudaError;
 use commfuse_cuda::gemm_rs::{GemmRsAllocation, GemmRsConfig, GemmRsRank, PathChoice};
 use commfuse_cuda::sys::driver::{Gpu, Stream};

@@ -156,8 +156,8 @@ impl Backend for CudaBackend {
     }
 
     fn protocols(&self, op: OpKind) -> Vec<Protocol> {
-        let ll = crate::ll::runs(op).then_some([Protocol::Ll, Protocol::Ll16]);
-        let ce = crate::ce::runs(op).then_some(Protocol::Ce);
+        let ll = crate::collective::ll::runs(op).then_some([Protocol::Ll, Protocol::Ll16]);
+        let ce = crate::collective::ce::runs(op).then_some(Protocol::Ce);
         ll.into_iter().flatten().chain(ce).collect()
     }
 
@@ -170,9 +170,9 @@ impl Backend for CudaBackend {
     ) -> Result<Box<dyn PreparedCall + '_>, BackendError> {
         self.check_usable()?;
         match which {
-            Implementation::Protocol(p) => match crate::ll::Lines::of_protocol(p) {
-                Some(lines) => crate::ll::prepare(self, spec, (dtype, reduce), lines),
-                None => crate::ce::prepare(self, spec, dtype, reduce),
+            Implementation::Protocol(p) => match crate::collective::ll::Lines::of_protocol(p) {
+                Some(lines) => crate::collective::ll::prepare(self, spec, (dtype, reduce), lines),
+                None => crate::collective::ce::prepare(self, spec, dtype, reduce),
             },
             Implementation::Baseline(b) => crate::baselines::prepare(self, b, spec, dtype, reduce),
             Implementation::Plan(algo) => Err(BackendError::Unavailable(format!(

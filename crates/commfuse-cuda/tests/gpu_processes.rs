@@ -9,7 +9,7 @@ use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath, Ge
 use commfuse_core::gemm::{check_elements, reference_gemm, BLayout, Epilogue, GemmProblem};
 use commfuse_core::{Algo, DType, OpKind};
 use commfuse_cuda::ag_gemm::{AgGemmAllocation, AgGemmConfig};
-use commfuse_cuda::collective_rank::{CollectiveAllocation, CollectiveConfig};
+use commfuse_cuda::collective::rank::{CollectiveAllocation, CollectiveConfig};
 use commfuse_cuda::gemm_rs::{GemmRsAllocation, GemmRsConfig, PathChoice};
 use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, Stream};
 use commfuse_cuda::sys::ipc::Exported;

@@ -2,9 +2,9 @@
 //! [`crate::protocol::ll_one_shot_all_reduce`] and [`crate::ll_chunks`] (data and the call's
 //! sequence number in one 64-bit line, so a receiver needs one trip and no separate signal) as
 //! an operator object, one call per rank thread, its lines in the world's memory (a group's
-//! shared arena for a shared world). The reference for the GPU's LL kernel (kernels/ll.cu): all-reduce,
-//! reduce-scatter and all-gather of f32, sums in rank order, so every rank's result is the same
-//! bits.
+//! shared arena for a shared world). The reference for the GPU's LL kernel (`commfuse-cuda`'s
+//! `src/collective/ll.cu`): all-reduce, reduce-scatter and all-gather of f32, sums in rank
+//! order, so every rank's result is the same bits.
 
 use crate::ll_chunks::{ll_all_gather, ll_reduce_scatter, LlChunks};
 use crate::memory::Footprint;
@@ -221,8 +221,8 @@ type RankCalls = (Vec<Vec<f32>>, Duration);
 
 /// The LL collectives as one of the sim backend's protocols
 /// ([`commfuse_core::backend::Backend::protocols`]): the same checks and benches as the plans
-/// (and as the GPU kernel's, `commfuse_cuda::ll`), on host buffers. The simulator's twin
-/// computes f32 only: sums (all-reduce one-shot, reduce-scatter) and all-gathers.
+/// (and as the GPU kernel's, `commfuse_cuda::collective::ll`), on host buffers. The simulator's
+/// twin computes f32 only: sums (all-reduce one-shot, reduce-scatter) and all-gathers.
 pub(crate) struct SimLlCall<'a> {
     world: &'a World,
     op: SimLl,

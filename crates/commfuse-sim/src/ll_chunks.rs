@@ -1,5 +1,5 @@
 //! The LL protocol's reduce-scatter and all-gather, one trip over chunks, as the GPU kernel
-//! (`commfuse-cuda`'s `kernels/ll.cu`, modes reduce-scatter and all-gather) runs them — the
+//! (`commfuse-cuda`'s `src/collective/ll.cu`, modes reduce-scatter and all-gather) runs them — the
 //! protocol, not the buffer layout (the kernel's reduce-scatter numbers its units from the
 //! input's start, these lines from each chunk's): rank q's
 //! chunk is `chunk_range(len, P, q)`; a sender stores its lines straight into the receiver's

@@ -212,10 +212,10 @@ fn protocol_matrix(
     assert_none_failed(&failures, runs);
 }
 
-/// The GPU kernels (`commfuse_cuda::ll`) in both line formats, LL and LL16: all-reduce and
-/// reduce-scatter for every type and op, all-gather for every type (its chunks too may start
-/// inside a word, or inside a 16-byte unit), on every world size the GPUs allow (and up to
-/// P = 3 with ranks sharing GPUs under COMMFUSE_SHARE_GPUS=1).
+/// The GPU kernels (`commfuse_cuda::collective::ll`) in both line formats, LL and LL16:
+/// all-reduce and reduce-scatter for every type and op, all-gather for every type (its chunks
+/// too may start inside a word, or inside a 16-byte unit), on every world size the GPUs allow
+/// (and up to P = 3 with ranks sharing GPUs under COMMFUSE_SHARE_GPUS=1).
 #[test]
 fn ll_all_reduce_on_gpus() {
     let worlds = match gpu_worlds() {
@@ -247,11 +247,11 @@ fn ll_all_reduce_on_gpus() {
     }
 }
 
-/// The copy-engine protocol (`commfuse_cuda::ce`) on every world size the GPUs allow: sums of
-/// every type and every op of bf16, from one element (most ranks' chunks empty) to a ragged count
-/// whose chunks span two sub-chunks of the default 4 MiB (run with `COMMFUSE_CE_SUB_BYTES=65536`
-/// the same counts span up to 64 sub-chunks, the last ones ragged or empty); chunks that do not
-/// start on 16 bytes take the kernel's element-by-element path.
+/// The copy-engine protocol (`commfuse_cuda::collective::ce`) on every world size the GPUs
+/// allow: sums of every type and every op of bf16, from one element (most ranks' chunks empty)
+/// to a ragged count whose chunks span two sub-chunks of the default 4 MiB (run with
+/// `COMMFUSE_CE_SUB_BYTES=65536` the same counts span up to 64 sub-chunks, the last ones ragged
+/// or empty); chunks that do not start on 16 bytes take the kernel's element-by-element path.
 #[test]
 fn ce_collectives_on_gpus() {
     let worlds = match gpu_worlds() {

@@ -52,11 +52,11 @@ pub const KERNELS: &[Source] = &[
     },
     Source {
         name: "ll.cu",
-        text: include_str!("../../kernels/ll.cu"),
+        text: include_str!("../collective/ll.cu"),
     },
     Source {
         name: "ce.cu",
-        text: include_str!("../../kernels/ce.cu"),
+        text: include_str!("../collective/ce.cu"),
     },
 ];
 

@@ -1,4 +1,4 @@
-//! The low-latency (LL) all-reduce, reduce-scatter and all-gather on GPUs (kernels/ll.cu): each
+//! The low-latency (LL) all-reduce, reduce-scatter and all-gather on GPUs (ll.cu): each
 //! rank stores its input (a reduce-scatter: each peer's chunk of it; an all-gather: its chunk),
 //! its words with the call's number in every line, straight into every peer's LL buffer, and
 //! reduces the P inputs (or copies the P chunks out) once their lines carry this call's number
@@ -15,7 +15,7 @@
 //!
 //! They run as protocols `Protocol::Ll` and `Protocol::Ll16` beside the plans and NCCL in the
 //! collectives' bench and checks (`Backend::protocols`); LL also inside
-//! [`crate::collective_rank`] and [`crate::collective`] where `auto` takes it.
+//! [`crate::collective::rank`] and [`crate::collective`] where `auto` takes it.
 
 use crate::call::{boxed_call, Launcher, RankBuffers};
 use crate::error::CudaError;
@@ -119,7 +119,7 @@ fn programmatic() -> bool {
     *PROGRAMMATIC.get_or_init(|| crate::env_knob("COMMFUSE_PDL", |v: u32| v <= 1, 1) == 1)
 }
 
-/// Mirrors `LlArgs` in kernels/ll.cu.
+/// Mirrors `LlArgs` in ll.cu.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct LlArgs {
@@ -139,7 +139,7 @@ struct LlArgs {
 const _: () = assert!(std::mem::size_of::<LlArgs>() == 8 * MAX_RANKS + 64);
 const _: () = assert!(std::mem::offset_of!(LlArgs, timeout_ns) == 8 * MAX_RANKS + 32);
 
-/// `LL_ALL_REDUCE` … in kernels/ll.cu: what a call of the kernel does.
+/// `LL_ALL_REDUCE` … in ll.cu: what a call of the kernel does.
 fn mode(kind: OpKind) -> Option<u32> {
     match kind {
         OpKind::AllReduce => Some(0),

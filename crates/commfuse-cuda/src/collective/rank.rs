@@ -13,8 +13,8 @@
 //! (`check`); a peer that never calls leaves this rank's waits to time out, not hang.
 
 use crate::call::RankBuffers;
+use crate::collective::ll::LlRank;
 use crate::error::CudaError;
-use crate::ll::LlRank;
 use crate::plan_kernel::{
     plan_kernel, upload_table, DeviceTable, KernelContext, LANE_MIN_BYTES, LANE_MIN_COUNT,
     LANE_TARGET_BYTES, PAD_SLOTS,
@@ -155,7 +155,7 @@ impl CollectiveAllocation {
                 (config.kind, config.count, config.dtype, config.reduce),
                 error.device_addr(),
                 config.timeout,
-                (crate::ll::Lines::Eight, 1),
+                (crate::collective::ll::Lines::Eight, 1),
             )?),
             false => None,
         };
@@ -405,7 +405,7 @@ impl CollectiveRank {
         }
         self.broken = true;
         if let Some(ll) = &memory.ll {
-            return Err(CudaError::Stalled(crate::ll::describe_timeout(
+            return Err(CudaError::Stalled(crate::collective::ll::describe_timeout(
                 self.spec.kind,
                 ll.lines(),
                 &rec,

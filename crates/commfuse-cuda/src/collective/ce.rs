@@ -1,6 +1,6 @@
 //! The copy-engine (CE) all-reduce, reduce-scatter and all-gather for large messages: the bytes
 //! cross NVLink by the copy engines (`cuMemcpyPeerAsync` on side streams of each rank), and the
-//! SMs only reduce (kernels/ce.cu). Why it was built: with both directions of the link loaded,
+//! SMs only reduce (ce.cu). Why it was built: with both directions of the link loaded,
 //! as every collective loads them, the copy engines alone carried 377–387 GB/s per direction at
 //! 256 MiB – 1 GiB on 2 × H200, SM stores 345–360, and the two sharing the bytes no more than
 //! the copy engines alone (`scripts/link-ceilings.py`, docs/results/hardware/link-ceilings.txt).
@@ -80,7 +80,7 @@ const REDUCE_BLOCKS: u32 = 64;
 const LANE_READY: u32 = u32::MAX - 1;
 const LANE_GATHERED: u32 = u32::MAX;
 
-/// Mirrors `CeReduceArgs` in kernels/ce.cu.
+/// Mirrors `CeReduceArgs` in ce.cu.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct CeReduceArgs {
@@ -102,7 +102,7 @@ struct CeReduceArgs {
 const _: () = assert!(std::mem::size_of::<CeReduceArgs>() == 96);
 const _: () = assert!(std::mem::offset_of!(CeReduceArgs, subs) == 80);
 
-/// Mirrors `CeWaitArgs` in kernels/ce.cu.
+/// Mirrors `CeWaitArgs` in ce.cu.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct CeWaitArgs {

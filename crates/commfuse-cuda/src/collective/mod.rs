@@ -14,11 +14,20 @@
 //!
 //! Its GPU test is `tests/gpu_collective.rs`; the simulator's twin
 //! (`commfuse_sim::collective::SimCollective`) is checked in CI.
+//!
+//! Beside it: [`rank`], one rank's collective for groups of one process per GPU, over the same
+//! plans and plan kernel; [`ll`] (`ll.cu`), the LL protocol both take for small messages; and
+//! [`ce`] (`ce.cu`), the copy-engine protocol, which the backend runs beside the plans and NCCL
+//! in the collectives' bench.
+
+pub mod ce;
+pub mod ll;
+pub mod rank;
 
 use crate::backend::{CudaBackend, PlanLauncher};
 use crate::call::RankBuffers;
+use crate::collective::ll::LlRank;
 use crate::error::CudaError;
-use crate::ll::LlRank;
 use crate::sys::driver::{Event, Stream};
 use commfuse_core::backend::BackendError;
 use commfuse_core::cost::{choose_algo, prefers_ll};
@@ -96,8 +105,13 @@ impl<'b> CudaCollective<'b> {
         let launcher = PlanLauncher::new(backend, &plan, dtype, reduce, &bufs)?;
         // the plan stays built where LL runs: it is what `algo()` reports, and it is small
         let ll = if algo_asked.is_none() && prefers_ll(&spec, eb) {
-            let lines = crate::ll::Lines::Eight;
-            Some(crate::ll::ranks(backend, &spec, (dtype, reduce), lines)?)
+            let lines = crate::collective::ll::Lines::Eight;
+            Some(crate::collective::ll::ranks(
+                backend,
+                &spec,
+                (dtype, reduce),
+                lines,
+            )?)
         } else {
             None
         };
@@ -191,7 +205,7 @@ impl<'b> CudaCollective<'b> {
     pub fn check(&self) -> Result<(), BackendError> {
         let failure = match self.ll.as_ref() {
             Some(ll) => self.backend.recorded_timeout().map(|rec| {
-                BackendError::Unavailable(crate::ll::describe_timeout(
+                BackendError::Unavailable(crate::collective::ll::describe_timeout(
                     self.spec.kind,
                     ll[0].lines(),
                     &rec,
