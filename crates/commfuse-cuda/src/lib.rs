@@ -1,28 +1,35 @@
 //! commfuse-cuda: the `cuda` backend.
 //!
-//! * [`sys`]: the raw layer — the driver (the only module with raw driver calls), NVRTC and the
-//!   embedded kernels, cuBLASLt, NCCL, CUDA IPC, host waits that end, pointer checks;
-//! * [`plan_table`]: plans encoded as the `#[repr(C)]` tables the plan kernel reads;
-//! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation, over the backend's
-//!   GPUs and their state (`gpus`), prepared calls and their timed batches (`call`) and the plan
-//!   kernel's instances and tables (`plan_kernel`); the NCCL and copy-engine baselines on the
-//!   same GPUs are prepared by `baselines`;
-//! * [`error`]: one error enum;
-//! * [`testing`]: GPU-test skips that `COMMFUSE_REQUIRE_GPU=1` turns into failures.
+//! The folders are its layers, sys → backend → operators → benches, each operator's bench in
+//! the operator's folder; every CUDA kernel (`.cu`) lies beside the module that launches it.
+//!
+//! * [`sys`], the raw layer: the driver (the only module with raw driver calls), NVRTC (every
+//!   kernel embedded and compiled for sm_90a at first use, cached in memory and on disk;
+//!   `common.cuh`, the header every kernel includes), cuBLASLt, NCCL, CUDA IPC, host waits that
+//!   end, raw pointers checked against their allocations;
+//! * [`backend`]: the [`commfuse_core::backend::Backend`] implementation ([`CudaBackend`]), over
+//!   its GPUs and their state (`gpus`), prepared calls and their timed batches (`call`), the plan
+//!   kernel (`plan_kernel`, `plan.cu`), plans encoded as the `#[repr(C)]` tables that kernel
+//!   reads ([`backend::plan_table`]) and the NCCL and copy-engine baselines (`baselines`);
+//! * the operators, one folder each: [`collective`] (collectives on the caller's buffers, in one
+//!   process or one process per GPU, and the LL and copy-engine protocols, `ll.cu` and `ce.cu`),
+//!   [`gemm`] (our Hopper GEMM, `gemm.cu`), [`gemm_rs`] (GEMM + reduce-scatter: fused,
+//!   overlapped, unfused; `gemm_rs.cu` and the flag steps that order library work across GPUs)
+//!   and [`ag_gemm`] (all-gather + GEMM);
+//! * the benches: `bench` in the operator's folder (`commfuse bench gemm`, `gemm-rs`,
+//!   `ag-gemm`), the float64 reference GEMM on the device in [`gemm::bench`]
+//!   (`reference_gemm.cu`), and what the fused operators' benches share in [`rank_bench`];
+//! * [`error`]: one error enum; [`testing`]: GPU-test skips that `COMMFUSE_REQUIRE_GPU=1` turns
+//!   into failures.
 //!
 //! Without a driver or GPUs every entry point returns a clear error; nothing panics.
 
 pub mod ag_gemm;
 pub mod backend;
-mod baselines;
-mod call;
 pub mod collective;
 pub mod error;
 pub mod gemm;
 pub mod gemm_rs;
-mod gpus;
-mod plan_kernel;
-pub mod plan_table;
 pub mod rank_bench;
 pub mod sys;
 pub mod testing;

@@ -9,12 +9,12 @@ use commfuse_core::gemm::{
 };
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::{DType, Element};
+use commfuse_cuda::backend::plan_table::ErrorRecord;
 use commfuse_cuda::gemm::bench::{bench_gemm, DeviceReference, ReferenceGemm, StreamGuard};
 use commfuse_cuda::gemm::{
     CallNumber, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets,
     SmHolder, TileSnapshot, VariantChoice, SKINNY_ROWS, TILE,
 };
-use commfuse_cuda::plan_table::ErrorRecord;
 use commfuse_cuda::sys::cublaslt::Lt;
 use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, MappedHost, Stream};
 use half::{bf16, f16};

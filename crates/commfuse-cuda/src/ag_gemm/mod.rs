@@ -33,17 +33,17 @@
 //! an M, which waits on the host, must come before the capture. The simulator runs the same
 //! protocol (`commfuse_sim::ag_gemm`) for P = 1..9 in CI.
 //!
-//! Its bench, `commfuse bench ag-gemm`, is [`bench`].
+//! Its bench, `commfuse bench ag-gemm`, is [`bench`](mod@bench).
 
 pub mod bench;
 
+use crate::backend::plan_table::MAX_RANKS;
 use crate::error::CudaError;
 use crate::gemm::{
     check_problem, CallNumber, Gather, GemmKernels, GemmOperands, InUse, Launched, PreparedGemm,
     TILE,
 };
 use crate::gemm_rs::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory, THIS_CALL};
-use crate::plan_table::MAX_RANKS;
 use crate::sys::cublaslt::Lt;
 use crate::sys::driver::{DeviceMemory, Event, Gpu, IpcMapping, Stream};
 use crate::sys::ipc::Exported;

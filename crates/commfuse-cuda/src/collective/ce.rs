@@ -40,11 +40,11 @@
 //! repeat the numbers): the bench runs it eagerly only. It runs as protocol `Protocol::Ce`
 //! beside the plans, the LL protocol and NCCL (`Backend::protocols`), on one process's GPUs.
 
-use crate::call::{boxed_call, Launcher, RankBuffers};
+use crate::backend::call::{boxed_call, Launcher, RankBuffers};
+use crate::backend::gpus::{CudaBackend, Rank};
+use crate::backend::plan_kernel::typed_kernel;
+use crate::backend::plan_table::ErrorRecord;
 use crate::error::CudaError;
-use crate::gpus::{CudaBackend, Rank};
-use crate::plan_kernel::typed_kernel;
-use crate::plan_table::ErrorRecord;
 use crate::sys::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
 use crate::sys::nvrtc;
 use commfuse_core::backend::{BackendError, PreparedCall};

@@ -17,11 +17,11 @@
 //! collectives' bench and checks (`Backend::protocols`); LL also inside
 //! [`crate::collective::rank`] and [`crate::collective`] where `auto` takes it.
 
-use crate::call::{boxed_call, Launcher, RankBuffers};
+use crate::backend::call::{boxed_call, Launcher, RankBuffers};
+use crate::backend::gpus::{CudaBackend, Rank};
+use crate::backend::plan_kernel::typed_kernel;
+use crate::backend::plan_table::{ErrorRecord, MAX_RANKS};
 use crate::error::CudaError;
-use crate::gpus::{CudaBackend, Rank};
-use crate::plan_kernel::typed_kernel;
-use crate::plan_table::{ErrorRecord, MAX_RANKS};
 use crate::sys::driver::{DeviceMemory, Function, Gpu, Module, Stream};
 use crate::sys::nvrtc;
 use commfuse_core::backend::{BackendError, PreparedCall};

@@ -24,8 +24,8 @@ pub mod ce;
 pub mod ll;
 pub mod rank;
 
+use crate::backend::call::RankBuffers;
 use crate::backend::{CudaBackend, PlanLauncher};
-use crate::call::RankBuffers;
 use crate::collective::ll::LlRank;
 use crate::error::CudaError;
 use crate::sys::driver::{Event, Stream};
@@ -94,7 +94,7 @@ impl<'b> CudaCollective<'b> {
         let topology = Topology::new(p, numa_groups)?;
         let algo_asked = algo;
         let (algo, plan) = plan_for(spec, algo, &topology, dtype)?;
-        crate::gpus::ensure_plan_fits(backend, &plan)?;
+        crate::backend::gpus::ensure_plan_fits(backend, &plan)?;
         let b = plan.plan().buffers;
         let eb = dtype.size();
         let bufs = backend

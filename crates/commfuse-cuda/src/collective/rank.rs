@@ -12,14 +12,16 @@
 //! same calls in the same order. A wait that times out is recorded in the rank's own record
 //! (`check`); a peer that never calls leaves this rank's waits to time out, not hang.
 
-use crate::call::RankBuffers;
-use crate::collective::ll::LlRank;
-use crate::error::CudaError;
-use crate::plan_kernel::{
+use crate::backend::call::RankBuffers;
+use crate::backend::plan_kernel::{
     plan_kernel, upload_table, DeviceTable, KernelContext, LANE_MIN_BYTES, LANE_MIN_COUNT,
     LANE_TARGET_BYTES, PAD_SLOTS,
 };
-use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
+use crate::backend::plan_table::{
+    self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS,
+};
+use crate::collective::ll::LlRank;
+use crate::error::CudaError;
 use crate::sys::driver::{
     CallOrder, DeviceMemory, Function, Gpu, IpcMapping, MappedHost, Module, Stream,
 };

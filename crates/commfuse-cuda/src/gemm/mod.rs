@@ -7,13 +7,13 @@
 //! enabled): the storer warps' stores then cross NVLink and the flag is raised there.
 //!
 //! Beside it: `GEMM-NOTES.md` (the kernel's design and what each version measured) and
-//! [`bench`], its bench beside cuBLASLt, with the float64 reference GEMM on the device
-//! (`reference_gemm.cu`) that the GEMM benches check every output element against.
+//! [`bench`](mod@bench), its bench beside cuBLASLt, with the float64 reference GEMM on the
+//! device (`reference_gemm.cu`) that the GEMM benches check every output element against.
 
 pub mod bench;
 
+use crate::backend::plan_table::ErrorRecord;
 use crate::error::CudaError;
-use crate::plan_table::ErrorRecord;
 use crate::sys::driver::{
     copy_2d, tensor_map_2d, CallOrder, DeviceMemory, Function, Gpu, MappedHost, Module, Stream,
 };

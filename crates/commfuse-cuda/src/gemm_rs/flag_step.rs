@@ -4,8 +4,8 @@
 //! (release, system scope) on any GPU; and the hand-on copy of a buffer into a peer's memory.
 //! The overlapped paths of GEMM + reduce-scatter and all-gather + GEMM are built from these.
 
+use crate::backend::plan_table::ErrorRecord;
 use crate::error::CudaError;
-use crate::plan_table::ErrorRecord;
 use crate::sys::driver::{DeviceMemory, Function, Gpu, MappedHost, Module, Stream};
 use crate::sys::nvrtc;
 use std::time::Duration;

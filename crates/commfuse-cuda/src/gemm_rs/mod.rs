@@ -25,10 +25,10 @@
 //! so it must not be the captured one. When M < P, ranks without rows join a small handshake
 //! kernel (see gemm_rs.cu). All ranks must make the same calls in the same order with the same M.
 //!
-//! The other paths are `ring.rs` (overlapped) and `unfused.rs`; [`flag_step`] holds the
-//! one-thread flag kernels of gemm_rs.cu that order the ring's library calls across GPUs (and
-//! all-gather + GEMM's overlapped path, [`crate::ag_gemm`]); [`bench`] is
-//! `commfuse bench gemm-rs`.
+//! The other paths are `ring.rs` (overlapped) and `unfused.rs`. [`flag_step`] holds the
+//! one-thread flag kernels of gemm_rs.cu that order library calls across GPUs, for the ring and
+//! for all-gather + GEMM's overlapped path ([`crate::ag_gemm`]); `commfuse bench gemm-rs` is
+//! [`bench`](mod@bench).
 
 pub mod bench;
 pub mod flag_step;
@@ -40,12 +40,12 @@ pub use ring::{RingParts, RingPeer};
 use unfused::{draw_nccl_id, UnfusedPath};
 pub use unfused::{NcclId, NCCL_ID_BYTES};
 
+use crate::backend::plan_table::{ErrorRecord, MAX_RANKS};
 use crate::error::CudaError;
 use crate::gemm::{
     check_problem, CallCounter, CallNumber, GemmKernels, GemmOperands, InUse, Launched,
     PreparedGemm, TileRoute, FLAG_SET_EPOCH, ROUTE_DST_FROM_D, ROUTE_NO_BIAS, TILE,
 };
-use crate::plan_table::{ErrorRecord, MAX_RANKS};
 use crate::sys::driver::{
     DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream,
 };

@@ -7,8 +7,8 @@
 //! CUDA_ERROR_ILLEGAL_ADDRESS, seen on H200). Device addresses cross into kernels as
 //! plain `u64`s.
 
+use crate::backend::plan_table::ErrorRecord;
 use crate::error::CudaError;
-use crate::plan_table::ErrorRecord;
 use crate::sys::host_sync;
 use bytemuck::Pod;
 use cudarc::driver::{result, sys, DriverError};

@@ -18,8 +18,8 @@
 //!   for any operator that takes them (the Python classes).
 //!
 //! One type from above is named here: the error record's `#[repr(C)]` mirror
-//! ([`crate::plan_table::ErrorRecord`]), whose abort word the host raises through the driver's
-//! host-mapped memory.
+//! ([`crate::backend::plan_table::ErrorRecord`]), whose abort word the host raises through the
+//! driver's host-mapped memory.
 
 pub mod cublaslt;
 pub mod driver;

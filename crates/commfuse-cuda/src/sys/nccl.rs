@@ -2,7 +2,7 @@
 //! the raw reduce-scatter and all-gather that the operators queue on them, one rank's
 //! communicator of a group spread over processes ([`RankComm`]: non-blocking, so that every host
 //! wait on it is bounded), and the list of baselines each op has (prepared as calls by the
-//! `baselines` module).
+//! backend's `baselines` module).
 //!
 //! NCCL runs as its environment configures it (`NCCL_*` variables); [`configuration`] says how,
 //! for a bench's header. The `commfuse` binary defaults `NCCL_NVLS_ENABLE` to 0 (no NVLink

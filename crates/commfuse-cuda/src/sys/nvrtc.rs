@@ -36,7 +36,7 @@ pub const HEADERS: &[Source] = &[Source {
 pub const KERNELS: &[Source] = &[
     Source {
         name: "plan.cu",
-        text: include_str!("../../kernels/plan.cu"),
+        text: include_str!("../backend/plan.cu"),
     },
     Source {
         name: "gemm.cu",

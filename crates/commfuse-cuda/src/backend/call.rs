@@ -4,9 +4,9 @@
 //! start, every host wait bounded; the stop of every GPU before anything is freed when a batch
 //! fails; and calls queued back to back with new inputs each.
 
+use crate::backend::gpus::{CudaBackend, HostBounds, Rank};
+use crate::backend::plan_table::ErrorRecord;
 use crate::error::CudaError;
-use crate::gpus::{CudaBackend, HostBounds, Rank};
-use crate::plan_table::ErrorRecord;
 use crate::sys::driver::{DeviceMemory, Event, Gpu, Graph};
 use crate::sys::host_sync::{poll_until, BarrierError, StartBarrier};
 use commfuse_core::backend::{
@@ -292,7 +292,12 @@ pub(crate) trait Launcher: Sync {
     /// What a timeout recorded by this launcher's kernels means, in its words; by default the
     /// record's step and slot name the slot waited for.
     fn describe_timeout(&self, backend: &CudaBackend, rec: &ErrorRecord) -> BackendError {
-        crate::gpus::wait_timeout(rec, Slot::new(rec.step, rec.slot), None, backend.timeout)
+        crate::backend::gpus::wait_timeout(
+            rec,
+            Slot::new(rec.step, rec.slot),
+            None,
+            backend.timeout,
+        )
     }
     /// Runs before a batch; a backend left unusable by a failed batch refuses it.
     fn before(&self, backend: &CudaBackend) -> Result<(), BackendError> {

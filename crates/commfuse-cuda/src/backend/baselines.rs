@@ -2,9 +2,9 @@
 //! communicators over all ranks, one host thread per GPU) and the copy engine
 //! (`cuMemcpyPeerAsync`). Both are `PreparedCall`s, so the same reference checks them.
 
-use crate::call::{boxed_call, Launcher, RankBuffers};
+use crate::backend::call::{boxed_call, Launcher, RankBuffers};
+use crate::backend::gpus::{CudaBackend, Rank};
 use crate::error::CudaError;
-use crate::gpus::{CudaBackend, Rank};
 use crate::sys::nccl::{nccl_op, nccl_type, Comms};
 use commfuse_core::backend::{BackendError, CallTiming, PreparedCall};
 use commfuse_core::op::chunk_range;

@@ -1,22 +1,30 @@
 //! The CUDA backend: one rank per GPU, every pair of GPUs peer-enabled, symmetric buffers in
-//! plain device memory, and the plan kernel (kernels/plan.cu) launched on every GPU at once by
-//! one host thread per GPU.
+//! plain device memory, and the plan kernel (plan.cu, beside this module) launched on every GPU
+//! at once by one host thread per GPU.
 //!
 //! This module is [`CudaBackend`]'s [`Backend`]: checked plans prepared as calls of the plan
-//! kernel ([`PlanLauncher`]), the LL and copy-engine protocols and the NCCL and copy-engine
-//! baselines prepared by name, and the partial and failing runs the GPU tests use. The GPUs
-//! and their state are the `gpus` module's, a prepared call and how its batches run the `call`
-//! module's, the plan kernel's instances and tables the `plan_kernel` module's.
+//! kernel ([`PlanLauncher`]), the LL and copy-engine protocols ([`crate::collective::ll`],
+//! [`crate::collective::ce`]) and the NCCL and copy-engine baselines prepared by name, and the
+//! partial and failing runs the GPU tests use. The GPUs and their state are the `gpus` module's,
+//! a prepared call and how its batches run the `call` module's, the plan kernel's instances and
+//! tables the `plan_kernel` module's, a plan encoded as the tables the kernel reads
+//! [`plan_table`]'s, and the baselines the `baselines` module's.
 
-use crate::call::{GpuCall, Issue, Launcher, RankBuffers};
-use crate::error::CudaError;
-pub use crate::gpus::CudaBackend;
-use crate::gpus::Rank;
-use crate::plan_kernel::{
+mod baselines;
+pub(crate) mod call;
+pub(crate) mod gpus;
+pub(crate) mod plan_kernel;
+pub mod plan_table;
+
+use crate::backend::call::{GpuCall, Issue, Launcher, RankBuffers};
+pub use crate::backend::gpus::CudaBackend;
+use crate::backend::gpus::Rank;
+use crate::backend::plan_kernel::{
     dtype_index, reduce_index, upload_table, DeviceTable, KernelContext, LANE_MIN_BYTES,
     LANE_MIN_COUNT, LANE_TARGET_BYTES, PAD_SLOTS,
 };
-use crate::plan_table::{self, BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
+use crate::backend::plan_table::{BufferAddrs, ErrorRecord, Lanes, PlanArgs, MAX_RANKS, THREADS};
+use crate::error::CudaError;
 use crate::sys::driver::Stream;
 use commfuse_core::backend::{
     ensure_fits, Backend, BackendError, CallTiming, PadCapacity, PreparedCall,
@@ -174,7 +182,9 @@ impl Backend for CudaBackend {
                 Some(lines) => crate::collective::ll::prepare(self, spec, (dtype, reduce), lines),
                 None => crate::collective::ce::prepare(self, spec, dtype, reduce),
             },
-            Implementation::Baseline(b) => crate::baselines::prepare(self, b, spec, dtype, reduce),
+            Implementation::Baseline(b) => {
+                crate::backend::baselines::prepare(self, b, spec, dtype, reduce)
+            }
             Implementation::Plan(algo) => Err(BackendError::Unavailable(format!(
                 "{algo} is a plan: prepare its checked plan, not a baseline"
             ))),
@@ -303,7 +313,7 @@ impl Launcher for PlanLauncher {
 /// A plan kernel's recorded timeout, naming the slot and the rank whose notify was awaited.
 fn plan_wait_timeout(plan: &CheckedPlan, rec: &ErrorRecord, timeout: Duration) -> BackendError {
     let (slot, from) = rec.plan_slot(plan);
-    crate::gpus::wait_timeout(rec, slot, from, timeout)
+    crate::backend::gpus::wait_timeout(rec, slot, from, timeout)
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! A plan as the kernel reads it: one `#[repr(C)]` table per rank, mirrored field for field by
-//! the structs in kernels/plan.cu and sys/common.cuh.
+//! the structs in plan.cu and sys/common.cuh.
 
 use bytemuck::{Pod, Zeroable};
 use commfuse_core::{BufferKind, CheckedPlan, Cmp, Region, Slot, Step};
@@ -232,7 +232,7 @@ mod tests {
 
     #[test]
     fn layouts_match_the_cuda_structs() {
-        // sizes fixed by kernels/plan.cu and sys/common.cuh
+        // sizes fixed by plan.cu and sys/common.cuh
         assert_eq!(std::mem::size_of::<DeviceRegion>(), 16);
         assert_eq!(std::mem::size_of::<DeviceStep>(), 48);
         assert_eq!(std::mem::offset_of!(DeviceStep, len), 40);

@@ -1,10 +1,10 @@
-//! The plan kernel (kernels/plan.cu) as the backend and the one-process-per-GPU collectives
+//! The plan kernel (plan.cu) as the backend and the one-process-per-GPU collectives
 //! launch it: its instances per element type and reduce op (and the `<prefix>_<type>_<op>`
 //! names every kernel's typed instances follow), the signal slots and lanes it is sized for,
 //! and a rank's table of a plan uploaded to its GPU with the kernel's arguments.
 
+use crate::backend::plan_table::{self, BufferAddrs, Lanes, PlanArgs, MAX_RANKS};
 use crate::error::CudaError;
-use crate::plan_table::{self, BufferAddrs, Lanes, PlanArgs, MAX_RANKS};
 use crate::sys::driver::{DeviceMemory, Function, Gpu, Module};
 use commfuse_core::{CheckedPlan, DType, ReduceOp};
 use std::time::Duration;

@@ -4,9 +4,9 @@
 //! call, wedged when a kernel could not be stopped); the bounds of the host's waits, and the
 //! stop that ends a failed batch.
 
+use crate::backend::plan_kernel::{plan_kernel, PAD_SLOTS};
+use crate::backend::plan_table::{ErrorRecord, MAX_RANKS, THREADS};
 use crate::error::CudaError;
-use crate::plan_kernel::{plan_kernel, PAD_SLOTS};
-use crate::plan_table::{ErrorRecord, MAX_RANKS, THREADS};
 use crate::sys::driver::{DeviceMemory, Function, Gpu, MappedHost, Module, Stream};
 use crate::sys::nvrtc;
 use commfuse_core::backend::{ensure_fits, BackendError, CallTiming, PadCapacity};
