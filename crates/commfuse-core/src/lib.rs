@@ -9,6 +9,7 @@
 //!   wrong results before any backend executes it;
 //! * [`cost`]: cost cards and a latency–bandwidth model of a [`topology::Topology`];
 //! * [`reference`]: deterministic random inputs and the float64 reference;
+//! * [`rounds`]: the interleaved rounds every bench times its rows in, and their statistics;
 //! * [`backend`]: the trait every backend (simulator, CUDA) implements.
 
 pub mod algorithms;
@@ -24,6 +25,7 @@ pub mod op;
 pub mod plan;
 pub mod reduce;
 pub mod reference;
+pub mod rounds;
 pub mod signal;
 pub mod topology;
 

@@ -6,12 +6,9 @@
 use crate::error::CudaError;
 use crate::sys::driver::{DeviceMemory, Event, Gpu, Stream};
 use crate::sys::host_sync::StartBarrier;
-use commfuse_core::DType;
+use commfuse_core::{rounds, DType};
 use half::{bf16, f16};
 use std::time::Duration;
-
-/// Rounds every row is timed in.
-pub(crate) const ROUNDS: usize = 5;
 
 /// A rank of a bench: its GPU and the stream its calls go on.
 pub(crate) trait RankStream: Sync {
@@ -42,31 +39,25 @@ pub struct FusedRow {
     pub worst_ratio: f64,
 }
 
-/// Times every row in [`ROUNDS`] interleaved rounds (each round starting at another row, the
-/// first with `warmup` untimed calls, the others with one) of `iters / ROUNDS` calls; returns
-/// per row its rounds' medians of the slowest rank's call time, in ms.
+/// Times every row in [`rounds::ROUNDS`] interleaved rounds of `iters / ROUNDS` calls (the
+/// first with `warmup` untimed calls, at least one, the others with one); returns per row its
+/// rounds' medians of the slowest rank's call time, in ms.
 pub(crate) fn interleaved<D: RankStream>(
     ranks: &[D],
     launches: &[Launch<'_, D>],
     warmup: usize,
     iters: usize,
 ) -> Result<Vec<Vec<f64>>, CudaError> {
-    let per_round = iters.max(ROUNDS).div_ceil(ROUNDS);
-    let mut round_medians = vec![Vec::new(); launches.len()];
-    for round in 0..ROUNDS {
-        for v in 0..launches.len() {
-            // start each round with a different row so that no row always follows the same one
-            let v = (v + round) % launches.len();
-            let warm = if round == 0 { warmup.max(1) } else { 1 };
-            let times = timed(ranks, &launches[v], warm, per_round)?;
-            let mut slowest: Vec<f64> = (0..per_round)
-                .map(|i| times.iter().map(|t| t[i]).fold(0.0, f64::max))
-                .collect();
-            slowest.sort_by(f64::total_cmp);
-            round_medians[v].push(slowest[slowest.len() / 2]);
-        }
-    }
-    Ok(round_medians)
+    let per_round = rounds::calls_per_round(iters);
+    rounds::interleaved(
+        launches.len(),
+        |v, round| {
+            let warm = rounds::warmup_of(round, warmup.max(1));
+            let mut slowest = rounds::slowest_rank(&timed(ranks, &launches[v], warm, per_round)?);
+            Ok(rounds::median(&mut slowest).expect("a round times at least one call"))
+        },
+        |_| {},
+    )
 }
 
 /// A row from its rounds' medians (unchecked: `checked` 0).
@@ -74,11 +65,9 @@ pub(crate) fn row(
     implementation: &str,
     (m, n, k, world): (usize, usize, usize, usize),
     flops: f64,
-    rounds: &[f64],
+    round_medians: &[f64],
 ) -> FusedRow {
-    let mut t = rounds.to_vec();
-    t.sort_by(f64::total_cmp);
-    let time_ms = t[t.len() / 2];
+    let (time_ms, min_ms, max_ms) = rounds::summary(round_medians).expect("a row has its rounds");
     FusedRow {
         implementation: implementation.to_string(),
         m,
@@ -86,8 +75,8 @@ pub(crate) fn row(
         k,
         world,
         time_ms,
-        min_ms: t[0],
-        max_ms: t[t.len() - 1],
+        min_ms,
+        max_ms,
         tflops: flops / (time_ms * 1e-3) / 1e12,
         checked: 0,
         out_of_bound: 0,

@@ -13,6 +13,7 @@ use crate::sizes::format_size;
 use anyhow::Result;
 use commfuse_core::backend::{Backend, PreparedCall};
 use commfuse_core::cost::{choose_algo, CostCard};
+use commfuse_core::rounds;
 use commfuse_core::{
     Algo, Baseline, CheckedPlan, DType, Implementation, OpKind, OpSpec, Protocol, ReduceOp,
     Topology,
@@ -21,7 +22,7 @@ use commfuse_sim::memory::{Footprint, REFERENCE_BLOCK_BYTES};
 use std::time::{Duration, Instant};
 
 /// Rounds in which the candidates of one size take turns.
-pub const ROUNDS: usize = 5;
+pub use commfuse_core::rounds::ROUNDS;
 
 /// What to measure and how.
 #[derive(Debug, Clone)]
@@ -122,12 +123,6 @@ pub enum Progress<'a> {
     Skipped(&'a Skipped),
 }
 
-/// The middle element (upper middle for even lengths) of `xs`, which must not be empty.
-fn median(xs: &mut [Duration]) -> Duration {
-    xs.sort();
-    xs[xs.len() / 2]
-}
-
 /// One prepared candidate of a size and its per-round medians.
 struct Candidate<'b> {
     name: String,
@@ -149,11 +144,7 @@ fn measure_round(
     round: usize,
     per_round: usize,
 ) -> Result<()> {
-    let warmup = if round == 0 {
-        cfg.warmup
-    } else {
-        cfg.warmup.min(1)
-    };
+    let warmup = rounds::warmup_of(round, cfg.warmup);
     if warmup > 0 {
         c.call.run_many(warmup)?;
     }
@@ -173,7 +164,8 @@ fn measure_round(
         }
     }
     c.iterations += times.len();
-    c.round_medians.push(median(&mut times));
+    c.round_medians
+        .push(rounds::median(&mut times).expect("a round times at least one call"));
     Ok(())
 }
 
@@ -249,7 +241,7 @@ pub fn run(
     );
     let mut on_progress = |progress: Progress<'_>| bar.suspend(|| on_progress(progress));
     let world = backend.world_size();
-    let per_round = cfg.iters.div_ceil(ROUNDS).max(1);
+    let per_round = rounds::calls_per_round(cfg.iters);
     // every size is known to fit before the first is measured
     for &bytes in &cfg.sizes {
         let (_, _, plans) = ours_at(cfg, world, bytes)?;
@@ -318,13 +310,11 @@ pub fn run(
         }
         // every candidate takes a turn each round, starting one further along each time so
         // that none always follows the same neighbour
-        let n = candidates.len();
-        for round in 0..ROUNDS {
-            for k in 0..n {
-                measure_round(&mut candidates[(round + k) % n], cfg, round, per_round)?;
-            }
-            bar.inc(1);
-        }
+        rounds::interleaved(
+            candidates.len(),
+            |k, round| measure_round(&mut candidates[k], cfg, round, per_round),
+            |_| bar.inc(1),
+        )?;
         let mut measured = Vec::new();
         for mut c in candidates {
             let wrong = if cfg.check {
@@ -332,8 +322,9 @@ pub fn run(
             } else {
                 None
             };
-            let mut medians = c.round_medians.clone();
-            let time = median(&mut medians).as_secs_f64();
+            let (time, fastest, slowest) =
+                rounds::summary(&c.round_medians).expect("every candidate ran its rounds");
+            let time = time.as_secs_f64();
             let algbw = if time > 0.0 {
                 bytes as f64 / time / 1e9
             } else {
@@ -346,9 +337,9 @@ pub fn run(
                 count,
                 dtype: cfg.dtype,
                 time_us: time * 1e6,
-                min_us: medians[0].as_secs_f64() * 1e6,
-                max_us: medians[medians.len() - 1].as_secs_f64() * 1e6,
-                rounds: medians.len(),
+                min_us: fastest.as_secs_f64() * 1e6,
+                max_us: slowest.as_secs_f64() * 1e6,
+                rounds: c.round_medians.len(),
                 algbw_gbps: algbw,
                 busbw_gbps: algbw * cfg.op.busbw_factor(world),
                 wrong,

@@ -1,6 +1,6 @@
 //! `commfuse bench gemm`: our GEMM beside cuBLASLt on one GPU (same inputs, same run), at all
 //! SMs and capped, plus our GEMM with its epilogue storing every tile to a peer GPU; timed with
-//! events (warm-up, median), every element of each row's output checked against a float64
+//! events (warm-up, the median of interleaved rounds' medians), every element of each row's output checked against a float64
 //! reference computed on the device ([`DeviceReference`], reference_gemm.cu) with the
 //! element-wise bound of `commfuse_core::gemm::element_bound`, on fresh random inputs with the
 //! output poisoned first.
@@ -19,7 +19,7 @@ use commfuse_core::gemm::{
 };
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::reference::input_value;
-use commfuse_core::{DType, Element, ReduceOp};
+use commfuse_core::{rounds, DType, Element, ReduceOp};
 use half::{bf16, f16};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -88,12 +88,11 @@ struct Variant<'a> {
     gemm: Option<&'a PreparedGemm>,
 }
 
-/// Rounds every variant takes turns in, so that clock and temperature drift over the run
-/// touches all rows alike instead of favouring whichever ran first.
-const ROUNDS: usize = 5;
-
-/// Median launch time of each variant in ms: `warmup` launches, then `iters` launches with
-/// events around each, spread over [`ROUNDS`] interleaved rounds.
+/// Each variant's time in ms: the median of its rounds' medians, the variants taking turns in
+/// [`rounds::ROUNDS`] interleaved rounds (`commfuse_core::rounds`) so that clock and temperature
+/// drift over the run touch all rows alike; a round is `iters / ROUNDS` launches with events
+/// around each, after `warmup` untimed launches in the first round (at least one) and one in
+/// the others.
 fn interleaved_medians(
     gpu: &Gpu,
     stream: &Stream,
@@ -101,12 +100,13 @@ fn interleaved_medians(
     warmup: usize,
     iters: usize,
 ) -> Result<Vec<f64>, CudaError> {
-    let per_round = iters.max(ROUNDS).div_ceil(ROUNDS);
-    let mut samples = vec![Vec::new(); variants.len()];
-    for round in 0..ROUNDS {
-        for (v, out) in variants.iter().zip(&mut samples) {
+    let per_round = rounds::calls_per_round(iters);
+    let round_medians = rounds::interleaved(
+        variants.len(),
+        |v, round| {
+            let v = &variants[v];
             let fail = |e| with_stall_report(e, v.gemm);
-            for _ in 0..if round == 0 { warmup.max(1) } else { 1 } {
+            for _ in 0..rounds::warmup_of(round, warmup.max(1)) {
                 (v.launch)().map_err(fail)?;
             }
             let events: Vec<Event> = (0..=per_round)
@@ -119,17 +119,17 @@ fn interleaved_medians(
             }
             stream.synchronize().map_err(fail)?;
             v.gemm.map_or(Ok(()), PreparedGemm::check)?;
-            for w in events.windows(2) {
-                out.push(w[0].elapsed_ms(&w[1])? as f64);
-            }
-        }
-    }
-    Ok(samples
-        .into_iter()
-        .map(|mut t| {
-            t.sort_by(f64::total_cmp);
-            t[t.len() / 2]
-        })
+            let mut times = events
+                .windows(2)
+                .map(|w| Ok(w[0].elapsed_ms(&w[1])? as f64))
+                .collect::<Result<Vec<f64>, CudaError>>()?;
+            Ok(rounds::median(&mut times).expect("a round times at least one launch"))
+        },
+        |_| {},
+    )?;
+    Ok(round_medians
+        .iter()
+        .map(|r| rounds::summary(r).expect("every variant ran its rounds").0)
         .collect())
 }
 
