@@ -17,7 +17,8 @@ OUT=${OUT:-/tmp/commfuse-out}
 R=$OUT/results
 mkdir -p "$R"
 B=.gpu/commfuse
-# check: compile report, GPU tests, verify        gemm: our GEMM beside cuBLASLt at four shapes
+# check: compile report, GPU tests, verify        gemm: our GEMM beside cuBLASLt at four shapes (two GPUs)
+# gemm-one: our GEMM beside cuBLASLt on one GPU at fourteen shapes, decode sizes included
 # bench: the link's ceilings (scripts/link-ceilings.py), the collectives beside NCCL (and graph replay), calibration
 # gemm-rs: GEMM + reduce-scatter beside cuBLASLt and cuBLASLt + NCCL at six shapes
 # ag-gemm: all-gather + GEMM beside cuBLASLt and NCCL + cuBLASLt at the same six shapes (or AG_SHAPES)
@@ -83,6 +84,24 @@ if has gemm; then
       timeout 120 $B bench gemm --m $1 --n $2 --k $3 --b-layout $layout --sms 0,116 --peer 1 --warmup 10 --iters 30 \
         --json "$R/$name.json" >"$R/$name.txt" 2>&1
       log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | tee -a "$OUT/summary.txt"
+    done
+  done
+fi
+
+# our GEMM beside cuBLASLt on one GPU at the shapes of tensor-parallel layers, decode sizes
+# included (M×N×K:layouts), or GEMM_SHAPES="16x8192x3584:nk 8192x8192x3584:nk,kn"
+GEMM_SHAPES=${GEMM_SHAPES:-8192x8192x3584:nk,kn 2048x8192x3584:nk,kn 16384x8192x3584:nk 8192x8192x14336:nk 4096x12288x24576:nk 4096x28672x8192:nk 1024x8192x3584:nk 512x4096x4096:nk 16x8192x3584:nk 64x8192x3584:nk 128x8192x3584:nk 128x28672x8192:nk}
+if has gemm-one; then
+  for shape in $GEMM_SHAPES; do
+    dims=${shape%%:*}; set -- ${dims//x/ }
+    for layout in ${shape#*:}; do
+      layout=${layout//,/ }
+      for l in $layout; do
+        name=gemm-one-$1x$2x$3-$l
+        timeout 120 $B bench gemm --m $1 --n $2 --k $3 --b-layout $l --sms 0 --peer none --warmup 10 --iters 30 \
+          --json "$R/$name.json" >"$R/$name.txt" 2>&1
+        log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | tee -a "$OUT/summary.txt"
+      done
     done
   done
 fi
