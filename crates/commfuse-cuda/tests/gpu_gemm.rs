@@ -758,6 +758,70 @@ fn a_stream_guard_waits_for_the_running_kernel() {
     assert!(idle(), "the guard returned with the kernel still running");
 }
 
+/// A guard whose bound runs out returns with the kernel still running, and the device memory
+/// of that context dropped afterwards is left allocated instead of freed (which would wait for
+/// the kernel without bound). Run in a process of its own: the context stays marked.
+#[test]
+fn a_stream_guard_gives_up_after_its_bound_and_frees_nothing_under_the_kernel() {
+    if std::env::var_os("COMMFUSE_WEDGE_CHILD").is_none() {
+        if one_gpu().is_none() {
+            return;
+        }
+        let me = std::env::current_exe().unwrap();
+        let out = std::process::Command::new(me)
+            .args([
+                "--exact",
+                "a_stream_guard_gives_up_after_its_bound_and_frees_nothing_under_the_kernel",
+                "--test-threads",
+                "1",
+                "--nocapture",
+            ])
+            .env("COMMFUSE_WEDGE_CHILD", "1")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("stays allocated"), "{text}");
+        return;
+    }
+    let (gpu, _, stream) = one_gpu().expect("the parent found a GPU");
+    let p = GemmProblem::new(8192, 8192, 4096, BLayout::NK, DType::BF16, DType::F32).unwrap();
+    let a_dev = DeviceMemory::zeroed(&gpu, p.m * p.k * 2).unwrap();
+    let b_dev = DeviceMemory::zeroed(&gpu, p.n * p.k * 2).unwrap();
+    let value = DeviceMemory::zeroed(&gpu, p.m * p.n * 8).unwrap();
+    let abs = DeviceMemory::zeroed(&gpu, p.m * p.n * 4).unwrap();
+    let reference = ReferenceGemm::load(&gpu).unwrap();
+    let guard = StreamGuard::with_limit(&stream, std::time::Duration::from_millis(1));
+    // SAFETY: the buffers are sized for the problem; they stay allocated (the test's point)
+    unsafe {
+        reference
+            .launch(
+                &stream,
+                &p,
+                a_dev.addr(),
+                b_dev.addr(),
+                value.addr(),
+                abs.addr(),
+            )
+            .unwrap()
+    };
+    drop(guard);
+    assert!(!stream.is_idle().unwrap(), "the kernel ended within 1 ms");
+    // cuMemFree would wait for the kernel: dropped while it runs, the buffer must not be freed
+    drop(value);
+    assert!(
+        !stream.is_idle().unwrap(),
+        "dropping the output waited for the kernel (it was freed)"
+    );
+    assert!(stream
+        .wait_idle(std::time::Duration::from_secs(60))
+        .unwrap());
+}
+
 /// cuBLASLt is timed over its heuristic's candidates per shape and SM cap; the cap still
 /// holds (16 of 132 SMs take several times as long) and both choices compute A·B.
 #[test]

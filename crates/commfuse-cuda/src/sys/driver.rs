@@ -433,6 +433,10 @@ pub fn tensor_map_2d(
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
+        if is_wedged(self.ctx) {
+            // a kernel that will not end may still write it (see `StreamGuard`)
+            return;
+        }
         // SAFETY: allocated by cuMemAlloc in this context; nothing uses it any more
         unsafe {
             let _ = result::ctx::set_current(self.ctx);
@@ -693,25 +697,60 @@ impl Drop for Stream {
 
 /// Waits for everything enqueued on a stream when dropped. Declared after the device memory
 /// (and modules, handles) that kernels on the stream use, it drops before them, so that no
-/// error path frees memory a running kernel still writes. The wait is bounded: every wait of
-/// our GEMM times out after 5 s and ends the kernel (the error path has already reported it
-/// through `PreparedGemm::stall_report`); the other kernels run to completion on their own.
+/// error path frees memory a running kernel still writes. The wait is bounded
+/// ([`StreamGuard::LIMIT`] unless given): every wait of our GEMM times out after 5 s and ends
+/// the kernel, the other kernels run to completion on their own, so a stream still busy past
+/// the bound holds a kernel that will not end. Then the guard says so on stderr and marks the
+/// stream's context wedged: device memory of that context dropped afterwards stays allocated
+/// (freeing it would wait for the device without bound, and must not happen under a kernel
+/// that may still write it).
 pub struct StreamGuard<'a> {
     stream: &'a Stream,
+    limit: Duration,
 }
 
 impl<'a> StreamGuard<'a> {
+    /// How long a dropped guard waits by default.
+    pub const LIMIT: Duration = Duration::from_secs(60);
+
     pub fn new(stream: &'a Stream) -> StreamGuard<'a> {
-        StreamGuard { stream }
+        StreamGuard::with_limit(stream, StreamGuard::LIMIT)
+    }
+
+    /// A guard whose drop waits at most `limit`.
+    pub fn with_limit(stream: &'a Stream, limit: Duration) -> StreamGuard<'a> {
+        StreamGuard { stream, limit }
     }
 }
 
 impl Drop for StreamGuard<'_> {
     fn drop(&mut self) {
-        // an error here is the kernel's own failure, already reported by whoever returned it;
-        // what matters is that the stream has stopped
-        let _ = self.stream.synchronize();
+        // an error here is the kernel's own failure, already reported by whoever returned it
+        // (a faulted context runs nothing any more): what matters is that the stream stopped
+        if let Ok(false) = self.stream.wait_idle(self.limit) {
+            let mut ctx: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: a live stream; the driver writes its context into `ctx`
+            let rc = unsafe { sys::cuStreamGetCtx(self.stream.raw, &mut ctx) };
+            if rc == sys::CUresult::CUDA_SUCCESS {
+                wedged_contexts().push(ctx as usize);
+            }
+            eprintln!(
+                "commfuse: a stream still ran {:?} after the error that ended its work; the device memory its kernels use stays allocated",
+                self.limit
+            );
+        }
     }
+}
+
+/// Contexts with a stream that a [`StreamGuard`] gave up waiting for.
+fn wedged_contexts() -> std::sync::MutexGuard<'static, Vec<usize>> {
+    static WEDGED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+    WEDGED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether a [`StreamGuard`] of `ctx` gave up waiting for its stream.
+fn is_wedged(ctx: sys::CUcontext) -> bool {
+    wedged_contexts().contains(&(ctx as usize))
 }
 
 /// A timing event (created with CU_EVENT_DEFAULT: events made without timing cannot be timed).
