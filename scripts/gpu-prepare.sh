@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 cargo build --release
 rm -rf .gpu && mkdir -p .gpu/tests
 cp target/release/commfuse .gpu/
-cargo test --release --no-run --message-format=json -p commfuse -p commfuse-cuda --test collectives --test gpu --test gpu_gemm --test gpu_gemm_rs --test gpu_ag_gemm --test gpu_collective --test gpu_processes 2>/dev/null \
+cargo test --release --no-run --message-format=json -p commfuse -p commfuse-cuda --test cli --test collectives --test gpu --test gpu_gemm --test gpu_gemm_rs --test gpu_ag_gemm --test gpu_collective --test gpu_processes 2>/dev/null \
   | python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)

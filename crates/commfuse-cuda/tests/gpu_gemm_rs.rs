@@ -1,27 +1,19 @@
 //! GEMM + reduce-scatter on GPUs, one rank per GPU, one host thread each: every output element
 //! of every rank against the float64 reference, three calls queued back to back with different
 //! inputs and M (M < P included), alternately on two streams of each rank, outputs poisoned
-//! before each call by the stream itself; a peer that never arrives ends in a diagnosed error,
+//! before each call by the stream itself (`commfuse_cuda::gemm_rs::checked`); a peer that never arrives ends in a diagnosed error,
 //! not a hang. Skips with a printed reason without two GPUs (one for the unfused path's test
 //! on one GPU; a failure under COMMFUSE_REQUIRE_GPU=1).
 
-use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsShape};
 use commfuse_core::gemm::BLayout;
 use commfuse_core::{DType, Element};
+use commfuse_cuda::gemm_rs::checked::run_checked;
 use commfuse_cuda::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction};
 use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, Stream};
 use commfuse_cuda::testing::{gpus, random, skip, two_gpus, upload};
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// One call's inputs on every rank.
-struct CallInputs<TI, TO> {
-    m: usize,
-    a: Vec<Vec<TI>>,
-    b: Vec<Vec<TI>>,
-    bias: Option<Vec<TO>>,
-}
 
 /// Which path a case runs.
 #[derive(Debug, Clone, Copy)]
@@ -57,7 +49,6 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     ms: &[usize],
     seed: u64,
 ) {
-    let world = gpus.len();
     let max_m = *ms.iter().max().unwrap();
     let mut config = GemmRsConfig::new(max_m, n, k, layout, TI::DTYPE, TO::DTYPE);
     config.bias = bias;
@@ -75,96 +66,20 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
         }
         Way::Unfused => config.path = PathChoice::Always(GemmRsPath::Unfused),
     }
-    let ranks = GemmRsRank::create_group(gpus, config).unwrap();
-    let calls: Vec<CallInputs<TI, TO>> = ms
-        .iter()
-        .enumerate()
-        .map(|(c, &m)| {
-            let s = seed.wrapping_add(97 * c as u64);
-            CallInputs {
-                m,
-                a: (0..world).map(|r| random(m * k, s, 2 * r)).collect(),
-                b: (0..world).map(|r| random(k * n, s, 2 * r + 1)).collect(),
-                bias: bias.then(|| random(n, s, 99)),
-            }
-        })
-        .collect();
-    let calls = &calls;
-    let outputs: Vec<Vec<Vec<TO>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = ranks
-            .into_iter()
-            .map(|mut op| {
-                s.spawn(move || {
-                    let gpu = op.gpu().clone();
-                    gpu.bind().unwrap();
-                    let r = op.rank();
-                    // alternate calls on two streams: the operator orders each call after the
-                    // previous one whatever stream it came on
-                    let streams = [Stream::new(&gpu).unwrap(), Stream::new(&gpu).unwrap()];
-                    let dev: Vec<_> = calls
-                        .iter()
-                        .map(|c| {
-                            let rows = op.chunk(c.m).len().max(1);
-                            (
-                                upload(&gpu, &c.a[r]),
-                                upload(&gpu, &c.b[r]),
-                                c.bias.as_ref().map(|b| upload(&gpu, b)),
-                                DeviceMemory::zeroed(&gpu, rows * n * TO::DTYPE.size()).unwrap(),
-                            )
-                        })
-                        .collect();
-                    for (i, (c, (a, b, bias, out))) in calls.iter().zip(&dev).enumerate() {
-                        let stream = &streams[i % 2];
-                        // SAFETY: every buffer lives until the synchronisation below
-                        unsafe {
-                            let bytes = op.chunk(c.m).len() * n * TO::DTYPE.size();
-                            stream.fill_async(out.addr(), 0xff, bytes).unwrap();
-                            op.forward(
-                                stream,
-                                c.m,
-                                a.addr(),
-                                b.addr(),
-                                bias.as_ref().map(|b| b.addr()),
-                                out.addr(),
-                            )
-                            .unwrap();
-                        }
-                    }
-                    for stream in &streams {
-                        stream.synchronize().unwrap();
-                    }
-                    op.check().unwrap();
-                    calls
-                        .iter()
-                        .zip(&dev)
-                        .map(|(c, (_, _, _, out))| {
-                            let mut host = vec![TO::from_f32(0.0); op.chunk(c.m).len().max(1) * n];
-                            out.download(&gpu, &mut host).unwrap();
-                            host.truncate(op.chunk(c.m).len() * n);
-                            host
-                        })
-                        .collect()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (c, call) in calls.iter().enumerate() {
-        let shape = GemmRsShape::new(world, call.m, n, k, layout, TI::DTYPE, TO::DTYPE).unwrap();
-        let a: Vec<&[TI]> = call.a.iter().map(Vec::as_slice).collect();
-        let b: Vec<&[TI]> = call.b.iter().map(Vec::as_slice).collect();
-        for (r, out) in outputs.iter().enumerate() {
-            let want = reference(&shape, r, &a, &b, call.bias.as_deref());
-            let got = &out[c];
-            assert_eq!(got.len(), want.len());
-            let path = match way {
-                Way::Fused(_) => GemmRsPath::Fused,
-                Way::Overlapped(pieces) | Way::OverlappedInGroups(pieces, _) => {
-                    GemmRsPath::Overlapped { pieces }
-                }
-                Way::Unfused => GemmRsPath::Unfused,
-            };
-            let check = check_elements_on(&shape, path, got.iter().map(|x| x.to_f64()), &want);
+    let path = match way {
+        Way::Fused(_) => GemmRsPath::Fused,
+        Way::Overlapped(pieces) | Way::OverlappedInGroups(pieces, _) => {
+            GemmRsPath::Overlapped { pieces }
+        }
+        Way::Unfused => GemmRsPath::Unfused,
+    };
+    let calls = run_checked(gpus, config, ms, seed).unwrap();
+    assert_eq!(calls.len(), ms.len());
+    for (c, (call, took)) in calls.iter().enumerate() {
+        assert_eq!(*took, path, "{way:?} call {c} (M={})", call.m);
+        assert_eq!(call.ranks.len(), gpus.len());
+        for (r, check) in call.ranks.iter().enumerate() {
+            assert_eq!(check.checked, chunk_len(gpus.len(), call.m, r) * n);
             assert_eq!(
                 check.out_of_bound,
                 0,
@@ -175,6 +90,11 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
             );
         }
     }
+}
+
+/// Rows of rank r's chunk of M rows on P ranks.
+fn chunk_len(p: usize, m: usize, r: usize) -> usize {
+    commfuse_core::op::chunk_range(m, p, r).len()
 }
 
 #[test]
@@ -246,6 +166,27 @@ fn the_unfused_path_runs_on_one_gpu_over_a_non_blocking_communicator() {
         &[300, 1, 77],
         15,
     );
+}
+
+/// One rank on one GPU by the fused and the overlapped paths (the whole chunk local, nothing
+/// sent): every element checked, ragged M, both layouts, f32 output with bias.
+#[test]
+fn one_rank_on_one_gpu_matches_float64() {
+    if gpus(1).is_none() {
+        return;
+    }
+    let g = vec![Arc::new(Gpu::open(0).unwrap())];
+    for way in [
+        Way::Fused(Reduction::Fold),
+        Way::Fused(Reduction::Separate { blocks: 3 }),
+        Way::Overlapped(1),
+        Way::Overlapped(3),
+    ] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            run_case::<bf16, bf16>(&g, way, 264, 136, layout, false, &[301, 130, 1], 41);
+            run_case::<f16, f32>(&g, way, 256, 64, layout, true, &[2, 1, 700], 42);
+        }
+    }
 }
 
 /// The 2D ring's code on two GPUs: one NUMA group per GPU is the flat ring with every hand-on

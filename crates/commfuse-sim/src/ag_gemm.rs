@@ -17,6 +17,7 @@ use crate::gemm::{run_gemm, run_gemm_tiles, Operands};
 use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
+pub use commfuse_core::fused::ag_gemm::AgCallInputs;
 use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, MAX_PIECES};
 use commfuse_core::gemm::{Epilogue, GemmPlan, GemmProblem};
 use commfuse_core::{Cmp, Element, NotifyOp, Slot};
@@ -365,58 +366,5 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
             gathered[..m * k].copy_from_slice(&full);
         }
         self.raise_done(ctx, s, call)
-    }
-}
-
-/// Random operands of a run of calls, uniform in [-1, 1) from `seed` by the project's indexable
-/// stream (`commfuse_core::reference::input_value`).
-pub struct AgCallInputs<TI, TO> {
-    /// `a[call][rank]`: the rank's chunk of the gathered A
-    pub a: Vec<Vec<Vec<TI>>>,
-    /// `b[call][rank]`
-    pub b: Vec<Vec<Vec<TI>>>,
-    /// `bias[call]` (each rank's B has its own columns, the bias is replicated like a parameter)
-    pub bias: Vec<Option<Vec<TO>>>,
-}
-
-impl<TI: Element, TO: Element> AgCallInputs<TI, TO> {
-    /// Inputs of calls with M = `ms[c]` for `config`.
-    pub fn random(config: &AgGemmConfig, ms: &[usize], seed: u64) -> Result<Self, BackendError> {
-        use commfuse_core::reference::input_value;
-        use commfuse_core::ReduceOp;
-        fn values<T: Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
-            (0..len)
-                .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
-                .collect()
-        }
-        let (p, n, k) = (config.world, config.n, config.k);
-        let stream = |c: usize, r: usize, what: usize| (c * p + r) * 3 + what;
-        let mut a = Vec::new();
-        for (c, &m) in ms.iter().enumerate() {
-            let s = shape(config, m)?;
-            a.push(
-                (0..p)
-                    .map(|r| values(seed, stream(c, r, 0), s.chunk(r).len() * k))
-                    .collect(),
-            );
-        }
-        Ok(AgCallInputs {
-            a,
-            b: (0..ms.len())
-                .map(|c| {
-                    (0..p)
-                        .map(|r| values(seed, stream(c, r, 1), k * n))
-                        .collect()
-                })
-                .collect(),
-            bias: (0..ms.len())
-                .map(|c| config.bias.then(|| values(seed, stream(c, 0, 2), n)))
-                .collect(),
-        })
-    }
-
-    /// Call `call`'s gathered A (every rank's chunk in rank order).
-    pub fn gathered(&self, call: usize) -> Vec<TI> {
-        self.a[call].iter().flatten().copied().collect()
     }
 }

@@ -31,6 +31,7 @@ use crate::gemm::{run_gemm, Operands};
 use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
+pub use commfuse_core::fused::gemm_rs::CallInputs;
 use commfuse_core::fused::gemm_rs::{GemmRsPath, GemmRsSchedule};
 use commfuse_core::{Cmp, Element, NotifyOp, Slot};
 use std::marker::PhantomData;
@@ -339,49 +340,6 @@ impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
             GemmRsOperator::Fused(op) => op.forward(ctx, m, a, b, bias, out),
             GemmRsOperator::Overlapped(op) => op.forward(ctx, m, a, b, bias, out),
             GemmRsOperator::Unfused(op) => op.forward(ctx, m, a, b, bias, out),
-        }
-    }
-}
-
-/// Random operands of a run of calls: per call, every rank's A [M, K] and B, and the bias (the
-/// same on every rank, as a replicated parameter is), uniform in [-1, 1) from `seed` by the
-/// project's indexable stream (`commfuse_core::reference::input_value`).
-pub struct CallInputs<TI, TO> {
-    /// `a[call][rank]`
-    pub a: Vec<Vec<Vec<TI>>>,
-    /// `b[call][rank]`
-    pub b: Vec<Vec<Vec<TI>>>,
-    /// `bias[call]`
-    pub bias: Vec<Option<Vec<TO>>>,
-}
-
-impl<TI: Element, TO: Element> CallInputs<TI, TO> {
-    /// Inputs of calls with M = `ms[c]` for `config`.
-    pub fn random(config: &GemmRsConfig, ms: &[usize], seed: u64) -> Self {
-        use commfuse_core::reference::input_value;
-        use commfuse_core::ReduceOp;
-        fn values<T: Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
-            (0..len)
-                .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
-                .collect()
-        }
-        let (p, n, k) = (config.world, config.n, config.k);
-        let stream = |call: usize, rank: usize, what: usize| (call * p + rank) * 3 + what;
-        let per_rank = |what: usize, len: &dyn Fn(usize) -> usize| -> Vec<Vec<Vec<TI>>> {
-            (0..ms.len())
-                .map(|c| {
-                    (0..p)
-                        .map(|r| values(seed, stream(c, r, what), len(c)))
-                        .collect()
-                })
-                .collect()
-        };
-        CallInputs {
-            a: per_rank(0, &|c| ms[c] * k),
-            b: per_rank(1, &|_| k * n),
-            bias: (0..ms.len())
-                .map(|c| config.bias.then(|| values(seed, stream(c, 0, 2), n)))
-                .collect(),
         }
     }
 }

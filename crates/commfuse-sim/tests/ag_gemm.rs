@@ -38,7 +38,8 @@ fn run_calls<TI: Element, TO: Element>(
     } else {
         SimAgGemm::<TI, TO>::new(&world, config, pieces).unwrap()
     };
-    let AgCallInputs { a, b, bias } = AgCallInputs::<TI, TO>::random(&config, ms, seed).unwrap();
+    let AgCallInputs { a, b, bias } =
+        AgCallInputs::<TI, TO>::random(config.world, (config.n, config.k), config.bias, ms, seed);
     let max_m = config.max_m;
     // per rank, per call: the output and the gathered A
     type Outs<TO, TI> = Vec<Mutex<Vec<(Vec<TO>, Vec<TI>)>>>;

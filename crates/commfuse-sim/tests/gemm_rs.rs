@@ -46,7 +46,8 @@ fn run_calls<TI: Element, TO: Element>(
     let world_config = GemmRsOperator::<TI, TO>::world_config(&config, Duration::from_secs(20));
     let world = World::new(p, world_config.unwrap()).unwrap();
     let op = GemmRsOperator::<TI, TO>::new(&world, config, path).unwrap();
-    let CallInputs { a, b, bias } = CallInputs::<TI, TO>::random(&config, ms, seed);
+    let CallInputs { a, b, bias } =
+        CallInputs::<TI, TO>::random(config.world, (config.n, config.k), config.bias, ms, seed);
     // outputs of the largest chunk, poisoned: rows past a call's chunk must stay poisoned
     let out_len = config.max_m.div_ceil(p) * n;
     let outs: Vec<Mutex<Vec<Vec<TO>>>> = (0..p)

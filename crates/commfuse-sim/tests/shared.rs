@@ -79,7 +79,8 @@ fn a_collective_through_shared_memory_matches_the_sum() {
 fn gemm_reduce_scatter_through_shared_memory_matches_float64() {
     let p = 3;
     let config = GemmRsConfig::new(p, 20, 24, 16, BLayout::NK, DType::BF16, DType::BF16, true);
-    let CallInputs { a, b, bias } = CallInputs::<bf16, bf16>::random(&config, &[20], 9);
+    let CallInputs { a, b, bias } =
+        CallInputs::<bf16, bf16>::random(config.world, (config.n, config.k), config.bias, &[20], 9);
     let paths = [
         GemmRsPath::Fused,
         GemmRsPath::Overlapped { pieces: 2 },

@@ -1,6 +1,7 @@
-//! `commfuse run ag-gemm` on the simulator: checked back-to-back calls of all-gather + GEMM with
-//! fresh random inputs, every output element of every rank against the float64 reference and
-//! the GEMM's error bound, and every element of the gathered A (which must be exact).
+//! `commfuse run ag-gemm`: checked back-to-back calls of all-gather + GEMM with fresh random
+//! inputs, every output element of every rank against the float64 reference and the GEMM's
+//! error bound, and every element of the gathered A (which must be exact), on the simulator
+//! ([`run_sim`]) or on GPUs ([`run_cuda`]); one seed gives both the same operands.
 
 use crate::gemm_rs::CallCheck;
 use crate::progress::long_run_warning;
@@ -64,6 +65,34 @@ pub fn run_sim(
     }
 }
 
+/// [`run_sim`] on GPUs `devices` (rank r on `devices[r]`) by the CUDA backend's operator,
+/// built for `config`'s shape, `(pieces, fused)` as there.
+pub fn run_cuda(
+    devices: &[usize],
+    config: &AgGemmConfig,
+    (pieces, fused): (usize, bool),
+    ms: &[usize],
+    seed: u64,
+    timeout: Duration,
+) -> Result<Vec<CallCheck>> {
+    use commfuse_cuda::ag_gemm::{checked::run_checked, AgGemmConfig as CudaConfig};
+    let c = config;
+    let mut cuda = CudaConfig::new(
+        ms.iter().copied().max().unwrap_or(c.max_m),
+        c.n,
+        c.k,
+        c.b_layout,
+        c.input,
+        c.output,
+    );
+    cuda.bias = c.bias;
+    cuda.pieces = pieces;
+    cuda.fused = fused;
+    cuda.timeout = timeout;
+    let gpus = commfuse_cuda::sys::driver::open_group(devices)?;
+    Ok(run_checked(&gpus, cuda, ms, seed)?)
+}
+
 /// Per rank, per call: the output and the gathered A.
 type Outputs<TO, TI> = Vec<Mutex<Vec<(Vec<TO>, Vec<TI>)>>>;
 
@@ -106,7 +135,8 @@ fn run_typed<TI: Element, TO: Element>(
     } else {
         SimAgGemm::<TI, TO>::new(&world, config, pieces)?
     };
-    let AgCallInputs { a, b, bias } = AgCallInputs::<TI, TO>::random(&config, ms, seed)?;
+    let AgCallInputs { a, b, bias } =
+        AgCallInputs::<TI, TO>::random(config.world, (config.n, config.k), config.bias, ms, seed);
     let outs: Outputs<TO, TI> = (0..p)
         .map(|_| {
             let calls = ms

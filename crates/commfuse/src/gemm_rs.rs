@@ -1,11 +1,11 @@
-//! `commfuse run gemm-rs` on the simulator: checked back-to-back calls of GEMM +
-//! reduce-scatter (by the path asked for, or the one `auto` picks) with fresh random inputs,
-//! every output element of every rank against the float64 reference and the path's error bound.
+//! `commfuse run gemm-rs`: checked back-to-back calls of GEMM + reduce-scatter (by the path
+//! asked for, or the one `auto` picks) with fresh random inputs, every output element of every
+//! rank against the float64 reference and the path's error bound, on the simulator
+//! ([`run_sim`]) or on GPUs ([`run_cuda`]); one seed gives both the same operands.
 
 use crate::progress::long_run_warning;
 use anyhow::{anyhow, Result};
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath};
-use commfuse_core::gemm::ElementCheck;
 use commfuse_core::{DType, Element};
 use commfuse_sim::gemm_rs::{CallInputs, GemmRsConfig, GemmRsOperator};
 use commfuse_sim::memory::Footprint;
@@ -14,21 +14,7 @@ use half::{bf16, f16};
 use std::sync::Mutex;
 use std::time::Duration;
 
-/// One checked call: its M and, per rank, the check of its output chunk.
-#[derive(Debug, Clone)]
-pub struct CallCheck {
-    pub m: usize,
-    pub ranks: Vec<ElementCheck>,
-}
-
-impl CallCheck {
-    /// The check of every rank's chunk together.
-    pub fn total(&self) -> ElementCheck {
-        self.ranks
-            .iter()
-            .fold(ElementCheck::default(), |all, r| all.merge(*r))
-    }
-}
+pub use commfuse_core::fused::CallCheck;
 
 /// What [`run_sim`] holds at its peak, but for the world's signal pads: the operator of `path`
 /// (`commfuse_sim::gemm_rs::memory`), every call's inputs (each rank's A and B, the bias) and
@@ -78,6 +64,41 @@ pub fn run_sim(
     }
 }
 
+/// [`run_sim`] on GPUs `devices` (rank r on `devices[r]`) by the CUDA backend's operator,
+/// built for `config`'s shape: `path` is the `--path` text and what it names for the whole
+/// shape; `auto` lets the operator pick per call's M, as it does for a caller. Returns the
+/// checks and the path each call took.
+pub fn run_cuda(
+    devices: &[usize],
+    config: &GemmRsConfig,
+    (path_text, path): (&str, GemmRsPath),
+    ms: &[usize],
+    seed: u64,
+    timeout: Duration,
+) -> Result<(Vec<CallCheck>, Vec<GemmRsPath>)> {
+    use commfuse_cuda::gemm_rs::{checked::run_checked, GemmRsConfig as CudaConfig, PathChoice};
+    let c = config;
+    let mut cuda = CudaConfig::new(
+        ms.iter().copied().max().unwrap_or(c.max_m),
+        c.n,
+        c.k,
+        c.b_layout,
+        c.input,
+        c.output,
+    );
+    cuda.bias = c.bias;
+    cuda.numa_groups = c.numa_groups;
+    cuda.timeout = timeout;
+    cuda.path = if path_text == "auto" {
+        PathChoice::Auto
+    } else {
+        PathChoice::Always(path)
+    };
+    let gpus = commfuse_cuda::sys::driver::open_group(devices)?;
+    let calls = run_checked(&gpus, cuda, ms, seed)?;
+    Ok(calls.into_iter().unzip())
+}
+
 fn run_typed<TI: Element, TO: Element>(
     (config, path, ms, seed, timeout): (GemmRsConfig, GemmRsPath, &[usize], u64, Duration),
 ) -> Result<Vec<CallCheck>> {
@@ -101,7 +122,8 @@ fn run_typed<TI: Element, TO: Element>(
     let bar = crate::progress::bar(2 * (p * ms.len()) as u64, &what);
     let world = World::new(p, world_config)?;
     let op = GemmRsOperator::<TI, TO>::new(&world, config, path)?;
-    let CallInputs { a, b, bias } = CallInputs::<TI, TO>::random(&config, ms, seed);
+    let CallInputs { a, b, bias } =
+        CallInputs::<TI, TO>::random(config.world, (config.n, config.k), config.bias, ms, seed);
     let outs: Vec<Mutex<Vec<Vec<TO>>>> = (0..p)
         .map(|r| {
             Mutex::new(

@@ -741,12 +741,40 @@ fn run_gemm_rs_refuses_bad_input_in_one_line() {
         "--ranks must be between 1 and",
     );
     fails_with(
-        &with(&["--k", "8", "--backend", "cuda"]),
-        "gemm-rs on the cuda backend runs through `commfuse bench gemm-rs`",
+        &with(&["--k", "8", "--devices", "0,1"]),
+        "--ranks 3 disagrees with --devices 0,1 (2 GPUs, one rank each)",
     );
     fails_with(
-        &with(&["--k", "8", "--devices", "0,1"]),
-        "gemm-rs on the cuda backend runs through `commfuse bench gemm-rs`",
+        &[
+            "run",
+            "gemm-rs",
+            "--m",
+            "3",
+            "--n",
+            "8",
+            "--k",
+            "8",
+            "--devices",
+            "0",
+            "--backend",
+            "sim",
+        ],
+        "--devices 0 names GPUs, but --backend sim runs on the CPU",
+    );
+    fails_with(
+        &[
+            "run",
+            "gemm-rs",
+            "--m",
+            "3",
+            "--n",
+            "8",
+            "--k",
+            "8",
+            "--devices",
+            "1,1",
+        ],
+        "device 1 is listed twice",
     );
     fails_with(
         &["run", "gemm-rs", "--m", "0", "--n", "8", "--k", "8"],
@@ -1252,5 +1280,73 @@ fn every_implementation_runs_by_name_on_gpus() {
             );
             assert!(out.trim_end().ends_with("OK"), "{args:?}: {out}");
         }
+    }
+}
+
+/// On GPUs `run gemm-rs` takes every path and `run ag-gemm` both on all the machine's GPUs (up
+/// to 8), their calls checked on every element, the path named; with one GPU everything is
+/// local.
+#[test]
+fn fused_operators_run_by_every_path_on_gpus() {
+    let gpus = commfuse_cuda::sys::driver::device_count().unwrap_or(0);
+    if gpus == 0 {
+        return commfuse_cuda::testing::skip("run gemm-rs on the cuda backend: no GPU");
+    }
+    let devices: Vec<String> = (0..gpus.min(8)).map(|g| g.to_string()).collect();
+    let devices = devices.join(",");
+    for (path, named) in [
+        ("fused", "fused"),
+        ("overlapped", "overlapped"),
+        ("unfused", "unfused"),
+        ("auto", ""),
+    ] {
+        let args = [
+            "run",
+            "gemm-rs",
+            "--m",
+            "300",
+            "--n",
+            "264",
+            "--k",
+            "64",
+            "--bias",
+            "--path",
+            path,
+            "--devices",
+            &devices,
+            "--seed",
+            "7",
+        ];
+        let o = commfuse(&args);
+        let out = stdout(&o);
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {}{out}", stderr(&o));
+        assert!(out.contains("(cuda)"), "{args:?}: {out}");
+        assert!(out.contains(named), "{args:?}: {out}");
+        assert!(out.contains("call 1: M=150"), "{args:?}: {out}");
+        assert!(out.trim_end().ends_with("OK"), "{args:?}: {out}");
+    }
+    for extra in [&[][..], &["--fused"][..], &["--pieces", "3"][..]] {
+        let mut args = vec![
+            "run",
+            "ag-gemm",
+            "--m",
+            "301",
+            "--n",
+            "264",
+            "--k",
+            "64",
+            "--bias",
+            "--devices",
+            &devices,
+            "--seed",
+            "8",
+        ];
+        args.extend_from_slice(extra);
+        let o = commfuse(&args);
+        let out = stdout(&o);
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {}{out}", stderr(&o));
+        assert!(out.contains("(cuda)"), "{args:?}: {out}");
+        assert!(out.contains("call 1: M=151"), "{args:?}: {out}");
+        assert!(out.trim_end().ends_with("OK"), "{args:?}: {out}");
     }
 }

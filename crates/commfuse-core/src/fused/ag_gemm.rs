@@ -325,6 +325,69 @@ impl AgGemmSchedule {
     }
 }
 
+/// Random operands of a run of calls, uniform in [-1, 1) from `seed` by the project's indexable
+/// stream ([`crate::reference::input_value`]), so that one seed gives the same operands on
+/// every backend.
+pub struct AgCallInputs<TI, TO> {
+    /// `a[call][rank]`: the rank's chunk of the gathered A
+    pub a: Vec<Vec<Vec<TI>>>,
+    /// `b[call][rank]`
+    pub b: Vec<Vec<Vec<TI>>>,
+    /// `bias[call]` (each rank's B has its own columns, the bias is replicated like a parameter)
+    pub bias: Vec<Option<Vec<TO>>>,
+}
+
+impl<TI: crate::Element, TO: crate::Element> AgCallInputs<TI, TO> {
+    /// Inputs of calls with M = `ms[c]` gathered rows on `world` ranks (chunks split as the
+    /// collectives split M), each B of K × N elements, a bias of N where `bias`.
+    pub fn random(
+        world: usize,
+        (n, k): (usize, usize),
+        bias: bool,
+        ms: &[usize],
+        seed: u64,
+    ) -> Self {
+        use crate::reference::input_value;
+        use crate::ReduceOp;
+        fn values<T: crate::Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
+            (0..len)
+                .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
+                .collect()
+        }
+        let p = world;
+        let stream = |c: usize, r: usize, what: usize| (c * p + r) * 3 + what;
+        AgCallInputs {
+            a: ms
+                .iter()
+                .enumerate()
+                .map(|(c, &m)| {
+                    (0..p)
+                        .map(|r| {
+                            let rows = crate::op::chunk_range(m, p, r).len();
+                            values(seed, stream(c, r, 0), rows * k)
+                        })
+                        .collect()
+                })
+                .collect(),
+            b: (0..ms.len())
+                .map(|c| {
+                    (0..p)
+                        .map(|r| values(seed, stream(c, r, 1), k * n))
+                        .collect()
+                })
+                .collect(),
+            bias: (0..ms.len())
+                .map(|c| bias.then(|| values(seed, stream(c, 0, 2), n)))
+                .collect(),
+        }
+    }
+
+    /// Call `call`'s gathered A (every rank's chunk in rank order).
+    pub fn gathered(&self, call: usize) -> Vec<TI> {
+        self.a[call].iter().flatten().copied().collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -487,6 +487,57 @@ impl GemmRsSchedule {
     }
 }
 
+/// Random operands of a run of calls: per call, every rank's A [M, K] and B, and the bias (the
+/// same on every rank, as a replicated parameter is), uniform in [-1, 1) from `seed` by the
+/// project's indexable stream ([`crate::reference::input_value`]), so that one seed gives the
+/// same operands on every backend.
+pub struct CallInputs<TI, TO> {
+    /// `a[call][rank]`
+    pub a: Vec<Vec<Vec<TI>>>,
+    /// `b[call][rank]`
+    pub b: Vec<Vec<Vec<TI>>>,
+    /// `bias[call]`
+    pub bias: Vec<Option<Vec<TO>>>,
+}
+
+impl<TI: crate::Element, TO: crate::Element> CallInputs<TI, TO> {
+    /// Inputs of calls with M = `ms[c]` on `world` ranks, each B [K, N] or [N, K] (the same
+    /// values either way), a bias of N elements where `bias`.
+    pub fn random(
+        world: usize,
+        (n, k): (usize, usize),
+        bias: bool,
+        ms: &[usize],
+        seed: u64,
+    ) -> Self {
+        use crate::reference::input_value;
+        use crate::ReduceOp;
+        fn values<T: crate::Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
+            (0..len)
+                .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
+                .collect()
+        }
+        let p = world;
+        let stream = |call: usize, rank: usize, what: usize| (call * p + rank) * 3 + what;
+        let per_rank = |what: usize, len: &dyn Fn(usize) -> usize| -> Vec<Vec<Vec<TI>>> {
+            (0..ms.len())
+                .map(|c| {
+                    (0..p)
+                        .map(|r| values(seed, stream(c, r, what), len(c)))
+                        .collect()
+                })
+                .collect()
+        };
+        CallInputs {
+            a: per_rank(0, &|c| ms[c] * k),
+            b: per_rank(1, &|_| k * n),
+            bias: (0..ms.len())
+                .map(|c| bias.then(|| values(seed, stream(c, 0, 2), n)))
+                .collect(),
+        }
+    }
+}
+
 /// One output element of GEMM + reduce-scatter in float64, with the magnitudes its rounding
 /// errors scale with: what [`element_bound`] needs to judge a computed element.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]

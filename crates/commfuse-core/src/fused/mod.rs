@@ -8,7 +8,24 @@ pub mod ring_rs;
 
 use crate::dtype::DType;
 use crate::error::Error;
-use crate::gemm::{BLayout, GemmProblem};
+use crate::gemm::{BLayout, ElementCheck, GemmProblem};
+
+/// One checked call of a fused operator: its M and, per rank, the check of every element that
+/// rank computed against the float64 reference.
+#[derive(Debug, Clone)]
+pub struct CallCheck {
+    pub m: usize,
+    pub ranks: Vec<ElementCheck>,
+}
+
+impl CallCheck {
+    /// The check of every rank's elements together.
+    pub fn total(&self) -> ElementCheck {
+        self.ranks
+            .iter()
+            .fold(ElementCheck::default(), |all, r| all.merge(*r))
+    }
+}
 
 /// What every fused operator's shape must be: at least one rank, an output of the input type or
 /// f32, and a GEMM the contract accepts (positive sizes, K a multiple of 8, bf16/f16 inputs).

@@ -36,6 +36,7 @@
 //! Its bench, `commfuse bench ag-gemm`, is [`bench`](mod@bench).
 
 pub mod bench;
+pub mod checked;
 
 use crate::backend::plan_table::MAX_RANKS;
 use crate::error::CudaError;

@@ -28,9 +28,11 @@
 //! The other paths are `ring.rs` (overlapped) and `unfused.rs`. [`flag_step`] holds the
 //! one-thread flag kernels of gemm_rs.cu that order library calls across GPUs, for the ring and
 //! for all-gather + GEMM's overlapped path ([`crate::ag_gemm`]); `commfuse bench gemm-rs` is
-//! [`bench`](mod@bench).
+//! [`bench`](mod@bench), its checked back-to-back calls (`commfuse run gemm-rs` on GPUs)
+//! [`checked`].
 
 pub mod bench;
+pub mod checked;
 pub mod flag_step;
 mod ring;
 mod unfused;

@@ -137,7 +137,7 @@ impl Drop for Gpu {
 
 /// The GPUs `devices` (rank r on the r-th), peer access enabled between every pair. Each GPU
 /// once: the fused operators' GEMMs fill a GPU, so ranks sharing one could never meet.
-pub(crate) fn open_group(devices: &[usize]) -> Result<Vec<std::sync::Arc<Gpu>>, CudaError> {
+pub fn open_group(devices: &[usize]) -> Result<Vec<std::sync::Arc<Gpu>>, CudaError> {
     one_rank_per_gpu(devices).map_err(CudaError::Unavailable)?;
     let gpus: Vec<std::sync::Arc<Gpu>> = devices
         .iter()

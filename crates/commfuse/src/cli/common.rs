@@ -128,30 +128,81 @@ pub struct Where {
 impl Where {
     /// Where to run, or why the flags disagree.
     pub(super) fn placement(&self) -> Result<Placement> {
-        let timeout = Duration::from_millis(self.timeout_ms);
-        let Some(devices) = &self.devices else {
-            return Ok(Placement {
-                backend: self.backend.unwrap_or(BackendKind::Sim),
-                ranks: self.ranks.unwrap_or(8),
-                devices: None,
-                timeout,
-            });
-        };
-        devices_on_cuda(self.backend, devices)?;
-        if let Some(ranks) = self.ranks.filter(|&r| r != devices.len()) {
-            bail!(
-                "--ranks {ranks} disagrees with --devices {} ({} GPUs, one rank each): drop --ranks or name {ranks} GPUs",
-                list(devices),
-                devices.len()
-            );
-        }
-        Ok(Placement {
-            backend: BackendKind::Cuda,
-            ranks: devices.len(),
-            devices: Some(devices.clone()),
-            timeout,
-        })
+        placement(
+            (self.ranks, 8),
+            self.backend,
+            self.devices.as_deref(),
+            self.timeout_ms,
+        )
     }
+}
+
+/// Where a fused operator's `run` goes: ranks, backend, GPUs and the waits' bound, as for the
+/// collectives (two ranks unless told).
+#[derive(Args, Debug, Clone)]
+pub struct FusedWhere {
+    /// Number of ranks (simulated threads, or GPUs 0..P with --backend cuda) [default: 2, or
+    /// one per GPU of --devices]
+    #[arg(long, short = 'p', allow_negative_numbers = true, value_parser = ranks())]
+    pub ranks: Option<usize>,
+    /// Backend: sim (CPU simulator) or cuda [default: sim, or cuda with --devices]
+    #[arg(long)]
+    pub backend: Option<BackendKind>,
+    /// GPUs to use, rank r on the r-th, each once (implies --backend cuda and --ranks)
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, value_parser = gpu())]
+    pub devices: Option<Vec<usize>>,
+    /// How long a wait may take before the call fails with a diagnosis, ms
+    #[arg(long, default_value_t = 5000, allow_negative_numbers = true, value_parser = millis())]
+    pub timeout_ms: u64,
+}
+
+impl FusedWhere {
+    /// Where to run, or why the flags disagree; on the cuda backend the GPUs, 0..P unless named.
+    pub(super) fn placement(&self) -> Result<Placement> {
+        let mut place = placement(
+            (self.ranks, 2),
+            self.backend,
+            self.devices.as_deref(),
+            self.timeout_ms,
+        )?;
+        if place.backend == BackendKind::Cuda && place.devices.is_none() {
+            place.devices = Some((0..place.ranks).collect());
+        }
+        Ok(place)
+    }
+}
+
+/// Where to run from the flags: `(--ranks, its default)`, `--backend`, `--devices`,
+/// `--timeout-ms`; or why they disagree.
+fn placement(
+    (ranks, default_ranks): (Option<usize>, usize),
+    backend: Option<BackendKind>,
+    devices: Option<&[usize]>,
+    timeout_ms: u64,
+) -> Result<Placement> {
+    let timeout = Duration::from_millis(timeout_ms);
+    let Some(devices) = devices else {
+        return Ok(Placement {
+            backend: backend.unwrap_or(BackendKind::Sim),
+            ranks: ranks.unwrap_or(default_ranks),
+            devices: None,
+            timeout,
+        });
+    };
+    devices_on_cuda(backend, devices)?;
+    if let Some(ranks) = ranks.filter(|&r| r != devices.len()) {
+        bail!(
+            "--ranks {ranks} disagrees with --devices {} ({} GPUs, one rank each): drop --ranks or name {ranks} GPUs",
+            list(devices),
+            devices.len()
+        );
+    }
+    Ok(Placement {
+        backend: BackendKind::Cuda,
+        ranks: devices.len(),
+        devices: Some(devices.to_vec()),
+        timeout,
+    })
 }
 
 /// Refuses `--devices` beside `--backend sim`: GPUs on a backend that has none.

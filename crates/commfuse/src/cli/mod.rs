@@ -39,8 +39,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Run one call of a collective (`run <op>`), or back-to-back calls of fused GEMM +
-    /// reduce-scatter (`run gemm-rs`), check against the float64 reference, print OK
+    /// Run one call of a collective (`run <op>`), or back-to-back calls of a fused operator
+    /// (`run gemm-rs`, `run ag-gemm`), check against the float64 reference, print OK
     Run(RunCmd),
     /// Print a plan's per-rank steps, the checker's verdict and the cost card
     Plan(PlanArgs),

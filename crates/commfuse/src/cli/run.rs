@@ -1,9 +1,11 @@
 //! `commfuse run`: one checked call of a collective (`run <op>`), or back-to-back checked calls
-//! of the fused operators on the simulator (`run gemm-rs`, `run ag-gemm`).
+//! of the fused operators (`run gemm-rs`, `run ag-gemm`), on the simulator or on GPUs.
 
-use super::common::{algo_label, ensure_offered, ArgsOr, GemmShapeArgs, What, Where};
-use crate::args::{elements, gpu, groups, millis, pieces, ranks, seed};
-use crate::backends::{self, BackendKind};
+use super::common::{
+    algo_label, ensure_offered, list, ArgsOr, FusedWhere, GemmShapeArgs, What, Where,
+};
+use crate::args::{elements, groups, pieces, seed};
+use crate::backends;
 use crate::driver;
 use crate::verify;
 use anyhow::{bail, Context, Result};
@@ -11,9 +13,8 @@ use clap::{Args, Subcommand};
 use commfuse_core::topology::LinkModel;
 use commfuse_core::{Algo, Implementation};
 use std::path::PathBuf;
-use std::time::Duration;
 
-/// `run <op> [flags]` runs a collective, `run gemm-rs [flags]` the fused GEMM + reduce-scatter.
+/// `run <op> [flags]` runs a collective, `run gemm-rs` / `run ag-gemm [flags]` a fused operator.
 pub type RunCmd = ArgsOr<RunArgs, RunSub>;
 
 #[derive(Subcommand, Debug)]
@@ -56,9 +57,8 @@ pub struct RunArgs {
 pub struct RunGemmRsArgs {
     #[command(flatten)]
     pub shape: GemmShapeArgs,
-    /// Number of ranks (simulated threads)
-    #[arg(long, short = 'p', default_value_t = 2, allow_negative_numbers = true, value_parser = ranks())]
-    pub ranks: usize,
+    #[command(flatten)]
+    pub place: FusedWhere,
     /// Which path: auto (the cost model's pick for the shape), fused (the tile schedule of our
     /// GEMM), overlapped (the ring of library GEMMs; --pieces cuts each step) or unfused (the
     /// whole GEMM, then a reduce-scatter)
@@ -76,24 +76,14 @@ pub struct RunGemmRsArgs {
     /// Seed of the random inputs (default: fresh each run)
     #[arg(long, allow_negative_numbers = true, value_parser = seed())]
     pub seed: Option<u64>,
-    /// Backend (gemm-rs runs here on sim; on GPUs through `commfuse bench gemm-rs`)
-    #[arg(long, default_value = "sim")]
-    pub backend: BackendKind,
-    /// GPUs (the cuda backend: not run here)
-    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, value_parser = gpu())]
-    pub devices: Option<Vec<usize>>,
-    /// How long a wait may take before the call fails with a diagnosis, ms
-    #[arg(long, default_value_t = 5000, allow_negative_numbers = true, value_parser = millis())]
-    pub timeout_ms: u64,
 }
 
 #[derive(Args, Debug)]
 pub struct RunAgGemmArgs {
     #[command(flatten)]
     pub shape: GemmShapeArgs,
-    /// Number of ranks (simulated threads)
-    #[arg(long, short = 'p', default_value_t = 2, allow_negative_numbers = true, value_parser = ranks())]
-    pub ranks: usize,
+    #[command(flatten)]
+    pub place: FusedWhere,
     /// Row pieces each rank's chunk is handed on in, 1 to 16: a GEMM per piece on the overlapped
     /// path, a wait per piece before the tiles that read its rows on the fused one
     #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = pieces())]
@@ -105,9 +95,6 @@ pub struct RunAgGemmArgs {
     /// Seed of the random inputs (default: fresh each run)
     #[arg(long, allow_negative_numbers = true, value_parser = seed())]
     pub seed: Option<u64>,
-    /// How long a wait may take before the call fails with a diagnosis, ms
-    #[arg(long, default_value_t = 5000, allow_negative_numbers = true, value_parser = millis())]
-    pub timeout_ms: u64,
 }
 
 pub(super) fn run(a: RunArgs) -> Result<i32> {
@@ -216,12 +203,10 @@ fn parse_gemm_rs_path(
 
 pub(super) fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
     use commfuse_sim::gemm_rs::GemmRsConfig;
-    if a.backend == BackendKind::Cuda || a.devices.is_some() {
-        bail!("gemm-rs on the cuda backend runs through `commfuse bench gemm-rs`");
-    }
+    let place = a.place.placement()?;
     let config = GemmRsConfig {
         numa_groups: a.numa_groups,
-        ..a.shape.sim_config(a.ranks)?
+        ..a.shape.sim_config(place.ranks)?
     };
     let output = config.output;
     // validates the shape and types before anything runs
@@ -243,10 +228,24 @@ pub(super) fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
         );
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
     let ms = [a.shape.m, a.shape.m.div_ceil(2)];
-    let timeout = Duration::from_millis(a.timeout_ms);
-    let calls = crate::gemm_rs::run_sim(config, path, &ms, seed, timeout)?;
+    let timeout = place.timeout;
+    let (calls, paths, on) = match &place.devices {
+        None => {
+            let calls = crate::gemm_rs::run_sim(config, path, &ms, seed, timeout)?;
+            (
+                calls,
+                vec![path; ms.len()],
+                format!("{} ranks (sim)", place.ranks),
+            )
+        }
+        Some(devices) => {
+            let (calls, paths) =
+                crate::gemm_rs::run_cuda(devices, &config, (&a.path, path), &ms, seed, timeout)?;
+            (calls, paths, format!("GPUs {} (cuda)", list(devices)))
+        }
+    };
     println!(
-        "gemm-rs {}×{}×{} (M×N×K, K per rank), B {}, {} → {}, {}, on {} ranks (sim), {path}{}{}, seed {seed}",
+        "gemm-rs {}×{}×{} (M×N×K, K per rank), B {}, {} → {}, {}, on {on}, {path}{}{}, seed {seed}",
         a.shape.m,
         a.shape.n,
         a.shape.k,
@@ -254,7 +253,6 @@ pub(super) fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
         a.shape.dtype,
         output,
         if a.shape.bias { "bias" } else { "no bias" },
-        a.ranks,
         if a.path == "auto" { " (auto)" } else { "" },
         if two_d {
             format!(", 2D ring over {} NUMA groups", a.numa_groups)
@@ -262,21 +260,35 @@ pub(super) fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
             String::new()
         }
     );
+    if paths.iter().any(|&p| p != path) {
+        let taken: Vec<String> = paths.iter().map(|p| p.to_string()).collect();
+        println!("paths taken per call: {}", taken.join(", "));
+    }
     report_calls(&calls)
 }
 
 pub(super) fn run_ag_gemm_cmd(a: RunAgGemmArgs) -> Result<i32> {
     use commfuse_sim::ag_gemm::{shape, AgGemmConfig};
-    let config: AgGemmConfig = a.shape.sim_config(a.ranks)?;
+    let place = a.place.placement()?;
+    let config: AgGemmConfig = a.shape.sim_config(place.ranks)?;
     let output = config.output;
     // validates the shape and types before anything runs
     shape(&config, a.shape.m)?;
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
     let ms = [a.shape.m, a.shape.m.div_ceil(2)];
-    let timeout = Duration::from_millis(a.timeout_ms);
-    let calls = crate::ag_gemm::run_sim(config, (a.pieces, a.fused), &ms, seed, timeout)?;
+    let timeout = place.timeout;
+    let (calls, on) = match &place.devices {
+        None => (
+            crate::ag_gemm::run_sim(config, (a.pieces, a.fused), &ms, seed, timeout)?,
+            format!("{} ranks (sim)", place.ranks),
+        ),
+        Some(devices) => (
+            crate::ag_gemm::run_cuda(devices, &config, (a.pieces, a.fused), &ms, seed, timeout)?,
+            format!("GPUs {} (cuda)", list(devices)),
+        ),
+    };
     println!(
-        "ag-gemm {}×{}×{} (M×N×K, M gathered), B {}, {} → {}, {}, on {} ranks (sim), {}{} piece{} per chunk, seed {seed}",
+        "ag-gemm {}×{}×{} (M×N×K, M gathered), B {}, {} → {}, {}, on {on}, {}{} piece{} per chunk, seed {seed}",
         a.shape.m,
         a.shape.n,
         a.shape.k,
@@ -284,7 +296,6 @@ pub(super) fn run_ag_gemm_cmd(a: RunAgGemmArgs) -> Result<i32> {
         a.shape.dtype,
         output,
         if a.shape.bias { "bias" } else { "no bias" },
-        a.ranks,
         if a.fused { "fused, " } else { "" },
         a.pieces,
         if a.pieces == 1 { "" } else { "s" }
