@@ -1,7 +1,9 @@
 //! What the fused operators' benches ([`crate::gemm_rs::bench`], [`crate::ag_gemm::bench`])
-//! share: one host thread per rank timing a row's calls with CUDA events on each rank's stream,
+//! and their checked runners ([`crate::gemm_rs::checked`], [`crate::ag_gemm::checked`]) share:
+//! one host thread per rank timing a row's calls with CUDA events on each rank's stream,
 //! rows interleaved in rounds, a call's time its slowest rank's, each row the median of its
-//! rounds' medians; the row type; downloads to f64.
+//! rounds' medians; the row type; one host thread per rank for a run of calls; uploads and
+//! downloads.
 
 use crate::error::CudaError;
 use crate::sys::driver::{DeviceMemory, Event, Gpu, Stream};
@@ -154,6 +156,44 @@ pub(crate) fn upload<T: bytemuck::NoUninit>(
     let mem = DeviceMemory::zeroed(gpu, std::mem::size_of_val(host).max(16))?;
     mem.upload(gpu, host)?;
     Ok(mem)
+}
+
+/// Runs `part` for every rank, each on a host thread of its own; returns their results in
+/// rank order, the first error among them (a panicked thread is one).
+pub(crate) fn on_every_rank<R: Send, T: Send>(
+    ranks: Vec<R>,
+    part: impl Fn(R) -> Result<T, CudaError> + Sync,
+) -> Result<Vec<T>, CudaError> {
+    let part = &part;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| s.spawn(move || part(rank)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(CudaError::Unavailable(
+                        "a rank's host thread panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    })
+}
+
+/// Waits for every one of `streams`, each at most `limit`: past it, the error says that
+/// `who` waited on `what`.
+pub(crate) fn drain(
+    streams: &[Stream],
+    limit: Duration,
+    who: &str,
+    what: &str,
+) -> Result<(), CudaError> {
+    streams
+        .iter()
+        .try_for_each(|s| s.synchronize_within(limit, who, what))
 }
 
 /// `len` elements of `dtype` from `mem`, widened to f64.

@@ -347,38 +347,12 @@ impl<TI: crate::Element, TO: crate::Element> AgCallInputs<TI, TO> {
         ms: &[usize],
         seed: u64,
     ) -> Self {
-        use crate::reference::input_value;
-        use crate::ReduceOp;
-        fn values<T: crate::Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
-            (0..len)
-                .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
-                .collect()
-        }
-        let p = world;
-        let stream = |c: usize, r: usize, what: usize| (c * p + r) * 3 + what;
+        let calls = ms.len();
+        let chunk = |c: usize, r: usize| crate::op::chunk_range(ms[c], world, r).len();
         AgCallInputs {
-            a: ms
-                .iter()
-                .enumerate()
-                .map(|(c, &m)| {
-                    (0..p)
-                        .map(|r| {
-                            let rows = crate::op::chunk_range(m, p, r).len();
-                            values(seed, stream(c, r, 0), rows * k)
-                        })
-                        .collect()
-                })
-                .collect(),
-            b: (0..ms.len())
-                .map(|c| {
-                    (0..p)
-                        .map(|r| values(seed, stream(c, r, 1), k * n))
-                        .collect()
-                })
-                .collect(),
-            bias: (0..ms.len())
-                .map(|c| bias.then(|| values(seed, stream(c, 0, 2), n)))
-                .collect(),
+            a: super::random_per_rank(world, calls, (0, seed), |c, r| chunk(c, r) * k),
+            b: super::random_per_rank(world, calls, (1, seed), |_, _| k * n),
+            bias: super::random_bias(world, calls, (n, bias), seed),
         }
     }
 

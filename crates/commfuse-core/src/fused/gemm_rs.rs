@@ -510,30 +510,11 @@ impl<TI: crate::Element, TO: crate::Element> CallInputs<TI, TO> {
         ms: &[usize],
         seed: u64,
     ) -> Self {
-        use crate::reference::input_value;
-        use crate::ReduceOp;
-        fn values<T: crate::Element>(seed: u64, stream: usize, len: usize) -> Vec<T> {
-            (0..len)
-                .map(|i| T::from_f32(input_value(seed, stream, i, ReduceOp::Sum)))
-                .collect()
-        }
-        let p = world;
-        let stream = |call: usize, rank: usize, what: usize| (call * p + rank) * 3 + what;
-        let per_rank = |what: usize, len: &dyn Fn(usize) -> usize| -> Vec<Vec<Vec<TI>>> {
-            (0..ms.len())
-                .map(|c| {
-                    (0..p)
-                        .map(|r| values(seed, stream(c, r, what), len(c)))
-                        .collect()
-                })
-                .collect()
-        };
+        let calls = ms.len();
         CallInputs {
-            a: per_rank(0, &|c| ms[c] * k),
-            b: per_rank(1, &|_| k * n),
-            bias: (0..ms.len())
-                .map(|c| bias.then(|| values(seed, stream(c, 0, 2), n)))
-                .collect(),
+            a: super::random_per_rank(world, calls, (0, seed), |c, _| ms[c] * k),
+            b: super::random_per_rank(world, calls, (1, seed), |_, _| k * n),
+            bias: super::random_bias(world, calls, (n, bias), seed),
         }
     }
 }

@@ -7,6 +7,7 @@
 
 use crate::ag_gemm::{AgGemmConfig, AgGemmRank};
 use crate::error::CudaError;
+use crate::rank_bench::{drain, on_every_rank, upload};
 use crate::sys::driver::{DeviceMemory, Gpu, Stream};
 use commfuse_core::fused::ag_gemm::AgCallInputs;
 use commfuse_core::fused::CallCheck;
@@ -56,22 +57,8 @@ fn run<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     let inputs = AgCallInputs::<TI, TO>::random(world, (n, k), config.bias, ms, seed);
     let ranks = AgGemmRank::create_group(gpus, config)?;
     let inputs = &inputs;
-    let outputs: Vec<Vec<RankCall<TO, TI>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = ranks
-            .into_iter()
-            .map(|op| s.spawn(move || rank_calls(op, inputs, ms)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(CudaError::Unavailable(
-                        "a rank's host thread panicked".into(),
-                    ))
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()
-    })?;
+    let outputs: Vec<Vec<RankCall<TO, TI>>> =
+        on_every_rank(ranks, |op| rank_calls(op, inputs, ms))?;
     let epilogue = Epilogue {
         bias: config.bias,
         ..Epilogue::default()
@@ -129,22 +116,16 @@ fn rank_calls<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     let r = op.rank();
     let (n, k) = (op.config().n, op.config().k);
     let (in_size, out_size) = (TI::DTYPE.size(), TO::DTYPE.size());
-    let upload = |host: &[u8]| -> Result<DeviceMemory, CudaError> {
-        // at least 16 bytes: an empty chunk still has an address a kernel may be given
-        let mem = DeviceMemory::zeroed(&gpu, host.len().max(16))?;
-        mem.upload(&gpu, host)?;
-        Ok(mem)
-    };
     // calls alternate between two streams: the operator orders each call after the previous
     // one whatever stream it came on
     let streams = [Stream::new(&gpu)?, Stream::new(&gpu)?];
     let mut buffers = Vec::with_capacity(ms.len());
     for (c, &m) in ms.iter().enumerate() {
         buffers.push((
-            upload(bytemuck::cast_slice(&inputs.a[c][r]))?,
-            upload(bytemuck::cast_slice(&inputs.b[c][r]))?,
+            upload(&gpu, &inputs.a[c][r])?,
+            upload(&gpu, &inputs.b[c][r])?,
             match &inputs.bias[c] {
-                Some(bias) => Some(upload(bytemuck::cast_slice(bias))?),
+                Some(bias) => Some(upload(&gpu, bias)?),
                 None => None,
             },
             DeviceMemory::zeroed(&gpu, m * n * out_size)?,
@@ -168,10 +149,12 @@ fn rank_calls<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     // whatever was queued ends before the buffers are freed: every wait of the operator gives
     // up after its timeout, so this wait is bounded by the calls' count times it
     let limit = 4 * ms.len().max(1) as u32 * op.config().timeout;
-    let who = format!("rank {r}");
-    for stream in &streams {
-        stream.synchronize_within(limit, &who, "its all-gather + GEMM calls")?;
-    }
+    drain(
+        &streams,
+        limit,
+        &format!("rank {r}"),
+        "its all-gather + GEMM calls",
+    )?;
     queued?;
     op.check()?;
     ms.iter()

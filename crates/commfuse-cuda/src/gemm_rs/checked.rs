@@ -7,6 +7,7 @@
 
 use crate::error::CudaError;
 use crate::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank};
+use crate::rank_bench::{drain, on_every_rank, upload};
 use crate::sys::driver::{DeviceMemory, Gpu, Stream};
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, CallInputs, GemmRsShape};
 use commfuse_core::fused::CallCheck;
@@ -55,22 +56,7 @@ fn run<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     let inputs = CallInputs::<TI, TO>::random(world, (n, k), config.bias, ms, seed);
     let ranks = GemmRsRank::create_group(gpus, config)?;
     let inputs = &inputs;
-    let outputs: Vec<Vec<RankCall<TO>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = ranks
-            .into_iter()
-            .map(|op| s.spawn(move || rank_calls(op, inputs, ms)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(CudaError::Unavailable(
-                        "a rank's host thread panicked".into(),
-                    ))
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()
-    })?;
+    let outputs: Vec<Vec<RankCall<TO>>> = on_every_rank(ranks, |op| rank_calls(op, inputs, ms))?;
     let mut checks = Vec::with_capacity(ms.len());
     for (c, &m) in ms.iter().enumerate() {
         let shape = GemmRsShape::new(world, m, n, k, config.b_layout, TI::DTYPE, TO::DTYPE)
@@ -102,12 +88,6 @@ fn rank_calls<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     gpu.bind()?;
     let (r, n) = (op.rank(), op.config().n);
     let out_size = TO::DTYPE.size();
-    let upload = |host: &[u8]| -> Result<DeviceMemory, CudaError> {
-        // at least 16 bytes: an empty chunk still has an address a kernel may be given
-        let mem = DeviceMemory::zeroed(&gpu, host.len().max(16))?;
-        mem.upload(&gpu, host)?;
-        Ok(mem)
-    };
     // calls alternate between two streams: the operator orders each call after the previous
     // one whatever stream it came on
     let streams = [Stream::new(&gpu)?, Stream::new(&gpu)?];
@@ -115,10 +95,10 @@ fn rank_calls<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
     for (c, &m) in ms.iter().enumerate() {
         let rows = op.chunk(m).len();
         buffers.push((
-            upload(bytemuck::cast_slice(&inputs.a[c][r]))?,
-            upload(bytemuck::cast_slice(&inputs.b[c][r]))?,
+            upload(&gpu, &inputs.a[c][r])?,
+            upload(&gpu, &inputs.b[c][r])?,
             match &inputs.bias[c] {
-                Some(bias) => Some(upload(bytemuck::cast_slice(bias))?),
+                Some(bias) => Some(upload(&gpu, bias)?),
                 None => None,
             },
             DeviceMemory::zeroed(&gpu, (rows * n * out_size).max(16))?,
@@ -141,17 +121,21 @@ fn rank_calls<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
                     out.addr(),
                 )?;
             }
-            paths.push(op.last_path().unwrap_or(GemmRsPath::Fused));
+            paths.push(op.last_path().ok_or_else(|| {
+                CudaError::Unavailable(format!("call {c} was queued but names no path"))
+            })?);
         }
         Ok(())
     })();
     // whatever was queued ends before the buffers are freed: every wait of the operator gives
     // up after its timeout, so this wait is bounded by the calls' count times it
     let limit = 4 * ms.len().max(1) as u32 * op.config().timeout;
-    let who = format!("rank {r}");
-    for stream in &streams {
-        stream.synchronize_within(limit, &who, "its GEMM + reduce-scatter calls")?;
-    }
+    drain(
+        &streams,
+        limit,
+        &format!("rank {r}"),
+        "its GEMM + reduce-scatter calls",
+    )?;
     queued?;
     op.check()?;
     ms.iter()
