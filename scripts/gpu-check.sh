@@ -13,6 +13,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export COMMFUSE_KERNEL_CACHE="$PWD/.gpu/kernel-cache"
 # a GPU test that cannot find its GPUs fails here instead of reporting a skip as a pass
 export COMMFUSE_REQUIRE_GPU=1
+# the command line's tests run the binary built beside them
+export COMMFUSE_BIN="$PWD/.gpu/commfuse"
 OUT=${OUT:-/tmp/commfuse-out}
 R=$OUT/results
 mkdir -p "$R"

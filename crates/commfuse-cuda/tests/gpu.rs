@@ -205,3 +205,37 @@ fn a_bounded_stream_wait_names_who_waited_on_what() {
     );
     assert!(steps.timeout().is_some(), "and says so");
 }
+
+/// What is made in a GPU's context keeps that context alive: with the `Gpu` dropped first, a
+/// stream and an event still work, and device memory, mapped host memory, the event and the
+/// stream are then freed without touching a destroyed context (which could crash the process
+/// or free memory twice); a GPU opened afterwards works as before.
+#[test]
+fn objects_made_on_a_gpu_outlive_its_handle_in_any_drop_order() {
+    use commfuse_cuda::sys::driver::{Event, MappedHost, Stream};
+    if commfuse_cuda::testing::gpus(1).is_none() {
+        return;
+    }
+    let gpu = Gpu::open(0).unwrap();
+    let memory = DeviceMemory::zeroed(&gpu, 1 << 20).unwrap();
+    let host = MappedHost::new(&gpu, 7u64).unwrap();
+    let stream = Stream::new(&gpu).unwrap();
+    let event = Event::new(&gpu).unwrap();
+    drop(gpu);
+    // the stream and event of a context that still exists
+    event.record(&stream).unwrap();
+    stream.synchronize().unwrap();
+    assert!(event.is_done().unwrap());
+    assert!(stream.is_idle().unwrap());
+    assert_eq!(host.read(), 7);
+    drop(memory);
+    drop(event);
+    drop(host);
+    drop(stream);
+    let gpu = Gpu::open(0).unwrap();
+    let fresh = DeviceMemory::zeroed(&gpu, 64).unwrap();
+    fresh.upload(&gpu, &[3u32; 16]).unwrap();
+    let mut back = [0u32; 16];
+    fresh.download(&gpu, &mut back).unwrap();
+    assert_eq!(back, [3; 16]);
+}

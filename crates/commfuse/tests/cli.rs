@@ -3,8 +3,14 @@
 
 use std::process::{Command, Output};
 
+/// The binary under test: cargo's build of it, or `COMMFUSE_BIN` where the test binary runs on
+/// a machine without the build tree (the GPU machine runs a copy of both).
+fn binary() -> std::ffi::OsString {
+    std::env::var_os("COMMFUSE_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_commfuse").into())
+}
+
 fn commfuse(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_commfuse"))
+    Command::new(binary())
         .args(args)
         .output()
         .expect("the binary runs")
@@ -1107,7 +1113,7 @@ fn kernels_find_nvrtc_in_a_python_environment() {
     .unwrap();
     let cache = tempfile::tempdir().unwrap();
     let bare = |venv: Option<&std::path::Path>| {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_commfuse"));
+        let mut c = Command::new(binary());
         c.arg("kernels")
             .env_remove("LD_LIBRARY_PATH")
             .env_remove("COMMFUSE_CUDA_INCLUDE")

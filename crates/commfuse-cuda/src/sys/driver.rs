@@ -135,6 +135,35 @@ impl Drop for Gpu {
     }
 }
 
+/// A reference on a GPU's primary context, held by everything made in it (device memory,
+/// streams, events, modules, IPC mappings): releasing a primary context's last reference
+/// destroys it, and a stream destroyed or memory freed after that would hand the driver a
+/// handle of a context that no longer exists. With a reference each, the context outlives all
+/// of them, whatever order they and the [`Gpu`] are dropped in. Declared as the owner's last
+/// field, so that it is released after the owner's own `Drop` has run.
+struct ContextRef {
+    dev: sys::CUdevice,
+}
+
+impl ContextRef {
+    fn retain(gpu: &Gpu) -> Result<ContextRef, CudaError> {
+        // SAFETY: dev is a valid device; balanced by the release in drop
+        drv("cuDevicePrimaryCtxRetain", unsafe {
+            result::primary_ctx::retain(gpu.dev)
+        })?;
+        Ok(ContextRef { dev: gpu.dev })
+    }
+}
+
+impl Drop for ContextRef {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `retain`
+        unsafe {
+            let _ = result::primary_ctx::release(self.dev);
+        }
+    }
+}
+
 /// The GPUs `devices` (rank r on the r-th), peer access enabled between every pair. Each GPU
 /// once: the fused operators' GEMMs fill a GPU, so ranks sharing one could never meet.
 pub fn open_group(devices: &[usize]) -> Result<Vec<std::sync::Arc<Gpu>>, CudaError> {
@@ -172,6 +201,7 @@ pub struct DeviceMemory {
     ptr: sys::CUdeviceptr,
     bytes: usize,
     ctx: sys::CUcontext,
+    _ctx_ref: ContextRef,
 }
 
 // SAFETY: a device address is valid from any thread that binds the owning context.
@@ -181,6 +211,7 @@ unsafe impl Sync for DeviceMemory {}
 impl DeviceMemory {
     pub fn zeroed(gpu: &Gpu, bytes: usize) -> Result<DeviceMemory, CudaError> {
         gpu.bind()?;
+        let ctx_ref = ContextRef::retain(gpu)?;
         let alloc = bytes.max(16);
         // SAFETY: context bound; size non-zero
         let ptr =
@@ -198,6 +229,7 @@ impl DeviceMemory {
             ptr,
             bytes,
             ctx: gpu.ctx,
+            _ctx_ref: ctx_ref,
         };
         mem.fill(gpu, 0)?;
         Ok(mem)
@@ -480,6 +512,7 @@ impl DeviceMemory {
 pub struct IpcMapping {
     addr: sys::CUdeviceptr,
     ctx: sys::CUcontext,
+    _ctx_ref: ContextRef,
 }
 
 // SAFETY: a device address is valid from any thread that binds the owning context.
@@ -490,6 +523,7 @@ impl IpcMapping {
     /// Opens `handle` (made by [`DeviceMemory::ipc_handle`] in another process) on `gpu`.
     pub fn open(gpu: &Gpu, handle: &IpcHandle) -> Result<IpcMapping, CudaError> {
         gpu.bind()?;
+        let ctx_ref = ContextRef::retain(gpu)?;
         let raw = sys::CUipcMemHandle_st {
             reserved: handle.0.map(|b| b as std::ffi::c_char),
         };
@@ -502,7 +536,11 @@ impl IpcMapping {
                 sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
             )
         })?;
-        Ok(IpcMapping { addr, ctx: gpu.ctx })
+        Ok(IpcMapping {
+            addr,
+            ctx: gpu.ctx,
+            _ctx_ref: ctx_ref,
+        })
     }
 
     pub fn addr(&self) -> u64 {
@@ -527,6 +565,7 @@ impl Drop for IpcMapping {
 pub struct MappedHost<T: Pod> {
     host: *mut T,
     device: u64,
+    _ctx_ref: ContextRef,
 }
 
 // SAFETY: pinned, portable memory holding plain old data (no pointers, no invariants); access
@@ -537,6 +576,8 @@ unsafe impl<T: Pod> Sync for MappedHost<T> {}
 impl<T: Pod> MappedHost<T> {
     pub fn new(gpu: &Gpu, value: T) -> Result<Self, CudaError> {
         gpu.bind()?;
+        // a context's pinned allocations go with it: freeing one after that would free twice
+        let ctx_ref = ContextRef::retain(gpu)?;
         let mut host: *mut c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: out-parameter; size of one T
@@ -551,6 +592,7 @@ impl<T: Pod> MappedHost<T> {
         let mapped = MappedHost {
             host: host as *mut T,
             device,
+            _ctx_ref: ctx_ref,
         };
         mapped.write(value);
         Ok(mapped)
@@ -597,6 +639,8 @@ pub struct Stream {
     raw: sys::CUstream,
     /// Whether dropping this destroys the stream (false for a caller's stream we only borrow)
     owned: bool,
+    /// An owned stream's context, kept until the stream is destroyed
+    _ctx_ref: Option<ContextRef>,
 }
 
 // SAFETY: streams may be used from any thread with the owning context bound.
@@ -606,12 +650,14 @@ unsafe impl Sync for Stream {}
 impl Stream {
     pub fn new(gpu: &Gpu) -> Result<Stream, CudaError> {
         gpu.bind()?;
+        let ctx_ref = ContextRef::retain(gpu)?;
         Ok(Stream {
             raw: drv(
                 "cuStreamCreate",
                 result::stream::create(result::stream::StreamKind::NonBlocking),
             )?,
             owned: true,
+            _ctx_ref: Some(ctx_ref),
         })
     }
 
@@ -621,7 +667,11 @@ impl Stream {
     /// `raw` must be a live stream (or null, the legacy default stream) of the context that is
     /// bound when work is queued on it, for as long as the returned value is used.
     pub unsafe fn borrowed(raw: sys::CUstream) -> Stream {
-        Stream { raw, owned: false }
+        Stream {
+            raw,
+            owned: false,
+            _ctx_ref: None,
+        }
     }
 
     pub fn raw(&self) -> sys::CUstream {
@@ -756,6 +806,7 @@ fn is_wedged(ctx: sys::CUcontext) -> bool {
 /// A timing event (created with CU_EVENT_DEFAULT: events made without timing cannot be timed).
 pub struct Event {
     raw: sys::CUevent,
+    _ctx_ref: ContextRef,
 }
 
 // SAFETY: events may be used from any thread with the owning context bound.
@@ -765,22 +816,26 @@ unsafe impl Sync for Event {}
 impl Event {
     pub fn new(gpu: &Gpu) -> Result<Event, CudaError> {
         gpu.bind()?;
+        let ctx_ref = ContextRef::retain(gpu)?;
         Ok(Event {
             raw: drv(
                 "cuEventCreate",
                 result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT),
             )?,
+            _ctx_ref: ctx_ref,
         })
     }
 
     /// An event for ordering streams only (no timestamps: cheaper to record and wait on).
     pub fn new_untimed(gpu: &Gpu) -> Result<Event, CudaError> {
         gpu.bind()?;
+        let ctx_ref = ContextRef::retain(gpu)?;
         Ok(Event {
             raw: drv(
                 "cuEventCreate",
                 result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
             )?,
+            _ctx_ref: ctx_ref,
         })
     }
 
@@ -894,7 +949,7 @@ pub struct Module {
 struct LoadedModule {
     raw: sys::CUmodule,
     ctx: sys::CUcontext,
-    dev: sys::CUdevice,
+    _ctx_ref: ContextRef,
 }
 
 // SAFETY: module handles are usable from any thread with the owning context bound.
@@ -916,28 +971,16 @@ unsafe impl Sync for Function {}
 impl Module {
     pub fn load(gpu: &Gpu, cubin: &[u8]) -> Result<Module, CudaError> {
         gpu.bind()?;
-        // SAFETY: dev is a valid device; balanced by the release in LoadedModule's drop
-        drv("cuDevicePrimaryCtxRetain", unsafe {
-            result::primary_ctx::retain(gpu.dev)
-        })?;
+        let ctx_ref = ContextRef::retain(gpu)?;
         // SAFETY: cubin is a complete image produced by NVRTC
-        let raw = match drv("cuModuleLoadData", unsafe {
+        let raw = drv("cuModuleLoadData", unsafe {
             result::module::load_data(cubin.as_ptr() as *const c_void)
-        }) {
-            Ok(raw) => raw,
-            Err(e) => {
-                // SAFETY: balances the retain above
-                unsafe {
-                    let _ = result::primary_ctx::release(gpu.dev);
-                }
-                return Err(e);
-            }
-        };
+        })?;
         Ok(Module {
             loaded: Arc::new(LoadedModule {
                 raw,
                 ctx: gpu.ctx,
-                dev: gpu.dev,
+                _ctx_ref: ctx_ref,
             }),
         })
     }
@@ -966,11 +1009,10 @@ impl Drop for LoadedModule {
     fn drop(&mut self) {
         // SAFETY: the last handle to a live module is gone, so no launch can name it any more
         // (launches that already ran are the owners' to have waited for); unloading needs the
-        // module's context current; then the context reference taken in `load` is returned
+        // module's context current (kept alive by the module's context reference)
         unsafe {
             let _ = result::ctx::set_current(self.ctx);
             let _ = result::module::unload(self.raw);
-            let _ = result::primary_ctx::release(self.dev);
         }
     }
 }
