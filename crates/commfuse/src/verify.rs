@@ -1,10 +1,13 @@
-//! `commfuse verify`: the correctness matrix — every op × algorithm × dtype × reduce op × world
-//! size, on uneven and large sizes, [`CALLS`] calls each (one alone, the rest queued back to back
-//! with new inputs), against the float64 reference.
+//! `commfuse verify`: the correctness matrix — every collective × algorithm × dtype × reduce op
+//! × world size, on uneven and large sizes, [`CALLS`] calls each (one alone, the rest queued back
+//! to back with new inputs), and every fused operator × path × type pair × world size on ragged
+//! M ([`run_fused`]), all against the float64 reference.
 
 use crate::backends::{self, BackendKind, Placement};
 use crate::driver::{self, Request};
 use anyhow::Result;
+use commfuse_core::fused::CallCheck;
+use commfuse_core::gemm::BLayout;
 use commfuse_core::{Algo, DType, OpKind, ReduceOp};
 
 /// NUMA groups for a world of `p` ranks in the matrix: two when even, the smallest factor when
@@ -44,11 +47,13 @@ pub fn counts_for(p: usize, seed: u64, large: usize) -> Vec<usize> {
     ]
 }
 
+/// One row of the matrix: an operator (a collective or a fused operator, by its command-line
+/// name), its algorithm or path, and its types (the input type, or `input→output`).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct MatrixRow {
-    pub op: OpKind,
+    pub op: String,
     pub algo: String,
-    pub dtype: DType,
+    pub dtype: String,
     pub runs: usize,
     pub failures: usize,
     pub max_error: f64,
@@ -93,9 +98,9 @@ pub fn run(
         for &algo in Algo::for_op(op) {
             for dtype in DType::ALL {
                 let mut row = MatrixRow {
-                    op,
+                    op: op.name().into(),
                     algo: algo.name().into(),
-                    dtype,
+                    dtype: dtype.name().into(),
                     runs: 0,
                     failures: 0,
                     max_error: 0.0,
@@ -153,12 +158,170 @@ pub fn run(
     Ok(rows)
 }
 
+/// N and K of the fused operators' rows: neither a multiple of the GEMM's tiles, both
+/// multiples of 8 (the GPU kernels' 16-byte row alignment of 16-bit operands).
+pub const FUSED_N: usize = 136;
+pub const FUSED_K: usize = 88;
+
+/// The M of each of a fused row's back-to-back calls at world size `p`: uneven chunks, a
+/// single row (most ranks' chunks empty), and more rows than one tile holds.
+pub fn fused_ms(p: usize) -> Vec<usize> {
+    vec![7 * p + 3, 1, 130 + p]
+}
+
+/// The fused operators' paths the matrix covers: GEMM + reduce-scatter by each path (the ring
+/// whole and in two pieces), all-gather + GEMM by the library ring (whole, in two pieces) and
+/// fused.
+fn fused_cases() -> Vec<FusedCase> {
+    use commfuse_core::fused::gemm_rs::GemmRsPath;
+    vec![
+        FusedCase::GemmRs(GemmRsPath::Fused),
+        FusedCase::GemmRs(GemmRsPath::Overlapped { pieces: 1 }),
+        FusedCase::GemmRs(GemmRsPath::Overlapped { pieces: 2 }),
+        FusedCase::GemmRs(GemmRsPath::Unfused),
+        FusedCase::AgGemm {
+            pieces: 1,
+            fused: false,
+        },
+        FusedCase::AgGemm {
+            pieces: 2,
+            fused: false,
+        },
+        FusedCase::AgGemm {
+            pieces: 1,
+            fused: true,
+        },
+    ]
+}
+
+/// The input and output types of the fused rows: 16-bit out in the input type, and f32 out.
+const FUSED_TYPES: [(DType, DType); 2] = [(DType::BF16, DType::BF16), (DType::F16, DType::F32)];
+
+#[derive(Debug, Clone, Copy)]
+enum FusedCase {
+    GemmRs(commfuse_core::fused::gemm_rs::GemmRsPath),
+    AgGemm { pieces: usize, fused: bool },
+}
+
+impl FusedCase {
+    fn op(self) -> &'static str {
+        match self {
+            FusedCase::GemmRs(_) => "gemm-rs",
+            FusedCase::AgGemm { .. } => "ag-gemm",
+        }
+    }
+
+    fn path(self) -> String {
+        use commfuse_core::fused::gemm_rs::GemmRsPath;
+        match self {
+            FusedCase::GemmRs(GemmRsPath::Overlapped { pieces }) => format!("overlap/{pieces}"),
+            FusedCase::GemmRs(path) => path.to_string(),
+            FusedCase::AgGemm { fused: true, .. } => "fused".into(),
+            FusedCase::AgGemm { pieces, .. } => format!("overlap/{pieces}"),
+        }
+    }
+
+    /// Runs the calls of `ms` back to back at world size `p` on `placement`'s backend; the
+    /// checks of every call.
+    fn run(
+        self,
+        placement: &Placement,
+        p: usize,
+        (input, output): (DType, DType),
+        (ms, b_layout, seed): (&[usize], BLayout, u64),
+    ) -> Result<Vec<CallCheck>> {
+        let max_m = ms.iter().copied().max().unwrap_or(1);
+        let config = commfuse_sim::gemm_rs::GemmRsConfig::new(
+            p, max_m, FUSED_N, FUSED_K, b_layout, input, output, true,
+        );
+        let timeout = placement.timeout;
+        let devices = placement
+            .devices
+            .as_ref()
+            .map(|d| d[..p].to_vec())
+            .or_else(|| (placement.backend == BackendKind::Cuda).then(|| (0..p).collect()));
+        match (self, devices) {
+            (FusedCase::GemmRs(path), None) => {
+                crate::gemm_rs::run_sim(config, path, ms, seed, timeout)
+            }
+            (FusedCase::GemmRs(path), Some(d)) => {
+                let text = match path {
+                    commfuse_core::fused::gemm_rs::GemmRsPath::Fused => "fused",
+                    commfuse_core::fused::gemm_rs::GemmRsPath::Unfused => "unfused",
+                    _ => "overlapped",
+                };
+                Ok(crate::gemm_rs::run_cuda(&d, &config, (text, path), ms, seed, timeout)?.0)
+            }
+            (FusedCase::AgGemm { pieces, fused }, None) => {
+                crate::ag_gemm::run_sim(config, (pieces, fused), ms, seed, timeout)
+            }
+            (FusedCase::AgGemm { pieces, fused }, Some(d)) => {
+                crate::ag_gemm::run_cuda(&d, &config, (pieces, fused), ms, seed, timeout)
+            }
+        }
+    }
+}
+
+/// The fused operators' rows of the matrix (one per operator, path and type pair): at every
+/// world size, the calls of [`fused_ms`] back to back with fresh inputs and a bias, B as
+/// [N, K] at odd world sizes and [K, N] at even ones, every output element of every rank
+/// against the float64 reference. `on_row` as for [`run`].
+pub fn run_fused(
+    placement: &Placement,
+    worlds: &[usize],
+    seed: u64,
+    mut on_row: impl FnMut(&MatrixRow),
+) -> Result<Vec<MatrixRow>> {
+    let mut rows = Vec::new();
+    for case in fused_cases() {
+        for types in FUSED_TYPES {
+            let mut row = MatrixRow {
+                op: case.op().into(),
+                algo: case.path(),
+                dtype: format!("{}→{}", types.0.name(), types.1.name()),
+                runs: 0,
+                failures: 0,
+                max_error: 0.0,
+                first_failure: None,
+            };
+            for &p in worlds {
+                let ms = fused_ms(p);
+                let layout = if p % 2 == 0 { BLayout::KN } else { BLayout::NK };
+                let run_seed = seed.wrapping_add(row.runs as u64);
+                row.runs += 1;
+                let failure = match case.run(placement, p, types, (&ms, layout, run_seed)) {
+                    Ok(calls) => {
+                        for call in &calls {
+                            row.max_error = row.max_error.max(call.total().worst_ratio);
+                        }
+                        calls.iter().enumerate().find_map(|(c, call)| {
+                            let bad = call.ranks.iter().position(|r| !r.passed())?;
+                            Some(format!(
+                                "P={p} M={} call {c} rank {bad}: {}",
+                                call.m, call.ranks[bad]
+                            ))
+                        })
+                    }
+                    Err(e) => Some(format!("P={p}: {e:#}")),
+                };
+                if let Some(f) = failure {
+                    row.failures += 1;
+                    row.first_failure.get_or_insert(f);
+                }
+            }
+            on_row(&row);
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
 pub fn format_row(row: &MatrixRow) -> String {
     format!(
-        "  {:<15} {:<11} {:<5} {:>5} {:>7} {:>10.2e}  {}",
-        row.op.name(),
+        "  {:<15} {:<11} {:<9} {:>5} {:>7} {:>11.2e}  {}",
+        row.op,
         row.algo,
-        row.dtype.name(),
+        row.dtype,
         row.runs,
         if row.failures == 0 {
             "OK".to_string()
@@ -187,5 +350,37 @@ mod tests {
         let rows = run(&placement, &worlds, seed, |_| {}).unwrap();
         let runs: usize = rows.iter().map(|r| r.runs).sum();
         assert_eq!(cases(&worlds, seed, BackendKind::Sim), runs);
+    }
+
+    /// Every fused operator, path and type pair at P = 1..9 on the simulator: a row each, a
+    /// run per world size, every call of every run within its bound.
+    #[test]
+    fn the_fused_rows_cover_every_path_at_every_world_size() {
+        let placement = Placement {
+            backend: BackendKind::Sim,
+            ranks: 1,
+            devices: None,
+            timeout: Duration::from_secs(20),
+        };
+        let worlds: Vec<usize> = (1..=9).collect();
+        let rows = run_fused(&placement, &worlds, 3, |_| {}).unwrap();
+        assert_eq!(rows.len(), fused_cases().len() * FUSED_TYPES.len());
+        for row in &rows {
+            assert_eq!(row.runs, worlds.len(), "{row:?}");
+            assert_eq!(row.failures, 0, "{row:?}");
+            assert!(row.max_error > 0.0 && row.max_error <= 1.0, "{row:?}");
+        }
+        let paths: Vec<String> = rows
+            .iter()
+            .map(|r| format!("{} {}", r.op, r.algo))
+            .collect();
+        for want in [
+            "gemm-rs fused",
+            "gemm-rs unfused",
+            "gemm-rs overlap/2",
+            "ag-gemm fused",
+        ] {
+            assert!(paths.iter().any(|p| p == want), "{paths:?}");
+        }
     }
 }

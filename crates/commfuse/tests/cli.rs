@@ -331,6 +331,14 @@ fn verify_prints_the_matrix() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let out = stdout(&o);
     assert!(out.contains("all-reduce      ring-2d     bf16"), "{out}");
+    assert!(
+        out.contains("gemm-rs         fused       bf16→bf16     2      OK"),
+        "{out}"
+    );
+    assert!(
+        out.contains("ag-gemm         overlap/2   f16→f32       2      OK"),
+        "{out}"
+    );
     assert!(out.contains(" 0 failed"), "{out}");
 }
 

@@ -47,7 +47,7 @@ pub enum Command {
     /// Measure a collective's size sweep in the nccl-tests format (`bench <op>`), or our GEMM
     /// beside cuBLASLt (`bench gemm`)
     Bench(BenchCmd),
-    /// Run the whole correctness matrix
+    /// Run the whole correctness matrix: every collective and fused operator, every path, against float64
     Verify(VerifyArgs),
     /// Compile every kernel with NVRTC for sm_90a (no GPU needed)
     Kernels(KernelsArgs),

@@ -99,12 +99,24 @@ pub(super) fn verify_cmd(a: VerifyArgs) -> Result<i32> {
         "# commfuse verify: backend {backend}, world sizes {worlds:?}, seed {seed}; each cell: 4 calls per reduce op and size (3 queued back to back)",
     );
     println!(
-        "  {:<15} {:<11} {:<5} {:>5} {:>7} {:>10}",
+        "  {:<15} {:<11} {:<9} {:>5} {:>7} {:>11}",
         "op", "algo", "type", "runs", "result", "max error"
     );
-    let rows = verify::run(&placement, &worlds, seed, |row| {
+    let mut rows = verify::run(&placement, &worlds, seed, |row| {
         println!("{}", verify::format_row(row))
     })?;
+    println!(
+        "# fused operators: N = {}, K = {}, calls of M = 7P + 3, 1 and 130 + P back to back, a bias, B [K, N] at even P and [N, K] at odd; error as a share of the bound",
+        verify::FUSED_N,
+        verify::FUSED_K,
+    );
+    println!(
+        "  {:<15} {:<11} {:<9} {:>5} {:>7} {:>11}",
+        "op", "path", "types", "runs", "result", "worst/bound"
+    );
+    rows.extend(verify::run_fused(&placement, &worlds, seed, |row| {
+        println!("{}", verify::format_row(row))
+    })?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&rows)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
