@@ -12,7 +12,10 @@
 //! * [`world`]: ranks as scoped threads and the abort flag that stops all of them when one fails,
 //!   carrying which rank failed first and how;
 //! * [`barrier`]: all-to-all and ring barriers with epochs (no reset between calls);
-//! * [`gemm`] and [`gemm_rs`]: the CPU model of the GEMM contract, and fused GEMM + reduce-scatter on it;
+//! * [`gemm`]: the CPU model of the GEMM contract;
+//! * [`gemm_rs`] and [`ag_gemm`]: the fused operators on it, one folder each (GEMM +
+//!   reduce-scatter's three paths: fused, the ring in [`gemm_rs::ring`], the unfused pair in
+//!   [`gemm_rs::unfused`]; all-gather + GEMM);
 //! * [`fused`]: what the fused operators share: the configuration they are built for, the checks
 //!   of their constructors and calls, their flag words on the signal pads;
 //! * [`executor`]: the plan interpreter and its reduction kernels;
@@ -35,10 +38,8 @@ pub mod ll;
 pub mod ll_chunks;
 pub mod memory;
 pub mod protocol;
-pub mod ring_rs;
 pub mod shared;
 pub mod signal;
-pub mod unfused_rs;
 pub mod world;
 
 pub use backend::SimBackend;

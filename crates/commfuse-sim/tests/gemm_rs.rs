@@ -9,10 +9,10 @@ use commfuse_core::backend::BackendError;
 use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath};
 use commfuse_core::gemm::{BLayout, TileShape};
 use commfuse_core::{DType, Element};
+use commfuse_sim::gemm_rs::ring::SimRingReduceScatter;
 use commfuse_sim::gemm_rs::{
     CallInputs, GemmRsConfig, GemmRsOperator, SimGemmReduceScatter, GPU_TILE,
 };
-use commfuse_sim::ring_rs::SimRingReduceScatter;
 use commfuse_sim::{World, WorldConfig};
 use half::{bf16, f16};
 use std::sync::Mutex;

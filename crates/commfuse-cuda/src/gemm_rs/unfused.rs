@@ -7,7 +7,7 @@
 //! The product is laid out as P row blocks of ⌈M/P⌉ rows (block q: owner q's rows), so that
 //! NCCL's equal split leaves owner r's rows, summed, at the start of block r; a ragged M gets
 //! one GEMM per owner and its short chunks pass through a receive buffer. Rank 0's GEMM adds the
-//! bias, so the sum holds it once. The simulator's twin is `commfuse_sim::unfused_rs`.
+//! bias, so the sum holds it once. The simulator's twin is `commfuse_sim::gemm_rs::unfused`.
 //!
 //! The communicator is made at the first unfused call (every rank of the group reaches it in
 //! the same call), from the NCCL unique id rank 0 drew when it was allocated and shared with its

@@ -24,6 +24,9 @@
 //! synchronise between calls: the two alternating sets make back-to-back calls safe (see the
 //! schedule's module doc).
 
+pub mod ring;
+pub mod unfused;
+
 use crate::buffer::SymmetricBuffer;
 use crate::fused::{check_build, check_rs_call, unavailable};
 pub use crate::fused::{GemmRsConfig, GPU_TILE};
@@ -262,12 +265,12 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
 }
 
 /// What the operator of `path` for `config` allocates ([`fused_memory`],
-/// [`crate::ring_rs::memory`], [`crate::unfused_rs::memory`]).
+/// [`ring::memory`], [`unfused::memory`]).
 pub fn memory(config: &GemmRsConfig, path: GemmRsPath) -> OperatorMemory {
     match path {
         GemmRsPath::Fused => fused_memory(config),
-        GemmRsPath::Overlapped { pieces } => crate::ring_rs::memory(config, pieces),
-        GemmRsPath::Unfused => crate::unfused_rs::memory(config),
+        GemmRsPath::Overlapped { pieces } => ring::memory(config, pieces),
+        GemmRsPath::Unfused => unfused::memory(config),
     }
 }
 
@@ -290,8 +293,8 @@ pub fn fused_memory(config: &GemmRsConfig) -> OperatorMemory {
 /// shape ([`commfuse_core::fused::gemm_rs::choose_path`] for `auto`).
 pub enum GemmRsOperator<TI: Element, TO: Element> {
     Fused(SimGemmReduceScatter<TI, TO>),
-    Overlapped(crate::ring_rs::SimRingReduceScatter<TI, TO>),
-    Unfused(crate::unfused_rs::SimUnfusedReduceScatter<TI, TO>),
+    Overlapped(ring::SimRingReduceScatter<TI, TO>),
+    Unfused(unfused::SimUnfusedReduceScatter<TI, TO>),
 }
 
 impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
@@ -303,12 +306,12 @@ impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
     ) -> Result<Self, BackendError> {
         Ok(match path {
             GemmRsPath::Fused => GemmRsOperator::Fused(SimGemmReduceScatter::new(world, config)?),
-            GemmRsPath::Overlapped { pieces } => GemmRsOperator::Overlapped(
-                crate::ring_rs::SimRingReduceScatter::new(world, config, pieces)?,
-            ),
-            GemmRsPath::Unfused => GemmRsOperator::Unfused(
-                crate::unfused_rs::SimUnfusedReduceScatter::new(world, config)?,
-            ),
+            GemmRsPath::Overlapped { pieces } => {
+                GemmRsOperator::Overlapped(ring::SimRingReduceScatter::new(world, config, pieces)?)
+            }
+            GemmRsPath::Unfused => {
+                GemmRsOperator::Unfused(unfused::SimUnfusedReduceScatter::new(world, config)?)
+            }
         })
     }
 
@@ -320,7 +323,7 @@ impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
         let cols = config.pad_cols()?.max(64);
         let pad_cols = u32::try_from(cols)
             .map_err(|_| unavailable(format!("{cols} flag columns do not fit a signal pad")))?;
-        let ring_rows = crate::ring_rs::SimRingReduceScatter::<TI, TO>::pad_rows(config, cols)?;
+        let ring_rows = ring::SimRingReduceScatter::<TI, TO>::pad_rows(config, cols)?;
         Ok(crate::WorldConfig {
             timeout,
             pad_rows: 32.max(ring_rows as u32 + 8),
