@@ -206,32 +206,54 @@ fn a_bounded_stream_wait_names_who_waited_on_what() {
     assert!(steps.timeout().is_some(), "and says so");
 }
 
-/// What is made in a GPU's context keeps that context alive: with the `Gpu` dropped first, a
-/// stream and an event still work, and device memory, mapped host memory, the event and the
-/// stream are then freed without touching a destroyed context (which could crash the process
-/// or free memory twice); a GPU opened afterwards works as before.
+/// What is made in a GPU's context keeps that context alive: made alone and the `Gpu` dropped
+/// first, each of device memory, mapped host memory, a stream and an event leaves the context
+/// usable (work queued on its legacy stream completes; the stream and event work) and is then
+/// freed without touching a destroyed context (which could crash the process or free memory
+/// twice); a GPU opened afterwards works as before.
 #[test]
 fn objects_made_on_a_gpu_outlive_its_handle_in_any_drop_order() {
     use commfuse_cuda::sys::driver::{Event, MappedHost, Stream};
     if commfuse_cuda::testing::gpus(1).is_none() {
         return;
     }
-    let gpu = Gpu::open(0).unwrap();
-    let memory = DeviceMemory::zeroed(&gpu, 1 << 20).unwrap();
-    let host = MappedHost::new(&gpu, 7u64).unwrap();
-    let stream = Stream::new(&gpu).unwrap();
-    let event = Event::new(&gpu).unwrap();
-    drop(gpu);
-    // the stream and event of a context that still exists
-    event.record(&stream).unwrap();
-    stream.synchronize().unwrap();
-    assert!(event.is_done().unwrap());
-    assert!(stream.is_idle().unwrap());
-    assert_eq!(host.read(), 7);
-    drop(memory);
-    drop(event);
-    drop(host);
-    drop(stream);
+    // SAFETY: the legacy stream of the context bound on this thread, used at once
+    let context_alive = || unsafe { Stream::borrowed(std::ptr::null_mut()) }.synchronize();
+    // each kind of object, made alone on a fresh handle
+    type Make = fn(&Gpu) -> Box<dyn std::any::Any>;
+    let made: [(&str, Make); 4] = [
+        ("device memory", |g| {
+            Box::new(DeviceMemory::zeroed(g, 1 << 20).unwrap())
+        }),
+        ("mapped host memory", |g| {
+            Box::new(MappedHost::new(g, 7u64).unwrap())
+        }),
+        ("a stream", |g| Box::new(Stream::new(g).unwrap())),
+        ("an event", |g| Box::new(Event::new(g).unwrap())),
+    ];
+    for (what, make) in made {
+        let gpu = Gpu::open(0).unwrap();
+        let object = make(&gpu);
+        drop(gpu);
+        context_alive()
+            .unwrap_or_else(|e| panic!("the context went with its Gpu under {what}: {e}"));
+        if let Some(stream) = object.downcast_ref::<Stream>() {
+            stream.synchronize().unwrap();
+            assert!(stream.is_idle().unwrap());
+        }
+        if let Some(event) = object.downcast_ref::<Event>() {
+            // SAFETY: as above
+            event
+                .record(&unsafe { Stream::borrowed(std::ptr::null_mut()) })
+                .unwrap();
+            context_alive().unwrap();
+            assert!(event.is_done().unwrap());
+        }
+        if let Some(host) = object.downcast_ref::<MappedHost<u64>>() {
+            assert_eq!(host.read(), 7);
+        }
+        drop(object);
+    }
     let gpu = Gpu::open(0).unwrap();
     let fresh = DeviceMemory::zeroed(&gpu, 64).unwrap();
     fresh.upload(&gpu, &[3u32; 16]).unwrap();

@@ -85,6 +85,20 @@ impl GemmVariant {
         }
     }
 
+    /// Most K parts a tile of the split tail is cut into. The skinny build is bound by the
+    /// loads' latency, not by the tensor cores, and there each further part costs more (part 0
+    /// waits for its helpers and adds their partials) than its share of the K loop saves: at
+    /// 16 and 64 × 8192 × 3584 on one H200, 1, 2, 3 and 4 parts took 32.3, 28.0, 29.3 and
+    /// 31.7 µs (16 rows) and 34.3, 31.2, 32.5 and 35.6 µs (64 rows). The main build's tail of
+    /// up to four parts measured best where it was designed for (GEMM-NOTES.md, v3) and
+    /// within 4 % of the best at 128 rows.
+    pub fn max_parts(self) -> usize {
+        match self {
+            GemmVariant::Main => MAX_PARTS,
+            GemmVariant::Skinny => 2,
+        }
+    }
+
     /// `main` or `skinny`.
     pub fn name(self) -> &'static str {
         match self {
@@ -386,21 +400,21 @@ pub enum CallNumber {
 /// `GemmParams::call_options`: the call counter is read, not advanced (mirrors gemm.cu).
 const CALLS_READ_ONLY: u32 = 1;
 
-/// Most K parts a tail tile is cut into.
+/// Most K parts a tail tile of the main build is cut into ([`GemmVariant::max_parts`]).
 const MAX_PARTS: usize = 4;
 
 /// How the last, partial wave is split: `(parts, split tiles)`. With `tiles = q · grid + rem`,
 /// the last `rem` tiles of the order are cut along K into as many parts as keep the wave
-/// within the grid (at most [`MAX_PARTS`], at most one k-block each); `(1, 0)` when the tiles
+/// within the grid (at most `max_parts`, at most one k-block each); `(1, 0)` when the tiles
 /// fill whole waves or no cut fits. All parts of the wave run at once (a GEMM with a split
 /// tail is a cooperative launch, so its whole grid is resident), so part 0 can wait for the
 /// others.
-pub fn tail_split(tiles: usize, grid: usize, k_blocks: usize) -> (usize, usize) {
+pub fn tail_split(tiles: usize, grid: usize, k_blocks: usize, max_parts: usize) -> (usize, usize) {
     let rem = tiles % grid.max(1);
     if rem == 0 {
         return (1, 0);
     }
-    let parts = (grid / rem).min(MAX_PARTS).min(k_blocks);
+    let parts = (grid / rem).min(max_parts).min(k_blocks);
     if parts <= 1 {
         (1, 0)
     } else {
@@ -773,7 +787,7 @@ impl PreparedGemm {
         };
         // split against the SMs there are, not against the tiles: fewer tiles than SMs (a
         // small M) are one partial wave, cut along K so that the idle SMs share the work
-        let (parts, split) = tail_split(tiles, cap as usize, p.k.div_ceil(BK));
+        let (parts, split) = tail_split(tiles, cap as usize, p.k.div_ceil(BK), variant.max_parts());
         let grid = cap.min((tiles - split + split * parts) as u32).max(1);
         // the helpers' partial tiles (128 × 256 f32 each) and one counter per split tile
         let partial_bytes = split * (parts - 1) * TILE.m * TILE.n * 4;
@@ -1432,15 +1446,22 @@ mod tests {
     #[test]
     fn only_a_partial_last_wave_is_split() {
         // 512 tiles on 116 SMs: 48 left over, cut in two
-        assert_eq!(tail_split(512, 116, 56), (2, 48));
+        assert_eq!(tail_split(512, 116, 56, MAX_PARTS), (2, 48));
         // 1536 on 116: 28 left over, four parts
-        assert_eq!(tail_split(1536, 116, 384), (4, 28));
+        assert_eq!(tail_split(1536, 116, 384, MAX_PARTS), (4, 28));
         // whole waves, too many leftovers, too little K
-        assert_eq!(tail_split(264, 132, 56), (1, 0));
-        assert_eq!(tail_split(512, 132, 56), (1, 0));
-        assert_eq!(tail_split(4, 3, 1), (1, 0));
-        assert_eq!(tail_split(4, 3, 3), (3, 1));
+        assert_eq!(tail_split(264, 132, 56, MAX_PARTS), (1, 0));
+        assert_eq!(tail_split(512, 132, 56, MAX_PARTS), (1, 0));
+        assert_eq!(tail_split(4, 3, 1, MAX_PARTS), (1, 0));
+        assert_eq!(tail_split(4, 3, 3, MAX_PARTS), (3, 1));
         // fewer tiles than SMs: one partial wave (512 rows × 4096 columns on 131 SMs)
-        assert_eq!(tail_split(32, 131, 32), (4, 32));
+        assert_eq!(tail_split(32, 131, 32, MAX_PARTS), (4, 32));
+        // the skinny build's decode sizes: 32 tiles of 16 rows on 132 SMs, two parts each
+        let skinny = GemmVariant::Skinny.max_parts();
+        assert_eq!(tail_split(32, 132, 56, skinny), (2, 32));
+        assert_eq!(
+            tail_split(32, 132, 56, GemmVariant::Main.max_parts()),
+            (4, 32)
+        );
     }
 }
