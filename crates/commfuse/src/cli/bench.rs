@@ -144,6 +144,9 @@ pub struct BenchGemmRsArgs {
     /// GPUs, rank r on the r-th
     #[arg(long, value_delimiter = ',', default_value = "0,1", allow_negative_numbers = true, value_parser = gpu())]
     pub devices: Vec<usize>,
+    /// Backend (the fused operators are timed on cuda only)
+    #[arg(long, default_value = "cuda")]
+    pub backend: BackendKind,
     /// One fused row each: 0 folds the partials into the epilogue of the owner's tiles (the
     /// default design), B > 0 sums them in a separate kernel of B blocks beside the GEMM
     #[arg(long, value_delimiter = ',', default_value = "0,16", allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of blocks (0: folded into the epilogue)"))]
@@ -177,6 +180,9 @@ pub struct BenchAgGemmArgs {
     /// GPUs, rank r on the r-th
     #[arg(long, value_delimiter = ',', default_value = "0,1", allow_negative_numbers = true, value_parser = gpu())]
     pub devices: Vec<usize>,
+    /// Backend (the fused operators are timed on cuda only)
+    #[arg(long, default_value = "cuda")]
+    pub backend: BackendKind,
     /// One row each: the row pieces each rank's chunk is handed on in (1 to 16)
     #[arg(long, value_delimiter = ',', default_value = "1,2,4", allow_negative_numbers = true, value_parser = pieces())]
     pub pieces: Vec<usize>,
@@ -359,7 +365,16 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
     Ok(if ok { 0 } else { 1 })
 }
 
+/// The fused operators' benches time GPUs: on the simulator, `run` and `verify` check them.
+fn fused_bench_on_cuda(what: &str, backend: BackendKind) -> Result<()> {
+    if backend != BackendKind::Cuda {
+        bail!("bench {what} runs on the cuda backend (the simulator's {what} is checked by run {what} and verify, not timed)");
+    }
+    Ok(())
+}
+
 pub(super) fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
+    fused_bench_on_cuda("gemm-rs", a.backend)?;
     use commfuse_core::fused::gemm_rs::GemmRsShape;
     use commfuse_cuda::gemm_rs::bench::{bench_gemm_rs, GemmRsBenchConfig};
     use commfuse_cuda::gemm_rs::Reduction;
@@ -402,6 +417,7 @@ pub(super) fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
 }
 
 pub(super) fn bench_ag_gemm_cmd(a: BenchAgGemmArgs) -> Result<i32> {
+    fused_bench_on_cuda("ag-gemm", a.backend)?;
     use commfuse_core::fused::ag_gemm::AgGemmShape;
     use commfuse_cuda::ag_gemm::bench::{bench_ag_gemm, AgGemmBenchConfig};
     let layout = parse_b_layout(&a.shape.b_layout)?;
