@@ -90,10 +90,13 @@ impl GemmVariant {
     /// waits for its helpers and adds their partials) than its share of the K loop saves: at
     /// 16 and 64 × 8192 × 3584 on one H200, 1, 2, 3 and 4 parts took 32.3, 28.0, 29.3 and
     /// 31.7 µs (16 rows) and 34.3, 31.2, 32.5 and 35.6 µs (64 rows). The main build's tail of
-    /// up to four parts measured best where it was designed for (GEMM-NOTES.md, v3) and
-    /// within 4 % of the best at 128 rows.
-    pub fn max_parts(self) -> usize {
+    /// up to four parts measured best where it was designed for (GEMM-NOTES.md, v3: a last,
+    /// partial wave after whole ones); where the whole product is one partial wave (`one_wave`:
+    /// fewer tiles than SMs, a small M) three parts were faster than four: 40.0 against 41.5 µs
+    /// at 128 × 8192 × 3584 (and 33.6 against 35.7 at 16 rows).
+    pub fn max_parts(self, one_wave: bool) -> usize {
         match self {
+            GemmVariant::Main if one_wave => 3,
             GemmVariant::Main => MAX_PARTS,
             GemmVariant::Skinny => 2,
         }
@@ -787,7 +790,9 @@ impl PreparedGemm {
         };
         // split against the SMs there are, not against the tiles: fewer tiles than SMs (a
         // small M) are one partial wave, cut along K so that the idle SMs share the work
-        let (parts, split) = tail_split(tiles, cap as usize, p.k.div_ceil(BK), variant.max_parts());
+        let one_wave = tiles < cap as usize;
+        let max_parts = variant.max_parts(one_wave);
+        let (parts, split) = tail_split(tiles, cap as usize, p.k.div_ceil(BK), max_parts);
         let grid = cap.min((tiles - split + split * parts) as u32).max(1);
         // the helpers' partial tiles (128 × 256 f32 each) and one counter per split tile
         let partial_bytes = split * (parts - 1) * TILE.m * TILE.n * 4;
@@ -1457,11 +1462,11 @@ mod tests {
         // fewer tiles than SMs: one partial wave (512 rows × 4096 columns on 131 SMs)
         assert_eq!(tail_split(32, 131, 32, MAX_PARTS), (4, 32));
         // the skinny build's decode sizes: 32 tiles of 16 rows on 132 SMs, two parts each
-        let skinny = GemmVariant::Skinny.max_parts();
+        let skinny = GemmVariant::Skinny.max_parts(true);
         assert_eq!(tail_split(32, 132, 56, skinny), (2, 32));
-        assert_eq!(
-            tail_split(32, 132, 56, GemmVariant::Main.max_parts()),
-            (4, 32)
-        );
+        // the main build: three parts in a single partial wave, four after whole waves
+        let main = |one_wave| GemmVariant::Main.max_parts(one_wave);
+        assert_eq!(tail_split(32, 132, 56, main(true)), (3, 32));
+        assert_eq!(tail_split(1536, 116, 384, main(false)), (4, 28));
     }
 }
