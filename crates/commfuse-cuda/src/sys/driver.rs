@@ -44,8 +44,9 @@ pub struct Gpu {
     pub ordinal: usize,
     pub name: String,
     pub sm_count: u32,
-    dev: sys::CUdevice,
     ctx: sys::CUcontext,
+    /// The handle's own reference on the context (the device is `ctx_ref.dev`)
+    ctx_ref: ContextRef,
 }
 
 // SAFETY: a primary context may be made current on any thread.
@@ -62,10 +63,8 @@ impl Gpu {
             )));
         }
         let dev = drv("cuDeviceGet", result::device::get(ordinal as i32))?;
-        // SAFETY: dev is a valid device
-        let ctx = drv("cuDevicePrimaryCtxRetain", unsafe {
-            result::primary_ctx::retain(dev)
-        })?;
+        // released on drop, also if a query below fails
+        let (ctx_ref, ctx) = ContextRef::of_device(dev)?;
         let name = drv("cuDeviceGetName", result::device::get_name(dev))?;
         // SAFETY: valid device and attribute
         let sm_count = drv("cuDeviceGetAttribute", unsafe {
@@ -78,8 +77,8 @@ impl Gpu {
             ordinal,
             name,
             sm_count,
-            dev,
             ctx,
+            ctx_ref,
         };
         gpu.bind()?;
         Ok(gpu)
@@ -98,7 +97,7 @@ impl Gpu {
         let mut can = 0;
         // SAFETY: out-parameter and valid devices
         check("cuDeviceCanAccessPeer", unsafe {
-            sys::cuDeviceCanAccessPeer(&mut can, self.dev, peer.dev)
+            sys::cuDeviceCanAccessPeer(&mut can, self.ctx_ref.dev, peer.ctx_ref.dev)
         })?;
         if can == 0 {
             return Err(CudaError::Unavailable(format!(
@@ -126,17 +125,8 @@ impl Gpu {
     }
 }
 
-impl Drop for Gpu {
-    fn drop(&mut self) {
-        // SAFETY: balances the retain in `open`
-        unsafe {
-            let _ = result::primary_ctx::release(self.dev);
-        }
-    }
-}
-
-/// A reference on a GPU's primary context, held by everything made in it (device memory,
-/// streams, events, modules, IPC mappings): releasing a primary context's last reference
+/// A reference on a GPU's primary context, held by the [`Gpu`] handle and by everything made
+/// in it (device memory, streams, events, modules, IPC mappings): releasing a primary context's last reference
 /// destroys it, and a stream destroyed or memory freed after that would hand the driver a
 /// handle of a context that no longer exists. With a reference each, the context outlives all
 /// of them, whatever order they and the [`Gpu`] are dropped in. Declared as the owner's last
@@ -146,12 +136,18 @@ struct ContextRef {
 }
 
 impl ContextRef {
-    fn retain(gpu: &Gpu) -> Result<ContextRef, CudaError> {
+    /// A reference on `dev`'s primary context, and the context.
+    fn of_device(dev: sys::CUdevice) -> Result<(ContextRef, sys::CUcontext), CudaError> {
         // SAFETY: dev is a valid device; balanced by the release in drop
-        drv("cuDevicePrimaryCtxRetain", unsafe {
-            result::primary_ctx::retain(gpu.dev)
+        let ctx = drv("cuDevicePrimaryCtxRetain", unsafe {
+            result::primary_ctx::retain(dev)
         })?;
-        Ok(ContextRef { dev: gpu.dev })
+        Ok((ContextRef { dev }, ctx))
+    }
+
+    /// Another reference on `gpu`'s context.
+    fn retain(gpu: &Gpu) -> Result<ContextRef, CudaError> {
+        Self::of_device(gpu.ctx_ref.dev).map(|(r, _)| r)
     }
 }
 
@@ -815,26 +811,19 @@ unsafe impl Sync for Event {}
 
 impl Event {
     pub fn new(gpu: &Gpu) -> Result<Event, CudaError> {
-        gpu.bind()?;
-        let ctx_ref = ContextRef::retain(gpu)?;
-        Ok(Event {
-            raw: drv(
-                "cuEventCreate",
-                result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT),
-            )?,
-            _ctx_ref: ctx_ref,
-        })
+        Self::create(gpu, sys::CUevent_flags::CU_EVENT_DEFAULT)
     }
 
     /// An event for ordering streams only (no timestamps: cheaper to record and wait on).
     pub fn new_untimed(gpu: &Gpu) -> Result<Event, CudaError> {
+        Self::create(gpu, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+    }
+
+    fn create(gpu: &Gpu, flags: sys::CUevent_flags) -> Result<Event, CudaError> {
         gpu.bind()?;
         let ctx_ref = ContextRef::retain(gpu)?;
         Ok(Event {
-            raw: drv(
-                "cuEventCreate",
-                result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
-            )?,
+            raw: drv("cuEventCreate", result::event::create(flags))?,
             _ctx_ref: ctx_ref,
         })
     }
