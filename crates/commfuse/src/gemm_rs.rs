@@ -65,13 +65,13 @@ pub fn run_sim(
 }
 
 /// [`run_sim`] on GPUs `devices` (rank r on `devices[r]`) by the CUDA backend's operator,
-/// built for `config`'s shape: `path` is the `--path` text and what it names for the whole
-/// shape; `auto` lets the operator pick per call's M, as it does for a caller. Returns the
-/// checks and the path each call took.
+/// built for `config`'s shape: every call by `path`, or with `None` (`--path auto`) by the
+/// path the operator picks per call's M, as it does for a caller. Returns the checks and the
+/// path each call took.
 pub fn run_cuda(
     devices: &[usize],
     config: &GemmRsConfig,
-    (path_text, path): (&str, GemmRsPath),
+    path: Option<GemmRsPath>,
     ms: &[usize],
     seed: u64,
     timeout: Duration,
@@ -89,11 +89,7 @@ pub fn run_cuda(
     cuda.bias = c.bias;
     cuda.numa_groups = c.numa_groups;
     cuda.timeout = timeout;
-    cuda.path = if path_text == "auto" {
-        PathChoice::Auto
-    } else {
-        PathChoice::Always(path)
-    };
+    cuda.path = path.map_or(PathChoice::Auto, PathChoice::Always);
     let gpus = commfuse_cuda::sys::driver::open_group(devices)?;
     let calls = run_checked(&gpus, cuda, ms, seed)?;
     Ok(calls.into_iter().unzip())

@@ -245,12 +245,7 @@ impl FusedCase {
                 crate::gemm_rs::run_sim(config, path, ms, seed, timeout)
             }
             (FusedCase::GemmRs(path), Some(d)) => {
-                let text = match path {
-                    commfuse_core::fused::gemm_rs::GemmRsPath::Fused => "fused",
-                    commfuse_core::fused::gemm_rs::GemmRsPath::Unfused => "unfused",
-                    _ => "overlapped",
-                };
-                Ok(crate::gemm_rs::run_cuda(&d, &config, (text, path), ms, seed, timeout)?.0)
+                Ok(crate::gemm_rs::run_cuda(&d, &config, Some(path), ms, seed, timeout)?.0)
             }
             (FusedCase::AgGemm { pieces, fused }, None) => {
                 crate::ag_gemm::run_sim(config, (pieces, fused), ms, seed, timeout)

@@ -285,11 +285,21 @@ pub(super) fn bench_cmd(a: BenchArgs) -> Result<i32> {
     Ok(if wrong == 0 { 0 } else { 1 })
 }
 
+/// The GEMM benches time GPUs only; `checked_by` says where the simulator's model is checked.
+fn timed_on_cuda(bench: &str, backend: BackendKind, checked_by: &str) -> Result<()> {
+    if backend != BackendKind::Cuda {
+        bail!("bench {bench} runs on the cuda backend ({checked_by}, not timed)");
+    }
+    Ok(())
+}
+
 pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
     use commfuse_core::gemm::{BLayout, GemmProblem};
-    if a.backend != BackendKind::Cuda {
-        bail!("bench gemm runs on the cuda backend (the simulator's GEMM model is checked by the tests, not timed)");
-    }
+    timed_on_cuda(
+        "gemm",
+        a.backend,
+        "the simulator's GEMM model is checked by the tests",
+    )?;
     let layout = match a.b_layout.as_str() {
         "kn" => BLayout::KN,
         "nk" => BLayout::NK,
@@ -365,16 +375,12 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
     Ok(if ok { 0 } else { 1 })
 }
 
-/// The fused operators' benches time GPUs: on the simulator, `run` and `verify` check them.
-fn fused_bench_on_cuda(what: &str, backend: BackendKind) -> Result<()> {
-    if backend != BackendKind::Cuda {
-        bail!("bench {what} runs on the cuda backend (the simulator's {what} is checked by run {what} and verify, not timed)");
-    }
-    Ok(())
-}
-
 pub(super) fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
-    fused_bench_on_cuda("gemm-rs", a.backend)?;
+    timed_on_cuda(
+        "gemm-rs",
+        a.backend,
+        "the simulator's gemm-rs is checked by run gemm-rs and verify",
+    )?;
     use commfuse_core::fused::gemm_rs::GemmRsShape;
     use commfuse_cuda::gemm_rs::bench::{bench_gemm_rs, GemmRsBenchConfig};
     use commfuse_cuda::gemm_rs::Reduction;
@@ -417,7 +423,11 @@ pub(super) fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
 }
 
 pub(super) fn bench_ag_gemm_cmd(a: BenchAgGemmArgs) -> Result<i32> {
-    fused_bench_on_cuda("ag-gemm", a.backend)?;
+    timed_on_cuda(
+        "ag-gemm",
+        a.backend,
+        "the simulator's ag-gemm is checked by run ag-gemm and verify",
+    )?;
     use commfuse_core::fused::ag_gemm::AgGemmShape;
     use commfuse_cuda::ag_gemm::bench::{bench_ag_gemm, AgGemmBenchConfig};
     let layout = parse_b_layout(&a.shape.b_layout)?;

@@ -239,8 +239,10 @@ pub(super) fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
             )
         }
         Some(devices) => {
+            // `auto` on GPUs: the operator's pick per call, as a caller's would be
+            let chosen = (a.path != "auto").then_some(path);
             let (calls, paths) =
-                crate::gemm_rs::run_cuda(devices, &config, (&a.path, path), &ms, seed, timeout)?;
+                crate::gemm_rs::run_cuda(devices, &config, chosen, &ms, seed, timeout)?;
             (calls, paths, format!("GPUs {} (cuda)", list(devices)))
         }
     };
