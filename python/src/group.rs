@@ -9,7 +9,7 @@ use crate::{
     collective_args, convert, gemm_types, layout_arg, parse_path, path_arg, timeout_arg,
     value_error,
 };
-use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath};
+use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath, PathChoice};
 use commfuse_core::gemm::BLayout;
 use commfuse_core::{Algo, DType, Element, OpKind, ReduceOp};
 use commfuse_sim::ag_gemm::{AgGemmConfig, SimAgGemm};
@@ -182,16 +182,21 @@ fn gemm_rs_call<TI: Element + 'static, TO: Element + 'static>(
     (config, path): (GemmRsConfig, GemmRsPath),
     c: &GemmCall,
 ) -> Result<Vec<f32>, String> {
-    let key = format!("gemm-rs {config:?} {path:?}");
+    let config = GemmRsConfig {
+        path: PathChoice::Always(path),
+        timeout: g.timeout,
+        ..config
+    };
+    let key = format!("gemm-rs {config:?}");
+    let (p, rank) = (g.arena.world(), g.arena.rank());
     let world_config =
-        GemmRsOperator::<TI, TO>::world_config(&config, g.timeout).map_err(|e| e.to_string())?;
-    let rank = g.arena.rank();
+        GemmRsOperator::<TI, TO>::world_config(&config, p).map_err(|e| e.to_string())?;
     // this process's part: the operator's heap and the world's epoch bases (buffers and pads
     // lie in the group's arena), the converted operands, this rank's output
-    let rows = commfuse_core::op::chunk_range(config.max_m, config.world, rank).len();
+    let rows = commfuse_core::op::chunk_range(config.max_m, p, rank).len();
     let in_process = |m: commfuse_sim::memory::OperatorMemory| m.in_process(true);
-    in_process(commfuse_sim::gemm_rs::memory(&config, path))
-        .and_then(|op| Ok(op.and(&in_process(world_config.memory(config.world))?)))
+    in_process(commfuse_sim::gemm_rs::memory(&config, p, path))
+        .and_then(|op| Ok(op.and(&in_process(world_config.memory(p))?)))
         .map(|f| {
             f.item(&[c.a.len(), config.input.size()])
                 .item(&[c.b.len(), config.input.size()])
@@ -203,7 +208,7 @@ fn gemm_rs_call<TI: Element + 'static, TO: Element + 'static>(
             e.to_string()
         })?;
     let cached = g.operator(key, world_config, |w| {
-        GemmRsOperator::<TI, TO>::new(w, config, path).map_err(|e| e.to_string())
+        GemmRsOperator::<TI, TO>::new(w, config).map_err(|e| e.to_string())
     })?;
     let op = cached
         .op
@@ -211,7 +216,7 @@ fn gemm_rs_call<TI: Element + 'static, TO: Element + 'static>(
         .expect("cached by its key");
     let (a, b): (Vec<TI>, Vec<TI>) = (convert(&c.a), convert(&c.b));
     let bias: Option<Vec<TO>> = c.bias.as_deref().map(convert);
-    let rows = commfuse_core::op::chunk_range(config.max_m, config.world, rank).len();
+    let rows = commfuse_core::op::chunk_range(config.max_m, p, rank).len();
     let out = Mutex::new(vec![TO::poison(); rows * config.n]);
     let operands = (a.as_slice(), b.as_slice(), bias.as_deref());
     cached
@@ -224,12 +229,17 @@ fn gemm_rs_call<TI: Element + 'static, TO: Element + 'static>(
 
 fn ag_gemm_call<TI: Element + 'static, TO: Element + 'static>(
     g: &mut SimGroup,
-    (config, pieces): (AgGemmConfig, usize),
+    config: AgGemmConfig,
     c: &GemmCall,
 ) -> Result<(Vec<f32>, Vec<f32>), String> {
-    let key = format!("ag-gemm {config:?} {pieces}");
+    let config = AgGemmConfig {
+        timeout: g.timeout,
+        ..config
+    };
+    let key = format!("ag-gemm {config:?}");
+    let p = g.arena.world();
     let pad_cols = 64;
-    let rows = SimAgGemm::<TI, TO>::pad_rows(&config, pad_cols).map_err(|e| e.to_string())?;
+    let rows = SimAgGemm::<TI, TO>::pad_rows(&config, p, pad_cols).map_err(|e| e.to_string())?;
     let world_config = WorldConfig {
         timeout: g.timeout,
         pad_rows: rows as u32 + 8,
@@ -239,8 +249,8 @@ fn ag_gemm_call<TI: Element + 'static, TO: Element + 'static>(
     // operands, this rank's [M, N] output and gathered A, both again as f32
     let in_process = |m: commfuse_sim::memory::OperatorMemory| m.in_process(true);
     let (m, n, k) = (config.max_m, config.n, config.k);
-    in_process(commfuse_sim::ag_gemm::memory(&config, pieces, false))
-        .and_then(|op| Ok(op.and(&in_process(world_config.memory(config.world))?)))
+    in_process(commfuse_sim::ag_gemm::memory(&config, p))
+        .and_then(|op| Ok(op.and(&in_process(world_config.memory(p))?)))
         .map(|f| {
             f.item(&[c.a.len(), config.input.size()])
                 .item(&[c.b.len(), config.input.size()])
@@ -253,7 +263,7 @@ fn ag_gemm_call<TI: Element + 'static, TO: Element + 'static>(
             e.to_string()
         })?;
     let cached = g.operator(key, world_config, |w| {
-        SimAgGemm::<TI, TO>::new(w, config, pieces).map_err(|e| e.to_string())
+        SimAgGemm::<TI, TO>::new(w, config).map_err(|e| e.to_string())
     })?;
     let op = cached
         .op
@@ -419,17 +429,11 @@ impl SimGroup {
         let bias = bias.as_ref().map(|x| vector(x, "bias")).transpose()?;
         let c = gemm_call(&a, &b, bias.as_ref(), layout)?;
         let p = self.arena.world();
-        let config = GemmRsConfig::new(
-            p,
-            c.rows,
-            c.n,
-            c.k,
-            c.layout,
-            input,
-            output,
-            c.bias.is_some(),
-        );
-        let shape = config.shape(c.rows).map_err(value_error)?;
+        let config = GemmRsConfig {
+            bias: c.bias.is_some(),
+            ..GemmRsConfig::new(c.rows, c.n, c.k, c.layout, input, output)
+        };
+        let shape = config.shape(p, c.rows).map_err(value_error)?;
         let path = parse_path(&forced.0, forced.1, &shape)?.unwrap_or_else(|| choose_path(&shape));
         let out =
             by_pair!(input, output, gemm_rs_call, self, (config, path), &c).map_err(value_error)?;
@@ -478,9 +482,13 @@ impl SimGroup {
             )));
         }
         let c = gemm_call(&a, &b, bias.as_ref(), layout)?;
-        let config = AgGemmConfig::new(p, m, c.n, c.k, c.layout, input, output, c.bias.is_some());
-        let (out, gathered) = by_pair!(input, output, ag_gemm_call, self, (config, pieces), &c)
-            .map_err(value_error)?;
+        let config = AgGemmConfig {
+            bias: c.bias.is_some(),
+            pieces,
+            ..AgGemmConfig::new(m, c.n, c.k, c.layout, input, output)
+        };
+        let (out, gathered) =
+            by_pair!(input, output, ag_gemm_call, self, config, &c).map_err(value_error)?;
         let out = Array2::from_shape_vec((m, c.n), out).map_err(value_error)?;
         let gathered = if return_a {
             let g = Array2::from_shape_vec((m, c.k), gathered).map_err(value_error)?;

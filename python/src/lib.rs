@@ -9,7 +9,9 @@ mod gpu;
 mod group;
 
 use args::{matrix, per_rank, vector, Int, Name};
-use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath, GemmRsShape, PathNameError};
+use commfuse_core::fused::gemm_rs::{
+    choose_path, GemmRsPath, GemmRsShape, PathChoice, PathNameError,
+};
 use commfuse_core::gemm::BLayout;
 use commfuse_core::{Algo, OpKind, OpSpec, ReduceOp};
 use commfuse_core::{DType, Element};
@@ -202,21 +204,19 @@ macro_rules! by_types {
 }
 
 fn run_gemm_rs<TI: Element, TO: Element>(
+    p: usize,
     config: GemmRsConfig,
-    path: GemmRsPath,
     (ops, memory): (&Operands, &Footprint),
-    timeout: Duration,
 ) -> Result<Vec<Vec<f32>>, String> {
-    let p = config.world;
     let world_config =
-        GemmRsOperator::<TI, TO>::world_config(&config, timeout).map_err(|e| e.to_string())?;
+        GemmRsOperator::<TI, TO>::world_config(&config, p).map_err(|e| e.to_string())?;
     memory
         .clone()
         .and(&world_config.memory(p).total())
         .check()
         .map_err(|e| e.to_string())?;
     let world = World::new(p, world_config).map_err(|e| e.to_string())?;
-    let op = GemmRsOperator::<TI, TO>::new(&world, config, path).map_err(|e| e.to_string())?;
+    let op = GemmRsOperator::<TI, TO>::new(&world, config).map_err(|e| e.to_string())?;
     let a: Vec<Vec<TI>> = ops.a.iter().map(|x| convert(x)).collect();
     let b: Vec<Vec<TI>> = ops.b.iter().map(|x| convert(x)).collect();
     let bias: Option<Vec<TO>> = ops.bias.as_deref().map(convert);
@@ -279,11 +279,17 @@ fn sim_gemm_reduce_scatter<'py>(
         return Err(value_error("every rank's A must have the same rows M"));
     }
     let config = GemmRsConfig {
+        bias: bias.is_some(),
         numa_groups,
-        ..GemmRsConfig::new(p, m, n, k, layout, input, output, bias.is_some())
+        timeout,
+        ..GemmRsConfig::new(m, n, k, layout, input, output)
     };
-    let shape = config.shape(m).map_err(value_error)?;
+    let shape = config.shape(p, m).map_err(value_error)?;
     let path = parse_path(&forced.0, forced.1, &shape)?.unwrap_or_else(|| choose_path(&shape));
+    let config = GemmRsConfig {
+        path: PathChoice::Always(path),
+        ..config
+    };
     // every rank's chunk of the output in the output type, then as f32
     let what = format!("sim_gemm_reduce_scatter of {m}×{n}×{k} on {p} ranks by the {path} path");
     let memory = operand_memory(
@@ -292,13 +298,13 @@ fn sim_gemm_reduce_scatter<'py>(
         (input, output),
         bias.is_some(),
     )
-    .and(&commfuse_sim::gemm_rs::memory(&config, path).total())
+    .and(&commfuse_sim::gemm_rs::memory(&config, p, path).total())
     .item(&[m, n, output.size() + 4]);
     memory.check().map_err(value_error)?;
     let ops = operands(&a, &b, bias.as_ref());
     let run = (&ops, &memory);
     let outs = py
-        .detach(|| by_types!(input, output, run_gemm_rs, config, path, run, timeout))
+        .detach(|| by_types!(input, output, run_gemm_rs, p, config, run))
         .map_err(value_error)?;
     outs.into_iter()
         .enumerate()
@@ -311,16 +317,15 @@ fn sim_gemm_reduce_scatter<'py>(
 }
 
 fn run_ag_gemm<TI: Element, TO: Element>(
+    p: usize,
     config: AgGemmConfig,
-    pieces: usize,
     (ops, memory): (&Operands, &Footprint),
-    timeout: Duration,
 ) -> Result<(Vec<Vec<f32>>, Vec<f32>), String> {
-    let (p, m, n, k) = (config.world, config.max_m, config.n, config.k);
+    let (m, n, k) = (config.max_m, config.n, config.k);
     let pad_cols = 64;
-    let rows = SimAgGemm::<TI, TO>::pad_rows(&config, pad_cols).map_err(|e| e.to_string())?;
+    let rows = SimAgGemm::<TI, TO>::pad_rows(&config, p, pad_cols).map_err(|e| e.to_string())?;
     let world_config = WorldConfig {
-        timeout,
+        timeout: config.timeout,
         pad_rows: rows as u32 + 8,
         pad_cols: pad_cols as u32,
     };
@@ -330,7 +335,7 @@ fn run_ag_gemm<TI: Element, TO: Element>(
         .check()
         .map_err(|e| e.to_string())?;
     let world = World::new(p, world_config).map_err(|e| e.to_string())?;
-    let op = SimAgGemm::<TI, TO>::new(&world, config, pieces).map_err(|e| e.to_string())?;
+    let op = SimAgGemm::<TI, TO>::new(&world, config).map_err(|e| e.to_string())?;
     let a: Vec<Vec<TI>> = ops.a.iter().map(|x| convert(x)).collect();
     let b: Vec<Vec<TI>> = ops.b.iter().map(|x| convert(x)).collect();
     let bias: Option<Vec<TO>> = ops.bias.as_deref().map(convert);
@@ -404,8 +409,13 @@ fn sim_all_gather_matmul<'py>(
             )));
         }
     }
-    let config = AgGemmConfig::new(p, m, n, k, layout, input, output, bias.is_some());
-    commfuse_sim::ag_gemm::shape(&config, m).map_err(value_error)?;
+    let config = AgGemmConfig {
+        bias: bias.is_some(),
+        pieces,
+        timeout,
+        ..AgGemmConfig::new(m, n, k, layout, input, output)
+    };
+    commfuse_sim::ag_gemm::shape(&config, p, m).map_err(value_error)?;
     // every rank's [M, N] output and gathered A, the outputs as f32 and rank 0's gathered A
     let what = format!("sim_all_gather_matmul of {m}×{n}×{k} on {p} ranks");
     let memory = operand_memory(
@@ -414,7 +424,7 @@ fn sim_all_gather_matmul<'py>(
         (input, output),
         bias.is_some(),
     )
-    .and(&commfuse_sim::ag_gemm::memory(&config, pieces, false).total())
+    .and(&commfuse_sim::ag_gemm::memory(&config, p).total())
     .item(&[p, m, n, output.size() + 4])
     .item(&[p, m, k, input.size()])
     .item(&[m, k, 4]);
@@ -422,7 +432,7 @@ fn sim_all_gather_matmul<'py>(
     let ops = operands(&a, &b, bias.as_ref());
     let run = (&ops, &memory);
     let (outs, gathered) = py
-        .detach(|| by_types!(input, output, run_ag_gemm, config, pieces, run, timeout))
+        .detach(|| by_types!(input, output, run_ag_gemm, p, config, run))
         .map_err(value_error)?;
     let outs = outs
         .into_iter()

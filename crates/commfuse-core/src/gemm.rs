@@ -80,6 +80,10 @@ pub struct TileShape {
     pub n: usize,
 }
 
+/// The tile of the GPU GEMM kernel (`commfuse-cuda`'s `gemm.cu`): the fused schedules' default,
+/// and the only tile the CUDA backend builds them with.
+pub const KERNEL_TILE: TileShape = TileShape { m: 128, n: 256 };
+
 /// Where one tile's rows go: element (i, j) of the tile lands at `offset + i · ld + j` of the
 /// output buffer of rank `rank`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

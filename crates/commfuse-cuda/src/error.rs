@@ -39,6 +39,14 @@ impl From<CudaError> for BackendError {
     }
 }
 
+/// A shape or plan that core refuses (a size out of range, a layout the types do not allow):
+/// the operator cannot be built for it.
+impl From<commfuse_core::Error> for CudaError {
+    fn from(e: commfuse_core::Error) -> Self {
+        CudaError::Unavailable(e.to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,81 +1,67 @@
-//! What the simulator's fused operators share: the configuration they are built for
-//! ([`GemmRsConfig`]: GEMM + reduce-scatter by each of its paths, and all-gather + GEMM), what
-//! their constructors and calls check, where their flag words sit on a world's signal pads, and
+//! What the simulator's fused operators share: the configurations they are built for (core's
+//! [`GemmRsConfig`] and [`AgGemmConfig`], the ones the CUDA backend takes, read with the world's
+//! size as [`InWorld`]), what their constructors and calls check, where their flag words sit on a world's signal pads, and
 //! how the heap of their GEMMs and tile tables is counted.
 
 use crate::memory::Footprint;
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
+pub use commfuse_core::fused::ag_gemm::AgGemmConfig;
+pub use commfuse_core::fused::gemm_rs::GemmRsConfig;
 use commfuse_core::fused::gemm_rs::{GemmRsSchedule, GemmRsShape};
-use commfuse_core::gemm::{BLayout, TileShape};
+use commfuse_core::gemm::TileShape;
 use commfuse_core::{DType, Element, Slot};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// The GPU kernel's tile (`commfuse_cuda::gemm::TILE`), the simulator's default.
-pub const GPU_TILE: TileShape = TileShape { m: 128, n: 256 };
+/// The GPU kernel's tile, the default of both configurations.
+pub use commfuse_core::gemm::KERNEL_TILE as GPU_TILE;
 
-/// What a [`SimGemmReduceScatter`](crate::gemm_rs::SimGemmReduceScatter) is built for: every
-/// call has this N, K, layout and types, and any M from 1 to `max_m`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GemmRsConfig {
-    pub world: usize,
-    /// The largest M of any call (the receive buffers and flag rows are sized for it)
-    pub max_m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub b_layout: BLayout,
-    /// bf16 or f16
-    pub input: DType,
-    /// The input type or f32
-    pub output: DType,
-    /// Whether calls add a bias [N] (in the output type)
-    pub bias: bool,
-    /// Output tile of the GEMM (default: the GPU kernel's)
-    pub tile: TileShape,
-    /// NUMA groups of consecutive ranks the overlapped path's ring crosses as few times as it
-    /// can (1, the default: one flat ring; see [`commfuse_core::fused::ring_rs`])
-    pub numa_groups: usize,
+/// The sizes of a fused operator's GEMM that its memory counts read, from either
+/// configuration.
+pub trait GemmDims {
+    /// Rows of the largest call, N, K and the output tile
+    fn dims(&self) -> (usize, usize, usize, TileShape);
 }
 
-impl GemmRsConfig {
-    /// The configuration with the GPU kernel's tile.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        world: usize,
-        max_m: usize,
-        n: usize,
-        k: usize,
-        b_layout: BLayout,
-        input: DType,
-        output: DType,
-        bias: bool,
-    ) -> GemmRsConfig {
-        GemmRsConfig {
-            world,
-            max_m,
-            n,
-            k,
-            b_layout,
-            input,
-            output,
-            bias,
-            tile: GPU_TILE,
-            numa_groups: 1,
-        }
+impl GemmDims for GemmRsConfig {
+    fn dims(&self) -> (usize, usize, usize, TileShape) {
+        (self.max_m, self.n, self.k, self.tile)
     }
+}
 
+impl GemmDims for AgGemmConfig {
+    fn dims(&self) -> (usize, usize, usize, TileShape) {
+        (self.max_m, self.n, self.k, self.tile)
+    }
+}
+
+/// An operator's configuration with the size of the world it is built for, which is what the
+/// simulator's constructors, checks and memory counts read (it reads as the configuration).
+#[derive(Debug, Clone, Copy)]
+pub struct InWorld<C> {
+    pub world: usize,
+    pub config: C,
+}
+
+impl<C> InWorld<C> {
+    pub fn new(world: usize, config: C) -> InWorld<C> {
+        InWorld { world, config }
+    }
+}
+
+impl<C> std::ops::Deref for InWorld<C> {
+    type Target = C;
+    fn deref(&self) -> &C {
+        &self.config
+    }
+}
+
+impl InWorld<GemmRsConfig> {
     /// The shape of a call with `m` rows (validated).
     pub fn shape(&self, m: usize) -> Result<GemmRsShape, BackendError> {
-        GemmRsShape::new(
-            self.world,
-            m,
-            self.n,
-            self.k,
-            self.b_layout,
-            self.input,
-            self.output,
-        )
-        .map_err(|e| BackendError::Unavailable(e.to_string()))
+        self.config
+            .shape(self.world, m)
+            .map_err(|e| BackendError::Unavailable(e.to_string()))
     }
 
     /// The schedule of a call with `m` rows in buffers made for `max_m`.
@@ -101,16 +87,19 @@ impl GemmRsConfig {
                 ))
             })
     }
+}
 
+impl<C: GemmDims> InWorld<C> {
     /// Tiles of the fused schedule of `max_m` rows, at most (every owner's chunk starts a band,
     /// so there are at most M / tile.m + P bands), and the tiles the longest chunk has (the
     /// schedule's `tiles_per_owner_max`); None where the count overflows.
     pub(crate) fn tiles(&self) -> (Option<usize>, Option<usize>) {
-        let (tm, tn) = (self.tile.m.max(1), self.tile.n.max(1));
+        let (max_m, n, _, tile) = self.config.dims();
+        let (tm, tn) = (tile.m.max(1), tile.n.max(1));
         let world = self.world.max(1);
-        let tiles_n = self.n.div_ceil(tn);
-        let bands = self.max_m.div_ceil(tm).checked_add(world);
-        let owner_bands = self.max_m.div_ceil(world).div_ceil(tm);
+        let tiles_n = n.div_ceil(tn);
+        let bands = max_m.div_ceil(tm).checked_add(world);
+        let owner_bands = max_m.div_ceil(world).div_ceil(tm);
         (
             bands.and_then(|b| b.checked_mul(tiles_n)),
             owner_bands.checked_mul(tiles_n),
@@ -119,9 +108,10 @@ impl GemmRsConfig {
 
     /// What the operator is, as its memory errors name it.
     pub(crate) fn describe(&self, op: &str) -> String {
+        let (max_m, n, k, _) = self.config.dims();
         format!(
-            "{op} of M up to {}, N {}, K {} on {} ranks",
-            self.max_m, self.n, self.k, self.world
+            "{op} of M up to {max_m}, N {n}, K {k} on {} ranks",
+            self.world
         )
     }
 
@@ -129,20 +119,21 @@ impl GemmRsConfig {
     /// operands widened to f32 (rows of A and columns of B, K each) and its products, and one
     /// output row and its f32 sums.
     pub(crate) fn gemm_heap(&self, heap: Footprint, rows: usize) -> Footprint {
-        let (tm, tn) = (self.tile.m.min(rows), self.tile.n.min(self.n));
-        heap.item(&[self.world, tm.saturating_add(tn), self.k, 4])
+        let (_, n, k, tile) = self.config.dims();
+        let (tm, tn) = (tile.m.min(rows), tile.n.min(n));
+        heap.item(&[self.world, tm.saturating_add(tn), k, 4])
             .item(&[self.world, tm, tn, 4])
             .item(&[self.world, 2, tn, 8])
     }
+}
 
-    /// Adds tile tables of `tiles` tiles (None: too many to count) held by `holders` at once.
-    pub(crate) fn table_heap(heap: Footprint, holders: usize, tiles: Option<usize>) -> Footprint {
-        let bytes = tiles
-            .and_then(|t| u64::try_from(t).ok())
-            .and_then(|t| t.checked_mul(TABLE_BYTES_PER_TILE))
-            .and_then(|b| b.checked_mul(holders as u64));
-        heap.add_bytes(bytes)
-    }
+/// Adds tile tables of `tiles` tiles (None: too many to count) held by `holders` at once.
+pub(crate) fn table_heap(heap: Footprint, holders: usize, tiles: Option<usize>) -> Footprint {
+    let bytes = tiles
+        .and_then(|t| u64::try_from(t).ok())
+        .and_then(|t| t.checked_mul(TABLE_BYTES_PER_TILE))
+        .and_then(|b| b.checked_mul(holders as u64));
+    heap.add_bytes(bytes)
 }
 
 /// Bytes of tile tables one holder may keep per tile of a schedule, at most: the schedule's
@@ -154,27 +145,17 @@ pub(crate) fn unavailable(msg: String) -> BackendError {
     BackendError::Unavailable(msg)
 }
 
-/// What every fused operator's constructor checks: the configuration's types are the buffers'
-/// (`TI`, `TO`) and its world size the world's.
+/// What every fused operator's constructor checks: the configuration's types (`input`,
+/// `output`) are the buffers' (`TI`, `TO`).
 pub(crate) fn check_build<TI: Element, TO: Element>(
     op: &str,
-    config: &GemmRsConfig,
-    world: &World,
+    (input, output): (DType, DType),
 ) -> Result<(), BackendError> {
-    if config.input != TI::DTYPE || config.output != TO::DTYPE {
+    if input != TI::DTYPE || output != TO::DTYPE {
         return Err(unavailable(format!(
-            "{op} configured for {} → {} but built with {} → {} buffers",
-            config.input,
-            config.output,
+            "{op} configured for {input} → {output} but built with {} → {} buffers",
             TI::DTYPE,
             TO::DTYPE
-        )));
-    }
-    if config.world != world.size() {
-        return Err(unavailable(format!(
-            "{op} configured for {} ranks, the world has {}",
-            config.world,
-            world.size()
         )));
     }
     Ok(())
@@ -219,7 +200,7 @@ impl FlagWords {
 pub(crate) fn check_rs_call<TI: Element, TO: Element>(
     ctx: &RankContext<'_>,
     state: (usize, &AtomicBool),
-    c: &GemmRsConfig,
+    c: &InWorld<GemmRsConfig>,
     m: usize,
     (a, b, bias): (&[TI], &[TI], Option<&[TO]>),
     out: &[TO],
@@ -233,7 +214,7 @@ pub(crate) fn check_rs_call<TI: Element, TO: Element>(
             c.n * c.bias as usize,
         ),
     ];
-    check_call("GEMM + reduce-scatter", ctx, state, c, m, &lengths)?;
+    check_call("GEMM + reduce-scatter", ctx, state, &c.config, m, &lengths)?;
     let chunk = commfuse_core::op::chunk_range(m, c.world, ctx.rank());
     if out.len() < chunk.len() * c.n {
         return Err(unavailable(format!(
@@ -256,10 +237,11 @@ pub(crate) fn check_call(
     op: &str,
     ctx: &RankContext<'_>,
     (world_id, broken): (usize, &AtomicBool),
-    config: &GemmRsConfig,
+    config: &impl GemmDims,
     m: usize,
     lengths: &[(&str, usize, usize)],
 ) -> Result<(), BackendError> {
+    let (max_m, n, k, _) = config.dims();
     if ctx.world() as *const World as usize != world_id {
         return Err(unavailable(format!(
             "this {op} was built for another world"
@@ -270,19 +252,16 @@ pub(crate) fn check_call(
             "this {op} is unusable after a failed call"
         )));
     }
-    if m == 0 || m > config.max_m {
+    if m == 0 || m > max_m {
         return Err(unavailable(format!(
-            "M = {m} is outside 1..={} (the largest M this operator was built for)",
-            config.max_m
+            "M = {m} is outside 1..={max_m} (the largest M this operator was built for)"
         )));
     }
     for &(what, got, want) in lengths {
         if got != want {
             return Err(unavailable(format!(
-                "rank {}: {what} holds {got} elements, M={m} N={} K={} needs {want}",
+                "rank {}: {what} holds {got} elements, M={m} N={n} K={k} needs {want}",
                 ctx.rank(),
-                config.n,
-                config.k
             )));
         }
     }

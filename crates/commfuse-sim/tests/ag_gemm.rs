@@ -13,33 +13,29 @@ use half::{bf16, f16};
 use std::sync::Mutex;
 use std::time::Duration;
 
-fn world_for(config: &AgGemmConfig, timeout: Duration) -> World {
+fn world_for(p: usize, config: &AgGemmConfig, timeout: Duration) -> World {
     let pad_cols = 64;
-    let rows = SimAgGemm::<bf16, bf16>::pad_rows(config, pad_cols).unwrap() as u32;
+    let rows = SimAgGemm::<bf16, bf16>::pad_rows(config, p, pad_cols).unwrap() as u32;
     let cfg = WorldConfig {
         timeout,
         pad_rows: rows + 8,
         pad_cols: pad_cols as u32,
     };
-    World::new(config.world, cfg).unwrap()
+    World::new(p, cfg).unwrap()
 }
 
 /// Back-to-back calls of M = `ms[c]`; returns the failures, one line each.
 fn run_calls<TI: Element, TO: Element>(
+    p: usize,
     config: AgGemmConfig,
-    (pieces, fused): (usize, bool),
     ms: &[usize],
     seed: u64,
 ) -> Vec<String> {
-    let (p, n, k) = (config.world, config.n, config.k);
-    let world = world_for(&config, Duration::from_secs(20));
-    let op = if fused {
-        SimAgGemm::<TI, TO>::fused(&world, config, pieces).unwrap()
-    } else {
-        SimAgGemm::<TI, TO>::new(&world, config, pieces).unwrap()
-    };
+    let (n, k, pieces) = (config.n, config.k, config.pieces);
+    let world = world_for(p, &config, Duration::from_secs(20));
+    let op = SimAgGemm::<TI, TO>::new(&world, config).unwrap();
     let AgCallInputs { a, b, bias } =
-        AgCallInputs::<TI, TO>::random(config.world, (config.n, config.k), config.bias, ms, seed);
+        AgCallInputs::<TI, TO>::random(p, (config.n, config.k), config.bias, ms, seed);
     let max_m = config.max_m;
     // per rank, per call: the output and the gathered A
     type Outs<TO, TI> = Vec<Mutex<Vec<(Vec<TO>, Vec<TI>)>>>;
@@ -70,7 +66,7 @@ fn run_calls<TI: Element, TO: Element>(
         .unwrap_or_else(|e| panic!("P={p} {config:?} M={ms:?}: {e}"));
     let mut failures = Vec::new();
     for (c, &m) in ms.iter().enumerate() {
-        let s = shape(&config, m).unwrap();
+        let s = shape(&config, p, m).unwrap();
         let full: Vec<TI> = a[c].iter().flatten().copied().collect();
         let epilogue = Epilogue {
             bias: config.bias,
@@ -135,18 +131,22 @@ fn run_variant_on(
         (DType::F16, DType::F16),
         (DType::F16, DType::F32),
     ][v % 4];
-    let mut config = AgGemmConfig::new(p, m, n, k, layout, input, output, bias);
+    let mut config = AgGemmConfig {
+        bias,
+        pieces,
+        fused,
+        ..AgGemmConfig::new(m, n, k, layout, input, output)
+    };
     if fused {
         config.tile = commfuse_core::gemm::TileShape { m: 8, n: 16 };
     }
     let ms = [(2 * m / 3).max(1), (m / 3).max(1), m];
     let seed = (p * 1000 + m * 10 + v) as u64;
-    let way = (pieces, fused);
     match (input, output) {
-        (DType::BF16, DType::BF16) => run_calls::<bf16, bf16>(config, way, &ms, seed),
-        (DType::BF16, DType::F32) => run_calls::<bf16, f32>(config, way, &ms, seed),
-        (DType::F16, DType::F16) => run_calls::<f16, f16>(config, way, &ms, seed),
-        _ => run_calls::<f16, f32>(config, way, &ms, seed),
+        (DType::BF16, DType::BF16) => run_calls::<bf16, bf16>(p, config, &ms, seed),
+        (DType::BF16, DType::F32) => run_calls::<bf16, f32>(p, config, &ms, seed),
+        (DType::F16, DType::F16) => run_calls::<f16, f16>(p, config, &ms, seed),
+        _ => run_calls::<f16, f32>(p, config, &ms, seed),
     }
 }
 
@@ -203,9 +203,9 @@ fn sixteen_ranks() {
 
 #[test]
 fn a_peer_that_never_arrives_ends_in_a_diagnosed_error_and_bad_calls_are_refused() {
-    let config = AgGemmConfig::new(2, 10, 16, 8, BLayout::NK, DType::BF16, DType::BF16, false);
-    let world = world_for(&config, Duration::from_millis(300));
-    let op = SimAgGemm::<bf16, bf16>::new(&world, config, 1).unwrap();
+    let config = AgGemmConfig::new(10, 16, 8, BLayout::NK, DType::BF16, DType::BF16);
+    let world = world_for(2, &config, Duration::from_millis(300));
+    let op = SimAgGemm::<bf16, bf16>::new(&world, config).unwrap();
     let (a, b) = (vec![bf16::ONE; 5 * 8], vec![bf16::ONE; 16 * 8]);
     let err = world
         .run(|ctx| {
@@ -226,8 +226,8 @@ fn a_peer_that_never_arrives_ends_in_a_diagnosed_error_and_bad_calls_are_refused
     assert!(!err.contains('\n'));
     // a refused call ends its world's run: a fresh world and operator each
     let refused = |m: usize, a_len: usize, out_len: usize| -> String {
-        let world = world_for(&config, Duration::from_secs(5));
-        let op = SimAgGemm::<bf16, bf16>::new(&world, config, 1).unwrap();
+        let world = world_for(2, &config, Duration::from_secs(5));
+        let op = SimAgGemm::<bf16, bf16>::new(&world, config).unwrap();
         let a = vec![bf16::ONE; a_len];
         let e: BackendError = world
             .run(|ctx| {
@@ -241,9 +241,15 @@ fn a_peer_that_never_arrives_ends_in_a_diagnosed_error_and_bad_calls_are_refused
     assert!(refused(11, 6 * 8, 11 * 16).contains("M = 11 is outside 1..=10"));
     assert!(refused(10, 4 * 8, 10 * 16).contains("A holds 32 elements"));
     assert!(refused(10, 5 * 8, 9 * 16).contains("the output holds 144 elements"));
-    let world = world_for(&config, Duration::from_secs(5));
-    let wrong = SimAgGemm::<bf16, bf16>::new(&world, config, 0)
-        .err()
-        .unwrap();
+    let world = world_for(2, &config, Duration::from_secs(5));
+    let wrong = SimAgGemm::<bf16, bf16>::new(
+        &world,
+        AgGemmConfig {
+            pieces: 0,
+            ..config
+        },
+    )
+    .err()
+    .unwrap();
     assert!(wrong.to_string().contains("1 to 16 pieces"));
 }

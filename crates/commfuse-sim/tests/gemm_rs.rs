@@ -6,9 +6,10 @@
 //! no barrier between calls.
 
 use commfuse_core::backend::BackendError;
-use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath};
+use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath, PathChoice};
 use commfuse_core::gemm::{BLayout, TileShape};
 use commfuse_core::{DType, Element};
+use commfuse_sim::fused::InWorld;
 use commfuse_sim::gemm_rs::ring::SimRingReduceScatter;
 use commfuse_sim::gemm_rs::{
     CallInputs, GemmRsConfig, GemmRsOperator, SimGemmReduceScatter, GPU_TILE,
@@ -20,10 +21,10 @@ use std::time::Duration;
 
 const SMALL_TILE: TileShape = TileShape { m: 16, n: 32 };
 
-fn world_for(config: &GemmRsConfig, timeout: Duration) -> World {
-    let cols = config.pad_cols().unwrap().max(64) as u32;
+fn world_for(p: usize, config: &GemmRsConfig, timeout: Duration) -> World {
+    let cols = InWorld::new(p, *config).pad_cols().unwrap().max(64) as u32;
     World::new(
-        config.world,
+        p,
         WorldConfig {
             timeout,
             pad_rows: 32,
@@ -36,18 +37,23 @@ fn world_for(config: &GemmRsConfig, timeout: Duration) -> World {
 /// Runs `ms.len()` back-to-back calls (max M = the largest) on every rank by `path` and checks
 /// every output element of every call; returns the failures, one line each.
 fn run_calls<TI: Element, TO: Element>(
+    p: usize,
     config: GemmRsConfig,
     path: GemmRsPath,
     ms: &[usize],
     seed: u64,
 ) -> Vec<String> {
-    let p = config.world;
     let (n, k) = (config.n, config.k);
-    let world_config = GemmRsOperator::<TI, TO>::world_config(&config, Duration::from_secs(20));
+    let config = GemmRsConfig {
+        path: PathChoice::Always(path),
+        timeout: Duration::from_secs(20),
+        ..config
+    };
+    let world_config = GemmRsOperator::<TI, TO>::world_config(&config, p);
     let world = World::new(p, world_config.unwrap()).unwrap();
-    let op = GemmRsOperator::<TI, TO>::new(&world, config, path).unwrap();
+    let op = GemmRsOperator::<TI, TO>::new(&world, config).unwrap();
     let CallInputs { a, b, bias } =
-        CallInputs::<TI, TO>::random(config.world, (config.n, config.k), config.bias, ms, seed);
+        CallInputs::<TI, TO>::random(p, (config.n, config.k), config.bias, ms, seed);
     // outputs of the largest chunk, poisoned: rows past a call's chunk must stay poisoned
     let out_len = config.max_m.div_ceil(p) * n;
     let outs: Vec<Mutex<Vec<Vec<TO>>>> = (0..p)
@@ -66,7 +72,7 @@ fn run_calls<TI: Element, TO: Element>(
         .unwrap_or_else(|e| panic!("P={p} {config:?} M={ms:?}: {e}"));
     let mut failures = Vec::new();
     for (c, &m) in ms.iter().enumerate() {
-        let shape = config.shape(m).unwrap();
+        let shape = config.shape(p, m).unwrap();
         let a: Vec<&[TI]> = a[c].iter().map(Vec::as_slice).collect();
         let b: Vec<&[TI]> = b[c].iter().map(Vec::as_slice).collect();
         for (r, out) in outs.iter().enumerate() {
@@ -167,16 +173,17 @@ fn run_variant_in_groups(
     seed: u64,
 ) -> Vec<String> {
     let config = GemmRsConfig {
+        bias,
         tile,
         numa_groups: groups,
-        ..GemmRsConfig::new(p, m, n, k, layout, input, output, bias)
+        ..GemmRsConfig::new(m, n, k, layout, input, output)
     };
     let ms = call_ms(m);
     match (input, output) {
-        (DType::BF16, DType::BF16) => run_calls::<bf16, bf16>(config, path, &ms, seed),
-        (DType::BF16, DType::F32) => run_calls::<bf16, f32>(config, path, &ms, seed),
-        (DType::F16, DType::F16) => run_calls::<f16, f16>(config, path, &ms, seed),
-        (DType::F16, DType::F32) => run_calls::<f16, f32>(config, path, &ms, seed),
+        (DType::BF16, DType::BF16) => run_calls::<bf16, bf16>(p, config, path, &ms, seed),
+        (DType::BF16, DType::F32) => run_calls::<bf16, f32>(p, config, path, &ms, seed),
+        (DType::F16, DType::F16) => run_calls::<f16, f16>(p, config, path, &ms, seed),
+        (DType::F16, DType::F32) => run_calls::<f16, f32>(p, config, path, &ms, seed),
         other => unreachable!("no such variant {other:?}"),
     }
 }
@@ -354,8 +361,8 @@ fn the_overlapped_ring_on_sixteen_ranks() {
 
 #[test]
 fn a_peer_that_never_arrives_at_the_ring_ends_in_a_diagnosed_error() {
-    let config = bf16_config(2, 10, 16, 8);
-    let world = world_for(&config, Duration::from_millis(300));
+    let config = bf16_config(10, 16, 8);
+    let world = world_for(2, &config, Duration::from_millis(300));
     let op = SimRingReduceScatter::<bf16, bf16>::new(&world, config, 2).unwrap();
     let (a, b) = (vec![bf16::ONE; 10 * 8], vec![bf16::ONE; 16 * 8]);
     let err = world
@@ -396,9 +403,9 @@ fn a_peer_that_never_arrives_at_the_ring_ends_in_a_diagnosed_error() {
 fn a_peer_that_never_arrives_at_the_2d_ring_ends_in_a_diagnosed_error() {
     let config = GemmRsConfig {
         numa_groups: 2,
-        ..bf16_config(4, 1, 16, 8)
+        ..bf16_config(1, 16, 8)
     };
-    let world = world_for(&config, Duration::from_millis(300));
+    let world = world_for(4, &config, Duration::from_millis(300));
     let op = SimRingReduceScatter::<bf16, bf16>::new(&world, config, 1).unwrap();
     let (a, b) = (vec![bf16::ONE; 8], vec![bf16::ONE; 16 * 8]);
     let ended = std::sync::Mutex::new(vec![String::new(); 4]);
@@ -429,8 +436,8 @@ fn a_peer_that_never_arrives_at_the_2d_ring_ends_in_a_diagnosed_error() {
     assert_eq!(ended[2], "ok");
 }
 
-fn bf16_config(p: usize, max_m: usize, n: usize, k: usize) -> GemmRsConfig {
-    GemmRsConfig::new(p, max_m, n, k, BLayout::NK, DType::BF16, DType::BF16, false)
+fn bf16_config(max_m: usize, n: usize, k: usize) -> GemmRsConfig {
+    GemmRsConfig::new(max_m, n, k, BLayout::NK, DType::BF16, DType::BF16)
 }
 
 fn one_line(e: impl std::fmt::Display) -> String {
@@ -443,10 +450,10 @@ fn one_line(e: impl std::fmt::Display) -> String {
 fn bad_configurations_are_refused_in_one_line() {
     let world = World::new(2, WorldConfig::default()).unwrap();
     let build = |c: GemmRsConfig| SimGemmReduceScatter::<bf16, bf16>::new(&world, c).err();
-    let k12 = one_line(build(bf16_config(2, 64, 64, 12)).unwrap());
+    let k12 = one_line(build(bf16_config(64, 64, 12)).unwrap());
     assert!(k12.contains("multiple of 8"), "{k12}");
     let wrong_type = one_line(
-        SimGemmReduceScatter::<f16, bf16>::new(&world, bf16_config(2, 64, 64, 8))
+        SimGemmReduceScatter::<f16, bf16>::new(&world, bf16_config(64, 64, 8))
             .err()
             .unwrap(),
     );
@@ -456,7 +463,7 @@ fn bad_configurations_are_refused_in_one_line() {
     );
     let mismatch = GemmRsConfig {
         output: DType::F16,
-        ..bf16_config(2, 64, 64, 8)
+        ..bf16_config(64, 64, 8)
     };
     assert!(one_line(
         SimGemmReduceScatter::<bf16, f16>::new(&world, mismatch)
@@ -464,12 +471,10 @@ fn bad_configurations_are_refused_in_one_line() {
             .unwrap()
     )
     .contains("(the input type) or f32"));
-    let three = one_line(build(bf16_config(3, 64, 64, 8)).unwrap());
-    assert!(three.contains("3 ranks"), "{three}");
-    assert!(one_line(build(bf16_config(2, 0, 64, 8)).unwrap()).contains("positive"));
+    assert!(one_line(build(bf16_config(0, 64, 8)).unwrap()).contains("positive"));
     // 2 ranks × 8 bands × 4 column tiles = 64 flag columns fit the default pad, 65+ do not
-    assert!(build(bf16_config(2, 2 * 8 * 128, 4 * 256, 8)).is_none());
-    let big = one_line(build(bf16_config(2, 2 * 8 * 128 + 1, 4 * 256, 8)).unwrap());
+    assert!(build(bf16_config(2 * 8 * 128, 4 * 256, 8)).is_none());
+    let big = one_line(build(bf16_config(2 * 8 * 128 + 1, 4 * 256, 8)).unwrap());
     assert!(
         big.contains("needs signal pads of at least 2 free rows × 72 columns"),
         "{big}"
@@ -483,8 +488,8 @@ type Op = SimGemmReduceScatter<bf16, bf16>;
 fn refused(
     call: impl Fn(&Op, &commfuse_sim::RankContext<'_>) -> Result<(), BackendError> + Sync,
 ) -> String {
-    let config = bf16_config(2, 10, 16, 8);
-    let world = world_for(&config, Duration::from_secs(5));
+    let config = bf16_config(10, 16, 8);
+    let world = world_for(2, &config, Duration::from_secs(5));
     let op = Op::new(&world, config).unwrap();
     one_line(world.run(|ctx| call(&op, ctx)).err().unwrap())
 }
@@ -525,10 +530,10 @@ fn bad_calls_are_refused_in_one_line() {
     ] {
         assert!(text.contains(want), "{text} lacks {want}");
     }
-    let config = bf16_config(2, 10, 16, 8);
+    let config = bf16_config(10, 16, 8);
     let (mine, other) = (
-        world_for(&config, Duration::from_secs(5)),
-        world_for(&config, Duration::from_secs(5)),
+        world_for(2, &config, Duration::from_secs(5)),
+        world_for(2, &config, Duration::from_secs(5)),
     );
     let op = Op::new(&mine, config).unwrap();
     let text = one_line(
@@ -542,8 +547,8 @@ fn bad_calls_are_refused_in_one_line() {
 
 #[test]
 fn a_peer_that_never_arrives_ends_in_a_diagnosed_error() {
-    let config = bf16_config(2, 10, 16, 8);
-    let world = world_for(&config, Duration::from_millis(300));
+    let config = bf16_config(10, 16, 8);
+    let world = world_for(2, &config, Duration::from_millis(300));
     let op = SimGemmReduceScatter::<bf16, bf16>::new(&world, config).unwrap();
     let (a, b) = (vec![bf16::ONE; 10 * 8], vec![bf16::ONE; 16 * 8]);
     let err = world

@@ -4,11 +4,12 @@
 //! 64 bits), so the refusals do not depend on the memory this one has.
 
 use commfuse_core::backend::{Backend, BackendError};
-use commfuse_core::fused::gemm_rs::GemmRsPath;
+use commfuse_core::fused::gemm_rs::{GemmRsPath, PathChoice};
 use commfuse_core::gemm::{BLayout, TileShape};
 use commfuse_core::{build_plan, check, Algo, DType, OpKind, OpSpec, ReduceOp, Topology};
-use commfuse_sim::ag_gemm::SimAgGemm;
+use commfuse_sim::ag_gemm::{AgGemmConfig, SimAgGemm};
 use commfuse_sim::collective::SimCollective;
+use commfuse_sim::fused::InWorld;
 use commfuse_sim::gemm_rs::{GemmRsConfig, GemmRsOperator, GPU_TILE};
 use commfuse_sim::ll::{LlCollective, LlShots, SimLl};
 use commfuse_sim::{SimBackend, World, WorldConfig};
@@ -36,8 +37,8 @@ fn too_large<T>(result: Result<T, BackendError>, what: &str) -> String {
     msg
 }
 
-fn config(world: usize, m: usize, n: usize) -> GemmRsConfig {
-    GemmRsConfig::new(world, m, n, 8, BLayout::NK, DType::BF16, DType::BF16, false)
+fn config(m: usize, n: usize) -> GemmRsConfig {
+    GemmRsConfig::new(m, n, 8, BLayout::NK, DType::BF16, DType::BF16)
 }
 
 #[test]
@@ -46,10 +47,13 @@ fn pad_columns_counted_without_the_schedule_are_the_schedules() {
         for p in 1..=9 {
             for m in [1, 2, 5, 15, 16, 17, 127, 128, 129, 1000, 4097] {
                 for n in [1, 8, 31, 32, 33, 255, 256, 257, 1000] {
-                    let c = GemmRsConfig {
-                        tile,
-                        ..config(p, m, n)
-                    };
+                    let c = InWorld::new(
+                        p,
+                        GemmRsConfig {
+                            tile,
+                            ..config(m, n)
+                        },
+                    );
                     let want = c.schedule(m).unwrap().flag_columns();
                     assert_eq!(c.pad_cols().unwrap(), want, "P={p} M={m} N={n} {tile:?}");
                 }
@@ -62,14 +66,18 @@ fn pad_columns_counted_without_the_schedule_are_the_schedules() {
 fn gemm_reduce_scatter_too_large_for_memory_is_refused_before_it_allocates() {
     let world = World::new(2, WorldConfig::default()).unwrap();
     // 10^8 × 10^8 outputs: petabytes, and a tile schedule of 3·10^11 tiles
-    let c = config(2, 100_000_000, 100_000_000);
+    let c = config(100_000_000, 100_000_000);
     for path in [
         GemmRsPath::Fused,
         GemmRsPath::Overlapped { pieces: 2 },
         GemmRsPath::Unfused,
     ] {
+        let c = GemmRsConfig {
+            path: PathChoice::Always(path),
+            ..c
+        };
         let msg = too_large(
-            GemmRsOperator::<bf16, bf16>::new(&world, c, path),
+            GemmRsOperator::<bf16, bf16>::new(&world, c),
             &path.to_string(),
         );
         assert!(
@@ -80,28 +88,31 @@ fn gemm_reduce_scatter_too_large_for_memory_is_refused_before_it_allocates() {
     }
     // the world such an operator would need has more flag columns than a pad can have: said,
     // without building the schedule
-    let err = GemmRsOperator::<bf16, bf16>::world_config(&c, std::time::Duration::from_secs(1))
-        .expect_err("the pads do not fit");
+    let err = GemmRsOperator::<bf16, bf16>::world_config(&c, 2).expect_err("the pads do not fit");
     assert!(err.to_string().contains("flag columns"), "{err}");
 }
 
 #[test]
 fn all_gather_gemm_too_large_for_memory_is_refused_before_it_allocates() {
     let world = World::new(2, WorldConfig::default()).unwrap();
-    let c = GemmRsConfig {
+    let c = AgGemmConfig {
         k: 1 << 20,
-        ..config(2, 1 << 24, 64)
+        ..AgGemmConfig::new(1 << 24, 64, 8, BLayout::NK, DType::BF16, DType::BF16)
     };
-    let msg = too_large(
-        SimAgGemm::<bf16, bf16>::new(&world, c, 1),
-        "all-gather + GEMM",
-    );
+    let msg = too_large(SimAgGemm::<bf16, bf16>::new(&world, c), "all-gather + GEMM");
     assert!(
         msg.starts_with("all-gather + GEMM of M up to 16777216"),
         "{msg}"
     );
     let msg = too_large(
-        SimAgGemm::<bf16, bf16>::fused(&world, c, 2),
+        SimAgGemm::<bf16, bf16>::new(
+            &world,
+            AgGemmConfig {
+                fused: true,
+                pieces: 2,
+                ..c
+            },
+        ),
         "fused all-gather + GEMM",
     );
     assert!(msg.starts_with("all-gather + GEMM (fused)"), "{msg}");

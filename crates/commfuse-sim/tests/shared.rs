@@ -6,7 +6,7 @@
 //! whose process ends (a child process here) while a rank waits for it, and a group whose
 //! maker dies before it formed.
 
-use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath};
+use commfuse_core::fused::gemm_rs::{check_elements_on, reference, GemmRsPath, PathChoice};
 use commfuse_core::gemm::BLayout;
 use commfuse_core::{Cmp, DType, OpKind, ReduceOp, Slot};
 use commfuse_sim::collective::SimCollective;
@@ -78,9 +78,13 @@ fn a_collective_through_shared_memory_matches_the_sum() {
 #[test]
 fn gemm_reduce_scatter_through_shared_memory_matches_float64() {
     let p = 3;
-    let config = GemmRsConfig::new(p, 20, 24, 16, BLayout::NK, DType::BF16, DType::BF16, true);
+    let config = GemmRsConfig {
+        bias: true,
+        timeout: Duration::from_secs(10),
+        ..GemmRsConfig::new(20, 24, 16, BLayout::NK, DType::BF16, DType::BF16)
+    };
     let CallInputs { a, b, bias } =
-        CallInputs::<bf16, bf16>::random(config.world, (config.n, config.k), config.bias, &[20], 9);
+        CallInputs::<bf16, bf16>::random(p, (config.n, config.k), config.bias, &[20], 9);
     let paths = [
         GemmRsPath::Fused,
         GemmRsPath::Overlapped { pieces: 2 },
@@ -89,9 +93,13 @@ fn gemm_reduce_scatter_through_shared_memory_matches_float64() {
     for (i, path) in paths.into_iter().enumerate() {
         let outs = group(&format!("rs{i}"), p, |arena| {
             let r = arena.rank();
-            let wc = GemmRsOperator::<bf16, bf16>::world_config(&config, Duration::from_secs(10));
+            let config = GemmRsConfig {
+                path: PathChoice::Always(path),
+                ..config
+            };
+            let wc = GemmRsOperator::<bf16, bf16>::world_config(&config, p);
             let world = World::shared(arena, wc.unwrap()).unwrap();
-            let op = GemmRsOperator::<bf16, bf16>::new(&world, config, path).unwrap();
+            let op = GemmRsOperator::<bf16, bf16>::new(&world, config).unwrap();
             let rows = commfuse_core::op::chunk_range(20, p, r).len();
             let out = std::sync::Mutex::new(vec![bf16::NAN; rows * 24]);
             let operands = (a[0][r].as_slice(), b[0][r].as_slice(), bias[0].as_deref());
@@ -100,7 +108,7 @@ fn gemm_reduce_scatter_through_shared_memory_matches_float64() {
                 .unwrap();
             out.into_inner().unwrap()
         });
-        let shape = config.shape(20).unwrap();
+        let shape = config.shape(p, 20).unwrap();
         let av: Vec<&[bf16]> = a[0].iter().map(Vec::as_slice).collect();
         let bv: Vec<&[bf16]> = b[0].iter().map(Vec::as_slice).collect();
         for (r, out) in outs.iter().enumerate() {

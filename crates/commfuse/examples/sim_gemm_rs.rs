@@ -10,7 +10,7 @@
 //! the algorithm the cost model picks. Exits non-zero when an element is wrong or the example
 //! cannot run.
 
-use commfuse::core::fused::gemm_rs::GemmRsPath;
+use commfuse::core::fused::gemm_rs::{GemmRsPath, PathChoice};
 use commfuse::core::gemm::BLayout;
 use commfuse::core::op::chunk_range;
 use commfuse::core::{DType, OpKind, ReduceOp, MAX_WORLD_SIZE};
@@ -57,11 +57,16 @@ fn compare(what: &str, got: &[f32], want: &[f64]) -> Result<usize> {
 /// checked; the report's line.
 fn gemm_rs(p: usize, ms: &[usize], (n, k): (usize, usize), path: GemmRsPath) -> Result<String> {
     let max_m = ms.iter().copied().max().unwrap_or(1);
-    let config = GemmRsConfig::new(p, max_m, n, k, BLayout::NK, DType::BF16, DType::F32, true);
-    let world_config = GemmRsOperator::<bf16, f32>::world_config(&config, Duration::from_secs(10))?;
+    let config = GemmRsConfig {
+        bias: true,
+        path: PathChoice::Always(path),
+        timeout: Duration::from_secs(10),
+        ..GemmRsConfig::new(max_m, n, k, BLayout::NK, DType::BF16, DType::F32)
+    };
+    let world_config = GemmRsOperator::<bf16, f32>::world_config(&config, p)?;
     let world = World::new(p, world_config)?;
     // built once for the world, then called with any M up to max_m
-    let op = GemmRsOperator::<bf16, f32>::new(&world, config, path)?;
+    let op = GemmRsOperator::<bf16, f32>::new(&world, config)?;
     let bias: Vec<f32> = (0..n).map(|j| value(0, j, 3)).collect();
     let mut elements = 0;
     for (call, &m) in ms.iter().enumerate() {

@@ -13,20 +13,19 @@ use commfuse_sim::memory::Footprint;
 use commfuse_sim::{World, WorldConfig};
 use half::{bf16, f16};
 use std::sync::Mutex;
-use std::time::Duration;
 
 /// What [`run_sim`] holds at its peak, but for the world's signal pads: the operator
 /// (`commfuse_sim::ag_gemm::memory`), every call's inputs (each rank's chunk of A and its B,
 /// the bias) and outputs (every rank's [M, N] product and gathered A), and the float64 check
 /// of one rank's output at a time (the gathered A, the reference elements, the operands
 /// widened and the products).
-pub fn footprint(config: &AgGemmConfig, (pieces, fused): (usize, bool), ms: &[usize]) -> Footprint {
+pub fn footprint(config: &AgGemmConfig, p: usize, ms: &[usize]) -> Footprint {
     use commfuse_core::gemm::ReferenceElement;
     let c = config;
-    let (p, n, k) = (c.world, c.n, c.k);
+    let (n, k) = (c.n, c.k);
     let (si, so) = (c.input.size(), c.output.size());
     let what = format!("run ag-gemm {}×{n}×{k} on {p} ranks", c.max_m);
-    let op = commfuse_sim::ag_gemm::memory(c, pieces, fused);
+    let op = commfuse_sim::ag_gemm::memory(c, p);
     let mut f = Footprint::new(what).and(&op.total());
     for &m in ms {
         f = f
@@ -43,17 +42,11 @@ pub fn footprint(config: &AgGemmConfig, (pieces, fused): (usize, bool), ms: &[us
         .item(&[2, k, n, 8])
 }
 
-/// Runs one call per entry of `ms` back to back on a fresh simulated world, `pieces` = (row
-/// pieces per chunk, whether the fused path runs), inputs drawn from `seed`; checks each call's
-/// outputs and gathered A.
-pub fn run_sim(
-    config: AgGemmConfig,
-    pieces: (usize, bool),
-    ms: &[usize],
-    seed: u64,
-    timeout: Duration,
-) -> Result<Vec<CallCheck>> {
-    let run = (config, pieces, ms, seed, timeout);
+/// Runs one call per entry of `ms` back to back on a fresh simulated world of `p` ranks (its
+/// chunks in the configuration's pieces, on its path), inputs drawn from `seed`; checks each
+/// call's outputs and gathered A.
+pub fn run_sim(p: usize, config: AgGemmConfig, ms: &[usize], seed: u64) -> Result<Vec<CallCheck>> {
+    let run = (p, config, ms, seed);
     match (config.input, config.output) {
         (DType::BF16, DType::BF16) => run_typed::<bf16, bf16>(run),
         (DType::BF16, DType::F32) => run_typed::<bf16, f32>(run),
@@ -65,59 +58,43 @@ pub fn run_sim(
     }
 }
 
-/// [`run_sim`] on GPUs `devices` (rank r on `devices[r]`) by the CUDA backend's operator,
-/// built for `config`'s shape, `(pieces, fused)` as there.
+/// [`run_sim`] on GPUs `devices` (rank r on `devices[r]`) by the CUDA backend's operator of
+/// the same configuration (built for the largest of `ms`).
 pub fn run_cuda(
     devices: &[usize],
-    config: &AgGemmConfig,
-    (pieces, fused): (usize, bool),
+    config: AgGemmConfig,
     ms: &[usize],
     seed: u64,
-    timeout: Duration,
 ) -> Result<Vec<CallCheck>> {
-    use commfuse_cuda::ag_gemm::{checked::run_checked, AgGemmConfig as CudaConfig};
-    let c = config;
-    let mut cuda = CudaConfig::new(
-        ms.iter().copied().max().unwrap_or(c.max_m),
-        c.n,
-        c.k,
-        c.b_layout,
-        c.input,
-        c.output,
-    );
-    cuda.bias = c.bias;
-    cuda.pieces = pieces;
-    cuda.fused = fused;
-    cuda.timeout = timeout;
+    let config = AgGemmConfig {
+        max_m: ms.iter().copied().max().unwrap_or(config.max_m),
+        ..config
+    };
     let gpus = commfuse_cuda::sys::driver::open_group(devices)?;
-    Ok(run_checked(&gpus, cuda, ms, seed)?)
+    Ok(commfuse_cuda::ag_gemm::checked::run_checked(
+        &gpus, config, ms, seed,
+    )?)
 }
 
 /// Per rank, per call: the output and the gathered A.
 type Outputs<TO, TI> = Vec<Mutex<Vec<(Vec<TO>, Vec<TI>)>>>;
 
 fn run_typed<TI: Element, TO: Element>(
-    (config, (pieces, fused), ms, seed, timeout): (
-        AgGemmConfig,
-        (usize, bool),
-        &[usize],
-        u64,
-        Duration,
-    ),
+    (p, config, ms, seed): (usize, AgGemmConfig, &[usize], u64),
 ) -> Result<Vec<CallCheck>> {
-    let (p, n, k) = (config.world, config.n, config.k);
+    let (n, k) = (config.n, config.k);
     if p == 0 || p > commfuse_core::MAX_WORLD_SIZE {
         return Err(anyhow!(
             "--ranks must be between 1 and {}, got {p}",
             commfuse_core::MAX_WORLD_SIZE
         ));
     }
-    let footprint = footprint(&config, (pieces, fused), ms);
+    let footprint = footprint(&config, p, ms);
     footprint.check()?;
     let pad_cols = 64;
-    let pad_rows = SimAgGemm::<TI, TO>::pad_rows(&config, pad_cols)? as u32 + 8;
+    let pad_rows = SimAgGemm::<TI, TO>::pad_rows(&config, p, pad_cols)? as u32 + 8;
     let world_config = WorldConfig {
-        timeout,
+        timeout: config.timeout,
         pad_rows,
         pad_cols: pad_cols as u32,
     };
@@ -130,13 +107,9 @@ fn run_typed<TI: Element, TO: Element>(
     // a step per rank's call, then one per rank's check of it
     let bar = crate::progress::bar(2 * (p * ms.len()) as u64, &what);
     let world = World::new(p, world_config)?;
-    let op = if fused {
-        SimAgGemm::<TI, TO>::fused(&world, config, pieces)?
-    } else {
-        SimAgGemm::<TI, TO>::new(&world, config, pieces)?
-    };
+    let op = SimAgGemm::<TI, TO>::new(&world, config)?;
     let AgCallInputs { a, b, bias } =
-        AgCallInputs::<TI, TO>::random(config.world, (config.n, config.k), config.bias, ms, seed);
+        AgCallInputs::<TI, TO>::random(p, (config.n, config.k), config.bias, ms, seed);
     let outs: Outputs<TO, TI> = (0..p)
         .map(|_| {
             let calls = ms
@@ -159,7 +132,7 @@ fn run_typed<TI: Element, TO: Element>(
     })?;
     let mut checks = Vec::new();
     for (c, &m) in ms.iter().enumerate() {
-        let problem = shape(&config, m)?.problem();
+        let problem = shape(&config, p, m)?.problem();
         let full: Vec<TI> = a[c].iter().flatten().copied().collect();
         let epilogue = Epilogue {
             bias: config.bias,
@@ -209,23 +182,12 @@ mod tests {
     fn a_run_counts_every_ranks_whole_output_and_the_float64_check() {
         // 50000 × 50000: every rank's output alone is 5 GB in bf16, the float64 check of one
         // rank 100 GB
-        let config = AgGemmConfig::new(
-            2,
-            50_000,
-            50_000,
-            8,
-            BLayout::NK,
-            DType::BF16,
-            DType::BF16,
-            false,
-        );
-        let total = footprint(&config, (1, false), &[50_000, 25_000])
-            .bytes()
-            .unwrap();
+        let config = AgGemmConfig::new(50_000, 50_000, 8, BLayout::NK, DType::BF16, DType::BF16);
+        let total = footprint(&config, 2, &[50_000, 25_000]).bytes().unwrap();
         let outputs = 2 * (50_000u64 * 50_000 + 25_000 * 50_000) * 2;
         let check = 50_000u64 * 50_000 * 40;
         assert!(total >= outputs + check, "{total}");
-        let err = footprint(&config, (1, false), &[50_000, 25_000])
+        let err = footprint(&config, 2, &[50_000, 25_000])
             .check_within(Some(24 << 30))
             .unwrap_err()
             .to_string();

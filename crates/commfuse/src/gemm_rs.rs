@@ -1,7 +1,8 @@
 //! `commfuse run gemm-rs`: checked back-to-back calls of GEMM + reduce-scatter (by the path
 //! asked for, or the one `auto` picks) with fresh random inputs, every output element of every
 //! rank against the float64 reference and the path's error bound, on the simulator
-//! ([`run_sim`]) or on GPUs ([`run_cuda`]); one seed gives both the same operands.
+//! ([`run_sim`]) or on GPUs ([`run_cuda`]), both built from one [`GemmRsConfig`]; one seed gives
+//! both the same operands.
 
 use crate::progress::long_run_warning;
 use anyhow::{anyhow, Result};
@@ -12,7 +13,6 @@ use commfuse_sim::memory::Footprint;
 use commfuse_sim::World;
 use half::{bf16, f16};
 use std::sync::Mutex;
-use std::time::Duration;
 
 pub use commfuse_core::fused::CallCheck;
 
@@ -20,16 +20,16 @@ pub use commfuse_core::fused::CallCheck;
 /// (`commfuse_sim::gemm_rs::memory`), every call's inputs (each rank's A and B, the bias) and
 /// outputs, and the float64 check of one rank's chunk at a time (the reference elements, the
 /// operands widened, the products and the computed values as f64).
-pub fn footprint(config: &GemmRsConfig, path: GemmRsPath, ms: &[usize]) -> Footprint {
+pub fn footprint(config: &GemmRsConfig, p: usize, path: GemmRsPath, ms: &[usize]) -> Footprint {
     use commfuse_core::fused::gemm_rs::ReferenceElement;
     let c = config;
-    let (p, n, k) = (c.world, c.n, c.k);
+    let (n, k) = (c.n, c.k);
     let (si, so) = (c.input.size(), c.output.size());
     let what = format!(
         "run gemm-rs {}×{n}×{k} on {p} ranks by the {path} path",
         c.max_m
     );
-    let mut f = Footprint::new(what).and(&commfuse_sim::gemm_rs::memory(c, path).total());
+    let mut f = Footprint::new(what).and(&commfuse_sim::gemm_rs::memory(c, p, path).total());
     for &m in ms {
         f = f
             .item(&[p, m, k, si])
@@ -43,16 +43,11 @@ pub fn footprint(config: &GemmRsConfig, path: GemmRsPath, ms: &[usize]) -> Footp
         .item(&[2, k, n, 8])
 }
 
-/// Runs one call per entry of `ms` back to back on a fresh simulated world (no barrier between
-/// calls) by `path`, inputs drawn from `seed`, and checks each.
-pub fn run_sim(
-    config: GemmRsConfig,
-    path: GemmRsPath,
-    ms: &[usize],
-    seed: u64,
-    timeout: Duration,
-) -> Result<Vec<CallCheck>> {
-    let run = (config, path, ms, seed, timeout);
+/// Runs one call per entry of `ms` back to back on a fresh simulated world of `p` ranks (no
+/// barrier between calls) by the configuration's path (for `auto`, the one it picks at
+/// `max_m`), inputs drawn from `seed`, and checks each.
+pub fn run_sim(p: usize, config: GemmRsConfig, ms: &[usize], seed: u64) -> Result<Vec<CallCheck>> {
+    let run = (p, config, ms, seed);
     match (config.input, config.output) {
         (DType::BF16, DType::BF16) => run_typed::<bf16, bf16>(run),
         (DType::BF16, DType::F32) => run_typed::<bf16, f32>(run),
@@ -64,50 +59,38 @@ pub fn run_sim(
     }
 }
 
-/// [`run_sim`] on GPUs `devices` (rank r on `devices[r]`) by the CUDA backend's operator,
-/// built for `config`'s shape: every call by `path`, or with `None` (`--path auto`) by the
-/// path the operator picks per call's M, as it does for a caller. Returns the checks and the
-/// path each call took.
+/// [`run_sim`] on GPUs `devices` (rank r on `devices[r]`) by the CUDA backend's operator of
+/// the same configuration (built for the largest of `ms`), whose `auto` picks a path per
+/// call's M, as it does for a caller. Returns the checks and the path each call took.
 pub fn run_cuda(
     devices: &[usize],
-    config: &GemmRsConfig,
-    path: Option<GemmRsPath>,
+    config: GemmRsConfig,
     ms: &[usize],
     seed: u64,
-    timeout: Duration,
 ) -> Result<(Vec<CallCheck>, Vec<GemmRsPath>)> {
-    use commfuse_cuda::gemm_rs::{checked::run_checked, GemmRsConfig as CudaConfig, PathChoice};
-    let c = config;
-    let mut cuda = CudaConfig::new(
-        ms.iter().copied().max().unwrap_or(c.max_m),
-        c.n,
-        c.k,
-        c.b_layout,
-        c.input,
-        c.output,
-    );
-    cuda.bias = c.bias;
-    cuda.numa_groups = c.numa_groups;
-    cuda.timeout = timeout;
-    cuda.path = path.map_or(PathChoice::Auto, PathChoice::Always);
+    let config = GemmRsConfig {
+        max_m: ms.iter().copied().max().unwrap_or(config.max_m),
+        ..config
+    };
     let gpus = commfuse_cuda::sys::driver::open_group(devices)?;
-    let calls = run_checked(&gpus, cuda, ms, seed)?;
+    let calls = commfuse_cuda::gemm_rs::checked::run_checked(&gpus, config, ms, seed)?;
     Ok(calls.into_iter().unzip())
 }
 
 fn run_typed<TI: Element, TO: Element>(
-    (config, path, ms, seed, timeout): (GemmRsConfig, GemmRsPath, &[usize], u64, Duration),
+    (p, config, ms, seed): (usize, GemmRsConfig, &[usize], u64),
 ) -> Result<Vec<CallCheck>> {
-    let (p, n) = (config.world, config.n);
+    let n = config.n;
     if p == 0 || p > commfuse_core::MAX_WORLD_SIZE {
         return Err(anyhow!(
             "--ranks must be between 1 and {}, got {p}",
             commfuse_core::MAX_WORLD_SIZE
         ));
     }
-    let footprint = footprint(&config, path, ms);
+    let path = GemmRsOperator::<TI, TO>::path(&config, p)?;
+    let footprint = footprint(&config, p, path, ms);
     footprint.check()?;
-    let world_config = GemmRsOperator::<TI, TO>::world_config(&config, timeout)?;
+    let world_config = GemmRsOperator::<TI, TO>::world_config(&config, p)?;
     footprint.and(&world_config.memory(p).total()).check()?;
     let what = format!("gemm-rs {}×{n}×{} on {p} ranks", config.max_m, config.k);
     let ranks_and_cores = (p, crate::progress::cores());
@@ -117,9 +100,9 @@ fn run_typed<TI: Element, TO: Element>(
     // a step per rank's call, then one per rank's check of it
     let bar = crate::progress::bar(2 * (p * ms.len()) as u64, &what);
     let world = World::new(p, world_config)?;
-    let op = GemmRsOperator::<TI, TO>::new(&world, config, path)?;
+    let op = GemmRsOperator::<TI, TO>::new(&world, config)?;
     let CallInputs { a, b, bias } =
-        CallInputs::<TI, TO>::random(config.world, (config.n, config.k), config.bias, ms, seed);
+        CallInputs::<TI, TO>::random(p, (config.n, config.k), config.bias, ms, seed);
     let outs: Vec<Mutex<Vec<Vec<TO>>>> = (0..p)
         .map(|r| {
             Mutex::new(
@@ -141,7 +124,7 @@ fn run_typed<TI: Element, TO: Element>(
     })?;
     let mut checks = Vec::new();
     for (c, &m) in ms.iter().enumerate() {
-        let shape = config.shape(m)?;
+        let shape = config.shape(p, m)?;
         let a: Vec<&[TI]> = a[c].iter().map(Vec::as_slice).collect();
         let b: Vec<&[TI]> = b[c].iter().map(Vec::as_slice).collect();
         let ranks = outs
@@ -171,14 +154,14 @@ mod tests {
     #[test]
     fn a_run_counts_its_inputs_outputs_and_float64_checks_beside_the_operator() {
         let (p, m, n, k) = (2, 4096, 4096, 512);
-        let config = GemmRsConfig::new(p, m, n, k, BLayout::NK, DType::BF16, DType::BF16, false);
+        let config = GemmRsConfig::new(m, n, k, BLayout::NK, DType::BF16, DType::BF16);
         let path = GemmRsPath::Fused;
         let ms = [m, m / 2];
-        let op = commfuse_sim::gemm_rs::memory(&config, path)
+        let op = commfuse_sim::gemm_rs::memory(&config, p, path)
             .total()
             .bytes()
             .unwrap();
-        let total = footprint(&config, path, &ms).bytes().unwrap();
+        let total = footprint(&config, p, path, &ms).bytes().unwrap();
         // every call's A and B on every rank, and its outputs, in bf16
         let inputs: u64 = ms.iter().map(|&m| (p * (m * k + k * n) * 2) as u64).sum();
         let outputs: u64 = ms.iter().map(|&m| (m * n * 2) as u64).sum();
@@ -187,7 +170,7 @@ mod tests {
         assert!(total >= op + inputs + outputs + check, "{total}");
         // the run measured a 0.64 GB peak
         assert!(total < 800 << 20, "{total}");
-        let fits = footprint(&config, path, &ms).check_within(Some(1 << 30));
+        let fits = footprint(&config, p, path, &ms).check_within(Some(1 << 30));
         assert!(fits.is_ok(), "{fits:?}");
     }
 }

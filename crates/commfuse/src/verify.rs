@@ -6,6 +6,8 @@
 use crate::backends::{self, BackendKind, Placement};
 use crate::driver::{self, Request};
 use anyhow::Result;
+use commfuse_core::fused::ag_gemm::AgGemmConfig;
+use commfuse_core::fused::gemm_rs::{GemmRsConfig, PathChoice};
 use commfuse_core::fused::CallCheck;
 use commfuse_core::gemm::BLayout;
 use commfuse_core::{Algo, DType, OpKind, ReduceOp};
@@ -231,27 +233,42 @@ impl FusedCase {
         (ms, b_layout, seed): (&[usize], BLayout, u64),
     ) -> Result<Vec<CallCheck>> {
         let max_m = ms.iter().copied().max().unwrap_or(1);
-        let config = commfuse_sim::gemm_rs::GemmRsConfig::new(
-            p, max_m, FUSED_N, FUSED_K, b_layout, input, output, true,
-        );
-        let timeout = placement.timeout;
+        let rs = GemmRsConfig {
+            bias: true,
+            timeout: placement.timeout,
+            ..GemmRsConfig::new(max_m, FUSED_N, FUSED_K, b_layout, input, output)
+        };
+        let ag = AgGemmConfig {
+            bias: true,
+            timeout: placement.timeout,
+            ..AgGemmConfig::new(max_m, FUSED_N, FUSED_K, b_layout, input, output)
+        };
         let devices = placement
             .devices
             .as_ref()
             .map(|d| d[..p].to_vec())
             .or_else(|| (placement.backend == BackendKind::Cuda).then(|| (0..p).collect()));
         match (self, devices) {
-            (FusedCase::GemmRs(path), None) => {
-                crate::gemm_rs::run_sim(config, path, ms, seed, timeout)
+            (FusedCase::GemmRs(path), devices) => {
+                let config = GemmRsConfig {
+                    path: PathChoice::Always(path),
+                    ..rs
+                };
+                match devices {
+                    None => crate::gemm_rs::run_sim(p, config, ms, seed),
+                    Some(d) => Ok(crate::gemm_rs::run_cuda(&d, config, ms, seed)?.0),
+                }
             }
-            (FusedCase::GemmRs(path), Some(d)) => {
-                Ok(crate::gemm_rs::run_cuda(&d, &config, Some(path), ms, seed, timeout)?.0)
-            }
-            (FusedCase::AgGemm { pieces, fused }, None) => {
-                crate::ag_gemm::run_sim(config, (pieces, fused), ms, seed, timeout)
-            }
-            (FusedCase::AgGemm { pieces, fused }, Some(d)) => {
-                crate::ag_gemm::run_cuda(&d, &config, (pieces, fused), ms, seed, timeout)
+            (FusedCase::AgGemm { pieces, fused }, devices) => {
+                let config = AgGemmConfig {
+                    pieces,
+                    fused,
+                    ..ag
+                };
+                match devices {
+                    None => crate::ag_gemm::run_sim(p, config, ms, seed),
+                    Some(d) => crate::ag_gemm::run_cuda(&d, config, ms, seed),
+                }
             }
         }
     }

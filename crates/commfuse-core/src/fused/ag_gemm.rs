@@ -33,12 +33,82 @@
 
 use crate::dtype::DType;
 use crate::error::Error;
-use crate::gemm::{grouped_order_of_grid, BLayout, Epilogue, GemmPlan, GemmProblem, TileShape};
+use crate::gemm::{
+    grouped_order_of_grid, BLayout, Epilogue, GemmPlan, GemmProblem, TileShape, KERNEL_TILE,
+};
 use crate::op::chunk_range;
 use std::ops::Range;
+use std::time::Duration;
 
 /// The most pieces a chunk is cut into.
 pub const MAX_PIECES: usize = 16;
+
+/// What an all-gather + GEMM operator is built for, on either backend: every call has this N,
+/// K, layout and types and up to `max_m` gathered rows. The group it runs on gives the world
+/// size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AgGemmConfig {
+    /// The most rows of the gathered A (every rank holds its chunk of them)
+    pub max_m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub b_layout: BLayout,
+    /// bf16 or f16
+    pub input: DType,
+    /// The input type or f32
+    pub output: DType,
+    /// Whether calls add a bias [N] (output type)
+    pub bias: bool,
+    /// Row pieces each chunk is handed on in (1 to [`MAX_PIECES`])
+    pub pieces: usize,
+    /// The fused path: one GEMM whose loads wait for each row band's piece
+    /// ([`AgGemmSchedule::fused_plan`]), instead of one library GEMM per piece
+    pub fused: bool,
+    /// Output tile of the fused path's GEMM: [`KERNEL_TILE`] (the simulator also takes others)
+    pub tile: TileShape,
+    /// How long any wait of a call may last before the call fails with a diagnosis
+    pub timeout: Duration,
+}
+
+impl AgGemmConfig {
+    /// The defaults: no bias, whole chunks (one piece), the overlapped path, the kernel's
+    /// tile, 5 s waits.
+    pub fn new(
+        max_m: usize,
+        n: usize,
+        k: usize,
+        b_layout: BLayout,
+        input: DType,
+        output: DType,
+    ) -> AgGemmConfig {
+        AgGemmConfig {
+            max_m,
+            n,
+            k,
+            b_layout,
+            input,
+            output,
+            bias: false,
+            pieces: 1,
+            fused: false,
+            tile: KERNEL_TILE,
+            timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// The shape of a call of `m` gathered rows on `world` ranks (validated).
+    pub fn shape(&self, world: usize, m: usize) -> Result<AgGemmShape, Error> {
+        AgGemmShape::new(
+            world,
+            m,
+            self.n,
+            self.k,
+            self.b_layout,
+            self.input,
+            self.output,
+        )
+    }
+}
 
 /// What one all-gather + GEMM call computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

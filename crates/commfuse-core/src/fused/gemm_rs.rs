@@ -32,11 +32,12 @@ use crate::dtype::DType;
 use crate::error::Error;
 use crate::gemm::{
     grouped_order_of_grid, BLayout, Destination, ElementCheck, Epilogue, GemmPlan, GemmProblem,
-    TileFlag, TileShape, BOUND_MARGIN,
+    TileFlag, TileShape, BOUND_MARGIN, KERNEL_TILE,
 };
 use crate::op::chunk_range;
 use crate::plan::{NotifyOp, Slot};
 use std::ops::Range;
+use std::time::Duration;
 
 /// Tile rows the schedule groups together when walking an owner's tiles (L2 reuse of B).
 pub const ORDER_GROUP: usize = 8;
@@ -129,6 +130,103 @@ impl std::fmt::Display for GemmRsPath {
             GemmRsPath::Overlapped { pieces: 1 } => write!(f, "overlapped (1 piece)"),
             GemmRsPath::Overlapped { pieces } => write!(f, "overlapped ({pieces} pieces)"),
             GemmRsPath::Unfused => write!(f, "unfused"),
+        }
+    }
+}
+
+/// Which way the calls of an operator run: one path always, or per call what
+/// [`choose_path`] picks for its shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum PathChoice {
+    Auto,
+    Always(GemmRsPath),
+}
+
+/// How the owner of a chunk sums the P partials of its rows on the fused path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Reduction {
+    /// In the epilogue of its own tiles (computed last), on every SM
+    Fold,
+    /// In a separate kernel of this many blocks beside the GEMM (which keeps the other SMs)
+    Separate { blocks: u32 },
+}
+
+/// What a GEMM + reduce-scatter operator is built for, on either backend: every call has this
+/// N, K, layout and types and any M from 1 to `max_m` (the same M on every rank of a call).
+/// The group it runs on gives the world size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmRsConfig {
+    /// The largest M of any call (the receive buffers and flag rows are sized for it)
+    pub max_m: usize,
+    pub n: usize,
+    /// K of each rank's shard
+    pub k: usize,
+    pub b_layout: BLayout,
+    /// bf16 or f16
+    pub input: DType,
+    /// The input type or f32
+    pub output: DType,
+    /// Whether calls add a bias [N] (in the output type), once
+    pub bias: bool,
+    /// Which path calls take
+    pub path: PathChoice,
+    /// How the owner sums the partials on the fused path
+    pub reduction: Reduction,
+    /// NUMA groups of consecutive ranks the overlapped path's ring crosses as few times as it
+    /// can (1: one flat ring; see [`super::ring_rs`])
+    pub numa_groups: usize,
+    /// Output tile of the fused path's GEMM: [`KERNEL_TILE`] (the simulator also takes others,
+    /// to test the schedule on small shapes)
+    pub tile: TileShape,
+    /// How long any wait of a call may last before the call fails with a diagnosis
+    pub timeout: Duration,
+}
+
+impl GemmRsConfig {
+    /// The defaults for a shape: no bias, the path [`choose_path`] picks per M, partials folded
+    /// into the epilogue, one flat ring, the kernel's tile, 5 s waits.
+    pub fn new(
+        max_m: usize,
+        n: usize,
+        k: usize,
+        b_layout: BLayout,
+        input: DType,
+        output: DType,
+    ) -> GemmRsConfig {
+        GemmRsConfig {
+            max_m,
+            n,
+            k,
+            b_layout,
+            input,
+            output,
+            bias: false,
+            path: PathChoice::Auto,
+            reduction: Reduction::Fold,
+            numa_groups: 1,
+            tile: KERNEL_TILE,
+            timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// The shape of a call of `m` rows on `world` ranks (validated).
+    pub fn shape(&self, world: usize, m: usize) -> Result<GemmRsShape, Error> {
+        GemmRsShape::new(
+            world,
+            m,
+            self.n,
+            self.k,
+            self.b_layout,
+            self.input,
+            self.output,
+        )
+    }
+
+    /// The path a call of `shape` takes: the one chosen, or [`choose_path`]'s.
+    pub fn path_for(&self, shape: &GemmRsShape) -> GemmRsPath {
+        match self.path {
+            PathChoice::Always(path) => path,
+            PathChoice::Auto => choose_path(shape),
         }
     }
 }
@@ -703,7 +801,7 @@ mod tests {
         );
     }
 
-    const TILE: TileShape = TileShape { m: 128, n: 256 };
+    const TILE: TileShape = KERNEL_TILE;
 
     #[test]
     fn no_tile_straddles_two_owners_and_every_element_is_covered_once() {
@@ -829,6 +927,34 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_configuration_takes_its_chosen_path_or_the_cost_models_for_each_shape() {
+        let c = GemmRsConfig::new(8192, 8192, 3584, BLayout::NK, DType::BF16, DType::BF16);
+        assert_eq!(
+            (c.tile, c.path, c.bias),
+            (KERNEL_TILE, PathChoice::Auto, false)
+        );
+        // auto follows the shape: the unfused path for a short reduce-scatter, the ring above
+        for (world, m) in [(2, 16), (2, 8192), (8, 100), (8, 8192)] {
+            let shape = c.shape(world, m).unwrap();
+            assert_eq!(c.path_for(&shape), choose_path(&shape), "P={world} M={m}");
+        }
+        assert_eq!(c.path_for(&c.shape(2, 16).unwrap()), GemmRsPath::Unfused);
+        assert_eq!(
+            c.path_for(&c.shape(2, 8192).unwrap()),
+            GemmRsPath::Overlapped { pieces: 2 }
+        );
+        let fused = GemmRsConfig {
+            path: PathChoice::Always(GemmRsPath::Fused),
+            ..c
+        };
+        assert_eq!(fused.path_for(&c.shape(2, 16).unwrap()), GemmRsPath::Fused);
+        // the shape is validated as GemmRsShape's constructor validates it
+        let odd_k = GemmRsConfig { k: 12, ..c };
+        assert!(odd_k.shape(2, 16).is_err());
+        assert!(c.shape(0, 16).is_err());
     }
 }
 

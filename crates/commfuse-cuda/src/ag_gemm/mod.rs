@@ -41,16 +41,16 @@ pub mod checked;
 use crate::backend::plan_table::MAX_RANKS;
 use crate::error::CudaError;
 use crate::gemm::{
-    check_problem, CallNumber, Gather, GemmKernels, GemmOperands, InUse, Launched, PreparedGemm,
-    TILE,
+    check_problem, check_tile, CallNumber, Gather, GemmKernels, GemmOperands, InUse, Launched,
+    PreparedGemm, TILE,
 };
 use crate::gemm_rs::flag_step::{hand_on, FlagCmp, FlagStep, FlagSteps, PeerMemory, THIS_CALL};
 use crate::sys::cublaslt::Lt;
 use crate::sys::driver::{DeviceMemory, Event, Gpu, IpcMapping, Stream};
 use crate::sys::ipc::Exported;
-use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, AgPiece, MAX_PIECES};
+pub use commfuse_core::fused::ag_gemm::AgGemmConfig;
+use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgPiece, MAX_PIECES};
 use commfuse_core::gemm::{BLayout, GemmProblem};
-use commfuse_core::DType;
 use std::collections::{HashMap, HashSet};
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -63,68 +63,6 @@ fn warm_up(m: usize) -> String {
 
 fn unsupported(msg: String) -> CudaError {
     CudaError::Unavailable(msg)
-}
-
-/// What an [`AgGemmRank`] is built for: every call has this N, K, layout and types and up to
-/// `max_m` gathered rows.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AgGemmConfig {
-    /// The most rows of the gathered A (every rank holds its chunk of them)
-    pub max_m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub b_layout: BLayout,
-    /// bf16 or f16
-    pub input: DType,
-    /// The input type or f32
-    pub output: DType,
-    /// Whether calls add a bias [N] (output type)
-    pub bias: bool,
-    /// Row pieces each chunk is handed on in
-    pub pieces: usize,
-    /// The fused path: one GEMM of our own whose producer waits for each row band's piece
-    /// (see the module doc), instead of a cuBLASLt GEMM per piece
-    pub fused: bool,
-    /// How long any device-side wait may last before the call fails with a diagnosis
-    pub timeout: Duration,
-}
-
-impl AgGemmConfig {
-    /// The defaults: whole chunks (one piece), 5 s waits.
-    pub fn new(
-        max_m: usize,
-        n: usize,
-        k: usize,
-        b_layout: BLayout,
-        input: DType,
-        output: DType,
-    ) -> AgGemmConfig {
-        AgGemmConfig {
-            max_m,
-            n,
-            k,
-            b_layout,
-            input,
-            output,
-            bias: false,
-            pieces: 1,
-            fused: false,
-            timeout: Duration::from_secs(5),
-        }
-    }
-
-    fn shape(&self, world: usize, m: usize) -> Result<AgGemmShape, CudaError> {
-        AgGemmShape::new(
-            world,
-            m,
-            self.n,
-            self.k,
-            self.b_layout,
-            self.input,
-            self.output,
-        )
-        .map_err(|e| unsupported(e.to_string()))
-    }
 }
 
 /// What a rank shares with its peers: its gather buffer and flag words, and the context they
@@ -171,6 +109,7 @@ impl AgGemmAllocation {
                 "rank {rank} of {world}: all-gather + GEMM takes 1 to {MAX_RANKS} ranks"
             )));
         }
+        check_tile(config.tile)?;
         if config.pieces == 0 || config.pieces > MAX_PIECES {
             return Err(unsupported(format!(
                 "all-gather + GEMM cuts a chunk into 1 to {MAX_PIECES} pieces, got {}",

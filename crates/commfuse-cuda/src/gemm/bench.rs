@@ -123,7 +123,9 @@ fn interleaved_medians(
                 .windows(2)
                 .map(|w| Ok(w[0].elapsed_ms(&w[1])? as f64))
                 .collect::<Result<Vec<f64>, CudaError>>()?;
-            Ok(rounds::median(&mut times).expect("a round times at least one launch"))
+            Ok::<_, CudaError>(
+                rounds::median(&mut times).expect("a round times at least one launch"),
+            )
         },
         |_| {},
     )?;

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 /// The kernel's output tile.
-pub const TILE: TileShape = TileShape { m: 128, n: 256 };
+pub const TILE: TileShape = commfuse_core::gemm::KERNEL_TILE;
 const THREADS: u32 = 384;
 const STAGES: u32 = 3;
 /// K depth of one pipeline stage (one 128-byte swizzle row of 16-bit elements).
@@ -567,6 +567,18 @@ pub const MAX_DIM: usize = i32::MAX as usize;
 /// three per SM), its grid-stride loop indices and the byte strides of a tile's flags
 /// (8 bytes per tile) are 32-bit.
 pub const MAX_TILES: usize = 1 << 28;
+
+/// Whether `tile` is the kernel's: the fused operators' schedules must be cut in the tiles it
+/// computes.
+pub fn check_tile(tile: TileShape) -> Result<(), CudaError> {
+    if tile == TILE {
+        return Ok(());
+    }
+    Err(CudaError::Unavailable(format!(
+        "the GPU GEMM computes {}×{} tiles, the configuration asks for {}×{}",
+        TILE.m, TILE.n, tile.m, tile.n
+    )))
+}
 
 /// Whether the kernel's 32-bit parameters and index arithmetic hold `p`: M, N and K at most
 /// [`MAX_DIM`], at most [`MAX_TILES`] output tiles of [`TILE`]. The error names the value and
@@ -1348,6 +1360,18 @@ fn a_map(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fused_schedules_must_be_cut_in_the_kernels_tile() {
+        assert!(check_tile(TILE).is_ok());
+        let err = check_tile(TileShape { m: 16, n: 32 })
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "the GPU GEMM computes 128×256 tiles, the configuration asks for 16×32"
+        );
+    }
 
     #[test]
     fn tables_match_the_kernel_layout() {

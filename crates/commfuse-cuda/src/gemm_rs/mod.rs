@@ -45,7 +45,7 @@ pub use unfused::{NcclId, NCCL_ID_BYTES};
 use crate::backend::plan_table::{ErrorRecord, MAX_RANKS};
 use crate::error::CudaError;
 use crate::gemm::{
-    check_problem, CallCounter, CallNumber, GemmKernels, GemmOperands, InUse, Launched,
+    check_problem, check_tile, CallCounter, CallNumber, GemmKernels, GemmOperands, InUse, Launched,
     PreparedGemm, TileRoute, FLAG_SET_EPOCH, ROUTE_DST_FROM_D, ROUTE_NO_BIAS, TILE,
 };
 use crate::sys::driver::{
@@ -54,12 +54,11 @@ use crate::sys::driver::{
 use crate::sys::ipc::Exported;
 use crate::sys::nvrtc;
 use bytemuck::{Pod, Zeroable};
-pub use commfuse_core::fused::gemm_rs::GemmRsPath;
 use commfuse_core::fused::gemm_rs::{
     choose_overlapping_path, choose_path, GemmRsSchedule, GemmRsShape,
 };
+pub use commfuse_core::fused::gemm_rs::{GemmRsConfig, GemmRsPath, PathChoice, Reduction};
 use commfuse_core::fused::ring_rs::MAX_PIECES;
-use commfuse_core::gemm::BLayout;
 use commfuse_core::DType;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -67,75 +66,6 @@ use std::time::Duration;
 
 /// Threads of a reduction block (`REDUCE_THREADS` in gemm_rs.cu).
 const REDUCE_THREADS: u32 = 512;
-
-/// How the owner sums the P partials of its rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reduction {
-    /// In the epilogue of its own tiles (computed last), on every SM
-    Fold,
-    /// In a separate kernel of this many blocks beside the GEMM (which keeps the other SMs)
-    Separate { blocks: u32 },
-}
-
-/// Which way calls run: one path always, or per M what the cost model picks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PathChoice {
-    Auto,
-    Always(GemmRsPath),
-}
-
-/// What a [`GemmRsRank`] is built for: every call has this N, K, layout and types, any M up to
-/// `max_m` (the same on every rank in one call).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct GemmRsConfig {
-    pub max_m: usize,
-    pub n: usize,
-    /// K of each rank's shard
-    pub k: usize,
-    pub b_layout: BLayout,
-    /// bf16 or f16
-    pub input: DType,
-    /// The input type or f32
-    pub output: DType,
-    /// Whether calls add a bias [N] (output type), once
-    pub bias: bool,
-    /// How the owner sums the partials on the fused path
-    pub reduction: Reduction,
-    /// Which path calls take
-    pub path: PathChoice,
-    /// NUMA groups of consecutive ranks the overlapped path's ring crosses as few times as it
-    /// can (1, the default: one flat ring; see [`commfuse_core::fused::ring_rs`])
-    pub numa_groups: usize,
-    /// How long any device-side wait may last before the call fails with a diagnosis
-    pub timeout: Duration,
-}
-
-impl GemmRsConfig {
-    /// The defaults for a shape: the path the cost model picks per M (partials folded into the
-    /// epilogue where that is the fused path), 5 s waits.
-    pub fn new(
-        max_m: usize,
-        n: usize,
-        k: usize,
-        b_layout: BLayout,
-        input: DType,
-        output: DType,
-    ) -> GemmRsConfig {
-        GemmRsConfig {
-            max_m,
-            n,
-            k,
-            b_layout,
-            input,
-            output,
-            bias: false,
-            reduction: Reduction::Fold,
-            path: PathChoice::Auto,
-            numa_groups: 1,
-            timeout: Duration::from_secs(5),
-        }
-    }
-}
 
 /// One tile of a rank's chunk for the reduction (mirrors `ReduceTile` in gemm_rs.cu).
 #[repr(C)]
@@ -278,6 +208,7 @@ impl GemmRsAllocation {
                 "rank {rank} of {world}: GEMM + reduce-scatter takes 1 to {MAX_RANKS} ranks"
             )));
         }
+        check_tile(config.tile)?;
         if let Reduction::Separate { blocks } = config.reduction {
             if blocks == 0 || blocks >= gpu.sm_count {
                 return Err(unsupported(format!(
@@ -583,16 +514,7 @@ pub(crate) fn tile_routes(
 }
 
 fn shape(config: &GemmRsConfig, world: usize, m: usize) -> Result<GemmRsShape, CudaError> {
-    GemmRsShape::new(
-        world,
-        m,
-        config.n,
-        config.k,
-        config.b_layout,
-        config.input,
-        config.output,
-    )
-    .map_err(|e| unsupported(e.to_string()))
+    Ok(config.shape(world, m)?)
 }
 
 impl GemmRsRank {
@@ -1037,6 +959,7 @@ impl GemmRsRank {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use commfuse_core::gemm::BLayout;
     use std::collections::HashMap;
 
     /// Rank q's buffers at made-up addresses far apart (the tables are only arithmetic).

@@ -6,13 +6,13 @@
 //! peer, and it waits for a peer's done of the previous call only before it next stores into
 //! that peer (as the GPU path's side stream does).
 //!
-//! The fused path ([`SimAgGemm::fused`]) moves the same pieces with the same flags and runs the
+//! The fused path (`AgGemmConfig::fused`) moves the same pieces with the same flags and runs the
 //! fused schedule's one GEMM over all M rows (`AgGemmSchedule::fused_plan`) tile by tile in its
 //! order, waiting for a piece's flag before the first tile that reads its rows, as the GPU
 //! GEMM's producer does before a band's loads.
 
 use crate::buffer::SymmetricBuffer;
-use crate::fused::{check_build, check_call, FlagWords, GemmRsConfig};
+use crate::fused::{check_build, check_call, table_heap, FlagWords, InWorld};
 use crate::gemm::{run_gemm, run_gemm_tiles, Operands};
 use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
@@ -24,35 +24,26 @@ use commfuse_core::{Cmp, Element, NotifyOp, Slot};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-/// What an all-gather + GEMM is built for: the fields of [`GemmRsConfig`], with `max_m` the
-/// largest number of rows of the gathered A (every rank holds its chunk of them).
-pub type AgGemmConfig = GemmRsConfig;
+pub use crate::fused::AgGemmConfig;
 
 fn unavailable(msg: String) -> BackendError {
     BackendError::Unavailable(msg)
 }
 
-/// The shape of a call of `m` gathered rows under `config`.
-pub fn shape(config: &AgGemmConfig, m: usize) -> Result<AgGemmShape, BackendError> {
-    AgGemmShape::new(
-        config.world,
-        m,
-        config.n,
-        config.k,
-        config.b_layout,
-        config.input,
-        config.output,
-    )
-    .map_err(|e| unavailable(e.to_string()))
+/// The shape of a call of `m` gathered rows under `config` on `world` ranks.
+pub fn shape(config: &AgGemmConfig, world: usize, m: usize) -> Result<AgGemmShape, BackendError> {
+    config
+        .shape(world, m)
+        .map_err(|e| unavailable(e.to_string()))
 }
 
-/// What [`SimAgGemm`] of `config` allocates, each chunk in `pieces` pieces, on the fused path
-/// or not: every rank's gather buffer [max_m, K] and product buffer (one chunk's rows, or all
-/// M rows on the fused path), and the heap of a call (each rank thread's received piece and
-/// product, or on the fused path its whole gathered A and the fused plan's tables, and the
-/// GEMM's widened tiles).
-pub fn memory(config: &AgGemmConfig, pieces: usize, fused: bool) -> OperatorMemory {
-    let c = config;
+/// What [`SimAgGemm`] of `config` on `world` ranks allocates: every rank's gather buffer
+/// [max_m, K] and product buffer (one chunk's rows, or all M rows on the fused path), and the
+/// heap of a call (each rank thread's received piece and product, or on the fused path its
+/// whole gathered A and the fused plan's tables, and the GEMM's widened tiles).
+pub fn memory(config: &AgGemmConfig, world: usize) -> OperatorMemory {
+    let c = InWorld::new(world, *config);
+    let fused = c.fused;
     let what = c.describe(if fused {
         "all-gather + GEMM (fused)"
     } else {
@@ -60,7 +51,7 @@ pub fn memory(config: &AgGemmConfig, pieces: usize, fused: bool) -> OperatorMemo
     });
     let (si, so) = (c.input.size(), c.output.size());
     let chunk = c.max_m.div_ceil(c.world.max(1));
-    let piece = chunk.div_ceil(pieces.max(1));
+    let piece = chunk.div_ceil(c.pieces.max(1));
     let rows = if fused { c.max_m } else { chunk };
     let buffers = Footprint::new(what.clone())
         .item(&[c.world, c.max_m, c.k, si])
@@ -72,7 +63,7 @@ pub fn memory(config: &AgGemmConfig, pieces: usize, fused: bool) -> OperatorMemo
             .checked_add(c.world)
             .and_then(|b| b.checked_mul(c.n.div_ceil(c.tile.n.max(1))));
         let heap = Footprint::new(what).item(&[c.world, c.max_m, c.k, si]);
-        GemmRsConfig::table_heap(heap, c.world, tiles)
+        table_heap(heap, c.world, tiles)
     } else {
         Footprint::new(what)
             .item(&[c.world, piece, c.k, si])
@@ -87,13 +78,11 @@ pub fn memory(config: &AgGemmConfig, pieces: usize, fused: bool) -> OperatorMemo
 /// All-gather + GEMM for every rank of one simulated world, built once and called many times.
 /// It owns the first rows of the world's signal pads that its flags need.
 pub struct SimAgGemm<TI: Element, TO: Element> {
-    config: AgGemmConfig,
-    pieces: usize,
+    config: InWorld<AgGemmConfig>,
     /// Per rank: the gathered A, [max_m, K]
     gather: SymmetricBuffer<TI>,
     /// Per rank: one piece's product, or (fused) the whole [max_m, N] output
     product: SymmetricBuffer<TO>,
-    fused: bool,
     flags: FlagWords,
     calls: Vec<AtomicU64>,
     broken: AtomicBool,
@@ -102,56 +91,51 @@ pub struct SimAgGemm<TI: Element, TO: Element> {
 }
 
 impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
-    /// Signal pad rows its flags need on a pad of `pad_cols` columns.
-    pub fn pad_rows(config: &AgGemmConfig, pad_cols: usize) -> Result<usize, BackendError> {
-        let s = AgGemmSchedule::new(shape(config, config.max_m)?, 1);
+    /// Signal pad rows its flags need on `world` ranks' pads of `pad_cols` columns.
+    pub fn pad_rows(
+        config: &AgGemmConfig,
+        world: usize,
+        pad_cols: usize,
+    ) -> Result<usize, BackendError> {
+        let s = AgGemmSchedule::new(shape(config, world, config.max_m)?, 1);
         Ok(FlagWords::rows(s.flag_words(), pad_cols))
     }
 
-    /// Builds the operator for `world`, each chunk cut into `pieces` row pieces.
-    pub fn new(world: &World, config: AgGemmConfig, pieces: usize) -> Result<Self, BackendError> {
-        SimAgGemm::with_path(world, config, pieces, false)
-    }
-
-    /// [`SimAgGemm::new`] on the fused path: one GEMM per call that waits per piece before
-    /// the tiles reading its rows (see the module doc).
-    pub fn fused(world: &World, config: AgGemmConfig, pieces: usize) -> Result<Self, BackendError> {
-        SimAgGemm::with_path(world, config, pieces, true)
-    }
-
-    fn with_path(
-        world: &World,
-        config: AgGemmConfig,
-        pieces: usize,
-        fused: bool,
-    ) -> Result<Self, BackendError> {
-        check_build::<TI, TO>("all-gather + GEMM", &config, world)?;
+    /// Builds the operator for `world`: each chunk cut into `config.pieces` row pieces, on the
+    /// fused path where `config.fused` (one GEMM per call that waits per piece before the tiles
+    /// reading its rows, see the module doc).
+    pub fn new(world: &World, config: AgGemmConfig) -> Result<Self, BackendError> {
+        check_build::<TI, TO>("all-gather + GEMM", (config.input, config.output))?;
+        let pieces = config.pieces;
         if pieces == 0 || pieces > MAX_PIECES {
             return Err(unavailable(format!(
                 "all-gather + GEMM cuts a chunk into 1 to {MAX_PIECES} pieces, got {pieces}"
             )));
         }
-        let s = shape(&config, config.max_m)?;
-        memory(&config, pieces, fused).check(world.arena().is_some())?;
+        let s = shape(&config, world.size(), config.max_m)?;
+        memory(&config, world.size()).check(world.arena().is_some())?;
         let words = AgGemmSchedule::new(s, 1).flag_words();
         let flags = FlagWords::on("all-gather + GEMM", world, words)?;
-        let rows = if fused {
+        let rows = if config.fused {
             config.max_m
         } else {
-            config.max_m.div_ceil(config.world)
+            config.max_m.div_ceil(world.size())
         };
         Ok(SimAgGemm {
             gather: SymmetricBuffer::new_in(world, s.m * s.k)?,
             product: SymmetricBuffer::new_in(world, rows * s.n)?,
-            fused,
             flags,
-            pieces,
-            calls: (0..config.world).map(|_| AtomicU64::new(0)).collect(),
+            calls: (0..world.size()).map(|_| AtomicU64::new(0)).collect(),
             broken: AtomicBool::new(false),
             world_id: world as *const World as usize,
-            config,
+            config: InWorld::new(world.size(), config),
             _output: PhantomData,
         })
+    }
+
+    /// What it was built for.
+    pub fn config(&self) -> &AgGemmConfig {
+        &self.config.config
     }
 
     fn slot(&self, index: usize) -> Slot {
@@ -190,8 +174,8 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
             ),
         ];
         let state = (self.world_id, &self.broken);
-        check_call("all-gather + GEMM", ctx, state, c, m, &lengths)?;
-        let s = AgGemmSchedule::new(shape(c, m)?, self.pieces);
+        check_call("all-gather + GEMM", ctx, state, &c.config, m, &lengths)?;
+        let s = AgGemmSchedule::new(shape(c, c.world, m)?, c.pieces);
         let call = self.calls[rank].load(Ordering::Relaxed) + 1;
         let result = self.call(ctx, &s, call, (a, b, bias), out, gathered);
         match result {
@@ -252,7 +236,7 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
                 )?;
             }
         }
-        if self.fused {
+        if self.config.fused {
             return self.fused_gemm(ctx, s, call, (a, b, bias), out, gathered);
         }
         let mut received = Vec::new();

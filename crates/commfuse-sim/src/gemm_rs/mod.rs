@@ -28,7 +28,7 @@ pub mod ring;
 pub mod unfused;
 
 use crate::buffer::SymmetricBuffer;
-use crate::fused::{check_build, check_rs_call, unavailable};
+use crate::fused::{check_build, check_rs_call, table_heap, unavailable, InWorld};
 pub use crate::fused::{GemmRsConfig, GPU_TILE};
 use crate::gemm::{run_gemm, Operands};
 use crate::memory::{Footprint, OperatorMemory};
@@ -49,7 +49,7 @@ pub const PAD_ROWS: u32 = 2;
 /// It owns rows 0 and 1 of the world's signal pads: a world that runs it should run nothing
 /// else that signals there.
 pub struct SimGemmReduceScatter<TI: Element, TO: Element> {
-    config: GemmRsConfig,
+    config: InWorld<GemmRsConfig>,
     /// Per rank: 2 sets × P sender slots × `slot_len` elements
     receive: SymmetricBuffer<TO>,
     slot_len: usize,
@@ -67,12 +67,13 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
     /// Builds the operator for `world`: checks the configuration against the element types and
     /// the world's signal pads, and allocates the receive buffers.
     pub fn new(world: &World, config: GemmRsConfig) -> Result<Self, BackendError> {
-        check_build::<TI, TO>("GEMM + reduce-scatter", &config, world)?;
+        check_build::<TI, TO>("GEMM + reduce-scatter", (config.input, config.output))?;
+        let config = InWorld::new(world.size(), config);
         if config.tile.m == 0 || config.tile.n == 0 {
             return Err(unavailable("the tile shape must be positive".into()));
         }
         config.shape(config.max_m)?;
-        fused_memory(&config).check(world.arena().is_some())?;
+        fused_memory(&config, world.size()).check(world.arena().is_some())?;
         let sched = config.schedule(config.max_m)?;
         let cols = sched.flag_columns();
         let pad = world.pad(0);
@@ -266,31 +267,34 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
 
 /// What the operator of `path` for `config` allocates ([`fused_memory`],
 /// [`ring::memory`], [`unfused::memory`]).
-pub fn memory(config: &GemmRsConfig, path: GemmRsPath) -> OperatorMemory {
+pub fn memory(config: &GemmRsConfig, world: usize, path: GemmRsPath) -> OperatorMemory {
     match path {
-        GemmRsPath::Fused => fused_memory(config),
-        GemmRsPath::Overlapped { pieces } => ring::memory(config, pieces),
-        GemmRsPath::Unfused => unfused::memory(config),
+        GemmRsPath::Fused => fused_memory(config, world),
+        GemmRsPath::Overlapped { pieces } => ring::memory(config, world, pieces),
+        GemmRsPath::Unfused => unfused::memory(config, world),
     }
 }
 
 /// What [`SimGemmReduceScatter`] of `config` allocates: every rank's receive buffers (2 sets ×
 /// P sender slots of the longest chunk) and the heap of a call (the schedule's tables on the
 /// constructor and on every rank thread, the GEMM's widened tiles).
-pub fn fused_memory(config: &GemmRsConfig) -> OperatorMemory {
-    let c = config;
+pub fn fused_memory(config: &GemmRsConfig, world: usize) -> OperatorMemory {
+    let c = InWorld::new(world, *config);
     let what = c.describe("GEMM + reduce-scatter (fused)");
     let chunk = c.max_m.div_ceil(c.world.max(1));
     let (tiles, _) = c.tiles();
-    let heap = GemmRsConfig::table_heap(Footprint::new(what.clone()), c.world + 1, tiles);
+    let heap = table_heap(Footprint::new(what.clone()), c.world + 1, tiles);
     OperatorMemory {
         buffers: Footprint::new(what).item(&[c.world, 2, c.world, chunk, c.n, c.output.size()]),
         heap: c.gemm_heap(heap, c.max_m),
     }
 }
 
-/// GEMM + reduce-scatter by either path: what a caller holds when the path is chosen per
-/// shape ([`commfuse_core::fused::gemm_rs::choose_path`] for `auto`).
+/// GEMM + reduce-scatter by any path: what a caller holds when the path comes from the
+/// configuration. The simulator builds one path for all of an operator's calls: the one
+/// chosen, or for `auto` the one [`commfuse_core::fused::gemm_rs::choose_path`] picks at
+/// `max_m` (the GPU's operator chooses per call's M; callers that want that build an operator
+/// per M, as the Python package does).
 pub enum GemmRsOperator<TI: Element, TO: Element> {
     Fused(SimGemmReduceScatter<TI, TO>),
     Overlapped(ring::SimRingReduceScatter<TI, TO>),
@@ -298,13 +302,17 @@ pub enum GemmRsOperator<TI: Element, TO: Element> {
 }
 
 impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
-    /// The operator of `path` for `world`.
-    pub fn new(
-        world: &World,
-        config: GemmRsConfig,
-        path: GemmRsPath,
-    ) -> Result<Self, BackendError> {
-        Ok(match path {
+    /// The path the operator of `config` takes on `world` ranks.
+    pub fn path(config: &GemmRsConfig, world: usize) -> Result<GemmRsPath, BackendError> {
+        let shape = config
+            .shape(world, config.max_m)
+            .map_err(|e| unavailable(e.to_string()))?;
+        Ok(config.path_for(&shape))
+    }
+
+    /// The operator of `config` (and of its [`path`](Self::path)) for `world`.
+    pub fn new(world: &World, config: GemmRsConfig) -> Result<Self, BackendError> {
+        Ok(match Self::path(&config, world.size())? {
             GemmRsPath::Fused => GemmRsOperator::Fused(SimGemmReduceScatter::new(world, config)?),
             GemmRsPath::Overlapped { pieces } => {
                 GemmRsOperator::Overlapped(ring::SimRingReduceScatter::new(world, config, pieces)?)
@@ -315,17 +323,19 @@ impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
         })
     }
 
-    /// Signal pads of a world that can run either path for `config` (at least 64 columns).
+    /// Signal pads of a world of `world` ranks that can run any path for `config` (at least 64
+    /// columns), whose waits give up after the configuration's timeout.
     pub fn world_config(
         config: &GemmRsConfig,
-        timeout: std::time::Duration,
+        world: usize,
     ) -> Result<crate::WorldConfig, BackendError> {
-        let cols = config.pad_cols()?.max(64);
+        let c = InWorld::new(world, *config);
+        let cols = c.pad_cols()?.max(64);
         let pad_cols = u32::try_from(cols)
             .map_err(|_| unavailable(format!("{cols} flag columns do not fit a signal pad")))?;
-        let ring_rows = ring::SimRingReduceScatter::<TI, TO>::pad_rows(config, cols)?;
+        let ring_rows = ring::SimRingReduceScatter::<TI, TO>::pad_rows(config, world, cols)?;
         Ok(crate::WorldConfig {
-            timeout,
+            timeout: config.timeout,
             pad_rows: 32.max(ring_rows as u32 + 8),
             pad_cols,
         })

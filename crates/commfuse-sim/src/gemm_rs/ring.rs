@@ -13,7 +13,7 @@
 //! the pad's columns) and hold call numbers.
 
 use crate::buffer::SymmetricBuffer;
-use crate::fused::{check_build, check_rs_call, FlagWords, GemmRsConfig};
+use crate::fused::{check_build, check_rs_call, table_heap, FlagWords, GemmRsConfig, InWorld};
 use crate::gemm::{run_gemm, Operands};
 use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
@@ -33,7 +33,7 @@ fn unavailable(msg: String) -> BackendError {
 /// called many times (each rank thread calls [`forward`](Self::forward)). It owns the first
 /// rows of the world's signal pads that its flags need ([`SimRingReduceScatter::pad_rows`]).
 pub struct SimRingReduceScatter<TI: Element, TO: Element> {
-    config: GemmRsConfig,
+    config: InWorld<GemmRsConfig>,
     pieces: usize,
     /// Per rank: 2 sets × (P − 1) buffers of the longest chunk
     receive: SymmetricBuffer<TO>,
@@ -48,15 +48,22 @@ pub struct SimRingReduceScatter<TI: Element, TO: Element> {
 }
 
 impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
-    /// Signal pad rows the flags of `config` need on a pad of `pad_cols` columns.
-    pub fn pad_rows(config: &GemmRsConfig, pad_cols: usize) -> Result<usize, BackendError> {
-        let s = schedule(config, config.shape(config.max_m)?, 1)?;
+    /// Signal pad rows the flags of `config` on `world` ranks need on a pad of `pad_cols`
+    /// columns.
+    pub fn pad_rows(
+        config: &GemmRsConfig,
+        world: usize,
+        pad_cols: usize,
+    ) -> Result<usize, BackendError> {
+        let c = InWorld::new(world, *config);
+        let s = schedule(&c, c.shape(c.max_m)?, 1)?;
         Ok(FlagWords::rows(s.flag_words(), pad_cols))
     }
 
     /// Builds the operator for `world`, each ring step cut into `pieces` row pieces.
     pub fn new(world: &World, config: GemmRsConfig, pieces: usize) -> Result<Self, BackendError> {
-        check_build::<TI, TO>("GEMM + reduce-scatter", &config, world)?;
+        check_build::<TI, TO>("GEMM + reduce-scatter", (config.input, config.output))?;
+        let config = InWorld::new(world.size(), config);
         let max = commfuse_core::fused::ring_rs::MAX_PIECES;
         if pieces == 0 || pieces > max {
             return Err(unavailable(format!(
@@ -64,7 +71,7 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
             )));
         }
         config.shape(config.max_m)?;
-        memory(&config, pieces).check(world.arena().is_some())?;
+        memory(&config, world.size(), pieces).check(world.arena().is_some())?;
         let s = schedule(&config, config.shape(config.max_m)?, pieces)?;
         let flags = FlagWords::on(
             "the overlapped GEMM + reduce-scatter",
@@ -220,8 +227,8 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
 /// What [`SimRingReduceScatter`] of `config` allocates: every rank's receive buffers (2 sets ×
 /// P − 1 buffers of the longest chunk) and send buffer, and the heap of a call (each rank
 /// thread's running sum and product of a piece, the piece's GEMM plan and widened tiles).
-pub fn memory(config: &GemmRsConfig, pieces: usize) -> OperatorMemory {
-    let c = config;
+pub fn memory(config: &GemmRsConfig, world: usize, pieces: usize) -> OperatorMemory {
+    let c = InWorld::new(world, *config);
     let what = c.describe("GEMM + reduce-scatter (overlapped)");
     let chunk = c.max_m.div_ceil(c.world.max(1));
     let piece = chunk.div_ceil(pieces.max(1));
@@ -233,7 +240,7 @@ pub fn memory(config: &GemmRsConfig, pieces: usize) -> OperatorMemory {
     let piece_tiles = piece
         .div_ceil(c.tile.m.max(1))
         .checked_mul(c.n.div_ceil(c.tile.n.max(1)));
-    let heap = GemmRsConfig::table_heap(heap, c.world, piece_tiles);
+    let heap = table_heap(heap, c.world, piece_tiles);
     OperatorMemory {
         buffers,
         heap: c.gemm_heap(heap, piece),

@@ -12,7 +12,7 @@
 
 use crate::buffer::SymmetricBuffer;
 use crate::collective::SimCollective;
-use crate::fused::{check_build, check_rs_call, GemmRsConfig};
+use crate::fused::{check_build, check_rs_call, GemmRsConfig, InWorld};
 use crate::gemm::{run_gemm, Operands};
 use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
@@ -28,8 +28,8 @@ use std::sync::{Arc, Mutex};
 /// reduce-scatter of P·⌈M/P⌉·N elements (its input, output and at most as much scratch as
 /// input), and the heap of a call (each rank thread's whole partial product, its summed block,
 /// the GEMM's widened tiles).
-pub fn memory(config: &GemmRsConfig) -> OperatorMemory {
-    let c = config;
+pub fn memory(config: &GemmRsConfig, world: usize) -> OperatorMemory {
+    let c = InWorld::new(world, *config);
     let what = c.describe("GEMM + reduce-scatter (unfused)");
     let rows = c.max_m.div_ceil(c.world.max(1));
     let so = c.output.size();
@@ -48,7 +48,7 @@ pub fn memory(config: &GemmRsConfig) -> OperatorMemory {
 
 /// The unfused GEMM + reduce-scatter for every rank of one simulated world.
 pub struct SimUnfusedReduceScatter<TI: Element, TO: Element> {
-    config: GemmRsConfig,
+    config: InWorld<GemmRsConfig>,
     /// Per rank: one owner's block of the product as the GEMM writes it
     product: SymmetricBuffer<TO>,
     /// The reduce-scatter of each M seen
@@ -60,9 +60,10 @@ pub struct SimUnfusedReduceScatter<TI: Element, TO: Element> {
 
 impl<TI: Element, TO: Element> SimUnfusedReduceScatter<TI, TO> {
     pub fn new(world: &World, config: GemmRsConfig) -> Result<Self, BackendError> {
-        check_build::<TI, TO>("GEMM + reduce-scatter", &config, world)?;
+        check_build::<TI, TO>("GEMM + reduce-scatter", (config.input, config.output))?;
+        let config = InWorld::new(world.size(), config);
         config.shape(config.max_m)?;
-        memory(&config).check(world.arena().is_some())?;
+        memory(&config, world.size()).check(world.arena().is_some())?;
         let rows = config.max_m.div_ceil(config.world);
         Ok(SimUnfusedReduceScatter {
             product: SymmetricBuffer::new_in(world, rows * config.n)?,

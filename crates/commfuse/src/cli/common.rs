@@ -10,6 +10,8 @@ use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
 use commfuse_core::backend::Backend;
 use commfuse_core::cost::choose_algo;
+use commfuse_core::fused::ag_gemm::AgGemmConfig;
+use commfuse_core::fused::gemm_rs::GemmRsConfig;
 use commfuse_core::topology::LinkModel;
 use commfuse_core::{Algo, DType, Implementation, OpKind, OpSpec, ReduceOp, Topology};
 use std::time::Duration;
@@ -82,19 +84,37 @@ impl GemmShapeArgs {
         self.out_dtype.unwrap_or(self.dtype)
     }
 
-    /// The simulator's configuration of a fused operator of this shape on `ranks` ranks, built
-    /// for calls of up to M rows.
-    pub(super) fn sim_config(&self, ranks: usize) -> Result<commfuse_sim::gemm_rs::GemmRsConfig> {
-        Ok(commfuse_sim::gemm_rs::GemmRsConfig::new(
-            ranks,
-            self.m,
-            self.n,
-            self.k,
-            parse_b_layout(&self.b_layout)?,
-            self.dtype,
-            self.output(),
-            self.bias,
-        ))
+    /// The configuration of GEMM + reduce-scatter of this shape, built for calls of up to M
+    /// rows, that waits at most `timeout` (either backend takes it).
+    pub(super) fn gemm_rs_config(&self, timeout: Duration) -> Result<GemmRsConfig> {
+        Ok(GemmRsConfig {
+            bias: self.bias,
+            timeout,
+            ..GemmRsConfig::new(
+                self.m,
+                self.n,
+                self.k,
+                parse_b_layout(&self.b_layout)?,
+                self.dtype,
+                self.output(),
+            )
+        })
+    }
+
+    /// [`gemm_rs_config`](Self::gemm_rs_config) for all-gather + GEMM, of up to M gathered rows.
+    pub(super) fn ag_gemm_config(&self, timeout: Duration) -> Result<AgGemmConfig> {
+        Ok(AgGemmConfig {
+            bias: self.bias,
+            timeout,
+            ..AgGemmConfig::new(
+                self.m,
+                self.n,
+                self.k,
+                parse_b_layout(&self.b_layout)?,
+                self.dtype,
+                self.output(),
+            )
+        })
     }
 }
 

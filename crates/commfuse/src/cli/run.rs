@@ -202,15 +202,15 @@ fn parse_gemm_rs_path(
 }
 
 pub(super) fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
-    use commfuse_sim::gemm_rs::GemmRsConfig;
+    use commfuse_core::fused::gemm_rs::{GemmRsConfig, PathChoice};
     let place = a.place.placement()?;
     let config = GemmRsConfig {
         numa_groups: a.numa_groups,
-        ..a.shape.sim_config(place.ranks)?
+        ..a.shape.gemm_rs_config(place.timeout)?
     };
     let output = config.output;
     // validates the shape and types before anything runs
-    let shape = config.shape(a.shape.m)?;
+    let shape = config.shape(place.ranks, a.shape.m)?;
     let path = parse_gemm_rs_path(&a.path, a.pieces, &shape)?;
     if a.numa_groups != 1 && matches!(a.path.as_str(), "fused" | "unfused") {
         bail!(
@@ -228,10 +228,13 @@ pub(super) fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
         );
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
     let ms = [a.shape.m, a.shape.m.div_ceil(2)];
-    let timeout = place.timeout;
     let (calls, paths, on) = match &place.devices {
         None => {
-            let calls = crate::gemm_rs::run_sim(config, path, &ms, seed, timeout)?;
+            let config = GemmRsConfig {
+                path: PathChoice::Always(path),
+                ..config
+            };
+            let calls = crate::gemm_rs::run_sim(place.ranks, config, &ms, seed)?;
             (
                 calls,
                 vec![path; ms.len()],
@@ -240,9 +243,14 @@ pub(super) fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
         }
         Some(devices) => {
             // `auto` on GPUs: the operator's pick per call, as a caller's would be
-            let chosen = (a.path != "auto").then_some(path);
-            let (calls, paths) =
-                crate::gemm_rs::run_cuda(devices, &config, chosen, &ms, seed, timeout)?;
+            let config = GemmRsConfig {
+                path: match a.path.as_str() {
+                    "auto" => PathChoice::Auto,
+                    _ => PathChoice::Always(path),
+                },
+                ..config
+            };
+            let (calls, paths) = crate::gemm_rs::run_cuda(devices, config, &ms, seed)?;
             (calls, paths, format!("GPUs {} (cuda)", list(devices)))
         }
     };
@@ -270,22 +278,25 @@ pub(super) fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
 }
 
 pub(super) fn run_ag_gemm_cmd(a: RunAgGemmArgs) -> Result<i32> {
-    use commfuse_sim::ag_gemm::{shape, AgGemmConfig};
+    use commfuse_core::fused::ag_gemm::AgGemmConfig;
     let place = a.place.placement()?;
-    let config: AgGemmConfig = a.shape.sim_config(place.ranks)?;
+    let config = AgGemmConfig {
+        pieces: a.pieces,
+        fused: a.fused,
+        ..a.shape.ag_gemm_config(place.timeout)?
+    };
     let output = config.output;
     // validates the shape and types before anything runs
-    shape(&config, a.shape.m)?;
+    config.shape(place.ranks, a.shape.m)?;
     let seed = a.seed.unwrap_or_else(driver::fresh_seed);
     let ms = [a.shape.m, a.shape.m.div_ceil(2)];
-    let timeout = place.timeout;
     let (calls, on) = match &place.devices {
         None => (
-            crate::ag_gemm::run_sim(config, (a.pieces, a.fused), &ms, seed, timeout)?,
+            crate::ag_gemm::run_sim(place.ranks, config, &ms, seed)?,
             format!("{} ranks (sim)", place.ranks),
         ),
         Some(devices) => (
-            crate::ag_gemm::run_cuda(devices, &config, (a.pieces, a.fused), &ms, seed, timeout)?,
+            crate::ag_gemm::run_cuda(devices, config, &ms, seed)?,
             format!("GPUs {} (cuda)", list(devices)),
         ),
     };
