@@ -207,13 +207,13 @@ fn a_bounded_stream_wait_names_who_waited_on_what() {
 }
 
 /// What is made in a GPU's context keeps that context alive: made alone and the `Gpu` dropped
-/// first, each of device memory, mapped host memory, a stream and an event leaves the context
-/// usable (work queued on its legacy stream completes; the stream and event work) and is then
-/// freed without touching a destroyed context (which could crash the process or free memory
-/// twice); a GPU opened afterwards works as before.
+/// first, each of device memory, mapped host memory, a stream, an event and a graph leaves the
+/// context usable (work queued on its legacy stream completes; the stream, event and graph work)
+/// and is then freed without touching a destroyed context (which could crash the process or
+/// free memory twice); a GPU opened afterwards works as before.
 #[test]
 fn objects_made_on_a_gpu_outlive_its_handle_in_any_drop_order() {
-    use commfuse_cuda::sys::driver::{Event, MappedHost, Stream};
+    use commfuse_cuda::sys::driver::{Event, Graph, MappedHost, Stream};
     if commfuse_cuda::testing::gpus(1).is_none() {
         return;
     }
@@ -221,7 +221,7 @@ fn objects_made_on_a_gpu_outlive_its_handle_in_any_drop_order() {
     let context_alive = || unsafe { Stream::borrowed(std::ptr::null_mut()) }.synchronize();
     // each kind of object, made alone on a fresh handle
     type Make = fn(&Gpu) -> Box<dyn std::any::Any>;
-    let made: [(&str, Make); 4] = [
+    let made: [(&str, Make); 5] = [
         ("device memory", |g| {
             Box::new(DeviceMemory::zeroed(g, 1 << 20).unwrap())
         }),
@@ -230,6 +230,10 @@ fn objects_made_on_a_gpu_outlive_its_handle_in_any_drop_order() {
         }),
         ("a stream", |g| Box::new(Stream::new(g).unwrap())),
         ("an event", |g| Box::new(Event::new(g).unwrap())),
+        ("a graph", |g| {
+            let stream = Stream::new(g).unwrap();
+            Box::new(Graph::capture(&stream, || Ok(())).unwrap())
+        }),
     ];
     for (what, make) in made {
         let gpu = Gpu::open(0).unwrap();
@@ -251,6 +255,12 @@ fn objects_made_on_a_gpu_outlive_its_handle_in_any_drop_order() {
         }
         if let Some(host) = object.downcast_ref::<MappedHost<u64>>() {
             assert_eq!(host.read(), 7);
+        }
+        if let Some(graph) = object.downcast_ref::<Graph>() {
+            // SAFETY: as above
+            let legacy = unsafe { Stream::borrowed(std::ptr::null_mut()) };
+            graph.launch(&legacy).unwrap();
+            context_alive().unwrap();
         }
         drop(object);
     }

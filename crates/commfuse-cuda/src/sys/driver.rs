@@ -126,8 +126,8 @@ impl Gpu {
 }
 
 /// A reference on a GPU's primary context, held by the [`Gpu`] handle and by everything made
-/// in it (device memory, streams, events, modules, IPC mappings): releasing a primary context's last reference
-/// destroys it, and a stream destroyed or memory freed after that would hand the driver a
+/// in it (device memory, streams, events, graphs, modules, IPC mappings): releasing a primary
+/// context's last reference destroys it, and a stream destroyed or memory freed after that would hand the driver a
 /// handle of a context that no longer exists. With a reference each, the context outlives all
 /// of them, whatever order they and the [`Gpu`] are dropped in. Declared as the owner's last
 /// field, so that it is released after the owner's own `Drop` has run.
@@ -147,7 +147,12 @@ impl ContextRef {
 
     /// Another reference on `gpu`'s context.
     fn retain(gpu: &Gpu) -> Result<ContextRef, CudaError> {
-        Self::of_device(gpu.ctx_ref.dev).map(|(r, _)| r)
+        gpu.ctx_ref.another()
+    }
+
+    /// Another reference on the same context.
+    fn another(&self) -> Result<ContextRef, CudaError> {
+        Self::of_device(self.dev).map(|(r, _)| r)
     }
 }
 
@@ -864,6 +869,9 @@ impl Drop for Event {
 pub struct Graph {
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
+    /// The captured stream's context (where the stream is ours), kept until the graph is
+    /// destroyed
+    _ctx_ref: Option<ContextRef>,
 }
 
 // SAFETY: graph handles are usable from any thread with the owning context bound.
@@ -875,6 +883,11 @@ impl Graph {
         stream: &Stream,
         record: impl FnOnce() -> Result<(), CudaError>,
     ) -> Result<Graph, CudaError> {
+        let ctx_ref = stream
+            ._ctx_ref
+            .as_ref()
+            .map(ContextRef::another)
+            .transpose()?;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         // SAFETY: live stream
         drv("cuStreamBeginCapture", unsafe {
@@ -907,7 +920,11 @@ impl Graph {
                 });
             }
         };
-        Ok(Graph { graph, exec })
+        Ok(Graph {
+            graph,
+            exec,
+            _ctx_ref: ctx_ref,
+        })
     }
 
     pub fn launch(&self, stream: &Stream) -> Result<(), CudaError> {
