@@ -88,6 +88,88 @@ impl<A, R> Stage<A, R> {
     }
 }
 
+/// What an operator's allocation does before it knows its peers (export its buffers, connect
+/// to theirs), and what the connected rank reports after its calls: the one life every GPU
+/// operator class has.
+trait Allocation: Sized {
+    type Rank;
+    fn export(&self) -> Result<Exported, CudaError>;
+    fn connect(self, exports: &[Exported]) -> Result<Self::Rank, CudaError>;
+    /// The diagnosis of a wait that timed out in an earlier call, once its stream was
+    /// synchronised
+    fn check(rank: &mut Self::Rank) -> Result<(), CudaError>;
+}
+
+macro_rules! allocation {
+    ($allocation:ty, $rank:ty) => {
+        impl Allocation for $allocation {
+            type Rank = $rank;
+            fn export(&self) -> Result<Exported, CudaError> {
+                <$allocation>::export(self)
+            }
+            fn connect(self, exports: &[Exported]) -> Result<$rank, CudaError> {
+                self.connect_exported(exports)
+            }
+            fn check(rank: &mut $rank) -> Result<(), CudaError> {
+                rank.check()
+            }
+        }
+    };
+}
+allocation!(GemmRsAllocation, GemmRsRank);
+allocation!(AgGemmAllocation, AgGemmRank);
+allocation!(CollectiveAllocation, CollectiveRank);
+
+/// A GPU operator class's state: its [`Stage`] and the checked spans of the `SPANS` device
+/// addresses its calls take (each checked at the first call that passes it).
+struct Staged<A: Allocation, const SPANS: usize> {
+    stage: SyncWrapper<Stage<A, A::Rank>>,
+    spans: CheckedSpans<SPANS>,
+}
+
+impl<A: Allocation, const SPANS: usize> Staged<A, SPANS> {
+    fn new(allocation: A, device: usize) -> Self {
+        Staged {
+            stage: SyncWrapper::new(Stage::Allocated(allocation)),
+            spans: CheckedSpans::new(device),
+        }
+    }
+
+    /// This rank's buffers as bytes for the other processes (CUDA IPC handles).
+    fn export<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self
+            .stage
+            .get_mut()
+            .allocated()?
+            .export()
+            .map_err(cuda_error)?;
+        Ok(PyBytes::new(py, &bytes.to_bytes()))
+    }
+
+    /// Opens every rank's export (rank order, this rank's own among them).
+    fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
+        self.stage.get_mut().connect(exports, A::connect)
+    }
+
+    /// The connected rank.
+    fn rank(&mut self) -> PyResult<&mut A::Rank> {
+        self.stage.get_mut().connected()
+    }
+
+    /// The connected rank and the spans, for a call: raises first if an earlier call's wait
+    /// timed out on the device.
+    fn ready(&mut self) -> PyResult<(&mut A::Rank, &mut CheckedSpans<SPANS>)> {
+        let rank = self.stage.get_mut().connected()?;
+        A::check(rank).map_err(earlier_failure)?;
+        Ok((rank, &mut self.spans))
+    }
+
+    /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
+    fn check(&mut self) -> PyResult<()> {
+        A::check(self.rank()?).map_err(earlier_failure)
+    }
+}
+
 fn open_gpu(device: usize) -> PyResult<Arc<Gpu>> {
     Ok(Arc::new(Gpu::open(device).map_err(cuda_error)?))
 }
@@ -152,9 +234,8 @@ fn earlier_failure(e: CudaError) -> PyErr {
 /// `connect`, then call `forward`.
 #[pyclass(module = "commfuse._commfuse")]
 pub struct GpuGemmReduceScatter {
-    stage: SyncWrapper<Stage<GemmRsAllocation, GemmRsRank>>,
-    /// a, b, bias, out: checked at the first call that passes each (see `spans`)
-    spans: CheckedSpans<4>,
+    /// Its spans: a, b, bias, out
+    op: Staged<GemmRsAllocation, 4>,
 }
 
 #[pymethods]
@@ -197,47 +278,37 @@ impl GpuGemmReduceScatter {
         let gpu = open_gpu(device)?;
         let allocation = GemmRsAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
         Ok(GpuGemmReduceScatter {
-            stage: SyncWrapper::new(Stage::Allocated(allocation)),
-            spans: CheckedSpans::new(device),
+            op: Staged::new(allocation, device),
         })
     }
 
     /// This rank's buffers as bytes for the other processes (CUDA IPC handles).
     fn export<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self
-            .stage
-            .get_mut()
-            .allocated()?
-            .export()
-            .map_err(cuda_error)?;
-        Ok(PyBytes::new(py, &bytes.to_bytes()))
+        self.op.export(py)
     }
 
     /// Opens every rank's export (rank order, this rank's own among them).
     fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
-        self.stage
-            .get_mut()
-            .connect(exports, |a, e| a.connect_exported(e))
+        self.op.connect(exports)
     }
 
     /// The rows of the output this rank owns for M rows: (start, end).
     fn chunk(&mut self, m: usize) -> PyResult<(usize, usize)> {
-        let r = self.stage.get_mut().connected()?.chunk(m);
+        let r = self.op.rank()?.chunk(m);
         Ok((r.start, r.end))
     }
 
     /// The path a call of M rows takes: "fused" or "overlapped (C pieces)".
     fn path_for(&mut self, m: usize) -> PyResult<String> {
-        let op = self.stage.get_mut().connected()?;
+        let op = self.op.rank()?;
         Ok(op.path_for(m).map_err(cuda_error)?.to_string())
     }
 
     /// The path the last call took, if any.
     fn last_path(&mut self) -> PyResult<Option<String>> {
         Ok(self
-            .stage
-            .get_mut()
-            .connected()?
+            .op
+            .rank()?
             .last_path()
             .map(|p: GemmRsPath| p.to_string()))
     }
@@ -259,14 +330,13 @@ impl GpuGemmReduceScatter {
         stream: u64,
         bias: Option<u64>,
     ) -> PyResult<()> {
-        let op = self.stage.get_mut().connected()?;
-        op.check().map_err(earlier_failure)?;
+        let (op, spans) = self.op.ready()?;
         let c = op.config();
         // an M out of range is the operator's to refuse, with its own message
         if (1..=c.max_m).contains(&m) {
             let shape = (m, op.chunk(m).len(), c.k, c.n);
             let sizes = (c.input.size(), c.output.size());
-            check_gemm_spans(&mut self.spans, shape, sizes, (a, b, bias, out))?;
+            check_gemm_spans(spans, shape, sizes, (a, b, bias, out))?;
         }
         let stream = borrowed_stream(stream);
         // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`;
@@ -277,11 +347,7 @@ impl GpuGemmReduceScatter {
 
     /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
     fn check(&mut self) -> PyResult<()> {
-        self.stage
-            .get_mut()
-            .connected()?
-            .check()
-            .map_err(earlier_failure)
+        self.op.check()
     }
 }
 
@@ -289,9 +355,8 @@ impl GpuGemmReduceScatter {
 /// Build on every rank, pass every rank's `export()` to `connect`, then call `forward`.
 #[pyclass(module = "commfuse._commfuse")]
 pub struct GpuAllGatherMatmul {
-    stage: SyncWrapper<Stage<AgGemmAllocation, AgGemmRank>>,
-    /// a, b, bias, out, gathered: checked at the first call that passes each (see `spans`)
-    spans: CheckedSpans<5>,
+    /// Its spans: a, b, bias, out, gathered
+    op: Staged<AgGemmAllocation, 5>,
 }
 
 #[pymethods]
@@ -336,32 +401,23 @@ impl GpuAllGatherMatmul {
         let gpu = open_gpu(device)?;
         let allocation = AgGemmAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
         Ok(GpuAllGatherMatmul {
-            stage: SyncWrapper::new(Stage::Allocated(allocation)),
-            spans: CheckedSpans::new(device),
+            op: Staged::new(allocation, device),
         })
     }
 
     /// This rank's buffers as bytes for the other processes (CUDA IPC handles).
     fn export<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self
-            .stage
-            .get_mut()
-            .allocated()?
-            .export()
-            .map_err(cuda_error)?;
-        Ok(PyBytes::new(py, &bytes.to_bytes()))
+        self.op.export(py)
     }
 
     /// Opens every rank's export (rank order, this rank's own among them).
     fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
-        self.stage
-            .get_mut()
-            .connect(exports, |a, e| a.connect_exported(e))
+        self.op.connect(exports)
     }
 
     /// This rank's rows of A for M gathered rows: (start, end).
     fn chunk(&mut self, m: usize) -> PyResult<(usize, usize)> {
-        let r = self.stage.get_mut().connected()?.chunk(m);
+        let r = self.op.rank()?.chunk(m);
         Ok((r.start, r.end))
     }
 
@@ -383,17 +439,16 @@ impl GpuAllGatherMatmul {
         bias: Option<u64>,
         gathered: Option<u64>,
     ) -> PyResult<()> {
-        let op = self.stage.get_mut().connected()?;
-        op.check().map_err(earlier_failure)?;
+        let (op, spans) = self.op.ready()?;
         let c = *op.config();
         // an M out of range is the operator's to refuse, with its own message
         if (1..=c.max_m).contains(&m) {
             let input = c.input.size();
             let shape = (op.chunk(m).len(), m, c.k, c.n);
             let sizes = (input, c.output.size());
-            check_gemm_spans(&mut self.spans, shape, sizes, (a, b, bias, out))?;
+            check_gemm_spans(spans, shape, sizes, (a, b, bias, out))?;
             if let Some(gathered) = gathered {
-                self.spans
+                spans
                     .check(4, "gathered", gathered, bytes(&[m, c.k, input]))
                     .map_err(cuda_error)?;
             }
@@ -407,11 +462,7 @@ impl GpuAllGatherMatmul {
 
     /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
     fn check(&mut self) -> PyResult<()> {
-        self.stage
-            .get_mut()
-            .connected()?
-            .check()
-            .map_err(earlier_failure)
+        self.op.check()
     }
 }
 
@@ -421,9 +472,8 @@ impl GpuAllGatherMatmul {
 /// `forward`.
 #[pyclass(module = "commfuse._commfuse")]
 pub struct GpuCollective {
-    stage: SyncWrapper<Stage<CollectiveAllocation, CollectiveRank>>,
-    /// input, output: checked at the first call that passes each (see `spans`)
-    spans: CheckedSpans<2>,
+    /// Its spans: input, output
+    op: Staged<CollectiveAllocation, 2>,
 }
 
 #[pymethods]
@@ -455,38 +505,29 @@ impl GpuCollective {
         let gpu = open_gpu(device)?;
         let allocation = CollectiveAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
         Ok(GpuCollective {
-            stage: SyncWrapper::new(Stage::Allocated(allocation)),
-            spans: CheckedSpans::new(device),
+            op: Staged::new(allocation, device),
         })
     }
 
     /// This rank's pads and buffers as bytes for the other processes (CUDA IPC handles).
     fn export<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self
-            .stage
-            .get_mut()
-            .allocated()?
-            .export()
-            .map_err(cuda_error)?;
-        Ok(PyBytes::new(py, &bytes.to_bytes()))
+        self.op.export(py)
     }
 
     /// Opens every rank's export (rank order, this rank's own among them).
     fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
-        self.stage
-            .get_mut()
-            .connect(exports, |a, e| a.connect_exported(e))
+        self.op.connect(exports)
     }
 
     /// Elements of this rank's input and output.
     fn lengths(&mut self) -> PyResult<(usize, usize)> {
-        Ok(self.stage.get_mut().connected()?.lengths())
+        Ok(self.op.rank()?.lengths())
     }
 
     /// What runs: "ll" (the low-latency protocol, for small all-reduces) or the plan's
     /// algorithm.
     fn algo(&mut self) -> PyResult<String> {
-        Ok(self.stage.get_mut().connected()?.implementation())
+        Ok(self.op.rank()?.implementation())
     }
 
     /// Queues one call on `stream`: `input` into `output` (device addresses of `lengths()`
@@ -494,14 +535,13 @@ impl GpuCollective {
     /// ValueError where an address is not device memory of this GPU holding what the call
     /// touches there (each address checked at the first call that passes it).
     fn forward(&mut self, py: Python<'_>, input: u64, output: u64, stream: u64) -> PyResult<()> {
-        let op = self.stage.get_mut().connected()?;
-        op.check().map_err(earlier_failure)?;
+        let (op, spans) = self.op.ready()?;
         let (n_in, n_out) = op.lengths();
         let element = op.config().dtype.size();
-        self.spans
+        spans
             .check(0, "input", input, bytes(&[n_in, element]))
             .map_err(cuda_error)?;
-        self.spans
+        spans
             .check(1, "output", output, bytes(&[n_out, element]))
             .map_err(cuda_error)?;
         let stream = borrowed_stream(stream);
@@ -513,10 +553,6 @@ impl GpuCollective {
 
     /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
     fn check(&mut self) -> PyResult<()> {
-        self.stage
-            .get_mut()
-            .connected()?
-            .check()
-            .map_err(earlier_failure)
+        self.op.check()
     }
 }
