@@ -11,7 +11,7 @@ pub use commfuse_core::fused::gemm_rs::GemmRsConfig;
 use commfuse_core::fused::gemm_rs::{GemmRsSchedule, GemmRsShape};
 use commfuse_core::gemm::TileShape;
 use commfuse_core::{DType, Element, Slot};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// The GPU kernel's tile, the default of both configurations.
 pub use commfuse_core::gemm::KERNEL_TILE as GPU_TILE;
@@ -145,6 +145,42 @@ pub(crate) fn unavailable(msg: String) -> BackendError {
     BackendError::Unavailable(msg)
 }
 
+/// What every fused operator keeps of its calls: the world it was built for (its address:
+/// calls from another world's ranks are refused), whether a call failed after it began
+/// signalling (the counts then no longer match the flags, and every later call is refused),
+/// and per rank the calls it has made (only that rank's thread touches its count).
+pub(crate) struct Calls {
+    world_id: usize,
+    broken: AtomicBool,
+    made: Vec<AtomicU64>,
+}
+
+impl Calls {
+    pub(crate) fn new(world: &World) -> Calls {
+        Calls {
+            world_id: world as *const World as usize,
+            broken: AtomicBool::new(false),
+            made: (0..world.size()).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Runs call `f(number)` of `rank`, its number counted from 1: counts it when it succeeds,
+    /// and marks the operator unusable when it fails.
+    pub(crate) fn run(
+        &self,
+        rank: usize,
+        f: impl FnOnce(u64) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
+        let number = self.made[rank].load(Ordering::Relaxed) + 1;
+        let result = f(number);
+        match result {
+            Ok(()) => self.made[rank].store(number, Ordering::Relaxed),
+            Err(_) => self.broken.store(true, Ordering::Release),
+        }
+        result
+    }
+}
+
 /// What every fused operator's constructor checks: the configuration's types (`input`,
 /// `output`) are the buffers' (`TI`, `TO`).
 pub(crate) fn check_build<TI: Element, TO: Element>(
@@ -199,7 +235,7 @@ impl FlagWords {
 /// output of at least rank's chunk rows × N; returns the chunk.
 pub(crate) fn check_rs_call<TI: Element, TO: Element>(
     ctx: &RankContext<'_>,
-    state: (usize, &AtomicBool),
+    calls: &Calls,
     c: &InWorld<GemmRsConfig>,
     m: usize,
     (a, b, bias): (&[TI], &[TI], Option<&[TO]>),
@@ -214,7 +250,7 @@ pub(crate) fn check_rs_call<TI: Element, TO: Element>(
             c.n * c.bias as usize,
         ),
     ];
-    check_call("GEMM + reduce-scatter", ctx, state, &c.config, m, &lengths)?;
+    check_call("GEMM + reduce-scatter", ctx, calls, &c.config, m, &lengths)?;
     let chunk = commfuse_core::op::chunk_range(m, c.world, ctx.rank());
     if out.len() < chunk.len() * c.n {
         return Err(unavailable(format!(
@@ -230,24 +266,24 @@ pub(crate) fn check_rs_call<TI: Element, TO: Element>(
 }
 
 /// What every fused operator's `forward` checks before anything runs: that the rank belongs to
-/// the world the operator `op` was built for (`world_id`), that no earlier call failed, that
+/// the world the operator `op` was built for, that no earlier call failed (both in `calls`), that
 /// M is within 1..=`config.max_m`, and that each operand (what, elements given, elements
 /// needed) has its exact length.
 pub(crate) fn check_call(
     op: &str,
     ctx: &RankContext<'_>,
-    (world_id, broken): (usize, &AtomicBool),
+    calls: &Calls,
     config: &impl GemmDims,
     m: usize,
     lengths: &[(&str, usize, usize)],
 ) -> Result<(), BackendError> {
     let (max_m, n, k, _) = config.dims();
-    if ctx.world() as *const World as usize != world_id {
+    if ctx.world() as *const World as usize != calls.world_id {
         return Err(unavailable(format!(
             "this {op} was built for another world"
         )));
     }
-    if broken.load(Ordering::Acquire) {
+    if calls.broken.load(Ordering::Acquire) {
         return Err(unavailable(format!(
             "this {op} is unusable after a failed call"
         )));

@@ -12,7 +12,7 @@
 //! GEMM's producer does before a band's loads.
 
 use crate::buffer::SymmetricBuffer;
-use crate::fused::{check_build, check_call, table_heap, FlagWords, InWorld};
+use crate::fused::{check_build, check_call, table_heap, Calls, FlagWords, InWorld};
 use crate::gemm::{run_gemm, run_gemm_tiles, Operands};
 use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
@@ -22,7 +22,6 @@ use commfuse_core::fused::ag_gemm::{AgGemmSchedule, AgGemmShape, MAX_PIECES};
 use commfuse_core::gemm::{Epilogue, GemmPlan, GemmProblem};
 use commfuse_core::{Cmp, Element, NotifyOp, Slot};
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 pub use crate::fused::AgGemmConfig;
 
@@ -84,9 +83,7 @@ pub struct SimAgGemm<TI: Element, TO: Element> {
     /// Per rank: one piece's product, or (fused) the whole [max_m, N] output
     product: SymmetricBuffer<TO>,
     flags: FlagWords,
-    calls: Vec<AtomicU64>,
-    broken: AtomicBool,
-    world_id: usize,
+    calls: Calls,
     _output: PhantomData<fn() -> TO>,
 }
 
@@ -125,9 +122,7 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
             gather: SymmetricBuffer::new_in(world, s.m * s.k)?,
             product: SymmetricBuffer::new_in(world, rows * s.n)?,
             flags,
-            calls: (0..world.size()).map(|_| AtomicU64::new(0)).collect(),
-            broken: AtomicBool::new(false),
-            world_id: world as *const World as usize,
+            calls: Calls::new(world),
             config: InWorld::new(world.size(), config),
             _output: PhantomData,
         })
@@ -173,16 +168,18 @@ impl<TI: Element, TO: Element> SimAgGemm<TI, TO> {
                 m * c.k,
             ),
         ];
-        let state = (self.world_id, &self.broken);
-        check_call("all-gather + GEMM", ctx, state, &c.config, m, &lengths)?;
+        check_call(
+            "all-gather + GEMM",
+            ctx,
+            &self.calls,
+            &c.config,
+            m,
+            &lengths,
+        )?;
         let s = AgGemmSchedule::new(shape(c, c.world, m)?, c.pieces);
-        let call = self.calls[rank].load(Ordering::Relaxed) + 1;
-        let result = self.call(ctx, &s, call, (a, b, bias), out, gathered);
-        match result {
-            Ok(()) => self.calls[rank].store(call, Ordering::Relaxed),
-            Err(_) => self.broken.store(true, Ordering::Release),
-        }
-        result
+        self.calls.run(rank, |call| {
+            self.call(ctx, &s, call, (a, b, bias), out, gathered)
+        })
     }
 
     fn wait(

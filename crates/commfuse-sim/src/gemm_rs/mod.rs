@@ -28,7 +28,7 @@ pub mod ring;
 pub mod unfused;
 
 use crate::buffer::SymmetricBuffer;
-use crate::fused::{check_build, check_rs_call, table_heap, unavailable, InWorld};
+use crate::fused::{check_build, check_rs_call, table_heap, unavailable, Calls, InWorld};
 pub use crate::fused::{GemmRsConfig, GPU_TILE};
 use crate::gemm::{run_gemm, Operands};
 use crate::memory::{Footprint, OperatorMemory};
@@ -38,7 +38,7 @@ pub use commfuse_core::fused::gemm_rs::CallInputs;
 use commfuse_core::fused::gemm_rs::{GemmRsPath, GemmRsSchedule};
 use commfuse_core::{Cmp, Element, NotifyOp, Slot};
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 /// Signal pad rows the operator uses (rows 0 and 1: one flag row per set).
 pub const PAD_ROWS: u32 = 2;
@@ -54,12 +54,7 @@ pub struct SimGemmReduceScatter<TI: Element, TO: Element> {
     receive: SymmetricBuffer<TO>,
     slot_len: usize,
     flag_stride: usize,
-    /// Per rank, calls it has made (only that rank's thread touches it)
-    calls: Vec<AtomicU64>,
-    /// Set when a call failed after it began signalling: the counts no longer match the flags
-    broken: AtomicBool,
-    /// The world it was built for (its address: forward refuses another world's ranks)
-    world_id: usize,
+    calls: Calls,
     _input: PhantomData<fn() -> TI>,
 }
 
@@ -114,9 +109,7 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
             receive: SymmetricBuffer::new_in(world, len)?,
             slot_len: sched.slot_len,
             flag_stride: sched.flag_stride,
-            calls: (0..config.world).map(|_| AtomicU64::new(0)).collect(),
-            broken: AtomicBool::new(false),
-            world_id: world as *const World as usize,
+            calls: Calls::new(world),
             config,
             _input: PhantomData,
         })
@@ -145,20 +138,15 @@ impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
     ) -> Result<(), BackendError> {
         let c = &self.config;
         let rank = ctx.rank();
-        let state = (self.world_id, &self.broken);
-        check_rs_call(ctx, state, c, m, (a, b, bias), out)?;
+        check_rs_call(ctx, &self.calls, c, m, (a, b, bias), out)?;
         let sched = c.schedule(m)?;
         debug_assert_eq!(
             (sched.slot_len, sched.flag_stride),
             (self.slot_len, self.flag_stride)
         );
-        let call = self.calls[rank].load(Ordering::Relaxed);
-        let result = self.call(ctx, &sched, call, a, b, bias, out);
-        match result {
-            Ok(()) => self.calls[rank].store(call + 1, Ordering::Relaxed),
-            Err(_) => self.broken.store(true, Ordering::Release),
-        }
-        result
+        self.calls.run(rank, |number| {
+            self.call(ctx, &sched, number - 1, a, b, bias, out)
+        })
     }
 
     #[allow(clippy::too_many_arguments)]

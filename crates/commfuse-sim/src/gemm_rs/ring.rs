@@ -13,7 +13,9 @@
 //! the pad's columns) and hold call numbers.
 
 use crate::buffer::SymmetricBuffer;
-use crate::fused::{check_build, check_rs_call, table_heap, FlagWords, GemmRsConfig, InWorld};
+use crate::fused::{
+    check_build, check_rs_call, table_heap, Calls, FlagWords, GemmRsConfig, InWorld,
+};
 use crate::gemm::{run_gemm, Operands};
 use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
@@ -23,7 +25,6 @@ use commfuse_core::fused::ring_rs::{RingSchedule, RingTarget};
 use commfuse_core::gemm::{Epilogue, GemmPlan};
 use commfuse_core::{Cmp, Element, NotifyOp, Slot};
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 fn unavailable(msg: String) -> BackendError {
     BackendError::Unavailable(msg)
@@ -41,9 +42,7 @@ pub struct SimRingReduceScatter<TI: Element, TO: Element> {
     send: SymmetricBuffer<TO>,
     flags: FlagWords,
     /// Per rank, calls it has made (only that rank's thread touches it)
-    calls: Vec<AtomicU64>,
-    broken: AtomicBool,
-    world_id: usize,
+    calls: Calls,
     _input: PhantomData<fn() -> TI>,
 }
 
@@ -83,9 +82,7 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
             send: SymmetricBuffer::new_in(world, s.buffer_len())?,
             flags,
             pieces,
-            calls: (0..config.world).map(|_| AtomicU64::new(0)).collect(),
-            broken: AtomicBool::new(false),
-            world_id: world as *const World as usize,
+            calls: Calls::new(world),
             config,
             _input: PhantomData,
         })
@@ -108,16 +105,10 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
     ) -> Result<(), BackendError> {
         let c = &self.config;
         let rank = ctx.rank();
-        let state = (self.world_id, &self.broken);
-        check_rs_call(ctx, state, c, m, (a, b, bias), out)?;
+        check_rs_call(ctx, &self.calls, c, m, (a, b, bias), out)?;
         let s = schedule(c, c.shape(m)?, self.pieces)?;
-        let call = self.calls[rank].load(Ordering::Relaxed) + 1;
-        let result = self.call(ctx, &s, call, (a, b, bias), out);
-        match result {
-            Ok(()) => self.calls[rank].store(call, Ordering::Relaxed),
-            Err(_) => self.broken.store(true, Ordering::Release),
-        }
-        result
+        self.calls
+            .run(rank, |call| self.call(ctx, &s, call, (a, b, bias), out))
     }
 
     fn wait(

@@ -12,7 +12,7 @@
 
 use crate::buffer::SymmetricBuffer;
 use crate::collective::SimCollective;
-use crate::fused::{check_build, check_rs_call, GemmRsConfig, InWorld};
+use crate::fused::{check_build, check_rs_call, Calls, GemmRsConfig, InWorld};
 use crate::gemm::{run_gemm, Operands};
 use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
@@ -21,7 +21,6 @@ use commfuse_core::gemm::{Epilogue, GemmPlan, GemmProblem};
 use commfuse_core::{Element, OpKind, ReduceOp};
 use std::collections::HashMap;
 use std::marker::PhantomData;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 /// What [`SimUnfusedReduceScatter`] of `config` allocates: every rank's product block, the
@@ -53,8 +52,7 @@ pub struct SimUnfusedReduceScatter<TI: Element, TO: Element> {
     product: SymmetricBuffer<TO>,
     /// The reduce-scatter of each M seen
     collectives: Mutex<HashMap<usize, Arc<SimCollective<TO>>>>,
-    broken: AtomicBool,
-    world_id: usize,
+    calls: Calls,
     _input: PhantomData<fn() -> TI>,
 }
 
@@ -68,8 +66,7 @@ impl<TI: Element, TO: Element> SimUnfusedReduceScatter<TI, TO> {
         Ok(SimUnfusedReduceScatter {
             product: SymmetricBuffer::new_in(world, rows * config.n)?,
             collectives: Mutex::new(HashMap::new()),
-            broken: AtomicBool::new(false),
-            world_id: world as *const World as usize,
+            calls: Calls::new(world),
             config,
             _input: PhantomData,
         })
@@ -104,14 +101,10 @@ impl<TI: Element, TO: Element> SimUnfusedReduceScatter<TI, TO> {
         out: &mut [TO],
     ) -> Result<(), BackendError> {
         let c = &self.config;
-        let state = (self.world_id, &self.broken);
-        let chunk = check_rs_call(ctx, state, c, m, (a, b, bias), out)?;
-        let result = self.call(ctx, m, (a, b, bias), &mut out[..chunk.len() * c.n]);
-        if result.is_err() {
-            self.broken
-                .store(true, std::sync::atomic::Ordering::Release);
-        }
-        result
+        let chunk = check_rs_call(ctx, &self.calls, c, m, (a, b, bias), out)?;
+        let out = &mut out[..chunk.len() * c.n];
+        self.calls
+            .run(ctx.rank(), |_| self.call(ctx, m, (a, b, bias), out))
     }
 
     fn call(
