@@ -10,8 +10,7 @@ use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
 use commfuse_core::backend::Backend;
 use commfuse_core::cost::choose_algo;
-use commfuse_core::fused::ag_gemm::AgGemmConfig;
-use commfuse_core::fused::gemm_rs::GemmRsConfig;
+use commfuse_core::gemm::BLayout;
 use commfuse_core::topology::LinkModel;
 use commfuse_core::{Algo, DType, Implementation, OpKind, OpSpec, ReduceOp, Topology};
 use std::time::Duration;
@@ -84,37 +83,22 @@ impl GemmShapeArgs {
         self.out_dtype.unwrap_or(self.dtype)
     }
 
-    /// The configuration of GEMM + reduce-scatter of this shape, built for calls of up to M
-    /// rows, that waits at most `timeout` (either backend takes it).
-    pub(super) fn gemm_rs_config(&self, timeout: Duration) -> Result<GemmRsConfig> {
-        Ok(GemmRsConfig {
-            bias: self.bias,
-            timeout,
-            ..GemmRsConfig::new(
-                self.m,
-                self.n,
-                self.k,
-                parse_b_layout(&self.b_layout)?,
-                self.dtype,
-                self.output(),
-            )
-        })
-    }
-
-    /// [`gemm_rs_config`](Self::gemm_rs_config) for all-gather + GEMM, of up to M gathered rows.
-    pub(super) fn ag_gemm_config(&self, timeout: Duration) -> Result<AgGemmConfig> {
-        Ok(AgGemmConfig {
-            bias: self.bias,
-            timeout,
-            ..AgGemmConfig::new(
-                self.m,
-                self.n,
-                self.k,
-                parse_b_layout(&self.b_layout)?,
-                self.dtype,
-                self.output(),
-            )
-        })
+    /// A fused operator's configuration (either backend takes it) of this shape, for calls of
+    /// up to M rows: `new` is its constructor from (max M, N, K, B's layout, input and output
+    /// types), `GemmRsConfig::new` or `AgGemmConfig::new`; the caller sets the bias and the rest.
+    pub(super) fn fused_config<C>(
+        &self,
+        new: impl FnOnce(usize, usize, usize, BLayout, DType, DType) -> C,
+    ) -> Result<C> {
+        let layout = parse_b_layout(&self.b_layout)?;
+        Ok(new(
+            self.m,
+            self.n,
+            self.k,
+            layout,
+            self.dtype,
+            self.output(),
+        ))
     }
 }
 

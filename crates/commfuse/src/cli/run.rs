@@ -205,8 +205,10 @@ pub(super) fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
     use commfuse_core::fused::gemm_rs::{GemmRsConfig, PathChoice};
     let place = a.place.placement()?;
     let config = GemmRsConfig {
+        bias: a.shape.bias,
         numa_groups: a.numa_groups,
-        ..a.shape.gemm_rs_config(place.timeout)?
+        timeout: place.timeout,
+        ..a.shape.fused_config(GemmRsConfig::new)?
     };
     let output = config.output;
     // validates the shape and types before anything runs
@@ -281,9 +283,11 @@ pub(super) fn run_ag_gemm_cmd(a: RunAgGemmArgs) -> Result<i32> {
     use commfuse_core::fused::ag_gemm::AgGemmConfig;
     let place = a.place.placement()?;
     let config = AgGemmConfig {
+        bias: a.shape.bias,
         pieces: a.pieces,
         fused: a.fused,
-        ..a.shape.ag_gemm_config(place.timeout)?
+        timeout: place.timeout,
+        ..a.shape.fused_config(AgGemmConfig::new)?
     };
     let output = config.output;
     // validates the shape and types before anything runs
