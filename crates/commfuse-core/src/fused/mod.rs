@@ -3,6 +3,7 @@
 //! by the simulator and the GPU backend (the same tables on both).
 
 pub mod ag_gemm;
+pub mod fused_ring;
 pub mod gemm_rs;
 pub mod ring_rs;
 
