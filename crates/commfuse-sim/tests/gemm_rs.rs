@@ -1,5 +1,5 @@
-//! GEMM + reduce-scatter on the simulator against a float64 reference, both paths (the fused
-//! tile schedule and the overlapped ring): every output element of every rank, P = 1..9, ragged
+//! GEMM + reduce-scatter on the simulator against a float64 reference, every path (the fused
+//! tile schedule, the overlapped ring, the unfused pair) and the ring inside one GEMM: every output element of every rank, P = 1..9, ragged
 //! shapes, both B layouts, bf16 and f16 inputs with 16-bit and f32 outputs, with and without
 //! bias; outputs poisoned before each call; three back-to-back calls with fresh inputs and M
 //! going down then up past the first (so a flag set sees a larger M after a smaller one), with
@@ -34,16 +34,49 @@ fn world_for(p: usize, config: &GemmRsConfig, timeout: Duration) -> World {
     .unwrap()
 }
 
-/// Runs `ms.len()` back-to-back calls (max M = the largest) on every rank by `path` and checks
+/// What a case's operator is: the one of a path, or the ring inside one GEMM (which rounds as
+/// the overlapped ring does, so that path's bound holds it).
+#[derive(Debug, Clone, Copy)]
+enum Way {
+    Path(GemmRsPath),
+    FusedRing,
+}
+
+impl From<GemmRsPath> for Way {
+    fn from(path: GemmRsPath) -> Way {
+        Way::Path(path)
+    }
+}
+
+impl Way {
+    /// The path whose error bound the results are checked against.
+    fn bound(self) -> GemmRsPath {
+        match self {
+            Way::Path(path) => path,
+            Way::FusedRing => GemmRsPath::Overlapped { pieces: 1 },
+        }
+    }
+}
+
+impl std::fmt::Display for Way {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Way::Path(path) => write!(f, "{path}"),
+            Way::FusedRing => write!(f, "fused ring"),
+        }
+    }
+}
+
+/// Runs `ms.len()` back-to-back calls (max M = the largest) on every rank by `way` and checks
 /// every output element of every call; returns the failures, one line each.
 fn run_calls<TI: Element, TO: Element>(
     p: usize,
     config: GemmRsConfig,
-    path: GemmRsPath,
+    way: Way,
     ms: &[usize],
     seed: u64,
 ) -> Vec<String> {
-    let (n, k) = (config.n, config.k);
+    let (n, k, path) = (config.n, config.k, way.bound());
     let config = GemmRsConfig {
         path: PathChoice::Always(path),
         timeout: Duration::from_secs(20),
@@ -51,7 +84,11 @@ fn run_calls<TI: Element, TO: Element>(
     };
     let world_config = GemmRsOperator::<TI, TO>::world_config(&config, p);
     let world = World::new(p, world_config.unwrap()).unwrap();
-    let op = GemmRsOperator::<TI, TO>::new(&world, config).unwrap();
+    let op = match way {
+        Way::Path(_) => GemmRsOperator::<TI, TO>::new(&world, config),
+        Way::FusedRing => GemmRsOperator::<TI, TO>::fused_ring(&world, config),
+    }
+    .unwrap();
     let CallInputs { a, b, bias } =
         CallInputs::<TI, TO>::random(p, (config.n, config.k), config.bias, ms, seed);
     // outputs of the largest chunk, poisoned: rows past a call's chunk must stay poisoned
@@ -95,7 +132,7 @@ fn run_calls<TI: Element, TO: Element>(
         .into_iter()
         .map(|f| {
             format!(
-                "{path} P={p} N={n} K={k} {:?} {}→{} bias {} tile {:?}: {f}",
+                "{way} P={p} N={n} K={k} {:?} {}→{} bias {} tile {:?}: {f}",
                 config.b_layout, config.input, config.output, config.bias, config.tile
             )
         })
@@ -153,19 +190,19 @@ fn run_variant(
 }
 
 fn run_variant_on(
-    path: GemmRsPath,
+    way: impl Into<Way>,
     p: usize,
     shape: (usize, usize, usize),
     variant: (BLayout, DType, DType, bool),
     tile: TileShape,
     seed: u64,
 ) -> Vec<String> {
-    run_variant_in_groups(path, (p, 1), shape, variant, tile, seed)
+    run_variant_in_groups(way, (p, 1), shape, variant, tile, seed)
 }
 
 /// [`run_variant_on`] with the ranks in `groups` NUMA groups (the overlapped path's 2D ring).
 fn run_variant_in_groups(
-    path: GemmRsPath,
+    way: impl Into<Way>,
     (p, groups): (usize, usize),
     (m, n, k): (usize, usize, usize),
     (layout, input, output, bias): (BLayout, DType, DType, bool),
@@ -179,11 +216,12 @@ fn run_variant_in_groups(
         ..GemmRsConfig::new(m, n, k, layout, input, output)
     };
     let ms = call_ms(m);
+    let way = way.into();
     match (input, output) {
-        (DType::BF16, DType::BF16) => run_calls::<bf16, bf16>(p, config, path, &ms, seed),
-        (DType::BF16, DType::F32) => run_calls::<bf16, f32>(p, config, path, &ms, seed),
-        (DType::F16, DType::F16) => run_calls::<f16, f16>(p, config, path, &ms, seed),
-        (DType::F16, DType::F32) => run_calls::<f16, f32>(p, config, path, &ms, seed),
+        (DType::BF16, DType::BF16) => run_calls::<bf16, bf16>(p, config, way, &ms, seed),
+        (DType::BF16, DType::F32) => run_calls::<bf16, f32>(p, config, way, &ms, seed),
+        (DType::F16, DType::F16) => run_calls::<f16, f16>(p, config, way, &ms, seed),
+        (DType::F16, DType::F32) => run_calls::<f16, f32>(p, config, way, &ms, seed),
         other => unreachable!("no such variant {other:?}"),
     }
 }
@@ -345,6 +383,43 @@ fn the_unfused_path_matches_the_reference_on_one_to_nine_ranks() {
     assert_none(failures);
 }
 
+/// The ring inside one GEMM: every variant on one to three ranks, a rotating sample on four to
+/// nine and sixteen, flat and over NUMA groups, ragged shapes (M < P among them: the done
+/// handshake), small tiles (several bands and column tiles per chunk) and the GPU's.
+#[test]
+fn the_fused_ring_matches_the_reference_on_one_to_nine_and_sixteen_ranks() {
+    let variants = variants();
+    let mut failures = Vec::new();
+    for p in (1..=9).chain([16]) {
+        for groups in (1..=p).filter(|g| p % g == 0 && (*g == 1 || p >= 4)) {
+            for (s, shape) in shapes(p).into_iter().enumerate() {
+                let picks: Vec<usize> = if p <= 3 {
+                    (0..variants.len()).collect()
+                } else {
+                    vec![(p * 5 + s * 3 + groups * 7) % variants.len()]
+                };
+                for v in picks {
+                    let tile = if (s + v) % 4 == 3 {
+                        GPU_TILE
+                    } else {
+                        SMALL_TILE
+                    };
+                    let seed = (p * 100 + s * 20 + v + groups) as u64;
+                    failures.extend(run_variant_in_groups(
+                        Way::FusedRing,
+                        (p, groups),
+                        shape,
+                        variants[v],
+                        tile,
+                        seed,
+                    ));
+                }
+            }
+        }
+    }
+    assert_none(failures);
+}
+
 #[test]
 fn the_overlapped_ring_on_sixteen_ranks() {
     let variant = (BLayout::KN, DType::F16, DType::F32, true);
@@ -393,6 +468,40 @@ fn a_peer_that_never_arrives_at_the_ring_ends_in_a_diagnosed_error() {
         text.contains("multiple of the NUMA group count (3)"),
         "{text}"
     );
+}
+
+#[test]
+fn a_peer_that_never_arrives_at_the_fused_ring_ends_in_a_diagnosed_error() {
+    let config = GemmRsConfig {
+        tile: SMALL_TILE,
+        ..bf16_config(10, 48, 8)
+    };
+    let world = world_for(2, &config, Duration::from_millis(300));
+    let op = GemmRsOperator::<bf16, bf16>::fused_ring(&world, config).unwrap();
+    let (a, b) = (vec![bf16::ONE; 10 * 8], vec![bf16::ONE; 48 * 8]);
+    let err = world
+        .run(|ctx| {
+            let mut out = vec![bf16::ZERO; 5 * 48];
+            if ctx.rank() == 1 {
+                return Ok(()); // rank 1 never calls
+            }
+            op.forward(ctx, 10, (&a, &b, None), &mut out)
+        })
+        .err()
+        .unwrap();
+    let text = one_line(err);
+    assert!(
+        text.contains(
+            "(fused ring) rank 0 waits for the running sum of tile 0 after step 0 from rank 1"
+        ) && text.contains("to reach 1, sees 0"),
+        "{text}"
+    );
+    let zero = GemmRsConfig {
+        tile: TileShape { m: 0, n: 32 },
+        ..config
+    };
+    let refused = GemmRsOperator::<bf16, bf16>::fused_ring(&world, zero).err();
+    assert!(one_line(refused.unwrap()).contains("positive"));
 }
 
 /// In the 2D ring a call of M < P rows ends with the done handshake on both links. P = 4 in two

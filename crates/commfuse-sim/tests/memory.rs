@@ -86,6 +86,14 @@ fn gemm_reduce_scatter_too_large_for_memory_is_refused_before_it_allocates() {
             "{msg}"
         );
     }
+    let msg = too_large(
+        GemmRsOperator::<bf16, bf16>::fused_ring(&world, c),
+        "the fused ring",
+    );
+    assert!(
+        msg.starts_with("GEMM + reduce-scatter (fused ring) of M up to 100000000"),
+        "{msg}"
+    );
     // the world such an operator would need has more flag columns than a pad can have: said,
     // without building the schedule
     let err = GemmRsOperator::<bf16, bf16>::world_config(&c, 2).expect_err("the pads do not fit");

@@ -24,6 +24,7 @@
 //! synchronise between calls: the two alternating sets make back-to-back calls safe (see the
 //! schedule's module doc).
 
+pub mod fused_ring;
 pub mod ring;
 pub mod unfused;
 
@@ -287,6 +288,9 @@ pub enum GemmRsOperator<TI: Element, TO: Element> {
     Fused(SimGemmReduceScatter<TI, TO>),
     Overlapped(ring::SimRingReduceScatter<TI, TO>),
     Unfused(unfused::SimUnfusedReduceScatter<TI, TO>),
+    /// The ring inside one GEMM ([`fused_ring`]): a schedule no path name takes yet (it has no
+    /// GPU kernel), built by [`GemmRsOperator::fused_ring`]
+    FusedRing(fused_ring::SimFusedRing<TI, TO>),
 }
 
 impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
@@ -311,6 +315,13 @@ impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
         })
     }
 
+    /// The fused ring of `config` for `world` (its path in the configuration is not read).
+    pub fn fused_ring(world: &World, config: GemmRsConfig) -> Result<Self, BackendError> {
+        Ok(GemmRsOperator::FusedRing(fused_ring::SimFusedRing::new(
+            world, config,
+        )?))
+    }
+
     /// Signal pads of a world of `world` ranks that can run any path for `config` (at least 64
     /// columns), whose waits give up after the configuration's timeout.
     pub fn world_config(
@@ -321,7 +332,9 @@ impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
         let cols = c.pad_cols()?.max(64);
         let pad_cols = u32::try_from(cols)
             .map_err(|_| unavailable(format!("{cols} flag columns do not fit a signal pad")))?;
-        let ring_rows = ring::SimRingReduceScatter::<TI, TO>::pad_rows(config, world, cols)?;
+        let ring_rows = ring::SimRingReduceScatter::<TI, TO>::pad_rows(config, world, cols)?.max(
+            fused_ring::SimFusedRing::<TI, TO>::pad_rows(config, world, cols)?,
+        );
         Ok(crate::WorldConfig {
             timeout: config.timeout,
             pad_rows: 32.max(ring_rows as u32 + 8),
@@ -341,6 +354,7 @@ impl<TI: Element, TO: Element> GemmRsOperator<TI, TO> {
             GemmRsOperator::Fused(op) => op.forward(ctx, m, a, b, bias, out),
             GemmRsOperator::Overlapped(op) => op.forward(ctx, m, a, b, bias, out),
             GemmRsOperator::Unfused(op) => op.forward(ctx, m, a, b, bias, out),
+            GemmRsOperator::FusedRing(op) => op.forward(ctx, m, a, b, bias, out),
         }
     }
 }
