@@ -50,9 +50,22 @@ pub fn run_gemm_tiles<TI: Element, TO: Element>(
     ops: &Operands<'_, TI, TO>,
     out: &SymmetricBuffer<TO>,
 ) -> Result<(), BackendError> {
-    let p = &plan.problem;
     plan.validate(ctx.world_size())
         .map_err(|e| BackendError::Unavailable(e.to_string()))?;
+    run_validated_tiles(ctx, plan, tiles, ops, out)
+}
+
+/// [`run_gemm_tiles`] of a plan the caller has validated (`GemmPlan::validate`) for this
+/// world: what a caller that computes a plan's tiles one at a time, each after a wait of its
+/// own, runs per tile, so that it checks the plan once rather than once per tile.
+pub(crate) fn run_validated_tiles<TI: Element, TO: Element>(
+    ctx: &RankContext<'_>,
+    plan: &GemmPlan,
+    tiles: &[usize],
+    ops: &Operands<'_, TI, TO>,
+    out: &SymmetricBuffer<TO>,
+) -> Result<(), BackendError> {
+    let p = &plan.problem;
     check_len("A", ops.a.len(), p.m * p.k)?;
     check_len("B", ops.b.len(), p.k * p.n)?;
     if plan.epilogue.beta != 0.0 {

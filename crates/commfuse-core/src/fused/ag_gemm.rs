@@ -64,9 +64,12 @@ pub struct AgGemmConfig {
     /// The fused path: one GEMM whose loads wait for each row band's piece
     /// ([`AgGemmSchedule::fused_plan`]), instead of one library GEMM per piece
     pub fused: bool,
-    /// Output tile of the fused path's GEMM: [`KERNEL_TILE`] (the simulator also takes others)
+    /// Output tile of the fused path's GEMM: [`KERNEL_TILE`] (the simulator also takes others;
+    /// the CUDA backend refuses them on the fused path)
     pub tile: TileShape,
-    /// How long any wait of a call may last before the call fails with a diagnosis
+    /// How long any wait of a call may last before the call fails with a diagnosis: the CUDA
+    /// operator's waits on the device and the host; on the simulator, the waits of the world
+    /// it runs in, which its callers configure with this value
     pub timeout: Duration,
 }
 

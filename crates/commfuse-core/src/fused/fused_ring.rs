@@ -223,6 +223,11 @@ mod tests {
                 for rank in 0..world {
                     let tiles = f.tiles_of(rank);
                     // indices are distinct within a step and below the flags' stride
+                    let mut indices: Vec<(usize, usize)> =
+                        tiles.iter().map(|t| (t.step, t.index)).collect();
+                    indices.sort();
+                    indices.dedup();
+                    assert_eq!(indices.len(), tiles.len());
                     for t in &tiles {
                         assert!(t.index < f.tiles_per_owner_max());
                         assert_eq!(t.owner, f.ring.owner_at(rank, t.step));

@@ -176,9 +176,12 @@ pub struct GemmRsConfig {
     /// can (1: one flat ring; see [`super::ring_rs`])
     pub numa_groups: usize,
     /// Output tile of the fused path's GEMM: [`KERNEL_TILE`] (the simulator also takes others,
-    /// to test the schedule on small shapes)
+    /// to test the schedule on small shapes; the CUDA backend refuses them where the fused
+    /// path may run)
     pub tile: TileShape,
-    /// How long any wait of a call may last before the call fails with a diagnosis
+    /// How long any wait of a call may last before the call fails with a diagnosis: the CUDA
+    /// operator's waits on the device and the host; on the simulator, the waits of a world
+    /// whose configuration the operator's `world_config` made
     pub timeout: Duration,
 }
 
@@ -937,10 +940,6 @@ mod tests {
             (KERNEL_TILE, PathChoice::Auto, false)
         );
         // auto follows the shape: the unfused path for a short reduce-scatter, the ring above
-        for (world, m) in [(2, 16), (2, 8192), (8, 100), (8, 8192)] {
-            let shape = c.shape(world, m).unwrap();
-            assert_eq!(c.path_for(&shape), choose_path(&shape), "P={world} M={m}");
-        }
         assert_eq!(c.path_for(&c.shape(2, 16).unwrap()), GemmRsPath::Unfused);
         assert_eq!(
             c.path_for(&c.shape(2, 8192).unwrap()),

@@ -109,7 +109,6 @@ impl AgGemmAllocation {
                 "rank {rank} of {world}: all-gather + GEMM takes 1 to {MAX_RANKS} ranks"
             )));
         }
-        check_tile(config.tile)?;
         if config.pieces == 0 || config.pieces > MAX_PIECES {
             return Err(unsupported(format!(
                 "all-gather + GEMM cuts a chunk into 1 to {MAX_PIECES} pieces, got {}",
@@ -132,6 +131,7 @@ impl AgGemmAllocation {
         }
         let shape = config.shape(world, config.max_m)?;
         if config.fused {
+            check_tile(config.tile)?;
             check_problem(&shape.problem())?;
         }
         let s = AgGemmSchedule::new(shape, 1);

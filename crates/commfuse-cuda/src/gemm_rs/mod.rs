@@ -208,7 +208,6 @@ impl GemmRsAllocation {
                 "rank {rank} of {world}: GEMM + reduce-scatter takes 1 to {MAX_RANKS} ranks"
             )));
         }
-        check_tile(config.tile)?;
         if let Reduction::Separate { blocks } = config.reduction {
             if blocks == 0 || blocks >= gpu.sm_count {
                 return Err(unsupported(format!(
@@ -244,6 +243,7 @@ impl GemmRsAllocation {
             )));
         }
         if fused {
+            check_tile(config.tile)?;
             check_problem(&shape.problem())?;
         }
         let may_unfuse = matches!(

@@ -13,7 +13,7 @@ use crate::buffer::SymmetricBuffer;
 use crate::fused::{
     check_build, check_rs_call, table_heap, Calls, FlagWords, GemmRsConfig, InWorld,
 };
-use crate::gemm::{run_gemm_tiles, Operands};
+use crate::gemm::{run_validated_tiles, Operands};
 use crate::memory::{Footprint, OperatorMemory};
 use crate::world::{RankContext, World};
 use commfuse_core::backend::BackendError;
@@ -37,8 +37,8 @@ fn schedule(c: &InWorld<GemmRsConfig>, m: usize) -> Result<FusedRing, BackendErr
 
 /// What [`SimFusedRing`] of `config` on `world` ranks allocates: every rank's receive buffers
 /// (2 sets × P − 1 buffers of the longest chunk) and the buffer its last step's tiles land in,
-/// and the heap of a call (each rank thread's received sums of a step, its tile plans and the
-/// GEMM's widened tiles).
+/// and the heap of a call (each rank thread's received sums of a step, its list of the P
+/// steps' tiles and one step's plan, the GEMM's widened tiles).
 pub fn memory(config: &GemmRsConfig, world: usize) -> OperatorMemory {
     let c = InWorld::new(world, *config);
     let what = c.describe("GEMM + reduce-scatter (fused ring)");
@@ -49,9 +49,11 @@ pub fn memory(config: &GemmRsConfig, world: usize) -> OperatorMemory {
         .item(&[c.world, chunk, c.n, so]);
     let heap = Footprint::new(what).item(&[c.world, chunk, c.n, so]);
     let (_, per_owner) = c.tiles();
+    // P steps' tiles listed, and one step's plan, per rank thread
+    let tables = per_owner.and_then(|t| t.checked_mul(c.world + 1));
     OperatorMemory {
         buffers,
-        heap: c.gemm_heap(table_heap(heap, c.world, per_owner), chunk),
+        heap: c.gemm_heap(table_heap(heap, c.world, tables), chunk),
     }
 }
 
@@ -220,6 +222,8 @@ impl<TI: Element, TO: Element> SimFusedRing<TI, TO> {
         for step_tiles in tiles.chunk_by(|x, y| x.step == y.step) {
             let (step, owner) = (step_tiles[0].step, step_tiles[0].owner);
             let plan = self.step_plan(s, (rank, step, owner), (set, call), bias.is_some());
+            plan.validate(ctx.world_size())
+                .map_err(|e| unavailable(e.to_string()))?;
             let chunk = r.shape.chunk(owner);
             sum.clear();
             sum.resize(chunk.len() * n, TO::from_f32(0.0));
@@ -258,7 +262,7 @@ impl<TI: Element, TO: Element> SimFusedRing<TI, TO> {
                     c: Some(&sum),
                     bias: step_bias,
                 };
-                run_gemm_tiles(ctx, &plan, &[t.index], &ops, target)?;
+                run_validated_tiles(ctx, &plan, &[t.index], &ops, target)?;
             }
         }
         if !r.shape.chunk(rank).is_empty() {

@@ -61,7 +61,8 @@ pub struct SimGemmReduceScatter<TI: Element, TO: Element> {
 
 impl<TI: Element, TO: Element> SimGemmReduceScatter<TI, TO> {
     /// Builds the operator for `world`: checks the configuration against the element types and
-    /// the world's signal pads, and allocates the receive buffers.
+    /// the world's signal pads, and allocates the receive buffers. It is the fused path
+    /// whatever the configuration's `path` says ([`GemmRsOperator::new`] reads that).
     pub fn new(world: &World, config: GemmRsConfig) -> Result<Self, BackendError> {
         check_build::<TI, TO>("GEMM + reduce-scatter", (config.input, config.output))?;
         let config = InWorld::new(world.size(), config);

@@ -59,7 +59,9 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
         Ok(FlagWords::rows(s.flag_words(), pad_cols))
     }
 
-    /// Builds the operator for `world`, each ring step cut into `pieces` row pieces.
+    /// Builds the operator for `world`, each ring step cut into `pieces` row pieces (the
+    /// overlapped path whatever the configuration's `path` says; [`super::GemmRsOperator::new`]
+    /// takes the pieces from there).
     pub fn new(world: &World, config: GemmRsConfig, pieces: usize) -> Result<Self, BackendError> {
         check_build::<TI, TO>("GEMM + reduce-scatter", (config.input, config.output))?;
         let config = InWorld::new(world.size(), config);

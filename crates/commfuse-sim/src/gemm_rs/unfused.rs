@@ -57,6 +57,8 @@ pub struct SimUnfusedReduceScatter<TI: Element, TO: Element> {
 }
 
 impl<TI: Element, TO: Element> SimUnfusedReduceScatter<TI, TO> {
+    /// Builds the operator for `world` (the unfused path whatever the configuration's `path`
+    /// says).
     pub fn new(world: &World, config: GemmRsConfig) -> Result<Self, BackendError> {
         check_build::<TI, TO>("GEMM + reduce-scatter", (config.input, config.output))?;
         let config = InWorld::new(world.size(), config);
