@@ -3,6 +3,7 @@
 //! the flag protocol across NVLink: a consumer on the other GPU that copies each tile the moment
 //! its flag is up never sees a stale tile. Skips with a printed reason without GPUs.
 
+use commfuse_core::gemm::TileShape;
 use commfuse_core::gemm::{
     check_elements, grouped_order, reference_gemm, BLayout, ElementCheck, Epilogue, GemmPlan,
     GemmProblem, ReferenceElement,
@@ -13,7 +14,7 @@ use commfuse_cuda::backend::plan_table::ErrorRecord;
 use commfuse_cuda::gemm::bench::{bench_gemm, DeviceReference, ReferenceGemm, StreamGuard};
 use commfuse_cuda::gemm::{
     CallNumber, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets,
-    SmHolder, TileSnapshot, VariantChoice, SKINNY_ROWS, TILE,
+    SmHolder, TileSnapshot, VariantChoice, NARROW_TILE, SKINNY_ROWS, TILE,
 };
 use commfuse_cuda::sys::cublaslt::Lt;
 use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, MappedHost, Stream};
@@ -217,11 +218,13 @@ fn gemm_matches_float64_reference_on_ragged_shapes() {
     }
 }
 
-/// One skinny-build case: the plan's row bands (`None`: bands of 128 rows), the grid cap, and
+/// One case of a build for skinny products: the plan's tile ([`TILE`] or [`NARROW_TILE`]),
+/// its row bands (`None`: bands of 128 rows), the grid cap, and
 /// the epilogue: [`Case::Plain`], [`Case::Full`] (alpha, beta·C, bias, a shuffled order) or
 /// [`Case::Accumulate`] (D += 2·A·B: the storers' per-thread path), at the cap given.
 #[derive(Clone, Copy, Debug)]
 struct SkinnyCase {
+    tile: TileShape,
     bands: Option<&'static [usize]>,
     cap: u32,
     epilogue: Case,
@@ -260,7 +263,7 @@ fn check_variant<TI: Element, TO: Element>(
             ..Epilogue::default()
         },
     };
-    let mut plan = GemmPlan::local(p, TILE, epilogue);
+    let mut plan = GemmPlan::local(p, case.tile, epilogue);
     if let Some(bands) = case.bands {
         plan.bands = Some(bands.to_vec());
         plan.order = (0..plan.tile_count()).collect();
@@ -354,6 +357,7 @@ fn skinny_build_matches_float64_reference() {
                     (3, Case::Accumulate),
                 ] {
                     let case = SkinnyCase {
+                        tile: TILE,
                         bands: None,
                         cap,
                         epilogue,
@@ -368,6 +372,7 @@ fn skinny_build_matches_float64_reference() {
         let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
         for cap in [0, 5] {
             let case = SkinnyCase {
+                tile: TILE,
                 bands: Some(banded),
                 cap,
                 epilogue: Case::Full,
@@ -378,6 +383,7 @@ fn skinny_build_matches_float64_reference() {
     }
     let p = GemmProblem::new(16, 1000, 1544, BLayout::NK, DType::BF16, DType::F32).unwrap();
     let case = SkinnyCase {
+        tile: TILE,
         bands: None,
         cap: 0,
         epilogue: Case::Full,
@@ -389,11 +395,100 @@ fn skinny_build_matches_float64_reference() {
     each(p, case, VariantChoice::Skinny, GemmVariant::Main);
     let p = GemmProblem::new(130, 1000, 1544, BLayout::KN, DType::BF16, DType::BF16).unwrap();
     let case = SkinnyCase {
+        tile: TILE,
         bands: Some(&[0, 65, 130]),
         cap: 0,
         epilogue: Case::Full,
     };
     each(p, case, VariantChoice::Skinny, GemmVariant::Main);
+}
+
+/// The narrow builds (128×64 tiles, wgmma m64n64k16, 8 stages: 64 rows on one consumer
+/// warpgroup, or all 128 on two), chosen for a plan of narrow tiles, against float64 over every
+/// element: M = 1, 16, 33 and 64 (the narrow build) and 65, 100 and 128 (narrow-tall) with N =
+/// 1000 (16 column tiles, the last one 40 wide) and K = 1544 (24 k-blocks and a part), both B
+/// layouts, bf16 and f32 outputs from bf16 and f16 inputs; on every SM (the 16 tiles cut into 2
+/// K-parts) with a plain and a full epilogue (alpha, beta·C, bias, a shuffled order), on 4 SMs
+/// (four whole waves) with the full one, and on 3 (five whole waves, then the last tile cut in
+/// two) with the full one and D += 2·A·B (the storers' per-thread path); then row bands of at
+/// most 64 rows in a taller M (40, 60 and 30 rows: M = 130), on the narrow build by default and
+/// on the narrow-tall one forced; and one band of 65 rows, which only the narrow-tall build
+/// computes.
+#[test]
+fn narrow_builds_match_float64_reference() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let mut seed = 900;
+    let mut each = |p: GemmProblem, case: SkinnyCase, choice, want| {
+        seed += 1;
+        match (p.input, p.output) {
+            (DType::BF16, DType::BF16) => {
+                check_variant::<bf16, bf16>(&gpu, &kernels, &stream, p, case, choice, want, seed)
+            }
+            (DType::BF16, DType::F32) => {
+                check_variant::<bf16, f32>(&gpu, &kernels, &stream, p, case, choice, want, seed)
+            }
+            (DType::F16, DType::F16) => {
+                check_variant::<f16, f16>(&gpu, &kernels, &stream, p, case, choice, want, seed)
+            }
+            _ => check_variant::<f16, f32>(&gpu, &kernels, &stream, p, case, choice, want, seed),
+        }
+    };
+    let auto = VariantChoice::Auto;
+    for m in [1, 16, 33, SKINNY_ROWS, 65, 100, 128] {
+        let want = if m <= SKINNY_ROWS {
+            GemmVariant::Narrow
+        } else {
+            GemmVariant::NarrowTall
+        };
+        for layout in [BLayout::NK, BLayout::KN] {
+            for (input, output) in [
+                (DType::BF16, DType::BF16),
+                (DType::BF16, DType::F32),
+                (DType::F16, DType::F32),
+            ] {
+                let p = GemmProblem::new(m, 1000, 1544, layout, input, output).unwrap();
+                for (cap, epilogue) in [
+                    (0, Case::Plain),
+                    (0, Case::Full),
+                    (4, Case::Full),
+                    (3, Case::Full),
+                    (3, Case::Accumulate),
+                ] {
+                    let case = SkinnyCase {
+                        tile: NARROW_TILE,
+                        bands: None,
+                        cap,
+                        epilogue,
+                    };
+                    each(p, case, auto, want);
+                }
+            }
+        }
+    }
+    let banded: &[usize] = &[0, 40, 100, 130];
+    for layout in [BLayout::NK, BLayout::KN] {
+        let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
+        for cap in [0, 5] {
+            let case = SkinnyCase {
+                tile: NARROW_TILE,
+                bands: Some(banded),
+                cap,
+                epilogue: Case::Full,
+            };
+            each(p, case, auto, GemmVariant::Narrow);
+            each(p, case, VariantChoice::Main, GemmVariant::NarrowTall);
+        }
+    }
+    let p = GemmProblem::new(130, 1000, 1544, BLayout::KN, DType::F16, DType::F16).unwrap();
+    let case = SkinnyCase {
+        tile: NARROW_TILE,
+        bands: Some(&[0, 65, 130]),
+        cap: 0,
+        epilogue: Case::Full,
+    };
+    each(p, case, VariantChoice::Narrow, GemmVariant::NarrowTall);
 }
 
 /// A wait that gives up ends the kernel without a trap (which would end every kernel of the

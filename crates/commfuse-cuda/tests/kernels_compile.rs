@@ -76,33 +76,41 @@ fn every_kernel_compiles_for_sm90a() {
 }
 
 /// The GEMM's main loop must run on the tensor cores' warpgroup instructions: every GEMM entry
-/// point's SASS, in both builds (the main one and the skinny one), holds HGMMA 64x256x16 with
-/// f32 accumulation (transposed B for the [K, N] layout). Needs NVRTC and cuobjdump
-/// (+ nvdisasm); CI installs both from PyPI and sets
-/// COMMFUSE_REQUIRE_SASS=1.
+/// point's SASS holds HGMMA with f32 accumulation (transposed B for the [K, N] layout) of its
+/// build's tile width: 64x256x16 in the main and the skinny build, 64x64x16 in the narrow and
+/// the narrow-tall one, and no HGMMA of another width. Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both
+/// from PyPI and sets COMMFUSE_REQUIRE_SASS=1.
 #[test]
 fn gemm_sass_uses_hgmma() {
     let Some(sass) = commfuse_cuda::testing::sass_of("gemm.cu") else {
         return;
     };
-    let (mut entries, mut skinny) = (0, 0);
+    let (mut entries, mut skinny, mut narrow, mut tall) = (0, 0, 0, 0);
     for section in sass.split("Function : ").skip(1) {
         let name = section.split_whitespace().next().unwrap_or("");
         if !name.starts_with("gemm_") {
             continue;
         }
         entries += 1;
-        if name.starts_with("gemm_skinny_") {
-            skinny += 1;
-        }
-        let hgmma = section
-            .lines()
-            .filter(|l| l.contains("HGMMA.64x256x16.F32"))
-            .collect::<Vec<_>>();
+        let shape = if name.starts_with("gemm_narrow_") {
+            narrow += 1;
+            tall += usize::from(name.starts_with("gemm_narrow_tall_"));
+            "HGMMA.64x64x16.F32"
+        } else {
+            skinny += usize::from(name.starts_with("gemm_skinny_"));
+            "HGMMA.64x256x16.F32"
+        };
+        let all: Vec<&str> = section.lines().filter(|l| l.contains("HGMMA.")).collect();
+        let hgmma: Vec<&str> = all.iter().copied().filter(|l| l.contains(shape)).collect();
         assert!(
             hgmma.len() >= 4,
-            "{name}: {} HGMMA in its SASS",
+            "{name}: {} {shape} in its SASS",
             hgmma.len()
+        );
+        assert_eq!(
+            hgmma.len(),
+            all.len(),
+            "{name}: HGMMA of another shape than {shape}"
         );
         if name.contains("_kn_") {
             assert!(
@@ -111,8 +119,10 @@ fn gemm_sass_uses_hgmma() {
             );
         }
     }
-    assert_eq!(entries, 24, "GEMM entry points found in the SASS");
+    assert_eq!(entries, 48, "GEMM entry points found in the SASS");
     assert_eq!(skinny, 12, "skinny GEMM entry points found in the SASS");
+    assert_eq!(narrow, 24, "narrow GEMM entry points found in the SASS");
+    assert_eq!(tall, 12, "narrow-tall GEMM entry points found in the SASS");
 }
 
 /// The small kernel file the cache tests compile.

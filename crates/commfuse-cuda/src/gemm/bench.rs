@@ -7,7 +7,8 @@
 
 use crate::error::CudaError;
 use crate::gemm::{
-    GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, VariantChoice, TILE,
+    GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, VariantChoice, NARROW_TILE,
+    TILE,
 };
 use crate::sys::cublaslt::Lt;
 pub use crate::sys::driver::StreamGuard;
@@ -31,6 +32,9 @@ pub struct GemmRow {
     pub n: usize,
     pub k: usize,
     pub sms: u32,
+    /// The build of our kernel that ran (`main`, `skinny`, `narrow`, `narrow-tall`; none for
+    /// cuBLASLt)
+    pub build: Option<String>,
     pub time_ms: f64,
     pub tflops: f64,
     /// Elements checked against the float64 reference
@@ -160,25 +164,38 @@ fn run<T: Element>(
     let out_bytes = p.m * p.n * p.output.size();
     let d_dev = DeviceMemory::zeroed(&gpu, out_bytes)?;
     let kernels = GemmKernels::load(&gpu)?;
-    let mut plan = GemmPlan::local(*p, TILE, Epilogue::default());
-    plan.order = grouped_order(p, TILE, ORDER_GROUP);
+    let plan_of = |tile| {
+        let mut plan = GemmPlan::local(*p, tile, Epilogue::default());
+        plan.order = grouped_order(p, tile, ORDER_GROUP);
+        plan
+    };
+    // the tile the build choice (COMMFUSE_GEMM_VARIANT, auto by default) plans with; the rows
+    // with routes keep the fused operators' tile
+    let wide = plan_of(TILE);
+    let chosen_plan = plan_of(kernels.tile_for(p, gpu.sm_count as usize));
     let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
     let ours: Vec<PreparedGemm> = sms
         .iter()
-        .map(|&cap| PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, cap, 0))
+        .map(|&cap| PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0))
         .collect::<Result<_, _>>()?;
-    // where the skinny build can compute the plan, both builds forced, side by side with the
-    // row of the build chosen (by COMMFUSE_GEMM_VARIANT, auto by default)
+    // where another build than the main one can compute the product (the skinny one: every
+    // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles), each build
+    // forced, side by side with the row of the build chosen
     let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
-    if VariantChoice::Skinny.variant_for(&plan) == GemmVariant::Skinny {
+    let narrow = (p.m <= NARROW_TILE.m).then(|| plan_of(NARROW_TILE));
+    if VariantChoice::Skinny.variant_for(&wide) == GemmVariant::Skinny || narrow.is_some() {
         let chosen = kernels.choice();
-        for (name, choice) in [
-            ("commfuse-main", VariantChoice::Main),
-            ("commfuse-skinny", VariantChoice::Skinny),
-        ] {
+        let mut builds = vec![("commfuse-main", VariantChoice::Main, &wide)];
+        if VariantChoice::Skinny.variant_for(&wide) == GemmVariant::Skinny {
+            builds.push(("commfuse-skinny", VariantChoice::Skinny, &wide));
+        }
+        if let Some(narrow) = &narrow {
+            builds.push(("commfuse-narrow", VariantChoice::Narrow, narrow));
+        }
+        for (name, choice, plan) in builds {
             kernels.set_choice(choice);
             for &cap in sms {
-                let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, cap, 0);
+                let gemm = PreparedGemm::new(&gpu, &kernels, plan, &ops, None, cap, 0);
                 forced.push((name, cap, gemm?));
             }
         }
@@ -190,7 +207,7 @@ fn run<T: Element>(
     // the rows to the peer, staggered, the last wave local)
     let peer_gpu = peer.map(Gpu::open).transpose()?;
     let routed = match &peer_gpu {
-        Some(peer_gpu) => Some(Routed::new(&gpu, peer_gpu, &kernels, &plan, &ops, &d_dev)?),
+        Some(peer_gpu) => Some(Routed::new(&gpu, peer_gpu, &kernels, &wide, &ops, &d_dev)?),
         None => None,
     };
     // declared after every buffer the launches below write (here and on the peer) and before
@@ -297,6 +314,7 @@ fn run<T: Element>(
             n: p.n,
             k: p.k,
             sms: v.cap,
+            build: v.gemm.map(|g| g.variant().name().to_string()),
             time_ms,
             tflops: p.flops() / (time_ms * 1e-3) / 1e12,
             checked: check.checked,

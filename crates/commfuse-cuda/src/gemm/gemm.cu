@@ -2,7 +2,7 @@
 // design, the measured versions and what each change bought.
 //
 // D = alpha * A B + beta * C (+ bias row), f32 accumulation, cast to the output type, each
-// 128x256 tile sent to the address its route names (local D or a peer's buffer over NVLink),
+// 128x256 (or 128x64) tile sent to the address its route names (local D or a peer's buffer over NVLink),
 // then a per-tile flag raised with release semantics at system scope.
 //
 // One block per SM, 384 threads in three warpgroups:
@@ -15,8 +15,10 @@
 //                         arithmetic in registers and the staging of the tile in shared memory.
 // The grid is persistent (any size up to the tile count: the SM cap) and takes tiles in the
 // order of a caller-provided table, block b taking entries b, b + grid, b + 2 grid, ...
-// A second build of the same code (gemm_skinny_*, `Cfg` below) serves plans whose tiles have
-// at most 64 rows: one consumer warpgroup and four stages.
+// Further builds of the same code (`Cfg` below) serve plans whose tiles have at most 64 rows
+// (gemm_skinny_*: one consumer warpgroup and four stages) and plans of 128x64 tiles, where a
+// skinny M over the 256-wide tiles would leave most SMs without a tile (gemm_narrow_*: 64 rows,
+// one consumer warpgroup; gemm_narrow_tall_*: 128 rows on two; wgmma m64n64k16, 8 stages).
 #include "common.cuh"
 
 namespace gemm {
@@ -37,30 +39,48 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * (A_STAGE_BYTES 
 static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
 }  // namespace gemm
 
-// What one build of the kernel computes of each of the plan's BM x BN tiles. The main build:
-// all 128 rows, on two consumer warpgroups, 3 stages. The skinny build, for plans whose tiles
-// all have at most 64 rows (decode sizes; the host picks it, see src/gemm.rs): one consumer
-// warpgroup, a 64-row A box and staged tile, and the shared memory that frees spent on a
-// fourth stage, so that more of B is in flight where the loads' latency is what bounds the
-// GEMM. Both builds take the same tiles, orders, routes, bands and split tail.
-template <int ROWS_> struct Cfg {
+// One build of the kernel: the rows it computes of each of the plan's BM-row tiles, the
+// tile's width BN and the pipeline's depth. The main build: 128 rows on two consumer
+// warpgroups, 256 columns, 3 stages. The skinny build, for plans whose tiles all have at most
+// 64 rows (decode sizes; the host picks it, see mod.rs): one consumer warpgroup, a 64-row A box
+// and staged tile, and the shared memory that frees spent on a fourth stage, so that more of B
+// is in flight where the loads' latency is what bounds the GEMM. Both take the same 128x256
+// tiles, orders, routes, bands and split tail. The narrow build, for plans of 128x64 tiles
+// whose bands have at most 64 rows: one consumer warpgroup on 64x64 tiles (wgmma m64n64k16,
+// 32 accumulators per thread) and 8 stages of 16 KiB, so that a skinny M over N = 8192 makes
+// 128 tiles instead of 32 and every SM streams its share of B, with 64 KiB of it in flight.
+// The narrow-tall build: the same 128x64 tiles, all 128 rows on two consumer warpgroups, 8
+// stages of 24 KiB (M up to 128 in one band of tiles).
+template <int ROWS_, int BN_, int STAGES_> struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
+    static constexpr int BN = BN_;              // columns of a tile
     static constexpr int CONSUMERS = ROWS / 64;  // consumer warpgroups with rows to compute
-    static constexpr int STAGES = ROWS == gemm::BM ? gemm::STAGES : 4;
+    static constexpr int STAGES = STAGES_;
+    static constexpr int ACC = BN / 2;  // f32 accumulators per consumer thread (64 rows x BN / 128)
     static constexpr int A_STAGE_BYTES = ROWS * gemm::BK * 2;
-    static constexpr int STAGE_BYTES = A_STAGE_BYTES + gemm::B_STAGE_BYTES;
-    static constexpr int EPI_BYTES = ROWS * gemm::EPI_PITCH;
+    static constexpr int B_STAGE_BYTES = BN * gemm::BK * 2;
+    static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
+    // A staged row: BN 16-bit (or BN / 2 f32) elements plus 16 bytes of padding, which makes the
+    // consumers' fragment stores free of bank conflicts (8 rows 4 banks apart)
+    static constexpr int EPI_PITCH = BN * 2 + 16;
+    static constexpr int EPI_BYTES = ROWS * EPI_PITCH;
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + 8 * (2 * STAGES + 2);
     static_assert(ROWS == 64 || ROWS == gemm::BM, "a build computes one or two 64-row halves of a tile");
+    static_assert(BN == 64 || BN == 128 || BN == 256, "a tile is one wgmma's N wide");
     static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
     // 128-byte swizzled stages start on 1024-byte boundaries
-    static_assert(A_STAGE_BYTES % 1024 == 0 && gemm::B_STAGE_BYTES % 1024 == 0, "stage alignment");
+    static_assert(A_STAGE_BYTES % 1024 == 0 && B_STAGE_BYTES % 1024 == 0, "stage alignment");
 };
-using MainCfg = Cfg<gemm::BM>;
-using SkinnyCfg = Cfg<64>;
-static_assert(MainCfg::SMEM_BYTES == gemm::SMEM_BYTES, "the main build is the kernel's design");
-// mirrored by SKINNY_SMEM_BYTES in src/gemm.rs
-static_assert(SkinnyCfg::SMEM_BYTES == 198736, "layout mirrored by SKINNY_SMEM_BYTES in src/gemm.rs");
+using MainCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES>;
+using SkinnyCfg = Cfg<64, gemm::BN, 4>;
+using NarrowCfg = Cfg<64, 64, 8>;
+using NarrowTallCfg = Cfg<gemm::BM, 64, 8>;
+static_assert(MainCfg::SMEM_BYTES == gemm::SMEM_BYTES && MainCfg::EPI_PITCH == gemm::EPI_PITCH,
+              "the main build is the kernel's design");
+// mirrored by SKINNY_SMEM_BYTES and NARROW_SMEM_BYTES in mod.rs
+static_assert(SkinnyCfg::SMEM_BYTES == 198736, "layout mirrored by SKINNY_SMEM_BYTES in mod.rs");
+static_assert(NarrowCfg::SMEM_BYTES == 141456, "layout mirrored by NARROW_SMEM_BYTES in mod.rs");
+static_assert(NarrowTallCfg::SMEM_BYTES == 216208, "layout mirrored by NARROW_TALL_SMEM_BYTES in mod.rs");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -170,9 +190,25 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(G
                   COMMFUSE_OFFSETOF(GemmParams, epoch) == 392 && COMMFUSE_OFFSETOF(GemmParams, calls) == 400 &&
                   COMMFUSE_OFFSETOF(GemmParams, routes_alt) == 408,
               "layout mirrored by GemmParams in src/gemm.rs");
-// The 128 accumulator registers of one m64n256k16 wgmma, as asm operands %0..%127.
-#define WGMMA_ACC_OPERANDS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
-#define WGMMA_ACC_CONSTRAINTS(d) \
+// The accumulator registers of one m64nNk16 wgmma (N / 2 per thread), as asm operands %0...
+#define WGMMA_ACC_OPERANDS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WGMMA_ACC_CONSTRAINTS_32(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WGMMA_ACC_OPERANDS_64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define WGMMA_ACC_CONSTRAINTS_64(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define WGMMA_ACC_OPERANDS_128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
+#define WGMMA_ACC_CONSTRAINTS_128(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
     "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
     "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
@@ -320,29 +356,35 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 }
 
 // Keeps the compiler from moving accumulator reads or writes across wgmma issue and wait.
-__device__ __forceinline__ void fence_acc(float* d) {
+template <int ACC> __device__ __forceinline__ void fence_acc(float* d) {
 #pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < ACC; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-template <typename In> struct Wgmma;
+template <typename In, int N> struct Wgmma;
 
-#define COMMFUSE_WGMMA(IN_T, PTX_T)                                                                            \
-    template <> struct Wgmma<IN_T> {                                                                          \
-        /* d (+)= A B for one k16 step; scale_d = 0 overwrites d. TRANS_B = 1: B is N-major ([K, N]). */       \
+// d (+)= A B for one k16 step of an m64nNk16 wgmma (R = N / 2 accumulators per thread, operands
+// %0..%R-1; then A's and B's descriptors, scale_d and TRANS_B); scale_d = 0 overwrites d.
+// TRANS_B = 1: B is N-major ([K, N]).
+#define COMMFUSE_WGMMA(IN_T, PTX_T, N, R, DA, DB, SCALE, TRANS)                                                \
+    template <> struct Wgmma<IN_T, N> {                                                                       \
         template <int TRANS_B> static __device__ __forceinline__ void mma(float* d, u64 da, u64 db, u32 scale_d) { \
             asm volatile("{\n"                                                                                \
                          ".reg .pred p;\n"                                                                    \
-                         "setp.ne.b32 p, %130, 0;\n"                                                          \
-                         "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_T "." PTX_T " " WGMMA_ACC_OPERANDS \
-                         ", %128, %129, p, 1, 1, 0, %131;\n"                                                  \
+                         "setp.ne.b32 p, " SCALE ", 0;\n"                                                     \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_T "." PTX_T " " WGMMA_ACC_OPERANDS_##R \
+                         ", " DA ", " DB ", p, 1, 1, 0, " TRANS ";\n"                                         \
                          "}\n"                                                                                \
-                         : WGMMA_ACC_CONSTRAINTS(d)                                                           \
+                         : WGMMA_ACC_CONSTRAINTS_##R(d)                                                       \
                          : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_B));                                    \
         }                                                                                                     \
     };
-COMMFUSE_WGMMA(__nv_bfloat16, "bf16")
-COMMFUSE_WGMMA(__half, "f16")
+COMMFUSE_WGMMA(__nv_bfloat16, "bf16", 256, 128, "%128", "%129", "%130", "%131")
+COMMFUSE_WGMMA(__half, "f16", 256, 128, "%128", "%129", "%130", "%131")
+COMMFUSE_WGMMA(__nv_bfloat16, "bf16", 128, 64, "%64", "%65", "%66", "%67")
+COMMFUSE_WGMMA(__half, "f16", 128, 64, "%64", "%65", "%66", "%67")
+COMMFUSE_WGMMA(__nv_bfloat16, "bf16", 64, 32, "%32", "%33", "%34", "%35")
+COMMFUSE_WGMMA(__half, "f16", 64, 32, "%32", "%33", "%34", "%35")
 
 // ---- epilogue element helpers ------------------------------------------------------------------
 
@@ -487,14 +529,15 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             }
             // out-of-bounds parts of a box are zero-filled and still counted in bytes
             mbar_expect_tx(full, C::STAGE_BYTES);
-            const u32 a_dst = s.a + stage * C::A_STAGE_BYTES, b_dst = s.b + stage * gemm::B_STAGE_BYTES;
+            const u32 a_dst = s.a + stage * C::A_STAGE_BYTES, b_dst = s.b + stage * C::B_STAGE_BYTES;
             tma_load_2d(a_dst, a_map, full, kb * gemm::BK, a_row);
             if (B_KN) {
-                // four 64 (N) x 64 (K) boxes side by side along N, 8 KiB each
+                // BN / 64 boxes of 64 (N) x 64 (K) side by side along N, 8 KiB each
 #pragma unroll
-                for (int j = 0; j < 4; ++j) tma_load_2d(b_dst + j * 8192, &p.b, full, c.tn * gemm::BN + 64 * j, kb * gemm::BK);
+                for (int j = 0; j < C::BN / 64; ++j)
+                    tma_load_2d(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kb * gemm::BK);
             } else {
-                tma_load_2d(b_dst, &p.b, full, kb * gemm::BK, c.tn * gemm::BN);
+                tma_load_2d(b_dst, &p.b, full, kb * gemm::BK, c.tn * C::BN);
             }
             if (issued < C::STAGES) ++issued;
             if (++stage == C::STAGES) {
@@ -541,10 +584,10 @@ __device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
     // skinny M's split tiles move a fraction of a whole tile's)
     const bool rows_in = (tid / 32) * 16 + (tid % 32) / 4 < c.rows;
     if (c.part != 0) {
-        float4* slot = p.workspace + (size_t)(c.split * helpers + c.part - 1) * 32 * 256;
+        float4* slot = p.workspace + (size_t)(c.split * helpers + c.part - 1) * (C::ACC / 4) * 256;
         if (rows_in) {
 #pragma unroll
-            for (int j = 0; j < 32; ++j)
+            for (int j = 0; j < C::ACC / 4; ++j)
                 slot[j * 256 + tid] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
         }
         consumers_sync<C>();
@@ -568,9 +611,9 @@ __device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
     }
     consumers_sync<C>();
     for (u32 h = 0; h < helpers && rows_in; ++h) {
-        const float4* slot = p.workspace + (size_t)(c.split * helpers + h) * 32 * 256;
+        const float4* slot = p.workspace + (size_t)(c.split * helpers + h) * (C::ACC / 4) * 256;
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
+        for (int j = 0; j < C::ACC / 4; ++j) {
             const float4 v = __ldcg(&slot[j * 256 + tid]);
             acc[4 * j] += v.x;
             acc[4 * j + 1] += v.y;
@@ -600,14 +643,14 @@ __device__ __forceinline__ void fold_wait(const GemmParams& p, const TileRoute& 
 template <class C, typename In, typename Out, bool B_KN>
 __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     constexpr int PASSES = sizeof(Out) / 2;  // f32 tiles are staged in two column halves
-    constexpr int PASS_COLS = gemm::BN / PASSES;
+    constexpr int PASS_COLS = C::BN / PASSES;
     const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const u32 row0 = cw * 64 + warp * 16 + lane / 4;  // this thread's first accumulator row
     const bool leader = threadIdx.x % 128 == 0;
     const Out* c_mat = (const Out*)p.c;
     const Out* bias = (const Out*)p.bias;
     u32 stage = 0, phase = 0, epi_phase = 0;
-    float acc[128];
+    float acc[C::ACC];
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at(p, i);
         // A warpgroup whose 64 rows all lie past the tile's last (M or a band ends within the
@@ -616,7 +659,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // stage, so the pipeline's barriers count as before.
         if (cw * 64 >= c.rows) {
 #pragma unroll
-            for (int j = 0; j < 128; ++j) acc[j] = 0.0f;
+            for (int j = 0; j < C::ACC; ++j) acc[j] = 0.0f;
             for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
                 mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
                 if (leader) mbar_arrive(s.empty + 8 * stage);
@@ -630,9 +673,9 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
                 mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
                 const u32 a = s.a + stage * C::A_STAGE_BYTES + cw * (64 * 128);
-                const u32 b = s.b + stage * gemm::B_STAGE_BYTES;
+                const u32 b = s.b + stage * C::B_STAGE_BYTES;
                 wgmma_fence();
-                fence_acc(acc);
+                fence_acc<C::ACC>(acc);
 #pragma unroll
                 for (int kk = 0; kk < gemm::BK / 16; ++kk) {
                     // A: K-major, 8-row groups 1024 bytes apart, a k16 step is 32 bytes along the row.
@@ -640,13 +683,13 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                     // 8-row K groups 1024 bytes apart (SBO), a k16 step is 16 rows = 2048 bytes.
                     const u64 da = smem_desc(a + 32 * kk, 16, 1024);
                     const u64 db = B_KN ? smem_desc(b + 2048 * kk, 8192, 1024) : smem_desc(b + 32 * kk, 16, 1024);
-                    Wgmma<In>::template mma<B_KN ? 1 : 0>(acc, da, db, kb != c.kb0 || kk != 0);
+                    Wgmma<In, C::BN>::template mma<B_KN ? 1 : 0>(acc, da, db, kb != c.kb0 || kk != 0);
                 }
                 wgmma_commit();
-                fence_acc(acc);
+                fence_acc<C::ACC>(acc);
                 // keep this k-block's wgmmas in flight; the previous one's stage can be refilled
                 wgmma_wait<1>();
-                fence_acc(acc);
+                fence_acc<C::ACC>(acc);
                 if (kb > c.kb0 && leader) mbar_arrive(s.empty + 8 * prev);
                 prev = stage;
                 if (++stage == C::STAGES) {
@@ -655,7 +698,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                 }
             }
             wgmma_wait<0>();
-            fence_acc(acc);
+            fence_acc<C::ACC>(acc);
             if (leader) mbar_arrive(s.empty + 8 * prev);
         }
         if (c.split != NO_SPLIT) {
@@ -679,14 +722,14 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             const u64 row_step = (u64)route->fold_ld * sizeof(Out);
             const u64 fold_stride = route->fold_stride;
             // columns left of this thread's first one, and whether its two rows are in the band
-            const int lim = (int)p.n - (int)(c.tn * gemm::BN) - (int)(2 * (lane % 4));
+            const int lim = (int)p.n - (int)(c.tn * C::BN) - (int)(2 * (lane % 4));
             const bool in0 = row0 < c.rows, in1 = row0 + 8 < c.rows;
             for (u32 f = 0; f < fold_count; ++f) {
                 const Out* r0 = (const Out*)(base + f * fold_stride + row0 * row_step) + 2 * (lane % 4);
                 const Out* r1 = (const Out*)((const unsigned char*)r0 + 8 * row_step);
                 // (issuing eight column groups' loads before adding any measured 3-5 % slower)
 #pragma unroll
-                for (int j = 0; j < gemm::BN / 8; ++j) {
+                for (int j = 0; j < C::BN / 8; ++j) {
                     if (in0 && j * 8 < lim) acc[j * 4] += Elem<Out>::to_f32(__ldcg(r0 + j * 8));
                     if (in0 && j * 8 + 1 < lim) acc[j * 4 + 1] += Elem<Out>::to_f32(__ldcg(r0 + j * 8 + 1));
                     if (in1 && j * 8 < lim) acc[j * 4 + 2] += Elem<Out>::to_f32(__ldcg(r1 + j * 8));
@@ -697,7 +740,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         const bool tile_bias = bias != nullptr && (route == nullptr || !(route->options & ROUTE_NO_BIAS));
 
         // epilogue arithmetic in registers, then stage the tile for the storers
-        const u32 g_row0 = c.row0 + row0, g_col0 = c.tn * gemm::BN;
+        const u32 g_row0 = c.row0 + row0, g_col0 = c.tn * C::BN;
 #pragma unroll
         for (int pass = 0; pass < PASSES; ++pass) {
             mbar_wait<ROLE_CONSUMER>(s.epi_empty, epi_phase ^ 1, p, c.tile, WAIT_EPI_EMPTY);
@@ -720,7 +763,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                         if (gc < p.n) v0 += Elem<Out>::to_f32(bias[gc]);
                         if (gc + 1 < p.n) v1 += Elem<Out>::to_f32(bias[gc + 1]);
                     }
-                    store_pair<Out>(s.epi + (row0 + 8 * h) * gemm::EPI_PITCH + (col - pass * PASS_COLS) * sizeof(Out), v0,
+                    store_pair<Out>(s.epi + (row0 + 8 * h) * C::EPI_PITCH + (col - pass * PASS_COLS) * sizeof(Out), v0,
                                     v1);
                 }
             }
@@ -737,7 +780,7 @@ __device__ __forceinline__ void storers_sync() { asm volatile("bar.sync 1, %0;" 
 template <class C, typename Out>
 __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     constexpr int PASSES = sizeof(Out) / 2;
-    constexpr int PASS_COLS = gemm::BN / PASSES;
+    constexpr int PASS_COLS = C::BN / PASSES;
     constexpr int VEC = 16 / sizeof(Out);  // elements per 16-byte store
     constexpr int UNITS = PASS_COLS / VEC;  // 16-byte units per staged row
     u32 epi_phase = 0;
@@ -749,12 +792,12 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
             r = call_state.routes[c.tile];
             if (r.options & ROUTE_DST_FROM_D) r.dst += p.d;
         } else {
-            r.dst = p.d + ((u64)c.row0 * p.n + (u64)c.tn * gemm::BN) * sizeof(Out);
+            r.dst = p.d + ((u64)c.row0 * p.n + (u64)c.tn * C::BN) * sizeof(Out);
             r.ld = p.n;
             r.flag = 0;
         }
         const u32 rows = c.rows;
-        const u32 cols = min(gemm::BN, (int)(p.n - c.tn * gemm::BN));
+        const u32 cols = min(C::BN, (int)(p.n - c.tn * C::BN));
         const bool vec_ok = r.dst % 16 == 0 && ((u64)r.ld * sizeof(Out)) % 16 == 0;
         // Rows go out as TMA bulk copies (one per row and pass, issued by the first storer warp)
         // when they are whole 16-byte units; accumulation and ragged or unaligned rows take the
@@ -768,7 +811,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
                 if (t < 32 && pass_cols > 0) {
                     for (u32 row = t; row < rows; row += 32) {
                         bulk_store(r.dst + ((u64)row * r.ld + pass * PASS_COLS) * sizeof(Out),
-                                   smem_u32(s.epi + row * gemm::EPI_PITCH), pass_cols * sizeof(Out));
+                                   smem_u32(s.epi + row * C::EPI_PITCH), pass_cols * sizeof(Out));
                     }
                     bulk_commit();
                     bulk_wait_read();
@@ -777,7 +820,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
                 for (u32 u = t; u < C::ROWS * UNITS; u += gemm::STORERS) {
                     const u32 row = u / UNITS, unit = u % UNITS, col = pass * PASS_COLS + unit * VEC;
                     if (row >= rows || col >= cols) continue;
-                    const unsigned char* src = s.epi + row * gemm::EPI_PITCH + unit * 16;
+                    const unsigned char* src = s.epi + row * C::EPI_PITCH + unit * 16;
                     Out* dst = (Out*)r.dst + (size_t)row * r.ld + col;
                     if (vec_ok && col + VEC <= cols) {
                         uint4 v = *(const uint4*)src;
@@ -899,9 +942,12 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     COMMFUSE_GEMM_ENTRY(PREFIX##f16_nk_f32, CFG, __half, float, false)                         \
     COMMFUSE_GEMM_ENTRY(PREFIX##f16_kn_f32, CFG, __half, float, true)
 
-// gemm_<input>_<B layout>_<output>: the main build; gemm_skinny_...: tiles of at most 64 rows
+// gemm_<input>_<B layout>_<output>: the main build; gemm_skinny_...: 128x256 tiles of at most
+// 64 rows; gemm_narrow_...: 128x64 tiles of at most 64 rows; gemm_narrow_tall_...: 128x64 tiles
 COMMFUSE_GEMM_ENTRIES(gemm_, MainCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_skinny_, SkinnyCfg)
+COMMFUSE_GEMM_ENTRIES(gemm_narrow_, NarrowCfg)
+COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, NarrowTallCfg)
 
 // ---- a consumer of flagged tiles, for the GPU test of the release/acquire protocol -------------
 

@@ -28,46 +28,78 @@ use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
-/// The kernel's output tile.
+/// The kernel's output tile (the main and the skinny build, and every fused operator's).
 pub const TILE: TileShape = commfuse_core::gemm::KERNEL_TILE;
+/// The narrow builds' tile: where a skinny M over [`TILE`]s would leave most SMs without a
+/// tile, a quarter of their width makes four times as many (N = 8192: 128 instead of 32).
+pub const NARROW_TILE: TileShape = TileShape { m: 128, n: 64 };
 const THREADS: u32 = 384;
 const STAGES: u32 = 3;
 /// K depth of one pipeline stage (one 128-byte swizzle row of 16-bit elements).
 const BK: usize = 64;
-/// Mirrors `gemm::SMEM_BYTES` in gemm.cu: alignment slack, the stages, the staged tile and
+/// Mirrors `Cfg::SMEM_BYTES` in gemm.cu for a build of `rows` × `cols` tiles and `stages`
+/// stages: alignment slack, the stages, the staged tile (rows of 2 · `cols` + 16 bytes) and
 /// the mbarriers.
-const SMEM_BYTES: u32 = 1024
-    + STAGES * ((TILE.m + TILE.n) * BK * 2) as u32
-    + TILE.m as u32 * 528
-    + 8 * (2 * STAGES + 2);
-/// Rows of a tile the skinny build computes (`SkinnyCfg` in gemm.cu): plans whose tiles all
-/// have at most this many rows can run on it.
+const fn smem_bytes(rows: usize, cols: usize, stages: u32) -> u32 {
+    1024 + stages * ((rows + cols) * BK * 2) as u32
+        + rows as u32 * (2 * cols as u32 + 16)
+        + 8 * (2 * stages + 2)
+}
+/// Mirrors `gemm::SMEM_BYTES` in gemm.cu.
+const SMEM_BYTES: u32 = smem_bytes(TILE.m, TILE.n, STAGES);
+/// Rows of a tile the skinny and the narrow build compute (`SkinnyCfg`, `NarrowCfg` in
+/// gemm.cu): plans whose tiles all have at most this many rows can run on them.
 pub const SKINNY_ROWS: usize = 64;
 const SKINNY_STAGES: u32 = 4;
 /// Mirrors `SkinnyCfg::SMEM_BYTES` in gemm.cu: a 64-row A box per stage, four stages, a 64-row
 /// staged tile.
-const SKINNY_SMEM_BYTES: u32 = 1024
-    + SKINNY_STAGES * ((SKINNY_ROWS + TILE.n) * BK * 2) as u32
-    + SKINNY_ROWS as u32 * 528
-    + 8 * (2 * SKINNY_STAGES + 2);
+const SKINNY_SMEM_BYTES: u32 = smem_bytes(SKINNY_ROWS, TILE.n, SKINNY_STAGES);
+/// Stages of the narrow builds: 16 KiB each (24 KiB with 128 rows), eight keep 64 KiB of B in
+/// flight per SM.
+const NARROW_STAGES: u32 = 8;
+/// Mirrors `NarrowCfg::SMEM_BYTES` in gemm.cu.
+const NARROW_SMEM_BYTES: u32 = smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_STAGES);
+/// Mirrors `NarrowTallCfg::SMEM_BYTES` in gemm.cu.
+const NARROW_TALL_SMEM_BYTES: u32 = smem_bytes(NARROW_TILE.m, NARROW_TILE.n, NARROW_STAGES);
 
 /// Which build of the kernel a [`PreparedGemm`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmVariant {
-    /// All 128 rows of each tile, two consumer warpgroups, 3 pipeline stages
+    /// All 128 rows of each [`TILE`], two consumer warpgroups, 3 pipeline stages
     Main,
-    /// The first [`SKINNY_ROWS`] rows of each tile, one consumer warpgroup, 4 stages: for
+    /// The first [`SKINNY_ROWS`] rows of each [`TILE`], one consumer warpgroup, 4 stages: for
     /// plans whose tiles have no more rows (decode sizes), where the main build's second
     /// warpgroup and half of each A stage would stay empty
     Skinny,
+    /// The first [`SKINNY_ROWS`] rows of each [`NARROW_TILE`] (wgmma m64n64k16), one consumer
+    /// warpgroup, 8 stages: plans of narrow tiles whose bands have no more rows
+    Narrow,
+    /// All 128 rows of each [`NARROW_TILE`], two consumer warpgroups, 8 stages
+    NarrowTall,
 }
 
 impl GemmVariant {
+    /// Every build, in the order of their entry points in gemm.cu.
+    pub const ALL: [GemmVariant; 4] = [
+        GemmVariant::Main,
+        GemmVariant::Skinny,
+        GemmVariant::Narrow,
+        GemmVariant::NarrowTall,
+    ];
+
     /// Rows of the A box and of the staged tile.
     fn rows(self) -> usize {
         match self {
-            GemmVariant::Main => TILE.m,
-            GemmVariant::Skinny => SKINNY_ROWS,
+            GemmVariant::Main | GemmVariant::NarrowTall => TILE.m,
+            GemmVariant::Skinny | GemmVariant::Narrow => SKINNY_ROWS,
+        }
+    }
+
+    /// The tile of the plans it computes.
+    pub fn tile(self) -> TileShape {
+        match self {
+            GemmVariant::Main | GemmVariant::Skinny => TILE,
+            GemmVariant::Narrow | GemmVariant::NarrowTall => NARROW_TILE,
         }
     }
 
@@ -75,6 +107,8 @@ impl GemmVariant {
         match self {
             GemmVariant::Main => SMEM_BYTES,
             GemmVariant::Skinny => SKINNY_SMEM_BYTES,
+            GemmVariant::Narrow => NARROW_SMEM_BYTES,
+            GemmVariant::NarrowTall => NARROW_TALL_SMEM_BYTES,
         }
     }
 
@@ -82,6 +116,8 @@ impl GemmVariant {
         match self {
             GemmVariant::Main => "gemm_",
             GemmVariant::Skinny => "gemm_skinny_",
+            GemmVariant::Narrow => "gemm_narrow_",
+            GemmVariant::NarrowTall => "gemm_narrow_tall_",
         }
     }
 
@@ -89,7 +125,8 @@ impl GemmVariant {
     /// loads' latency, not by the tensor cores, and there each further part costs more (part 0
     /// waits for its helpers and adds their partials) than its share of the K loop saves: at
     /// 16 and 64 × 8192 × 3584 on one H200, 1, 2, 3 and 4 parts took 32.3, 28.0, 29.3 and
-    /// 31.7 µs (16 rows) and 34.3, 31.2, 32.5 and 35.6 µs (64 rows). The main build's tail of
+    /// 31.7 µs (16 rows) and 34.3, 31.2, 32.5 and 35.6 µs (64 rows). The narrow builds are
+    /// bound the same way and take the same limit. The main build's tail of
     /// up to four parts measured best where it was designed for (GEMM-NOTES.md, v3: a last,
     /// partial wave after whole ones); where the whole product is one partial wave (`one_wave`:
     /// fewer tiles than SMs, a small M) three parts were faster than four: 40.0 against 41.5 µs
@@ -98,57 +135,111 @@ impl GemmVariant {
         match self {
             GemmVariant::Main if one_wave => 3,
             GemmVariant::Main => MAX_PARTS,
-            GemmVariant::Skinny => 2,
+            GemmVariant::Skinny | GemmVariant::Narrow | GemmVariant::NarrowTall => 2,
         }
     }
 
-    /// `main` or `skinny`.
+    /// `main`, `skinny`, `narrow` or `narrow-tall`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
             GemmVariant::Skinny => "skinny",
+            GemmVariant::Narrow => "narrow",
+            GemmVariant::NarrowTall => "narrow-tall",
         }
     }
 }
 
 /// Which build GEMMs prepared from a [`GemmKernels`] use ([`GemmKernels::set_choice`]); the
-/// environment variable [`VARIANT_ENV`] sets it when the kernels are loaded.
+/// environment variable [`VARIANT_ENV`] sets it when the kernels are loaded. A plan's tile
+/// decides between the two families ([`TILE`]: main and skinny; [`NARROW_TILE`]: narrow and
+/// narrow-tall), so the choice also says which tile to plan with ([`VariantChoice::tile_for`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VariantChoice {
-    /// The skinny build where every tile has at most [`SKINNY_ROWS`] rows, else the main one
+    /// Narrow tiles where [`narrow_pays`] says so, else [`TILE`]s; the 64-row build of the
+    /// plan's tile wherever every tile has at most [`SKINNY_ROWS`] rows, else the 128-row one
     Auto,
-    /// Always the main build
+    /// [`TILE`]s; always the 128-row build (main, or narrow-tall for a plan of narrow tiles)
     Main,
-    /// The skinny build wherever it can compute the plan (every tile at most
-    /// [`SKINNY_ROWS`] rows), the main one elsewhere
+    /// [`TILE`]s; the 64-row build wherever it can compute the plan (every tile at most
+    /// [`SKINNY_ROWS`] rows), the 128-row one elsewhere
     Skinny,
+    /// [`NARROW_TILE`]s wherever M fits one band of them (M ≤ 128), else [`TILE`]s; the
+    /// 64-row build wherever it can compute the plan, the 128-row one elsewhere
+    Narrow,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|auto` (default `auto`): the [`VariantChoice`] of kernels
-/// loaded in this process.
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|auto` (default `auto`): the [`VariantChoice`] of
+/// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
 
+/// Whether `auto` plans `p` with [`NARROW_TILE`]s on `sms` SMs: M fits one band of tiles
+/// and is above [`NARROW_ROWS_MIN`] (so 17 ≤ M ≤ 128), and its [`TILE`]s would give at most
+/// half of the SMs a tile. Such a product is bound by how fast the SMs that hold a tile load B
+/// (the weights): 32 to 128 × 8192 × 3584 make 32 tiles of 128 × 256 for 132 SMs, which even
+/// cut along K keep at most 96 SMs loading; narrow tiles give 128 SMs a whole K loop each. On
+/// one H200 (GEMM-NOTES.md, "The narrow builds") the narrow builds took 25.8, 23.1, 23.7 and
+/// 27.6 µs at 32, 48, 64 and 128 rows against the wide tiles' best of 28.6, 29.9, 31.1 and
+/// 39.5, but 29.4 against the skinny build's 27.8 at 16 rows. Where the wide tiles already fill
+/// more of the SMs (128 × 28672 × 8192: 112 tiles) the narrow-tall build measured slower
+/// (146.8 against 131.8 µs).
+pub fn narrow_pays(p: &commfuse_core::gemm::GemmProblem, sms: usize) -> bool {
+    let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
+    rows == 1 && p.m > NARROW_ROWS_MIN && 2 * cols <= sms
+}
+
+/// Rows up to which `auto` keeps the skinny build's wide tiles even where narrow ones would
+/// fill more SMs: at 16 × 8192 × 3584 the skinny build was the faster (see [`narrow_pays`]).
+pub const NARROW_ROWS_MIN: usize = 16;
+
 impl VariantChoice {
-    /// The choice named `main`, `skinny` or `auto`.
+    /// The choice named `main`, `skinny`, `narrow` or `auto`.
     pub fn parse(name: &str) -> Result<VariantChoice, CudaError> {
         match name {
             "auto" => Ok(VariantChoice::Auto),
             "main" => Ok(VariantChoice::Main),
             "skinny" => Ok(VariantChoice::Skinny),
+            "narrow" => Ok(VariantChoice::Narrow),
             _ => Err(unsupported(format!(
-                "{VARIANT_ENV} must be main, skinny or auto, got {name:?}"
+                "{VARIANT_ENV} must be main, skinny, narrow or auto, got {name:?}"
             ))),
         }
     }
 
-    /// The build that runs `plan`: the skinny one only where every tile has at most
-    /// [`SKINNY_ROWS`] rows (it computes no more of a tile).
-    pub fn variant_for(self, plan: &GemmPlan) -> GemmVariant {
-        let fits = tallest_band(plan) <= SKINNY_ROWS;
+    /// `main`, `skinny`, `narrow` or `auto`.
+    pub fn name(self) -> &'static str {
         match self {
-            VariantChoice::Main => GemmVariant::Main,
-            VariantChoice::Auto | VariantChoice::Skinny if fits => GemmVariant::Skinny,
-            VariantChoice::Auto | VariantChoice::Skinny => GemmVariant::Main,
+            VariantChoice::Auto => "auto",
+            VariantChoice::Main => "main",
+            VariantChoice::Skinny => "skinny",
+            VariantChoice::Narrow => "narrow",
+        }
+    }
+
+    /// The tile to plan `p` with on `sms` SMs under this choice.
+    pub fn tile_for(self, p: &commfuse_core::gemm::GemmProblem, sms: usize) -> TileShape {
+        let narrow = match self {
+            VariantChoice::Auto => narrow_pays(p, sms),
+            VariantChoice::Narrow => p.m <= NARROW_TILE.m,
+            VariantChoice::Main | VariantChoice::Skinny => false,
+        };
+        if narrow {
+            NARROW_TILE
+        } else {
+            TILE
+        }
+    }
+
+    /// The build that runs `plan` (of [`TILE`]s or [`NARROW_TILE`]s, which `PreparedGemm`
+    /// checks): the 64-row one of its tile only where every tile has at most [`SKINNY_ROWS`]
+    /// rows (it computes no more of a tile).
+    pub fn variant_for(self, plan: &GemmPlan) -> GemmVariant {
+        let fits = tallest_band(plan) <= SKINNY_ROWS && self != VariantChoice::Main;
+        match (plan.tile == NARROW_TILE, fits) {
+            (false, false) => GemmVariant::Main,
+            (false, true) => GemmVariant::Skinny,
+            (true, false) => GemmVariant::NarrowTall,
+            (true, true) => GemmVariant::Narrow,
         }
     }
 
@@ -157,6 +248,7 @@ impl VariantChoice {
             VariantChoice::Auto => 0,
             VariantChoice::Main => 1,
             VariantChoice::Skinny => 2,
+            VariantChoice::Narrow => 3,
         }
     }
 
@@ -164,6 +256,7 @@ impl VariantChoice {
         match code {
             1 => VariantChoice::Main,
             2 => VariantChoice::Skinny,
+            3 => VariantChoice::Narrow,
             _ => VariantChoice::Auto,
         }
     }
@@ -177,7 +270,7 @@ fn tallest_band(plan: &GemmPlan) -> usize {
             .map(|w| w[1].saturating_sub(w[0]))
             .max()
             .unwrap_or(0),
-        None => plan.problem.m.min(TILE.m),
+        None => plan.problem.m.min(plan.tile.m),
     }
 }
 
@@ -433,7 +526,7 @@ fn type_name(d: DType) -> &'static str {
     }
 }
 
-/// The GEMM entry points of gemm.cu loaded on one GPU (both builds).
+/// The GEMM entry points of gemm.cu loaded on one GPU (every build).
 pub struct GemmKernels {
     functions: HashMap<String, Function>,
     /// [`VariantChoice::code`] of the GEMMs prepared from here on
@@ -454,7 +547,7 @@ impl GemmKernels {
         let compiled = nvrtc::compile(nvrtc::kernel("gemm.cu").expect("embedded"), false)?;
         let module = Module::load(gpu, &compiled.cubin)?;
         let mut functions = HashMap::new();
-        for variant in [GemmVariant::Main, GemmVariant::Skinny] {
+        for variant in GemmVariant::ALL {
             for input in ["bf16", "f16"] {
                 for layout in ["nk", "kn"] {
                     for output in ["bf16", "f16", "f32"] {
@@ -485,6 +578,12 @@ impl GemmKernels {
     /// The build choice in force.
     pub fn choice(&self) -> VariantChoice {
         VariantChoice::from_code(self.choice.load(Ordering::Relaxed))
+    }
+
+    /// The tile to plan `p` with under the choice in force, on `sms` SMs (the grid's cap, or
+    /// the GPU's SM count).
+    pub fn tile_for(&self, p: &commfuse_core::gemm::GemmProblem, sms: usize) -> TileShape {
+        self.choice().tile_for(p, sms)
     }
 
     fn entry(&self, plan: &GemmPlan, variant: GemmVariant) -> Result<Function, CudaError> {
@@ -584,6 +683,14 @@ pub fn check_tile(tile: TileShape) -> Result<(), CudaError> {
 /// [`MAX_DIM`], at most [`MAX_TILES`] output tiles of [`TILE`]. The error names the value and
 /// the limit.
 pub fn check_problem(p: &commfuse_core::gemm::GemmProblem) -> Result<(), CudaError> {
+    check_problem_tiles(p, TILE)
+}
+
+/// [`check_problem`] for tiles of `tile`.
+fn check_problem_tiles(
+    p: &commfuse_core::gemm::GemmProblem,
+    tile: TileShape,
+) -> Result<(), CudaError> {
     for (name, value) in [("M", p.m), ("N", p.n), ("K", p.k)] {
         if value > MAX_DIM {
             return Err(unsupported(format!(
@@ -591,29 +698,30 @@ pub fn check_problem(p: &commfuse_core::gemm::GemmProblem) -> Result<(), CudaErr
             )));
         }
     }
-    let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
+    let (rows, cols) = commfuse_core::gemm::tiles(p, tile);
     let count = rows.saturating_mul(cols);
     if count > MAX_TILES {
         return Err(unsupported(format!(
             "GEMM {}×{} has {count} output tiles of {}×{}, more than the kernel's limit of {MAX_TILES}",
-            p.m, p.n, TILE.m, TILE.n
+            p.m, p.n, tile.m, tile.n
         )));
     }
     Ok(())
 }
 
-/// What the kernel needs of a plan and its operands: its tile, dimensions and a tile count
+/// What the kernel needs of a plan and its operands: a tile of one of its builds, dimensions
+/// and a tile count
 /// within [`check_problem`]'s limits, a valid order and tables for `world` ranks, 16-byte
 /// aligned operands.
 fn check_plan(plan: &GemmPlan, ops: &GemmOperands, world: usize) -> Result<(), CudaError> {
     let p = &plan.problem;
-    if plan.tile != TILE {
+    if plan.tile != TILE && plan.tile != NARROW_TILE {
         return Err(unsupported(format!(
-            "the GPU GEMM computes {}×{} tiles, the plan has {}×{}",
-            TILE.m, TILE.n, plan.tile.m, plan.tile.n
+            "the GPU GEMM computes {}×{} or {}×{} tiles, the plan has {}×{}",
+            TILE.m, TILE.n, NARROW_TILE.m, NARROW_TILE.n, plan.tile.m, plan.tile.n
         )));
     }
-    check_problem(p)?;
+    check_problem_tiles(p, plan.tile)?;
     plan.validate(world)
         .map_err(|e| unsupported(e.to_string()))?;
     for (name, addr) in [("A", ops.a), ("B", ops.b), ("D", ops.d)] {
@@ -738,7 +846,7 @@ impl PreparedGemm {
                 half,
                 (p.k as u64, p.n as u64),
                 2 * p.k as u64,
-                (BK as u32, TILE.n as u32),
+                (BK as u32, variant.tile().n as u32),
             )?,
             BLayout::KN => {
                 let ld = p.n.next_multiple_of(8);
@@ -806,8 +914,8 @@ impl PreparedGemm {
         let max_parts = variant.max_parts(one_wave);
         let (parts, split) = tail_split(tiles, cap as usize, p.k.div_ceil(BK), max_parts);
         let grid = cap.min((tiles - split + split * parts) as u32).max(1);
-        // the helpers' partial tiles (128 × 256 f32 each) and one counter per split tile
-        let partial_bytes = split * (parts - 1) * TILE.m * TILE.n * 4;
+        // the helpers' partial tiles (a whole tile of f32 each) and one counter per split tile
+        let partial_bytes = split * (parts - 1) * plan.tile.m * plan.tile.n * 4;
         let workspace = DeviceMemory::zeroed(gpu, partial_bytes + 4 * split)?;
         let band_flags = match gather {
             Some(g) => {
@@ -1038,7 +1146,7 @@ impl PreparedGemm {
                 half,
                 (p.k as u64, p.n as u64),
                 2 * p.k as u64,
-                (BK as u32, TILE.n as u32),
+                (BK as u32, self.variant.tile().n as u32),
             )?,
             BLayout::KN => tensor_map_2d(
                 b,
@@ -1158,6 +1266,12 @@ impl TileSnapshot {
         error: &MappedHost<ErrorRecord>,
     ) -> Result<TileSnapshot, CudaError> {
         let p = &plan.problem;
+        if plan.tile != TILE {
+            return Err(unsupported(format!(
+                "the tile snapshot takes {}×{} tiles",
+                TILE.m, TILE.n
+            )));
+        }
         check_problem(p)?;
         let order: Vec<u32> = plan.order.iter().map(|&t| t as u32).collect();
         let table = DeviceMemory::zeroed(gpu, 4 * order.len())?;
@@ -1390,8 +1504,11 @@ mod tests {
         assert_eq!(std::mem::offset_of!(GemmParams, routes_alt), 408);
         assert_eq!(std::mem::size_of::<CallCounter>(), 16);
         const { assert!(SMEM_BYTES <= 227 * 1024) };
-        // SkinnyCfg::SMEM_BYTES, static_assert in gemm.cu
+        // SkinnyCfg, NarrowCfg and NarrowTallCfg::SMEM_BYTES, static_asserts in gemm.cu
         assert_eq!(SKINNY_SMEM_BYTES, 198736);
+        assert_eq!(NARROW_SMEM_BYTES, 141456);
+        assert_eq!(NARROW_TALL_SMEM_BYTES, 216208);
+        const { assert!(NARROW_TALL_SMEM_BYTES <= 227 * 1024) };
     }
 
     fn problem(m: usize, n: usize, k: usize) -> commfuse_core::gemm::GemmProblem {
@@ -1461,15 +1578,90 @@ mod tests {
             ("auto", VariantChoice::Auto),
             ("main", VariantChoice::Main),
             ("skinny", VariantChoice::Skinny),
+            ("narrow", VariantChoice::Narrow),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
+            assert_eq!(choice.name(), name);
             assert_eq!(VariantChoice::from_code(choice.code()), choice);
         }
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
-            e.contains("COMMFUSE_GEMM_VARIANT must be main, skinny or auto, got \"Skinny\""),
+            e.contains(
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow or auto, got \"Skinny\""
+            ),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_plan_of_narrow_tiles_runs_on_a_narrow_build() {
+        use GemmVariant::{Narrow, NarrowTall};
+        let plan = |m: usize, bands: Option<Vec<usize>>| {
+            let mut plan = GemmPlan::local(problem(m, 1000, 64), NARROW_TILE, Default::default());
+            plan.bands = bands;
+            plan
+        };
+        for (plan, fits) in [
+            (plan(1, None), true),
+            (plan(64, None), true),
+            (plan(65, None), false),
+            (plan(128, None), false),
+            (plan(4096, None), false),
+            (plan(130, Some(vec![0, 40, 100, 130])), true),
+            (plan(130, Some(vec![0, 65, 130])), false),
+        ] {
+            let want = if fits { Narrow } else { NarrowTall };
+            let bands = &plan.bands;
+            for choice in [
+                VariantChoice::Auto,
+                VariantChoice::Skinny,
+                VariantChoice::Narrow,
+            ] {
+                assert_eq!(choice.variant_for(&plan), want, "{choice:?} {bands:?}");
+            }
+            assert_eq!(
+                VariantChoice::Main.variant_for(&plan),
+                NarrowTall,
+                "{bands:?}"
+            );
+        }
+        for v in GemmVariant::ALL {
+            let rows = if matches!(v, Narrow | GemmVariant::Skinny) {
+                64
+            } else {
+                128
+            };
+            assert_eq!(v.rows(), rows, "{v:?}");
+            assert!(v.smem_bytes() <= 227 * 1024, "{v:?}");
+        }
+    }
+
+    #[test]
+    fn auto_plans_narrow_tiles_where_wide_ones_leave_most_sms_idle() {
+        let tile =
+            |choice: VariantChoice, m: usize, n: usize| choice.tile_for(&problem(m, n, 3584), 132);
+        // the decode sizes: 32 wide tiles for 132 SMs; up to 16 rows the skinny build's wide
+        // tiles measured faster
+        for m in [1, 16, 17, 32, 64, 128] {
+            let auto = if m > NARROW_ROWS_MIN {
+                NARROW_TILE
+            } else {
+                TILE
+            };
+            assert_eq!(tile(VariantChoice::Auto, m, 8192), auto, "{m}");
+            assert_eq!(tile(VariantChoice::Narrow, m, 8192), NARROW_TILE, "{m}");
+            assert_eq!(tile(VariantChoice::Main, m, 8192), TILE, "{m}");
+            assert_eq!(tile(VariantChoice::Skinny, m, 8192), TILE, "{m}");
+        }
+        assert_eq!(tile(VariantChoice::Auto, 16, 8192), TILE);
+        assert_eq!(tile(VariantChoice::Auto, 17, 8192), NARROW_TILE);
+        // two bands of tiles; 112 wide tiles (more than half of the SMs); exactly half
+        assert_eq!(tile(VariantChoice::Auto, 129, 8192), TILE);
+        assert_eq!(tile(VariantChoice::Narrow, 129, 8192), TILE);
+        assert_eq!(tile(VariantChoice::Auto, 64, 28672), TILE);
+        assert_eq!(tile(VariantChoice::Narrow, 64, 28672), NARROW_TILE);
+        assert_eq!(tile(VariantChoice::Auto, 64, 66 * 256), NARROW_TILE);
+        assert_eq!(tile(VariantChoice::Auto, 64, 66 * 256 + 1), TILE);
     }
 
     #[test]
@@ -1488,6 +1680,9 @@ mod tests {
         // the skinny build's decode sizes: 32 tiles of 16 rows on 132 SMs, two parts each
         let skinny = GemmVariant::Skinny.max_parts(true);
         assert_eq!(tail_split(32, 132, 56, skinny), (2, 32));
+        // the narrow build's: 128 tiles on 132 SMs, none split
+        let narrow = GemmVariant::Narrow.max_parts(true);
+        assert_eq!(tail_split(128, 132, 56, narrow), (1, 0));
         // the main build: three parts in a single partial wave, four after whole waves
         let main = |one_wave| GemmVariant::Main.max_parts(one_wave);
         assert_eq!(tail_split(32, 132, 56, main(true)), (3, 32));
