@@ -193,6 +193,7 @@ impl FusedRing {
 mod tests {
     use super::*;
     use crate::fused::gemm_rs::GemmRsShape;
+    use crate::fused::ring_rs::tests::worlds_and_groups;
     use crate::gemm::BLayout;
     use crate::DType;
 
@@ -201,13 +202,6 @@ mod tests {
             GemmRsShape::new(world, m, 24, 16, BLayout::NK, DType::BF16, DType::BF16).unwrap();
         let ring = RingSchedule::within(shape, m, 1).in_groups(groups).unwrap();
         FusedRing::new(ring, tile)
-    }
-
-    /// Every (world, groups) with groups dividing the world, P = 1..9 and 16.
-    fn worlds_and_groups() -> impl Iterator<Item = (usize, usize)> {
-        (1..=9)
-            .chain([16])
-            .flat_map(|p| (1..=p).filter(move |g| p % g == 0).map(move |g| (p, g)))
     }
 
     const SMALL: TileShape = TileShape { m: 4, n: 16 };

@@ -372,7 +372,7 @@ impl RingSchedule {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::gemm::BLayout;
     use crate::DType;
@@ -389,8 +389,9 @@ mod tests {
             .unwrap()
     }
 
-    /// Every (world, groups) with groups dividing the world, P = 1..9 and 16.
-    fn worlds_and_groups() -> impl Iterator<Item = (usize, usize)> {
+    /// Every (world, groups) with groups dividing the world, P = 1..9 and 16: the worlds the
+    /// ring's tests (and the fused ring's) cover.
+    pub(crate) fn worlds_and_groups() -> impl Iterator<Item = (usize, usize)> {
         (1..=9)
             .chain([16])
             .flat_map(|p| (1..=p).filter(move |g| p % g == 0).map(move |g| (p, g)))

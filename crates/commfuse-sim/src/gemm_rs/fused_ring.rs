@@ -9,6 +9,7 @@
 //! buffers and flags, and a call of M < P ends with the ring's "done" handshake, as on the
 //! overlapped path ([`super::ring`]), whose flags and buffers it lays out the same way.
 
+use super::ring::{end_with_done, wait_flag};
 use crate::buffer::SymmetricBuffer;
 use crate::fused::{
     check_build, check_rs_call, table_heap, Calls, FlagWords, GemmRsConfig, InWorld,
@@ -135,25 +136,6 @@ impl<TI: Element, TO: Element> SimFusedRing<TI, TO> {
         })
     }
 
-    fn wait(
-        &self,
-        ctx: &RankContext<'_>,
-        index: usize,
-        (expected, cmp): (u64, Cmp),
-        (what, from): (&str, usize),
-    ) -> Result<(), BackendError> {
-        let slot = self.slot(index);
-        ctx.wait(slot, expected, cmp, from).map(|_| ()).map_err(|e| match e {
-            BackendError::WaitTimeout {
-                seen, timeout_ms, ..
-            } => unavailable(format!(
-                "timeout after {timeout_ms} ms: GEMM + reduce-scatter (fused ring) rank {} waits for {what} from rank {from} (flag {slot}) to reach {expected}, sees {seen}",
-                ctx.rank()
-            )),
-            other => other,
-        })
-    }
-
     /// The GEMM plan of step `step` (owner `owner`'s chunk, tiles of the schedule's shape) in
     /// set `set` of call `call`: tiles into the receiver's receive buffer with their flags, or
     /// at the last step into this rank's output buffer with the bias.
@@ -240,7 +222,14 @@ impl<TI: Element, TO: Element> SimFusedRing<TI, TO> {
                     let index = s.flag_index(set, prev, t.index);
                     let what = format!("the running sum of tile {} after step {prev}", t.index);
                     let from = r.sender(rank, t.step);
-                    self.wait(ctx, index, (call, Cmp::Eq), (&what, from))?;
+                    wait_flag(
+                        "fused ring",
+                        &self.flags,
+                        ctx,
+                        index,
+                        (call, Cmp::Eq),
+                        (&what, from),
+                    )?;
                     row.resize(t.cols.len(), TO::from_f32(0.0));
                     for i in t.within.clone() {
                         let at = i * n + t.cols.start;
@@ -269,18 +258,6 @@ impl<TI: Element, TO: Element> SimFusedRing<TI, TO> {
             // SAFETY: only this rank's thread writes or reads its output buffer
             unsafe { self.output.load(rank, 0, out) };
         }
-        if r.ends_with_done() {
-            let links = r.links();
-            for &link in &links {
-                let done = self.slot(r.done_index(link));
-                ctx.notify(r.sender_on(rank, link), done, call, NotifyOp::Set)?;
-            }
-            for link in links {
-                let what = format!("its receiver's done of this call ({})", link.name());
-                let from = r.receiver_on(rank, link);
-                self.wait(ctx, r.done_index(link), (call, Cmp::Ge), (&what, from))?;
-            }
-        }
-        Ok(())
+        end_with_done("fused ring", &self.flags, ctx, r, call)
     }
 }

@@ -117,19 +117,10 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
         &self,
         ctx: &RankContext<'_>,
         index: usize,
-        (expected, cmp): (u64, Cmp),
-        (what, from): (&str, usize),
+        expected: (u64, Cmp),
+        from: (&str, usize),
     ) -> Result<(), BackendError> {
-        let slot = self.slot(index);
-        ctx.wait(slot, expected, cmp, from).map(|_| ()).map_err(|e| match e {
-            BackendError::WaitTimeout {
-                seen, timeout_ms, ..
-            } => unavailable(format!(
-                "timeout after {timeout_ms} ms: GEMM + reduce-scatter (ring) rank {} waits for {what} from rank {from} (flag {slot}) to reach {expected}, sees {seen}",
-                ctx.rank()
-            )),
-            other => other,
-        })
+        wait_flag("ring", &self.flags, ctx, index, expected, from)
     }
 
     fn call(
@@ -201,20 +192,64 @@ impl<TI: Element, TO: Element> SimRingReduceScatter<TI, TO> {
                 }
             }
         }
-        if s.ends_with_done() {
-            let links = s.links();
-            for &link in &links {
-                let done = self.slot(s.done_index(link));
-                ctx.notify(s.sender_on(rank, link), done, call, NotifyOp::Set)?;
-            }
-            for link in links {
-                let what = format!("its receiver's done of this call ({})", link.name());
-                let from = s.receiver_on(rank, link);
-                self.wait(ctx, s.done_index(link), (call, Cmp::Ge), (&what, from))?;
-            }
-        }
-        Ok(())
+        end_with_done("ring", &self.flags, ctx, s, call)
     }
+}
+
+/// Waits until flag word `index` of this rank's `flags` compares with `expected` as asked; a
+/// timeout says that GEMM + reduce-scatter's `path` ("ring", "fused ring") rank waited for
+/// `what` from rank `from`, which flag, and what it saw.
+pub(super) fn wait_flag(
+    path: &str,
+    flags: &FlagWords,
+    ctx: &RankContext<'_>,
+    index: usize,
+    (expected, cmp): (u64, Cmp),
+    (what, from): (&str, usize),
+) -> Result<(), BackendError> {
+    let slot = flags.slot(index);
+    ctx.wait(slot, expected, cmp, from).map(|_| ()).map_err(|e| match e {
+        BackendError::WaitTimeout {
+            seen, timeout_ms, ..
+        } => unavailable(format!(
+            "timeout after {timeout_ms} ms: GEMM + reduce-scatter ({path}) rank {} waits for {what} from rank {from} (flag {slot}) to reach {expected}, sees {seen}",
+            ctx.rank()
+        )),
+        other => other,
+    })
+}
+
+/// The end of call `call` of the ring `s` (flat or 2D, in `path`'s flag words): where some
+/// rank owns no rows (M < P), each rank raises its done on its sender on every link and waits
+/// for its receiver's (see [`RingSchedule::ends_with_done`]); else nothing.
+pub(super) fn end_with_done(
+    path: &str,
+    flags: &FlagWords,
+    ctx: &RankContext<'_>,
+    s: &RingSchedule,
+    call: u64,
+) -> Result<(), BackendError> {
+    if !s.ends_with_done() {
+        return Ok(());
+    }
+    let (rank, links) = (ctx.rank(), s.links());
+    for &link in &links {
+        let done = flags.slot(s.done_index(link));
+        ctx.notify(s.sender_on(rank, link), done, call, NotifyOp::Set)?;
+    }
+    for link in links {
+        let what = format!("its receiver's done of this call ({})", link.name());
+        let from = s.receiver_on(rank, link);
+        wait_flag(
+            path,
+            flags,
+            ctx,
+            s.done_index(link),
+            (call, Cmp::Ge),
+            (&what, from),
+        )?;
+    }
+    Ok(())
 }
 
 /// What [`SimRingReduceScatter`] of `config` allocates: every rank's receive buffers (2 sets ×
