@@ -309,6 +309,30 @@ fn check_variant<TI: Element, TO: Element>(
     }
 }
 
+/// [`check_variant`] in the problem's input and output types.
+fn check_variant_of_types(
+    gpu: &Gpu,
+    kernels: &GemmKernels,
+    stream: &Stream,
+    p: GemmProblem,
+    case: SkinnyCase,
+    (choice, want): (VariantChoice, GemmVariant),
+    seed: u64,
+) {
+    match (p.input, p.output) {
+        (DType::BF16, DType::BF16) => {
+            check_variant::<bf16, bf16>(gpu, kernels, stream, p, case, choice, want, seed)
+        }
+        (DType::BF16, DType::F32) => {
+            check_variant::<bf16, f32>(gpu, kernels, stream, p, case, choice, want, seed)
+        }
+        (DType::F16, DType::F16) => {
+            check_variant::<f16, f16>(gpu, kernels, stream, p, case, choice, want, seed)
+        }
+        _ => check_variant::<f16, f32>(gpu, kernels, stream, p, case, choice, want, seed),
+    }
+}
+
 /// The skinny build (tiles of at most 64 rows: one consumer warpgroup, 64-row A boxes, four
 /// stages), chosen by default wherever it fits, against float64 over every element: M = 1, 16,
 /// 33 and 64 with ragged N and K (4 column tiles, 24 k-blocks and a part), both B layouts,
@@ -327,18 +351,7 @@ fn skinny_build_matches_float64_reference() {
     let mut seed = 500;
     let mut each = |p: GemmProblem, case: SkinnyCase, choice, want| {
         seed += 1;
-        match (p.input, p.output) {
-            (DType::BF16, DType::BF16) => {
-                check_variant::<bf16, bf16>(&gpu, &kernels, &stream, p, case, choice, want, seed)
-            }
-            (DType::BF16, DType::F32) => {
-                check_variant::<bf16, f32>(&gpu, &kernels, &stream, p, case, choice, want, seed)
-            }
-            (DType::F16, DType::F16) => {
-                check_variant::<f16, f16>(&gpu, &kernels, &stream, p, case, choice, want, seed)
-            }
-            _ => check_variant::<f16, f32>(&gpu, &kernels, &stream, p, case, choice, want, seed),
-        }
+        check_variant_of_types(&gpu, &kernels, &stream, p, case, (choice, want), seed);
     };
     let auto = VariantChoice::Auto;
     for m in [1, 16, 33, SKINNY_ROWS] {
@@ -422,18 +435,7 @@ fn narrow_builds_match_float64_reference() {
     let mut seed = 900;
     let mut each = |p: GemmProblem, case: SkinnyCase, choice, want| {
         seed += 1;
-        match (p.input, p.output) {
-            (DType::BF16, DType::BF16) => {
-                check_variant::<bf16, bf16>(&gpu, &kernels, &stream, p, case, choice, want, seed)
-            }
-            (DType::BF16, DType::F32) => {
-                check_variant::<bf16, f32>(&gpu, &kernels, &stream, p, case, choice, want, seed)
-            }
-            (DType::F16, DType::F16) => {
-                check_variant::<f16, f16>(&gpu, &kernels, &stream, p, case, choice, want, seed)
-            }
-            _ => check_variant::<f16, f32>(&gpu, &kernels, &stream, p, case, choice, want, seed),
-        }
+        check_variant_of_types(&gpu, &kernels, &stream, p, case, (choice, want), seed);
     };
     let auto = VariantChoice::Auto;
     for m in [1, 16, 33, SKINNY_ROWS, 65, 100, 128] {

@@ -1550,14 +1550,17 @@ mod tests {
         assert!(e.contains(&format!("{} output tiles", 1u64 << 45)), "{e}");
     }
 
+    /// A local plan of M × 1000 × 64 in tiles of `tile`, with the row `bands` given.
+    fn banded_plan(m: usize, tile: TileShape, bands: Option<Vec<usize>>) -> GemmPlan {
+        let mut plan = GemmPlan::local(problem(m, 1000, 64), tile, Default::default());
+        plan.bands = bands;
+        plan
+    }
+
     #[test]
     fn the_skinny_build_runs_exactly_the_plans_whose_bands_fit_it() {
         use GemmVariant::{Main, Skinny};
-        let plan = |m: usize, bands: Option<Vec<usize>>| {
-            let mut plan = GemmPlan::local(problem(m, 1000, 64), TILE, Default::default());
-            plan.bands = bands;
-            plan
-        };
+        let plan = |m: usize, bands: Option<Vec<usize>>| banded_plan(m, TILE, bands);
         for (plan, fits) in [
             (plan(1, None), true),
             (plan(64, None), true),
@@ -1596,11 +1599,7 @@ mod tests {
     #[test]
     fn a_plan_of_narrow_tiles_runs_on_a_narrow_build() {
         use GemmVariant::{Narrow, NarrowTall};
-        let plan = |m: usize, bands: Option<Vec<usize>>| {
-            let mut plan = GemmPlan::local(problem(m, 1000, 64), NARROW_TILE, Default::default());
-            plan.bands = bands;
-            plan
-        };
+        let plan = |m: usize, bands: Option<Vec<usize>>| banded_plan(m, NARROW_TILE, bands);
         for (plan, fits) in [
             (plan(1, None), true),
             (plan(64, None), true),
