@@ -183,10 +183,11 @@ fn run<T: Element>(
     // forced, side by side with the row of the build chosen
     let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
     let narrow = (p.m <= NARROW_TILE.m).then(|| plan_of(NARROW_TILE));
-    if VariantChoice::Skinny.variant_for(&wide) == GemmVariant::Skinny || narrow.is_some() {
+    let skinny_fits = VariantChoice::Skinny.variant_for(&wide) == GemmVariant::Skinny;
+    if skinny_fits || narrow.is_some() {
         let chosen = kernels.choice();
         let mut builds = vec![("commfuse-main", VariantChoice::Main, &wide)];
-        if VariantChoice::Skinny.variant_for(&wide) == GemmVariant::Skinny {
+        if skinny_fits {
             builds.push(("commfuse-skinny", VariantChoice::Skinny, &wide));
         }
         if let Some(narrow) = &narrow {
