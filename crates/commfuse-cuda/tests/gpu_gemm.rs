@@ -728,10 +728,11 @@ fn bench_rows_pass_the_check_of_every_element() {
                 DType::BF16
             };
             let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
-            let rows = bench_gemm(0, None, &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
-            // cuBLASLt and ours at both caps; where the skinny build fits, each build forced too
+            let rows = bench_gemm(0, None, &[1, 3], &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
+            // cuBLASLt and ours at both caps; where the skinny build fits, each build forced
+            // too; the fold rows (1 and 3 partials)
             let skinny = m <= SKINNY_ROWS;
-            assert_eq!(rows.len(), if skinny { 8 } else { 4 }, "{rows:?}");
+            assert_eq!(rows.len(), if skinny { 10 } else { 6 }, "{rows:?}");
             let forced = rows
                 .iter()
                 .filter(|r| {
@@ -741,6 +742,39 @@ fn bench_rows_pass_the_check_of_every_element() {
             assert_eq!(forced, if skinny { 4 } else { 0 }, "{rows:?}");
             for r in rows {
                 assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{r:?}");
+            }
+        }
+    }
+}
+
+/// The fold of GEMM + reduce-scatter with its partials in local buffers whose flags are up:
+/// ragged shapes (partial tiles in both directions, rows of N that are not whole 16-byte units),
+/// both B layouts, every output type, the main and the skinny build, one and three partials per
+/// tile; every element against A·B + Σ partials
+/// in float64. The partials lie in ±[1, 2), far above each element's bound: a partial skipped
+/// or added twice fails every element it touches.
+#[test]
+fn fold_adds_every_partial_once() {
+    if !gpus(1) {
+        return;
+    }
+    for (m, n, k, input, output) in [
+        (1000, 3000, 1032, DType::BF16, DType::BF16),
+        (777, 1500, 520, DType::F16, DType::F16),
+        (300, 1000, 264, DType::BF16, DType::F32),
+        (40, 2050, 136, DType::BF16, DType::BF16),
+        (129, 1004, 72, DType::BF16, DType::F32),
+    ] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
+            let rows = bench_gemm(0, None, &[1, 3], &p, &[0], 1, 1, 7 + m as u64).unwrap();
+            let folds: Vec<_> = rows
+                .iter()
+                .filter(|r| r.implementation.starts_with("commfuse-fold"))
+                .collect();
+            assert_eq!(folds.len(), 2, "{rows:?}");
+            for r in folds {
+                assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{layout:?}: {r:?}");
             }
         }
     }

@@ -3,12 +3,14 @@
 //! events (warm-up, the median of interleaved rounds' medians), every element of each row's output checked against a float64
 //! reference computed on the device ([`DeviceReference`], reference_gemm.cu) with the
 //! element-wise bound of `commfuse_core::gemm::element_bound`, on fresh random inputs with the
-//! output poisoned first.
+//! output poisoned first. The fold rows time the GEMM + reduce-scatter's owner epilogue on one
+//! GPU: every tile adds F partials from local buffers whose flags are already up, so what they
+//! cost beside the plain row is the fold alone (no NVLink, no waiting for a peer).
 
 use crate::error::CudaError;
 use crate::gemm::{
-    GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, VariantChoice, NARROW_TILE,
-    TILE,
+    GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, TileRoute, VariantChoice,
+    NARROW_TILE, ROUTE_DST_FROM_D, TILE,
 };
 use crate::sys::cublaslt::Lt;
 pub use crate::sys::driver::StreamGuard;
@@ -64,10 +66,13 @@ fn upload_random<T: Element>(
 
 /// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
 /// (0 = all SMs), on the same inputs in the same run; with `peer`, also our kernel with every
-/// tile stored into a buffer on that GPU and a flag raised there per tile.
+/// tile stored into a buffer on that GPU and a flag raised there per tile; for each F in `folds`,
+/// a row of our kernel folding F partials into every tile ([`FoldRows`]).
+#[allow(clippy::too_many_arguments)]
 pub fn bench_gemm(
     device: usize,
     peer: Option<usize>,
+    folds: &[usize],
     problem: &GemmProblem,
     sms: &[u32],
     warmup: usize,
@@ -75,8 +80,8 @@ pub fn bench_gemm(
     seed: u64,
 ) -> Result<Vec<GemmRow>, CudaError> {
     match problem.input {
-        DType::BF16 => run::<bf16>(device, peer, problem, sms, warmup, iters, seed),
-        DType::F16 => run::<f16>(device, peer, problem, sms, warmup, iters, seed),
+        DType::BF16 => run::<bf16>(device, peer, folds, problem, sms, warmup, iters, seed),
+        DType::F16 => run::<f16>(device, peer, folds, problem, sms, warmup, iters, seed),
         DType::F32 => Err(CudaError::Unavailable("GEMM inputs are bf16 or f16".into())),
     }
 }
@@ -90,6 +95,8 @@ struct Variant<'a> {
     /// Rows below this many were sent to the peer's buffer (the reduce-scatter pattern)
     peer_rows: Option<(usize, &'a Gpu, &'a DeviceMemory)>,
     gemm: Option<&'a PreparedGemm>,
+    /// The partials this row folds into every tile (checked as part of its result)
+    folded: Option<&'a FoldRow>,
 }
 
 /// Each variant's time in ms: the median of its rounds' medians, the variants taking turns in
@@ -146,6 +153,7 @@ pub const ORDER_GROUP: usize = 8;
 fn run<T: Element>(
     device: usize,
     peer: Option<usize>,
+    folds: &[usize],
     p: &GemmProblem,
     sms: &[u32],
     warmup: usize,
@@ -211,6 +219,10 @@ fn run<T: Element>(
         Some(peer_gpu) => Some(Routed::new(&gpu, peer_gpu, &kernels, &wide, &ops, &d_dev)?),
         None => None,
     };
+    let fold_rows = folds
+        .iter()
+        .map(|&f| FoldRow::new(&gpu, &kernels, &wide, &ops, f, seed))
+        .collect::<Result<Vec<_>, _>>()?;
     // declared after every buffer the launches below write (here and on the peer) and before
     // none of them: it drops first, so an error path (a `?` below) waits for the stream before
     // any of that memory is freed
@@ -230,6 +242,7 @@ fn run<T: Element>(
             output: (&gpu, &d_dev),
             peer_rows: None,
             gemm: None,
+            folded: None,
         });
     }
     for (gemm, &cap) in ours.iter().zip(sms) {
@@ -241,6 +254,7 @@ fn run<T: Element>(
             output: (&gpu, &d_dev),
             peer_rows: None,
             gemm: Some(gemm),
+            folded: None,
         });
     }
     for (name, cap, gemm) in &forced {
@@ -252,6 +266,7 @@ fn run<T: Element>(
             output: (&gpu, &d_dev),
             peer_rows: None,
             gemm: Some(gemm),
+            folded: None,
         });
     }
     if let (Some(r), Some(peer_gpu)) = (&routed, &peer_gpu) {
@@ -280,8 +295,21 @@ fn run<T: Element>(
                 output,
                 peer_rows,
                 gemm: Some(gemm),
+                folded: None,
             });
         }
+    }
+    for fold in &fold_rows {
+        variants.push(Variant {
+            name: fold.name,
+            cap: 0,
+            // SAFETY: operands, partials and flags on this GPU, sized from the problem
+            launch: Box::new(move || unsafe { fold.gemm.launch(stream) }),
+            output: (&gpu, &d_dev),
+            peer_rows: None,
+            gemm: Some(&fold.gemm),
+            folded: Some(fold),
+        });
     }
     let times = interleaved_medians(&gpu, stream, &variants, warmup, iters)?;
     let mut rows = Vec::new();
@@ -297,11 +325,11 @@ fn run<T: Element>(
             .synchronize()
             .map_err(|e| with_stall_report(e, v.gemm))?;
         v.gemm.map_or(Ok(()), PreparedGemm::check)?;
-        let peer_rows = v.peer_rows;
+        let (peer_rows, folded) = (v.peer_rows, v.folded);
         let check = match p.output {
-            DType::F32 => check_output::<f32>(p, &reference, (out_gpu, out), peer_rows)?,
-            DType::BF16 => check_output::<bf16>(p, &reference, (out_gpu, out), peer_rows)?,
-            DType::F16 => check_output::<f16>(p, &reference, (out_gpu, out), peer_rows)?,
+            DType::F32 => check_output::<f32>(p, &reference, (out_gpu, out), peer_rows, folded)?,
+            DType::BF16 => check_output::<bf16>(p, &reference, (out_gpu, out), peer_rows, folded)?,
+            DType::F16 => check_output::<f16>(p, &reference, (out_gpu, out), peer_rows, folded)?,
         };
         let implementation = match lt.choice(p, v.cap) {
             Some(c) if v.gemm.is_none() => {
@@ -353,12 +381,14 @@ fn reference_of(
 }
 
 /// Downloads one row's output — the first `rows` rows from the peer's buffer when the
-/// reduce-scatter pattern sent them there — and checks every element.
+/// reduce-scatter pattern sent them there — and checks every element (A·B, plus the partials
+/// a fold row added).
 fn check_output<TO: Element>(
     p: &GemmProblem,
     reference: &DeviceReference,
     (gpu, out): (&Gpu, &DeviceMemory),
     peer_rows: Option<(usize, &Gpu, &DeviceMemory)>,
+    folded: Option<&FoldRow>,
 ) -> Result<ElementCheck, CudaError> {
     let mut d = vec![TO::from_f32(0.0); p.m * p.n];
     out.download(gpu, &mut d)?;
@@ -366,7 +396,114 @@ fn check_output<TO: Element>(
         let rows = rows.min(p.m);
         peer_out.download(peer_gpu, &mut d[..rows * p.n])?;
     }
-    Ok(reference.check(p, &d))
+    Ok(match folded {
+        Some(f) => reference.check_plus(p, &d, &|i| f.added(i)),
+        None => reference.check(p, &d),
+    })
+}
+
+/// Our GEMM whose every tile folds `count` partials of the output type from local buffers
+/// (the layout the fused reduce-scatter's owner tiles read: one [M, N] slot per partial, one
+/// flag per tile and partial), their flags already up: the owner's epilogue at its cheapest,
+/// with no peer to wait for. Each tile adds `count` partials, so the fold moves count·M·N
+/// elements, at least as many as a P-rank call's owner tiles (P − 1 partials of M / P rows)
+/// for count = 1 at any P. Partial values lie in ±[1, 2), so an element whose partial was
+/// skipped or added twice is off by far more than its bound.
+pub(crate) struct FoldRow {
+    name: &'static str,
+    gemm: PreparedGemm,
+    /// the partials as uploaded, [count][M·N], widened
+    partials: Vec<Vec<f64>>,
+    _memory: [DeviceMemory; 2],
+}
+
+impl FoldRow {
+    fn new(
+        gpu: &Gpu,
+        kernels: &GemmKernels,
+        plan: &GemmPlan,
+        ops: &GemmOperands,
+        count: usize,
+        seed: u64,
+    ) -> Result<FoldRow, CudaError> {
+        let name = match count {
+            1 => "commfuse-fold1",
+            3 => "commfuse-fold3",
+            _ => {
+                return Err(CudaError::Unavailable(format!(
+                    "a fold row takes 1 or 3 partials per tile, not {count}"
+                )))
+            }
+        };
+        let p = &plan.problem;
+        let (len, eb) = (p.m * p.n, p.output.size() as u64);
+        let partials: Vec<Vec<f64>> = (0..count)
+            .map(|f| {
+                (0..len)
+                    .map(|i| {
+                        let u = input_value(seed, 10 + f, i, ReduceOp::Sum) as f64;
+                        let v = u.signum() * (1.0 + u.abs());
+                        match p.output {
+                            DType::F32 => v as f32 as f64,
+                            DType::BF16 => bf16::from_f64(v).to_f64(),
+                            DType::F16 => f16::from_f64(v).to_f64(),
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        // one [M, N] slot per partial, contiguous, as a rank's receive slots are
+        let memory = DeviceMemory::zeroed(gpu, count * len * eb as usize)?;
+        let all: Vec<f64> = partials.concat();
+        match p.output {
+            DType::F32 => memory.upload(gpu, &all.iter().map(|&v| v as f32).collect::<Vec<_>>())?,
+            DType::BF16 => memory.upload(
+                gpu,
+                &all.iter().map(|&v| bf16::from_f64(v)).collect::<Vec<_>>(),
+            )?,
+            DType::F16 => memory.upload(
+                gpu,
+                &all.iter().map(|&v| f16::from_f64(v)).collect::<Vec<_>>(),
+            )?,
+        }
+        let tiles = plan.tile_count();
+        // every flag already up: all bits set is past any call's number
+        let flags = DeviceMemory::zeroed(gpu, 8 * tiles * count)?;
+        flags.fill(gpu, 0xff)?;
+        let (_, tiles_n) = commfuse_core::gemm::tiles(p, TILE);
+        let routes = (0..tiles)
+            .map(|t| {
+                let (row, col) = ((t / tiles_n) * TILE.m, (t % tiles_n) * TILE.n);
+                let within = (row * p.n + col) as u64 * eb;
+                TileRoute {
+                    dst: within,
+                    ld: p.n as u32,
+                    options: ROUTE_DST_FROM_D,
+                    fold_src: memory.addr() + within,
+                    fold_stride: len as u64 * eb,
+                    fold_flag: flags.addr() + 8 * t as u64,
+                    fold_count: count as u32,
+                    fold_ld: p.n as u32,
+                    fold_flag_stride: 8 * tiles as u32,
+                    ..TileRoute::default()
+                }
+            })
+            .collect();
+        let gemm = PreparedGemm::with_routes(gpu, kernels, plan, ops, routes, count + 1, 0, 0)?;
+        Ok(FoldRow {
+            name,
+            gemm,
+            partials,
+            _memory: [memory, flags],
+        })
+    }
+
+    /// What the fold adds to element `index`: the partials' sum and the sum of their magnitudes.
+    fn added(&self, index: usize) -> (f64, f64) {
+        self.partials.iter().fold((0.0, 0.0), |(s, a), part| {
+            (s + part[index], a + part[index].abs())
+        })
+    }
 }
 
 /// Our GEMM with routed epilogues, for the rows that store to the peer or raise flags.
@@ -563,6 +700,18 @@ impl DeviceReference {
     /// Every element of `got` (D of the plain product A·B) against the reference, with
     /// `commfuse_core::gemm::element_bound`, split over the host's cores.
     pub fn check<TO: Element>(&self, p: &GemmProblem, got: &[TO]) -> ElementCheck {
+        self.check_plus(p, got, &|_| (0.0, 0.0))
+    }
+
+    /// [`DeviceReference::check`] of D = A·B + X, where `added(i)` gives element i of X and
+    /// the sum of the magnitudes of the terms it is made of (partials added in f32 before the
+    /// output's cast, bounded like the epilogue's other terms).
+    pub fn check_plus<TO: Element>(
+        &self,
+        p: &GemmProblem,
+        got: &[TO],
+        added: &(dyn Fn(usize) -> (f64, f64) + Sync),
+    ) -> ElementCheck {
         assert_eq!(
             got.len(),
             self.value.len(),
@@ -580,7 +729,11 @@ impl DeviceReference {
                         let mut check = ElementCheck::default();
                         for (i, g) in part.iter().enumerate() {
                             let index = c * chunk + i;
-                            check.add(p, &e, index, g.to_f64(), &self.element(index));
+                            let mut want = self.element(index);
+                            let (value, abs) = added(index);
+                            want.value += value;
+                            want.abs_terms += abs;
+                            check.add(p, &e, index, g.to_f64(), &want);
                         }
                         check
                     })

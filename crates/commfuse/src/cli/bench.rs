@@ -128,6 +128,10 @@ pub struct BenchGemmArgs {
     /// index, or "none" (default: the next GPU when the machine has two or more)
     #[arg(long)]
     pub peer: Option<String>,
+    /// Rows of our GEMM folding this many partials (1 or 3) into every tile, from local buffers
+    /// whose flags are already up (the GEMM + reduce-scatter owner's epilogue on one GPU)
+    #[arg(long, value_delimiter = ',')]
+    pub fold: Vec<usize>,
     #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
     pub warmup: usize,
     #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
@@ -332,6 +336,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
     let rows = commfuse_cuda::gemm::bench::bench_gemm(
         a.device,
         peer,
+        &a.fold,
         &problem,
         &a.sms,
         a.warmup,
