@@ -402,6 +402,17 @@ fn check_output<TO: Element>(
     })
 }
 
+/// `values` in the element type `T` on `gpu`, and the values as uploaded (rounded to `T`).
+fn upload_rounded<T: Element>(
+    gpu: &Gpu,
+    values: &[f64],
+) -> Result<(DeviceMemory, Vec<f64>), CudaError> {
+    let host: Vec<T> = values.iter().map(|&v| T::from_f64(v)).collect();
+    let mem = DeviceMemory::zeroed(gpu, host.len() * std::mem::size_of::<T>())?;
+    mem.upload(gpu, &host)?;
+    Ok((mem, host.into_iter().map(T::to_f64).collect()))
+}
+
 /// Our GEMM whose every tile folds `count` partials of the output type from local buffers
 /// (the layout the fused reduce-scatter's owner tiles read: one [M, N] slot per partial, one
 /// flag per tile and partial), their flags already up: the owner's epilogue at its cheapest,
@@ -437,35 +448,19 @@ impl FoldRow {
         };
         let p = &plan.problem;
         let (len, eb) = (p.m * p.n, p.output.size() as u64);
-        let partials: Vec<Vec<f64>> = (0..count)
-            .map(|f| {
-                (0..len)
-                    .map(|i| {
-                        let u = input_value(seed, 10 + f, i, ReduceOp::Sum) as f64;
-                        let v = u.signum() * (1.0 + u.abs());
-                        match p.output {
-                            DType::F32 => v as f32 as f64,
-                            DType::BF16 => bf16::from_f64(v).to_f64(),
-                            DType::F16 => f16::from_f64(v).to_f64(),
-                        }
-                    })
-                    .collect()
+        // one [M, N] slot per partial, contiguous, as a rank's receive slots are
+        let values: Vec<f64> = (0..count * len)
+            .map(|j| {
+                let u = input_value(seed, 10 + j / len, j % len, ReduceOp::Sum) as f64;
+                u.signum() * (1.0 + u.abs())
             })
             .collect();
-        // one [M, N] slot per partial, contiguous, as a rank's receive slots are
-        let memory = DeviceMemory::zeroed(gpu, count * len * eb as usize)?;
-        let all: Vec<f64> = partials.concat();
-        match p.output {
-            DType::F32 => memory.upload(gpu, &all.iter().map(|&v| v as f32).collect::<Vec<_>>())?,
-            DType::BF16 => memory.upload(
-                gpu,
-                &all.iter().map(|&v| bf16::from_f64(v)).collect::<Vec<_>>(),
-            )?,
-            DType::F16 => memory.upload(
-                gpu,
-                &all.iter().map(|&v| f16::from_f64(v)).collect::<Vec<_>>(),
-            )?,
-        }
+        let (memory, rounded) = match p.output {
+            DType::F32 => upload_rounded::<f32>(gpu, &values)?,
+            DType::BF16 => upload_rounded::<bf16>(gpu, &values)?,
+            DType::F16 => upload_rounded::<f16>(gpu, &values)?,
+        };
+        let partials: Vec<Vec<f64>> = rounded.chunks(len).map(<[f64]>::to_vec).collect();
         let tiles = plan.tile_count();
         // every flag already up: all bits set is past any call's number
         let flags = DeviceMemory::zeroed(gpu, 8 * tiles * count)?;
