@@ -18,27 +18,41 @@ use commfuse_cuda::sys::spans::CheckedSpans;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use sync_wrapper::SyncWrapper;
 
-/// A CUDA failure or a peer that never arrived is a `RuntimeError`; a call that does not fit
-/// the operator is a `ValueError`.
-fn cuda_error(e: CudaError) -> PyErr {
-    match e {
-        CudaError::Unavailable(_) | CudaError::OutOfBounds(_) => {
-            PyValueError::new_err(e.to_string())
+/// Why a call of an operator did not run: a call that does not fit the operator (a
+/// `ValueError` in Python), or a CUDA failure or a peer that never arrived (a `RuntimeError`).
+/// Kept apart from `PyErr` because the dispatcher's native kernels ([`crate::native`]) call the
+/// operators without Python and hand the message on themselves.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    Value(String),
+    Runtime(String),
+}
+
+impl From<Failure> for PyErr {
+    fn from(f: Failure) -> PyErr {
+        match f {
+            Failure::Value(m) => PyValueError::new_err(m),
+            Failure::Runtime(m) => PyRuntimeError::new_err(m),
         }
-        _ => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+fn cuda_error(e: CudaError) -> Failure {
+    match e {
+        CudaError::Unavailable(_) | CudaError::OutOfBounds(_) => Failure::Value(e.to_string()),
+        _ => Failure::Runtime(e.to_string()),
     }
 }
 
 /// An operator's life: allocated and exported, then connected to its peers.
 ///
-/// The operator classes hold it in a `SyncWrapper`, which reaches it only through `&mut`
-/// (every method takes `&mut self`: PyO3 hands out one mutable borrow at a time), so they may
-/// be called from any thread — autograd runs a CUDA tensor's backward on a thread of its own
-/// — and every call binds the operator's GPU context first.
+/// The operator classes hold it behind a mutex ([`Shared`]), so they may be called from any
+/// thread — autograd runs a CUDA tensor's backward on a thread of its own, and the
+/// dispatcher's native kernels call without Python — and every call binds the operator's GPU
+/// context first.
 enum Stage<A, R> {
     Allocated(A),
     Connected(R),
@@ -47,23 +61,23 @@ enum Stage<A, R> {
 }
 
 impl<A, R> Stage<A, R> {
-    fn allocated(&self) -> PyResult<&A> {
+    fn allocated(&self) -> Result<&A, Failure> {
         match self {
             Stage::Allocated(a) => Ok(a),
-            _ => Err(PyValueError::new_err(
-                "this operator is already connected (export comes before connect)",
+            _ => Err(Failure::Value(
+                "this operator is already connected (export comes before connect)".into(),
             )),
         }
     }
 
-    fn connected(&mut self) -> PyResult<&mut R> {
+    fn connected(&mut self) -> Result<&mut R, Failure> {
         match self {
             Stage::Connected(r) => Ok(r),
-            Stage::Allocated(_) => Err(PyValueError::new_err(
-                "connect the operator to its peers' exports before calling it",
+            Stage::Allocated(_) => Err(Failure::Value(
+                "connect the operator to its peers' exports before calling it".into(),
             )),
-            Stage::Gone => Err(PyValueError::new_err(
-                "this operator failed to connect; build a new one",
+            Stage::Gone => Err(Failure::Value(
+                "this operator failed to connect; build a new one".into(),
             )),
         }
     }
@@ -91,7 +105,7 @@ impl<A, R> Stage<A, R> {
 /// What an operator's allocation does before it knows its peers (export its buffers, connect
 /// to theirs), and what the connected rank reports after its calls: the one life every GPU
 /// operator class has.
-trait Allocation: Sized {
+pub(crate) trait Allocation: Sized {
     type Rank;
     fn export(&self) -> Result<Exported, CudaError>;
     fn connect(self, exports: &[Exported]) -> Result<Self::Rank, CudaError>;
@@ -122,52 +136,150 @@ allocation!(CollectiveAllocation, CollectiveRank);
 
 /// A GPU operator class's state: its [`Stage`] and the checked spans of the `SPANS` device
 /// addresses its calls take (each checked at the first call that passes it).
-struct Staged<A: Allocation, const SPANS: usize> {
-    stage: SyncWrapper<Stage<A, A::Rank>>,
+pub(crate) struct Staged<A: Allocation, const SPANS: usize> {
+    stage: Stage<A, A::Rank>,
     spans: CheckedSpans<SPANS>,
 }
 
+/// A [`Staged`] as the operator classes hold it: shared with the dispatcher's native kernels
+/// (which keep a reference while a prepared call of theirs uses it) and locked for each use.
+/// The lock is never held while the GIL is being acquired: a call that releases the GIL takes
+/// the lock after releasing it and drops it before taking it back.
+pub(crate) type Shared<T> = Arc<Mutex<T>>;
+
+/// The state behind `shared`; a thread that panicked while holding it left nothing half-done
+/// that the next call could trip on (every call checks the stage afresh), so a poisoned lock
+/// is taken as it is.
+pub(crate) fn lock<T>(shared: &Mutex<T>) -> MutexGuard<'_, T> {
+    shared
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 impl<A: Allocation, const SPANS: usize> Staged<A, SPANS> {
-    fn new(allocation: A, device: usize) -> Self {
-        Staged {
-            stage: SyncWrapper::new(Stage::Allocated(allocation)),
+    fn new(allocation: A, device: usize) -> Shared<Self> {
+        Arc::new(Mutex::new(Staged {
+            stage: Stage::Allocated(allocation),
             spans: CheckedSpans::new(device),
-        }
+        }))
     }
 
     /// This rank's buffers as bytes for the other processes (CUDA IPC handles).
     fn export<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self
-            .stage
-            .get_mut()
-            .allocated()?
-            .export()
-            .map_err(cuda_error)?;
+        let bytes = self.stage.allocated()?.export().map_err(cuda_error)?;
         Ok(PyBytes::new(py, &bytes.to_bytes()))
     }
 
     /// Opens every rank's export (rank order, this rank's own among them).
     fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
-        self.stage.get_mut().connect(exports, A::connect)
+        self.stage.connect(exports, A::connect)
     }
 
     /// The connected rank.
-    fn rank(&mut self) -> PyResult<&mut A::Rank> {
-        self.stage.get_mut().connected()
+    fn rank(&mut self) -> Result<&mut A::Rank, Failure> {
+        self.stage.connected()
     }
 
-    /// The connected rank and the spans, for a call: raises first if an earlier call's wait
+    /// The connected rank and the spans, for a call: fails first if an earlier call's wait
     /// timed out on the device.
-    fn ready(&mut self) -> PyResult<(&mut A::Rank, &mut CheckedSpans<SPANS>)> {
-        let rank = self.stage.get_mut().connected()?;
+    fn ready(&mut self) -> Result<(&mut A::Rank, &mut CheckedSpans<SPANS>), Failure> {
+        let rank = self.stage.connected()?;
         A::check(rank).map_err(earlier_failure)?;
         Ok((rank, &mut self.spans))
     }
 
     /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
     fn check(&mut self) -> PyResult<()> {
-        A::check(self.rank()?).map_err(earlier_failure)
+        Ok(A::check(self.rank()?).map_err(earlier_failure)?)
     }
+}
+
+/// The state of each operator class: its spans are A, B, the bias and the output, then (the
+/// all-gather + GEMM's) the gathered A; a collective's are its input and output.
+pub(crate) type GemmRsState = Staged<GemmRsAllocation, 4>;
+pub(crate) type AgGemmState = Staged<AgGemmAllocation, 5>;
+pub(crate) type CollectiveState = Staged<CollectiveAllocation, 2>;
+
+/// One call of a GEMM operator: the rows M (all of them, for the all-gather + GEMM), the device
+/// addresses of its operands and the stream it is queued on.
+pub(crate) struct GemmCall {
+    pub m: usize,
+    pub a: u64,
+    pub b: u64,
+    pub bias: Option<u64>,
+    pub out: u64,
+    /// the all-gather + GEMM's gathered A, when asked for
+    pub gathered: Option<u64>,
+    pub stream: u64,
+}
+
+/// Queues one GEMM + reduce-scatter call; the caller has released the GIL (or never held it).
+pub(crate) fn gemm_rs_forward(state: &mut GemmRsState, call: &GemmCall) -> Result<(), Failure> {
+    let (op, spans) = state.ready()?;
+    let c = op.config();
+    let m = call.m;
+    // an M out of range is the operator's to refuse, with its own message
+    if (1..=c.max_m).contains(&m) {
+        let shape = (m, op.chunk(m).len(), c.k, c.n);
+        let sizes = (c.input.size(), c.output.size());
+        check_gemm_spans(spans, shape, sizes, (call.a, call.b, call.bias, call.out))?;
+    }
+    let stream = borrowed_stream(call.stream);
+    // SAFETY: the callers pass tensors of this GPU that they keep alive on `stream`; every
+    // address was checked to hold the bytes the call touches on this GPU
+    unsafe { op.forward(&stream, m, call.a, call.b, call.bias, call.out) }.map_err(cuda_error)
+}
+
+/// Queues one all-gather + GEMM call (M the gathered rows).
+pub(crate) fn ag_gemm_forward(state: &mut AgGemmState, call: &GemmCall) -> Result<(), Failure> {
+    let (op, spans) = state.ready()?;
+    let c = *op.config();
+    let m = call.m;
+    if (1..=c.max_m).contains(&m) {
+        let input = c.input.size();
+        let shape = (op.chunk(m).len(), m, c.k, c.n);
+        let sizes = (input, c.output.size());
+        check_gemm_spans(spans, shape, sizes, (call.a, call.b, call.bias, call.out))?;
+        if let Some(gathered) = call.gathered {
+            spans
+                .check(4, "gathered", gathered, bytes(&[m, c.k, input]))
+                .map_err(cuda_error)?;
+        }
+    }
+    let stream = borrowed_stream(call.stream);
+    // SAFETY: as in gemm_rs_forward
+    unsafe {
+        op.forward(
+            &stream,
+            m,
+            (call.a, call.b, call.bias),
+            call.out,
+            call.gathered,
+        )
+    }
+    .map_err(cuda_error)
+}
+
+/// Queues one collective call: `input` into `output` (device addresses of the operator's
+/// lengths).
+pub(crate) fn collective_forward(
+    state: &mut CollectiveState,
+    input: u64,
+    output: u64,
+    stream: u64,
+) -> Result<(), Failure> {
+    let (op, spans) = state.ready()?;
+    let (n_in, n_out) = op.lengths();
+    let element = op.config().dtype.size();
+    spans
+        .check(0, "input", input, bytes(&[n_in, element]))
+        .map_err(cuda_error)?;
+    spans
+        .check(1, "output", output, bytes(&[n_out, element]))
+        .map_err(cuda_error)?;
+    let stream = borrowed_stream(stream);
+    // SAFETY: as in gemm_rs_forward
+    unsafe { op.forward(&stream, input, output) }.map_err(cuda_error)
 }
 
 fn open_gpu(device: usize) -> PyResult<Arc<Gpu>> {
@@ -189,7 +301,7 @@ fn borrowed_stream(stream: u64) -> Stream {
 pub fn stream_is_capturing(device: usize, stream: u64) -> PyResult<bool> {
     let gpu = Gpu::open(device).map_err(cuda_error)?;
     gpu.bind().map_err(cuda_error)?;
-    borrowed_stream(stream).is_capturing().map_err(cuda_error)
+    Ok(borrowed_stream(stream).is_capturing().map_err(cuda_error)?)
 }
 
 /// The bytes of an array of these extents (the last one the element size); saturating, so
@@ -206,7 +318,7 @@ fn check_gemm_spans<const ARGS: usize>(
     (a_rows, out_rows, k, n): (usize, usize, usize, usize),
     (input, output): (usize, usize),
     (a, b, bias, out): (u64, u64, Option<u64>, u64),
-) -> PyResult<()> {
+) -> Result<(), Failure> {
     spans
         .check(0, "a", a, bytes(&[a_rows, k, input]))
         .map_err(cuda_error)?;
@@ -225,8 +337,8 @@ fn check_gemm_spans<const ARGS: usize>(
 
 /// After the previous calls ended on the device: the diagnosis of a wait that timed out in one
 /// of them, as a `RuntimeError`.
-fn earlier_failure(e: CudaError) -> PyErr {
-    PyRuntimeError::new_err(e.to_string())
+fn earlier_failure(e: CudaError) -> Failure {
+    Failure::Runtime(e.to_string())
 }
 
 /// GEMM + reduce-scatter of one rank on its GPU: rank r's output is its chunk of the rows of
@@ -234,8 +346,7 @@ fn earlier_failure(e: CudaError) -> PyErr {
 /// `connect`, then call `forward`.
 #[pyclass(module = "commfuse._commfuse")]
 pub struct GpuGemmReduceScatter {
-    /// Its spans: a, b, bias, out
-    op: Staged<GemmRsAllocation, 4>,
+    op: Shared<GemmRsState>,
 }
 
 #[pymethods]
@@ -283,31 +394,30 @@ impl GpuGemmReduceScatter {
     }
 
     /// This rank's buffers as bytes for the other processes (CUDA IPC handles).
-    fn export<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        self.op.export(py)
+    fn export<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        lock(&self.op).export(py)
     }
 
     /// Opens every rank's export (rank order, this rank's own among them).
-    fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
-        self.op.connect(exports)
+    fn connect(&self, exports: Vec<Vec<u8>>) -> PyResult<()> {
+        lock(&self.op).connect(exports)
     }
 
     /// The rows of the output this rank owns for M rows: (start, end).
-    fn chunk(&mut self, m: usize) -> PyResult<(usize, usize)> {
-        let r = self.op.rank()?.chunk(m);
+    fn chunk(&self, m: usize) -> PyResult<(usize, usize)> {
+        let r = lock(&self.op).rank()?.chunk(m);
         Ok((r.start, r.end))
     }
 
     /// The path a call of M rows takes: "fused" or "overlapped (C pieces)".
-    fn path_for(&mut self, m: usize) -> PyResult<String> {
-        let op = self.op.rank()?;
-        Ok(op.path_for(m).map_err(cuda_error)?.to_string())
+    fn path_for(&self, m: usize) -> PyResult<String> {
+        let mut state = lock(&self.op);
+        Ok(state.rank()?.path_for(m).map_err(cuda_error)?.to_string())
     }
 
     /// The path the last call took, if any.
-    fn last_path(&mut self) -> PyResult<Option<String>> {
-        Ok(self
-            .op
+    fn last_path(&self) -> PyResult<Option<String>> {
+        Ok(lock(&self.op)
             .rank()?
             .last_path()
             .map(|p: GemmRsPath| p.to_string()))
@@ -321,7 +431,7 @@ impl GpuGemmReduceScatter {
     #[pyo3(signature = (m, a, b, out, stream, bias=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
-        &mut self,
+        &self,
         py: Python<'_>,
         m: usize,
         a: u64,
@@ -330,24 +440,28 @@ impl GpuGemmReduceScatter {
         stream: u64,
         bias: Option<u64>,
     ) -> PyResult<()> {
-        let (op, spans) = self.op.ready()?;
-        let c = op.config();
-        // an M out of range is the operator's to refuse, with its own message
-        if (1..=c.max_m).contains(&m) {
-            let shape = (m, op.chunk(m).len(), c.k, c.n);
-            let sizes = (c.input.size(), c.output.size());
-            check_gemm_spans(spans, shape, sizes, (a, b, bias, out))?;
-        }
-        let stream = borrowed_stream(stream);
-        // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`;
-        // every address was checked to hold the bytes the call touches on this GPU
-        py.detach(|| unsafe { op.forward(&stream, m, a, b, bias, out) })
-            .map_err(cuda_error)
+        let call = GemmCall {
+            m,
+            a,
+            b,
+            bias,
+            out,
+            gathered: None,
+            stream,
+        };
+        Ok(py.detach(|| gemm_rs_forward(&mut lock(&self.op), &call))?)
+    }
+
+    /// What the dispatcher's native kernels call this operator by: (a reference to its state,
+    /// the C function that queues a call, the C function that drops the reference); see
+    /// `commfuse/torch/_native.py`.
+    fn native(&self) -> (usize, usize, usize) {
+        crate::native::gemm_rs(&self.op)
     }
 
     /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
-    fn check(&mut self) -> PyResult<()> {
-        self.op.check()
+    fn check(&self) -> PyResult<()> {
+        lock(&self.op).check()
     }
 }
 
@@ -355,8 +469,7 @@ impl GpuGemmReduceScatter {
 /// Build on every rank, pass every rank's `export()` to `connect`, then call `forward`.
 #[pyclass(module = "commfuse._commfuse")]
 pub struct GpuAllGatherMatmul {
-    /// Its spans: a, b, bias, out, gathered
-    op: Staged<AgGemmAllocation, 5>,
+    op: Shared<AgGemmState>,
 }
 
 #[pymethods]
@@ -406,18 +519,18 @@ impl GpuAllGatherMatmul {
     }
 
     /// This rank's buffers as bytes for the other processes (CUDA IPC handles).
-    fn export<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        self.op.export(py)
+    fn export<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        lock(&self.op).export(py)
     }
 
     /// Opens every rank's export (rank order, this rank's own among them).
-    fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
-        self.op.connect(exports)
+    fn connect(&self, exports: Vec<Vec<u8>>) -> PyResult<()> {
+        lock(&self.op).connect(exports)
     }
 
     /// This rank's rows of A for M gathered rows: (start, end).
-    fn chunk(&mut self, m: usize) -> PyResult<(usize, usize)> {
-        let r = self.op.rank()?.chunk(m);
+    fn chunk(&self, m: usize) -> PyResult<(usize, usize)> {
+        let r = lock(&self.op).rank()?.chunk(m);
         Ok((r.start, r.end))
     }
 
@@ -429,7 +542,7 @@ impl GpuAllGatherMatmul {
     #[pyo3(signature = (m, a, b, out, stream, bias=None, gathered=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
-        &mut self,
+        &self,
         py: Python<'_>,
         m: usize,
         a: u64,
@@ -439,30 +552,27 @@ impl GpuAllGatherMatmul {
         bias: Option<u64>,
         gathered: Option<u64>,
     ) -> PyResult<()> {
-        let (op, spans) = self.op.ready()?;
-        let c = *op.config();
-        // an M out of range is the operator's to refuse, with its own message
-        if (1..=c.max_m).contains(&m) {
-            let input = c.input.size();
-            let shape = (op.chunk(m).len(), m, c.k, c.n);
-            let sizes = (input, c.output.size());
-            check_gemm_spans(spans, shape, sizes, (a, b, bias, out))?;
-            if let Some(gathered) = gathered {
-                spans
-                    .check(4, "gathered", gathered, bytes(&[m, c.k, input]))
-                    .map_err(cuda_error)?;
-            }
-        }
-        let stream = borrowed_stream(stream);
-        // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`;
-        // every address was checked to hold the bytes the call touches on this GPU
-        py.detach(|| unsafe { op.forward(&stream, m, (a, b, bias), out, gathered) })
-            .map_err(cuda_error)
+        let call = GemmCall {
+            m,
+            a,
+            b,
+            bias,
+            out,
+            gathered,
+            stream,
+        };
+        Ok(py.detach(|| ag_gemm_forward(&mut lock(&self.op), &call))?)
+    }
+
+    /// What the dispatcher's native kernels call this operator by (see
+    /// `GpuGemmReduceScatter.native`).
+    fn native(&self) -> (usize, usize, usize) {
+        crate::native::ag_gemm(&self.op)
     }
 
     /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
-    fn check(&mut self) -> PyResult<()> {
-        self.op.check()
+    fn check(&self) -> PyResult<()> {
+        lock(&self.op).check()
     }
 }
 
@@ -472,8 +582,7 @@ impl GpuAllGatherMatmul {
 /// `forward`.
 #[pyclass(module = "commfuse._commfuse")]
 pub struct GpuCollective {
-    /// Its spans: input, output
-    op: Staged<CollectiveAllocation, 2>,
+    op: Shared<CollectiveState>,
 }
 
 #[pymethods]
@@ -510,49 +619,42 @@ impl GpuCollective {
     }
 
     /// This rank's pads and buffers as bytes for the other processes (CUDA IPC handles).
-    fn export<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        self.op.export(py)
+    fn export<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        lock(&self.op).export(py)
     }
 
     /// Opens every rank's export (rank order, this rank's own among them).
-    fn connect(&mut self, exports: Vec<Vec<u8>>) -> PyResult<()> {
-        self.op.connect(exports)
+    fn connect(&self, exports: Vec<Vec<u8>>) -> PyResult<()> {
+        lock(&self.op).connect(exports)
     }
 
     /// Elements of this rank's input and output.
-    fn lengths(&mut self) -> PyResult<(usize, usize)> {
-        Ok(self.op.rank()?.lengths())
+    fn lengths(&self) -> PyResult<(usize, usize)> {
+        Ok(lock(&self.op).rank()?.lengths())
     }
 
     /// What runs: "ll" (the low-latency protocol, for small all-reduces) or the plan's
     /// algorithm.
-    fn algo(&mut self) -> PyResult<String> {
-        Ok(self.op.rank()?.implementation())
+    fn algo(&self) -> PyResult<String> {
+        Ok(lock(&self.op).rank()?.implementation())
     }
 
     /// Queues one call on `stream`: `input` into `output` (device addresses of `lengths()`
     /// elements). Raises first if an earlier call's wait timed out on the device.
     /// ValueError where an address is not device memory of this GPU holding what the call
     /// touches there (each address checked at the first call that passes it).
-    fn forward(&mut self, py: Python<'_>, input: u64, output: u64, stream: u64) -> PyResult<()> {
-        let (op, spans) = self.op.ready()?;
-        let (n_in, n_out) = op.lengths();
-        let element = op.config().dtype.size();
-        spans
-            .check(0, "input", input, bytes(&[n_in, element]))
-            .map_err(cuda_error)?;
-        spans
-            .check(1, "output", output, bytes(&[n_out, element]))
-            .map_err(cuda_error)?;
-        let stream = borrowed_stream(stream);
-        // SAFETY: the Python face passes tensors of this GPU that it keeps alive on `stream`;
-        // both addresses were checked to hold the bytes the call touches on this GPU
-        py.detach(|| unsafe { op.forward(&stream, input, output) })
-            .map_err(cuda_error)
+    fn forward(&self, py: Python<'_>, input: u64, output: u64, stream: u64) -> PyResult<()> {
+        Ok(py.detach(|| collective_forward(&mut lock(&self.op), input, output, stream))?)
+    }
+
+    /// What the dispatcher's native kernels call this operator by (see
+    /// `GpuGemmReduceScatter.native`).
+    fn native(&self) -> (usize, usize, usize) {
+        crate::native::collective(&self.op)
     }
 
     /// After the stream was synchronised: raises the diagnosis of a wait that timed out.
-    fn check(&mut self) -> PyResult<()> {
-        self.op.check()
+    fn check(&self) -> PyResult<()> {
+        lock(&self.op).check()
     }
 }

@@ -7,6 +7,7 @@
 mod args;
 mod gpu;
 mod group;
+mod native;
 
 use args::{matrix, per_rank, vector, Int, Name};
 use commfuse_core::fused::gemm_rs::{
