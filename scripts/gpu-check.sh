@@ -55,6 +55,8 @@ if has torch; then
   # the wheel gpu-prepare.sh built, installed beside the machine's PyTorch
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/commfuse-site .gpu/wheels/commfuse-*.whl
   export PYTHONPATH=/tmp/commfuse-site
+  # the wheel's C++ dispatcher kernels must load (built for this machine's PyTorch)
+  export COMMFUSE_TORCH_NATIVE=1
   GPUS=$(nvidia-smi -L | wc -l)
   (cd /tmp && timeout 400 python3 -m pytest -q -rs -s ${PYTEST_ARGS:-} "$OLDPWD/python/tests") >"$R/pytest.txt" 2>&1
   log "pytest rc=$? $(tail -1 "$R/pytest.txt")"
@@ -65,6 +67,9 @@ if has torch; then
   log "tp_train rc=$?"; grep -v "^W1\|^\*\*\*" "$R/tp_train.txt" | tail -16 | cut -c1-300 | tee -a "$OUT/summary.txt"
   timeout 300 torchrun --standalone --nproc-per-node "$GPUS" python/benches/torch_host_time.py --json "$R/torch-host-time.json" >"$R/torch_host_time.txt" 2>&1
   log "torch_host_time rc=$?"; grep -v "^W1\|^\*\*\*" "$R/torch_host_time.txt" | tail -20 | cut -c1-300 | tee -a "$OUT/summary.txt"
+  # the same with the ops' kernels in Python (the C++ dispatcher kernels unloaded), beside it
+  COMMFUSE_TORCH_NATIVE=0 timeout 300 torchrun --standalone --nproc-per-node "$GPUS" python/benches/torch_host_time.py --json "$R/torch-host-time-python.json" >"$R/torch_host_time_python.txt" 2>&1
+  log "torch_host_time (kernels in Python) rc=$?"; grep -v "^W1\|^\*\*\*" "$R/torch_host_time_python.txt" | tail -20 | cut -c1-300 | tee -a "$OUT/summary.txt"
   if [ "$GPUS" -ge 2 ]; then
     timeout 300 torchrun --standalone --nproc-per-node 2 examples/tp_mlp.py ${MLP_FLAGS:-} >"$R/tp_mlp.txt" 2>&1
     log "tp_mlp rc=$?"; grep -v "^W1\|^\*\*\*" "$R/tp_mlp.txt" | tail -40 | cut -c1-300 | tee -a "$OUT/summary.txt"

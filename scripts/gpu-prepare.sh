@@ -17,5 +17,7 @@ strip --strip-debug .gpu/commfuse .gpu/tests/*
 # the Python package as an abi3 wheel (the GPU machine's Python 3.12 installs it without Rust)
 VENV="${COMMFUSE_VENV:-$PWD/.venv}"
 [ -x "$VENV/bin/maturin" ] || { python3 -m venv "$VENV" && "$VENV/bin/python" -m pip install --quiet maturin; }
+# commfuse.torch's C++ dispatcher kernels, against the venv's PyTorch (the GPU machine's version)
+bash scripts/build-torch-native.sh "$VENV/bin/python"
 CARGO_TARGET_DIR="$PWD/target" "$VENV/bin/maturin" build --release --quiet -m python/Cargo.toml -o .gpu/wheels
 ls -la .gpu .gpu/tests .gpu/wheels

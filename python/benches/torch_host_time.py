@@ -9,7 +9,8 @@ interleaved round by round. GPU time: the same call captured ``--graph-calls`` t
 CUDA graph, replayed, timed by CUDA events (the slowest rank's median). commfuse's rows: the
 public function (which skips the dispatcher when no gradient is needed and nothing is being
 compiled) and the ``torch.ops.commfuse`` op itself (what a compiled or differentiated model
-calls)."""
+calls). ``COMMFUSE_TORCH_NATIVE=0`` measures the op with its kernels in Python instead of the
+C++ dispatcher kernels (``commfuse/torch/_native.py``); the output says which ran."""
 
 import argparse
 import json
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse.torch as cf
+from commfuse.torch import _native
 
 
 def host_us(fn, calls):
@@ -124,14 +126,20 @@ def main():
         torch.cuda.synchronize()
         print(f"# where the host time of {label} (commfuse) goes, {args.calls} calls")
         pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+    held, hits, misses = _native.counts()
     if dist.get_rank() == 0:
+        kernels = "C++ dispatcher kernels" if _native.loaded else \
+            f"kernels in Python ({_native.why_not})"
+        print(f"# the ops' kernels: {kernels}; C++ prepared calls: {hits} served, {misses} sent"
+              " to Python")
         print(f"{'op':36s} {'impl':18s} {'host us/call':>12s} {'GPU us/call (graph)':>20s}")
         for r in results:
             print(f"{r['op']:36s} {r['impl']:18s} {r['host_us']:12.1f} {r['gpu_us']:20.1f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": world, "device": torch.cuda.get_device_name(),
-                           "torch": torch.__version__, "rows": results}, f, indent=1)
+                           "torch": torch.__version__, "native_kernels": _native.loaded,
+                           "native_hits": hits, "native_misses": misses, "rows": results}, f, indent=1)
     dist.destroy_process_group()
 
 

@@ -16,6 +16,16 @@ _CACHE: dict = {}
 #: Advances whenever an operator is built or the cache cleared: what was prepared against the
 #: cache before (``commfuse.torch``'s prepared calls) is stale once it moves.
 generation = 0
+#: Called (without arguments) whenever ``generation`` advances: caches outside Python that hold
+#: operators (``commfuse.torch``'s C++ prepared calls) drop them then
+listeners: List[Callable[[], None]] = []
+
+
+def _advance() -> None:
+    global generation
+    generation += 1
+    for listener in listeners:
+        listener()
 
 
 def cached(kind: str, group, m: int, key: tuple, build: Callable[[int], object],
@@ -36,11 +46,10 @@ def cached(kind: str, group, m: int, key: tuple, build: Callable[[int], object],
             " before capturing"
         )
     max_m = max(m, 2 * entry[1]) if entry is not None else m
-    global generation
     op = build(max_m)
     op.connect([bytes(b) for b in all_gather(bytes(op.export()))])
     _CACHE[full] = [op, max_m, group]
-    generation += 1
+    _advance()
     return op
 
 
@@ -52,6 +61,5 @@ def lookup(kind: str, group, key: tuple):
 
 def clear() -> None:
     """Drops every cached operator (each waits for its last calls before freeing its memory)."""
-    global generation
     _CACHE.clear()
-    generation += 1
+    _advance()

@@ -32,6 +32,43 @@ def test_every_op_and_gradient_matches_float64(world):
     run_ranks(torch_checks.every_op, world, "bfloat16")
 
 
+def test_every_op_gradient_and_compile_without_the_cpp_kernels(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_TORCH_NATIVE", "0")
+    run_ranks(torch_checks.every_op_from_python, 2, "bfloat16")
+
+
+def test_cpp_dispatcher_kernels_serve_the_ops():
+    from commfuse.torch import _native
+
+    if not _native.loaded:
+        pytest.skip(f"the C++ dispatcher kernels are not loaded: {_native.why_not}")
+    natives = ("gemm_reduce_scatter", "all_gather_gemm", "all_reduce_")
+    for name in natives + ("all_gather", "reduce_scatter", "all_reduce", "all_to_all",
+                           "reduce_scatter_into", "all_gather_into", "all_to_all_into"):
+        lines = torch._C._dispatch_dump(f"commfuse::{name}").splitlines()
+        kernel = {line.split(":")[0]: line for line in lines}
+        assert "dispatch.cpp" in kernel["Autograd[alias]"], (name, kernel["Autograd[alias]"])
+        assert ("dispatch.cpp" in kernel["CUDA"]) == (name in natives), (name, kernel["CUDA"])
+        assert "dispatch.cpp" not in kernel["CPU"], (name, kernel["CPU"])
+        # calls needing a gradient go to the twin, whose autograd kernel is Python's
+        twin = torch._C._dispatch_dump(f"commfuse::{name}_autograd")
+        assert "_library.py" in twin.split("Autograd[alias]:")[1].splitlines()[0], twin
+
+
+def test_cpp_kernels_built_for_another_torch_are_refused(tmp_path):
+    from commfuse.torch import _native
+
+    if not _native.loaded:
+        pytest.skip(f"the C++ dispatcher kernels are not loaded: {_native.why_not}")
+    library = tmp_path / "_dispatch.so"
+    library.write_bytes(Path(_native._lib._name).read_bytes())
+    (tmp_path / "_dispatch.torch-version").write_text("2.0.0\n")
+    run = subprocess.run([sys.executable, "-c", "import commfuse.torch"], capture_output=True,
+                         text=True, timeout=300,
+                         env={**os.environ, "COMMFUSE_TORCH_NATIVE": str(library)})
+    assert run.returncode != 0 and "was built for torch 2.0.0" in run.stderr, run.stderr[-2000:]
+
+
 def test_float16_ops_and_gradients():
     run_ranks(torch_checks.every_op, 2, "float16")
 

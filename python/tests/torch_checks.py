@@ -261,6 +261,74 @@ def eager_calls_back_to_back(rank, world, dtype, seed):
               sum(x[0].abs() for x in a), torch.float32)
 
 
+def op_calls_back_to_back(rank, world, dtype, seed):
+    """The ``torch.ops.commfuse`` ops without gradients (what compiled models call; on CUDA
+    with the C++ dispatcher kernels, their prepared calls): each signature called twice to
+    build and prepare it, then four times in a row with new inputs and nothing synchronised
+    between them, every output against float64. With the C++ kernels on CUDA, those four
+    rounds are served by their table alone, and clearing the cache empties it."""
+    from commfuse.torch import _native
+
+    ops, name = torch.ops.commfuse, dist.group.WORLD.group_name
+    n, k, m = 32, 16, 3 * world + 1
+    rows = rows_of(m, world)
+    native = DEVICE.type == "cuda" and _native.loaded
+    # (where torch.distributed serves the group, every signature stays with Python)
+    prepared = native and cf.served_by(DEVICE) == "commfuse"
+
+    def calls(s):
+        a = operands(s, [(m, k)] * world)
+        b = operands(s + 1, [(n, k)] * world)
+        bias = operands(s + 2, [(n,)])[0]
+        y = ops.gemm_reduce_scatter(_on(a[rank], dtype), _on(b[rank], dtype).t(),
+                                    _on(bias, dtype), name, None, "fused", None, 1)
+        z, gathered = ops.all_gather_gemm(_on(a[0][rows[rank]], dtype), _on(b[rank], dtype).t(),
+                                          None, name, m, None, 1, "overlapped", True)
+        t = _on(a[rank][0], torch.float32)
+        ops.all_reduce_(t, "sum", name, "commfuse")
+        return y, z, gathered, t, a, b, bias
+
+    for warm in range(2):
+        calls(seed - 1 - warm)
+    before = _native.counts()
+    outs = [calls(seed + 3 * call) for call in range(4)]
+    after = _native.counts()
+    for call, (y, z, gathered, t, a, b, bias) in enumerate(outs):
+        total = sum(x @ w.t() for x, w in zip(a, b))
+        scale = sum(x.abs() @ w.abs().t() for x, w in zip(a, b))
+        check(f"op gemm_reduce_scatter call {call}", y, (total + bias)[rows[rank]],
+              (scale + bias.abs())[rows[rank]], dtype)
+        check(f"op all_gather_gemm call {call}", z, a[0] @ b[rank].t(),
+              a[0].abs() @ b[rank].abs().t(), dtype)
+        assert torch.equal(gathered.double().cpu(), a[0]), f"op gathered A call {call}"
+        check(f"op all_reduce_ call {call}", t, sum(x[0] for x in a),
+              sum(x[0].abs() for x in a), torch.float32)
+    hits, misses = after[1] - before[1], after[2] - before[2]
+    if native and not prepared:
+        assert (hits, misses) == (0, 12), \
+            f"the C++ kernels served {hits} of 12 calls that torch.distributed serves"
+    if prepared:
+        assert (hits, misses) == (12, 0), \
+            f"the C++ kernels served {hits} of 12 prepared calls ({misses} went to Python)"
+        assert after[0] >= 3, f"the C++ table holds {after[0]} prepared calls, not 3"
+        # (every rank's calls done before any frees the buffers its peers read)
+        torch.cuda.synchronize()
+        dist.barrier()
+        cf.clear_cache()
+        assert _native.counts()[0] == 0, "clear_cache left prepared calls in the C++ table"
+
+
+def every_op_from_python(rank, world, dtype_name):
+    """Every op, gradient and the compiled block with the C++ dispatcher kernels unloaded
+    (``COMMFUSE_TORCH_NATIVE=0``): the same ops defined from Python alone."""
+    from commfuse.torch import _native
+
+    assert not _native.loaded, "COMMFUSE_TORCH_NATIVE=0 but the C++ kernels were loaded"
+    assert "dispatch.cpp" not in torch._C._dispatch_dump("commfuse::gemm_reduce_scatter")
+    every_op(rank, world, dtype_name)
+    compiled_block_matches_eager(rank, world)
+
+
 def every_op(rank, world, dtype_name, seed=1):
     dtype = getattr(torch, dtype_name)
     gemm_reduce_scatter_grads(rank, world, dtype, seed)
@@ -270,6 +338,7 @@ def every_op(rank, world, dtype_name, seed=1):
                          seed + 17)
     with torch.no_grad():
         eager_calls_back_to_back(rank, world, dtype, seed + 19)
+    op_calls_back_to_back(rank, world, dtype, seed + 23)
     if os.environ.get("COMMFUSE_PEER_ACCESS") == "0":
         want = "torch.distributed"
     else:

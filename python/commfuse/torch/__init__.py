@@ -59,7 +59,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from typing import Optional, Tuple, Union
 
-from . import _gpu, _groups, _ops, _prepared, _sim
+from . import _gpu, _groups, _native, _ops, _prepared, _sim
 from ._common import dtype_name, reduce_name, tensor, weight
 from ._groups import KERNELS, SIMULATOR, name_of
 
@@ -90,6 +90,9 @@ def _choice(what: str, value: str, allowed) -> None:
 
 
 _is_compiling = torch.compiler.is_compiling
+# With the C++ dispatcher kernels, the op itself is the shortest road for every call (its
+# prepared calls never enter Python); without them, an eager call skips the dispatcher
+_NATIVE = _native.loaded
 
 
 def _eager(*tensors) -> bool:
@@ -104,6 +107,17 @@ def _eager(*tensors) -> bool:
             if getattr(t, "requires_grad", False):
                 return False
     return True
+
+
+def _operands(a, b, bias) -> bool:
+    """Whether the GEMM operands are tensors (what is not is named by the general path's
+    checks, not by the dispatcher's cast error)."""
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+        (bias is None or isinstance(bias, torch.Tensor))
+
+
+_gemm_rs_op = torch.ops.commfuse.gemm_reduce_scatter.default
+_all_reduce_op = torch.ops.commfuse.all_reduce_.default
 
 
 def gemm_reduce_scatter(
@@ -132,6 +146,8 @@ def gemm_reduce_scatter(
     """
     name = name_of(group)
     _choice("path", path, _GEMM_RS_PATHS)
+    if _NATIVE and out is None and _operands(a, b, bias):
+        return _gemm_rs_op(a, b, bias, name, out_dtype, path, pieces, numa_groups)
     if _eager(a, b, bias):
         if out is None:
             return _prepared.gemm_reduce_scatter(
@@ -176,7 +192,8 @@ def all_gather_gemm(
     name = name_of(group)
     _choice("path", path, _AG_GEMM_PATHS)
     return_a = return_a or gathered is not None
-    eager = _eager(a, b, bias)
+    eager = not (_NATIVE and out is None and gathered is None and _operands(a, b, bias)) \
+        and _eager(a, b, bias)
     if eager and out is None and gathered is None:
         # the signature (with `m` as given) fixes the rows in all, so a prepared call does
         # not work them out again
@@ -223,7 +240,9 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, path: str = "auto") -
     _vector(tensor, "tensor")
     name, op = name_of(group), reduce_name(op)
     _choice("path", path, _COLLECTIVE_PATHS)
-    if _eager() and tensor.is_contiguous():
+    if _NATIVE:
+        _all_reduce_op(tensor, op, name, path)
+    elif _eager() and tensor.is_contiguous():
         _prepared.all_reduce(
             tensor, op, name, path,
             lambda: _ops.collective_impl("all-reduce", tensor, tensor, op, name, path))

@@ -18,6 +18,13 @@ shortest road it may:
 
 An op that mutates arguments bumps their version counters, as PyTorch's in-place ops do, so
 that autograd notices a tensor it saved being overwritten.
+
+With the C++ dispatcher kernels (``_native``) the autograd kernel is C++ instead: it takes the
+same three roads, the first without entering Python, and sends a call needing a gradient to the
+op's twin ``commfuse::<name>_autograd`` (the same schema), whose autograd kernel is the one
+above. An op whose calls Python prepares gets a C++ CUDA kernel too, which queues prepared
+calls itself and sends the others to the twin's CUDA kernel: the implementation, after which
+the C++ table learns what later calls of the signature take.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from . import _native
 
 _LIB = torch.library.Library("commfuse", "DEF")
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
@@ -40,13 +49,27 @@ class Op:
     """One op ``commfuse::<name>``: call it as a function to run its implementation directly
     (below the dispatcher), or through ``torch.ops.commfuse.<name>``."""
 
-    def __init__(self, impl: Callable, mutates_args: Sequence[str]):
+    def __init__(self, impl: Callable, mutates_args: Sequence[str], native: Optional[int] = None):
         self.name = impl.__name__
         self.impl = impl
         schema = torch.library.infer_schema(impl, mutates_args=tuple(mutates_args))
         _LIB.define(self.name + schema)
-        for key in ("CPU", "CUDA"):
-            _LIB.impl(self.name, impl, key)
+        _LIB.impl(self.name, impl, "CPU")
+        if _native.loaded:
+            twin = self.name + "_autograd"
+            _LIB.define(twin + schema)
+            _LIB.impl(twin, impl, "CPU")
+            if native is None:
+                _LIB.impl(self.name, impl, "CUDA")
+                _LIB.impl(twin, impl, "CUDA")
+            else:
+                _native.kernel(self.name, native)
+                _LIB.impl(twin, self._serve_miss, "CUDA")
+            _LIB.impl(twin, self._autograd_kernel, "Autograd", with_keyset=True)
+            _native.route(self.name, twin)
+        else:
+            _LIB.impl(self.name, impl, "CUDA")
+            _LIB.impl(self.name, self._autograd_kernel, "Autograd", with_keyset=True)
         self.overload = getattr(torch.ops.commfuse, self.name).default
         schema_args = self.overload._schema.arguments
         arguments = [a.name for a in schema_args]
@@ -58,11 +81,18 @@ class Op:
             raise TypeError(f"commfuse::{self.name}: tensor lists are not supported ({types})")
         self._tensors = tuple(i for i, t in enumerate(types) if t in ("Tensor", "Optional[Tensor]"))
         self._function: Optional[type] = None
-        _LIB.impl(self.name, self._autograd_kernel, "Autograd", with_keyset=True)
         self.__doc__ = impl.__doc__
 
     def __call__(self, *args):
         return self.impl(*args)
+
+    def _serve_miss(self, *args):
+        """The twin's CUDA kernel, for a call the C++ table had no prepared call for: the
+        implementation, then the table told what later calls of this signature take."""
+        _native.last = None
+        result = self.impl(*args)
+        _native.bind(_native.last)
+        return result
 
     def register_fake(self, fake: Callable) -> Callable:
         torch.library.register_fake(f"commfuse::{self.name}", fake, lib=_LIB)
@@ -131,6 +161,7 @@ class Op:
         return result
 
 
-def op(mutates_args: Sequence[str] = ()) -> Callable[[Callable], Op]:
-    """Defines ``commfuse::<function name>`` from the decorated implementation."""
-    return lambda impl: Op(impl, mutates_args)
+def op(mutates_args: Sequence[str] = (), native: Optional[int] = None) -> Callable[[Callable], Op]:
+    """Defines ``commfuse::<function name>`` from the decorated implementation; ``native``: the
+    C++ CUDA kernel that serves its prepared calls (``_native.GEMM_RS`` and the others)."""
+    return lambda impl: Op(impl, mutates_args, native)

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _fallback, _gpu, _prepared, _sim
+from . import _fallback, _gpu, _native, _prepared, _sim
 from ._common import GemmOperands, chunk_rows, chunk_start
 from ._groups import KERNELS, SIMULATOR, by_name
 from ._library import op
@@ -159,7 +159,7 @@ def collective_impl(kind: str, output: Tensor, input: Tensor, reduce: str, group
 # the fused GEMMs
 
 
-@op(mutates_args=())
+@op(mutates_args=(), native=_native.GEMM_RS)
 def gemm_reduce_scatter(a: Tensor, b: Tensor, bias: Optional[Tensor], group_name: str,
                         out_dtype: Optional[torch.dtype], path: str, pieces: Optional[int],
                         numa_groups: int) -> Tensor:
@@ -205,7 +205,7 @@ def _gemm_rs_backward(ctx, dy):
 gemm_reduce_scatter.register_autograd(_gemm_rs_backward, setup_context=_gemm_rs_setup)
 
 
-@op(mutates_args=())
+@op(mutates_args=(), native=_native.AG_GEMM)
 def all_gather_gemm(a: Tensor, b: Tensor, bias: Optional[Tensor], group_name: str, m: int,
                     out_dtype: Optional[torch.dtype], pieces: int, path: str,
                     return_a: bool) -> Tuple[Tensor, Tensor]:
@@ -397,7 +397,7 @@ all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_set
 # collectives in place or into a given output (torch.distributed's forms), mutation declared
 
 
-@op(mutates_args=("tensor",))
+@op(mutates_args=("tensor",), native=_native.ALL_REDUCE_INPLACE)
 def all_reduce_(tensor: Tensor, op: str, group_name: str, path: str) -> None:
     """``dist.all_reduce``: ``tensor`` becomes the element-wise ``op`` of every rank's."""
     if tensor.is_contiguous():

@@ -8,6 +8,10 @@ with the same signature run the closure. What the closure captured (the operator
 shape) is valid while the operator cache stands still: it is dropped whenever the cache builds
 an operator or is cleared (``commfuse._operators.generation``) and whenever what serves a group
 changes (``clear``).
+
+The same preparation serves the C++ dispatcher kernels (``_native``): an entry also says which
+operator and outputs a call of its signature takes there, and every call leaves its entry in
+``_native.last`` for the kernel whose miss it serves to bind.
 """
 
 from __future__ import annotations
@@ -18,32 +22,47 @@ import torch
 import torch.distributed as dist
 
 from .. import _operators
-from . import _gpu
+from . import _gpu, _native
 from ._common import DIST_OPS, GemmOperands
 from ._groups import KERNELS, by_name
 
 _PREPARED: dict = {}
 _generation = -1
+
+
+class Prepared:
+    """What the calls of one signature take: ``call(*args)`` (None: the general path) and, for
+    the C++ kernels, ``native`` = (operator, output shape, gathered shape or None, whether the
+    gathered A is written, rows M), or None where they take Python's path."""
+
+    __slots__ = ("call", "native")
+
+    def __init__(self, call: Optional[Callable], native: Optional[tuple] = None):
+        self.call, self.native = call, native
+
+
 # what a signature maps to when its calls cannot skip the general path
-_GENERAL = object()
+_GENERAL = Prepared(None)
 
 
-def _run(key, args: tuple, general: Callable, prepare: Callable[[], Optional[Callable]]):
+def _run(key, args: tuple, general: Callable, prepare: Callable[[], Optional[Prepared]]):
     """The prepared call of `key` on `args` if there is one; else the general path, after which
-    ``prepare()`` gives the closure later calls of `key` take (None: they take the general path
-    too). The general path runs first, so whatever it builds exists when ``prepare`` looks."""
+    ``prepare()`` gives what later calls of `key` take (None: the general path too). The
+    general path runs first, so whatever it builds exists when ``prepare`` looks."""
     global _generation
     if _operators.generation != _generation:
         _PREPARED.clear()
         _generation = _operators.generation
-    call = _PREPARED.get(key)
-    if call is _GENERAL:
+    entry = _PREPARED.get(key)
+    if entry is None:
+        result = general()
+        entry = _PREPARED[key] = prepare() or _GENERAL
+        _native.last = entry
+        return result
+    _native.last = entry
+    if entry.call is None:
         return general()
-    if call is not None:
-        return call(*args)
-    result = general()
-    _PREPARED[key] = prepare() or _GENERAL
-    return result
+    return entry.call(*args)
 
 
 # A signature holds a's shape and whether it is contiguous rather than its strides (cheaper to
@@ -93,7 +112,7 @@ def gemm_reduce_scatter(a, b, bias, name, out_dtype, path, pieces, numa_groups, 
                     None if bias is None else bias.data_ptr())
             return out
 
-        return call
+        return Prepared(call, (op, shape, None, False, m))
 
     return _run(key, (a, b, bias), general, prepare)
 
@@ -126,7 +145,8 @@ def all_gather_gemm(a, b, bias, name, m, out_dtype, pieces, path, return_a, gene
                     None if gathered is None else gathered.data_ptr())
             return out, gathered
 
-        return call
+        # the op's second output is the gathered A, or [0, K] when not asked for
+        return Prepared(call, (op, shape, gathered_shape or (0, g.k), return_a, rows))
 
     return _run(key, (a, b, bias), general, prepare)
 
@@ -143,22 +163,23 @@ def all_reduce(tensor, op, name, path, general):
         pg = group.process_group
         goes = _gpu.route("all-reduce", tensor.numel(), tensor.dtype, pg, True, path)
         if goes == "commfuse":
-            forward = _gpu._collective("all-reduce", tensor.numel(), tensor, pg, op).forward
-            index, stream_of = tensor.device.index, _gpu.stream_of
+            operator = _gpu._collective("all-reduce", tensor.numel(), tensor, pg, op)
+            forward, index, stream_of = operator.forward, tensor.device.index, _gpu.stream_of
 
             def call(t):
                 forward(t.data_ptr(), t.data_ptr(), stream_of(index))
 
-            return call
+            return Prepared(call, (operator, (), None, False, 0))
         reduce = DIST_OPS[op]
 
         def call(t):
             dist.all_reduce(t, op=reduce, group=pg)
 
-        return call
+        return Prepared(call)
 
     _run(key, (tensor,), general, prepare)
 
 
 def clear() -> None:
     _PREPARED.clear()
+    _native.clear()
