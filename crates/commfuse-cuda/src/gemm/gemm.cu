@@ -640,6 +640,23 @@ __device__ __forceinline__ void fold_wait(const GemmParams& p, const TileRoute& 
     }
 }
 
+// Two adjacent elements of a partial in one load through L2 only (4 bytes of a 16-bit type, 8
+// of f32): the fold's loads, each of which fetches its rows' sectors from L2 again, move half
+// the sectors of two 2-byte loads. `p` is aligned to the pair.
+template <typename Out> __device__ __forceinline__ float2 ldcg_pair(const Out* p);
+template <> __device__ __forceinline__ float2 ldcg_pair<float>(const float* p) {
+    return __ldcg(reinterpret_cast<const float2*>(p));
+}
+template <> __device__ __forceinline__ float2 ldcg_pair<__nv_bfloat16>(const __nv_bfloat16* p) {
+    // a bf16 is the upper half of the f32 of the same value; the lower address is the low half
+    const unsigned int w = __ldcg(reinterpret_cast<const unsigned int*>(p));
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float2 ldcg_pair<__half>(const __half* p) {
+    const unsigned int w = __ldcg(reinterpret_cast<const unsigned int*>(p));
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+
 template <class C, typename In, typename Out, bool B_KN>
 __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     constexpr int PASSES = sizeof(Out) / 2;  // f32 tiles are staged in two column halves
@@ -724,12 +741,28 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             // columns left of this thread's first one, and whether its two rows are in the band
             const int lim = (int)p.n - (int)(c.tn * C::BN) - (int)(2 * (lane % 4));
             const bool in0 = row0 < c.rows, in1 = row0 + 8 < c.rows;
+            // a thread's columns come in pairs; where every row of every partial starts on a
+            // pair's boundary (the usual case: even ld and strides), a pair is one load
+            const bool paired = ((u64)base | fold_stride | row_step) % (2 * sizeof(Out)) == 0;
             for (u32 f = 0; f < fold_count; ++f) {
                 const Out* r0 = (const Out*)(base + f * fold_stride + row0 * row_step) + 2 * (lane % 4);
                 const Out* r1 = (const Out*)((const unsigned char*)r0 + 8 * row_step);
                 // (issuing eight column groups' loads before adding any measured 3-5 % slower)
 #pragma unroll
                 for (int j = 0; j < C::BN / 8; ++j) {
+                    if (paired && j * 8 + 1 < lim) {
+                        if (in0) {
+                            const float2 v = ldcg_pair(r0 + j * 8);
+                            acc[j * 4] += v.x;
+                            acc[j * 4 + 1] += v.y;
+                        }
+                        if (in1) {
+                            const float2 v = ldcg_pair(r1 + j * 8);
+                            acc[j * 4 + 2] += v.x;
+                            acc[j * 4 + 3] += v.y;
+                        }
+                        continue;
+                    }
                     if (in0 && j * 8 < lim) acc[j * 4] += Elem<Out>::to_f32(__ldcg(r0 + j * 8));
                     if (in0 && j * 8 + 1 < lim) acc[j * 4 + 1] += Elem<Out>::to_f32(__ldcg(r0 + j * 8 + 1));
                     if (in1 && j * 8 < lim) acc[j * 4 + 2] += Elem<Out>::to_f32(__ldcg(r1 + j * 8));
