@@ -493,6 +493,70 @@ fn narrow_builds_match_float64_reference() {
     each(p, case, VariantChoice::Narrow, GemmVariant::NarrowTall);
 }
 
+/// The pair build (the main build in clusters of two blocks sharing each k-block of B by TMA
+/// multicast), forced, against float64 over every element: M = 65, 300 and 1000 (one, three
+/// and eight tile rows: odd counts leave a column's last tile with an idle partner) with N =
+/// 1000 (a last tile 232 wide) and N = 600 (a last tile 88 wide: the second block's half of B
+/// lies wholly past N and lands as zeros), K = 1544 (24 k-blocks and a part), both B layouts,
+/// every pair of types; on every SM with a plain and a full epilogue (alpha, beta·C, bias, a
+/// shuffled order: most tiles then find no partner of their column nearby and pair with an
+/// idle entry), on 4 SMs (two clusters, many waves) with the full one, and on 3 (rounded down
+/// to one cluster) with D += 2·A·B; then row bands of 65 and 65 rows (pair) and of at most 64
+/// (the skinny build, which the pair choice takes there).
+#[test]
+fn pair_build_matches_float64_reference() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let mut seed = 1300;
+    let mut each = |p: GemmProblem, case: SkinnyCase, choice, want| {
+        seed += 1;
+        check_variant_of_types(&gpu, &kernels, &stream, p, case, (choice, want), seed);
+    };
+    let pair = VariantChoice::Pair;
+    for (m, n) in [(65, 1000), (300, 600), (1000, 1000)] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            for (input, output) in [
+                (DType::BF16, DType::BF16),
+                (DType::BF16, DType::F32),
+                (DType::F16, DType::F16),
+                (DType::F16, DType::F32),
+            ] {
+                let p = GemmProblem::new(m, n, 1544, layout, input, output).unwrap();
+                for (cap, epilogue) in [
+                    (0, Case::Plain),
+                    (0, Case::Full),
+                    (4, Case::Full),
+                    (3, Case::Accumulate),
+                ] {
+                    let case = SkinnyCase {
+                        tile: TILE,
+                        bands: None,
+                        cap,
+                        epilogue,
+                    };
+                    each(p, case, pair, GemmVariant::Pair);
+                }
+            }
+        }
+    }
+    for (bands, want) in [
+        (&[0, 65, 130][..], GemmVariant::Pair),
+        (&[0, 40, 100, 130][..], GemmVariant::Skinny),
+    ] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
+            let case = SkinnyCase {
+                tile: TILE,
+                bands: Some(bands),
+                cap: 0,
+                epilogue: Case::Full,
+            };
+            each(p, case, pair, want);
+        }
+    }
+}
+
 /// A wait that gives up ends the kernel without a trap (which would end every kernel of the
 /// context, PyTorch's included, and leave the context unusable): the call's synchronisation
 /// succeeds, `check` reports the diagnosed wait, no tile is stored, the kernel stops soon after
@@ -729,17 +793,24 @@ fn bench_rows_pass_the_check_of_every_element() {
             };
             let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
             let rows = bench_gemm(0, None, &[1, 3], &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
-            // cuBLASLt and ours at both caps; where the skinny build fits, each build forced
-            // too (main, skinny and, M ≤ 128 here, narrow); the fold rows (1 and 3 partials)
+            // cuBLASLt and ours at both caps; each build forced too: where the skinny build
+            // fits main, skinny and (M ≤ 128 here) narrow, elsewhere main and pair; the fold
+            // rows (1 and 3 partials)
             let skinny = m <= SKINNY_ROWS;
-            assert_eq!(rows.len(), if skinny { 12 } else { 6 }, "{rows:?}");
+            assert_eq!(rows.len(), if skinny { 12 } else { 10 }, "{rows:?}");
             let forced = rows
                 .iter()
                 .filter(|r| {
-                    r.implementation == "commfuse-main" || r.implementation == "commfuse-skinny"
+                    r.implementation == "commfuse-main"
+                        || r.implementation
+                            == if skinny {
+                                "commfuse-skinny"
+                            } else {
+                                "commfuse-pair"
+                            }
                 })
                 .count();
-            assert_eq!(forced, if skinny { 4 } else { 0 }, "{rows:?}");
+            assert_eq!(forced, 4, "{rows:?}");
             for r in rows {
                 assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{r:?}");
             }

@@ -77,15 +77,16 @@ fn every_kernel_compiles_for_sm90a() {
 
 /// The GEMM's main loop must run on the tensor cores' warpgroup instructions: every GEMM entry
 /// point's SASS holds HGMMA with f32 accumulation (transposed B for the [K, N] layout) of its
-/// build's tile width: 64x256x16 in the main and the skinny build, 64x64x16 in the narrow and
-/// the narrow-tall one, and no HGMMA of another width. Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both
+/// build's tile width: 64x256x16 in the main, the skinny and the pair build, 64x64x16 in the
+/// narrow and the narrow-tall one, and no HGMMA of another width; the pair build's B reaches
+/// both blocks of its cluster by TMA multicast (UTMALDG.2D.MULTICAST). Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both
 /// from PyPI and sets COMMFUSE_REQUIRE_SASS=1.
 #[test]
 fn gemm_sass_uses_hgmma() {
     let Some(sass) = commfuse_cuda::testing::sass_of("gemm.cu") else {
         return;
     };
-    let (mut entries, mut skinny, mut narrow, mut tall) = (0, 0, 0, 0);
+    let (mut entries, mut skinny, mut narrow, mut tall, mut pair) = (0, 0, 0, 0, 0);
     for section in sass.split("Function : ").skip(1) {
         let name = section.split_whitespace().next().unwrap_or("");
         if !name.starts_with("gemm_") {
@@ -98,6 +99,15 @@ fn gemm_sass_uses_hgmma() {
             "HGMMA.64x64x16.F32"
         } else {
             skinny += usize::from(name.starts_with("gemm_skinny_"));
+            if name.starts_with("gemm_pair_") {
+                pair += 1;
+                assert!(
+                    section
+                        .lines()
+                        .any(|l| l.contains("UTMALDG") && l.contains("MULTICAST")),
+                    "{name}: no multicast TMA load in its SASS"
+                );
+            }
             "HGMMA.64x256x16.F32"
         };
         let all: Vec<&str> = section.lines().filter(|l| l.contains("HGMMA.")).collect();
@@ -119,7 +129,8 @@ fn gemm_sass_uses_hgmma() {
             );
         }
     }
-    assert_eq!(entries, 48, "GEMM entry points found in the SASS");
+    assert_eq!(entries, 60, "GEMM entry points found in the SASS");
+    assert_eq!(pair, 12, "pair GEMM entry points found in the SASS");
     assert_eq!(skinny, 12, "skinny GEMM entry points found in the SASS");
     assert_eq!(narrow, 24, "narrow GEMM entry points found in the SASS");
     assert_eq!(tall, 12, "narrow-tall GEMM entry points found in the SASS");

@@ -187,12 +187,14 @@ fn run<T: Element>(
         .map(|&cap| PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0))
         .collect::<Result<_, _>>()?;
     // where another build than the main one can compute the product (the skinny one: every
-    // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles), each build
-    // forced, side by side with the row of the build chosen
+    // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles; the pair build:
+    // a tile of more than 64 rows), each build forced, side by side with the row of the build
+    // chosen
     let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
     let narrow = (p.m <= NARROW_TILE.m).then(|| plan_of(NARROW_TILE));
     let skinny_fits = VariantChoice::Skinny.variant_for(&wide) == GemmVariant::Skinny;
-    if skinny_fits || narrow.is_some() {
+    let pair_fits = VariantChoice::Pair.variant_for(&wide) == GemmVariant::Pair;
+    if skinny_fits || narrow.is_some() || pair_fits {
         let chosen = kernels.choice();
         let mut builds = vec![("commfuse-main", VariantChoice::Main, &wide)];
         if skinny_fits {
@@ -200,6 +202,9 @@ fn run<T: Element>(
         }
         if let Some(narrow) = &narrow {
             builds.push(("commfuse-narrow", VariantChoice::Narrow, narrow));
+        }
+        if pair_fits {
+            builds.push(("commfuse-pair", VariantChoice::Pair, &wide));
         }
         for (name, choice, plan) in builds {
             kernels.set_choice(choice);

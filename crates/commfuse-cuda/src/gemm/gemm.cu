@@ -18,7 +18,9 @@
 // Further builds of the same code (`Cfg` below) serve plans whose tiles have at most 64 rows
 // (gemm_skinny_*: one consumer warpgroup and four stages) and plans of 128x64 tiles, where a
 // skinny M over the 256-wide tiles would leave most SMs without a tile (gemm_narrow_*: 64 rows,
-// one consumer warpgroup; gemm_narrow_tall_*: 128 rows on two; wgmma m64n64k16, 8 stages).
+// one consumer warpgroup; gemm_narrow_tall_*: 128 rows on two; wgmma m64n64k16, 8 stages), and
+// the main build's plans in clusters of two blocks that share each k-block of B by TMA
+// multicast (gemm_pair_*: the host pairs up tiles of one column of tiles in the order).
 #include "common.cuh"
 
 namespace gemm {
@@ -51,11 +53,16 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // 128 tiles instead of 32 and every SM streams its share of B, with 64 KiB of it in flight.
 // The narrow-tall build: the same 128x64 tiles, all 128 rows on two consumer warpgroups, 8
 // stages of 24 KiB (M up to 128 in one band of tiles).
-template <int ROWS_, int BN_, int STAGES_> struct Cfg {
+// The pair build: the main build's tiles and pipeline, its blocks in clusters of two whose
+// units share their B columns: each block loads its own A and half of the B k-block, which
+// TMA multicast writes into both blocks' stages, so that every SM reads 32 KiB of each k-block
+// from L2 instead of 48.
+template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1> struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
     static constexpr int BN = BN_;              // columns of a tile
     static constexpr int CONSUMERS = ROWS / 64;  // consumer warpgroups with rows to compute
     static constexpr int STAGES = STAGES_;
+    static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each B k-block (TMA multicast)
     static constexpr int ACC = BN / 2;  // f32 accumulators per consumer thread (64 rows x BN / 128)
     static constexpr int A_STAGE_BYTES = ROWS * gemm::BK * 2;
     static constexpr int B_STAGE_BYTES = BN * gemm::BK * 2;
@@ -70,17 +77,22 @@ template <int ROWS_, int BN_, int STAGES_> struct Cfg {
     static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
     // 128-byte swizzled stages start on 1024-byte boundaries
     static_assert(A_STAGE_BYTES % 1024 == 0 && B_STAGE_BYTES % 1024 == 0, "stage alignment");
+    // each block of a pair loads one half of B's rows ([N, K]: 128 of 256) or two of its four
+    // 64-column boxes ([K, N]); both halves start on 1024-byte boundaries
+    static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN == 256), "pairs share a 256-wide B tile");
 };
 using MainCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES>;
 using SkinnyCfg = Cfg<64, gemm::BN, 4>;
 using NarrowCfg = Cfg<64, 64, 8>;
 using NarrowTallCfg = Cfg<gemm::BM, 64, 8>;
+using PairCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES, 2>;
 static_assert(MainCfg::SMEM_BYTES == gemm::SMEM_BYTES && MainCfg::EPI_PITCH == gemm::EPI_PITCH,
               "the main build is the kernel's design");
 // mirrored by SKINNY_SMEM_BYTES and NARROW_SMEM_BYTES in mod.rs
 static_assert(SkinnyCfg::SMEM_BYTES == 198736, "layout mirrored by SKINNY_SMEM_BYTES in mod.rs");
 static_assert(NarrowCfg::SMEM_BYTES == 141456, "layout mirrored by NARROW_SMEM_BYTES in mod.rs");
 static_assert(NarrowTallCfg::SMEM_BYTES == 216208, "layout mirrored by NARROW_TALL_SMEM_BYTES in mod.rs");
+static_assert(PairCfg::SMEM_BYTES == MainCfg::SMEM_BYTES, "the pair build's layout is the main build's");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -259,6 +271,32 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
+// This block's rank in its cluster (0 outside clusters).
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// An arrival on the mbarrier at the same shared-memory offset in the cluster's block `cta`
+// (this block's own included), ordered after this thread's earlier reads of the stage.
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
+    asm volatile(
+        "{\n"
+        ".reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+        "}\n" ::"r"(bar),
+        "r"(cta)
+        : "memory");
+}
+
+// Every thread of every block of the cluster (the blocks' shared memory and mbarriers are
+// each other's: none may go before the other has stopped writing into it).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
 __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
     u32 done;
     asm volatile(
@@ -326,6 +364,16 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, u32 bar
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
             dst),
         "l"((u64)map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+// tma_load_2d into the same shared-memory offset of every block of the cluster in `mask`,
+// completing on the mbarrier at `bar`'s offset in each of them.
+__device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1, unsigned short mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, "
+        "%3}], [%4], %5;" ::"r"(dst),
+        "l"((u64)map), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
         : "memory");
 }
 
@@ -415,10 +463,17 @@ struct Unit {
     u32 kb0, kb1;  // k-blocks [kb0, kb1)
     u32 part;      // 0 for whole tiles and for the part that finishes a split tile
     u32 split;     // index among the split tiles, or NO_SPLIT
+    bool idle;     // the empty half of a pair (PAIR_IDLE): loads its share of B, computes nothing
 };
 constexpr u32 NO_SPLIT = 0xffffffffu;
+// An order entry with this bit is the pair build's block without a tile of its own beside its
+// partner's (an odd count of tiles in a column): the low bits name the partner's tile, whose B
+// columns it loads its half of; it loads no A, computes and stores nothing.
+constexpr u32 PAIR_IDLE = 0x80000000u;
 
-__device__ __forceinline__ Unit unit_at(const GemmParams& p, u32 u) {
+// Unit u of the call; PAIR_IDLE entries exist only in the pair build's orders (elsewhere the
+// bit is not looked at, so that the other builds' code is what it was).
+template <class C> __device__ __forceinline__ Unit unit_at(const GemmParams& p, u32 u) {
     const u32 k_blocks = (p.k + gemm::BK - 1) / gemm::BK;
     Unit w;
     u32 order_index;
@@ -436,7 +491,9 @@ __device__ __forceinline__ Unit unit_at(const GemmParams& p, u32 u) {
         w.kb0 = w.part * k_blocks / p.parts;
         w.kb1 = (w.part + 1) * k_blocks / p.parts;
     }
-    w.tile = p.order[order_index];
+    const u32 entry = p.order[order_index];
+    w.idle = C::CLUSTER > 1 && (entry & PAIR_IDLE) != 0;
+    w.tile = C::CLUSTER > 1 ? entry & ~PAIR_IDLE : entry;
     w.tm = w.tile / p.tiles_n;
     w.tn = w.tile % p.tiles_n;
     if (p.bands != nullptr) {
@@ -511,9 +568,10 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
     u32 landed = 0xffffffffu;  // the last band whose rows this block saw land
     u32 issued = 0;            // stages loaded at least once (at most STAGES)
     bool live = true;          // false once a wait gave up: no more loads
+    const u32 half = C::CLUSTER == 2 ? cluster_rank() : 0;  // this block's half of B
     for (u32 i = blockIdx.x; live && i < p.unit_count; i += gridDim.x) {
-        const Unit c = unit_at(p, i);
-        if (p.band_flags != nullptr && c.tm != landed) {
+        const Unit c = unit_at<C>(p, i);
+        if (p.band_flags != nullptr && !c.idle && c.tm != landed) {
             if (!band_wait(p, c.tm, c.tile)) break;
             landed = c.tm;
         }
@@ -527,11 +585,23 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
                 live = false;
                 break;
             }
-            // out-of-bounds parts of a box are zero-filled and still counted in bytes
-            mbar_expect_tx(full, C::STAGE_BYTES);
+            // out-of-bounds parts of a box are zero-filled and still counted in bytes; in a
+            // pair, the partner's half of B lands here too and counts on this barrier
+            mbar_expect_tx(full, c.idle ? C::B_STAGE_BYTES : C::STAGE_BYTES);
             const u32 a_dst = s.a + stage * C::A_STAGE_BYTES, b_dst = s.b + stage * C::B_STAGE_BYTES;
-            tma_load_2d(a_dst, a_map, full, kb * gemm::BK, a_row);
-            if (B_KN) {
+            if (!c.idle) tma_load_2d(a_dst, a_map, full, kb * gemm::BK, a_row);
+            if (C::CLUSTER == 2) {
+                // this block's half of the k-block's B, into both blocks' stages (their stage is
+                // free: the empty barrier counts both blocks' consumers)
+                if (B_KN) {
+#pragma unroll
+                    for (int j = 2 * half; j < 2 * half + 2; ++j)
+                        tma_load_2d_multicast(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kb * gemm::BK, 0x3);
+                } else {
+                    tma_load_2d_multicast(b_dst + half * (C::B_STAGE_BYTES / 2), &p.b, full, kb * gemm::BK,
+                                          c.tn * C::BN + half * (C::BN / 2), 0x3);
+                }
+            } else if (B_KN) {
                 // BN / 64 boxes of 64 (N) x 64 (K) side by side along N, 8 KiB each
 #pragma unroll
                 for (int j = 0; j < C::BN / 64; ++j)
@@ -559,6 +629,33 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         }
         const u64 start = global_timer_ns();
         while (!mbar_try_wait(s.full + 8 * stage, phase) && global_timer_ns() - start <= p.timeout_ns) {
+        }
+    }
+}
+
+// A consumer warpgroup is done with a stage: in a pair, with both blocks' copies of it (the
+// partner's producer multicasts into this block's stage only once this block's consumers have
+// let it go, and the other way round).
+template <class C> __device__ __forceinline__ void release_stage(u32 empty) {
+    if (C::CLUSTER == 1) {
+        mbar_arrive(empty);
+    } else {
+#pragma unroll
+        for (u32 cta = 0; cta < C::CLUSTER; ++cta) mbar_arrive_cluster(empty, cta);
+    }
+}
+
+// A consumer warpgroup's turn on the unit's stages without using them: wait for each to fill
+// and let it go.
+template <class C>
+__device__ __forceinline__ void pass_stages(const GemmParams& p, const Smem& s, const Unit& c, u32& stage, u32& phase,
+                                            bool leader) {
+    for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
+        mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
+        if (leader) release_stage<C>(s.empty + 8 * stage);
+        if (++stage == C::STAGES) {
+            stage = 0;
+            phase ^= 1;
         }
     }
 }
@@ -669,7 +766,15 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     u32 stage = 0, phase = 0, epi_phase = 0;
     float acc[C::ACC];
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
-        const Unit c = unit_at(p, i);
+        const Unit c = unit_at<C>(p, i);
+        // The idle half of a pair takes its turn on every stage (its partner's consumers wait
+        // for it to let each go) and has no tile to finish. A branch of its own: sharing the
+        // one below, ptxas serialised the wgmmas (the zeroed accumulators then reach the next
+        // tile's) or spilled (a flag kept through the main loop).
+        if (c.idle) {
+            pass_stages<C>(p, s, c, stage, phase, leader);
+            continue;
+        }
         // A warpgroup whose 64 rows all lie past the tile's last (M or a band ends within the
         // tile's first half) issues no matrix instruction: its accumulators stay zero and are
         // never stored (the storers stop at the tile's rows). It still takes its turn on every
@@ -677,14 +782,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         if (cw * 64 >= c.rows) {
 #pragma unroll
             for (int j = 0; j < C::ACC; ++j) acc[j] = 0.0f;
-            for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
-                mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
-                if (leader) mbar_arrive(s.empty + 8 * stage);
-                if (++stage == C::STAGES) {
-                    stage = 0;
-                    phase ^= 1;
-                }
-            }
+            pass_stages<C>(p, s, c, stage, phase, leader);
         } else {
             u32 prev = 0;
             for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
@@ -707,7 +805,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                 // keep this k-block's wgmmas in flight; the previous one's stage can be refilled
                 wgmma_wait<1>();
                 fence_acc<C::ACC>(acc);
-                if (kb > c.kb0 && leader) mbar_arrive(s.empty + 8 * prev);
+                if (kb > c.kb0 && leader) release_stage<C>(s.empty + 8 * prev);
                 prev = stage;
                 if (++stage == C::STAGES) {
                     stage = 0;
@@ -716,10 +814,19 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             }
             wgmma_wait<0>();
             fence_acc<C::ACC>(acc);
-            if (leader) mbar_arrive(s.empty + 8 * prev);
+            if (leader) release_stage<C>(s.empty + 8 * prev);
         }
         if (c.split != NO_SPLIT) {
             if (!split_partials<C>(p, c, acc)) continue;  // a helper part: no epilogue
+        }
+        // The tile's column, again from its index in the pair build: kept from the unit's
+        // start it is one more value live through the main loop beside the 128 accumulators
+        // and the pair's remote arrivals, and ptxas spilled it (the other builds keep it).
+        u32 tn = c.tn;
+        if (C::CLUSTER > 1) {
+            u32 tile = c.tile;
+            asm volatile("" : "+r"(tile));
+            tn = tile % p.tiles_n;
         }
 
         // Partials folded in (the owner's tiles of GEMM + reduce-scatter): wait until every
@@ -739,7 +846,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             const u64 row_step = (u64)route->fold_ld * sizeof(Out);
             const u64 fold_stride = route->fold_stride;
             // columns left of this thread's first one, and whether its two rows are in the band
-            const int lim = (int)p.n - (int)(c.tn * C::BN) - (int)(2 * (lane % 4));
+            const int lim = (int)p.n - (int)(tn * C::BN) - (int)(2 * (lane % 4));
             const bool in0 = row0 < c.rows, in1 = row0 + 8 < c.rows;
             // a thread's columns come in pairs; where every row of every partial starts on a
             // pair's boundary (the usual case: even ld and strides), a pair is one load
@@ -773,7 +880,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         const bool tile_bias = bias != nullptr && (route == nullptr || !(route->options & ROUTE_NO_BIAS));
 
         // epilogue arithmetic in registers, then stage the tile for the storers
-        const u32 g_row0 = c.row0 + row0, g_col0 = c.tn * C::BN;
+        const u32 g_row0 = c.row0 + row0, g_col0 = tn * C::BN;
 #pragma unroll
         for (int pass = 0; pass < PASSES; ++pass) {
             mbar_wait<ROLE_CONSUMER>(s.epi_empty, epi_phase ^ 1, p, c.tile, WAIT_EPI_EMPTY);
@@ -818,8 +925,8 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     constexpr int UNITS = PASS_COLS / VEC;  // 16-byte units per staged row
     u32 epi_phase = 0;
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
-        const Unit c = unit_at(p, i);
-        if (c.part != 0) continue;  // helper parts of a split tile stage nothing
+        const Unit c = unit_at<C>(p, i);
+        if (c.part != 0 || c.idle) continue;  // helper parts of a split tile and idle halves stage nothing
         TileRoute r;
         if (call_state.routes != nullptr) {
             r = call_state.routes[c.tile];
@@ -917,7 +1024,8 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     if (threadIdx.x == 0) {
         for (int i = 0; i < C::STAGES; ++i) {
             mbar_init(s.full + 8 * i, 1);             // the producer's expect_tx arrival (+ the TMA bytes)
-            mbar_init(s.empty + 8 * i, C::CONSUMERS);  // one arrival per consumer warpgroup
+            // one arrival per consumer warpgroup (of both blocks of a pair)
+            mbar_init(s.empty + 8 * i, C::CONSUMERS * C::CLUSTER);
         }
         mbar_init(s.epi_full, C::CONSUMERS * 128);  // every consumer thread has staged its fragment
         mbar_init(s.epi_empty, 1);   // the storers are done with the staged tile
@@ -936,6 +1044,9 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         }
     }
     __syncthreads();
+    // the partner multicasts into this block's stages and arrives on its barriers: not before
+    // they are initialised
+    if (C::CLUSTER > 1) cluster_sync();
     const u32 wg = threadIdx.x / 128;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
@@ -955,6 +1066,10 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     }
     // (the skinny build's third warpgroup has no rows to compute: it ends here, and no barrier
     // after the first counts it)
+    // A block of a pair leaves only with its partner: until then the partner's loads may still
+    // land in its stages and the partner's consumers arrive on its barriers. Every role's loop
+    // ends, bounded, also where a wait gave up, so both blocks get here.
+    if (C::CLUSTER > 1) cluster_sync();
 }
 
 #define COMMFUSE_GEMM_ENTRY(NAME, CFG, IN_T, OUT_T, KN)                                                 \
@@ -976,11 +1091,13 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     COMMFUSE_GEMM_ENTRY(PREFIX##f16_kn_f32, CFG, __half, float, true)
 
 // gemm_<input>_<B layout>_<output>: the main build; gemm_skinny_...: 128x256 tiles of at most
-// 64 rows; gemm_narrow_...: 128x64 tiles of at most 64 rows; gemm_narrow_tall_...: 128x64 tiles
+// 64 rows; gemm_narrow_...: 128x64 tiles of at most 64 rows; gemm_narrow_tall_...: 128x64 tiles;
+// gemm_pair_...: the main build in clusters of two sharing B (launched with a cluster size of 2)
 COMMFUSE_GEMM_ENTRIES(gemm_, MainCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_skinny_, SkinnyCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_, NarrowCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, NarrowTallCfg)
+COMMFUSE_GEMM_ENTRIES(gemm_pair_, PairCfg)
 
 // ---- a consumer of flagged tiles, for the GPU test of the release/acquire protocol -------------
 

@@ -76,21 +76,30 @@ pub enum GemmVariant {
     Narrow,
     /// All 128 rows of each [`NARROW_TILE`], two consumer warpgroups, 8 stages
     NarrowTall,
+    /// The main build in clusters of [`PAIR`] blocks whose tiles share their columns: each
+    /// block loads its A and half of the k-block's B, which TMA multicast writes into both
+    /// blocks' stages, so that an SM reads 32 KiB of each k-block from L2 instead of 48. The
+    /// host pairs the order's tiles column by column ([`pair_order`]); no split tail
+    Pair,
 }
+
+/// Blocks in a cluster of the pair build.
+pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 4] = [
+    pub const ALL: [GemmVariant; 5] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
         GemmVariant::NarrowTall,
+        GemmVariant::Pair,
     ];
 
     /// Rows of the A box and of the staged tile.
     fn rows(self) -> usize {
         match self {
-            GemmVariant::Main | GemmVariant::NarrowTall => TILE.m,
+            GemmVariant::Main | GemmVariant::NarrowTall | GemmVariant::Pair => TILE.m,
             GemmVariant::Skinny | GemmVariant::Narrow => SKINNY_ROWS,
         }
     }
@@ -98,14 +107,22 @@ impl GemmVariant {
     /// The tile of the plans it computes.
     pub fn tile(self) -> TileShape {
         match self {
-            GemmVariant::Main | GemmVariant::Skinny => TILE,
+            GemmVariant::Main | GemmVariant::Skinny | GemmVariant::Pair => TILE,
             GemmVariant::Narrow | GemmVariant::NarrowTall => NARROW_TILE,
+        }
+    }
+
+    /// Blocks per cluster of its launches (1: no clusters).
+    pub fn cluster(self) -> u32 {
+        match self {
+            GemmVariant::Pair => PAIR,
+            _ => 1,
         }
     }
 
     fn smem_bytes(self) -> u32 {
         match self {
-            GemmVariant::Main => SMEM_BYTES,
+            GemmVariant::Main | GemmVariant::Pair => SMEM_BYTES,
             GemmVariant::Skinny => SKINNY_SMEM_BYTES,
             GemmVariant::Narrow => NARROW_SMEM_BYTES,
             GemmVariant::NarrowTall => NARROW_TALL_SMEM_BYTES,
@@ -118,6 +135,7 @@ impl GemmVariant {
             GemmVariant::Skinny => "gemm_skinny_",
             GemmVariant::Narrow => "gemm_narrow_",
             GemmVariant::NarrowTall => "gemm_narrow_tall_",
+            GemmVariant::Pair => "gemm_pair_",
         }
     }
 
@@ -130,22 +148,25 @@ impl GemmVariant {
     /// up to four parts measured best where it was designed for (GEMM-NOTES.md, v3: a last,
     /// partial wave after whole ones); where the whole product is one partial wave (`one_wave`:
     /// fewer tiles than SMs, a small M) three parts were faster than four: 40.0 against 41.5 µs
-    /// at 128 × 8192 × 3584 (and 33.6 against 35.7 at 16 rows).
+    /// at 128 × 8192 × 3584 (and 33.6 against 35.7 at 16 rows). The pair build has no split
+    /// tail: both blocks of a cluster must run the same K range of every unit.
     pub fn max_parts(self, one_wave: bool) -> usize {
         match self {
             GemmVariant::Main if one_wave => 3,
             GemmVariant::Main => MAX_PARTS,
             GemmVariant::Skinny | GemmVariant::Narrow | GemmVariant::NarrowTall => 2,
+            GemmVariant::Pair => 1,
         }
     }
 
-    /// `main`, `skinny`, `narrow` or `narrow-tall`.
+    /// `main`, `skinny`, `narrow`, `narrow-tall` or `pair`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
             GemmVariant::Skinny => "skinny",
             GemmVariant::Narrow => "narrow",
             GemmVariant::NarrowTall => "narrow-tall",
+            GemmVariant::Pair => "pair",
         }
     }
 }
@@ -167,9 +188,12 @@ pub enum VariantChoice {
     /// [`NARROW_TILE`]s wherever M fits one band of them (M ≤ 128), else [`TILE`]s; the
     /// 64-row build wherever it can compute the plan, the 128-row one elsewhere
     Narrow,
+    /// [`TILE`]s; the pair build wherever a tile has more than [`SKINNY_ROWS`] rows, the
+    /// skinny one elsewhere (a plan of [`NARROW_TILE`]s: as [`VariantChoice::Main`])
+    Pair,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|auto` (default `auto`): the [`VariantChoice`] of
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|pair|auto` (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
 
@@ -193,26 +217,28 @@ pub fn narrow_pays(p: &commfuse_core::gemm::GemmProblem, sms: usize) -> bool {
 pub const NARROW_ROWS_MIN: usize = 16;
 
 impl VariantChoice {
-    /// The choice named `main`, `skinny`, `narrow` or `auto`.
+    /// The choice named `main`, `skinny`, `narrow`, `pair` or `auto`.
     pub fn parse(name: &str) -> Result<VariantChoice, CudaError> {
         match name {
             "auto" => Ok(VariantChoice::Auto),
             "main" => Ok(VariantChoice::Main),
             "skinny" => Ok(VariantChoice::Skinny),
             "narrow" => Ok(VariantChoice::Narrow),
+            "pair" => Ok(VariantChoice::Pair),
             _ => Err(unsupported(format!(
-                "{VARIANT_ENV} must be main, skinny, narrow or auto, got {name:?}"
+                "{VARIANT_ENV} must be main, skinny, narrow, pair or auto, got {name:?}"
             ))),
         }
     }
 
-    /// `main`, `skinny`, `narrow` or `auto`.
+    /// `main`, `skinny`, `narrow`, `pair` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
             VariantChoice::Main => "main",
             VariantChoice::Skinny => "skinny",
             VariantChoice::Narrow => "narrow",
+            VariantChoice::Pair => "pair",
         }
     }
 
@@ -221,7 +247,7 @@ impl VariantChoice {
         let narrow = match self {
             VariantChoice::Auto => narrow_pays(p, sms),
             VariantChoice::Narrow => p.m <= NARROW_TILE.m,
-            VariantChoice::Main | VariantChoice::Skinny => false,
+            VariantChoice::Main | VariantChoice::Skinny | VariantChoice::Pair => false,
         };
         if narrow {
             NARROW_TILE
@@ -236,6 +262,7 @@ impl VariantChoice {
     pub fn variant_for(self, plan: &GemmPlan) -> GemmVariant {
         let fits = tallest_band(plan) <= SKINNY_ROWS && self != VariantChoice::Main;
         match (plan.tile == NARROW_TILE, fits) {
+            (false, false) if self == VariantChoice::Pair => GemmVariant::Pair,
             (false, false) => GemmVariant::Main,
             (false, true) => GemmVariant::Skinny,
             (true, false) => GemmVariant::NarrowTall,
@@ -249,6 +276,7 @@ impl VariantChoice {
             VariantChoice::Main => 1,
             VariantChoice::Skinny => 2,
             VariantChoice::Narrow => 3,
+            VariantChoice::Pair => 4,
         }
     }
 
@@ -257,6 +285,7 @@ impl VariantChoice {
             1 => VariantChoice::Main,
             2 => VariantChoice::Skinny,
             3 => VariantChoice::Narrow,
+            4 => VariantChoice::Pair,
             _ => VariantChoice::Auto,
         }
     }
@@ -516,6 +545,42 @@ pub fn tail_split(tiles: usize, grid: usize, k_blocks: usize, max_parts: usize) 
     } else {
         (parts, rem)
     }
+}
+
+/// Mirrors `PAIR_IDLE` in gemm.cu: an order entry of the pair build whose block has no tile
+/// of its own; the low bits name its partner's tile, whose B columns it helps load.
+pub const PAIR_IDLE: u32 = 0x8000_0000;
+/// How far ahead in the order [`pair_order`] looks for a tile's partner.
+const PAIR_WINDOW: usize = 16;
+
+/// The pair build's order: `order` (tile indices over a grid `tiles_n` tiles wide) as
+/// consecutive pairs of tiles of one column, the two units that the two blocks of a cluster run
+/// together. Each tile, in turn, takes as its partner the first tile not yet placed among the
+/// next [`PAIR_WINDOW`] of the order that lies in its column (in a grouped order: the tile
+/// below it), so that tiles keep about their place; a tile with none is paired with an idle
+/// entry (its own index with [`PAIR_IDLE`]).
+pub fn pair_order(order: &[usize], tiles_n: usize) -> Vec<u32> {
+    let tiles_n = tiles_n.max(1);
+    let mut placed = vec![false; order.len()];
+    let mut paired = Vec::with_capacity(order.len() + order.len() % 2);
+    for i in 0..order.len() {
+        if placed[i] {
+            continue;
+        }
+        placed[i] = true;
+        let t = order[i];
+        let end = order.len().min(i + 1 + PAIR_WINDOW);
+        let partner = (i + 1..end).find(|&j| !placed[j] && order[j] % tiles_n == t % tiles_n);
+        paired.push(t as u32);
+        match partner {
+            Some(j) => {
+                placed[j] = true;
+                paired.push(order[j] as u32);
+            }
+            None => paired.push(t as u32 | PAIR_IDLE),
+        }
+    }
+    paired
 }
 
 fn type_name(d: DType) -> &'static str {
@@ -841,12 +906,13 @@ impl PreparedGemm {
         let a = a_map(ops.a, p.input, p.k, p.m, variant)?;
         let mut b_padded = None;
         let b = match p.b_layout {
+            // a block of a pair loads half of the tile's rows of B
             BLayout::NK => tensor_map_2d(
                 ops.b,
                 half,
                 (p.k as u64, p.n as u64),
                 2 * p.k as u64,
-                (BK as u32, variant.tile().n as u32),
+                (BK as u32, variant.tile().n as u32 / variant.cluster()),
             )?,
             BLayout::KN => {
                 let ld = p.n.next_multiple_of(8);
@@ -868,7 +934,6 @@ impl PreparedGemm {
             }
         };
         // one table: the order (u32), then, 64-byte aligned, the routes, then the row bands (u32)
-        let order_bytes = (4 * plan.order.len()).next_multiple_of(64);
         let route_bytes = routes
             .as_ref()
             .map_or(0, |r| std::mem::size_of_val(r.as_slice()))
@@ -878,8 +943,13 @@ impl PreparedGemm {
             .as_ref()
             .map(|b| b.iter().map(|&r| r as u32).collect());
         let band_bytes = bands.as_ref().map_or(0, |b| 4 * b.len());
+        let order: Vec<u32> = if variant == GemmVariant::Pair {
+            pair_order(&plan.order, plan.tile_grid().1)
+        } else {
+            plan.order.iter().map(|&t| t as u32).collect()
+        };
+        let order_bytes = (4 * order.len()).next_multiple_of(64);
         let tables = DeviceMemory::zeroed(gpu, order_bytes + route_bytes + band_bytes)?;
-        let order: Vec<u32> = plan.order.iter().map(|&t| t as u32).collect();
         let mut bytes = vec![0u8; order_bytes + route_bytes + band_bytes];
         if let Some(b) = &bands {
             bytes[order_bytes + route_bytes..].copy_from_slice(bytemuck::cast_slice(b));
@@ -912,8 +982,18 @@ impl PreparedGemm {
         // small M) are one partial wave, cut along K so that the idle SMs share the work
         let one_wave = tiles < cap as usize;
         let max_parts = variant.max_parts(one_wave);
-        let (parts, split) = tail_split(tiles, cap as usize, p.k.div_ceil(BK), max_parts);
-        let grid = cap.min((tiles - split + split * parts) as u32).max(1);
+        // the pair build's units are the entries of its paired order, and its grid whole
+        // clusters that fit on the GPU at once
+        let units = order.len();
+        let cap = match variant.cluster() {
+            1 => cap,
+            c => {
+                let clusters = function.max_active_clusters(THREADS, variant.smem_bytes(), c)?;
+                (cap / c).min(clusters).max(1) * c
+            }
+        };
+        let (parts, split) = tail_split(units, cap as usize, p.k.div_ceil(BK), max_parts);
+        let grid = cap.min((units - split + split * parts) as u32).max(1);
         // the helpers' partial tiles (a whole tile of f32 each) and one counter per split tile
         let partial_bytes = split * (parts - 1) * plan.tile.m * plan.tile.n * 4;
         let workspace = DeviceMemory::zeroed(gpu, partial_bytes + 4 * split)?;
@@ -960,9 +1040,9 @@ impl PreparedGemm {
             beta: e.beta,
             accumulate: e.accumulate as u32,
             rank: rank as u32,
-            full_units: (tiles - split) as u32,
+            full_units: (units - split) as u32,
             parts: parts as u32,
-            unit_count: (tiles - split + split * parts) as u32,
+            unit_count: (units - split + split * parts) as u32,
             call_options: 0,
             workspace: workspace.addr(),
             counters: workspace.addr() + partial_bytes as u64,
@@ -1093,7 +1173,16 @@ impl PreparedGemm {
     /// # Safety
     /// As [`PreparedGemm::launch_call`], for the addresses in `params`.
     unsafe fn queue(&self, stream: &Stream, params: &GemmParams) -> Result<(), CudaError> {
-        if self.cooperative {
+        if self.variant.cluster() > 1 {
+            self.function.launch_cluster_with_smem(
+                self.grid,
+                THREADS,
+                self.variant.smem_bytes(),
+                self.variant.cluster(),
+                stream,
+                params,
+            )?;
+        } else if self.cooperative {
             self.function.launch_cooperative_with_smem(
                 self.grid,
                 THREADS,
@@ -1576,12 +1665,15 @@ mod tests {
             assert_eq!(VariantChoice::Auto.variant_for(&plan), want, "{bands:?}");
             assert_eq!(VariantChoice::Skinny.variant_for(&plan), want, "{bands:?}");
             assert_eq!(VariantChoice::Main.variant_for(&plan), Main, "{bands:?}");
+            let pair = if fits { Skinny } else { GemmVariant::Pair };
+            assert_eq!(VariantChoice::Pair.variant_for(&plan), pair, "{bands:?}");
         }
         for (name, choice) in [
             ("auto", VariantChoice::Auto),
             ("main", VariantChoice::Main),
             ("skinny", VariantChoice::Skinny),
             ("narrow", VariantChoice::Narrow),
+            ("pair", VariantChoice::Pair),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -1590,7 +1682,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, pair or auto, got \"Skinny\""
             ),
             "{e}"
         );
@@ -1623,6 +1715,8 @@ mod tests {
                 NarrowTall,
                 "{bands:?}"
             );
+            let pair = if fits { Narrow } else { NarrowTall };
+            assert_eq!(VariantChoice::Pair.variant_for(&plan), pair, "{bands:?}");
         }
         for v in GemmVariant::ALL {
             let rows = if matches!(v, Narrow | GemmVariant::Skinny) {
@@ -1661,6 +1755,95 @@ mod tests {
         assert_eq!(tile(VariantChoice::Narrow, 64, 28672), NARROW_TILE);
         assert_eq!(tile(VariantChoice::Auto, 64, 66 * 256), NARROW_TILE);
         assert_eq!(tile(VariantChoice::Auto, 64, 66 * 256 + 1), TILE);
+    }
+
+    /// Checks that `paired` is a pairing of `order` over a grid `tiles_n` wide: consecutive
+    /// pairs of one column, every tile of the order once, idle entries only second in a pair
+    /// and naming their partner; returns the count of idle entries.
+    fn check_pairing(order: &[usize], paired: &[u32], tiles_n: usize) -> usize {
+        assert_eq!(paired.len() % 2, 0, "{paired:?}");
+        let mut seen = vec![0; order.iter().max().map_or(0, |&t| t + 1)];
+        let mut idle = 0;
+        for pair in paired.chunks(2) {
+            let (first, second) = (pair[0], pair[1]);
+            assert_eq!(first & PAIR_IDLE, 0, "{pair:?}: an idle entry first");
+            seen[first as usize] += 1;
+            if second & PAIR_IDLE != 0 {
+                idle += 1;
+                assert_eq!(
+                    second & !PAIR_IDLE,
+                    first,
+                    "{pair:?}: idle names another tile"
+                );
+            } else {
+                seen[second as usize] += 1;
+                assert_eq!(
+                    first as usize % tiles_n,
+                    second as usize % tiles_n,
+                    "{pair:?}: tiles of two columns"
+                );
+            }
+        }
+        for &t in order {
+            assert_eq!(seen[t], 1, "tile {t} placed {} times", seen[t]);
+        }
+        assert_eq!(seen.iter().sum::<usize>(), order.len());
+        idle
+    }
+
+    #[test]
+    fn the_pair_build_runs_tiles_of_one_column_side_by_side() {
+        use commfuse_core::gemm::grouped_order_of_grid;
+        // grouped orders (bands of 8 tile rows walked column by column): every tile finds the
+        // one below it, except in an odd last band
+        for (tm, tn, idle) in [
+            (32, 32, 0),
+            (16, 32, 0),
+            (8, 4, 0),
+            (3, 5, 5),
+            (11, 7, 7),
+            (1, 9, 9),
+        ] {
+            let order = grouped_order_of_grid(tm, tn, 8);
+            let paired = pair_order(&order, tn);
+            assert_eq!(check_pairing(&order, &paired, tn), idle, "{tm}×{tn}");
+            if idle == 0 {
+                // the pairs are the order's own neighbours, in the order's sequence
+                let flat: Vec<usize> = paired.iter().map(|&t| t as usize).collect();
+                assert_eq!(flat, order, "{tm}×{tn}");
+            }
+        }
+        // any order: a shuffled one, one column, one row, a single tile
+        let mut order: Vec<usize> = (0..60).collect();
+        let mut x = 12345u64;
+        for i in (1..order.len()).rev() {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            order.swap(i, (x >> 33) as usize % (i + 1));
+        }
+        for tn in [1, 4, 7, 60] {
+            check_pairing(&order, &pair_order(&order, tn), tn);
+        }
+        assert_eq!(pair_order(&[0], 1), vec![0, PAIR_IDLE]);
+        // a partner at the window's end is taken, one beyond it is not pulled forward
+        let order: Vec<usize> = (0..2 * PAIR_WINDOW + 2).collect();
+        let far = pair_order(&order, PAIR_WINDOW);
+        assert_eq!(
+            &far[..4],
+            &[0, PAIR_WINDOW as u32, 1, PAIR_WINDOW as u32 + 1]
+        );
+        assert_eq!(check_pairing(&order, &far, PAIR_WINDOW), 2);
+        let beyond = pair_order(&order, PAIR_WINDOW + 1);
+        assert_eq!(&beyond[..2], &[0, PAIR_IDLE]);
+        assert_eq!(check_pairing(&order, &beyond, PAIR_WINDOW + 1), order.len());
+        // no split tail, clusters of two, the main build's tiles and memory
+        assert_eq!(GemmVariant::Pair.max_parts(true), 1);
+        assert_eq!(GemmVariant::Pair.max_parts(false), 1);
+        assert_eq!(GemmVariant::Pair.cluster(), PAIR);
+        assert_eq!(GemmVariant::Main.cluster(), 1);
+        assert_eq!(GemmVariant::Pair.tile(), TILE);
+        assert_eq!(GemmVariant::Pair.smem_bytes(), SMEM_BYTES);
     }
 
     #[test]

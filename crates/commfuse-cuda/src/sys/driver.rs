@@ -1119,6 +1119,64 @@ impl Function {
         )
     }
 
+    /// [`Function::launch_with_smem`] in thread-block clusters of `cluster` blocks (a 1-D grid,
+    /// a multiple of `cluster`): the blocks of a cluster run at once on one GPC and may read,
+    /// write and arrive on each other's shared memory (TMA multicast, remote mbarriers).
+    ///
+    /// # Safety
+    /// As for [`Function::launch`], and the kernel must be written for clusters of that size.
+    pub unsafe fn launch_cluster_with_smem<P>(
+        &self,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        cluster: u32,
+        stream: &Stream,
+        params: &P,
+    ) -> Result<(), CudaError> {
+        self.launch_with_attribute(
+            "cuLaunchKernelEx(cluster)",
+            (grid, block, smem),
+            stream,
+            params,
+            cluster_attribute(cluster),
+        )
+    }
+
+    /// Clusters of `cluster` blocks of `block` threads and `smem` bytes of dynamic shared
+    /// memory that the GPU can hold at once (what sizes a persistent grid of clusters).
+    pub fn max_active_clusters(
+        &self,
+        block: u32,
+        smem: u32,
+        cluster: u32,
+    ) -> Result<u32, CudaError> {
+        let mut attr = cluster_attribute(cluster);
+        let config = sys::CUlaunchConfig {
+            gridDimX: cluster,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: std::ptr::null_mut(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n = 0;
+        // SAFETY: live function, a config that outlives the call, an out-parameter
+        check("cuOccupancyMaxActiveClusters", unsafe {
+            sys::cuOccupancyMaxActiveClusters(&mut n, self.raw, &config)
+        })?;
+        if n <= 0 {
+            return Err(CudaError::Unavailable(format!(
+                "no cluster of {cluster} blocks of {block} threads and {smem} bytes of shared memory fits on this GPU"
+            )));
+        }
+        Ok(n as u32)
+    }
+
     /// [`Function::launch`] with programmatic stream serialization (programmatic dependent
     /// launch): the kernel may be scheduled before the kernel ahead of it on `stream` has
     /// finished — once every block of that one has exited or let it (`allow_next_grid` in
@@ -1181,6 +1239,19 @@ impl Function {
             sys::cuLaunchKernelEx(&config, self.raw, args.as_mut_ptr(), std::ptr::null_mut())
         })
     }
+}
+
+/// The launch attribute of a 1-D cluster of `blocks` blocks.
+fn cluster_attribute(blocks: u32) -> sys::CUlaunchAttribute {
+    // SAFETY: all-zero is a valid attribute (IGNORE) and value union
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+        x: blocks,
+        y: 1,
+        z: 1,
+    };
+    attr
 }
 
 /// Stream-ordered copies and fills: the work a caller queues between calls (new inputs,
