@@ -34,9 +34,11 @@ pub struct GemmRow {
     pub n: usize,
     pub k: usize,
     pub sms: u32,
-    /// The build of our kernel that ran (`main`, `skinny`, `narrow`, `narrow-tall`; none for
-    /// cuBLASLt)
+    /// The build of our kernel that ran (`main`, `skinny`, `narrow`, `narrow-tall`, `pair`;
+    /// none for cuBLASLt)
     pub build: Option<String>,
+    /// Blocks of our kernel's persistent grid (none for cuBLASLt)
+    pub grid: Option<u32>,
     pub time_ms: f64,
     pub tflops: f64,
     /// Elements checked against the float64 reference
@@ -349,6 +351,7 @@ fn run<T: Element>(
             k: p.k,
             sms: v.cap,
             build: v.gemm.map(|g| g.variant().name().to_string()),
+            grid: v.gemm.map(PreparedGemm::grid),
             time_ms,
             tflops: p.flops() / (time_ms * 1e-3) / 1e12,
             checked: check.checked,

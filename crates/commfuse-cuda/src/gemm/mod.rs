@@ -1089,6 +1089,12 @@ impl PreparedGemm {
         self.variant
     }
 
+    /// Blocks of its persistent grid (at most the SMs, or the cap; whole clusters of the pair
+    /// build that fit at once).
+    pub fn grid(&self) -> u32 {
+        self.grid
+    }
+
     /// Where this GEMM's tile routes are on the device (0 for none): what a GEMM of the other
     /// set takes as [`CallNumber::Device`]'s `routes_alt`.
     pub fn routes_addr(&self) -> u64 {
