@@ -27,19 +27,17 @@ namespace gemm {
 constexpr int BM = 128;
 constexpr int BN = 256;
 constexpr int BK = 64;  // 64 16-bit elements = one 128-byte swizzle row
-constexpr int STAGES = 4;
+constexpr int STAGES = 3;
 constexpr int A_STAGE_BYTES = BM * BK * 2;
 constexpr int B_STAGE_BYTES = BN * BK * 2;
-// The staging buffer: one consumer warpgroup's 64 rows of the tile at a time, rows of 512 bytes
-// (256 16-bit or 128 f32 elements) plus 16 bytes of padding, which makes the consumers'
-// fragment stores free of bank conflicts. Half a tile, so that a fourth stage fits.
-constexpr int EPI_ROWS = 64;
+// The staged tile: 128 rows of 512 bytes (256 16-bit or 128 f32 elements) plus 16 bytes of
+// padding, which makes the consumers' fragment stores free of bank conflicts.
 constexpr int EPI_PITCH = 528;
-constexpr int EPI_BYTES = EPI_ROWS * EPI_PITCH;
+constexpr int EPI_BYTES = BM * EPI_PITCH;
 constexpr int THREADS = 384;
 constexpr int STORERS = 96;
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * (A_STAGE_BYTES + B_STAGE_BYTES) +
-                           EPI_BYTES + 8 * (2 * STAGES + 2 * (BM / 64));
+                           EPI_BYTES + 8 * (2 * STAGES + 2);
 static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
 }  // namespace gemm
 
@@ -70,13 +68,10 @@ template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1> struct Cfg {
     static constexpr int B_STAGE_BYTES = BN * gemm::BK * 2;
     static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
     // A staged row: BN 16-bit (or BN / 2 f32) elements plus 16 bytes of padding, which makes the
-    // consumers' fragment stores free of bank conflicts (8 rows 4 banks apart). The buffer holds
-    // one consumer warpgroup's 64 rows: the warpgroups take turns (see consumer and storer).
+    // consumers' fragment stores free of bank conflicts (8 rows 4 banks apart)
     static constexpr int EPI_PITCH = BN * 2 + 16;
-    static constexpr int EPI_BYTES = gemm::EPI_ROWS * EPI_PITCH;
-    // the stages' full and empty barriers, then each consumer warpgroup's pair of staging
-    // barriers (staged: its rows are in the buffer; granted: the buffer is its to fill)
-    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + 8 * (2 * STAGES + 2 * CONSUMERS);
+    static constexpr int EPI_BYTES = ROWS * EPI_PITCH;
+    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + 8 * (2 * STAGES + 2);
     static_assert(ROWS == 64 || ROWS == gemm::BM, "a build computes one or two 64-row halves of a tile");
     static_assert(BN == 64 || BN == 128 || BN == 256, "a tile is one wgmma's N wide");
     static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
@@ -96,8 +91,7 @@ static_assert(MainCfg::SMEM_BYTES == gemm::SMEM_BYTES && MainCfg::EPI_PITCH == g
 // mirrored by SKINNY_SMEM_BYTES and NARROW_SMEM_BYTES in mod.rs
 static_assert(SkinnyCfg::SMEM_BYTES == 198736, "layout mirrored by SKINNY_SMEM_BYTES in mod.rs");
 static_assert(NarrowCfg::SMEM_BYTES == 141456, "layout mirrored by NARROW_SMEM_BYTES in mod.rs");
-static_assert(NarrowTallCfg::SMEM_BYTES == 207008, "layout mirrored by NARROW_TALL_SMEM_BYTES in mod.rs");
-static_assert(MainCfg::SMEM_BYTES == 231520, "layout mirrored by SMEM_BYTES in mod.rs");
+static_assert(NarrowTallCfg::SMEM_BYTES == 216208, "layout mirrored by NARROW_TALL_SMEM_BYTES in mod.rs");
 static_assert(PairCfg::SMEM_BYTES == MainCfg::SMEM_BYTES, "the pair build's layout is the main build's");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
@@ -322,8 +316,6 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
 }
 
 // What a stalled pipeline wait was waiting for (ErrorRecord.slot).
-// (WAIT_EPI_EMPTY: a consumer warpgroup waited for its turn on the staging buffer;
-// WAIT_EPI_FULL: the storers waited for a warpgroup's rows.)
 enum PipelineWait { WAIT_STAGE_EMPTY = 0, WAIT_STAGE_FULL = 1, WAIT_EPI_EMPTY = 2, WAIT_EPI_FULL = 3, WAIT_PARTIALS = 4, WAIT_FOLD_FLAG = 5, WAIT_BAND_FLAG = 6 };
 
 // A pipeline wait that never completes is a bug (a lost TMA, a miscounted barrier): record
@@ -569,19 +561,10 @@ __device__ __forceinline__ bool band_wait(const GemmParams& p, u32 band, u32 til
 
 struct Smem {
     u32 a, b;                     // stage 0 of A and of B (shared-window addresses)
-    unsigned char* epi;           // the staging buffer (one consumer warpgroup's rows)
+    unsigned char* epi;           // the staged tile
     u32 full, empty;              // mbarrier arrays, 8 bytes apart
-    // per consumer warpgroup, 8 bytes apart: its rows are staged (its 128 threads arrive);
-    // the buffer is granted to it (the storers arrive once done with the previous rows)
-    u32 staged, granted;
+    u32 epi_full, epi_empty;
 };
-
-// The staging buffer passes round a ring: consumer warpgroup 0's passes, then 1's, then the
-// next tile's 0's ... (f32 tiles take two passes of half the columns per warpgroup). Whose
-// turn follows a pass of warpgroup `cw`: the storers grant the buffer to it.
-template <class C, int PASSES> __device__ __forceinline__ u32 next_turn(u32 cw, int pass) {
-    return pass + 1 < PASSES ? cw : (cw + 1) % C::CONSUMERS;
-}
 
 template <class C, bool B_KN>
 __device__ void producer(const GemmParams& p, const Smem& s) {
@@ -784,11 +767,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     const bool leader = threadIdx.x % 128 == 0;
     const Out* c_mat = (const Out*)p.c;
     const Out* bias = (const Out*)p.bias;
-    u32 stage = 0, phase = 0;
-    // the parity of the next grant of the buffer to wait for: warpgroup 0 holds it first (a
-    // fresh barrier's parity-1 wait passes at once), the others wait for the storers' grant
-    u32 grant_phase = cw == 0 ? 1 : 0;
-    const u32 srow0 = warp * 16 + lane / 4;  // this thread's first row in the staging buffer
+    u32 stage = 0, phase = 0, epi_phase = 0;
     float acc[C::ACC];
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
@@ -844,17 +823,14 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         if (c.split != NO_SPLIT) {
             if (!split_partials<C>(p, c, acc)) continue;  // a helper part: no epilogue
         }
-        // The tile's column and first row, again from its index in the pair build: kept from
-        // the unit's start they are more values live through the main loop beside the 128
-        // accumulators and the pair's remote arrivals, and ptxas spilled them (the other
-        // builds keep them).
-        u32 tn = c.tn, tile_row0 = c.row0;
+        // The tile's column, again from its index in the pair build: kept from the unit's
+        // start it is one more value live through the main loop beside the 128 accumulators
+        // and the pair's remote arrivals, and ptxas spilled it (the other builds keep it).
+        u32 tn = c.tn;
         if (C::CLUSTER > 1) {
             u32 tile = c.tile;
             asm volatile("" : "+r"(tile));
             tn = tile % p.tiles_n;
-            const u32 tm = tile / p.tiles_n;
-            tile_row0 = p.bands != nullptr ? p.bands[tm] : tm * gemm::BM;
         }
 
         // Partials folded in (the owner's tiles of GEMM + reduce-scatter): wait until every
@@ -908,10 +884,10 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         const bool tile_bias = bias != nullptr && (route == nullptr || !(route->options & ROUTE_NO_BIAS));
 
         // epilogue arithmetic in registers, then stage the tile for the storers
-        const u32 g_row0 = tile_row0 + row0, g_col0 = tn * C::BN;
+        const u32 g_row0 = c.row0 + row0, g_col0 = tn * C::BN;
 #pragma unroll
         for (int pass = 0; pass < PASSES; ++pass) {
-            mbar_wait<ROLE_CONSUMER>(s.granted + 8 * cw, grant_phase, p, c.tile, WAIT_EPI_EMPTY);
+            mbar_wait<ROLE_CONSUMER>(s.epi_empty, epi_phase ^ 1, p, c.tile, WAIT_EPI_EMPTY);
             // Decided here, per pass, from the uniform parameters rather than once before the tile
             // loop: a flag kept from the start lives through the main loop beside the 128
             // accumulators and was spilled to the stack under setmaxnreg 224 (f32 output).
@@ -931,14 +907,14 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                         if (gc < p.n) v0 += Elem<Out>::to_f32(bias[gc]);
                         if (gc + 1 < p.n) v1 += Elem<Out>::to_f32(bias[gc + 1]);
                     }
-                    store_pair<Out>(s.epi + (srow0 + 8 * h) * C::EPI_PITCH + (col - pass * PASS_COLS) * sizeof(Out), v0,
+                    store_pair<Out>(s.epi + (row0 + 8 * h) * C::EPI_PITCH + (col - pass * PASS_COLS) * sizeof(Out), v0,
                                     v1);
                 }
             }
             // the staged tile is read by the TMA engine (async proxy): order our generic writes first
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            mbar_arrive(s.staged + 8 * cw);
-            grant_phase ^= 1;
+            mbar_arrive(s.epi_full);
+            epi_phase ^= 1;
         }
     }
 }
@@ -951,9 +927,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     constexpr int PASS_COLS = C::BN / PASSES;
     constexpr int VEC = 16 / sizeof(Out);  // elements per 16-byte store
     constexpr int UNITS = PASS_COLS / VEC;  // 16-byte units per staged row
-    u32 staged_phase[C::CONSUMERS];
-#pragma unroll
-    for (int w = 0; w < C::CONSUMERS; ++w) staged_phase[w] = 0;
+    u32 epi_phase = 0;
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
         if (c.part != 0 || c.idle) continue;  // helper parts of a split tile and idle halves stage nothing
@@ -973,32 +947,25 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
         // when they are whole 16-byte units; accumulation and ragged or unaligned rows take the
         // per-thread path.
         const bool bulk = vec_ok && !p.accumulate && cols % VEC == 0;
-        // each consumer warpgroup's 64 rows in turn, in the ring's order (next_turn)
-#pragma unroll
-        for (int w = 0; w < C::CONSUMERS; ++w) {
-        // the tile's rows this turn holds: [w * 64, w * 64 + turn_rows)
-        const u32 turn_rows = rows > w * gemm::EPI_ROWS ? min(gemm::EPI_ROWS, (int)(rows - w * gemm::EPI_ROWS)) : 0;
         for (int pass = 0; pass < PASSES; ++pass) {
             // a block that gave up stores nothing more (the staged tile may be anything)
-            const bool store =
-                mbar_wait<ROLE_WG0>(s.staged + 8 * w, staged_phase[w], p, c.tile, WAIT_EPI_FULL) && !block_stopped();
-            staged_phase[w] ^= 1;
+            const bool store = mbar_wait<ROLE_WG0>(s.epi_full, epi_phase, p, c.tile, WAIT_EPI_FULL) && !block_stopped();
             const int pass_cols = min(PASS_COLS, (int)cols - pass * PASS_COLS);
             if (store && bulk) {
                 if (t < 32 && pass_cols > 0) {
-                    for (u32 row = t; row < turn_rows; row += 32) {
-                        bulk_store(r.dst + ((u64)(w * gemm::EPI_ROWS + row) * r.ld + pass * PASS_COLS) * sizeof(Out),
+                    for (u32 row = t; row < rows; row += 32) {
+                        bulk_store(r.dst + ((u64)row * r.ld + pass * PASS_COLS) * sizeof(Out),
                                    smem_u32(s.epi + row * C::EPI_PITCH), pass_cols * sizeof(Out));
                     }
                     bulk_commit();
                     bulk_wait_read();
                 }
             } else if (store) {
-                for (u32 u = t; u < gemm::EPI_ROWS * UNITS; u += gemm::STORERS) {
+                for (u32 u = t; u < C::ROWS * UNITS; u += gemm::STORERS) {
                     const u32 row = u / UNITS, unit = u % UNITS, col = pass * PASS_COLS + unit * VEC;
-                    if (row >= turn_rows || col >= cols) continue;
+                    if (row >= rows || col >= cols) continue;
                     const unsigned char* src = s.epi + row * C::EPI_PITCH + unit * 16;
-                    Out* dst = (Out*)r.dst + (size_t)(w * gemm::EPI_ROWS + row) * r.ld + col;
+                    Out* dst = (Out*)r.dst + (size_t)row * r.ld + col;
                     if (vec_ok && col + VEC <= cols) {
                         uint4 v = *(const uint4*)src;
                         if (p.accumulate) v = add_vec<Out>(v, *(const uint4*)dst);
@@ -1012,9 +979,9 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
                     }
                 }
             }
-            storers_sync();  // every storer is done reading the staged rows
-            if (t == 0) mbar_arrive(s.granted + 8 * next_turn<C, PASSES>(w, pass));
-        }
+            storers_sync();  // every storer is done reading the staged tile
+            if (t == 0) mbar_arrive(s.epi_empty);
+            epi_phase ^= 1;
         }
         if (r.flag != 0 && t < 32) {
             if (bulk) {
@@ -1056,18 +1023,16 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     s.epi = base + C::STAGES * C::STAGE_BYTES;
     s.full = smem_u32(s.epi + C::EPI_BYTES);
     s.empty = s.full + 8 * C::STAGES;
-    s.staged = s.empty + 8 * C::STAGES;
-    s.granted = s.staged + 8 * C::CONSUMERS;
+    s.epi_full = s.empty + 8 * C::STAGES;
+    s.epi_empty = s.epi_full + 8;
     if (threadIdx.x == 0) {
         for (int i = 0; i < C::STAGES; ++i) {
             mbar_init(s.full + 8 * i, 1);             // the producer's expect_tx arrival (+ the TMA bytes)
             // one arrival per consumer warpgroup (of both blocks of a pair)
             mbar_init(s.empty + 8 * i, C::CONSUMERS * C::CLUSTER);
         }
-        for (int w = 0; w < C::CONSUMERS; ++w) {
-            mbar_init(s.staged + 8 * w, 128);  // every thread of the warpgroup has staged its fragment
-            mbar_init(s.granted + 8 * w, 1);   // the storers are done with the rows staged before
-        }
+        mbar_init(s.epi_full, C::CONSUMERS * 128);  // every consumer thread has staged its fragment
+        mbar_init(s.epi_empty, 1);   // the storers are done with the staged tile
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b) : "memory");

@@ -34,19 +34,16 @@ pub const TILE: TileShape = commfuse_core::gemm::KERNEL_TILE;
 /// tile, a quarter of their width makes four times as many (N = 8192: 128 instead of 32).
 pub const NARROW_TILE: TileShape = TileShape { m: 128, n: 64 };
 const THREADS: u32 = 384;
-const STAGES: u32 = 4;
+const STAGES: u32 = 3;
 /// K depth of one pipeline stage (one 128-byte swizzle row of 16-bit elements).
 const BK: usize = 64;
-/// Rows of the staging buffer: one consumer warpgroup's (`gemm::EPI_ROWS` in gemm.cu).
-const EPI_ROWS: u32 = 64;
 /// Mirrors `Cfg::SMEM_BYTES` in gemm.cu for a build of `rows` × `cols` tiles and `stages`
-/// stages: alignment slack, the stages, the staging buffer (64 rows of 2 · `cols` + 16 bytes:
-/// the consumer warpgroups stage their rows in turn) and the mbarriers (two per stage, two per
-/// consumer warpgroup).
+/// stages: alignment slack, the stages, the staged tile (rows of 2 · `cols` + 16 bytes) and
+/// the mbarriers.
 const fn smem_bytes(rows: usize, cols: usize, stages: u32) -> u32 {
     1024 + stages * ((rows + cols) * BK * 2) as u32
-        + EPI_ROWS * (2 * cols as u32 + 16)
-        + 8 * (2 * stages + 2 * (rows as u32 / 64))
+        + rows as u32 * (2 * cols as u32 + 16)
+        + 8 * (2 * stages + 2)
 }
 /// Mirrors `gemm::SMEM_BYTES` in gemm.cu.
 const SMEM_BYTES: u32 = smem_bytes(TILE.m, TILE.n, STAGES);
@@ -68,7 +65,7 @@ const NARROW_TALL_SMEM_BYTES: u32 = smem_bytes(NARROW_TILE.m, NARROW_TILE.n, NAR
 /// Which build of the kernel a [`PreparedGemm`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmVariant {
-    /// All 128 rows of each [`TILE`], two consumer warpgroups, 4 pipeline stages
+    /// All 128 rows of each [`TILE`], two consumer warpgroups, 3 pipeline stages
     Main,
     /// The first [`SKINNY_ROWS`] rows of each [`TILE`], one consumer warpgroup, 4 stages: for
     /// plans whose tiles have no more rows (decode sizes), where the main build's second
@@ -1602,11 +1599,10 @@ mod tests {
         assert_eq!(std::mem::offset_of!(GemmParams, routes_alt), 408);
         assert_eq!(std::mem::size_of::<CallCounter>(), 16);
         const { assert!(SMEM_BYTES <= 227 * 1024) };
-        // MainCfg, SkinnyCfg, NarrowCfg and NarrowTallCfg::SMEM_BYTES, static_asserts in gemm.cu
-        assert_eq!(SMEM_BYTES, 231520);
+        // SkinnyCfg, NarrowCfg and NarrowTallCfg::SMEM_BYTES, static_asserts in gemm.cu
         assert_eq!(SKINNY_SMEM_BYTES, 198736);
         assert_eq!(NARROW_SMEM_BYTES, 141456);
-        assert_eq!(NARROW_TALL_SMEM_BYTES, 207008);
+        assert_eq!(NARROW_TALL_SMEM_BYTES, 216208);
         const { assert!(NARROW_TALL_SMEM_BYTES <= 227 * 1024) };
     }
 
