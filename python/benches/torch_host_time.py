@@ -81,6 +81,10 @@ def main():
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
         chunk = torch.randn(max(m // world, 1), k, device=dev, dtype=torch.bfloat16)
         x = torch.randn(m * n, device=dev, dtype=torch.bfloat16)
+        # this rank's chunk of x (reduce-scatter's output, all-gather's input), and an output
+        # the shape of x (all-to-all's)
+        part = torch.randn(m * n // world, device=dev, dtype=torch.bfloat16)
+        out = torch.empty_like(x)
         rows += [
             (f"gemm_reduce_scatter {m}x{n}x{k}", {
                 "commfuse": lambda a=a, w=w: cf.gemm_reduce_scatter(a, w.t(), path="fused"),
@@ -97,7 +101,29 @@ def main():
             (f"all_reduce {m * n} bf16", {
                 "commfuse": lambda x=x: cf.all_reduce(x),
                 "commfuse op": lambda x=x: ops.all_reduce_(x, "sum", name, "auto"),
+                "commfuse op, new tensor": lambda x=x: ops.all_reduce(x, "sum", name, "auto"),
                 "torch.distributed": lambda x=x: dist.all_reduce(x),
+            }),
+            (f"reduce_scatter {m * n} bf16", {
+                "commfuse": lambda x=x, y=part: cf.reduce_scatter(y, x),
+                "commfuse op": lambda x=x, y=part: ops.reduce_scatter_into(
+                    y, x, "sum", name, "auto"),
+                "commfuse op, new tensor": lambda x=x: ops.reduce_scatter(
+                    x, "sum", name, "auto"),
+                "torch.distributed": lambda x=x, y=part: dist.reduce_scatter_tensor(y, x),
+            }),
+            (f"all_gather {m * n} bf16", {
+                "commfuse": lambda x=x, y=part: cf.all_gather(x, y),
+                "commfuse op": lambda x=x, y=part: ops.all_gather_into(x, y, name, "auto"),
+                "commfuse op, new tensor": lambda x=x, y=part: ops.all_gather(
+                    y, x.shape[0], name, "auto"),
+                "torch.distributed": lambda x=x, y=part: dist.all_gather_into_tensor(x, y),
+            }),
+            (f"all_to_all {m * n} bf16", {
+                "commfuse": lambda x=x, y=out: cf.all_to_all(y, x),
+                "commfuse op": lambda x=x, y=out: ops.all_to_all_into(y, x, name, "auto"),
+                "commfuse op, new tensor": lambda x=x: ops.all_to_all(x, name, "auto"),
+                "torch.distributed": lambda x=x, y=out: dist.all_to_all_single(y, x),
             }),
         ]
     results = []

@@ -7,7 +7,8 @@
 //   other call goes below autograd to the op's next kernel, as an autograd kernel of
 //   PyTorch's own does (version counters of mutated tensors bumped once).
 // * The CUDA kernel (the ops whose calls Python prepares: GEMM + reduce-scatter, all-gather +
-//   GEMM, the in-place all-reduce): looks up the call's signature (every argument but the
+//   GEMM, the collectives in their three forms: in place, into a new tensor and into a given
+//   one): looks up the call's signature (every argument but the
 //   tensors' data) in a table of prepared calls; a prepared call allocates the outputs and
 //   queues the operator through its C function (`python/src/native.rs`); a signature not in the
 //   table runs the twin's CUDA kernel, Python's general path, which then tells the table what
@@ -43,8 +44,11 @@ using GemmFn = int (*)(const void*, const GemmCall*, char*, size_t);
 using CollectiveFn = int (*)(const void*, const CollectiveCall*, char*, size_t);
 using ReleaseFn = void (*)(const void*);
 
-// What the CUDA kernel of an op does with its arguments (`commfuse_native_kernel`'s `kind`)
-enum Kind : int { GEMM_RS = 0, AG_GEMM = 1, ALL_REDUCE_INPLACE = 2 };
+// What the CUDA kernel of an op does with its arguments (`commfuse_native_kernel`'s `kind`):
+// the GEMMs (A, B, bias, ...; a new output, and the gathered A); the all-reduce in place (its
+// first argument); a collective into a new tensor of the input's type (the input first); a
+// collective into a given tensor (the output first, then the input)
+enum Kind : int { GEMM_RS = 0, AG_GEMM = 1, ALL_REDUCE_INPLACE = 2, COLLECTIVE = 3, COLLECTIVE_INTO = 4 };
 
 // A prepared call: the operator (null: the signature's calls take Python's general path) and
 // the outputs it writes
@@ -85,9 +89,12 @@ thread_local c10::ScalarType pending_dtype = c10::ScalarType::Undefined;
 // Where the GEMM ops' schemas hold out_dtype (checked when the kernel is registered)
 constexpr size_t out_dtype_index(Kind k) { return k == GEMM_RS ? 4 : 5; }
 
-// The output type of a GEMM call: out_dtype's, else A's
-c10::ScalarType gemm_out_dtype(Kind k, torch::jit::Stack* stack, size_t n_args) {
+// The type of the new output of a call: a GEMM's out_dtype, else A's; a collective's input's;
+// none for the kinds that make no new tensor
+c10::ScalarType out_dtype(Kind k, torch::jit::Stack* stack, size_t n_args) {
   auto args = torch::jit::last(*stack, n_args);
+  if (k == COLLECTIVE) return args[0].toTensor().scalar_type();
+  if (k != GEMM_RS && k != AG_GEMM) return c10::ScalarType::Undefined;
   const auto& given = args[out_dtype_index(k)];
   return given.isNone() ? args[0].toTensor().scalar_type() : given.toScalarType();
 }
@@ -210,11 +217,20 @@ void run_prepared(const Prepared& p, torch::jit::Stack* stack, size_t n_args) {
   const at::Tensor& first = args[0].toTensor();
   const c10::Device device = first.device();
   const uint64_t stream = reinterpret_cast<uintptr_t>(current_stream(device));
-  if constexpr (K == ALL_REDUCE_INPLACE) {
-    const CollectiveCall call{address(first), address(first), stream};
+  if constexpr (K == ALL_REDUCE_INPLACE || K == COLLECTIVE_INTO) {
+    // in place, or (output, input, ...)
+    const uint64_t input = K == ALL_REDUCE_INPLACE ? address(first) : address(args[1].toTensor());
+    const CollectiveCall call{input, address(first), stream};
     check(reinterpret_cast<CollectiveFn>(p.call)(p.handle, &call, message, sizeof message),
           message);
     torch::jit::drop(*stack, n_args);
+  } else if constexpr (K == COLLECTIVE) {
+    at::Tensor out = at::empty(p.out_shape, at::TensorOptions().dtype(p.out_dtype).device(device));
+    const CollectiveCall call{address(first), address(out), stream};
+    check(reinterpret_cast<CollectiveFn>(p.call)(p.handle, &call, message, sizeof message),
+          message);
+    torch::jit::drop(*stack, n_args);
+    torch::jit::push(*stack, std::move(out));
   } else {
     const at::Tensor& b = args[1].toTensor();
     const uint64_t bias = args[2].isNone() ? 0 : address(args[2].toTensor());
@@ -260,7 +276,7 @@ void prepared_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
   if (first) {
     pending = std::move(key);
     has_pending = true;
-    if constexpr (K != ALL_REDUCE_INPLACE) pending_dtype = gemm_out_dtype(K, stack, n_args);
+    pending_dtype = out_dtype(K, stack, n_args);
   } else {
     has_pending = false;
   }
@@ -350,6 +366,13 @@ COMMFUSE_EXPORT int commfuse_native_kernel(const char* op, int kind, char* error
       case ALL_REDUCE_INPLACE:
         lib.impl(op, torch::CppFunction::makeFromBoxedFunction<
                          &prepared_kernel<ALL_REDUCE_INPLACE>>());
+        break;
+      case COLLECTIVE:
+        lib.impl(op, torch::CppFunction::makeFromBoxedFunction<&prepared_kernel<COLLECTIVE>>());
+        break;
+      case COLLECTIVE_INTO:
+        lib.impl(op,
+                 torch::CppFunction::makeFromBoxedFunction<&prepared_kernel<COLLECTIVE_INTO>>());
         break;
       default:
         throw std::invalid_argument("commfuse_native_kernel: unknown kind " +

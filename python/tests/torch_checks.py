@@ -263,15 +263,20 @@ def eager_calls_back_to_back(rank, world, dtype, seed):
 
 def op_calls_back_to_back(rank, world, dtype, seed):
     """The ``torch.ops.commfuse`` ops without gradients (what compiled models call; on CUDA
-    with the C++ dispatcher kernels, their prepared calls): each signature called twice to
-    build and prepare it, then four times in a row with new inputs and nothing synchronised
-    between them, every output against float64. With the C++ kernels on CUDA, those four
-    rounds are served by their table alone, and clearing the cache empties it."""
+    with the C++ dispatcher kernels, their prepared calls): the two GEMMs and every collective
+    in each of its forms (in place, into a new tensor, into a given one), each signature called
+    twice to build and prepare it, then four times in a row with new inputs and nothing
+    synchronised between them, every output against float64. With the C++ kernels on CUDA,
+    those four rounds are served by their table alone, and clearing the cache empties it."""
     from commfuse.torch import _native
 
     ops, name = torch.ops.commfuse, dist.group.WORLD.group_name
     n, k, m = 32, 16, 3 * world + 1
     rows = rows_of(m, world)
+    # the collectives' messages: 2·world rows of 8 (every rank's chunk whole rows)
+    c_rows, c_inner = 2 * world, 8
+    mine = slice(2 * rank, 2 * rank + 2)
+    per_round = 10
     native = DEVICE.type == "cuda" and _native.loaded
     # (where torch.distributed serves the group, every signature stays with Python)
     prepared = native and cf.served_by(DEVICE) == "commfuse"
@@ -286,14 +291,43 @@ def op_calls_back_to_back(rank, world, dtype, seed):
                                           None, name, m, None, 1, "overlapped", True)
         t = _on(a[rank][0], torch.float32)
         ops.all_reduce_(t, "sum", name, "commfuse")
-        return y, z, gathered, t, a, b, bias
+        xs = operands(s + 3, [(c_rows, c_inner)] * world)
+        x = _on(xs[rank], dtype)
+        coll = {
+            "all_reduce": ops.all_reduce(x, "sum", name, "commfuse"),
+            "reduce_scatter": ops.reduce_scatter(x, "sum", name, "commfuse"),
+            "all_gather": ops.all_gather(x[mine], c_rows, name, "commfuse"),
+            "all_to_all": ops.all_to_all(x, name, "commfuse"),
+        }
+        into = {kind: torch.full_like(want_like, float("nan"))
+                for kind, want_like in (("reduce_scatter_into", x[mine]), ("all_gather_into", x),
+                                        ("all_to_all_into", x))}
+        ops.reduce_scatter_into(into["reduce_scatter_into"], x, "sum", name, "commfuse")
+        ops.all_gather_into(into["all_gather_into"], x[mine], name, "commfuse")
+        ops.all_to_all_into(into["all_to_all_into"], x, name, "commfuse")
+        return y, z, gathered, t, a, b, bias, xs, coll, into
+
+    def check_collectives(call, xs, coll, into):
+        total, scale = sum(xs), sum(v.abs() for v in xs)
+        # all-to-all: chunk r of every rank's flattened x, rank by rank
+        swapped = torch.cat([v.flatten().chunk(world)[rank] for v in xs]).view(c_rows, c_inner)
+        gathered = torch.cat([v[2 * r:2 * r + 2] for r, v in enumerate(xs)])
+        check(f"op all_reduce call {call}", coll["all_reduce"], total, scale, dtype)
+        for kind in ("reduce_scatter", "reduce_scatter_into"):
+            got = coll.get(kind, into.get(kind))
+            check(f"op {kind} call {call}", got, total[mine], scale[mine], dtype)
+        for kind, want in (("all_gather", gathered), ("all_gather_into", gathered),
+                           ("all_to_all", swapped), ("all_to_all_into", swapped)):
+            got = coll.get(kind, into.get(kind))
+            assert torch.equal(got.double().cpu(), want), f"op {kind} call {call}"
 
     for warm in range(2):
         calls(seed - 1 - warm)
     before = _native.counts()
-    outs = [calls(seed + 3 * call) for call in range(4)]
+    outs = [calls(seed + 5 * call) for call in range(4)]
     after = _native.counts()
-    for call, (y, z, gathered, t, a, b, bias) in enumerate(outs):
+    for call, (y, z, gathered, t, a, b, bias, xs, coll, into) in enumerate(outs):
+        check_collectives(call, xs, coll, into)
         total = sum(x @ w.t() for x, w in zip(a, b))
         scale = sum(x.abs() @ w.abs().t() for x, w in zip(a, b))
         check(f"op gemm_reduce_scatter call {call}", y, (total + bias)[rows[rank]],
@@ -304,13 +338,16 @@ def op_calls_back_to_back(rank, world, dtype, seed):
         check(f"op all_reduce_ call {call}", t, sum(x[0] for x in a),
               sum(x[0].abs() for x in a), torch.float32)
     hits, misses = after[1] - before[1], after[2] - before[2]
+    calls_made = 4 * per_round
     if native and not prepared:
-        assert (hits, misses) == (0, 12), \
-            f"the C++ kernels served {hits} of 12 calls that torch.distributed serves"
+        assert (hits, misses) == (0, calls_made), \
+            f"the C++ kernels served {hits} of {calls_made} calls that torch.distributed serves"
     if prepared:
-        assert (hits, misses) == (12, 0), \
-            f"the C++ kernels served {hits} of 12 prepared calls ({misses} went to Python)"
-        assert after[0] >= 3, f"the C++ table holds {after[0]} prepared calls, not 3"
+        assert (hits, misses) == (calls_made, 0), \
+            f"the C++ kernels served {hits} of {calls_made} prepared calls ({misses} went to" \
+            " Python)"
+        assert after[0] >= per_round, \
+            f"the C++ table holds {after[0]} prepared calls, not {per_round}"
         # (every rank's calls done before any frees the buffers its peers read)
         torch.cuda.synchronize()
         dist.barrier()

@@ -256,8 +256,12 @@ def _into_collective(kind: str, op_name: str, output, input, reduce, group, path
     _vector(output, "output")
     name = name_of(group)
     _choice("path", path, _COLLECTIVE_PATHS)
-    if _eager():
-        _ops.collective_impl(kind, output, input, reduce, name, path)
+    if not _NATIVE and _eager():
+        # the op's own prepared call, without the dispatcher (with the C++ kernels loaded the
+        # op is the shorter road)
+        _prepared.collective_into(
+            op_name, kind, output, input, reduce, name, path,
+            lambda: _ops.collective_impl(kind, output, input, reduce, name, path))
     else:
         getattr(torch.ops.commfuse, op_name)(output, input, *rest, name, path)
     return output

@@ -91,7 +91,7 @@ class Op:
         implementation, then the table told what later calls of this signature take."""
         _native.last = None
         result = self.impl(*args)
-        _native.bind(_native.last)
+        _native.bind(_native.last, self.name)
         return result
 
     def register_fake(self, fake: Callable) -> Callable:

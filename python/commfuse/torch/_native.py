@@ -1,8 +1,9 @@
 """The dispatcher kernels in C++ (``python/native/dispatch.cpp``, built by
 ``scripts/build-torch-native.sh`` into ``_dispatch.so`` beside this file): with them, a
-steady-state call of ``torch.ops.commfuse.gemm_reduce_scatter``, ``all_gather_gemm`` or
-``all_reduce_`` on CUDA tensors goes from the dispatcher to commfuse's operator without entering
-Python, and every op's autograd kernel is C++ until a gradient is needed.
+steady-state call of ``torch.ops.commfuse.gemm_reduce_scatter``, ``all_gather_gemm`` or of a
+collective (``all_reduce_``, ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all``
+and the ``*_into`` forms) on CUDA tensors goes from the dispatcher to commfuse's operator
+without entering Python, and every op's autograd kernel is C++ until a gradient is needed.
 
 The library is loaded when it was built for the PyTorch version that runs (it links against
 PyTorch's C++ libraries); otherwise the same ops run from Python (``_library.py`` defines both
@@ -26,8 +27,9 @@ from .. import _operators
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-#: The CUDA kernels the library has (``Kind`` in dispatch.cpp)
-GEMM_RS, AG_GEMM, ALL_REDUCE_INPLACE = 0, 1, 2
+#: The CUDA kernels the library has (``Kind`` in dispatch.cpp): the two GEMMs, the all-reduce
+#: in place, a collective into a new tensor, a collective into a given one (output, input)
+GEMM_RS, AG_GEMM, ALL_REDUCE_INPLACE, COLLECTIVE, COLLECTIVE_INTO = 0, 1, 2, 3, 4
 
 #: What the last prepared call of this thread resolved to (set by ``_prepared``)
 last = None
@@ -101,15 +103,17 @@ def _shape(dims) -> tuple:
     return (ctypes.c_int64 * max(len(dims), 1))(*dims), len(dims)
 
 
-def bind(entry) -> None:
-    """Tells the C++ table what the signature whose miss this thread is serving takes: the
-    operator of ``entry.native`` (an operator object with ``native()``, the output's shape,
-    the gathered A's shape or None, whether the gathered A is written, the rows M), or — for
-    anything else — Python's general path."""
+def bind(entry, op: str) -> None:
+    """Tells the C++ table what the signature whose miss this thread is serving, a call of
+    ``commfuse::<op>``, takes: the operator of ``entry.native`` (an operator object with
+    ``native()``, the output's shape, the gathered A's shape or None, whether the gathered A is
+    written, the rows M) where ``entry`` was prepared for a call of that op, or — for anything
+    else (no entry, or one that an op this one called on its way left) — Python's general
+    path."""
     if _lib is None or not _lib.commfuse_native_pending():
         return
     spec = getattr(entry, "native", None)
-    if spec is None:
+    if spec is None or getattr(entry, "op", None) != op:
         empty, _ = _shape(())
         _lib.commfuse_native_bind(None, 0, None, empty, 0, empty, 0, 0, 0)
         return

@@ -258,18 +258,27 @@ all_gather_gemm.register_autograd(_ag_gemm_backward, setup_context=_ag_gemm_setu
 # collectives that return a new tensor (differentiable), rows of dim 0 split over the group
 
 
+def _shape(x) -> tuple:
+    """``x``'s shape, or () for what is not a tensor (its general path says what is wrong)."""
+    return tuple(x.shape) if isinstance(x, Tensor) else ()
+
+
 def _flat_rows_agree(rows: int, inner: int, world: int) -> bool:
     """Whether splitting ``rows`` × ``inner`` elements as a flat vector gives every rank whole
     rows (what the flat collectives can then do for a split along dim 0)."""
     return inner == 1 or rows % world == 0
 
 
-@op(mutates_args=())
+@op(mutates_args=(), native=_native.COLLECTIVE)
 def all_reduce(x: Tensor, op: str, group_name: str, path: str) -> Tensor:
     """The element-wise ``op`` of every rank's ``x``, as a new tensor."""
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    collective_impl("all-reduce", out, x, op, group_name, path)
-    return out
+    def general():
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        collective_impl("all-reduce", out, x, op, group_name, path)
+        return out
+
+    return _prepared.collective("all_reduce", "all-reduce", x, op, group_name, path,
+                                _shape(x), (), general)
 
 
 @all_reduce.register_fake
@@ -291,20 +300,26 @@ def _all_reduce_backward(ctx, dy):
 all_reduce.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
 
 
-@op(mutates_args=())
+@op(mutates_args=(), native=_native.COLLECTIVE)
 def reduce_scatter(x: Tensor, op: str, group_name: str, path: str) -> Tensor:
     """This rank's rows (dim 0 split as ``torch.tensor_split`` splits it) of the element-wise
     ``op`` of every rank's ``x``."""
     g = by_name(group_name)
     rows, inner = x.shape[0], math.prod(x.shape[1:])
     mine = chunk_rows(rows, g.world, g.rank)
-    if _flat_rows_agree(rows, inner, g.world):
-        out = x.new_empty((mine,) + tuple(x.shape[1:]))
+    if not _flat_rows_agree(rows, inner, g.world):
+        total = all_reduce(x, op, group_name, path)
+        start = chunk_start(rows, g.world, g.rank)
+        return total[start:start + mine].clone()
+    shape = (mine,) + tuple(x.shape[1:])
+
+    def general():
+        out = x.new_empty(shape)
         collective_impl("reduce-scatter", out, x, op, group_name, path)
         return out
-    total = all_reduce(x, op, group_name, path)
-    start = chunk_start(rows, g.world, g.rank)
-    return total[start:start + mine].clone()
+
+    return _prepared.collective("reduce_scatter", "reduce-scatter", x, op, group_name, path,
+                                shape, (), general)
 
 
 @reduce_scatter.register_fake
@@ -328,7 +343,7 @@ def _reduce_scatter_backward(ctx, dy):
 reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce_scatter_setup)
 
 
-@op(mutates_args=())
+@op(mutates_args=(), native=_native.COLLECTIVE)
 def all_gather(x: Tensor, rows: int, group_name: str, path: str) -> Tensor:
     """Every rank's ``x`` concatenated along dim 0 into ``rows`` rows (rank r holds its chunk
     of them, as ``torch.tensor_split`` splits them)."""
@@ -337,12 +352,17 @@ def all_gather(x: Tensor, rows: int, group_name: str, path: str) -> Tensor:
     if chunk_rows(rows, g.world, g.rank) != x.shape[0]:
         raise ValueError(f"all_gather: this rank holds {x.shape[0]} rows, its chunk of {rows}"
                          f" has {chunk_rows(rows, g.world, g.rank)}")
-    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    shape = (rows,) + tuple(x.shape[1:])
     if _flat_rows_agree(rows, inner, g.world):
-        collective_impl("all-gather", out, x, "sum", group_name, path)
-        return out
+        def general():
+            out = x.new_empty(shape)
+            collective_impl("all-gather", out, x, "sum", group_name, path)
+            return out
+
+        return _prepared.collective("all_gather", "all-gather", x, "sum", group_name, path,
+                                    shape, (rows,), general)
     # whole rows of unequal chunks: this rank's rows in place, zeros elsewhere, summed
-    out.zero_()
+    out = x.new_zeros(shape)
     start = chunk_start(rows, g.world, g.rank)
     out[start:start + x.shape[0]] = x
     return all_reduce(out, "sum", group_name, path)
@@ -364,7 +384,7 @@ def _all_gather_backward(ctx, dy):
 all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
 
 
-@op(mutates_args=())
+@op(mutates_args=(), native=_native.COLLECTIVE)
 def all_to_all(x: Tensor, group_name: str, path: str) -> Tensor:
     """Chunk j of this rank's flattened ``x`` to rank j; the result (shaped as ``x``) holds
     chunk r of every rank's, rank by rank. ``x`` splits into equal chunks."""
@@ -372,9 +392,14 @@ def all_to_all(x: Tensor, group_name: str, path: str) -> Tensor:
     if x.numel() % world:
         raise ValueError(f"all_to_all_single: {x.numel()} elements do not split into"
                          f" {world} equal chunks (commfuse.torch.all_to_all takes unequal ones)")
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    collective_impl("all-to-all", out, x, "sum", group_name, path)
-    return out
+
+    def general():
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        collective_impl("all-to-all", out, x, "sum", group_name, path)
+        return out
+
+    return _prepared.collective("all_to_all", "all-to-all", x, "sum", group_name, path,
+                                _shape(x), (), general)
 
 
 @all_to_all.register_fake
@@ -415,11 +440,13 @@ def _(tensor, op, group_name, path):
     return None
 
 
-@op(mutates_args=("output",))
+@op(mutates_args=("output",), native=_native.COLLECTIVE_INTO)
 def reduce_scatter_into(output: Tensor, input: Tensor, op: str, group_name: str,
                         path: str) -> None:
     """``dist.reduce_scatter_tensor`` with flat chunks: see ``commfuse.torch.reduce_scatter``."""
-    collective_impl("reduce-scatter", output, input, op, group_name, path)
+    _prepared.collective_into(
+        "reduce_scatter_into", "reduce-scatter", output, input, op, group_name, path,
+        lambda: collective_impl("reduce-scatter", output, input, op, group_name, path))
 
 
 @reduce_scatter_into.register_fake
@@ -427,10 +454,12 @@ def _(output, input, op, group_name, path):
     return None
 
 
-@op(mutates_args=("output",))
+@op(mutates_args=("output",), native=_native.COLLECTIVE_INTO)
 def all_gather_into(output: Tensor, input: Tensor, group_name: str, path: str) -> None:
     """``dist.all_gather_into_tensor`` with flat chunks: see ``commfuse.torch.all_gather``."""
-    collective_impl("all-gather", output, input, "sum", group_name, path)
+    _prepared.collective_into(
+        "all_gather_into", "all-gather", output, input, "sum", group_name, path,
+        lambda: collective_impl("all-gather", output, input, "sum", group_name, path))
 
 
 @all_gather_into.register_fake
@@ -438,10 +467,12 @@ def _(output, input, group_name, path):
     return None
 
 
-@op(mutates_args=("output",))
+@op(mutates_args=("output",), native=_native.COLLECTIVE_INTO)
 def all_to_all_into(output: Tensor, input: Tensor, group_name: str, path: str) -> None:
     """``dist.all_to_all_single`` with equal splits: see ``commfuse.torch.all_to_all``."""
-    collective_impl("all-to-all", output, input, "sum", group_name, path)
+    _prepared.collective_into(
+        "all_to_all_into", "all-to-all", output, input, "sum", group_name, path,
+        lambda: collective_impl("all-to-all", output, input, "sum", group_name, path))
 
 
 @all_to_all_into.register_fake

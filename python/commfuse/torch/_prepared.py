@@ -33,12 +33,15 @@ _generation = -1
 class Prepared:
     """What the calls of one signature take: ``call(*args)`` (None: the general path) and, for
     the C++ kernels, ``native`` = (operator, output shape, gathered shape or None, whether the
-    gathered A is written, rows M), or None where they take Python's path."""
+    gathered A is written, rows M), or None where they take Python's path; ``op``: the op
+    (``commfuse::<op>``) whose calls it serves, which alone may bind it in the C++ table (an
+    op's implementation may run another's on its way)."""
 
-    __slots__ = ("call", "native")
+    __slots__ = ("call", "native", "op")
 
-    def __init__(self, call: Optional[Callable], native: Optional[tuple] = None):
-        self.call, self.native = call, native
+    def __init__(self, call: Optional[Callable], native: Optional[tuple] = None,
+                 op: Optional[str] = None):
+        self.call, self.native, self.op = call, native, op
 
 
 # what a signature maps to when its calls cannot skip the general path
@@ -112,7 +115,7 @@ def gemm_reduce_scatter(a, b, bias, name, out_dtype, path, pieces, numa_groups, 
                     None if bias is None else bias.data_ptr())
             return out
 
-        return Prepared(call, (op, shape, None, False, m))
+        return Prepared(call, (op, shape, None, False, m), "gemm_reduce_scatter")
 
     return _run(key, (a, b, bias), general, prepare)
 
@@ -146,7 +149,8 @@ def all_gather_gemm(a, b, bias, name, m, out_dtype, pieces, path, return_a, gene
             return out, gathered
 
         # the op's second output is the gathered A, or [0, K] when not asked for
-        return Prepared(call, (op, shape, gathered_shape or (0, g.k), return_a, rows))
+        return Prepared(call, (op, shape, gathered_shape or (0, g.k), return_a, rows),
+                        "all_gather_gemm")
 
     return _run(key, (a, b, bias), general, prepare)
 
@@ -169,7 +173,7 @@ def all_reduce(tensor, op, name, path, general):
             def call(t):
                 forward(t.data_ptr(), t.data_ptr(), stream_of(index))
 
-            return Prepared(call, (operator, (), None, False, 0))
+            return Prepared(call, (operator, (), None, False, 0), "all_reduce_")
         reduce = DIST_OPS[op]
 
         def call(t):
@@ -178,6 +182,92 @@ def all_reduce(tensor, op, name, path, general):
         return Prepared(call)
 
     _run(key, (tensor,), general, prepare)
+
+
+def _even(kind: str, count: int, in_count: int, out_count: int, world: int) -> bool:
+    """Whether collective ``kind`` of ``count`` elements splits evenly over the group, as
+    ``_gpu.collective_into`` asks it."""
+    if kind == "all-reduce":
+        return True
+    if kind == "all-to-all":
+        return count % world == 0 and out_count == count
+    small = in_count if kind == "all-gather" else out_count
+    return count % world == 0 and small * world == count
+
+
+def _collective_operator(kind: str, input, out_shape, reduce: str, name: str, path: str):
+    """The operator that ``_gpu.collective_into`` runs for ``input`` into a contiguous output
+    of ``out_shape`` (input's dtype and device), where commfuse's kernels take it straight from
+    the caller's tensors; else None."""
+    group = by_name(name)
+    if not (input.is_cuda and input.is_contiguous() and group.served_by(input.device) == KERNELS):
+        return None
+    out_count = 1
+    for d in out_shape:
+        out_count *= d
+    count = out_count if kind == "all-gather" else input.numel()
+    pg = group.process_group
+    even = _even(kind, count, input.numel(), out_count, group.world)
+    if _gpu.route(kind, count, input.dtype, pg, even, path) != "commfuse":
+        return None
+    operator = _gpu._collective(kind, count, input, pg, reduce)
+    if operator.lengths() != (input.numel(), out_count):
+        return None
+    return operator
+
+
+def collective(op: str, kind: str, x, reduce: str, name: str, path: str, out_shape, extra,
+               general):
+    """``commfuse::<op>``: collective ``kind`` of ``x`` into a new tensor of ``out_shape``
+    (computed by the caller from the call's arguments, ``extra`` those of them beyond ``x``,
+    the reduction, the group and the path); ``general()`` is the op's whole implementation."""
+    try:
+        key = (op, name, x.shape, x.dtype, x.device, x.is_contiguous(), reduce, path, extra)
+    except AttributeError:
+        return general()  # not a tensor: the general path says what is wrong
+
+    def prepare():
+        operator = _collective_operator(kind, x, out_shape, reduce, name, path)
+        if operator is None:
+            return None
+        forward, shape, dtype, device = operator.forward, tuple(out_shape), x.dtype, x.device
+        index, stream_of = device.index, _gpu.stream_of
+
+        def call(x):
+            out = torch.empty(shape, dtype=dtype, device=device)
+            forward(x.data_ptr(), out.data_ptr(), stream_of(index))
+            return out
+
+        return Prepared(call, (operator, shape, None, False, 0), op)
+
+    return _run(key, (x,), general, prepare)
+
+
+def collective_into(op: str, kind: str, output, input, reduce: str, name: str, path: str,
+                    general):
+    """``commfuse::<op>``: collective ``kind`` of ``input`` into ``output``, as
+    :func:`collective`."""
+    try:
+        key = (op, name, output.shape, output.dtype, output.device, output.is_contiguous(),
+               input.shape, input.dtype, input.device, input.is_contiguous(), reduce, path)
+    except AttributeError:
+        return general()
+
+    def prepare():
+        if not (output.is_contiguous() and output.dtype == input.dtype
+                and output.device == input.device):
+            return None
+        operator = _collective_operator(kind, input, output.shape, reduce, name, path)
+        if operator is None:
+            return None
+        forward, index, stream_of = operator.forward, input.device.index, _gpu.stream_of
+
+        def call(output, input):
+            forward(input.data_ptr(), output.data_ptr(), stream_of(index))
+
+        return Prepared(call, (operator, (), None, False, 0), op)
+
+    return _run(key, (output, input), general, prepare)
 
 
 def clear() -> None:
