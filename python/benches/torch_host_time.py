@@ -9,7 +9,8 @@ interleaved round by round. GPU time: the same call captured ``--graph-calls`` t
 CUDA graph, replayed, timed by CUDA events (the slowest rank's median). commfuse's rows: the
 public function (which skips the dispatcher when no gradient is needed and nothing is being
 compiled) and the ``torch.ops.commfuse`` op itself (what a compiled or differentiated model
-calls). ``COMMFUSE_TORCH_NATIVE=0`` measures the op with its kernels in Python instead of the
+calls: for the collectives the form ``torch.distributed``'s call has, in place or into a given
+tensor, and beside it the op that returns a new tensor). ``COMMFUSE_TORCH_NATIVE=0`` measures the op with its kernels in Python instead of the
 C++ dispatcher kernels (``commfuse/torch/_native.py``); the output says which ran."""
 
 import argparse
