@@ -121,15 +121,18 @@ fn member_ended(m: &Member, pid_ns: u64) -> Option<u64> {
 /// Creates the group's object `path` (`/commfuse-{name}`) of `len` bytes, zeroed, as rank 0,
 /// and records this process as its rank 0 in the header first, so that a rank that finds the
 /// object can tell whether its maker still runs before it is set up. An object of that name
-/// left by a rank 0 whose process has ended before its group formed is removed first; any
-/// other is an error.
+/// left by a rank 0 whose process has ended before its group formed is removed first, and one
+/// still too short for its header is given until it is [`ABANDONED`] to be set up (a rank 0
+/// killed between creating it and recording itself leaves one; a new group of the same name,
+/// formed at once by the ranks that survived, waits that long for it); any other is an error.
 fn create(
     path: &CString,
     name: &str,
     len: usize,
     pid_ns: u64,
 ) -> Result<libc::c_int, BackendError> {
-    let mut retried = false;
+    // a left object removed, then one found young and empty waited for: at most twice
+    let mut retries = 0;
     loop {
         // SAFETY: a NUL-terminated name; the flags create it or fail if it exists
         let fd = unsafe {
@@ -141,9 +144,19 @@ fn create(
         };
         if fd < 0 {
             let e = std::io::Error::last_os_error();
-            if !retried && e.raw_os_error() == Some(libc::EEXIST) && remove_if_left(path, pid_ns) {
-                retried = true;
-                continue;
+            if retries < 2 && e.raw_os_error() == Some(libc::EEXIST) {
+                match remove_if_left(path, pid_ns) {
+                    Left::Removed => {
+                        retries += 1;
+                        continue;
+                    }
+                    Left::Young(wait) => {
+                        std::thread::sleep(wait);
+                        retries += 1;
+                        continue;
+                    }
+                    Left::Kept => {}
+                }
             }
             return Err(unavailable(format!(
                 "rank 0 cannot create shared memory /commfuse-{name}: {e} (a group of that name exists: pick another name, or remove /dev/shm/commfuse-{name} left by a crash)"
@@ -255,25 +268,46 @@ fn owned(fd: libc::c_int) -> (bool, usize, Option<Duration>) {
 /// it) that has not changed for this long was abandoned: its maker ended between the two.
 const ABANDONED: Duration = Duration::from_secs(1);
 
+/// What [`remove_if_left`] did with an object found under a group's name.
+#[derive(Debug, PartialEq)]
+enum Left {
+    /// Removed: a group that never formed left it
+    Removed,
+    /// Too short for its header but younger than [`ABANDONED`]: its maker may be setting it
+    /// up; ask again after this long
+    Young(Duration),
+    /// Kept: a group's (forming or formed), another user's, or gone already
+    Kept,
+}
+
 /// Removes the object `path` when it is this user's alone and was left by a group that never
-/// formed: the rank 0 recorded in it has ended, or it was abandoned empty ([`ABANDONED`]);
-/// true if it did.
-fn remove_if_left(path: &CString, pid_ns: u64) -> bool {
+/// formed: the rank 0 recorded in it has ended, or it was abandoned empty ([`ABANDONED`]).
+fn remove_if_left(path: &CString, pid_ns: u64) -> Left {
     // SAFETY: a NUL-terminated name
     let fd = unsafe { libc::shm_open(path.as_ptr(), libc::O_RDWR, 0) };
     if fd < 0 {
-        return false;
+        return Left::Kept;
     }
     let (ours, size, age) = owned(fd);
-    let removed = ours
-        && (remove_if_maker_ended(fd, size, path, pid_ns).is_some()
-            || (size < HEADER
-                && age.is_some_and(|a| a >= ABANDONED)
-                // SAFETY: a NUL-terminated name
-                && unsafe { libc::shm_unlink(path.as_ptr()) } == 0));
+    let left = if !ours {
+        Left::Kept
+    } else if remove_if_maker_ended(fd, size, path, pid_ns).is_some() {
+        Left::Removed
+    } else if size >= HEADER {
+        Left::Kept
+    } else {
+        match age {
+            // SAFETY: a NUL-terminated name
+            Some(a) if a >= ABANDONED && unsafe { libc::shm_unlink(path.as_ptr()) } == 0 => {
+                Left::Removed
+            }
+            Some(a) if a < ABANDONED => Left::Young(ABANDONED - a + Duration::from_millis(10)),
+            _ => Left::Kept,
+        }
+    };
     // SAFETY: ours to close
     unsafe { libc::close(fd) };
-    removed
+    left
 }
 
 /// The error of rank `rank` that found the group `name` made by a rank 0 whose process `pid`
@@ -432,7 +466,7 @@ impl Arena {
                     }
                 }
                 if Instant::now() >= deadline {
-                    let removed = if remove_if_left(&path, pid_ns) {
+                    let removed = if remove_if_left(&path, pid_ns) == Left::Removed {
                         " (one left there by a rank 0 that ended was removed)"
                     } else {
                         ""

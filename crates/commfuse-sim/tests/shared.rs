@@ -460,19 +460,25 @@ fn empty_object(name: &str) {
 }
 
 #[test]
-fn an_empty_object_left_under_the_name_is_removed_once_it_is_old() {
-    let (maker, joiner) = (name("empty-maker"), name("empty-joiner"));
+fn an_empty_object_left_under_the_name_is_replaced_once_it_is_old() {
+    let (maker, joiner, live) = (
+        name("empty-maker"),
+        name("empty-joiner"),
+        name("empty-live"),
+    );
     empty_object(&maker);
     empty_object(&joiner);
-    // a fresh one may be a rank 0 between creating and sizing it: left alone
-    let e = Arena::open(&maker, 0, 1, 1 << 20, Duration::from_secs(1))
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(e.contains("a group of that name exists"), "{e}");
-    std::thread::sleep(Duration::from_millis(1100));
-    // an old one: rank 0 replaces it, a rank that gave up waiting removes it
+    // a fresh one may be a rank 0 between creating and sizing it, or one killed there whose
+    // surviving ranks form a new group of the name at once: rank 0 of the new group gives it
+    // until it is old enough to tell, then replaces it
+    let started = Instant::now();
     Arena::open(&maker, 0, 1, 1 << 20, Duration::from_secs(1)).unwrap();
+    let waited = started.elapsed();
+    assert!(
+        (Duration::from_millis(900)..Duration::from_secs(3)).contains(&waited),
+        "rank 0 waited {waited:?} for the empty object to age"
+    );
+    // an old one: a rank that gave up waiting removes it
     let e = Arena::open(&joiner, 1, 2, 1 << 20, Duration::from_millis(100))
         .err()
         .unwrap()
@@ -481,7 +487,28 @@ fn an_empty_object_left_under_the_name_is_removed_once_it_is_old() {
         e.ends_with("(one left there by a rank 0 that ended was removed)"),
         "{e}"
     );
-    for n in [maker, joiner] {
+    // a forming group's object, its rank 0 alive, is no one else's to take: a second rank 0 of
+    // the name is refused at once
+    std::thread::scope(|s| {
+        let forming = s.spawn(|| Arena::open(&live, 0, 2, 1 << 20, Duration::from_millis(1500)));
+        while !std::path::Path::new(&format!("/dev/shm/commfuse-{live}")).exists() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let started = Instant::now();
+        let e = Arena::open(&live, 0, 2, 1 << 20, Duration::from_secs(1))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("a group of that name exists"), "{e}");
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(forming.join().unwrap().is_err(), "rank 1 never joined");
+    });
+    for n in [maker, joiner, live] {
         assert!(!std::path::Path::new(&format!("/dev/shm/commfuse-{n}")).exists());
     }
 }
