@@ -333,6 +333,51 @@ fn check_variant_of_types(
     }
 }
 
+/// The type pairs the builds' tests run: bf16 and f32 outputs from bf16, f32 from f16.
+const THREE_TYPES: [(DType, DType); 3] = [
+    (DType::BF16, DType::BF16),
+    (DType::BF16, DType::F32),
+    (DType::F16, DType::F32),
+];
+/// The grid caps and epilogues the builds' tests run: every SM with a plain and a full
+/// epilogue, then 4 and 3 SMs with the full one, and 3 with D += 2·A·B.
+const FIVE_RUNS: [(u32, Case); 5] = [
+    (0, Case::Plain),
+    (0, Case::Full),
+    (4, Case::Full),
+    (3, Case::Full),
+    (3, Case::Accumulate),
+];
+
+/// `f` for M × `n` × 1544 (24 k-blocks and a part) in tiles of `tile`, both B layouts, every
+/// type pair of `types` and every (cap, epilogue) of `runs`.
+fn for_each_case(
+    m: usize,
+    n: usize,
+    tile: TileShape,
+    types: &[(DType, DType)],
+    runs: &[(u32, Case)],
+    mut f: impl FnMut(GemmProblem, SkinnyCase),
+) {
+    for layout in [BLayout::NK, BLayout::KN] {
+        for &(input, output) in types {
+            let p = GemmProblem::new(m, n, 1544, layout, input, output).unwrap();
+            for &(cap, epilogue) in runs {
+                let bands = None;
+                f(
+                    p,
+                    SkinnyCase {
+                        tile,
+                        bands,
+                        cap,
+                        epilogue,
+                    },
+                );
+            }
+        }
+    }
+}
+
 /// The skinny build (tiles of at most 64 rows: one consumer warpgroup, 64-row A boxes, four
 /// stages), chosen by default wherever it fits, against float64 over every element: M = 1, 16,
 /// 33 and 64 with ragged N and K (4 column tiles, 24 k-blocks and a part), both B layouts,
@@ -355,30 +400,9 @@ fn skinny_build_matches_float64_reference() {
     };
     let auto = VariantChoice::Auto;
     for m in [1, 16, 33, SKINNY_ROWS] {
-        for layout in [BLayout::NK, BLayout::KN] {
-            for (input, output) in [
-                (DType::BF16, DType::BF16),
-                (DType::BF16, DType::F32),
-                (DType::F16, DType::F32),
-            ] {
-                let p = GemmProblem::new(m, 1000, 1544, layout, input, output).unwrap();
-                for (cap, epilogue) in [
-                    (0, Case::Plain),
-                    (0, Case::Full),
-                    (4, Case::Full),
-                    (3, Case::Full),
-                    (3, Case::Accumulate),
-                ] {
-                    let case = SkinnyCase {
-                        tile: TILE,
-                        bands: None,
-                        cap,
-                        epilogue,
-                    };
-                    each(p, case, auto, GemmVariant::Skinny);
-                }
-            }
-        }
+        for_each_case(m, 1000, TILE, &THREE_TYPES, &FIVE_RUNS, |p, case| {
+            each(p, case, auto, GemmVariant::Skinny)
+        });
     }
     let banded: &[usize] = &[0, 40, 100, 130];
     for layout in [BLayout::NK, BLayout::KN] {
@@ -444,30 +468,9 @@ fn narrow_builds_match_float64_reference() {
         } else {
             GemmVariant::NarrowTall
         };
-        for layout in [BLayout::NK, BLayout::KN] {
-            for (input, output) in [
-                (DType::BF16, DType::BF16),
-                (DType::BF16, DType::F32),
-                (DType::F16, DType::F32),
-            ] {
-                let p = GemmProblem::new(m, 1000, 1544, layout, input, output).unwrap();
-                for (cap, epilogue) in [
-                    (0, Case::Plain),
-                    (0, Case::Full),
-                    (4, Case::Full),
-                    (3, Case::Full),
-                    (3, Case::Accumulate),
-                ] {
-                    let case = SkinnyCase {
-                        tile: NARROW_TILE,
-                        bands: None,
-                        cap,
-                        epilogue,
-                    };
-                    each(p, case, auto, want);
-                }
-            }
-        }
+        for_each_case(m, 1000, NARROW_TILE, &THREE_TYPES, &FIVE_RUNS, |p, case| {
+            each(p, case, auto, want)
+        });
     }
     let banded: &[usize] = &[0, 40, 100, 130];
     for layout in [BLayout::NK, BLayout::KN] {
@@ -514,31 +517,22 @@ fn pair_build_matches_float64_reference() {
         check_variant_of_types(&gpu, &kernels, &stream, p, case, (choice, want), seed);
     };
     let pair = VariantChoice::Pair;
+    let types = [
+        (DType::BF16, DType::BF16),
+        (DType::BF16, DType::F32),
+        (DType::F16, DType::F16),
+        (DType::F16, DType::F32),
+    ];
+    let runs = [
+        (0, Case::Plain),
+        (0, Case::Full),
+        (4, Case::Full),
+        (3, Case::Accumulate),
+    ];
     for (m, n) in [(65, 1000), (300, 600), (1000, 1000)] {
-        for layout in [BLayout::NK, BLayout::KN] {
-            for (input, output) in [
-                (DType::BF16, DType::BF16),
-                (DType::BF16, DType::F32),
-                (DType::F16, DType::F16),
-                (DType::F16, DType::F32),
-            ] {
-                let p = GemmProblem::new(m, n, 1544, layout, input, output).unwrap();
-                for (cap, epilogue) in [
-                    (0, Case::Plain),
-                    (0, Case::Full),
-                    (4, Case::Full),
-                    (3, Case::Accumulate),
-                ] {
-                    let case = SkinnyCase {
-                        tile: TILE,
-                        bands: None,
-                        cap,
-                        epilogue,
-                    };
-                    each(p, case, pair, GemmVariant::Pair);
-                }
-            }
-        }
+        for_each_case(m, n, TILE, &types, &runs, |p, case| {
+            each(p, case, pair, GemmVariant::Pair)
+        });
     }
     for (bands, want) in [
         (&[0, 65, 130][..], GemmVariant::Pair),

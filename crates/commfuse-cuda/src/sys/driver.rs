@@ -1152,18 +1152,7 @@ impl Function {
         cluster: u32,
     ) -> Result<u32, CudaError> {
         let mut attr = cluster_attribute(cluster);
-        let config = sys::CUlaunchConfig {
-            gridDimX: cluster,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: std::ptr::null_mut(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
+        let config = launch_config((cluster, block, smem), std::ptr::null_mut(), &mut attr);
         let mut n = 0;
         // SAFETY: live function, a config that outlives the call, an out-parameter
         check("cuOccupancyMaxActiveClusters", unsafe {
@@ -1221,23 +1210,33 @@ impl Function {
         mut attr: sys::CUlaunchAttribute,
     ) -> Result<(), CudaError> {
         let mut args = [params as *const P as *mut c_void];
-        let config = sys::CUlaunchConfig {
-            gridDimX: grid,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: stream.raw,
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
+        let config = launch_config((grid, block, smem), stream.raw, &mut attr);
         check(what, {
             // SAFETY: the config and its attribute outlive the call; the parameter block
             // matches the kernel (the caller's contract)
             sys::cuLaunchKernelEx(&config, self.raw, args.as_mut_ptr(), std::ptr::null_mut())
         })
+    }
+}
+
+/// A 1-D launch of `grid` blocks of `block` threads and `smem` bytes of dynamic shared memory
+/// on `stream`, with one attribute (which must outlive the config's use).
+fn launch_config(
+    (grid, block, smem): (u32, u32, u32),
+    stream: sys::CUstream,
+    attr: &mut sys::CUlaunchAttribute,
+) -> sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream,
+        attrs: attr,
+        numAttrs: 1,
     }
 }
 
