@@ -88,6 +88,32 @@ def test_peer_access_forbidden_falls_back_to_torch_distributed(monkeypatch):
     run_ranks(torch_checks.fallback_serves_the_same, 2)
 
 
+def test_what_keeps_a_group_of_gpus_from_commfuses_kernels():
+    """The verdict every rank forms on its CUDA group (then shares): forbidden peer access,
+    several hosts, a shared GPU, a peer GPU this process cannot see, and one without peer
+    access each send the group to torch.distributed, naming why; else the kernels serve it."""
+    from commfuse.torch._groups import cuda_verdict
+
+    gpus = {"GPU-a": 0, "GPU-b": 1, "GPU-c": 2}
+    everyone = lambda i, j: True  # noqa: E731
+    group = [("h", "GPU-a", False), ("h", "GPU-b", False), ("h", "GPU-c", False)]
+    assert [cuda_verdict(group, r, gpus, everyone) for r in range(3)] == [None] * 3
+    forbidden = [("h", "GPU-a", False), ("h", "GPU-b", True)]
+    assert "COMMFUSE_PEER_ACCESS=0" in cuda_verdict(forbidden, 0, gpus, everyone)
+    assert "on 2 hosts" in cuda_verdict([("h", "GPU-a", False), ("g", "GPU-b", False)], 0, gpus,
+                                        everyone)
+    assert "share a GPU" in cuda_verdict([("h", "GPU-a", False)] * 2, 1, gpus, everyone)
+    hidden = {"GPU-a": 0, "GPU-c": 1}
+    assert cuda_verdict(group, 0, hidden, everyone) == (
+        "rank 1's GPU is not visible to rank 0's process (CUDA_VISIBLE_DEVICES), which must"
+        " open its memory")
+    # GPU 2 reaches no other; ranks 0 and 1 reach each other
+    apart = lambda i, j: 2 not in (i, j)  # noqa: E731
+    assert cuda_verdict(group, 0, gpus, apart).startswith(
+        "GPU 0 of rank 0 has no peer access to GPU 2 of rank 2")
+    assert cuda_verdict(group[:2], 1, gpus, apart) is None
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("served_by", ["commfuse-sim", "torch.distributed"])
 def test_calls_that_differ_between_ranks_fail_on_every_rank(world, served_by, monkeypatch):

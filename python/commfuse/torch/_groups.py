@@ -81,18 +81,18 @@ class Group:
                 forbidden)
         every = [None] * self.world
         dist.all_gather_object(every, mine, group=self.process_group)
-        if any(e[2] for e in every):
-            self._warn("COMMFUSE_PEER_ACCESS=0 forbids peer access between its GPUs")
-            return TORCH
-        hosts = {e[0] for e in every}
-        if len(hosts) > 1:
-            self._warn(f"its ranks are on {len(hosts)} hosts, and commfuse's kernels need every"
-                       " GPU of a group to open every other's memory")
-            return TORCH
-        gpus = [e[1] for e in every]
-        if len(set(gpus)) < len(gpus):
-            self._warn("some of its ranks share a GPU, and commfuse's kernels need one rank"
-                       " per GPU")
+        visible = {str(torch.cuda.get_device_properties(i).uuid): i
+                   for i in range(torch.cuda.device_count())}
+        why = cuda_verdict(every, self.rank, visible, torch.cuda.can_device_access_peer)
+        # (peer access is each rank's to see: every rank learns every rank's verdict, so that
+        # all of them choose alike)
+        whys = [why]
+        if self.world > 1:
+            whys = [None] * self.world
+            dist.all_gather_object(whys, why, group=self.process_group)
+        why = next((w for w in whys if w is not None), None)
+        if why is not None:
+            self._warn(why)
             return TORCH
         return KERNELS
 
@@ -102,6 +102,35 @@ class Group:
             f" and torch.matmul, with the same semantics, because {why}",
             RuntimeWarning, stacklevel=4,
         )
+
+
+def cuda_verdict(every, rank: int, visible: dict, can_access) -> Optional[str]:
+    """Why commfuse's kernels cannot serve a group of CUDA tensors whose ranks sent ``every``
+    ((host name, GPU UUID, peer access forbidden) each, in rank order), as rank ``rank`` sees
+    it — its process sees the GPUs ``visible`` (UUID -> device index) and asks
+    ``can_access(device, peer device)`` — or None where they can: every rank's GPU its own, on
+    one host, and able to open every other's memory."""
+    if any(e[2] for e in every):
+        return "COMMFUSE_PEER_ACCESS=0 forbids peer access between its GPUs"
+    hosts = {e[0] for e in every}
+    if len(hosts) > 1:
+        return (f"its ranks are on {len(hosts)} hosts, and commfuse's kernels need every GPU of"
+                " a group to open every other's memory")
+    gpus = [e[1] for e in every]
+    if len(set(gpus)) < len(gpus):
+        return "some of its ranks share a GPU, and commfuse's kernels need one rank per GPU"
+    mine = visible.get(gpus[rank])
+    for r, gpu in enumerate(gpus):
+        if r == rank:
+            continue
+        peer = visible.get(gpu)
+        if peer is None:
+            return (f"rank {r}'s GPU is not visible to rank {rank}'s process"
+                    " (CUDA_VISIBLE_DEVICES), which must open its memory")
+        if not can_access(mine, peer):
+            return (f"GPU {mine} of rank {rank} has no peer access to GPU {peer} of rank {r},"
+                    " and commfuse's kernels need every GPU to open every other's memory")
+    return None
 
 
 # group name -> Group
