@@ -72,11 +72,11 @@ def main():
 
     # all-gather + GEMM: rank r holds its chunk of the rows of A and B_r, and gets concat(A)·B_r
     shards = [ints(rows.stop - rows.start, k) for rows in chunks(m, p)]
-    outs, gathered = sim.all_gather_matmul(shards, b, None, b_layout="kn", dtype="bf16", out_dtype="f32", return_a=True)
+    outs, gathered = sim.all_gather_gemm(shards, b, None, b_layout="kn", dtype="bf16", out_dtype="f32", return_a=True)
     full = np.concatenate(shards).astype(np.float64)
     elements = check("the gathered A", gathered, full)
-    elements += sum(check(f"all_gather_matmul, rank {r}", outs[r], full @ b[r].astype(np.float64)) for r in range(p))
-    print(f"all_gather_matmul    {'':<12} {elements} elements exact (with the gathered A)")
+    elements += sum(check(f"all_gather_gemm, rank {r}", outs[r], full @ b[r].astype(np.float64)) for r in range(p))
+    print(f"all_gather_gemm      {'':<12} {elements} elements exact (with the gathered A)")
 
     # an all-reduce (sum) of an uneven length by the algorithm the cost model picks
     xs = [ints(10 * m + 3) for _ in range(p)]

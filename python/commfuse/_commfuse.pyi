@@ -20,10 +20,10 @@ def sim_gemm_reduce_scatter(
     dtype: str = "bf16", out_dtype: Optional[str] = None, path: str = "auto",
     pieces: Optional[int] = None, numa_groups: int = 1, timeout_ms: int = 20000,
 ) -> List[F32]: ...
-def sim_all_gather_matmul(
+def sim_all_gather_gemm(
     a: Sequence[F32], b: Sequence[F32], bias: Optional[F32] = None, *, b_layout: str = "nk",
-    dtype: str = "bf16", out_dtype: Optional[str] = None, pieces: int = 1,
-    return_a: bool = False, timeout_ms: int = 20000,
+    dtype: str = "bf16", out_dtype: Optional[str] = None, pieces: Optional[int] = None,
+    path: str = "auto", return_a: bool = False, timeout_ms: int = 20000,
 ) -> Tuple[List[F32], Optional[F32]]: ...
 def sim_collective(
     op: str, inputs: Sequence[F32], *, algo: Optional[str] = None, reduce: str = "sum",
@@ -47,11 +47,12 @@ class SimGroup:
         dtype: str = "bf16", out_dtype: Optional[str] = None, path: str = "auto",
         pieces: Optional[int] = None,
     ) -> F32: ...
-    def all_gather_matmul(
+    def all_gather_gemm(
         self, a: F32, b: F32, bias: Optional[F32] = None, *, m: Optional[int] = None,
         b_layout: str = "nk", dtype: str = "bf16", out_dtype: Optional[str] = None,
-        pieces: int = 1, return_a: bool = False,
+        pieces: Optional[int] = None, path: str = "auto", return_a: bool = False,
     ) -> Tuple[F32, Optional[F32]]: ...
+    all_gather_matmul = all_gather_gemm
 
 class GpuGemmReduceScatter:
     def __init__(
@@ -70,11 +71,12 @@ class GpuGemmReduceScatter:
     ) -> None: ...
     def check(self) -> None: ...
 
-class GpuAllGatherMatmul:
+class GpuAllGatherGemm:
     def __init__(
         self, device: int, rank: int, world: int, max_m: int, n: int, k: int, *,
         b_layout: str = "nk", dtype: str = "bf16", out_dtype: Optional[str] = None,
-        bias: bool = False, pieces: int = 1, path: str = "overlapped", timeout_ms: int = 5000,
+        bias: bool = False, pieces: Optional[int] = None, path: str = "auto",
+        timeout_ms: int = 5000,
     ) -> None: ...
     def export(self) -> bytes: ...
     def connect(self, exports: Sequence[bytes]) -> None: ...
@@ -84,6 +86,8 @@ class GpuAllGatherMatmul:
         gathered: Optional[int] = None,
     ) -> None: ...
     def check(self) -> None: ...
+
+GpuAllGatherMatmul = GpuAllGatherGemm
 
 class GpuCollective:
     def __init__(

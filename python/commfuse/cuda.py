@@ -32,7 +32,7 @@ from typing import Callable, List, Optional
 
 from . import _operators
 from ._arrays import DeviceArray, device_array, stream_handle
-from ._commfuse import (GpuAllGatherMatmul, GpuCollective, GpuGemmReduceScatter,
+from ._commfuse import (GpuAllGatherGemm, GpuCollective, GpuGemmReduceScatter,
                         stream_is_capturing)
 
 __all__ = [
@@ -154,12 +154,12 @@ def gemm_reduce_scatter(a, b, out, group: Group, bias=None, *, stream=None, path
 
 
 def all_gather_gemm(a, b, out, group: Group, bias=None, *, gathered=None, stream=None,
-                    pieces: int = 1, path: str = "overlapped"):
+                    pieces: Optional[int] = None, path: str = "auto"):
     """All-gather + GEMM: ``all_gather(a) @ b`` (+ ``bias``) into ``out`` ([M, N]) on every
     rank, and the gathered A into ``gathered`` ([M, K]) when given. ``a`` is this rank's chunk
     of the rows of A (chunks split as the collectives split M = ``out``'s rows), ``b`` its
-    [K, N]; ``path`` "overlapped" or "fused" (see ``commfuse.torch.all_gather_gemm``). Returns
-    ``out``."""
+    [K, N]; ``path`` "auto", "overlapped" or "fused" and ``pieces`` as
+    ``commfuse.torch.all_gather_gemm`` takes them. Returns ``out``."""
     s = stream_handle(stream)
     a_d, b_d, layout, n = _gemm(a, b, group, s)
     rows, k = a_d.shape
@@ -173,7 +173,7 @@ def all_gather_gemm(a, b, out, group: Group, bias=None, *, gathered=None, stream
     key = (n, k, layout, a_d.dtype, out_d.dtype, bias is not None, pieces, path)
 
     def build(max_m):
-        return GpuAllGatherMatmul(
+        return GpuAllGatherGemm(
             group.device, group.rank, group.world, max_m, n, k, b_layout=layout,
             dtype=a_d.dtype, out_dtype=out_d.dtype, bias=bias is not None, pieces=pieces,
             path=path,

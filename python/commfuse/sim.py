@@ -9,7 +9,7 @@ bad argument raises ``ValueError`` with a one-line reason.
 that rank 0 creates under ``name`` (a job id every rank knows) and that is gone once every rank
 has joined and the last process ends. Its methods run this process's rank of an op on NumPy
 arrays — ``collective(op, x, count=, algo=, reduce=, dtype=, root=)``, ``barrier()``,
-``gemm_reduce_scatter(a, b, bias, ...)``, ``all_gather_matmul(a, b, bias, m=, ..., return_a=)``
+``gemm_reduce_scatter(a, b, bias, ...)``, ``all_gather_gemm(a, b, bias, m=, ..., return_a=)``
 — and every rank must make the same calls in the same order. A rank that fails raises the
 group's abort flag, which stops the others' waits naming it; a wait for a rank whose process has
 ended (killed, crashed, exited) stops at once naming that rank, and a wait for a rank that hangs
@@ -17,7 +17,7 @@ times out (``timeout_ms``) naming it. A failed group refuses further calls; make
 """
 
 from ._commfuse import SimGroup as Group
-from ._commfuse import sim_all_gather_matmul, sim_collective, sim_gemm_reduce_scatter
+from ._commfuse import sim_all_gather_gemm, sim_collective, sim_gemm_reduce_scatter
 
 __all__ = ["Group", "gemm_reduce_scatter", "all_gather_gemm", "all_gather_matmul", "collective"]
 
@@ -43,20 +43,20 @@ def gemm_reduce_scatter(a, b, bias=None, **options):
     return sim_gemm_reduce_scatter(_per_rank(a), _per_rank(b), bias, **options)
 
 
-def all_gather_matmul(a, b, bias=None, **options):
+def all_gather_gemm(a, b, bias=None, **options):
     """All-gather + GEMM (a column-parallel linear layer over sequence-parallel rows).
 
     Rank r holds ``a[r]``, its chunk of the rows of A (chunks split as the collectives split M),
     and ``b[r]``; returns ``(outputs, gathered)``: every rank's ``concat(a) @ b[r]`` (+ ``bias``)
     and, with ``return_a=True``, the gathered A (else None). Options: ``b_layout``, ``dtype``,
-    ``out_dtype``, ``pieces``, ``return_a``, ``timeout_ms``.
+    ``out_dtype``, ``path`` ("auto", "overlapped" or "fused"), ``pieces``, ``return_a``,
+    ``timeout_ms``.
     """
-    return sim_all_gather_matmul(_per_rank(a), _per_rank(b), bias, **options)
+    return sim_all_gather_gemm(_per_rank(a), _per_rank(b), bias, **options)
 
 
-#: The same operator as :func:`all_gather_matmul`, by the name ``commfuse.torch`` and
-#: ``commfuse.cuda`` give it.
-all_gather_gemm = all_gather_matmul
+#: The same operator as :func:`all_gather_gemm`, by the name it had first here.
+all_gather_matmul = all_gather_gemm
 
 
 def collective(op, inputs, **options):

@@ -5,7 +5,8 @@
 //! these classes take addresses so that no PyTorch library is linked (any framework whose
 //! tensors give a device pointer and a stream can call them).
 
-use crate::{parse_dtype, parse_layout, parse_path, value_error};
+use crate::args::{Int, Name};
+use crate::{ag_path_arg, parse_dtype, parse_layout, parse_path, value_error};
 use commfuse_core::fused::gemm_rs::{GemmRsPath, GemmRsShape};
 use commfuse_core::{Algo, OpKind, ReduceOp};
 use commfuse_cuda::ag_gemm::{AgGemmAllocation, AgGemmConfig, AgGemmRank};
@@ -467,19 +468,20 @@ impl GpuGemmReduceScatter {
 
 /// All-gather + GEMM of one rank on its GPU: every rank's output is AllGather(A)·B_r (+ bias).
 /// Build on every rank, pass every rank's `export()` to `connect`, then call `forward`.
+/// (`GpuAllGatherMatmul` is the same class by the name it had first.)
 #[pyclass(module = "commfuse._commfuse")]
-pub struct GpuAllGatherMatmul {
+pub struct GpuAllGatherGemm {
     op: Shared<AgGemmState>,
 }
 
 #[pymethods]
-impl GpuAllGatherMatmul {
+impl GpuAllGatherGemm {
     /// Allocates rank `rank`'s gather buffer for up to `max_m` gathered rows on CUDA device
     /// `device`; each rank's chunk is handed on in `pieces` row pieces; `path` "overlapped"
-    /// (cuBLASLt per piece) or "fused" (one GEMM of commfuse's own per call, waiting per row
-    /// band).
+    /// (cuBLASLt per piece), "fused" (one GEMM of commfuse's own per call, waiting per row
+    /// band) or "auto" (the overlapped path; without `pieces`, in whole chunks).
     #[new]
-    #[pyo3(signature = (device, rank, world, max_m, n, k, *, b_layout="nk", dtype="bf16", out_dtype=None, bias=false, pieces=1, path="overlapped", timeout_ms=5000))]
+    #[pyo3(signature = (device, rank, world, max_m, n, k, *, b_layout="nk", dtype="bf16", out_dtype=None, bias=false, pieces=None, path=Name::new("auto"), timeout_ms=5000))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         device: usize,
@@ -492,28 +494,19 @@ impl GpuAllGatherMatmul {
         dtype: &str,
         out_dtype: Option<&str>,
         bias: bool,
-        pieces: usize,
-        path: &str,
+        pieces: Option<Int>,
+        path: Name,
         timeout_ms: u64,
     ) -> PyResult<Self> {
         let input = parse_dtype(dtype)?;
         let output = out_dtype.map_or(Ok(input), parse_dtype)?;
         let mut config = AgGemmConfig::new(max_m, n, k, parse_layout(b_layout)?, input, output);
         config.bias = bias;
-        config.pieces = pieces;
-        config.fused = match path {
-            "overlapped" => false,
-            "fused" => true,
-            other => {
-                return Err(value_error(format!(
-                    "path must be \"overlapped\" or \"fused\", got {other:?}"
-                )))
-            }
-        };
+        (config.fused, config.pieces) = ag_path_arg(&path, pieces.as_ref())?;
         config.timeout = Duration::from_millis(timeout_ms);
         let gpu = open_gpu(device)?;
         let allocation = AgGemmAllocation::new(gpu, rank, world, config).map_err(cuda_error)?;
-        Ok(GpuAllGatherMatmul {
+        Ok(GpuAllGatherGemm {
             op: Staged::new(allocation, device),
         })
     }

@@ -6,8 +6,8 @@
 
 use crate::args::{matrix, vector, Int, Name};
 use crate::{
-    collective_args, convert, gemm_types, layout_arg, parse_path, path_arg, timeout_arg,
-    value_error,
+    ag_path_arg, collective_args, convert, gemm_types, layout_arg, parse_path, path_arg,
+    timeout_arg, value_error,
 };
 use commfuse_core::fused::gemm_rs::{choose_path, GemmRsPath, PathChoice};
 use commfuse_core::gemm::BLayout;
@@ -23,6 +23,7 @@ use numpy::ndarray::{Array1, Array2};
 use numpy::PyUntypedArrayMethods;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1, PyReadonlyArray2};
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -443,10 +444,11 @@ impl SimGroup {
     }
 
     /// AllGather(A)·b (+ bias) on this rank, [M, N], and with `return_a` the gathered A: `a`
-    /// is this rank's chunk of the rows of A; M is `m` (default: P × this chunk's rows).
-    #[pyo3(signature = (a, b, bias=None, *, m=None, b_layout=Name::new("nk"), dtype=Name::new("bf16"), out_dtype=None, pieces=Int::new(1), return_a=false))]
+    /// is this rank's chunk of the rows of A; M is `m` (default: P × this chunk's rows);
+    /// `path` "auto", "overlapped" or "fused" and `pieces` as the command line takes them.
+    #[pyo3(signature = (a, b, bias=None, *, m=None, b_layout=Name::new("nk"), dtype=Name::new("bf16"), out_dtype=None, pieces=None, path=Name::new("auto"), return_a=false))]
     #[allow(clippy::too_many_arguments)]
-    fn all_gather_matmul<'py>(
+    fn all_gather_gemm<'py>(
         &mut self,
         py: Python<'py>,
         a: Bound<'py, PyAny>,
@@ -456,12 +458,13 @@ impl SimGroup {
         b_layout: Name,
         dtype: Name,
         out_dtype: Option<Name>,
-        pieces: Int,
+        pieces: Option<Int>,
+        path: Name,
         return_a: bool,
     ) -> PyResult<GatheredOne<'py>> {
         let layout = layout_arg(&b_layout)?;
         let (input, output) = gemm_types(&dtype, out_dtype.as_ref())?;
-        let pieces = pieces.within("pieces", "1 to 16 pieces", (1, 16))?;
+        let (fused, pieces) = ag_path_arg(&path, pieces.as_ref())?;
         let m = m
             .map(|m| m.count("m", "a non-negative number of rows (of the gathered A)"))
             .transpose()?;
@@ -485,6 +488,7 @@ impl SimGroup {
         let config = AgGemmConfig {
             bias: c.bias.is_some(),
             pieces,
+            fused,
             ..AgGemmConfig::new(m, c.n, c.k, c.layout, input, output)
         };
         let (out, gathered) =
@@ -497,5 +501,15 @@ impl SimGroup {
             None
         };
         Ok((out.into_pyarray(py), gathered))
+    }
+
+    /// The same as `all_gather_gemm`, by the name it had first.
+    #[pyo3(signature = (*args, **kwargs))]
+    fn all_gather_matmul<'py>(
+        slf: &Bound<'py, Self>,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        slf.call_method("all_gather_gemm", args, kwargs)
     }
 }

@@ -66,6 +66,17 @@ pub(crate) fn path_arg(path: &Name, pieces: Option<&Int>) -> PyResult<(String, O
     Ok((name.to_string(), pieces))
 }
 
+/// `path=` and `pieces=` of the all-gather + GEMM: whether the path is the fused one, and the
+/// pieces ([`commfuse_core::fused::ag_gemm::parse_path`]: "auto" and no pieces, the overlapped
+/// path in whole chunks).
+pub(crate) fn ag_path_arg(path: &Name, pieces: Option<&Int>) -> PyResult<(bool, usize)> {
+    let pieces = pieces
+        .map(|p| p.within("pieces", "1 to 16 pieces", (1, 16)))
+        .transpose()?;
+    let name = path.text("path", "'auto', 'overlapped' or 'fused'")?;
+    commfuse_core::fused::ag_gemm::parse_path(name, pieces).map_err(value_error)
+}
+
 /// `timeout_ms=` as a duration.
 pub(crate) fn timeout_arg(timeout_ms: &Int) -> PyResult<Duration> {
     let ms = timeout_ms.count("timeout_ms", "a non-negative number of milliseconds")?;
@@ -372,11 +383,12 @@ type Gathered<'py> = (
 /// All-gather + GEMM of P simulated ranks: rank r holds `a[r]`, its chunk of the rows of A
 /// ([M_r, K], the chunks in rank order, split as the collectives split M), and `b[r]`; returns
 /// every rank's AllGather(a)·b[r] (+ bias) as float32 arrays [M, N] and, with `return_a`, the
-/// gathered A (in `dtype`, as float32) too.
+/// gathered A (in `dtype`, as float32) too. `path` "auto", "overlapped" or "fused" and
+/// `pieces` as the command line takes them.
 #[pyfunction]
-#[pyo3(signature = (a, b, bias=None, *, b_layout=Name::new("nk"), dtype=Name::new("bf16"), out_dtype=None, pieces=Int::new(1), return_a=false, timeout_ms=Int::new(20000)))]
+#[pyo3(signature = (a, b, bias=None, *, b_layout=Name::new("nk"), dtype=Name::new("bf16"), out_dtype=None, pieces=None, path=Name::new("auto"), return_a=false, timeout_ms=Int::new(20000)))]
 #[allow(clippy::too_many_arguments)]
-fn sim_all_gather_matmul<'py>(
+fn sim_all_gather_gemm<'py>(
     py: Python<'py>,
     a: Bound<'py, PyAny>,
     b: Bound<'py, PyAny>,
@@ -384,13 +396,14 @@ fn sim_all_gather_matmul<'py>(
     b_layout: Name,
     dtype: Name,
     out_dtype: Option<Name>,
-    pieces: Int,
+    pieces: Option<Int>,
+    path: Name,
     return_a: bool,
     timeout_ms: Int,
 ) -> PyResult<Gathered<'py>> {
     let layout = layout_arg(&b_layout)?;
     let (input, output) = gemm_types(&dtype, out_dtype.as_ref())?;
-    let pieces = pieces.within("pieces", "1 to 16 pieces", (1, 16))?;
+    let (fused, pieces) = ag_path_arg(&path, pieces.as_ref())?;
     let timeout = timeout_arg(&timeout_ms)?;
     let a = per_rank(&a, "a", matrix)?;
     let b = per_rank(&b, "b", matrix)?;
@@ -413,12 +426,13 @@ fn sim_all_gather_matmul<'py>(
     let config = AgGemmConfig {
         bias: bias.is_some(),
         pieces,
+        fused,
         timeout,
         ..AgGemmConfig::new(m, n, k, layout, input, output)
     };
     commfuse_sim::ag_gemm::shape(&config, p, m).map_err(value_error)?;
     // every rank's [M, N] output and gathered A, the outputs as f32 and rank 0's gathered A
-    let what = format!("sim_all_gather_matmul of {m}×{n}×{k} on {p} ranks");
+    let what = format!("sim_all_gather_gemm of {m}×{n}×{k} on {p} ranks");
     let memory = operand_memory(
         Footprint::new(what),
         (&[m], p, n, k),
@@ -628,12 +642,14 @@ fn sim_collective<'py>(
 fn _commfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sim_collective, m)?)?;
     m.add_function(wrap_pyfunction!(sim_gemm_reduce_scatter, m)?)?;
-    m.add_function(wrap_pyfunction!(sim_all_gather_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(sim_all_gather_gemm, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_rs_path, m)?)?;
     m.add_function(wrap_pyfunction!(prefers_commfuse_on_user_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::stream_is_capturing, m)?)?;
     m.add_class::<gpu::GpuGemmReduceScatter>()?;
-    m.add_class::<gpu::GpuAllGatherMatmul>()?;
+    m.add_class::<gpu::GpuAllGatherGemm>()?;
+    // the name the class had first
+    m.add("GpuAllGatherMatmul", m.getattr("GpuAllGatherGemm")?)?;
     m.add_class::<gpu::GpuCollective>()?;
     m.add_class::<group::SimGroup>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

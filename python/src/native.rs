@@ -177,7 +177,7 @@ pub(crate) fn gemm_rs(state: &Shared<GemmRsState>) -> (usize, usize, usize) {
     handle(state, gemm_rs_call as *const () as usize)
 }
 
-/// `GpuAllGatherMatmul.native()`.
+/// `GpuAllGatherGemm.native()`.
 pub(crate) fn ag_gemm(state: &Shared<AgGemmState>) -> (usize, usize, usize) {
     handle(state, ag_gemm_call as *const () as usize)
 }

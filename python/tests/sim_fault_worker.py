@@ -116,7 +116,7 @@ class Call:
             out = g.gemm_reduce_scatter(self.a[r] * f, self.b[r], path=self.path)
             assert_within(out, self.want * f, self.scale * f, "bf16", f"{op} rank {r} call {c}")
             return
-        out, _ = g.all_gather_matmul(self.mine * f, self.b[r], m=self.m, b_layout="kn",
+        out, _ = g.all_gather_gemm(self.mine * f, self.b[r], m=self.m, b_layout="kn",
                                      out_dtype="f32")
         assert_within(out, self.want * f, self.scale * f, "f32", f"{op} rank {r} call {c}")
 

@@ -100,9 +100,9 @@ def test_gemm_reduce_scatter_refuses_a_b_past_its_allocation(torch):
     assert text.startswith("b (0x") and f"needs {need} bytes" in text, text
 
 
-def test_all_gather_matmul_refuses_an_out_past_its_allocation(torch):
+def test_all_gather_gemm_refuses_an_out_past_its_allocation(torch):
     m, n, k = 64, 128, 64
-    op = _connected(_commfuse.GpuAllGatherMatmul(0, 0, 1, m, n, k))
+    op = _connected(_commfuse.GpuAllGatherGemm(0, 0, 1, m, n, k))
     a = torch.ones(m, k, dtype=torch.bfloat16, device="cuda")
     b = torch.ones(n, k, dtype=torch.bfloat16, device="cuda")
     need = m * n * 2

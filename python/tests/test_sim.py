@@ -83,15 +83,17 @@ def test_gemm_reduce_scatter_matches_float64(p, path, layout, dtype, out_dtype, 
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])
-@pytest.mark.parametrize("pieces", [1, 3])
-def test_all_gather_matmul_matches_float64(p, pieces):
-    rng = np.random.default_rng(p * 7 + pieces)
+@pytest.mark.parametrize("pieces", [None, 1, 3])
+@pytest.mark.parametrize("path", ["auto", "overlapped", "fused"])
+def test_all_gather_gemm_matches_float64(p, pieces, path):
+    rng = np.random.default_rng(p * 7 + (pieces or 0))
     m, n, k = 5 * p + 1, 40, 24
     rows = [len(c) for c in chunks(m, p)]
     a, b = operands(rng, p, rows, n, k, "kn")
     bias_v = rng.uniform(-1, 1, n).astype(np.float32)
-    outs, gathered = sim.all_gather_matmul(
-        a, b, bias_v, b_layout="kn", dtype="bf16", out_dtype="f32", pieces=pieces, return_a=True
+    outs, gathered = sim.all_gather_gemm(
+        a, b, bias_v, b_layout="kn", dtype="bf16", out_dtype="f32", pieces=pieces, path=path,
+        return_a=True
     )
     full = np.concatenate(a)
     assert np.array_equal(gathered, round_to(full, "bf16").astype(np.float32))
@@ -100,8 +102,17 @@ def test_all_gather_matmul_matches_float64(p, pieces):
         want = prod + bias_v
         scale = np.abs(round_to(full, "bf16")) @ np.abs(round_to(b[r], "bf16")) + np.abs(bias_v)
         assert_within(outs[r], want, scale, "f32", f"rank {r}")
-    _, none = sim.all_gather_matmul(a, b, None, b_layout="kn")
+    _, none = sim.all_gather_gemm(a, b, None, b_layout="kn")
     assert none is None
+
+
+def test_the_all_gather_gemm_keeps_its_first_names():
+    # one name for the operator everywhere; the names it had first still work
+    assert sim.all_gather_matmul is sim.all_gather_gemm
+    assert commfuse._commfuse.GpuAllGatherMatmul is commfuse._commfuse.GpuAllGatherGemm
+    import commfuse.cuda
+
+    assert callable(commfuse.cuda.all_gather_gemm)
 
 
 def test_the_cost_model_names_its_path():
@@ -133,7 +144,7 @@ def test_bad_arguments_raise_value_errors_with_one_line():
             lambda: sim.gemm_reduce_scatter([x[:, :12] for x in a], [x[:, :12] for x in b]),
             "multiple of 8",
         ),
-        (lambda: sim.all_gather_matmul([a[0], a[1][:3]], b), "rank 0's chunk of A has 8 rows"),
+        (lambda: sim.all_gather_gemm([a[0], a[1][:3]], b), "rank 0's chunk of A has 8 rows"),
     ]
     for call, says in cases:
         with pytest.raises(ValueError) as e:
@@ -180,11 +191,17 @@ def test_collective_errors_are_one_line_value_errors():
         assert "\n" not in str(e.value)
 
 
-def test_all_gather_matmul_refuses_an_unknown_path_before_any_gpu():
+def test_all_gather_gemm_refuses_an_unknown_path_before_any_gpu():
     # the binding checks the path for commfuse.torch and commfuse.cuda alike, first of all
+    for bad, says in [(dict(path="ring"), 'unknown path "ring": auto, overlapped or fused'),
+                      (dict(pieces=17), "pieces must be 1 to 16 pieces, got 17")]:
+        with pytest.raises(ValueError) as e:
+            commfuse._commfuse.GpuAllGatherGemm(0, 0, 1, 8, 16, 16, **bad)
+        assert says in str(e.value)
     with pytest.raises(ValueError) as e:
-        commfuse._commfuse.GpuAllGatherMatmul(0, 0, 1, 8, 16, 16, path="ring")
-    assert 'path must be "overlapped" or "fused", got "ring"' in str(e.value)
+        sim.all_gather_gemm([np.zeros((8, 16), np.float32)], [np.zeros((16, 16), np.float32)],
+                            path="unfused")
+    assert 'unknown path "unfused": auto, overlapped or fused' in str(e.value)
 
 
 def test_type_hints_ship_in_the_package():
@@ -193,7 +210,7 @@ def test_type_hints_ship_in_the_package():
     here = os.path.dirname(commfuse.__file__)
     assert os.path.exists(os.path.join(here, "py.typed"))
     stub = open(os.path.join(here, "_commfuse.pyi")).read()
-    for name in ["SimGroup", "GpuGemmReduceScatter", "GpuAllGatherMatmul", "GpuCollective"]:
+    for name in ["SimGroup", "GpuGemmReduceScatter", "GpuAllGatherGemm", "GpuCollective"]:
         assert f"class {name}" in stub
         assert getattr(commfuse._commfuse, name).__doc__, f"{name} has no docstring"
 
@@ -231,16 +248,16 @@ def test_arguments_of_the_wrong_kind_name_what_is_accepted():
         (lambda: sim.gemm_reduce_scatter(a, b, numa_groups=0), "numa_groups must be a positive number of NUMA groups, got 0"),
         (lambda: sim.gemm_reduce_scatter(a, b, timeout_ms=-5), "timeout_ms must be a non-negative number of milliseconds, got -5"),
         (lambda: sim.gemm_reduce_scatter(a, b, timeout_ms=1.5), "timeout_ms must be a non-negative number of milliseconds, got 1.5 (float)"),
-        (lambda: sim.all_gather_matmul([x.astype(np.float16) for x in a], b), f"a[0] {f32} a 2-D float16 array"),
-        (lambda: sim.all_gather_matmul(a, b, pieces=0), "pieces must be 1 to 16 pieces, got 0"),
-        (lambda: sim.all_gather_matmul(a, b, dtype=np.float32), "dtype must be a string naming the input type"),
+        (lambda: sim.all_gather_gemm([x.astype(np.float16) for x in a], b), f"a[0] {f32} a 2-D float16 array"),
+        (lambda: sim.all_gather_gemm(a, b, pieces=0), "pieces must be 1 to 16 pieces, got 0"),
+        (lambda: sim.all_gather_gemm(a, b, dtype=np.float32), "dtype must be a string naming the input type"),
         (lambda: sim.collective("all-reduce", [x.astype(np.float64) for x in xs]),
          "inputs[0] must be a 1-D float32 NumPy array (convert with numpy.asarray(x, numpy.float32)), got a 1-D float64 array of shape (8,)"),
         (lambda: sim.collective("all-reduce", [np.zeros((2, 4), np.float32)] * 2), "inputs[0] must be a 1-D float32"),
         (lambda: sim.collective("all-reduce", "abc"), "inputs must be a list or tuple with one array per rank, got 'abc' (str)"),
         (lambda: sim.collective("all-reduce", 3), "inputs must be a list or tuple with one array per rank, got 3 (int)"),
         (lambda: sim.gemm_reduce_scatter(a[0], b), "a[0] must be a 2-D float32 NumPy array"),
-        (lambda: sim.all_gather_matmul(None, b), "a must be a list or tuple with one array per rank, got None"),
+        (lambda: sim.all_gather_gemm(None, b), "a must be a list or tuple with one array per rank, got None"),
         (lambda: sim.collective(np.sum, xs), "op must be a string naming a collective such as 'all-reduce', got"),
         (lambda: sim.collective("all-reduce", xs, dtype=np.float32), "dtype must be a string naming 'f32', 'bf16' or 'f16', got <class 'numpy.float32'>"),
         (lambda: sim.collective("all-reduce", xs, reduce=max), "reduce must be a string naming 'sum', 'max', 'min' or 'prod', got"),
@@ -265,8 +282,8 @@ def test_calls_too_large_for_memory_are_refused_before_anything_is_copied():
         "sim_gemm_reduce_scatter of 1000000×1000000×8 on 2 ranks by the fused path needs",
     )
     one_line_value_error(
-        lambda: sim.all_gather_matmul([zeros(500_000, k)] * 2, b),
-        "sim_all_gather_matmul of 1000000×1000000×8 on 2 ranks needs",
+        lambda: sim.all_gather_gemm([zeros(500_000, k)] * 2, b),
+        "sim_all_gather_gemm of 1000000×1000000×8 on 2 ranks needs",
     )
     one_line_value_error(
         lambda: sim.collective("all-reduce", [zeros(1 << 40)] * 2),
@@ -282,6 +299,6 @@ def test_calls_too_large_for_memory_are_refused_before_anything_is_copied():
         "size overflow: GEMM 1099511627776×1099511627776×8",
     )
     one_line_value_error(
-        lambda: sim.all_gather_matmul([zeros(1 << 57, k)] * 200, [zeros(8, k)] * 200),
+        lambda: sim.all_gather_gemm([zeros(1 << 57, k)] * 200, [zeros(8, k)] * 200),
         "the chunks of A have more rows than 64 bits count",
     )

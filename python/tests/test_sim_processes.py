@@ -66,19 +66,27 @@ def every_op(rank, p, name):
     m = 4 * p + 1
     full, bs = operands(np.random.default_rng(4), p, [m], 40, 24, "kn")
     rows = chunks(m, p)[rank]
-    out, gathered = g.all_gather_matmul(full[0][rows.start : rows.stop], bs[rank], m=m,
-                                        b_layout="kn", out_dtype="f32", return_a=True)
-    assert np.array_equal(gathered, round_to(full[0], "bf16").astype(np.float32))
     want = product(full[0], bs[rank], "kn", "bf16")
     scale = np.abs(round_to(full[0], "bf16")) @ np.abs(round_to(bs[rank], "bf16"))
+    for path in ["auto", "fused"]:
+        out, gathered = g.all_gather_gemm(full[0][rows.start : rows.stop], bs[rank], m=m,
+                                          b_layout="kn", out_dtype="f32", path=path,
+                                          return_a=True)
+        assert np.array_equal(gathered, round_to(full[0], "bf16").astype(np.float32))
+        assert_within(out, want, scale, "f32", f"all_gather_gemm {path} rank {rank}")
+    # the name the method had first
+    out, _ = g.all_gather_matmul(full[0][rows.start : rows.stop], bs[rank], m=m, b_layout="kn",
+                                 out_dtype="f32")
     assert_within(out, want, scale, "f32", f"all_gather_matmul rank {rank}")
-    done.append("all_gather_matmul")
+    done.append("all_gather_gemm")
 
     for call, says in [
         (lambda: g.collective("all-sum", xs[rank]), "all-sum"),
         (lambda: g.collective("all-reduce", xs[rank], reduce="avg"), "avg"),
         (lambda: g.gemm_reduce_scatter(a[rank], b[rank][:, :8]), "K differs"),
-        (lambda: g.all_gather_matmul(full[0][:1], bs[rank], m=m, b_layout="kn"), "pass m="),
+        (lambda: g.all_gather_gemm(full[0][:1], bs[rank], m=m, b_layout="kn"), "pass m="),
+        (lambda: g.all_gather_gemm(full[0][rows.start : rows.stop], bs[rank], m=m,
+                                   b_layout="kn", path="ring"), 'unknown path "ring"'),
     ]:
         with pytest.raises(ValueError) as e:
             call()
@@ -148,7 +156,7 @@ def test_every_op_across_processes_matches_float64(p):
     for rank in range(p):
         status, detail = got[rank]
         assert status == "ok", f"rank {rank}: {detail}"
-        assert "all_gather_matmul" in detail and "bad input" in detail
+        assert "all_gather_gemm" in detail and "bad input" in detail
 
 
 def test_a_rank_that_dies_ends_the_others_in_an_error():
@@ -216,8 +224,8 @@ def test_a_ranks_calls_refuse_bad_arrays_names_and_sizes_in_one_line():
         (lambda: g.gemm_reduce_scatter(a[0], b[0].astype(np.int64)), f"b {f32} a 2-D int64 array"),
         (lambda: g.gemm_reduce_scatter(a[0], b[0], dtype=np.float16), "dtype must be a string naming the input type"),
         (lambda: g.gemm_reduce_scatter(a[0], b[0], path="overlapped", pieces=99), "pieces must be 1 to 16 pieces, got 99"),
-        (lambda: g.all_gather_matmul(a[0], b[0], m=-1), "m must be a non-negative number of rows (of the gathered A), got -1"),
-        (lambda: g.all_gather_matmul(a[0], b[0], pieces=0), "pieces must be 1 to 16 pieces, got 0"),
+        (lambda: g.all_gather_gemm(a[0], b[0], m=-1), "m must be a non-negative number of rows (of the gathered A), got -1"),
+        (lambda: g.all_gather_gemm(a[0], b[0], pieces=0), "pieces must be 1 to 16 pieces, got 0"),
         (lambda: g.collective("all-reduce", np.broadcast_to(np.float32(0), (1 << 40,))),
          "copying the input of 1099511627776 elements needs 4.0 TiB"),
     ]:

@@ -711,11 +711,42 @@ fn run_ag_gemm_checks_every_element_on_the_simulator() {
         "{out}"
     );
     assert_eq!(out.lines().last(), Some("OK"), "{out}");
+    // the path by name, as gemm-rs takes it (--fused is --path fused); auto and no --pieces:
+    // the overlapped path in whole chunks
+    for (extra, says) in [
+        (
+            &["--path", "fused", "--pieces", "2"][..],
+            "(sim), fused, 2 pieces per chunk",
+        ),
+        (
+            &["--path", "overlapped", "--pieces", "3"][..],
+            "(sim), 3 pieces per chunk",
+        ),
+        (&["--path", "auto"][..], "(sim), 1 piece per chunk"),
+        (&[][..], "(sim), 1 piece per chunk"),
+    ] {
+        let args: Vec<&str> = [
+            "run", "ag-gemm", "--ranks", "3", "--m", "61", "--n", "24", "--k", "16",
+        ]
+        .iter()
+        .chain(extra)
+        .copied()
+        .collect();
+        let o = commfuse(&args);
+        let out = stdout(&o);
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {out}{}", stderr(&o));
+        assert!(out.contains(says), "{args:?}: {out}");
+        assert_eq!(out.lines().last(), Some("OK"), "{args:?}: {out}");
+    }
     let base = ["run", "ag-gemm", "--ranks", "3", "--m", "30", "--n", "16"];
     let with = |extra: &[&'static str]| -> Vec<&'static str> {
         base.iter().chain(extra).copied().collect()
     };
     fails_with(&with(&["--k", "12"]), "K must be a multiple of 8");
+    fails_with(
+        &with(&["--k", "8", "--path", "unfused"]),
+        "unknown path \"unfused\": auto, overlapped or fused",
+    );
     fails_with(
         &with(&["--k", "8", "--pieces", "0"]),
         "1 to 16 pieces, got 0",

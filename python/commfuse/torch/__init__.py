@@ -80,7 +80,7 @@ __all__ = [
 ]
 
 _GEMM_RS_PATHS = ("auto", "fused", "overlapped", "unfused")
-_AG_GEMM_PATHS = ("overlapped", "fused")
+_AG_GEMM_PATHS = ("auto", "overlapped", "fused")
 _COLLECTIVE_PATHS = ("auto", "commfuse", "torch")
 
 
@@ -168,10 +168,10 @@ def all_gather_gemm(
     *,
     m: Optional[int] = None,
     out_dtype: Optional[torch.dtype] = None,
-    pieces: int = 1,
+    pieces: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
     gathered: Optional[torch.Tensor] = None,
-    path: str = "overlapped",
+    path: str = "auto",
     save_gathered: bool = True,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """All-gather + GEMM (a column-parallel linear layer over sequence-parallel rows):
@@ -182,8 +182,10 @@ def all_gather_gemm(
     copy). M is ``m`` when given (chunks split as ``torch.tensor_split`` splits M, so they may
     differ by a row), else the group's size times this chunk's rows. ``out`` and ``gathered``,
     when given, receive the results (giving ``gathered`` implies ``return_a``). ``path``:
-    "overlapped" (cuBLASLt per piece as the pieces arrive) or "fused" (one GEMM of commfuse's
-    own whose loads of each row band wait for its rows).
+    "overlapped" (cuBLASLt per piece as the pieces arrive), "fused" (one GEMM of commfuse's
+    own whose loads of each row band wait for its rows) or "auto" (the overlapped path, the
+    faster at every shape measured); ``pieces``: the row pieces each rank's chunk is handed on
+    in (1 to 16; None: what auto takes, whole chunks).
 
     Differentiable in ``a``, ``b`` and ``bias``. The gradient of ``b`` needs the gathered A:
     with ``save_gathered`` (the default) the forward keeps it, else the backward gathers A

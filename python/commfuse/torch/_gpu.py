@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .. import _operators
 from .._commfuse import (
-    GpuAllGatherMatmul,
+    GpuAllGatherGemm,
     GpuCollective,
     GpuGemmReduceScatter,
     prefers_commfuse_on_user_buffers,
@@ -118,7 +118,7 @@ def gemm_reduce_scatter(g: GemmOperands, group, path: str, pieces: Optional[int]
     return out
 
 
-def ag_gemm_operator(g: GemmOperands, group, m: int, pieces: int, path: str):
+def ag_gemm_operator(g: GemmOperands, group, m: int, pieces: Optional[int], path: str):
     """The cached all-gather + GEMM operator for checked operands and ``m`` rows in all (built
     collectively when absent or too small)."""
     a, bias = g.a, g.bias
@@ -127,7 +127,7 @@ def ag_gemm_operator(g: GemmOperands, group, m: int, pieces: int, path: str):
     key = (device, n, k, layout, dtype, out_name, bias is not None, pieces, path)
 
     def build(rank, world, max_m):
-        return GpuAllGatherMatmul(
+        return GpuAllGatherGemm(
             device, rank, world, max_m, n, k, b_layout=layout, dtype=dtype,
             out_dtype=out_name, bias=bias is not None, pieces=pieces, path=path,
         )
@@ -142,7 +142,7 @@ def ag_gemm_operator(g: GemmOperands, group, m: int, pieces: int, path: str):
     return op
 
 
-def all_gather_gemm(g: GemmOperands, group, m: int, pieces: int, path: str,
+def all_gather_gemm(g: GemmOperands, group, m: int, pieces: Optional[int], path: str,
                     return_a: bool, out: Optional[torch.Tensor] = None,
                     gathered: Optional[torch.Tensor] = None):
     """All-gather + GEMM of checked operands on commfuse's kernels (see

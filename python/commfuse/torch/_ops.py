@@ -78,8 +78,8 @@ def gemm_rs_impl(a, b, bias, group_name: str, out_dtype, path: str, pieces, numa
     return _into(out, y, "out")
 
 
-def ag_gemm_impl(a, b, bias, group_name: str, m: Optional[int], out_dtype, pieces: int,
-                 path: str, return_a: bool, out: Optional[Tensor] = None,
+def ag_gemm_impl(a, b, bias, group_name: str, m: Optional[int], out_dtype,
+                 pieces: Optional[int], path: str, return_a: bool, out: Optional[Tensor] = None,
                  gathered: Optional[Tensor] = None):
     """All-gather + GEMM, eagerly: ``(out, gathered)``, gathered None unless asked for."""
     g = GemmOperands(a, b, bias, out_dtype)
@@ -104,7 +104,7 @@ def ag_gemm_impl(a, b, bias, group_name: str, m: Optional[int], out_dtype, piece
                                     gathered)
     if served == SIMULATOR:
         sim = _sim.group_of(group.process_group, group.name, group.rank, group.world)
-        y, x = _sim.all_gather_gemm(sim, g, total, pieces, return_a)
+        y, x = _sim.all_gather_gemm(sim, g, total, pieces, path, return_a)
     else:
         y, x = _fallback.all_gather_gemm(g, group.process_group, group.world, total, return_a)
     return _into(out, y, "out"), (None if x is None else _into(gathered, x, "gathered"))
@@ -207,7 +207,7 @@ gemm_reduce_scatter.register_autograd(_gemm_rs_backward, setup_context=_gemm_rs_
 
 @op(mutates_args=(), native=_native.AG_GEMM)
 def all_gather_gemm(a: Tensor, b: Tensor, bias: Optional[Tensor], group_name: str, m: int,
-                    out_dtype: Optional[torch.dtype], pieces: int, path: str,
+                    out_dtype: Optional[torch.dtype], pieces: Optional[int], path: str,
                     return_a: bool) -> Tuple[Tensor, Tensor]:
     """(AG(a)·b (+ bias), AG(a) or an empty [0, K]): see ``commfuse.torch.all_gather_gemm``."""
     out, gathered = _prepared.all_gather_gemm(

@@ -74,10 +74,11 @@ def gemm_reduce_scatter(sim: SimGroup, g: GemmOperands, path: str,
     return _tensor(out, g.out_dtype)
 
 
-def all_gather_gemm(sim: SimGroup, g: GemmOperands, m: int, pieces: int, return_a: bool):
-    out, gathered = sim.all_gather_matmul(
+def all_gather_gemm(sim: SimGroup, g: GemmOperands, m: int, pieces: Optional[int], path: str,
+                    return_a: bool):
+    out, gathered = sim.all_gather_gemm(
         _array(g.a), _array(g.b), None if g.bias is None else _array(g.bias), m=m,
-        b_layout=g.layout, dtype=g.dtype, out_dtype=g.out_name, pieces=pieces,
+        b_layout=g.layout, dtype=g.dtype, out_dtype=g.out_name, pieces=pieces, path=path,
         return_a=return_a,
     )
     return _tensor(out, g.out_dtype), None if gathered is None else _tensor(gathered, g.a.dtype)

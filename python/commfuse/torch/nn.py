@@ -120,7 +120,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
                  sequence_parallel: bool = False, compute_dtype: Optional[torch.dtype] = None,
-                 path: str = "overlapped", pieces: int = 1, save_gathered: bool = True,
+                 path: str = "auto", pieces: Optional[int] = None, save_gathered: bool = True,
                  device=None, dtype=None):
         name = name_of(group)
         g = by_name(name)

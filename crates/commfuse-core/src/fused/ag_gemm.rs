@@ -73,6 +73,49 @@ pub struct AgGemmConfig {
     pub timeout: Duration,
 }
 
+/// The path and pieces that a path's name ("auto", "overlapped", "fused") and an optional number
+/// of pieces ask for, the one vocabulary of the command line and the Python package: whether
+/// the path is the fused one, and the pieces (1 to [`MAX_PIECES`]).
+///
+/// "auto", and pieces left out, take the overlapped path in whole chunks: on 2 × H200 it was the
+/// faster at all six tensor-parallel shapes measured (docs/performance.md, "All-gather + GEMM":
+/// the fused path hides the gather within 2 % of our GEMM alone, but our GEMM trails cuBLASLt,
+/// which the overlapped path runs), and one piece was the faster of one and two there.
+pub fn parse_path(name: &str, pieces: Option<usize>) -> Result<(bool, usize), AgPathError> {
+    let fused = match name {
+        "auto" | "overlapped" => false,
+        "fused" => true,
+        other => return Err(AgPathError::Unknown(other.to_string())),
+    };
+    match pieces {
+        None => Ok((fused, 1)),
+        Some(p) if (1..=MAX_PIECES).contains(&p) => Ok((fused, p)),
+        Some(p) => Err(AgPathError::Pieces(p)),
+    }
+}
+
+/// Why a path's name and pieces name no path of the all-gather + GEMM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgPathError {
+    /// Not one of auto, overlapped, fused
+    Unknown(String),
+    /// Pieces outside 1 to [`MAX_PIECES`]
+    Pieces(usize),
+}
+
+impl std::fmt::Display for AgPathError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AgPathError::Unknown(name) => {
+                write!(f, "unknown path {name:?}: auto, overlapped or fused")
+            }
+            AgPathError::Pieces(p) => write!(f, "pieces must be 1 to {MAX_PIECES}, got {p}"),
+        }
+    }
+}
+
+impl std::error::Error for AgPathError {}
+
 impl AgGemmConfig {
     /// The defaults: no bias, whole chunks (one piece), the overlapped path, the kernel's
     /// tile, 5 s waits.
@@ -438,6 +481,28 @@ impl<TI: crate::Element, TO: crate::Element> AgCallInputs<TI, TO> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_path_name_and_pieces_say_the_path_auto_the_overlapped_one_in_whole_chunks() {
+        assert_eq!(parse_path("auto", None), Ok((false, 1)));
+        assert_eq!(parse_path("overlapped", None), Ok((false, 1)));
+        assert_eq!(parse_path("fused", None), Ok((true, 1)));
+        assert_eq!(parse_path("auto", Some(4)), Ok((false, 4)));
+        assert_eq!(
+            parse_path("fused", Some(MAX_PIECES)),
+            Ok((true, MAX_PIECES))
+        );
+        assert_eq!(parse_path("fused", Some(0)), Err(AgPathError::Pieces(0)));
+        assert_eq!(
+            parse_path("overlapped", Some(MAX_PIECES + 1)),
+            Err(AgPathError::Pieces(MAX_PIECES + 1))
+        );
+        let e = parse_path("unfused", None).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "unknown path \"unfused\": auto, overlapped or fused"
+        );
+    }
 
     fn schedule(world: usize, m: usize, pieces: usize) -> AgGemmSchedule {
         let shape =

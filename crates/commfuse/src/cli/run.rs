@@ -84,13 +84,18 @@ pub struct RunAgGemmArgs {
     pub shape: GemmShapeArgs,
     #[command(flatten)]
     pub place: FusedWhere,
+    /// Which path: auto (the overlapped one, measured the faster), overlapped (a library GEMM
+    /// per piece as it lands) or fused (one GEMM of our own per call whose loads of a piece's
+    /// rows wait for its flag)
+    #[arg(long, default_value = "auto")]
+    pub path: String,
     /// Row pieces each rank's chunk is handed on in, 1 to 16: a GEMM per piece on the overlapped
-    /// path, a wait per piece before the tiles that read its rows on the fused one
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = pieces())]
-    pub pieces: usize,
-    /// The fused path: one GEMM of our own per call whose loads of a piece's rows wait for its
-    /// flag (default: the overlapped path, a library GEMM per piece)
-    #[arg(long)]
+    /// path, a wait per piece before the tiles that read its rows on the fused one (default:
+    /// what auto takes, whole chunks)
+    #[arg(long, allow_negative_numbers = true, value_parser = pieces())]
+    pub pieces: Option<usize>,
+    /// The same as --path fused (the name it had first)
+    #[arg(long, conflicts_with = "path")]
     pub fused: bool,
     /// Seed of the random inputs (default: fresh each run)
     #[arg(long, allow_negative_numbers = true, value_parser = seed())]
@@ -280,12 +285,14 @@ pub(super) fn run_gemm_rs_cmd(a: RunGemmRsArgs) -> Result<i32> {
 }
 
 pub(super) fn run_ag_gemm_cmd(a: RunAgGemmArgs) -> Result<i32> {
-    use commfuse_core::fused::ag_gemm::AgGemmConfig;
+    use commfuse_core::fused::ag_gemm::{parse_path, AgGemmConfig};
     let place = a.place.placement()?;
+    let path = if a.fused { "fused" } else { a.path.as_str() };
+    let (fused, pieces) = parse_path(path, a.pieces).map_err(|e| anyhow::anyhow!("{e}"))?;
     let config = AgGemmConfig {
         bias: a.shape.bias,
-        pieces: a.pieces,
-        fused: a.fused,
+        pieces,
+        fused,
         timeout: place.timeout,
         ..a.shape.fused_config(AgGemmConfig::new)?
     };
@@ -313,9 +320,9 @@ pub(super) fn run_ag_gemm_cmd(a: RunAgGemmArgs) -> Result<i32> {
         a.shape.dtype,
         output,
         if a.shape.bias { "bias" } else { "no bias" },
-        if a.fused { "fused, " } else { "" },
-        a.pieces,
-        if a.pieces == 1 { "" } else { "s" }
+        if fused { "fused, " } else { "" },
+        pieces,
+        if pieces == 1 { "" } else { "s" }
     );
     report_calls(&calls)
 }
