@@ -74,7 +74,7 @@ def test_float16_ops_and_gradients():
     run_ranks(torch_checks.every_op, 2, "float16")
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_layers_match_one_device(world):
     run_ranks(torch_checks.layers_match_one_device, world)
 
@@ -231,18 +231,24 @@ def test_import_without_torch_says_how_to_install():
     assert "ImportError" in run.stderr and "pip install torch" in run.stderr, run.stderr
 
 
-def test_training_example_matches_one_device():
+@pytest.mark.parametrize("world, flags", [(2, []), (4, ["--no-sequence-parallel"])])
+def test_training_example_matches_one_device(world, flags):
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "examples" / "tp_train.py"), "--device", "cpu", "--steps", "6"],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={world}", str(ROOT / "examples" / "tp_train.py"), "--device", "cpu",
+         "--steps", "6"] + flags,
         capture_output=True, text=True, timeout=600, cwd=tempfile.gettempdir(),
     )
     sys.stdout.write(run.stdout[-4000:])
     sys.stderr.write(run.stderr[-4000:])
     assert run.returncode == 0, f"tp_train.py exited with {run.returncode}"
     assert "OK" in run.stdout.splitlines()[-1]
-    # every timed variant (async-TP's layers eagerly on CPU) checked against one device, timed
-    for label in ("commfuse", "torch.distributed + torch.matmul", "functional collectives, eager"):
+    # every timed variant (async-TP's layers eagerly on CPU, sequence parallel only) checked
+    # against one device, timed
+    labels = ["commfuse", "torch.distributed + torch.matmul"]
+    if "--no-sequence-parallel" not in flags:
+        labels.append("functional collectives, eager")
+    for label in labels:
         assert f"# {label}: logits within" in run.stdout, label
         assert any(line.startswith(label) and "tokens/s" in line
                    for line in run.stdout.splitlines()), label

@@ -442,20 +442,42 @@ def layers_match_one_device(rank, world, seed=5):
         for what, got, ref in pairs:
             err = (got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-12)
             assert err < 2e-2, f"sequence_parallel={sp} {what}: relative error {err:.3g}"
+        # the same layers built from sizes hold this rank's shard and, given its weights,
+        # compute what the ones built from nn.Linear do, to the bit
+        from commfuse.torch.nn import ColumnParallelLinear, RowParallelLinear
+
+        c = ColumnParallelLinear(hidden, ffn, sequence_parallel=sp, device=DEVICE)
+        r = RowParallelLinear(ffn, hidden, sequence_parallel=sp, device=DEVICE)
+        assert c.weight.shape == (len(out_rows), hidden), c.weight.shape
+        assert r.weight.shape == (hidden, len(in_rows)) and r.bias.shape == (hidden,)
+        c.load_state_dict(mlp.fc1.state_dict())
+        r.load_state_dict(mlp.fc2.state_dict())
+        with torch.no_grad():
+            xs = x[start:start + length].to(DEVICE)
+            assert torch.equal(r(torch.nn.functional.gelu(c(xs))), mlp(xs)), \
+                f"sequence_parallel={sp}: layers from sizes"
 
 
 def compiled_block_matches_eager(rank, world, backend="aot_eager", seed=9):
-    """A tensor-parallel MLP (all-gather + GEMM, GELU, GEMM + reduce-scatter) compiled with
-    fullgraph=True: no graph break, forward and gradients equal to eager's."""
+    """A tensor-parallel MLP compiled with fullgraph=True, sequence parallel (all-gather + GEMM,
+    GELU, GEMM + reduce-scatter) and not (GEMM, GELU, GEMM, all-reduce): no graph break,
+    forward and gradients equal to eager's; and each collective alone."""
+    for sp in (True, False):
+        _compiled_mlp_matches_eager(rank, world, backend, seed, sp)
+    _compiled_collectives_match_eager(rank, world, backend, seed)
+
+
+def _compiled_mlp_matches_eager(rank, world, backend, seed, sp):
     import torch._dynamo
 
     hidden, ffn, rows = 32, 64, 4 * world
     fc1, fc2 = _reference_mlp(hidden, ffn, seed)
-    x = operands(seed + 1, [(rows, hidden)])[0].float()[rows_of(rows, world)[rank]].to(DEVICE)
-    mlp = _Mlp(fc1.to(DEVICE), fc2.to(DEVICE), True)
+    x = operands(seed + 1, [(rows, hidden)])[0].float()
+    x = (x[rows_of(rows, world)[rank]] if sp else x).to(DEVICE)
+    mlp = _Mlp(fc1.to(DEVICE), fc2.to(DEVICE), sp)
     explain = torch._dynamo.explain(mlp)(x)
-    assert explain.graph_break_count == 0, explain.break_reasons
-    assert explain.graph_count == 1, explain.graph_count
+    assert explain.graph_break_count == 0, (sp, explain.break_reasons)
+    assert explain.graph_count == 1, (sp, explain.graph_count)
     compiled = torch.compile(mlp, fullgraph=True, backend=backend)
     for call in range(2):
         xi = (x * (call + 1)).requires_grad_()
@@ -470,10 +492,18 @@ def compiled_block_matches_eager(rank, world, backend="aot_eager", seed=9):
             torch.testing.assert_close(gc, p.grad, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(xi.grad, xe.grad, rtol=1e-2, atol=1e-2)
         mlp.zero_grad()
-    # the collectives and the GEMM ops compile too, each without a break
+
+
+def _compiled_collectives_match_eager(rank, world, backend, seed):
+    import torch._dynamo
+
+    x = operands(seed + 3, [(4 * world, 32)])[0].float()[rows_of(4 * world, world)[rank]]
+    x = x.to(DEVICE)
+    # the collectives compile too, each without a break
     for fn, arg in [(lambda t: cff.all_reduce(t) * 2, x),
                     (lambda t: cff.all_gather_tensor(t) + 1, x),
-                    (lambda t: cff.reduce_scatter_tensor(t.repeat(world, 1)) - 1, x)]:
+                    (lambda t: cff.reduce_scatter_tensor(t.repeat(world, 1)) - 1, x),
+                    (lambda t: cff.all_to_all_single(t) * 3, x)]:
         explain = torch._dynamo.explain(fn)(arg)
         assert explain.graph_break_count == 0, explain.break_reasons
         torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend=backend)(arg),

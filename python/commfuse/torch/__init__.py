@@ -352,11 +352,11 @@ def operator_path(a_rows: int, b: torch.Tensor, group=None, **options) -> Option
     "overlapped (C pieces)", "commfuse-sim" or "torch.distributed"), or None where it runs on
     commfuse's kernels and no call has built its operator yet."""
     g = _groups.by_name(name_of(group))
-    served = g.served_by(b.device)
-    if served != KERNELS:
-        return served
     b, layout = weight(b)
     n, k = (b.shape[0], b.shape[1]) if layout == "nk" else (b.shape[1], b.shape[0])
+    served = g.served_by_gemm(b.device, k)
+    if served != KERNELS:
+        return served
     out_dtype = options.get("out_dtype") or b.dtype
     key = (b.device.index, n, k, layout, dtype_name(b.dtype, "b"),
            dtype_name(out_dtype, "out_dtype"), options.get("bias", False),

@@ -63,6 +63,15 @@ class Group:
             served = self._served[kind] = self._settle(device)
         return served
 
+    def served_by_gemm(self, device: torch.device, k: int) -> str:
+        """What serves a GEMM op (GEMM + reduce-scatter, all-gather + GEMM) of inner dimension
+        ``k`` on ``device``: what serves the group, except that a K the kernels and the
+        simulator cannot take (they load rows of A and B 16 bytes at a time: K a multiple of 8)
+        goes to torch.matmul and torch.distributed, with the same semantics, instead of failing
+        (a layer whose features split over the ranks into such shards, say)."""
+        served = self.served_by(device)
+        return TORCH if k % 8 else served
+
     def serve_by_torch(self) -> None:
         """torch.distributed and torch.matmul serve every later call, on every device."""
         self._served = {kind: TORCH for kind in ("cpu", "cuda")}

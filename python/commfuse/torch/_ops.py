@@ -67,7 +67,7 @@ def gemm_rs_impl(a, b, bias, group_name: str, out_dtype, path: str, pieces, numa
     _same_call(group, "gemm_reduce_scatter",
                _gemm_fields(g, g.a.shape[0], ("path", path), ("pieces", pieces),
                             ("numa_groups", numa_groups)))
-    served = group.served_by(g.a.device)
+    served = group.served_by_gemm(g.a.device, g.k)
     if served == KERNELS:
         return _gpu.gemm_reduce_scatter(g, group.process_group, path, pieces, numa_groups, out)
     if served == SIMULATOR:
@@ -97,7 +97,7 @@ def ag_gemm_impl(a, b, bias, group_name: str, m: Optional[int], out_dtype,
                 f"{who} holds {held} rows of A, but its chunk of M = {total} has {rows}"
                 " (pass m= the total rows when chunks differ)"
             )
-    served = group.served_by(g.a.device)
+    served = group.served_by_gemm(g.a.device, g.k)
     return_a = return_a or gathered is not None
     if served == KERNELS:
         return _gpu.all_gather_gemm(g, group.process_group, total, pieces, path, return_a, out,

@@ -87,7 +87,7 @@ def _on_kernels(a, b, bias, name, out_dtype):
     tensors, else None."""
     group = by_name(name)
     g = GemmOperands(a, b, bias, out_dtype)
-    if group.served_by(a.device) == KERNELS and _direct(g, a, b, bias):
+    if group.served_by_gemm(a.device, g.k) == KERNELS and _direct(g, a, b, bias):
         return g, group
     return None
 
