@@ -142,37 +142,9 @@ def one_rank():
         dist.destroy_process_group()
 
 
-def _samples(name, dtype):
-    g = torch.Generator().manual_seed(3)
-
-    def rand(*shape, dt=dtype, grad=True):
-        return (torch.randint(-8, 9, shape, generator=g) / 8).to(dt).requires_grad_(grad)
-
-    ops = torch.ops.commfuse
-    return [
-        (ops.gemm_reduce_scatter, (rand(6, 8), rand(8, 16), None, name, None, "auto", None, 1)),
-        (ops.gemm_reduce_scatter, (rand(6, 8), rand(16, 8).t(), rand(16, dt=torch.float32), name,
-                                   torch.float32, "fused", None, 1)),
-        (ops.all_gather_gemm, (rand(7, 8), rand(8, 16), rand(16), name, 7, None, 1, "overlapped",
-                               True)),
-        (ops.all_gather_gemm, (rand(7, 8), rand(16, 8).t(), None, name, 7, None, 1, "overlapped",
-                               False)),
-        (ops.all_reduce, (rand(9), "sum", name, "auto")),
-        (ops.reduce_scatter, (rand(5, 3), "sum", name, "auto")),
-        (ops.all_gather, (rand(5, 3), 5, name, "auto")),
-        (ops.all_to_all, (rand(6), name, "auto")),
-        (ops.all_reduce_, (rand(9, grad=False), "max", name, "auto")),
-        (ops.reduce_scatter_into, (rand(9, grad=False), rand(9, grad=False), "sum", name,
-                                   "auto")),
-        (ops.all_gather_into, (rand(9, grad=False), rand(9, grad=False), name, "auto")),
-        (ops.all_to_all_into, (rand(9, grad=False), rand(9, grad=False), name, "auto")),
-    ]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_opcheck_every_op(one_rank, dtype):
-    for op, args in _samples(one_rank, dtype):
-        torch.library.opcheck(op, args)
+    torch_checks.opcheck_every_op(one_rank, dtype)
 
 
 def test_dispatcher_calls_bump_versions_and_refuse_gradients_of_mutating_ops(one_rank):

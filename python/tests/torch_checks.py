@@ -510,6 +510,43 @@ def _compiled_collectives_match_eager(rank, world, backend, seed):
                                    fn(arg))
 
 
+def _op_samples(name, dtype):
+    """One call of every op (both weight layouts, with and without a bias, every form of the
+    collectives) on DEVICE, for a group of one."""
+    g = torch.Generator().manual_seed(3)
+
+    def rand(*shape, dt=dtype, grad=True):
+        x = (torch.randint(-8, 9, shape, generator=g) / 8).to(device=DEVICE, dtype=dt)
+        return x.requires_grad_(grad)
+
+    ops = torch.ops.commfuse
+    return [
+        (ops.gemm_reduce_scatter, (rand(6, 8), rand(8, 16), None, name, None, "auto", None, 1)),
+        (ops.gemm_reduce_scatter, (rand(6, 8), rand(16, 8).t(), rand(16, dt=torch.float32), name,
+                                   torch.float32, "fused", None, 1)),
+        (ops.all_gather_gemm, (rand(7, 8), rand(8, 16), rand(16), name, 7, None, 1, "overlapped",
+                               True)),
+        (ops.all_gather_gemm, (rand(7, 8), rand(16, 8).t(), None, name, 7, None, 1, "overlapped",
+                               False)),
+        (ops.all_reduce, (rand(9), "sum", name, "auto")),
+        (ops.reduce_scatter, (rand(5, 3), "sum", name, "auto")),
+        (ops.all_gather, (rand(5, 3), 5, name, "auto")),
+        (ops.all_to_all, (rand(6), name, "auto")),
+        (ops.all_reduce_, (rand(9, grad=False), "max", name, "auto")),
+        (ops.reduce_scatter_into, (rand(9, grad=False), rand(9, grad=False), "sum", name,
+                                   "auto")),
+        (ops.all_gather_into, (rand(9, grad=False), rand(9, grad=False), name, "auto")),
+        (ops.all_to_all_into, (rand(9, grad=False), rand(9, grad=False), name, "auto")),
+    ]
+
+
+def opcheck_every_op(name, dtype):
+    """``torch.library.opcheck`` (schema, fake kernel, autograd registration, aliasing) of
+    every op on DEVICE, in a group of one; on CUDA with the C++ dispatcher kernels, theirs."""
+    for op, args in _op_samples(name, dtype):
+        torch.library.opcheck(op, args)
+
+
 def fallback_serves_the_same(rank, world, seed=11):
     """With peer access forbidden, torch.distributed serves the ops, said once in a warning,
     with the same results."""

@@ -29,6 +29,12 @@ def main():
         # torch.distributed and torch.matmul serve every op: the same semantics, checked the
         # same way (compiling and capturing them is PyTorch's own business)
         checks = checks[:3]
+    if world == 1:
+        # every op's schema, fake kernel, autograd and aliasing on CUDA tensors (the C++
+        # dispatcher kernels where they are loaded); the samples are of a group of one
+        group_name = dist.group.WORLD.group_name
+        checks.append(("opcheck", lambda: [torch_checks.opcheck_every_op(group_name, dtype)
+                                           for dtype in (torch.bfloat16, torch.float16)]))
     for name, run in checks:
         run()
         torch.cuda.synchronize()
