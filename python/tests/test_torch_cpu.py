@@ -147,6 +147,16 @@ def test_opcheck_every_op(one_rank, dtype):
     torch_checks.opcheck_every_op(one_rank, dtype)
 
 
+def test_the_into_collectives_take_inputs_that_need_a_gradient(one_rank):
+    # as dist.all_gather_into_tensor and dist.reduce_scatter_tensor do (the C++ kernels loaded
+    # or not): the input is only read
+    for call in (cf.all_gather, cf.reduce_scatter, cf.all_to_all):
+        x = torch.arange(8, dtype=torch.float32).requires_grad_()
+        out = torch.full((8,), float("nan"))
+        assert call(out, x, group=one_rank) is out
+        assert torch.equal(out, x.detach()), call.__name__
+
+
 def test_dispatcher_calls_bump_versions_and_refuse_gradients_of_mutating_ops(one_rank):
     ops = torch.ops.commfuse
     t = torch.arange(6, dtype=torch.bfloat16)

@@ -276,7 +276,11 @@ def op_calls_back_to_back(rank, world, dtype, seed):
     # the collectives' messages: 2·world rows of 8 (every rank's chunk whole rows)
     c_rows, c_inner = 2 * world, 8
     mine = slice(2 * rank, 2 * rank + 2)
-    per_round = 10
+    # and a reduce-scatter of rows that do not split evenly (on more than one rank its own
+    # path, an all-reduce of which it keeps its rows: never bound to the all-reduce's operator)
+    u_rows = 2 * world + 1
+    u_mine = rows_of(u_rows, world)[rank]
+    per_round = 11
     native = DEVICE.type == "cuda" and _native.loaded
     # (where torch.distributed serves the group, every signature stays with Python)
     prepared = native and cf.served_by(DEVICE) == "commfuse"
@@ -299,6 +303,8 @@ def op_calls_back_to_back(rank, world, dtype, seed):
             "all_gather": ops.all_gather(x[mine], c_rows, name, "commfuse"),
             "all_to_all": ops.all_to_all(x, name, "commfuse"),
         }
+        us = operands(s + 4, [(u_rows, c_inner)] * world)
+        coll["uneven"] = (ops.reduce_scatter(_on(us[rank], dtype), "sum", name, "commfuse"), us)
         into = {kind: torch.full_like(want_like, float("nan"))
                 for kind, want_like in (("reduce_scatter_into", x[mine]), ("all_gather_into", x),
                                         ("all_to_all_into", x))}
@@ -313,6 +319,9 @@ def op_calls_back_to_back(rank, world, dtype, seed):
         swapped = torch.cat([v.flatten().chunk(world)[rank] for v in xs]).view(c_rows, c_inner)
         gathered = torch.cat([v[2 * r:2 * r + 2] for r, v in enumerate(xs)])
         check(f"op all_reduce call {call}", coll["all_reduce"], total, scale, dtype)
+        got, us = coll["uneven"]
+        check(f"op reduce_scatter of uneven rows call {call}", got, sum(us)[u_mine],
+              sum(v.abs() for v in us)[u_mine], dtype)
         for kind in ("reduce_scatter", "reduce_scatter_into"):
             got = coll.get(kind, into.get(kind))
             check(f"op {kind} call {call}", got, total[mine], scale[mine], dtype)
@@ -339,13 +348,15 @@ def op_calls_back_to_back(rank, world, dtype, seed):
               sum(x[0].abs() for x in a), torch.float32)
     hits, misses = after[1] - before[1], after[2] - before[2]
     calls_made = 4 * per_round
+    # the uneven reduce-scatter's calls go to Python on more than one rank
+    unprepared = 4 if world > 1 else 0
     if native and not prepared:
         assert (hits, misses) == (0, calls_made), \
             f"the C++ kernels served {hits} of {calls_made} calls that torch.distributed serves"
     if prepared:
-        assert (hits, misses) == (calls_made, 0), \
-            f"the C++ kernels served {hits} of {calls_made} prepared calls ({misses} went to" \
-            " Python)"
+        assert (hits, misses) == (calls_made - unprepared, unprepared), \
+            f"the C++ kernels served {hits} of {calls_made} calls ({misses} went to Python," \
+            f" {unprepared} should)"
         assert after[0] >= per_round, \
             f"the C++ table holds {after[0]} prepared calls, not {per_round}"
         # (every rank's calls done before any frees the buffers its peers read)

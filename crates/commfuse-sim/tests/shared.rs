@@ -491,10 +491,17 @@ fn an_empty_object_left_under_the_name_is_replaced_once_it_is_old() {
     // the name is refused at once
     std::thread::scope(|s| {
         let forming = s.spawn(|| Arena::open(&live, 0, 2, 1 << 20, Duration::from_millis(1500)));
-        while !std::path::Path::new(&format!("/dev/shm/commfuse-{live}")).exists() {
+        // until its rank 0 has sized it past its header (4096 bytes), which it does right
+        // after creating it
+        let object = format!("/dev/shm/commfuse-{live}");
+        let waiting = Instant::now();
+        while std::fs::metadata(&object).map_or(true, |m| m.len() < 4096) {
+            assert!(
+                waiting.elapsed() < Duration::from_secs(5),
+                "{object} never set up"
+            );
             std::thread::sleep(Duration::from_millis(1));
         }
-        std::thread::sleep(Duration::from_millis(50));
         let started = Instant::now();
         let e = Arena::open(&live, 0, 2, 1 << 20, Duration::from_secs(1))
             .err()

@@ -258,14 +258,18 @@ def _into_collective(kind: str, op_name: str, output, input, reduce, group, path
     _vector(output, "output")
     name = name_of(group)
     _choice("path", path, _COLLECTIVE_PATHS)
-    if not _NATIVE and _eager():
-        # the op's own prepared call, without the dispatcher (with the C++ kernels loaded the
-        # op is the shorter road)
+    if not _eager():
+        getattr(torch.ops.commfuse, op_name)(output, input, *rest, name, path)
+    elif _NATIVE and _eager(input, output):
+        # the op's C++ prepared call is the shorter road; an input that needs a gradient would
+        # send the op to its autograd kernel, which a collective into a given tensor has not
+        getattr(torch.ops.commfuse, op_name)(output, input, *rest, name, path)
+    else:
+        # as torch.distributed's own call, also on tensors that need a gradient: the op's
+        # prepared call, without the dispatcher
         _prepared.collective_into(
             op_name, kind, output, input, reduce, name, path,
             lambda: _ops.collective_impl(kind, output, input, reduce, name, path))
-    else:
-        getattr(torch.ops.commfuse, op_name)(output, input, *rest, name, path)
     return output
 
 

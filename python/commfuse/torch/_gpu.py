@@ -118,13 +118,20 @@ def gemm_reduce_scatter(g: GemmOperands, group, path: str, pieces: Optional[int]
     return out
 
 
+def ag_path_key(pieces: Optional[int], path: str) -> tuple:
+    """What an all-gather + GEMM's ``pieces`` and ``path`` build (the binding's rule: "auto"
+    is the overlapped path, no pieces one piece), so that the same operator serves every
+    spelling of it; an unknown path stays as given, for the binding to refuse."""
+    return (1 if pieces is None else pieces, "overlapped" if path == "auto" else path)
+
+
 def ag_gemm_operator(g: GemmOperands, group, m: int, pieces: Optional[int], path: str):
     """The cached all-gather + GEMM operator for checked operands and ``m`` rows in all (built
     collectively when absent or too small)."""
     a, bias = g.a, g.bias
     dtype, out_name, layout, (rows, k), n = g.dtype, g.out_name, g.layout, a.shape, g.n
     device = a.device.index
-    key = (device, n, k, layout, dtype, out_name, bias is not None, pieces, path)
+    key = (device, n, k, layout, dtype, out_name, bias is not None) + ag_path_key(pieces, path)
 
     def build(rank, world, max_m):
         return GpuAllGatherGemm(

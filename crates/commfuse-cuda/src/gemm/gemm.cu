@@ -142,7 +142,7 @@ struct CallCounter {
 struct GemmParams {
     TmaDesc a;                 // A [M, K], box 64 (K) x 128 (M)
     TmaDesc b;                 // B [N, K]: box 64 x 256; B [K, N]: box 64 (N) x 64 (K)
-    const u32* order;          // tile order, tile_count entries
+    const u32* order;          // tile order: tile_count entries (the pair build's, paired: unit_count)
     const TileRoute* routes;   // per tile; null: local D, row-major, ld = N
     u64 d;                     // local D
     const void* c;             // C [M, N] in the output type (read when beta != 0)
@@ -283,7 +283,8 @@ __device__ __forceinline__ u32 cluster_rank() {
 // barrier arrives: what it orders is the consumers' wgmma reads of the stage, complete at
 // their wait, before the partner's TMA overwrites it. Asked for `.release.cluster`, ptxas puts
 // a GPU-wide fence (MEMBAR.ALL.GPU) before every arrival: twice per k-block, which took the
-// pair build from the main build's speed to 60 % of it (one H200, 8192 x 8192 x 3584).
+// pair build from the main build's speed to 60 % of it (one H200, 8192 x 8192 x 3584:
+// docs/results/gemm/pair-fenced-1xH200-d631ba0/).
 __device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
     asm volatile(
         "{\n"

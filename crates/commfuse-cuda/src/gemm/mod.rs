@@ -189,7 +189,8 @@ pub enum VariantChoice {
     /// 64-row build wherever it can compute the plan, the 128-row one elsewhere
     Narrow,
     /// [`TILE`]s; the pair build wherever a tile has more than [`SKINNY_ROWS`] rows, the
-    /// skinny one elsewhere (a plan of [`NARROW_TILE`]s: as [`VariantChoice::Main`])
+    /// skinny one elsewhere (a plan of [`NARROW_TILE`]s: as [`VariantChoice::Main`]); the
+    /// fused operators' GEMMs (with routes or a gather) keep the main build
     Pair,
 }
 
@@ -900,7 +901,13 @@ impl PreparedGemm {
         rank: usize,
     ) -> Result<PreparedGemm, CudaError> {
         let p = &plan.problem;
-        let variant = kernels.choice().variant_for(plan);
+        let mut variant = kernels.choice().variant_for(plan);
+        if variant == GemmVariant::Pair && (routes.is_some() || gather.is_some()) {
+            // the pair build runs plain GEMMs: a fused operator's tiles wait for flags (a
+            // fold's partials, a band's rows), and a wait of one block of a pair holds its
+            // partner's stages too; unmeasured, so the main build serves them
+            variant = GemmVariant::Main;
+        }
         let function = kernels.entry(plan, variant)?;
         let half = p.input == DType::F16;
         let a = a_map(ops.a, p.input, p.k, p.m, variant)?;
