@@ -117,7 +117,10 @@ def _operands(a, b, bias) -> bool:
 
 
 _gemm_rs_op = torch.ops.commfuse.gemm_reduce_scatter.default
+_ag_gemm_op = torch.ops.commfuse.all_gather_gemm.default
 _all_reduce_op = torch.ops.commfuse.all_reduce_.default
+_into_ops = {name: getattr(torch.ops.commfuse, name).default
+             for name in ("reduce_scatter_into", "all_gather_into", "all_to_all_into")}
 
 
 def gemm_reduce_scatter(
@@ -210,7 +213,7 @@ def all_gather_gemm(
                                  gathered)
         return (y, x) if return_a else y
     keep = return_a or (save_gathered and b.requires_grad and torch.is_grad_enabled())
-    y, x = torch.ops.commfuse.all_gather_gemm(a, b, bias, name, m, out_dtype, pieces, path, keep)
+    y, x = _ag_gemm_op(a, b, bias, name, m, out_dtype, pieces, path, keep)
     if out is not None:
         y = _ops._into(out, y, "out")
     if not return_a:
@@ -259,11 +262,11 @@ def _into_collective(kind: str, op_name: str, output, input, reduce, group, path
     name = name_of(group)
     _choice("path", path, _COLLECTIVE_PATHS)
     if not _eager():
-        getattr(torch.ops.commfuse, op_name)(output, input, *rest, name, path)
+        _into_ops[op_name](output, input, *rest, name, path)
     elif _NATIVE and _eager(input, output):
         # the op's C++ prepared call is the shorter road; an input that needs a gradient would
         # send the op to its autograd kernel, which a collective into a given tensor has not
-        getattr(torch.ops.commfuse, op_name)(output, input, *rest, name, path)
+        _into_ops[op_name](output, input, *rest, name, path)
     else:
         # as torch.distributed's own call, also on tensors that need a gradient: the op's
         # prepared call, without the dispatcher

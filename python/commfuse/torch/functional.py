@@ -15,6 +15,13 @@ from ._groups import by_name, name_of
 
 __all__ = ["all_reduce", "reduce_scatter_tensor", "all_gather_tensor", "all_to_all_single"]
 
+# the ops' overloads, bound once: calling through ``torch.ops.commfuse.<op>`` resolves the
+# overload on every call
+_all_reduce = torch.ops.commfuse.all_reduce.default
+_reduce_scatter = torch.ops.commfuse.reduce_scatter.default
+_all_gather = torch.ops.commfuse.all_gather.default
+_all_to_all = torch.ops.commfuse.all_to_all.default
+
 
 def _checked(x, what: str = "x") -> torch.Tensor:
     tensor(x, what)
@@ -27,14 +34,14 @@ def _checked(x, what: str = "x") -> torch.Tensor:
 def all_reduce(x: torch.Tensor, op="sum", group=None, path: str = "auto") -> torch.Tensor:
     """The element-wise ``op`` of every rank's ``x`` (a new tensor); its gradient (of a sum)
     is the all-reduce of the output's."""
-    return torch.ops.commfuse.all_reduce(_checked(x), reduce_name(op), name_of(group), path)
+    return _all_reduce(_checked(x), reduce_name(op), name_of(group), path)
 
 
 def reduce_scatter_tensor(x: torch.Tensor, op="sum", group=None,
                           path: str = "auto") -> torch.Tensor:
     """This rank's rows of the element-wise ``op`` of every rank's ``x``; its gradient is the
     all-gather of the output's."""
-    return torch.ops.commfuse.reduce_scatter(_checked(x), reduce_name(op), name_of(group), path)
+    return _reduce_scatter(_checked(x), reduce_name(op), name_of(group), path)
 
 
 def all_gather_tensor(x: torch.Tensor, group=None, rows: Optional[int] = None,
@@ -44,10 +51,10 @@ def all_gather_tensor(x: torch.Tensor, group=None, rows: Optional[int] = None,
     name = name_of(group)
     if rows is None:
         rows = _checked(x).shape[0] * by_name(name).world
-    return torch.ops.commfuse.all_gather(_checked(x), rows, name, path)
+    return _all_gather(_checked(x), rows, name, path)
 
 
 def all_to_all_single(x: torch.Tensor, group=None, path: str = "auto") -> torch.Tensor:
     """Chunk j of this rank's flattened ``x`` goes to rank j; the result, shaped as ``x``,
     holds chunk r of every rank's, rank by rank. Its own adjoint."""
-    return torch.ops.commfuse.all_to_all(_checked(x), name_of(group), path)
+    return _all_to_all(_checked(x), name_of(group), path)
