@@ -59,6 +59,13 @@ def lookup(kind: str, group, key: tuple):
     return None if entry is None else entry[0]
 
 
+def ag_path_key(pieces, path: str) -> tuple:
+    """What an all-gather + GEMM's ``pieces`` and ``path`` build (the binding's rule: "auto"
+    is the overlapped path, no pieces one piece), for operator keys: every spelling of one
+    operator finds it; an unknown path stays as given, for the binding to refuse."""
+    return (1 if pieces is None else pieces, "overlapped" if path == "auto" else path)
+
+
 def clear() -> None:
     """Drops every cached operator (each waits for its last calls before freeing its memory)."""
     _CACHE.clear()

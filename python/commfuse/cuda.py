@@ -170,9 +170,8 @@ def all_gather_gemm(a, b, out, group: Group, bias=None, *, gathered=None, stream
     bias_d = None if bias is None else _contiguous(bias, "bias", group, s, (n,), out_d.dtype)
     gathered_d = None if gathered is None else _contiguous(gathered, "gathered", group, s,
                                                            (m, k), a_d.dtype)
-    # "auto" and no pieces build what "overlapped" and one piece do: one operator for both
-    key = (n, k, layout, a_d.dtype, out_d.dtype, bias is not None,
-           1 if pieces is None else pieces, "overlapped" if path == "auto" else path)
+    key = ((n, k, layout, a_d.dtype, out_d.dtype, bias is not None)
+           + _operators.ag_path_key(pieces, path))
 
     def build(max_m):
         return GpuAllGatherGemm(

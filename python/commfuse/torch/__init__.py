@@ -261,11 +261,10 @@ def _into_collective(kind: str, op_name: str, output, input, reduce, group, path
     _vector(output, "output")
     name = name_of(group)
     _choice("path", path, _COLLECTIVE_PATHS)
-    if not _eager():
-        _into_ops[op_name](output, input, *rest, name, path)
-    elif _NATIVE and _eager(input, output):
-        # the op's C++ prepared call is the shorter road; an input that needs a gradient would
-        # send the op to its autograd kernel, which a collective into a given tensor has not
+    if not _eager() or (_NATIVE and _eager(input, output)):
+        # compiled, or (with the C++ kernels) the op's C++ prepared call, the shorter road; an
+        # input that needs a gradient would send the op to its autograd kernel, which a
+        # collective into a given tensor has not
         _into_ops[op_name](output, input, *rest, name, path)
     else:
         # as torch.distributed's own call, also on tensors that need a gradient: the op's

@@ -118,20 +118,14 @@ def gemm_reduce_scatter(g: GemmOperands, group, path: str, pieces: Optional[int]
     return out
 
 
-def ag_path_key(pieces: Optional[int], path: str) -> tuple:
-    """What an all-gather + GEMM's ``pieces`` and ``path`` build (the binding's rule: "auto"
-    is the overlapped path, no pieces one piece), so that the same operator serves every
-    spelling of it; an unknown path stays as given, for the binding to refuse."""
-    return (1 if pieces is None else pieces, "overlapped" if path == "auto" else path)
-
-
 def ag_gemm_operator(g: GemmOperands, group, m: int, pieces: Optional[int], path: str):
     """The cached all-gather + GEMM operator for checked operands and ``m`` rows in all (built
     collectively when absent or too small)."""
     a, bias = g.a, g.bias
     dtype, out_name, layout, (rows, k), n = g.dtype, g.out_name, g.layout, a.shape, g.n
     device = a.device.index
-    key = (device, n, k, layout, dtype, out_name, bias is not None) + ag_path_key(pieces, path)
+    key = ((device, n, k, layout, dtype, out_name, bias is not None)
+           + _operators.ag_path_key(pieces, path))
 
     def build(rank, world, max_m):
         return GpuAllGatherGemm(
@@ -209,20 +203,25 @@ def route(op: str, count: int, dtype: torch.dtype, group, even: bool, path: str)
     return "torch.distributed" if path == "torch" else "commfuse"
 
 
+def splits_evenly(kind: str, in_count: int, out_count: int, world: int) -> bool:
+    """Whether collective ``kind`` from ``in_count`` elements a rank into ``out_count`` splits
+    evenly over ``world`` ranks (what ``route`` asks: torch.distributed splits evenly only)."""
+    count = out_count if kind == "all-gather" else in_count
+    if kind == "all-reduce":
+        return True
+    if kind == "all-to-all":
+        return count % world == 0 and out_count == count
+    small = in_count if kind == "all-gather" else out_count
+    return count % world == 0 and small * world == count
+
+
 def collective_into(kind: str, output: Optional[torch.Tensor], input: torch.Tensor, group,
                     reduce: str, path: str, by_torch) -> None:
     """Collective ``kind`` ("all-reduce": ``input`` is ``output``, "reduce-scatter",
     "all-gather", "all-to-all") from ``input`` into ``output``, both contiguous, by commfuse's
     kernels or, where ``route`` sends it, by ``by_torch()`` (torch.distributed)."""
-    world = _world(group)
     count = output.numel() if kind == "all-gather" else input.numel()
-    if kind == "all-reduce":
-        even = True
-    elif kind == "all-to-all":
-        even = count % world == 0 and output.numel() == count
-    else:
-        small = input.numel() if kind == "all-gather" else output.numel()
-        even = count % world == 0 and small * world == count
+    even = splits_evenly(kind, input.numel(), output.numel(), _world(group))
     if route(kind, count, input.dtype, group, even, path) == "torch.distributed":
         by_torch()
         return

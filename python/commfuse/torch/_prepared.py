@@ -184,17 +184,6 @@ def all_reduce(tensor, op, name, path, general):
     _run(key, (tensor,), general, prepare)
 
 
-def _even(kind: str, count: int, in_count: int, out_count: int, world: int) -> bool:
-    """Whether collective ``kind`` of ``count`` elements splits evenly over the group, as
-    ``_gpu.collective_into`` asks it."""
-    if kind == "all-reduce":
-        return True
-    if kind == "all-to-all":
-        return count % world == 0 and out_count == count
-    small = in_count if kind == "all-gather" else out_count
-    return count % world == 0 and small * world == count
-
-
 def _collective_operator(kind: str, input, out_shape, reduce: str, name: str, path: str):
     """The operator that ``_gpu.collective_into`` runs for ``input`` into a contiguous output
     of ``out_shape`` (input's dtype and device), where commfuse's kernels take it straight from
@@ -207,7 +196,7 @@ def _collective_operator(kind: str, input, out_shape, reduce: str, name: str, pa
         out_count *= d
     count = out_count if kind == "all-gather" else input.numel()
     pg = group.process_group
-    even = _even(kind, count, input.numel(), out_count, group.world)
+    even = _gpu.splits_evenly(kind, input.numel(), out_count, group.world)
     if _gpu.route(kind, count, input.dtype, pg, even, path) != "commfuse":
         return None
     operator = _gpu._collective(kind, count, input, pg, reduce)
