@@ -15,7 +15,7 @@ use cudarc::cublaslt::{result, sys};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The workspace every candidate may use (the heuristic only offers algorithms that fit).
 const WORKSPACE_BYTES: usize = 64 << 20;
@@ -63,6 +63,36 @@ pub struct Choice {
     pub candidates: usize,
     /// Its mean time per call while choosing, in ms.
     pub time_ms: f32,
+    /// The host's time to queue one of its calls while choosing, in µs.
+    pub host_us: f32,
+}
+
+/// One candidate's times while choosing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CandidateTime {
+    /// Its place in the heuristic's list
+    pub index: usize,
+    /// The mean GPU time per call, in ms
+    pub time_ms: f32,
+    /// The host's mean time to queue one call, in µs
+    pub host_us: f32,
+}
+
+/// How much slower on the GPU than the fastest a candidate may be and still be chosen for
+/// costing the host less per call. Candidates differ in how many kernels a call queues (a
+/// split-K reduction, a workspace clear): at decode sizes, where the GPU's times of the best
+/// few agree within noise, their host times differ by microseconds.
+pub const HOST_TIE: f32 = 0.01;
+
+/// The candidate to run: the fastest on the GPU, unless one within [`HOST_TIE`] of it costs
+/// the host less (then the cheapest of those).
+pub fn pick(times: &[CandidateTime]) -> Option<CandidateTime> {
+    let fastest = times.iter().map(|t| t.time_ms).min_by(f32::total_cmp)?;
+    times
+        .iter()
+        .filter(|t| t.time_ms <= fastest * (1.0 + HOST_TIE))
+        .min_by(|a, b| a.host_us.total_cmp(&b.host_us))
+        .copied()
 }
 
 /// A matmul descriptor and the three matrix layouts of one shape, destroyed on drop.
@@ -90,6 +120,8 @@ struct Prepared {
     descriptors: Descriptors,
     algo: sys::cublasLtMatmulAlgo_t,
     choice: Choice,
+    /// Every candidate's times while choosing
+    times: Vec<CandidateTime>,
 }
 
 /// One cuBLASLt handle on one GPU, with its workspace and per-shape cache.
@@ -142,6 +174,18 @@ impl Lt {
             bias: false,
         };
         self.cache.lock().unwrap().get(&key).map(|p| p.choice)
+    }
+
+    /// Every candidate's times for `problem` at `sms` while choosing (after its first
+    /// [`Lt::matmul`]; empty before).
+    pub fn candidate_times(&self, problem: &GemmProblem, sms: u32) -> Vec<CandidateTime> {
+        let key = Key {
+            problem: *problem,
+            sms,
+            bias: false,
+        };
+        let cache = self.cache.lock().unwrap();
+        cache.get(&key).map_or(vec![], |p| p.times.clone())
     }
 
     fn descriptors(&self, key: &Key) -> Result<Descriptors, CudaError> {
@@ -347,8 +391,8 @@ impl Lt {
         // a bias while choosing: the scratch itself (N elements of the output type)
         let who = format!("cuBLASLt's tuning on GPU {}", self.gpu.ordinal);
         let mut stuck = false;
-        let mut time = || -> Result<Option<(usize, f32)>, CudaError> {
-            let mut best: Option<(usize, f32)> = None;
+        let mut time = || -> Result<Vec<CandidateTime>, CudaError> {
+            let mut times = vec![];
             for (index, algo) in algos.iter().enumerate() {
                 let call = || {
                     // SAFETY: operands as the caller promised, scratch sized for D, live
@@ -362,9 +406,12 @@ impl Lt {
                 let (start, end) = (Event::new(&self.gpu)?, Event::new(&self.gpu)?);
                 // a candidate cuBLASLt refuses at launch (its status, returned before anything
                 // is enqueued) is skipped
+                let mut queued = Duration::ZERO;
                 let timed = (0..TUNE_WARMUP).try_for_each(|_| call()).and_then(|()| {
                     start.record(stream)?;
+                    let host = Instant::now();
                     (0..TUNE_RUNS).try_for_each(|_| call())?;
+                    queued = host.elapsed();
                     end.record(stream)
                 });
                 if timed.is_err() {
@@ -381,22 +428,23 @@ impl Lt {
                     stuck = true;
                     return Err(e);
                 }
-                let ms = start.elapsed_ms(&end)? / TUNE_RUNS as f32;
-                if best.is_none_or(|(_, t)| ms < t) {
-                    best = Some((index, ms));
-                }
+                times.push(CandidateTime {
+                    index,
+                    time_ms: start.elapsed_ms(&end)? / TUNE_RUNS as f32,
+                    host_us: queued.as_secs_f32() * 1e6 / TUNE_RUNS as f32,
+                });
             }
-            Ok(best)
+            Ok(times)
         };
-        let best = time();
+        let times = time();
         // on every path the timed calls must have ended before the scratch output is freed:
         // one still running after the bound keeps it (leaked) rather than write into whatever
         // is allocated there next
         if stuck || !matches!(stream.wait_idle(TUNE_WAIT), Ok(true)) {
             std::mem::forget(own);
         }
-        let best = best?;
-        let (index, time_ms) = best.ok_or_else(|| {
+        let times = times?;
+        let best = pick(&times).ok_or_else(|| {
             CudaError::Unavailable(format!(
                 "none of cuBLASLt's {} candidate algorithms ran",
                 algos.len()
@@ -406,12 +454,14 @@ impl Lt {
             key,
             Prepared {
                 descriptors,
-                algo: algos[index],
+                algo: algos[best.index],
                 choice: Choice {
-                    index,
+                    index: best.index,
                     candidates: algos.len(),
-                    time_ms,
+                    time_ms: best.time_ms,
+                    host_us: best.host_us,
                 },
+                times,
             },
         );
         Ok(())
@@ -571,5 +621,44 @@ impl Drop for Lt {
         unsafe {
             let _ = result::destroy_handle(self.handle);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{pick, CandidateTime, HOST_TIE};
+
+    fn t(index: usize, time_ms: f32, host_us: f32) -> CandidateTime {
+        CandidateTime {
+            index,
+            time_ms,
+            host_us,
+        }
+    }
+
+    #[test]
+    fn the_fastest_on_the_gpu_is_picked_when_no_other_is_close() {
+        let times = [
+            t(0, 1.0, 9.0),
+            t(1, 1.0 + 2.0 * HOST_TIE, 3.0),
+            t(2, 2.0, 1.0),
+        ];
+        assert_eq!(pick(&times).unwrap().index, 0);
+    }
+
+    #[test]
+    fn a_candidate_as_fast_within_the_tie_that_costs_the_host_less_is_picked() {
+        let times = [
+            t(0, 0.0171, 8.0),
+            t(1, 0.0170, 9.0),
+            t(2, 0.0170 * (1.0 + HOST_TIE / 2.0), 4.0),
+            t(3, 0.0180, 2.0),
+        ];
+        assert_eq!(pick(&times).unwrap().index, 2);
+    }
+
+    #[test]
+    fn nothing_is_picked_from_no_candidates() {
+        assert!(pick(&[]).is_none());
     }
 }

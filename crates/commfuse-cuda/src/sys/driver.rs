@@ -1253,8 +1253,6 @@ fn cluster_attribute(blocks: u32) -> sys::CUlaunchAttribute {
     attr
 }
 
-/// Stream-ordered copies and fills: the work a caller queues between calls (new inputs,
-/// poisoned outputs, outputs set aside) without synchronising the host.
 /// The end of an operator's last call, so that its next call comes after it on the device even
 /// when the caller moves to another stream, and so that the host can wait for it.
 ///
