@@ -14,7 +14,7 @@ use commfuse_cuda::backend::plan_table::ErrorRecord;
 use commfuse_cuda::gemm::bench::{bench_gemm, DeviceReference, ReferenceGemm, StreamGuard};
 use commfuse_cuda::gemm::{
     CallNumber, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets,
-    SmHolder, TileSnapshot, VariantChoice, NARROW_TILE, SKINNY_ROWS, TILE,
+    SmHolder, TileSnapshot, VariantChoice, MID_TILE, NARROW_TILE, SKINNY_ROWS, TILE,
 };
 use commfuse_cuda::sys::cublaslt::Lt;
 use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, MappedHost, Stream};
@@ -548,6 +548,38 @@ fn pair_build_matches_float64_reference() {
             };
             each(p, case, pair, want);
         }
+    }
+}
+
+/// The mid build (128×128 tiles), against float64 over every element: M = 1, 65, 300 and
+/// 1000 with N = 1000 (a last tile 104 wide) and N = 600 (88 wide), K = 1544, both B layouts,
+/// the three type pairs, on every SM with a plain and a full epilogue, on 4 and 3 SMs (many
+/// waves, with a split tail) with the full one and on 3 with D += 2·A·B; then row bands of
+/// 40, 60 and 30 rows, planned with mid tiles and run on the mid build whatever the choice.
+#[test]
+fn mid_build_matches_float64_reference() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let mut seed = 1500;
+    let mut each = |p: GemmProblem, case: SkinnyCase, choice, want| {
+        seed += 1;
+        check_variant_of_types(&gpu, &kernels, &stream, p, case, (choice, want), seed);
+    };
+    for (m, n) in [(1, 1000), (65, 600), (300, 1000), (1000, 600)] {
+        for_each_case(m, n, MID_TILE, &THREE_TYPES, &FIVE_RUNS, |p, case| {
+            each(p, case, VariantChoice::Mid, GemmVariant::Mid)
+        });
+    }
+    for layout in [BLayout::NK, BLayout::KN] {
+        let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
+        let case = SkinnyCase {
+            tile: MID_TILE,
+            bands: Some(&[0, 40, 100, 130]),
+            cap: 0,
+            epilogue: Case::Full,
+        };
+        each(p, case, VariantChoice::Auto, GemmVariant::Mid);
     }
 }
 

@@ -10,7 +10,7 @@
 use crate::error::CudaError;
 use crate::gemm::{
     GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, TileRoute, VariantChoice,
-    NARROW_TILE, ROUTE_DST_FROM_D, TILE,
+    MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
 };
 use crate::sys::cublaslt::Lt;
 pub use crate::sys::driver::StreamGuard;
@@ -34,7 +34,7 @@ pub struct GemmRow {
     pub n: usize,
     pub k: usize,
     pub sms: u32,
-    /// The build of our kernel that ran (`main`, `skinny`, `narrow`, `narrow-tall`, `pair`;
+    /// The build of our kernel that ran (`main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`;
     /// none for cuBLASLt)
     pub build: Option<String>,
     /// Blocks of our kernel's persistent grid (none for cuBLASLt)
@@ -190,13 +190,14 @@ fn run<T: Element>(
         .collect::<Result<_, _>>()?;
     // where another build than the main one can compute the product (the skinny one: every
     // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles; the pair build:
-    // a tile of more than 64 rows), each build forced, side by side with the row of the build
-    // chosen
+    // a tile of more than 64 rows; the mid build: M above 64), each build forced, side by side
+    // with the row of the build chosen
     let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
     let narrow = (p.m <= NARROW_TILE.m).then(|| plan_of(NARROW_TILE));
     let skinny_fits = VariantChoice::Skinny.variant_for(&wide) == GemmVariant::Skinny;
     let pair_fits = VariantChoice::Pair.variant_for(&wide) == GemmVariant::Pair;
-    if skinny_fits || narrow.is_some() || pair_fits {
+    let mid = (p.m > SKINNY_ROWS).then(|| plan_of(MID_TILE));
+    if skinny_fits || narrow.is_some() || pair_fits || mid.is_some() {
         let chosen = kernels.choice();
         let mut builds = vec![("commfuse-main", VariantChoice::Main, &wide)];
         if skinny_fits {
@@ -207,6 +208,9 @@ fn run<T: Element>(
         }
         if pair_fits {
             builds.push(("commfuse-pair", VariantChoice::Pair, &wide));
+        }
+        if let Some(mid) = &mid {
+            builds.push(("commfuse-mid", VariantChoice::Mid, mid));
         }
         for (name, choice, plan) in builds {
             kernels.set_choice(choice);

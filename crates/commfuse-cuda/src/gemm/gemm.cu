@@ -2,7 +2,7 @@
 // design, the measured versions and what each change bought.
 //
 // D = alpha * A B + beta * C (+ bias row), f32 accumulation, cast to the output type, each
-// 128x256 (or 128x64) tile sent to the address its route names (local D or a peer's buffer over NVLink),
+// 128x256 (or 128x128, 128x64) tile sent to the address its route names (local D or a peer's buffer over NVLink),
 // then a per-tile flag raised with release semantics at system scope.
 //
 // One block per SM, 384 threads in three warpgroups:
@@ -57,6 +57,11 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // units share their B columns: each block loads its own A and half of the B k-block, which
 // TMA multicast writes into both blocks' stages, so that every SM reads 32 KiB of each k-block
 // from L2 instead of 48.
+// The mid build, for plans of 128x128 tiles: the main build's two consumer warpgroups on
+// tiles half as wide (wgmma m64n128k16, 64 accumulators per thread) and five stages of 32 KiB,
+// so that products of a few hundred to a few thousand rows make twice as many tiles (a
+// fuller last wave, or whole-K tiles where the 256-wide ones would need a split tail) with
+// 160 KiB in flight per SM instead of 144 (six stages do not fit beside the staged tile).
 template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1> struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
     static constexpr int BN = BN_;              // columns of a tile
@@ -86,6 +91,7 @@ using SkinnyCfg = Cfg<64, gemm::BN, 4>;
 using NarrowCfg = Cfg<64, 64, 8>;
 using NarrowTallCfg = Cfg<gemm::BM, 64, 8>;
 using PairCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES, 2>;
+using MidCfg = Cfg<gemm::BM, 128, 5>;
 static_assert(MainCfg::SMEM_BYTES == gemm::SMEM_BYTES && MainCfg::EPI_PITCH == gemm::EPI_PITCH,
               "the main build is the kernel's design");
 // mirrored by SKINNY_SMEM_BYTES and NARROW_SMEM_BYTES in mod.rs
@@ -93,6 +99,7 @@ static_assert(SkinnyCfg::SMEM_BYTES == 198736, "layout mirrored by SKINNY_SMEM_B
 static_assert(NarrowCfg::SMEM_BYTES == 141456, "layout mirrored by NARROW_SMEM_BYTES in mod.rs");
 static_assert(NarrowTallCfg::SMEM_BYTES == 216208, "layout mirrored by NARROW_TALL_SMEM_BYTES in mod.rs");
 static_assert(PairCfg::SMEM_BYTES == MainCfg::SMEM_BYTES, "the pair build's layout is the main build's");
+static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES in mod.rs");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -1097,12 +1104,14 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 
 // gemm_<input>_<B layout>_<output>: the main build; gemm_skinny_...: 128x256 tiles of at most
 // 64 rows; gemm_narrow_...: 128x64 tiles of at most 64 rows; gemm_narrow_tall_...: 128x64 tiles;
-// gemm_pair_...: the main build in clusters of two sharing B (launched with a cluster size of 2)
+// gemm_pair_...: the main build in clusters of two sharing B (launched with a cluster size of 2);
+// gemm_mid_...: 128x128 tiles
 COMMFUSE_GEMM_ENTRIES(gemm_, MainCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_skinny_, SkinnyCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_, NarrowCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, NarrowTallCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_pair_, PairCfg)
+COMMFUSE_GEMM_ENTRIES(gemm_mid_, MidCfg)
 
 // ---- a consumer of flagged tiles, for the GPU test of the release/acquire protocol -------------
 

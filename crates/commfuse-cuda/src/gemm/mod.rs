@@ -33,6 +33,9 @@ pub const TILE: TileShape = commfuse_core::gemm::KERNEL_TILE;
 /// The narrow builds' tile: where a skinny M over [`TILE`]s would leave most SMs without a
 /// tile, a quarter of their width makes four times as many (N = 8192: 128 instead of 32).
 pub const NARROW_TILE: TileShape = TileShape { m: 128, n: 64 };
+/// The mid build's tile: half as wide as [`TILE`], twice as many tiles for products of a few
+/// hundred to a few thousand rows.
+pub const MID_TILE: TileShape = TileShape { m: 128, n: 128 };
 const THREADS: u32 = 384;
 const STAGES: u32 = 3;
 /// K depth of one pipeline stage (one 128-byte swizzle row of 16-bit elements).
@@ -61,6 +64,10 @@ const NARROW_STAGES: u32 = 8;
 const NARROW_SMEM_BYTES: u32 = smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_STAGES);
 /// Mirrors `NarrowTallCfg::SMEM_BYTES` in gemm.cu.
 const NARROW_TALL_SMEM_BYTES: u32 = smem_bytes(NARROW_TILE.m, NARROW_TILE.n, NARROW_STAGES);
+/// Stages of the mid build: 32 KiB each; a sixth does not fit beside the staged tile.
+const MID_STAGES: u32 = 5;
+/// Mirrors `MidCfg::SMEM_BYTES` in gemm.cu.
+const MID_SMEM_BYTES: u32 = smem_bytes(MID_TILE.m, MID_TILE.n, MID_STAGES);
 
 /// Which build of the kernel a [`PreparedGemm`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +88,8 @@ pub enum GemmVariant {
     /// blocks' stages, so that an SM reads 32 KiB of each k-block from L2 instead of 48. The
     /// host pairs the order's tiles column by column ([`pair_order`]); no split tail
     Pair,
+    /// All 128 rows of each [`MID_TILE`] (wgmma m64n128k16), two consumer warpgroups, 5 stages
+    Mid,
 }
 
 /// Blocks in a cluster of the pair build.
@@ -88,18 +97,21 @@ pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 5] = [
+    pub const ALL: [GemmVariant; 6] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
         GemmVariant::NarrowTall,
         GemmVariant::Pair,
+        GemmVariant::Mid,
     ];
 
     /// Rows of the A box and of the staged tile.
     fn rows(self) -> usize {
         match self {
-            GemmVariant::Main | GemmVariant::NarrowTall | GemmVariant::Pair => TILE.m,
+            GemmVariant::Main | GemmVariant::NarrowTall | GemmVariant::Pair | GemmVariant::Mid => {
+                TILE.m
+            }
             GemmVariant::Skinny | GemmVariant::Narrow => SKINNY_ROWS,
         }
     }
@@ -109,6 +121,7 @@ impl GemmVariant {
         match self {
             GemmVariant::Main | GemmVariant::Skinny | GemmVariant::Pair => TILE,
             GemmVariant::Narrow | GemmVariant::NarrowTall => NARROW_TILE,
+            GemmVariant::Mid => MID_TILE,
         }
     }
 
@@ -126,6 +139,7 @@ impl GemmVariant {
             GemmVariant::Skinny => SKINNY_SMEM_BYTES,
             GemmVariant::Narrow => NARROW_SMEM_BYTES,
             GemmVariant::NarrowTall => NARROW_TALL_SMEM_BYTES,
+            GemmVariant::Mid => MID_SMEM_BYTES,
         }
     }
 
@@ -136,6 +150,7 @@ impl GemmVariant {
             GemmVariant::Narrow => "gemm_narrow_",
             GemmVariant::NarrowTall => "gemm_narrow_tall_",
             GemmVariant::Pair => "gemm_pair_",
+            GemmVariant::Mid => "gemm_mid_",
         }
     }
 
@@ -149,17 +164,18 @@ impl GemmVariant {
     /// partial wave after whole ones); where the whole product is one partial wave (`one_wave`:
     /// fewer tiles than SMs, a small M) three parts were faster than four: 40.0 against 41.5 µs
     /// at 128 × 8192 × 3584 (and 33.6 against 35.7 at 16 rows). The pair build has no split
-    /// tail: both blocks of a cluster must run the same K range of every unit.
+    /// tail: both blocks of a cluster must run the same K range of every unit. The mid build
+    /// is the main build on narrower tiles and takes its limits.
     pub fn max_parts(self, one_wave: bool) -> usize {
         match self {
-            GemmVariant::Main if one_wave => 3,
-            GemmVariant::Main => MAX_PARTS,
+            GemmVariant::Main | GemmVariant::Mid if one_wave => 3,
+            GemmVariant::Main | GemmVariant::Mid => MAX_PARTS,
             GemmVariant::Skinny | GemmVariant::Narrow | GemmVariant::NarrowTall => 2,
             GemmVariant::Pair => 1,
         }
     }
 
-    /// `main`, `skinny`, `narrow`, `narrow-tall` or `pair`.
+    /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair` or `mid`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
@@ -167,6 +183,7 @@ impl GemmVariant {
             GemmVariant::Narrow => "narrow",
             GemmVariant::NarrowTall => "narrow-tall",
             GemmVariant::Pair => "pair",
+            GemmVariant::Mid => "mid",
         }
     }
 }
@@ -192,9 +209,11 @@ pub enum VariantChoice {
     /// skinny one elsewhere (a plan of [`NARROW_TILE`]s: as [`VariantChoice::Main`]); the
     /// fused operators' GEMMs (with routes or a gather) keep the main build
     Pair,
+    /// [`MID_TILE`]s, always (the mid build)
+    Mid,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|pair|auto` (default `auto`): the [`VariantChoice`] of
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|pair|mid|auto` (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
 
@@ -218,7 +237,7 @@ pub fn narrow_pays(p: &commfuse_core::gemm::GemmProblem, sms: usize) -> bool {
 pub const NARROW_ROWS_MIN: usize = 16;
 
 impl VariantChoice {
-    /// The choice named `main`, `skinny`, `narrow`, `pair` or `auto`.
+    /// The choice named `main`, `skinny`, `narrow`, `pair`, `mid` or `auto`.
     pub fn parse(name: &str) -> Result<VariantChoice, CudaError> {
         match name {
             "auto" => Ok(VariantChoice::Auto),
@@ -226,13 +245,14 @@ impl VariantChoice {
             "skinny" => Ok(VariantChoice::Skinny),
             "narrow" => Ok(VariantChoice::Narrow),
             "pair" => Ok(VariantChoice::Pair),
+            "mid" => Ok(VariantChoice::Mid),
             _ => Err(unsupported(format!(
-                "{VARIANT_ENV} must be main, skinny, narrow, pair or auto, got {name:?}"
+                "{VARIANT_ENV} must be main, skinny, narrow, pair, mid or auto, got {name:?}"
             ))),
         }
     }
 
-    /// `main`, `skinny`, `narrow`, `pair` or `auto`.
+    /// `main`, `skinny`, `narrow`, `pair`, `mid` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
@@ -240,15 +260,22 @@ impl VariantChoice {
             VariantChoice::Skinny => "skinny",
             VariantChoice::Narrow => "narrow",
             VariantChoice::Pair => "pair",
+            VariantChoice::Mid => "mid",
         }
     }
 
     /// The tile to plan `p` with on `sms` SMs under this choice.
     pub fn tile_for(self, p: &commfuse_core::gemm::GemmProblem, sms: usize) -> TileShape {
+        if self == VariantChoice::Mid {
+            return MID_TILE;
+        }
         let narrow = match self {
             VariantChoice::Auto => narrow_pays(p, sms),
             VariantChoice::Narrow => p.m <= NARROW_TILE.m,
-            VariantChoice::Main | VariantChoice::Skinny | VariantChoice::Pair => false,
+            VariantChoice::Main
+            | VariantChoice::Skinny
+            | VariantChoice::Pair
+            | VariantChoice::Mid => false,
         };
         if narrow {
             NARROW_TILE
@@ -257,10 +284,13 @@ impl VariantChoice {
         }
     }
 
-    /// The build that runs `plan` (of [`TILE`]s or [`NARROW_TILE`]s, which `PreparedGemm`
-    /// checks): the 64-row one of its tile only where every tile has at most [`SKINNY_ROWS`]
-    /// rows (it computes no more of a tile).
+    /// The build that runs `plan` (of [`TILE`]s, [`NARROW_TILE`]s or [`MID_TILE`]s, which
+    /// `PreparedGemm` checks): the 64-row one of its tile only where every tile has at most
+    /// [`SKINNY_ROWS`] rows (it computes no more of a tile); [`MID_TILE`]s have one build.
     pub fn variant_for(self, plan: &GemmPlan) -> GemmVariant {
+        if plan.tile == MID_TILE {
+            return GemmVariant::Mid;
+        }
         let fits = tallest_band(plan) <= SKINNY_ROWS && self != VariantChoice::Main;
         match (plan.tile == NARROW_TILE, fits) {
             (false, false) if self == VariantChoice::Pair => GemmVariant::Pair,
@@ -278,6 +308,7 @@ impl VariantChoice {
             VariantChoice::Skinny => 2,
             VariantChoice::Narrow => 3,
             VariantChoice::Pair => 4,
+            VariantChoice::Mid => 5,
         }
     }
 
@@ -287,6 +318,7 @@ impl VariantChoice {
             2 => VariantChoice::Skinny,
             3 => VariantChoice::Narrow,
             4 => VariantChoice::Pair,
+            5 => VariantChoice::Mid,
             _ => VariantChoice::Auto,
         }
     }
@@ -781,10 +813,17 @@ fn check_problem_tiles(
 /// aligned operands.
 fn check_plan(plan: &GemmPlan, ops: &GemmOperands, world: usize) -> Result<(), CudaError> {
     let p = &plan.problem;
-    if plan.tile != TILE && plan.tile != NARROW_TILE {
+    if ![TILE, MID_TILE, NARROW_TILE].contains(&plan.tile) {
         return Err(unsupported(format!(
-            "the GPU GEMM computes {}×{} or {}×{} tiles, the plan has {}×{}",
-            TILE.m, TILE.n, NARROW_TILE.m, NARROW_TILE.n, plan.tile.m, plan.tile.n
+            "the GPU GEMM computes {}×{}, {}×{} or {}×{} tiles, the plan has {}×{}",
+            TILE.m,
+            TILE.n,
+            MID_TILE.m,
+            MID_TILE.n,
+            NARROW_TILE.m,
+            NARROW_TILE.n,
+            plan.tile.m,
+            plan.tile.n
         )));
     }
     check_problem_tiles(p, plan.tile)?;
@@ -1611,6 +1650,9 @@ mod tests {
         assert_eq!(NARROW_SMEM_BYTES, 141456);
         assert_eq!(NARROW_TALL_SMEM_BYTES, 216208);
         const { assert!(NARROW_TALL_SMEM_BYTES <= 227 * 1024) };
+        // MidCfg::SMEM_BYTES; a sixth stage would not fit
+        assert_eq!(MID_SMEM_BYTES, 199776);
+        const { assert!(smem_bytes(MID_TILE.m, MID_TILE.n, MID_STAGES + 1) > 227 * 1024) };
     }
 
     fn problem(m: usize, n: usize, k: usize) -> commfuse_core::gemm::GemmProblem {
@@ -1687,6 +1729,7 @@ mod tests {
             ("skinny", VariantChoice::Skinny),
             ("narrow", VariantChoice::Narrow),
             ("pair", VariantChoice::Pair),
+            ("mid", VariantChoice::Mid),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -1695,7 +1738,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, pair or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, pair, mid or auto, got \"Skinny\""
             ),
             "{e}"
         );
@@ -1739,6 +1782,45 @@ mod tests {
             };
             assert_eq!(v.rows(), rows, "{v:?}");
             assert!(v.smem_bytes() <= 227 * 1024, "{v:?}");
+        }
+    }
+
+    #[test]
+    fn a_plan_of_mid_tiles_runs_on_the_mid_build_whatever_the_choice() {
+        for (m, bands) in [
+            (1, None),
+            (64, None),
+            (4096, None),
+            (130, Some(vec![0, 40, 130])),
+        ] {
+            let plan = banded_plan(m, MID_TILE, bands);
+            for choice in [
+                VariantChoice::Auto,
+                VariantChoice::Main,
+                VariantChoice::Skinny,
+                VariantChoice::Narrow,
+                VariantChoice::Pair,
+                VariantChoice::Mid,
+            ] {
+                assert_eq!(
+                    choice.variant_for(&plan),
+                    GemmVariant::Mid,
+                    "{choice:?} {m}"
+                );
+            }
+        }
+        assert_eq!(GemmVariant::Mid.tile(), MID_TILE);
+        // forced, it plans every product with mid tiles; no other choice does yet
+        for m in [16, 512, 8192] {
+            let p = problem(m, 8192, 3584);
+            assert_eq!(VariantChoice::Mid.tile_for(&p, 132), MID_TILE);
+            for choice in [
+                VariantChoice::Auto,
+                VariantChoice::Main,
+                VariantChoice::Pair,
+            ] {
+                assert_ne!(choice.tile_for(&p, 132), MID_TILE, "{choice:?} {m}");
+            }
         }
     }
 
