@@ -194,8 +194,9 @@ impl GemmVariant {
 /// narrow-tall), so the choice also says which tile to plan with ([`VariantChoice::tile_for`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VariantChoice {
-    /// Narrow tiles where [`narrow_pays`] says so, else [`TILE`]s; the 64-row build of the
-    /// plan's tile wherever every tile has at most [`SKINNY_ROWS`] rows, else the 128-row one
+    /// Narrow tiles where [`narrow_pays`] says so, else mid tiles where [`mid_pays`] does, else
+    /// [`TILE`]s; the 64-row build of the plan's tile wherever every tile has at most
+    /// [`SKINNY_ROWS`] rows, else the 128-row one
     Auto,
     /// [`TILE`]s; always the 128-row build (main, or narrow-tall for a plan of narrow tiles)
     Main,
@@ -232,6 +233,20 @@ pub fn narrow_pays(p: &commfuse_core::gemm::GemmProblem, sms: usize) -> bool {
     rows == 1 && p.m > NARROW_ROWS_MIN && 2 * cols <= sms
 }
 
+/// Whether `auto` plans `p` with [`MID_TILE`]s on `sms` SMs: M spans more than one band of
+/// tiles (up to 128 rows the narrow and the skinny build serve), its [`TILE`]s would give at
+/// most half of the SMs a tile (the split tail
+/// then cuts each along K), and its mid tiles fill at most one wave, each SM running one whole
+/// K loop. On one H200 (GEMM-NOTES.md, "The mid build") 512 × 4096 × 4096 took 37.2 µs on mid
+/// tiles (128, one wave) against 42.2 on wide ones (64, in two K parts); wherever the mid tiles
+/// make more than one wave they measured slower, by 3 % (128 × 28672 × 8192, 224 tiles) to
+/// 25 % (8192 × 8192 × 14336): 128 × 128 tiles read 33 % more from L2 per product.
+pub fn mid_pays(p: &commfuse_core::gemm::GemmProblem, sms: usize) -> bool {
+    let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
+    let (mid_rows, mid_cols) = commfuse_core::gemm::tiles(p, MID_TILE);
+    rows > 1 && 2 * rows * cols <= sms && mid_rows * mid_cols <= sms
+}
+
 /// Rows up to which `auto` keeps the skinny build's wide tiles even where narrow ones would
 /// fill more SMs: at 16 × 8192 × 3584 the skinny build was the faster (see [`narrow_pays`]).
 pub const NARROW_ROWS_MIN: usize = 16;
@@ -266,7 +281,7 @@ impl VariantChoice {
 
     /// The tile to plan `p` with on `sms` SMs under this choice.
     pub fn tile_for(self, p: &commfuse_core::gemm::GemmProblem, sms: usize) -> TileShape {
-        if self == VariantChoice::Mid {
+        if self == VariantChoice::Mid || (self == VariantChoice::Auto && mid_pays(p, sms)) {
             return MID_TILE;
         }
         let narrow = match self {
@@ -1810,18 +1825,26 @@ mod tests {
             }
         }
         assert_eq!(GemmVariant::Mid.tile(), MID_TILE);
-        // forced, it plans every product with mid tiles; no other choice does yet
+        // forced, it plans every product with mid tiles; no other forced choice does
         for m in [16, 512, 8192] {
             let p = problem(m, 8192, 3584);
             assert_eq!(VariantChoice::Mid.tile_for(&p, 132), MID_TILE);
-            for choice in [
-                VariantChoice::Auto,
-                VariantChoice::Main,
-                VariantChoice::Pair,
-            ] {
+            for choice in [VariantChoice::Main, VariantChoice::Pair] {
                 assert_ne!(choice.tile_for(&p, 132), MID_TILE, "{choice:?} {m}");
             }
         }
+        // auto: more than 128 rows, wide tiles for at most half of the SMs, mid ones one wave
+        let auto = |m: usize, n: usize, sms: usize| {
+            VariantChoice::Auto.tile_for(&problem(m, n, 4096), sms)
+        };
+        assert_eq!(auto(512, 4096, 132), MID_TILE); // 64 wide tiles, 128 mid
+        assert_eq!(auto(256, 8192, 132), MID_TILE); // 64, 128
+        assert_eq!(auto(512, 4096, 100), TILE); // 64 wide tiles on 100 SMs: more than half
+        assert_eq!(auto(1024, 4096, 132), TILE); // 128 wide tiles
+        assert_eq!(auto(384, 8192, 132), TILE); // 96 wide, 192 mid: two waves
+        assert_eq!(auto(128, 8192, 132), NARROW_TILE); // one band: the narrow build's
+        assert_eq!(auto(129, 4096, 132), MID_TILE); // two bands: 32 wide tiles, 64 mid
+        assert_eq!(auto(16, 8192, 132), TILE); // the skinny build's wide tiles
     }
 
     #[test]
@@ -1843,8 +1866,9 @@ mod tests {
         }
         assert_eq!(tile(VariantChoice::Auto, 16, 8192), TILE);
         assert_eq!(tile(VariantChoice::Auto, 17, 8192), NARROW_TILE);
-        // two bands of tiles; 112 wide tiles (more than half of the SMs); exactly half
-        assert_eq!(tile(VariantChoice::Auto, 129, 8192), TILE);
+        // two bands of tiles (64 wide tiles: the mid ones, 128, fill one wave); 112 wide tiles
+        // (more than half of the SMs); exactly half
+        assert_eq!(tile(VariantChoice::Auto, 129, 8192), MID_TILE);
         assert_eq!(tile(VariantChoice::Narrow, 129, 8192), TILE);
         assert_eq!(tile(VariantChoice::Auto, 64, 28672), TILE);
         assert_eq!(tile(VariantChoice::Narrow, 64, 28672), NARROW_TILE);
