@@ -233,18 +233,18 @@ pub fn narrow_pays(p: &commfuse_core::gemm::GemmProblem, sms: usize) -> bool {
     rows == 1 && p.m > NARROW_ROWS_MIN && 2 * cols <= sms
 }
 
-/// Whether `auto` plans `p` with [`MID_TILE`]s on `sms` SMs: M spans more than one band of
-/// tiles (up to 128 rows the narrow and the skinny build serve), its [`TILE`]s would give at
-/// most half of the SMs a tile (the split tail
+/// Whether `auto` plans `p` with [`MID_TILE`]s on `sms` SMs: M fills at least two bands of
+/// tiles, its [`TILE`]s would give at most half of the SMs a tile (the split tail
 /// then cuts each along K), and its mid tiles fill at most one wave, each SM running one whole
-/// K loop. On one H200 (GEMM-NOTES.md, "The mid build") 512 × 4096 × 4096 took 37.2 µs on mid
-/// tiles (128, one wave) against 42.2 on wide ones (64, in two K parts); wherever the mid tiles
-/// make more than one wave they measured slower, by 3 % (128 × 28672 × 8192, 224 tiles) to
-/// 25 % (8192 × 8192 × 14336): 128 × 128 tiles read 33 % more from L2 per product.
+/// K loop. On one H200 (GEMM-NOTES.md, "The mid build") mid tiles took 38.7, 36.1 and 36.6 µs
+/// at 256 × 8192 × 4096, 384 × 4096 × 4096 and 512 × 4096 × 4096 against 46.8, 40.1 and 41.8 on
+/// wide ones; at 129 × 8192 × 3584 (a second band of one row) 46.5 against 41.6; wherever the
+/// mid tiles make more than one wave they measured slower, by 3 % (128 × 28672 × 8192, 224
+/// tiles) to 25 % (8192 × 8192 × 14336): 128 × 128 tiles read 33 % more from L2 per product.
 pub fn mid_pays(p: &commfuse_core::gemm::GemmProblem, sms: usize) -> bool {
     let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
     let (mid_rows, mid_cols) = commfuse_core::gemm::tiles(p, MID_TILE);
-    rows > 1 && 2 * rows * cols <= sms && mid_rows * mid_cols <= sms
+    p.m >= 2 * TILE.m && 2 * rows * cols <= sms && mid_rows * mid_cols <= sms
 }
 
 /// Rows up to which `auto` keeps the skinny build's wide tiles even where narrow ones would
@@ -1833,7 +1833,7 @@ mod tests {
                 assert_ne!(choice.tile_for(&p, 132), MID_TILE, "{choice:?} {m}");
             }
         }
-        // auto: more than 128 rows, wide tiles for at most half of the SMs, mid ones one wave
+        // auto: two full bands or more, wide tiles for at most half of the SMs, mid ones one wave
         let auto = |m: usize, n: usize, sms: usize| {
             VariantChoice::Auto.tile_for(&problem(m, n, 4096), sms)
         };
@@ -1843,7 +1843,8 @@ mod tests {
         assert_eq!(auto(1024, 4096, 132), TILE); // 128 wide tiles
         assert_eq!(auto(384, 8192, 132), TILE); // 96 wide, 192 mid: two waves
         assert_eq!(auto(128, 8192, 132), NARROW_TILE); // one band: the narrow build's
-        assert_eq!(auto(129, 4096, 132), MID_TILE); // two bands: 32 wide tiles, 64 mid
+        assert_eq!(auto(129, 4096, 132), TILE); // a second band of one row
+        assert_eq!(auto(256, 4096, 132), MID_TILE); // two full bands: 32 wide tiles, 64 mid
         assert_eq!(auto(16, 8192, 132), TILE); // the skinny build's wide tiles
     }
 
@@ -1866,9 +1867,9 @@ mod tests {
         }
         assert_eq!(tile(VariantChoice::Auto, 16, 8192), TILE);
         assert_eq!(tile(VariantChoice::Auto, 17, 8192), NARROW_TILE);
-        // two bands of tiles (64 wide tiles: the mid ones, 128, fill one wave); 112 wide tiles
-        // (more than half of the SMs); exactly half
-        assert_eq!(tile(VariantChoice::Auto, 129, 8192), MID_TILE);
+        // two bands of tiles, the second of one row; 112 wide tiles (more than half of the
+        // SMs); exactly half
+        assert_eq!(tile(VariantChoice::Auto, 129, 8192), TILE);
         assert_eq!(tile(VariantChoice::Narrow, 129, 8192), TILE);
         assert_eq!(tile(VariantChoice::Auto, 64, 28672), TILE);
         assert_eq!(tile(VariantChoice::Narrow, 64, 28672), NARROW_TILE);
