@@ -583,6 +583,59 @@ fn mid_build_matches_float64_reference() {
     }
 }
 
+/// The direct build (the consumers store each tile from their registers; four stages),
+/// forced, against float64 over every element: M = 65, 300 and 1000 with N = 1000 (a last
+/// tile 232 wide) and N = 600 (88 wide), K = 1544, both B layouts, every pair of types, every
+/// SM with a plain and a full epilogue, 4 and 3 SMs (split tails) with the full one and 3 with
+/// D += 2·A·B; an odd N (999: the last column of each row stored alone); then row bands of 65
+/// and 65 rows (direct) and of at most 64 (the skinny build, which the choice takes there).
+#[test]
+fn direct_build_matches_float64_reference() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let mut seed = 1700;
+    let mut each = |p: GemmProblem, case: SkinnyCase, choice, want| {
+        seed += 1;
+        check_variant_of_types(&gpu, &kernels, &stream, p, case, (choice, want), seed);
+    };
+    let direct = VariantChoice::Direct;
+    let types = [
+        (DType::BF16, DType::BF16),
+        (DType::BF16, DType::F32),
+        (DType::F16, DType::F16),
+        (DType::F16, DType::F32),
+    ];
+    for (m, n) in [(65, 1000), (300, 600), (1000, 1000)] {
+        for_each_case(m, n, TILE, &types, &FIVE_RUNS, |p, case| {
+            each(p, case, direct, GemmVariant::Direct)
+        });
+    }
+    for_each_case(
+        300,
+        999,
+        TILE,
+        &THREE_TYPES[..1],
+        &FIVE_RUNS[..2],
+        |p, case| each(p, case, direct, GemmVariant::Direct),
+    );
+    for (bands, want) in [
+        (&[0, 65, 130][..], GemmVariant::Direct),
+        (&[0, 40, 100, 130][..], GemmVariant::Skinny),
+    ] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
+            let case = SkinnyCase {
+                tile: TILE,
+                bands: Some(bands),
+                cap: 0,
+                epilogue: Case::Full,
+            };
+            each(p, case, direct, want);
+        }
+    }
+}
+
 /// A wait that gives up ends the kernel without a trap (which would end every kernel of the
 /// context, PyTorch's included, and leave the context unusable): the call's synchronisation
 /// succeeds, `check` reports the diagnosed wait, no tile is stored, the kernel stops soon after

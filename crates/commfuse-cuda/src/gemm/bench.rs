@@ -34,7 +34,7 @@ pub struct GemmRow {
     pub n: usize,
     pub k: usize,
     pub sms: u32,
-    /// The build of our kernel that ran (`main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`;
+    /// The build of our kernel that ran (`main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct`;
     /// none for cuBLASLt)
     pub build: Option<String>,
     /// Blocks of our kernel's persistent grid (none for cuBLASLt)
@@ -190,8 +190,8 @@ fn run<T: Element>(
         .collect::<Result<_, _>>()?;
     // where another build than the main one can compute the product (the skinny one: every
     // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles; the pair build:
-    // a tile of more than 64 rows; the mid build: M above 64), each build forced, side by side
-    // with the row of the build chosen
+    // a tile of more than 64 rows, and the direct build; the mid build: M above 64), each build
+    // forced, side by side with the row of the build chosen
     let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
     let narrow = (p.m <= NARROW_TILE.m).then(|| plan_of(NARROW_TILE));
     let skinny_fits = VariantChoice::Skinny.variant_for(&wide) == GemmVariant::Skinny;
@@ -208,6 +208,7 @@ fn run<T: Element>(
         }
         if pair_fits {
             builds.push(("commfuse-pair", VariantChoice::Pair, &wide));
+            builds.push(("commfuse-direct", VariantChoice::Direct, &wide));
         }
         if let Some(mid) = &mid {
             builds.push(("commfuse-mid", VariantChoice::Mid, mid));

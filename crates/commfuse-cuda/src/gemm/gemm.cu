@@ -62,12 +62,18 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // so that products of a few hundred to a few thousand rows make twice as many tiles (a
 // fuller last wave, or whole-K tiles where the 256-wide ones would need a split tail) with
 // 160 KiB in flight per SM instead of 144 (six stages do not fit beside the staged tile).
-template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1> struct Cfg {
+// The direct build, for plain GEMMs: the main build's tiles, the consumers storing each tile
+// from their registers into D, and the staged tile's shared memory spent on a fourth stage
+// (192 KiB in flight).
+template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false> struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
     static constexpr int BN = BN_;              // columns of a tile
     static constexpr int CONSUMERS = ROWS / 64;  // consumer warpgroups with rows to compute
     static constexpr int STAGES = STAGES_;
     static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each B k-block (TMA multicast)
+    // The consumers store the tile from their registers straight into D: no staged tile, no
+    // storers (plain GEMMs only: no routes, folds, flags or graph-safe call numbers)
+    static constexpr bool DIRECT = DIRECT_;
     static constexpr int ACC = BN / 2;  // f32 accumulators per consumer thread (64 rows x BN / 128)
     static constexpr int A_STAGE_BYTES = ROWS * gemm::BK * 2;
     static constexpr int B_STAGE_BYTES = BN * gemm::BK * 2;
@@ -75,7 +81,7 @@ template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1> struct Cfg {
     // A staged row: BN 16-bit (or BN / 2 f32) elements plus 16 bytes of padding, which makes the
     // consumers' fragment stores free of bank conflicts (8 rows 4 banks apart)
     static constexpr int EPI_PITCH = BN * 2 + 16;
-    static constexpr int EPI_BYTES = ROWS * EPI_PITCH;
+    static constexpr int EPI_BYTES = DIRECT ? 0 : ROWS * EPI_PITCH;
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + 8 * (2 * STAGES + 2);
     static_assert(ROWS == 64 || ROWS == gemm::BM, "a build computes one or two 64-row halves of a tile");
     static_assert(BN == 64 || BN == 128 || BN == 256, "a tile is one wgmma's N wide");
@@ -92,6 +98,7 @@ using NarrowCfg = Cfg<64, 64, 8>;
 using NarrowTallCfg = Cfg<gemm::BM, 64, 8>;
 using PairCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES, 2>;
 using MidCfg = Cfg<gemm::BM, 128, 5>;
+using DirectCfg = Cfg<gemm::BM, gemm::BN, 4, 1, true>;
 static_assert(MainCfg::SMEM_BYTES == gemm::SMEM_BYTES && MainCfg::EPI_PITCH == gemm::EPI_PITCH,
               "the main build is the kernel's design");
 // mirrored by SKINNY_SMEM_BYTES and NARROW_SMEM_BYTES in mod.rs
@@ -100,6 +107,7 @@ static_assert(NarrowCfg::SMEM_BYTES == 141456, "layout mirrored by NARROW_SMEM_B
 static_assert(NarrowTallCfg::SMEM_BYTES == 216208, "layout mirrored by NARROW_TALL_SMEM_BYTES in mod.rs");
 static_assert(PairCfg::SMEM_BYTES == MainCfg::SMEM_BYTES, "the pair build's layout is the main build's");
 static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES in mod.rs");
+static_assert(DirectCfg::SMEM_BYTES == 197712, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -893,6 +901,45 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
 
         // epilogue arithmetic in registers, then stage the tile for the storers
         const u32 g_row0 = c.row0 + row0, g_col0 = tn * C::BN;
+        if constexpr (C::DIRECT) {
+            // a block that gave up stores nothing (its accumulators may be anything)
+            if (block_stopped()) continue;
+            const bool has_c = p.beta != 0.0f && p.c != nullptr;
+            // a thread's two columns start on an even column: with N even, one aligned store
+            const bool pairs = p.n % 2 == 0;
+            Out* d_mat = (Out*)p.d;
+#pragma unroll
+            for (int j = 0; j < C::BN / 8; ++j) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u32 col = j * 8 + 2 * (lane % 4);
+                    const u32 gr = g_row0 + 8 * h, gc = g_col0 + col;
+                    if (row0 + 8 * h >= c.rows || gc >= p.n) continue;
+                    const bool two = gc + 1 < p.n;
+                    float v0 = p.alpha * acc[j * 4 + 2 * h], v1 = p.alpha * acc[j * 4 + 2 * h + 1];
+                    Out* dst = d_mat + (size_t)gr * p.n + gc;
+                    if (has_c) {
+                        v0 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc]);
+                        if (two) v1 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc + 1]);
+                    }
+                    if (tile_bias) {
+                        v0 += Elem<Out>::to_f32(bias[gc]);
+                        if (two) v1 += Elem<Out>::to_f32(bias[gc + 1]);
+                    }
+                    if (p.accumulate) {
+                        v0 += Elem<Out>::to_f32(dst[0]);
+                        if (two) v1 += Elem<Out>::to_f32(dst[1]);
+                    }
+                    if (pairs && two) {
+                        store_pair<Out>((unsigned char*)dst, v0, v1);
+                    } else {
+                        dst[0] = Elem<Out>::from_f32(v0);
+                        if (two) dst[1] = Elem<Out>::from_f32(v1);
+                    }
+                }
+            }
+            continue;
+        }
 #pragma unroll
         for (int pass = 0; pass < PASSES; ++pass) {
             mbar_wait<ROLE_CONSUMER>(s.epi_empty, epi_phase ^ 1, p, c.tile, WAIT_EPI_EMPTY);
@@ -935,6 +982,9 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     constexpr int PASS_COLS = C::BN / PASSES;
     constexpr int VEC = 16 / sizeof(Out);  // elements per 16-byte store
     constexpr int UNITS = PASS_COLS / VEC;  // 16-byte units per staged row
+    // the direct build's consumers store their tiles themselves; its GEMMs raise no flags and
+    // advance no call counter (the host launches it for plain GEMMs only)
+    if constexpr (C::DIRECT) return;
     u32 epi_phase = 0;
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
@@ -1105,13 +1155,14 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // gemm_<input>_<B layout>_<output>: the main build; gemm_skinny_...: 128x256 tiles of at most
 // 64 rows; gemm_narrow_...: 128x64 tiles of at most 64 rows; gemm_narrow_tall_...: 128x64 tiles;
 // gemm_pair_...: the main build in clusters of two sharing B (launched with a cluster size of 2);
-// gemm_mid_...: 128x128 tiles
+// gemm_mid_...: 128x128 tiles; gemm_direct_...: the main build's tiles stored from registers
 COMMFUSE_GEMM_ENTRIES(gemm_, MainCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_skinny_, SkinnyCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_, NarrowCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, NarrowTallCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_pair_, PairCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_mid_, MidCfg)
+COMMFUSE_GEMM_ENTRIES(gemm_direct_, DirectCfg)
 
 // ---- a consumer of flagged tiles, for the GPU test of the release/acquire protocol -------------
 

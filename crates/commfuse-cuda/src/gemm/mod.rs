@@ -68,6 +68,11 @@ const NARROW_TALL_SMEM_BYTES: u32 = smem_bytes(NARROW_TILE.m, NARROW_TILE.n, NAR
 const MID_STAGES: u32 = 5;
 /// Mirrors `MidCfg::SMEM_BYTES` in gemm.cu.
 const MID_SMEM_BYTES: u32 = smem_bytes(MID_TILE.m, MID_TILE.n, MID_STAGES);
+/// Stages of the direct build: the staged tile's shared memory makes the fourth.
+const DIRECT_STAGES: u32 = 4;
+/// Mirrors `DirectCfg::SMEM_BYTES` in gemm.cu: [`smem_bytes`] without the staged tile.
+const DIRECT_SMEM_BYTES: u32 =
+    smem_bytes(TILE.m, TILE.n, DIRECT_STAGES) - TILE.m as u32 * (2 * TILE.n as u32 + 16);
 
 /// Which build of the kernel a [`PreparedGemm`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +95,10 @@ pub enum GemmVariant {
     Pair,
     /// All 128 rows of each [`MID_TILE`] (wgmma m64n128k16), two consumer warpgroups, 5 stages
     Mid,
+    /// The main build whose consumers store each tile from their registers into D, with the
+    /// staged tile's shared memory spent on a fourth stage: plain GEMMs only (no routes, gather
+    /// or graph-safe call numbers)
+    Direct,
 }
 
 /// Blocks in a cluster of the pair build.
@@ -97,21 +106,24 @@ pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 6] = [
+    pub const ALL: [GemmVariant; 7] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
         GemmVariant::NarrowTall,
         GemmVariant::Pair,
         GemmVariant::Mid,
+        GemmVariant::Direct,
     ];
 
     /// Rows of the A box and of the staged tile.
     fn rows(self) -> usize {
         match self {
-            GemmVariant::Main | GemmVariant::NarrowTall | GemmVariant::Pair | GemmVariant::Mid => {
-                TILE.m
-            }
+            GemmVariant::Main
+            | GemmVariant::NarrowTall
+            | GemmVariant::Pair
+            | GemmVariant::Mid
+            | GemmVariant::Direct => TILE.m,
             GemmVariant::Skinny | GemmVariant::Narrow => SKINNY_ROWS,
         }
     }
@@ -119,7 +131,9 @@ impl GemmVariant {
     /// The tile of the plans it computes.
     pub fn tile(self) -> TileShape {
         match self {
-            GemmVariant::Main | GemmVariant::Skinny | GemmVariant::Pair => TILE,
+            GemmVariant::Main | GemmVariant::Skinny | GemmVariant::Pair | GemmVariant::Direct => {
+                TILE
+            }
             GemmVariant::Narrow | GemmVariant::NarrowTall => NARROW_TILE,
             GemmVariant::Mid => MID_TILE,
         }
@@ -140,6 +154,7 @@ impl GemmVariant {
             GemmVariant::Narrow => NARROW_SMEM_BYTES,
             GemmVariant::NarrowTall => NARROW_TALL_SMEM_BYTES,
             GemmVariant::Mid => MID_SMEM_BYTES,
+            GemmVariant::Direct => DIRECT_SMEM_BYTES,
         }
     }
 
@@ -151,6 +166,7 @@ impl GemmVariant {
             GemmVariant::NarrowTall => "gemm_narrow_tall_",
             GemmVariant::Pair => "gemm_pair_",
             GemmVariant::Mid => "gemm_mid_",
+            GemmVariant::Direct => "gemm_direct_",
         }
     }
 
@@ -164,18 +180,19 @@ impl GemmVariant {
     /// partial wave after whole ones); where the whole product is one partial wave (`one_wave`:
     /// fewer tiles than SMs, a small M) three parts were faster than four: 40.0 against 41.5 µs
     /// at 128 × 8192 × 3584 (and 33.6 against 35.7 at 16 rows). The pair build has no split
-    /// tail: both blocks of a cluster must run the same K range of every unit. The mid build
-    /// is the main build on narrower tiles and takes its limits.
+    /// tail: both blocks of a cluster must run the same K range of every unit. The mid and the
+    /// direct build are the main build on narrower tiles or with another epilogue and take its
+    /// limits.
     pub fn max_parts(self, one_wave: bool) -> usize {
         match self {
-            GemmVariant::Main | GemmVariant::Mid if one_wave => 3,
-            GemmVariant::Main | GemmVariant::Mid => MAX_PARTS,
+            GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct if one_wave => 3,
+            GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct => MAX_PARTS,
             GemmVariant::Skinny | GemmVariant::Narrow | GemmVariant::NarrowTall => 2,
             GemmVariant::Pair => 1,
         }
     }
 
-    /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair` or `mid`.
+    /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid` or `direct`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
@@ -184,6 +201,7 @@ impl GemmVariant {
             GemmVariant::NarrowTall => "narrow-tall",
             GemmVariant::Pair => "pair",
             GemmVariant::Mid => "mid",
+            GemmVariant::Direct => "direct",
         }
     }
 }
@@ -212,9 +230,13 @@ pub enum VariantChoice {
     Pair,
     /// [`MID_TILE`]s, always (the mid build)
     Mid,
+    /// [`TILE`]s; the direct build wherever a tile has more than [`SKINNY_ROWS`] rows, the
+    /// skinny one elsewhere (as [`VariantChoice::Pair`]); the fused operators' GEMMs keep the
+    /// main build
+    Direct,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|pair|mid|auto` (default `auto`): the [`VariantChoice`] of
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|pair|mid|direct|auto` (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
 
@@ -252,7 +274,7 @@ pub fn mid_pays(p: &commfuse_core::gemm::GemmProblem, sms: usize) -> bool {
 pub const NARROW_ROWS_MIN: usize = 16;
 
 impl VariantChoice {
-    /// The choice named `main`, `skinny`, `narrow`, `pair`, `mid` or `auto`.
+    /// The choice named `main`, `skinny`, `narrow`, `pair`, `mid`, `direct` or `auto`.
     pub fn parse(name: &str) -> Result<VariantChoice, CudaError> {
         match name {
             "auto" => Ok(VariantChoice::Auto),
@@ -261,13 +283,14 @@ impl VariantChoice {
             "narrow" => Ok(VariantChoice::Narrow),
             "pair" => Ok(VariantChoice::Pair),
             "mid" => Ok(VariantChoice::Mid),
+            "direct" => Ok(VariantChoice::Direct),
             _ => Err(unsupported(format!(
-                "{VARIANT_ENV} must be main, skinny, narrow, pair, mid or auto, got {name:?}"
+                "{VARIANT_ENV} must be main, skinny, narrow, pair, mid, direct or auto, got {name:?}"
             ))),
         }
     }
 
-    /// `main`, `skinny`, `narrow`, `pair`, `mid` or `auto`.
+    /// `main`, `skinny`, `narrow`, `pair`, `mid`, `direct` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
@@ -276,6 +299,7 @@ impl VariantChoice {
             VariantChoice::Narrow => "narrow",
             VariantChoice::Pair => "pair",
             VariantChoice::Mid => "mid",
+            VariantChoice::Direct => "direct",
         }
     }
 
@@ -290,7 +314,8 @@ impl VariantChoice {
             VariantChoice::Main
             | VariantChoice::Skinny
             | VariantChoice::Pair
-            | VariantChoice::Mid => false,
+            | VariantChoice::Mid
+            | VariantChoice::Direct => false,
         };
         if narrow {
             NARROW_TILE
@@ -309,6 +334,7 @@ impl VariantChoice {
         let fits = tallest_band(plan) <= SKINNY_ROWS && self != VariantChoice::Main;
         match (plan.tile == NARROW_TILE, fits) {
             (false, false) if self == VariantChoice::Pair => GemmVariant::Pair,
+            (false, false) if self == VariantChoice::Direct => GemmVariant::Direct,
             (false, false) => GemmVariant::Main,
             (false, true) => GemmVariant::Skinny,
             (true, false) => GemmVariant::NarrowTall,
@@ -324,6 +350,7 @@ impl VariantChoice {
             VariantChoice::Narrow => 3,
             VariantChoice::Pair => 4,
             VariantChoice::Mid => 5,
+            VariantChoice::Direct => 6,
         }
     }
 
@@ -334,6 +361,7 @@ impl VariantChoice {
             3 => VariantChoice::Narrow,
             4 => VariantChoice::Pair,
             5 => VariantChoice::Mid,
+            6 => VariantChoice::Direct,
             _ => VariantChoice::Auto,
         }
     }
@@ -956,10 +984,13 @@ impl PreparedGemm {
     ) -> Result<PreparedGemm, CudaError> {
         let p = &plan.problem;
         let mut variant = kernels.choice().variant_for(plan);
-        if variant == GemmVariant::Pair && (routes.is_some() || gather.is_some()) {
+        if matches!(variant, GemmVariant::Pair | GemmVariant::Direct)
+            && (routes.is_some() || gather.is_some())
+        {
             // the pair build runs plain GEMMs: a fused operator's tiles wait for flags (a
             // fold's partials, a band's rows), and a wait of one block of a pair holds its
-            // partner's stages too; unmeasured, so the main build serves them
+            // partner's stages too; unmeasured, so the main build serves them. The direct
+            // build's consumers store into D only (no routes, no flags)
             variant = GemmVariant::Main;
         }
         let function = kernels.entry(plan, variant)?;
@@ -1316,6 +1347,14 @@ impl PreparedGemm {
         params.d = d.unwrap_or(params.d);
         match call {
             CallNumber::Host(epoch) => params.epoch = epoch,
+            CallNumber::Device { .. } | CallNumber::Counted { .. }
+                if self.variant == GemmVariant::Direct =>
+            {
+                // its blocks end without counting themselves finished
+                return Err(unsupported(
+                    "the direct GEMM build takes no graph-safe call numbers".into(),
+                ));
+            }
             CallNumber::Device {
                 counter,
                 routes_alt,
@@ -1667,6 +1706,8 @@ mod tests {
         const { assert!(NARROW_TALL_SMEM_BYTES <= 227 * 1024) };
         // MidCfg::SMEM_BYTES; a sixth stage would not fit
         assert_eq!(MID_SMEM_BYTES, 199776);
+        // DirectCfg::SMEM_BYTES
+        assert_eq!(DIRECT_SMEM_BYTES, 197712);
         const { assert!(smem_bytes(MID_TILE.m, MID_TILE.n, MID_STAGES + 1) > 227 * 1024) };
     }
 
@@ -1745,6 +1786,7 @@ mod tests {
             ("narrow", VariantChoice::Narrow),
             ("pair", VariantChoice::Pair),
             ("mid", VariantChoice::Mid),
+            ("direct", VariantChoice::Direct),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -1753,7 +1795,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, pair, mid or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, pair, mid, direct or auto, got \"Skinny\""
             ),
             "{e}"
         );
