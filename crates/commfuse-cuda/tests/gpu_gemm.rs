@@ -873,10 +873,17 @@ fn bench_rows_pass_the_check_of_every_element() {
             let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
             let rows = bench_gemm(0, None, &[1, 3], &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
             // cuBLASLt and ours at both caps; each build forced too: where the skinny build
-            // fits main, skinny and (M ≤ 128 here) narrow, elsewhere main and pair; the fold
-            // rows (1 and 3 partials)
+            // fits main, skinny and (M ≤ 128 here) narrow, elsewhere main, pair, direct and
+            // mid; the fold rows (1 and 3 partials)
             let skinny = m <= SKINNY_ROWS;
-            assert_eq!(rows.len(), if skinny { 12 } else { 10 }, "{rows:?}");
+            assert_eq!(rows.len(), if skinny { 12 } else { 14 }, "{rows:?}");
+            let wide_only = rows
+                .iter()
+                .filter(|r| {
+                    ["commfuse-direct", "commfuse-mid"].contains(&r.implementation.as_str())
+                })
+                .count();
+            assert_eq!(wide_only, if skinny { 0 } else { 4 }, "{rows:?}");
             let forced = rows
                 .iter()
                 .filter(|r| {
