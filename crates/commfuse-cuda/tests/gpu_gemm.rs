@@ -1157,6 +1157,25 @@ fn cublaslt_chooses_among_candidates_and_keeps_the_sm_cap() {
         );
         eprintln!("sms {sms}: {choice:?}");
         times.push(choice.time_ms);
+        // the candidates that ran were timed and say what they are; the chosen one is among
+        // them (a candidate cuBLASLt refuses at launch is left out)
+        let candidates = lt.candidate_times(&p, sms);
+        assert!(
+            !candidates.is_empty() && candidates.len() <= choice.candidates,
+            "{candidates:?}"
+        );
+        assert!(
+            candidates
+                .iter()
+                .all(|c| c.time_ms > 0.0 && c.host_us > 0.0 && c.config.id.is_some()),
+            "{candidates:?}"
+        );
+        let chosen = candidates.iter().find(|c| c.index == choice.index);
+        assert_eq!(
+            chosen.map(|c| c.config),
+            Some(choice.config),
+            "{candidates:?}"
+        );
         let mut got = vec![bf16::ZERO; p.m * p.n];
         d_dev.download(&gpu, &mut got).unwrap();
         let check = reference.check(&p, &got);

@@ -12,7 +12,7 @@ use crate::gemm::{
     GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, TileRoute, VariantChoice,
     MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
 };
-use crate::sys::cublaslt::Lt;
+use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
 pub use crate::sys::driver::StreamGuard;
 use crate::sys::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
 use crate::sys::nvrtc;
@@ -49,6 +49,10 @@ pub struct GemmRow {
     pub worst_ratio: f64,
     /// The element with the worst ratio: (row, column, value, reference, bound)
     pub worst: Option<(usize, usize, f64, f64, f64)>,
+    /// cuBLASLt's rows: what the algorithm that ran is (its configuration attributes)
+    pub cublaslt_config: Option<AlgoConfig>,
+    /// cuBLASLt's rows: every candidate's GPU and host time while choosing, and what it is
+    pub cublaslt_candidates: Vec<CandidateTime>,
 }
 
 /// Uniform in [-1, 1) from the project's indexable input stream (`stream` 0: A, 1: B).
@@ -343,11 +347,14 @@ fn run<T: Element>(
             DType::BF16 => check_output::<bf16>(p, &reference, (out_gpu, out), peer_rows, folded)?,
             DType::F16 => check_output::<f16>(p, &reference, (out_gpu, out), peer_rows, folded)?,
         };
-        let implementation = match lt.choice(p, v.cap) {
-            Some(c) if v.gemm.is_none() => {
-                format!("{} (best of {}, #{})", v.name, c.candidates, c.index)
-            }
-            _ => v.name.into(),
+        let choice = lt.choice(p, v.cap).filter(|_| v.gemm.is_none());
+        let implementation = match choice {
+            Some(c) => format!("{} (best of {}, #{})", v.name, c.candidates, c.index),
+            None => v.name.into(),
+        };
+        let cublaslt_candidates = match choice {
+            Some(_) => lt.candidate_times(p, v.cap),
+            None => vec![],
         };
         rows.push(GemmRow {
             implementation,
@@ -365,6 +372,8 @@ fn run<T: Element>(
             worst: check
                 .worst
                 .map(|(i, got, want, bound)| (i / p.n, i % p.n, got, want, bound)),
+            cublaslt_config: choice.map(|c| c.config),
+            cublaslt_candidates,
         });
     }
     Ok(rows)

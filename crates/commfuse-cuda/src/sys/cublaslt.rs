@@ -54,6 +54,80 @@ struct Key {
     bias: bool,
 }
 
+/// What cuBLASLt says of one of its algorithms through the algorithm configuration attributes
+/// (`cublasLtMatmulAlgoConfigGetAttribute`), each the raw value of its enum in cuBLASLt's
+/// headers, or none where this cuBLASLt does not answer. The Hopper kernels (`nvjet_*`) report
+/// their tile and cluster through `tile` and `cluster_shape` where they report them at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct AlgoConfig {
+    /// `CUBLASLT_ALGO_CONFIG_ID`: the algorithm's number
+    pub id: Option<i64>,
+    /// `CUBLASLT_ALGO_CONFIG_TILE_ID` (`cublasLtMatmulTile_t`)
+    pub tile: Option<i64>,
+    /// `CUBLASLT_ALGO_CONFIG_STAGES_ID` (`cublasLtMatmulStages_t`)
+    pub stages: Option<i64>,
+    /// `CUBLASLT_ALGO_CONFIG_SPLITK_NUM`: K parts (1: none)
+    pub split_k: Option<i64>,
+    /// `CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME` (`cublasLtReductionScheme_t`) of the K parts
+    pub reduction: Option<i64>,
+    /// `CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING`
+    pub swizzle: Option<i64>,
+    /// `CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION`
+    pub custom: Option<i64>,
+    /// `CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID` (`cublasLtMatmulInnerShape_t`)
+    pub inner_shape: Option<i64>,
+    /// `CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID` (`cublasLtClusterShape_t`)
+    pub cluster_shape: Option<i64>,
+}
+
+impl AlgoConfig {
+    /// Reads every attribute of `algo`.
+    fn of(algo: &sys::cublasLtMatmulAlgo_t) -> AlgoConfig {
+        use sys::cublasLtMatmulAlgoConfigAttributes_t as A;
+        // each attribute's size in bytes (signed: ID and SPLITK_NUM), per cuBLASLt's headers
+        let read = |attr: A, bytes: usize, signed: bool| -> Option<i64> {
+            let mut buf = [0u8; 8];
+            let mut written = 0usize;
+            // SAFETY: a live algorithm; the buffer holds `bytes` ≤ 8 bytes
+            let status = unsafe {
+                sys::cublasLtMatmulAlgoConfigGetAttribute(
+                    algo,
+                    attr,
+                    buf.as_mut_ptr() as *mut c_void,
+                    bytes,
+                    &mut written,
+                )
+            };
+            if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || written != bytes {
+                return None;
+            }
+            Some(raw_value(&buf[..bytes], signed))
+        };
+        AlgoConfig {
+            id: read(A::CUBLASLT_ALGO_CONFIG_ID, 4, true),
+            tile: read(A::CUBLASLT_ALGO_CONFIG_TILE_ID, 4, false),
+            stages: read(A::CUBLASLT_ALGO_CONFIG_STAGES_ID, 4, false),
+            split_k: read(A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, 4, true),
+            reduction: read(A::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, 4, false),
+            swizzle: read(A::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, 4, false),
+            custom: read(A::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, 4, false),
+            inner_shape: read(A::CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, 2, false),
+            cluster_shape: read(A::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, 2, false),
+        }
+    }
+}
+
+/// A little-endian integer of 2 or 4 bytes, sign-extended where `signed`.
+fn raw_value(bytes: &[u8], signed: bool) -> i64 {
+    match (bytes.len(), signed) {
+        (2, false) => i64::from(u16::from_le_bytes([bytes[0], bytes[1]])),
+        (2, true) => i64::from(i16::from_le_bytes([bytes[0], bytes[1]])),
+        (4, false) => i64::from(u32::from_le_bytes(bytes.try_into().unwrap())),
+        (4, true) => i64::from(i32::from_le_bytes(bytes.try_into().unwrap())),
+        _ => unreachable!("cuBLASLt's configuration attributes are 2 or 4 bytes"),
+    }
+}
+
 /// Which heuristic candidate a shape runs with.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Choice {
@@ -65,10 +139,12 @@ pub struct Choice {
     pub time_ms: f32,
     /// The host's time to queue one of its calls while choosing, in µs.
     pub host_us: f32,
+    /// What the algorithm is (tile, stages, split-K, cluster, ...)
+    pub config: AlgoConfig,
 }
 
 /// One candidate's times while choosing.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct CandidateTime {
     /// Its place in the heuristic's list
     pub index: usize,
@@ -76,6 +152,8 @@ pub struct CandidateTime {
     pub time_ms: f32,
     /// The host's mean time to queue one call, in µs
     pub host_us: f32,
+    /// What the algorithm is
+    pub config: AlgoConfig,
 }
 
 /// How much slower on the GPU than the fastest a candidate may be and still be chosen for
@@ -432,6 +510,7 @@ impl Lt {
                     index,
                     time_ms: start.elapsed_ms(&end)? / TUNE_RUNS as f32,
                     host_us: queued.as_secs_f32() * 1e6 / TUNE_RUNS as f32,
+                    config: AlgoConfig::of(algo),
                 });
             }
             Ok(times)
@@ -460,6 +539,7 @@ impl Lt {
                     candidates: algos.len(),
                     time_ms: best.time_ms,
                     host_us: best.host_us,
+                    config: best.config,
                 },
                 times,
             },
@@ -633,6 +713,7 @@ mod tests {
             index,
             time_ms,
             host_us,
+            config: Default::default(),
         }
     }
 
@@ -660,5 +741,16 @@ mod tests {
     #[test]
     fn nothing_is_picked_from_no_candidates() {
         assert!(pick(&[]).is_none());
+    }
+
+    #[test]
+    fn configuration_values_are_read_little_endian_at_their_width() {
+        use super::raw_value;
+        assert_eq!(raw_value(&[0x34, 0x12], false), 0x1234);
+        assert_eq!(raw_value(&[0xff, 0xff], false), 0xffff);
+        assert_eq!(raw_value(&[0xff, 0xff], true), -1);
+        assert_eq!(raw_value(&[0x78, 0x56, 0x34, 0x12], false), 0x1234_5678);
+        assert_eq!(raw_value(&[0xfe, 0xff, 0xff, 0xff], true), -2);
+        assert_eq!(raw_value(&[0xfe, 0xff, 0xff, 0xff], false), 0xffff_fffe);
     }
 }

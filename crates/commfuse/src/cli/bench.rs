@@ -375,6 +375,24 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
             println!("      worst: D[{i}, {j}] = {got} against {want} (bound {bound:.3e})");
         }
     }
+    // what cuBLASLt ran: its configuration attributes (raw values of cuBLASLt's enums)
+    for r in rows.iter().filter(|r| r.cublaslt_config.is_some()) {
+        let c = r.cublaslt_config.unwrap_or_default();
+        let show = |v: Option<i64>| v.map_or("-".to_string(), |v| v.to_string());
+        println!(
+            "# {} at {} SMs: algorithm {} tile {} stages {} split-K {} reduction {} cluster {} swizzle {} custom {}",
+            r.implementation,
+            if r.sms == 0 { "all".to_string() } else { r.sms.to_string() },
+            show(c.id),
+            show(c.tile),
+            show(c.stages),
+            show(c.split_k),
+            show(c.reduction),
+            show(c.cluster_shape),
+            show(c.swizzle),
+            show(c.custom)
+        );
+    }
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&rows)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
