@@ -496,46 +496,34 @@ fn narrow_builds_match_float64_reference() {
     each(p, case, VariantChoice::Narrow, GemmVariant::NarrowTall);
 }
 
-/// The pair build (the main build in clusters of two blocks sharing each k-block of B by TMA
-/// multicast), forced, against float64 over every element: M = 65, 300 and 1000 (one, three
-/// and eight tile rows: odd counts leave a column's last tile with an idle partner) with N =
-/// 1000 (a last tile 232 wide) and N = 600 (a last tile 88 wide: the second block's half of B
-/// lies wholly past N and lands as zeros), K = 1544 (24 k-blocks and a part), both B layouts,
-/// every pair of types; on every SM with a plain and a full epilogue (alpha, beta·C, bias, a
-/// shuffled order: most tiles then find no partner of their column nearby and pair with an
-/// idle entry), on 4 SMs (two clusters, many waves) with the full one, and on 3 (rounded down
-/// to one cluster) with D += 2·A·B; then row bands of 65 and 65 rows (pair) and of at most 64
-/// (the skinny build, which the pair choice takes there).
-#[test]
-fn pair_build_matches_float64_reference() {
-    let Some((gpu, kernels, stream)) = one_gpu() else {
-        return;
-    };
-    let mut seed = 1300;
-    let mut each = |p: GemmProblem, case: SkinnyCase, choice, want| {
+/// Every type pair of the builds that serve plain GEMMs only.
+const FOUR_TYPES: [(DType, DType); 4] = [
+    (DType::BF16, DType::BF16),
+    (DType::BF16, DType::F32),
+    (DType::F16, DType::F16),
+    (DType::F16, DType::F32),
+];
+
+/// A build of 128 × 256 tiles for plain GEMMs (`want`, which `choice` takes), forced, against
+/// float64 over every element: M = 65, 300 and 1000 (one, three and eight tile rows) with
+/// N = 1000 (a last tile 232 wide) and N = 600 (88 wide), K = 1544 (24 k-blocks and a part),
+/// both B layouts, every pair of types, each (SM cap, epilogue) of `runs`; then row bands of 65
+/// and 65 rows (the build) and of at most 64 (the skinny build, which the choice takes there).
+fn check_plain_wide_build(
+    (gpu, kernels, stream): (&Gpu, &GemmKernels, &Stream),
+    (choice, want): (VariantChoice, GemmVariant),
+    runs: &[(u32, Case)],
+    mut seed: u64,
+) {
+    let mut each = |p: GemmProblem, case: SkinnyCase, want| {
         seed += 1;
-        check_variant_of_types(&gpu, &kernels, &stream, p, case, (choice, want), seed);
+        check_variant_of_types(gpu, kernels, stream, p, case, (choice, want), seed);
     };
-    let pair = VariantChoice::Pair;
-    let types = [
-        (DType::BF16, DType::BF16),
-        (DType::BF16, DType::F32),
-        (DType::F16, DType::F16),
-        (DType::F16, DType::F32),
-    ];
-    let runs = [
-        (0, Case::Plain),
-        (0, Case::Full),
-        (4, Case::Full),
-        (3, Case::Accumulate),
-    ];
     for (m, n) in [(65, 1000), (300, 600), (1000, 1000)] {
-        for_each_case(m, n, TILE, &types, &runs, |p, case| {
-            each(p, case, pair, GemmVariant::Pair)
-        });
+        for_each_case(m, n, TILE, &FOUR_TYPES, runs, |p, case| each(p, case, want));
     }
     for (bands, want) in [
-        (&[0, 65, 130][..], GemmVariant::Pair),
+        (&[0, 65, 130][..], want),
         (&[0, 40, 100, 130][..], GemmVariant::Skinny),
     ] {
         for layout in [BLayout::NK, BLayout::KN] {
@@ -546,9 +534,31 @@ fn pair_build_matches_float64_reference() {
                 cap: 0,
                 epilogue: Case::Full,
             };
-            each(p, case, pair, want);
+            each(p, case, want);
         }
     }
+}
+
+/// The pair build (the main build in clusters of two blocks sharing each k-block of B by TMA
+/// multicast), forced, by [`check_plain_wide_build`]: odd tile rows leave a column's last tile
+/// with an idle partner, and at N = 600 the second block's half of B lies wholly past N and
+/// lands as zeros; on every SM with a plain and a full epilogue (alpha, beta·C, bias, a shuffled
+/// order: most tiles then find no partner of their column nearby and pair with an idle entry),
+/// on 4 SMs (two clusters, many waves) with the full one, and on 3 (rounded down to one cluster)
+/// with D += 2·A·B.
+#[test]
+fn pair_build_matches_float64_reference() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let runs = [
+        (0, Case::Plain),
+        (0, Case::Full),
+        (4, Case::Full),
+        (3, Case::Accumulate),
+    ];
+    let build = (VariantChoice::Pair, GemmVariant::Pair);
+    check_plain_wide_build((&gpu, &kernels, &stream), build, &runs, 1300);
 }
 
 /// The mid build (128×128 tiles), against float64 over every element: M = 1, 65, 300 and
@@ -584,56 +594,28 @@ fn mid_build_matches_float64_reference() {
 }
 
 /// The direct build (the consumers store each tile from their registers; four stages),
-/// forced, against float64 over every element: M = 65, 300 and 1000 with N = 1000 (a last
-/// tile 232 wide) and N = 600 (88 wide), K = 1544, both B layouts, every pair of types, every
-/// SM with a plain and a full epilogue, 4 and 3 SMs (split tails) with the full one and 3 with
-/// D += 2·A·B; an odd N (999: the last column of each row stored alone); then row bands of 65
-/// and 65 rows (direct) and of at most 64 (the skinny build, which the choice takes there).
+/// forced, by [`check_plain_wide_build`] with every SM and a plain and a full epilogue, 4 and 3
+/// SMs (split tails) with the full one and 3 with D += 2·A·B; then an odd N (999: the last
+/// column of each row stored alone).
 #[test]
 fn direct_build_matches_float64_reference() {
     let Some((gpu, kernels, stream)) = one_gpu() else {
         return;
     };
-    let mut seed = 1700;
-    let mut each = |p: GemmProblem, case: SkinnyCase, choice, want| {
-        seed += 1;
-        check_variant_of_types(&gpu, &kernels, &stream, p, case, (choice, want), seed);
-    };
-    let direct = VariantChoice::Direct;
-    let types = [
-        (DType::BF16, DType::BF16),
-        (DType::BF16, DType::F32),
-        (DType::F16, DType::F16),
-        (DType::F16, DType::F32),
-    ];
-    for (m, n) in [(65, 1000), (300, 600), (1000, 1000)] {
-        for_each_case(m, n, TILE, &types, &FIVE_RUNS, |p, case| {
-            each(p, case, direct, GemmVariant::Direct)
-        });
-    }
+    let build = (VariantChoice::Direct, GemmVariant::Direct);
+    check_plain_wide_build((&gpu, &kernels, &stream), build, &FIVE_RUNS, 1700);
+    let mut seed = 1800;
     for_each_case(
         300,
         999,
         TILE,
         &THREE_TYPES[..1],
         &FIVE_RUNS[..2],
-        |p, case| each(p, case, direct, GemmVariant::Direct),
+        |p, case| {
+            seed += 1;
+            check_variant_of_types(&gpu, &kernels, &stream, p, case, build, seed);
+        },
     );
-    for (bands, want) in [
-        (&[0, 65, 130][..], GemmVariant::Direct),
-        (&[0, 40, 100, 130][..], GemmVariant::Skinny),
-    ] {
-        for layout in [BLayout::NK, BLayout::KN] {
-            let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
-            let case = SkinnyCase {
-                tile: TILE,
-                bands: Some(bands),
-                cap: 0,
-                epilogue: Case::Full,
-            };
-            each(p, case, direct, want);
-        }
-    }
 }
 
 /// A wait that gives up ends the kernel without a trap (which would end every kernel of the
