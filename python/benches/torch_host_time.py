@@ -5,7 +5,9 @@ time of the same calls replayed from a CUDA graph, in one run:
 
 Host time: a loop of back-to-back calls (the same shape, operators cached, nothing
 synchronised inside the loop) divided by the calls, the median of several rounds, the rows
-interleaved round by round. GPU time: the same call captured ``--graph-calls`` times into one
+interleaved round by round; beside it each row's host time above the torch call's, the median
+over the rounds of the two rows' difference within a round (a drift of the host between rounds
+falls on both). GPU time: the same call captured ``--graph-calls`` times into one
 CUDA graph, replayed, timed by CUDA events (the slowest rank's median). commfuse's rows: the
 public function (which skips the dispatcher when no gradient is needed and nothing is being
 compiled) and the ``torch.ops.commfuse`` op itself (what a compiled or differentiated model
@@ -136,9 +138,14 @@ def main():
             for key, fn in fns.items():
                 host[key].append(host_us(fn, args.calls))
         gpu = {key: graph_us(fn, args.graph_calls) for key, fn in fns.items()}
+        # the torch call each row replaces is the row's last
+        torch_key = list(fns)[-1]
         for key in fns:
+            above = [mine - theirs for mine, theirs in zip(host[key], host[torch_key])]
             results.append({"op": label, "impl": key, "ranks": world,
-                            "host_us": statistics.median(host[key]), "gpu_us": gpu[key]})
+                            "host_us": statistics.median(host[key]),
+                            "host_above_torch_us": statistics.median(above),
+                            "gpu_us": gpu[key]})
     if args.profile and dist.get_rank() == 0:
         import cProfile
         import pstats
@@ -159,9 +166,11 @@ def main():
             f"kernels in Python ({_native.why_not})"
         print(f"# the ops' kernels: {kernels}; C++ prepared calls: {hits} served, {misses} sent"
               " to Python")
-        print(f"{'op':36s} {'impl':18s} {'host us/call':>12s} {'GPU us/call (graph)':>20s}")
+        print(f"{'op':36s} {'impl':24s} {'host us/call':>12s} {'above torch':>12s}"
+              f" {'GPU us/call (graph)':>20s}")
         for r in results:
-            print(f"{r['op']:36s} {r['impl']:18s} {r['host_us']:12.1f} {r['gpu_us']:20.1f}")
+            print(f"{r['op']:36s} {r['impl']:24s} {r['host_us']:12.1f}"
+                  f" {r['host_above_torch_us']:+12.1f} {r['gpu_us']:20.1f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": world, "device": torch.cuda.get_device_name(),
