@@ -84,7 +84,7 @@ impl AlgoConfig {
     /// Reads every attribute of `algo`.
     fn of(algo: &sys::cublasLtMatmulAlgo_t) -> AlgoConfig {
         use sys::cublasLtMatmulAlgoConfigAttributes_t as A;
-        // each attribute's size in bytes (signed: ID and SPLITK_NUM), per cuBLASLt's headers
+        // each attribute's size in bytes (signed: the ID only), per cuBLASLt's headers
         let read = |attr: A, bytes: usize, signed: bool| -> Option<i64> {
             let mut buf = [0u8; 8];
             let mut written = 0usize;
@@ -107,7 +107,7 @@ impl AlgoConfig {
             id: read(A::CUBLASLT_ALGO_CONFIG_ID, 4, true),
             tile: read(A::CUBLASLT_ALGO_CONFIG_TILE_ID, 4, false),
             stages: read(A::CUBLASLT_ALGO_CONFIG_STAGES_ID, 4, false),
-            split_k: read(A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, 4, true),
+            split_k: read(A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, 4, false),
             reduction: read(A::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, 4, false),
             swizzle: read(A::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, 4, false),
             custom: read(A::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, 4, false),
