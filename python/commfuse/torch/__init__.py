@@ -196,13 +196,10 @@ def all_gather_gemm(
     """
     name = name_of(group)
     _choice("path", path, _AG_GEMM_PATHS)
-    if _NATIVE and out is None and gathered is None and _operands(a, b, bias):
-        # the op itself: its C++ kernel serves eager calls, autograd and the compiler alike
-        keep = return_a or (save_gathered and b.requires_grad and torch.is_grad_enabled())
-        y, x = _ag_gemm_op(a, b, bias, name, _rows(a, name, m), out_dtype, pieces, path, keep)
-        return (y, x) if return_a else y
     return_a = return_a or gathered is not None
-    eager = _eager(a, b, bias)
+    # with the C++ kernels, the op itself (its prepared calls are the shorter road)
+    eager = not (_NATIVE and out is None and gathered is None and _operands(a, b, bias)) \
+        and _eager(a, b, bias)
     if eager and out is None and gathered is None:
         # the signature (with `m` as given) fixes the rows in all, so a prepared call does
         # not work them out again
