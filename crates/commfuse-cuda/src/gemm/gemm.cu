@@ -774,6 +774,23 @@ template <> __device__ __forceinline__ float2 ldcg_pair<__half>(const __half* p)
     return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
+// The epilogue's values of a thread's two adjacent accumulators (a0, a1) at row gr, columns gc
+// and gc + 1 of D: alpha times them, plus beta·C and the bias where asked, read only within D.
+template <typename Out>
+__device__ __forceinline__ float2 epilogue_pair(const GemmParams& p, float a0, float a1, u32 gr, u32 gc,
+                                                bool has_c, bool tile_bias, const Out* c_mat, const Out* bias) {
+    float v0 = p.alpha * a0, v1 = p.alpha * a1;
+    if (has_c && gr < p.m) {
+        if (gc < p.n) v0 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc]);
+        if (gc + 1 < p.n) v1 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc + 1]);
+    }
+    if (tile_bias) {
+        if (gc < p.n) v0 += Elem<Out>::to_f32(bias[gc]);
+        if (gc + 1 < p.n) v1 += Elem<Out>::to_f32(bias[gc + 1]);
+    }
+    return make_float2(v0, v1);
+}
+
 template <class C, typename In, typename Out, bool B_KN>
 __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     constexpr int PASSES = sizeof(Out) / 2;  // f32 tiles are staged in two column halves
@@ -916,16 +933,10 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                     const u32 gr = g_row0 + 8 * h, gc = g_col0 + col;
                     if (row0 + 8 * h >= c.rows || gc >= p.n) continue;
                     const bool two = gc + 1 < p.n;
-                    float v0 = p.alpha * acc[j * 4 + 2 * h], v1 = p.alpha * acc[j * 4 + 2 * h + 1];
+                    const float2 v = epilogue_pair<Out>(p, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1], gr, gc,
+                                                        has_c, tile_bias, c_mat, bias);
+                    float v0 = v.x, v1 = v.y;
                     Out* dst = d_mat + (size_t)gr * p.n + gc;
-                    if (has_c) {
-                        v0 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc]);
-                        if (two) v1 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc + 1]);
-                    }
-                    if (tile_bias) {
-                        v0 += Elem<Out>::to_f32(bias[gc]);
-                        if (two) v1 += Elem<Out>::to_f32(bias[gc + 1]);
-                    }
                     if (p.accumulate) {
                         v0 += Elem<Out>::to_f32(dst[0]);
                         if (two) v1 += Elem<Out>::to_f32(dst[1]);
@@ -952,18 +963,10 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const u32 col = j * 8 + 2 * (lane % 4);
-                    float v0 = p.alpha * acc[j * 4 + 2 * h], v1 = p.alpha * acc[j * 4 + 2 * h + 1];
-                    const u32 gr = g_row0 + 8 * h, gc = g_col0 + col;
-                    if (has_c && gr < p.m) {
-                        if (gc < p.n) v0 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc]);
-                        if (gc + 1 < p.n) v1 += p.beta * Elem<Out>::to_f32(c_mat[(size_t)gr * p.n + gc + 1]);
-                    }
-                    if (tile_bias) {
-                        if (gc < p.n) v0 += Elem<Out>::to_f32(bias[gc]);
-                        if (gc + 1 < p.n) v1 += Elem<Out>::to_f32(bias[gc + 1]);
-                    }
-                    store_pair<Out>(s.epi + (row0 + 8 * h) * C::EPI_PITCH + (col - pass * PASS_COLS) * sizeof(Out), v0,
-                                    v1);
+                    const float2 v = epilogue_pair<Out>(p, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1], g_row0 + 8 * h,
+                                                        g_col0 + col, has_c, tile_bias, c_mat, bias);
+                    store_pair<Out>(s.epi + (row0 + 8 * h) * C::EPI_PITCH + (col - pass * PASS_COLS) * sizeof(Out), v.x,
+                                    v.y);
                 }
             }
             // the staged tile is read by the TMA engine (async proxy): order our generic writes first
