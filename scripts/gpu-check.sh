@@ -26,6 +26,7 @@ B=.gpu/commfuse
 # ag-gemm: all-gather + GEMM beside cuBLASLt and NCCL + cuBLASLt at the same six shapes (or AG_SHAPES)
 # torch: the Python package from PyTorch (pytest, torch_cuda.py and examples/tp_train.py on every GPU,
 #        the host-time bench, examples/tp_mlp.py on two)
+# host-time: the host-time bench alone (HOST_TIME_FLAGS="--rounds 9" passes flags)
 # tests: the GPU test binaries only (TESTS="gpu_gemm gpu_gemm_rs" picks some)     full: all of them
 # small: small all-reduces / reduce-scatters by LL and LL16 beside NCCL, graphs and eager, with and without programmatic launch
 # (each of check, gemm+bench fits one 10-minute device call)
@@ -51,13 +52,28 @@ run_tests() {
   done
 }
 has tests && run_tests
-if has torch; then
+install_wheel() {
   # the wheel gpu-prepare.sh built, installed beside the machine's PyTorch
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/commfuse-site .gpu/wheels/commfuse-*.whl
   export PYTHONPATH=/tmp/commfuse-site
   # the wheel's C++ dispatcher kernels must load (built for this machine's PyTorch)
   export COMMFUSE_TORCH_NATIVE=1
   GPUS=$(nvidia-smi -L | wc -l)
+}
+host_time() {
+  timeout 300 torchrun --standalone --nproc-per-node "$GPUS" python/benches/torch_host_time.py ${HOST_TIME_FLAGS:-} --json "$R/torch-host-time.json" >"$R/torch_host_time.txt" 2>&1
+  log "torch_host_time rc=$?"; grep -v "^W1\|^\*\*\*" "$R/torch_host_time.txt" | tail -24 | cut -c1-300 | tee -a "$OUT/summary.txt"
+  # the same with the ops' kernels in Python (the C++ dispatcher kernels unloaded), beside it
+  COMMFUSE_TORCH_NATIVE=0 timeout 300 torchrun --standalone --nproc-per-node "$GPUS" python/benches/torch_host_time.py ${HOST_TIME_FLAGS:-} --json "$R/torch-host-time-python.json" >"$R/torch_host_time_python.txt" 2>&1
+  log "torch_host_time (kernels in Python) rc=$?"; grep -v "^W1\|^\*\*\*" "$R/torch_host_time_python.txt" | tail -24 | cut -c1-300 | tee -a "$OUT/summary.txt"
+}
+# host-time: the host-time bench alone (part of torch)
+if has host-time && ! has torch; then
+  install_wheel
+  host_time
+fi
+if has torch; then
+  install_wheel
   (cd /tmp && timeout 400 python3 -m pytest -q -rs -s ${PYTEST_ARGS:-} "$OLDPWD/python/tests") >"$R/pytest.txt" 2>&1
   log "pytest rc=$? $(tail -1 "$R/pytest.txt")"
   grep -E "FAILED|Error|^ok " "$R/pytest.txt" | head -40 | cut -c1-400 | tee -a "$OUT/summary.txt"
@@ -65,11 +81,7 @@ if has torch; then
   log "torch_cuda rc=$?"; grep -E "^ok |Error|error" "$R/torch_cuda.txt" | head -20 | cut -c1-300 | tee -a "$OUT/summary.txt"
   timeout 300 torchrun --standalone --nproc-per-node "$GPUS" examples/tp_train.py ${TRAIN_FLAGS:---compile} >"$R/tp_train.txt" 2>&1
   log "tp_train rc=$?"; grep -v "^W1\|^\*\*\*" "$R/tp_train.txt" | tail -16 | cut -c1-300 | tee -a "$OUT/summary.txt"
-  timeout 300 torchrun --standalone --nproc-per-node "$GPUS" python/benches/torch_host_time.py --json "$R/torch-host-time.json" >"$R/torch_host_time.txt" 2>&1
-  log "torch_host_time rc=$?"; grep -v "^W1\|^\*\*\*" "$R/torch_host_time.txt" | tail -20 | cut -c1-300 | tee -a "$OUT/summary.txt"
-  # the same with the ops' kernels in Python (the C++ dispatcher kernels unloaded), beside it
-  COMMFUSE_TORCH_NATIVE=0 timeout 300 torchrun --standalone --nproc-per-node "$GPUS" python/benches/torch_host_time.py --json "$R/torch-host-time-python.json" >"$R/torch_host_time_python.txt" 2>&1
-  log "torch_host_time (kernels in Python) rc=$?"; grep -v "^W1\|^\*\*\*" "$R/torch_host_time_python.txt" | tail -20 | cut -c1-300 | tee -a "$OUT/summary.txt"
+  host_time
   if [ "$GPUS" -ge 2 ]; then
     timeout 300 torchrun --standalone --nproc-per-node 2 examples/tp_mlp.py ${MLP_FLAGS:-} >"$R/tp_mlp.txt" 2>&1
     log "tp_mlp rc=$?"; grep -v "^W1\|^\*\*\*" "$R/tp_mlp.txt" | tail -40 | cut -c1-300 | tee -a "$OUT/summary.txt"

@@ -12,7 +12,9 @@ CUDA graph, replayed, timed by CUDA events (the slowest rank's median). commfuse
 public function (which skips the dispatcher when no gradient is needed and nothing is being
 compiled) and the ``torch.ops.commfuse`` op itself (what a compiled or differentiated model
 calls: for the collectives the form ``torch.distributed``'s call has, in place or into a given
-tensor, and beside it the op that returns a new tensor). ``COMMFUSE_TORCH_NATIVE=0`` measures the op with its kernels in Python instead of the
+tensor, and beside it the op that returns a new tensor). For the GEMMs, ``aten.mm op`` is
+``torch.ops.aten.mm`` called from Python: the same way into the dispatcher that a
+``torch.ops.commfuse`` call takes, with torch's own GEMM behind it. ``COMMFUSE_TORCH_NATIVE=0`` measures the op with its kernels in Python instead of the
 C++ dispatcher kernels (``commfuse/torch/_native.py``); the output says which ran."""
 
 import argparse
@@ -93,12 +95,14 @@ def main():
                 "commfuse": lambda a=a, w=w: cf.gemm_reduce_scatter(a, w.t(), path="fused"),
                 "commfuse op": lambda a=a, w=w: ops.gemm_reduce_scatter(
                     a, w.t(), None, name, None, "fused", None, 1),
+                "aten.mm op": lambda a=a, w=w: torch.ops.aten.mm(a, w.t()),
                 "torch.matmul": lambda a=a, w=w: torch.matmul(a, w.t()),
             }),
             (f"all_gather_gemm {chunk.shape[0] * world}x{n}x{k}", {
                 "commfuse": lambda c=chunk, w=w: cf.all_gather_gemm(c, w.t()),
                 "commfuse op": lambda c=chunk, w=w: ops.all_gather_gemm(
                     c, w.t(), None, name, c.shape[0] * world, None, 1, "overlapped", False),
+                "aten.mm op": lambda c=chunk, w=w: torch.ops.aten.mm(c, w.t()),
                 "torch.matmul": lambda c=chunk, w=w: torch.matmul(c, w.t()),
             }),
             (f"all_reduce {m * n} bf16", {

@@ -196,10 +196,15 @@ def all_gather_gemm(
     """
     name = name_of(group)
     _choice("path", path, _AG_GEMM_PATHS)
+    if _NATIVE and out is None and gathered is None and _operands(a, b, bias):
+        # with the C++ kernels, the op itself (its prepared calls are the shorter road)
+        if m is None:
+            m = a.shape[0] * _groups.by_name(name).world
+        y, x = _ag_gemm_op(a, b, bias, name, m, out_dtype, pieces, path, return_a or (
+            save_gathered and b.requires_grad and torch.is_grad_enabled()))
+        return (y, x) if return_a else y
     return_a = return_a or gathered is not None
-    # with the C++ kernels, the op itself (its prepared calls are the shorter road)
-    eager = not (_NATIVE and out is None and gathered is None and _operands(a, b, bias)) \
-        and _eager(a, b, bias)
+    eager = _eager(a, b, bias)
     if eager and out is None and gathered is None:
         # the signature (with `m` as given) fixes the rows in all, so a prepared call does
         # not work them out again
