@@ -307,6 +307,51 @@ fn check_variant<TI: Element, TO: Element>(
         let check = check(&p, &epilogue, &got, &want);
         assert!(check.passed(), "{what} call {call}: {check}");
     }
+    // a call that names another D (the direct build encodes its tensor map of D again) writes
+    // that D and leaves the prepared one alone
+    if p.b_layout == BLayout::KN && !p.n.is_multiple_of(8) {
+        return; // (B is padded when prepared: such a GEMM takes no other operands per call)
+    }
+    let before = download::<TO>(gpu, &d_dev, p.m * p.n);
+    let other = DeviceMemory::zeroed(gpu, p.m * p.n * p.output.size()).unwrap();
+    if epilogue.accumulate {
+        other.upload(gpu, &d0).unwrap();
+    } else {
+        other.fill(gpu, 0xff).unwrap();
+    }
+    let bias = epilogue.bias.then(|| bias_dev.addr());
+    // SAFETY: every operand lives past the synchronisation below
+    unsafe {
+        gemm.launch_call(
+            stream,
+            a_dev.addr(),
+            b_dev.addr(),
+            bias,
+            Some(other.addr()),
+            CallNumber::Host(1),
+        )
+        .unwrap();
+    }
+    stream.synchronize().unwrap();
+    gemm.check().unwrap();
+    let check = check(
+        &p,
+        &epilogue,
+        &download::<TO>(gpu, &other, p.m * p.n),
+        &want,
+    );
+    assert!(check.passed(), "{what}, D named by the call: {check}");
+    let after = download::<TO>(gpu, &d_dev, p.m * p.n);
+    assert!(
+        bytemuck::cast_slice::<TO, u8>(&before) == bytemuck::cast_slice::<TO, u8>(&after),
+        "{what}: a call that named another D wrote the prepared one"
+    );
+}
+
+fn download<T: Element>(gpu: &Gpu, mem: &DeviceMemory, len: usize) -> Vec<T> {
+    let mut out = vec![T::from_f32(0.0); len];
+    mem.download(gpu, &mut out).unwrap();
+    out
 }
 
 /// [`check_variant`] in the problem's input and output types.
@@ -616,6 +661,65 @@ fn direct_build_matches_float64_reference() {
             check_variant_of_types(&gpu, &kernels, &stream, p, case, build, seed);
         },
     );
+}
+
+/// Plain GEMMs numbered on the device (a CUDA graph replays the same launch as new calls): the
+/// main and the direct build, five calls of 300 × 1000 × 1544 queued back to back with
+/// [`CallNumber::Device`], each into D poisoned before, the last checked against float64 over
+/// every element; every block counts itself finished, so the counter says five calls.
+#[test]
+fn plain_gemms_numbered_on_the_device_advance_the_counter() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let p = GemmProblem::new(300, 1000, 1544, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let mut rng = Rng(91);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
+    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
+    let plan = GemmPlan::local(p, TILE, Epilogue::default());
+    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
+    let want = reference_gemm::<bf16, bf16>(&p, &Epilogue::default(), &a, &b, None, None, None);
+    for (choice, variant) in [
+        (VariantChoice::Main, GemmVariant::Main),
+        (VariantChoice::Direct, GemmVariant::Direct),
+    ] {
+        kernels.set_choice(choice);
+        let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, 0, 0);
+        kernels.set_choice(VariantChoice::Auto);
+        let gemm = gemm.unwrap();
+        assert_eq!(gemm.variant(), variant);
+        // CallCounter: the last call finished (u64), blocks finished of the running one (u32)
+        let counter = DeviceMemory::zeroed(&gpu, 16).unwrap();
+        let calls = 5;
+        for _ in 0..calls {
+            let call = CallNumber::Device {
+                counter: counter.addr(),
+                routes_alt: 0,
+            };
+            // SAFETY: D and the operands live past the synchronisation below
+            unsafe {
+                stream
+                    .fill_async(d_dev.addr(), 0xff, d_dev.len_bytes())
+                    .unwrap();
+                gemm.launch_call(&stream, a_dev.addr(), b_dev.addr(), None, None, call)
+                    .unwrap()
+            };
+        }
+        stream.synchronize().unwrap();
+        gemm.check().unwrap();
+        let mut words = [0u64; 2];
+        counter.download(&gpu, &mut words).unwrap();
+        assert_eq!(
+            (words[0], words[1] & 0xffff_ffff),
+            (calls, 0),
+            "{variant:?}: the counter after {calls} calls (last, blocks finished)"
+        );
+        let got = download::<bf16>(&gpu, &d_dev, p.m * p.n);
+        let check = check(&p, &Epilogue::default(), &got, &want);
+        assert!(check.passed(), "{variant:?}: {check}");
+    }
 }
 
 /// A wait that gives up ends the kernel without a trap (which would end every kernel of the

@@ -62,18 +62,23 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // so that products of a few hundred to a few thousand rows make twice as many tiles (a
 // fuller last wave, or whole-K tiles where the 256-wide ones would need a split tail) with
 // 160 KiB in flight per SM instead of 144 (six stages do not fit beside the staged tile).
-// The direct build, for plain GEMMs: the main build's tiles, the consumers storing each tile
-// from their registers into D, and the staged tile's shared memory spent on a fourth stage
-// (192 KiB in flight).
+// The direct build, for plain GEMMs: the main build's tiles, each consumer warpgroup storing
+// its half of a tile itself, box by box through two 8 KiB shared-memory boxes that the TMA
+// engine writes into D (a tensor store), and the rest of the staged tile's shared memory spent
+// on a fourth stage (192 KiB in flight). Tiles a box would overrun (a band that ends before
+// M) and accumulating GEMMs store from registers instead.
 template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false> struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
     static constexpr int BN = BN_;              // columns of a tile
     static constexpr int CONSUMERS = ROWS / 64;  // consumer warpgroups with rows to compute
     static constexpr int STAGES = STAGES_;
     static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each B k-block (TMA multicast)
-    // The consumers store the tile from their registers straight into D: no staged tile, no
-    // storers (plain GEMMs only: no routes, folds, flags or graph-safe call numbers)
+    // The consumers store the tile into D themselves: no staged tile, no storers (plain GEMMs
+    // only: no routes, folds, flags or graph-safe call numbers)
     static constexpr bool DIRECT = DIRECT_;
+    // The direct build's boxes: 64 rows of 128 bytes (one swizzle row), two per consumer
+    // warpgroup, so that one is filled while the TMA engine reads the other
+    static constexpr int BOX_BYTES = 64 * 128;
     static constexpr int ACC = BN / 2;  // f32 accumulators per consumer thread (64 rows x BN / 128)
     static constexpr int A_STAGE_BYTES = ROWS * gemm::BK * 2;
     static constexpr int B_STAGE_BYTES = BN * gemm::BK * 2;
@@ -81,7 +86,7 @@ template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = fals
     // A staged row: BN 16-bit (or BN / 2 f32) elements plus 16 bytes of padding, which makes the
     // consumers' fragment stores free of bank conflicts (8 rows 4 banks apart)
     static constexpr int EPI_PITCH = BN * 2 + 16;
-    static constexpr int EPI_BYTES = DIRECT ? 0 : ROWS * EPI_PITCH;
+    static constexpr int EPI_BYTES = DIRECT ? CONSUMERS * 2 * BOX_BYTES : ROWS * EPI_PITCH;
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + 8 * (2 * STAGES + 2);
     static_assert(ROWS == 64 || ROWS == gemm::BM, "a build computes one or two 64-row halves of a tile");
     static_assert(BN == 64 || BN == 128 || BN == 256, "a tile is one wgmma's N wide");
@@ -107,7 +112,7 @@ static_assert(NarrowCfg::SMEM_BYTES == 141456, "layout mirrored by NARROW_SMEM_B
 static_assert(NarrowTallCfg::SMEM_BYTES == 216208, "layout mirrored by NARROW_TALL_SMEM_BYTES in mod.rs");
 static_assert(PairCfg::SMEM_BYTES == MainCfg::SMEM_BYTES, "the pair build's layout is the main build's");
 static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES in mod.rs");
-static_assert(DirectCfg::SMEM_BYTES == 197712, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
+static_assert(DirectCfg::SMEM_BYTES == 230480, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -205,11 +210,16 @@ struct GemmParams {
     // How long a flag wait (a band's rows, a fold's partials) lasts before it gives up; 0: half
     // the pipeline's bound (the longest any may last: the other roles' waits must not trap).
     u64 flag_timeout_ns;
+    // The direct build: nonzero when d_map describes D (dense [M, N], ld N, box 64 rows x 128
+    // bytes, 128-byte swizzle) for its tensor stores
+    u32 d_tma;
     TmaDesc a_local;
+    TmaDesc d_map;
 };
 static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSETOF(GemmParams, local_rows) == 428 &&
                   COMMFUSE_OFFSETOF(GemmParams, flag_timeout_ns) == 432 &&
-                  COMMFUSE_OFFSETOF(GemmParams, a_local) == 512 && sizeof(GemmParams) == 640,
+                  COMMFUSE_OFFSETOF(GemmParams, d_tma) == 440 && COMMFUSE_OFFSETOF(GemmParams, a_local) == 512 &&
+                  COMMFUSE_OFFSETOF(GemmParams, d_map) == 640 && sizeof(GemmParams) == 768,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
                   COMMFUSE_OFFSETOF(GemmParams, rank) == 344 && COMMFUSE_OFFSETOF(GemmParams, workspace) == 368 &&
@@ -404,8 +414,19 @@ __device__ __forceinline__ void bulk_store(u64 dst, u32 src, u32 bytes) {
                  : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// This thread's bulk copies have read their shared-memory source (the buffer may be refilled).
+// This thread's bulk copies have read their shared-memory source (the buffer may be refilled);
+// bulk_wait_read_all_but<N>: all but its N most recent groups have.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void bulk_wait_read_all_but() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+// A box of shared memory into the tensor `map` describes at (c0, c1) (element coordinates,
+// innermost first), by the TMA engine; what lies past the tensor's edges is not written.
+__device__ __forceinline__ void tma_store_2d(const TmaDesc* map, u32 src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"((u64)map), "r"(c0),
+                 "r"(c1), "r"(src)
+                 : "memory");
+}
 // This thread's bulk copies are complete: their writes are performed.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
@@ -922,6 +943,56 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             // a block that gave up stores nothing (its accumulators may be anything)
             if (block_stopped()) continue;
             const bool has_c = p.beta != 0.0f && p.c != nullptr;
+            // This warpgroup's 64 rows as boxes of 64 columns by TMA tensor stores, where a box ends
+            // within this tile's rows or at M's edge (which the store clips; a band that ends before
+            // M would have the next band's rows written). 16-bit outputs only: with f32 (eight
+            // boxes a tile) the tile loop's counter spilled.
+            if (sizeof(Out) == 2 && p.d_tma != 0 && cw * 64 < c.rows &&
+                (cw * 64 + 64 <= c.rows || c.row0 + c.rows == p.m)) {
+                constexpr int BOX_COLS = 128 / sizeof(Out);
+                constexpr int GROUPS = BOX_COLS / 8;  // 8-column accumulator groups per box
+                const u32 wrow = warp * 16 + lane / 4;  // this thread's first row of the warpgroup's 64
+#pragma unroll
+                for (int bx = 0; bx < C::BN / BOX_COLS; ++bx) {
+                    if (g_col0 + bx * BOX_COLS >= p.n) break;
+                    // (a tile's boxes take the buffers in turn from the first: a count kept across
+                    // tiles would live through the main loop beside the accumulators)
+                    unsigned char* box = s.epi + (cw * 2 + bx % 2) * C::BOX_BYTES;
+                    // the store that read this buffer two boxes ago is done reading it; at a tile's
+                    // first box, every store of the last tile (issued a main loop ago)
+                    if (leader) {
+                        if (bx == 0) bulk_wait_read();
+                        else bulk_wait_read_all_but<1>();
+                    }
+                    consumer_group_sync(cw);
+                    // read again from the parameters at each box, as the main build's passes do: a
+                    // flag or pointer kept across the boxes' barriers spilled in the f32 entries
+                    const bool box_c = p.beta != 0.0f && p.c != nullptr, box_bias = p.bias != nullptr;
+#pragma unroll
+                    for (int g = 0; g < GROUPS; ++g) {
+                        const int j = bx * GROUPS + g;
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const u32 col = j * 8 + 2 * (lane % 4);
+                            const float2 v = epilogue_pair<Out>(p, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1],
+                                                                g_row0 + 8 * h, g_col0 + col, box_c, box_bias,
+                                                                (const Out*)p.c, (const Out*)p.bias);
+                            // the tensor map's 128-byte swizzle: a row's 16-byte chunk c sits at c ^ (row % 8),
+                            // which also spreads the warp's eight rows over all banks
+                            const u32 r = wrow + 8 * h, byte = (col - bx * BOX_COLS) * sizeof(Out);
+                            store_pair<Out>(box + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16, v.x, v.y);
+                        }
+                    }
+                    // the box is read by the TMA engine (async proxy): order the generic writes first
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                    consumer_group_sync(cw);
+                    if (leader) {
+                        tma_store_2d(&p.d_map, smem_u32(box), g_col0 + bx * BOX_COLS, c.row0 + cw * 64);
+                        bulk_commit();
+                    }
+                }
+                continue;
+            }
             // a thread's two columns start on an even column: with N even, one aligned store
             const bool pairs = p.n % 2 == 0;
             Out* d_mat = (Out*)p.d;
@@ -975,6 +1046,9 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             epi_phase ^= 1;
         }
     }
+    // the direct build's boxes: no tensor store may still read shared memory or write D when
+    // the block ends
+    if (C::DIRECT && leader) bulk_wait_all();
 }
 
 __device__ __forceinline__ void storers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(gemm::STORERS) : "memory"); }
@@ -985,11 +1059,10 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     constexpr int PASS_COLS = C::BN / PASSES;
     constexpr int VEC = 16 / sizeof(Out);  // elements per 16-byte store
     constexpr int UNITS = PASS_COLS / VEC;  // 16-byte units per staged row
-    // the direct build's consumers store their tiles themselves; its GEMMs raise no flags and
-    // advance no call counter (the host launches it for plain GEMMs only)
-    if constexpr (C::DIRECT) return;
     u32 epi_phase = 0;
-    for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
+    // (the direct build's consumers store their tiles themselves, and its GEMMs raise no flags:
+    // its storers only count the block finished below)
+    for (u32 i = blockIdx.x; !C::DIRECT && i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
         if (c.part != 0 || c.idle) continue;  // helper parts of a split tile and idle halves stage nothing
         TileRoute r;
@@ -1098,6 +1171,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b) : "memory");
         if (p.local_rows != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a_local) : "memory");
+        if (C::DIRECT && p.d_tma != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.d_map) : "memory");
         call_state.stopped = 0;
         if (p.calls != nullptr) {
             const u64 epoch = *(volatile const u64*)&p.calls->last + 1;

@@ -11,6 +11,7 @@ use crate::backend::plan_table::ErrorRecord;
 use crate::error::CudaError;
 use crate::sys::host_sync;
 use bytemuck::Pod;
+use commfuse_core::DType;
 use cudarc::driver::{result, sys, DriverError};
 use std::ffi::{c_void, CString};
 use std::sync::Arc;
@@ -424,21 +425,22 @@ pub unsafe fn copy_2d(
     check("cuMemcpy2D", sys::cuMemcpy2D_v2(&copy))
 }
 
-/// A 2D TMA descriptor over a row-major matrix of 16-bit elements: `dims` = (columns, rows),
+/// A 2D TMA descriptor over a row-major matrix of `dtype` elements: `dims` = (columns, rows),
 /// `row_bytes` the distance between rows (a multiple of 16), `boxed` = (columns, rows) of the
-/// box one copy moves, 128-byte swizzle (the box's rows must be 128 bytes), zero fill outside.
+/// box one copy moves, 128-byte swizzle (the box's rows must be 128 bytes), zero fill outside
+/// on loads; stores leave what lies outside alone.
 pub fn tensor_map_2d(
     addr: u64,
-    half: bool,
+    dtype: DType,
     dims: (u64, u64),
     row_bytes: u64,
     boxed: (u32, u32),
 ) -> Result<[u64; 16], CudaError> {
     let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
-    let dtype = if half {
-        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-    } else {
-        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    let dtype = match dtype {
+        DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        DType::F32 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
     };
     let global_dim = [dims.0, dims.1];
     let global_strides = [row_bytes];
