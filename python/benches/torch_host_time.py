@@ -70,8 +70,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--graph-calls", type=int, default=20)
     ap.add_argument("--json")
-    ap.add_argument("--profile", action="store_true",
-                    help="also print where the host time of commfuse's first row goes (cProfile)")
+    ap.add_argument("--profile", metavar="OP",
+                    help="also print where the host time of the public function of OP's first "
+                         "row (e.g. all_gather_gemm) goes (cProfile)")
     args = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
@@ -102,6 +103,9 @@ def main():
                 "commfuse": lambda c=chunk, w=w: cf.all_gather_gemm(c, w.t()),
                 "commfuse op": lambda c=chunk, w=w: ops.all_gather_gemm(
                     c, w.t(), None, name, c.shape[0] * world, None, 1, "overlapped", False),
+                # the op with the arguments the public function passes it by default
+                "commfuse op, auto": lambda c=chunk, w=w: ops.all_gather_gemm(
+                    c, w.t(), None, name, c.shape[0] * world, None, None, "auto", False),
                 "aten.mm op": lambda c=chunk, w=w: torch.ops.aten.mm(c, w.t()),
                 "torch.matmul": lambda c=chunk, w=w: torch.matmul(c, w.t()),
             }),
@@ -154,7 +158,7 @@ def main():
         import cProfile
         import pstats
 
-        label, fns = rows[0]
+        label, fns = next((r for r in rows if r[0].startswith(args.profile + " ")), rows[0])
         fn = fns["commfuse"]
         profile = cProfile.Profile()
         profile.enable()

@@ -663,6 +663,54 @@ fn direct_build_matches_float64_reference() {
     );
 }
 
+/// A plain bf16 GEMM (no epilogue) on fresh random operands: A, B and D on the GPU, its plan
+/// of [`TILE`]s, its operands and its float64 reference.
+struct PlainBf16 {
+    a_dev: DeviceMemory,
+    b_dev: DeviceMemory,
+    d_dev: DeviceMemory,
+    plan: GemmPlan,
+    ops: GemmOperands,
+    want: Vec<ReferenceElement>,
+}
+
+impl PlainBf16 {
+    fn new(gpu: &Gpu, p: GemmProblem, seed: u64) -> PlainBf16 {
+        let mut rng = Rng(seed);
+        let a: Vec<bf16> = rng.vec(p.m * p.k);
+        let b: Vec<bf16> = rng.vec(p.k * p.n);
+        let (a_dev, b_dev) = (upload(gpu, &a), upload(gpu, &b));
+        let d_dev = DeviceMemory::zeroed(gpu, p.m * p.n * 2).unwrap();
+        let plan = GemmPlan::local(p, TILE, Epilogue::default());
+        let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
+        let want = reference_gemm::<bf16, bf16>(&p, &Epilogue::default(), &a, &b, None, None, None);
+        PlainBf16 {
+            a_dev,
+            b_dev,
+            d_dev,
+            plan,
+            ops,
+            want,
+        }
+    }
+}
+
+/// `plan` prepared with the build `choice` forces, which must be `variant`.
+fn forced(
+    gpu: &std::sync::Arc<Gpu>,
+    kernels: &GemmKernels,
+    plan: &GemmPlan,
+    ops: &GemmOperands,
+    (choice, variant): (VariantChoice, GemmVariant),
+) -> PreparedGemm {
+    kernels.set_choice(choice);
+    let gemm = PreparedGemm::new(gpu, kernels, plan, ops, None, 0, 0);
+    kernels.set_choice(VariantChoice::Auto);
+    let gemm = gemm.unwrap();
+    assert_eq!(gemm.variant(), variant);
+    gemm
+}
+
 /// Plain GEMMs numbered on the device (a CUDA graph replays the same launch as new calls): the
 /// main and the direct build, five calls of 300 × 1000 × 1544 queued back to back with
 /// [`CallNumber::Device`], each into D poisoned before, the last checked against float64 over
@@ -673,23 +721,19 @@ fn plain_gemms_numbered_on_the_device_advance_the_counter() {
         return;
     };
     let p = GemmProblem::new(300, 1000, 1544, BLayout::NK, DType::BF16, DType::BF16).unwrap();
-    let mut rng = Rng(91);
-    let a: Vec<bf16> = rng.vec(p.m * p.k);
-    let b: Vec<bf16> = rng.vec(p.k * p.n);
-    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
-    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
-    let plan = GemmPlan::local(p, TILE, Epilogue::default());
-    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
-    let want = reference_gemm::<bf16, bf16>(&p, &Epilogue::default(), &a, &b, None, None, None);
+    let PlainBf16 {
+        a_dev,
+        b_dev,
+        d_dev,
+        plan,
+        ops,
+        want,
+    } = PlainBf16::new(&gpu, p, 91);
     for (choice, variant) in [
         (VariantChoice::Main, GemmVariant::Main),
         (VariantChoice::Direct, GemmVariant::Direct),
     ] {
-        kernels.set_choice(choice);
-        let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, 0, 0);
-        kernels.set_choice(VariantChoice::Auto);
-        let gemm = gemm.unwrap();
-        assert_eq!(gemm.variant(), variant);
+        let gemm = forced(&gpu, &kernels, &plan, &ops, (choice, variant));
         // CallCounter: the last call finished (u64), blocks finished of the running one (u32)
         let counter = DeviceMemory::zeroed(&gpu, 16).unwrap();
         let calls = 5;
@@ -861,14 +905,15 @@ fn a_split_tail_beside_a_kernel_holding_the_sms_waits_for_its_grid() {
         return;
     };
     let p = GemmProblem::new(64, 4096, 1024, BLayout::NK, DType::BF16, DType::BF16).unwrap();
-    let mut rng = Rng(31);
-    let a: Vec<bf16> = rng.vec(p.m * p.k);
-    let b: Vec<bf16> = rng.vec(p.k * p.n);
-    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
-    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
-    let plan = GemmPlan::local(p, TILE, Epilogue::default());
-    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
-    let want = reference_gemm::<bf16, bf16>(&p, &Epilogue::default(), &a, &b, None, None, None);
+    // (A and B bound too: a field left out of the pattern would be freed here, under the GEMM)
+    let PlainBf16 {
+        a_dev: _a_dev,
+        b_dev: _b_dev,
+        d_dev,
+        plan,
+        ops,
+        want,
+    } = PlainBf16::new(&gpu, p, 31);
     let holder = SmHolder::new(&gpu, &kernels).unwrap();
     let side = Stream::new(&gpu).unwrap();
     let blocks = gpu.sm_count - 1;
@@ -876,11 +921,7 @@ fn a_split_tail_beside_a_kernel_holding_the_sms_waits_for_its_grid() {
         (VariantChoice::Main, GemmVariant::Main),
         (VariantChoice::Skinny, GemmVariant::Skinny),
     ] {
-        kernels.set_choice(choice);
-        let gemm = PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, 0, 0);
-        kernels.set_choice(VariantChoice::Auto);
-        let mut gemm = gemm.unwrap();
-        assert_eq!(gemm.variant(), variant);
+        let mut gemm = forced(&gpu, &kernels, &plan, &ops, (choice, variant));
         gemm.set_pipeline_timeout(Duration::from_millis(300));
         for call in 0..3 {
             d_dev.fill(&gpu, 0xff).unwrap();
