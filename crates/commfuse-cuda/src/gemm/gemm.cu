@@ -1232,7 +1232,8 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // gemm_<input>_<B layout>_<output>: the main build; gemm_skinny_...: 128x256 tiles of at most
 // 64 rows; gemm_narrow_...: 128x64 tiles of at most 64 rows; gemm_narrow_tall_...: 128x64 tiles;
 // gemm_pair_...: the main build in clusters of two sharing B (launched with a cluster size of 2);
-// gemm_mid_...: 128x128 tiles; gemm_direct_...: the main build's tiles stored from registers
+// gemm_mid_...: 128x128 tiles; gemm_direct_...: the main build's tiles on four stages, stored by
+// the consumers (TMA tensor stores of shared-memory boxes)
 COMMFUSE_GEMM_ENTRIES(gemm_, MainCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_skinny_, SkinnyCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_, NarrowCfg)
