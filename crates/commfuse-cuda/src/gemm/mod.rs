@@ -1619,12 +1619,7 @@ fn routes(
 /// D rather than adding to it; elsewhere its consumers store from registers (`d_tma` 0).
 fn set_d_map(params: &mut GemmParams, output: DType) -> Result<(), CudaError> {
     let row_bytes = params.n as u64 * output.size() as u64;
-    params.d_tma = (output.size() == 2
-        && params.d != 0
-        && params.d.is_multiple_of(16)
-        && row_bytes.is_multiple_of(16)
-        && params.accumulate == 0
-        && params.routes == 0) as u32;
+    params.d_tma = d_map_fits(params, output) as u32;
     if params.d_tma != 0 {
         params.d_map = TmaDesc(tensor_map_2d(
             params.d,
@@ -1635,6 +1630,17 @@ fn set_d_map(params: &mut GemmParams, output: DType) -> Result<(), CudaError> {
         )?);
     }
     Ok(())
+}
+
+/// Whether the direct build's tensor stores can write the D of `params` ([`set_d_map`]).
+fn d_map_fits(params: &GemmParams, output: DType) -> bool {
+    let row_bytes = params.n as u64 * output.size() as u64;
+    output.size() == 2
+        && params.d != 0
+        && params.d.is_multiple_of(16)
+        && row_bytes.is_multiple_of(16)
+        && params.accumulate == 0
+        && params.routes == 0
 }
 
 /// B's tensor map: [N, K] in boxes of BK × the tile's columns (half of them in a block of a
@@ -1724,6 +1730,32 @@ mod tests {
         assert_eq!(DIRECT_SMEM_BYTES, 230480);
         const { assert!(DIRECT_SMEM_BYTES <= 227 * 1024) };
         const { assert!(smem_bytes(MID_TILE.m, MID_TILE.n, MID_STAGES + 1) > 227 * 1024) };
+    }
+
+    #[test]
+    fn the_direct_build_stores_by_tma_only_where_a_box_can_write_d() {
+        let params = |d: u64, n: u32, accumulate: u32, routes: u64| {
+            // SAFETY: integers, floats and arrays of them: all zero bits is a value
+            let mut p: GemmParams = unsafe { std::mem::zeroed() };
+            (p.d, p.n, p.m, p.accumulate, p.routes) = (d, n, 300, accumulate, routes);
+            p
+        };
+        let fits = |p: GemmParams, output| d_map_fits(&p, output);
+        assert!(fits(params(0x1000, 1000, 0, 0), DType::BF16));
+        assert!(fits(params(0x1000, 8, 0, 0), DType::F16));
+        // f32 outputs, D += and routed tiles store from registers
+        assert!(!fits(params(0x1000, 1000, 0, 0), DType::F32));
+        assert!(!fits(params(0x1000, 1000, 1, 0), DType::BF16));
+        assert!(!fits(params(0x1000, 1000, 0, 0x2000), DType::BF16));
+        // the tensor map's limits: D on 16 bytes, rows a multiple of 16 bytes, a D at all
+        assert!(!fits(params(0x1008, 1000, 0, 0), DType::BF16));
+        assert!(!fits(params(0x1000, 999, 0, 0), DType::BF16));
+        assert!(!fits(params(0x1000, 1004, 0, 0), DType::BF16));
+        assert!(!fits(params(0, 1000, 0, 0), DType::BF16));
+        // where it does not fit, no tensor map is encoded (no driver call)
+        let mut p = params(0x1000, 1000, 1, 0);
+        set_d_map(&mut p, DType::BF16).unwrap();
+        assert_eq!((p.d_tma, p.d_map.0), (0, [0; 16]));
     }
 
     fn problem(m: usize, n: usize, k: usize) -> GemmProblem {
