@@ -14,8 +14,9 @@ compiled) and the ``torch.ops.commfuse`` op itself (what a compiled or different
 calls: for the collectives the form ``torch.distributed``'s call has, in place or into a given
 tensor, and beside it the op that returns a new tensor). For the GEMMs, ``aten.mm op`` is
 ``torch.ops.aten.mm`` called from Python: the same way into the dispatcher that a
-``torch.ops.commfuse`` call takes, with torch's own GEMM behind it. ``COMMFUSE_TORCH_NATIVE=0`` measures the op with its kernels in Python instead of the
-C++ dispatcher kernels (``commfuse/torch/_native.py``); the output says which ran."""
+``torch.ops.commfuse`` call takes, with torch's own GEMM behind it.
+``COMMFUSE_TORCH_NATIVE=0`` measures the op with its kernels in Python instead of the C++
+dispatcher kernels (``commfuse/torch/_native.py``); the output says which ran."""
 
 import argparse
 import json
@@ -137,6 +138,11 @@ def main():
                 "torch.distributed": lambda x=x, y=out: dist.all_to_all_single(y, x),
             }),
         ]
+    # the rows --profile names, checked before anything is measured
+    profiled = [r for r in rows if args.profile and r[0].startswith(args.profile + " ")]
+    if args.profile and not profiled:
+        ops_named = sorted({r[0].split()[0] for r in rows})
+        raise SystemExit(f"--profile: no op {args.profile!r} (one of {', '.join(ops_named)})")
     results = []
     for label, fns in rows:
         for fn in fns.values():
@@ -158,7 +164,7 @@ def main():
         import cProfile
         import pstats
 
-        label, fns = next((r for r in rows if r[0].startswith(args.profile + " ")), rows[0])
+        label, fns = profiled[0]
         fn = fns["commfuse"]
         profile = cProfile.Profile()
         profile.enable()

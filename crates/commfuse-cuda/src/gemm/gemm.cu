@@ -66,15 +66,15 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // its half of a tile itself, box by box through two 8 KiB shared-memory boxes that the TMA
 // engine writes into D (a tensor store), and the rest of the staged tile's shared memory spent
 // on a fourth stage (192 KiB in flight). Tiles a box would overrun (a band that ends before
-// M) and accumulating GEMMs store from registers instead.
+// M), accumulating GEMMs and f32 outputs store from registers instead.
 template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false> struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
     static constexpr int BN = BN_;              // columns of a tile
     static constexpr int CONSUMERS = ROWS / 64;  // consumer warpgroups with rows to compute
     static constexpr int STAGES = STAGES_;
     static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each B k-block (TMA multicast)
-    // The consumers store the tile into D themselves: no staged tile, no storers (plain GEMMs
-    // only: no routes, folds, flags or graph-safe call numbers)
+    // The consumers store the tile into D themselves: no staged tile, and storers that only
+    // count the block finished (plain GEMMs only: no routes, folds or flags)
     static constexpr bool DIRECT = DIRECT_;
     // The direct build's boxes: 64 rows of 128 bytes (one swizzle row), two per consumer
     // warpgroup, so that one is filled while the TMA engine reads the other
@@ -416,10 +416,10 @@ __device__ __forceinline__ void bulk_store(u64 dst, u32 src, u32 bytes) {
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // This thread's bulk copies have read their shared-memory source (the buffer may be refilled);
 // bulk_wait_read_all_but<N>: all but its N most recent groups have.
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void bulk_wait_read_all_but() {
     asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
+__device__ __forceinline__ void bulk_wait_read() { bulk_wait_read_all_but<0>(); }
 // A box of shared memory into the tensor `map` describes at (c0, c1) (element coordinates,
 // innermost first), by the TMA engine; what lies past the tensor's edges is not written.
 __device__ __forceinline__ void tma_store_2d(const TmaDesc* map, u32 src, int c0, int c1) {

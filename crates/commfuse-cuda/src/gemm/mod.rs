@@ -1612,20 +1612,17 @@ fn routes(
     Ok(Some(out))
 }
 
-/// The TMA map of an A of `rows` × `k` elements (16-byte aligned) at `a`, in the box of the
-/// build `variant` (as many rows as it computes of a tile).
 /// The direct build's tensor map of D (dense [M, N], ld N), where its tensor stores can write
 /// it: a 16-bit D on a 16-byte boundary, rows a multiple of 16 bytes, and a GEMM that replaces
 /// D rather than adding to it; elsewhere its consumers store from registers (`d_tma` 0).
 fn set_d_map(params: &mut GemmParams, output: DType) -> Result<(), CudaError> {
-    let row_bytes = params.n as u64 * output.size() as u64;
     params.d_tma = d_map_fits(params, output) as u32;
     if params.d_tma != 0 {
         params.d_map = TmaDesc(tensor_map_2d(
             params.d,
             output,
             (params.n as u64, params.m as u64),
-            row_bytes,
+            params.n as u64 * output.size() as u64,
             ((DIRECT_BOX.1 / output.size()) as u32, DIRECT_BOX.0 as u32),
         )?);
     }
@@ -1665,6 +1662,8 @@ fn b_map(b: u64, p: &GemmProblem, variant: GemmVariant) -> Result<[u64; 16], Cud
     }
 }
 
+/// The TMA map of an A of `rows` × `k` elements (16-byte aligned) at `a`, in the box of the
+/// build `variant` (as many rows as it computes of a tile).
 fn a_map(
     a: u64,
     input: DType,
