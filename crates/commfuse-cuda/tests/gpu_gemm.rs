@@ -1036,18 +1036,21 @@ fn bench_rows_pass_the_check_of_every_element() {
 /// both B layouts, every output type, the main and the skinny build, one and three partials per
 /// tile; every element against A·B + Σ partials
 /// in float64. The partials lie in ±[1, 2), far above each element's bound: a partial skipped
-/// or added twice fails every element it touches.
+/// or added twice fails every element it touches. Where rows are whole 16-byte units the main
+/// build loads every tile's partials into its stages by TMA; elsewhere, and in the skinny
+/// build, its consumers read them from global memory: both ways are checked.
 #[test]
 fn fold_adds_every_partial_once() {
     if !gpus(1) {
         return;
     }
-    for (m, n, k, input, output) in [
-        (1000, 3000, 1032, DType::BF16, DType::BF16),
-        (777, 1500, 520, DType::F16, DType::F16),
-        (300, 1000, 264, DType::BF16, DType::F32),
-        (40, 2050, 136, DType::BF16, DType::BF16),
-        (129, 1004, 72, DType::BF16, DType::F32),
+    // (M, N, K, input, output, tiles whose partials go through the stages)
+    for (m, n, k, input, output, staged) in [
+        (1000, 3000, 1032, DType::BF16, DType::BF16, 8 * 12),
+        (777, 1500, 520, DType::F16, DType::F16, 0),
+        (300, 1000, 264, DType::BF16, DType::F32, 3 * 4),
+        (40, 2050, 136, DType::BF16, DType::BF16, 0),
+        (129, 1004, 72, DType::BF16, DType::F32, 2 * 4),
     ] {
         for layout in [BLayout::NK, BLayout::KN] {
             let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
@@ -1059,6 +1062,7 @@ fn fold_adds_every_partial_once() {
             assert_eq!(folds.len(), 2, "{rows:?}");
             for r in folds {
                 assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{layout:?}: {r:?}");
+                assert_eq!(r.staged_folds, Some(staged), "{layout:?}: {r:?}");
             }
         }
     }

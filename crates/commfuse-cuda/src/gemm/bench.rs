@@ -9,8 +9,8 @@
 
 use crate::error::CudaError;
 use crate::gemm::{
-    GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, TileRoute, VariantChoice,
-    MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
+    FoldSource, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, TileRoute,
+    VariantChoice, MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
 };
 use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
 pub use crate::sys::driver::StreamGuard;
@@ -39,6 +39,9 @@ pub struct GemmRow {
     pub build: Option<String>,
     /// Blocks of our kernel's persistent grid (none for cuBLASLt)
     pub grid: Option<u32>,
+    /// Fold rows: tiles whose partials the kernel loads into its stages by TMA (the others
+    /// read them from global memory after their main loop)
+    pub staged_folds: Option<usize>,
     pub time_ms: f64,
     pub tflops: f64,
     /// Elements checked against the float64 reference
@@ -364,6 +367,7 @@ fn run<T: Element>(
             sms: v.cap,
             build: v.gemm.map(|g| g.variant().name().to_string()),
             grid: v.gemm.map(PreparedGemm::grid),
+            staged_folds: v.folded.map(|f| f.gemm.staged_folds()),
             time_ms,
             tflops: p.flops() / (time_ms * 1e-3) / 1e12,
             checked: check.checked,
@@ -506,7 +510,23 @@ impl FoldRow {
                 }
             })
             .collect();
-        let gemm = PreparedGemm::with_routes(gpu, kernels, plan, ops, routes, count + 1, 0, 0)?;
+        // the partials' slots as one [count · M, N] matrix, which the kernel loads them from
+        let source = FoldSource {
+            base: memory.addr(),
+            rows: count * p.m,
+            ld: p.n,
+        };
+        let gemm = PreparedGemm::with_routes(
+            gpu,
+            kernels,
+            plan,
+            ops,
+            routes,
+            Some(source),
+            count + 1,
+            0,
+            0,
+        )?;
         Ok(FoldRow {
             name,
             gemm,

@@ -104,6 +104,27 @@ using NarrowTallCfg = Cfg<gemm::BM, 64, 8>;
 using PairCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES, 2>;
 using MidCfg = Cfg<gemm::BM, 128, 5>;
 using DirectCfg = Cfg<gemm::BM, gemm::BN, 4, 1, true>;
+// A tile's partial folded in through the pipeline (ROUTE_FOLD_TMA): boxes of the build's rows
+// by 128 bytes (one swizzle row: 64 16-bit or 32 f32 columns), as many to a stage as its B
+// buffer holds, in the ring's next stages after the tile's last k-block: in the main build,
+// two boxes a stage, two stages a 16-bit partial (four for f32). The other builds read
+// partials from global memory: the pair and the direct build take no routes, the mid and the
+// narrow builds serve plain GEMMs only, and in the skinny build (four boxes a stage) the
+// consumers' pass over the stages made ptxas spill the tile's band and the tile loop's
+// counter.
+template <class C, typename Out> struct FoldBoxes {
+    static constexpr int COLS = 128 / sizeof(Out);  // columns of a box
+    static constexpr int BOXES = C::BN / COLS;       // boxes of one partial
+    static constexpr int BOX_BYTES = C::ROWS * 128;
+    static constexpr int PER_STAGE = C::B_STAGE_BYTES / BOX_BYTES;
+    static constexpr int STAGES = PER_STAGE > 0 ? (BOXES + PER_STAGE - 1) / PER_STAGE : 0;  // stages of one partial
+    static constexpr bool STAGED =
+        C::ROWS == gemm::BM && C::BN == gemm::BN && C::STAGES == gemm::STAGES && C::CLUSTER == 1 && !C::DIRECT;
+};
+static_assert(FoldBoxes<MainCfg, __nv_bfloat16>::STAGES == 2 && FoldBoxes<MainCfg, float>::STAGES == 4 &&
+                  FoldBoxes<MainCfg, float>::STAGED && !FoldBoxes<SkinnyCfg, float>::STAGED &&
+                  !FoldBoxes<PairCfg, float>::STAGED && !FoldBoxes<DirectCfg, float>::STAGED,
+              "the main build alone folds through its stages");
 static_assert(MainCfg::SMEM_BYTES == gemm::SMEM_BYTES && MainCfg::EPI_PITCH == gemm::EPI_PITCH,
               "the main build is the kernel's design");
 // mirrored by SKINNY_SMEM_BYTES and NARROW_SMEM_BYTES in mod.rs
@@ -137,15 +158,23 @@ struct TileRoute {
     u32 fold_ld;
     u32 fold_flag_stride;
     u32 options;     // ROUTE_* bits
+    // With ROUTE_FOLD_TMA: the row of GemmParams.fold_map where partial 0 of this tile starts
+    // (its columns are the tile's), and the rows from one partial to the next
+    u32 fold_row;
+    u32 fold_row_step;
 };
-static_assert(sizeof(TileRoute) == 72 && COMMFUSE_OFFSETOF(TileRoute, fold_src) == 32 &&
-                  COMMFUSE_OFFSETOF(TileRoute, options) == 68,
+static_assert(sizeof(TileRoute) == 80 && COMMFUSE_OFFSETOF(TileRoute, fold_src) == 32 &&
+                  COMMFUSE_OFFSETOF(TileRoute, options) == 68 && COMMFUSE_OFFSETOF(TileRoute, fold_row) == 72,
               "layout mirrored by TileRoute in src/gemm.rs");
 // TileRoute.flag_op beyond the plan's Set/Add: store this call's epoch (GemmParams.epoch)
 constexpr u32 FLAG_SET_EPOCH = 2;
 // TileRoute.options
 constexpr u32 ROUTE_DST_FROM_D = 1;  // dst is an offset from GemmParams.d
 constexpr u32 ROUTE_NO_BIAS = 2;     // this tile does not add the bias (a peer's partial)
+// The tile's partials come into the pipeline's stages by TMA (GemmParams.fold_map, fold_row):
+// the producer loads them after the tile's last k-block, and the consumers add them from
+// shared memory (see fold_load); without it the consumers read them from global memory.
+constexpr u32 ROUTE_FOLD_TMA = 4;
 
 // GemmParams.call_options
 constexpr u32 CALLS_READ_ONLY = 1;
@@ -213,13 +242,19 @@ struct GemmParams {
     // The direct build: nonzero when d_map describes D (dense [M, N], ld N, box 64 rows x 128
     // bytes, 128-byte swizzle) for its tensor stores
     u32 d_tma;
+    // nonzero when fold_map describes the buffer of the partials that routes with
+    // ROUTE_FOLD_TMA fold in: rows of fold_ld elements, box the build's rows x 128 bytes,
+    // 128-byte swizzle
+    u32 fold_tma;
     TmaDesc a_local;
     TmaDesc d_map;
+    TmaDesc fold_map;
 };
 static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSETOF(GemmParams, local_rows) == 428 &&
                   COMMFUSE_OFFSETOF(GemmParams, flag_timeout_ns) == 432 &&
                   COMMFUSE_OFFSETOF(GemmParams, d_tma) == 440 && COMMFUSE_OFFSETOF(GemmParams, a_local) == 512 &&
-                  COMMFUSE_OFFSETOF(GemmParams, d_map) == 640 && sizeof(GemmParams) == 768,
+                  COMMFUSE_OFFSETOF(GemmParams, d_map) == 640 && COMMFUSE_OFFSETOF(GemmParams, fold_tma) == 444 &&
+                  COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && sizeof(GemmParams) == 896,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
                   COMMFUSE_OFFSETOF(GemmParams, rank) == 344 && COMMFUSE_OFFSETOF(GemmParams, workspace) == 368 &&
@@ -603,7 +638,53 @@ struct Smem {
     u32 epi_full, epi_empty;
 };
 
-template <class C, bool B_KN>
+// The producer's side of a fold through the pipeline (ROUTE_FOLD_TMA): for each of the tile's
+// partials, waits for its flag, then loads it into the ring's next stages as boxes of the
+// fold map, after the tile's last k-block, so that it lands while the consumers finish the
+// tile's main loop. False when a wait gave up (the block stops; see flag_wait).
+template <class C, typename Out>
+__device__ __forceinline__ bool fold_load(const GemmParams& p, const Smem& s, const TileRoute& r, const Unit& c,
+                                          u32& stage, u32& phase, u32& issued) {
+    using F = FoldBoxes<C, Out>;
+    for (u32 f = 0; f < r.fold_count; ++f) {
+        const u64* flag = (const u64*)(r.fold_flag + (u64)f * r.fold_flag_stride);
+        if (!flag_wait(p, flag, c.tile, WAIT_FOLD_FLAG)) return false;
+        // the flag's acquire (generic proxy) before the loads of what it published (async proxy)
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        const int row = (int)(r.fold_row + f * r.fold_row_step);
+#pragma unroll
+        for (int st = 0; st < F::STAGES; ++st) {
+            const u32 full = s.full + 8 * stage, empty = s.empty + 8 * stage;
+            if (!mbar_wait<ROLE_WG0>(empty, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY)) return false;
+            // (a partial's last stage may hold fewer boxes than fit)
+            const int boxes = min(F::PER_STAGE, F::BOXES - st * F::PER_STAGE);
+            mbar_expect_tx(full, boxes * F::BOX_BYTES);
+#pragma unroll
+            for (int b = 0; b < F::PER_STAGE; ++b) {
+                if (b < boxes)
+                    tma_load_2d(s.b + stage * C::B_STAGE_BYTES + b * F::BOX_BYTES, &p.fold_map, full,
+                                c.tn * C::BN + (st * F::PER_STAGE + b) * F::COLS, row);
+            }
+            if (issued < C::STAGES) ++issued;
+            if (++stage == C::STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+    }
+    return true;
+}
+
+// Whether tile `tile` folds its partials in through the pipeline (in the unit that runs its
+// epilogue: a whole tile or part 0 of a split one): decided alike by the producer, which
+// loads them, and the consumers, which take them from the stages.
+template <class C, typename Out> __device__ __forceinline__ const TileRoute* staged_fold(const GemmParams& p, u32 tile) {
+    if (!FoldBoxes<C, Out>::STAGED || p.fold_tma == 0 || call_state.routes == nullptr) return nullptr;
+    const TileRoute* r = call_state.routes + tile;
+    return r->fold_count != 0 && (r->options & ROUTE_FOLD_TMA) != 0 ? r : nullptr;
+}
+
+template <class C, typename Out, bool B_KN>
 __device__ void producer(const GemmParams& p, const Smem& s) {
     u32 stage = 0, phase = 0;
     u32 landed = 0xffffffffu;  // the last band whose rows this block saw land
@@ -654,6 +735,12 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             if (++stage == C::STAGES) {
                 stage = 0;
                 phase ^= 1;
+            }
+        }
+        if (!live) break;
+        if (c.part == 0 && !c.idle) {
+            if (const TileRoute* r = staged_fold<C, Out>(p, c.tile)) {
+                if (!fold_load<C, Out>(p, s, *r, c, stage, phase, issued)) live = false;
             }
         }
     }
@@ -795,6 +882,75 @@ template <> __device__ __forceinline__ float2 ldcg_pair<__half>(const __half* p)
     return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
+// Two adjacent elements of a partial from shared memory (u32 address), widened to f32.
+template <typename Out> __device__ __forceinline__ float2 lds_pair(u32 at);
+template <> __device__ __forceinline__ float2 lds_pair<float>(u32 at) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(at));
+    return v;
+}
+template <> __device__ __forceinline__ float2 lds_pair<__nv_bfloat16>(u32 at) {
+    u32 w;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(w) : "r"(at));
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float2 lds_pair<__half>(u32 at) {
+    u32 w;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(w) : "r"(at));
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+
+// The consumers' side of a fold through the pipeline (fold_load): each of the tile's partials
+// lies in the ring's next stages as swizzled boxes (a row's 16-byte chunk c at c ^ (row % 8));
+// each thread adds its own pairs to its accumulators (alpha is 1 in a folding GEMM: the host
+// checks), and the warpgroup lets each stage go once all of its threads have read it. A
+// warpgroup's eight rows of a warp have distinct row % 8, so its loads hit distinct banks.
+template <class C, typename Out>
+__device__ __forceinline__ void fold_from_stages(const GemmParams& p, const Smem& s, const Unit& c, u32 count,
+                                                 u32& stage, u32& phase, bool leader, u32 cw, float* acc) {
+    using F = FoldBoxes<C, Out>;
+    // the thread's index read here, where it is used: derived from threadIdx.x, the addresses
+    // below were hoisted out of the tile loop and lived through the main loop, where ptxas
+    // spilled the loop's counter
+    u32 tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    const u32 lane = tid % 32, warp = (tid % 128) / 32;
+    // this thread's rows of the box are row0 and row0 + 8, both with row % 8 = lane / 4
+    const u32 row0 = cw * 64 + warp * 16 + lane / 4;
+    const u32 lane_byte = 2 * (lane % 4) * sizeof(Out);
+    for (u32 f = 0; f < count; ++f) {
+#pragma unroll
+        for (int st = 0; st < F::STAGES; ++st) {
+            mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
+            const u32 rows = s.b + stage * C::B_STAGE_BYTES + row0 * 128;
+#pragma unroll
+            for (int b = 0; b < F::PER_STAGE; ++b) {
+                const int box = st * F::PER_STAGE + b;
+                if (box < F::BOXES) {
+#pragma unroll
+                    for (int g = 0; g < F::COLS / 8; ++g) {
+                        const int j = box * (F::COLS / 8) + g;  // the accumulators' 8-column group
+                        const u32 byte = g * 8 * sizeof(Out) + lane_byte;
+                        const u32 at = rows + b * F::BOX_BYTES + (((byte / 16) ^ (lane / 4)) * 16) + byte % 16;
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const float2 v = lds_pair<Out>(at + h * 8 * 128);
+                            acc[j * 4 + 2 * h] += v.x;
+                            acc[j * 4 + 2 * h + 1] += v.y;
+                        }
+                    }
+                }
+            }
+            consumer_group_sync(cw);  // every thread of the warpgroup is done with the stage
+            if (leader) release_stage<C>(s.empty + 8 * stage);
+            if (++stage == C::STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+    }
+}
+
 // The epilogue's values of a thread's two adjacent accumulators (a0, a1) at row gr, columns gc
 // and gc + 1 of D: alpha times them, plus beta·C and the bias where asked, read only within D.
 template <typename Out>
@@ -877,22 +1033,27 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         if (c.split != NO_SPLIT) {
             if (!split_partials<C>(p, c, acc)) continue;  // a helper part: no epilogue
         }
-        // The tile's column, again from its index in the pair build: kept from the unit's
-        // start it is one more value live through the main loop beside the 128 accumulators
-        // and the pair's remote arrivals, and ptxas spilled it (the other builds keep it).
+        // The tile's column, again from its index in the pair and the main build: kept from the
+        // unit's start it is one more value live through the main loop beside the 128
+        // accumulators, and ptxas spilled it (beside the pair's remote arrivals, and beside the
+        // main build's pass over staged partials; the other builds keep it).
         u32 tn = c.tn;
-        if (C::CLUSTER > 1) {
+        if (C::CLUSTER > 1 || FoldBoxes<C, Out>::STAGED) {
             u32 tile = c.tile;
             asm volatile("" : "+r"(tile));
             tn = tile % p.tiles_n;
         }
 
-        // Partials folded in (the owner's tiles of GEMM + reduce-scatter): wait until every
-        // peer's partial of this tile is there. The owner computes its own tiles last, so in
-        // practice they have long arrived and the wait is one look at each flag.
+        // Partials folded in (the owner's tiles of GEMM + reduce-scatter): through the
+        // pipeline's stages where the host described them by the fold map (the producer waited
+        // for their flags), or else, once the leader has seen every peer's flag of this tile,
+        // read from global memory. The owner computes its own tiles last, so in practice they
+        // have long arrived and the wait is one look at each flag.
         const TileRoute* route = call_state.routes != nullptr ? call_state.routes + c.tile : nullptr;
         const u32 fold_count = route != nullptr ? route->fold_count : 0;
-        if (fold_count != 0) {
+        if (staged_fold<C, Out>(p, c.tile) != nullptr) {  // (helper parts and idle halves went on above)
+            fold_from_stages<C, Out>(p, s, c, fold_count, stage, phase, leader, cw, acc);
+        } else if (fold_count != 0) {
             if (leader) fold_wait(p, *route, c.tile, cw);
             consumer_group_sync(cw);
             // Added to the accumulators (alpha is 1 in a folding GEMM: the host checks) in one
@@ -1172,6 +1333,8 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b) : "memory");
         if (p.local_rows != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a_local) : "memory");
         if (C::DIRECT && p.d_tma != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.d_map) : "memory");
+        if (FoldBoxes<C, Out>::STAGED && p.fold_tma != 0)
+            asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.fold_map) : "memory");
         call_state.stopped = 0;
         if (p.calls != nullptr) {
             const u64 epoch = *(volatile const u64*)&p.calls->last + 1;
@@ -1190,7 +1353,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
         if (threadIdx.x < 32) {
-            if (threadIdx.x == 0) producer<C, B_KN>(p, s);
+            if (threadIdx.x == 0) producer<C, Out, B_KN>(p, s);
         } else {
             storer<C, Out>(p, s, threadIdx.x - 32);
         }

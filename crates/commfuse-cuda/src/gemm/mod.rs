@@ -500,8 +500,12 @@ pub struct TileRoute {
     pub fold_count: u32,
     pub fold_ld: u32,
     pub fold_flag_stride: u32,
-    /// [`ROUTE_DST_FROM_D`], [`ROUTE_NO_BIAS`]
+    /// [`ROUTE_DST_FROM_D`], [`ROUTE_NO_BIAS`], [`ROUTE_FOLD_TMA`]
     pub options: u32,
+    /// With [`ROUTE_FOLD_TMA`]: the row of the [`FoldSource`] where the tile's first partial
+    /// starts, and the rows from one partial to the next (set by [`PreparedGemm::with_routes`])
+    pub fold_row: u32,
+    pub fold_row_step: u32,
 }
 
 /// `TileRoute::flag_op`: store the call's epoch (the `epoch` of [`PreparedGemm::launch_call`]).
@@ -510,7 +514,22 @@ pub const FLAG_SET_EPOCH: u32 = 2;
 pub const ROUTE_DST_FROM_D: u32 = 1;
 /// `TileRoute::options`: the tile does not add the bias (a peer's partial).
 pub const ROUTE_NO_BIAS: u32 = 2;
-const _: () = assert!(std::mem::size_of::<TileRoute>() == 72);
+/// `TileRoute::options`: the tile's partials come into the kernel's pipeline by TMA from the
+/// [`FoldSource`] (set by [`PreparedGemm::with_routes`] where they can; see [`stage_folds`]).
+pub const ROUTE_FOLD_TMA: u32 = 4;
+const _: () = assert!(std::mem::size_of::<TileRoute>() == 80);
+
+/// The buffer that the partials of a GEMM's folds lie in: `rows` rows of `ld` elements of the
+/// output type from `base` (a rank's receive slots, one after the other). Where a tile's
+/// partials lie in it in whole rows at the tile's own columns, the kernel loads them by TMA
+/// into its pipeline's stages during the tile's main loop, instead of reading them from global
+/// memory after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FoldSource {
+    pub base: u64,
+    pub rows: usize,
+    pub ld: usize,
+}
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -548,16 +567,20 @@ struct GemmParams {
     local_rows: u32,
     flag_timeout_ns: u64,
     d_tma: u32,
+    fold_tma: u32,
     a_local: TmaDesc,
     d_map: TmaDesc,
+    fold_map: TmaDesc,
 }
 const _: () = assert!(
     std::mem::offset_of!(GemmParams, band_flags) == 416
         && std::mem::offset_of!(GemmParams, flag_timeout_ns) == 432
         && std::mem::offset_of!(GemmParams, d_tma) == 440
+        && std::mem::offset_of!(GemmParams, fold_tma) == 444
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::offset_of!(GemmParams, d_map) == 640
-        && std::mem::size_of::<GemmParams>() == 768
+        && std::mem::offset_of!(GemmParams, fold_map) == 768
+        && std::mem::size_of::<GemmParams>() == 896
 );
 
 /// Rows of A that an all-gather brings in while the GEMM runs ([`PreparedGemm::gathering`]).
@@ -797,6 +820,8 @@ pub struct PreparedGemm {
     b_padded: bool,
     /// Built from caller routes: the bias is per call (routes say which tiles add it)
     routed: bool,
+    /// Tiles whose partials come into the pipeline by TMA ([`stage_folds`])
+    staged_folds: usize,
     memory: Launched<GemmMemory>,
 }
 
@@ -897,14 +922,17 @@ impl PreparedGemm {
     ) -> Result<PreparedGemm, CudaError> {
         let world = targets.map_or(rank + 1, |t| t.outputs.len());
         check_plan(plan, ops, world)?;
-        let routes = routes(plan, ops, targets, rank)?;
+        let routes = routes(plan, ops, targets, rank)?.map(|r| (r, None));
         PreparedGemm::build(gpu, kernels, plan, ops, routes, None, sm_cap, rank)
     }
 
     /// [`PreparedGemm::new`] with the route of every tile given as is (tile order of the plan's
     /// tile numbers): what a fused operator builds when its routes need more than a plan says
     /// (partials folded into the epilogue, destinations relative to the call's D, epoch flags).
-    /// `world`: the ranks the plan's destinations may name.
+    /// `world`: the ranks the plan's destinations may name. `folds`: the buffer the folds'
+    /// partials lie in, if they all lie in one (their tiles then load them by TMA where they
+    /// can, [`stage_folds`]); a GEMM that takes other routes in alternate calls
+    /// ([`CallNumber::Device`]) must find theirs in the same buffer.
     #[allow(clippy::too_many_arguments)]
     pub fn with_routes(
         gpu: &Gpu,
@@ -912,6 +940,7 @@ impl PreparedGemm {
         plan: &GemmPlan,
         ops: &GemmOperands,
         routes: Vec<TileRoute>,
+        folds: Option<FoldSource>,
         world: usize,
         sm_cap: u32,
         rank: usize,
@@ -929,8 +958,16 @@ impl PreparedGemm {
                 plan.tile_count()
             )));
         }
-        let mut gemm =
-            PreparedGemm::build(gpu, kernels, plan, ops, Some(routes), None, sm_cap, rank)?;
+        let mut gemm = PreparedGemm::build(
+            gpu,
+            kernels,
+            plan,
+            ops,
+            Some((routes, folds)),
+            None,
+            sm_cap,
+            rank,
+        )?;
         gemm.routed = true;
         Ok(gemm)
     }
@@ -978,12 +1015,14 @@ impl PreparedGemm {
         kernels: &GemmKernels,
         plan: &GemmPlan,
         ops: &GemmOperands,
-        routes: Option<Vec<TileRoute>>,
+        routes: Option<(Vec<TileRoute>, Option<FoldSource>)>,
         gather: Option<&Gather>,
         sm_cap: u32,
         rank: usize,
     ) -> Result<PreparedGemm, CudaError> {
         let p = &plan.problem;
+        let (mut routes, folds) = routes.unzip();
+        let folds = folds.flatten();
         let mut variant = kernels.choice().variant_for(plan);
         if matches!(variant, GemmVariant::Pair | GemmVariant::Direct)
             && (routes.is_some() || gather.is_some())
@@ -1008,6 +1047,17 @@ impl PreparedGemm {
             b_padded = Some(padded);
         }
         let b = b_map(b_addr, p, variant)?;
+        // the folds that the build can take through its pipeline, and the map they load from
+        let fold_map = match (routes.as_mut(), folds) {
+            (Some(r), Some(source)) => match stage_folds(r, plan, variant, &source) {
+                true => Some(fold_map(&source, p.output, variant)?),
+                false => None,
+            },
+            _ => None,
+        };
+        let staged_folds = routes.as_ref().map_or(0, |r| {
+            r.iter().filter(|r| r.options & ROUTE_FOLD_TMA != 0).count()
+        });
         // one table: the order (u32), then, 64-byte aligned, the routes, then the row bands (u32)
         let route_bytes = routes
             .as_ref()
@@ -1136,8 +1186,10 @@ impl PreparedGemm {
                 (g.timeout.as_nanos() as u64).clamp(1, PIPELINE_TIMEOUT_NS / 2)
             }),
             d_tma: 0,
+            fold_tma: fold_map.is_some() as u32,
             a_local: TmaDesc([0; 16]),
             d_map: TmaDesc([0; 16]),
+            fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
         };
         if variant == GemmVariant::Direct {
             set_d_map(&mut params, p.output)?;
@@ -1151,6 +1203,7 @@ impl PreparedGemm {
             problem: *p,
             b_padded: b_padded.is_some(),
             routed: false,
+            staged_folds,
             memory: Launched::new(
                 gpu,
                 GemmMemory {
@@ -1167,6 +1220,12 @@ impl PreparedGemm {
     /// The build of the kernel this GEMM runs (chosen when it was prepared).
     pub fn variant(&self) -> GemmVariant {
         self.variant
+    }
+
+    /// Tiles whose partials the kernel loads into its pipeline's stages by TMA; the other
+    /// folding tiles read theirs from global memory after their main loop.
+    pub fn staged_folds(&self) -> usize {
+        self.staged_folds
     }
 
     /// Blocks of its persistent grid (at most the SMs, or the cap; whole clusters of the pair
@@ -1640,6 +1699,73 @@ fn d_map_fits(params: &GemmParams, output: DType) -> bool {
         && params.routes == 0
 }
 
+/// Marks the routes whose partials the kernel build `variant` can load by TMA from `source`
+/// (`ROUTE_FOLD_TMA`, with their rows in it) and clears the mark elsewhere; whether any has
+/// it. A tile's partials qualify when the build stages folds (the main build: its B stages
+/// hold two boxes of the tile's rows × 128 bytes; see `FoldBoxes` in gemm.cu for the others),
+/// each partial starts at
+/// the tile's first column in a row of `source`, with the routes' leading dimension, one
+/// whole number of rows from the next, and all of the tile's rows of every partial lie in
+/// it; the tensor map needs `base` and the rows on 16-byte boundaries. Others keep the
+/// consumers' loads from global memory.
+pub(crate) fn stage_folds(
+    routes: &mut [TileRoute],
+    plan: &GemmPlan,
+    variant: GemmVariant,
+    source: &FoldSource,
+) -> bool {
+    let eb = plan.problem.output.size() as u64;
+    let row_bytes = source.ld as u64 * eb;
+    let builds = variant == GemmVariant::Main;
+    let map_ok = builds
+        && source.base.is_multiple_of(16)
+        && row_bytes.is_multiple_of(16)
+        && source.rows > 0
+        && plan.tile == TILE;
+    let mut any = false;
+    for (t, r) in routes.iter_mut().enumerate() {
+        r.options &= !ROUTE_FOLD_TMA;
+        (r.fold_row, r.fold_row_step) = (0, 0);
+        if !map_ok || r.fold_count == 0 || r.fold_ld as usize != source.ld {
+            continue;
+        }
+        let (rows, cols) = plan.tile_bounds(t);
+        let Some(offset) = r.fold_src.checked_sub(source.base) else {
+            continue;
+        };
+        let (row, col) = (offset / row_bytes, offset % row_bytes);
+        let step = r.fold_stride / row_bytes;
+        let last = row + (r.fold_count as u64 - 1) * step + rows.len() as u64;
+        if col != cols.start as u64 * eb
+            || !r.fold_stride.is_multiple_of(row_bytes)
+            || last > source.rows as u64
+            || last > i32::MAX as u64
+        {
+            continue;
+        }
+        r.options |= ROUTE_FOLD_TMA;
+        (r.fold_row, r.fold_row_step) = (row as u32, step as u32);
+        any = true;
+    }
+    any
+}
+
+/// The tensor map the kernel loads staged partials with ([`stage_folds`]): `source` as a
+/// [rows, ld] matrix of the output type, in boxes of the build's rows × 128 bytes.
+fn fold_map(
+    source: &FoldSource,
+    output: DType,
+    variant: GemmVariant,
+) -> Result<[u64; 16], CudaError> {
+    tensor_map_2d(
+        source.base,
+        output,
+        (source.ld as u64, source.rows as u64),
+        (source.ld * output.size()) as u64,
+        ((128 / output.size()) as u32, variant.rows() as u32),
+    )
+}
+
 /// B's tensor map: [N, K] in boxes of BK × the tile's columns (half of them in a block of a
 /// pair, which loads half of the tile's rows of B), [K, N] (rows padded to a multiple of 8
 /// elements: `b` is then the padded copy) in boxes of 64 columns × BK.
@@ -1704,9 +1830,10 @@ mod tests {
     #[test]
     fn tables_match_the_kernel_layout() {
         // the same figures are static_asserts in gemm.cu
-        assert_eq!(std::mem::size_of::<TileRoute>(), 72);
+        assert_eq!(std::mem::size_of::<TileRoute>(), 80);
         assert_eq!(std::mem::offset_of!(TileRoute, fold_src), 32);
         assert_eq!(std::mem::offset_of!(TileRoute, options), 68);
+        assert_eq!(std::mem::offset_of!(TileRoute, fold_row), 72);
         assert_eq!(std::mem::offset_of!(GemmParams, order), 256);
         assert_eq!(std::mem::offset_of!(GemmParams, m), 312);
         assert_eq!(std::mem::offset_of!(GemmParams, rank), 344);
@@ -1759,6 +1886,95 @@ mod tests {
 
     fn problem(m: usize, n: usize, k: usize) -> GemmProblem {
         GemmProblem::new(m, n, k, BLayout::NK, DType::BF16, DType::BF16).unwrap()
+    }
+
+    /// Two partials of every tile of a 300 × 1000 GEMM (bands of 128, 128, 44 rows; tiles
+    /// 256, 256, 256 and 232 wide), each partial an [M, N] slot of a buffer at 0x10000.
+    fn fold_routes(output: DType) -> (GemmPlan, Vec<TileRoute>, FoldSource) {
+        let p = GemmProblem::new(300, 1000, 64, BLayout::NK, DType::BF16, output).unwrap();
+        let plan = GemmPlan::local(p, TILE, commfuse_core::gemm::Epilogue::default());
+        let eb = output.size() as u64;
+        let source = FoldSource {
+            base: 0x10000,
+            rows: 2 * 300,
+            ld: 1000,
+        };
+        let routes = (0..plan.tile_count())
+            .map(|t| {
+                let (rows, cols) = plan.tile_bounds(t);
+                TileRoute {
+                    fold_src: source.base + (rows.start as u64 * 1000 + cols.start as u64) * eb,
+                    fold_stride: 300 * 1000 * eb,
+                    fold_count: 2,
+                    fold_ld: 1000,
+                    ..TileRoute::default()
+                }
+            })
+            .collect();
+        (plan, routes, source)
+    }
+
+    #[test]
+    fn folds_go_through_the_pipeline_only_where_a_tensor_map_reaches_every_partial() {
+        let staged = |r: &TileRoute| r.options & ROUTE_FOLD_TMA != 0;
+        for output in [DType::BF16, DType::F16, DType::F32] {
+            let (plan, mut routes, source) = fold_routes(output);
+            assert!(stage_folds(&mut routes, &plan, GemmVariant::Main, &source));
+            for (t, r) in routes.iter().enumerate() {
+                let band = plan.tile_bounds(t).0.start as u32;
+                assert!(staged(r), "{output:?} tile {t}");
+                assert_eq!((r.fold_row, r.fold_row_step), (band, 300));
+            }
+            // the other builds read partials from global memory
+            for variant in [
+                GemmVariant::Skinny,
+                GemmVariant::Mid,
+                GemmVariant::Direct,
+                GemmVariant::Pair,
+            ] {
+                assert!(!stage_folds(&mut routes, &plan, variant, &source));
+                assert!(routes.iter().all(|r| !staged(r) && r.fold_row == 0));
+            }
+        }
+        let (plan, routes, source) = fold_routes(DType::BF16);
+        let marked = |routes: &mut Vec<TileRoute>, source: FoldSource| {
+            stage_folds(routes, &plan, GemmVariant::Main, &source);
+            routes.iter().map(staged).collect::<Vec<_>>()
+        };
+        // one tile whose partial starts a column off, one whose partials are not whole rows
+        // apart, one that folds nothing, one of another leading dimension: only they read
+        // from global memory
+        let mut r = routes.clone();
+        r[1].fold_src += 2;
+        r[2].fold_stride += 16;
+        r[3].fold_count = 0;
+        r[3].options = ROUTE_FOLD_TMA;
+        r[4].fold_ld = 1008;
+        let mut want = vec![true; routes.len()];
+        want[1..5].fill(false);
+        assert_eq!(marked(&mut r, source), want);
+        // the last band's second partial ends one row past the buffer: those tiles are left out
+        let short = FoldSource {
+            rows: 599,
+            ..source
+        };
+        let mut r = routes.clone();
+        let last_band: Vec<bool> = (0..r.len()).map(|t| t < 8).collect();
+        assert_eq!(marked(&mut r, short), last_band);
+        // a buffer or rows that are not on 16-byte boundaries: no tensor map at all
+        for bad in [
+            FoldSource {
+                base: 0x10008,
+                ..source
+            },
+            FoldSource { ld: 1004, ..source },
+        ] {
+            let mut r = routes.clone();
+            if bad.ld == 1004 {
+                r.iter_mut().for_each(|x| x.fold_ld = 1004);
+            }
+            assert_eq!(marked(&mut r, bad), vec![false; routes.len()]);
+        }
     }
 
     #[test]

@@ -45,8 +45,9 @@ pub use unfused::{NcclId, NCCL_ID_BYTES};
 use crate::backend::plan_table::{ErrorRecord, MAX_RANKS};
 use crate::error::CudaError;
 use crate::gemm::{
-    check_problem, check_tile, CallCounter, CallNumber, GemmKernels, GemmOperands, InUse, Launched,
-    PreparedGemm, TileRoute, FLAG_SET_EPOCH, ROUTE_DST_FROM_D, ROUTE_NO_BIAS, TILE,
+    check_problem, check_tile, CallCounter, CallNumber, FoldSource, GemmKernels, GemmOperands,
+    InUse, Launched, PreparedGemm, TileRoute, FLAG_SET_EPOCH, ROUTE_DST_FROM_D, ROUTE_NO_BIAS,
+    TILE,
 };
 use crate::sys::driver::{
     DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream,
@@ -513,6 +514,17 @@ pub(crate) fn tile_routes(
         .collect()
 }
 
+/// A rank's receive buffer at `receive` as its GEMM's [`FoldSource`]: both sets' P slots, one
+/// after the other, as one matrix of N columns, in which every partial that either set's
+/// routes fold in lies.
+fn fold_source(receive: u64, s: &GemmRsSchedule) -> FoldSource {
+    FoldSource {
+        base: receive,
+        rows: 2 * s.shape.world * s.slot_len / s.shape.n,
+        ld: s.shape.n,
+    }
+}
+
 fn shape(config: &GemmRsConfig, world: usize, m: usize) -> Result<GemmRsShape, CudaError> {
     Ok(config.shape(world, m)?)
 }
@@ -697,6 +709,8 @@ impl GemmRsRank {
             Reduction::Fold => 0,
             Reduction::Separate { blocks } => self.gpu.sm_count - blocks,
         };
+        let folds = (self.config.reduction == Reduction::Fold)
+            .then(|| fold_source(self.memory.receive.addr(), &schedule));
         let prepare = |set: usize| {
             PreparedGemm::with_routes(
                 &self.gpu,
@@ -705,6 +719,7 @@ impl GemmRsRank {
                 &schedule.gemm_plan(self.rank, set as u64 + 1),
                 &ops,
                 self.routes(&schedule, set),
+                folds,
                 self.world,
                 cap,
                 self.rank,
@@ -959,6 +974,7 @@ impl GemmRsRank {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gemm::{stage_folds, GemmVariant, ROUTE_FOLD_TMA};
     use commfuse_core::gemm::BLayout;
     use std::collections::HashMap;
 
@@ -972,6 +988,44 @@ mod tests {
                 nccl_id: [0; NCCL_ID_BYTES],
             })
             .collect()
+    }
+
+    /// Every owner tile's partials, in both sets, lie in the receive buffer as the fold source
+    /// describes it, in whole rows at the tile's columns: the main build loads all of them into
+    /// its stages by TMA (P = 2..9 and 16, ragged M, smaller M in buffers made for the largest).
+    #[test]
+    fn every_fold_goes_through_the_pipeline() {
+        for world in (2..=9).chain([16]) {
+            for (m, max_m) in [(1, 300), (world + 1, 300), (300, 300), (133, 300)] {
+                let shape =
+                    GemmRsShape::new(world, m, 1000, 64, BLayout::NK, DType::BF16, DType::BF16)
+                        .unwrap();
+                let s = GemmRsSchedule::within(shape, max_m, TILE);
+                let peers = peers(world);
+                for me in 0..world {
+                    let source = fold_source(peers[me].receive, &s);
+                    for set in 0..2 {
+                        let mut routes = tile_routes(&s, me, set, &peers, true);
+                        let plan = s.gemm_plan(me, set as u64 + 1);
+                        stage_folds(&mut routes, &plan, GemmVariant::Main, &source);
+                        for (t, r) in routes.iter().enumerate() {
+                            let mine = s.placement[t].0 == me;
+                            assert_eq!(
+                                r.options & ROUTE_FOLD_TMA != 0,
+                                mine,
+                                "P={world} M={m} rank {me} set {set} tile {t}"
+                            );
+                            if mine {
+                                let at = |row: u64| source.base + row * 1000 * 2;
+                                let col = s.tile_bounds(t).1.start as u64 * 2;
+                                assert_eq!(at(r.fold_row as u64) + col, r.fold_src);
+                                assert_eq!(at(r.fold_row_step as u64) - source.base, r.fold_stride);
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// The tables every rank builds agree: per set, every byte of a receive buffer is written by
