@@ -13,8 +13,9 @@ use commfuse_core::{DType, Element};
 use commfuse_cuda::backend::plan_table::ErrorRecord;
 use commfuse_cuda::gemm::bench::{bench_gemm, DeviceReference, ReferenceGemm, StreamGuard};
 use commfuse_cuda::gemm::{
-    CallNumber, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets,
-    SmHolder, TileSnapshot, VariantChoice, MID_TILE, NARROW_TILE, SKINNY_ROWS, TILE,
+    CallNumber, FoldSource, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm,
+    RouteTargets, SmHolder, TileRoute, TileSnapshot, VariantChoice, MID_TILE, NARROW_TILE,
+    ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
 };
 use commfuse_cuda::sys::cublaslt::Lt;
 use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, MappedHost, Stream};
@@ -851,6 +852,86 @@ fn a_wait_that_gives_up_ends_the_kernel_and_the_context_goes_on() {
     }
     // the context serves the next GEMM
     check_one::<bf16, bf16>(&gpu, &kernels, &stream, p, Case::Full, 78);
+}
+
+/// A fold whose partials never come: the flag wait gives up at its bound (half the pipeline's,
+/// 200 ms here), the call's synchronisation succeeds, `check` names the fold's flag and the
+/// call, no tile is stored, and the context serves the next GEMM. Both where the producer waits
+/// for the flags (partials loaded into the stages) and where the consumers do (partials read
+/// from global memory).
+#[test]
+fn a_fold_whose_partial_never_comes_ends_in_a_diagnosed_error() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let p = GemmProblem::new(256, 512, 128, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let mut rng = Rng(79);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
+    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
+    let partial = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
+    let plan = GemmPlan::local(p, TILE, Epilogue::default());
+    let never_raised = DeviceMemory::zeroed(&gpu, 8 * plan.tile_count()).unwrap();
+    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
+    let routes: Vec<TileRoute> = (0..plan.tile_count())
+        .map(|t| {
+            let (rows, cols) = plan.tile_bounds(t);
+            let within = ((rows.start * p.n + cols.start) * 2) as u64;
+            TileRoute {
+                dst: within,
+                ld: p.n as u32,
+                options: ROUTE_DST_FROM_D,
+                fold_src: partial.addr() + within,
+                fold_flag: never_raised.addr() + 8 * t as u64,
+                fold_count: 1,
+                fold_ld: p.n as u32,
+                ..TileRoute::default()
+            }
+        })
+        .collect();
+    let source = FoldSource {
+        base: partial.addr(),
+        rows: p.m,
+        ld: p.n,
+    };
+    for (folds, staged) in [(Some(source), plan.tile_count()), (None, 0)] {
+        let mut gemm =
+            PreparedGemm::with_routes(&gpu, &kernels, &plan, &ops, routes.clone(), folds, 1, 0, 0)
+                .unwrap();
+        assert_eq!(gemm.staged_folds(), staged);
+        gemm.set_pipeline_timeout(Duration::from_millis(400));
+        d_dev.fill(&gpu, 0xff).unwrap();
+        let start = Instant::now();
+        // SAFETY: the operands, partials, flags and output live past the synchronisation below
+        unsafe { gemm.launch(&stream).unwrap() };
+        let synced = stream.synchronize();
+        let took = start.elapsed();
+        assert!(
+            synced.is_ok(),
+            "staged {staged}: {synced:?}, {:?}",
+            gemm.stall_report()
+        );
+        let e = gemm
+            .check()
+            .expect_err("the fold's wait gave up")
+            .to_string();
+        assert!(
+            e.contains("waited for a peer's partial of a tile it folds in (its flag)")
+                && e.contains("the flag held call 0, this is call 1"),
+            "staged {staged}: {e}"
+        );
+        assert!(
+            took < Duration::from_secs(2),
+            "staged {staged}: stopped {took:?} after its launch"
+        );
+        let mut got = vec![0u16; p.m * p.n];
+        d_dev.download(&gpu, &mut got).unwrap();
+        let stored = got.iter().filter(|&&x| x != 0xffff).count();
+        assert_eq!(stored, 0, "staged {staged}: {stored} elements stored ({e})");
+    }
+    // the context serves the next GEMM
+    check_one::<bf16, bf16>(&gpu, &kernels, &stream, p, Case::Full, 80);
 }
 
 /// A grid capped so that the last wave is cut along K (2, 3 or 4 parts, many k-blocks each):
