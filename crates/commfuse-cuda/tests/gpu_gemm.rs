@@ -767,6 +767,44 @@ fn plain_gemms_numbered_on_the_device_advance_the_counter() {
     }
 }
 
+/// Runs `launch` (a call of `gemm` into the 16-bit `d_dev`, poisoned first) whose wait is to
+/// give up: its synchronisation succeeds, it ends within 2 s, it stores nothing, and `check`
+/// fails; returns what `check` said.
+fn gave_up(
+    gpu: &Gpu,
+    stream: &Stream,
+    gemm: &PreparedGemm,
+    d_dev: &DeviceMemory,
+    launch: impl FnOnce() -> Result<(), commfuse_cuda::CudaError>,
+) -> String {
+    d_dev.fill(gpu, 0xff).unwrap();
+    let start = Instant::now();
+    launch().unwrap();
+    let synced = stream.synchronize();
+    let took = start.elapsed();
+    assert!(
+        synced.is_ok(),
+        "a wait that gave up ended the kernel in an error: {synced:?}, {:?}",
+        gemm.stall_report()
+    );
+    let e = gemm
+        .check()
+        .expect_err("the call's wait gave up")
+        .to_string();
+    assert!(
+        took < Duration::from_secs(2),
+        "the kernel stopped {took:?} after its launch ({e})"
+    );
+    let mut got = vec![0u16; d_dev.len_bytes() / 2];
+    d_dev.download(gpu, &mut got).unwrap();
+    let stored = got.iter().filter(|&&x| x != 0xffff).count();
+    assert_eq!(
+        stored, 0,
+        "{stored} elements stored by blocks that gave up ({e})"
+    );
+    e
+}
+
 /// A wait that gives up ends the kernel without a trap (which would end every kernel of the
 /// context, PyTorch's included, and leave the context unusable): the call's synchronisation
 /// succeeds, `check` reports the diagnosed wait, no tile is stored, the kernel stops soon after
@@ -809,45 +847,22 @@ fn a_wait_that_gives_up_ends_the_kernel_and_the_context_goes_on() {
         if let Some(bound) = pipeline_bound {
             gemm.set_pipeline_timeout(bound);
         }
-        d_dev.fill(&gpu, 0xff).unwrap();
-        let start = Instant::now();
-        // SAFETY: the operands, the flag and the output live past the synchronisation below
-        unsafe {
-            gemm.launch_gather_call(
-                &stream,
-                0,
-                b_dev.addr(),
-                None,
-                d_dev.addr(),
-                CallNumber::Host(1),
-            )
-            .unwrap();
-        }
-        let synced = stream.synchronize();
-        let took = start.elapsed();
-        assert!(
-            synced.is_ok(),
-            "a wait that gave up ended the kernel in an error: {synced:?}, {:?}",
-            gemm.stall_report()
-        );
-        let e = gemm
-            .check()
-            .expect_err("the call's wait gave up")
-            .to_string();
+        let e = gave_up(&gpu, &stream, &gemm, &d_dev, || {
+            // SAFETY: the operands, the flag and the output live past the synchronisation
+            unsafe {
+                gemm.launch_gather_call(
+                    &stream,
+                    0,
+                    b_dev.addr(),
+                    None,
+                    d_dev.addr(),
+                    CallNumber::Host(1),
+                )
+            }
+        });
         assert!(
             e.contains(says) && e.contains("this is call 1") == pipeline_bound.is_none(),
             "{e}"
-        );
-        assert!(
-            took < Duration::from_secs(2),
-            "the kernel stopped {took:?} after its launch"
-        );
-        let mut got = vec![0u16; p.m * p.n];
-        d_dev.download(&gpu, &mut got).unwrap();
-        let stored = got.iter().filter(|&&x| x != 0xffff).count();
-        assert_eq!(
-            stored, 0,
-            "{stored} elements stored by blocks that gave up ({e})"
         );
     }
     // the context serves the next GEMM
@@ -865,15 +880,17 @@ fn a_fold_whose_partial_never_comes_ends_in_a_diagnosed_error() {
         return;
     };
     let p = GemmProblem::new(256, 512, 128, BLayout::NK, DType::BF16, DType::BF16).unwrap();
-    let mut rng = Rng(79);
-    let a: Vec<bf16> = rng.vec(p.m * p.k);
-    let b: Vec<bf16> = rng.vec(p.k * p.n);
-    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
-    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
+    // A and B stay bound: the GEMM reads them
+    let PlainBf16 {
+        a_dev: _a,
+        b_dev: _b,
+        d_dev,
+        plan,
+        ops,
+        ..
+    } = PlainBf16::new(&gpu, p, 79);
     let partial = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
-    let plan = GemmPlan::local(p, TILE, Epilogue::default());
     let never_raised = DeviceMemory::zeroed(&gpu, 8 * plan.tile_count()).unwrap();
-    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
     let routes: Vec<TileRoute> = (0..plan.tile_count())
         .map(|t| {
             let (rows, cols) = plan.tile_bounds(t);
@@ -901,34 +918,15 @@ fn a_fold_whose_partial_never_comes_ends_in_a_diagnosed_error() {
                 .unwrap();
         assert_eq!(gemm.staged_folds(), staged);
         gemm.set_pipeline_timeout(Duration::from_millis(400));
-        d_dev.fill(&gpu, 0xff).unwrap();
-        let start = Instant::now();
-        // SAFETY: the operands, partials, flags and output live past the synchronisation below
-        unsafe { gemm.launch(&stream).unwrap() };
-        let synced = stream.synchronize();
-        let took = start.elapsed();
-        assert!(
-            synced.is_ok(),
-            "staged {staged}: {synced:?}, {:?}",
-            gemm.stall_report()
-        );
-        let e = gemm
-            .check()
-            .expect_err("the fold's wait gave up")
-            .to_string();
+        // SAFETY: the operands, partials, flags and output live past the synchronisation
+        let e = gave_up(&gpu, &stream, &gemm, &d_dev, || unsafe {
+            gemm.launch(&stream)
+        });
         assert!(
             e.contains("waited for a peer's partial of a tile it folds in (its flag)")
                 && e.contains("the flag held call 0, this is call 1"),
             "staged {staged}: {e}"
         );
-        assert!(
-            took < Duration::from_secs(2),
-            "staged {staged}: stopped {took:?} after its launch"
-        );
-        let mut got = vec![0u16; p.m * p.n];
-        d_dev.download(&gpu, &mut got).unwrap();
-        let stored = got.iter().filter(|&&x| x != 0xffff).count();
-        assert_eq!(stored, 0, "staged {staged}: {stored} elements stored ({e})");
     }
     // the context serves the next GEMM
     check_one::<bf16, bf16>(&gpu, &kernels, &stream, p, Case::Full, 80);

@@ -990,37 +990,49 @@ mod tests {
             .collect()
     }
 
+    /// The schedules the table tests check, with their P and M: P = `worlds`, each at a ragged
+    /// M, M = 1, M = P + 1 and the largest M, all in buffers made for M = 300; N columns.
+    fn schedules(
+        worlds: impl Iterator<Item = usize>,
+        n: usize,
+    ) -> impl Iterator<Item = (usize, usize, GemmRsSchedule)> {
+        worlds.flat_map(move |world| {
+            [(1, 300), (world + 1, 300), (300, 300), (133, 300)]
+                .into_iter()
+                .map(move |(m, max_m)| {
+                    let shape =
+                        GemmRsShape::new(world, m, n, 64, BLayout::NK, DType::BF16, DType::BF16)
+                            .unwrap();
+                    (world, m, GemmRsSchedule::within(shape, max_m, TILE))
+                })
+        })
+    }
+
     /// Every owner tile's partials, in both sets, lie in the receive buffer as the fold source
     /// describes it, in whole rows at the tile's columns: the main build loads all of them into
     /// its stages by TMA (P = 2..9 and 16, ragged M, smaller M in buffers made for the largest).
     #[test]
     fn every_fold_goes_through_the_pipeline() {
-        for world in (2..=9).chain([16]) {
-            for (m, max_m) in [(1, 300), (world + 1, 300), (300, 300), (133, 300)] {
-                let shape =
-                    GemmRsShape::new(world, m, 1000, 64, BLayout::NK, DType::BF16, DType::BF16)
-                        .unwrap();
-                let s = GemmRsSchedule::within(shape, max_m, TILE);
-                let peers = peers(world);
-                for me in 0..world {
-                    let source = fold_source(peers[me].receive, &s);
-                    for set in 0..2 {
-                        let mut routes = tile_routes(&s, me, set, &peers, true);
-                        let plan = s.gemm_plan(me, set as u64 + 1);
-                        stage_folds(&mut routes, &plan, GemmVariant::Main, &source);
-                        for (t, r) in routes.iter().enumerate() {
-                            let mine = s.placement[t].0 == me;
-                            assert_eq!(
-                                r.options & ROUTE_FOLD_TMA != 0,
-                                mine,
-                                "P={world} M={m} rank {me} set {set} tile {t}"
-                            );
-                            if mine {
-                                let at = |row: u64| source.base + row * 1000 * 2;
-                                let col = s.tile_bounds(t).1.start as u64 * 2;
-                                assert_eq!(at(r.fold_row as u64) + col, r.fold_src);
-                                assert_eq!(at(r.fold_row_step as u64) - source.base, r.fold_stride);
-                            }
+        for (world, m, s) in schedules((2..=9).chain([16]), 1000) {
+            let peers = peers(world);
+            for me in 0..world {
+                let source = fold_source(peers[me].receive, &s);
+                for set in 0..2 {
+                    let mut routes = tile_routes(&s, me, set, &peers, true);
+                    let plan = s.gemm_plan(me, set as u64 + 1);
+                    stage_folds(&mut routes, &plan, GemmVariant::Main, &source);
+                    for (t, r) in routes.iter().enumerate() {
+                        let mine = s.placement[t].0 == me;
+                        assert_eq!(
+                            r.options & ROUTE_FOLD_TMA != 0,
+                            mine,
+                            "P={world} M={m} rank {me} set {set} tile {t}"
+                        );
+                        if mine {
+                            let at = |row: u64| source.base + row * 1000 * 2;
+                            let col = s.tile_bounds(t).1.start as u64 * 2;
+                            assert_eq!(at(r.fold_row as u64) + col, r.fold_src);
+                            assert_eq!(at(r.fold_row_step as u64) - source.base, r.fold_stride);
                         }
                     }
                 }
@@ -1035,90 +1047,80 @@ mod tests {
     /// buffers made for the largest. (The GPU runs these tables; this checks them without one.)
     #[test]
     fn every_ranks_routes_agree_on_every_byte_and_flag() {
-        for world in (1..=9).chain([16]) {
-            for (m, max_m) in [(1, 300), (world + 1, 300), (300, 300), (133, 300)] {
-                let shape =
-                    GemmRsShape::new(world, m, 300, 64, BLayout::NK, DType::BF16, DType::BF16)
-                        .unwrap();
-                let s = GemmRsSchedule::within(shape, max_m, TILE);
-                let peers = peers(world);
-                let eb = 2u64;
-                let buffer = 2 * world as u64 * s.slot_len as u64 * eb;
-                for fold in [true, false] {
-                    for set in 0..2 {
-                        // byte written -> (sender, tile, row, col); flag word -> (sender, tile)
-                        let mut written: HashMap<u64, (usize, usize, usize, usize)> =
-                            HashMap::new();
-                        let mut flags: HashMap<u64, (usize, usize)> = HashMap::new();
-                        let routes: Vec<Vec<TileRoute>> = (0..world)
-                            .map(|me| tile_routes(&s, me, set, &peers, fold))
-                            .collect();
-                        for (sender, table) in routes.iter().enumerate() {
-                            for (t, r) in table.iter().enumerate() {
-                                let (owner, _) = s.placement[t];
-                                if r.options & ROUTE_DST_FROM_D != 0 {
-                                    assert!(fold && owner == sender);
-                                    continue;
-                                }
-                                let base = peers[owner].receive;
-                                let (rows, cols) = s.tile_bounds(t);
-                                for i in 0..rows.len() {
-                                    for j in 0..cols.len() {
-                                        let at = r.dst + (i as u64 * r.ld as u64 + j as u64) * eb;
-                                        assert!(at >= base && at + eb <= base + buffer);
-                                        let before = written.insert(at, (sender, t, i, j));
-                                        assert!(before.is_none(), "P={world} M={m}: {at:#x} twice");
-                                    }
-                                }
-                                assert_eq!(r.flag_op, FLAG_SET_EPOCH);
-                                assert!(flags.insert(r.flag, (sender, t)).is_none());
-                                let row0 =
-                                    peers[owner].flags + 8 * set as u64 * s.flag_columns() as u64;
-                                assert!(
-                                    r.flag >= row0 && r.flag < row0 + 8 * s.flag_columns() as u64
-                                );
+        for (world, m, s) in schedules((1..=9).chain([16]), 300) {
+            let peers = peers(world);
+            let eb = 2u64;
+            let buffer = 2 * world as u64 * s.slot_len as u64 * eb;
+            for fold in [true, false] {
+                for set in 0..2 {
+                    // byte written -> (sender, tile, row, col); flag word -> (sender, tile)
+                    let mut written: HashMap<u64, (usize, usize, usize, usize)> = HashMap::new();
+                    let mut flags: HashMap<u64, (usize, usize)> = HashMap::new();
+                    let routes: Vec<Vec<TileRoute>> = (0..world)
+                        .map(|me| tile_routes(&s, me, set, &peers, fold))
+                        .collect();
+                    for (sender, table) in routes.iter().enumerate() {
+                        for (t, r) in table.iter().enumerate() {
+                            let (owner, _) = s.placement[t];
+                            if r.options & ROUTE_DST_FROM_D != 0 {
+                                assert!(fold && owner == sender);
+                                continue;
                             }
-                        }
-                        for (me, table) in routes.iter().enumerate() {
-                            for (t, r) in table.iter().enumerate() {
-                                let (owner, index) = s.placement[t];
-                                if owner != me {
-                                    continue;
+                            let base = peers[owner].receive;
+                            let (rows, cols) = s.tile_bounds(t);
+                            for i in 0..rows.len() {
+                                for j in 0..cols.len() {
+                                    let at = r.dst + (i as u64 * r.ld as u64 + j as u64) * eb;
+                                    assert!(at >= base && at + eb <= base + buffer);
+                                    let before = written.insert(at, (sender, t, i, j));
+                                    assert!(before.is_none(), "P={world} M={m}: {at:#x} twice");
                                 }
-                                let (rows, cols) = s.tile_bounds(t);
-                                if fold {
-                                    assert_eq!(r.fold_count as usize, world - 1);
-                                    for f in 0..world - 1 {
-                                        let q = (me + 1 + f) % world;
-                                        let flag =
-                                            r.fold_flag + f as u64 * r.fold_flag_stride as u64;
-                                        assert_eq!(flags.get(&flag), Some(&(q, t)), "P={world}");
-                                        for i in 0..rows.len() {
-                                            for j in 0..cols.len() {
-                                                let at = r.fold_src
-                                                    + f as u64 * r.fold_stride
-                                                    + (i as u64 * r.fold_ld as u64 + j as u64) * eb;
-                                                assert_eq!(written.get(&at), Some(&(q, t, i, j)));
-                                            }
+                            }
+                            assert_eq!(r.flag_op, FLAG_SET_EPOCH);
+                            assert!(flags.insert(r.flag, (sender, t)).is_none());
+                            let row0 =
+                                peers[owner].flags + 8 * set as u64 * s.flag_columns() as u64;
+                            assert!(r.flag >= row0 && r.flag < row0 + 8 * s.flag_columns() as u64);
+                        }
+                    }
+                    for (me, table) in routes.iter().enumerate() {
+                        for (t, r) in table.iter().enumerate() {
+                            let (owner, index) = s.placement[t];
+                            if owner != me {
+                                continue;
+                            }
+                            let (rows, cols) = s.tile_bounds(t);
+                            if fold {
+                                assert_eq!(r.fold_count as usize, world - 1);
+                                for f in 0..world - 1 {
+                                    let q = (me + 1 + f) % world;
+                                    let flag = r.fold_flag + f as u64 * r.fold_flag_stride as u64;
+                                    assert_eq!(flags.get(&flag), Some(&(q, t)), "P={world}");
+                                    for i in 0..rows.len() {
+                                        for j in 0..cols.len() {
+                                            let at = r.fold_src
+                                                + f as u64 * r.fold_stride
+                                                + (i as u64 * r.fold_ld as u64 + j as u64) * eb;
+                                            assert_eq!(written.get(&at), Some(&(q, t, i, j)));
                                         }
                                     }
-                                } else {
-                                    // the separate reduction: sender q's partial and flag
-                                    for q in 0..world {
-                                        let slot = s.slot_of(q, me);
-                                        let col = slot * s.flag_stride + index;
-                                        let flag = peers[me].flags
-                                            + 8 * (set * s.flag_columns() + col) as u64;
-                                        assert_eq!(flags.get(&flag), Some(&(q, t)));
-                                        let start = s.shape.chunk(me).start;
-                                        let at = peers[me].receive
-                                            + (((set * world + slot) * s.slot_len
-                                                + (rows.start - start) * s.shape.n
-                                                + cols.start)
-                                                as u64)
-                                                * eb;
-                                        assert_eq!(written.get(&at), Some(&(q, t, 0, 0)));
-                                    }
+                                }
+                            } else {
+                                // the separate reduction: sender q's partial and flag
+                                for q in 0..world {
+                                    let slot = s.slot_of(q, me);
+                                    let col = slot * s.flag_stride + index;
+                                    let flag =
+                                        peers[me].flags + 8 * (set * s.flag_columns() + col) as u64;
+                                    assert_eq!(flags.get(&flag), Some(&(q, t)));
+                                    let start = s.shape.chunk(me).start;
+                                    let at = peers[me].receive
+                                        + (((set * world + slot) * s.slot_len
+                                            + (rows.start - start) * s.shape.n
+                                            + cols.start)
+                                            as u64)
+                                            * eb;
+                                    assert_eq!(written.get(&at), Some(&(q, t, 0, 0)));
                                 }
                             }
                         }
