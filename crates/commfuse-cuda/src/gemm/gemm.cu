@@ -7,7 +7,8 @@
 //
 // One block per SM, 384 threads in three warpgroups:
 //   warpgroup 0, warp 0   the producer: TMA loads of A and B k-blocks into a ring of
-//                         swizzled shared-memory stages, tracked by mbarriers;
+//                         swizzled shared-memory stages, tracked by mbarriers (and, after a
+//                         tile's last k-block, of the peers' partials the tile folds in);
 //   warpgroup 0, warps 1-3 the storers: copy a finished tile from shared memory to its
 //                         destination and raise its flag while the consumers already run the
 //                         next tile's main loop (this is what hides NVLink stores);
