@@ -1048,16 +1048,13 @@ impl PreparedGemm {
         }
         let b = b_map(b_addr, p, variant)?;
         // the folds that the build can take through its pipeline, and the map they load from
-        let fold_map = match (routes.as_mut(), folds) {
+        let (staged_folds, fold_map) = match (routes.as_mut(), folds) {
             (Some(r), Some(source)) => match stage_folds(r, plan, variant, &source) {
-                true => Some(fold_map(&source, p.output, variant)?),
-                false => None,
+                0 => (0, None),
+                staged => (staged, Some(fold_map(&source, p.output, variant)?)),
             },
-            _ => None,
+            _ => (0, None),
         };
-        let staged_folds = routes.as_ref().map_or(0, |r| {
-            r.iter().filter(|r| r.options & ROUTE_FOLD_TMA != 0).count()
-        });
         // one table: the order (u32), then, 64-byte aligned, the routes, then the row bands (u32)
         let route_bytes = routes
             .as_ref()
@@ -1700,7 +1697,7 @@ fn d_map_fits(params: &GemmParams, output: DType) -> bool {
 }
 
 /// Marks the routes whose partials the kernel build `variant` can load by TMA from `source`
-/// (`ROUTE_FOLD_TMA`, with their rows in it) and clears the mark elsewhere; whether any has
+/// (`ROUTE_FOLD_TMA`, with their rows in it) and clears the mark elsewhere; how many have
 /// it. A tile's partials qualify when the build stages folds (the main build: its B stages
 /// hold two boxes of the tile's rows × 128 bytes; see `FoldBoxes` in gemm.cu for the others),
 /// each partial starts at
@@ -1713,16 +1710,15 @@ pub(crate) fn stage_folds(
     plan: &GemmPlan,
     variant: GemmVariant,
     source: &FoldSource,
-) -> bool {
+) -> usize {
     let eb = plan.problem.output.size() as u64;
     let row_bytes = source.ld as u64 * eb;
-    let builds = variant == GemmVariant::Main;
-    let map_ok = builds
+    let map_ok = variant == GemmVariant::Main
         && source.base.is_multiple_of(16)
         && row_bytes.is_multiple_of(16)
         && source.rows > 0
         && plan.tile == TILE;
-    let mut any = false;
+    let mut staged = 0;
     for (t, r) in routes.iter_mut().enumerate() {
         r.options &= !ROUTE_FOLD_TMA;
         (r.fold_row, r.fold_row_step) = (0, 0);
@@ -1745,9 +1741,9 @@ pub(crate) fn stage_folds(
         }
         r.options |= ROUTE_FOLD_TMA;
         (r.fold_row, r.fold_row_step) = (row as u32, step as u32);
-        any = true;
+        staged += 1;
     }
-    any
+    staged
 }
 
 /// The tensor map the kernel loads staged partials with ([`stage_folds`]): `source` as a
@@ -1919,7 +1915,10 @@ mod tests {
         let staged = |r: &TileRoute| r.options & ROUTE_FOLD_TMA != 0;
         for output in [DType::BF16, DType::F16, DType::F32] {
             let (plan, mut routes, source) = fold_routes(output);
-            assert!(stage_folds(&mut routes, &plan, GemmVariant::Main, &source));
+            assert_eq!(
+                stage_folds(&mut routes, &plan, GemmVariant::Main, &source),
+                routes.len()
+            );
             for (t, r) in routes.iter().enumerate() {
                 let band = plan.tile_bounds(t).0.start as u32;
                 assert!(staged(r), "{output:?} tile {t}");
@@ -1932,7 +1931,7 @@ mod tests {
                 GemmVariant::Direct,
                 GemmVariant::Pair,
             ] {
-                assert!(!stage_folds(&mut routes, &plan, variant, &source));
+                assert_eq!(stage_folds(&mut routes, &plan, variant, &source), 0);
                 assert!(routes.iter().all(|r| !staged(r) && r.fold_row == 0));
             }
         }
