@@ -14,8 +14,8 @@ use commfuse_cuda::backend::plan_table::ErrorRecord;
 use commfuse_cuda::gemm::bench::{bench_gemm, DeviceReference, ReferenceGemm, StreamGuard};
 use commfuse_cuda::gemm::{
     CallNumber, FoldSource, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm,
-    RouteTargets, SmHolder, TileRoute, TileSnapshot, VariantChoice, MID_TILE, NARROW_TILE,
-    ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
+    RouteTargets, SmHolder, TailChoice, TileRoute, TileSnapshot, VariantChoice, MID_TILE,
+    NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
 };
 use commfuse_cuda::sys::cublaslt::Lt;
 use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, MappedHost, Stream};
@@ -940,13 +940,71 @@ fn split_tail_tiles_sum_their_k_parts() {
         return;
     };
     // 16 tiles: cap 5 leaves 1 (4 parts), cap 6 leaves 4 (no cut fits), cap 7 leaves 2 (3 parts)
-    split_parts_sum(&gpu, &kernels, &stream, 500, &[5, 6, 7, 15]);
-    // a skinny M (one row band of 40 rows, 4 tiles): cap 16 cuts each into 4 parts, cap 9 into
-    // 2; the second consumer warpgroup has no rows, and the partials carry only 40 rows
-    split_parts_sum(&gpu, &kernels, &stream, 40, &[9, 16]);
+    let tails = ["cut 4×1", "none", "cut 3×2", "cut 4×1"];
+    split_parts_sum(&gpu, &kernels, &stream, (500, TILE), &[5, 6, 7, 15], &tails);
+    // a skinny M (one row band of 40 rows, 4 tiles): caps 9 and 16 cut each into 2 parts (the
+    // skinny build's most); the second consumer warpgroup has no rows, and the partials carry
+    // only 40 rows
+    split_parts_sum(
+        &gpu,
+        &kernels,
+        &stream,
+        (40, TILE),
+        &[9, 16],
+        &["cut 2×4", "cut 2×4"],
+    );
 }
 
-fn split_parts_sum(gpu: &Gpu, kernels: &GemmKernels, stream: &Stream, m: usize, caps: &[u32]) {
+/// The tail spread by stream-K ([`TailChoice::StreamK`]): the last partial wave and the whole
+/// one before it over every block, in K ranges that cross tiles (a block finishes one tile's
+/// K loop and starts another's), so that most tiles have a helper and some blocks are a
+/// helper first and an owner last. On the main, direct and mid builds, and on the skinny one
+/// (whose second consumer warpgroup has no rows), every k-block is summed once in f32,
+/// checked tightly against float64, three calls in a row (each owner resets its counter).
+#[test]
+fn stream_k_tail_sums_every_k_range_once() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    kernels.set_tail(TailChoice::StreamK);
+    // 16 tiles (the mid build's 32) on 3, 5, 6 and 7 SMs: whole waves, then a partial one
+    let wide = [
+        "stream-k 4/3",
+        "stream-k 6/5",
+        "stream-k 10/6",
+        "stream-k 9/7",
+    ];
+    let mid = [
+        "stream-k 5/3",
+        "stream-k 7/5",
+        "stream-k 8/6",
+        "stream-k 11/7",
+    ];
+    for (choice, tile, tails) in [
+        (VariantChoice::Main, TILE, &wide),
+        (VariantChoice::Direct, TILE, &wide),
+        (VariantChoice::Mid, MID_TILE, &mid),
+    ] {
+        kernels.set_choice(choice);
+        split_parts_sum(&gpu, &kernels, &stream, (500, tile), &[3, 5, 6, 7], tails);
+    }
+    // 4 tiles of 40 rows on 3 SMs: the skinny build, 4 tiles over 3 blocks
+    kernels.set_choice(VariantChoice::Skinny);
+    split_parts_sum(&gpu, &kernels, &stream, (40, TILE), &[3], &["stream-k 4/3"]);
+    kernels.set_choice(VariantChoice::Auto);
+    kernels.set_tail(TailChoice::Cut);
+}
+
+/// An f32 GEMM of `m` rows × 1000 × 1544 planned in `tile`s (shuffled order) at each cap,
+/// whose tail must be shared out as `tails` says, checked three calls in a row.
+fn split_parts_sum(
+    gpu: &Gpu,
+    kernels: &GemmKernels,
+    stream: &Stream,
+    (m, tile): (usize, TileShape),
+    caps: &[u32],
+    tails: &[&str],
+) {
     let p = GemmProblem::new(m, 1000, 1544, BLayout::NK, DType::BF16, DType::F32).unwrap();
     let mut rng = Rng(99);
     let a: Vec<bf16> = rng.vec(p.m * p.k);
@@ -954,11 +1012,12 @@ fn split_parts_sum(gpu: &Gpu, kernels: &GemmKernels, stream: &Stream, m: usize, 
     let (a_dev, b_dev) = (upload(gpu, &a), upload(gpu, &b));
     let d_dev = DeviceMemory::zeroed(gpu, p.m * p.n * 4).unwrap();
     let want = reference_gemm::<bf16, f32>(&p, &Epilogue::default(), &a, &b, None, None, None);
-    let mut plan = GemmPlan::local(p, TILE, Epilogue::default());
+    let mut plan = GemmPlan::local(p, tile, Epilogue::default());
     rng.shuffle(&mut plan.order);
     let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
-    for &cap in caps {
+    for (&cap, &tail) in caps.iter().zip(tails) {
         let gemm = PreparedGemm::new(gpu, kernels, &plan, &ops, None, cap, 0).unwrap();
+        assert_eq!(gemm.tail(), tail, "M {m} cap {cap}");
         for call in 0..3 {
             d_dev.fill(gpu, 0xff).unwrap();
             run(&gemm, stream);
@@ -1080,9 +1139,23 @@ fn bench_rows_pass_the_check_of_every_element() {
             let rows = bench_gemm(0, None, &[1, 3], &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
             // cuBLASLt and ours at both caps; each build forced too: where the skinny build
             // fits main, skinny and (M ≤ 128 here) narrow, elsewhere main, pair, direct and
-            // mid; the fold rows (1 and 3 partials)
+            // mid; the fold rows (1 and 3 partials); where the tail spread by stream-K differs
+            // from the cut, ours with it (512 tiles: 3.9 waves on 132 SMs, 4.4 on 116; the
+            // other shapes are less than one wave, where both cut)
             let skinny = m <= SKINNY_ROWS;
-            assert_eq!(rows.len(), if skinny { 12 } else { 14 }, "{rows:?}");
+            let stream_k = if m == 2048 { 2 } else { 0 };
+            assert_eq!(
+                rows.len(),
+                if skinny { 12 } else { 14 } + stream_k,
+                "{rows:?}"
+            );
+            let spread = rows
+                .iter()
+                .filter(|r| r.implementation == "commfuse-stream-k");
+            assert!(spread
+                .clone()
+                .all(|r| r.tail.as_deref().is_some_and(|t| t.starts_with("stream-k"))));
+            assert_eq!(spread.count(), stream_k, "{rows:?}");
             let wide_only = rows
                 .iter()
                 .filter(|r| {

@@ -9,8 +9,8 @@
 
 use crate::error::CudaError;
 use crate::gemm::{
-    FoldSource, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, TileRoute,
-    VariantChoice, MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
+    FoldSource, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, TailChoice,
+    TileRoute, VariantChoice, MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
 };
 use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
 pub use crate::sys::driver::StreamGuard;
@@ -39,6 +39,9 @@ pub struct GemmRow {
     pub build: Option<String>,
     /// Blocks of our kernel's persistent grid (none for cuBLASLt)
     pub grid: Option<u32>,
+    /// How our kernel shares out the tiles beyond its last whole wave (`none`, `cut P×T`,
+    /// `stream-k T/W`; none for cuBLASLt)
+    pub tail: Option<String>,
     /// Fold rows: tiles whose partials the kernel loads into its stages by TMA (the others
     /// read them from global memory after their main loop)
     pub staged_folds: Option<usize>,
@@ -229,6 +232,20 @@ fn run<T: Element>(
         }
         kernels.set_choice(chosen);
     }
+    // the chosen build with the other way of sharing out its tail, where the two differ
+    let chosen_tail = kernels.tail();
+    let (other, name) = match chosen_tail {
+        TailChoice::Cut => (TailChoice::StreamK, "commfuse-stream-k"),
+        TailChoice::StreamK => (TailChoice::Cut, "commfuse-cut"),
+    };
+    kernels.set_tail(other);
+    for (gemm, &cap) in ours.iter().zip(sms) {
+        let g = PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0)?;
+        if g.tail() != gemm.tail() {
+            forced.push((name, cap, g));
+        }
+    }
+    kernels.set_tail(chosen_tail);
 
     // the rows with routes: local tiles with flags (what a flag costs), every tile to the peer
     // with and without flags, and the reduce-scatter pattern at two ranks (the peer's half of
@@ -367,6 +384,7 @@ fn run<T: Element>(
             sms: v.cap,
             build: v.gemm.map(|g| g.variant().name().to_string()),
             grid: v.gemm.map(PreparedGemm::grid),
+            tail: v.gemm.map(|g| g.tail().to_string()),
             staged_folds: v.folded.map(|f| f.gemm.staged_folds()),
             time_ms,
             tflops: p.flops() / (time_ms * 1e-3) / 1e12,

@@ -204,16 +204,17 @@ struct GemmParams {
     float alpha, beta;
     u32 accumulate;
     u32 rank;
-    // Split tail: the order's first `full_units` tiles are whole work units; each of the
-    // remaining tiles is cut along K into `parts` units (so a last, partial wave of tiles
-    // still keeps every block busy). Part 0 of a split tile sums the others' f32 partials
-    // from `workspace` once `counters[s]` shows them all, then runs the epilogue.
+    // The tail (src/gemm/tail.rs): the order's first `full_units` tiles are whole work units;
+    // units from there on are `tail[u - full_units]`, K ranges of the remaining tiles shared out
+    // so that the last waves keep every block busy. A tile's owner (the range from its first
+    // k-block) sums its helpers' f32 partials from `workspace` once `counters[split]` shows
+    // them all, then runs the epilogue.
     u32 full_units;
-    u32 parts;
     u32 unit_count;
     u32 call_options;  // CALLS_* bits
-    float4* workspace;  // (split tiles x (parts - 1)) partial tiles, 32 float4 per consumer thread
-    u32* counters;      // one per split tile; part 0 resets it for the next call
+    float4* workspace;  // one partial tile per helper, 32 float4 per consumer thread
+    u32* counters;      // one per tile with helpers; its owner resets it for the next call
+    const struct TailUnit* tail;
     // Row bands: band i covers rows bands[i] .. bands[i + 1] (at most BM rows), so that tiles
     // can start where another rank's chunk starts (the fused reduce-scatter); null: bands of
     // BM rows from row 0.
@@ -258,8 +259,9 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && sizeof(GemmParams) == 896,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
-                  COMMFUSE_OFFSETOF(GemmParams, rank) == 344 && COMMFUSE_OFFSETOF(GemmParams, workspace) == 368 &&
-                  COMMFUSE_OFFSETOF(GemmParams, counters) == 376 && COMMFUSE_OFFSETOF(GemmParams, bands) == 384 &&
+                  COMMFUSE_OFFSETOF(GemmParams, rank) == 344 && COMMFUSE_OFFSETOF(GemmParams, workspace) == 360 &&
+                  COMMFUSE_OFFSETOF(GemmParams, counters) == 368 && COMMFUSE_OFFSETOF(GemmParams, tail) == 376 &&
+                  COMMFUSE_OFFSETOF(GemmParams, bands) == 384 &&
                   COMMFUSE_OFFSETOF(GemmParams, epoch) == 392 && COMMFUSE_OFFSETOF(GemmParams, calls) == 400 &&
                   COMMFUSE_OFFSETOF(GemmParams, routes_alt) == 408,
               "layout mirrored by GemmParams in src/gemm.rs");
@@ -533,16 +535,28 @@ template <typename Out> __device__ __forceinline__ uint4 add_vec(uint4 staged, u
     return staged;
 }
 
-// One work unit: a whole tile, or one K range of a split tile.
+// One unit of the tail (mirrors `TailUnit` in src/gemm/tail.rs): k-blocks [kb0, kb1) of
+// `tile`; kb0 == kb1: none (the block has no more of the tail). A helper (kb0 > 0) leaves its
+// partial in workspace slot `slot` and counts itself in at counters[split]; the owner (kb0 ==
+// 0) waits for `helpers` of them and adds slots slot .. slot + helpers - 1 in that order.
+struct TailUnit {
+    u32 tile, kb0, kb1;
+    u32 split;    // the tile's counter, or NO_SPLIT (no helpers)
+    u32 slot;     // a helper's slot; an owner's first helper's
+    u32 helpers;  // an owner's helpers; 0 for a helper
+};
+static_assert(sizeof(TailUnit) == 24, "layout mirrored by TailUnit in src/gemm/tail.rs");
+constexpr u32 NO_SPLIT = 0xffffffffu;
+
+// One work unit: a whole tile, or one K range of a tile of the tail.
 struct Unit {
     u32 tile, tm, tn;
     u32 row0, rows;  // the tile's band: first row and row count
     u32 kb0, kb1;  // k-blocks [kb0, kb1)
-    u32 part;      // 0 for whole tiles and for the part that finishes a split tile
-    u32 split;     // index among the split tiles, or NO_SPLIT
+    bool helper;   // a K range after a tile's first: leaves a partial, runs no epilogue
+    bool empty;    // no work: the block has run out of the tail
     bool idle;     // the empty half of a pair (PAIR_IDLE): loads its share of B, computes nothing
 };
-constexpr u32 NO_SPLIT = 0xffffffffu;
 // An order entry with this bit is the pair build's block without a tile of its own beside its
 // partner's (an odd count of tiles in a column): the low bits name the partner's tile, whose B
 // columns it loads its half of; it loads no A, computes and stores nothing.
@@ -551,24 +565,20 @@ constexpr u32 PAIR_IDLE = 0x80000000u;
 // Unit u of the call; PAIR_IDLE entries exist only in the pair build's orders (elsewhere the
 // bit is not looked at, so that the other builds' code is what it was).
 template <class C> __device__ __forceinline__ Unit unit_at(const GemmParams& p, u32 u) {
-    const u32 k_blocks = (p.k + gemm::BK - 1) / gemm::BK;
     Unit w;
-    u32 order_index;
+    u32 entry;
     if (u < p.full_units) {
-        order_index = u;
+        entry = p.order[u];
         w.kb0 = 0;
-        w.kb1 = k_blocks;
-        w.part = 0;
-        w.split = NO_SPLIT;
+        w.kb1 = (p.k + gemm::BK - 1) / gemm::BK;
     } else {
-        const u32 v = u - p.full_units;
-        w.split = v / p.parts;
-        w.part = v % p.parts;
-        order_index = p.full_units + w.split;
-        w.kb0 = w.part * k_blocks / p.parts;
-        w.kb1 = (w.part + 1) * k_blocks / p.parts;
+        const TailUnit t = p.tail[u - p.full_units];
+        entry = t.tile;
+        w.kb0 = t.kb0;
+        w.kb1 = t.kb1;
     }
-    const u32 entry = p.order[order_index];
+    w.helper = w.kb0 != 0;
+    w.empty = w.kb0 == w.kb1;
     w.idle = C::CLUSTER > 1 && (entry & PAIR_IDLE) != 0;
     w.tile = C::CLUSTER > 1 ? entry & ~PAIR_IDLE : entry;
     w.tm = w.tile / p.tiles_n;
@@ -694,6 +704,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
     const u32 half = C::CLUSTER == 2 ? cluster_rank() : 0;  // this block's half of B
     for (u32 i = blockIdx.x; live && i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
+        if (c.empty) continue;
         if (p.band_flags != nullptr && !c.idle && c.tm != landed) {
             if (!band_wait(p, c.tm, c.tile)) break;
             landed = c.tm;
@@ -739,7 +750,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             }
         }
         if (!live) break;
-        if (c.part == 0 && !c.idle) {
+        if (!c.helper && !c.idle) {
             if (const TileRoute* r = staged_fold<C, Out>(p, c.tile)) {
                 if (!fold_load<C, Out>(p, s, *r, c, stage, phase, issued)) live = false;
             }
@@ -794,23 +805,24 @@ template <class C> __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 2, %0;" ::"n"(C::CONSUMERS * 128) : "memory");
 }
 
-// A split tile's K parts meet here. Helper parts (part > 0) leave their f32 partial tile in the
-// workspace and count themselves in; part 0 waits for all of them (acquire), adds their
-// partials to its accumulators in a fixed order (results do not depend on timing) and returns
-// true to run the epilogue. Returns false for helper parts.
+// A tile of the tail with helpers meets them here (src/gemm/tail.rs). A helper leaves its f32
+// partial tile in its workspace slot and counts itself in; the owner waits for all of them
+// (acquire), adds their partials to its accumulators in slot order (results do not depend on
+// timing) and returns true to run the epilogue. Returns false for helpers; true for a tile
+// without helpers.
 template <class C>
-__device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
+__device__ bool split_partials(const GemmParams& p, const TailUnit& t, u32 rows, float* acc) {
+    if (t.split == NO_SPLIT) return true;
     // 0..255 over both consumer warpgroups (0..127 in the skinny build, whose partials use the
     // first half of each workspace slot: the slots keep the main build's layout)
     const u32 tid = threadIdx.x - 128;
-    const u32 helpers = p.parts - 1;
-    u32* counter = p.counters + c.split;
+    u32* counter = p.counters + t.split;
     // this thread's accumulators hold rows (tid / 32) * 16 + lane / 4 and 8 below; rows past
     // the tile's last are never stored, so their partials are neither written nor read (a
     // skinny M's split tiles move a fraction of a whole tile's)
-    const bool rows_in = (tid / 32) * 16 + (tid % 32) / 4 < c.rows;
-    if (c.part != 0) {
-        float4* slot = p.workspace + (size_t)(c.split * helpers + c.part - 1) * (C::ACC / 4) * 256;
+    const bool rows_in = (tid / 32) * 16 + (tid % 32) / 4 < rows;
+    if (t.kb0 != 0) {
+        float4* slot = p.workspace + (size_t)t.slot * (C::ACC / 4) * 256;
         if (rows_in) {
 #pragma unroll
             for (int j = 0; j < C::ACC / 4; ++j)
@@ -825,10 +837,10 @@ __device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
     }
     if (tid == 0) {
         const u64 start = global_timer_ns();
-        while (atomicAdd(counter, 0u) < helpers) {
+        while (atomicAdd(counter, 0u) < t.helpers) {
             if (block_stopped()) break;
             if (global_timer_ns() - start > p.timeout_ns) {
-                pipeline_stalled<ROLE_CONSUMER>(p, c.tile, WAIT_PARTIALS, helpers);
+                pipeline_stalled<ROLE_CONSUMER>(p, t.tile, WAIT_PARTIALS, t.helpers);
                 break;
             }
         }
@@ -836,8 +848,8 @@ __device__ bool split_partials(const GemmParams& p, const Unit& c, float* acc) {
         *counter = 0;  // ready for the next call (kernel boundaries order it)
     }
     consumers_sync<C>();
-    for (u32 h = 0; h < helpers && rows_in; ++h) {
-        const float4* slot = p.workspace + (size_t)(c.split * helpers + h) * (C::ACC / 4) * 256;
+    for (u32 h = 0; h < t.helpers && rows_in; ++h) {
+        const float4* slot = p.workspace + (size_t)(t.slot + h) * (C::ACC / 4) * 256;
 #pragma unroll
         for (int j = 0; j < C::ACC / 4; ++j) {
             const float4 v = __ldcg(&slot[j * 256 + tid]);
@@ -982,6 +994,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     float acc[C::ACC];
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
+        if (c.empty) continue;
         // The idle half of a pair takes its turn on every stage (its partner's consumers wait
         // for it to let each go) and has no tile to finish. A branch of its own: sharing the
         // one below, ptxas serialised the wgmmas (the zeroed accumulators then reach the next
@@ -1031,8 +1044,10 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             fence_acc<C::ACC>(acc);
             if (leader) release_stage<C>(s.empty + 8 * prev);
         }
-        if (c.split != NO_SPLIT) {
-            if (!split_partials<C>(p, c, acc)) continue;  // a helper part: no epilogue
+        // a tile of the tail with helpers: the entry read again here rather than kept through
+        // the main loop
+        if (i >= p.full_units) {
+            if (!split_partials<C>(p, p.tail[i - p.full_units], c.rows, acc)) continue;  // a helper: no epilogue
         }
         // The tile's column, again from its index in the pair and the main build: kept from the
         // unit's start it is one more value live through the main loop beside the 128
@@ -1226,7 +1241,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     // its storers only count the block finished below)
     for (u32 i = blockIdx.x; !C::DIRECT && i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
-        if (c.part != 0 || c.idle) continue;  // helper parts of a split tile and idle halves stage nothing
+        if (c.helper || c.empty || c.idle) continue;  // helpers and idle halves stage nothing
         TileRoute r;
         if (call_state.routes != nullptr) {
             r = call_state.routes[c.tile];

@@ -11,6 +11,9 @@
 //! device (`reference_gemm.cu`) that the GEMM benches check every output element against.
 
 pub mod bench;
+pub mod tail;
+
+pub use tail::{plan_tail, tail_split, TailChoice, TailMode, TailPlan, TailUnit, TAIL_ENV};
 
 use crate::backend::plan_table::ErrorRecord;
 use crate::error::CudaError;
@@ -25,7 +28,7 @@ use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::DType;
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::Duration;
 
 /// The kernel's output tile (the main and the skinny build, and every fused operator's).
@@ -553,11 +556,11 @@ struct GemmParams {
     accumulate: u32,
     rank: u32,
     full_units: u32,
-    parts: u32,
     unit_count: u32,
     call_options: u32,
     workspace: u64,
     counters: u64,
+    tail: u64,
     bands: u64,
     epoch: u64,
     calls: u64,
@@ -631,25 +634,6 @@ const CALLS_READ_ONLY: u32 = 1;
 /// Most K parts a tail tile of the main build is cut into ([`GemmVariant::max_parts`]).
 const MAX_PARTS: usize = 4;
 
-/// How the last, partial wave is split: `(parts, split tiles)`. With `tiles = q · grid + rem`,
-/// the last `rem` tiles of the order are cut along K into as many parts as keep the wave
-/// within the grid (at most `max_parts`, at most one k-block each); `(1, 0)` when the tiles
-/// fill whole waves or no cut fits. All parts of the wave run at once (a GEMM with a split
-/// tail is a cooperative launch, so its whole grid is resident), so part 0 can wait for the
-/// others.
-pub fn tail_split(tiles: usize, grid: usize, k_blocks: usize, max_parts: usize) -> (usize, usize) {
-    let rem = tiles % grid.max(1);
-    if rem == 0 {
-        return (1, 0);
-    }
-    let parts = (grid / rem).min(max_parts).min(k_blocks);
-    if parts <= 1 {
-        (1, 0)
-    } else {
-        (parts, rem)
-    }
-}
-
 /// Mirrors `PAIR_IDLE` in gemm.cu: an order entry of the pair build whose block has no tile
 /// of its own; the low bits name its partner's tile, whose B columns it helps load.
 pub const PAIR_IDLE: u32 = 0x8000_0000;
@@ -699,6 +683,8 @@ pub struct GemmKernels {
     functions: HashMap<String, Function>,
     /// [`VariantChoice::code`] of the GEMMs prepared from here on
     choice: AtomicU8,
+    /// Whether the GEMMs prepared from here on spread their tail by stream-K ([`TailChoice`])
+    stream_k: AtomicBool,
     pub(crate) snapshot: Function,
     hold: Function,
     _module: Module,
@@ -711,6 +697,10 @@ impl GemmKernels {
         let choice = match std::env::var(VARIANT_ENV) {
             Ok(v) => VariantChoice::parse(&v)?,
             Err(_) => VariantChoice::Auto,
+        };
+        let tail = match std::env::var(TAIL_ENV) {
+            Ok(v) => TailChoice::parse(&v)?,
+            Err(_) => TailChoice::Cut,
         };
         let compiled = nvrtc::compile(nvrtc::kernel("gemm.cu").expect("embedded"), false)?;
         let module = Module::load(gpu, &compiled.cubin)?;
@@ -732,6 +722,7 @@ impl GemmKernels {
         Ok(GemmKernels {
             functions,
             choice: AtomicU8::new(choice.code()),
+            stream_k: AtomicBool::new(tail == TailChoice::StreamK),
             snapshot: module.function("tile_snapshot")?,
             hold,
             _module: module,
@@ -746,6 +737,22 @@ impl GemmKernels {
     /// The build choice in force.
     pub fn choice(&self) -> VariantChoice {
         VariantChoice::from_code(self.choice.load(Ordering::Relaxed))
+    }
+
+    /// How the GEMMs prepared from now on share out their tail (what a bench sets to time
+    /// both).
+    pub fn set_tail(&self, tail: TailChoice) {
+        self.stream_k
+            .store(tail == TailChoice::StreamK, Ordering::Relaxed);
+    }
+
+    /// The tail choice in force.
+    pub fn tail(&self) -> TailChoice {
+        if self.stream_k.load(Ordering::Relaxed) {
+            TailChoice::StreamK
+        } else {
+            TailChoice::Cut
+        }
     }
 
     /// The tile to plan `p` with under the choice in force, on `sms` SMs (the grid's cap, or
@@ -812,9 +819,11 @@ pub struct PreparedGemm {
     grid: u32,
     /// The build it runs, and so the rows of its A boxes (per-call A maps) and its shared memory
     variant: GemmVariant,
-    /// Launched cooperatively: the split tail's part 0 waits for its helpers, which must
+    /// Launched cooperatively: a tail tile's owner waits for its helpers, which must
     /// therefore be resident beside it even when another stream's kernels hold SMs
     cooperative: bool,
+    /// How the tiles beyond the last whole wave are shared out ([`TailPlan::describe`])
+    tail: String,
     problem: GemmProblem,
     /// B was copied to a padded pitch at preparation: its address cannot change per call
     b_padded: bool,
@@ -1055,7 +1064,6 @@ impl PreparedGemm {
             },
             _ => (0, None),
         };
-        // one table: the order (u32), then, 64-byte aligned, the routes, then the row bands (u32)
         let route_bytes = routes
             .as_ref()
             .map_or(0, |r| std::mem::size_of_val(r.as_slice()))
@@ -1070,12 +1078,40 @@ impl PreparedGemm {
         } else {
             plan.order.iter().map(|&t| t as u32).collect()
         };
+        let cap = if sm_cap == 0 {
+            gpu.sm_count
+        } else {
+            sm_cap.min(gpu.sm_count)
+        };
+        // split against the SMs there are, not against the tiles: fewer tiles than SMs (a
+        // small M) are one partial wave, cut along K so that the idle SMs share the work
+        let one_wave = plan.tile_count() < cap as usize;
+        let max_parts = variant.max_parts(one_wave);
+        // the pair build's grid is whole clusters that fit on the GPU at once
+        let cap = match variant.cluster() {
+            1 => cap,
+            c => {
+                let clusters = function.max_active_clusters(THREADS, variant.smem_bytes(), c)?;
+                (cap / c).min(clusters).max(1) * c
+            }
+        };
+        let mode = match kernels.tail() {
+            // the pair build has no tail: both blocks of a cluster run the same K range
+            TailChoice::StreamK if max_parts > 1 => TailMode::StreamK { max_parts },
+            _ => TailMode::Cut { max_parts },
+        };
+        let tail = plan_tail(&order, cap as usize, p.k.div_ceil(BK), mode);
+        // one table: the order (u32), then, 64-byte aligned, the routes, then the row bands
+        // (u32), then the tail's units
         let order_bytes = (4 * order.len()).next_multiple_of(64);
-        let tables = DeviceMemory::zeroed(gpu, order_bytes + route_bytes + band_bytes)?;
-        let mut bytes = vec![0u8; order_bytes + route_bytes + band_bytes];
+        let tail_bytes = std::mem::size_of_val(tail.units.as_slice());
+        let tail_at = order_bytes + route_bytes + band_bytes;
+        let tables = DeviceMemory::zeroed(gpu, tail_at + tail_bytes)?;
+        let mut bytes = vec![0u8; tail_at + tail_bytes];
         if let Some(b) = &bands {
-            bytes[order_bytes + route_bytes..].copy_from_slice(bytemuck::cast_slice(b));
+            bytes[order_bytes + route_bytes..tail_at].copy_from_slice(bytemuck::cast_slice(b));
         }
+        bytes[tail_at..].copy_from_slice(bytemuck::cast_slice(&tail.units));
         // SAFETY: plain-old-data views of the two tables
         unsafe {
             std::ptr::copy_nonoverlapping(
@@ -1095,30 +1131,10 @@ impl PreparedGemm {
         let error = MappedHost::new(gpu, ErrorRecord::default())?;
         let e = &plan.epilogue;
         let tiles = plan.tile_count();
-        let cap = if sm_cap == 0 {
-            gpu.sm_count
-        } else {
-            sm_cap.min(gpu.sm_count)
-        };
-        // split against the SMs there are, not against the tiles: fewer tiles than SMs (a
-        // small M) are one partial wave, cut along K so that the idle SMs share the work
-        let one_wave = tiles < cap as usize;
-        let max_parts = variant.max_parts(one_wave);
-        // the pair build's units are the entries of its paired order, and its grid whole
-        // clusters that fit on the GPU at once
-        let units = order.len();
-        let cap = match variant.cluster() {
-            1 => cap,
-            c => {
-                let clusters = function.max_active_clusters(THREADS, variant.smem_bytes(), c)?;
-                (cap / c).min(clusters).max(1) * c
-            }
-        };
-        let (parts, split) = tail_split(units, cap as usize, p.k.div_ceil(BK), max_parts);
-        let grid = cap.min((units - split + split * parts) as u32).max(1);
-        // the helpers' partial tiles (a whole tile of f32 each) and one counter per split tile
-        let partial_bytes = split * (parts - 1) * plan.tile.m * plan.tile.n * 4;
-        let workspace = DeviceMemory::zeroed(gpu, partial_bytes + 4 * split)?;
+        // the helpers' partial tiles (a whole tile of f32 each) and one counter per tile with
+        // helpers
+        let partial_bytes = tail.slots * plan.tile.m * plan.tile.n * 4;
+        let workspace = DeviceMemory::zeroed(gpu, partial_bytes + 4 * tail.splits)?;
         let band_flags = match gather {
             Some(g) => {
                 let table = DeviceMemory::zeroed(gpu, 8 * g.band_flags.len())?;
@@ -1162,12 +1178,12 @@ impl PreparedGemm {
             beta: e.beta,
             accumulate: e.accumulate as u32,
             rank: rank as u32,
-            full_units: (units - split) as u32,
-            parts: parts as u32,
-            unit_count: (units - split + split * parts) as u32,
+            full_units: tail.full_units as u32,
+            unit_count: tail.unit_count() as u32,
             call_options: 0,
             workspace: workspace.addr(),
             counters: workspace.addr() + partial_bytes as u64,
+            tail: tables.addr() + tail_at as u64,
             bands: if bands.is_some() {
                 tables.addr() + (order_bytes + route_bytes) as u64
             } else {
@@ -1194,9 +1210,10 @@ impl PreparedGemm {
         Ok(PreparedGemm {
             function,
             params,
-            grid,
+            grid: tail.grid as u32,
             variant,
-            cooperative: parts > 1,
+            cooperative: tail.waits(),
+            tail: tail.describe(),
             problem: *p,
             b_padded: b_padded.is_some(),
             routed: false,
@@ -1217,6 +1234,12 @@ impl PreparedGemm {
     /// The build of the kernel this GEMM runs (chosen when it was prepared).
     pub fn variant(&self) -> GemmVariant {
         self.variant
+    }
+
+    /// How the tiles beyond the last whole wave are shared out: `none`, `cut P×T` (T tiles
+    /// in P parts each) or `stream-k T/W` (T tiles over W blocks).
+    pub fn tail(&self) -> &str {
+        &self.tail
     }
 
     /// Tiles whose partials the kernel loads into its pipeline's stages by TMA; the other
@@ -1833,8 +1856,10 @@ mod tests {
         assert_eq!(std::mem::offset_of!(GemmParams, order), 256);
         assert_eq!(std::mem::offset_of!(GemmParams, m), 312);
         assert_eq!(std::mem::offset_of!(GemmParams, rank), 344);
-        assert_eq!(std::mem::offset_of!(GemmParams, workspace), 368);
-        assert_eq!(std::mem::offset_of!(GemmParams, counters), 376);
+        assert_eq!(std::mem::offset_of!(GemmParams, workspace), 360);
+        assert_eq!(std::mem::offset_of!(GemmParams, counters), 368);
+        assert_eq!(std::mem::offset_of!(GemmParams, tail), 376);
+        assert_eq!(std::mem::size_of::<TailUnit>(), 24);
         assert_eq!(std::mem::offset_of!(GemmParams, bands), 384);
         assert_eq!(std::mem::offset_of!(GemmParams, epoch), 392);
         assert_eq!(std::mem::offset_of!(GemmParams, calls), 400);

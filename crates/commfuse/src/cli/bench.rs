@@ -348,15 +348,15 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         a.m, a.n, a.k, layout, problem.input, problem.output, a.device
     );
     println!(
-        "# {:>26} {:>11} {:>5} {:>5} {:>10} {:>9} {:>10} {:>10}  check",
-        "impl", "build", "sms", "grid", "time(ms)", "TFLOP/s", "#wrong", "err/bound"
+        "# {:>26} {:>11} {:>5} {:>5} {:>17} {:>10} {:>9} {:>10} {:>10}  check",
+        "impl", "build", "sms", "grid", "tail", "time(ms)", "TFLOP/s", "#wrong", "err/bound"
     );
     let mut ok = true;
     for r in &rows {
         let pass = r.out_of_bound == 0;
         ok &= pass;
         println!(
-            "  {:>26} {:>11} {:>5} {:>5} {:>10.4} {:>9.1} {:>10} {:>10.3}  {}",
+            "  {:>26} {:>11} {:>5} {:>5} {:>17} {:>10.4} {:>9.1} {:>10} {:>10.3}  {}",
             r.implementation,
             r.build.as_deref().unwrap_or("-"),
             if r.sms == 0 {
@@ -365,6 +365,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
                 r.sms.to_string()
             },
             r.grid.map_or("-".to_string(), |g| g.to_string()),
+            r.tail.as_deref().unwrap_or("-"),
             r.time_ms,
             r.tflops,
             r.out_of_bound,
