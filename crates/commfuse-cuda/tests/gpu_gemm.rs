@@ -15,7 +15,7 @@ use commfuse_cuda::gemm::bench::{bench_gemm, DeviceReference, ReferenceGemm, Str
 use commfuse_cuda::gemm::{
     CallNumber, FoldSource, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm,
     RouteTargets, SmHolder, TailChoice, TileRoute, TileSnapshot, VariantChoice, MID_TILE,
-    NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
+    NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TAIL_ENV, TILE,
 };
 use commfuse_cuda::sys::cublaslt::Lt;
 use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, MappedHost, Stream};
@@ -939,6 +939,7 @@ fn split_tail_tiles_sum_their_k_parts() {
     let Some((gpu, kernels, stream)) = one_gpu() else {
         return;
     };
+    kernels.set_tail(TailChoice::Cut);
     // 16 tiles: cap 5 leaves 1 (4 parts), cap 6 leaves 4 (no cut fits), cap 7 leaves 2 (3 parts)
     let tails = ["cut 4×1", "none", "cut 3×2", "cut 4×1"];
     split_parts_sum(&gpu, &kernels, &stream, (500, TILE), &[5, 6, 7, 15], &tails);
@@ -980,13 +981,16 @@ fn stream_k_tail_sums_every_k_range_once() {
         "stream-k 8/6",
         "stream-k 11/7",
     ];
-    for (choice, tile, tails) in [
-        (VariantChoice::Main, TILE, &wide),
-        (VariantChoice::Direct, TILE, &wide),
-        (VariantChoice::Mid, MID_TILE, &mid),
+    // 420 rows: the last band's 36 rows leave the second consumer warpgroup of its tiles
+    // without rows (their partials carry 36)
+    for (choice, m, tile, tails) in [
+        (VariantChoice::Main, 500, TILE, &wide),
+        (VariantChoice::Main, 420, TILE, &wide),
+        (VariantChoice::Direct, 500, TILE, &wide),
+        (VariantChoice::Mid, 500, MID_TILE, &mid),
     ] {
         kernels.set_choice(choice);
-        split_parts_sum(&gpu, &kernels, &stream, (500, tile), &[3, 5, 6, 7], tails);
+        split_parts_sum(&gpu, &kernels, &stream, (m, tile), &[3, 5, 6, 7], tails);
     }
     // 4 tiles of 40 rows on 3 SMs: the skinny build, 4 tiles over 3 blocks
     kernels.set_choice(VariantChoice::Skinny);
@@ -1005,6 +1009,7 @@ fn split_parts_sum(
     caps: &[u32],
     tails: &[&str],
 ) {
+    assert_eq!(caps.len(), tails.len());
     let p = GemmProblem::new(m, 1000, 1544, BLayout::NK, DType::BF16, DType::F32).unwrap();
     let mut rng = Rng(99);
     let a: Vec<bf16> = rng.vec(p.m * p.k);
@@ -1142,20 +1147,25 @@ fn bench_rows_pass_the_check_of_every_element() {
             // mid; the fold rows (1 and 3 partials); where the tail spread by stream-K differs
             // from the cut, ours with it (512 tiles: 3.9 waves on 132 SMs, 4.4 on 116; the
             // other shapes are less than one wave, where both cut)
+            // (with COMMFUSE_GEMM_TAIL=stream-k, ours spreads and the row beside it cuts)
             let skinny = m <= SKINNY_ROWS;
-            let stream_k = if m == 2048 { 2 } else { 0 };
+            let (beside, tails) = if std::env::var(TAIL_ENV).as_deref() == Ok("stream-k") {
+                ("commfuse-cut", ["cut", "none"])
+            } else {
+                ("commfuse-stream-k", ["stream-k", "stream-k"])
+            };
+            let differs = if m == 2048 { 2 } else { 0 };
             assert_eq!(
                 rows.len(),
-                if skinny { 12 } else { 14 } + stream_k,
+                if skinny { 12 } else { 14 } + differs,
                 "{rows:?}"
             );
-            let spread = rows
-                .iter()
-                .filter(|r| r.implementation == "commfuse-stream-k");
-            assert!(spread
-                .clone()
-                .all(|r| r.tail.as_deref().is_some_and(|t| t.starts_with("stream-k"))));
-            assert_eq!(spread.count(), stream_k, "{rows:?}");
+            let other = rows.iter().filter(|r| r.implementation == beside);
+            assert!(other.clone().all(|r| r
+                .tail
+                .as_deref()
+                .is_some_and(|t| tails.iter().any(|w| t.starts_with(w)))));
+            assert_eq!(other.count(), differs, "{rows:?}");
             let wide_only = rows
                 .iter()
                 .filter(|r| {

@@ -687,7 +687,7 @@ __device__ __forceinline__ bool fold_load(const GemmParams& p, const Smem& s, co
 }
 
 // Whether tile `tile` folds its partials in through the pipeline (in the unit that runs its
-// epilogue: a whole tile or part 0 of a split one): decided alike by the producer, which
+// epilogue: a whole tile or the owner of a tail tile): decided alike by the producer, which
 // loads them, and the consumers, which take them from the stages.
 template <class C, typename Out> __device__ __forceinline__ const TileRoute* staged_fold(const GemmParams& p, u32 tile) {
     if (!FoldBoxes<C, Out>::STAGED || p.fold_tma == 0 || call_state.routes == nullptr) return nullptr;
@@ -812,7 +812,9 @@ template <class C> __device__ __forceinline__ void consumers_sync() {
 // without helpers.
 template <class C>
 __device__ bool split_partials(const GemmParams& p, const TailUnit& t, u32 rows, float* acc) {
-    if (t.split == NO_SPLIT) return true;
+    // a helper is what every role takes for one (kb0 > 0: the host gives each a counter);
+    // an owner without helpers has nothing to wait for
+    if (t.kb0 == 0 && t.split == NO_SPLIT) return true;
     // 0..255 over both consumer warpgroups (0..127 in the skinny build, whose partials use the
     // first half of each workspace slot: the slots keep the main build's layout)
     const u32 tid = threadIdx.x - 128;
@@ -1067,7 +1069,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // have long arrived and the wait is one look at each flag.
         const TileRoute* route = call_state.routes != nullptr ? call_state.routes + c.tile : nullptr;
         const u32 fold_count = route != nullptr ? route->fold_count : 0;
-        if (staged_fold<C, Out>(p, c.tile) != nullptr) {  // (helper parts and idle halves went on above)
+        if (staged_fold<C, Out>(p, c.tile) != nullptr) {  // (helpers and idle halves went on above)
             fold_from_stages<C, Out>(p, s, c, fold_count, stage, phase, leader, cw, acc);
         } else if (fold_count != 0) {
             if (leader) fold_wait(p, *route, c.tile, cw);

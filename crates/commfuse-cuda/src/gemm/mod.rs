@@ -1328,10 +1328,10 @@ impl PreparedGemm {
         self.queue(stream, &params)
     }
 
-    /// Queues the kernel with `params` and records the launch. A split tail's part 0 waits
-    /// for its helper parts, so every block must be resident at once: such a grid is a
+    /// Queues the kernel with `params` and records the launch. A tail tile's owner waits for
+    /// its helpers ([`TailPlan`]), so every block must be resident at once: such a grid is a
     /// cooperative launch, which the driver starts only once all of it fits (it waits for SMs
-    /// that other streams' kernels hold instead of starting part of the grid, whose part 0
+    /// that other streams' kernels hold instead of starting part of the grid, whose owners
     /// could then wait for helpers that never get an SM). Other grids have no block that waits
     /// for another and launch as usual.
     ///

@@ -271,20 +271,22 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// Runs a plan's units as the kernel's blocks would, all resident at once: each block takes
-    /// its units in order; a helper leaves the k-blocks it computed in its slot and counts
-    /// itself in; an owner with helpers waits until its counter shows them all, then adds
-    /// their slots. Returns, per tile, how often each k-block reached an epilogue and how many
-    /// epilogues ran, or the units the blocks were stuck at.
+    /// Runs one call of a plan's units as the kernel's blocks would (`split_partials` in
+    /// gemm.cu), all resident at once: each block takes its units in order; a helper (kb0 > 0)
+    /// leaves the k-blocks it computed in its slot and counts itself in at its counter; an
+    /// owner with a counter waits until it shows all its helpers, adds their slots and resets
+    /// it for the next call (`counters` live across calls, as the workspace's do). Returns,
+    /// per tile, how often each k-block reached an epilogue and how many epilogues ran, or the
+    /// units the blocks were stuck at.
     fn run(
         plan: &TailPlan,
         order: &[u32],
         k_blocks: usize,
+        counters: &mut [u32],
     ) -> Result<Vec<(Vec<u32>, u32)>, String> {
         let tiles = order.len();
         let mut done: Vec<(Vec<u32>, u32)> = vec![(vec![0; k_blocks], 0); tiles];
         let mut slots: Vec<Option<(u32, u32, u32)>> = vec![None; plan.slots];
-        let mut counters = vec![0u32; plan.splits];
         let mut next: Vec<usize> = (0..plan.grid).collect();
         loop {
             let mut moved = false;
@@ -308,10 +310,18 @@ mod tests {
                         if slot.replace((u.tile, u.kb0, u.kb1)).is_some() {
                             return Err(format!("slot {} written twice", u.slot));
                         }
-                        counters[u.split as usize] += 1;
+                        *counters
+                            .get_mut(u.split as usize)
+                            .ok_or("a helper without a counter")? += 1;
                     } else if !u.is_empty() {
-                        if u.helpers > 0 && counters[u.split as usize] < u.helpers {
-                            break; // waits
+                        if u.split != NO_SPLIT {
+                            let counter = counters
+                                .get_mut(u.split as usize)
+                                .ok_or("owner's counter out of range")?;
+                            if *counter < u.helpers {
+                                break; // waits
+                            }
+                            *counter = 0;
                         }
                         let tile = u.tile as usize;
                         let mut ranges = vec![(u.tile, u.kb0, u.kb1)];
@@ -338,6 +348,45 @@ mod tests {
             if !moved {
                 return Err(format!("deadlock: blocks stuck at units {next:?}"));
             }
+        }
+    }
+
+    /// The cut as the kernel computed it before the table: the last `split` tiles of the
+    /// order in `parts` equal parts, part `p` of split tile `s` unit `full + s · parts + p`,
+    /// k-blocks from `p · K / parts`, slot `s · (parts − 1) + p − 1`, counter `s`, the grid
+    /// `min(cap, full + split · parts)`.
+    fn cut_by_arithmetic(tiles: usize, cap: usize, k: usize, max_parts: usize) -> TailPlan {
+        let (parts, split) = tail_split(tiles, cap, k, max_parts);
+        let full = tiles - split;
+        let grid = cap.min(full + split * parts).max(1);
+        let mut units = Vec::new();
+        for s in 0..split {
+            for p in 0..parts {
+                let helper = p > 0;
+                units.push(TailUnit {
+                    tile: (full + s) as u32,
+                    kb0: (p * k / parts) as u32,
+                    kb1: ((p + 1) * k / parts) as u32,
+                    split: s as u32,
+                    slot: if helper {
+                        s * (parts - 1) + p - 1
+                    } else {
+                        s * (parts - 1)
+                    } as u32,
+                    helpers: if helper { 0 } else { parts as u32 - 1 },
+                });
+            }
+        }
+        // the rows of the table: `grid` units each, empty past the last part
+        units.resize((split * parts).div_ceil(grid) * grid, TailUnit::EMPTY);
+        TailPlan {
+            grid,
+            full_units: full,
+            units,
+            splits: split,
+            slots: split * (parts - 1),
+            tail_tiles: split,
+            workers: split * parts,
         }
     }
 
@@ -385,12 +434,34 @@ mod tests {
                 }
             }
         }
-        let done = run(&plan, &order, k_blocks)?;
-        for (t, (kbs, epilogues)) in done.iter().enumerate() {
-            if *epilogues != 1 || kbs.iter().any(|&n| n != 1) {
-                return Err(format!(
-                    "tile {t}: {epilogues} epilogues, k-blocks counted {kbs:?}"
-                ));
+        // each counter has one owner, which waits for at least one helper
+        let mut owners = vec![0; plan.splits];
+        for u in plan
+            .units
+            .iter()
+            .filter(|u| !u.is_helper() && u.split != NO_SPLIT)
+        {
+            owners[u.split as usize] += 1;
+            if u.helpers == 0 {
+                return Err(format!("tile {} has a counter and no helpers", u.tile));
+            }
+        }
+        if owners.iter().any(|&n| n != 1) {
+            return Err(format!("owners per counter: {owners:?}"));
+        }
+        // two calls in a row: the first must leave every counter as it found it
+        let mut counters = vec![0u32; plan.splits];
+        for call in 0..2 {
+            let done = run(&plan, &order, k_blocks, &mut counters)?;
+            for (t, (kbs, epilogues)) in done.iter().enumerate() {
+                if *epilogues != 1 || kbs.iter().any(|&n| n != 1) {
+                    return Err(format!(
+                        "call {call}, tile {t}: {epilogues} epilogues, k-blocks counted {kbs:?}"
+                    ));
+                }
+            }
+            if counters.iter().any(|&c| c != 0) {
+                return Err(format!("call {call} left counters {counters:?}"));
             }
         }
         Ok(plan)
@@ -487,6 +558,10 @@ mod tests {
             stream_k in any::<bool>(),
         ) {
             let mode = if stream_k { TailMode::StreamK { max_parts } } else { TailMode::Cut { max_parts } };
+            if !stream_k {
+                prop_assert_eq!(cut_by_arithmetic(tiles, cap, k_blocks, max_parts),
+                    plan_tail(&(0..tiles as u32).collect::<Vec<_>>(), cap, k_blocks, mode));
+            }
             if let Err(e) = check(tiles, cap, k_blocks, mode) {
                 return Err(TestCaseError::fail(format!("{tiles} tiles, cap {cap}, {k_blocks} k-blocks, {mode:?}: {e}")));
             }
