@@ -1144,7 +1144,7 @@ fn bench_rows_pass_the_check_of_every_element() {
             let rows = bench_gemm(0, None, &[1, 3], &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
             // cuBLASLt and ours at both caps; each build forced too: where the skinny build
             // fits main, skinny and (M ≤ 128 here) narrow, elsewhere main, pair, direct and
-            // mid; the fold rows (1 and 3 partials); where the tail spread by stream-K differs
+            // mid; the fold rows (1 and 3 partials, each also prefetched); where the tail spread by stream-K differs
             // from the cut, ours with it (512 tiles: 3.9 waves on 132 SMs, 4.4 on 116; the
             // other shapes are less than one wave, where both cut)
             // (with COMMFUSE_GEMM_TAIL=stream-k, ours spreads and the row beside it cuts)
@@ -1157,7 +1157,7 @@ fn bench_rows_pass_the_check_of_every_element() {
             let differs = if m == 2048 { 2 } else { 0 };
             assert_eq!(
                 rows.len(),
-                if skinny { 12 } else { 14 } + differs,
+                if skinny { 14 } else { 16 } + differs,
                 "{rows:?}"
             );
             let other = rows.iter().filter(|r| r.implementation == beside);
@@ -1221,7 +1221,12 @@ fn fold_adds_every_partial_once() {
                 .iter()
                 .filter(|r| r.implementation.starts_with("commfuse-fold"))
                 .collect();
-            assert_eq!(folds.len(), 2, "{rows:?}");
+            // 1 and 3 partials, each without and with the partials asked of L2 ahead
+            assert_eq!(folds.len(), 4, "{rows:?}");
+            let prefetched = folds
+                .iter()
+                .filter(|r| r.implementation.ends_with("-prefetch"));
+            assert_eq!(prefetched.count(), 2, "{rows:?}");
             for r in folds {
                 assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{layout:?}: {r:?}");
                 assert_eq!(r.staged_folds, Some(staged), "{layout:?}: {r:?}");

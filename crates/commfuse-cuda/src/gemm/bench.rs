@@ -79,7 +79,8 @@ fn upload_random<T: Element>(
 /// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
 /// (0 = all SMs), on the same inputs in the same run; with `peer`, also our kernel with every
 /// tile stored into a buffer on that GPU and a flag raised there per tile; for each F in `folds`,
-/// a row of our kernel folding F partials into every tile ([`FoldRows`]).
+/// a row of our kernel folding F partials into every tile, and one more whose producer asks L2
+/// for them halfway through each tile's main loop (`-prefetch`, [`FoldRow`]).
 #[allow(clippy::too_many_arguments)]
 pub fn bench_gemm(
     device: usize,
@@ -257,7 +258,8 @@ fn run<T: Element>(
     };
     let fold_rows = folds
         .iter()
-        .map(|&f| FoldRow::new(&gpu, &kernels, &wide, &ops, f, seed))
+        .flat_map(|&f| [(f, false), (f, true)])
+        .map(|(f, prefetch)| FoldRow::new(&gpu, &kernels, &wide, &ops, f, prefetch, seed))
         .collect::<Result<Vec<_>, _>>()?;
     // declared after every buffer the launches below write (here and on the peer) and before
     // none of them: it drops first, so an error path (a `?` below) waits for the stream before
@@ -462,7 +464,8 @@ fn upload_rounded<T: Element>(
 /// flag per tile and partial), their flags already up: the owner's epilogue at its cheapest,
 /// with no peer to wait for. Each tile adds `count` partials, so the fold moves count·M·N
 /// elements, at least as many as a P-rank call's owner tiles (P − 1 partials of M / P rows)
-/// for count = 1 at any P. Partial values lie in ±[1, 2), so an element whose partial was
+/// for count = 1 at any P. With `prefetch`, the partials are asked of L2 halfway through each
+/// tile's main loop ([`PreparedGemm::set_fold_prefetch`]). Partial values lie in ±[1, 2), so an element whose partial was
 /// skipped or added twice is off by far more than its bound.
 pub(crate) struct FoldRow {
     name: &'static str,
@@ -479,11 +482,14 @@ impl FoldRow {
         plan: &GemmPlan,
         ops: &GemmOperands,
         count: usize,
+        prefetch: bool,
         seed: u64,
     ) -> Result<FoldRow, CudaError> {
-        let name = match count {
-            1 => "commfuse-fold1",
-            3 => "commfuse-fold3",
+        let name = match (count, prefetch) {
+            (1, false) => "commfuse-fold1",
+            (3, false) => "commfuse-fold3",
+            (1, true) => "commfuse-fold1-prefetch",
+            (3, true) => "commfuse-fold3-prefetch",
             _ => {
                 return Err(CudaError::Unavailable(format!(
                     "a fold row takes 1 or 3 partials per tile, not {count}"
@@ -534,7 +540,7 @@ impl FoldRow {
             rows: count * p.m,
             ld: p.n,
         };
-        let gemm = PreparedGemm::with_routes(
+        let mut gemm = PreparedGemm::with_routes(
             gpu,
             kernels,
             plan,
@@ -545,6 +551,7 @@ impl FoldRow {
             0,
             0,
         )?;
+        gemm.set_fold_prefetch(prefetch);
         Ok(FoldRow {
             name,
             gemm,

@@ -248,6 +248,9 @@ struct GemmParams {
     // ROUTE_FOLD_TMA fold in: rows of fold_ld elements, box the build's rows x 128 bytes,
     // 128-byte swizzle
     u32 fold_tma;
+    // nonzero: halfway through the main loop of a tile that folds through the pipeline, the
+    // producer asks L2 for the tile's partials (fold_prefetch below)
+    u32 fold_prefetch;
     TmaDesc a_local;
     TmaDesc d_map;
     TmaDesc fold_map;
@@ -256,6 +259,7 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, flag_timeout_ns) == 432 &&
                   COMMFUSE_OFFSETOF(GemmParams, d_tma) == 440 && COMMFUSE_OFFSETOF(GemmParams, a_local) == 512 &&
                   COMMFUSE_OFFSETOF(GemmParams, d_map) == 640 && COMMFUSE_OFFSETOF(GemmParams, fold_tma) == 444 &&
+                  COMMFUSE_OFFSETOF(GemmParams, fold_prefetch) == 448 &&
                   COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && sizeof(GemmParams) == 896,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
@@ -433,6 +437,12 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, u32 bar
             dst),
         "l"((u64)map), "r"(c0), "r"(c1), "r"(bar)
         : "memory");
+}
+
+// Asks L2 for the box of `map` at (c0, c1): no shared memory, no barrier, nothing to wait for.
+__device__ __forceinline__ void tma_prefetch_2d(const TmaDesc* map, int c0, int c1) {
+    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"((u64)map), "r"(c0), "r"(c1)
+                 : "memory");
 }
 
 // tma_load_2d into the same shared-memory offset of every block of the cluster in `mask`,
@@ -686,6 +696,22 @@ __device__ __forceinline__ bool fold_load(const GemmParams& p, const Smem& s, co
     return true;
 }
 
+// The fold's partials asked of L2 ahead of fold_load (GemmParams.fold_prefetch): every SM of a
+// wave ends its tile at about the same time, and without this all of them read their partials
+// from HBM at once; asked for halfway through the main loop, those reads spread over it.
+// Before the flag is up this may fetch a partial early: a peer's later writes land in this
+// GPU's L2 (the point of coherence for its memory), so the line is updated, not stale, and
+// fold_load still loads only after the flag.
+template <class C, typename Out>
+__device__ __forceinline__ void fold_prefetch(const GemmParams& p, const TileRoute& r, u32 tn) {
+    using F = FoldBoxes<C, Out>;
+    for (u32 f = 0; f < r.fold_count; ++f) {
+        const int row = (int)(r.fold_row + f * r.fold_row_step);
+#pragma unroll
+        for (int b = 0; b < F::BOXES; ++b) tma_prefetch_2d(&p.fold_map, tn * C::BN + b * F::COLS, row);
+    }
+}
+
 // Whether tile `tile` folds its partials in through the pipeline (in the unit that runs its
 // epilogue: a whole tile or the owner of a tail tile): decided alike by the producer, which
 // loads them, and the consumers, which take them from the stages.
@@ -713,6 +739,10 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         const bool local = c.row0 - p.local_row0 < p.local_rows;
         const TmaDesc* a_map = local ? &p.a_local : &p.a;
         const u32 a_row = local ? c.row0 - p.local_row0 : c.row0;
+        // the k-block after which this unit's partials are asked of L2 (none: past the loop)
+        u32 prefetch_at = 0xffffffffu;
+        if (p.fold_prefetch != 0 && !c.helper && !c.idle && staged_fold<C, Out>(p, c.tile) != nullptr)
+            prefetch_at = (c.kb0 + c.kb1) / 2;
         for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
             const u32 full = s.full + 8 * stage, empty = s.empty + 8 * stage;
             if (!mbar_wait<ROLE_WG0>(empty, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY)) {
@@ -748,6 +778,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
                 stage = 0;
                 phase ^= 1;
             }
+            if (kb == prefetch_at) fold_prefetch<C, Out>(p, *staged_fold<C, Out>(p, c.tile), c.tn);
         }
         if (!live) break;
         if (!c.helper && !c.idle) {

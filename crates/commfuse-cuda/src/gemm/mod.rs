@@ -571,6 +571,7 @@ struct GemmParams {
     flag_timeout_ns: u64,
     d_tma: u32,
     fold_tma: u32,
+    fold_prefetch: u32,
     a_local: TmaDesc,
     d_map: TmaDesc,
     fold_map: TmaDesc,
@@ -580,6 +581,7 @@ const _: () = assert!(
         && std::mem::offset_of!(GemmParams, flag_timeout_ns) == 432
         && std::mem::offset_of!(GemmParams, d_tma) == 440
         && std::mem::offset_of!(GemmParams, fold_tma) == 444
+        && std::mem::offset_of!(GemmParams, fold_prefetch) == 448
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::offset_of!(GemmParams, d_map) == 640
         && std::mem::offset_of!(GemmParams, fold_map) == 768
@@ -1200,6 +1202,7 @@ impl PreparedGemm {
             }),
             d_tma: 0,
             fold_tma: fold_map.is_some() as u32,
+            fold_prefetch: 0,
             a_local: TmaDesc([0; 16]),
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
@@ -1240,6 +1243,14 @@ impl PreparedGemm {
     /// in P parts each) or `stream-k T/W` (T tiles over W blocks).
     pub fn tail(&self) -> &str {
         &self.tail
+    }
+
+    /// Whether the producer asks L2 for a tile's partials halfway through its main loop, ahead
+    /// of loading them into the stages (tiles of [`PreparedGemm::staged_folds`] only): so
+    /// that the partials' reads from HBM spread over the main loop instead of coming from
+    /// every SM at once at the end of a wave. Off unless set.
+    pub fn set_fold_prefetch(&mut self, on: bool) {
+        self.params.fold_prefetch = on as u32;
     }
 
     /// Tiles whose partials the kernel loads into its pipeline's stages by TMA; the other

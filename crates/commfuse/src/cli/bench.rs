@@ -129,7 +129,8 @@ pub struct BenchGemmArgs {
     #[arg(long)]
     pub peer: Option<String>,
     /// Rows of our GEMM folding this many partials (1 or 3) into every tile, from local buffers
-    /// whose flags are already up (the GEMM + reduce-scatter owner's epilogue on one GPU)
+    /// whose flags are already up (the GEMM + reduce-scatter owner's epilogue on one GPU), each
+    /// also with the partials asked of L2 halfway through the tile's main loop (`-prefetch`)
     #[arg(long, value_delimiter = ',')]
     pub fold: Vec<usize>,
     #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
