@@ -1141,7 +1141,8 @@ fn bench_rows_pass_the_check_of_every_element() {
                 DType::BF16
             };
             let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
-            let rows = bench_gemm(0, None, &[1, 3], &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
+            let rows =
+                bench_gemm(0, None, &[1, 3], None, &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
             // cuBLASLt and ours at both caps; each build forced too: where the skinny build
             // fits main, skinny and (M ≤ 128 here) narrow, elsewhere main, pair, direct and
             // mid; the fold rows (1 and 3 partials, each also prefetched); where the tail spread by stream-K differs
@@ -1216,7 +1217,7 @@ fn fold_adds_every_partial_once() {
     ] {
         for layout in [BLayout::NK, BLayout::KN] {
             let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
-            let rows = bench_gemm(0, None, &[1, 3], &p, &[0], 1, 1, 7 + m as u64).unwrap();
+            let rows = bench_gemm(0, None, &[1, 3], None, &p, &[0], 1, 1, 7 + m as u64).unwrap();
             let folds: Vec<_> = rows
                 .iter()
                 .filter(|r| r.implementation.starts_with("commfuse-fold"))
@@ -1233,6 +1234,40 @@ fn fold_adds_every_partial_once() {
             }
         }
     }
+}
+
+/// Fold rows whose flags are down at the call and raised by a side kernel as the GEMM goes
+/// (half a wave after each wave starts), on every SM but one: every element of every fold row
+/// checked (each partial added once, after its flag), beside the flags-up rows at the same cap;
+/// a bench that would leave the side kernel no SM is refused.
+#[test]
+fn paced_fold_rows_add_every_partial_once() {
+    let Some((gpu, _kernels, _stream)) = one_gpu() else {
+        return;
+    };
+    let cap = gpu.sm_count - 1;
+    for (m, n, k) in [(1000, 3000, 1032), (2048, 8192, 3584)] {
+        let p = GemmProblem::new(m, n, k, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+        let seed = 5 + m as u64;
+        let rows = bench_gemm(0, None, &[1, 3], Some(0.5), &p, &[cap], 1, 3, seed).unwrap();
+        let folds: Vec<_> = rows
+            .iter()
+            .filter(|r| r.implementation.starts_with("commfuse-fold"))
+            .collect();
+        // 1 and 3 partials: flags up, up and prefetched, paced
+        assert_eq!(folds.len(), 6, "{rows:?}");
+        let paced = folds
+            .iter()
+            .filter(|r| r.implementation.ends_with("-paced"));
+        assert_eq!(paced.count(), 2, "{rows:?}");
+        for r in folds {
+            assert_eq!(r.sms, cap, "{r:?}");
+            assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{r:?}");
+        }
+    }
+    let p = GemmProblem::new(256, 512, 64, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let refused = bench_gemm(0, None, &[1], Some(0.5), &p, &[0], 1, 1, 3).unwrap_err();
+    assert!(refused.to_string().contains("capped below"), "{refused}");
 }
 
 /// The reference kernel of the bench's check against the float64 CPU reference: ragged shapes

@@ -9,8 +9,9 @@
 
 use crate::error::CudaError;
 use crate::gemm::{
-    FoldSource, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, TailChoice,
-    TileRoute, VariantChoice, MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
+    CallNumber, FoldSource, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets,
+    TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS,
+    TILE,
 };
 use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
 pub use crate::sys::driver::StreamGuard;
@@ -86,15 +87,17 @@ pub fn bench_gemm(
     device: usize,
     peer: Option<usize>,
     folds: &[usize],
+    paced: Option<f64>,
     problem: &GemmProblem,
     sms: &[u32],
     warmup: usize,
     iters: usize,
     seed: u64,
 ) -> Result<Vec<GemmRow>, CudaError> {
+    let f = (folds, paced);
     match problem.input {
-        DType::BF16 => run::<bf16>(device, peer, folds, problem, sms, warmup, iters, seed),
-        DType::F16 => run::<f16>(device, peer, folds, problem, sms, warmup, iters, seed),
+        DType::BF16 => run::<bf16>(device, peer, f, problem, sms, warmup, iters, seed),
+        DType::F16 => run::<f16>(device, peer, f, problem, sms, warmup, iters, seed),
         DType::F32 => Err(CudaError::Unavailable("GEMM inputs are bf16 or f16".into())),
     }
 }
@@ -166,7 +169,7 @@ pub const ORDER_GROUP: usize = 8;
 fn run<T: Element>(
     device: usize,
     peer: Option<usize>,
-    folds: &[usize],
+    (folds, paced): (&[usize], Option<f64>),
     p: &GemmProblem,
     sms: &[u32],
     warmup: usize,
@@ -256,15 +259,51 @@ fn run<T: Element>(
         Some(peer_gpu) => Some(Routed::new(&gpu, peer_gpu, &kernels, &wide, &ops, &d_dev)?),
         None => None,
     };
+    // the fold rows run at the first cap of `sms` (a paced row's side kernel needs an SM of
+    // its own)
+    let fold_cap = sms.first().copied().unwrap_or(0);
+    if paced.is_some() && (fold_cap == 0 || fold_cap >= gpu.sm_count) {
+        return Err(CudaError::Unavailable(format!(
+            "paced fold rows need the GEMM capped below the GPU's {} SMs (the first of --sms): \
+             the kernel that raises their flags takes an SM of its own",
+            gpu.sm_count
+        )));
+    }
+    let kinds: &[FoldFlags] = match paced {
+        Some(_) => &[FoldFlags::Up, FoldFlags::UpPrefetched, FoldFlags::Paced],
+        None => &[FoldFlags::Up, FoldFlags::UpPrefetched],
+    };
     let fold_rows = folds
         .iter()
-        .flat_map(|&f| [(f, false), (f, true)])
-        .map(|(f, prefetch)| FoldRow::new(&gpu, &kernels, &wide, &ops, f, prefetch, seed))
+        .flat_map(|&f| kinds.iter().map(move |&k| (f, k)))
+        .map(|(f, flags)| FoldRow::new(&gpu, &kernels, &wide, &ops, (f, flags, fold_cap), seed))
         .collect::<Result<Vec<_>, _>>()?;
+    // the paced rows' side stream, drained before their flags are freed
+    let side = Stream::new(&gpu)?;
+    let _side_drain = StreamGuard::new(&side);
     // declared after every buffer the launches below write (here and on the peer) and before
     // none of them: it drops first, so an error path (a `?` below) waits for the stream before
     // any of that memory is freed
     let _drain = StreamGuard::new(&stream);
+    // a paced row's side kernel raises each wave's flags `paced` of a wave after the wave
+    // starts, a wave being its flags-up row's time over its waves
+    let mut pacers = Vec::new();
+    for row in fold_rows.iter().filter(|r| r.flags == FoldFlags::Paced) {
+        let up = fold_rows
+            .iter()
+            .find(|r| r.flags == FoldFlags::Up && r.partials.len() == row.partials.len())
+            .expect("every paced row has its flags-up row");
+        let ms = time_alone(&gpu, &stream, &up.gemm, warmup.max(3), 7)?;
+        let tiles = wide.tile_count();
+        let wave_ns = ms * 1e6 / tiles.div_ceil(up.gemm.grid() as usize).max(1) as f64;
+        pacers.push(Pacer::new(
+            (&gpu, &kernels, &side),
+            row,
+            (a_dev.addr(), b_dev.addr()),
+            tiles,
+            (wave_ns, paced.unwrap_or(0.0)),
+        )?);
+    }
 
     let mut variants = Vec::new();
     let (lt, stream, a_addr, b_addr, d_addr) =
@@ -337,16 +376,27 @@ fn run<T: Element>(
             });
         }
     }
-    for fold in &fold_rows {
+    for fold in fold_rows.iter().filter(|r| r.flags != FoldFlags::Paced) {
         variants.push(Variant {
             name: fold.name,
-            cap: 0,
+            cap: fold_cap,
             // SAFETY: operands, partials and flags on this GPU, sized from the problem
             launch: Box::new(move || unsafe { fold.gemm.launch(stream) }),
             output: (&gpu, &d_dev),
             peer_rows: None,
             gemm: Some(&fold.gemm),
             folded: Some(fold),
+        });
+    }
+    for pacer in &pacers {
+        variants.push(Variant {
+            name: pacer.row.name,
+            cap: fold_cap,
+            launch: Box::new(move || pacer.launch(stream)),
+            output: (&gpu, &d_dev),
+            peer_rows: None,
+            gemm: Some(&pacer.row.gemm),
+            folded: Some(pacer.row),
         });
     }
     let times = interleaved_medians(&gpu, stream, &variants, warmup, iters)?;
@@ -469,10 +519,145 @@ fn upload_rounded<T: Element>(
 /// skipped or added twice is off by far more than its bound.
 pub(crate) struct FoldRow {
     name: &'static str,
+    flags: FoldFlags,
     gemm: PreparedGemm,
     /// the partials as uploaded, [count][M·N], widened
     partials: Vec<Vec<f64>>,
-    _memory: [DeviceMemory; 2],
+    /// the partials' slots and their flags
+    memory: [DeviceMemory; 2],
+}
+
+/// How a fold row's flags go up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FoldFlags {
+    /// Up before the call (the owner's fold at its cheapest)
+    Up,
+    /// Up before the call, and the partials asked of L2 halfway through each tile's main loop
+    UpPrefetched,
+    /// Raised during the call by a side kernel at the GEMM's pace ([`Pacer`])
+    Paced,
+}
+
+/// Mirrors `PacedFlagsParams` in gemm.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PacedFlagsParams {
+    flags: u64,
+    order: u64,
+    tiles: u32,
+    count: u32,
+    per_wave: u32,
+    pad: u32,
+    value: u64,
+    wave_ns: u64,
+    offset_ns: u64,
+}
+const _: () = assert!(std::mem::size_of::<PacedFlagsParams>() == 56);
+
+/// Launches a paced fold row: the side kernel `raise_flags_paced` (one warp, on a side stream
+/// that starts with the GEMM) raises the flags of the tiles of the GEMM's wave w at
+/// `(w + offset) · wave_ns` after it starts, and the GEMM, its number one more each call,
+/// waits for them: peers that finish each partial while the owner's tile is in its main loop
+/// (`offset` < 1) rather than long before.
+struct Pacer<'a> {
+    row: &'a FoldRow,
+    function: Function,
+    side: &'a Stream,
+    ready: Event,
+    calls: std::cell::Cell<u64>,
+    params: PacedFlagsParams,
+    a: u64,
+    b: u64,
+}
+
+impl<'a> Pacer<'a> {
+    /// `tiles`: the row's plan's tiles; `wave_ns`: one wave's time; `offset`: when, in waves
+    /// after its wave starts, a tile's flags go up.
+    fn new(
+        (gpu, kernels, side): (&Gpu, &GemmKernels, &'a Stream),
+        row: &'a FoldRow,
+        (a, b): (u64, u64),
+        tiles: usize,
+        (wave_ns, offset): (f64, f64),
+    ) -> Result<Pacer<'a>, CudaError> {
+        if !(0.0..=4.0).contains(&offset) {
+            return Err(CudaError::Unavailable(format!(
+                "a paced fold row raises its flags 0 to 4 waves after the wave starts, not {offset}"
+            )));
+        }
+        Ok(Pacer {
+            row,
+            function: kernels.paced_flags.clone(),
+            side,
+            ready: Event::new_untimed(gpu)?,
+            calls: std::cell::Cell::new(0),
+            params: PacedFlagsParams {
+                flags: row.memory[1].addr(),
+                order: row.gemm.order_addr(),
+                tiles: tiles as u32,
+                count: row.partials.len() as u32,
+                per_wave: row.gemm.grid(),
+                pad: 0,
+                value: 0,
+                wave_ns: wave_ns as u64,
+                offset_ns: (offset * wave_ns) as u64,
+            },
+            a,
+            b,
+        })
+    }
+
+    /// One call: the side kernel after the stream's work so far (so that it starts with the
+    /// GEMM), then the GEMM with the next call number.
+    fn launch(&self, stream: &Stream) -> Result<(), CudaError> {
+        let n = self.calls.get() + 1;
+        self.calls.set(n);
+        self.ready.record(stream)?;
+        self.side.wait_event(&self.ready)?;
+        let params = PacedFlagsParams {
+            value: n,
+            ..self.params
+        };
+        // SAFETY: the flags and the order live as long as the row, whose drop waits for the
+        // side stream (the bench drains it first); the operands are the bench's
+        unsafe {
+            self.function
+                .launch_with_smem(1, 32, 0, self.side, &params)?;
+            self.row
+                .gemm
+                .launch_call(stream, self.a, self.b, None, None, CallNumber::Host(n))
+        }
+    }
+}
+
+/// `gemm`'s median time in ms alone on `stream`, over `iters` launches after `warmup`.
+fn time_alone(
+    gpu: &Gpu,
+    stream: &Stream,
+    gemm: &PreparedGemm,
+    warmup: usize,
+    iters: usize,
+) -> Result<f64, CudaError> {
+    for _ in 0..warmup {
+        // SAFETY: the bench's operands, valid for its whole run
+        unsafe { gemm.launch(stream)? };
+    }
+    let events: Vec<Event> = (0..=iters)
+        .map(|_| Event::new(gpu))
+        .collect::<Result<_, _>>()?;
+    events[0].record(stream)?;
+    for e in &events[1..] {
+        // SAFETY: as above
+        unsafe { gemm.launch(stream)? };
+        e.record(stream)?;
+    }
+    stream.synchronize()?;
+    gemm.check()?;
+    let mut times = events
+        .windows(2)
+        .map(|w| Ok(w[0].elapsed_ms(&w[1])? as f64))
+        .collect::<Result<Vec<f64>, CudaError>>()?;
+    Ok(rounds::median(&mut times).expect("at least one launch"))
 }
 
 impl FoldRow {
@@ -481,15 +666,16 @@ impl FoldRow {
         kernels: &GemmKernels,
         plan: &GemmPlan,
         ops: &GemmOperands,
-        count: usize,
-        prefetch: bool,
+        (count, flags, cap): (usize, FoldFlags, u32),
         seed: u64,
     ) -> Result<FoldRow, CudaError> {
-        let name = match (count, prefetch) {
-            (1, false) => "commfuse-fold1",
-            (3, false) => "commfuse-fold3",
-            (1, true) => "commfuse-fold1-prefetch",
-            (3, true) => "commfuse-fold3-prefetch",
+        let name = match (count, flags) {
+            (1, FoldFlags::Up) => "commfuse-fold1",
+            (3, FoldFlags::Up) => "commfuse-fold3",
+            (1, FoldFlags::UpPrefetched) => "commfuse-fold1-prefetch",
+            (3, FoldFlags::UpPrefetched) => "commfuse-fold3-prefetch",
+            (1, FoldFlags::Paced) => "commfuse-fold1-paced",
+            (3, FoldFlags::Paced) => "commfuse-fold3-paced",
             _ => {
                 return Err(CudaError::Unavailable(format!(
                     "a fold row takes 1 or 3 partials per tile, not {count}"
@@ -512,9 +698,12 @@ impl FoldRow {
         };
         let partials: Vec<Vec<f64>> = rounded.chunks(len).map(<[f64]>::to_vec).collect();
         let tiles = plan.tile_count();
-        // every flag already up: all bits set is past any call's number
-        let flags = DeviceMemory::zeroed(gpu, 8 * tiles * count)?;
-        flags.fill(gpu, 0xff)?;
+        // every flag already up (all bits set is past any call's number), or, for a paced row,
+        // down until its side kernel raises it to the call's number
+        let flag_words = DeviceMemory::zeroed(gpu, 8 * tiles * count)?;
+        if flags != FoldFlags::Paced {
+            flag_words.fill(gpu, 0xff)?;
+        }
         let (_, tiles_n) = commfuse_core::gemm::tiles(p, TILE);
         let routes = (0..tiles)
             .map(|t| {
@@ -526,7 +715,7 @@ impl FoldRow {
                     options: ROUTE_DST_FROM_D,
                     fold_src: memory.addr() + within,
                     fold_stride: len as u64 * eb,
-                    fold_flag: flags.addr() + 8 * t as u64,
+                    fold_flag: flag_words.addr() + 8 * t as u64,
                     fold_count: count as u32,
                     fold_ld: p.n as u32,
                     fold_flag_stride: 8 * tiles as u32,
@@ -548,15 +737,16 @@ impl FoldRow {
             routes,
             Some(source),
             count + 1,
-            0,
+            cap,
             0,
         )?;
-        gemm.set_fold_prefetch(prefetch);
+        gemm.set_fold_prefetch(flags == FoldFlags::UpPrefetched);
         Ok(FoldRow {
             name,
+            flags,
             gemm,
             partials,
-            _memory: [memory, flags],
+            memory: [memory, flag_words],
         })
     }
 

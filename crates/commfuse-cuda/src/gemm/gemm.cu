@@ -1515,3 +1515,36 @@ extern "C" __global__ void __launch_bounds__(32) hold_sms(const HoldParams p) {
         }
     }
 }
+
+// ---- a side kernel that raises a fold's flags at a GEMM's pace, for the bench's paced fold rows -
+
+// Mirrored by `PacedFlagsParams` in src/gemm/bench.rs.
+struct PacedFlagsParams {
+    u64* flags;         // count x tiles: partial f of tile t at flags[f * tiles + t]
+    const u32* order;   // the GEMM's tile order
+    u32 tiles, count;
+    u32 per_wave;       // tiles of the order that one wave of the GEMM runs (its grid)
+    u32 pad;
+    u64 value;          // the call's number, stored into every flag
+    u64 wave_ns;        // one wave's time (the same GEMM with its flags already up)
+    u64 offset_ns;      // how long after its wave starts a tile's flags go up
+};
+static_assert(sizeof(PacedFlagsParams) == 56, "layout mirrored by PacedFlagsParams in src/gemm/bench.rs");
+
+// One warp, beside a GEMM capped below the GPU's SMs: stands for the peers whose partials the
+// GEMM folds in, each finishing its tile of wave w at w · wave_ns + offset_ns from the start,
+// so that the fold finds its flags raised during the tile's own main loop rather than long
+// before. Every wait is bounded by the last wave's time.
+extern "C" __global__ void __launch_bounds__(32) raise_flags_paced(const PacedFlagsParams p) {
+    const u64 start = __shfl_sync(0xffffffffu, global_timer_ns(), 0);
+    for (u32 w = 0; w * p.per_wave < p.tiles; ++w) {
+        const u64 at = start + w * p.wave_ns + p.offset_ns;
+        while (global_timer_ns() < at) {
+        }
+        const u32 end = min(p.tiles, (w + 1) * p.per_wave);
+        for (u32 j = w * p.per_wave + threadIdx.x; j < end; j += 32) {
+            const u32 t = p.order[j];
+            for (u32 f = 0; f < p.count; ++f) store_release_sys(p.flags + (u64)f * p.tiles + t, p.value);
+        }
+    }
+}

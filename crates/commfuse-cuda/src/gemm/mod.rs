@@ -689,6 +689,7 @@ pub struct GemmKernels {
     stream_k: AtomicBool,
     pub(crate) snapshot: Function,
     hold: Function,
+    pub(crate) paced_flags: Function,
     _module: Module,
 }
 
@@ -720,6 +721,7 @@ impl GemmKernels {
             }
         }
         let hold = module.function("hold_sms")?;
+        let paced_flags = module.function("raise_flags_paced")?;
         hold.allow_dynamic_smem(HOLD_SMEM_BYTES)?;
         Ok(GemmKernels {
             functions,
@@ -727,6 +729,7 @@ impl GemmKernels {
             stream_k: AtomicBool::new(tail == TailChoice::StreamK),
             snapshot: module.function("tile_snapshot")?,
             hold,
+            paced_flags,
             _module: module,
         })
     }
@@ -1263,6 +1266,12 @@ impl PreparedGemm {
     /// build that fit at once).
     pub fn grid(&self) -> u32 {
         self.grid
+    }
+
+    /// Where this GEMM's tile order is on the device (u32 tile numbers, the order the blocks
+    /// take them in).
+    pub fn order_addr(&self) -> u64 {
+        self.params.order
     }
 
     /// Where this GEMM's tile routes are on the device (0 for none): what a GEMM of the other

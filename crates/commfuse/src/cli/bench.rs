@@ -133,6 +133,12 @@ pub struct BenchGemmArgs {
     /// also with the partials asked of L2 halfway through the tile's main loop (`-prefetch`)
     #[arg(long, value_delimiter = ',')]
     pub fold: Vec<usize>,
+    /// With --fold: also each fold row with its flags down at the call, raised by a side
+    /// kernel on an SM of its own as the GEMM goes (the flags of each wave's tiles this many
+    /// waves after the wave starts, a wave timed from the flags-up row); the fold rows then
+    /// run at the first --sms cap, which must leave that SM free
+    #[arg(long, requires = "fold")]
+    pub fold_paced: Option<f64>,
     #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
     pub warmup: usize,
     #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
@@ -338,6 +344,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         a.device,
         peer,
         &a.fold,
+        a.fold_paced,
         &problem,
         &a.sms,
         a.warmup,
