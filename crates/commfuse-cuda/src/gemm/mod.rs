@@ -202,6 +202,17 @@ impl GemmVariant {
         }
     }
 
+    /// How this build shares out its tail under `choice` ([`TailChoice`]): its
+    /// [`GemmVariant::max_parts`] either way; stream-K only where it cuts at all (not the
+    /// pair build, whose two blocks of a cluster run the same K range of every unit).
+    pub fn tail_mode(self, choice: TailChoice, one_wave: bool) -> TailMode {
+        let max_parts = self.max_parts(one_wave);
+        match choice {
+            TailChoice::StreamK if max_parts > 1 => TailMode::StreamK { max_parts },
+            _ => TailMode::Cut { max_parts },
+        }
+    }
+
     /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid` or `direct`.
     pub fn name(self) -> &'static str {
         match self {
@@ -1091,7 +1102,7 @@ impl PreparedGemm {
         // split against the SMs there are, not against the tiles: fewer tiles than SMs (a
         // small M) are one partial wave, cut along K so that the idle SMs share the work
         let one_wave = plan.tile_count() < cap as usize;
-        let max_parts = variant.max_parts(one_wave);
+        let mode = variant.tail_mode(kernels.tail(), one_wave);
         // the pair build's grid is whole clusters that fit on the GPU at once
         let cap = match variant.cluster() {
             1 => cap,
@@ -1099,11 +1110,6 @@ impl PreparedGemm {
                 let clusters = function.max_active_clusters(THREADS, variant.smem_bytes(), c)?;
                 (cap / c).min(clusters).max(1) * c
             }
-        };
-        let mode = match kernels.tail() {
-            // the pair build has no tail: both blocks of a cluster run the same K range
-            TailChoice::StreamK if max_parts > 1 => TailMode::StreamK { max_parts },
-            _ => TailMode::Cut { max_parts },
         };
         let tail = plan_tail(&order, cap as usize, p.k.div_ceil(BK), mode);
         // one table: the order (u32), then, 64-byte aligned, the routes, then the row bands
@@ -1864,6 +1870,23 @@ mod tests {
             err,
             "the GPU GEMM computes 128×256 tiles, the configuration asks for 16×32"
         );
+    }
+
+    #[test]
+    fn stream_k_serves_every_build_that_cuts_its_tail_but_the_pair() {
+        for v in GemmVariant::ALL {
+            for one_wave in [false, true] {
+                let cut = v.tail_mode(TailChoice::Cut, one_wave);
+                let spread = v.tail_mode(TailChoice::StreamK, one_wave);
+                let max_parts = v.max_parts(one_wave);
+                assert_eq!(cut, TailMode::Cut { max_parts });
+                let want = match v {
+                    GemmVariant::Pair => TailMode::Cut { max_parts: 1 },
+                    _ => TailMode::StreamK { max_parts },
+                };
+                assert_eq!(spread, want, "{v:?}");
+            }
+        }
     }
 
     #[test]
