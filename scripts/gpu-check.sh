@@ -112,7 +112,7 @@ fi
 # our GEMM beside cuBLASLt on one GPU at the shapes of tensor-parallel layers, decode sizes
 # included (M×N×K:layouts), or GEMM_SHAPES="16x8192x3584:nk 8192x8192x3584:nk,kn"; GEMM_FLAGS="--fold 1,3"
 # adds flags (here: rows of our GEMM folding one and three partials into every tile); GEMM_SMS
-# caps the grids (default 0: every SM; GEMM_SMS=131 GEMM_FLAGS="--fold 1,3 --fold-paced 0.5"
+# caps the grids (default 0: every SM; GEMM_SMS=131 GEMM_FLAGS="--fold 1,3 --fold-paced 1"
 # leaves an SM for the side kernel of the paced fold rows)
 GEMM_SHAPES=${GEMM_SHAPES:-8192x8192x3584:nk,kn 2048x8192x3584:nk,kn 16384x8192x3584:nk 8192x8192x14336:nk 4096x12288x24576:nk 4096x28672x8192:nk 1024x8192x3584:nk 512x4096x4096:nk 16x8192x3584:nk 64x8192x3584:nk 128x8192x3584:nk 128x28672x8192:nk}
 if has gemm-one; then

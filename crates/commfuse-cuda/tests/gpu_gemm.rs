@@ -1237,9 +1237,10 @@ fn fold_adds_every_partial_once() {
 }
 
 /// Fold rows whose flags are down at the call and raised by a side kernel as the GEMM goes
-/// (half a wave after each wave starts), on every SM but one: every element of every fold row
-/// checked (each partial added once, after its flag), beside the flags-up rows at the same cap;
-/// a bench that would leave the side kernel no SM is refused.
+/// (as each wave ends: peers at the GEMM's pace), with and without the partials asked of L2
+/// before their flags are up, on every SM but one: every element of every fold row checked
+/// (each partial added once, after its flag), beside the flags-up rows at the same cap; a bench
+/// that would leave the side kernel no SM, or raise flags past 4 waves, is refused.
 #[test]
 fn paced_fold_rows_add_every_partial_once() {
     let Some((gpu, _kernels, _stream)) = one_gpu() else {
@@ -1249,17 +1250,15 @@ fn paced_fold_rows_add_every_partial_once() {
     for (m, n, k) in [(1000, 3000, 1032), (2048, 8192, 3584)] {
         let p = GemmProblem::new(m, n, k, BLayout::NK, DType::BF16, DType::BF16).unwrap();
         let seed = 5 + m as u64;
-        let rows = bench_gemm(0, None, &[1, 3], Some(0.5), &p, &[cap], 1, 3, seed).unwrap();
+        let rows = bench_gemm(0, None, &[1, 3], Some(1.0), &p, &[cap], 1, 3, seed).unwrap();
         let folds: Vec<_> = rows
             .iter()
             .filter(|r| r.implementation.starts_with("commfuse-fold"))
             .collect();
-        // 1 and 3 partials: flags up, up and prefetched, paced
-        assert_eq!(folds.len(), 6, "{rows:?}");
-        let paced = folds
-            .iter()
-            .filter(|r| r.implementation.ends_with("-paced"));
-        assert_eq!(paced.count(), 2, "{rows:?}");
+        // 1 and 3 partials: flags up, paced, each with and without the prefetch
+        assert_eq!(folds.len(), 8, "{rows:?}");
+        let paced = folds.iter().filter(|r| r.implementation.contains("-paced"));
+        assert_eq!(paced.count(), 4, "{rows:?}");
         for r in folds {
             assert_eq!(r.sms, cap, "{r:?}");
             assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{r:?}");
@@ -1268,6 +1267,8 @@ fn paced_fold_rows_add_every_partial_once() {
     let p = GemmProblem::new(256, 512, 64, BLayout::NK, DType::BF16, DType::BF16).unwrap();
     let refused = bench_gemm(0, None, &[1], Some(0.5), &p, &[0], 1, 1, 3).unwrap_err();
     assert!(refused.to_string().contains("capped below"), "{refused}");
+    let refused = bench_gemm(0, None, &[1], Some(5.0), &p, &[cap], 1, 1, 3).unwrap_err();
+    assert!(refused.to_string().contains("0 to 4 waves"), "{refused}");
 }
 
 /// The reference kernel of the bench's check against the float64 CPU reference: ragged shapes

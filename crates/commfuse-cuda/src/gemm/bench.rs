@@ -5,13 +5,13 @@
 //! element-wise bound of `commfuse_core::gemm::element_bound`, on fresh random inputs with the
 //! output poisoned first. The fold rows time the GEMM + reduce-scatter's owner epilogue on one
 //! GPU: every tile adds F partials from local buffers whose flags are already up, so what they
-//! cost beside the plain row is the fold alone (no NVLink, no waiting for a peer).
+//! cost beside the plain row is the fold alone (no NVLink, no waiting for a peer); the paced
+//! fold rows' flags are raised during the call by a side kernel, as peers would.
 
 use crate::error::CudaError;
 use crate::gemm::{
-    CallNumber, FoldSource, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets,
-    TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS,
-    TILE,
+    FoldSource, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, TailChoice,
+    TileRoute, VariantChoice, MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
 };
 use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
 pub use crate::sys::driver::StreamGuard;
@@ -270,7 +270,17 @@ fn run<T: Element>(
         )));
     }
     let kinds: &[FoldFlags] = match paced {
-        Some(_) => &[FoldFlags::Up, FoldFlags::UpPrefetched, FoldFlags::Paced],
+        Some(offset) if !(0.0..=4.0).contains(&offset) => {
+            return Err(CudaError::Unavailable(format!(
+                "paced fold rows raise their flags 0 to 4 waves after the wave starts, not {offset}"
+            )))
+        }
+        Some(_) => &[
+            FoldFlags::Up,
+            FoldFlags::UpPrefetched,
+            FoldFlags::Paced,
+            FoldFlags::PacedPrefetched,
+        ],
         None => &[FoldFlags::Up, FoldFlags::UpPrefetched],
     };
     let fold_rows = folds
@@ -288,7 +298,7 @@ fn run<T: Element>(
     // a paced row's side kernel raises each wave's flags `paced` of a wave after the wave
     // starts, a wave being its flags-up row's time over its waves
     let mut pacers = Vec::new();
-    for row in fold_rows.iter().filter(|r| r.flags == FoldFlags::Paced) {
+    for row in fold_rows.iter().filter(|r| r.flags.paced()) {
         let up = fold_rows
             .iter()
             .find(|r| r.flags == FoldFlags::Up && r.partials.len() == row.partials.len())
@@ -299,7 +309,6 @@ fn run<T: Element>(
         pacers.push(Pacer::new(
             (&gpu, &kernels, &side),
             row,
-            (a_dev.addr(), b_dev.addr()),
             tiles,
             (wave_ns, paced.unwrap_or(0.0)),
         )?);
@@ -376,7 +385,7 @@ fn run<T: Element>(
             });
         }
     }
-    for fold in fold_rows.iter().filter(|r| r.flags != FoldFlags::Paced) {
+    for fold in fold_rows.iter().filter(|r| !r.flags.paced()) {
         variants.push(Variant {
             name: fold.name,
             cap: fold_cap,
@@ -511,11 +520,10 @@ fn upload_rounded<T: Element>(
 
 /// Our GEMM whose every tile folds `count` partials of the output type from local buffers
 /// (the layout the fused reduce-scatter's owner tiles read: one [M, N] slot per partial, one
-/// flag per tile and partial), their flags already up: the owner's epilogue at its cheapest,
-/// with no peer to wait for. Each tile adds `count` partials, so the fold moves count·M·N
+/// flag per tile and partial), their flags already up (the owner's epilogue at its cheapest,
+/// with no peer to wait for) or raised during the call ([`FoldFlags::Paced`]). Each tile adds `count` partials, so the fold moves count·M·N
 /// elements, at least as many as a P-rank call's owner tiles (P − 1 partials of M / P rows)
-/// for count = 1 at any P. With `prefetch`, the partials are asked of L2 halfway through each
-/// tile's main loop ([`PreparedGemm::set_fold_prefetch`]). Partial values lie in ±[1, 2), so an element whose partial was
+/// for count = 1 at any P. Partial values lie in ±[1, 2), so an element whose partial was
 /// skipped or added twice is off by far more than its bound.
 pub(crate) struct FoldRow {
     name: &'static str,
@@ -536,6 +544,19 @@ pub(crate) enum FoldFlags {
     UpPrefetched,
     /// Raised during the call by a side kernel at the GEMM's pace ([`Pacer`])
     Paced,
+    /// Paced, and the partials asked of L2 halfway through each tile's main loop (before their
+    /// flags are up, where the side kernel has not raised them yet)
+    PacedPrefetched,
+}
+
+impl FoldFlags {
+    fn paced(self) -> bool {
+        matches!(self, FoldFlags::Paced | FoldFlags::PacedPrefetched)
+    }
+
+    fn prefetched(self) -> bool {
+        matches!(self, FoldFlags::UpPrefetched | FoldFlags::PacedPrefetched)
+    }
 }
 
 /// Mirrors `PacedFlagsParams` in gemm.cu.
@@ -566,8 +587,6 @@ struct Pacer<'a> {
     ready: Event,
     calls: std::cell::Cell<u64>,
     params: PacedFlagsParams,
-    a: u64,
-    b: u64,
 }
 
 impl<'a> Pacer<'a> {
@@ -576,15 +595,9 @@ impl<'a> Pacer<'a> {
     fn new(
         (gpu, kernels, side): (&Gpu, &GemmKernels, &'a Stream),
         row: &'a FoldRow,
-        (a, b): (u64, u64),
         tiles: usize,
         (wave_ns, offset): (f64, f64),
     ) -> Result<Pacer<'a>, CudaError> {
-        if !(0.0..=4.0).contains(&offset) {
-            return Err(CudaError::Unavailable(format!(
-                "a paced fold row raises its flags 0 to 4 waves after the wave starts, not {offset}"
-            )));
-        }
         Ok(Pacer {
             row,
             function: kernels.paced_flags.clone(),
@@ -602,8 +615,6 @@ impl<'a> Pacer<'a> {
                 wave_ns: wave_ns as u64,
                 offset_ns: (offset * wave_ns) as u64,
             },
-            a,
-            b,
         })
     }
 
@@ -623,9 +634,7 @@ impl<'a> Pacer<'a> {
         unsafe {
             self.function
                 .launch_with_smem(1, 32, 0, self.side, &params)?;
-            self.row
-                .gemm
-                .launch_call(stream, self.a, self.b, None, None, CallNumber::Host(n))
+            self.row.gemm.launch_numbered(stream, n)
         }
     }
 }
@@ -676,6 +685,8 @@ impl FoldRow {
             (3, FoldFlags::UpPrefetched) => "commfuse-fold3-prefetch",
             (1, FoldFlags::Paced) => "commfuse-fold1-paced",
             (3, FoldFlags::Paced) => "commfuse-fold3-paced",
+            (1, FoldFlags::PacedPrefetched) => "commfuse-fold1-paced-prefetch",
+            (3, FoldFlags::PacedPrefetched) => "commfuse-fold3-paced-prefetch",
             _ => {
                 return Err(CudaError::Unavailable(format!(
                     "a fold row takes 1 or 3 partials per tile, not {count}"
@@ -701,7 +712,7 @@ impl FoldRow {
         // every flag already up (all bits set is past any call's number), or, for a paced row,
         // down until its side kernel raises it to the call's number
         let flag_words = DeviceMemory::zeroed(gpu, 8 * tiles * count)?;
-        if flags != FoldFlags::Paced {
+        if !flags.paced() {
             flag_words.fill(gpu, 0xff)?;
         }
         let (_, tiles_n) = commfuse_core::gemm::tiles(p, TILE);
@@ -740,7 +751,7 @@ impl FoldRow {
             cap,
             0,
         )?;
-        gemm.set_fold_prefetch(flags == FoldFlags::UpPrefetched);
+        gemm.set_fold_prefetch(flags.prefetched());
         Ok(FoldRow {
             name,
             flags,

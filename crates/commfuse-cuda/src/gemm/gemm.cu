@@ -1539,8 +1539,9 @@ extern "C" __global__ void __launch_bounds__(32) raise_flags_paced(const PacedFl
     const u64 start = __shfl_sync(0xffffffffu, global_timer_ns(), 0);
     for (u32 w = 0; w * p.per_wave < p.tiles; ++w) {
         const u64 at = start + w * p.wave_ns + p.offset_ns;
-        while (global_timer_ns() < at) {
-        }
+        // (asleep between looks: where the warp shares an SM with a GEMM block, it takes few of
+        // its issue slots)
+        while (global_timer_ns() < at) __nanosleep(500);
         const u32 end = min(p.tiles, (w + 1) * p.per_wave);
         for (u32 j = w * p.per_wave + threadIdx.x; j < end; j += 32) {
             const u32 t = p.order[j];

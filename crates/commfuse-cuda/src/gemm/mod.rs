@@ -1274,8 +1274,8 @@ impl PreparedGemm {
         self.grid
     }
 
-    /// Where this GEMM's tile order is on the device (u32 tile numbers, the order the blocks
-    /// take them in).
+    /// Where this GEMM's tile order is on the device: u32 tile numbers, the order the blocks
+    /// take them in (the pair build's: paired, with [`PAIR_IDLE`] entries).
     pub fn order_addr(&self) -> u64 {
         self.params.order
     }
@@ -1293,6 +1293,19 @@ impl PreparedGemm {
     /// not in use by anything else until the launch completes.
     pub unsafe fn launch(&self, stream: &Stream) -> Result<(), CudaError> {
         self.queue(stream, &self.params)
+    }
+
+    /// Queues the GEMM on its prepared operands as call number `epoch` (the value epoch flags
+    /// store and folds wait for; [`PreparedGemm::launch`] is call 1).
+    ///
+    /// # Safety
+    /// As [`PreparedGemm::launch`].
+    pub unsafe fn launch_numbered(&self, stream: &Stream, epoch: u64) -> Result<(), CudaError> {
+        let params = GemmParams {
+            epoch,
+            ..self.params
+        };
+        self.queue(stream, &params)
     }
 
     /// Queues the GEMM on `stream` with this call's A, B and bias (the shapes prepared; the

@@ -130,13 +130,14 @@ pub struct BenchGemmArgs {
     pub peer: Option<String>,
     /// Rows of our GEMM folding this many partials (1 or 3) into every tile, from local buffers
     /// whose flags are already up (the GEMM + reduce-scatter owner's epilogue on one GPU), each
-    /// also with the partials asked of L2 halfway through the tile's main loop (`-prefetch`)
+    /// also with the partials asked of L2 halfway through the tile's main loop (`-prefetch`);
+    /// at the first --sms cap
     #[arg(long, value_delimiter = ',')]
     pub fold: Vec<usize>,
     /// With --fold: also each fold row with its flags down at the call, raised by a side
     /// kernel on an SM of its own as the GEMM goes (the flags of each wave's tiles this many
-    /// waves after the wave starts, a wave timed from the flags-up row); the fold rows then
-    /// run at the first --sms cap, which must leave that SM free
+    /// waves after the wave starts, 0 to 4; 1: peers at the GEMM's pace; a wave timed from the
+    /// flags-up row); the first --sms cap must leave that SM free
     #[arg(long, requires = "fold")]
     pub fold_paced: Option<f64>,
     #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
