@@ -999,6 +999,89 @@ fn stream_k_tail_sums_every_k_range_once() {
     kernels.set_tail(TailChoice::Cut);
 }
 
+/// The tail spread by stream-K under a fused operator's routes: every tile folds a partial
+/// through the pipeline (its flag already up), so a tail tile's owner loads it after its own
+/// K range and adds it after its helper's partial; 16 tiles on 3, 5, 6 and 7 SMs, three calls
+/// in a row each, every element against A·B + partial in float64.
+#[test]
+fn stream_k_tail_folds_partials_through_the_pipeline() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let p = GemmProblem::new(500, 1000, 1544, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let mut rng = Rng(2024);
+    let a: Vec<bf16> = rng.vec(p.m * p.k);
+    let b: Vec<bf16> = rng.vec(p.k * p.n);
+    let partial: Vec<bf16> = rng.vec(p.m * p.n);
+    let (a_dev, b_dev) = (upload(&gpu, &a), upload(&gpu, &b));
+    let partial_dev = upload(&gpu, &partial);
+    let d_dev = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
+    // a fold adds the partial as beta = 1 adds C
+    let folded = Epilogue {
+        beta: 1.0,
+        ..Epilogue::default()
+    };
+    let want = reference_gemm::<bf16, bf16>(&p, &folded, &a, &b, Some(&partial), None, None);
+    let plan = GemmPlan::local(p, TILE, Epilogue::default());
+    let flags = DeviceMemory::zeroed(&gpu, 8 * plan.tile_count()).unwrap();
+    flags.fill(&gpu, 0xff).unwrap();
+    let routes: Vec<TileRoute> = (0..plan.tile_count())
+        .map(|t| {
+            let (rows, cols) = plan.tile_bounds(t);
+            let within = ((rows.start * p.n + cols.start) * 2) as u64;
+            TileRoute {
+                dst: within,
+                ld: p.n as u32,
+                options: ROUTE_DST_FROM_D,
+                fold_src: partial_dev.addr() + within,
+                fold_flag: flags.addr() + 8 * t as u64,
+                fold_count: 1,
+                fold_ld: p.n as u32,
+                ..TileRoute::default()
+            }
+        })
+        .collect();
+    let source = FoldSource {
+        base: partial_dev.addr(),
+        rows: p.m,
+        ld: p.n,
+    };
+    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
+    kernels.set_tail(TailChoice::StreamK);
+    let caps = [
+        (3, "stream-k 4/3"),
+        (5, "stream-k 6/5"),
+        (6, "stream-k 10/6"),
+        (7, "stream-k 9/7"),
+    ];
+    for (cap, tail) in caps {
+        let gemm = PreparedGemm::with_routes(
+            &gpu,
+            &kernels,
+            &plan,
+            &ops,
+            routes.clone(),
+            Some(source),
+            1,
+            cap,
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            (gemm.tail(), gemm.staged_folds()),
+            (tail, plan.tile_count())
+        );
+        for call in 0..3 {
+            d_dev.fill(&gpu, 0xff).unwrap();
+            run(&gemm, &stream);
+            let got = download::<bf16>(&gpu, &d_dev, p.m * p.n);
+            let check = check(&p, &folded, &got, &want);
+            assert!(check.passed(), "cap {cap} call {call}: {check}");
+        }
+    }
+    kernels.set_tail(TailChoice::Cut);
+}
+
 /// An f32 GEMM of `m` rows × 1000 × 1544 planned in `tile`s (shuffled order) at each cap,
 /// whose tail must be shared out as `tails` says, checked three calls in a row.
 fn split_parts_sum(
