@@ -548,6 +548,47 @@ mod tests {
         check(200, 132, 1, TailMode::StreamK { max_parts: 4 }).unwrap();
     }
 
+    /// The slowest block's work in tiles: whole units plus its tail k-blocks over K.
+    fn slowest_block(plan: &TailPlan, k_blocks: usize) -> f64 {
+        (0..plan.grid)
+            .map(|w| {
+                // units w, w + grid, ... below full_units
+                let whole = plan.full_units.saturating_sub(w).div_ceil(plan.grid);
+                let tail: u32 = plan
+                    .units
+                    .iter()
+                    .skip(w)
+                    .step_by(plan.grid)
+                    .map(|u| u.kb1 - u.kb0)
+                    .sum();
+                whole as f64 + tail as f64 / k_blocks as f64
+            })
+            .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn the_predictions_in_gemm_notes_are_the_plans() {
+        // GEMM-NOTES.md, "The tail": M × N × K in 128 × 256 tiles on 132 SMs, the main build's
+        // at most 4 parts; the slowest block's work in tiles, today (cut) and by stream-K
+        for (m, n, k, cut, spread) in [
+            (8192, 8192, 3584, 16.0, 15.52),
+            (2048, 8192, 3584, 4.0, 3.89),
+            (16384, 8192, 3584, 31.25, 31.04),
+            (8192, 8192, 14336, 16.0, 15.52),
+            (4096, 12288, 24576, 12.0, 11.64),
+            (4096, 28672, 8192, 27.25, 27.16),
+            (1024, 8192, 3584, 2.0, 1.95),
+        ] {
+            let order: Vec<u32> = (0..(m / 128 * n / 256) as u32).collect();
+            let k_blocks = k / 64;
+            let plan = |mode| plan_tail(&order, 132, k_blocks, mode);
+            let today = slowest_block(&plan(TailMode::Cut { max_parts: 4 }), k_blocks);
+            let stream_k = slowest_block(&plan(TailMode::StreamK { max_parts: 4 }), k_blocks);
+            assert!((today - cut).abs() < 0.01, "{m}×{n}×{k}: {today}");
+            assert!((stream_k - spread).abs() < 0.01, "{m}×{n}×{k}: {stream_k}");
+        }
+    }
+
     proptest! {
         #[test]
         fn every_k_block_of_every_tile_reaches_one_epilogue_without_deadlock(
