@@ -869,6 +869,39 @@ fn a_wait_that_gives_up_ends_the_kernel_and_the_context_goes_on() {
     check_one::<bf16, bf16>(&gpu, &kernels, &stream, p, Case::Full, 78);
 }
 
+/// Routes of a local 16-bit GEMM whose every tile folds in one partial: the same tile of
+/// `partial` ([M, N], ld N), once its flag (one u64 per tile in `flags`) holds the call's
+/// number; and the buffer they lie in, for the fold through the pipeline.
+fn fold_one_partial(
+    plan: &GemmPlan,
+    partial: &DeviceMemory,
+    flags: &DeviceMemory,
+) -> (Vec<TileRoute>, FoldSource) {
+    let p = &plan.problem;
+    let routes = (0..plan.tile_count())
+        .map(|t| {
+            let (rows, cols) = plan.tile_bounds(t);
+            let within = ((rows.start * p.n + cols.start) * 2) as u64;
+            TileRoute {
+                dst: within,
+                ld: p.n as u32,
+                options: ROUTE_DST_FROM_D,
+                fold_src: partial.addr() + within,
+                fold_flag: flags.addr() + 8 * t as u64,
+                fold_count: 1,
+                fold_ld: p.n as u32,
+                ..TileRoute::default()
+            }
+        })
+        .collect();
+    let source = FoldSource {
+        base: partial.addr(),
+        rows: p.m,
+        ld: p.n,
+    };
+    (routes, source)
+}
+
 /// A fold whose partials never come: the flag wait gives up at its bound (half the pipeline's,
 /// 200 ms here), the call's synchronisation succeeds, `check` names the fold's flag and the
 /// call, no tile is stored, and the context serves the next GEMM. Both where the producer waits
@@ -891,27 +924,7 @@ fn a_fold_whose_partial_never_comes_ends_in_a_diagnosed_error() {
     } = PlainBf16::new(&gpu, p, 79);
     let partial = DeviceMemory::zeroed(&gpu, p.m * p.n * 2).unwrap();
     let never_raised = DeviceMemory::zeroed(&gpu, 8 * plan.tile_count()).unwrap();
-    let routes: Vec<TileRoute> = (0..plan.tile_count())
-        .map(|t| {
-            let (rows, cols) = plan.tile_bounds(t);
-            let within = ((rows.start * p.n + cols.start) * 2) as u64;
-            TileRoute {
-                dst: within,
-                ld: p.n as u32,
-                options: ROUTE_DST_FROM_D,
-                fold_src: partial.addr() + within,
-                fold_flag: never_raised.addr() + 8 * t as u64,
-                fold_count: 1,
-                fold_ld: p.n as u32,
-                ..TileRoute::default()
-            }
-        })
-        .collect();
-    let source = FoldSource {
-        base: partial.addr(),
-        rows: p.m,
-        ld: p.n,
-    };
+    let (routes, source) = fold_one_partial(&plan, &partial, &never_raised);
     for (folds, staged) in [(Some(source), plan.tile_count()), (None, 0)] {
         let mut gemm =
             PreparedGemm::with_routes(&gpu, &kernels, &plan, &ops, routes.clone(), folds, 1, 0, 0)
@@ -1025,27 +1038,7 @@ fn stream_k_tail_folds_partials_through_the_pipeline() {
     let plan = GemmPlan::local(p, TILE, Epilogue::default());
     let flags = DeviceMemory::zeroed(&gpu, 8 * plan.tile_count()).unwrap();
     flags.fill(&gpu, 0xff).unwrap();
-    let routes: Vec<TileRoute> = (0..plan.tile_count())
-        .map(|t| {
-            let (rows, cols) = plan.tile_bounds(t);
-            let within = ((rows.start * p.n + cols.start) * 2) as u64;
-            TileRoute {
-                dst: within,
-                ld: p.n as u32,
-                options: ROUTE_DST_FROM_D,
-                fold_src: partial_dev.addr() + within,
-                fold_flag: flags.addr() + 8 * t as u64,
-                fold_count: 1,
-                fold_ld: p.n as u32,
-                ..TileRoute::default()
-            }
-        })
-        .collect();
-    let source = FoldSource {
-        base: partial_dev.addr(),
-        rows: p.m,
-        ld: p.n,
-    };
+    let (routes, source) = fold_one_partial(&plan, &partial_dev, &flags);
     let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
     kernels.set_tail(TailChoice::StreamK);
     let caps = [
