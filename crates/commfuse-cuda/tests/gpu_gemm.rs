@@ -972,9 +972,10 @@ fn split_tail_tiles_sum_their_k_parts() {
 /// The tail spread by stream-K ([`TailChoice::StreamK`]): the last partial wave and the whole
 /// one before it over every block, in K ranges that cross tiles (a block finishes one tile's
 /// K loop and starts another's), so that most tiles have a helper and some blocks are a
-/// helper first and an owner last. On the main, direct and mid builds, and on the skinny one
-/// (whose second consumer warpgroup has no rows), every k-block is summed once in f32,
-/// checked tightly against float64, three calls in a row (each owner resets its counter).
+/// helper first and an owner last. On the main, direct, mid, narrow and narrow-tall builds,
+/// and on the skinny one (whose second consumer warpgroup has no rows), every k-block is
+/// summed once in f32, checked tightly against float64, three calls in a row (each owner
+/// resets its counter).
 #[test]
 fn stream_k_tail_sums_every_k_range_once() {
     let Some((gpu, kernels, stream)) = one_gpu() else {
@@ -995,12 +996,15 @@ fn stream_k_tail_sums_every_k_range_once() {
         "stream-k 11/7",
     ];
     // 420 rows: the last band's 36 rows leave the second consumer warpgroup of its tiles
-    // without rows (their partials carry 36)
+    // without rows (their partials carry 36); 40 and 100 rows of narrow tiles (16 of them):
+    // the narrow and the narrow-tall build
     for (choice, m, tile, tails) in [
         (VariantChoice::Main, 500, TILE, &wide),
         (VariantChoice::Main, 420, TILE, &wide),
         (VariantChoice::Direct, 500, TILE, &wide),
         (VariantChoice::Mid, 500, MID_TILE, &mid),
+        (VariantChoice::Narrow, 40, NARROW_TILE, &wide),
+        (VariantChoice::Narrow, 100, NARROW_TILE, &wide),
     ] {
         kernels.set_choice(choice);
         split_parts_sum(&gpu, &kernels, &stream, (m, tile), &[3, 5, 6, 7], tails);
