@@ -122,9 +122,10 @@ fn member_ended(m: &Member, pid_ns: u64) -> Option<u64> {
 /// and records this process as its rank 0 in the header first, so that a rank that finds the
 /// object can tell whether its maker still runs before it is set up. An object of that name
 /// left by a rank 0 whose process has ended before its group formed is removed first, and one
-/// still too short for its header is given until it is [`ABANDONED`] to be set up (a rank 0
-/// killed between creating it and recording itself leaves one; a new group of the same name,
-/// formed at once by the ranks that survived, waits that long for it); any other is an error.
+/// still too short for its header, or whose header names no rank 0 yet, is given until it is
+/// [`ABANDONED`] to be set up (a rank 0 killed between creating it and recording itself leaves
+/// one; a new group of the same name, formed at once by the ranks that survived, waits that
+/// long for it); any other is an error.
 fn create(
     path: &CString,
     name: &str,
@@ -245,6 +246,13 @@ fn remove_if_maker_ended(fd: libc::c_int, size: usize, path: &CString, pid_ns: u
     .flatten()
 }
 
+/// Whether the object `fd` (at least a header long) names its rank 0: its maker records
+/// itself right after sizing the header, so one that does not was abandoned there or is about
+/// to be recorded, as one still too short for its header.
+fn maker_recorded(fd: libc::c_int) -> bool {
+    with_header(fd, |h| h.members[0].pid.load(Ordering::Acquire) != 0).unwrap_or(true)
+}
+
 /// Whether the object `fd` is this user's alone (mode 0600); its size; how long ago it last
 /// changed (None where the clock says nothing).
 fn owned(fd: libc::c_int) -> (bool, usize, Option<Duration>) {
@@ -293,7 +301,7 @@ fn remove_if_left(path: &CString, pid_ns: u64) -> Left {
         Left::Kept
     } else if remove_if_maker_ended(fd, size, path, pid_ns).is_some() {
         Left::Removed
-    } else if size >= HEADER {
+    } else if size >= HEADER && maker_recorded(fd) {
         Left::Kept
     } else {
         match age {

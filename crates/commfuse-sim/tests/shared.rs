@@ -443,11 +443,12 @@ fn a_rank_that_finds_the_maker_gone_stops_the_ranks_that_joined() {
     assert!(!std::path::Path::new(&format!("/dev/shm/commfuse-{n}")).exists());
 }
 
-/// An empty object of the group's name, as a rank 0 that ended between creating and sizing it
-/// leaves.
-fn empty_object(name: &str) {
+/// An object of the group's name with `size` zero bytes, as a rank 0 that ended between
+/// creating it and recording itself leaves: empty (before sizing it) or a header's worth
+/// (sized, not yet recorded).
+fn empty_object(name: &str, size: usize) {
     let path = std::ffi::CString::new(format!("/commfuse-{name}")).unwrap();
-    // SAFETY: a NUL-terminated name; the descriptor is ours to close
+    // SAFETY: a NUL-terminated name; the descriptor is ours to size and close
     unsafe {
         let fd = libc::shm_open(
             path.as_ptr(),
@@ -455,7 +456,35 @@ fn empty_object(name: &str) {
             0o600,
         );
         assert!(fd >= 0);
+        assert_eq!(libc::ftruncate(fd, size as libc::off_t), 0);
         libc::close(fd);
+    }
+}
+
+/// The same for an object sized to its header (4096 bytes) that names no rank 0: its maker
+/// ended between sizing it and recording itself.
+#[test]
+fn an_unrecorded_object_left_under_the_name_is_replaced_once_it_is_old() {
+    let (maker, joiner) = (name("unrecorded-maker"), name("unrecorded-joiner"));
+    empty_object(&maker, 4096);
+    empty_object(&joiner, 4096);
+    let started = Instant::now();
+    Arena::open(&maker, 0, 1, 1 << 20, Duration::from_secs(1)).unwrap();
+    let waited = started.elapsed();
+    assert!(
+        (Duration::from_millis(900)..Duration::from_secs(3)).contains(&waited),
+        "rank 0 waited {waited:?} for the unrecorded object to age"
+    );
+    let e = Arena::open(&joiner, 1, 2, 1 << 20, Duration::from_millis(100))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.ends_with("(one left there by a rank 0 that ended was removed)"),
+        "{e}"
+    );
+    for n in [maker, joiner] {
+        assert!(!std::path::Path::new(&format!("/dev/shm/commfuse-{n}")).exists());
     }
 }
 
@@ -466,8 +495,8 @@ fn an_empty_object_left_under_the_name_is_replaced_once_it_is_old() {
         name("empty-joiner"),
         name("empty-live"),
     );
-    empty_object(&maker);
-    empty_object(&joiner);
+    empty_object(&maker, 0);
+    empty_object(&joiner, 0);
     // a fresh one may be a rank 0 between creating and sizing it, or one killed there whose
     // surviving ranks form a new group of the name at once: rank 0 of the new group gives it
     // until it is old enough to tell, then replaces it
@@ -492,10 +521,10 @@ fn an_empty_object_left_under_the_name_is_replaced_once_it_is_old() {
     std::thread::scope(|s| {
         let forming = s.spawn(|| Arena::open(&live, 0, 2, 1 << 20, Duration::from_millis(1500)));
         // until its rank 0 has sized it past its header (4096 bytes), which it does right
-        // after creating it
+        // after creating it and recording itself there
         let object = format!("/dev/shm/commfuse-{live}");
         let waiting = Instant::now();
-        while std::fs::metadata(&object).map_or(true, |m| m.len() < 4096) {
+        while std::fs::metadata(&object).map_or(true, |m| m.len() <= 4096) {
             assert!(
                 waiting.elapsed() < Duration::from_secs(5),
                 "{object} never set up"
