@@ -461,21 +461,21 @@ fn empty_object(name: &str, size: usize) {
     }
 }
 
-/// The same for an object sized to its header (4096 bytes) that names no rank 0: its maker
-/// ended between sizing it and recording itself.
-#[test]
-fn an_unrecorded_object_left_under_the_name_is_replaced_once_it_is_old() {
-    let (maker, joiner) = (name("unrecorded-maker"), name("unrecorded-joiner"));
-    empty_object(&maker, 4096);
-    empty_object(&joiner, 4096);
+/// Objects of `size` zero bytes left under two names ([`empty_object`]): a fresh one may be a
+/// rank 0 between creating and recording itself in it, or one killed there whose surviving
+/// ranks form a new group of the name at once: rank 0 of the new group gives it until it is
+/// old enough to tell, then replaces it; and once old, a rank that gave up waiting removes it.
+fn left_object_is_replaced_once_old(maker: &str, joiner: &str, size: usize) {
+    empty_object(maker, size);
+    empty_object(joiner, size);
     let started = Instant::now();
-    Arena::open(&maker, 0, 1, 1 << 20, Duration::from_secs(1)).unwrap();
+    Arena::open(maker, 0, 1, 1 << 20, Duration::from_secs(1)).unwrap();
     let waited = started.elapsed();
     assert!(
         (Duration::from_millis(900)..Duration::from_secs(3)).contains(&waited),
-        "rank 0 waited {waited:?} for the unrecorded object to age"
+        "rank 0 waited {waited:?} for the object of {size} bytes to age"
     );
-    let e = Arena::open(&joiner, 1, 2, 1 << 20, Duration::from_millis(100))
+    let e = Arena::open(joiner, 1, 2, 1 << 20, Duration::from_millis(100))
         .err()
         .unwrap()
         .to_string();
@@ -483,6 +483,14 @@ fn an_unrecorded_object_left_under_the_name_is_replaced_once_it_is_old() {
         e.ends_with("(one left there by a rank 0 that ended was removed)"),
         "{e}"
     );
+}
+
+/// The same for an object sized to its header (4096 bytes) that names no rank 0: its maker
+/// ended between sizing it and recording itself.
+#[test]
+fn an_unrecorded_object_left_under_the_name_is_replaced_once_it_is_old() {
+    let (maker, joiner) = (name("unrecorded-maker"), name("unrecorded-joiner"));
+    left_object_is_replaced_once_old(&maker, &joiner, 4096);
     for n in [maker, joiner] {
         assert!(!std::path::Path::new(&format!("/dev/shm/commfuse-{n}")).exists());
     }
@@ -495,27 +503,7 @@ fn an_empty_object_left_under_the_name_is_replaced_once_it_is_old() {
         name("empty-joiner"),
         name("empty-live"),
     );
-    empty_object(&maker, 0);
-    empty_object(&joiner, 0);
-    // a fresh one may be a rank 0 between creating and sizing it, or one killed there whose
-    // surviving ranks form a new group of the name at once: rank 0 of the new group gives it
-    // until it is old enough to tell, then replaces it
-    let started = Instant::now();
-    Arena::open(&maker, 0, 1, 1 << 20, Duration::from_secs(1)).unwrap();
-    let waited = started.elapsed();
-    assert!(
-        (Duration::from_millis(900)..Duration::from_secs(3)).contains(&waited),
-        "rank 0 waited {waited:?} for the empty object to age"
-    );
-    // an old one: a rank that gave up waiting removes it
-    let e = Arena::open(&joiner, 1, 2, 1 << 20, Duration::from_millis(100))
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(
-        e.ends_with("(one left there by a rank 0 that ended was removed)"),
-        "{e}"
-    );
+    left_object_is_replaced_once_old(&maker, &joiner, 0);
     // a forming group's object, its rank 0 alive, is no one else's to take: a second rank 0 of
     // the name is refused at once
     std::thread::scope(|s| {

@@ -132,27 +132,8 @@ fn interleaved_medians(
         variants.len(),
         |v, round| {
             let v = &variants[v];
-            let fail = |e| with_stall_report(e, v.gemm);
-            for _ in 0..rounds::warmup_of(round, warmup.max(1)) {
-                (v.launch)().map_err(fail)?;
-            }
-            let events: Vec<Event> = (0..=per_round)
-                .map(|_| Event::new(gpu))
-                .collect::<Result<_, _>>()?;
-            events[0].record(stream)?;
-            for e in &events[1..] {
-                (v.launch)().map_err(fail)?;
-                e.record(stream)?;
-            }
-            stream.synchronize().map_err(fail)?;
-            v.gemm.map_or(Ok(()), PreparedGemm::check)?;
-            let mut times = events
-                .windows(2)
-                .map(|w| Ok(w[0].elapsed_ms(&w[1])? as f64))
-                .collect::<Result<Vec<f64>, CudaError>>()?;
-            Ok::<_, CudaError>(
-                rounds::median(&mut times).expect("a round times at least one launch"),
-            )
+            let warm = rounds::warmup_of(round, warmup.max(1));
+            timed_median(gpu, stream, v.gemm, &*v.launch, warm, per_round)
         },
         |_| {},
     )?;
@@ -303,7 +284,9 @@ fn run<T: Element>(
             .iter()
             .find(|r| r.flags == FoldFlags::Up && r.partials.len() == row.partials.len())
             .expect("every paced row has its flags-up row");
-        let ms = time_alone(&gpu, &stream, &up.gemm, warmup.max(3), 7)?;
+        // SAFETY: the bench's operands, partials and flags, valid for its whole run
+        let alone = || unsafe { up.gemm.launch(&stream) };
+        let ms = timed_median(&gpu, &stream, Some(&up.gemm), &alone, warmup.max(3), 7)?;
         let tiles = wide.tile_count();
         let wave_ns = ms * 1e6 / tiles.div_ceil(up.gemm.grid() as usize).max(1) as f64;
         pacers.push(Pacer::new(
@@ -639,34 +622,36 @@ impl<'a> Pacer<'a> {
     }
 }
 
-/// `gemm`'s median time in ms alone on `stream`, over `iters` launches after `warmup`.
-fn time_alone(
+/// The median time in ms of `iters` calls of `launch` on `stream`, each between two events,
+/// after `warmup` untimed ones; then `gemm`'s check (a wait that gave up is reported with
+/// its stall report).
+fn timed_median(
     gpu: &Gpu,
     stream: &Stream,
-    gemm: &PreparedGemm,
+    gemm: Option<&PreparedGemm>,
+    launch: &dyn Fn() -> Result<(), CudaError>,
     warmup: usize,
     iters: usize,
 ) -> Result<f64, CudaError> {
+    let fail = |e| with_stall_report(e, gemm);
     for _ in 0..warmup {
-        // SAFETY: the bench's operands, valid for its whole run
-        unsafe { gemm.launch(stream)? };
+        launch().map_err(fail)?;
     }
     let events: Vec<Event> = (0..=iters)
         .map(|_| Event::new(gpu))
         .collect::<Result<_, _>>()?;
     events[0].record(stream)?;
     for e in &events[1..] {
-        // SAFETY: as above
-        unsafe { gemm.launch(stream)? };
+        launch().map_err(fail)?;
         e.record(stream)?;
     }
-    stream.synchronize()?;
-    gemm.check()?;
+    stream.synchronize().map_err(fail)?;
+    gemm.map_or(Ok(()), PreparedGemm::check)?;
     let mut times = events
         .windows(2)
         .map(|w| Ok(w[0].elapsed_ms(&w[1])? as f64))
         .collect::<Result<Vec<f64>, CudaError>>()?;
-    Ok(rounds::median(&mut times).expect("at least one launch"))
+    Ok(rounds::median(&mut times).expect("at least one timed launch"))
 }
 
 impl FoldRow {
