@@ -1257,7 +1257,9 @@ impl PreparedGemm {
     /// Whether the producer asks L2 for a tile's partials halfway through its main loop, ahead
     /// of loading them into the stages (tiles of [`PreparedGemm::staged_folds`] only): so
     /// that the partials' reads from HBM spread over the main loop instead of coming from
-    /// every SM at once at the end of a wave. Off unless set.
+    /// every SM at once at the end of a wave. Off unless set: measured, it helps one partial
+    /// only at K ≥ 14336 and slows the fold elsewhere, the partials taking L2 room the
+    /// operands need (GEMM-NOTES.md, "The prefetch, measured").
     pub fn set_fold_prefetch(&mut self, on: bool) {
         self.params.fold_prefetch = on as u32;
     }

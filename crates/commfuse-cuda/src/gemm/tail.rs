@@ -15,6 +15,9 @@
 //! * [`TailMode::StreamK`]: the last partial wave and the whole wave before it spread evenly
 //!   over every block (the hybrid of data-parallel waves and stream-K of Osama et al., 2023),
 //!   so that no SM idles through the last tile; a product of less than one wave is cut.
+//!   Measured slower than the cut wherever its region is a large share of the work or K is
+//!   long (its blocks read A and B at different places in K, so L2 serves them less; see
+//!   GEMM-NOTES.md, "The tail"), which is why the cut is the default.
 //!
 //! Why it cannot deadlock: a worker's only helper segment is its first, and helpers never
 //! wait; an owner that waits for helpers is its worker's last segment. So every wait is for
