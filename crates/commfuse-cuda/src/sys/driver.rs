@@ -427,8 +427,8 @@ pub unsafe fn copy_2d(
 
 /// A 2D TMA descriptor over a row-major matrix of `dtype` elements: `dims` = (columns, rows),
 /// `row_bytes` the distance between rows (a multiple of 16), `boxed` = (columns, rows) of the
-/// box one copy moves, 128-byte swizzle (the box's rows must be 128 bytes), zero fill outside
-/// on loads; stores leave what lies outside alone.
+/// box one copy moves, swizzled as wide as the box's rows (128 or 64 bytes), zero fill
+/// outside on loads; stores leave what lies outside alone.
 pub fn tensor_map_2d(
     addr: u64,
     dtype: DType,
@@ -437,6 +437,7 @@ pub fn tensor_map_2d(
     boxed: (u32, u32),
 ) -> Result<[u64; 16], CudaError> {
     let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
+    let row_of_box = boxed.0 as usize * dtype.size();
     let dtype = match dtype {
         DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -446,6 +447,17 @@ pub fn tensor_map_2d(
     let global_strides = [row_bytes];
     let box_dim = [boxed.0, boxed.1];
     let element_strides = [1u32, 1];
+    // swizzled as wide as a box's row: the kernels' shared-memory layouts (and their wgmma
+    // descriptors) take 128- or 64-byte rows
+    let swizzle = match row_of_box {
+        128 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        64 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+        other => {
+            return Err(CudaError::OutOfBounds(format!(
+                "a tensor map's box rows must be 64 or 128 bytes, got {other}"
+            )))
+        }
+    };
     // SAFETY: out-parameter and arrays of the documented lengths (rank 2)
     check("cuTensorMapEncodeTiled", unsafe {
         sys::cuTensorMapEncodeTiled(
@@ -458,7 +470,7 @@ pub fn tensor_map_2d(
             box_dim.as_ptr(),
             element_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
