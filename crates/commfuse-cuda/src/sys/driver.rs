@@ -425,6 +425,18 @@ pub unsafe fn copy_2d(
     check("cuMemcpy2D", sys::cuMemcpy2D_v2(&copy))
 }
 
+/// The swizzle of a box whose rows are `bytes` long: as wide as the row, since the kernels'
+/// shared-memory layouts (and their wgmma descriptors) take 128- or 64-byte swizzled rows.
+fn swizzle_of_box_row(bytes: usize) -> Result<sys::CUtensorMapSwizzle, CudaError> {
+    match bytes {
+        128 => Ok(sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B),
+        64 => Ok(sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B),
+        other => Err(CudaError::OutOfBounds(format!(
+            "a tensor map's box rows must be 64 or 128 bytes, got {other}"
+        ))),
+    }
+}
+
 /// A 2D TMA descriptor over a row-major matrix of `dtype` elements: `dims` = (columns, rows),
 /// `row_bytes` the distance between rows (a multiple of 16), `boxed` = (columns, rows) of the
 /// box one copy moves, swizzled as wide as the box's rows (128 or 64 bytes), zero fill
@@ -447,17 +459,7 @@ pub fn tensor_map_2d(
     let global_strides = [row_bytes];
     let box_dim = [boxed.0, boxed.1];
     let element_strides = [1u32, 1];
-    // swizzled as wide as a box's row: the kernels' shared-memory layouts (and their wgmma
-    // descriptors) take 128- or 64-byte rows
-    let swizzle = match row_of_box {
-        128 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-        64 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
-        other => {
-            return Err(CudaError::OutOfBounds(format!(
-                "a tensor map's box rows must be 64 or 128 bytes, got {other}"
-            )))
-        }
-    };
+    let swizzle = swizzle_of_box_row(row_of_box)?;
     // SAFETY: out-parameter and arrays of the documented lengths (rank 2)
     check("cuTensorMapEncodeTiled", unsafe {
         sys::cuTensorMapEncodeTiled(
@@ -1419,5 +1421,15 @@ mod tests {
         assert!(not_ready_is_false("q", sys::CUresult::CUDA_SUCCESS).unwrap());
         assert!(!not_ready_is_false("q", sys::CUresult::CUDA_ERROR_NOT_READY).unwrap());
         // (an error's message needs libcuda, which this test may not have)
+    }
+
+    #[test]
+    fn a_box_is_swizzled_as_wide_as_its_rows() {
+        use sys::CUtensorMapSwizzle::*;
+        // the deep build's A and B [N, K] (32 16-bit elements), every other box (128 bytes)
+        assert_eq!(swizzle_of_box_row(64).unwrap(), CU_TENSOR_MAP_SWIZZLE_64B);
+        assert_eq!(swizzle_of_box_row(128).unwrap(), CU_TENSOR_MAP_SWIZZLE_128B);
+        let e = swizzle_of_box_row(96).unwrap_err().to_string();
+        assert_eq!(e, "a tensor map's box rows must be 64 or 128 bytes, got 96");
     }
 }
