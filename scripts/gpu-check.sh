@@ -40,6 +40,11 @@ log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 log "$(date -u) mode=$MODE"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used --format=csv >"$R/gpus.txt" 2>&1
 nvidia-smi topo -m >"$R/topo.txt" 2>&1
+# a fresh machine compiles every kernel under NVRTC (gemm.cu alone takes minutes, one core):
+# once here, into the kernel cache, so that no test's or bench's time limit pays for it
+t0=$SECONDS
+timeout 600 $B kernels >"$R/kernels-compile.txt" 2>&1
+log "kernels compiled rc=$? in $((SECONDS - t0)) s"
 run_tests() {
   for t in ${TESTS:-$(ls .gpu/tests)}; do
     t=.gpu/tests/$t

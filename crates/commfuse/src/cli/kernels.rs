@@ -12,8 +12,18 @@ pub struct KernelsArgs {
 }
 
 pub(super) fn kernels_cmd(a: KernelsArgs) -> Result<i32> {
-    for source in commfuse_cuda::sys::nvrtc::KERNELS {
-        let compiled = commfuse_cuda::sys::nvrtc::compile(*source, true)?;
+    // one NVRTC program runs on one core, and gemm.cu alone takes minutes: the files compile
+    // side by side (each also refreshes its kernel-cache entry), then report in order
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = commfuse_cuda::sys::nvrtc::KERNELS
+            .iter()
+            .map(|source| scope.spawn(move || commfuse_cuda::sys::nvrtc::compile(*source, true)))
+            .collect();
+        handles.into_iter().map(|h| h.join()).collect()
+    });
+    for (source, compiled) in commfuse_cuda::sys::nvrtc::KERNELS.iter().zip(results) {
+        let compiled = compiled
+            .map_err(|_| anyhow::anyhow!("compiling {} stopped unexpectedly", source.name))??;
         println!(
             "{}: compiled for {} ({} bytes of cubin)",
             source.name,
