@@ -19,7 +19,7 @@ OUT=${OUT:-/tmp/commfuse-out}
 R=$OUT/results
 mkdir -p "$R"
 B=.gpu/commfuse
-# check: compile report, GPU tests, verify        gemm: our GEMM beside cuBLASLt at four shapes (two GPUs)
+# check: GPU tests, verify (every mode starts with the compile report)      gemm: our GEMM beside cuBLASLt at four shapes (two GPUs)
 # gemm-one: our GEMM beside cuBLASLt on one GPU at fourteen shapes, decode sizes included
 # bench: the link's ceilings (scripts/link-ceilings.py), the collectives beside NCCL (and graph replay), calibration
 # gemm-rs: GEMM + reduce-scatter beside cuBLASLt and cuBLASLt + NCCL at six shapes
@@ -42,8 +42,9 @@ nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used --format=csv 
 nvidia-smi topo -m >"$R/topo.txt" 2>&1
 # a fresh machine compiles every kernel under NVRTC (gemm.cu alone takes minutes, one core):
 # once here, into the kernel cache, so that no test's or bench's time limit pays for it
+# (with ptxas's report of every entry: registers, shared memory, spills)
 t0=$SECONDS
-timeout 600 $B kernels >"$R/kernels-compile.txt" 2>&1
+timeout 600 $B kernels --report >"$R/kernels.txt" 2>&1
 log "kernels compiled rc=$? in $((SECONDS - t0)) s"
 run_tests() {
   for t in ${TESTS:-$(ls .gpu/tests)}; do
@@ -94,7 +95,6 @@ if has torch; then
 fi
 
 if has check; then
-  $B kernels --report >"$R/kernels.txt" 2>&1; log "kernels rc=$?"
   run_tests
   timeout 240 $B verify --devices 0,1 --json "$R/verify.json" >"$R/verify.txt" 2>&1
   log "verify rc=$? $(tail -1 "$R/verify.txt")"
