@@ -11,7 +11,9 @@ use commfuse_core::gemm::{
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::{DType, Element};
 use commfuse_cuda::backend::plan_table::ErrorRecord;
-use commfuse_cuda::gemm::bench::{bench_gemm, DeviceReference, ReferenceGemm, StreamGuard};
+use commfuse_cuda::gemm::bench::{
+    bench_gemm, DeviceReference, ExtraRows, ReferenceGemm, StreamGuard,
+};
 use commfuse_cuda::gemm::{
     CallNumber, FoldSource, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm,
     RouteTargets, SmHolder, TailChoice, TileRoute, TileSnapshot, VariantChoice, MID_TILE,
@@ -170,6 +172,15 @@ fn check_one<TI: Element, TO: Element>(
             p.input,
             p.output
         );
+    }
+}
+
+/// The bench's fold rows (and paced ones), every build that fits forced beside the chosen one.
+fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
+    ExtraRows {
+        folds,
+        paced,
+        builds: None,
     }
 }
 
@@ -639,18 +650,30 @@ fn mid_build_matches_float64_reference() {
     }
 }
 
-/// The direct build (the consumers store each tile from their registers; four stages),
-/// forced, by [`check_plain_wide_build`] with every SM and a plain and a full epilogue, 4 and 3
-/// SMs (split tails) with the full one and 3 with D += 2·A·B; then an odd N (999: the last
-/// column of each row stored alone).
+/// The direct build (the consumers store each tile through boxes by TMA, or from their
+/// registers; four stages), forced, by [`check_direct_build`].
 #[test]
 fn direct_build_matches_float64_reference() {
+    check_direct_build((VariantChoice::Direct, GemmVariant::Direct), 1700);
+}
+
+/// The deep build (the direct build on k-blocks of 32, 64-byte swizzled rows, eight stages),
+/// forced, by [`check_direct_build`]: K = 1544 is 48 k-blocks of 32 and a part of 8, and the
+/// split tails cut at k-blocks of 32.
+#[test]
+fn deep_build_matches_float64_reference() {
+    check_direct_build((VariantChoice::Deep, GemmVariant::Deep), 1900);
+}
+
+/// A build whose consumers store D themselves, by [`check_plain_wide_build`] with every SM and
+/// a plain and a full epilogue, 4 and 3 SMs (split tails) with the full one and 3 with
+/// D += 2·A·B; then an odd N (999: the last column of each row stored alone).
+fn check_direct_build(build: (VariantChoice, GemmVariant), seed: u64) {
     let Some((gpu, kernels, stream)) = one_gpu() else {
         return;
     };
-    let build = (VariantChoice::Direct, GemmVariant::Direct);
-    check_plain_wide_build((&gpu, &kernels, &stream), build, &FIVE_RUNS, 1700);
-    let mut seed = 1800;
+    check_plain_wide_build((&gpu, &kernels, &stream), build, &FIVE_RUNS, seed);
+    let mut seed = seed + 100;
     for_each_case(
         300,
         999,
@@ -713,7 +736,7 @@ fn forced(
 }
 
 /// Plain GEMMs numbered on the device (a CUDA graph replays the same launch as new calls): the
-/// main and the direct build, five calls of 300 × 1000 × 1544 queued back to back with
+/// main, the direct and the deep build, five calls of 300 × 1000 × 1544 queued back to back with
 /// [`CallNumber::Device`], each into D poisoned before, the last checked against float64 over
 /// every element; every block counts itself finished, so the counter says five calls.
 #[test]
@@ -733,6 +756,7 @@ fn plain_gemms_numbered_on_the_device_advance_the_counter() {
     for (choice, variant) in [
         (VariantChoice::Main, GemmVariant::Main),
         (VariantChoice::Direct, GemmVariant::Direct),
+        (VariantChoice::Deep, GemmVariant::Deep),
     ] {
         let gemm = forced(&gpu, &kernels, &plan, &ops, (choice, variant));
         // CallCounter: the last call finished (u64), blocks finished of the running one (u32)
@@ -972,7 +996,7 @@ fn split_tail_tiles_sum_their_k_parts() {
 /// The tail spread by stream-K ([`TailChoice::StreamK`]): the last partial wave and the whole
 /// one before it over every block, in K ranges that cross tiles (a block finishes one tile's
 /// K loop and starts another's), so that most tiles have a helper and some blocks are a
-/// helper first and an owner last. On the main, direct, mid, narrow and narrow-tall builds,
+/// helper first and an owner last. On the main, direct, deep, mid, narrow and narrow-tall builds,
 /// and on the skinny one (whose second consumer warpgroup has no rows), every k-block is
 /// summed once in f32, checked tightly against float64, three calls in a row (each owner
 /// resets its counter).
@@ -1002,6 +1026,7 @@ fn stream_k_tail_sums_every_k_range_once() {
         (VariantChoice::Main, 500, TILE, &wide),
         (VariantChoice::Main, 420, TILE, &wide),
         (VariantChoice::Direct, 500, TILE, &wide),
+        (VariantChoice::Deep, 500, TILE, &wide),
         (VariantChoice::Mid, 500, MID_TILE, &mid),
         (VariantChoice::Narrow, 40, NARROW_TILE, &wide),
         (VariantChoice::Narrow, 100, NARROW_TILE, &wide),
@@ -1221,11 +1246,20 @@ fn bench_rows_pass_the_check_of_every_element() {
                 DType::BF16
             };
             let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
-            let rows =
-                bench_gemm(0, None, &[1, 3], None, &p, &[0, 116], 1, 1, 42 + m as u64).unwrap();
+            let rows = bench_gemm(
+                0,
+                None,
+                folds(&[1, 3], None),
+                &p,
+                &[0, 116],
+                1,
+                1,
+                42 + m as u64,
+            )
+            .unwrap();
             // cuBLASLt and ours at both caps; each build forced too: where the skinny build
-            // fits main, skinny and (M ≤ 128 here) narrow, elsewhere main, pair, direct and
-            // mid; the fold rows (1 and 3 partials, each also prefetched); where the tail spread by stream-K differs
+            // fits main, skinny and (M ≤ 128 here) narrow, elsewhere main, pair, direct, deep
+            // and mid; the fold rows (1 and 3 partials, each also prefetched); where the tail spread by stream-K differs
             // from the cut, ours with it (512 tiles: 3.9 waves on 132 SMs, 4.4 on 116; the
             // other shapes are less than one wave, where both cut)
             // (with COMMFUSE_GEMM_TAIL=stream-k, ours spreads and the row beside it cuts)
@@ -1238,7 +1272,7 @@ fn bench_rows_pass_the_check_of_every_element() {
             let differs = if m == 2048 { 2 } else { 0 };
             assert_eq!(
                 rows.len(),
-                if skinny { 14 } else { 16 } + differs,
+                if skinny { 14 } else { 18 } + differs,
                 "{rows:?}"
             );
             let other = rows.iter().filter(|r| r.implementation == beside);
@@ -1250,10 +1284,11 @@ fn bench_rows_pass_the_check_of_every_element() {
             let wide_only = rows
                 .iter()
                 .filter(|r| {
-                    ["commfuse-direct", "commfuse-mid"].contains(&r.implementation.as_str())
+                    ["commfuse-direct", "commfuse-deep", "commfuse-mid"]
+                        .contains(&r.implementation.as_str())
                 })
                 .count();
-            assert_eq!(wide_only, if skinny { 0 } else { 4 }, "{rows:?}");
+            assert_eq!(wide_only, if skinny { 0 } else { 6 }, "{rows:?}");
             let forced = rows
                 .iter()
                 .filter(|r| {
@@ -1297,7 +1332,8 @@ fn fold_adds_every_partial_once() {
     ] {
         for layout in [BLayout::NK, BLayout::KN] {
             let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
-            let rows = bench_gemm(0, None, &[1, 3], None, &p, &[0], 1, 1, 7 + m as u64).unwrap();
+            let rows =
+                bench_gemm(0, None, folds(&[1, 3], None), &p, &[0], 1, 1, 7 + m as u64).unwrap();
             let folds: Vec<_> = rows
                 .iter()
                 .filter(|r| r.implementation.starts_with("commfuse-fold"))
@@ -1330,7 +1366,18 @@ fn paced_fold_rows_add_every_partial_once() {
     for (m, n, k) in [(1000, 3000, 1032), (2048, 8192, 3584)] {
         let p = GemmProblem::new(m, n, k, BLayout::NK, DType::BF16, DType::BF16).unwrap();
         let seed = 5 + m as u64;
-        let rows = bench_gemm(0, None, &[1, 3], Some(1.0), &p, &[cap], 1, 3, seed).unwrap();
+        // no build forced beside the chosen one
+        let extra = ExtraRows {
+            builds: Some(&[]),
+            ..folds(&[1, 3], Some(1.0))
+        };
+        let rows = bench_gemm(0, None, extra, &p, &[cap], 1, 3, seed).unwrap();
+        let forced = rows.iter().filter(|r| {
+            ["main", "pair", "direct", "deep", "mid"]
+                .iter()
+                .any(|b| r.implementation == format!("commfuse-{b}"))
+        });
+        assert_eq!(forced.count(), 0, "{rows:?}");
         let folds: Vec<_> = rows
             .iter()
             .filter(|r| r.implementation.starts_with("commfuse-fold"))
@@ -1345,9 +1392,9 @@ fn paced_fold_rows_add_every_partial_once() {
         }
     }
     let p = GemmProblem::new(256, 512, 64, BLayout::NK, DType::BF16, DType::BF16).unwrap();
-    let refused = bench_gemm(0, None, &[1], Some(0.5), &p, &[0], 1, 1, 3).unwrap_err();
+    let refused = bench_gemm(0, None, folds(&[1], Some(0.5)), &p, &[0], 1, 1, 3).unwrap_err();
     assert!(refused.to_string().contains("capped below"), "{refused}");
-    let refused = bench_gemm(0, None, &[1], Some(5.0), &p, &[cap], 1, 1, 3).unwrap_err();
+    let refused = bench_gemm(0, None, folds(&[1], Some(5.0)), &p, &[cap], 1, 1, 3).unwrap_err();
     assert!(refused.to_string().contains("0 to 4 waves"), "{refused}");
 }
 

@@ -193,6 +193,13 @@ fn bad_inputs_get_one_line_and_a_nonzero_exit() {
     );
     fails_with(&["bench", "gemm", "--m", "64", "--n", "64"], "--k");
     let gemm = ["bench", "gemm", "--m", "64", "--n", "64", "--k", "64"];
+    for builds in ["auto", "wide", "main,none"] {
+        let name = builds.rsplit(',').next().unwrap();
+        fails_with(
+            &[&gemm[..], &["--builds", builds]].concat(),
+            &format!("--builds takes main, skinny, narrow, pair, mid, direct, deep or none, got '{name}'"),
+        );
+    }
     fails_with(
         &[&gemm[..], &["--peer", "0"]].concat(),
         "is the GPU the GEMM runs on",

@@ -77,27 +77,37 @@ fn upload_random<T: Element>(
     Ok(mem)
 }
 
+/// The optional rows of [`bench_gemm`] beyond cuBLASLt's and the chosen build's.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ExtraRows<'a> {
+    /// For each F, a row of our kernel folding F partials into every tile, and one more whose
+    /// producer asks L2 for them halfway through each tile's main loop (`-prefetch`, [`FoldRow`])
+    pub folds: &'a [usize],
+    /// Each fold row again with its flags raised by a side kernel this many waves after each
+    /// wave starts (a side kernel on an SM the first cap of `sms` leaves free)
+    pub paced: Option<f64>,
+    /// The builds forced beside the chosen one, where they fit (`None`: every build that fits)
+    pub builds: Option<&'a [VariantChoice]>,
+}
+
 /// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
-/// (0 = all SMs), on the same inputs in the same run; with `peer`, also our kernel with every
-/// tile stored into a buffer on that GPU and a flag raised there per tile; for each F in `folds`,
-/// a row of our kernel folding F partials into every tile, and one more whose producer asks L2
-/// for them halfway through each tile's main loop (`-prefetch`, [`FoldRow`]).
+/// (0 = all SMs), on the same inputs in the same run, with each other build that fits forced
+/// beside ours; with `peer`, also our kernel with every tile stored into a buffer on that GPU
+/// and a flag raised there per tile; and the rows `extra` asks for.
 #[allow(clippy::too_many_arguments)]
 pub fn bench_gemm(
     device: usize,
     peer: Option<usize>,
-    folds: &[usize],
-    paced: Option<f64>,
+    extra: ExtraRows<'_>,
     problem: &GemmProblem,
     sms: &[u32],
     warmup: usize,
     iters: usize,
     seed: u64,
 ) -> Result<Vec<GemmRow>, CudaError> {
-    let f = (folds, paced);
     match problem.input {
-        DType::BF16 => run::<bf16>(device, peer, f, problem, sms, warmup, iters, seed),
-        DType::F16 => run::<f16>(device, peer, f, problem, sms, warmup, iters, seed),
+        DType::BF16 => run::<bf16>(device, peer, extra, problem, sms, warmup, iters, seed),
+        DType::F16 => run::<f16>(device, peer, extra, problem, sms, warmup, iters, seed),
         DType::F32 => Err(CudaError::Unavailable("GEMM inputs are bf16 or f16".into())),
     }
 }
@@ -150,7 +160,11 @@ pub const ORDER_GROUP: usize = 8;
 fn run<T: Element>(
     device: usize,
     peer: Option<usize>,
-    (folds, paced): (&[usize], Option<f64>),
+    ExtraRows {
+        folds,
+        paced,
+        builds: only,
+    }: ExtraRows<'_>,
     p: &GemmProblem,
     sms: &[u32],
     warmup: usize,
@@ -185,7 +199,7 @@ fn run<T: Element>(
         .collect::<Result<_, _>>()?;
     // where another build than the main one can compute the product (the skinny one: every
     // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles; the pair build:
-    // a tile of more than 64 rows, and the direct build; the mid build: M above 64), each build
+    // a tile of more than 64 rows, and the direct and deep builds; the mid build: M above 64), each build
     // forced, side by side with the row of the build chosen
     let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
     let narrow = (p.m <= NARROW_TILE.m).then(|| plan_of(NARROW_TILE));
@@ -204,11 +218,15 @@ fn run<T: Element>(
         if pair_fits {
             builds.push(("commfuse-pair", VariantChoice::Pair, &wide));
             builds.push(("commfuse-direct", VariantChoice::Direct, &wide));
+            builds.push(("commfuse-deep", VariantChoice::Deep, &wide));
         }
         if let Some(mid) = &mid {
             builds.push(("commfuse-mid", VariantChoice::Mid, mid));
         }
         for (name, choice, plan) in builds {
+            if only.is_some_and(|only| !only.contains(&choice)) {
+                continue;
+            }
             kernels.set_choice(choice);
             for &cap in sms {
                 let gemm = PreparedGemm::new(&gpu, &kernels, plan, &ops, None, cap, 0);

@@ -140,6 +140,10 @@ pub struct BenchGemmArgs {
     /// flags-up row); the first --sms cap must leave that SM free
     #[arg(long, requires = "fold")]
     pub fold_paced: Option<f64>,
+    /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
+    /// narrow, pair, mid, direct, deep, or "none" (default: every build that fits)
+    #[arg(long, value_delimiter = ',')]
+    pub builds: Vec<String>,
     #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
     pub warmup: usize,
     #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
@@ -317,6 +321,21 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         "nk" => BLayout::NK,
         other => bail!("unknown B layout '{other}' (choose kn or nk)"),
     };
+    let builds = match a.builds.as_slice() {
+        [] => None,
+        [none] if none == "none" => Some(Vec::new()),
+        names => Some(
+            names
+                .iter()
+                .map(|name| match commfuse_cuda::gemm::VariantChoice::parse(name) {
+                    Ok(commfuse_cuda::gemm::VariantChoice::Auto) | Err(_) => bail!(
+                        "--builds takes main, skinny, narrow, pair, mid, direct, deep or none, got '{name}'"
+                    ),
+                    Ok(choice) => Ok(choice),
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?,
+        ),
+    };
     let problem = GemmProblem::new(
         a.m,
         a.n,
@@ -341,11 +360,15 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
             _ => None,
         },
     };
+    let extra = commfuse_cuda::gemm::bench::ExtraRows {
+        folds: &a.fold,
+        paced: a.fold_paced,
+        builds: builds.as_deref(),
+    };
     let rows = commfuse_cuda::gemm::bench::bench_gemm(
         a.device,
         peer,
-        &a.fold,
-        a.fold_paced,
+        extra,
         &problem,
         &a.sms,
         a.warmup,
