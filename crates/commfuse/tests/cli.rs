@@ -197,7 +197,9 @@ fn bad_inputs_get_one_line_and_a_nonzero_exit() {
         let name = builds.rsplit(',').next().unwrap();
         fails_with(
             &[&gemm[..], &["--builds", builds]].concat(),
-            &format!("--builds takes main, skinny, narrow, pair, mid, direct, deep or none, got '{name}'"),
+            &format!(
+                "--builds takes main, skinny, narrow, pair, mid, direct or none, got '{name}'"
+            ),
         );
     }
     fails_with(

@@ -199,7 +199,7 @@ fn run<T: Element>(
         .collect::<Result<_, _>>()?;
     // where another build than the main one can compute the product (the skinny one: every
     // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles; the pair build:
-    // a tile of more than 64 rows, and the direct and deep builds; the mid build: M above 64), each build
+    // a tile of more than 64 rows, and the direct build; the mid build: M above 64), each build
     // forced, side by side with the row of the build chosen
     let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
     let narrow = (p.m <= NARROW_TILE.m).then(|| plan_of(NARROW_TILE));
@@ -218,7 +218,6 @@ fn run<T: Element>(
         if pair_fits {
             builds.push(("commfuse-pair", VariantChoice::Pair, &wide));
             builds.push(("commfuse-direct", VariantChoice::Direct, &wide));
-            builds.push(("commfuse-deep", VariantChoice::Deep, &wide));
         }
         if let Some(mid) = &mid {
             builds.push(("commfuse-mid", VariantChoice::Mid, mid));

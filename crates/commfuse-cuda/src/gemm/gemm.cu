@@ -68,11 +68,7 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // engine writes into D (a tensor store), and the rest of the staged tile's shared memory spent
 // on a fourth stage (192 KiB in flight). Tiles a box would overrun (a band that ends before
 // M), accumulating GEMMs and f32 outputs store from registers instead.
-// The deep build: the direct build on k-blocks of 32 (64-byte swizzled rows of A and of B
-// [N, K]) and eight stages of 24 KiB: the same 192 KiB of stages, but a consumer warpgroup
-// holds two stages of 24 KiB rather than of 48 while it computes, so 144 KiB of loads are in
-// flight instead of 96, where the stall sampling found the consumers waiting for their data.
-template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false, int BK_ = 64> struct Cfg {
+template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false> struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
     static constexpr int BN = BN_;              // columns of a tile
     static constexpr int CONSUMERS = ROWS / 64;  // consumer warpgroups with rows to compute
@@ -81,17 +77,12 @@ template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = fals
     // The consumers store the tile into D themselves: no staged tile, and storers that only
     // count the block finished (plain GEMMs only: no routes, folds or flags)
     static constexpr bool DIRECT = DIRECT_;
-    // K depth of a stage: 64 (a 128-byte swizzle row of 16-bit elements) or 32 (64 bytes)
-    static constexpr int BK = BK_;
-    // the swizzle of A's and of B [N, K]'s stage rows (BK 16-bit elements); B [K, N]'s rows are
-    // 64 columns, always 128 bytes
-    static constexpr int K_ROW_BYTES = BK * 2;
     // The direct build's boxes: 64 rows of 128 bytes (one swizzle row), two per consumer
     // warpgroup, so that one is filled while the TMA engine reads the other
     static constexpr int BOX_BYTES = 64 * 128;
     static constexpr int ACC = BN / 2;  // f32 accumulators per consumer thread (64 rows x BN / 128)
-    static constexpr int A_STAGE_BYTES = ROWS * BK * 2;
-    static constexpr int B_STAGE_BYTES = BN * BK * 2;
+    static constexpr int A_STAGE_BYTES = ROWS * gemm::BK * 2;
+    static constexpr int B_STAGE_BYTES = BN * gemm::BK * 2;
     static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
     // A staged row: BN 16-bit (or BN / 2 f32) elements plus 16 bytes of padding, which makes the
     // consumers' fragment stores free of bank conflicts (8 rows 4 banks apart)
@@ -106,7 +97,6 @@ template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = fals
     // each block of a pair loads one half of B's rows ([N, K]: 128 of 256) or two of its four
     // 64-column boxes ([K, N]); both halves start on 1024-byte boundaries
     static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN == 256), "pairs share a 256-wide B tile");
-    static_assert(BK == 64 || (BK == 32 && CLUSTER == 1 && DIRECT), "k-blocks of 32 in the deep build only");
 };
 using MainCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES>;
 using SkinnyCfg = Cfg<64, gemm::BN, 4>;
@@ -115,7 +105,6 @@ using NarrowTallCfg = Cfg<gemm::BM, 64, 8>;
 using PairCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES, 2>;
 using MidCfg = Cfg<gemm::BM, 128, 5>;
 using DirectCfg = Cfg<gemm::BM, gemm::BN, 4, 1, true>;
-using DeepCfg = Cfg<gemm::BM, gemm::BN, 8, 1, true, 32>;
 // A tile's partial folded in through the pipeline (ROUTE_FOLD_TMA): boxes of the build's rows
 // by 128 bytes (one swizzle row: 64 16-bit or 32 f32 columns), as many to a stage as its B
 // buffer holds, in the ring's next stages after the tile's last k-block: in the main build,
@@ -146,7 +135,6 @@ static_assert(NarrowTallCfg::SMEM_BYTES == 216208, "layout mirrored by NARROW_TA
 static_assert(PairCfg::SMEM_BYTES == MainCfg::SMEM_BYTES, "the pair build's layout is the main build's");
 static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES in mod.rs");
 static_assert(DirectCfg::SMEM_BYTES == 230480, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
-static_assert(DeepCfg::SMEM_BYTES == 230544, "layout mirrored by DEEP_SMEM_BYTES in mod.rs");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -492,13 +480,10 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 
 // ---- wgmma ---------------------------------------------------------------------------------
 
-// Shared-memory matrix descriptor for an operand whose rows are ROW_BYTES (128 or 64) bytes,
-// swizzled as wide: start address, leading and stride byte offsets (all in 16-byte units),
-// layout type 1 = SWIZZLE_128B, 2 = SWIZZLE_64B.
-template <int ROW_BYTES = 128> __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
-    static_assert(ROW_BYTES == 128 || ROW_BYTES == 64, "128- or 64-byte swizzled rows");
-    constexpr u64 layout = ROW_BYTES == 128 ? 1 : 2;
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (layout << 62);
+// Shared-memory matrix descriptor for a 128-byte-swizzled operand: start address, leading and
+// stride byte offsets (all in 16-byte units), layout type 1 = SWIZZLE_128B.
+__device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -595,7 +580,7 @@ template <class C> __device__ __forceinline__ Unit unit_at(const GemmParams& p, 
     if (u < p.full_units) {
         entry = p.order[u];
         w.kb0 = 0;
-        w.kb1 = (p.k + C::BK - 1) / C::BK;
+        w.kb1 = (p.k + gemm::BK - 1) / gemm::BK;
     } else {
         const TailUnit t = p.tail[u - p.full_units];
         entry = t.tile;
@@ -768,25 +753,25 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             // pair, the partner's half of B lands here too and counts on this barrier
             mbar_expect_tx(full, c.idle ? C::B_STAGE_BYTES : C::STAGE_BYTES);
             const u32 a_dst = s.a + stage * C::A_STAGE_BYTES, b_dst = s.b + stage * C::B_STAGE_BYTES;
-            if (!c.idle) tma_load_2d(a_dst, a_map, full, kb * C::BK, a_row);
+            if (!c.idle) tma_load_2d(a_dst, a_map, full, kb * gemm::BK, a_row);
             if (C::CLUSTER == 2) {
                 // this block's half of the k-block's B, into both blocks' stages (their stage is
                 // free: the empty barrier counts both blocks' consumers)
                 if (B_KN) {
 #pragma unroll
                     for (int j = 2 * half; j < 2 * half + 2; ++j)
-                        tma_load_2d_multicast(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kb * C::BK, 0x3);
+                        tma_load_2d_multicast(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kb * gemm::BK, 0x3);
                 } else {
-                    tma_load_2d_multicast(b_dst + half * (C::B_STAGE_BYTES / 2), &p.b, full, kb * C::BK,
+                    tma_load_2d_multicast(b_dst + half * (C::B_STAGE_BYTES / 2), &p.b, full, kb * gemm::BK,
                                           c.tn * C::BN + half * (C::BN / 2), 0x3);
                 }
             } else if (B_KN) {
-                // BN / 64 boxes of 64 (N) x BK (K) side by side along N, 8 (or 4) KiB each
+                // BN / 64 boxes of 64 (N) x 64 (K) side by side along N, 8 KiB each
 #pragma unroll
                 for (int j = 0; j < C::BN / 64; ++j)
-                    tma_load_2d(b_dst + j * (64 * C::BK * 2), &p.b, full, c.tn * C::BN + 64 * j, kb * C::BK);
+                    tma_load_2d(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kb * gemm::BK);
             } else {
-                tma_load_2d(b_dst, &p.b, full, kb * C::BK, c.tn * C::BN);
+                tma_load_2d(b_dst, &p.b, full, kb * gemm::BK, c.tn * C::BN);
             }
             if (issued < C::STAGES) ++issued;
             if (++stage == C::STAGES) {
@@ -1063,20 +1048,17 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             u32 prev = 0;
             for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
                 mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
-                const u32 a = s.a + stage * C::A_STAGE_BYTES + cw * (64 * C::K_ROW_BYTES);
+                const u32 a = s.a + stage * C::A_STAGE_BYTES + cw * (64 * 128);
                 const u32 b = s.b + stage * C::B_STAGE_BYTES;
                 wgmma_fence();
                 fence_acc<C::ACC>(acc);
 #pragma unroll
-                for (int kk = 0; kk < C::BK / 16; ++kk) {
-                    // A: K-major, 8-row groups 8 rows apart (1024 or 512 bytes), a k16 step is 32
-                    // bytes along the row. B [N, K]: the same. B [K, N]: N-major, 64-column blocks
-                    // one box apart (LBO: BK rows of 128 bytes), 8-row K groups 1024 bytes apart
-                    // (SBO), a k16 step is 16 rows = 2048 bytes.
-                    constexpr u32 KR = C::K_ROW_BYTES;
-                    const u64 da = smem_desc<KR>(a + 32 * kk, 16, 8 * KR);
-                    const u64 db = B_KN ? smem_desc(b + 2048 * kk, C::BK * 128, 1024)
-                                        : smem_desc<KR>(b + 32 * kk, 16, 8 * KR);
+                for (int kk = 0; kk < gemm::BK / 16; ++kk) {
+                    // A: K-major, 8-row groups 1024 bytes apart, a k16 step is 32 bytes along the row.
+                    // B [N, K]: the same. B [K, N]: N-major, 64-column blocks 8 KiB apart (LBO),
+                    // 8-row K groups 1024 bytes apart (SBO), a k16 step is 16 rows = 2048 bytes.
+                    const u64 da = smem_desc(a + 32 * kk, 16, 1024);
+                    const u64 db = B_KN ? smem_desc(b + 2048 * kk, 8192, 1024) : smem_desc(b + 32 * kk, 16, 1024);
                     Wgmma<In, C::BN>::template mma<B_KN ? 1 : 0>(acc, da, db, kb != c.kb0 || kk != 0);
                 }
                 wgmma_commit();
@@ -1463,8 +1445,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // 64 rows; gemm_narrow_...: 128x64 tiles of at most 64 rows; gemm_narrow_tall_...: 128x64 tiles;
 // gemm_pair_...: the main build in clusters of two sharing B (launched with a cluster size of 2);
 // gemm_mid_...: 128x128 tiles; gemm_direct_...: the main build's tiles on four stages, stored by
-// the consumers (TMA tensor stores of shared-memory boxes); gemm_deep_...: the direct build on
-// k-blocks of 32 and eight stages
+// the consumers (TMA tensor stores of shared-memory boxes)
 COMMFUSE_GEMM_ENTRIES(gemm_, MainCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_skinny_, SkinnyCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_, NarrowCfg)
@@ -1472,7 +1453,6 @@ COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, NarrowTallCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_pair_, PairCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_mid_, MidCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_direct_, DirectCfg)
-COMMFUSE_GEMM_ENTRIES(gemm_deep_, DeepCfg)
 
 // ---- a consumer of flagged tiles, for the GPU test of the release/acquire protocol -------------
 

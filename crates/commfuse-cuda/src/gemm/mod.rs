@@ -41,18 +41,13 @@ pub const NARROW_TILE: TileShape = TileShape { m: 128, n: 64 };
 pub const MID_TILE: TileShape = TileShape { m: 128, n: 128 };
 const THREADS: u32 = 384;
 const STAGES: u32 = 3;
-/// K depth of one pipeline stage (one 128-byte swizzle row of 16-bit elements), in every
-/// build but the deep one ([`DEEP_BK`]).
+/// K depth of one pipeline stage (one 128-byte swizzle row of 16-bit elements).
 const BK: usize = 64;
 /// Mirrors `Cfg::SMEM_BYTES` in gemm.cu for a build of `rows` × `cols` tiles and `stages`
 /// stages: alignment slack, the stages, the staged tile (rows of 2 · `cols` + 16 bytes) and
 /// the mbarriers.
 const fn smem_bytes(rows: usize, cols: usize, stages: u32) -> u32 {
-    smem_bytes_bk(rows, cols, stages, BK)
-}
-/// [`smem_bytes`] with stages `bk` deep.
-const fn smem_bytes_bk(rows: usize, cols: usize, stages: u32, bk: usize) -> u32 {
-    1024 + stages * ((rows + cols) * bk * 2) as u32
+    1024 + stages * ((rows + cols) * BK * 2) as u32
         + rows as u32 * (2 * cols as u32 + 16)
         + 8 * (2 * stages + 2)
 }
@@ -86,15 +81,6 @@ const DIRECT_BOX: (usize, usize) = (64, 128);
 const DIRECT_SMEM_BYTES: u32 = smem_bytes(TILE.m, TILE.n, DIRECT_STAGES)
     - TILE.m as u32 * (2 * TILE.n as u32 + 16)
     + 4 * (DIRECT_BOX.0 * DIRECT_BOX.1) as u32;
-/// K depth of the deep build's stages: 64-byte rows, half the others'.
-const DEEP_BK: usize = 32;
-/// Stages of the deep build: eight of 24 KiB, the direct build's 192 KiB.
-const DEEP_STAGES: u32 = 8;
-/// Mirrors `DeepCfg::SMEM_BYTES` in gemm.cu: the direct build's boxes beside eight stages of
-/// [`DEEP_BK`].
-const DEEP_SMEM_BYTES: u32 = smem_bytes_bk(TILE.m, TILE.n, DEEP_STAGES, DEEP_BK)
-    - TILE.m as u32 * (2 * TILE.n as u32 + 16)
-    + 4 * (DIRECT_BOX.0 * DIRECT_BOX.1) as u32;
 
 /// Which build of the kernel a [`PreparedGemm`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,10 +109,6 @@ pub enum GemmVariant {
     /// the staged tile's shared memory spent on a fourth stage: plain GEMMs only (no routes or
     /// gather)
     Direct,
-    /// The direct build on k-blocks of [`DEEP_BK`] and [`DEEP_STAGES`] stages: as many bytes in
-    /// the stages, but a consumer warpgroup holds half as many of them while it computes, so
-    /// that more of the loads are in flight
-    Deep,
 }
 
 /// Blocks in a cluster of the pair build.
@@ -134,7 +116,7 @@ pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 8] = [
+    pub const ALL: [GemmVariant; 7] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
@@ -142,22 +124,7 @@ impl GemmVariant {
         GemmVariant::Pair,
         GemmVariant::Mid,
         GemmVariant::Direct,
-        GemmVariant::Deep,
     ];
-
-    /// K depth of its pipeline's stages (elements).
-    pub fn bk(self) -> usize {
-        match self {
-            GemmVariant::Deep => DEEP_BK,
-            _ => BK,
-        }
-    }
-
-    /// Whether its consumers store tiles into D themselves through boxes of shared memory
-    /// (the direct and the deep build): plain GEMMs only, with D's tensor map.
-    pub fn stores_directly(self) -> bool {
-        matches!(self, GemmVariant::Direct | GemmVariant::Deep)
-    }
 
     /// Rows of the A box and of the staged tile.
     fn rows(self) -> usize {
@@ -166,8 +133,7 @@ impl GemmVariant {
             | GemmVariant::NarrowTall
             | GemmVariant::Pair
             | GemmVariant::Mid
-            | GemmVariant::Direct
-            | GemmVariant::Deep => TILE.m,
+            | GemmVariant::Direct => TILE.m,
             GemmVariant::Skinny | GemmVariant::Narrow => SKINNY_ROWS,
         }
     }
@@ -175,11 +141,9 @@ impl GemmVariant {
     /// The tile of the plans it computes.
     pub fn tile(self) -> TileShape {
         match self {
-            GemmVariant::Main
-            | GemmVariant::Skinny
-            | GemmVariant::Pair
-            | GemmVariant::Direct
-            | GemmVariant::Deep => TILE,
+            GemmVariant::Main | GemmVariant::Skinny | GemmVariant::Pair | GemmVariant::Direct => {
+                TILE
+            }
             GemmVariant::Narrow | GemmVariant::NarrowTall => NARROW_TILE,
             GemmVariant::Mid => MID_TILE,
         }
@@ -201,7 +165,6 @@ impl GemmVariant {
             GemmVariant::NarrowTall => NARROW_TALL_SMEM_BYTES,
             GemmVariant::Mid => MID_SMEM_BYTES,
             GemmVariant::Direct => DIRECT_SMEM_BYTES,
-            GemmVariant::Deep => DEEP_SMEM_BYTES,
         }
     }
 
@@ -214,7 +177,6 @@ impl GemmVariant {
             GemmVariant::Pair => "gemm_pair_",
             GemmVariant::Mid => "gemm_mid_",
             GemmVariant::Direct => "gemm_direct_",
-            GemmVariant::Deep => "gemm_deep_",
         }
     }
 
@@ -233,14 +195,8 @@ impl GemmVariant {
     /// limits.
     pub fn max_parts(self, one_wave: bool) -> usize {
         match self {
-            GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct | GemmVariant::Deep
-                if one_wave =>
-            {
-                3
-            }
-            GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct | GemmVariant::Deep => {
-                MAX_PARTS
-            }
+            GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct if one_wave => 3,
+            GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct => MAX_PARTS,
             GemmVariant::Skinny | GemmVariant::Narrow | GemmVariant::NarrowTall => 2,
             GemmVariant::Pair => 1,
         }
@@ -257,7 +213,7 @@ impl GemmVariant {
         }
     }
 
-    /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct` or `deep`.
+    /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid` or `direct`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
@@ -267,7 +223,6 @@ impl GemmVariant {
             GemmVariant::Pair => "pair",
             GemmVariant::Mid => "mid",
             GemmVariant::Direct => "direct",
-            GemmVariant::Deep => "deep",
         }
     }
 }
@@ -301,11 +256,9 @@ pub enum VariantChoice {
     /// skinny one elsewhere (as [`VariantChoice::Pair`]); the fused operators' GEMMs keep the
     /// main build
     Direct,
-    /// As [`VariantChoice::Direct`] with the deep build in the direct build's place
-    Deep,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|pair|mid|direct|deep|auto` (default `auto`): the [`VariantChoice`] of
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|pair|mid|direct|auto` (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
 
@@ -329,7 +282,7 @@ pub fn narrow_pays(p: &GemmProblem, sms: usize) -> bool {
 pub const NARROW_ROWS_MIN: usize = 16;
 
 impl VariantChoice {
-    /// The choice named `main`, `skinny`, `narrow`, `pair`, `mid`, `direct`, `deep` or `auto`.
+    /// The choice named `main`, `skinny`, `narrow`, `pair`, `mid`, `direct` or `auto`.
     pub fn parse(name: &str) -> Result<VariantChoice, CudaError> {
         match name {
             "auto" => Ok(VariantChoice::Auto),
@@ -339,14 +292,13 @@ impl VariantChoice {
             "pair" => Ok(VariantChoice::Pair),
             "mid" => Ok(VariantChoice::Mid),
             "direct" => Ok(VariantChoice::Direct),
-            "deep" => Ok(VariantChoice::Deep),
             _ => Err(unsupported(format!(
-                "{VARIANT_ENV} must be main, skinny, narrow, pair, mid, direct, deep or auto, got {name:?}"
+                "{VARIANT_ENV} must be main, skinny, narrow, pair, mid, direct or auto, got {name:?}"
             ))),
         }
     }
 
-    /// `main`, `skinny`, `narrow`, `pair`, `mid`, `direct`, `deep` or `auto`.
+    /// `main`, `skinny`, `narrow`, `pair`, `mid`, `direct` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
@@ -356,7 +308,6 @@ impl VariantChoice {
             VariantChoice::Pair => "pair",
             VariantChoice::Mid => "mid",
             VariantChoice::Direct => "direct",
-            VariantChoice::Deep => "deep",
         }
     }
 
@@ -374,8 +325,7 @@ impl VariantChoice {
             | VariantChoice::Skinny
             | VariantChoice::Pair
             | VariantChoice::Mid
-            | VariantChoice::Direct
-            | VariantChoice::Deep => false,
+            | VariantChoice::Direct => false,
         };
         if narrow {
             NARROW_TILE
@@ -399,7 +349,6 @@ impl VariantChoice {
             (false, false) if matches!(self, VariantChoice::Direct | VariantChoice::Auto) => {
                 GemmVariant::Direct
             }
-            (false, false) if self == VariantChoice::Deep => GemmVariant::Deep,
             (false, false) => GemmVariant::Main,
             (false, true) => GemmVariant::Skinny,
             (true, false) => GemmVariant::NarrowTall,
@@ -416,7 +365,6 @@ impl VariantChoice {
             VariantChoice::Pair => 4,
             VariantChoice::Mid => 5,
             VariantChoice::Direct => 6,
-            VariantChoice::Deep => 7,
         }
     }
 
@@ -428,7 +376,6 @@ impl VariantChoice {
             4 => VariantChoice::Pair,
             5 => VariantChoice::Mid,
             6 => VariantChoice::Direct,
-            7 => VariantChoice::Deep,
             _ => VariantChoice::Auto,
         }
     }
@@ -1102,13 +1049,13 @@ impl PreparedGemm {
         let (mut routes, folds) = routes.unzip();
         let folds = folds.flatten();
         let mut variant = kernels.choice().variant_for(plan);
-        if (variant == GemmVariant::Pair || variant.stores_directly())
+        if matches!(variant, GemmVariant::Pair | GemmVariant::Direct)
             && (routes.is_some() || gather.is_some())
         {
             // the pair build runs plain GEMMs: a fused operator's tiles wait for flags (a
             // fold's partials, a band's rows), and a wait of one block of a pair holds its
             // partner's stages too; unmeasured, so the main build serves them. The direct
-            // and deep builds' consumers store into D only (no routes, no flags)
+            // build's consumers store into D only (no routes, no flags)
             variant = GemmVariant::Main;
         }
         let function = kernels.entry(plan, variant)?;
@@ -1164,7 +1111,7 @@ impl PreparedGemm {
                 (cap / c).min(clusters).max(1) * c
             }
         };
-        let tail = plan_tail(&order, cap as usize, p.k.div_ceil(variant.bk()), mode);
+        let tail = plan_tail(&order, cap as usize, p.k.div_ceil(BK), mode);
         // one table: the order (u32), then, 64-byte aligned, the routes, then the row bands
         // (u32), then the tail's units
         let order_bytes = (4 * order.len()).next_multiple_of(64);
@@ -1269,7 +1216,7 @@ impl PreparedGemm {
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
         };
-        if variant.stores_directly() {
+        if variant == GemmVariant::Direct {
             set_d_map(&mut params, p.output)?;
         }
         Ok(PreparedGemm {
@@ -1491,7 +1438,7 @@ impl PreparedGemm {
         params.bias = bias.unwrap_or(0);
         if let Some(d) = d.filter(|&d| d != params.d) {
             params.d = d;
-            if self.variant.stores_directly() {
+            if self.variant == GemmVariant::Direct {
                 set_d_map(&mut params, p.output)?;
             }
         }
@@ -1879,10 +1826,9 @@ fn fold_map(
     )
 }
 
-/// B's tensor map: [N, K] in boxes of the build's k-block ([`GemmVariant::bk`]) × the tile's
-/// columns (half of them in a block of a pair, which loads half of the tile's rows of B),
-/// [K, N] (rows padded to a multiple of 8 elements: `b` is then the padded copy) in boxes of
-/// 64 columns × the k-block.
+/// B's tensor map: [N, K] in boxes of BK × the tile's columns (half of them in a block of a
+/// pair, which loads half of the tile's rows of B), [K, N] (rows padded to a multiple of 8
+/// elements: `b` is then the padded copy) in boxes of 64 columns × BK.
 fn b_map(b: u64, p: &GemmProblem, variant: GemmVariant) -> Result<[u64; 16], CudaError> {
     match p.b_layout {
         BLayout::NK => tensor_map_2d(
@@ -1890,17 +1836,14 @@ fn b_map(b: u64, p: &GemmProblem, variant: GemmVariant) -> Result<[u64; 16], Cud
             p.input,
             (p.k as u64, p.n as u64),
             2 * p.k as u64,
-            (
-                variant.bk() as u32,
-                variant.tile().n as u32 / variant.cluster(),
-            ),
+            (BK as u32, variant.tile().n as u32 / variant.cluster()),
         ),
         BLayout::KN => tensor_map_2d(
             b,
             p.input,
             (p.n as u64, p.k as u64),
             2 * p.n.next_multiple_of(8) as u64,
-            (64, variant.bk() as u32),
+            (64, BK as u32),
         ),
     }
 }
@@ -1924,7 +1867,7 @@ fn a_map(
         input,
         (k as u64, rows as u64),
         2 * k as u64,
-        (variant.bk() as u32, variant.rows() as u32),
+        (BK as u32, variant.rows() as u32),
     )
 }
 
@@ -1991,9 +1934,6 @@ mod tests {
         // DirectCfg::SMEM_BYTES: four stages and four boxes fit
         assert_eq!(DIRECT_SMEM_BYTES, 230480);
         const { assert!(DIRECT_SMEM_BYTES <= 227 * 1024) };
-        // DeepCfg::SMEM_BYTES: eight stages of 24 KiB and the four boxes fit
-        assert_eq!(DEEP_SMEM_BYTES, 230544);
-        const { assert!(DEEP_SMEM_BYTES <= 227 * 1024) };
         const { assert!(smem_bytes(MID_TILE.m, MID_TILE.n, MID_STAGES + 1) > 227 * 1024) };
     }
 
@@ -2182,8 +2122,6 @@ mod tests {
             assert_eq!(VariantChoice::Main.variant_for(&plan), Main, "{bands:?}");
             let pair = if fits { Skinny } else { GemmVariant::Pair };
             assert_eq!(VariantChoice::Pair.variant_for(&plan), pair, "{bands:?}");
-            let deep = if fits { Skinny } else { GemmVariant::Deep };
-            assert_eq!(VariantChoice::Deep.variant_for(&plan), deep, "{bands:?}");
         }
         for (name, choice) in [
             ("auto", VariantChoice::Auto),
@@ -2193,7 +2131,6 @@ mod tests {
             ("pair", VariantChoice::Pair),
             ("mid", VariantChoice::Mid),
             ("direct", VariantChoice::Direct),
-            ("deep", VariantChoice::Deep),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -2202,7 +2139,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, pair, mid, direct, deep or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, pair, mid, direct or auto, got \"Skinny\""
             ),
             "{e}"
         );

@@ -1426,7 +1426,7 @@ mod tests {
     #[test]
     fn a_box_is_swizzled_as_wide_as_its_rows() {
         use sys::CUtensorMapSwizzle::*;
-        // the deep build's A and B [N, K] (32 16-bit elements), every other box (128 bytes)
+        // boxes of 32 16-bit elements a row, and the kernels' boxes (128 bytes)
         assert_eq!(swizzle_of_box_row(64).unwrap(), CU_TENSOR_MAP_SWIZZLE_64B);
         assert_eq!(swizzle_of_box_row(128).unwrap(), CU_TENSOR_MAP_SWIZZLE_128B);
         let e = swizzle_of_box_row(96).unwrap_err().to_string();

@@ -141,7 +141,7 @@ pub struct BenchGemmArgs {
     #[arg(long, requires = "fold")]
     pub fold_paced: Option<f64>,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
-    /// narrow, pair, mid, direct, deep, or "none" (default: every build that fits)
+    /// narrow, pair, mid, direct, or "none" (default: every build that fits)
     #[arg(long, value_delimiter = ',')]
     pub builds: Vec<String>,
     #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
@@ -329,7 +329,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
                 .iter()
                 .map(|name| match commfuse_cuda::gemm::VariantChoice::parse(name) {
                     Ok(commfuse_cuda::gemm::VariantChoice::Auto) | Err(_) => bail!(
-                        "--builds takes main, skinny, narrow, pair, mid, direct, deep or none, got '{name}'"
+                        "--builds takes main, skinny, narrow, pair, mid, direct or none, got '{name}'"
                     ),
                     Ok(choice) => Ok(choice),
                 })
