@@ -60,25 +60,31 @@ pub fn sass_of(kernel: &str) -> Option<String> {
         return None;
     };
     let source = crate::sys::nvrtc::kernel(kernel).unwrap_or_else(|| panic!("no kernel {kernel}"));
-    let compiled = crate::sys::nvrtc::compile(source, false).unwrap_or_else(|e| panic!("{e}"));
-    let path = std::env::temp_dir().join(format!(
-        "commfuse-{}-{}.cubin",
-        kernel.trim_end_matches(".cu"),
-        std::process::id()
-    ));
-    std::fs::write(&path, &compiled.cubin).expect("a temporary cubin");
-    let out = std::process::Command::new(&cuobjdump)
-        .arg("-sass")
-        .arg(&path)
-        .output()
-        .expect("cuobjdump runs");
-    let _ = std::fs::remove_file(&path);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some(String::from_utf8_lossy(&out.stdout).into_owned())
+    // every part of a file compiled in parts (their SASS one after the other)
+    let parts = crate::sys::nvrtc::compile_parts(source, false).unwrap_or_else(|e| panic!("{e}"));
+    let mut sass = String::new();
+    for compiled in parts {
+        let path = std::env::temp_dir().join(format!(
+            "commfuse-{}-{}-{}.cubin",
+            kernel.trim_end_matches(".cu"),
+            compiled.part.unwrap_or(0),
+            std::process::id()
+        ));
+        std::fs::write(&path, &compiled.cubin).expect("a temporary cubin");
+        let out = std::process::Command::new(&cuobjdump)
+            .arg("-sass")
+            .arg(&path)
+            .output()
+            .expect("cuobjdump runs");
+        let _ = std::fs::remove_file(&path);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        sass.push_str(&String::from_utf8_lossy(&out.stdout));
+    }
+    Some(sass)
 }
 
 /// The switch that lets GPU tests place more ranks than there are GPUs, ranks sharing them.

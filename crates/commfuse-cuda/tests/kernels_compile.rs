@@ -21,23 +21,24 @@ fn every_kernel_compiles_for_sm90a() {
     if !nvrtc_here() {
         return;
     }
-    for source in nvrtc::KERNELS {
-        let compiled = nvrtc::compile(*source, true).unwrap_or_else(|e| panic!("{e}"));
-        assert!(compiled.cubin.len() > 1000, "{}: empty cubin", source.name);
+    // each file as the kernels load it: gemm.cu in parts, side by side
+    let parts = nvrtc::KERNELS
+        .iter()
+        .flat_map(|source| nvrtc::compile_parts(*source, true).unwrap_or_else(|e| panic!("{e}")));
+    for compiled in parts {
+        let source = compiled.name;
+        let name = format!("{source} (part {:?})", compiled.part);
+        assert!(compiled.cubin.len() > 1000, "{name}: empty cubin");
+        check_part_entries(&compiled);
         // ptxas reports every function (entry points and out-of-line callees): none may spill
         let functions = nvrtc::ptxas_functions(&compiled.log);
         let entries = compiled.log.matches("Compiling entry function").count();
-        assert!(
-            entries > 0,
-            "{}: no entry point in\n{}",
-            source.name,
-            compiled.log
-        );
+        assert!(entries > 0, "{}: no entry point in\n{}", name, compiled.log);
         assert_eq!(
             functions.iter().filter(|f| f.entry).count(),
             entries,
             "{}: an entry point without its spill figures in\n{}",
-            source.name,
+            name,
             compiled.log
         );
         let spilling: Vec<String> = functions
@@ -53,7 +54,7 @@ fn every_kernel_compiles_for_sm90a() {
         assert!(
             spilling.is_empty(),
             "{}: registers spilled in {}",
-            source.name,
+            name,
             spilling.join(", ")
         );
         // ptxas serialises a function's wgmma when it cannot prove them warpgroup-uniform
@@ -68,11 +69,48 @@ fn every_kernel_compiles_for_sm90a() {
         assert!(
             serialised.is_empty(),
             "{}: ptxas serialised warpgroup MMAs:\n{}",
-            source.name,
+            name,
             serialised.join("\n")
         );
-        eprintln!("{}:\n{}", source.name, compiled.log);
+        eprintln!("{name}:\n{}", compiled.log);
     }
+}
+
+/// A part of gemm.cu holds the entries the loader looks for in it
+/// ([`commfuse_cuda::gemm::gemm_part`]): one build's for one input type, or the helper
+/// kernels in the last; the whole file's parts hold every entry once.
+fn check_part_entries(compiled: &nvrtc::Compiled) {
+    use commfuse_core::DType;
+    use commfuse_cuda::gemm::{gemm_part, GemmVariant, GEMM_HELPER_PART};
+    let Some(part) = compiled.part else {
+        return;
+    };
+    assert_eq!(compiled.name, "gemm.cu", "only gemm.cu compiles in parts");
+    let entries: Vec<String> = nvrtc::ptxas_functions(&compiled.log)
+        .into_iter()
+        .filter(|f| f.entry)
+        .map(|f| f.name)
+        .collect();
+    let mut expected: Vec<String> = Vec::new();
+    for variant in GemmVariant::ALL {
+        for (input, name) in [(DType::BF16, "bf16"), (DType::F16, "f16")] {
+            if gemm_part(variant, input) != part {
+                continue;
+            }
+            for layout in ["nk", "kn"] {
+                for output in ["bf16", "f16", "f32"] {
+                    expected.push(format!("{}{name}_{layout}_{output}", variant.prefix()));
+                }
+            }
+        }
+    }
+    if part == GEMM_HELPER_PART {
+        expected.extend(["tile_snapshot", "hold_sms", "raise_flags_paced"].map(String::from));
+    }
+    let mut found = entries;
+    found.sort();
+    expected.sort();
+    assert_eq!(found, expected, "gemm.cu part {part}: its entry points");
 }
 
 /// The GEMM's main loop must run on the tensor cores' warpgroup instructions: every GEMM entry

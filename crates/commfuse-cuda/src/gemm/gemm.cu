@@ -1427,33 +1427,76 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     extern "C" __global__ void __launch_bounds__(gemm::THREADS, 1) NAME(const __grid_constant__ GemmParams p) { \
         gemm_kernel<CFG, IN_T, OUT_T, KN>(p);                                                            \
     }
-#define COMMFUSE_GEMM_ENTRIES(PREFIX, CFG)                                                    \
-    COMMFUSE_GEMM_ENTRY(PREFIX##bf16_nk_bf16, CFG, __nv_bfloat16, __nv_bfloat16, false)        \
-    COMMFUSE_GEMM_ENTRY(PREFIX##bf16_kn_bf16, CFG, __nv_bfloat16, __nv_bfloat16, true)         \
-    COMMFUSE_GEMM_ENTRY(PREFIX##bf16_nk_f16, CFG, __nv_bfloat16, __half, false)                \
-    COMMFUSE_GEMM_ENTRY(PREFIX##bf16_kn_f16, CFG, __nv_bfloat16, __half, true)                 \
-    COMMFUSE_GEMM_ENTRY(PREFIX##bf16_nk_f32, CFG, __nv_bfloat16, float, false)                 \
-    COMMFUSE_GEMM_ENTRY(PREFIX##bf16_kn_f32, CFG, __nv_bfloat16, float, true)                  \
-    COMMFUSE_GEMM_ENTRY(PREFIX##f16_nk_bf16, CFG, __half, __nv_bfloat16, false)                \
-    COMMFUSE_GEMM_ENTRY(PREFIX##f16_kn_bf16, CFG, __half, __nv_bfloat16, true)                 \
-    COMMFUSE_GEMM_ENTRY(PREFIX##f16_nk_f16, CFG, __half, __half, false)                        \
-    COMMFUSE_GEMM_ENTRY(PREFIX##f16_kn_f16, CFG, __half, __half, true)                         \
-    COMMFUSE_GEMM_ENTRY(PREFIX##f16_nk_f32, CFG, __half, float, false)                         \
-    COMMFUSE_GEMM_ENTRY(PREFIX##f16_kn_f32, CFG, __half, float, true)
+// One input type's six entries of a build: both B layouts, three output types.
+#define COMMFUSE_GEMM_ENTRIES(PREFIX, IN, IN_T, CFG)                                      \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_nk_bf16, CFG, IN_T, __nv_bfloat16, false)           \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_kn_bf16, CFG, IN_T, __nv_bfloat16, true)            \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_nk_f16, CFG, IN_T, __half, false)                   \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_kn_f16, CFG, IN_T, __half, true)                    \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_nk_f32, CFG, IN_T, float, false)                    \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_kn_f32, CFG, IN_T, float, true)
+
+// The file compiles as one NVRTC program, or in parts side by side (ptxas takes minutes over
+// all the entries on one core; the host compiles the parts in threads of their own):
+// COMMFUSE_PART = 2 * build + input (input 0: bf16, 1: f16; builds in the order of
+// `GemmVariant::ALL`) holds that build's entries for that input type, and the last part,
+// GEMM_HELPER_PART, the helper kernels. Without COMMFUSE_PART, every entry.
+#define GEMM_HELPER_PART 14
+#ifdef COMMFUSE_PART
+#define GEMM_IN_PART(PART) (COMMFUSE_PART == (PART))
+#else
+#define GEMM_IN_PART(PART) 1
+#endif
 
 // gemm_<input>_<B layout>_<output>: the main build; gemm_skinny_...: 128x256 tiles of at most
 // 64 rows; gemm_narrow_...: 128x64 tiles of at most 64 rows; gemm_narrow_tall_...: 128x64 tiles;
 // gemm_pair_...: the main build in clusters of two sharing B (launched with a cluster size of 2);
 // gemm_mid_...: 128x128 tiles; gemm_direct_...: the main build's tiles on four stages, stored by
 // the consumers (TMA tensor stores of shared-memory boxes)
-COMMFUSE_GEMM_ENTRIES(gemm_, MainCfg)
-COMMFUSE_GEMM_ENTRIES(gemm_skinny_, SkinnyCfg)
-COMMFUSE_GEMM_ENTRIES(gemm_narrow_, NarrowCfg)
-COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, NarrowTallCfg)
-COMMFUSE_GEMM_ENTRIES(gemm_pair_, PairCfg)
-COMMFUSE_GEMM_ENTRIES(gemm_mid_, MidCfg)
-COMMFUSE_GEMM_ENTRIES(gemm_direct_, DirectCfg)
+#if GEMM_IN_PART(0)
+COMMFUSE_GEMM_ENTRIES(gemm_, bf16, __nv_bfloat16, MainCfg)
+#endif
+#if GEMM_IN_PART(1)
+COMMFUSE_GEMM_ENTRIES(gemm_, f16, __half, MainCfg)
+#endif
+#if GEMM_IN_PART(2)
+COMMFUSE_GEMM_ENTRIES(gemm_skinny_, bf16, __nv_bfloat16, SkinnyCfg)
+#endif
+#if GEMM_IN_PART(3)
+COMMFUSE_GEMM_ENTRIES(gemm_skinny_, f16, __half, SkinnyCfg)
+#endif
+#if GEMM_IN_PART(4)
+COMMFUSE_GEMM_ENTRIES(gemm_narrow_, bf16, __nv_bfloat16, NarrowCfg)
+#endif
+#if GEMM_IN_PART(5)
+COMMFUSE_GEMM_ENTRIES(gemm_narrow_, f16, __half, NarrowCfg)
+#endif
+#if GEMM_IN_PART(6)
+COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, bf16, __nv_bfloat16, NarrowTallCfg)
+#endif
+#if GEMM_IN_PART(7)
+COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, f16, __half, NarrowTallCfg)
+#endif
+#if GEMM_IN_PART(8)
+COMMFUSE_GEMM_ENTRIES(gemm_pair_, bf16, __nv_bfloat16, PairCfg)
+#endif
+#if GEMM_IN_PART(9)
+COMMFUSE_GEMM_ENTRIES(gemm_pair_, f16, __half, PairCfg)
+#endif
+#if GEMM_IN_PART(10)
+COMMFUSE_GEMM_ENTRIES(gemm_mid_, bf16, __nv_bfloat16, MidCfg)
+#endif
+#if GEMM_IN_PART(11)
+COMMFUSE_GEMM_ENTRIES(gemm_mid_, f16, __half, MidCfg)
+#endif
+#if GEMM_IN_PART(12)
+COMMFUSE_GEMM_ENTRIES(gemm_direct_, bf16, __nv_bfloat16, DirectCfg)
+#endif
+#if GEMM_IN_PART(13)
+COMMFUSE_GEMM_ENTRIES(gemm_direct_, f16, __half, DirectCfg)
+#endif
 
+#if GEMM_IN_PART(GEMM_HELPER_PART)
 // ---- a consumer of flagged tiles, for the GPU test of the release/acquire protocol -------------
 
 // Mirrored by `SnapshotParams` in src/gemm.rs.
@@ -1549,3 +1592,4 @@ extern "C" __global__ void __launch_bounds__(32) raise_flags_paced(const PacedFl
         }
     }
 }
+#endif  // GEMM_IN_PART(GEMM_HELPER_PART)

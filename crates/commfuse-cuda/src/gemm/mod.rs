@@ -168,7 +168,9 @@ impl GemmVariant {
         }
     }
 
-    fn prefix(self) -> &'static str {
+    /// Its entry points' prefix in gemm.cu (`gemm_`, `gemm_skinny_`, …): an entry is named
+    /// `<prefix><input>_<B layout>_<output>`.
+    pub fn prefix(self) -> &'static str {
         match self {
             GemmVariant::Main => "gemm_",
             GemmVariant::Skinny => "gemm_skinny_",
@@ -691,6 +693,21 @@ fn type_name(d: DType) -> &'static str {
     }
 }
 
+/// The part of gemm.cu ([`nvrtc::compile_parts`]) that holds `variant`'s entry points for
+/// `input` (bf16 or f16): `2 · build + input`, the builds in the order of [`GemmVariant::ALL`],
+/// as gemm.cu's `#if GEMM_IN_PART` blocks have them.
+pub fn gemm_part(variant: GemmVariant, input: DType) -> u32 {
+    let build = GemmVariant::ALL
+        .iter()
+        .position(|&v| v == variant)
+        .expect("every build is in ALL") as u32;
+    2 * build + u32::from(input == DType::F16)
+}
+
+/// The part of gemm.cu that holds the helper kernels (the snapshot of flagged tiles, the SM
+/// holder, the paced flags): the last, `GEMM_HELPER_PART` in gemm.cu.
+pub const GEMM_HELPER_PART: u32 = 2 * GemmVariant::ALL.len() as u32;
+
 /// The GEMM entry points of gemm.cu loaded on one GPU (every build).
 pub struct GemmKernels {
     functions: HashMap<String, Function>,
@@ -701,7 +718,7 @@ pub struct GemmKernels {
     pub(crate) snapshot: Function,
     hold: Function,
     pub(crate) paced_flags: Function,
-    _module: Module,
+    _modules: Vec<Module>,
 }
 
 impl GemmKernels {
@@ -716,14 +733,19 @@ impl GemmKernels {
             Ok(v) => TailChoice::parse(&v)?,
             Err(_) => TailChoice::Cut,
         };
-        let compiled = nvrtc::compile(nvrtc::kernel("gemm.cu").expect("embedded"), false)?;
-        let module = Module::load(gpu, &compiled.cubin)?;
+        // the file's parts side by side: one build's entries for one input type each
+        let modules = nvrtc::compile_parts(nvrtc::kernel("gemm.cu").expect("embedded"), false)?
+            .iter()
+            .map(|part| Module::load(gpu, &part.cubin))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut functions = HashMap::new();
         for variant in GemmVariant::ALL {
-            for input in ["bf16", "f16"] {
+            for input in [DType::BF16, DType::F16] {
+                let module = &modules[gemm_part(variant, input) as usize];
                 for layout in ["nk", "kn"] {
                     for output in ["bf16", "f16", "f32"] {
-                        let name = format!("{}{input}_{layout}_{output}", variant.prefix());
+                        let name =
+                            format!("{}{}_{layout}_{output}", variant.prefix(), type_name(input));
                         let f = module.function(&name)?;
                         f.allow_dynamic_smem(variant.smem_bytes())?;
                         functions.insert(name, f);
@@ -731,17 +753,18 @@ impl GemmKernels {
                 }
             }
         }
-        let hold = module.function("hold_sms")?;
-        let paced_flags = module.function("raise_flags_paced")?;
+        let helpers = &modules[GEMM_HELPER_PART as usize];
+        let hold = helpers.function("hold_sms")?;
+        let paced_flags = helpers.function("raise_flags_paced")?;
         hold.allow_dynamic_smem(HOLD_SMEM_BYTES)?;
         Ok(GemmKernels {
             functions,
             choice: AtomicU8::new(choice.code()),
             stream_k: AtomicBool::new(tail == TailChoice::StreamK),
-            snapshot: module.function("tile_snapshot")?,
+            snapshot: helpers.function("tile_snapshot")?,
             hold,
             paced_flags,
-            _module: module,
+            _modules: modules,
         })
     }
 
@@ -2370,5 +2393,24 @@ mod tests {
         let main = |one_wave| GemmVariant::Main.max_parts(one_wave);
         assert_eq!(tail_split(32, 132, 56, main(true)), (3, 32));
         assert_eq!(tail_split(1536, 116, 384, main(false)), (4, 28));
+    }
+
+    #[test]
+    fn every_build_and_input_has_a_part_of_its_own_before_the_helpers() {
+        let mut parts: Vec<u32> = GemmVariant::ALL
+            .iter()
+            .flat_map(|&v| [gemm_part(v, DType::BF16), gemm_part(v, DType::F16)])
+            .collect();
+        parts.sort();
+        // 0, 1, … without a gap or a repeat, then the helpers' part, the file's last
+        let expected: Vec<u32> = (0..GEMM_HELPER_PART).collect();
+        assert_eq!(parts, expected);
+        let gemm = nvrtc::kernel("gemm.cu").unwrap();
+        assert_eq!(nvrtc::parts_of(gemm), GEMM_HELPER_PART + 1);
+        assert_eq!(nvrtc::parts_of(nvrtc::kernel("plan.cu").unwrap()), 1);
+        // gemm.cu's own number for the helpers' part
+        assert!(gemm
+            .text
+            .contains(&format!("#define GEMM_HELPER_PART {GEMM_HELPER_PART}\n")));
     }
 }

@@ -64,10 +64,26 @@ pub fn kernel(name: &str) -> Option<Source> {
     KERNELS.iter().copied().find(|k| k.name == name)
 }
 
+/// Files compiled in parts, and how many: each part is the file with `-DCOMMFUSE_PART=i`,
+/// which keeps some of its entry points (gemm.cu: one build's entries for one input type a
+/// part; its comment says which). One NVRTC program runs on one core, and ptxas over gemm.cu's
+/// every entry takes minutes; its parts compile side by side ([`compile_parts`]).
+const SPLIT: &[(&str, u32)] = &[("gemm.cu", 15)];
+
+/// How many parts [`compile_parts`] compiles `source` in (1: the whole file as one program).
+pub fn parts_of(source: Source) -> u32 {
+    SPLIT
+        .iter()
+        .find(|(name, _)| *name == source.name)
+        .map_or(1, |&(_, parts)| parts)
+}
+
 /// A compiled kernel file: its cubin and what ptxas said (registers, spills).
 #[derive(Debug, Clone)]
 pub struct Compiled {
     pub name: &'static str,
+    /// Which part of a file compiled in parts ([`parts_of`]); none: the whole file
+    pub part: Option<u32>,
     pub cubin: Vec<u8>,
     pub log: String,
     pub from_cache: bool,
@@ -215,6 +231,15 @@ fn probe_version() -> Result<String, CudaError> {
     Ok(format!("NVRTC {major}.{minor}\n{}", banner.join("\n")))
 }
 
+/// The options of `part` of a file (none: the whole file).
+fn options_for(part: Option<u32>) -> Vec<String> {
+    let mut opts = options();
+    if let Some(part) = part {
+        opts.push(format!("-DCOMMFUSE_PART={part}"));
+    }
+    opts
+}
+
 fn options() -> Vec<String> {
     let mut opts = vec![
         format!("--gpu-architecture={ARCH}"),
@@ -299,19 +324,52 @@ fn ensure_available() -> Result<(), CudaError> {
     }
 }
 
-/// Compiles `source` (or finds it in the memory cache, then in [`DiskCache::from_env`]).
-/// `fresh` skips the caches (for the compile report) and refreshes the disk entry.
+/// Compiles `source` as one program (or finds it in the memory cache, then in
+/// [`DiskCache::from_env`]). `fresh` skips the caches (for the compile report) and refreshes
+/// the disk entry.
 pub fn compile(source: Source, fresh: bool) -> Result<Compiled, CudaError> {
-    let key = cache_key(source)?;
+    compile_program(source, None, fresh)
+}
+
+/// Compiles every part of `source` ([`parts_of`]) side by side, one thread each, as
+/// [`compile`] does (caches included); in the order of the parts. A file not split is one part:
+/// the whole file.
+pub fn compile_parts(source: Source, fresh: bool) -> Result<Vec<Compiled>, CudaError> {
+    let parts = parts_of(source);
+    if parts == 1 {
+        return Ok(vec![compile(source, fresh)?]);
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..parts)
+            .map(|part| scope.spawn(move || compile_program(source, Some(part), fresh)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(CudaError::Nvrtc(format!(
+                        "compiling a part of {} stopped unexpectedly",
+                        source.name
+                    )))
+                })
+            })
+            .collect()
+    })
+}
+
+fn compile_program(source: Source, part: Option<u32>, fresh: bool) -> Result<Compiled, CudaError> {
+    ensure_available()?;
+    let opts = options_for(part);
+    let key = key_for(source, &opts, &nvrtc_version()?);
     if !fresh {
         if let Some(hit) = memory_cache().lock().unwrap().get(key.file_name()) {
             return Ok(hit.clone());
         }
     }
     let compiled = match (DiskCache::from_env(), fresh) {
-        (Some(disk), false) => compile_with_key(source, &disk, &key)?,
+        (Some(disk), false) => compile_with_key(source, part, &disk, &key)?,
         (disk, _) => {
-            let compiled = compile_uncached(source, &options())?;
+            let compiled = compile_uncached(source, part, &opts)?;
             if let Some(disk) = disk {
                 // a cache that cannot be written only costs a recompilation next time
                 let _ = disk.store(&key, &compiled.cubin);
@@ -330,11 +388,12 @@ pub fn compile(source: Source, fresh: bool) -> Result<Compiled, CudaError> {
 /// overwrites the entry (atomically: a concurrent compile of the same kernel also succeeds).
 /// Bypasses the memory cache.
 pub fn compile_with_cache(source: Source, disk: &DiskCache) -> Result<Compiled, CudaError> {
-    compile_with_key(source, disk, &cache_key(source)?)
+    compile_with_key(source, None, disk, &cache_key(source)?)
 }
 
 fn compile_with_key(
     source: Source,
+    part: Option<u32>,
     disk: &DiskCache,
     key: &CacheKey,
 ) -> Result<Compiled, CudaError> {
@@ -342,18 +401,23 @@ fn compile_with_key(
     if let Ok(cubin) = disk.load_verified(key) {
         return Ok(Compiled {
             name: source.name,
+            part,
             cubin,
             log: String::new(),
             from_cache: true,
         });
     }
-    let compiled = compile_uncached(source, &options())?;
+    let compiled = compile_uncached(source, part, &options_for(part))?;
     // a cache that cannot be written only costs a recompilation next time
     let _ = disk.store(key, &compiled.cubin);
     Ok(compiled)
 }
 
-fn compile_uncached(source: Source, opts: &[String]) -> Result<Compiled, CudaError> {
+fn compile_uncached(
+    source: Source,
+    part: Option<u32>,
+    opts: &[String],
+) -> Result<Compiled, CudaError> {
     let text = CString::new(source.text).expect("kernel sources hold no NUL");
     let name = CString::new(source.name).unwrap();
     let header_texts: Vec<CString> = HEADERS
@@ -390,7 +454,10 @@ fn compile_uncached(source: Source, opts: &[String]) -> Result<Compiled, CudaErr
         if rc != sys::nvrtcResult::NVRTC_SUCCESS {
             sys::nvrtcDestroyProgram(&mut prog);
             return Err(CudaError::Compile {
-                name: source.name.to_string(),
+                name: match part {
+                    Some(part) => format!("{} (part {part})", source.name),
+                    None => source.name.to_string(),
+                },
                 log,
             });
         }
@@ -404,6 +471,7 @@ fn compile_uncached(source: Source, opts: &[String]) -> Result<Compiled, CudaErr
         sys::nvrtcDestroyProgram(&mut prog);
         Ok(Compiled {
             name: source.name,
+            part,
             cubin,
             log,
             from_cache: false,

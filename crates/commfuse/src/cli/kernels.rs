@@ -12,26 +12,34 @@ pub struct KernelsArgs {
 }
 
 pub(super) fn kernels_cmd(a: KernelsArgs) -> Result<i32> {
-    // one NVRTC program runs on one core, and gemm.cu alone takes minutes: the files compile
-    // side by side (each also refreshes its kernel-cache entry), then report in order
+    use commfuse_cuda::sys::nvrtc;
+    // one NVRTC program runs on one core: the files, and the parts of those compiled in parts
+    // (gemm.cu), compile side by side, each also refreshing its kernel-cache entry (the entries
+    // the kernels load from); then report in order
     let results: Vec<_> = std::thread::scope(|scope| {
-        let handles: Vec<_> = commfuse_cuda::sys::nvrtc::KERNELS
+        let handles: Vec<_> = nvrtc::KERNELS
             .iter()
-            .map(|source| scope.spawn(move || commfuse_cuda::sys::nvrtc::compile(*source, true)))
+            .map(|source| scope.spawn(move || nvrtc::compile_parts(*source, true)))
             .collect();
         handles.into_iter().map(|h| h.join()).collect()
     });
-    for (source, compiled) in commfuse_cuda::sys::nvrtc::KERNELS.iter().zip(results) {
-        let compiled = compiled
+    for (source, parts) in nvrtc::KERNELS.iter().zip(results) {
+        let parts = parts
             .map_err(|_| anyhow::anyhow!("compiling {} stopped unexpectedly", source.name))??;
+        let bytes: usize = parts.iter().map(|p| p.cubin.len()).sum();
+        let count = match parts.len() {
+            1 => String::new(),
+            n => format!(" in {n} parts"),
+        };
         println!(
-            "{}: compiled for {} ({} bytes of cubin)",
+            "{}: compiled for {}{count} ({bytes} bytes of cubin)",
             source.name,
-            commfuse_cuda::sys::nvrtc::ARCH,
-            compiled.cubin.len()
+            nvrtc::ARCH,
         );
         if a.report {
-            println!("{}", compiled.log.trim_end());
+            for part in &parts {
+                println!("{}", part.log.trim_end());
+            }
         }
     }
     Ok(0)
