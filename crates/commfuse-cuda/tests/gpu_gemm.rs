@@ -181,6 +181,7 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         folds,
         paced,
         builds: None,
+        next_prefetch: None,
     }
 }
 
@@ -1332,6 +1333,37 @@ fn fold_adds_every_partial_once() {
             for r in folds {
                 assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{layout:?}: {r:?}");
                 assert_eq!(r.staged_folds, Some(staged), "{layout:?}: {r:?}");
+            }
+        }
+    }
+}
+
+/// The chosen build with each unit's first k-blocks asked of L2 while the unit before loads
+/// (1, 4 and more k-blocks than a unit has): every element checked, at shapes where a block
+/// runs several units (ragged, both B layouts, a split tail), beside the same build without.
+#[test]
+fn next_unit_prefetch_rows_pass_the_check() {
+    if !gpus(1) {
+        return;
+    }
+    for (m, n, k) in [(1500, 4100, 1000), (2048, 8192, 520), (8192, 4096, 64)] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            let p = GemmProblem::new(m, n, k, layout, DType::BF16, DType::BF16).unwrap();
+            for k_blocks in [1, 4, 100] {
+                let extra = ExtraRows {
+                    builds: Some(&[]),
+                    next_prefetch: Some(k_blocks),
+                    ..folds(&[], None)
+                };
+                let rows = bench_gemm(0, None, extra, &p, &[0, 116], 1, 1, 11 + m as u64).unwrap();
+                let ahead: Vec<_> = rows
+                    .iter()
+                    .filter(|r| r.implementation == "commfuse-next-prefetch")
+                    .collect();
+                assert_eq!(ahead.len(), 2, "{rows:?}");
+                for r in rows.iter().filter(|r| r.build.is_some()) {
+                    assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{layout:?}: {r:?}");
+                }
             }
         }
     }

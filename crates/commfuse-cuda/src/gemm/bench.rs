@@ -88,6 +88,9 @@ pub struct ExtraRows<'a> {
     pub paced: Option<f64>,
     /// The builds forced beside the chosen one, where they fit (`None`: every build that fits)
     pub builds: Option<&'a [VariantChoice]>,
+    /// A row of the chosen build whose producer asks L2 for each unit's first this many
+    /// k-blocks while it loads the unit before ([`PreparedGemm::set_next_prefetch`])
+    pub next_prefetch: Option<u32>,
 }
 
 /// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
@@ -164,6 +167,7 @@ fn run<T: Element>(
         folds,
         paced,
         builds: only,
+        next_prefetch,
     }: ExtraRows<'_>,
     p: &GemmProblem,
     sms: &[u32],
@@ -248,6 +252,14 @@ fn run<T: Element>(
         }
     }
     kernels.set_tail(chosen_tail);
+    // the chosen build with the next unit's first k-blocks asked of L2 ahead
+    if let Some(k_blocks) = next_prefetch {
+        for &cap in sms {
+            let mut g = PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0)?;
+            g.set_next_prefetch(k_blocks);
+            forced.push(("commfuse-next-prefetch", cap, g));
+        }
+    }
 
     // the rows with routes: local tiles with flags (what a flag costs), every tile to the peer
     // with and without flags, and the reduce-scatter pattern at two ranks (the peer's half of

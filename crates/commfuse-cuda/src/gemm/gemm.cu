@@ -251,6 +251,10 @@ struct GemmParams {
     // nonzero: halfway through the main loop of a tile that folds through the pipeline, the
     // producer asks L2 for the tile's partials (fold_prefetch below)
     u32 fold_prefetch;
+    // nonzero: when this many k-blocks of a unit are left to load, the producer asks L2 for
+    // as many of its next unit's first k-blocks (A's and B's boxes), whose loads would
+    // otherwise start only once the consumers free stages (prefetch_next_unit below)
+    u32 next_prefetch;
     TmaDesc a_local;
     TmaDesc d_map;
     TmaDesc fold_map;
@@ -260,6 +264,7 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, d_tma) == 440 && COMMFUSE_OFFSETOF(GemmParams, a_local) == 512 &&
                   COMMFUSE_OFFSETOF(GemmParams, d_map) == 640 && COMMFUSE_OFFSETOF(GemmParams, fold_tma) == 444 &&
                   COMMFUSE_OFFSETOF(GemmParams, fold_prefetch) == 448 &&
+                  COMMFUSE_OFFSETOF(GemmParams, next_prefetch) == 452 &&
                   COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && sizeof(GemmParams) == 896,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
@@ -721,6 +726,28 @@ template <class C, typename Out> __device__ __forceinline__ const TileRoute* sta
     return r->fold_count != 0 && (r->options & ROUTE_FOLD_TMA) != 0 ? r : nullptr;
 }
 
+// The first k-blocks (GemmParams.next_prefetch of them) of this block's unit `u` asked of L2,
+// A's box and B's, by the producer while it still loads the unit before. Not in a pair (its
+// B boxes are halves) nor in an all-gather's GEMM (a band's rows may not have landed yet).
+template <class C, bool B_KN> __device__ __forceinline__ void prefetch_next_unit(const GemmParams& p, u32 u) {
+    if (C::CLUSTER > 1 || p.band_flags != nullptr || u >= p.unit_count) return;
+    const Unit n = unit_at<C>(p, u);
+    if (n.empty) return;
+    const bool local = n.row0 - p.local_row0 < p.local_rows;
+    const TmaDesc* a_map = local ? &p.a_local : &p.a;
+    const u32 a_row = local ? n.row0 - p.local_row0 : n.row0;
+    const u32 end = min(n.kb1, n.kb0 + p.next_prefetch);
+    for (u32 kb = n.kb0; kb < end; ++kb) {
+        tma_prefetch_2d(a_map, kb * gemm::BK, a_row);
+        if (B_KN) {
+#pragma unroll
+            for (int j = 0; j < C::BN / 64; ++j) tma_prefetch_2d(&p.b, n.tn * C::BN + 64 * j, kb * gemm::BK);
+        } else {
+            tma_prefetch_2d(&p.b, kb * gemm::BK, n.tn * C::BN);
+        }
+    }
+}
+
 template <class C, typename Out, bool B_KN>
 __device__ void producer(const GemmParams& p, const Smem& s) {
     u32 stage = 0, phase = 0;
@@ -743,6 +770,8 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         u32 prefetch_at = 0xffffffffu;
         if (p.fold_prefetch != 0 && !c.helper && !c.idle && staged_fold<C, Out>(p, c.tile) != nullptr)
             prefetch_at = (c.kb0 + c.kb1) / 2;
+        // the k-block at which the next unit's first k-blocks are asked of L2 (none: past the loop)
+        const u32 next_at = p.next_prefetch == 0 ? 0xffffffffu : c.kb1 - min(p.next_prefetch, c.kb1 - c.kb0);
         for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
             const u32 full = s.full + 8 * stage, empty = s.empty + 8 * stage;
             if (!mbar_wait<ROLE_WG0>(empty, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY)) {
@@ -779,6 +808,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
                 phase ^= 1;
             }
             if (kb == prefetch_at) fold_prefetch<C, Out>(p, *staged_fold<C, Out>(p, c.tile), c.tn);
+            if (kb == next_at) prefetch_next_unit<C, B_KN>(p, i + gridDim.x);
         }
         if (!live) break;
         if (!c.helper && !c.idle) {

@@ -585,6 +585,7 @@ struct GemmParams {
     d_tma: u32,
     fold_tma: u32,
     fold_prefetch: u32,
+    next_prefetch: u32,
     a_local: TmaDesc,
     d_map: TmaDesc,
     fold_map: TmaDesc,
@@ -595,6 +596,7 @@ const _: () = assert!(
         && std::mem::offset_of!(GemmParams, d_tma) == 440
         && std::mem::offset_of!(GemmParams, fold_tma) == 444
         && std::mem::offset_of!(GemmParams, fold_prefetch) == 448
+        && std::mem::offset_of!(GemmParams, next_prefetch) == 452
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::offset_of!(GemmParams, d_map) == 640
         && std::mem::offset_of!(GemmParams, fold_map) == 768
@@ -1235,6 +1237,7 @@ impl PreparedGemm {
             d_tma: 0,
             fold_tma: fold_map.is_some() as u32,
             fold_prefetch: 0,
+            next_prefetch: 0,
             a_local: TmaDesc([0; 16]),
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
@@ -1285,6 +1288,14 @@ impl PreparedGemm {
     /// operands need (GEMM-NOTES.md, "The prefetch, measured").
     pub fn set_fold_prefetch(&mut self, on: bool) {
         self.params.fold_prefetch = on as u32;
+    }
+
+    /// How many of each unit's first k-blocks the producer asks L2 for while it loads the
+    /// block's unit before (0: none, the default), once as many k-blocks of that unit are
+    /// left to load: the next tile's first loads then find L2 warm instead of waiting on HBM
+    /// after the consumers free their stages. Not in the pair build or a GEMM with a gather.
+    pub fn set_next_prefetch(&mut self, k_blocks: u32) {
+        self.params.next_prefetch = k_blocks;
     }
 
     /// Tiles whose partials the kernel loads into its pipeline's stages by TMA; the other

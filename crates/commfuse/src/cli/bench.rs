@@ -144,6 +144,10 @@ pub struct BenchGemmArgs {
     /// narrow, pair, mid, direct, or "none" (default: every build that fits)
     #[arg(long, value_delimiter = ',')]
     pub builds: Vec<String>,
+    /// Also a row of the chosen build whose producer asks L2 for each tile's first this many
+    /// k-blocks while it still loads the tile before
+    #[arg(long, allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of k-blocks"))]
+    pub next_prefetch: Option<u32>,
     #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
     pub warmup: usize,
     #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
@@ -364,6 +368,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         folds: &a.fold,
         paced: a.fold_paced,
         builds: builds.as_deref(),
+        next_prefetch: a.next_prefetch,
     };
     let rows = commfuse_cuda::gemm::bench::bench_gemm(
         a.device,
