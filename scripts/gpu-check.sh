@@ -29,6 +29,10 @@ B=.gpu/commfuse
 # host-time: the host-time bench alone (HOST_TIME_FLAGS="--rounds 9" passes flags)
 # tests: the GPU test binaries only (TESTS="gpu_gemm gpu_gemm_rs" picks some)     full: all of them
 # small: small all-reduces / reduce-scatters by LL and LL16 beside NCCL, graphs and eager, with and without programmatic launch
+# fixed-cost: our GEMM's time per tile beside its k-blocks: 8192x8192xK for K from 256 to 14336
+#             (main, direct and `auto` with the next tile's first k-blocks asked of L2 ahead,
+#             beside cuBLASLt; time = waves x (fixed + k-blocks x per-k-block)), then Nsight
+#             Compute's stall sampling of the direct build at K = 512 and 3584 (FIXED_KS, NEXT_PREFETCH)
 # (each of check, gemm+bench fits one 10-minute device call)
 MODE=${1:-full}
 SIZES=${SIZES:-4K,16K,64K,256K,1M,4M,16M,64M,256M,1G}
@@ -192,6 +196,27 @@ if has small; then
         log "$name rc=$? $(grep -E ' (ll|ll16|nccl) ' "$R/$name.txt" | awk '{print $1"/"$4"="$5}' | tr '\n' ' ')"
       done
     done
+  done
+fi
+if has fixed-cost; then
+  for k in ${FIXED_KS:-256 512 1024 2048 3584 7168 14336}; do
+    name=k-8192x8192x$k
+    timeout 60 $B bench gemm --m 8192 --n 8192 --k $k --b-layout nk --sms 0 --builds main,direct \
+      --next-prefetch ${NEXT_PREFETCH:-4} --peer none --warmup 10 --iters 30 --json "$R/$name.json" >"$R/$name.txt" 2>&1
+    log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | cut -c1-160 | tee -a "$OUT/summary.txt"
+  done
+  # where the warps of the direct build wait, per SASS instruction: few k-blocks a tile
+  # (the per-tile costs weigh most) and the table's K
+  for k in 512 3584; do
+    n=ncu-direct-8192x8192x$k
+    timeout 150 ncu --clock-control none -k regex:^gemm_direct_bf16_nk_bf16\$ -s 2 -c 1 --section SpeedOfLight \
+      --section WarpStateStats --section SourceCounters -o "$R/$n" $B bench gemm --m 8192 --n 8192 --k $k \
+      --b-layout nk --sms 0 --builds direct --peer none --warmup 2 --iters 3 >"$R/$n.log" 2>&1
+    log "$n rc=$?"
+    ncu -i "$R/$n.ncu-rep" --page details >"$R/$n-details.txt" 2>&1
+    ncu -i "$R/$n.ncu-rep" --page source --csv --print-source sass >"$R/$n-sass.csv" 2>&1
+    grep -E "Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued" "$R/$n-details.txt" | head -3 | tee -a "$OUT/summary.txt"
+    rm -f "$R/$n.ncu-rep"
   done
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" results
