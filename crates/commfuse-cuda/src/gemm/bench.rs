@@ -306,18 +306,26 @@ fn run<T: Element>(
     // any of that memory is freed
     let _drain = StreamGuard::new(&stream);
     // a paced row's side kernel raises each wave's flags `paced` of a wave after the wave
-    // starts, a wave being its flags-up row's time over its waves
+    // starts, a wave being the peers': the fold rows' build without a fold, at their cap, timed
+    // alone (a peer's partial is ready when its own tile is; a wave of the fold row itself
+    // would count the owner's fold in the peers' pace)
     let mut pacers = Vec::new();
+    let peer_wave_ns = if fold_rows.iter().any(|r| r.flags.paced()) {
+        let chosen = kernels.choice();
+        kernels.set_choice(VariantChoice::Main);
+        let peer = PreparedGemm::new(&gpu, &kernels, &wide, &ops, None, fold_cap, 0);
+        kernels.set_choice(chosen);
+        let peer = peer?;
+        // SAFETY: the bench's operands, valid for its whole run
+        let alone = || unsafe { peer.launch(&stream) };
+        let ms = timed_median(&gpu, &stream, Some(&peer), &alone, warmup.max(3), 7)?;
+        ms * 1e6 / wide.tile_count().div_ceil(peer.grid() as usize).max(1) as f64
+    } else {
+        0.0
+    };
     for row in fold_rows.iter().filter(|r| r.flags.paced()) {
-        let up = fold_rows
-            .iter()
-            .find(|r| r.flags == FoldFlags::Up && r.partials.len() == row.partials.len())
-            .expect("every paced row has its flags-up row");
-        // SAFETY: the bench's operands, partials and flags, valid for its whole run
-        let alone = || unsafe { up.gemm.launch(&stream) };
-        let ms = timed_median(&gpu, &stream, Some(&up.gemm), &alone, warmup.max(3), 7)?;
         let tiles = wide.tile_count();
-        let wave_ns = ms * 1e6 / tiles.div_ceil(up.gemm.grid() as usize).max(1) as f64;
+        let wave_ns = peer_wave_ns;
         pacers.push(Pacer::new(
             (&gpu, &kernels, &side),
             row,

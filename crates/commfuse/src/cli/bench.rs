@@ -137,7 +137,7 @@ pub struct BenchGemmArgs {
     /// With --fold: also each fold row with its flags down at the call, raised by a side
     /// kernel on an SM of its own as the GEMM goes (the flags of each wave's tiles this many
     /// waves after the wave starts, 0 to 4; 1: peers at the GEMM's pace; a wave timed from the
-    /// flags-up row); the first --sms cap must leave that SM free
+    /// main build's plain GEMM at the same cap); the first --sms cap must leave that SM free
     #[arg(long, requires = "fold")]
     pub fold_paced: Option<f64>,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
