@@ -116,7 +116,7 @@ fn check_part_entries(compiled: &nvrtc::Compiled) {
 /// The GEMM's main loop must run on the tensor cores' warpgroup instructions: every GEMM entry
 /// point's SASS holds HGMMA with f32 accumulation (transposed B for the [K, N] layout) of its
 /// build's tile width: 64x256x16 in the main, the skinny, the pair and the direct build, 64x128x16 in the
-/// mid build, 64x64x16 in the narrow and the narrow-tall one, and no HGMMA of another width; the pair build's B reaches
+/// mid build, 64x64x16 in the narrow, the narrow-tall and the narrow-deep one, and no HGMMA of another width; the pair build's B reaches
 /// both blocks of its cluster by TMA multicast (UTMALDG.2D.MULTICAST). Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both
 /// from PyPI and sets COMMFUSE_REQUIRE_SASS=1.
 #[test]
@@ -125,7 +125,7 @@ fn gemm_sass_uses_hgmma() {
         return;
     };
     let (mut entries, mut skinny, mut narrow, mut tall, mut pair, mut mid) = (0, 0, 0, 0, 0, 0);
-    let mut direct = 0;
+    let (mut direct, mut narrow_deep) = (0, 0);
     for section in sass.split("Function : ").skip(1) {
         let name = section.split_whitespace().next().unwrap_or("");
         if !name.starts_with("gemm_") {
@@ -135,6 +135,7 @@ fn gemm_sass_uses_hgmma() {
         let shape = if name.starts_with("gemm_narrow_") {
             narrow += 1;
             tall += usize::from(name.starts_with("gemm_narrow_tall_"));
+            narrow_deep += usize::from(name.starts_with("gemm_narrow_deep_"));
             "HGMMA.64x64x16.F32"
         } else if name.starts_with("gemm_mid_") {
             mid += 1;
@@ -172,12 +173,16 @@ fn gemm_sass_uses_hgmma() {
             );
         }
     }
-    assert_eq!(entries, 84, "GEMM entry points found in the SASS");
+    assert_eq!(entries, 96, "GEMM entry points found in the SASS");
+    assert_eq!(
+        narrow_deep, 12,
+        "narrow-deep GEMM entry points found in the SASS"
+    );
     assert_eq!(direct, 12, "direct GEMM entry points found in the SASS");
     assert_eq!(mid, 12, "mid GEMM entry points found in the SASS");
     assert_eq!(pair, 12, "pair GEMM entry points found in the SASS");
     assert_eq!(skinny, 12, "skinny GEMM entry points found in the SASS");
-    assert_eq!(narrow, 24, "narrow GEMM entry points found in the SASS");
+    assert_eq!(narrow, 36, "narrow GEMM entry points found in the SASS");
     assert_eq!(tall, 12, "narrow-tall GEMM entry points found in the SASS");
 }
 

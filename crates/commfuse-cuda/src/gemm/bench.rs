@@ -35,7 +35,8 @@ pub struct GemmRow {
     pub n: usize,
     pub k: usize,
     pub sms: u32,
-    /// The build of our kernel that ran (`main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct`;
+    /// The build of our kernel that ran (`main`, `skinny`, `narrow`, `narrow-tall`, `narrow-deep`,
+    /// `pair`, `mid`, `direct`;
     /// none for cuBLASLt)
     pub build: Option<String>,
     /// Blocks of our kernel's persistent grid (none for cuBLASLt)
@@ -218,6 +219,7 @@ fn run<T: Element>(
         }
         if let Some(narrow) = &narrow {
             builds.push(("commfuse-narrow", VariantChoice::Narrow, narrow));
+            builds.push(("commfuse-narrow-deep", VariantChoice::NarrowDeep, narrow));
         }
         if pair_fits {
             builds.push(("commfuse-pair", VariantChoice::Pair, &wide));

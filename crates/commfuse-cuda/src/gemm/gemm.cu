@@ -102,6 +102,9 @@ using MainCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES>;
 using SkinnyCfg = Cfg<64, gemm::BN, 4>;
 using NarrowCfg = Cfg<64, 64, 8>;
 using NarrowTallCfg = Cfg<gemm::BM, 64, 8>;
+// The narrow build on twelve stages: at decode sizes the narrow build reads the weights at
+// about half of HBM's bandwidth, and more stages put more of them in flight
+using NarrowDeepCfg = Cfg<64, 64, 12>;
 using PairCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES, 2>;
 using MidCfg = Cfg<gemm::BM, 128, 5>;
 using DirectCfg = Cfg<gemm::BM, gemm::BN, 4, 1, true>;
@@ -132,6 +135,7 @@ static_assert(MainCfg::SMEM_BYTES == gemm::SMEM_BYTES && MainCfg::EPI_PITCH == g
 static_assert(SkinnyCfg::SMEM_BYTES == 198736, "layout mirrored by SKINNY_SMEM_BYTES in mod.rs");
 static_assert(NarrowCfg::SMEM_BYTES == 141456, "layout mirrored by NARROW_SMEM_BYTES in mod.rs");
 static_assert(NarrowTallCfg::SMEM_BYTES == 216208, "layout mirrored by NARROW_TALL_SMEM_BYTES in mod.rs");
+static_assert(NarrowDeepCfg::SMEM_BYTES == 207056, "layout mirrored by NARROW_DEEP_SMEM_BYTES in mod.rs");
 static_assert(PairCfg::SMEM_BYTES == MainCfg::SMEM_BYTES, "the pair build's layout is the main build's");
 static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES in mod.rs");
 static_assert(DirectCfg::SMEM_BYTES == 230480, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
@@ -1471,7 +1475,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // COMMFUSE_PART = 2 * build + input (input 0: bf16, 1: f16; builds in the order of
 // `GemmVariant::ALL`) holds that build's entries for that input type, and the last part,
 // GEMM_HELPER_PART, the helper kernels. Without COMMFUSE_PART, every entry.
-#define GEMM_HELPER_PART 14
+#define GEMM_HELPER_PART 16
 #ifdef COMMFUSE_PART
 #define GEMM_IN_PART(PART) (COMMFUSE_PART == (PART))
 #else
@@ -1482,7 +1486,8 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // 64 rows; gemm_narrow_...: 128x64 tiles of at most 64 rows; gemm_narrow_tall_...: 128x64 tiles;
 // gemm_pair_...: the main build in clusters of two sharing B (launched with a cluster size of 2);
 // gemm_mid_...: 128x128 tiles; gemm_direct_...: the main build's tiles on four stages, stored by
-// the consumers (TMA tensor stores of shared-memory boxes)
+// the consumers (TMA tensor stores of shared-memory boxes); gemm_narrow_deep_...: the narrow
+// build on twelve stages
 #if GEMM_IN_PART(0)
 COMMFUSE_GEMM_ENTRIES(gemm_, bf16, __nv_bfloat16, MainCfg)
 #endif
@@ -1524,6 +1529,12 @@ COMMFUSE_GEMM_ENTRIES(gemm_direct_, bf16, __nv_bfloat16, DirectCfg)
 #endif
 #if GEMM_IN_PART(13)
 COMMFUSE_GEMM_ENTRIES(gemm_direct_, f16, __half, DirectCfg)
+#endif
+#if GEMM_IN_PART(14)
+COMMFUSE_GEMM_ENTRIES(gemm_narrow_deep_, bf16, __nv_bfloat16, NarrowDeepCfg)
+#endif
+#if GEMM_IN_PART(15)
+COMMFUSE_GEMM_ENTRIES(gemm_narrow_deep_, f16, __half, NarrowDeepCfg)
 #endif
 
 #if GEMM_IN_PART(GEMM_HELPER_PART)

@@ -67,6 +67,10 @@ const NARROW_STAGES: u32 = 8;
 const NARROW_SMEM_BYTES: u32 = smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_STAGES);
 /// Mirrors `NarrowTallCfg::SMEM_BYTES` in gemm.cu.
 const NARROW_TALL_SMEM_BYTES: u32 = smem_bytes(NARROW_TILE.m, NARROW_TILE.n, NARROW_STAGES);
+/// Stages of the narrow-deep build: twelve of 16 KiB (thirteen fit).
+const NARROW_DEEP_STAGES: u32 = 12;
+/// Mirrors `NarrowDeepCfg::SMEM_BYTES` in gemm.cu.
+const NARROW_DEEP_SMEM_BYTES: u32 = smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES);
 /// Stages of the mid build: 32 KiB each; a sixth does not fit beside the staged tile.
 const MID_STAGES: u32 = 5;
 /// Mirrors `MidCfg::SMEM_BYTES` in gemm.cu.
@@ -109,6 +113,10 @@ pub enum GemmVariant {
     /// the staged tile's shared memory spent on a fourth stage: plain GEMMs only (no routes or
     /// gather)
     Direct,
+    /// The narrow build on [`NARROW_DEEP_STAGES`] stages instead of 8: more of the weights'
+    /// bytes in flight at decode sizes, where the narrow build reads them at about half of
+    /// HBM's bandwidth
+    NarrowDeep,
 }
 
 /// Blocks in a cluster of the pair build.
@@ -116,7 +124,7 @@ pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 7] = [
+    pub const ALL: [GemmVariant; 8] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
@@ -124,6 +132,7 @@ impl GemmVariant {
         GemmVariant::Pair,
         GemmVariant::Mid,
         GemmVariant::Direct,
+        GemmVariant::NarrowDeep,
     ];
 
     /// Rows of the A box and of the staged tile.
@@ -134,7 +143,7 @@ impl GemmVariant {
             | GemmVariant::Pair
             | GemmVariant::Mid
             | GemmVariant::Direct => TILE.m,
-            GemmVariant::Skinny | GemmVariant::Narrow => SKINNY_ROWS,
+            GemmVariant::Skinny | GemmVariant::Narrow | GemmVariant::NarrowDeep => SKINNY_ROWS,
         }
     }
 
@@ -144,7 +153,7 @@ impl GemmVariant {
             GemmVariant::Main | GemmVariant::Skinny | GemmVariant::Pair | GemmVariant::Direct => {
                 TILE
             }
-            GemmVariant::Narrow | GemmVariant::NarrowTall => NARROW_TILE,
+            GemmVariant::Narrow | GemmVariant::NarrowTall | GemmVariant::NarrowDeep => NARROW_TILE,
             GemmVariant::Mid => MID_TILE,
         }
     }
@@ -163,6 +172,7 @@ impl GemmVariant {
             GemmVariant::Skinny => SKINNY_SMEM_BYTES,
             GemmVariant::Narrow => NARROW_SMEM_BYTES,
             GemmVariant::NarrowTall => NARROW_TALL_SMEM_BYTES,
+            GemmVariant::NarrowDeep => NARROW_DEEP_SMEM_BYTES,
             GemmVariant::Mid => MID_SMEM_BYTES,
             GemmVariant::Direct => DIRECT_SMEM_BYTES,
         }
@@ -176,6 +186,7 @@ impl GemmVariant {
             GemmVariant::Skinny => "gemm_skinny_",
             GemmVariant::Narrow => "gemm_narrow_",
             GemmVariant::NarrowTall => "gemm_narrow_tall_",
+            GemmVariant::NarrowDeep => "gemm_narrow_deep_",
             GemmVariant::Pair => "gemm_pair_",
             GemmVariant::Mid => "gemm_mid_",
             GemmVariant::Direct => "gemm_direct_",
@@ -199,7 +210,10 @@ impl GemmVariant {
         match self {
             GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct if one_wave => 3,
             GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct => MAX_PARTS,
-            GemmVariant::Skinny | GemmVariant::Narrow | GemmVariant::NarrowTall => 2,
+            GemmVariant::Skinny
+            | GemmVariant::Narrow
+            | GemmVariant::NarrowTall
+            | GemmVariant::NarrowDeep => 2,
             GemmVariant::Pair => 1,
         }
     }
@@ -215,7 +229,7 @@ impl GemmVariant {
         }
     }
 
-    /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid` or `direct`.
+    /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct` or `narrow-deep`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
@@ -225,6 +239,7 @@ impl GemmVariant {
             GemmVariant::Pair => "pair",
             GemmVariant::Mid => "mid",
             GemmVariant::Direct => "direct",
+            GemmVariant::NarrowDeep => "narrow-deep",
         }
     }
 }
@@ -258,9 +273,14 @@ pub enum VariantChoice {
     /// skinny one elsewhere (as [`VariantChoice::Pair`]); the fused operators' GEMMs keep the
     /// main build
     Direct,
+    /// As [`VariantChoice::Narrow`] with the narrow-deep build in the narrow build's place
+    NarrowDeep,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|pair|mid|direct|auto` (default `auto`): the [`VariantChoice`] of
+/// Every build choice's name but `auto`, in the words of [`VARIANT_ENV`].
+pub const FORCED_CHOICES: &str = "main, skinny, narrow, narrow-deep, pair, mid, direct";
+
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|pair|mid|direct|auto` (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
 
@@ -284,7 +304,8 @@ pub fn narrow_pays(p: &GemmProblem, sms: usize) -> bool {
 pub const NARROW_ROWS_MIN: usize = 16;
 
 impl VariantChoice {
-    /// The choice named `main`, `skinny`, `narrow`, `pair`, `mid`, `direct` or `auto`.
+    /// The choice named `main`, `skinny`, `narrow`, `narrow-deep`, `pair`, `mid`, `direct` or
+    /// `auto`.
     pub fn parse(name: &str) -> Result<VariantChoice, CudaError> {
         match name {
             "auto" => Ok(VariantChoice::Auto),
@@ -294,13 +315,14 @@ impl VariantChoice {
             "pair" => Ok(VariantChoice::Pair),
             "mid" => Ok(VariantChoice::Mid),
             "direct" => Ok(VariantChoice::Direct),
+            "narrow-deep" => Ok(VariantChoice::NarrowDeep),
             _ => Err(unsupported(format!(
-                "{VARIANT_ENV} must be main, skinny, narrow, pair, mid, direct or auto, got {name:?}"
+                "{VARIANT_ENV} must be {FORCED_CHOICES} or auto, got {name:?}"
             ))),
         }
     }
 
-    /// `main`, `skinny`, `narrow`, `pair`, `mid`, `direct` or `auto`.
+    /// `main`, `skinny`, `narrow`, `narrow-deep`, `pair`, `mid`, `direct` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
@@ -310,6 +332,7 @@ impl VariantChoice {
             VariantChoice::Pair => "pair",
             VariantChoice::Mid => "mid",
             VariantChoice::Direct => "direct",
+            VariantChoice::NarrowDeep => "narrow-deep",
         }
     }
 
@@ -322,7 +345,7 @@ impl VariantChoice {
         }
         let narrow = match self {
             VariantChoice::Auto => narrow_pays(p, sms),
-            VariantChoice::Narrow => p.m <= NARROW_TILE.m,
+            VariantChoice::Narrow | VariantChoice::NarrowDeep => p.m <= NARROW_TILE.m,
             VariantChoice::Main
             | VariantChoice::Skinny
             | VariantChoice::Pair
@@ -354,6 +377,7 @@ impl VariantChoice {
             (false, false) => GemmVariant::Main,
             (false, true) => GemmVariant::Skinny,
             (true, false) => GemmVariant::NarrowTall,
+            (true, true) if self == VariantChoice::NarrowDeep => GemmVariant::NarrowDeep,
             (true, true) => GemmVariant::Narrow,
         }
     }
@@ -367,6 +391,7 @@ impl VariantChoice {
             VariantChoice::Pair => 4,
             VariantChoice::Mid => 5,
             VariantChoice::Direct => 6,
+            VariantChoice::NarrowDeep => 7,
         }
     }
 
@@ -378,6 +403,7 @@ impl VariantChoice {
             4 => VariantChoice::Pair,
             5 => VariantChoice::Mid,
             6 => VariantChoice::Direct,
+            7 => VariantChoice::NarrowDeep,
             _ => VariantChoice::Auto,
         }
     }
@@ -1961,6 +1987,8 @@ mod tests {
         // SkinnyCfg, NarrowCfg and NarrowTallCfg::SMEM_BYTES, static_asserts in gemm.cu
         assert_eq!(SKINNY_SMEM_BYTES, 198736);
         assert_eq!(NARROW_SMEM_BYTES, 141456);
+        assert_eq!(NARROW_DEEP_SMEM_BYTES, 207056);
+        const { assert!(smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES + 2) > 227 * 1024) };
         assert_eq!(NARROW_TALL_SMEM_BYTES, 216208);
         const { assert!(NARROW_TALL_SMEM_BYTES <= 227 * 1024) };
         // MidCfg::SMEM_BYTES; a sixth stage would not fit
@@ -2165,6 +2193,7 @@ mod tests {
             ("pair", VariantChoice::Pair),
             ("mid", VariantChoice::Mid),
             ("direct", VariantChoice::Direct),
+            ("narrow-deep", VariantChoice::NarrowDeep),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -2173,7 +2202,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, pair, mid, direct or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, pair, mid, direct or auto, got \"Skinny\""
             ),
             "{e}"
         );
@@ -2208,9 +2237,16 @@ mod tests {
             );
             let pair = if fits { Narrow } else { NarrowTall };
             assert_eq!(VariantChoice::Pair.variant_for(&plan), pair, "{bands:?}");
+            let deep = if fits {
+                GemmVariant::NarrowDeep
+            } else {
+                NarrowTall
+            };
+            let choice = VariantChoice::NarrowDeep;
+            assert_eq!(choice.variant_for(&plan), deep, "{bands:?}");
         }
         for v in GemmVariant::ALL {
-            let rows = if matches!(v, Narrow | GemmVariant::Skinny) {
+            let rows = if matches!(v, Narrow | GemmVariant::Skinny | GemmVariant::NarrowDeep) {
                 64
             } else {
                 128
@@ -2288,6 +2324,8 @@ mod tests {
         assert_eq!(tile(VariantChoice::Narrow, 129, 8192), TILE);
         assert_eq!(tile(VariantChoice::Auto, 64, 28672), TILE);
         assert_eq!(tile(VariantChoice::Narrow, 64, 28672), NARROW_TILE);
+        assert_eq!(tile(VariantChoice::NarrowDeep, 64, 8192), NARROW_TILE);
+        assert_eq!(tile(VariantChoice::NarrowDeep, 129, 8192), TILE);
         assert_eq!(tile(VariantChoice::Auto, 64, 66 * 256), NARROW_TILE);
         assert_eq!(tile(VariantChoice::Auto, 64, 66 * 256 + 1), TILE);
     }

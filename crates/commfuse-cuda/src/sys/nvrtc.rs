@@ -68,7 +68,7 @@ pub fn kernel(name: &str) -> Option<Source> {
 /// which keeps some of its entry points (gemm.cu: one build's entries for one input type a
 /// part; its comment says which). One NVRTC program runs on one core, and ptxas over gemm.cu's
 /// every entry takes minutes; its parts compile side by side ([`compile_parts`]).
-const SPLIT: &[(&str, u32)] = &[("gemm.cu", 15)];
+const SPLIT: &[(&str, u32)] = &[("gemm.cu", 17)];
 
 /// How many parts [`compile_parts`] compiles `source` in (1: the whole file as one program).
 pub fn parts_of(source: Source) -> u32 {

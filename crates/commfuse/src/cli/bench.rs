@@ -141,7 +141,7 @@ pub struct BenchGemmArgs {
     #[arg(long, requires = "fold")]
     pub fold_paced: Option<f64>,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
-    /// narrow, pair, mid, direct, or "none" (default: every build that fits)
+    /// narrow, narrow-deep, pair, mid, direct, or "none" (default: every build that fits)
     #[arg(long, value_delimiter = ',')]
     pub builds: Vec<String>,
     /// Also a row of the chosen build whose producer asks L2 for each tile's first this many
@@ -331,12 +331,15 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         names => Some(
             names
                 .iter()
-                .map(|name| match commfuse_cuda::gemm::VariantChoice::parse(name) {
-                    Ok(commfuse_cuda::gemm::VariantChoice::Auto) | Err(_) => bail!(
-                        "--builds takes main, skinny, narrow, pair, mid, direct or none, got '{name}'"
-                    ),
-                    Ok(choice) => Ok(choice),
-                })
+                .map(
+                    |name| match commfuse_cuda::gemm::VariantChoice::parse(name) {
+                        Ok(commfuse_cuda::gemm::VariantChoice::Auto) | Err(_) => bail!(
+                            "--builds takes {} or none, got '{name}'",
+                            commfuse_cuda::gemm::FORCED_CHOICES
+                        ),
+                        Ok(choice) => Ok(choice),
+                    },
+                )
                 .collect::<anyhow::Result<Vec<_>>>()?,
         ),
     };
