@@ -282,3 +282,79 @@ fn race_child_compiles_into_the_shared_cache() {
     let compiled = nvrtc::compile_with_cache(plan_source(), &disk).unwrap();
     assert!(compiled.cubin.len() > 1000);
 }
+
+/// Set in the child processes of `threads_finding_nvrtc_in_a_python_environment_agree_on_its_headers`.
+const WHEEL_CHILD: &str = "COMMFUSE_TEST_WHEEL_THREADS";
+
+/// Processes that find NVRTC only in a Python environment (no library path), each with 32
+/// threads asking for a kernel's cache key at once, as the parts of gemm.cu do when they
+/// compile side by side: every thread must get the key whose options name the wheel's headers.
+/// None may see NVRTC, once another thread has loaded it from the wheel, before that thread has
+/// recorded the wheel's folder (then it compiled without the headers: 4 processes of 40 did,
+/// before `nvrtc::available` was decided once per process).
+#[test]
+fn threads_finding_nvrtc_in_a_python_environment_agree_on_its_headers() {
+    if std::env::var_os(WHEEL_CHILD).is_some() {
+        return;
+    }
+    let Some(wheels) = std::env::var_os("COMMFUSE_TEST_NVRTC_WHEELS") else {
+        assert!(
+            std::env::var_os("COMMFUSE_REQUIRE_NVRTC").is_none(),
+            "COMMFUSE_REQUIRE_NVRTC is set but COMMFUSE_TEST_NVRTC_WHEELS is not"
+        );
+        eprintln!("skipped: COMMFUSE_TEST_NVRTC_WHEELS names no folder of NVRTC wheels");
+        return;
+    };
+    let venv = tempfile::tempdir().unwrap();
+    let site = venv.path().join("lib/python3.11/site-packages");
+    std::fs::create_dir_all(&site).unwrap();
+    std::os::unix::fs::symlink(
+        std::path::Path::new(&wheels).join("nvidia"),
+        site.join("nvidia"),
+    )
+    .unwrap();
+    let exe = std::env::current_exe().unwrap();
+    for process in 0..40 {
+        let out = std::process::Command::new(&exe)
+            .args(["--exact", "wheel_child_threads_get_one_cache_key"])
+            .env(WHEEL_CHILD, "1")
+            .env_remove("LD_LIBRARY_PATH")
+            .env_remove("COMMFUSE_CUDA_INCLUDE")
+            .env_remove("CONDA_PREFIX")
+            .env("PATH", "/nonexistent")
+            .env("HOME", "/nonexistent")
+            .env("VIRTUAL_ENV", venv.path())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "process {process}:\n{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// One process of `threads_finding_nvrtc_in_a_python_environment_agree_on_its_headers` (does
+/// nothing when run on its own).
+#[test]
+fn wheel_child_threads_get_one_cache_key() {
+    if std::env::var_os(WHEEL_CHILD).is_none() {
+        return;
+    }
+    let start = std::sync::Barrier::new(32);
+    let keys: Vec<String> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..32)
+            .map(|_| {
+                scope.spawn(|| {
+                    start.wait();
+                    nvrtc::cache_key(plan_source())
+                        .map(|k| k.file_name().to_string())
+                        .unwrap_or_else(|e| format!("no key: {e}"))
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    assert!(keys.iter().all(|k| *k == keys[0]), "{keys:?}");
+}

@@ -162,15 +162,21 @@ pub fn ptxas_functions(log: &str) -> Vec<FunctionResources> {
     functions
 }
 
-/// Whether the NVRTC library can be loaded (cudarc panics on use otherwise).
+/// Whether the NVRTC library can be loaded (cudarc panics on use otherwise). Decided once per
+/// process: threads that compile side by side must not see a wheel's NVRTC loaded by another
+/// thread (loadable by name from then on) before that thread has recorded the wheel's folder,
+/// whose headers [`options`] names; they wait for the first answer instead.
 pub fn available() -> bool {
-    // SAFETY: only tries to dlopen the library
-    if unsafe { sys::is_culib_present() } {
-        return true;
-    }
-    // not on the library path: a pip-installed copy, loaded by its full path
-    // SAFETY: as above
-    wheels::load().is_some() && unsafe { sys::is_culib_present() }
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        // SAFETY: only tries to dlopen the library
+        if unsafe { sys::is_culib_present() } {
+            return true;
+        }
+        // not on the library path: a pip-installed copy, loaded by its full path
+        // SAFETY: as above
+        wheels::load().is_some() && unsafe { sys::is_culib_present() }
+    })
 }
 
 /// NVRTC's full version: `nvrtcVersion` gives only major.minor, so the comment block that
