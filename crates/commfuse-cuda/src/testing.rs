@@ -87,6 +87,30 @@ pub fn sass_of(kernel: &str) -> Option<String> {
     Some(sass)
 }
 
+/// A Python virtual environment whose site-packages hold the NVRTC wheels of the folder that
+/// `COMMFUSE_TEST_NVRTC_WHEELS` names (linked, not copied), for the tests of finding NVRTC
+/// there; `None`, with the skip printed, where that variable is unset (a failure instead under
+/// `COMMFUSE_REQUIRE_NVRTC`, which CI sets).
+pub fn venv_with_nvrtc_wheels() -> Option<tempfile::TempDir> {
+    let Some(wheels) = std::env::var_os("COMMFUSE_TEST_NVRTC_WHEELS") else {
+        assert!(
+            std::env::var_os("COMMFUSE_REQUIRE_NVRTC").is_none(),
+            "COMMFUSE_REQUIRE_NVRTC is set but COMMFUSE_TEST_NVRTC_WHEELS is not"
+        );
+        eprintln!("skipped: COMMFUSE_TEST_NVRTC_WHEELS names no folder of NVRTC wheels");
+        return None;
+    };
+    let venv = tempfile::tempdir().expect("a temporary folder");
+    let site = venv.path().join("lib/python3.11/site-packages");
+    std::fs::create_dir_all(&site).expect("a site-packages folder");
+    std::os::unix::fs::symlink(
+        std::path::Path::new(&wheels).join("nvidia"),
+        site.join("nvidia"),
+    )
+    .expect("the wheels linked into site-packages");
+    Some(venv)
+}
+
 /// The switch that lets GPU tests place more ranks than there are GPUs, ranks sharing them.
 pub const SHARE_GPUS: &str = "COMMFUSE_SHARE_GPUS";
 

@@ -297,22 +297,9 @@ fn threads_finding_nvrtc_in_a_python_environment_agree_on_its_headers() {
     if std::env::var_os(WHEEL_CHILD).is_some() {
         return;
     }
-    let Some(wheels) = std::env::var_os("COMMFUSE_TEST_NVRTC_WHEELS") else {
-        assert!(
-            std::env::var_os("COMMFUSE_REQUIRE_NVRTC").is_none(),
-            "COMMFUSE_REQUIRE_NVRTC is set but COMMFUSE_TEST_NVRTC_WHEELS is not"
-        );
-        eprintln!("skipped: COMMFUSE_TEST_NVRTC_WHEELS names no folder of NVRTC wheels");
+    let Some(venv) = commfuse_cuda::testing::venv_with_nvrtc_wheels() else {
         return;
     };
-    let venv = tempfile::tempdir().unwrap();
-    let site = venv.path().join("lib/python3.11/site-packages");
-    std::fs::create_dir_all(&site).unwrap();
-    std::os::unix::fs::symlink(
-        std::path::Path::new(&wheels).join("nvidia"),
-        site.join("nvidia"),
-    )
-    .unwrap();
     let exe = std::env::current_exe().unwrap();
     for process in 0..40 {
         let out = std::process::Command::new(&exe)

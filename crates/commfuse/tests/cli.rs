@@ -1146,22 +1146,9 @@ fn completions_cover_every_command() {
 /// holding the wheels' `nvidia/` (CI sets it; required under `COMMFUSE_REQUIRE_NVRTC`).
 #[test]
 fn kernels_find_nvrtc_in_a_python_environment() {
-    let Some(wheels) = std::env::var_os("COMMFUSE_TEST_NVRTC_WHEELS") else {
-        assert!(
-            std::env::var_os("COMMFUSE_REQUIRE_NVRTC").is_none(),
-            "COMMFUSE_REQUIRE_NVRTC is set but COMMFUSE_TEST_NVRTC_WHEELS is not"
-        );
-        eprintln!("skipped: COMMFUSE_TEST_NVRTC_WHEELS names no folder of NVRTC wheels");
+    let Some(venv) = commfuse_cuda::testing::venv_with_nvrtc_wheels() else {
         return;
     };
-    let venv = tempfile::tempdir().unwrap();
-    let site = venv.path().join("lib/python3.11/site-packages");
-    std::fs::create_dir_all(&site).unwrap();
-    std::os::unix::fs::symlink(
-        std::path::Path::new(&wheels).join("nvidia"),
-        site.join("nvidia"),
-    )
-    .unwrap();
     let cache = tempfile::tempdir().unwrap();
     let bare = |venv: Option<&std::path::Path>| {
         let mut c = Command::new(binary());
