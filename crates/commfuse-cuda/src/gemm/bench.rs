@@ -312,7 +312,8 @@ fn run<T: Element>(
     // alone (a peer's partial is ready when its own tile is; a wave of the fold row itself
     // would count the owner's fold in the peers' pace)
     let mut pacers = Vec::new();
-    let peer_wave_ns = if fold_rows.iter().any(|r| r.flags.paced()) {
+    if let Some(offset) = paced.filter(|_| !folds.is_empty()) {
+        let tiles = wide.tile_count();
         let chosen = kernels.choice();
         kernels.set_choice(VariantChoice::Main);
         let peer = PreparedGemm::new(&gpu, &kernels, &wide, &ops, None, fold_cap, 0);
@@ -321,19 +322,15 @@ fn run<T: Element>(
         // SAFETY: the bench's operands, valid for its whole run
         let alone = || unsafe { peer.launch(&stream) };
         let ms = timed_median(&gpu, &stream, Some(&peer), &alone, warmup.max(3), 7)?;
-        ms * 1e6 / wide.tile_count().div_ceil(peer.grid() as usize).max(1) as f64
-    } else {
-        0.0
-    };
-    for row in fold_rows.iter().filter(|r| r.flags.paced()) {
-        let tiles = wide.tile_count();
-        let wave_ns = peer_wave_ns;
-        pacers.push(Pacer::new(
-            (&gpu, &kernels, &side),
-            row,
-            tiles,
-            (wave_ns, paced.unwrap_or(0.0)),
-        )?);
+        let wave_ns = ms * 1e6 / tiles.div_ceil(peer.grid() as usize).max(1) as f64;
+        for row in fold_rows.iter().filter(|r| r.flags.paced()) {
+            pacers.push(Pacer::new(
+                (&gpu, &kernels, &side),
+                row,
+                tiles,
+                (wave_ns, offset),
+            )?);
+        }
     }
 
     let mut variants = Vec::new();

@@ -730,6 +730,17 @@ template <class C, typename Out> __device__ __forceinline__ const TileRoute* sta
     return r->fold_count != 0 && (r->options & ROUTE_FOLD_TMA) != 0 ? r : nullptr;
 }
 
+// Where a unit's rows of A are loaded from: the caller's own rows (all-gather + GEMM) from its
+// A (a_local, whose row 0 is row local_row0), the rest from p.a.
+struct ASource {
+    const TmaDesc* map;
+    u32 row;
+};
+__device__ __forceinline__ ASource a_source(const GemmParams& p, u32 row0) {
+    if (row0 - p.local_row0 < p.local_rows) return {&p.a_local, row0 - p.local_row0};
+    return {&p.a, row0};
+}
+
 // The first k-blocks (GemmParams.next_prefetch of them) of this block's unit `u` asked of L2,
 // A's box and B's, by the producer while it still loads the unit before. Not in a pair (its
 // B boxes are halves) nor in an all-gather's GEMM (a band's rows may not have landed yet).
@@ -737,12 +748,10 @@ template <class C, bool B_KN> __device__ __forceinline__ void prefetch_next_unit
     if (C::CLUSTER > 1 || p.band_flags != nullptr || u >= p.unit_count) return;
     const Unit n = unit_at<C>(p, u);
     if (n.empty) return;
-    const bool local = n.row0 - p.local_row0 < p.local_rows;
-    const TmaDesc* a_map = local ? &p.a_local : &p.a;
-    const u32 a_row = local ? n.row0 - p.local_row0 : n.row0;
+    const ASource a = a_source(p, n.row0);
     const u32 end = min(n.kb1, n.kb0 + p.next_prefetch);
     for (u32 kb = n.kb0; kb < end; ++kb) {
-        tma_prefetch_2d(a_map, kb * gemm::BK, a_row);
+        tma_prefetch_2d(a.map, kb * gemm::BK, a.row);
         if (B_KN) {
 #pragma unroll
             for (int j = 0; j < C::BN / 64; ++j) tma_prefetch_2d(&p.b, n.tn * C::BN + 64 * j, kb * gemm::BK);
@@ -766,10 +775,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             if (!band_wait(p, c.tm, c.tile)) break;
             landed = c.tm;
         }
-        // the caller's own rows (all-gather + GEMM) from its A, the rest from p.a
-        const bool local = c.row0 - p.local_row0 < p.local_rows;
-        const TmaDesc* a_map = local ? &p.a_local : &p.a;
-        const u32 a_row = local ? c.row0 - p.local_row0 : c.row0;
+        const ASource a = a_source(p, c.row0);
         // the k-block after which this unit's partials are asked of L2 (none: past the loop)
         u32 prefetch_at = 0xffffffffu;
         if (p.fold_prefetch != 0 && !c.helper && !c.idle && staged_fold<C, Out>(p, c.tile) != nullptr)
@@ -786,7 +792,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             // pair, the partner's half of B lands here too and counts on this barrier
             mbar_expect_tx(full, c.idle ? C::B_STAGE_BYTES : C::STAGE_BYTES);
             const u32 a_dst = s.a + stage * C::A_STAGE_BYTES, b_dst = s.b + stage * C::B_STAGE_BYTES;
-            if (!c.idle) tma_load_2d(a_dst, a_map, full, kb * gemm::BK, a_row);
+            if (!c.idle) tma_load_2d(a_dst, a.map, full, kb * gemm::BK, a.row);
             if (C::CLUSTER == 2) {
                 // this block's half of the k-block's B, into both blocks' stages (their stage is
                 // free: the empty barrier counts both blocks' consumers)

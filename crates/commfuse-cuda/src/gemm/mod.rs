@@ -277,9 +277,6 @@ pub enum VariantChoice {
     NarrowDeep,
 }
 
-/// Every build choice's name but `auto`, in the words of [`VARIANT_ENV`].
-pub const FORCED_CHOICES: &str = "main, skinny, narrow, narrow-deep, pair, mid, direct";
-
 /// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|pair|mid|direct|auto` (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
@@ -304,22 +301,35 @@ pub fn narrow_pays(p: &GemmProblem, sms: usize) -> bool {
 pub const NARROW_ROWS_MIN: usize = 16;
 
 impl VariantChoice {
-    /// The choice named `main`, `skinny`, `narrow`, `narrow-deep`, `pair`, `mid`, `direct` or
-    /// `auto`.
+    /// Every choice, `auto` first.
+    pub const ALL: [VariantChoice; 8] = [
+        VariantChoice::Auto,
+        VariantChoice::Main,
+        VariantChoice::Skinny,
+        VariantChoice::Narrow,
+        VariantChoice::NarrowDeep,
+        VariantChoice::Pair,
+        VariantChoice::Mid,
+        VariantChoice::Direct,
+    ];
+
+    /// The choice of this [`VariantChoice::name`].
     pub fn parse(name: &str) -> Result<VariantChoice, CudaError> {
-        match name {
-            "auto" => Ok(VariantChoice::Auto),
-            "main" => Ok(VariantChoice::Main),
-            "skinny" => Ok(VariantChoice::Skinny),
-            "narrow" => Ok(VariantChoice::Narrow),
-            "pair" => Ok(VariantChoice::Pair),
-            "mid" => Ok(VariantChoice::Mid),
-            "direct" => Ok(VariantChoice::Direct),
-            "narrow-deep" => Ok(VariantChoice::NarrowDeep),
-            _ => Err(unsupported(format!(
-                "{VARIANT_ENV} must be {FORCED_CHOICES} or auto, got {name:?}"
-            ))),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|c| c.name() == name)
+            .ok_or_else(|| {
+                unsupported(format!(
+                    "{VARIANT_ENV} must be {} or auto, got {name:?}",
+                    Self::forced_names()
+                ))
+            })
+    }
+
+    /// The names of every choice but `auto`, as a list for messages ("main, skinny, …").
+    pub fn forced_names() -> String {
+        let names: Vec<&str> = Self::ALL[1..].iter().map(|c| c.name()).collect();
+        names.join(", ")
     }
 
     /// `main`, `skinny`, `narrow`, `narrow-deep`, `pair`, `mid`, `direct` or `auto`.

@@ -373,7 +373,7 @@ fn compile_program(source: Source, part: Option<u32>, fresh: bool) -> Result<Com
         }
     }
     let compiled = match (DiskCache::from_env(), fresh) {
-        (Some(disk), false) => compile_with_key(source, part, &disk, &key)?,
+        (Some(disk), false) => compile_with_key(source, part, &opts, &disk, &key)?,
         (disk, _) => {
             let compiled = compile_uncached(source, part, &opts)?;
             if let Some(disk) = disk {
@@ -394,12 +394,16 @@ fn compile_program(source: Source, part: Option<u32>, fresh: bool) -> Result<Com
 /// overwrites the entry (atomically: a concurrent compile of the same kernel also succeeds).
 /// Bypasses the memory cache.
 pub fn compile_with_cache(source: Source, disk: &DiskCache) -> Result<Compiled, CudaError> {
-    compile_with_key(source, None, disk, &cache_key(source)?)
+    ensure_available()?;
+    let opts = options();
+    let key = key_for(source, &opts, &nvrtc_version()?);
+    compile_with_key(source, None, &opts, disk, &key)
 }
 
 fn compile_with_key(
     source: Source,
     part: Option<u32>,
+    opts: &[String],
     disk: &DiskCache,
     key: &CacheKey,
 ) -> Result<Compiled, CudaError> {
@@ -413,7 +417,7 @@ fn compile_with_key(
             from_cache: true,
         });
     }
-    let compiled = compile_uncached(source, part, &options_for(part))?;
+    let compiled = compile_uncached(source, part, opts)?;
     // a cache that cannot be written only costs a recompilation next time
     let _ = disk.store(key, &compiled.cubin);
     Ok(compiled)

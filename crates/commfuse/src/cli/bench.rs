@@ -335,7 +335,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
                     |name| match commfuse_cuda::gemm::VariantChoice::parse(name) {
                         Ok(commfuse_cuda::gemm::VariantChoice::Auto) | Err(_) => bail!(
                             "--builds takes {} or none, got '{name}'",
-                            commfuse_cuda::gemm::FORCED_CHOICES
+                            commfuse_cuda::gemm::VariantChoice::forced_names()
                         ),
                         Ok(choice) => Ok(choice),
                     },
