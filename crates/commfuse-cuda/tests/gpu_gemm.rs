@@ -586,6 +586,50 @@ fn narrow_deep_build_matches_float64_reference() {
     }
 }
 
+/// The narrow-sliced build (the narrow-deep build with each unit's k-blocks taken in turn by
+/// two consumer warpgroups, whose sums meet before the epilogue), forced, against float64 over
+/// every element: the narrow-deep build's cases (K = 1544: 25 k-blocks, an odd count, so the
+/// slices differ by one; two K-parts, whose second starts at either slice), row bands of at
+/// most 64 rows, and K of one, two and three k-blocks (K = 40, 64, 128, 192: with one, the
+/// second warpgroup has no k-block and hands over zeros).
+#[test]
+fn narrow_sliced_build_matches_float64_reference() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let mut seed = 970;
+    let mut each = |p: GemmProblem, case: SkinnyCase| {
+        seed += 1;
+        let want = (VariantChoice::NarrowSliced, GemmVariant::NarrowSliced);
+        check_variant_of_types(&gpu, &kernels, &stream, p, case, want, seed);
+    };
+    for m in [1, 16, 33, SKINNY_ROWS] {
+        for_each_case(m, 1000, NARROW_TILE, &THREE_TYPES, &FIVE_RUNS, |p, case| {
+            each(p, case)
+        });
+    }
+    for layout in [BLayout::NK, BLayout::KN] {
+        let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
+        let case = SkinnyCase {
+            tile: NARROW_TILE,
+            bands: Some(&[0, 40, 100, 130]),
+            cap: 5,
+            epilogue: Case::Full,
+        };
+        each(p, case);
+        for k in [40, 64, 128, 192] {
+            let p = GemmProblem::new(48, 1000, k, layout, DType::BF16, DType::BF16).unwrap();
+            let case = SkinnyCase {
+                tile: NARROW_TILE,
+                bands: None,
+                cap: 0,
+                epilogue: Case::Full,
+            };
+            each(p, case);
+        }
+    }
+}
+
 /// Every type pair of the builds that serve plain GEMMs only.
 const FOUR_TYPES: [(DType, DType); 4] = [
     (DType::BF16, DType::BF16),
@@ -1277,7 +1321,8 @@ fn bench_rows_pass_the_check_of_every_element() {
             )
             .unwrap();
             // cuBLASLt and ours at both caps; each build forced too: where the skinny build
-            // fits main, skinny and (M ≤ 128 here) narrow and narrow-deep, elsewhere main,
+            // fits main, skinny and (M ≤ 128 here) narrow, narrow-deep and narrow-sliced (two
+            // rows more), elsewhere main,
             // pair, direct and mid; the fold rows (1 and 3 partials, each also prefetched); where the tail spread by stream-K differs
             // from the cut, ours with it (512 tiles: 3.9 waves on 132 SMs, 4.4 on 116; the
             // other shapes are less than one wave, where both cut)
@@ -1289,7 +1334,8 @@ fn bench_rows_pass_the_check_of_every_element() {
                 ("commfuse-stream-k", ["stream-k", "stream-k"])
             };
             let differs = if m == 2048 { 2 } else { 0 };
-            assert_eq!(rows.len(), 16 + differs, "{rows:?}");
+            let narrow = if m <= 128 { 2 } else { 0 };
+            assert_eq!(rows.len(), 16 + narrow + differs, "{rows:?}");
             let other = rows.iter().filter(|r| r.implementation == beside);
             assert!(other.clone().all(|r| r
                 .tail

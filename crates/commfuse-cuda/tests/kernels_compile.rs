@@ -116,16 +116,19 @@ fn check_part_entries(compiled: &nvrtc::Compiled) {
 /// The GEMM's main loop must run on the tensor cores' warpgroup instructions: every GEMM entry
 /// point's SASS holds HGMMA with f32 accumulation (transposed B for the [K, N] layout) of its
 /// build's tile width: 64x256x16 in the main, the skinny, the pair and the direct build, 64x128x16 in the
-/// mid build, 64x64x16 in the narrow, the narrow-tall and the narrow-deep one, and no HGMMA of another width; the pair build's B reaches
-/// both blocks of its cluster by TMA multicast (UTMALDG.2D.MULTICAST). Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both
-/// from PyPI and sets COMMFUSE_REQUIRE_SASS=1.
+/// mid build, 64x64x16 in the narrow, the narrow-tall, the narrow-deep and the narrow-sliced
+/// one, and no HGMMA of another width; the pair build's B reaches both blocks of its cluster by
+/// TMA multicast (UTMALDG.2D.MULTICAST); the narrow-sliced build's warpgroups hand their sums
+/// over at named barriers that one side arrives at without waiting (BAR.ARV), which no other
+/// build uses. Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both from PyPI and sets
+/// COMMFUSE_REQUIRE_SASS=1.
 #[test]
 fn gemm_sass_uses_hgmma() {
     let Some(sass) = commfuse_cuda::testing::sass_of("gemm.cu") else {
         return;
     };
     let (mut entries, mut skinny, mut narrow, mut tall, mut pair, mut mid) = (0, 0, 0, 0, 0, 0);
-    let (mut direct, mut narrow_deep) = (0, 0);
+    let (mut direct, mut narrow_deep, mut narrow_sliced) = (0, 0, 0);
     for section in sass.split("Function : ").skip(1) {
         let name = section.split_whitespace().next().unwrap_or("");
         if !name.starts_with("gemm_") {
@@ -136,6 +139,7 @@ fn gemm_sass_uses_hgmma() {
             narrow += 1;
             tall += usize::from(name.starts_with("gemm_narrow_tall_"));
             narrow_deep += usize::from(name.starts_with("gemm_narrow_deep_"));
+            narrow_sliced += usize::from(name.starts_with("gemm_narrow_sliced_"));
             "HGMMA.64x64x16.F32"
         } else if name.starts_with("gemm_mid_") {
             mid += 1;
@@ -154,6 +158,11 @@ fn gemm_sass_uses_hgmma() {
             }
             "HGMMA.64x256x16.F32"
         };
+        assert_eq!(
+            section.contains("BAR.ARV"),
+            name.starts_with("gemm_narrow_sliced_"),
+            "{name}: arrivals at a named barrier (the sliced build's hand-over) in its SASS"
+        );
         let all: Vec<&str> = section.lines().filter(|l| l.contains("HGMMA.")).collect();
         let hgmma: Vec<&str> = all.iter().copied().filter(|l| l.contains(shape)).collect();
         assert!(
@@ -173,16 +182,20 @@ fn gemm_sass_uses_hgmma() {
             );
         }
     }
-    assert_eq!(entries, 96, "GEMM entry points found in the SASS");
+    assert_eq!(entries, 108, "GEMM entry points found in the SASS");
     assert_eq!(
         narrow_deep, 12,
         "narrow-deep GEMM entry points found in the SASS"
+    );
+    assert_eq!(
+        narrow_sliced, 12,
+        "narrow-sliced GEMM entry points found in the SASS"
     );
     assert_eq!(direct, 12, "direct GEMM entry points found in the SASS");
     assert_eq!(mid, 12, "mid GEMM entry points found in the SASS");
     assert_eq!(pair, 12, "pair GEMM entry points found in the SASS");
     assert_eq!(skinny, 12, "skinny GEMM entry points found in the SASS");
-    assert_eq!(narrow, 36, "narrow GEMM entry points found in the SASS");
+    assert_eq!(narrow, 48, "narrow GEMM entry points found in the SASS");
     assert_eq!(tall, 12, "narrow-tall GEMM entry points found in the SASS");
 }
 

@@ -35,9 +35,7 @@ pub struct GemmRow {
     pub n: usize,
     pub k: usize,
     pub sms: u32,
-    /// The build of our kernel that ran (`main`, `skinny`, `narrow`, `narrow-tall`, `narrow-deep`,
-    /// `pair`, `mid`, `direct`;
-    /// none for cuBLASLt)
+    /// The build of our kernel that ran ([`GemmVariant::name`]; none for cuBLASLt)
     pub build: Option<String>,
     /// Blocks of our kernel's persistent grid (none for cuBLASLt)
     pub grid: Option<u32>,
@@ -220,6 +218,11 @@ fn run<T: Element>(
         if let Some(narrow) = &narrow {
             builds.push(("commfuse-narrow", VariantChoice::Narrow, narrow));
             builds.push(("commfuse-narrow-deep", VariantChoice::NarrowDeep, narrow));
+            builds.push((
+                "commfuse-narrow-sliced",
+                VariantChoice::NarrowSliced,
+                narrow,
+            ));
         }
         if pair_fits {
             builds.push(("commfuse-pair", VariantChoice::Pair, &wide));

@@ -68,10 +68,18 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // engine writes into D (a tensor store), and the rest of the staged tile's shared memory spent
 // on a fourth stage (192 KiB in flight). Tiles a box would overrun (a band that ends before
 // M), accumulating GEMMs and f32 outputs store from registers instead.
-template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false> struct Cfg {
+// The narrow-sliced build: the narrow build's 64x64 tiles with their K loop sliced over two
+// consumer warpgroups (CUTLASS's "sliced-K"): each takes every other k-block of a unit into
+// accumulators of its own, so that two chains of dependent wgmmas run on an SM instead of
+// one; the second hands its sums to the first through shared memory, which adds them and runs
+// the epilogue.
+template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false, int SLICES_ = 1> struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
     static constexpr int BN = BN_;              // columns of a tile
-    static constexpr int CONSUMERS = ROWS / 64;  // consumer warpgroups with rows to compute
+    static constexpr int CONSUMERS = ROWS / 64;  // consumer warpgroups with rows of their own to compute
+    // consumer warpgroups sharing each tile's rows, each on every SLICES-th k-block of a unit
+    static constexpr int SLICES = SLICES_;
+    static constexpr int WARPGROUPS = CONSUMERS * SLICES;  // consumer warpgroups that run
     static constexpr int STAGES = STAGES_;
     static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each B k-block (TMA multicast)
     // The consumers store the tile into D themselves: no staged tile, and storers that only
@@ -88,7 +96,9 @@ template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = fals
     // consumers' fragment stores free of bank conflicts (8 rows 4 banks apart)
     static constexpr int EPI_PITCH = BN * 2 + 16;
     static constexpr int EPI_BYTES = DIRECT ? CONSUMERS * 2 * BOX_BYTES : ROWS * EPI_PITCH;
-    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + 8 * (2 * STAGES + 2);
+    // the sliced build's hand-over: the second warpgroup's f32 sums (64 rows x BN)
+    static constexpr int SUMS_BYTES = SLICES > 1 ? 64 * BN * 4 : 0;
+    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + SUMS_BYTES + 8 * (2 * STAGES + 2);
     static_assert(ROWS == 64 || ROWS == gemm::BM, "a build computes one or two 64-row halves of a tile");
     static_assert(BN == 64 || BN == 128 || BN == 256, "a tile is one wgmma's N wide");
     static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
@@ -97,6 +107,8 @@ template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = fals
     // each block of a pair loads one half of B's rows ([N, K]: 128 of 256) or two of its four
     // 64-column boxes ([K, N]); both halves start on 1024-byte boundaries
     static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN == 256), "pairs share a 256-wide B tile");
+    // (the hand-over's named barriers count two warpgroups; plain GEMMs of 64-row tiles only)
+    static_assert(SLICES == 1 || (SLICES == 2 && ROWS == 64 && CLUSTER == 1 && !DIRECT), "two slices of 64 rows");
 };
 using MainCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES>;
 using SkinnyCfg = Cfg<64, gemm::BN, 4>;
@@ -105,6 +117,9 @@ using NarrowTallCfg = Cfg<gemm::BM, 64, 8>;
 // The narrow build on twelve stages: at decode sizes the narrow build reads the weights at
 // about half of HBM's bandwidth, and more stages put more of them in flight
 using NarrowDeepCfg = Cfg<64, 64, 12>;
+// The narrow-deep build's stages, the K loop sliced over two consumer warpgroups: if one
+// warpgroup's chain of wgmmas, not the loads, sets the narrow build's pace, two double it
+using NarrowSlicedCfg = Cfg<64, 64, 12, 1, false, 2>;
 using PairCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES, 2>;
 using MidCfg = Cfg<gemm::BM, 128, 5>;
 using DirectCfg = Cfg<gemm::BM, gemm::BN, 4, 1, true>;
@@ -136,6 +151,7 @@ static_assert(SkinnyCfg::SMEM_BYTES == 198736, "layout mirrored by SKINNY_SMEM_B
 static_assert(NarrowCfg::SMEM_BYTES == 141456, "layout mirrored by NARROW_SMEM_BYTES in mod.rs");
 static_assert(NarrowTallCfg::SMEM_BYTES == 216208, "layout mirrored by NARROW_TALL_SMEM_BYTES in mod.rs");
 static_assert(NarrowDeepCfg::SMEM_BYTES == 207056, "layout mirrored by NARROW_DEEP_SMEM_BYTES in mod.rs");
+static_assert(NarrowSlicedCfg::SMEM_BYTES == 223440, "layout mirrored by NARROW_SLICED_SMEM_BYTES in mod.rs");
 static_assert(PairCfg::SMEM_BYTES == MainCfg::SMEM_BYTES, "the pair build's layout is the main build's");
 static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES in mod.rs");
 static_assert(DirectCfg::SMEM_BYTES == 230480, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
@@ -664,6 +680,7 @@ __device__ __forceinline__ bool band_wait(const GemmParams& p, u32 band, u32 til
 struct Smem {
     u32 a, b;                     // stage 0 of A and of B (shared-window addresses)
     unsigned char* epi;           // the staged tile
+    float4* sums;                 // the sliced build's hand-over of the second warpgroup's sums
     u32 full, empty;              // mbarrier arrays, 8 bytes apart
     u32 epi_full, epi_empty;
 };
@@ -1054,17 +1071,33 @@ __device__ __forceinline__ float2 epilogue_pair(const GemmParams& p, float a0, f
     return make_float2(v0, v1);
 }
 
+// The sliced build's hand-over (named barriers 5 and 6, both consumer warpgroups): the
+// second warpgroup waits until the first has taken the last tile's sums (SUMS_FREE) before it
+// writes a tile's, then says they are there (SUMS_READY).
+constexpr int SUMS_FREE = 5, SUMS_READY = 6;
+template <int ID> __device__ __forceinline__ void slices_sync() {
+    asm volatile("bar.sync %0, 256;" ::"n"(ID) : "memory");
+}
+template <int ID> __device__ __forceinline__ void slices_arrive() {
+    asm volatile("bar.arrive %0, 256;" ::"n"(ID) : "memory");
+}
+
 template <class C, typename In, typename Out, bool B_KN>
 __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     constexpr int PASSES = sizeof(Out) / 2;  // f32 tiles are staged in two column halves
     constexpr int PASS_COLS = C::BN / PASSES;
+    // which 64 rows of the tile this warpgroup computes, and which of a unit's k-blocks (those
+    // `slice` past a multiple of SLICES from the unit's first)
+    const u32 half = C::SLICES > 1 ? 0 : cw, slice = C::SLICES > 1 ? cw : 0;
     const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    const u32 row0 = cw * 64 + warp * 16 + lane / 4;  // this thread's first accumulator row
+    const u32 row0 = half * 64 + warp * 16 + lane / 4;  // this thread's first accumulator row
     const bool leader = threadIdx.x % 128 == 0;
     const Out* c_mat = (const Out*)p.c;
     const Out* bias = (const Out*)p.bias;
     u32 stage = 0, phase = 0, epi_phase = 0;
     float acc[C::ACC];
+    // the hand-over's buffer starts free
+    if (C::SLICES > 1 && slice == 0) slices_arrive<SUMS_FREE>();
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
         if (c.empty) continue;
@@ -1079,16 +1112,31 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // A warpgroup whose 64 rows all lie past the tile's last (M or a band ends within the
         // tile's first half) issues no matrix instruction: its accumulators stay zero and are
         // never stored (the storers stop at the tile's rows). It still takes its turn on every
-        // stage, so the pipeline's barriers count as before.
-        if (cw * 64 >= c.rows) {
+        // stage, so the pipeline's barriers count as before. (Not in the sliced build, whose
+        // warpgroups share the rows and each let go of its own stages only: a band without rows
+        // runs its main loop there, and nothing of it is stored.)
+        if (C::SLICES == 1 && half * 64 >= c.rows) {
 #pragma unroll
             for (int j = 0; j < C::ACC; ++j) acc[j] = 0.0f;
             pass_stages<C>(p, s, c, stage, phase, leader);
         } else {
+            // a slice without a k-block of the unit (a unit of fewer k-blocks than slices) adds zeros
+            if (C::SLICES > 1 && c.kb0 + slice >= c.kb1) {
+#pragma unroll
+                for (int j = 0; j < C::ACC; ++j) acc[j] = 0.0f;
+            }
             u32 prev = 0;
             for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
+                if (C::SLICES > 1 && (kb - c.kb0) % C::SLICES != slice) {
+                    // another slice's k-block: that warpgroup waits for the stage and lets it go
+                    if (++stage == C::STAGES) {
+                        stage = 0;
+                        phase ^= 1;
+                    }
+                    continue;
+                }
                 mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
-                const u32 a = s.a + stage * C::A_STAGE_BYTES + cw * (64 * 128);
+                const u32 a = s.a + stage * C::A_STAGE_BYTES + half * (64 * 128);
                 const u32 b = s.b + stage * C::B_STAGE_BYTES;
                 wgmma_fence();
                 fence_acc<C::ACC>(acc);
@@ -1099,14 +1147,15 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                     // 8-row K groups 1024 bytes apart (SBO), a k16 step is 16 rows = 2048 bytes.
                     const u64 da = smem_desc(a + 32 * kk, 16, 1024);
                     const u64 db = B_KN ? smem_desc(b + 2048 * kk, 8192, 1024) : smem_desc(b + 32 * kk, 16, 1024);
-                    Wgmma<In, C::BN>::template mma<B_KN ? 1 : 0>(acc, da, db, kb != c.kb0 || kk != 0);
+                    // (the slice's first k-block starts the sums afresh)
+                    Wgmma<In, C::BN>::template mma<B_KN ? 1 : 0>(acc, da, db, kb >= c.kb0 + C::SLICES || kk != 0);
                 }
                 wgmma_commit();
                 fence_acc<C::ACC>(acc);
                 // keep this k-block's wgmmas in flight; the previous one's stage can be refilled
                 wgmma_wait<1>();
                 fence_acc<C::ACC>(acc);
-                if (kb > c.kb0 && leader) release_stage<C>(s.empty + 8 * prev);
+                if (kb >= c.kb0 + C::SLICES && leader) release_stage<C>(s.empty + 8 * prev);
                 prev = stage;
                 if (++stage == C::STAGES) {
                     stage = 0;
@@ -1115,7 +1164,33 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             }
             wgmma_wait<0>();
             fence_acc<C::ACC>(acc);
-            if (leader) release_stage<C>(s.empty + 8 * prev);
+            if (leader && c.kb0 + slice < c.kb1) release_stage<C>(s.empty + 8 * prev);
+        }
+        // The sliced build: the second warpgroup hands its sums over and goes on to its next
+        // unit; the first adds them (in one fixed order, so results do not depend on timing)
+        // and finishes the tile as the narrow build does. Thread t of a warpgroup holds the
+        // same elements in both, so each moves its own as float4s at t, t + 128, ...: a warp
+        // writes 512 contiguous bytes, free of bank conflicts.
+        if constexpr (C::SLICES > 1) {
+            const u32 t = threadIdx.x % 128;
+            if (slice != 0) {
+                slices_sync<SUMS_FREE>();
+#pragma unroll
+                for (int j = 0; j < C::ACC / 4; ++j)
+                    s.sums[j * 128 + t] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+                slices_arrive<SUMS_READY>();
+                continue;
+            }
+            slices_sync<SUMS_READY>();
+#pragma unroll
+            for (int j = 0; j < C::ACC / 4; ++j) {
+                const float4 v = s.sums[j * 128 + t];
+                acc[4 * j] += v.x;
+                acc[4 * j + 1] += v.y;
+                acc[4 * j + 2] += v.z;
+                acc[4 * j + 3] += v.w;
+            }
+            slices_arrive<SUMS_FREE>();
         }
         // a tile of the tail with helpers: the entry read again here rather than kept through
         // the main loop
@@ -1299,6 +1374,9 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     // the direct build's boxes: no tensor store may still read shared memory or write D when
     // the block ends
     if (C::DIRECT && leader) bulk_wait_all();
+    // the first warpgroup's last word that the buffer is free, which no tile waits for: taken
+    // here so that no barrier is left half arrived
+    if (C::SLICES > 1 && slice != 0) slices_sync<SUMS_FREE>();
 }
 
 __device__ __forceinline__ void storers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(gemm::STORERS) : "memory"); }
@@ -1405,7 +1483,8 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     s.a = smem_u32(base);
     s.b = s.a + C::STAGES * C::A_STAGE_BYTES;
     s.epi = base + C::STAGES * C::STAGE_BYTES;
-    s.full = smem_u32(s.epi + C::EPI_BYTES);
+    s.sums = (float4*)(s.epi + C::EPI_BYTES);
+    s.full = smem_u32(s.epi + C::EPI_BYTES + C::SUMS_BYTES);
     s.empty = s.full + 8 * C::STAGES;
     s.epi_full = s.empty + 8 * C::STAGES;
     s.epi_empty = s.epi_full + 8;
@@ -1446,13 +1525,13 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         } else {
             storer<C, Out>(p, s, threadIdx.x - 32);
         }
-    } else if (C::CONSUMERS == 2 || wg == 1) {
+    } else if (C::WARPGROUPS == 2 || wg == 1) {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
         // The skinny build hides the warpgroup's number from the optimiser: it is known to be 0
         // here, and ptxas, given that constant, spilled ~200 bytes in every skinny entry (in
         // the main build it is not known, nothing spills, and the code stays as it was).
         u32 cw = wg - 1;
-        if (C::CONSUMERS == 1) asm volatile("" : "+r"(cw));
+        if (C::WARPGROUPS == 1) asm volatile("" : "+r"(cw));
         consumer<C, In, Out, B_KN>(p, s, cw);
     }
     // (the skinny build's third warpgroup has no rows to compute: it ends here, and no barrier
@@ -1481,7 +1560,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // COMMFUSE_PART = 2 * build + input (input 0: bf16, 1: f16; builds in the order of
 // `GemmVariant::ALL`) holds that build's entries for that input type, and the last part,
 // GEMM_HELPER_PART, the helper kernels. Without COMMFUSE_PART, every entry.
-#define GEMM_HELPER_PART 16
+#define GEMM_HELPER_PART 18
 #ifdef COMMFUSE_PART
 #define GEMM_IN_PART(PART) (COMMFUSE_PART == (PART))
 #else
@@ -1493,7 +1572,8 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // gemm_pair_...: the main build in clusters of two sharing B (launched with a cluster size of 2);
 // gemm_mid_...: 128x128 tiles; gemm_direct_...: the main build's tiles on four stages, stored by
 // the consumers (TMA tensor stores of shared-memory boxes); gemm_narrow_deep_...: the narrow
-// build on twelve stages
+// build on twelve stages; gemm_narrow_sliced_...: the same with the K loop sliced over two
+// consumer warpgroups
 #if GEMM_IN_PART(0)
 COMMFUSE_GEMM_ENTRIES(gemm_, bf16, __nv_bfloat16, MainCfg)
 #endif
@@ -1541,6 +1621,12 @@ COMMFUSE_GEMM_ENTRIES(gemm_narrow_deep_, bf16, __nv_bfloat16, NarrowDeepCfg)
 #endif
 #if GEMM_IN_PART(15)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_deep_, f16, __half, NarrowDeepCfg)
+#endif
+#if GEMM_IN_PART(16)
+COMMFUSE_GEMM_ENTRIES(gemm_narrow_sliced_, bf16, __nv_bfloat16, NarrowSlicedCfg)
+#endif
+#if GEMM_IN_PART(17)
+COMMFUSE_GEMM_ENTRIES(gemm_narrow_sliced_, f16, __half, NarrowSlicedCfg)
 #endif
 
 #if GEMM_IN_PART(GEMM_HELPER_PART)

@@ -71,6 +71,10 @@ const NARROW_TALL_SMEM_BYTES: u32 = smem_bytes(NARROW_TILE.m, NARROW_TILE.n, NAR
 const NARROW_DEEP_STAGES: u32 = 12;
 /// Mirrors `NarrowDeepCfg::SMEM_BYTES` in gemm.cu.
 const NARROW_DEEP_SMEM_BYTES: u32 = smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES);
+/// Mirrors `NarrowSlicedCfg::SMEM_BYTES` in gemm.cu: the narrow-deep build's layout and the
+/// second warpgroup's f32 sums of a 64 × 64 tile, handed over through shared memory.
+const NARROW_SLICED_SMEM_BYTES: u32 =
+    NARROW_DEEP_SMEM_BYTES + (SKINNY_ROWS * NARROW_TILE.n * 4) as u32;
 /// Stages of the mid build: 32 KiB each; a sixth does not fit beside the staged tile.
 const MID_STAGES: u32 = 5;
 /// Mirrors `MidCfg::SMEM_BYTES` in gemm.cu.
@@ -117,6 +121,11 @@ pub enum GemmVariant {
     /// bytes in flight at decode sizes, where the narrow build reads them at about half of
     /// HBM's bandwidth
     NarrowDeep,
+    /// The narrow-deep build with each unit's K loop sliced over two consumer warpgroups, each
+    /// on every other k-block into sums of its own, which the second hands to the first
+    /// through shared memory before the epilogue: two chains of dependent wgmmas per SM where
+    /// the narrow builds run one
+    NarrowSliced,
 }
 
 /// Blocks in a cluster of the pair build.
@@ -124,7 +133,7 @@ pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 8] = [
+    pub const ALL: [GemmVariant; 9] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
@@ -133,6 +142,7 @@ impl GemmVariant {
         GemmVariant::Mid,
         GemmVariant::Direct,
         GemmVariant::NarrowDeep,
+        GemmVariant::NarrowSliced,
     ];
 
     /// Rows of the A box and of the staged tile.
@@ -143,7 +153,10 @@ impl GemmVariant {
             | GemmVariant::Pair
             | GemmVariant::Mid
             | GemmVariant::Direct => TILE.m,
-            GemmVariant::Skinny | GemmVariant::Narrow | GemmVariant::NarrowDeep => SKINNY_ROWS,
+            GemmVariant::Skinny
+            | GemmVariant::Narrow
+            | GemmVariant::NarrowDeep
+            | GemmVariant::NarrowSliced => SKINNY_ROWS,
         }
     }
 
@@ -153,7 +166,10 @@ impl GemmVariant {
             GemmVariant::Main | GemmVariant::Skinny | GemmVariant::Pair | GemmVariant::Direct => {
                 TILE
             }
-            GemmVariant::Narrow | GemmVariant::NarrowTall | GemmVariant::NarrowDeep => NARROW_TILE,
+            GemmVariant::Narrow
+            | GemmVariant::NarrowTall
+            | GemmVariant::NarrowDeep
+            | GemmVariant::NarrowSliced => NARROW_TILE,
             GemmVariant::Mid => MID_TILE,
         }
     }
@@ -173,6 +189,7 @@ impl GemmVariant {
             GemmVariant::Narrow => NARROW_SMEM_BYTES,
             GemmVariant::NarrowTall => NARROW_TALL_SMEM_BYTES,
             GemmVariant::NarrowDeep => NARROW_DEEP_SMEM_BYTES,
+            GemmVariant::NarrowSliced => NARROW_SLICED_SMEM_BYTES,
             GemmVariant::Mid => MID_SMEM_BYTES,
             GemmVariant::Direct => DIRECT_SMEM_BYTES,
         }
@@ -187,6 +204,7 @@ impl GemmVariant {
             GemmVariant::Narrow => "gemm_narrow_",
             GemmVariant::NarrowTall => "gemm_narrow_tall_",
             GemmVariant::NarrowDeep => "gemm_narrow_deep_",
+            GemmVariant::NarrowSliced => "gemm_narrow_sliced_",
             GemmVariant::Pair => "gemm_pair_",
             GemmVariant::Mid => "gemm_mid_",
             GemmVariant::Direct => "gemm_direct_",
@@ -213,7 +231,8 @@ impl GemmVariant {
             GemmVariant::Skinny
             | GemmVariant::Narrow
             | GemmVariant::NarrowTall
-            | GemmVariant::NarrowDeep => 2,
+            | GemmVariant::NarrowDeep
+            | GemmVariant::NarrowSliced => 2,
             GemmVariant::Pair => 1,
         }
     }
@@ -229,7 +248,8 @@ impl GemmVariant {
         }
     }
 
-    /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct` or `narrow-deep`.
+    /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct`, `narrow-deep` or
+    /// `narrow-sliced`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
@@ -240,6 +260,7 @@ impl GemmVariant {
             GemmVariant::Mid => "mid",
             GemmVariant::Direct => "direct",
             GemmVariant::NarrowDeep => "narrow-deep",
+            GemmVariant::NarrowSliced => "narrow-sliced",
         }
     }
 }
@@ -275,9 +296,12 @@ pub enum VariantChoice {
     Direct,
     /// As [`VariantChoice::Narrow`] with the narrow-deep build in the narrow build's place
     NarrowDeep,
+    /// As [`VariantChoice::Narrow`] with the narrow-sliced build in the narrow build's place
+    NarrowSliced,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|pair|mid|direct|auto` (default `auto`): the [`VariantChoice`] of
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|auto`
+/// (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
 
@@ -302,12 +326,13 @@ pub const NARROW_ROWS_MIN: usize = 16;
 
 impl VariantChoice {
     /// Every choice, `auto` first.
-    pub const ALL: [VariantChoice; 8] = [
+    pub const ALL: [VariantChoice; 9] = [
         VariantChoice::Auto,
         VariantChoice::Main,
         VariantChoice::Skinny,
         VariantChoice::Narrow,
         VariantChoice::NarrowDeep,
+        VariantChoice::NarrowSliced,
         VariantChoice::Pair,
         VariantChoice::Mid,
         VariantChoice::Direct,
@@ -332,7 +357,8 @@ impl VariantChoice {
         names.join(", ")
     }
 
-    /// `main`, `skinny`, `narrow`, `narrow-deep`, `pair`, `mid`, `direct` or `auto`.
+    /// `main`, `skinny`, `narrow`, `narrow-deep`, `narrow-sliced`, `pair`, `mid`, `direct` or
+    /// `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
@@ -343,6 +369,7 @@ impl VariantChoice {
             VariantChoice::Mid => "mid",
             VariantChoice::Direct => "direct",
             VariantChoice::NarrowDeep => "narrow-deep",
+            VariantChoice::NarrowSliced => "narrow-sliced",
         }
     }
 
@@ -355,7 +382,9 @@ impl VariantChoice {
         }
         let narrow = match self {
             VariantChoice::Auto => narrow_pays(p, sms),
-            VariantChoice::Narrow | VariantChoice::NarrowDeep => p.m <= NARROW_TILE.m,
+            VariantChoice::Narrow | VariantChoice::NarrowDeep | VariantChoice::NarrowSliced => {
+                p.m <= NARROW_TILE.m
+            }
             VariantChoice::Main
             | VariantChoice::Skinny
             | VariantChoice::Pair
@@ -388,6 +417,7 @@ impl VariantChoice {
             (false, true) => GemmVariant::Skinny,
             (true, false) => GemmVariant::NarrowTall,
             (true, true) if self == VariantChoice::NarrowDeep => GemmVariant::NarrowDeep,
+            (true, true) if self == VariantChoice::NarrowSliced => GemmVariant::NarrowSliced,
             (true, true) => GemmVariant::Narrow,
         }
     }
@@ -402,6 +432,7 @@ impl VariantChoice {
             VariantChoice::Mid => 5,
             VariantChoice::Direct => 6,
             VariantChoice::NarrowDeep => 7,
+            VariantChoice::NarrowSliced => 8,
         }
     }
 
@@ -414,6 +445,7 @@ impl VariantChoice {
             5 => VariantChoice::Mid,
             6 => VariantChoice::Direct,
             7 => VariantChoice::NarrowDeep,
+            8 => VariantChoice::NarrowSliced,
             _ => VariantChoice::Auto,
         }
     }
@@ -1998,6 +2030,7 @@ mod tests {
         assert_eq!(SKINNY_SMEM_BYTES, 198736);
         assert_eq!(NARROW_SMEM_BYTES, 141456);
         assert_eq!(NARROW_DEEP_SMEM_BYTES, 207056);
+        assert_eq!(NARROW_SLICED_SMEM_BYTES, 223440);
         const { assert!(smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES + 2) > 227 * 1024) };
         assert_eq!(NARROW_TALL_SMEM_BYTES, 216208);
         const { assert!(NARROW_TALL_SMEM_BYTES <= 227 * 1024) };
@@ -2204,6 +2237,7 @@ mod tests {
             ("mid", VariantChoice::Mid),
             ("direct", VariantChoice::Direct),
             ("narrow-deep", VariantChoice::NarrowDeep),
+            ("narrow-sliced", VariantChoice::NarrowSliced),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -2212,7 +2246,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, pair, mid, direct or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct or auto, got \"Skinny\""
             ),
             "{e}"
         );
@@ -2247,19 +2281,21 @@ mod tests {
             );
             let pair = if fits { Narrow } else { NarrowTall };
             assert_eq!(VariantChoice::Pair.variant_for(&plan), pair, "{bands:?}");
-            let deep = if fits {
-                GemmVariant::NarrowDeep
-            } else {
-                NarrowTall
-            };
-            let choice = VariantChoice::NarrowDeep;
-            assert_eq!(choice.variant_for(&plan), deep, "{bands:?}");
+            for (choice, build) in [
+                (VariantChoice::NarrowDeep, GemmVariant::NarrowDeep),
+                (VariantChoice::NarrowSliced, GemmVariant::NarrowSliced),
+            ] {
+                let want = if fits { build } else { NarrowTall };
+                assert_eq!(choice.variant_for(&plan), want, "{choice:?} {bands:?}");
+            }
         }
         for v in GemmVariant::ALL {
-            let rows = if matches!(v, Narrow | GemmVariant::Skinny | GemmVariant::NarrowDeep) {
-                64
-            } else {
-                128
+            let rows = match v {
+                Narrow
+                | GemmVariant::Skinny
+                | GemmVariant::NarrowDeep
+                | GemmVariant::NarrowSliced => 64,
+                _ => 128,
             };
             assert_eq!(v.rows(), rows, "{v:?}");
             assert!(v.smem_bytes() <= 227 * 1024, "{v:?}");
@@ -2336,6 +2372,8 @@ mod tests {
         assert_eq!(tile(VariantChoice::Narrow, 64, 28672), NARROW_TILE);
         assert_eq!(tile(VariantChoice::NarrowDeep, 64, 8192), NARROW_TILE);
         assert_eq!(tile(VariantChoice::NarrowDeep, 129, 8192), TILE);
+        assert_eq!(tile(VariantChoice::NarrowSliced, 64, 8192), NARROW_TILE);
+        assert_eq!(tile(VariantChoice::NarrowSliced, 129, 8192), TILE);
         assert_eq!(tile(VariantChoice::Auto, 64, 66 * 256), NARROW_TILE);
         assert_eq!(tile(VariantChoice::Auto, 64, 66 * 256 + 1), TILE);
     }

@@ -67,8 +67,9 @@ pub fn kernel(name: &str) -> Option<Source> {
 /// Files compiled in parts, and how many: each part is the file with `-DCOMMFUSE_PART=i`,
 /// which keeps some of its entry points (gemm.cu: one build's entries for one input type a
 /// part; its comment says which). One NVRTC program runs on one core, and ptxas over gemm.cu's
-/// every entry takes minutes; its parts compile side by side ([`compile_parts`]).
-const SPLIT: &[(&str, u32)] = &[("gemm.cu", 17)];
+/// every entry takes minutes; its parts compile side by side ([`compile_parts`]). gemm.cu's
+/// last part is its helper kernels'.
+const SPLIT: &[(&str, u32)] = &[("gemm.cu", crate::gemm::GEMM_HELPER_PART + 1)];
 
 /// How many parts [`compile_parts`] compiles `source` in (1: the whole file as one program).
 pub fn parts_of(source: Source) -> u32 {
