@@ -589,7 +589,7 @@ fn narrow_deep_build_matches_float64_reference() {
 /// The narrow-sliced build (the narrow-deep build with each unit's k-blocks taken in turn by
 /// two consumer warpgroups, whose sums meet before the epilogue), forced, against float64 over
 /// every element: the narrow-deep build's cases (K = 1544: 25 k-blocks, an odd count, so the
-/// slices differ by one; two K-parts, whose second starts at either slice), row bands of at
+/// slices differ by one; two K-parts, each sliced from its own first k-block), row bands of at
 /// most 64 rows, and K of one, two and three k-blocks (K = 40, 64, 128, 192: with one, the
 /// second warpgroup has no k-block and hands over zeros).
 #[test]
@@ -750,6 +750,60 @@ fn direct_build_matches_float64_reference() {
             check_variant_of_types(&gpu, &kernels, &stream, p, case, build, seed);
         },
     );
+}
+
+/// The ping-pong build (128×128 tiles, each consumer warpgroup on whole tiles of its own, the
+/// two taking a block's units in turn), forced, against float64 over every element: the mid
+/// build's cases (M = 1, 65, 300, 1000; N = 1000 and 600; every SM, and 4 and 3 SMs, where a
+/// block runs many tiles and the warpgroups take turns round the six stages, with no split
+/// tail), B [K, N] with N = 999 (padded B, the last column of D stored from registers), K of
+/// one to three k-blocks on 3 SMs (K = 40, 64, 130, 192: a unit of fewer k-blocks than
+/// stages), and row bands of 40, 60 and 30 rows (boxes that would overrun a band: their rows
+/// stored from registers).
+#[test]
+fn ping_pong_build_matches_float64_reference() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let mut seed = 1900;
+    let mut each = |p: GemmProblem, case: SkinnyCase| {
+        seed += 1;
+        let want = (VariantChoice::PingPong, GemmVariant::PingPong);
+        check_variant_of_types(&gpu, &kernels, &stream, p, case, want, seed);
+    };
+    for (m, n) in [(1, 1000), (65, 600), (300, 1000), (1000, 600)] {
+        for_each_case(m, n, MID_TILE, &THREE_TYPES, &FIVE_RUNS, |p, case| {
+            each(p, case)
+        });
+    }
+    for_each_case(
+        300,
+        999,
+        MID_TILE,
+        &THREE_TYPES[..1],
+        &FIVE_RUNS[..2],
+        &mut each,
+    );
+    for layout in [BLayout::NK, BLayout::KN] {
+        for k in [40, 64, 130, 192] {
+            let p = GemmProblem::new(1000, 1000, k, layout, DType::BF16, DType::BF16).unwrap();
+            let case = SkinnyCase {
+                tile: MID_TILE,
+                bands: None,
+                cap: 3,
+                epilogue: Case::Full,
+            };
+            each(p, case);
+        }
+        let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
+        let case = SkinnyCase {
+            tile: MID_TILE,
+            bands: Some(&[0, 40, 100, 130]),
+            cap: 0,
+            epilogue: Case::Full,
+        };
+        each(p, case);
+    }
 }
 
 /// A plain bf16 GEMM (no epilogue) on fresh random operands: A, B and D on the GPU, its plan
@@ -1060,8 +1114,10 @@ fn split_tail_tiles_sum_their_k_parts() {
 /// The tail spread by stream-K ([`TailChoice::StreamK`]): the last partial wave and the whole
 /// one before it over every block, in K ranges that cross tiles (a block finishes one tile's
 /// K loop and starts another's), so that most tiles have a helper and some blocks are a
-/// helper first and an owner last. On the main, direct, mid, narrow and narrow-tall builds,
-/// and on the skinny one (whose second consumer warpgroup has no rows), every k-block is
+/// helper first and an owner last. On the main, direct, mid, narrow, narrow-tall and
+/// narrow-sliced builds (the last slicing each K range from its own first k-block, ranges of
+/// one k-block among them), and on the skinny one (whose second consumer warpgroup has no
+/// rows), every k-block is
 /// summed once in f32, checked tightly against float64, three calls in a row (each owner
 /// resets its counter).
 #[test]
@@ -1093,6 +1149,7 @@ fn stream_k_tail_sums_every_k_range_once() {
         (VariantChoice::Mid, 500, MID_TILE, &mid),
         (VariantChoice::Narrow, 40, NARROW_TILE, &wide),
         (VariantChoice::Narrow, 100, NARROW_TILE, &wide),
+        (VariantChoice::NarrowSliced, 40, NARROW_TILE, &wide),
     ] {
         kernels.set_choice(choice);
         split_parts_sum(&gpu, &kernels, &stream, (m, tile), &[3, 5, 6, 7], tails);
@@ -1323,7 +1380,7 @@ fn bench_rows_pass_the_check_of_every_element() {
             // cuBLASLt and ours at both caps; each build forced too: where the skinny build
             // fits main, skinny and (M ≤ 128 here) narrow, narrow-deep and narrow-sliced (two
             // rows more), elsewhere main,
-            // pair, direct and mid; the fold rows (1 and 3 partials, each also prefetched); where the tail spread by stream-K differs
+            // pair, direct, mid and ping-pong (two rows more); the fold rows (1 and 3 partials, each also prefetched); where the tail spread by stream-K differs
             // from the cut, ours with it (512 tiles: 3.9 waves on 132 SMs, 4.4 on 116; the
             // other shapes are less than one wave, where both cut)
             // (with COMMFUSE_GEMM_TAIL=stream-k, ours spreads and the row beside it cuts)
@@ -1334,8 +1391,13 @@ fn bench_rows_pass_the_check_of_every_element() {
                 ("commfuse-stream-k", ["stream-k", "stream-k"])
             };
             let differs = if m == 2048 { 2 } else { 0 };
-            let narrow = if m <= 128 { 2 } else { 0 };
-            assert_eq!(rows.len(), 16 + narrow + differs, "{rows:?}");
+            let narrow_sliced = if m <= 128 { 2 } else { 0 };
+            let ping_pong = if m > 64 { 2 } else { 0 };
+            assert_eq!(
+                rows.len(),
+                16 + narrow_sliced + ping_pong + differs,
+                "{rows:?}"
+            );
             let other = rows.iter().filter(|r| r.implementation == beside);
             assert!(other.clone().all(|r| r
                 .tail

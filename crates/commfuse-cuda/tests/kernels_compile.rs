@@ -116,7 +116,8 @@ fn check_part_entries(compiled: &nvrtc::Compiled) {
 /// The GEMM's main loop must run on the tensor cores' warpgroup instructions: every GEMM entry
 /// point's SASS holds HGMMA with f32 accumulation (transposed B for the [K, N] layout) of its
 /// build's tile width: 64x256x16 in the main, the skinny, the pair and the direct build, 64x128x16 in the
-/// mid build, 64x64x16 in the narrow, the narrow-tall, the narrow-deep and the narrow-sliced
+/// mid and the ping-pong build (at least eight a k-block there: two 64-row halves), 64x64x16 in
+/// the narrow, the narrow-tall, the narrow-deep and the narrow-sliced
 /// one, and no HGMMA of another width; the pair build's B reaches both blocks of its cluster by
 /// TMA multicast (UTMALDG.2D.MULTICAST); the narrow-sliced build's warpgroups hand their sums
 /// over at named barriers that one side arrives at without waiting (BAR.ARV), which no other
@@ -128,7 +129,7 @@ fn gemm_sass_uses_hgmma() {
         return;
     };
     let (mut entries, mut skinny, mut narrow, mut tall, mut pair, mut mid) = (0, 0, 0, 0, 0, 0);
-    let (mut direct, mut narrow_deep, mut narrow_sliced) = (0, 0, 0);
+    let (mut direct, mut narrow_deep, mut narrow_sliced, mut ping_pong) = (0, 0, 0, 0);
     for section in sass.split("Function : ").skip(1) {
         let name = section.split_whitespace().next().unwrap_or("");
         if !name.starts_with("gemm_") {
@@ -141,8 +142,9 @@ fn gemm_sass_uses_hgmma() {
             narrow_deep += usize::from(name.starts_with("gemm_narrow_deep_"));
             narrow_sliced += usize::from(name.starts_with("gemm_narrow_sliced_"));
             "HGMMA.64x64x16.F32"
-        } else if name.starts_with("gemm_mid_") {
-            mid += 1;
+        } else if name.starts_with("gemm_mid_") || name.starts_with("gemm_ping_pong_") {
+            mid += usize::from(name.starts_with("gemm_mid_"));
+            ping_pong += usize::from(name.starts_with("gemm_ping_pong_"));
             "HGMMA.64x128x16.F32"
         } else {
             skinny += usize::from(name.starts_with("gemm_skinny_"));
@@ -165,8 +167,13 @@ fn gemm_sass_uses_hgmma() {
         );
         let all: Vec<&str> = section.lines().filter(|l| l.contains("HGMMA.")).collect();
         let hgmma: Vec<&str> = all.iter().copied().filter(|l| l.contains(shape)).collect();
+        let least = if name.starts_with("gemm_ping_pong_") {
+            8
+        } else {
+            4
+        };
         assert!(
-            hgmma.len() >= 4,
+            hgmma.len() >= least,
             "{name}: {} {shape} in its SASS",
             hgmma.len()
         );
@@ -182,7 +189,11 @@ fn gemm_sass_uses_hgmma() {
             );
         }
     }
-    assert_eq!(entries, 108, "GEMM entry points found in the SASS");
+    assert_eq!(entries, 120, "GEMM entry points found in the SASS");
+    assert_eq!(
+        ping_pong, 12,
+        "ping-pong GEMM entry points found in the SASS"
+    );
     assert_eq!(
         narrow_deep, 12,
         "narrow-deep GEMM entry points found in the SASS"

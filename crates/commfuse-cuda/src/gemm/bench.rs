@@ -202,7 +202,8 @@ fn run<T: Element>(
         .collect::<Result<_, _>>()?;
     // where another build than the main one can compute the product (the skinny one: every
     // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles; the pair build:
-    // a tile of more than 64 rows, and the direct build; the mid build: M above 64), each build
+    // a tile of more than 64 rows, and the direct build; the mid and the ping-pong build: M
+    // above 64), each build
     // forced, side by side with the row of the build chosen
     let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
     let narrow = (p.m <= NARROW_TILE.m).then(|| plan_of(NARROW_TILE));
@@ -230,6 +231,7 @@ fn run<T: Element>(
         }
         if let Some(mid) = &mid {
             builds.push(("commfuse-mid", VariantChoice::Mid, mid));
+            builds.push(("commfuse-ping-pong", VariantChoice::PingPong, mid));
         }
         for (name, choice, plan) in builds {
             if only.is_some_and(|only| !only.contains(&choice)) {

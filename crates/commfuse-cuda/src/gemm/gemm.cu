@@ -73,13 +73,25 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // accumulators of its own, so that two chains of dependent wgmmas run on an SM instead of
 // one; the second hands its sums to the first through shared memory, which adds them and runs
 // the epilogue.
-template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false, int SLICES_ = 1> struct Cfg {
+// The ping-pong build, for plain GEMMs: 128x128 tiles, each consumer warpgroup computing whole
+// tiles of its own (two m64n128k16 wgmmas a k16 step, 128 accumulators a thread), the two
+// taking the block's units in turn, so that one warpgroup's epilogue (the direct build's
+// boxes) runs while the other's main loop keeps the tensor cores busy; six stages of 32 KiB.
+template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false, int SLICES_ = 1,
+          bool PINGPONG_ = false>
+struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
     static constexpr int BN = BN_;              // columns of a tile
     static constexpr int CONSUMERS = ROWS / 64;  // consumer warpgroups with rows of their own to compute
     // consumer warpgroups sharing each tile's rows, each on every SLICES-th k-block of a unit
     static constexpr int SLICES = SLICES_;
-    static constexpr int WARPGROUPS = CONSUMERS * SLICES;  // consumer warpgroups that run
+    // each consumer warpgroup on whole tiles of its own, the two taking a block's units in turn
+    static constexpr bool PINGPONG = PINGPONG_;
+    static constexpr int WARPGROUPS = PINGPONG ? 2 : CONSUMERS * SLICES;  // consumer warpgroups that run
+    // 64-row halves of a tile one warpgroup computes (one m64 wgmma each a k16 step)
+    static constexpr int HALVES = PINGPONG ? ROWS / 64 : 1;
+    // warpgroups that read each stage (the arrivals its empty barrier counts in one block)
+    static constexpr int STAGE_READERS = PINGPONG || SLICES > 1 ? 1 : CONSUMERS;
     static constexpr int STAGES = STAGES_;
     static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each B k-block (TMA multicast)
     // The consumers store the tile into D themselves: no staged tile, and storers that only
@@ -88,17 +100,18 @@ template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = fals
     // The direct build's boxes: 64 rows of 128 bytes (one swizzle row), two per consumer
     // warpgroup, so that one is filled while the TMA engine reads the other
     static constexpr int BOX_BYTES = 64 * 128;
-    static constexpr int ACC = BN / 2;  // f32 accumulators per consumer thread (64 rows x BN / 128)
+    static constexpr int ACC = BN / 2;  // f32 accumulators per consumer thread and half (64 rows x BN / 128)
     static constexpr int A_STAGE_BYTES = ROWS * gemm::BK * 2;
     static constexpr int B_STAGE_BYTES = BN * gemm::BK * 2;
     static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
     // A staged row: BN 16-bit (or BN / 2 f32) elements plus 16 bytes of padding, which makes the
     // consumers' fragment stores free of bank conflicts (8 rows 4 banks apart)
     static constexpr int EPI_PITCH = BN * 2 + 16;
-    static constexpr int EPI_BYTES = DIRECT ? CONSUMERS * 2 * BOX_BYTES : ROWS * EPI_PITCH;
+    static constexpr int EPI_BYTES = DIRECT ? WARPGROUPS * 2 * BOX_BYTES : ROWS * EPI_PITCH;
     // the sliced build's hand-over: the second warpgroup's f32 sums (64 rows x BN)
     static constexpr int SUMS_BYTES = SLICES > 1 ? 64 * BN * 4 : 0;
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + SUMS_BYTES + 8 * (2 * STAGES + 2);
+    static_assert((STAGES * STAGE_BYTES + EPI_BYTES) % 16 == 0, "the sums are read and written as float4");
     static_assert(ROWS == 64 || ROWS == gemm::BM, "a build computes one or two 64-row halves of a tile");
     static_assert(BN == 64 || BN == 128 || BN == 256, "a tile is one wgmma's N wide");
     static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
@@ -109,6 +122,9 @@ template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = fals
     static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN == 256), "pairs share a 256-wide B tile");
     // (the hand-over's named barriers count two warpgroups; plain GEMMs of 64-row tiles only)
     static_assert(SLICES == 1 || (SLICES == 2 && ROWS == 64 && CLUSTER == 1 && !DIRECT), "two slices of 64 rows");
+    // (no split tail either: its partials are laid out as two warpgroups' halves of a tile)
+    static_assert(!PINGPONG || (DIRECT && ROWS == gemm::BM && SLICES == 1 && CLUSTER == 1),
+                  "ping-pong warpgroups store their own 128-row tiles");
 };
 using MainCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES>;
 using SkinnyCfg = Cfg<64, gemm::BN, 4>;
@@ -123,6 +139,7 @@ using NarrowSlicedCfg = Cfg<64, 64, 12, 1, false, 2>;
 using PairCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES, 2>;
 using MidCfg = Cfg<gemm::BM, 128, 5>;
 using DirectCfg = Cfg<gemm::BM, gemm::BN, 4, 1, true>;
+using PingPongCfg = Cfg<gemm::BM, 128, 6, 1, true, 1, true>;
 // A tile's partial folded in through the pipeline (ROUTE_FOLD_TMA): boxes of the build's rows
 // by 128 bytes (one swizzle row: 64 16-bit or 32 f32 columns), as many to a stage as its B
 // buffer holds, in the ring's next stages after the tile's last k-block: in the main build,
@@ -155,6 +172,7 @@ static_assert(NarrowSlicedCfg::SMEM_BYTES == 223440, "layout mirrored by NARROW_
 static_assert(PairCfg::SMEM_BYTES == MainCfg::SMEM_BYTES, "the pair build's layout is the main build's");
 static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES in mod.rs");
 static_assert(DirectCfg::SMEM_BYTES == 230480, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
+static_assert(PingPongCfg::SMEM_BYTES == 230512, "layout mirrored by PING_PONG_SMEM_BYTES in mod.rs");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -888,7 +906,8 @@ __device__ __forceinline__ void pass_stages(const GemmParams& p, const Smem& s, 
     }
 }
 
-// Every consumer warpgroup of the build (named barrier 2).
+// Every consumer warpgroup of the build with rows of its own (named barrier 2): in the
+// sliced build the first only, which alone finishes a tile.
 template <class C> __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 2, %0;" ::"n"(C::CONSUMERS * 128) : "memory");
 }
@@ -903,8 +922,9 @@ __device__ bool split_partials(const GemmParams& p, const TailUnit& t, u32 rows,
     // a helper is what every role takes for one (kb0 > 0: the host gives each a counter);
     // an owner without helpers has nothing to wait for
     if (t.kb0 == 0 && t.split == NO_SPLIT) return true;
-    // 0..255 over both consumer warpgroups (0..127 in the skinny build, whose partials use the
-    // first half of each workspace slot: the slots keep the main build's layout)
+    // 0..255 over both consumer warpgroups (0..127 in the skinny and the narrow builds, the
+    // sliced one's first warpgroup included, whose partials use the first half of each
+    // workspace slot: the slots keep the main build's layout)
     const u32 tid = threadIdx.x - 128;
     u32* counter = p.counters + t.split;
     // this thread's accumulators hold rows (tid / 32) * 16 + lane / 4 and 8 below; rows past
@@ -953,7 +973,7 @@ __device__ bool split_partials(const GemmParams& p, const TailUnit& t, u32 rows,
 }
 
 // One consumer warpgroup's 128 threads (named barriers 3 and 4; 1 is the storers', 2 both
-// consumer warpgroups').
+// consumer warpgroups', 5 and 6 the sliced build's hand-over).
 __device__ __forceinline__ void consumer_group_sync(u32 cw) {
     if (cw == 0) asm volatile("bar.sync 3, 128;" ::: "memory");
     else asm volatile("bar.sync 4, 128;" ::: "memory");
@@ -1071,6 +1091,110 @@ __device__ __forceinline__ float2 epilogue_pair(const GemmParams& p, float a0, f
     return make_float2(v0, v1);
 }
 
+// The direct and the ping-pong build's epilogue: each consumer warpgroup stores 64 rows of a
+// tile at a time, tile rows r0 .. r0 + 63, whose accumulators `acc` hold as one m64 wgmma
+// leaves them; alpha, beta·C and the bias applied in registers, then into D by TMA tensor
+// stores of shared-memory boxes (store_rows_by_boxes) where a box can serve them
+// (boxes_serve), else from registers (store_rows_from_registers).
+//
+// Whether boxes of 64 columns can store tile rows r0 .. r0 + 63: where a box ends within this
+// tile's rows or at M's edge (which the store clips; a band that ends before M would have the
+// next band's rows written). 16-bit outputs only: with f32 (eight boxes a tile) the tile
+// loop's counter spilled.
+template <typename Out> __device__ __forceinline__ bool boxes_serve(const GemmParams& p, const Unit& c, u32 r0) {
+    return sizeof(Out) == 2 && p.d_tma != 0 && r0 < c.rows && (r0 + 64 <= c.rows || c.row0 + c.rows == p.m);
+}
+
+// The rows by boxes, through warpgroup `wg`'s two box buffers (and its barrier).
+template <class C, typename Out>
+__device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const Smem& s, const Unit& c, const float* acc,
+                                                    u32 r0, u32 wg, u32 g_col0, bool leader) {
+    const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const u32 g_row0 = c.row0 + r0 + warp * 16 + lane / 4;  // the row of this thread's first accumulator
+    constexpr int BOX_COLS = 128 / sizeof(Out);
+    constexpr int GROUPS = BOX_COLS / 8;  // 8-column accumulator groups per box
+    const u32 wrow = warp * 16 + lane / 4;  // this thread's first row of the 64
+#pragma unroll
+    for (int bx = 0; bx < C::BN / BOX_COLS; ++bx) {
+        if (g_col0 + bx * BOX_COLS >= p.n) break;
+        // (the rows' boxes take the buffers in turn from the first: a count kept across
+        // tiles would live through the main loop beside the accumulators)
+        unsigned char* box = s.epi + (wg * 2 + bx % 2) * C::BOX_BYTES;
+        // the store that read this buffer two boxes ago is done reading it; at the rows'
+        // first box, every store before (the last tile's, issued a main loop ago, or the
+        // ping-pong tile's other half's, which may have stopped short at N)
+        if (leader) {
+            if (bx == 0) bulk_wait_read();
+            else bulk_wait_read_all_but<1>();
+        }
+        consumer_group_sync(wg);
+        // read again from the parameters at each box, as the main build's passes do: a
+        // flag or pointer kept across the boxes' barriers spilled in the f32 entries
+        const bool box_c = p.beta != 0.0f && p.c != nullptr, box_bias = p.bias != nullptr;
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g) {
+            const int j = bx * GROUPS + g;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u32 col = j * 8 + 2 * (lane % 4);
+                const float2 v = epilogue_pair<Out>(p, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1],
+                                                    g_row0 + 8 * h, g_col0 + col, box_c, box_bias,
+                                                    (const Out*)p.c, (const Out*)p.bias);
+                // the tensor map's 128-byte swizzle: a row's 16-byte chunk c sits at c ^ (row % 8),
+                // which also spreads the warp's eight rows over all banks
+                const u32 r = wrow + 8 * h, byte = (col - bx * BOX_COLS) * sizeof(Out);
+                store_pair<Out>(box + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16, v.x, v.y);
+            }
+        }
+        // the box is read by the TMA engine (async proxy): order the generic writes first
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        consumer_group_sync(wg);
+        if (leader) {
+            tma_store_2d(&p.d_map, smem_u32(box), g_col0 + bx * BOX_COLS, c.row0 + r0);
+            bulk_commit();
+        }
+    }
+}
+
+// The rows from registers: a thread's pairs of columns, each where it lies in the tile's rows and D.
+template <class C, typename Out>
+__device__ __forceinline__ void store_rows_from_registers(const GemmParams& p, const Unit& c, const float* acc, u32 r0,
+                                                          u32 g_col0, bool tile_bias) {
+    const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const u32 row0 = r0 + warp * 16 + lane / 4;  // the tile row of this thread's first accumulator
+    const u32 g_row0 = c.row0 + row0;
+    const Out* c_mat = (const Out*)p.c;
+    const Out* bias = (const Out*)p.bias;
+    const bool has_c = p.beta != 0.0f && p.c != nullptr;
+    // a thread's two columns start on an even column: with N even, one aligned store
+    const bool pairs = p.n % 2 == 0;
+    Out* d_mat = (Out*)p.d;
+#pragma unroll
+    for (int j = 0; j < C::BN / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 col = j * 8 + 2 * (lane % 4);
+            const u32 gr = g_row0 + 8 * h, gc = g_col0 + col;
+            if (row0 + 8 * h >= c.rows || gc >= p.n) continue;
+            const bool two = gc + 1 < p.n;
+            const float2 v = epilogue_pair<Out>(p, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1], gr, gc,
+                                                has_c, tile_bias, c_mat, bias);
+            float v0 = v.x, v1 = v.y;
+            Out* dst = d_mat + (size_t)gr * p.n + gc;
+            if (p.accumulate) {
+                v0 += Elem<Out>::to_f32(dst[0]);
+                if (two) v1 += Elem<Out>::to_f32(dst[1]);
+            }
+            if (pairs && two) {
+                store_pair<Out>((unsigned char*)dst, v0, v1);
+            } else {
+                dst[0] = Elem<Out>::from_f32(v0);
+                if (two) dst[1] = Elem<Out>::from_f32(v1);
+            }
+        }
+    }
+}
+
 // The sliced build's hand-over (named barriers 5 and 6, both consumer warpgroups): the
 // second warpgroup waits until the first has taken the last tile's sums (SUMS_FREE) before it
 // writes a tile's, then says they are there (SUMS_READY).
@@ -1086,21 +1210,33 @@ template <class C, typename In, typename Out, bool B_KN>
 __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     constexpr int PASSES = sizeof(Out) / 2;  // f32 tiles are staged in two column halves
     constexpr int PASS_COLS = C::BN / PASSES;
-    // which 64 rows of the tile this warpgroup computes, and which of a unit's k-blocks (those
-    // `slice` past a multiple of SLICES from the unit's first)
-    const u32 half = C::SLICES > 1 ? 0 : cw, slice = C::SLICES > 1 ? cw : 0;
+    // which 64 rows of the tile this warpgroup computes (the first of its HALVES), and which of
+    // a unit's k-blocks (those `slice` past a multiple of SLICES from the unit's first)
+    const u32 half = C::SLICES > 1 || C::PINGPONG ? 0 : cw, slice = C::SLICES > 1 ? cw : 0;
     const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const u32 row0 = half * 64 + warp * 16 + lane / 4;  // this thread's first accumulator row
     const bool leader = threadIdx.x % 128 == 0;
     const Out* c_mat = (const Out*)p.c;
     const Out* bias = (const Out*)p.bias;
     u32 stage = 0, phase = 0, epi_phase = 0;
-    float acc[C::ACC];
+    constexpr int ACCS = C::HALVES * C::ACC;
+    float acc[ACCS];
     // the hand-over's buffer starts free
     if (C::SLICES > 1 && slice == 0) slices_arrive<SUMS_FREE>();
+    u32 turn = 0;  // (ping-pong) this block's units so far: warpgroup cw takes those where turn % 2 == cw
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
         if (c.empty) continue;
+        if constexpr (C::PINGPONG) {
+            if (turn++ % 2 != cw) {
+                // the other warpgroup's unit: step over its stages, which that warpgroup waits for
+                // and lets go
+                const u32 at = stage + (c.kb1 - c.kb0);
+                phase ^= (at / C::STAGES) & 1;
+                stage = at % C::STAGES;
+                continue;
+            }
+        }
         // The idle half of a pair takes its turn on every stage (its partner's consumers wait
         // for it to let each go) and has no tile to finish. A branch of its own: sharing the
         // one below, ptxas serialised the wgmmas (the zeroed accumulators then reach the next
@@ -1113,17 +1249,18 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // tile's first half) issues no matrix instruction: its accumulators stay zero and are
         // never stored (the storers stop at the tile's rows). It still takes its turn on every
         // stage, so the pipeline's barriers count as before. (Not in the sliced build, whose
-        // warpgroups share the rows and each let go of its own stages only: a band without rows
+        // warpgroups share the rows and each let go of its own stages only, nor in the ping-pong
+        // build, where this branch's zeroed accumulators made ptxas spill: a band without rows
         // runs its main loop there, and nothing of it is stored.)
-        if (C::SLICES == 1 && half * 64 >= c.rows) {
+        if (C::SLICES == 1 && !C::PINGPONG && half * 64 >= c.rows) {
 #pragma unroll
-            for (int j = 0; j < C::ACC; ++j) acc[j] = 0.0f;
+            for (int j = 0; j < ACCS; ++j) acc[j] = 0.0f;
             pass_stages<C>(p, s, c, stage, phase, leader);
         } else {
             // a slice without a k-block of the unit (a unit of fewer k-blocks than slices) adds zeros
             if (C::SLICES > 1 && c.kb0 + slice >= c.kb1) {
 #pragma unroll
-                for (int j = 0; j < C::ACC; ++j) acc[j] = 0.0f;
+                for (int j = 0; j < ACCS; ++j) acc[j] = 0.0f;
             }
             u32 prev = 0;
             for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
@@ -1139,23 +1276,30 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                 const u32 a = s.a + stage * C::A_STAGE_BYTES + half * (64 * 128);
                 const u32 b = s.b + stage * C::B_STAGE_BYTES;
                 wgmma_fence();
-                fence_acc<C::ACC>(acc);
+                fence_acc<ACCS>(acc);
 #pragma unroll
                 for (int kk = 0; kk < gemm::BK / 16; ++kk) {
                     // A: K-major, 8-row groups 1024 bytes apart, a k16 step is 32 bytes along the row.
                     // B [N, K]: the same. B [K, N]: N-major, 64-column blocks 8 KiB apart (LBO),
                     // 8-row K groups 1024 bytes apart (SBO), a k16 step is 16 rows = 2048 bytes.
-                    const u64 da = smem_desc(a + 32 * kk, 16, 1024);
                     const u64 db = B_KN ? smem_desc(b + 2048 * kk, 8192, 1024) : smem_desc(b + 32 * kk, 16, 1024);
-                    // (the slice's first k-block starts the sums afresh)
-                    Wgmma<In, C::BN>::template mma<B_KN ? 1 : 0>(acc, da, db, kb >= c.kb0 + C::SLICES || kk != 0);
+#pragma unroll
+                    for (int h = 0; h < C::HALVES; ++h) {
+                        // (a half's 64 rows of A are 8 KiB on)
+                        const u64 da = smem_desc(a + h * (64 * 128) + 32 * kk, 16, 1024);
+                        // (the slice's first k-block starts the sums afresh; the unsliced builds'
+                        // test is kept as it was, whose code ptxas fits without a spill)
+                        const bool first = C::SLICES == 1 ? kb == c.kb0 : kb < c.kb0 + C::SLICES;
+                        Wgmma<In, C::BN>::template mma<B_KN ? 1 : 0>(acc + h * C::ACC, da, db, !first || kk != 0);
+                    }
                 }
                 wgmma_commit();
-                fence_acc<C::ACC>(acc);
+                fence_acc<ACCS>(acc);
                 // keep this k-block's wgmmas in flight; the previous one's stage can be refilled
                 wgmma_wait<1>();
-                fence_acc<C::ACC>(acc);
-                if (kb >= c.kb0 + C::SLICES && leader) release_stage<C>(s.empty + 8 * prev);
+                fence_acc<ACCS>(acc);
+                if ((C::SLICES == 1 ? kb > c.kb0 : kb >= c.kb0 + C::SLICES) && leader)
+                    release_stage<C>(s.empty + 8 * prev);
                 prev = stage;
                 if (++stage == C::STAGES) {
                     stage = 0;
@@ -1163,8 +1307,8 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                 }
             }
             wgmma_wait<0>();
-            fence_acc<C::ACC>(acc);
-            if (leader && c.kb0 + slice < c.kb1) release_stage<C>(s.empty + 8 * prev);
+            fence_acc<ACCS>(acc);
+            if (leader && (C::SLICES == 1 || c.kb0 + slice < c.kb1)) release_stage<C>(s.empty + 8 * prev);
         }
         // The sliced build: the second warpgroup hands its sums over and goes on to its next
         // unit; the first adds them (in one fixed order, so results do not depend on timing)
@@ -1194,7 +1338,8 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         }
         // a tile of the tail with helpers: the entry read again here rather than kept through
         // the main loop
-        if (i >= p.full_units) {
+        // (no split tail in the ping-pong build: the host plans it none)
+        if (!C::PINGPONG && i >= p.full_units) {
             if (!split_partials<C>(p, p.tail[i - p.full_units], c.rows, acc)) continue;  // a helper: no epilogue
         }
         // The tile's column, again from its index in the pair and the main build: kept from the
@@ -1267,83 +1412,15 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         if constexpr (C::DIRECT) {
             // a block that gave up stores nothing (its accumulators may be anything)
             if (block_stopped()) continue;
-            const bool has_c = p.beta != 0.0f && p.c != nullptr;
-            // This warpgroup's 64 rows as boxes of 64 columns by TMA tensor stores, where a box ends
-            // within this tile's rows or at M's edge (which the store clips; a band that ends before
-            // M would have the next band's rows written). 16-bit outputs only: with f32 (eight
-            // boxes a tile) the tile loop's counter spilled.
-            if (sizeof(Out) == 2 && p.d_tma != 0 && cw * 64 < c.rows &&
-                (cw * 64 + 64 <= c.rows || c.row0 + c.rows == p.m)) {
-                constexpr int BOX_COLS = 128 / sizeof(Out);
-                constexpr int GROUPS = BOX_COLS / 8;  // 8-column accumulator groups per box
-                const u32 wrow = warp * 16 + lane / 4;  // this thread's first row of the warpgroup's 64
+            // (the direct build's warpgroup stores its own 64 rows; a ping-pong warpgroup its
+            // whole tile, half by half)
 #pragma unroll
-                for (int bx = 0; bx < C::BN / BOX_COLS; ++bx) {
-                    if (g_col0 + bx * BOX_COLS >= p.n) break;
-                    // (a tile's boxes take the buffers in turn from the first: a count kept across
-                    // tiles would live through the main loop beside the accumulators)
-                    unsigned char* box = s.epi + (cw * 2 + bx % 2) * C::BOX_BYTES;
-                    // the store that read this buffer two boxes ago is done reading it; at a tile's
-                    // first box, every store of the last tile (issued a main loop ago)
-                    if (leader) {
-                        if (bx == 0) bulk_wait_read();
-                        else bulk_wait_read_all_but<1>();
-                    }
-                    consumer_group_sync(cw);
-                    // read again from the parameters at each box, as the main build's passes do: a
-                    // flag or pointer kept across the boxes' barriers spilled in the f32 entries
-                    const bool box_c = p.beta != 0.0f && p.c != nullptr, box_bias = p.bias != nullptr;
-#pragma unroll
-                    for (int g = 0; g < GROUPS; ++g) {
-                        const int j = bx * GROUPS + g;
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const u32 col = j * 8 + 2 * (lane % 4);
-                            const float2 v = epilogue_pair<Out>(p, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1],
-                                                                g_row0 + 8 * h, g_col0 + col, box_c, box_bias,
-                                                                (const Out*)p.c, (const Out*)p.bias);
-                            // the tensor map's 128-byte swizzle: a row's 16-byte chunk c sits at c ^ (row % 8),
-                            // which also spreads the warp's eight rows over all banks
-                            const u32 r = wrow + 8 * h, byte = (col - bx * BOX_COLS) * sizeof(Out);
-                            store_pair<Out>(box + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16, v.x, v.y);
-                        }
-                    }
-                    // the box is read by the TMA engine (async proxy): order the generic writes first
-                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                    consumer_group_sync(cw);
-                    if (leader) {
-                        tma_store_2d(&p.d_map, smem_u32(box), g_col0 + bx * BOX_COLS, c.row0 + cw * 64);
-                        bulk_commit();
-                    }
-                }
-                continue;
-            }
-            // a thread's two columns start on an even column: with N even, one aligned store
-            const bool pairs = p.n % 2 == 0;
-            Out* d_mat = (Out*)p.d;
-#pragma unroll
-            for (int j = 0; j < C::BN / 8; ++j) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const u32 col = j * 8 + 2 * (lane % 4);
-                    const u32 gr = g_row0 + 8 * h, gc = g_col0 + col;
-                    if (row0 + 8 * h >= c.rows || gc >= p.n) continue;
-                    const bool two = gc + 1 < p.n;
-                    const float2 v = epilogue_pair<Out>(p, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1], gr, gc,
-                                                        has_c, tile_bias, c_mat, bias);
-                    float v0 = v.x, v1 = v.y;
-                    Out* dst = d_mat + (size_t)gr * p.n + gc;
-                    if (p.accumulate) {
-                        v0 += Elem<Out>::to_f32(dst[0]);
-                        if (two) v1 += Elem<Out>::to_f32(dst[1]);
-                    }
-                    if (pairs && two) {
-                        store_pair<Out>((unsigned char*)dst, v0, v1);
-                    } else {
-                        dst[0] = Elem<Out>::from_f32(v0);
-                        if (two) dst[1] = Elem<Out>::from_f32(v1);
-                    }
-                }
+            for (int h = 0; h < C::HALVES; ++h) {
+                const u32 r0 = (half + h) * 64;
+                if (boxes_serve<Out>(p, c, r0))
+                    store_rows_by_boxes<C, Out>(p, s, c, acc + h * C::ACC, r0, cw, g_col0, leader);
+                else
+                    store_rows_from_registers<C, Out>(p, c, acc + h * C::ACC, r0, g_col0, tile_bias);
             }
             continue;
         }
@@ -1491,8 +1568,8 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     if (threadIdx.x == 0) {
         for (int i = 0; i < C::STAGES; ++i) {
             mbar_init(s.full + 8 * i, 1);             // the producer's expect_tx arrival (+ the TMA bytes)
-            // one arrival per consumer warpgroup (of both blocks of a pair)
-            mbar_init(s.empty + 8 * i, C::CONSUMERS * C::CLUSTER);
+            // one arrival per warpgroup that reads the stage (of both blocks of a pair)
+            mbar_init(s.empty + 8 * i, C::STAGE_READERS * C::CLUSTER);
         }
         mbar_init(s.epi_full, C::CONSUMERS * 128);  // every consumer thread has staged its fragment
         mbar_init(s.epi_empty, 1);   // the storers are done with the staged tile
@@ -1560,7 +1637,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // COMMFUSE_PART = 2 * build + input (input 0: bf16, 1: f16; builds in the order of
 // `GemmVariant::ALL`) holds that build's entries for that input type, and the last part,
 // GEMM_HELPER_PART, the helper kernels. Without COMMFUSE_PART, every entry.
-#define GEMM_HELPER_PART 18
+#define GEMM_HELPER_PART 20
 #ifdef COMMFUSE_PART
 #define GEMM_IN_PART(PART) (COMMFUSE_PART == (PART))
 #else
@@ -1573,7 +1650,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // gemm_mid_...: 128x128 tiles; gemm_direct_...: the main build's tiles on four stages, stored by
 // the consumers (TMA tensor stores of shared-memory boxes); gemm_narrow_deep_...: the narrow
 // build on twelve stages; gemm_narrow_sliced_...: the same with the K loop sliced over two
-// consumer warpgroups
+// consumer warpgroups; gemm_ping_pong_...: 128x128 tiles, whole tiles per consumer warpgroup
 #if GEMM_IN_PART(0)
 COMMFUSE_GEMM_ENTRIES(gemm_, bf16, __nv_bfloat16, MainCfg)
 #endif
@@ -1627,6 +1704,12 @@ COMMFUSE_GEMM_ENTRIES(gemm_narrow_sliced_, bf16, __nv_bfloat16, NarrowSlicedCfg)
 #endif
 #if GEMM_IN_PART(17)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_sliced_, f16, __half, NarrowSlicedCfg)
+#endif
+#if GEMM_IN_PART(18)
+COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_, bf16, __nv_bfloat16, PingPongCfg)
+#endif
+#if GEMM_IN_PART(19)
+COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_, f16, __half, PingPongCfg)
 #endif
 
 #if GEMM_IN_PART(GEMM_HELPER_PART)

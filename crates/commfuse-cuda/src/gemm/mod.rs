@@ -90,6 +90,14 @@ const DIRECT_SMEM_BYTES: u32 = smem_bytes(TILE.m, TILE.n, DIRECT_STAGES)
     - TILE.m as u32 * (2 * TILE.n as u32 + 16)
     + 4 * (DIRECT_BOX.0 * DIRECT_BOX.1) as u32;
 
+/// Stages of the ping-pong build: 32 KiB each (a [`MID_TILE`]'s k-block), beside four boxes.
+const PING_PONG_STAGES: u32 = 6;
+/// Mirrors `PingPongCfg::SMEM_BYTES` in gemm.cu: [`smem_bytes`] of mid tiles with four boxes
+/// instead of the staged tile.
+const PING_PONG_SMEM_BYTES: u32 = smem_bytes(MID_TILE.m, MID_TILE.n, PING_PONG_STAGES)
+    - MID_TILE.m as u32 * (2 * MID_TILE.n as u32 + 16)
+    + 4 * (DIRECT_BOX.0 * DIRECT_BOX.1) as u32;
+
 /// Which build of the kernel a [`PreparedGemm`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmVariant {
@@ -126,6 +134,11 @@ pub enum GemmVariant {
     /// through shared memory before the epilogue: two chains of dependent wgmmas per SM where
     /// the narrow builds run one
     NarrowSliced,
+    /// [`MID_TILE`]s, each consumer warpgroup computing whole tiles of its own (two m64n128k16
+    /// wgmmas a k16 step), the two taking a block's units in turn, so that one's epilogue (the
+    /// direct build's, from its own boxes) runs under the other's main loop; six stages of
+    /// 32 KiB. Plain GEMMs only, and no split tail
+    PingPong,
 }
 
 /// Blocks in a cluster of the pair build.
@@ -133,7 +146,7 @@ pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 9] = [
+    pub const ALL: [GemmVariant; 10] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
@@ -143,6 +156,7 @@ impl GemmVariant {
         GemmVariant::Direct,
         GemmVariant::NarrowDeep,
         GemmVariant::NarrowSliced,
+        GemmVariant::PingPong,
     ];
 
     /// Rows of the A box and of the staged tile.
@@ -152,7 +166,8 @@ impl GemmVariant {
             | GemmVariant::NarrowTall
             | GemmVariant::Pair
             | GemmVariant::Mid
-            | GemmVariant::Direct => TILE.m,
+            | GemmVariant::Direct
+            | GemmVariant::PingPong => TILE.m,
             GemmVariant::Skinny
             | GemmVariant::Narrow
             | GemmVariant::NarrowDeep
@@ -170,7 +185,7 @@ impl GemmVariant {
             | GemmVariant::NarrowTall
             | GemmVariant::NarrowDeep
             | GemmVariant::NarrowSliced => NARROW_TILE,
-            GemmVariant::Mid => MID_TILE,
+            GemmVariant::Mid | GemmVariant::PingPong => MID_TILE,
         }
     }
 
@@ -192,6 +207,7 @@ impl GemmVariant {
             GemmVariant::NarrowSliced => NARROW_SLICED_SMEM_BYTES,
             GemmVariant::Mid => MID_SMEM_BYTES,
             GemmVariant::Direct => DIRECT_SMEM_BYTES,
+            GemmVariant::PingPong => PING_PONG_SMEM_BYTES,
         }
     }
 
@@ -208,6 +224,7 @@ impl GemmVariant {
             GemmVariant::Pair => "gemm_pair_",
             GemmVariant::Mid => "gemm_mid_",
             GemmVariant::Direct => "gemm_direct_",
+            GemmVariant::PingPong => "gemm_ping_pong_",
         }
     }
 
@@ -221,7 +238,9 @@ impl GemmVariant {
     /// partial wave after whole ones); where the whole product is one partial wave (`one_wave`:
     /// fewer tiles than SMs, a small M) three parts were faster than four: 40.0 against 41.5 µs
     /// at 128 × 8192 × 3584 (and 33.6 against 35.7 at 16 rows). The pair build has no split
-    /// tail: both blocks of a cluster must run the same K range of every unit. The mid and the
+    /// tail: both blocks of a cluster must run the same K range of every unit, nor the ping-pong
+    /// build, whose warpgroups each hold a whole tile (the tail's partials are laid out as two
+    /// warpgroups' halves). The mid and the
     /// direct build are the main build on narrower tiles or with another epilogue and take its
     /// limits.
     pub fn max_parts(self, one_wave: bool) -> usize {
@@ -233,13 +252,14 @@ impl GemmVariant {
             | GemmVariant::NarrowTall
             | GemmVariant::NarrowDeep
             | GemmVariant::NarrowSliced => 2,
-            GemmVariant::Pair => 1,
+            GemmVariant::Pair | GemmVariant::PingPong => 1,
         }
     }
 
     /// How this build shares out its tail under `choice` ([`TailChoice`]): its
     /// [`GemmVariant::max_parts`] either way; stream-K only where it cuts at all (not the
-    /// pair build, whose two blocks of a cluster run the same K range of every unit).
+    /// pair build, whose two blocks of a cluster run the same K range of every unit, nor the
+    /// ping-pong build).
     pub fn tail_mode(self, choice: TailChoice, one_wave: bool) -> TailMode {
         let max_parts = self.max_parts(one_wave);
         match choice {
@@ -248,8 +268,8 @@ impl GemmVariant {
         }
     }
 
-    /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct`, `narrow-deep` or
-    /// `narrow-sliced`.
+    /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct`, `narrow-deep`,
+    /// `narrow-sliced` or `ping-pong`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
@@ -261,7 +281,14 @@ impl GemmVariant {
             GemmVariant::Direct => "direct",
             GemmVariant::NarrowDeep => "narrow-deep",
             GemmVariant::NarrowSliced => "narrow-sliced",
+            GemmVariant::PingPong => "ping-pong",
         }
+    }
+
+    /// Whether its consumers store tiles into D themselves (through a tensor map of D where
+    /// [`d_map_fits`]): plain GEMMs only.
+    fn stores_directly(self) -> bool {
+        matches!(self, GemmVariant::Direct | GemmVariant::PingPong)
     }
 }
 
@@ -298,9 +325,12 @@ pub enum VariantChoice {
     NarrowDeep,
     /// As [`VariantChoice::Narrow`] with the narrow-sliced build in the narrow build's place
     NarrowSliced,
+    /// [`MID_TILE`]s, always, on the ping-pong build (the fused operators' GEMMs on the mid
+    /// build)
+    PingPong,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|auto`
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|ping-pong|auto`
 /// (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
@@ -326,7 +356,7 @@ pub const NARROW_ROWS_MIN: usize = 16;
 
 impl VariantChoice {
     /// Every choice, `auto` first.
-    pub const ALL: [VariantChoice; 9] = [
+    pub const ALL: [VariantChoice; 10] = [
         VariantChoice::Auto,
         VariantChoice::Main,
         VariantChoice::Skinny,
@@ -336,6 +366,7 @@ impl VariantChoice {
         VariantChoice::Pair,
         VariantChoice::Mid,
         VariantChoice::Direct,
+        VariantChoice::PingPong,
     ];
 
     /// The choice of this [`VariantChoice::name`].
@@ -357,8 +388,8 @@ impl VariantChoice {
         names.join(", ")
     }
 
-    /// `main`, `skinny`, `narrow`, `narrow-deep`, `narrow-sliced`, `pair`, `mid`, `direct` or
-    /// `auto`.
+    /// `main`, `skinny`, `narrow`, `narrow-deep`, `narrow-sliced`, `pair`, `mid`, `direct`,
+    /// `ping-pong` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
@@ -370,6 +401,7 @@ impl VariantChoice {
             VariantChoice::Direct => "direct",
             VariantChoice::NarrowDeep => "narrow-deep",
             VariantChoice::NarrowSliced => "narrow-sliced",
+            VariantChoice::PingPong => "ping-pong",
         }
     }
 
@@ -377,7 +409,7 @@ impl VariantChoice {
     pub fn tile_for(self, p: &GemmProblem, sms: usize) -> TileShape {
         // (auto plans no mid tiles: where they beat the main build, between two bands of rows
         // and half a wave of wide tiles, the direct build's wide tiles measured faster still)
-        if self == VariantChoice::Mid {
+        if matches!(self, VariantChoice::Mid | VariantChoice::PingPong) {
             return MID_TILE;
         }
         let narrow = match self {
@@ -389,7 +421,8 @@ impl VariantChoice {
             | VariantChoice::Skinny
             | VariantChoice::Pair
             | VariantChoice::Mid
-            | VariantChoice::Direct => false,
+            | VariantChoice::Direct
+            | VariantChoice::PingPong => false,
         };
         if narrow {
             NARROW_TILE
@@ -403,7 +436,12 @@ impl VariantChoice {
     /// [`SKINNY_ROWS`] rows (it computes no more of a tile); [`MID_TILE`]s have one build.
     pub fn variant_for(self, plan: &GemmPlan) -> GemmVariant {
         if plan.tile == MID_TILE {
-            return GemmVariant::Mid;
+            // (build() keeps the fused operators' GEMMs on the mid build)
+            return if self == VariantChoice::PingPong {
+                GemmVariant::PingPong
+            } else {
+                GemmVariant::Mid
+            };
         }
         let fits = tallest_band(plan) <= SKINNY_ROWS && self != VariantChoice::Main;
         match (plan.tile == NARROW_TILE, fits) {
@@ -433,6 +471,7 @@ impl VariantChoice {
             VariantChoice::Direct => 6,
             VariantChoice::NarrowDeep => 7,
             VariantChoice::NarrowSliced => 8,
+            VariantChoice::PingPong => 9,
         }
     }
 
@@ -446,6 +485,7 @@ impl VariantChoice {
             6 => VariantChoice::Direct,
             7 => VariantChoice::NarrowDeep,
             8 => VariantChoice::NarrowSliced,
+            9 => VariantChoice::PingPong,
             _ => VariantChoice::Auto,
         }
     }
@@ -1142,14 +1182,20 @@ impl PreparedGemm {
         let (mut routes, folds) = routes.unzip();
         let folds = folds.flatten();
         let mut variant = kernels.choice().variant_for(plan);
-        if matches!(variant, GemmVariant::Pair | GemmVariant::Direct)
-            && (routes.is_some() || gather.is_some())
+        if matches!(
+            variant,
+            GemmVariant::Pair | GemmVariant::Direct | GemmVariant::PingPong
+        ) && (routes.is_some() || gather.is_some())
         {
             // the pair build runs plain GEMMs: a fused operator's tiles wait for flags (a
             // fold's partials, a band's rows), and a wait of one block of a pair holds its
             // partner's stages too; unmeasured, so the main build serves them. The direct
-            // build's consumers store into D only (no routes, no flags)
-            variant = GemmVariant::Main;
+            // and the ping-pong build's consumers store into D only (no routes, no flags)
+            variant = if variant == GemmVariant::PingPong {
+                GemmVariant::Mid
+            } else {
+                GemmVariant::Main
+            };
         }
         let function = kernels.entry(plan, variant)?;
         let a = a_map(ops.a, p.input, p.k, p.m, variant)?;
@@ -1310,7 +1356,7 @@ impl PreparedGemm {
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
         };
-        if variant == GemmVariant::Direct {
+        if variant.stores_directly() {
             set_d_map(&mut params, p.output)?;
         }
         Ok(PreparedGemm {
@@ -1540,7 +1586,7 @@ impl PreparedGemm {
         params.bias = bias.unwrap_or(0);
         if let Some(d) = d.filter(|&d| d != params.d) {
             params.d = d;
-            if self.variant == GemmVariant::Direct {
+            if self.variant.stores_directly() {
                 set_d_map(&mut params, p.output)?;
             }
         }
@@ -1834,7 +1880,8 @@ fn routes(
     Ok(Some(out))
 }
 
-/// The direct build's tensor map of D (dense [M, N], ld N), where its tensor stores can write
+/// The tensor map of D (dense [M, N], ld N) of the builds whose consumers store tiles
+/// themselves ([`GemmVariant::stores_directly`]), where their tensor stores can write
 /// it: a 16-bit D on a 16-byte boundary, rows a multiple of 16 bytes, and a GEMM that replaces
 /// D rather than adding to it; elsewhere its consumers store from registers (`d_tma` 0).
 fn set_d_map(params: &mut GemmParams, output: DType) -> Result<(), CudaError> {
@@ -1851,7 +1898,8 @@ fn set_d_map(params: &mut GemmParams, output: DType) -> Result<(), CudaError> {
     Ok(())
 }
 
-/// Whether the direct build's tensor stores can write the D of `params` ([`set_d_map`]).
+/// Whether the direct and the ping-pong build's tensor stores can write the D of `params`
+/// ([`set_d_map`]).
 fn d_map_fits(params: &GemmParams, output: DType) -> bool {
     let row_bytes = params.n as u64 * output.size() as u64;
     output.size() == 2
@@ -1990,7 +2038,7 @@ mod tests {
     }
 
     #[test]
-    fn stream_k_serves_every_build_that_cuts_its_tail_but_the_pair() {
+    fn stream_k_serves_every_build_that_cuts_its_tail_but_the_pair_and_the_ping_pong() {
         for v in GemmVariant::ALL {
             for one_wave in [false, true] {
                 let cut = v.tail_mode(TailChoice::Cut, one_wave);
@@ -1998,7 +2046,7 @@ mod tests {
                 let max_parts = v.max_parts(one_wave);
                 assert_eq!(cut, TailMode::Cut { max_parts });
                 let want = match v {
-                    GemmVariant::Pair => TailMode::Cut { max_parts: 1 },
+                    GemmVariant::Pair | GemmVariant::PingPong => TailMode::Cut { max_parts: 1 },
                     _ => TailMode::StreamK { max_parts },
                 };
                 assert_eq!(spread, want, "{v:?}");
@@ -2031,6 +2079,9 @@ mod tests {
         assert_eq!(NARROW_SMEM_BYTES, 141456);
         assert_eq!(NARROW_DEEP_SMEM_BYTES, 207056);
         assert_eq!(NARROW_SLICED_SMEM_BYTES, 223440);
+        // PingPongCfg::SMEM_BYTES; a seventh stage would not fit
+        assert_eq!(PING_PONG_SMEM_BYTES, 230512);
+        const { assert!(PING_PONG_SMEM_BYTES + 32 * 1024 > 227 * 1024) };
         const { assert!(smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES + 2) > 227 * 1024) };
         assert_eq!(NARROW_TALL_SMEM_BYTES, 216208);
         const { assert!(NARROW_TALL_SMEM_BYTES <= 227 * 1024) };
@@ -2238,6 +2289,7 @@ mod tests {
             ("direct", VariantChoice::Direct),
             ("narrow-deep", VariantChoice::NarrowDeep),
             ("narrow-sliced", VariantChoice::NarrowSliced),
+            ("ping-pong", VariantChoice::PingPong),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -2246,7 +2298,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong or auto, got \"Skinny\""
             ),
             "{e}"
         );
@@ -2303,7 +2355,7 @@ mod tests {
     }
 
     #[test]
-    fn a_plan_of_mid_tiles_runs_on_the_mid_build_whatever_the_choice() {
+    fn a_plan_of_mid_tiles_runs_on_the_mid_build_unless_ping_pong_is_chosen() {
         for (m, bands) in [
             (1, None),
             (64, None),
@@ -2325,12 +2377,16 @@ mod tests {
                     "{choice:?} {m}"
                 );
             }
+            let ping_pong = VariantChoice::PingPong.variant_for(&plan);
+            assert_eq!(ping_pong, GemmVariant::PingPong, "{m}");
         }
         assert_eq!(GemmVariant::Mid.tile(), MID_TILE);
-        // forced, it plans every product with mid tiles; no other forced choice does
+        assert_eq!(GemmVariant::PingPong.tile(), MID_TILE);
+        // forced, mid and ping-pong plan every product with mid tiles; no other forced choice does
         for m in [16, 512, 8192] {
             let p = problem(m, 8192, 3584);
             assert_eq!(VariantChoice::Mid.tile_for(&p, 132), MID_TILE);
+            assert_eq!(VariantChoice::PingPong.tile_for(&p, 132), MID_TILE);
             for choice in [VariantChoice::Main, VariantChoice::Pair] {
                 assert_ne!(choice.tile_for(&p, 132), MID_TILE, "{choice:?} {m}");
             }
