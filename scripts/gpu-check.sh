@@ -32,7 +32,10 @@ B=.gpu/commfuse
 # fixed-cost: our GEMM's time per tile beside its k-blocks: 8192x8192xK for K from 256 to 14336
 #             (main, direct and `auto` with the next tile's first k-blocks asked of L2 ahead,
 #             beside cuBLASLt; time = waves x (fixed + k-blocks x per-k-block)), then Nsight
-#             Compute's stall sampling of the direct build at K = 512 and 3584 (FIXED_KS, NEXT_PREFETCH)
+#             Compute's stall sampling of the direct build at K = 512 and 3584 (FIXED_KS, NEXT_PREFETCH);
+#             the mid and the ping-pong build beside them (FIXED_BUILDS): the same split for 128x128 tiles
+# builds: the GPU tests of the builds `auto` does not take yet (BUILD_TESTS, name filters of the
+#         gpu_gemm suite), then every build's row beside cuBLASLt at decode and large shapes (BUILD_SHAPES)
 # (each of check, gemm+bench fits one 10-minute device call)
 MODE=${1:-full}
 SIZES=${SIZES:-4K,16K,64K,256K,1M,4M,16M,64M,256M,1G}
@@ -201,7 +204,7 @@ fi
 if has fixed-cost; then
   for k in ${FIXED_KS:-256 512 1024 2048 3584 7168 14336}; do
     name=k-8192x8192x$k
-    timeout 60 $B bench gemm --m 8192 --n 8192 --k $k --b-layout nk --sms 0 --builds main,direct \
+    timeout 120 $B bench gemm --m 8192 --n 8192 --k $k --b-layout nk --sms 0 --builds ${FIXED_BUILDS:-main,direct,mid,ping-pong} \
       --next-prefetch ${NEXT_PREFETCH:-4} --peer none --warmup 10 --iters 30 --json "$R/$name.json" >"$R/$name.txt" 2>&1
     log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | cut -c1-160 | tee -a "$OUT/summary.txt"
   done
@@ -217,6 +220,20 @@ if has fixed-cost; then
     ncu -i "$R/$n.ncu-rep" --page source --csv --print-source sass >"$R/$n-sass.csv" 2>&1
     grep -E "Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued" "$R/$n-details.txt" | head -3 | tee -a "$OUT/summary.txt"
     rm -f "$R/$n.ncu-rep"
+  done
+fi
+if has builds; then
+  for f in ${BUILD_TESTS:-narrow_deep_build narrow_sliced_build ping_pong_build next_unit_prefetch stream_k_tail_sums bench_rows_pass}; do
+    timeout 300 .gpu/tests/gpu_gemm "$f" --test-threads 1 >"$R/test-gpu_gemm-$f.txt" 2>&1
+    log "test gpu_gemm $f rc=$? $(grep -E '^test result' "$R/test-gpu_gemm-$f.txt" | tail -1)"
+    grep -E "^test .* FAILED|panicked" -A2 "$R/test-gpu_gemm-$f.txt" | head -12 | cut -c1-400 | tee -a "$OUT/summary.txt"
+  done
+  for s in ${BUILD_SHAPES:-16x8192x3584 32x8192x3584 64x8192x3584 128x8192x3584 2048x8192x3584 8192x8192x3584}; do
+    set -- ${s//x/ }
+    name=builds-$s-nk
+    timeout 120 $B bench gemm --m $1 --n $2 --k $3 --b-layout nk --sms 0 --peer none --warmup 10 --iters 30 \
+      --json "$R/$name.json" >"$R/$name.txt" 2>&1
+    log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | cut -c1-160 | tee -a "$OUT/summary.txt"
   done
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" results
