@@ -554,80 +554,63 @@ fn narrow_builds_match_float64_reference() {
     each(p, case, VariantChoice::Narrow, GemmVariant::NarrowTall);
 }
 
-/// The narrow-deep build (the narrow build on twelve stages), forced, against float64 over
-/// every element: the narrow build's cases of at most 64 rows (M = 1, 16, 33, 64; N = 1000,
-/// K = 1544: 24 k-blocks and a part, twice round the twelve stages), every run of them (every
-/// SM with two K-parts, 4 and 3 SMs) and their type pairs; and row bands of at most 64 rows.
+/// A build of narrow tiles with at most 64 rows (`build`, which `choice` takes), forced, against
+/// float64 over every element: the narrow build's cases (M = 1, 16, 33, 64; N = 1000, K = 1544:
+/// 24 k-blocks and a part), every run of them (every SM with two K-parts, 4 and 3 SMs) and their
+/// type pairs; row bands of at most 64 rows; and, with `short_k`, K of one to three k-blocks
+/// (K = 40, 64, 128, 192) at 48 rows on every SM.
+fn check_narrow_build(
+    (gpu, kernels, stream): (&Gpu, &GemmKernels, &Stream),
+    build: (VariantChoice, GemmVariant),
+    short_k: bool,
+    mut seed: u64,
+) {
+    let mut each = |p: GemmProblem, case: SkinnyCase| {
+        seed += 1;
+        check_variant_of_types(gpu, kernels, stream, p, case, build, seed);
+    };
+    for m in [1, 16, 33, SKINNY_ROWS] {
+        for_each_case(m, 1000, NARROW_TILE, &THREE_TYPES, &FIVE_RUNS, &mut each);
+    }
+    let case = |bands, cap| SkinnyCase {
+        tile: NARROW_TILE,
+        bands,
+        cap,
+        epilogue: Case::Full,
+    };
+    for layout in [BLayout::NK, BLayout::KN] {
+        let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
+        each(p, case(Some(&[0, 40, 100, 130]), 5));
+        for k in [40, 64, 128, 192].into_iter().filter(|_| short_k) {
+            let p = GemmProblem::new(48, 1000, k, layout, DType::BF16, DType::BF16).unwrap();
+            each(p, case(None, 0));
+        }
+    }
+}
+
+/// The narrow-deep build (the narrow build on twelve stages) by [`check_narrow_build`]: K =
+/// 1544 goes twice round the twelve stages.
 #[test]
 fn narrow_deep_build_matches_float64_reference() {
     let Some((gpu, kernels, stream)) = one_gpu() else {
         return;
     };
-    let mut seed = 950;
-    let mut each = |p: GemmProblem, case: SkinnyCase| {
-        seed += 1;
-        let want = (VariantChoice::NarrowDeep, GemmVariant::NarrowDeep);
-        check_variant_of_types(&gpu, &kernels, &stream, p, case, want, seed);
-    };
-    for m in [1, 16, 33, SKINNY_ROWS] {
-        for_each_case(m, 1000, NARROW_TILE, &THREE_TYPES, &FIVE_RUNS, |p, case| {
-            each(p, case)
-        });
-    }
-    for layout in [BLayout::NK, BLayout::KN] {
-        let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
-        let case = SkinnyCase {
-            tile: NARROW_TILE,
-            bands: Some(&[0, 40, 100, 130]),
-            cap: 5,
-            epilogue: Case::Full,
-        };
-        each(p, case);
-    }
+    let build = (VariantChoice::NarrowDeep, GemmVariant::NarrowDeep);
+    check_narrow_build((&gpu, &kernels, &stream), build, false, 950);
 }
 
 /// The narrow-sliced build (the narrow-deep build with each unit's k-blocks taken in turn by
-/// two consumer warpgroups, whose sums meet before the epilogue), forced, against float64 over
-/// every element: the narrow-deep build's cases (K = 1544: 25 k-blocks, an odd count, so the
-/// slices differ by one; two K-parts, each sliced from its own first k-block), row bands of at
-/// most 64 rows, and K of one, two and three k-blocks (K = 40, 64, 128, 192: with one, the
-/// second warpgroup has no k-block and hands over zeros).
+/// two consumer warpgroups, whose sums meet before the epilogue) by [`check_narrow_build`]:
+/// K = 1544 is 25 k-blocks, an odd count, so the slices differ by one; two K-parts are each
+/// sliced from their own first k-block; with K of one k-block the second warpgroup has none
+/// and hands over zeros.
 #[test]
 fn narrow_sliced_build_matches_float64_reference() {
     let Some((gpu, kernels, stream)) = one_gpu() else {
         return;
     };
-    let mut seed = 970;
-    let mut each = |p: GemmProblem, case: SkinnyCase| {
-        seed += 1;
-        let want = (VariantChoice::NarrowSliced, GemmVariant::NarrowSliced);
-        check_variant_of_types(&gpu, &kernels, &stream, p, case, want, seed);
-    };
-    for m in [1, 16, 33, SKINNY_ROWS] {
-        for_each_case(m, 1000, NARROW_TILE, &THREE_TYPES, &FIVE_RUNS, |p, case| {
-            each(p, case)
-        });
-    }
-    for layout in [BLayout::NK, BLayout::KN] {
-        let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
-        let case = SkinnyCase {
-            tile: NARROW_TILE,
-            bands: Some(&[0, 40, 100, 130]),
-            cap: 5,
-            epilogue: Case::Full,
-        };
-        each(p, case);
-        for k in [40, 64, 128, 192] {
-            let p = GemmProblem::new(48, 1000, k, layout, DType::BF16, DType::BF16).unwrap();
-            let case = SkinnyCase {
-                tile: NARROW_TILE,
-                bands: None,
-                cap: 0,
-                epilogue: Case::Full,
-            };
-            each(p, case);
-        }
-    }
+    let build = (VariantChoice::NarrowSliced, GemmVariant::NarrowSliced);
+    check_narrow_build((&gpu, &kernels, &stream), build, true, 970);
 }
 
 /// Every type pair of the builds that serve plain GEMMs only.
