@@ -90,8 +90,9 @@ struct Cfg {
     static constexpr int WARPGROUPS = PINGPONG ? 2 : CONSUMERS * SLICES;  // consumer warpgroups that run
     // 64-row halves of a tile one warpgroup computes (one m64 wgmma each a k16 step)
     static constexpr int HALVES = PINGPONG ? ROWS / 64 : 1;
-    // warpgroups that read each stage (the arrivals its empty barrier counts in one block)
-    static constexpr int STAGE_READERS = PINGPONG || SLICES > 1 ? 1 : CONSUMERS;
+    // warpgroups that wait for each stage (the arrivals its empty barrier counts in one block):
+    // every one that runs, but in the ping-pong build only the one whose unit it is
+    static constexpr int STAGE_READERS = PINGPONG ? 1 : WARPGROUPS;
     static constexpr int STAGES = STAGES_;
     static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each B k-block (TMA multicast)
     // The consumers store the tile into D themselves: no staged tile, and storers that only
@@ -427,7 +428,16 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
 }
 
 // What a stalled pipeline wait was waiting for (ErrorRecord.slot).
-enum PipelineWait { WAIT_STAGE_EMPTY = 0, WAIT_STAGE_FULL = 1, WAIT_EPI_EMPTY = 2, WAIT_EPI_FULL = 3, WAIT_PARTIALS = 4, WAIT_FOLD_FLAG = 5, WAIT_BAND_FLAG = 6 };
+enum PipelineWait {
+    WAIT_STAGE_EMPTY = 0,
+    WAIT_STAGE_FULL = 1,
+    WAIT_EPI_EMPTY = 2,
+    WAIT_EPI_FULL = 3,
+    WAIT_PARTIALS = 4,
+    WAIT_FOLD_FLAG = 5,
+    WAIT_BAND_FLAG = 6,
+    WAIT_TURN = 7,  // the ping-pong build: the other warpgroup's main loop
+};
 
 // A pipeline wait that never completes is a bug (a lost TMA, a miscounted barrier): record
 // which block waited for what at which tile (the first record of the launch wins) and raise
@@ -1195,6 +1205,12 @@ __device__ __forceinline__ void store_rows_from_registers(const GemmParams& p, c
     }
 }
 
+// The ping-pong build's turn barrier of consumer warpgroup w: its leader arrives once it has
+// waited for every stage of a unit, and the other warpgroup waits for that before it steps over
+// the unit's stages. The builds that store tiles themselves have no staged tile, so these are
+// its two barriers (epi_full, epi_empty: one arrival each).
+__device__ __forceinline__ u32 turn_barrier(const Smem& s, u32 w) { return s.epi_full + 8 * w; }
+
 // The sliced build's hand-over (named barriers 5 and 6, both consumer warpgroups): the
 // second warpgroup waits until the first has taken the last tile's sums (SUMS_FREE) before it
 // writes a tile's, then says they are there (SUMS_READY).
@@ -1223,14 +1239,21 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     float acc[ACCS];
     // the hand-over's buffer starts free
     if (C::SLICES > 1 && slice == 0) slices_arrive<SUMS_FREE>();
-    u32 turn = 0;  // (ping-pong) this block's units so far: warpgroup cw takes those where turn % 2 == cw
+    // (ping-pong) this block's units so far: warpgroup cw takes those where turn % 2 == cw; and
+    // the phase of the other warpgroup's turn barrier it waits for next
+    u32 turn = 0, turn_phase = 0;
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
         if (c.empty) continue;
         if constexpr (C::PINGPONG) {
             if (turn++ % 2 != cw) {
-                // the other warpgroup's unit: step over its stages, which that warpgroup waits for
-                // and lets go
+                // The other warpgroup's unit: once it has had every stage of it (its turn barrier,
+                // raised after its main loop), step over them. Not before: a wait for a stage of
+                // this warpgroup's next unit whose fill a lap earlier (the other's) has not landed
+                // would pass at once on the parity of the fill before that. So the main loops take
+                // turns on the tensor cores, each warpgroup's epilogue under the other's.
+                mbar_wait<ROLE_CONSUMER>(turn_barrier(s, 1 - cw), turn_phase, p, c.tile, WAIT_TURN);
+                turn_phase ^= 1;
                 const u32 at = stage + (c.kb1 - c.kb0);
                 phase ^= (at / C::STAGES) & 1;
                 stage = at % C::STAGES;
@@ -1248,11 +1271,10 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // A warpgroup whose 64 rows all lie past the tile's last (M or a band ends within the
         // tile's first half) issues no matrix instruction: its accumulators stay zero and are
         // never stored (the storers stop at the tile's rows). It still takes its turn on every
-        // stage, so the pipeline's barriers count as before. (Not in the sliced build, whose
-        // warpgroups share the rows and each let go of its own stages only, nor in the ping-pong
-        // build, where this branch's zeroed accumulators made ptxas spill: a band without rows
-        // runs its main loop there, and nothing of it is stored.)
-        if (C::SLICES == 1 && !C::PINGPONG && half * 64 >= c.rows) {
+        // stage, so the pipeline's barriers count as before. (Not in the ping-pong build, where
+        // this branch's zeroed accumulators made ptxas spill: a band without rows runs its main
+        // loop there, and nothing of it is stored.)
+        if (!C::PINGPONG && half * 64 >= c.rows) {
 #pragma unroll
             for (int j = 0; j < ACCS; ++j) acc[j] = 0.0f;
             pass_stages<C>(p, s, c, stage, phase, leader);
@@ -1265,7 +1287,14 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             u32 prev = 0;
             for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
                 if (C::SLICES > 1 && (kb - c.kb0) % C::SLICES != slice) {
-                    // another slice's k-block: that warpgroup waits for the stage and lets it go
+                    // Another slice's k-block: waited for and let go at once (each stage's empty
+                    // barrier counts both warpgroups), so that this warpgroup sees every fill of
+                    // the ring in order. Stepped over unseen, a stage whose fill a lap before was
+                    // the other's (after a unit of an odd count of k-blocks) could pass this
+                    // warpgroup's wait on the parity of the fill before that, loads landing in
+                    // any order (ring_model.rs).
+                    mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
+                    if (leader) release_stage<C>(s.empty + 8 * stage);
                     if (++stage == C::STAGES) {
                         stage = 0;
                         phase ^= 1;
@@ -1306,6 +1335,8 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                     phase ^= 1;
                 }
             }
+            // (ping-pong) every stage of this unit has been waited for: the other warpgroup's turn
+            if (C::PINGPONG && leader) mbar_arrive(turn_barrier(s, cw));
             wgmma_wait<0>();
             fence_acc<ACCS>(acc);
             if (leader && (C::SLICES == 1 || c.kb0 + slice < c.kb1)) release_stage<C>(s.empty + 8 * prev);
@@ -1571,7 +1602,9 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
             // one arrival per warpgroup that reads the stage (of both blocks of a pair)
             mbar_init(s.empty + 8 * i, C::STAGE_READERS * C::CLUSTER);
         }
-        mbar_init(s.epi_full, C::CONSUMERS * 128);  // every consumer thread has staged its fragment
+        // every consumer thread has staged its fragment (the ping-pong build: its warpgroup 0's
+        // turn barrier, see turn_barrier)
+        mbar_init(s.epi_full, C::PINGPONG ? 1 : C::CONSUMERS * 128);
         mbar_init(s.epi_empty, 1);   // the storers are done with the staged tile
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a) : "memory");

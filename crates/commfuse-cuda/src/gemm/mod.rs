@@ -11,6 +11,8 @@
 //! device (`reference_gemm.cu`) that the GEMM benches check every output element against.
 
 pub mod bench;
+#[cfg(test)]
+mod ring_model;
 pub mod tail;
 
 pub use tail::{plan_tail, tail_split, TailChoice, TailMode, TailPlan, TailUnit, TAIL_ENV};
@@ -1641,6 +1643,7 @@ impl PreparedGemm {
                 "the partial tiles of a split tile",
                 "a peer's partial of a tile it folds in (its flag)",
                 "the rows of A a peer copies in (their flag)",
+                "the other consumer warpgroup's turn (the ping-pong build)",
             ]
                 .get(e.slot as usize)
                 .copied()
