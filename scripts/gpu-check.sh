@@ -34,7 +34,7 @@ B=.gpu/commfuse
 #             beside cuBLASLt; time = waves x (fixed + k-blocks x per-k-block)), then Nsight
 #             Compute's stall sampling of the direct build at K = 512 and 3584 (FIXED_KS, NEXT_PREFETCH);
 #             the mid and the ping-pong build beside them (FIXED_BUILDS): the same split for 128x128 tiles
-# builds: the GPU tests of the builds `auto` does not take yet (BUILD_TESTS, name filters of the
+# builds: the GPU tests of the builds `auto` does not take yet and of the direct build (BUILD_TESTS, name filters of the
 #         gpu_gemm suite), then every build's row beside cuBLASLt at decode and large shapes (BUILD_SHAPES)
 # (each of check, gemm+bench fits one 10-minute device call)
 MODE=${1:-full}
@@ -223,7 +223,7 @@ if has fixed-cost; then
   done
 fi
 if has builds; then
-  for f in ${BUILD_TESTS:-narrow_deep_build narrow_sliced_build ping_pong_build next_unit_prefetch stream_k_tail_sums bench_rows_pass}; do
+  for f in ${BUILD_TESTS:-narrow_deep_build narrow_sliced_build ping_pong_build direct_build next_unit_prefetch stream_k_tail_sums bench_rows_pass}; do
     timeout 300 .gpu/tests/gpu_gemm "$f" --test-threads 1 >"$R/test-gpu_gemm-$f.txt" 2>&1
     log "test gpu_gemm $f rc=$? $(grep -E '^test result' "$R/test-gpu_gemm-$f.txt" | tail -1)"
     grep -E "^test .* FAILED|panicked" -A2 "$R/test-gpu_gemm-$f.txt" | head -12 | cut -c1-400 | tee -a "$OUT/summary.txt"
