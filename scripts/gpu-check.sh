@@ -127,19 +127,25 @@ fi
 # caps the grids (default 0: every SM; GEMM_SMS=131 GEMM_FLAGS="--fold 1,3 --fold-paced 1"
 # leaves an SM for the side kernel of the paced fold rows)
 GEMM_SHAPES=${GEMM_SHAPES:-8192x8192x3584:nk,kn 2048x8192x3584:nk,kn 16384x8192x3584:nk 8192x8192x14336:nk 4096x12288x24576:nk 4096x28672x8192:nk 1024x8192x3584:nk 512x4096x4096:nk 16x8192x3584:nk 64x8192x3584:nk 128x8192x3584:nk 128x28672x8192:nk}
-if has gemm-one; then
-  for shape in $GEMM_SHAPES; do
+# one GPU's bench gemm rows for each shape (M×N×K:layouts) after the first argument, the
+# results' name prefix
+gemm_rows() {
+  local prefix=$1; shift
+  for shape in "$@"; do
     dims=${shape%%:*}; set -- ${dims//x/ }
     for layout in ${shape#*:}; do
       layout=${layout//,/ }
       for l in $layout; do
-        name=gemm-one-$1x$2x$3-$l
+        name=$prefix-$1x$2x$3-$l
         timeout 120 $B bench gemm --m $1 --n $2 --k $3 --b-layout $l --sms ${GEMM_SMS:-0} --peer none ${GEMM_FLAGS:-} --warmup 10 --iters 30 \
           --json "$R/$name.json" >"$R/$name.txt" 2>&1
         log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | tee -a "$OUT/summary.txt"
       done
     done
   done
+}
+if has gemm-one; then
+  gemm_rows gemm-one $GEMM_SHAPES
 fi
 
 # six shapes of tensor-parallel layers (docs/performance.md), or RS_SHAPES="512x4096x4096 1024x8192x3584" (M×N×K)
@@ -228,13 +234,7 @@ if has builds; then
     log "test gpu_gemm $f rc=$? $(grep -E '^test result' "$R/test-gpu_gemm-$f.txt" | tail -1)"
     grep -E "^test .* FAILED|panicked" -A2 "$R/test-gpu_gemm-$f.txt" | head -12 | cut -c1-400 | tee -a "$OUT/summary.txt"
   done
-  for s in ${BUILD_SHAPES:-16x8192x3584 32x8192x3584 64x8192x3584 128x8192x3584 2048x8192x3584 8192x8192x3584}; do
-    set -- ${s//x/ }
-    name=builds-$s-nk
-    timeout 120 $B bench gemm --m $1 --n $2 --k $3 --b-layout nk --sms 0 --peer none --warmup 10 --iters 30 \
-      --json "$R/$name.json" >"$R/$name.txt" 2>&1
-    log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | cut -c1-160 | tee -a "$OUT/summary.txt"
-  done
+  gemm_rows builds ${BUILD_SHAPES:-16x8192x3584:nk 32x8192x3584:nk 64x8192x3584:nk 128x8192x3584:nk 2048x8192x3584:nk 8192x8192x3584:nk}
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" results
 rm -rf "$R"

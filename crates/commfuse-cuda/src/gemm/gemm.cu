@@ -901,19 +901,23 @@ template <class C> __device__ __forceinline__ void release_stage(u32 empty) {
     }
 }
 
-// A consumer warpgroup's turn on the unit's stages without using them: wait for each to fill
-// and let it go.
+// A consumer warpgroup's turn on one stage without using it: wait for it to fill and let it go.
+template <class C>
+__device__ __forceinline__ void pass_stage(const GemmParams& p, const Smem& s, u32 tile, u32& stage, u32& phase,
+                                           bool leader) {
+    mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, tile, WAIT_STAGE_FULL);
+    if (leader) release_stage<C>(s.empty + 8 * stage);
+    if (++stage == C::STAGES) {
+        stage = 0;
+        phase ^= 1;
+    }
+}
+
+// The same on every stage of the unit.
 template <class C>
 __device__ __forceinline__ void pass_stages(const GemmParams& p, const Smem& s, const Unit& c, u32& stage, u32& phase,
                                             bool leader) {
-    for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
-        mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
-        if (leader) release_stage<C>(s.empty + 8 * stage);
-        if (++stage == C::STAGES) {
-            stage = 0;
-            phase ^= 1;
-        }
-    }
+    for (u32 kb = c.kb0; kb < c.kb1; ++kb) pass_stage<C>(p, s, c.tile, stage, phase, leader);
 }
 
 // Every consumer warpgroup of the build with rows of its own (named barrier 2): in the
@@ -1120,10 +1124,10 @@ template <class C, typename Out>
 __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const Smem& s, const Unit& c, const float* acc,
                                                     u32 r0, u32 wg, u32 g_col0, bool leader) {
     const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    const u32 g_row0 = c.row0 + r0 + warp * 16 + lane / 4;  // the row of this thread's first accumulator
+    const u32 wrow = warp * 16 + lane / 4;  // this thread's first row of the 64
+    const u32 g_row0 = c.row0 + r0 + wrow;  // and of D
     constexpr int BOX_COLS = 128 / sizeof(Out);
     constexpr int GROUPS = BOX_COLS / 8;  // 8-column accumulator groups per box
-    const u32 wrow = warp * 16 + lane / 4;  // this thread's first row of the 64
 #pragma unroll
     for (int bx = 0; bx < C::BN / BOX_COLS; ++bx) {
         if (g_col0 + bx * BOX_COLS >= p.n) break;
@@ -1293,12 +1297,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                     // the other's (after a unit of an odd count of k-blocks) could pass this
                     // warpgroup's wait on the parity of the fill before that, loads landing in
                     // any order (ring_model.rs).
-                    mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
-                    if (leader) release_stage<C>(s.empty + 8 * stage);
-                    if (++stage == C::STAGES) {
-                        stage = 0;
-                        phase ^= 1;
-                    }
+                    pass_stage<C>(p, s, c.tile, stage, phase, leader);
                     continue;
                 }
                 mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);

@@ -462,34 +462,16 @@ impl VariantChoice {
         }
     }
 
+    /// Its place in [`VariantChoice::ALL`] (how [`GemmKernels`] keeps it in an atomic).
     fn code(self) -> u8 {
-        match self {
-            VariantChoice::Auto => 0,
-            VariantChoice::Main => 1,
-            VariantChoice::Skinny => 2,
-            VariantChoice::Narrow => 3,
-            VariantChoice::Pair => 4,
-            VariantChoice::Mid => 5,
-            VariantChoice::Direct => 6,
-            VariantChoice::NarrowDeep => 7,
-            VariantChoice::NarrowSliced => 8,
-            VariantChoice::PingPong => 9,
-        }
+        Self::ALL.iter().position(|&c| c == self).unwrap_or(0) as u8
     }
 
     fn from_code(code: u8) -> VariantChoice {
-        match code {
-            1 => VariantChoice::Main,
-            2 => VariantChoice::Skinny,
-            3 => VariantChoice::Narrow,
-            4 => VariantChoice::Pair,
-            5 => VariantChoice::Mid,
-            6 => VariantChoice::Direct,
-            7 => VariantChoice::NarrowDeep,
-            8 => VariantChoice::NarrowSliced,
-            9 => VariantChoice::PingPong,
-            _ => VariantChoice::Auto,
-        }
+        Self::ALL
+            .get(code as usize)
+            .copied()
+            .unwrap_or(VariantChoice::Auto)
     }
 }
 
