@@ -96,6 +96,8 @@ enum Case {
     Full,
     /// D += alpha·A·B, grid capped at 3 SMs
     Accumulate,
+    /// alpha alone (−1.5; no C, no bias): the plain epilogue's scaled writes
+    Scaled,
 }
 
 fn check_one<TI: Element, TO: Element>(
@@ -133,6 +135,7 @@ fn check_one<TI: Element, TO: Element>(
             plan.order = grouped_order(&p, TILE, 2);
             cap = 3;
         }
+        Case::Scaled => epilogue.alpha = -1.5,
     }
     plan.epilogue = epilogue;
     let (a_dev, b_dev, c_dev, bias_dev) = (
@@ -207,7 +210,7 @@ fn gemm_matches_float64_reference_on_ragged_shapes() {
                 (DType::F16, DType::F16),
                 (DType::F16, DType::F32),
             ] {
-                for case in [Case::Plain, Case::Full, Case::Accumulate] {
+                for case in [Case::Plain, Case::Full, Case::Accumulate, Case::Scaled] {
                     let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
                     seed += 1;
                     match (input, output) {
@@ -273,6 +276,10 @@ fn check_variant<TI: Element, TO: Element>(
         Case::Accumulate => Epilogue {
             alpha: 2.0,
             accumulate: true,
+            ..Epilogue::default()
+        },
+        Case::Scaled => Epilogue {
+            alpha: -1.5,
             ..Epilogue::default()
         },
     };
@@ -398,13 +405,14 @@ const THREE_TYPES: [(DType, DType); 3] = [
     (DType::F16, DType::F32),
 ];
 /// The grid caps and epilogues the builds' tests run: every SM with a plain and a full
-/// epilogue, then 4 and 3 SMs with the full one, and 3 with D += 2·A·B.
-const FIVE_RUNS: [(u32, Case); 5] = [
+/// epilogue, then 4 and 3 SMs with the full one, 3 with D += 2·A·B, and 4 with alpha alone.
+const RUNS: [(u32, Case); 6] = [
     (0, Case::Plain),
     (0, Case::Full),
     (4, Case::Full),
     (3, Case::Full),
     (3, Case::Accumulate),
+    (4, Case::Scaled),
 ];
 
 /// `f` for M × `n` × 1544 (24 k-blocks and a part) in tiles of `tile`, both B layouts, every
@@ -458,7 +466,7 @@ fn skinny_build_matches_float64_reference() {
     };
     let auto = VariantChoice::Auto;
     for m in [1, 16, 33, SKINNY_ROWS] {
-        for_each_case(m, 1000, TILE, &THREE_TYPES, &FIVE_RUNS, |p, case| {
+        for_each_case(m, 1000, TILE, &THREE_TYPES, &RUNS, |p, case| {
             each(p, case, auto, GemmVariant::Skinny)
         });
     }
@@ -526,7 +534,7 @@ fn narrow_builds_match_float64_reference() {
         } else {
             GemmVariant::NarrowTall
         };
-        for_each_case(m, 1000, NARROW_TILE, &THREE_TYPES, &FIVE_RUNS, |p, case| {
+        for_each_case(m, 1000, NARROW_TILE, &THREE_TYPES, &RUNS, |p, case| {
             each(p, case, auto, want)
         });
     }
@@ -570,7 +578,7 @@ fn check_narrow_build(
         check_variant_of_types(gpu, kernels, stream, p, case, build, seed);
     };
     for m in [1, 16, 33, SKINNY_ROWS] {
-        for_each_case(m, 1000, NARROW_TILE, &THREE_TYPES, &FIVE_RUNS, &mut each);
+        for_each_case(m, 1000, NARROW_TILE, &THREE_TYPES, &RUNS, &mut each);
     }
     let case = |bands, cap| SkinnyCase {
         tile: NARROW_TILE,
@@ -673,6 +681,7 @@ fn pair_build_matches_float64_reference() {
         (0, Case::Full),
         (4, Case::Full),
         (3, Case::Accumulate),
+        (4, Case::Scaled),
     ];
     let build = (VariantChoice::Pair, GemmVariant::Pair);
     check_plain_wide_build((&gpu, &kernels, &stream), build, &runs, 1300);
@@ -694,7 +703,7 @@ fn mid_build_matches_float64_reference() {
         check_variant_of_types(&gpu, &kernels, &stream, p, case, (choice, want), seed);
     };
     for (m, n) in [(1, 1000), (65, 600), (300, 1000), (1000, 600)] {
-        for_each_case(m, n, MID_TILE, &THREE_TYPES, &FIVE_RUNS, |p, case| {
+        for_each_case(m, n, MID_TILE, &THREE_TYPES, &RUNS, |p, case| {
             each(p, case, VariantChoice::Mid, GemmVariant::Mid)
         });
     }
@@ -720,19 +729,12 @@ fn direct_build_matches_float64_reference() {
         return;
     };
     let build = (VariantChoice::Direct, GemmVariant::Direct);
-    check_plain_wide_build((&gpu, &kernels, &stream), build, &FIVE_RUNS, 1700);
+    check_plain_wide_build((&gpu, &kernels, &stream), build, &RUNS, 1700);
     let mut seed = 1800;
-    for_each_case(
-        300,
-        999,
-        TILE,
-        &THREE_TYPES[..1],
-        &FIVE_RUNS[..2],
-        |p, case| {
-            seed += 1;
-            check_variant_of_types(&gpu, &kernels, &stream, p, case, build, seed);
-        },
-    );
+    for_each_case(300, 999, TILE, &THREE_TYPES[..1], &RUNS[..2], |p, case| {
+        seed += 1;
+        check_variant_of_types(&gpu, &kernels, &stream, p, case, build, seed);
+    });
 }
 
 /// The ping-pong build (128×128 tiles, each consumer warpgroup on whole tiles of its own, the
@@ -740,7 +742,7 @@ fn direct_build_matches_float64_reference() {
 /// build's cases (M = 1, 65, 300, 1000; N = 1000 and 600; every SM, and 4 and 3 SMs, where a
 /// block runs many tiles and the warpgroups take turns round the six stages, with no split
 /// tail), B [K, N] with N = 999 (padded B, the last column of D stored from registers), K of
-/// one to three k-blocks on 3 SMs (K = 40, 64, 130, 192: a unit of fewer k-blocks than
+/// one to three k-blocks on 3 SMs (K = 40, 64, 136, 192: a unit of fewer k-blocks than
 /// stages), and row bands of 40, 60 and 30 rows (boxes that would overrun a band: their rows
 /// stored from registers).
 #[test]
@@ -755,20 +757,11 @@ fn ping_pong_build_matches_float64_reference() {
         check_variant_of_types(&gpu, &kernels, &stream, p, case, want, seed);
     };
     for (m, n) in [(1, 1000), (65, 600), (300, 1000), (1000, 600)] {
-        for_each_case(m, n, MID_TILE, &THREE_TYPES, &FIVE_RUNS, |p, case| {
-            each(p, case)
-        });
+        for_each_case(m, n, MID_TILE, &THREE_TYPES, &RUNS, &mut each);
     }
-    for_each_case(
-        300,
-        999,
-        MID_TILE,
-        &THREE_TYPES[..1],
-        &FIVE_RUNS[..2],
-        &mut each,
-    );
+    for_each_case(300, 999, MID_TILE, &THREE_TYPES[..1], &RUNS[..2], &mut each);
     for layout in [BLayout::NK, BLayout::KN] {
-        for k in [40, 64, 130, 192] {
+        for k in [40, 64, 136, 192] {
             let p = GemmProblem::new(1000, 1000, k, layout, DType::BF16, DType::BF16).unwrap();
             let case = SkinnyCase {
                 tile: MID_TILE,

@@ -589,6 +589,61 @@ template <> __device__ __forceinline__ void store_pair<__half>(unsigned char* p,
     *(__half2*)p = __floats2half2_rn(a, b);
 }
 
+// Two f32 as one pair of 16-bit values, the first in the low half (the first column in memory).
+template <typename Out> __device__ __forceinline__ u32 pack_pair(float a, float b);
+template <> __device__ __forceinline__ u32 pack_pair<__nv_bfloat16>(float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const u32*>(&v);
+}
+template <> __device__ __forceinline__ u32 pack_pair<__half>(float a, float b) {
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const u32*>(&v);
+}
+
+// Four 8 × 8 matrices of 16-bit values into shared memory by one instruction: lane l gives the
+// address of row l % 8 of matrix l / 8 (16 contiguous bytes), and register i holds the lane's
+// pair of matrix i, at its row l / 4, columns 2 (l % 4) and the next: the layout in which an
+// m64 wgmma leaves each 8 × 8 block of a warp's accumulators.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
+}
+
+// The plain epilogue (no beta·C, no bias) of a warp's 16 rows × 16 columns, accumulator groups
+// j and j + 1 with both their row halves, written by one stmatrix: lane l addresses row
+// 8 ((l / 8) % 2) + l % 8 of the warp's rows in column group j + l / 16 (`addr`). Alpha is
+// applied only where SCALE: a GEMM with alpha 1 pays no multiply. (f32 outputs never come here:
+// plain_epilogue is false for them.)
+template <typename Out, bool SCALE>
+__device__ __forceinline__ void stmatrix_groups(u32 addr, const float* acc, int j, float alpha) {
+    if constexpr (sizeof(Out) == 2) {
+        const float* a = acc + j * 4;
+        auto v = [&](int i) { return SCALE ? alpha * a[i] : a[i]; };
+        stmatrix_x4(addr, pack_pair<Out>(v(0), v(1)), pack_pair<Out>(v(2), v(3)), pack_pair<Out>(v(4), v(5)),
+                    pack_pair<Out>(v(6), v(7)));
+    }
+}
+
+// What lane l addresses for stmatrix_groups: its row of the warp's 16 (8 ((l / 8) % 2) + l % 8)
+// and its column group of the two (l / 16). The thread's index is read again behind an empty
+// asm: derived from values kept through the main loop, the main build's address spilled.
+struct StmatrixLane {
+    u32 row, group;
+};
+__device__ __forceinline__ StmatrixLane stmatrix_lane() {
+    u32 t = threadIdx.x;
+    asm volatile("" : "+r"(t));
+    return {((t % 128) / 32) * 16 + 8 * ((t / 8) % 2) + t % 8, (t % 32) / 16};
+}
+
+// Whether a tile's epilogue is the plain one, decided once for the tile's writes from the
+// uniform parameters: then no element's code tests for C or the bias, and the writes go by
+// stmatrix. 16-bit outputs only (stmatrix moves 16-bit values).
+template <typename Out> __device__ __forceinline__ bool plain_epilogue(const GemmParams& p, bool tile_bias) {
+    return sizeof(Out) == 2 && !tile_bias && !(p.beta != 0.0f && p.c != nullptr);
+}
+
 // 16 bytes of staged results added to 16 bytes of the destination, in f32.
 template <typename Out> __device__ __forceinline__ uint4 add_vec(uint4 staged, uint4 old) {
     Out* s = (Out*)&staged;
@@ -1145,19 +1200,36 @@ __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const S
         // read again from the parameters at each box, as the main build's passes do: a
         // flag or pointer kept across the boxes' barriers spilled in the f32 entries
         const bool box_c = p.beta != 0.0f && p.c != nullptr, box_bias = p.bias != nullptr;
+        if (plain_epilogue<Out>(p, box_bias)) {
+            // the lane's row and its 16-byte chunk, swizzled by the row (row % 8 is the lane's % 8)
+            const StmatrixLane l = stmatrix_lane();
+            const u32 row = smem_u32(box) + l.row * 128;
+            if (p.alpha == 1.0f) {
 #pragma unroll
-        for (int g = 0; g < GROUPS; ++g) {
-            const int j = bx * GROUPS + g;
+                for (int q = 0; q < GROUPS / 2; ++q)
+                    stmatrix_groups<Out, false>(row + (((2 * q + l.group) ^ (l.row % 8)) * 16), acc,
+                                                bx * GROUPS + 2 * q, 1.0f);
+            } else {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const u32 col = j * 8 + 2 * (lane % 4);
-                const float2 v = epilogue_pair<Out>(p, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1],
-                                                    g_row0 + 8 * h, g_col0 + col, box_c, box_bias,
-                                                    (const Out*)p.c, (const Out*)p.bias);
-                // the tensor map's 128-byte swizzle: a row's 16-byte chunk c sits at c ^ (row % 8),
-                // which also spreads the warp's eight rows over all banks
-                const u32 r = wrow + 8 * h, byte = (col - bx * BOX_COLS) * sizeof(Out);
-                store_pair<Out>(box + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16, v.x, v.y);
+                for (int q = 0; q < GROUPS / 2; ++q)
+                    stmatrix_groups<Out, true>(row + (((2 * q + l.group) ^ (l.row % 8)) * 16), acc,
+                                               bx * GROUPS + 2 * q, p.alpha);
+            }
+        } else {
+#pragma unroll
+            for (int g = 0; g < GROUPS; ++g) {
+                const int j = bx * GROUPS + g;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u32 col = j * 8 + 2 * (lane % 4);
+                    const float2 v = epilogue_pair<Out>(p, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1],
+                                                        g_row0 + 8 * h, g_col0 + col, box_c, box_bias,
+                                                        (const Out*)p.c, (const Out*)p.bias);
+                    // the tensor map's 128-byte swizzle: a row's 16-byte chunk c sits at c ^ (row % 8),
+                    // which also spreads the warp's eight rows over all banks
+                    const u32 r = wrow + 8 * h, byte = (col - bx * BOX_COLS) * sizeof(Out);
+                    store_pair<Out>(box + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16, v.x, v.y);
+                }
             }
         }
         // the box is read by the TMA engine (async proxy): order the generic writes first
@@ -1461,15 +1533,28 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             // loop: a flag kept from the start lives through the main loop beside the 128
             // accumulators and was spilled to the stack under setmaxnreg 224 (f32 output).
             const bool has_c = p.beta != 0.0f && p.c != nullptr;
+            if (plain_epilogue<Out>(p, tile_bias)) {
+                // (16-bit: one pass) the lane's row of the staged tile, at its column group
+                const StmatrixLane l = stmatrix_lane();
+                const u32 row = smem_u32(s.epi) + (half * 64 + l.row) * C::EPI_PITCH + l.group * 16;
+                if (p.alpha == 1.0f) {
 #pragma unroll
-            for (int j = pass * PASS_COLS / 8; j < (pass + 1) * PASS_COLS / 8; ++j) {
+                    for (int q = 0; q < C::BN / 16; ++q) stmatrix_groups<Out, false>(row + q * 32, acc, 2 * q, 1.0f);
+                } else {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const u32 col = j * 8 + 2 * (lane % 4);
-                    const float2 v = epilogue_pair<Out>(p, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1], g_row0 + 8 * h,
-                                                        g_col0 + col, has_c, tile_bias, c_mat, bias);
-                    store_pair<Out>(s.epi + (row0 + 8 * h) * C::EPI_PITCH + (col - pass * PASS_COLS) * sizeof(Out), v.x,
-                                    v.y);
+                    for (int q = 0; q < C::BN / 16; ++q) stmatrix_groups<Out, true>(row + q * 32, acc, 2 * q, p.alpha);
+                }
+            } else {
+#pragma unroll
+                for (int j = pass * PASS_COLS / 8; j < (pass + 1) * PASS_COLS / 8; ++j) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32 col = j * 8 + 2 * (lane % 4);
+                        const float2 v = epilogue_pair<Out>(p, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1],
+                                                            g_row0 + 8 * h, g_col0 + col, has_c, tile_bias, c_mat, bias);
+                        store_pair<Out>(s.epi + (row0 + 8 * h) * C::EPI_PITCH + (col - pass * PASS_COLS) * sizeof(Out),
+                                        v.x, v.y);
+                    }
                 }
             }
             // the staged tile is read by the TMA engine (async proxy): order our generic writes first
