@@ -224,6 +224,7 @@ if has fixed-cost; then
     log "$n rc=$?"
     ncu -i "$R/$n.ncu-rep" --page details >"$R/$n-details.txt" 2>&1
     ncu -i "$R/$n.ncu-rep" --page source --csv --print-source sass >"$R/$n-sass.csv" 2>&1
+    python3 scripts/ncu-stalls.py "$R/$n-sass.csv" >"$R/$n-stalls.txt" 2>&1
     grep -E "Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued" "$R/$n-details.txt" | head -3 | tee -a "$OUT/summary.txt"
     rm -f "$R/$n.ncu-rep"
   done
