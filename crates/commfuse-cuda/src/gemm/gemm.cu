@@ -625,6 +625,20 @@ __device__ __forceinline__ void stmatrix_groups(u32 addr, const float* acc, int 
     }
 }
 
+// The plain epilogue of a warp's rows in column groups j0 .. j0 + 2 PAIRS - 1, PAIRS stmatrix:
+// pair q at the address `addr(q)` gives for the lane (alpha's multiply decided once, outside the
+// unrolled writes).
+template <typename Out, int PAIRS, typename Addr>
+__device__ __forceinline__ void stmatrix_plain(const GemmParams& p, const float* acc, int j0, Addr addr) {
+    if (p.alpha == 1.0f) {
+#pragma unroll
+        for (int q = 0; q < PAIRS; ++q) stmatrix_groups<Out, false>(addr(q), acc, j0 + 2 * q, 1.0f);
+    } else {
+#pragma unroll
+        for (int q = 0; q < PAIRS; ++q) stmatrix_groups<Out, true>(addr(q), acc, j0 + 2 * q, p.alpha);
+    }
+}
+
 // What lane l addresses for stmatrix_groups: its row of the warp's 16 (8 ((l / 8) % 2) + l % 8)
 // and its column group of the two (l / 16). The thread's index is read again behind an empty
 // asm: derived from values kept through the main loop, the main build's address spilled.
@@ -1204,17 +1218,8 @@ __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const S
             // the lane's row and its 16-byte chunk, swizzled by the row (row % 8 is the lane's % 8)
             const StmatrixLane l = stmatrix_lane();
             const u32 row = smem_u32(box) + l.row * 128;
-            if (p.alpha == 1.0f) {
-#pragma unroll
-                for (int q = 0; q < GROUPS / 2; ++q)
-                    stmatrix_groups<Out, false>(row + (((2 * q + l.group) ^ (l.row % 8)) * 16), acc,
-                                                bx * GROUPS + 2 * q, 1.0f);
-            } else {
-#pragma unroll
-                for (int q = 0; q < GROUPS / 2; ++q)
-                    stmatrix_groups<Out, true>(row + (((2 * q + l.group) ^ (l.row % 8)) * 16), acc,
-                                               bx * GROUPS + 2 * q, p.alpha);
-            }
+            stmatrix_plain<Out, GROUPS / 2>(p, acc, bx * GROUPS,
+                                            [&](int q) { return row + (((2 * q + l.group) ^ (l.row % 8)) * 16); });
         } else {
 #pragma unroll
             for (int g = 0; g < GROUPS; ++g) {
@@ -1537,13 +1542,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                 // (16-bit: one pass) the lane's row of the staged tile, at its column group
                 const StmatrixLane l = stmatrix_lane();
                 const u32 row = smem_u32(s.epi) + (half * 64 + l.row) * C::EPI_PITCH + l.group * 16;
-                if (p.alpha == 1.0f) {
-#pragma unroll
-                    for (int q = 0; q < C::BN / 16; ++q) stmatrix_groups<Out, false>(row + q * 32, acc, 2 * q, 1.0f);
-                } else {
-#pragma unroll
-                    for (int q = 0; q < C::BN / 16; ++q) stmatrix_groups<Out, true>(row + q * 32, acc, 2 * q, p.alpha);
-                }
+                stmatrix_plain<Out, C::BN / 16>(p, acc, 0, [&](int q) { return row + q * 32; });
             } else {
 #pragma unroll
                 for (int j = pass * PASS_COLS / 8; j < (pass + 1) * PASS_COLS / 8; ++j) {
