@@ -300,10 +300,11 @@ impl GemmVariant {
 /// narrow-tall), so the choice also says which tile to plan with ([`VariantChoice::tile_for`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VariantChoice {
-    /// Narrow tiles where [`narrow_pays`] says so, else [`TILE`]s; the 64-row build of the
-    /// plan's tile wherever every tile has at most [`SKINNY_ROWS`] rows, else the 128-row one:
-    /// for [`TILE`]s the direct build, which the fused operators' GEMMs (with routes or a
-    /// gather) trade for the main build
+    /// Narrow tiles where [`narrow_pays`] says so, [`MID_TILE`]s where [`ping_pong_pays`]
+    /// does, else [`TILE`]s; the 64-row build of the plan's tile wherever every tile has at most
+    /// [`SKINNY_ROWS`] rows (narrow-deep up to [`NARROW_DEEP_ROWS`]), else the 128-row one: for
+    /// [`TILE`]s the direct build, for [`MID_TILE`]s the ping-pong build, which the fused
+    /// operators' GEMMs (with routes or a gather) trade for the main and the mid build
     Auto,
     /// [`TILE`]s; always the 128-row build (main, or narrow-tall for a plan of narrow tiles)
     Main,
@@ -338,23 +339,38 @@ pub enum VariantChoice {
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
 
 /// Whether `auto` plans `p` with [`NARROW_TILE`]s on `sms` SMs: M fits one band of tiles
-/// and is above [`NARROW_ROWS_MIN`] (so 17 ≤ M ≤ 128), and its [`TILE`]s would give at most
-/// half of the SMs a tile. Such a product is bound by how fast the SMs that hold a tile load B
-/// (the weights): 32 to 128 × 8192 × 3584 make 32 tiles of 128 × 256 for 132 SMs, which even
-/// cut along K keep at most 96 SMs loading; narrow tiles give 128 SMs a whole K loop each. On
-/// one H200 (GEMM-NOTES.md, "The narrow builds") the narrow builds took 25.8, 23.1, 23.7 and
-/// 27.6 µs at 32, 48, 64 and 128 rows against the wide tiles' best of 28.6, 29.9, 31.1 and
-/// 39.5, but 29.4 against the skinny build's 27.8 at 16 rows. Where the wide tiles already fill
-/// more of the SMs (128 × 28672 × 8192: 112 tiles) the narrow-tall build measured slower
-/// (146.8 against 131.8 µs).
+/// (M ≤ 128) and its [`TILE`]s would give at most half of the SMs a tile. Such a product is
+/// bound by how fast the SMs that hold a tile load B (the weights): 16 to 128 × 8192 × 3584
+/// make 32 tiles of 128 × 256 for 132 SMs, which even cut along K keep at most 96 SMs
+/// loading; narrow tiles give 128 SMs a whole K loop each. On one H200 (GEMM-NOTES.md, "The
+/// narrow builds") the narrow builds took 25.8, 23.1, 23.7 and 27.6 µs at 32, 48, 64 and 128
+/// rows against the wide tiles' best of 28.6, 29.9, 31.1 and 39.5; at 16 rows the narrow-deep
+/// build ([`NARROW_DEEP_ROWS`]) took 27.8 µs against the skinny build's 33.6 on an H100 and
+/// 25.2 against 26.2 on an H200. Where the wide tiles already fill more of the SMs (128 ×
+/// 28672 × 8192: 112 tiles) the narrow-tall build measured slower (146.8 against 131.8 µs).
 pub fn narrow_pays(p: &GemmProblem, sms: usize) -> bool {
     let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
-    rows == 1 && p.m > NARROW_ROWS_MIN && 2 * cols <= sms
+    rows == 1 && 2 * cols <= sms
 }
 
-/// Rows up to which `auto` keeps the skinny build's wide tiles even where narrow ones would
-/// fill more SMs: at 16 × 8192 × 3584 the skinny build was the faster (see [`narrow_pays`]).
-pub const NARROW_ROWS_MIN: usize = 16;
+/// Rows up to which `auto` runs a plan of narrow tiles on the narrow-deep build (twelve
+/// stages) instead of the narrow one (eight): ahead by 7–11 % at 16 × 8192 × 3584 on an H100
+/// and an H200, within 2 % at 32 and 64 rows (GEMM-NOTES.md, "The narrow-deep build").
+pub const NARROW_DEEP_ROWS: usize = 16;
+
+/// Whether `auto` plans `p` with [`MID_TILE`]s on `sms` SMs, which it runs on the ping-pong
+/// build: at least two whole bands of rows (narrow tiles do not fit), its [`TILE`]s would give
+/// at most half of the SMs a tile (so the direct build cuts them along K), and its mid tiles
+/// make one wave that gives more than half of the SMs one. At 512 × 4096 × 4096 (64 wide tiles, 128
+/// mid ones on 132 SMs) the ping-pong build ran 8–10 % ahead of the direct build on an H100
+/// and an H200 (GEMM-NOTES.md, "The ping-pong build"); where a block runs many tiles its
+/// k-blocks are slower than the wide builds'.
+pub fn ping_pong_pays(p: &GemmProblem, sms: usize) -> bool {
+    let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
+    let (mid_rows, mid_cols) = commfuse_core::gemm::tiles(p, MID_TILE);
+    let mid = mid_rows * mid_cols;
+    p.m >= 2 * TILE.m && 2 * rows * cols <= sms && 2 * mid > sms && mid <= sms
+}
 
 impl VariantChoice {
     /// Every choice, `auto` first.
@@ -409,9 +425,13 @@ impl VariantChoice {
 
     /// The tile to plan `p` with on `sms` SMs under this choice.
     pub fn tile_for(self, p: &GemmProblem, sms: usize) -> TileShape {
-        // (auto plans no mid tiles: where they beat the main build, between two bands of rows
-        // and half a wave of wide tiles, the direct build's wide tiles measured faster still)
+        // (auto plans mid tiles only where ping_pong_pays: elsewhere, where they beat the main
+        // build, between two bands of rows and half a wave of wide tiles, the direct build's
+        // wide tiles measured faster still)
         if matches!(self, VariantChoice::Mid | VariantChoice::PingPong) {
+            return MID_TILE;
+        }
+        if self == VariantChoice::Auto && !narrow_pays(p, sms) && ping_pong_pays(p, sms) {
             return MID_TILE;
         }
         let narrow = match self {
@@ -439,7 +459,7 @@ impl VariantChoice {
     pub fn variant_for(self, plan: &GemmPlan) -> GemmVariant {
         if plan.tile == MID_TILE {
             // (build() keeps the fused operators' GEMMs on the mid build)
-            return if self == VariantChoice::PingPong {
+            return if matches!(self, VariantChoice::PingPong | VariantChoice::Auto) {
                 GemmVariant::PingPong
             } else {
                 GemmVariant::Mid
@@ -457,6 +477,11 @@ impl VariantChoice {
             (false, true) => GemmVariant::Skinny,
             (true, false) => GemmVariant::NarrowTall,
             (true, true) if self == VariantChoice::NarrowDeep => GemmVariant::NarrowDeep,
+            (true, true)
+                if self == VariantChoice::Auto && tallest_band(plan) <= NARROW_DEEP_ROWS =>
+            {
+                GemmVariant::NarrowDeep
+            }
             (true, true) if self == VariantChoice::NarrowSliced => GemmVariant::NarrowSliced,
             (true, true) => GemmVariant::Narrow,
         }
@@ -2304,13 +2329,13 @@ mod tests {
         ] {
             let want = if fits { Narrow } else { NarrowTall };
             let bands = &plan.bands;
-            for choice in [
-                VariantChoice::Auto,
-                VariantChoice::Skinny,
-                VariantChoice::Narrow,
-            ] {
+            for choice in [VariantChoice::Skinny, VariantChoice::Narrow] {
                 assert_eq!(choice.variant_for(&plan), want, "{choice:?} {bands:?}");
             }
+            // auto: narrow-deep where no band has more than NARROW_DEEP_ROWS rows
+            let deep = tallest_band(&plan) <= NARROW_DEEP_ROWS;
+            let auto = if deep { GemmVariant::NarrowDeep } else { want };
+            assert_eq!(VariantChoice::Auto.variant_for(&plan), auto, "{bands:?}");
             assert_eq!(
                 VariantChoice::Main.variant_for(&plan),
                 NarrowTall,
@@ -2340,7 +2365,7 @@ mod tests {
     }
 
     #[test]
-    fn a_plan_of_mid_tiles_runs_on_the_mid_build_unless_ping_pong_is_chosen() {
+    fn a_plan_of_mid_tiles_runs_on_the_mid_build_unless_ping_pong_or_auto_is_chosen() {
         for (m, bands) in [
             (1, None),
             (64, None),
@@ -2349,7 +2374,6 @@ mod tests {
         ] {
             let plan = banded_plan(m, MID_TILE, bands);
             for choice in [
-                VariantChoice::Auto,
                 VariantChoice::Main,
                 VariantChoice::Skinny,
                 VariantChoice::Narrow,
@@ -2362,8 +2386,10 @@ mod tests {
                     "{choice:?} {m}"
                 );
             }
-            let ping_pong = VariantChoice::PingPong.variant_for(&plan);
-            assert_eq!(ping_pong, GemmVariant::PingPong, "{m}");
+            for choice in [VariantChoice::PingPong, VariantChoice::Auto] {
+                let build = choice.variant_for(&plan);
+                assert_eq!(build, GemmVariant::PingPong, "{choice:?} {m}");
+            }
         }
         assert_eq!(GemmVariant::Mid.tile(), MID_TILE);
         assert_eq!(GemmVariant::PingPong.tile(), MID_TILE);
@@ -2376,37 +2402,42 @@ mod tests {
                 assert_ne!(choice.tile_for(&p, 132), MID_TILE, "{choice:?} {m}");
             }
         }
-        // auto plans no mid tiles (the direct build's wide ones measured faster wherever mid
-        // tiles beat the main build's)
-        for (m, n) in [(512, 4096), (256, 8192), (384, 4096), (8192, 8192)] {
-            assert_eq!(
-                VariantChoice::Auto.tile_for(&problem(m, n, 4096), 132),
-                TILE
-            );
+        // auto plans mid tiles (for the ping-pong build) where wide ones would give at most
+        // half of the SMs a tile and mid ones give more than half one, in one wave: 64 wide
+        // tiles and 128 mid ones at 512 × 4096, 96 mid ones at 384 × 4096; not where narrow
+        // tiles fit (128 rows), nor where mid tiles would make more than a wave (768 × 4096:
+        // 96 wide, 192 mid) or leave most SMs idle (256 × 4096: 64 mid ones)
+        let auto = |m: usize, n: usize| VariantChoice::Auto.tile_for(&problem(m, n, 4096), 132);
+        for (m, n) in [(512, 4096), (256, 8192), (384, 4096)] {
+            assert_eq!(auto(m, n), MID_TILE, "{m} × {n}");
+            assert!(ping_pong_pays(&problem(m, n, 4096), 132), "{m} × {n}");
         }
+        for (m, n) in [
+            (128, 8192),
+            (768, 4096),
+            (256, 4096),
+            (8192, 8192),
+            (1024, 8192),
+        ] {
+            assert_ne!(auto(m, n), MID_TILE, "{m} × {n}");
+        }
+        // on fewer SMs the same product makes more than a wave of mid tiles
+        assert!(!ping_pong_pays(&problem(512, 4096, 4096), 100));
     }
 
     #[test]
     fn auto_plans_narrow_tiles_where_wide_ones_leave_most_sms_idle() {
         let tile =
             |choice: VariantChoice, m: usize, n: usize| choice.tile_for(&problem(m, n, 3584), 132);
-        // the decode sizes: 32 wide tiles for 132 SMs; up to 16 rows the skinny build's wide
-        // tiles measured faster
+        // the decode sizes: 32 wide tiles for 132 SMs
         for m in [1, 16, 17, 32, 64, 128] {
-            let auto = if m > NARROW_ROWS_MIN {
-                NARROW_TILE
-            } else {
-                TILE
-            };
-            assert_eq!(tile(VariantChoice::Auto, m, 8192), auto, "{m}");
+            assert_eq!(tile(VariantChoice::Auto, m, 8192), NARROW_TILE, "{m}");
             assert_eq!(tile(VariantChoice::Narrow, m, 8192), NARROW_TILE, "{m}");
             assert_eq!(tile(VariantChoice::Main, m, 8192), TILE, "{m}");
             assert_eq!(tile(VariantChoice::Skinny, m, 8192), TILE, "{m}");
         }
-        assert_eq!(tile(VariantChoice::Auto, 16, 8192), TILE);
-        assert_eq!(tile(VariantChoice::Auto, 17, 8192), NARROW_TILE);
-        // two bands of tiles, the second of one row; 112 wide tiles (more than half of the
-        // SMs); exactly half
+        // two bands of tiles, the second of one row (not a whole second band: no mid tiles
+        // either); 112 wide tiles (more than half of the SMs); exactly half
         assert_eq!(tile(VariantChoice::Auto, 129, 8192), TILE);
         assert_eq!(tile(VariantChoice::Narrow, 129, 8192), TILE);
         assert_eq!(tile(VariantChoice::Auto, 64, 28672), TILE);
