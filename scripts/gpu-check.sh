@@ -36,6 +36,7 @@ B=.gpu/commfuse
 #             the mid and the ping-pong build beside them (FIXED_BUILDS): the same split for 128x128 tiles
 # builds: the GPU tests of the builds `auto` does not take yet and of the direct build (BUILD_TESTS, name filters of the
 #         gpu_gemm suite), then every build's row beside cuBLASLt at decode and large shapes (BUILD_SHAPES)
+# decode-ncu: Nsight Compute of the decode builds beside cuBLASLt's kernels at M x 8192 x 3584 (DECODE_NCU)
 # (each of check, gemm+bench fits one 10-minute device call)
 MODE=${1:-full}
 SIZES=${SIZES:-4K,16K,64K,256K,1M,4M,16M,64M,256M,1G}
@@ -236,6 +237,33 @@ if has builds; then
     grep -E "^test .* FAILED|panicked" -A2 "$R/test-gpu_gemm-$f.txt" | head -12 | cut -c1-400 | tee -a "$OUT/summary.txt"
   done
   gemm_rows builds ${BUILD_SHAPES:-16x8192x3584:nk 32x8192x3584:nk 64x8192x3584:nk 128x8192x3584:nk 2048x8192x3584:nk 8192x8192x3584:nk}
+fi
+# decode-ncu: Nsight Compute of our decode builds beside cuBLASLt's kernels at M x 8192 x 3584
+# (DECODE_NCU="rows:build ..."): every cuBLASLt candidate's time, DRAM throughput and SM
+# activity, then the sections and stall samples of ours and of cuBLASLt's 64 x 16 tiles
+if has decode-ncu; then
+  for spec in ${DECODE_NCU:-16:narrow-deep 64:narrow 128:narrow-tall}; do
+    m=${spec%%:*}; build=${spec#*:}; entry=gemm_${build//-/_}_bf16_nk_bf16
+    args="bench gemm --m $m --n 8192 --k 3584 --b-layout nk --sms 0 --builds $build --peer none --warmup 1 --iters 2"
+    n=ncu-decode-$m-candidates
+    timeout 150 ncu --clock-control none -k regex:nvjet -c 8 --metrics \
+      gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__cycles_active.avg,sm__cycles_elapsed.max,launch__grid_size \
+      $B $args >"$R/$n.txt" 2>&1
+    log "$n rc=$?"; grep -E "nvjet|duration|dram__" "$R/$n.txt" | head -24 | cut -c1-140 | tee -a "$OUT/summary.txt"
+    for k in "regex:^$entry\$" "regex:^nvjet_sm90_tst_64x16"; do
+      n=ncu-decode-$m-$([ "${k#regex:^nvjet}" = "$k" ] && echo ours || echo cublas)
+      timeout 150 ncu --clock-control none -k "$k" -s 1 -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section SourceCounters --section LaunchStats --section Occupancy \
+        --metrics sm__cycles_active.avg,sm__cycles_elapsed.max -o "$R/$n" $B $args >"$R/$n.log" 2>&1
+      log "$n rc=$?"
+      ncu -i "$R/$n.ncu-rep" --page details >"$R/$n-details.txt" 2>&1
+      ncu -i "$R/$n.ncu-rep" --page raw --csv >"$R/$n-raw.csv" 2>&1
+      ncu -i "$R/$n.ncu-rep" --page source --csv --print-source sass >"$R/$n-sass.csv" 2>&1
+      python3 scripts/ncu-stalls.py "$R/$n-sass.csv" >"$R/$n-stalls.txt" 2>&1
+      grep -E "^  [a-z]|Duration|DRAM Throughput|sm__cycles|Warp Cycles Per Issued" "$R/$n-details.txt" | head -8 | cut -c1-140 | tee -a "$OUT/summary.txt"
+      rm -f "$R/$n.ncu-rep"
+    done
+  done
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" results
 rm -rf "$R"
