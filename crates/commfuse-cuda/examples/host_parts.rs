@@ -197,12 +197,12 @@ fn main() -> Result<(), Box<dyn Error>> {
         row("cublasGemmEx", host_us(&stream, gemm_ex)?, "host");
         row("Lt::matmul_into", gpu_us(&gpu, &stream, lt_call)?, "GPU");
         row("cublasGemmEx", gpu_us(&gpu, &stream, gemm_ex)?, "GPU");
-        if let Some(c) = lt.choice(&problem, 0) {
+        if let Some(c) = lt.choice(&problem, 0, false) {
             println!(
                 "cuBLASLt's candidates while choosing (chosen: {}):",
                 c.index
             );
-            for t in lt.candidate_times(&problem, 0) {
+            for t in lt.candidate_times(&problem, 0, false) {
                 println!(
                     "  {:2}: {:8.2} µs GPU {:8.2} µs host",
                     t.index,

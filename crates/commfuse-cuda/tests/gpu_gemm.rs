@@ -185,7 +185,54 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         paced,
         builds: None,
         next_prefetch: None,
+        bias: false,
     }
+}
+
+/// The bench's bias rows: every plain row (cuBLASLt's, the chosen build's and every build
+/// forced beside it) adds a random bias row, and each is checked element by element against
+/// the float64 product plus the bias as uploaded, at decode, ragged and large shapes, in both
+/// B layouts and with 16-bit and f32 outputs; a bias beside fold rows is refused.
+#[test]
+fn bias_rows_pass_the_check() {
+    if !gpus(1) {
+        return;
+    }
+    for (m, n, k, layout, out) in [
+        (16, 8192, 3584, BLayout::NK, DType::BF16),
+        (200, 1000, 136, BLayout::NK, DType::BF16),
+        (200, 1000, 136, BLayout::KN, DType::F32),
+        (777, 4100, 520, BLayout::KN, DType::BF16),
+        (2048, 8192, 1024, BLayout::NK, DType::BF16),
+    ] {
+        let p = GemmProblem::new(m, n, k, layout, DType::BF16, out).unwrap();
+        let extra = ExtraRows {
+            bias: true,
+            ..folds(&[], None)
+        };
+        let rows = bench_gemm(0, None, extra, &p, &[0], 1, 1, 21 + m as u64).unwrap();
+        assert!(rows.len() >= 3, "{rows:?}");
+        assert!(
+            rows.iter()
+                .any(|r| r.implementation.starts_with("cublaslt")),
+            "{rows:?}"
+        );
+        for r in &rows {
+            assert!(r.bias, "{r:?}");
+            assert_eq!(
+                (r.checked, r.out_of_bound),
+                (m * n, 0),
+                "{layout:?} {out:?}: {r:?}"
+            );
+        }
+    }
+    let p = GemmProblem::new(256, 512, 64, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let extra = ExtraRows {
+        bias: true,
+        ..folds(&[1], None)
+    };
+    let refused = bench_gemm(0, None, extra, &p, &[0], 1, 1, 3).unwrap_err();
+    assert!(refused.to_string().contains("bias rows"), "{refused}");
 }
 
 #[test]
@@ -1725,7 +1772,7 @@ fn cublaslt_chooses_among_candidates_and_keeps_the_sm_cap() {
     };
     let mut times = Vec::new();
     for sms in [0, 16] {
-        assert_eq!(lt.choice(&p, sms), None);
+        assert_eq!(lt.choice(&p, sms, false), None);
         d_dev.fill(&gpu, 0xff).unwrap();
         // SAFETY: operands sized for the problem on this GPU, waited for below
         unsafe {
@@ -1742,7 +1789,7 @@ fn cublaslt_chooses_among_candidates_and_keeps_the_sm_cap() {
             .unwrap()
         };
         stream.synchronize().unwrap();
-        let choice = lt.choice(&p, sms).unwrap();
+        let choice = lt.choice(&p, sms, false).unwrap();
         assert!(
             choice.index < choice.candidates && choice.time_ms > 0.0,
             "{choice:?}"
@@ -1751,7 +1798,7 @@ fn cublaslt_chooses_among_candidates_and_keeps_the_sm_cap() {
         times.push(choice.time_ms);
         // the candidates that ran were timed and say what they are; the chosen one is among
         // them (a candidate cuBLASLt refuses at launch is left out)
-        let candidates = lt.candidate_times(&p, sms);
+        let candidates = lt.candidate_times(&p, sms, false);
         assert!(
             !candidates.is_empty() && candidates.len() <= choice.candidates,
             "{candidates:?}"

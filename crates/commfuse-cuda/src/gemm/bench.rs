@@ -34,6 +34,8 @@ pub struct GemmRow {
     pub m: usize,
     pub n: usize,
     pub k: usize,
+    /// D = A·B + a bias row (every plain row of the run; see [`ExtraRows::bias`])
+    pub bias: bool,
     pub sms: u32,
     /// The build of our kernel that ran ([`GemmVariant::name`]; none for cuBLASLt)
     pub build: Option<String>,
@@ -90,6 +92,9 @@ pub struct ExtraRows<'a> {
     /// A row of the chosen build whose producer asks L2 for each unit's first this many
     /// k-blocks while it loads the unit before ([`PreparedGemm::set_next_prefetch`])
     pub next_prefetch: Option<u32>,
+    /// Every plain row (cuBLASLt's, ours, the forced builds) adds a bias row of N random
+    /// values of the output type: D = A·B + bias. Not with fold rows or a peer.
+    pub bias: bool,
 }
 
 /// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
@@ -167,6 +172,7 @@ fn run<T: Element>(
         paced,
         builds: only,
         next_prefetch,
+        bias,
     }: ExtraRows<'_>,
     p: &GemmProblem,
     sms: &[u32],
@@ -174,6 +180,11 @@ fn run<T: Element>(
     iters: usize,
     seed: u64,
 ) -> Result<Vec<GemmRow>, CudaError> {
+    if bias && (peer.is_some() || !folds.is_empty()) {
+        return Err(CudaError::Unavailable(
+            "bias rows are plain GEMMs: not with fold rows or a peer (--peer none)".into(),
+        ));
+    }
     let gpu = std::sync::Arc::new(Gpu::open(device)?);
     let stream = Stream::new(&gpu)?;
     let lt = Lt::new(&gpu)?;
@@ -185,9 +196,27 @@ fn run<T: Element>(
     let reference = reference_of(&gpu, &stream, p, (&a_dev, &b_dev))?;
     let out_bytes = p.m * p.n * p.output.size();
     let d_dev = DeviceMemory::zeroed(&gpu, out_bytes)?;
+    // the bias row, as uploaded (rounded to the output type), and where it lives
+    let bias_row = if bias {
+        let values: Vec<f64> = (0..p.n)
+            .map(|i| input_value(seed, 2, i, ReduceOp::Sum) as f64)
+            .collect();
+        Some(match p.output {
+            DType::F32 => upload_rounded::<f32>(&gpu, &values)?,
+            DType::BF16 => upload_rounded::<bf16>(&gpu, &values)?,
+            DType::F16 => upload_rounded::<f16>(&gpu, &values)?,
+        })
+    } else {
+        None
+    };
+    let bias_addr = bias_row.as_ref().map(|(mem, _)| mem.addr());
     let kernels = GemmKernels::load(&gpu)?;
+    let epilogue = Epilogue {
+        bias,
+        ..Epilogue::default()
+    };
     let plan_of = |tile| {
-        let mut plan = GemmPlan::local(*p, tile, Epilogue::default());
+        let mut plan = GemmPlan::local(*p, tile, epilogue);
         plan.order = grouped_order(p, tile, ORDER_GROUP);
         plan
     };
@@ -195,7 +224,10 @@ fn run<T: Element>(
     // with routes keep the fused operators' tile
     let wide = plan_of(TILE);
     let chosen_plan = plan_of(kernels.tile_for(p, gpu.sm_count as usize));
-    let ops = GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr());
+    let ops = GemmOperands {
+        bias: bias_addr,
+        ..GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr())
+    };
     let ours: Vec<PreparedGemm> = sms
         .iter()
         .map(|&cap| PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0))
@@ -347,7 +379,8 @@ fn run<T: Element>(
             cap,
             // SAFETY: operands sized from the problem on this GPU
             launch: Box::new(move || unsafe {
-                lt.matmul(stream, p, cap, a_addr, b_addr, d_addr, 1.0, 0.0)
+                let operands = (a_addr, b_addr, d_addr, d_addr);
+                lt.matmul_into(stream, p, cap, operands, bias_addr, 1.0, 0.0)
             }),
             output: (&gpu, &d_dev),
             peer_rows: None,
@@ -447,18 +480,22 @@ fn run<T: Element>(
             .map_err(|e| with_stall_report(e, v.gemm))?;
         v.gemm.map_or(Ok(()), PreparedGemm::check)?;
         let (peer_rows, folded) = (v.peer_rows, v.folded);
-        let check = match p.output {
-            DType::F32 => check_output::<f32>(p, &reference, (out_gpu, out), peer_rows, folded)?,
-            DType::BF16 => check_output::<bf16>(p, &reference, (out_gpu, out), peer_rows, folded)?,
-            DType::F16 => check_output::<f16>(p, &reference, (out_gpu, out), peer_rows, folded)?,
+        let added = Added {
+            folded,
+            bias: bias_row.as_ref().map(|(_, values)| values.as_slice()),
         };
-        let choice = lt.choice(p, v.cap).filter(|_| v.gemm.is_none());
+        let check = match p.output {
+            DType::F32 => check_output::<f32>(p, &reference, (out_gpu, out), peer_rows, added)?,
+            DType::BF16 => check_output::<bf16>(p, &reference, (out_gpu, out), peer_rows, added)?,
+            DType::F16 => check_output::<f16>(p, &reference, (out_gpu, out), peer_rows, added)?,
+        };
+        let choice = lt.choice(p, v.cap, bias).filter(|_| v.gemm.is_none());
         let implementation = match choice {
             Some(c) => format!("{} (best of {}, #{})", v.name, c.candidates, c.index),
             None => v.name.into(),
         };
         let cublaslt_candidates = match choice {
-            Some(_) => lt.candidate_times(p, v.cap),
+            Some(_) => lt.candidate_times(p, v.cap, bias),
             None => vec![],
         };
         rows.push(GemmRow {
@@ -466,6 +503,7 @@ fn run<T: Element>(
             m: p.m,
             n: p.n,
             k: p.k,
+            bias,
             sms: v.cap,
             build: v.gemm.map(|g| g.variant().name().to_string()),
             grid: v.gemm.map(PreparedGemm::grid),
@@ -509,15 +547,22 @@ fn reference_of(
     }
 }
 
+/// What a row adds to A·B: the partials a fold row folds in, or the bias row (as uploaded).
+#[derive(Clone, Copy)]
+struct Added<'a> {
+    folded: Option<&'a FoldRow>,
+    bias: Option<&'a [f64]>,
+}
+
 /// Downloads one row's output — the first `rows` rows from the peer's buffer when the
-/// reduce-scatter pattern sent them there — and checks every element (A·B, plus the partials
-/// a fold row added).
+/// reduce-scatter pattern sent them there — and checks every element (A·B, plus what the row
+/// adds: a fold row's partials or the bias row).
 fn check_output<TO: Element>(
     p: &GemmProblem,
     reference: &DeviceReference,
     (gpu, out): (&Gpu, &DeviceMemory),
     peer_rows: Option<(usize, &Gpu, &DeviceMemory)>,
-    folded: Option<&FoldRow>,
+    Added { folded, bias }: Added<'_>,
 ) -> Result<ElementCheck, CudaError> {
     let mut d = vec![TO::from_f32(0.0); p.m * p.n];
     out.download(gpu, &mut d)?;
@@ -525,9 +570,13 @@ fn check_output<TO: Element>(
         let rows = rows.min(p.m);
         peer_out.download(peer_gpu, &mut d[..rows * p.n])?;
     }
-    Ok(match folded {
-        Some(f) => reference.check_plus(p, &d, &|i| f.added(i)),
-        None => reference.check(p, &d),
+    Ok(match (folded, bias) {
+        (Some(f), _) => reference.check_plus(p, &d, &|i| f.added(i)),
+        (None, Some(bias)) => reference.check_plus(p, &d, &|i| {
+            let b = bias[i % p.n];
+            (b, b.abs())
+        }),
+        (None, None) => reference.check(p, &d),
     })
 }
 

@@ -244,23 +244,29 @@ impl Lt {
         })
     }
 
-    /// The candidate chosen for `problem` at `sms` (after its first [`Lt::matmul`]).
-    pub fn choice(&self, problem: &GemmProblem, sms: u32) -> Option<Choice> {
+    /// The candidate chosen for `problem` at `sms`, with or without a bias (after its first
+    /// call).
+    pub fn choice(&self, problem: &GemmProblem, sms: u32, bias: bool) -> Option<Choice> {
         let key = Key {
             problem: *problem,
             sms,
-            bias: false,
+            bias,
         };
         self.cache.lock().unwrap().get(&key).map(|p| p.choice)
     }
 
-    /// Every candidate's times for `problem` at `sms` while choosing (after its first
-    /// [`Lt::matmul`]; empty before).
-    pub fn candidate_times(&self, problem: &GemmProblem, sms: u32) -> Vec<CandidateTime> {
+    /// Every candidate's times for `problem` at `sms`, with or without a bias, while choosing
+    /// (after its first call; empty before).
+    pub fn candidate_times(
+        &self,
+        problem: &GemmProblem,
+        sms: u32,
+        bias: bool,
+    ) -> Vec<CandidateTime> {
         let key = Key {
             problem: *problem,
             sms,
-            bias: false,
+            bias,
         };
         let cache = self.cache.lock().unwrap();
         cache.get(&key).map_or(vec![], |p| p.times.clone())

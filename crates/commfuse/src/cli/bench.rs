@@ -149,6 +149,10 @@ pub struct BenchGemmArgs {
     /// k-blocks while it still loads the tile before
     #[arg(long, allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of k-blocks"))]
     pub next_prefetch: Option<u32>,
+    /// Every row adds a bias row (N random values of the output type) in its epilogue,
+    /// cuBLASLt's included: D = A·B + bias (not with --fold or a peer)
+    #[arg(long, conflicts_with = "fold")]
+    pub bias: bool,
     #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
     pub warmup: usize,
     #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
@@ -373,6 +377,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         paced: a.fold_paced,
         builds: builds.as_deref(),
         next_prefetch: a.next_prefetch,
+        bias: a.bias,
     };
     let rows = commfuse_cuda::gemm::bench::bench_gemm(
         a.device,
@@ -385,8 +390,15 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         driver::fresh_seed(),
     )?;
     println!(
-        "# commfuse bench gemm: {}×{}×{} (M×N×K), B {:?}, {} → {}, GPU {}",
-        a.m, a.n, a.k, layout, problem.input, problem.output, a.device
+        "# commfuse bench gemm: {}×{}×{} (M×N×K), B {:?}, {} → {}{}, GPU {}",
+        a.m,
+        a.n,
+        a.k,
+        layout,
+        problem.input,
+        problem.output,
+        if a.bias { ", D = A·B + bias" } else { "" },
+        a.device
     );
     println!(
         "# {:>26} {:>11} {:>5} {:>5} {:>17} {:>10} {:>9} {:>10} {:>10}  check",
