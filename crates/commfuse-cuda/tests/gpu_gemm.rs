@@ -98,6 +98,9 @@ enum Case {
     Accumulate,
     /// alpha alone (−1.5; no C, no bias): the plain epilogue's scaled writes
     Scaled,
+    /// the bias alone (alpha 1, no C): the plain epilogue's writes with the bias added, columns
+    /// past N reading the bias at N − 1
+    Biased,
 }
 
 fn check_one<TI: Element, TO: Element>(
@@ -136,6 +139,7 @@ fn check_one<TI: Element, TO: Element>(
             cap = 3;
         }
         Case::Scaled => epilogue.alpha = -1.5,
+        Case::Biased => epilogue.bias = true,
     }
     plan.epilogue = epilogue;
     let (a_dev, b_dev, c_dev, bias_dev) = (
@@ -257,7 +261,13 @@ fn gemm_matches_float64_reference_on_ragged_shapes() {
                 (DType::F16, DType::F16),
                 (DType::F16, DType::F32),
             ] {
-                for case in [Case::Plain, Case::Full, Case::Accumulate, Case::Scaled] {
+                for case in [
+                    Case::Plain,
+                    Case::Full,
+                    Case::Accumulate,
+                    Case::Scaled,
+                    Case::Biased,
+                ] {
                     let p = GemmProblem::new(m, n, k, layout, input, output).unwrap();
                     seed += 1;
                     match (input, output) {
@@ -327,6 +337,10 @@ fn check_variant<TI: Element, TO: Element>(
         },
         Case::Scaled => Epilogue {
             alpha: -1.5,
+            ..Epilogue::default()
+        },
+        Case::Biased => Epilogue {
+            bias: true,
             ..Epilogue::default()
         },
     };
@@ -452,14 +466,16 @@ const THREE_TYPES: [(DType, DType); 3] = [
     (DType::F16, DType::F32),
 ];
 /// The grid caps and epilogues the builds' tests run: every SM with a plain and a full
-/// epilogue, then 4 and 3 SMs with the full one, 3 with D += 2·A·B, and 4 with alpha alone.
-const RUNS: [(u32, Case); 6] = [
+/// epilogue, then 4 and 3 SMs with the full one, 3 with D += 2·A·B, 4 with alpha alone and 5
+/// with the bias alone.
+const RUNS: [(u32, Case); 7] = [
     (0, Case::Plain),
     (0, Case::Full),
     (4, Case::Full),
     (3, Case::Full),
     (3, Case::Accumulate),
     (4, Case::Scaled),
+    (5, Case::Biased),
 ];
 
 /// `f` for M × `n` × 1544 (24 k-blocks and a part) in tiles of `tile`, both B layouts, every
@@ -731,6 +747,7 @@ fn pair_build_matches_float64_reference() {
         (4, Case::Full),
         (3, Case::Accumulate),
         (4, Case::Scaled),
+        (5, Case::Biased),
     ];
     let build = (VariantChoice::Pair, GemmVariant::Pair);
     check_plain_wide_build((&gpu, &kernels, &stream), build, &runs, 1300);

@@ -102,6 +102,10 @@ struct Cfg {
     // warpgroup, so that one is filled while the TMA engine reads the other
     static constexpr int BOX_BYTES = 64 * 128;
     static constexpr int ACC = BN / 2;  // f32 accumulators per consumer thread and half (64 rows x BN / 128)
+    // Whether the plain epilogue (stmatrix writes) also serves tiles that add the bias: not in
+    // the skinny and the pair build, where it spilled 16 and 8 bytes a thread (they add the bias
+    // pair by pair)
+    static constexpr bool PLAIN_BIAS = !(ROWS == 64 && BN == 256) && CLUSTER == 1;
     static constexpr int A_STAGE_BYTES = ROWS * gemm::BK * 2;
     static constexpr int B_STAGE_BYTES = BN * gemm::BK * 2;
     static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
@@ -294,6 +298,10 @@ struct GemmParams {
     // as many of its next unit's first k-blocks (A's and B's boxes), whose loads would
     // otherwise start only once the consumers free stages (prefetch_next_unit below)
     u32 next_prefetch;
+    // Bytes of A's box (its rows x 128): the build's rows, or fewer where M is fewer (rounded up
+    // to 8). The stage's rows past it keep stale values, which reach only accumulator rows past
+    // M, never stored.
+    u32 a_box_bytes;
     TmaDesc a_local;
     TmaDesc d_map;
     TmaDesc fold_map;
@@ -304,6 +312,7 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, d_map) == 640 && COMMFUSE_OFFSETOF(GemmParams, fold_tma) == 444 &&
                   COMMFUSE_OFFSETOF(GemmParams, fold_prefetch) == 448 &&
                   COMMFUSE_OFFSETOF(GemmParams, next_prefetch) == 452 &&
+                  COMMFUSE_OFFSETOF(GemmParams, a_box_bytes) == 456 &&
                   COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && sizeof(GemmParams) == 896,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
@@ -610,52 +619,79 @@ __device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u3
                  : "memory");
 }
 
-// The plain epilogue (no beta·C, no bias) of a warp's 16 rows × 16 columns, accumulator groups
-// j and j + 1 with both their row halves, written by one stmatrix: lane l addresses row
+// The plain epilogue (no beta·C) of a warp's 16 rows × 16 columns, accumulator groups j and
+// j + 1 with both their row halves, written by one stmatrix: lane l addresses row
 // 8 ((l / 8) % 2) + l % 8 of the warp's rows in column group j + l / 16 (`addr`). Alpha is
-// applied only where SCALE: a GEMM with alpha 1 pays no multiply. (f32 outputs never come here:
-// plain_epilogue is false for them.)
-template <typename Out, bool SCALE>
-__device__ __forceinline__ void stmatrix_groups(u32 addr, const float* acc, int j, float alpha) {
+// applied only where SCALE (a GEMM with alpha 1 pays no multiply), the bias only where BIAS:
+// the thread's first column of group j is `col` of D, and a column past N (whose value no store
+// keeps) reads the bias at N - 1 = `last` instead, so that no element's code branches on N's
+// edge. (f32 outputs never come here: plain_epilogue is false for them.)
+template <typename Out, bool SCALE, bool BIAS>
+__device__ __forceinline__ void stmatrix_groups(u32 addr, const float* acc, int j, float alpha, const Out* bias,
+                                                u32 col, u32 last) {
     if constexpr (sizeof(Out) == 2) {
         const float* a = acc + j * 4;
-        auto v = [&](int i) { return SCALE ? alpha * a[i] : a[i]; };
+        float2 b0 = make_float2(0.0f, 0.0f), b1 = b0;  // the bias of groups j and j + 1
+        if constexpr (BIAS) {
+            auto at = [&](u32 c) { return Elem<Out>::to_f32(bias[min(c, last)]); };
+            b0 = make_float2(at(col), at(col + 1));
+            b1 = make_float2(at(col + 8), at(col + 9));
+        }
+        // a[i]: row half (i / 2) % 2, column i % 2 of the pair, group j + i / 4
+        auto v = [&](int i) {
+            const float2 b = i < 4 ? b0 : b1;
+            return (SCALE ? alpha * a[i] : a[i]) + (BIAS ? (i % 2 ? b.y : b.x) : 0.0f);
+        };
         stmatrix_x4(addr, pack_pair<Out>(v(0), v(1)), pack_pair<Out>(v(2), v(3)), pack_pair<Out>(v(4), v(5)),
                     pack_pair<Out>(v(6), v(7)));
     }
 }
 
 // The plain epilogue of a warp's rows in column groups j0 .. j0 + 2 PAIRS - 1, PAIRS stmatrix:
-// pair q at the address `addr(q)` gives for the lane (alpha's multiply decided once, outside the
-// unrolled writes).
+// pair q at the address `addr(q)` gives for the lane; `col` is the thread's first column of
+// group j0 in D, where the bias (p.bias) is read if BIAS.
+template <typename Out, int PAIRS, bool SCALE, bool BIAS, typename Addr>
+__device__ __forceinline__ void stmatrix_pairs(const GemmParams& p, const float* acc, int j0, u32 col, Addr addr) {
+#pragma unroll
+    for (int q = 0; q < PAIRS; ++q)
+        stmatrix_groups<Out, SCALE, BIAS>(addr(q), acc, j0 + 2 * q, p.alpha, (const Out*)p.bias, col + 16 * q,
+                                          p.n - 1);
+}
+
+// The same with alpha's multiply and the bias (`bias`: the tile adds it, and then alpha is 1,
+// see plain_epilogue) decided once, outside the unrolled writes.
 template <typename Out, int PAIRS, typename Addr>
-__device__ __forceinline__ void stmatrix_plain(const GemmParams& p, const float* acc, int j0, Addr addr) {
-    if (p.alpha == 1.0f) {
-#pragma unroll
-        for (int q = 0; q < PAIRS; ++q) stmatrix_groups<Out, false>(addr(q), acc, j0 + 2 * q, 1.0f);
-    } else {
-#pragma unroll
-        for (int q = 0; q < PAIRS; ++q) stmatrix_groups<Out, true>(addr(q), acc, j0 + 2 * q, p.alpha);
-    }
+__device__ __forceinline__ void stmatrix_plain(const GemmParams& p, const float* acc, int j0, bool bias, u32 col,
+                                               Addr addr) {
+    if (bias)
+        stmatrix_pairs<Out, PAIRS, false, true>(p, acc, j0, col, addr);
+    else if (p.alpha != 1.0f)
+        stmatrix_pairs<Out, PAIRS, true, false>(p, acc, j0, col, addr);
+    else
+        stmatrix_pairs<Out, PAIRS, false, false>(p, acc, j0, col, addr);
 }
 
 // What lane l addresses for stmatrix_groups: its row of the warp's 16 (8 ((l / 8) % 2) + l % 8)
-// and its column group of the two (l / 16). The thread's index is read again behind an empty
-// asm: derived from values kept through the main loop, the main build's address spilled.
+// and its column group of the two (l / 16); and l itself, whose accumulators' columns are
+// 2 (l % 4) and the next of each group. The thread's index is read again behind an empty asm:
+// derived from values kept through the main loop, the main build's address spilled.
 struct StmatrixLane {
-    u32 row, group;
+    u32 row, group, lane;
 };
 __device__ __forceinline__ StmatrixLane stmatrix_lane() {
     u32 t = threadIdx.x;
     asm volatile("" : "+r"(t));
-    return {((t % 128) / 32) * 16 + 8 * ((t / 8) % 2) + t % 8, (t % 32) / 16};
+    return {((t % 128) / 32) * 16 + 8 * ((t / 8) % 2) + t % 8, (t % 32) / 16, t % 32};
 }
 
-// Whether a tile's epilogue is the plain one (neither beta·C, `has_c`, nor the bias), decided
-// once for the tile's writes from the uniform parameters: then no element's code tests for C
-// or the bias, and the writes go by stmatrix. 16-bit outputs only (stmatrix moves 16-bit values).
-template <typename Out> __device__ __forceinline__ bool plain_epilogue(bool has_c, bool tile_bias) {
-    return sizeof(Out) == 2 && !has_c && !tile_bias;
+// Whether a tile's epilogue is the plain one (no beta·C, `has_c`; and alpha 1 where the tile
+// adds the bias, `tile_bias`: the bias with alpha scaled as well spilled in the main build),
+// decided once for the tile's writes from the uniform parameters: then no element's code tests
+// for C, the bias or N's edge, and the writes go by stmatrix. 16-bit outputs only (stmatrix
+// moves 16-bit values).
+template <typename Out>
+__device__ __forceinline__ bool plain_epilogue(const GemmParams& p, bool has_c, bool tile_bias) {
+    return sizeof(Out) == 2 && !has_c && (!tile_bias || p.alpha == 1.0f);
 }
 
 // 16 bytes of staged results added to 16 bytes of the destination, in f32.
@@ -904,7 +940,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             }
             // out-of-bounds parts of a box are zero-filled and still counted in bytes; in a
             // pair, the partner's half of B lands here too and counts on this barrier
-            mbar_expect_tx(full, c.idle ? C::B_STAGE_BYTES : C::STAGE_BYTES);
+            mbar_expect_tx(full, c.idle ? C::B_STAGE_BYTES : p.a_box_bytes + C::B_STAGE_BYTES);
             const u32 a_dst = s.a + stage * C::A_STAGE_BYTES, b_dst = s.b + stage * C::B_STAGE_BYTES;
             if (!c.idle) tma_load_2d(a_dst, a.map, full, kb * gemm::BK, a.row);
             if (C::CLUSTER == 2) {
@@ -1214,12 +1250,14 @@ __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const S
         // read again from the parameters at each box, as the main build's passes do: a
         // flag or pointer kept across the boxes' barriers spilled in the f32 entries
         const bool box_c = p.beta != 0.0f && p.c != nullptr, box_bias = p.bias != nullptr;
-        if (plain_epilogue<Out>(box_c, box_bias)) {
+        if (plain_epilogue<Out>(p, box_c, box_bias)) {
             // the lane's row and its 16-byte chunk, swizzled by the row (row % 8 is the lane's % 8)
             const StmatrixLane l = stmatrix_lane();
             const u32 row = smem_u32(box) + l.row * 128;
-            stmatrix_plain<Out, GROUPS / 2>(p, acc, bx * GROUPS,
-                                            [&](int q) { return row + (((2 * q + l.group) ^ (l.row % 8)) * 16); });
+            const u32 col = g_col0 + bx * BOX_COLS + 2 * (l.lane % 4);  // of group bx · GROUPS
+            stmatrix_plain<Out, GROUPS / 2>(p, acc, bx * GROUPS, box_bias, col, [&](int q) {
+                return row + (((2 * q + l.group) ^ (l.row % 8)) * 16);
+            });
         } else {
 #pragma unroll
             for (int g = 0; g < GROUPS; ++g) {
@@ -1538,11 +1576,12 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             // loop: a flag kept from the start lives through the main loop beside the 128
             // accumulators and was spilled to the stack under setmaxnreg 224 (f32 output).
             const bool has_c = p.beta != 0.0f && p.c != nullptr;
-            if (plain_epilogue<Out>(has_c, tile_bias)) {
+            if (plain_epilogue<Out>(p, has_c, tile_bias) && (C::PLAIN_BIAS || !tile_bias)) {
                 // (16-bit: one pass) the lane's row of the staged tile, at its column group
                 const StmatrixLane l = stmatrix_lane();
                 const u32 row = smem_u32(s.epi) + (half * 64 + l.row) * C::EPI_PITCH + l.group * 16;
-                stmatrix_plain<Out, C::BN / 16>(p, acc, 0, [&](int q) { return row + q * 32; });
+                stmatrix_plain<Out, C::BN / 16>(p, acc, 0, C::PLAIN_BIAS && tile_bias, g_col0 + 2 * (l.lane % 4),
+                                                [&](int q) { return row + q * 32; });
             } else {
 #pragma unroll
                 for (int j = pass * PASS_COLS / 8; j < (pass + 1) * PASS_COLS / 8; ++j) {

@@ -161,7 +161,7 @@ impl GemmVariant {
         GemmVariant::PingPong,
     ];
 
-    /// Rows of the A box and of the staged tile.
+    /// Rows of the build's A stage (its largest A box) and of the staged tile.
     fn rows(self) -> usize {
         match self {
             GemmVariant::Main
@@ -703,6 +703,7 @@ struct GemmParams {
     fold_tma: u32,
     fold_prefetch: u32,
     next_prefetch: u32,
+    a_box_bytes: u32,
     a_local: TmaDesc,
     d_map: TmaDesc,
     fold_map: TmaDesc,
@@ -714,6 +715,7 @@ const _: () = assert!(
         && std::mem::offset_of!(GemmParams, fold_tma) == 444
         && std::mem::offset_of!(GemmParams, fold_prefetch) == 448
         && std::mem::offset_of!(GemmParams, next_prefetch) == 452
+        && std::mem::offset_of!(GemmParams, a_box_bytes) == 456
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::offset_of!(GemmParams, d_map) == 640
         && std::mem::offset_of!(GemmParams, fold_map) == 768
@@ -1207,7 +1209,7 @@ impl PreparedGemm {
             };
         }
         let function = kernels.entry(plan, variant)?;
-        let a = a_map(ops.a, p.input, p.k, p.m, variant)?;
+        let a = a_map(ops.a, p.input, p.k, p.m, a_box_rows(p.m, variant))?;
         let mut b_padded = None;
         let mut b_addr = ops.b;
         if p.b_layout == BLayout::KN && !p.n.is_multiple_of(8) {
@@ -1361,6 +1363,7 @@ impl PreparedGemm {
             fold_tma: fold_map.is_some() as u32,
             fold_prefetch: 0,
             next_prefetch: 0,
+            a_box_bytes: (a_box_rows(p.m, variant) * 128) as u32,
             a_local: TmaDesc([0; 16]),
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
@@ -1488,7 +1491,8 @@ impl PreparedGemm {
     ) -> Result<(), CudaError> {
         let p = &self.problem;
         let mut params = self.call_params(b, bias, d, call)?;
-        params.a = TmaDesc(a_map(a, p.input, p.k, p.m, self.variant)?);
+        let box_rows = a_box_rows(p.m, self.variant);
+        params.a = TmaDesc(a_map(a, p.input, p.k, p.m, box_rows)?);
         self.queue(stream, &params)
     }
 
@@ -1520,7 +1524,7 @@ impl PreparedGemm {
                 p.input,
                 p.k,
                 params.local_rows as usize,
-                self.variant,
+                a_box_rows(p.m, self.variant),
             )?);
         }
         self.queue(stream, &params)
@@ -2008,14 +2012,23 @@ fn b_map(b: u64, p: &GemmProblem, variant: GemmVariant) -> Result<[u64; 16], Cud
     }
 }
 
-/// The TMA map of an A of `rows` × `k` elements (16-byte aligned) at `a`, in the box of the
-/// build `variant` (as many rows as it computes of a tile).
+/// Rows of A's box for the build `variant` on a product of `m` rows: as many as the build
+/// computes of a tile, or M rounded up to the 8-row swizzle atom where that is fewer. The rows
+/// of a stage past the box keep whatever they held, which reaches only accumulator rows past M
+/// that nothing stores. A box's rows past M are zero-filled, yet at 16 rows Nsight Compute
+/// counted nearly as many L2 sectors as at 64 (GEMM-NOTES.md, "The activations' box").
+fn a_box_rows(m: usize, variant: GemmVariant) -> usize {
+    variant.rows().min(m.next_multiple_of(8))
+}
+
+/// The TMA map of an A of `rows` × `k` elements (16-byte aligned) at `a`, in boxes of
+/// `box_rows` ([`a_box_rows`]) × BK.
 fn a_map(
     a: u64,
     input: DType,
     k: usize,
     rows: usize,
-    variant: GemmVariant,
+    box_rows: usize,
 ) -> Result<[u64; 16], CudaError> {
     if !a.is_multiple_of(16) {
         return Err(unsupported(format!(
@@ -2027,13 +2040,30 @@ fn a_map(
         input,
         (k as u64, rows as u64),
         2 * k as u64,
-        (BK as u32, variant.rows() as u32),
+        (BK as u32, box_rows as u32),
     )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_box_has_the_builds_rows_or_m_rounded_up_to_the_swizzle_atom() {
+        use GemmVariant::*;
+        for (m, variant, rows) in [
+            (1, NarrowDeep, 8),
+            (16, NarrowDeep, 16),
+            (17, Skinny, 24),
+            (64, Narrow, 64),
+            (65, NarrowTall, 72),
+            (100, Direct, 104),
+            (128, Main, 128),
+            (8192, PingPong, 128),
+        ] {
+            assert_eq!(a_box_rows(m, variant), rows, "{m} {variant:?}");
+        }
+    }
 
     #[test]
     fn fused_schedules_must_be_cut_in_the_kernels_tile() {
