@@ -189,6 +189,7 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         paced,
         builds: None,
         next_prefetch: None,
+        k_phases: None,
         bias: false,
     }
 }
@@ -1539,6 +1540,36 @@ fn next_unit_prefetch_rows_pass_the_check() {
                     .filter(|r| r.implementation == "commfuse-next-prefetch")
                     .collect();
                 assert_eq!(ahead.len(), 2, "{rows:?}");
+                for r in rows.iter().filter(|r| r.build.is_some()) {
+                    assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{layout:?}: {r:?}");
+                }
+            }
+        }
+    }
+}
+
+/// The chosen build with its blocks' loads started at 2, 8 and more places in K than a unit
+/// has k-blocks: every element checked, at a decode size (narrow-deep), ragged shapes where a
+/// block runs several units, and a split tail (units of part of K), both B layouts.
+#[test]
+fn k_phases_rows_pass_the_check() {
+    if !gpus(1) {
+        return;
+    }
+    for (m, n, k) in [(16, 8192, 3584), (1500, 4100, 1000), (100, 2048, 1000)] {
+        for layout in [BLayout::NK, BLayout::KN] {
+            let p = GemmProblem::new(m, n, k, layout, DType::BF16, DType::BF16).unwrap();
+            for phases in [2, 8, 100] {
+                let extra = ExtraRows {
+                    builds: Some(&[]),
+                    k_phases: Some(phases),
+                    ..folds(&[], None)
+                };
+                let rows = bench_gemm(0, None, extra, &p, &[0], 1, 1, 31 + m as u64).unwrap();
+                let phased = rows
+                    .iter()
+                    .filter(|r| r.implementation == "commfuse-k-phases");
+                assert_eq!(phased.count(), 1, "{rows:?}");
                 for r in rows.iter().filter(|r| r.build.is_some()) {
                     assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{layout:?}: {r:?}");
                 }

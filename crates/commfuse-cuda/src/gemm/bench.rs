@@ -92,6 +92,9 @@ pub struct ExtraRows<'a> {
     /// A row of the chosen build whose producer asks L2 for each unit's first this many
     /// k-blocks while it loads the unit before ([`PreparedGemm::set_next_prefetch`])
     pub next_prefetch: Option<u32>,
+    /// A row of the chosen build whose blocks start their units' loads at this many places
+    /// in K ([`PreparedGemm::set_k_phases`])
+    pub k_phases: Option<u32>,
     /// Every plain row (cuBLASLt's, ours, the forced builds) adds a bias row of N random
     /// values of the output type: D = A·B + bias. Not with fold rows or a peer.
     pub bias: bool,
@@ -172,6 +175,7 @@ fn run<T: Element>(
         paced,
         builds: only,
         next_prefetch,
+        k_phases,
         bias,
     }: ExtraRows<'_>,
     p: &GemmProblem,
@@ -297,6 +301,14 @@ fn run<T: Element>(
             let mut g = PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0)?;
             g.set_next_prefetch(k_blocks);
             forced.push(("commfuse-next-prefetch", cap, g));
+        }
+    }
+    // the chosen build with its blocks' loads started at several places in K
+    if let Some(phases) = k_phases {
+        for &cap in sms {
+            let mut g = PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0)?;
+            g.set_k_phases(phases);
+            forced.push(("commfuse-k-phases", cap, g));
         }
     }
 

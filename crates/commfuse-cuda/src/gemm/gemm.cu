@@ -302,6 +302,12 @@ struct GemmParams {
     // to 8). The stage's rows past it keep stale values, which reach only accumulator rows past
     // M, never stored.
     u32 a_box_bytes;
+    // Above 1: the blocks load their units' k-blocks in this many phases, block b starting
+    // (b mod k_phases) / k_phases of the way into its unit's K range and wrapping around, so
+    // that blocks reading the same A rows (decode sizes: all of them) ask L2 for k_phases
+    // different k-blocks at a time instead of one. The consumers sum the stages in the order
+    // they land (an f32 sum in another order).
+    u32 k_phases;
     TmaDesc a_local;
     TmaDesc d_map;
     TmaDesc fold_map;
@@ -313,6 +319,7 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, fold_prefetch) == 448 &&
                   COMMFUSE_OFFSETOF(GemmParams, next_prefetch) == 452 &&
                   COMMFUSE_OFFSETOF(GemmParams, a_box_bytes) == 456 &&
+                  COMMFUSE_OFFSETOF(GemmParams, k_phases) == 460 &&
                   COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && sizeof(GemmParams) == 896,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
@@ -932,7 +939,12 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             prefetch_at = (c.kb0 + c.kb1) / 2;
         // the k-block at which the next unit's first k-blocks are asked of L2 (none: past the loop)
         const u32 next_at = p.next_prefetch == 0 ? 0xffffffffu : c.kb1 - min(p.next_prefetch, c.kb1 - c.kb0);
+        // this block's phase of the K range (k_phases): the k-block it loads first, past kb0
+        const u32 span = c.kb1 - c.kb0;
+        const u32 skew = p.k_phases > 1 ? (blockIdx.x % p.k_phases) * span / p.k_phases : 0;
         for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
+            // the k-block this stage gets (kb itself unless the phases are on)
+            const u32 kl = skew == 0 ? kb : c.kb0 + (kb - c.kb0 + skew) % span;
             const u32 full = s.full + 8 * stage, empty = s.empty + 8 * stage;
             if (!mbar_wait<ROLE_WG0>(empty, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY)) {
                 live = false;
@@ -942,25 +954,25 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             // pair, the partner's half of B lands here too and counts on this barrier
             mbar_expect_tx(full, c.idle ? C::B_STAGE_BYTES : p.a_box_bytes + C::B_STAGE_BYTES);
             const u32 a_dst = s.a + stage * C::A_STAGE_BYTES, b_dst = s.b + stage * C::B_STAGE_BYTES;
-            if (!c.idle) tma_load_2d(a_dst, a.map, full, kb * gemm::BK, a.row);
+            if (!c.idle) tma_load_2d(a_dst, a.map, full, kl * gemm::BK, a.row);
             if (C::CLUSTER == 2) {
                 // this block's half of the k-block's B, into both blocks' stages (their stage is
                 // free: the empty barrier counts both blocks' consumers)
                 if (B_KN) {
 #pragma unroll
                     for (int j = 2 * half; j < 2 * half + 2; ++j)
-                        tma_load_2d_multicast(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kb * gemm::BK, 0x3);
+                        tma_load_2d_multicast(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kl * gemm::BK, 0x3);
                 } else {
-                    tma_load_2d_multicast(b_dst + half * (C::B_STAGE_BYTES / 2), &p.b, full, kb * gemm::BK,
+                    tma_load_2d_multicast(b_dst + half * (C::B_STAGE_BYTES / 2), &p.b, full, kl * gemm::BK,
                                           c.tn * C::BN + half * (C::BN / 2), 0x3);
                 }
             } else if (B_KN) {
                 // BN / 64 boxes of 64 (N) x 64 (K) side by side along N, 8 KiB each
 #pragma unroll
                 for (int j = 0; j < C::BN / 64; ++j)
-                    tma_load_2d(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kb * gemm::BK);
+                    tma_load_2d(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kl * gemm::BK);
             } else {
-                tma_load_2d(b_dst, &p.b, full, kb * gemm::BK, c.tn * C::BN);
+                tma_load_2d(b_dst, &p.b, full, kl * gemm::BK, c.tn * C::BN);
             }
             if (issued < C::STAGES) ++issued;
             if (++stage == C::STAGES) {

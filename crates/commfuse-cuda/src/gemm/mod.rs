@@ -704,6 +704,7 @@ struct GemmParams {
     fold_prefetch: u32,
     next_prefetch: u32,
     a_box_bytes: u32,
+    k_phases: u32,
     a_local: TmaDesc,
     d_map: TmaDesc,
     fold_map: TmaDesc,
@@ -716,6 +717,7 @@ const _: () = assert!(
         && std::mem::offset_of!(GemmParams, fold_prefetch) == 448
         && std::mem::offset_of!(GemmParams, next_prefetch) == 452
         && std::mem::offset_of!(GemmParams, a_box_bytes) == 456
+        && std::mem::offset_of!(GemmParams, k_phases) == 460
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::offset_of!(GemmParams, d_map) == 640
         && std::mem::offset_of!(GemmParams, fold_map) == 768
@@ -1364,6 +1366,7 @@ impl PreparedGemm {
             fold_prefetch: 0,
             next_prefetch: 0,
             a_box_bytes: (a_box_rows(p.m, variant) * 128) as u32,
+            k_phases: 0,
             a_local: TmaDesc([0; 16]),
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
@@ -1422,6 +1425,15 @@ impl PreparedGemm {
     /// after the consumers free their stages. Not in the pair build or a GEMM with a gather.
     pub fn set_next_prefetch(&mut self, k_blocks: u32) {
         self.params.next_prefetch = k_blocks;
+    }
+
+    /// How many places in K the blocks start their units' loads at (0 or 1: all at the
+    /// unit's first k-block, the default): block b starts (b mod phases) / phases of the way
+    /// into each unit's K range and wraps around, so that blocks sharing A's rows (at decode
+    /// sizes, every block) ask L2 for that many different k-blocks at a time instead of all
+    /// for the same one. The sums then run in another order (within the same bound).
+    pub fn set_k_phases(&mut self, phases: u32) {
+        self.params.k_phases = phases;
     }
 
     /// Tiles whose partials the kernel loads into its pipeline's stages by TMA; the other

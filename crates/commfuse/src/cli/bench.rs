@@ -149,6 +149,10 @@ pub struct BenchGemmArgs {
     /// k-blocks while it still loads the tile before
     #[arg(long, allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of k-blocks"))]
     pub next_prefetch: Option<u32>,
+    /// Also a row of the chosen build whose blocks start their loads at this many places in
+    /// K (block b at (b mod N) / N of each tile's K range, wrapping around)
+    #[arg(long, allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of places in K"))]
+    pub k_phases: Option<u32>,
     /// Every row adds a bias row (N random values of the output type) in its epilogue,
     /// cuBLASLt's included: D = A·B + bias (not with --fold or a peer)
     #[arg(long, conflicts_with = "fold")]
@@ -377,6 +381,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         paced: a.fold_paced,
         builds: builds.as_deref(),
         next_prefetch: a.next_prefetch,
+        k_phases: a.k_phases,
         bias: a.bias,
     };
     let rows = commfuse_cuda::gemm::bench::bench_gemm(
