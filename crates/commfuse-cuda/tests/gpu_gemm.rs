@@ -1424,8 +1424,9 @@ fn bench_rows_pass_the_check_of_every_element() {
             // fits main, skinny and (M ≤ 128 here) narrow, narrow-deep and narrow-sliced (two
             // rows more), elsewhere main,
             // pair, direct, mid and ping-pong (two rows more); the fold rows (1 and 3 partials, each also prefetched); where the tail spread by stream-K differs
-            // from the cut, ours with it (512 tiles: 3.9 waves on 132 SMs, 4.4 on 116; the
-            // other shapes are less than one wave, where both cut)
+            // from the cut, ours with it (512 tiles: 3.9 waves on 132 SMs, 4.4 on 116; at 16
+            // rows `auto` plans 128 narrow tiles, one wave on 132 SMs and more than one on 116;
+            // the other shapes are less than one wave, where both cut)
             // (with COMMFUSE_GEMM_TAIL=stream-k, ours spreads and the row beside it cuts)
             let skinny = m <= SKINNY_ROWS;
             let (beside, tails) = if std::env::var(TAIL_ENV).as_deref() == Ok("stream-k") {
@@ -1433,7 +1434,11 @@ fn bench_rows_pass_the_check_of_every_element() {
             } else {
                 ("commfuse-stream-k", ["stream-k", "stream-k"])
             };
-            let differs = if m == 2048 { 2 } else { 0 };
+            let differs = match (m, n) {
+                (2048, _) => 2,
+                (16, 8192) => 1,
+                _ => 0,
+            };
             let narrow_sliced = if m <= 128 { 2 } else { 0 };
             let ping_pong = if m > 64 { 2 } else { 0 };
             assert_eq!(
