@@ -918,18 +918,6 @@ template <class C, bool B_KN> __device__ __forceinline__ void prefetch_next_unit
     }
 }
 
-// The tile's bias (BN elements of the output type) asked of L1 as its unit starts: the epilogue
-// reads it pair by pair, and the direct build box by box between barriers, each box's loads
-// otherwise a trip to L2 with the tensor cores idle. L1 keeps it through the main loop, whose
-// operands go by TMA into shared memory.
-template <class C, typename Out> __device__ __forceinline__ void prefetch_bias(const GemmParams& p, u32 tn) {
-    const Out* bias = (const Out*)p.bias + tn * C::BN;
-    const u32 cols = min((u32)C::BN, p.n - tn * C::BN);
-    for (u32 c = 0; c < cols; c += 128 / sizeof(Out)) asm volatile("prefetch.global.L1 [%0];" ::"l"(bias + c));
-    // (the last line too, where the bias does not start on a line)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(bias + cols - 1));
-}
-
 template <class C, typename Out, bool B_KN>
 __device__ void producer(const GemmParams& p, const Smem& s) {
     u32 stage = 0, phase = 0;
@@ -945,7 +933,6 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             landed = c.tm;
         }
         const ASource a = a_source(p, c.row0);
-        if (p.bias != nullptr && !c.helper && !c.idle) prefetch_bias<C, Out>(p, c.tn);
         // the k-block after which this unit's partials are asked of L2 (none: past the loop)
         u32 prefetch_at = 0xffffffffu;
         if (p.fold_prefetch != 0 && !c.helper && !c.idle && staged_fold<C, Out>(p, c.tile) != nullptr)
