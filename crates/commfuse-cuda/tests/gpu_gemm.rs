@@ -1522,6 +1522,33 @@ fn fold_adds_every_partial_once() {
     }
 }
 
+/// For each shape of `shapes` (bf16, both B layouts) and each value of `values`, the bench with
+/// the row `name` that `extra(value)` asks for beside the chosen build (no build forced), at
+/// the caps `sms`: one such row a cap, and every element of every row of ours checked.
+fn option_rows_pass_the_check(
+    shapes: &[(usize, usize, usize)],
+    values: &[u32],
+    name: &str,
+    extra: impl Fn(u32) -> ExtraRows<'static>,
+    sms: &[u32],
+    seed: u64,
+) {
+    for &(m, n, k) in shapes {
+        for layout in [BLayout::NK, BLayout::KN] {
+            let p = GemmProblem::new(m, n, k, layout, DType::BF16, DType::BF16).unwrap();
+            for &value in values {
+                let rows =
+                    bench_gemm(0, None, extra(value), &p, sms, 1, 1, seed + m as u64).unwrap();
+                let named = rows.iter().filter(|r| r.implementation == name);
+                assert_eq!(named.count(), sms.len(), "{rows:?}");
+                for r in rows.iter().filter(|r| r.build.is_some()) {
+                    assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{layout:?}: {r:?}");
+                }
+            }
+        }
+    }
+}
+
 /// The chosen build with each unit's first k-blocks asked of L2 while the unit before loads
 /// (1, 4 and more k-blocks than a unit has): every element checked, at shapes where a block
 /// runs several units (ragged, both B layouts, a split tail), beside the same build without.
@@ -1530,27 +1557,14 @@ fn next_unit_prefetch_rows_pass_the_check() {
     if !gpus(1) {
         return;
     }
-    for (m, n, k) in [(1500, 4100, 1000), (2048, 8192, 520), (8192, 4096, 64)] {
-        for layout in [BLayout::NK, BLayout::KN] {
-            let p = GemmProblem::new(m, n, k, layout, DType::BF16, DType::BF16).unwrap();
-            for k_blocks in [1, 4, 100] {
-                let extra = ExtraRows {
-                    builds: Some(&[]),
-                    next_prefetch: Some(k_blocks),
-                    ..folds(&[], None)
-                };
-                let rows = bench_gemm(0, None, extra, &p, &[0, 116], 1, 1, 11 + m as u64).unwrap();
-                let ahead: Vec<_> = rows
-                    .iter()
-                    .filter(|r| r.implementation == "commfuse-next-prefetch")
-                    .collect();
-                assert_eq!(ahead.len(), 2, "{rows:?}");
-                for r in rows.iter().filter(|r| r.build.is_some()) {
-                    assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{layout:?}: {r:?}");
-                }
-            }
-        }
-    }
+    let shapes = [(1500, 4100, 1000), (2048, 8192, 520), (8192, 4096, 64)];
+    let extra = |k_blocks| ExtraRows {
+        builds: Some(&[]),
+        next_prefetch: Some(k_blocks),
+        ..folds(&[], None)
+    };
+    let name = "commfuse-next-prefetch";
+    option_rows_pass_the_check(&shapes, &[1, 4, 100], name, extra, &[0, 116], 11);
 }
 
 /// The chosen build with its blocks' loads started at 2, 8 and more places in K than a unit
@@ -1561,26 +1575,13 @@ fn k_phases_rows_pass_the_check() {
     if !gpus(1) {
         return;
     }
-    for (m, n, k) in [(16, 8192, 3584), (1500, 4100, 1000), (100, 2048, 1000)] {
-        for layout in [BLayout::NK, BLayout::KN] {
-            let p = GemmProblem::new(m, n, k, layout, DType::BF16, DType::BF16).unwrap();
-            for phases in [2, 8, 100] {
-                let extra = ExtraRows {
-                    builds: Some(&[]),
-                    k_phases: Some(phases),
-                    ..folds(&[], None)
-                };
-                let rows = bench_gemm(0, None, extra, &p, &[0], 1, 1, 31 + m as u64).unwrap();
-                let phased = rows
-                    .iter()
-                    .filter(|r| r.implementation == "commfuse-k-phases");
-                assert_eq!(phased.count(), 1, "{rows:?}");
-                for r in rows.iter().filter(|r| r.build.is_some()) {
-                    assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{layout:?}: {r:?}");
-                }
-            }
-        }
-    }
+    let shapes = [(16, 8192, 3584), (1500, 4100, 1000), (100, 2048, 1000)];
+    let extra = |phases| ExtraRows {
+        builds: Some(&[]),
+        k_phases: Some(phases),
+        ..folds(&[], None)
+    };
+    option_rows_pass_the_check(&shapes, &[2, 8, 100], "commfuse-k-phases", extra, &[0], 31);
 }
 
 /// Fold rows whose flags are down at the call and raised by a side kernel as the GEMM goes
