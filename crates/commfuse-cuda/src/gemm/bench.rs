@@ -205,11 +205,7 @@ fn run<T: Element>(
         let values: Vec<f64> = (0..p.n)
             .map(|i| input_value(seed, 2, i, ReduceOp::Sum) as f64)
             .collect();
-        Some(match p.output {
-            DType::F32 => upload_rounded::<f32>(&gpu, &values)?,
-            DType::BF16 => upload_rounded::<bf16>(&gpu, &values)?,
-            DType::F16 => upload_rounded::<f16>(&gpu, &values)?,
-        })
+        Some(upload_output(&gpu, p.output, &values)?)
     } else {
         None
     };
@@ -592,6 +588,19 @@ fn check_output<TO: Element>(
     })
 }
 
+/// `values` in the output type `output` on `gpu` ([`upload_rounded`]).
+fn upload_output(
+    gpu: &Gpu,
+    output: DType,
+    values: &[f64],
+) -> Result<(DeviceMemory, Vec<f64>), CudaError> {
+    match output {
+        DType::F32 => upload_rounded::<f32>(gpu, values),
+        DType::BF16 => upload_rounded::<bf16>(gpu, values),
+        DType::F16 => upload_rounded::<f16>(gpu, values),
+    }
+}
+
 /// `values` in the element type `T` on `gpu`, and the values as uploaded (rounded to `T`).
 fn upload_rounded<T: Element>(
     gpu: &Gpu,
@@ -789,11 +798,7 @@ impl FoldRow {
                 u.signum() * (1.0 + u.abs())
             })
             .collect();
-        let (memory, rounded) = match p.output {
-            DType::F32 => upload_rounded::<f32>(gpu, &values)?,
-            DType::BF16 => upload_rounded::<bf16>(gpu, &values)?,
-            DType::F16 => upload_rounded::<f16>(gpu, &values)?,
-        };
+        let (memory, rounded) = upload_output(gpu, p.output, &values)?;
         let partials: Vec<Vec<f64>> = rounded.chunks(len).map(<[f64]>::to_vec).collect();
         let tiles = plan.tile_count();
         // every flag already up (all bits set is past any call's number), or, for a paced row,

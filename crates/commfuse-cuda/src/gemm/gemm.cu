@@ -691,14 +691,14 @@ __device__ __forceinline__ StmatrixLane stmatrix_lane() {
     return {((t % 128) / 32) * 16 + 8 * ((t / 8) % 2) + t % 8, (t % 32) / 16, t % 32};
 }
 
-// Whether a tile's epilogue is the plain one (no beta·C, `has_c`; and alpha 1 where the tile
-// adds the bias, `tile_bias`: the bias with alpha scaled as well spilled in the main build),
-// decided once for the tile's writes from the uniform parameters: then no element's code tests
-// for C, the bias or N's edge, and the writes go by stmatrix. 16-bit outputs only (stmatrix
-// moves 16-bit values).
-template <typename Out>
+// Whether a tile's epilogue is the plain one (no beta·C, `has_c`; and where the tile adds the
+// bias, `tile_bias`, a build with C::PLAIN_BIAS and alpha 1: the bias with alpha scaled as well
+// spilled in the main build), decided once for the tile's writes from the uniform parameters:
+// then no element's code tests for C, the bias or N's edge, and the writes go by stmatrix.
+// 16-bit outputs only (stmatrix moves 16-bit values).
+template <class C, typename Out>
 __device__ __forceinline__ bool plain_epilogue(const GemmParams& p, bool has_c, bool tile_bias) {
-    return sizeof(Out) == 2 && !has_c && (!tile_bias || p.alpha == 1.0f);
+    return sizeof(Out) == 2 && !has_c && (!tile_bias || (C::PLAIN_BIAS && p.alpha == 1.0f));
 }
 
 // 16 bytes of staged results added to 16 bytes of the destination, in f32.
@@ -1262,7 +1262,7 @@ __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const S
         // read again from the parameters at each box, as the main build's passes do: a
         // flag or pointer kept across the boxes' barriers spilled in the f32 entries
         const bool box_c = p.beta != 0.0f && p.c != nullptr, box_bias = p.bias != nullptr;
-        if (plain_epilogue<Out>(p, box_c, box_bias)) {
+        if (plain_epilogue<C, Out>(p, box_c, box_bias)) {
             // the lane's row and its 16-byte chunk, swizzled by the row (row % 8 is the lane's % 8)
             const StmatrixLane l = stmatrix_lane();
             const u32 row = smem_u32(box) + l.row * 128;
@@ -1588,7 +1588,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             // loop: a flag kept from the start lives through the main loop beside the 128
             // accumulators and was spilled to the stack under setmaxnreg 224 (f32 output).
             const bool has_c = p.beta != 0.0f && p.c != nullptr;
-            if (plain_epilogue<Out>(p, has_c, tile_bias) && (C::PLAIN_BIAS || !tile_bias)) {
+            if (plain_epilogue<C, Out>(p, has_c, tile_bias)) {
                 // (16-bit: one pass) the lane's row of the staged tile, at its column group
                 const StmatrixLane l = stmatrix_lane();
                 const u32 row = smem_u32(s.epi) + (half * 64 + l.row) * C::EPI_PITCH + l.group * 16;
