@@ -256,7 +256,6 @@ fn run<T: Element>(
                 VariantChoice::NarrowSliced,
                 narrow,
             ));
-            builds.push(("commfuse-narrow-pair", VariantChoice::NarrowPair, narrow));
         }
         if pair_fits {
             builds.push(("commfuse-pair", VariantChoice::Pair, &wide));
@@ -265,7 +264,6 @@ fn run<T: Element>(
         if let Some(mid) = &mid {
             builds.push(("commfuse-mid", VariantChoice::Mid, mid));
             builds.push(("commfuse-ping-pong", VariantChoice::PingPong, mid));
-            builds.push(("commfuse-ping-pong-pair", VariantChoice::PingPongPair, mid));
         }
         for (name, choice, plan) in builds {
             if only.is_some_and(|only| !only.contains(&choice)) {

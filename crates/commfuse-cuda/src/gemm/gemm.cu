@@ -77,17 +77,8 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // tiles of its own (two m64n128k16 wgmmas a k16 step, 128 accumulators a thread), the two
 // taking the block's units in turn, so that one warpgroup's epilogue (the direct build's
 // boxes) runs while the other's main loop keeps the tensor cores busy; six stages of 32 KiB.
-// The narrow pair builds: the narrow-deep and the narrow-tall build in clusters of two blocks
-// whose units share their rows (two tiles side by side along N): each block loads its own
-// 64 columns of B and half of the k-block's activations (A's box), which TMA multicast writes
-// into both blocks' stages. At decode sizes every block reads all of A, which at 64 rows is as
-// many bytes from L2 as its share of the weights and at 128 rows twice as many; a pair reads
-// each k-block of A once for two blocks.
-// The ping-pong pair build: the ping-pong build in clusters of two blocks whose tiles share
-// their columns, each loading its own A and half of the k-block's B (as the pair build does),
-// so that an SM reads 24 KiB of each k-block from L2 instead of 32.
 template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false, int SLICES_ = 1,
-          bool PINGPONG_ = false, bool SHARE_A_ = false>
+          bool PINGPONG_ = false>
 struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
     static constexpr int BN = BN_;              // columns of a tile
@@ -103,9 +94,7 @@ struct Cfg {
     // every one that runs, but in the ping-pong build only the one whose unit it is
     static constexpr int STAGE_READERS = PINGPONG ? 1 : WARPGROUPS;
     static constexpr int STAGES = STAGES_;
-    static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each k-block of B (or of A) by TMA multicast
-    // the blocks of a cluster share A's k-blocks (tiles side by side along N), not B's
-    static constexpr bool SHARE_A = SHARE_A_;
+    static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each B k-block (TMA multicast)
     // The consumers store the tile into D themselves: no staged tile, and storers that only
     // count the block finished (plain GEMMs only: no routes, folds or flags)
     static constexpr bool DIRECT = DIRECT_;
@@ -116,7 +105,7 @@ struct Cfg {
     // Whether the plain epilogue (stmatrix writes) also serves tiles that add the bias: not in
     // the skinny and the pair build, where it spilled 16 and 8 bytes a thread (they add the bias
     // pair by pair)
-    static constexpr bool PLAIN_BIAS = !(ROWS == 64 && BN == 256) && (CLUSTER == 1 || SHARE_A || PINGPONG);
+    static constexpr bool PLAIN_BIAS = !(ROWS == 64 && BN == 256) && CLUSTER == 1;
     static constexpr int A_STAGE_BYTES = ROWS * gemm::BK * 2;
     static constexpr int B_STAGE_BYTES = BN * gemm::BK * 2;
     static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
@@ -135,15 +124,11 @@ struct Cfg {
     static_assert(A_STAGE_BYTES % 1024 == 0 && B_STAGE_BYTES % 1024 == 0, "stage alignment");
     // each block of a pair loads one half of B's rows ([N, K]: 128 of 256) or two of its four
     // 64-column boxes ([K, N]); both halves start on 1024-byte boundaries
-    static_assert(CLUSTER == 1 || (CLUSTER == 2 && (BN == 256 || SHARE_A || PINGPONG)),
-                  "pairs share a 256-wide B tile (or a ping-pong build's 128-wide one)");
-    // (pairs sharing A: plain GEMMs of narrow tiles, every block's B box its own)
-    static_assert(!SHARE_A || (CLUSTER == 2 && BN == 64 && !DIRECT && SLICES == 1 && !PINGPONG),
-                  "pairs of narrow tiles share A");
+    static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN == 256), "pairs share a 256-wide B tile");
     // (the hand-over's named barriers count two warpgroups; plain GEMMs of 64-row tiles only)
     static_assert(SLICES == 1 || (SLICES == 2 && ROWS == 64 && CLUSTER == 1 && !DIRECT), "two slices of 64 rows");
     // (no split tail either: its partials are laid out as two warpgroups' halves of a tile)
-    static_assert(!PINGPONG || (DIRECT && ROWS == gemm::BM && SLICES == 1 && !SHARE_A),
+    static_assert(!PINGPONG || (DIRECT && ROWS == gemm::BM && SLICES == 1 && CLUSTER == 1),
                   "ping-pong warpgroups store their own 128-row tiles");
 };
 using MainCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES>;
@@ -160,9 +145,6 @@ using PairCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES, 2>;
 using MidCfg = Cfg<gemm::BM, 128, 5>;
 using DirectCfg = Cfg<gemm::BM, gemm::BN, 4, 1, true>;
 using PingPongCfg = Cfg<gemm::BM, 128, 6, 1, true, 1, true>;
-using NarrowPairCfg = Cfg<64, 64, 12, 2, false, 1, false, true>;
-using NarrowTallPairCfg = Cfg<gemm::BM, 64, 8, 2, false, 1, false, true>;
-using PingPongPairCfg = Cfg<gemm::BM, 128, 6, 2, true, 1, true>;
 // A tile's partial folded in through the pipeline (ROUTE_FOLD_TMA): boxes of the build's rows
 // by 128 bytes (one swizzle row: 64 16-bit or 32 f32 columns), as many to a stage as its B
 // buffer holds, in the ring's next stages after the tile's last k-block: in the main build,
@@ -196,10 +178,6 @@ static_assert(PairCfg::SMEM_BYTES == MainCfg::SMEM_BYTES, "the pair build's layo
 static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES in mod.rs");
 static_assert(DirectCfg::SMEM_BYTES == 230480, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
 static_assert(PingPongCfg::SMEM_BYTES == 230512, "layout mirrored by PING_PONG_SMEM_BYTES in mod.rs");
-static_assert(NarrowPairCfg::SMEM_BYTES == NarrowDeepCfg::SMEM_BYTES &&
-                  NarrowTallPairCfg::SMEM_BYTES == NarrowTallCfg::SMEM_BYTES &&
-                  PingPongPairCfg::SMEM_BYTES == PingPongCfg::SMEM_BYTES,
-              "the pair builds' layouts are the narrow-deep, the narrow-tall and the ping-pong build's");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -752,12 +730,11 @@ struct Unit {
     u32 kb0, kb1;  // k-blocks [kb0, kb1)
     bool helper;   // a K range after a tile's first: leaves a partial, runs no epilogue
     bool empty;    // no work: the block has run out of the tail
-    bool idle;     // the empty half of a pair (PAIR_IDLE): loads its share of B (or A), computes nothing
+    bool idle;     // the empty half of a pair (PAIR_IDLE): loads its share of B, computes nothing
 };
-// An order entry with this bit is a pair build's block without a tile of its own beside its
-// partner's (an odd count of tiles in a column, or in a row where the pair shares A): the low
-// bits name the partner's tile, whose shared operand it loads its part of; it loads nothing
-// else, computes and stores nothing.
+// An order entry with this bit is the pair build's block without a tile of its own beside its
+// partner's (an odd count of tiles in a column): the low bits name the partner's tile, whose B
+// columns it loads its half of; it loads no A, computes and stores nothing.
 constexpr u32 PAIR_IDLE = 0x80000000u;
 
 // Unit u of the call; PAIR_IDLE entries exist only in the pair build's orders (elsewhere the
@@ -947,11 +924,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
     u32 landed = 0xffffffffu;  // the last band whose rows this block saw land
     u32 issued = 0;            // stages loaded at least once (at most STAGES)
     bool live = true;          // false once a wait gave up: no more loads
-    const u32 half = C::CLUSTER == 2 ? cluster_rank() : 0;  // this block's half of the shared operand
-    // A pair sharing A: its box in two parts of whole 8-row swizzle atoms where it has 16 rows
-    // or more (the host's map has boxes of a part's rows), else one part, from the first block
-    const u32 a_parts = C::SHARE_A && p.a_box_bytes >= 2 * 1024 ? 2 : 1;
-    const u32 a_part_bytes = p.a_box_bytes / a_parts;
+    const u32 half = C::CLUSTER == 2 ? cluster_rank() : 0;  // this block's half of B
     for (u32 i = blockIdx.x; live && i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
         if (c.empty) continue;
@@ -968,7 +941,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         const u32 next_at = p.next_prefetch == 0 ? 0xffffffffu : c.kb1 - min(p.next_prefetch, c.kb1 - c.kb0);
         // this block's phase of the K range (k_phases): the k-block it loads first, past kb0
         const u32 span = c.kb1 - c.kb0;
-        // (the blocks of a cluster load the same k-blocks: they share them)
+        // (per cluster: the two blocks of a pair load the same k-blocks, whose B they share)
         const u32 skew = p.k_phases > 1 ? (blockIdx.x / C::CLUSTER % p.k_phases) * span / p.k_phases : 0;
         for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
             // the k-block this stage gets (kb itself unless the phases are on)
@@ -979,29 +952,16 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
                 break;
             }
             // out-of-bounds parts of a box are zero-filled and still counted in bytes; in a
-            // pair, the partner's part of the shared operand lands here too and counts on this
-            // barrier
-            const u32 own = C::SHARE_A ? (c.idle ? 0 : C::B_STAGE_BYTES) : (c.idle ? 0 : p.a_box_bytes);
-            mbar_expect_tx(full, own + (C::SHARE_A ? p.a_box_bytes : C::B_STAGE_BYTES));
+            // pair, the partner's half of B lands here too and counts on this barrier
+            mbar_expect_tx(full, c.idle ? C::B_STAGE_BYTES : p.a_box_bytes + C::B_STAGE_BYTES);
             const u32 a_dst = s.a + stage * C::A_STAGE_BYTES, b_dst = s.b + stage * C::B_STAGE_BYTES;
-            if (C::SHARE_A) {
-                // this block's part of A's box, into both blocks' stages (free: the empty
-                // barrier counts both blocks' consumers)
-                if (half < a_parts)
-                    tma_load_2d_multicast(a_dst + half * a_part_bytes, a.map, full, kl * gemm::BK,
-                                          a.row + half * (a_part_bytes / 128), 0x3);
-            } else if (!c.idle) {
-                tma_load_2d(a_dst, a.map, full, kl * gemm::BK, a.row);
-            }
-            if (C::SHARE_A && c.idle) {
-                // (the idle half of a pair sharing A loads no B)
-            } else if (C::CLUSTER == 2 && !C::SHARE_A) {
+            if (!c.idle) tma_load_2d(a_dst, a.map, full, kl * gemm::BK, a.row);
+            if (C::CLUSTER == 2) {
                 // this block's half of the k-block's B, into both blocks' stages (their stage is
                 // free: the empty barrier counts both blocks' consumers)
                 if (B_KN) {
-                    constexpr int JS = C::BN / 128;  // of the tile's 64-column boxes, each block's
 #pragma unroll
-                    for (int j = JS * half; j < JS * half + JS; ++j)
+                    for (int j = 2 * half; j < 2 * half + 2; ++j)
                         tma_load_2d_multicast(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kl * gemm::BK, 0x3);
                 } else {
                     tma_load_2d_multicast(b_dst + half * (C::B_STAGE_BYTES / 2), &p.b, full, kl * gemm::BK,
@@ -1438,8 +1398,6 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // tile's) or spilled (a flag kept through the main loop).
         if (c.idle) {
             pass_stages<C>(p, s, c, stage, phase, leader);
-            // (ping-pong) the other warpgroup's turn
-            if (C::PINGPONG && leader) mbar_arrive(turn_barrier(s, cw));
             continue;
         }
         // A warpgroup whose 64 rows all lie past the tile's last (M or a band ends within the
@@ -1847,7 +1805,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // COMMFUSE_PART = 2 * build + input (input 0: bf16, 1: f16; builds in the order of
 // `GemmVariant::ALL`) holds that build's entries for that input type, and the last part,
 // GEMM_HELPER_PART, the helper kernels. Without COMMFUSE_PART, every entry.
-#define GEMM_HELPER_PART 26
+#define GEMM_HELPER_PART 20
 #ifdef COMMFUSE_PART
 #define GEMM_IN_PART(PART) (COMMFUSE_PART == (PART))
 #else
@@ -1860,10 +1818,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // gemm_mid_...: 128x128 tiles; gemm_direct_...: the main build's tiles on four stages, stored by
 // the consumers (TMA tensor stores of shared-memory boxes); gemm_narrow_deep_...: the narrow
 // build on twelve stages; gemm_narrow_sliced_...: the same with the K loop sliced over two
-// consumer warpgroups; gemm_ping_pong_...: 128x128 tiles, whole tiles per consumer warpgroup;
-// gemm_narrow_pair_..., gemm_narrow_tall_pair_...: the narrow-deep and the narrow-tall build in
-// clusters of two sharing A (launched with a cluster size of 2); gemm_ping_pong_pair_...: the
-// ping-pong build in clusters of two sharing B
+// consumer warpgroups; gemm_ping_pong_...: 128x128 tiles, whole tiles per consumer warpgroup
 #if GEMM_IN_PART(0)
 COMMFUSE_GEMM_ENTRIES(gemm_, bf16, __nv_bfloat16, MainCfg)
 #endif
@@ -1923,24 +1878,6 @@ COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_, bf16, __nv_bfloat16, PingPongCfg)
 #endif
 #if GEMM_IN_PART(19)
 COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_, f16, __half, PingPongCfg)
-#endif
-#if GEMM_IN_PART(20)
-COMMFUSE_GEMM_ENTRIES(gemm_narrow_pair_, bf16, __nv_bfloat16, NarrowPairCfg)
-#endif
-#if GEMM_IN_PART(21)
-COMMFUSE_GEMM_ENTRIES(gemm_narrow_pair_, f16, __half, NarrowPairCfg)
-#endif
-#if GEMM_IN_PART(22)
-COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_pair_, bf16, __nv_bfloat16, NarrowTallPairCfg)
-#endif
-#if GEMM_IN_PART(23)
-COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_pair_, f16, __half, NarrowTallPairCfg)
-#endif
-#if GEMM_IN_PART(24)
-COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_pair_, bf16, __nv_bfloat16, PingPongPairCfg)
-#endif
-#if GEMM_IN_PART(25)
-COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_pair_, f16, __half, PingPongPairCfg)
 #endif
 
 #if GEMM_IN_PART(GEMM_HELPER_PART)

@@ -141,18 +141,6 @@ pub enum GemmVariant {
     /// direct build's, from its own boxes) runs under the other's main loop; six stages of
     /// 32 KiB. Plain GEMMs only, and no split tail
     PingPong,
-    /// The narrow-deep build in clusters of [`PAIR`] blocks whose tiles share their rows (side
-    /// by side along N): each block loads its own B and half of the k-block's A, which TMA
-    /// multicast writes into both blocks' stages, so that a pair reads A from L2 once where two
-    /// narrow blocks read it twice. The host pairs the order's tiles row by row
-    /// ([`pair_order`]); plain GEMMs only, and no split tail
-    NarrowPair,
-    /// The narrow-tall build in pairs sharing A, as [`GemmVariant::NarrowPair`]
-    NarrowTallPair,
-    /// The ping-pong build in clusters of [`PAIR`] blocks whose tiles share their columns, as
-    /// the pair build's: each block loads its A and half of the k-block's B, so that an SM
-    /// reads 24 KiB of each k-block from L2 instead of 32. Plain GEMMs only, and no split tail
-    PingPongPair,
 }
 
 /// Blocks in a cluster of the pair build.
@@ -160,7 +148,7 @@ pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 13] = [
+    pub const ALL: [GemmVariant; 10] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
@@ -171,9 +159,6 @@ impl GemmVariant {
         GemmVariant::NarrowDeep,
         GemmVariant::NarrowSliced,
         GemmVariant::PingPong,
-        GemmVariant::NarrowPair,
-        GemmVariant::NarrowTallPair,
-        GemmVariant::PingPongPair,
     ];
 
     /// Rows of the build's A stage (its largest A box) and of the staged tile.
@@ -184,14 +169,11 @@ impl GemmVariant {
             | GemmVariant::Pair
             | GemmVariant::Mid
             | GemmVariant::Direct
-            | GemmVariant::PingPong
-            | GemmVariant::NarrowTallPair
-            | GemmVariant::PingPongPair => TILE.m,
+            | GemmVariant::PingPong => TILE.m,
             GemmVariant::Skinny
             | GemmVariant::Narrow
             | GemmVariant::NarrowDeep
-            | GemmVariant::NarrowSliced
-            | GemmVariant::NarrowPair => SKINNY_ROWS,
+            | GemmVariant::NarrowSliced => SKINNY_ROWS,
         }
     }
 
@@ -204,28 +186,17 @@ impl GemmVariant {
             GemmVariant::Narrow
             | GemmVariant::NarrowTall
             | GemmVariant::NarrowDeep
-            | GemmVariant::NarrowSliced
-            | GemmVariant::NarrowPair
-            | GemmVariant::NarrowTallPair => NARROW_TILE,
-            GemmVariant::Mid | GemmVariant::PingPong | GemmVariant::PingPongPair => MID_TILE,
+            | GemmVariant::NarrowSliced => NARROW_TILE,
+            GemmVariant::Mid | GemmVariant::PingPong => MID_TILE,
         }
     }
 
     /// Blocks per cluster of its launches (1: no clusters).
     pub fn cluster(self) -> u32 {
         match self {
-            GemmVariant::Pair
-            | GemmVariant::NarrowPair
-            | GemmVariant::NarrowTallPair
-            | GemmVariant::PingPongPair => PAIR,
+            GemmVariant::Pair => PAIR,
             _ => 1,
         }
-    }
-
-    /// Whether the blocks of its clusters share A's k-blocks (tiles side by side along N)
-    /// rather than B's (the pair build: tiles one above the other).
-    pub fn shares_a(self) -> bool {
-        matches!(self, GemmVariant::NarrowPair | GemmVariant::NarrowTallPair)
     }
 
     fn smem_bytes(self) -> u32 {
@@ -233,12 +204,12 @@ impl GemmVariant {
             GemmVariant::Main | GemmVariant::Pair => SMEM_BYTES,
             GemmVariant::Skinny => SKINNY_SMEM_BYTES,
             GemmVariant::Narrow => NARROW_SMEM_BYTES,
-            GemmVariant::NarrowTall | GemmVariant::NarrowTallPair => NARROW_TALL_SMEM_BYTES,
-            GemmVariant::NarrowDeep | GemmVariant::NarrowPair => NARROW_DEEP_SMEM_BYTES,
+            GemmVariant::NarrowTall => NARROW_TALL_SMEM_BYTES,
+            GemmVariant::NarrowDeep => NARROW_DEEP_SMEM_BYTES,
             GemmVariant::NarrowSliced => NARROW_SLICED_SMEM_BYTES,
             GemmVariant::Mid => MID_SMEM_BYTES,
             GemmVariant::Direct => DIRECT_SMEM_BYTES,
-            GemmVariant::PingPong | GemmVariant::PingPongPair => PING_PONG_SMEM_BYTES,
+            GemmVariant::PingPong => PING_PONG_SMEM_BYTES,
         }
     }
 
@@ -256,9 +227,6 @@ impl GemmVariant {
             GemmVariant::Mid => "gemm_mid_",
             GemmVariant::Direct => "gemm_direct_",
             GemmVariant::PingPong => "gemm_ping_pong_",
-            GemmVariant::NarrowPair => "gemm_narrow_pair_",
-            GemmVariant::NarrowTallPair => "gemm_narrow_tall_pair_",
-            GemmVariant::PingPongPair => "gemm_ping_pong_pair_",
         }
     }
 
@@ -271,10 +239,10 @@ impl GemmVariant {
     /// up to four parts measured best where it was designed for (GEMM-NOTES.md, v3: a last,
     /// partial wave after whole ones); where the whole product is one partial wave (`one_wave`:
     /// fewer tiles than SMs, a small M) three parts were faster than four: 40.0 against 41.5 µs
-    /// at 128 × 8192 × 3584 (and 33.6 against 35.7 at 16 rows). No build in clusters has a
-    /// split tail (the pair and the narrow pair builds: both blocks of a cluster must run the
-    /// same K range of every unit), nor has the ping-pong build, whose warpgroups each hold a
-    /// whole tile (the tail's partials are laid out as two warpgroups' halves). The mid and the
+    /// at 128 × 8192 × 3584 (and 33.6 against 35.7 at 16 rows). The pair build has no split
+    /// tail: both blocks of a cluster must run the same K range of every unit, nor the ping-pong
+    /// build, whose warpgroups each hold a whole tile (the tail's partials are laid out as two
+    /// warpgroups' halves). The mid and the
     /// direct build are the main build on narrower tiles or with another epilogue and take its
     /// limits.
     pub fn max_parts(self, one_wave: bool) -> usize {
@@ -286,11 +254,7 @@ impl GemmVariant {
             | GemmVariant::NarrowTall
             | GemmVariant::NarrowDeep
             | GemmVariant::NarrowSliced => 2,
-            GemmVariant::Pair
-            | GemmVariant::PingPong
-            | GemmVariant::NarrowPair
-            | GemmVariant::NarrowTallPair
-            | GemmVariant::PingPongPair => 1,
+            GemmVariant::Pair | GemmVariant::PingPong => 1,
         }
     }
 
@@ -307,7 +271,7 @@ impl GemmVariant {
     }
 
     /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct`, `narrow-deep`,
-    /// `narrow-sliced`, `ping-pong`, `narrow-pair`, `narrow-tall-pair` or `ping-pong-pair`.
+    /// `narrow-sliced` or `ping-pong`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
@@ -320,19 +284,13 @@ impl GemmVariant {
             GemmVariant::NarrowDeep => "narrow-deep",
             GemmVariant::NarrowSliced => "narrow-sliced",
             GemmVariant::PingPong => "ping-pong",
-            GemmVariant::NarrowPair => "narrow-pair",
-            GemmVariant::NarrowTallPair => "narrow-tall-pair",
-            GemmVariant::PingPongPair => "ping-pong-pair",
         }
     }
 
     /// Whether its consumers store tiles into D themselves (through a tensor map of D where
     /// [`d_map_fits`]): plain GEMMs only.
     fn stores_directly(self) -> bool {
-        matches!(
-            self,
-            GemmVariant::Direct | GemmVariant::PingPong | GemmVariant::PingPongPair
-        )
+        matches!(self, GemmVariant::Direct | GemmVariant::PingPong)
     }
 }
 
@@ -370,18 +328,12 @@ pub enum VariantChoice {
     NarrowDeep,
     /// As [`VariantChoice::Narrow`] with the narrow-sliced build in the narrow build's place
     NarrowSliced,
-    /// As [`VariantChoice::Narrow`] with the narrow pair builds in the narrow and the
-    /// narrow-tall build's places (the fused operators' GEMMs keep those two)
-    NarrowPair,
     /// [`MID_TILE`]s, always, on the ping-pong build (the fused operators' GEMMs on the mid
     /// build)
     PingPong,
-    /// [`MID_TILE`]s, always, on the ping-pong pair build (the fused operators' GEMMs on the
-    /// mid build)
-    PingPongPair,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|narrow-pair|pair|mid|direct|ping-pong|ping-pong-pair|auto`
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|ping-pong|auto`
 /// (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
@@ -422,19 +374,17 @@ pub fn ping_pong_pays(p: &GemmProblem, sms: usize) -> bool {
 
 impl VariantChoice {
     /// Every choice, `auto` first.
-    pub const ALL: [VariantChoice; 12] = [
+    pub const ALL: [VariantChoice; 10] = [
         VariantChoice::Auto,
         VariantChoice::Main,
         VariantChoice::Skinny,
         VariantChoice::Narrow,
         VariantChoice::NarrowDeep,
         VariantChoice::NarrowSliced,
-        VariantChoice::NarrowPair,
         VariantChoice::Pair,
         VariantChoice::Mid,
         VariantChoice::Direct,
         VariantChoice::PingPong,
-        VariantChoice::PingPongPair,
     ];
 
     /// The choice of this [`VariantChoice::name`].
@@ -456,8 +406,8 @@ impl VariantChoice {
         names.join(", ")
     }
 
-    /// `main`, `skinny`, `narrow`, `narrow-deep`, `narrow-sliced`, `narrow-pair`, `pair`, `mid`,
-    /// `direct`, `ping-pong`, `ping-pong-pair` or `auto`.
+    /// `main`, `skinny`, `narrow`, `narrow-deep`, `narrow-sliced`, `pair`, `mid`, `direct`,
+    /// `ping-pong` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
@@ -469,9 +419,7 @@ impl VariantChoice {
             VariantChoice::Direct => "direct",
             VariantChoice::NarrowDeep => "narrow-deep",
             VariantChoice::NarrowSliced => "narrow-sliced",
-            VariantChoice::NarrowPair => "narrow-pair",
             VariantChoice::PingPong => "ping-pong",
-            VariantChoice::PingPongPair => "ping-pong-pair",
         }
     }
 
@@ -480,10 +428,7 @@ impl VariantChoice {
         // (auto plans mid tiles only where ping_pong_pays: elsewhere, where they beat the main
         // build, between two bands of rows and half a wave of wide tiles, the direct build's
         // wide tiles measured faster still)
-        if matches!(
-            self,
-            VariantChoice::Mid | VariantChoice::PingPong | VariantChoice::PingPongPair
-        ) {
+        if matches!(self, VariantChoice::Mid | VariantChoice::PingPong) {
             return MID_TILE;
         }
         if self == VariantChoice::Auto && !narrow_pays(p, sms) && ping_pong_pays(p, sms) {
@@ -491,17 +436,15 @@ impl VariantChoice {
         }
         let narrow = match self {
             VariantChoice::Auto => narrow_pays(p, sms),
-            VariantChoice::Narrow
-            | VariantChoice::NarrowDeep
-            | VariantChoice::NarrowSliced
-            | VariantChoice::NarrowPair => p.m <= NARROW_TILE.m,
+            VariantChoice::Narrow | VariantChoice::NarrowDeep | VariantChoice::NarrowSliced => {
+                p.m <= NARROW_TILE.m
+            }
             VariantChoice::Main
             | VariantChoice::Skinny
             | VariantChoice::Pair
             | VariantChoice::Mid
             | VariantChoice::Direct
-            | VariantChoice::PingPong
-            | VariantChoice::PingPongPair => false,
+            | VariantChoice::PingPong => false,
         };
         if narrow {
             NARROW_TILE
@@ -516,10 +459,10 @@ impl VariantChoice {
     pub fn variant_for(self, plan: &GemmPlan) -> GemmVariant {
         if plan.tile == MID_TILE {
             // (build() keeps the fused operators' GEMMs on the mid build)
-            return match self {
-                VariantChoice::PingPong | VariantChoice::Auto => GemmVariant::PingPong,
-                VariantChoice::PingPongPair => GemmVariant::PingPongPair,
-                _ => GemmVariant::Mid,
+            return if matches!(self, VariantChoice::PingPong | VariantChoice::Auto) {
+                GemmVariant::PingPong
+            } else {
+                GemmVariant::Mid
             };
         }
         let fits = tallest_band(plan) <= SKINNY_ROWS && self != VariantChoice::Main;
@@ -532,9 +475,7 @@ impl VariantChoice {
             }
             (false, false) => GemmVariant::Main,
             (false, true) => GemmVariant::Skinny,
-            (true, false) if self == VariantChoice::NarrowPair => GemmVariant::NarrowTallPair,
             (true, false) => GemmVariant::NarrowTall,
-            (true, true) if self == VariantChoice::NarrowPair => GemmVariant::NarrowPair,
             (true, true) if self == VariantChoice::NarrowDeep => GemmVariant::NarrowDeep,
             (true, true)
                 if self == VariantChoice::Auto && tallest_band(plan) <= NARROW_DEEP_ROWS =>
@@ -831,21 +772,19 @@ const CALLS_READ_ONLY: u32 = 1;
 /// Most K parts a tail tile of the main build is cut into ([`GemmVariant::max_parts`]).
 const MAX_PARTS: usize = 4;
 
-/// Mirrors `PAIR_IDLE` in gemm.cu: an order entry of a pair build whose block has no tile of
-/// its own; the low bits name its partner's tile, whose shared operand (B's columns, or A's
-/// rows) it helps load.
+/// Mirrors `PAIR_IDLE` in gemm.cu: an order entry of the pair build whose block has no tile
+/// of its own; the low bits name its partner's tile, whose B columns it helps load.
 pub const PAIR_IDLE: u32 = 0x8000_0000;
 /// How far ahead in the order [`pair_order`] looks for a tile's partner.
 const PAIR_WINDOW: usize = 16;
 
-/// A pair build's order: `order` (tile indices over a grid `tiles_n` tiles wide) as
-/// consecutive pairs of tiles of one column (of one row where the pair shares A: `share_a`),
-/// the two units that the two blocks of a cluster run together. Each tile, in turn, takes as
-/// its partner the first tile not yet placed among the next [`PAIR_WINDOW`] of the order that
-/// lies in its column (in a grouped order: the tile below it) or row (the tile beside it), so
-/// that tiles keep about their place; a tile with none is paired with an idle entry (its own
-/// index with [`PAIR_IDLE`]).
-pub fn pair_order(order: &[usize], tiles_n: usize, share_a: bool) -> Vec<u32> {
+/// The pair build's order: `order` (tile indices over a grid `tiles_n` tiles wide) as
+/// consecutive pairs of tiles of one column, the two units that the two blocks of a cluster run
+/// together. Each tile, in turn, takes as its partner the first tile not yet placed among the
+/// next [`PAIR_WINDOW`] of the order that lies in its column (in a grouped order: the tile
+/// below it), so that tiles keep about their place; a tile with none is paired with an idle
+/// entry (its own index with [`PAIR_IDLE`]).
+pub fn pair_order(order: &[usize], tiles_n: usize) -> Vec<u32> {
     let tiles_n = tiles_n.max(1);
     let mut placed = vec![false; order.len()];
     let mut paired = Vec::with_capacity(order.len() + order.len() % 2);
@@ -856,14 +795,7 @@ pub fn pair_order(order: &[usize], tiles_n: usize, share_a: bool) -> Vec<u32> {
         placed[i] = true;
         let t = order[i];
         let end = order.len().min(i + 1 + PAIR_WINDOW);
-        let lane = |tile: usize| {
-            if share_a {
-                tile / tiles_n
-            } else {
-                tile % tiles_n
-            }
-        };
-        let partner = (i + 1..end).find(|&j| !placed[j] && lane(order[j]) == lane(t));
+        let partner = (i + 1..end).find(|&j| !placed[j] && order[j] % tiles_n == t % tiles_n);
         paired.push(t as u32);
         match partner {
             Some(j) => {
@@ -1263,22 +1195,23 @@ impl PreparedGemm {
         let (mut routes, folds) = routes.unzip();
         let folds = folds.flatten();
         let mut variant = kernels.choice().variant_for(plan);
-        if (variant.cluster() > 1 || variant.stores_directly())
-            && (routes.is_some() || gather.is_some())
+        if matches!(
+            variant,
+            GemmVariant::Pair | GemmVariant::Direct | GemmVariant::PingPong
+        ) && (routes.is_some() || gather.is_some())
         {
-            // the pair builds run plain GEMMs: a fused operator's tiles wait for flags (a
+            // the pair build runs plain GEMMs: a fused operator's tiles wait for flags (a
             // fold's partials, a band's rows), and a wait of one block of a pair holds its
-            // partner's stages too; unmeasured, so the builds without clusters serve them. The
-            // direct and the ping-pong build's consumers store into D only (no routes, no flags)
-            variant = match variant {
-                GemmVariant::PingPong | GemmVariant::PingPongPair => GemmVariant::Mid,
-                GemmVariant::NarrowPair => GemmVariant::NarrowDeep,
-                GemmVariant::NarrowTallPair => GemmVariant::NarrowTall,
-                _ => GemmVariant::Main,
+            // partner's stages too; unmeasured, so the main build serves them. The direct
+            // and the ping-pong build's consumers store into D only (no routes, no flags)
+            variant = if variant == GemmVariant::PingPong {
+                GemmVariant::Mid
+            } else {
+                GemmVariant::Main
             };
         }
         let function = kernels.entry(plan, variant)?;
-        let a = a_map(ops.a, p.input, p.k, p.m, a_map_rows(p.m, variant))?;
+        let a = a_map(ops.a, p.input, p.k, p.m, a_box_rows(p.m, variant))?;
         let mut b_padded = None;
         let mut b_addr = ops.b;
         if p.b_layout == BLayout::KN && !p.n.is_multiple_of(8) {
@@ -1308,8 +1241,8 @@ impl PreparedGemm {
             .as_ref()
             .map(|b| b.iter().map(|&r| r as u32).collect());
         let band_bytes = bands.as_ref().map_or(0, |b| 4 * b.len());
-        let order: Vec<u32> = if variant.cluster() > 1 {
-            pair_order(&plan.order, plan.tile_grid().1, variant.shares_a())
+        let order: Vec<u32> = if variant == GemmVariant::Pair {
+            pair_order(&plan.order, plan.tile_grid().1)
         } else {
             plan.order.iter().map(|&t| t as u32).collect()
         };
@@ -1570,7 +1503,7 @@ impl PreparedGemm {
     ) -> Result<(), CudaError> {
         let p = &self.problem;
         let mut params = self.call_params(b, bias, d, call)?;
-        let box_rows = a_map_rows(p.m, self.variant);
+        let box_rows = a_box_rows(p.m, self.variant);
         params.a = TmaDesc(a_map(a, p.input, p.k, p.m, box_rows)?);
         self.queue(stream, &params)
     }
@@ -1603,7 +1536,7 @@ impl PreparedGemm {
                 p.input,
                 p.k,
                 params.local_rows as usize,
-                a_map_rows(p.m, self.variant),
+                a_box_rows(p.m, self.variant),
             )?);
         }
         self.queue(stream, &params)
@@ -2069,8 +2002,8 @@ fn fold_map(
     )
 }
 
-/// B's tensor map: [N, K] in boxes of BK × the tile's columns (half of them in a block of the
-/// pair build, which loads half of the tile's rows of B), [K, N] (rows padded to a multiple of 8
+/// B's tensor map: [N, K] in boxes of BK × the tile's columns (half of them in a block of a
+/// pair, which loads half of the tile's rows of B), [K, N] (rows padded to a multiple of 8
 /// elements: `b` is then the padded copy) in boxes of 64 columns × BK.
 fn b_map(b: u64, p: &GemmProblem, variant: GemmVariant) -> Result<[u64; 16], CudaError> {
     match p.b_layout {
@@ -2079,7 +2012,7 @@ fn b_map(b: u64, p: &GemmProblem, variant: GemmVariant) -> Result<[u64; 16], Cud
             p.input,
             (p.k as u64, p.n as u64),
             2 * p.k as u64,
-            (BK as u32, variant.tile().n as u32 / b_parts(variant)),
+            (BK as u32, variant.tile().n as u32 / variant.cluster()),
         ),
         BLayout::KN => tensor_map_2d(
             b,
@@ -2096,37 +2029,8 @@ fn b_map(b: u64, p: &GemmProblem, variant: GemmVariant) -> Result<[u64; 16], Cud
 /// of a stage past the box keep whatever they held, which reaches only accumulator rows past M
 /// that nothing stores. A box's rows past M are zero-filled, yet at 16 rows Nsight Compute
 /// counted nearly as many L2 sectors as at 64 (GEMM-NOTES.md, "The activations' box").
-///
-/// In a pair sharing A the box is loaded in two parts ([`a_parts`]) of whole swizzle atoms,
-/// each by one block of the pair: past 8 rows it is M rounded up to 16.
 fn a_box_rows(m: usize, variant: GemmVariant) -> usize {
-    let atoms = if variant.shares_a() && m > 8 { 16 } else { 8 };
-    variant.rows().min(m.next_multiple_of(atoms))
-}
-
-/// Parts of A's box that the blocks of a pair sharing A load, one each (mirrors `a_parts` in
-/// gemm.cu's producer: two where the box has 16 rows or more, else one, the first block's).
-fn a_parts(m: usize, variant: GemmVariant) -> usize {
-    if variant.shares_a() && a_box_rows(m, variant) >= 16 {
-        2
-    } else {
-        1
-    }
-}
-
-/// Rows of the boxes of A's tensor map: a part of A's box ([`a_box_rows`], [`a_parts`]).
-fn a_map_rows(m: usize, variant: GemmVariant) -> usize {
-    a_box_rows(m, variant) / a_parts(m, variant)
-}
-
-/// Parts of the tile's rows of B ([N, K]) that the blocks of a cluster load, one each: the
-/// pair build's two, else one.
-fn b_parts(variant: GemmVariant) -> u32 {
-    if variant.shares_a() {
-        1
-    } else {
-        variant.cluster()
-    }
+    variant.rows().min(m.next_multiple_of(8))
 }
 
 /// The TMA map of an A of `rows` × `k` elements (16-byte aligned) at `a`, in boxes of
@@ -2186,7 +2090,7 @@ mod tests {
     }
 
     #[test]
-    fn stream_k_serves_every_build_that_cuts_its_tail_but_the_pairs_and_the_ping_pong() {
+    fn stream_k_serves_every_build_that_cuts_its_tail_but_the_pair_and_the_ping_pong() {
         for v in GemmVariant::ALL {
             for one_wave in [false, true] {
                 let cut = v.tail_mode(TailChoice::Cut, one_wave);
@@ -2194,11 +2098,7 @@ mod tests {
                 let max_parts = v.max_parts(one_wave);
                 assert_eq!(cut, TailMode::Cut { max_parts });
                 let want = match v {
-                    GemmVariant::Pair
-                    | GemmVariant::PingPong
-                    | GemmVariant::NarrowPair
-                    | GemmVariant::NarrowTallPair
-                    | GemmVariant::PingPongPair => TailMode::Cut { max_parts: 1 },
+                    GemmVariant::Pair | GemmVariant::PingPong => TailMode::Cut { max_parts: 1 },
                     _ => TailMode::StreamK { max_parts },
                 };
                 assert_eq!(spread, want, "{v:?}");
@@ -2442,8 +2342,6 @@ mod tests {
             ("narrow-deep", VariantChoice::NarrowDeep),
             ("narrow-sliced", VariantChoice::NarrowSliced),
             ("ping-pong", VariantChoice::PingPong),
-            ("narrow-pair", VariantChoice::NarrowPair),
-            ("ping-pong-pair", VariantChoice::PingPongPair),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -2452,7 +2350,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, narrow-pair, pair, mid, direct, ping-pong, ping-pong-pair or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong or auto, got \"Skinny\""
             ),
             "{e}"
         );
@@ -2494,24 +2392,13 @@ mod tests {
                 let want = if fits { build } else { NarrowTall };
                 assert_eq!(choice.variant_for(&plan), want, "{choice:?} {bands:?}");
             }
-            let pairs = if fits {
-                GemmVariant::NarrowPair
-            } else {
-                GemmVariant::NarrowTallPair
-            };
-            assert_eq!(
-                VariantChoice::NarrowPair.variant_for(&plan),
-                pairs,
-                "{bands:?}"
-            );
         }
         for v in GemmVariant::ALL {
             let rows = match v {
                 Narrow
                 | GemmVariant::Skinny
                 | GemmVariant::NarrowDeep
-                | GemmVariant::NarrowSliced
-                | GemmVariant::NarrowPair => 64,
+                | GemmVariant::NarrowSliced => 64,
                 _ => 128,
             };
             assert_eq!(v.rows(), rows, "{v:?}");
@@ -2545,21 +2432,14 @@ mod tests {
                 let build = choice.variant_for(&plan);
                 assert_eq!(build, GemmVariant::PingPong, "{choice:?} {m}");
             }
-            let build = VariantChoice::PingPongPair.variant_for(&plan);
-            assert_eq!(build, GemmVariant::PingPongPair, "{m}");
         }
         assert_eq!(GemmVariant::Mid.tile(), MID_TILE);
         assert_eq!(GemmVariant::PingPong.tile(), MID_TILE);
-        assert_eq!(GemmVariant::PingPongPair.tile(), MID_TILE);
-        assert_eq!(GemmVariant::PingPongPair.cluster(), PAIR);
-        assert!(!GemmVariant::PingPongPair.shares_a());
-        assert_eq!(b_parts(GemmVariant::PingPongPair), PAIR);
         // forced, mid and ping-pong plan every product with mid tiles; no other forced choice does
         for m in [16, 512, 8192] {
             let p = problem(m, 8192, 3584);
             assert_eq!(VariantChoice::Mid.tile_for(&p, 132), MID_TILE);
             assert_eq!(VariantChoice::PingPong.tile_for(&p, 132), MID_TILE);
-            assert_eq!(VariantChoice::PingPongPair.tile_for(&p, 132), MID_TILE);
             for choice in [VariantChoice::Main, VariantChoice::Pair] {
                 assert_ne!(choice.tile_for(&p, 132), MID_TILE, "{choice:?} {m}");
             }
@@ -2613,9 +2493,9 @@ mod tests {
     }
 
     /// Checks that `paired` is a pairing of `order` over a grid `tiles_n` wide: consecutive
-    /// pairs of one column (of one row: `share_a`), every tile of the order once, idle entries
-    /// only second in a pair and naming their partner; returns the count of idle entries.
-    fn check_pairing(order: &[usize], paired: &[u32], tiles_n: usize, share_a: bool) -> usize {
+    /// pairs of one column, every tile of the order once, idle entries only second in a pair
+    /// and naming their partner; returns the count of idle entries.
+    fn check_pairing(order: &[usize], paired: &[u32], tiles_n: usize) -> usize {
         assert_eq!(paired.len() % 2, 0, "{paired:?}");
         let mut seen = vec![0; order.iter().max().map_or(0, |&t| t + 1)];
         let mut idle = 0;
@@ -2632,20 +2512,11 @@ mod tests {
                 );
             } else {
                 seen[second as usize] += 1;
-                let (first, second) = (first as usize, second as usize);
-                if share_a {
-                    assert_eq!(
-                        first / tiles_n,
-                        second / tiles_n,
-                        "{pair:?}: tiles of two rows"
-                    );
-                } else {
-                    assert_eq!(
-                        first % tiles_n,
-                        second % tiles_n,
-                        "{pair:?}: tiles of two columns"
-                    );
-                }
+                assert_eq!(
+                    first as usize % tiles_n,
+                    second as usize % tiles_n,
+                    "{pair:?}: tiles of two columns"
+                );
             }
         }
         for &t in order {
@@ -2669,8 +2540,8 @@ mod tests {
             (1, 9, 9),
         ] {
             let order = grouped_order_of_grid(tm, tn, 8);
-            let paired = pair_order(&order, tn, false);
-            assert_eq!(check_pairing(&order, &paired, tn, false), idle, "{tm}×{tn}");
+            let paired = pair_order(&order, tn);
+            assert_eq!(check_pairing(&order, &paired, tn), idle, "{tm}×{tn}");
             if idle == 0 {
                 // the pairs are the order's own neighbours, in the order's sequence
                 let flat: Vec<usize> = paired.iter().map(|&t| t as usize).collect();
@@ -2687,26 +2558,20 @@ mod tests {
             order.swap(i, (x >> 33) as usize % (i + 1));
         }
         for tn in [1, 4, 7, 60] {
-            for share_a in [false, true] {
-                check_pairing(&order, &pair_order(&order, tn, share_a), tn, share_a);
-            }
+            check_pairing(&order, &pair_order(&order, tn), tn);
         }
-        assert_eq!(pair_order(&[0], 1, false), vec![0, PAIR_IDLE]);
-        assert_eq!(pair_order(&[0], 1, true), vec![0, PAIR_IDLE]);
+        assert_eq!(pair_order(&[0], 1), vec![0, PAIR_IDLE]);
         // a partner at the window's end is taken, one beyond it is not pulled forward
         let order: Vec<usize> = (0..2 * PAIR_WINDOW + 2).collect();
-        let far = pair_order(&order, PAIR_WINDOW, false);
+        let far = pair_order(&order, PAIR_WINDOW);
         assert_eq!(
             &far[..4],
             &[0, PAIR_WINDOW as u32, 1, PAIR_WINDOW as u32 + 1]
         );
-        assert_eq!(check_pairing(&order, &far, PAIR_WINDOW, false), 2);
-        let beyond = pair_order(&order, PAIR_WINDOW + 1, false);
+        assert_eq!(check_pairing(&order, &far, PAIR_WINDOW), 2);
+        let beyond = pair_order(&order, PAIR_WINDOW + 1);
         assert_eq!(&beyond[..2], &[0, PAIR_IDLE]);
-        assert_eq!(
-            check_pairing(&order, &beyond, PAIR_WINDOW + 1, false),
-            order.len()
-        );
+        assert_eq!(check_pairing(&order, &beyond, PAIR_WINDOW + 1), order.len());
         // no split tail, clusters of two, the main build's tiles and memory
         assert_eq!(GemmVariant::Pair.max_parts(true), 1);
         assert_eq!(GemmVariant::Pair.max_parts(false), 1);
@@ -2714,49 +2579,6 @@ mod tests {
         assert_eq!(GemmVariant::Main.cluster(), 1);
         assert_eq!(GemmVariant::Pair.tile(), TILE);
         assert_eq!(GemmVariant::Pair.smem_bytes(), SMEM_BYTES);
-    }
-
-    #[test]
-    fn the_narrow_pair_builds_run_tiles_of_one_row_side_by_side() {
-        use commfuse_core::gemm::grouped_order_of_grid;
-        // decode sizes: one row of narrow tiles, in order, pairs of neighbours; an odd count
-        // leaves the last tile beside an idle entry
-        for (tm, tn, idle) in [(1, 128, 0), (1, 129, 1), (1, 1, 1), (2, 64, 0), (3, 5, 3)] {
-            let order = grouped_order_of_grid(tm, tn, 8);
-            let paired = pair_order(&order, tn, true);
-            assert_eq!(check_pairing(&order, &paired, tn, true), idle, "{tm}×{tn}");
-            if tm == 1 {
-                let flat: Vec<usize> = paired.iter().map(|&t| (t & !PAIR_IDLE) as usize).collect();
-                let want: Vec<usize> = (0..tn).chain((tn % 2 == 1).then_some(tn - 1)).collect();
-                assert_eq!(flat, want, "{tm}×{tn}");
-            }
-        }
-        for v in [GemmVariant::NarrowPair, GemmVariant::NarrowTallPair] {
-            assert!(
-                v.shares_a() && v.cluster() == PAIR && v.max_parts(true) == 1,
-                "{v:?}"
-            );
-            assert_eq!(v.tile(), NARROW_TILE);
-            assert_eq!(b_parts(v), 1);
-        }
-        assert_eq!(b_parts(GemmVariant::Pair), PAIR);
-        assert!(!GemmVariant::Pair.shares_a());
-        // A's box in two parts of whole 8-row atoms from 16 rows up, one part below
-        for (m, variant, rows, parts) in [
-            (1, GemmVariant::NarrowPair, 8, 1),
-            (8, GemmVariant::NarrowPair, 8, 1),
-            (9, GemmVariant::NarrowPair, 16, 2),
-            (16, GemmVariant::NarrowPair, 16, 2),
-            (20, GemmVariant::NarrowPair, 32, 2),
-            (64, GemmVariant::NarrowPair, 64, 2),
-            (65, GemmVariant::NarrowTallPair, 80, 2),
-            (128, GemmVariant::NarrowTallPair, 128, 2),
-            (20, GemmVariant::NarrowDeep, 24, 1),
-        ] {
-            assert_eq!(a_box_rows(m, variant), rows, "{m} {variant:?}");
-            assert_eq!(a_parts(m, variant), parts, "{m} {variant:?}");
-            assert_eq!(a_map_rows(m, variant) % 8, 0, "{m} {variant:?}");
-        }
     }
 
     #[test]
