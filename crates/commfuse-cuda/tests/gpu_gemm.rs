@@ -191,6 +191,56 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         next_prefetch: None,
         k_phases: None,
         bias: false,
+        gather: false,
+    }
+}
+
+/// The bench's gather rows (the all-gather + GEMM's GEMM on one GPU: bands past the first wait
+/// for flags already up, the first band's rows from a copy given per call) on the main and the
+/// direct build, each checked element by element against float64: one band (all of it the
+/// caller's), three bands with a ragged last one, f32 output from B [K, N] with a bias, and a
+/// large shape on all SMs and on 116 (the split tail's helpers and owners in the gather).
+#[test]
+fn gather_rows_pass_the_check() {
+    if !gpus(1) {
+        return;
+    }
+    for (m, n, k, layout, out, bias) in [
+        (100, 1000, 136, BLayout::NK, DType::BF16, false),
+        (300, 1000, 1544, BLayout::NK, DType::BF16, false),
+        (300, 1000, 1544, BLayout::KN, DType::F32, true),
+        (2048, 8192, 1024, BLayout::NK, DType::BF16, true),
+    ] {
+        let p = GemmProblem::new(m, n, k, layout, DType::BF16, out).unwrap();
+        let extra = ExtraRows {
+            gather: true,
+            bias,
+            builds: Some(&[]),
+            ..folds(&[], None)
+        };
+        for sms in [0, 116] {
+            let rows = bench_gemm(0, None, extra, &p, &[sms], 1, 1, 61 + m as u64).unwrap();
+            let gather: Vec<_> = rows
+                .iter()
+                .filter(|r| r.implementation.starts_with("commfuse-gather"))
+                .map(|r| (r.implementation.as_str(), r.build.as_deref()))
+                .collect();
+            assert_eq!(
+                gather,
+                [
+                    ("commfuse-gather-main", Some("main")),
+                    ("commfuse-gather-direct", Some("direct"))
+                ],
+                "{rows:?}"
+            );
+            for r in &rows {
+                assert_eq!(
+                    (r.checked, r.out_of_bound),
+                    (m * n, 0),
+                    "{m}x{n}x{k} {layout:?} {out:?} sms {sms}: {r:?}"
+                );
+            }
+        }
     }
 }
 

@@ -6,12 +6,15 @@
 //! output poisoned first. The fold rows time the GEMM + reduce-scatter's owner epilogue on one
 //! GPU: every tile adds F partials from local buffers whose flags are already up, so what they
 //! cost beside the plain row is the fold alone (no NVLink, no waiting for a peer); the paced
-//! fold rows' flags are raised during the call by a side kernel, as peers would.
+//! fold rows' flags are raised during the call by a side kernel, as peers would. The gather
+//! rows time the all-gather + GEMM's GEMM on one GPU the same way: its bands wait for flags
+//! that are already up, and the first band's rows come from the caller's own A.
 
 use crate::error::CudaError;
 use crate::gemm::{
-    FoldSource, GemmKernels, GemmOperands, GemmVariant, PreparedGemm, RouteTargets, TailChoice,
-    TileRoute, VariantChoice, MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
+    CallNumber, FoldSource, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm,
+    RouteTargets, TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D,
+    SKINNY_ROWS, TILE,
 };
 use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
 pub use crate::sys::driver::StreamGuard;
@@ -98,6 +101,9 @@ pub struct ExtraRows<'a> {
     /// Every plain row (cuBLASLt's, ours, the forced builds) adds a bias row of N random
     /// values of the output type: D = A·B + bias. Not with fold rows or a peer.
     pub bias: bool,
+    /// Rows of the main and the direct build prepared as the all-gather + GEMM's GEMM
+    /// ([`GatherRow`]), at the first cap of `sms`
+    pub gather: bool,
 }
 
 /// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
@@ -177,6 +183,7 @@ fn run<T: Element>(
         next_prefetch,
         k_phases,
         bias,
+        gather,
     }: ExtraRows<'_>,
     p: &GemmProblem,
     sms: &[u32],
@@ -326,6 +333,23 @@ fn run<T: Element>(
             gpu.sm_count
         )));
     }
+    // the all-gather + GEMM's GEMM on the builds it can run (at the fold rows' cap)
+    let gather_rows = if gather {
+        let mut rows = Vec::new();
+        let chosen = kernels.choice();
+        for (name, choice) in [
+            ("commfuse-gather-main", VariantChoice::Main),
+            ("commfuse-gather-direct", VariantChoice::Direct),
+        ] {
+            kernels.set_choice(choice);
+            let row = GatherRow::new(&gpu, &stream, &kernels, &wide, &ops, fold_cap);
+            rows.push((name, row?));
+        }
+        kernels.set_choice(chosen);
+        rows
+    } else {
+        Vec::new()
+    };
     let kinds: &[FoldFlags] = match paced {
         Some(offset) if !(0.0..=4.0).contains(&offset) => {
             return Err(CudaError::Unavailable(format!(
@@ -460,6 +484,17 @@ fn run<T: Element>(
             peer_rows: None,
             gemm: Some(&fold.gemm),
             folded: Some(fold),
+        });
+    }
+    for (name, row) in &gather_rows {
+        variants.push(Variant {
+            name,
+            cap: fold_cap,
+            launch: Box::new(move || row.launch(stream, b_addr, bias_addr, d_addr)),
+            output: (&gpu, &d_dev),
+            peer_rows: None,
+            gemm: Some(&row.gemm),
+            folded: None,
         });
     }
     for pacer in &pacers {
@@ -610,6 +645,62 @@ fn upload_rounded<T: Element>(
     let mem = DeviceMemory::zeroed(gpu, host.len() * std::mem::size_of::<T>())?;
     mem.upload(gpu, &host)?;
     Ok((mem, host.into_iter().map(T::to_f64).collect()))
+}
+
+/// Our GEMM prepared as the all-gather + GEMM's ([`PreparedGemm::gathering`]) on one GPU: A
+/// is the gather buffer, every row band but the first waits for a flag that is already up
+/// (one look at it, then the fence that orders the loads after it), and the first band's rows
+/// come from a copy of them given per call, as a rank's own chunk is
+/// ([`PreparedGemm::launch_gather_call`]). What it costs beside the plain row is the gather's
+/// bookkeeping alone, with no peer to wait for.
+pub(crate) struct GatherRow {
+    gemm: PreparedGemm,
+    /// the first band's rows of A (the caller's own), and the flag every other band reads
+    memory: [DeviceMemory; 2],
+}
+
+impl GatherRow {
+    fn new(
+        gpu: &Gpu,
+        stream: &Stream,
+        kernels: &GemmKernels,
+        plan: &GemmPlan,
+        ops: &GemmOperands,
+        cap: u32,
+    ) -> Result<GatherRow, CudaError> {
+        let p = &plan.problem;
+        let local_rows = p.m.min(TILE.m);
+        let local_bytes = local_rows * p.k * p.input.size();
+        let local = DeviceMemory::zeroed(gpu, local_bytes)?;
+        let flag = DeviceMemory::zeroed(gpu, 8)?;
+        // up for any call (flags hold at least the call's number)
+        flag.upload(gpu, &[u64::MAX])?;
+        // SAFETY: both regions hold the first rows of A on this GPU; synchronised below
+        unsafe { stream.copy_async(local.addr(), ops.a, local_bytes)? };
+        stream.synchronize()?;
+        let bands = plan.tile_grid().0;
+        let gather = Gather {
+            band_flags: (0..bands)
+                .map(|b| if b == 0 { 0 } else { flag.addr() })
+                .collect(),
+            local: 0..local_rows,
+            timeout: std::time::Duration::from_secs(1),
+        };
+        let gemm = PreparedGemm::gathering(gpu, kernels, plan, ops, &gather, cap, 0)?;
+        Ok(GatherRow {
+            gemm,
+            memory: [local, flag],
+        })
+    }
+
+    fn launch(&self, stream: &Stream, b: u64, bias: Option<u64>, d: u64) -> Result<(), CudaError> {
+        let a_local = self.memory[0].addr();
+        // SAFETY: the operands, the local rows and the flag live on this GPU as long as the row
+        unsafe {
+            self.gemm
+                .launch_gather_call(stream, a_local, b, bias, d, CallNumber::Host(1))
+        }
+    }
 }
 
 /// Our GEMM whose every tile folds `count` partials of the output type from local buffers

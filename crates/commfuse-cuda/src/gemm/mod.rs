@@ -1195,15 +1195,18 @@ impl PreparedGemm {
         let (mut routes, folds) = routes.unzip();
         let folds = folds.flatten();
         let mut variant = kernels.choice().variant_for(plan);
-        if matches!(
-            variant,
-            GemmVariant::Pair | GemmVariant::Direct | GemmVariant::PingPong
-        ) && (routes.is_some() || gather.is_some())
-        {
-            // the pair build runs plain GEMMs: a fused operator's tiles wait for flags (a
-            // fold's partials, a band's rows), and a wait of one block of a pair holds its
-            // partner's stages too; unmeasured, so the main build serves them. The direct
-            // and the ping-pong build's consumers store into D only (no routes, no flags)
+        // The pair build runs plain GEMMs: a fused operator's tiles wait for flags (a fold's
+        // partials, a band's rows), and a wait of one block of a pair holds its partner's
+        // stages too; unmeasured, so the main build serves them. The direct build's consumers
+        // store into D only (no routes, no flags), but a gather's waits are its producer's, as
+        // in the main build: it serves the all-gather + GEMM. The ping-pong build's plans are
+        // plain GEMMs'.
+        let serves = match variant {
+            GemmVariant::Pair | GemmVariant::PingPong => routes.is_none() && gather.is_none(),
+            GemmVariant::Direct => routes.is_none(),
+            _ => true,
+        };
+        if !serves {
             variant = if variant == GemmVariant::PingPong {
                 GemmVariant::Mid
             } else {

@@ -157,6 +157,11 @@ pub struct BenchGemmArgs {
     /// cuBLASLt's included: D = A·B + bias (not with --fold or a peer)
     #[arg(long, conflicts_with = "fold")]
     pub bias: bool,
+    /// Also rows of the main and the direct build prepared as the all-gather + GEMM's GEMM:
+    /// every row band but the first waits for a flag that is already up, the first band's
+    /// rows come from a copy given per call (the rank's own rows); at the first --sms cap
+    #[arg(long)]
+    pub gather: bool,
     #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
     pub warmup: usize,
     #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
@@ -383,6 +388,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         next_prefetch: a.next_prefetch,
         k_phases: a.k_phases,
         bias: a.bias,
+        gather: a.gather,
     };
     let rows = commfuse_cuda::gemm::bench::bench_gemm(
         a.device,
