@@ -300,8 +300,8 @@ impl GemmVariant {
 /// narrow-tall), so the choice also says which tile to plan with ([`VariantChoice::tile_for`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VariantChoice {
-    /// Narrow tiles where [`narrow_pays`] says so, [`MID_TILE`]s where [`ping_pong_pays`]
-    /// does, else [`TILE`]s; the 64-row build of the plan's tile wherever every tile has at most
+    /// Narrow tiles where [`narrow_pays`] says so (unless [`ping_pong_pays_over_narrow`]),
+    /// [`MID_TILE`]s where [`ping_pong_pays`] does, else [`TILE`]s; the 64-row build of the plan's tile wherever every tile has at most
     /// [`SKINNY_ROWS`] rows (narrow-deep up to [`NARROW_DEEP_ROWS`]), else the 128-row one: for
     /// [`TILE`]s the direct build, for [`MID_TILE`]s the ping-pong build, which the fused
     /// operators' GEMMs (with routes or a gather) trade for the main and the mid build
@@ -372,6 +372,24 @@ pub fn ping_pong_pays(p: &GemmProblem, sms: usize) -> bool {
     p.m >= 2 * TILE.m && 2 * rows * cols <= sms && 2 * mid > sms && mid <= sms
 }
 
+/// Fewest [`MID_TILE`]s with which `auto` runs a band of 65 to 128 rows on the ping-pong
+/// build instead of the narrow-tall one ([`ping_pong_pays_over_narrow`]): the count measured,
+/// 64 at N = 8192.
+pub const PING_PONG_BAND_TILES: usize = 64;
+
+/// Whether `auto` plans `p`, which narrow tiles would serve ([`narrow_pays`]), with
+/// [`MID_TILE`]s on the ping-pong build instead: one band of more than [`SKINNY_ROWS`] rows
+/// (where the narrow-tall build computes all 128 rows of its tiles, as the ping-pong build
+/// does) whose mid tiles make one wave of at least [`PING_PONG_BAND_TILES`]. At 128 × 8192 ×
+/// 3584 (64 mid tiles, 128 narrow ones) the ping-pong build ran 2–6 % ahead of the narrow-tall
+/// build in three processes per B layout on one H100, and 0–3 % at 96 rows (GEMM-NOTES.md, "The
+/// ping-pong build at one band of rows").
+pub fn ping_pong_pays_over_narrow(p: &GemmProblem, sms: usize) -> bool {
+    let (mid_rows, mid_cols) = commfuse_core::gemm::tiles(p, MID_TILE);
+    let mid = mid_rows * mid_cols;
+    p.m > SKINNY_ROWS && mid_rows == 1 && (PING_PONG_BAND_TILES..=sms).contains(&mid)
+}
+
 impl VariantChoice {
     /// Every choice, `auto` first.
     pub const ALL: [VariantChoice; 10] = [
@@ -431,8 +449,15 @@ impl VariantChoice {
         if matches!(self, VariantChoice::Mid | VariantChoice::PingPong) {
             return MID_TILE;
         }
-        if self == VariantChoice::Auto && !narrow_pays(p, sms) && ping_pong_pays(p, sms) {
-            return MID_TILE;
+        if self == VariantChoice::Auto {
+            let mid = if narrow_pays(p, sms) {
+                ping_pong_pays_over_narrow(p, sms)
+            } else {
+                ping_pong_pays(p, sms)
+            };
+            if mid {
+                return MID_TILE;
+            }
         }
         let narrow = match self {
             VariantChoice::Auto => narrow_pays(p, sms),
@@ -2450,15 +2475,15 @@ mod tests {
         // auto plans mid tiles (for the ping-pong build) where wide ones would give at most
         // half of the SMs a tile and mid ones give more than half one, in one wave: 64 wide
         // tiles and 128 mid ones at 512 × 4096, 96 mid ones at 384 × 4096; not where narrow
-        // tiles fit (128 rows), nor where mid tiles would make more than a wave (768 × 4096:
-        // 96 wide, 192 mid) or leave most SMs idle (256 × 4096: 64 mid ones)
+        // tiles fit (128 rows × 4096), nor where mid tiles would make more than a wave (768 ×
+        // 4096: 96 wide, 192 mid) or leave most SMs idle (256 × 4096: 64 mid ones)
         let auto = |m: usize, n: usize| VariantChoice::Auto.tile_for(&problem(m, n, 4096), 132);
         for (m, n) in [(512, 4096), (256, 8192), (384, 4096)] {
             assert_eq!(auto(m, n), MID_TILE, "{m} × {n}");
             assert!(ping_pong_pays(&problem(m, n, 4096), 132), "{m} × {n}");
         }
         for (m, n) in [
-            (128, 8192),
+            (128, 4096),
             (768, 4096),
             (256, 4096),
             (8192, 8192),
@@ -2466,6 +2491,21 @@ mod tests {
         ] {
             assert_ne!(auto(m, n), MID_TILE, "{m} × {n}");
         }
+        // where narrow tiles would serve one band of 65 to 128 rows, mid tiles instead from
+        // PING_PONG_BAND_TILES of them up to one wave: 64 at 128 × 8192, 128 at 100 × 16384;
+        // not at 64 rows (the narrow build's), 32 or 63 mid tiles, nor 136 on 132 SMs
+        for (m, n) in [(65, 8192), (96, 8192), (128, 8192), (100, 16384)] {
+            assert_eq!(auto(m, n), MID_TILE, "{m} × {n}");
+            assert!(ping_pong_pays_over_narrow(&problem(m, n, 4096), 132));
+        }
+        for (m, n) in [(64, 8192), (128, 4096), (128, 63 * 128), (128, 136 * 128)] {
+            assert!(
+                !ping_pong_pays_over_narrow(&problem(m, n, 4096), 132),
+                "{m} × {n}"
+            );
+        }
+        assert_eq!(auto(64, 8192), NARROW_TILE);
+        assert_eq!(auto(128, 4096), NARROW_TILE);
         // on fewer SMs the same product makes more than a wave of mid tiles
         assert!(!ping_pong_pays(&problem(512, 4096, 4096), 100));
     }
@@ -2474,9 +2514,15 @@ mod tests {
     fn auto_plans_narrow_tiles_where_wide_ones_leave_most_sms_idle() {
         let tile =
             |choice: VariantChoice, m: usize, n: usize| choice.tile_for(&problem(m, n, 3584), 132);
-        // the decode sizes: 32 wide tiles for 132 SMs
+        // the decode sizes: 32 wide tiles for 132 SMs (from 65 rows `auto` takes mid tiles
+        // here: ping_pong_pays_over_narrow)
         for m in [1, 16, 17, 32, 64, 128] {
-            assert_eq!(tile(VariantChoice::Auto, m, 8192), NARROW_TILE, "{m}");
+            let auto = if m > SKINNY_ROWS {
+                MID_TILE
+            } else {
+                NARROW_TILE
+            };
+            assert_eq!(tile(VariantChoice::Auto, m, 8192), auto, "{m}");
             assert_eq!(tile(VariantChoice::Narrow, m, 8192), NARROW_TILE, "{m}");
             assert_eq!(tile(VariantChoice::Main, m, 8192), TILE, "{m}");
             assert_eq!(tile(VariantChoice::Skinny, m, 8192), TILE, "{m}");
