@@ -899,6 +899,49 @@ fn ping_pong_build_matches_float64_reference() {
     }
 }
 
+/// The mid-direct build (the ping-pong build's 128×128 tiles, six stages and boxes, both
+/// consumer warpgroups on each tile), forced, against float64 over every element: the mid
+/// build's cases (M = 1, 65, 300, 1000; N = 1000 and 600; every SM, and 4 and 3 SMs with split
+/// tails; D += 2·A·B on 3), B [K, N] with N = 999 (padded B, the last column stored from
+/// registers), K of one to three k-blocks on 3 SMs, and row bands of 40, 60 and 30 rows
+/// (boxes that would overrun a band: their rows stored from registers).
+#[test]
+fn mid_direct_build_matches_float64_reference() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let mut seed = 2000;
+    let mut each = |p: GemmProblem, case: SkinnyCase| {
+        seed += 1;
+        let want = (VariantChoice::MidDirect, GemmVariant::MidDirect);
+        check_variant_of_types(&gpu, &kernels, &stream, p, case, want, seed);
+    };
+    for (m, n) in [(1, 1000), (65, 600), (300, 1000), (1000, 600)] {
+        for_each_case(m, n, MID_TILE, &THREE_TYPES, &RUNS, &mut each);
+    }
+    for_each_case(300, 999, MID_TILE, &THREE_TYPES[..1], &RUNS[..2], &mut each);
+    for layout in [BLayout::NK, BLayout::KN] {
+        for k in [40, 64, 136, 192] {
+            let p = GemmProblem::new(1000, 1000, k, layout, DType::BF16, DType::BF16).unwrap();
+            let case = SkinnyCase {
+                tile: MID_TILE,
+                bands: None,
+                cap: 3,
+                epilogue: Case::Full,
+            };
+            each(p, case);
+        }
+        let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
+        let case = SkinnyCase {
+            tile: MID_TILE,
+            bands: Some(&[0, 40, 100, 130]),
+            cap: 0,
+            epilogue: Case::Full,
+        };
+        each(p, case);
+    }
+}
+
 /// A plain bf16 GEMM (no epilogue) on fresh random operands: A, B and D on the GPU, its plan
 /// of [`TILE`]s, its operands and its float64 reference.
 struct PlainBf16 {
@@ -1473,7 +1516,7 @@ fn bench_rows_pass_the_check_of_every_element() {
             // cuBLASLt and ours at both caps; each build forced too: where the skinny build
             // fits main, skinny and (M ≤ 128 here) narrow, narrow-deep and narrow-sliced (two
             // rows more), elsewhere main,
-            // pair, direct, mid and ping-pong (two rows more); the fold rows (1 and 3 partials, each also prefetched); where the tail spread by stream-K differs
+            // pair, direct, mid, ping-pong and mid-direct (four rows more); the fold rows (1 and 3 partials, each also prefetched); where the tail spread by stream-K differs
             // from the cut, ours with it (512 tiles: 3.9 waves on 132 SMs, 4.4 on 116; at 16
             // rows `auto` plans 128 narrow tiles, one wave on 132 SMs and more than one on 116;
             // the other shapes are less than one wave, where both cut)
@@ -1490,7 +1533,7 @@ fn bench_rows_pass_the_check_of_every_element() {
                 _ => 0,
             };
             let narrow_sliced = if m <= 128 { 2 } else { 0 };
-            let ping_pong = if m > 64 { 2 } else { 0 };
+            let ping_pong = if m > 64 { 4 } else { 0 };
             assert_eq!(
                 rows.len(),
                 16 + narrow_sliced + ping_pong + differs,

@@ -271,6 +271,7 @@ fn run<T: Element>(
         if let Some(mid) = &mid {
             builds.push(("commfuse-mid", VariantChoice::Mid, mid));
             builds.push(("commfuse-ping-pong", VariantChoice::PingPong, mid));
+            builds.push(("commfuse-mid-direct", VariantChoice::MidDirect, mid));
         }
         for (name, choice, plan) in builds {
             if only.is_some_and(|only| !only.contains(&choice)) {

@@ -77,6 +77,8 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // tiles of its own (two m64n128k16 wgmmas a k16 step, 128 accumulators a thread), the two
 // taking the block's units in turn, so that one warpgroup's epilogue (the direct build's
 // boxes) runs while the other's main loop keeps the tensor cores busy; six stages of 32 KiB.
+// The mid-direct build: the ping-pong build's tiles, stages and boxes with the two consumer
+// warpgroups on each tile together (64 rows each, as in the mid build) instead of in turns.
 template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false, int SLICES_ = 1,
           bool PINGPONG_ = false>
 struct Cfg {
@@ -145,6 +147,7 @@ using PairCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES, 2>;
 using MidCfg = Cfg<gemm::BM, 128, 5>;
 using DirectCfg = Cfg<gemm::BM, gemm::BN, 4, 1, true>;
 using PingPongCfg = Cfg<gemm::BM, 128, 6, 1, true, 1, true>;
+using MidDirectCfg = Cfg<gemm::BM, 128, 6, 1, true>;
 // A tile's partial folded in through the pipeline (ROUTE_FOLD_TMA): boxes of the build's rows
 // by 128 bytes (one swizzle row: 64 16-bit or 32 f32 columns), as many to a stage as its B
 // buffer holds, in the ring's next stages after the tile's last k-block: in the main build,
@@ -178,6 +181,7 @@ static_assert(PairCfg::SMEM_BYTES == MainCfg::SMEM_BYTES, "the pair build's layo
 static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES in mod.rs");
 static_assert(DirectCfg::SMEM_BYTES == 230480, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
 static_assert(PingPongCfg::SMEM_BYTES == 230512, "layout mirrored by PING_PONG_SMEM_BYTES in mod.rs");
+static_assert(MidDirectCfg::SMEM_BYTES == PingPongCfg::SMEM_BYTES, "the mid-direct build's layout is the ping-pong build's");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -1805,7 +1809,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // COMMFUSE_PART = 2 * build + input (input 0: bf16, 1: f16; builds in the order of
 // `GemmVariant::ALL`) holds that build's entries for that input type, and the last part,
 // GEMM_HELPER_PART, the helper kernels. Without COMMFUSE_PART, every entry.
-#define GEMM_HELPER_PART 20
+#define GEMM_HELPER_PART 22
 #ifdef COMMFUSE_PART
 #define GEMM_IN_PART(PART) (COMMFUSE_PART == (PART))
 #else
@@ -1818,7 +1822,8 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // gemm_mid_...: 128x128 tiles; gemm_direct_...: the main build's tiles on four stages, stored by
 // the consumers (TMA tensor stores of shared-memory boxes); gemm_narrow_deep_...: the narrow
 // build on twelve stages; gemm_narrow_sliced_...: the same with the K loop sliced over two
-// consumer warpgroups; gemm_ping_pong_...: 128x128 tiles, whole tiles per consumer warpgroup
+// consumer warpgroups; gemm_ping_pong_...: 128x128 tiles, whole tiles per consumer warpgroup;
+// gemm_mid_direct_...: the same tiles, stages and boxes, both consumer warpgroups on each tile
 #if GEMM_IN_PART(0)
 COMMFUSE_GEMM_ENTRIES(gemm_, bf16, __nv_bfloat16, MainCfg)
 #endif
@@ -1878,6 +1883,12 @@ COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_, bf16, __nv_bfloat16, PingPongCfg)
 #endif
 #if GEMM_IN_PART(19)
 COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_, f16, __half, PingPongCfg)
+#endif
+#if GEMM_IN_PART(20)
+COMMFUSE_GEMM_ENTRIES(gemm_mid_direct_, bf16, __nv_bfloat16, MidDirectCfg)
+#endif
+#if GEMM_IN_PART(21)
+COMMFUSE_GEMM_ENTRIES(gemm_mid_direct_, f16, __half, MidDirectCfg)
 #endif
 
 #if GEMM_IN_PART(GEMM_HELPER_PART)

@@ -141,6 +141,9 @@ pub enum GemmVariant {
     /// direct build's, from its own boxes) runs under the other's main loop; six stages of
     /// 32 KiB. Plain GEMMs only, and no split tail
     PingPong,
+    /// The ping-pong build's tiles, stages and boxes with both consumer warpgroups on each
+    /// tile (64 rows each, as in the mid build) instead of in turns: plain GEMMs and gathers
+    MidDirect,
 }
 
 /// Blocks in a cluster of the pair build.
@@ -148,7 +151,7 @@ pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 10] = [
+    pub const ALL: [GemmVariant; 11] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
@@ -159,6 +162,7 @@ impl GemmVariant {
         GemmVariant::NarrowDeep,
         GemmVariant::NarrowSliced,
         GemmVariant::PingPong,
+        GemmVariant::MidDirect,
     ];
 
     /// Rows of the build's A stage (its largest A box) and of the staged tile.
@@ -169,7 +173,8 @@ impl GemmVariant {
             | GemmVariant::Pair
             | GemmVariant::Mid
             | GemmVariant::Direct
-            | GemmVariant::PingPong => TILE.m,
+            | GemmVariant::PingPong
+            | GemmVariant::MidDirect => TILE.m,
             GemmVariant::Skinny
             | GemmVariant::Narrow
             | GemmVariant::NarrowDeep
@@ -187,7 +192,7 @@ impl GemmVariant {
             | GemmVariant::NarrowTall
             | GemmVariant::NarrowDeep
             | GemmVariant::NarrowSliced => NARROW_TILE,
-            GemmVariant::Mid | GemmVariant::PingPong => MID_TILE,
+            GemmVariant::Mid | GemmVariant::PingPong | GemmVariant::MidDirect => MID_TILE,
         }
     }
 
@@ -209,7 +214,7 @@ impl GemmVariant {
             GemmVariant::NarrowSliced => NARROW_SLICED_SMEM_BYTES,
             GemmVariant::Mid => MID_SMEM_BYTES,
             GemmVariant::Direct => DIRECT_SMEM_BYTES,
-            GemmVariant::PingPong => PING_PONG_SMEM_BYTES,
+            GemmVariant::PingPong | GemmVariant::MidDirect => PING_PONG_SMEM_BYTES,
         }
     }
 
@@ -227,6 +232,7 @@ impl GemmVariant {
             GemmVariant::Mid => "gemm_mid_",
             GemmVariant::Direct => "gemm_direct_",
             GemmVariant::PingPong => "gemm_ping_pong_",
+            GemmVariant::MidDirect => "gemm_mid_direct_",
         }
     }
 
@@ -247,8 +253,14 @@ impl GemmVariant {
     /// limits.
     pub fn max_parts(self, one_wave: bool) -> usize {
         match self {
-            GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct if one_wave => 3,
-            GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct => MAX_PARTS,
+            GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct | GemmVariant::MidDirect
+                if one_wave =>
+            {
+                3
+            }
+            GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct | GemmVariant::MidDirect => {
+                MAX_PARTS
+            }
             GemmVariant::Skinny
             | GemmVariant::Narrow
             | GemmVariant::NarrowTall
@@ -271,7 +283,7 @@ impl GemmVariant {
     }
 
     /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct`, `narrow-deep`,
-    /// `narrow-sliced` or `ping-pong`.
+    /// `narrow-sliced`, `ping-pong` or `mid-direct`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
@@ -284,13 +296,17 @@ impl GemmVariant {
             GemmVariant::NarrowDeep => "narrow-deep",
             GemmVariant::NarrowSliced => "narrow-sliced",
             GemmVariant::PingPong => "ping-pong",
+            GemmVariant::MidDirect => "mid-direct",
         }
     }
 
     /// Whether its consumers store tiles into D themselves (through a tensor map of D where
     /// [`d_map_fits`]): plain GEMMs only.
     fn stores_directly(self) -> bool {
-        matches!(self, GemmVariant::Direct | GemmVariant::PingPong)
+        matches!(
+            self,
+            GemmVariant::Direct | GemmVariant::PingPong | GemmVariant::MidDirect
+        )
     }
 }
 
@@ -331,9 +347,11 @@ pub enum VariantChoice {
     /// [`MID_TILE`]s, always, on the ping-pong build (the fused operators' GEMMs on the mid
     /// build)
     PingPong,
+    /// [`MID_TILE`]s, always, on the mid-direct build (the GEMMs with routes on the mid build)
+    MidDirect,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|ping-pong|auto`
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|ping-pong|mid-direct|auto`
 /// (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
@@ -392,7 +410,7 @@ pub fn ping_pong_pays_over_narrow(p: &GemmProblem, sms: usize) -> bool {
 
 impl VariantChoice {
     /// Every choice, `auto` first.
-    pub const ALL: [VariantChoice; 10] = [
+    pub const ALL: [VariantChoice; 11] = [
         VariantChoice::Auto,
         VariantChoice::Main,
         VariantChoice::Skinny,
@@ -403,6 +421,7 @@ impl VariantChoice {
         VariantChoice::Mid,
         VariantChoice::Direct,
         VariantChoice::PingPong,
+        VariantChoice::MidDirect,
     ];
 
     /// The choice of this [`VariantChoice::name`].
@@ -425,7 +444,7 @@ impl VariantChoice {
     }
 
     /// `main`, `skinny`, `narrow`, `narrow-deep`, `narrow-sliced`, `pair`, `mid`, `direct`,
-    /// `ping-pong` or `auto`.
+    /// `ping-pong`, `mid-direct` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
@@ -438,6 +457,7 @@ impl VariantChoice {
             VariantChoice::NarrowDeep => "narrow-deep",
             VariantChoice::NarrowSliced => "narrow-sliced",
             VariantChoice::PingPong => "ping-pong",
+            VariantChoice::MidDirect => "mid-direct",
         }
     }
 
@@ -446,7 +466,10 @@ impl VariantChoice {
         // (auto plans mid tiles only where ping_pong_pays: elsewhere, where they beat the main
         // build, between two bands of rows and half a wave of wide tiles, the direct build's
         // wide tiles measured faster still)
-        if matches!(self, VariantChoice::Mid | VariantChoice::PingPong) {
+        if matches!(
+            self,
+            VariantChoice::Mid | VariantChoice::PingPong | VariantChoice::MidDirect
+        ) {
             return MID_TILE;
         }
         if self == VariantChoice::Auto {
@@ -469,7 +492,8 @@ impl VariantChoice {
             | VariantChoice::Pair
             | VariantChoice::Mid
             | VariantChoice::Direct
-            | VariantChoice::PingPong => false,
+            | VariantChoice::PingPong
+            | VariantChoice::MidDirect => false,
         };
         if narrow {
             NARROW_TILE
@@ -484,10 +508,10 @@ impl VariantChoice {
     pub fn variant_for(self, plan: &GemmPlan) -> GemmVariant {
         if plan.tile == MID_TILE {
             // (build() keeps the fused operators' GEMMs on the mid build)
-            return if matches!(self, VariantChoice::PingPong | VariantChoice::Auto) {
-                GemmVariant::PingPong
-            } else {
-                GemmVariant::Mid
+            return match self {
+                VariantChoice::PingPong | VariantChoice::Auto => GemmVariant::PingPong,
+                VariantChoice::MidDirect => GemmVariant::MidDirect,
+                _ => GemmVariant::Mid,
             };
         }
         let fits = tallest_band(plan) <= SKINNY_ROWS && self != VariantChoice::Main;
@@ -1228,14 +1252,13 @@ impl PreparedGemm {
         // plain GEMMs'.
         let serves = match variant {
             GemmVariant::Pair | GemmVariant::PingPong => routes.is_none() && gather.is_none(),
-            GemmVariant::Direct => routes.is_none(),
+            GemmVariant::Direct | GemmVariant::MidDirect => routes.is_none(),
             _ => true,
         };
         if !serves {
-            variant = if variant == GemmVariant::PingPong {
-                GemmVariant::Mid
-            } else {
-                GemmVariant::Main
+            variant = match variant {
+                GemmVariant::PingPong | GemmVariant::MidDirect => GemmVariant::Mid,
+                _ => GemmVariant::Main,
             };
         }
         let function = kernels.entry(plan, variant)?;
@@ -2370,6 +2393,7 @@ mod tests {
             ("narrow-deep", VariantChoice::NarrowDeep),
             ("narrow-sliced", VariantChoice::NarrowSliced),
             ("ping-pong", VariantChoice::PingPong),
+            ("mid-direct", VariantChoice::MidDirect),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -2378,7 +2402,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct or auto, got \"Skinny\""
             ),
             "{e}"
         );
@@ -2460,6 +2484,8 @@ mod tests {
                 let build = choice.variant_for(&plan);
                 assert_eq!(build, GemmVariant::PingPong, "{choice:?} {m}");
             }
+            let build = VariantChoice::MidDirect.variant_for(&plan);
+            assert_eq!(build, GemmVariant::MidDirect, "{m}");
         }
         assert_eq!(GemmVariant::Mid.tile(), MID_TILE);
         assert_eq!(GemmVariant::PingPong.tile(), MID_TILE);
@@ -2468,6 +2494,7 @@ mod tests {
             let p = problem(m, 8192, 3584);
             assert_eq!(VariantChoice::Mid.tile_for(&p, 132), MID_TILE);
             assert_eq!(VariantChoice::PingPong.tile_for(&p, 132), MID_TILE);
+            assert_eq!(VariantChoice::MidDirect.tile_for(&p, 132), MID_TILE);
             for choice in [VariantChoice::Main, VariantChoice::Pair] {
                 assert_ne!(choice.tile_for(&p, 132), MID_TILE, "{choice:?} {m}");
             }
