@@ -317,10 +317,11 @@ impl GemmVariant {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VariantChoice {
     /// Narrow tiles where [`narrow_pays`] says so (unless [`ping_pong_pays_over_narrow`]),
-    /// [`MID_TILE`]s where [`ping_pong_pays`] does, else [`TILE`]s; the 64-row build of the plan's tile wherever every tile has at most
-    /// [`SKINNY_ROWS`] rows (narrow-deep up to [`NARROW_DEEP_ROWS`]), else the 128-row one: for
-    /// [`TILE`]s the direct build, for [`MID_TILE`]s the ping-pong build, which the fused
-    /// operators' GEMMs (with routes or a gather) trade for the main and the mid build
+    /// [`MID_TILE`]s where [`mid_tiles_pay`] does, else [`TILE`]s; the 64-row build of the
+    /// plan's tile wherever every tile has at most [`SKINNY_ROWS`] rows (narrow-deep up to
+    /// [`NARROW_DEEP_ROWS`]), else the 128-row one: for [`TILE`]s the direct build, for
+    /// [`MID_TILE`]s the ping-pong build in one band of rows and the mid-direct build in more;
+    /// the fused operators' GEMMs with routes trade the direct build for the main one
     Auto,
     /// [`TILE`]s; always the 128-row build (main, or narrow-tall for a plan of narrow tiles)
     Main,
@@ -376,14 +377,15 @@ pub fn narrow_pays(p: &GemmProblem, sms: usize) -> bool {
 /// and an H200, within 2 % at 32 and 64 rows (GEMM-NOTES.md, "The narrow-deep build").
 pub const NARROW_DEEP_ROWS: usize = 16;
 
-/// Whether `auto` plans `p` with [`MID_TILE`]s on `sms` SMs, which it runs on the ping-pong
+/// Whether `auto` plans `p` with [`MID_TILE`]s on `sms` SMs, which it runs on the mid-direct
 /// build: at least two whole bands of rows (narrow tiles do not fit), its [`TILE`]s would give
 /// at most half of the SMs a tile (so the direct build cuts them along K), and its mid tiles
-/// make one wave that gives more than half of the SMs one. At 512 × 4096 × 4096 (64 wide tiles, 128
-/// mid ones on 132 SMs) the ping-pong build ran 8–10 % ahead of the direct build on an H100
-/// and an H200 (GEMM-NOTES.md, "The ping-pong build"); where a block runs many tiles its
-/// k-blocks are slower than the wide builds'.
-pub fn ping_pong_pays(p: &GemmProblem, sms: usize) -> bool {
+/// make one wave that gives more than half of the SMs one. At 512 × 4096 × 4096 (64 wide
+/// tiles, 128 mid ones on 132 SMs) the ping-pong build ran 8–10 % ahead of the direct build on
+/// an H100 and an H200 (GEMM-NOTES.md, "The ping-pong build"), and the mid-direct build 4–5 %
+/// ahead of the ping-pong build (2–5 % at 256 and 384 rows; "The mid-direct build"); where a
+/// block runs many tiles their k-blocks are slower than the wide builds'.
+pub fn mid_tiles_pay(p: &GemmProblem, sms: usize) -> bool {
     let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
     let (mid_rows, mid_cols) = commfuse_core::gemm::tiles(p, MID_TILE);
     let mid = mid_rows * mid_cols;
@@ -463,7 +465,7 @@ impl VariantChoice {
 
     /// The tile to plan `p` with on `sms` SMs under this choice.
     pub fn tile_for(self, p: &GemmProblem, sms: usize) -> TileShape {
-        // (auto plans mid tiles only where ping_pong_pays: elsewhere, where they beat the main
+        // (auto plans mid tiles only where mid_tiles_pay: elsewhere, where they beat the main
         // build, between two bands of rows and half a wave of wide tiles, the direct build's
         // wide tiles measured faster still)
         if matches!(
@@ -476,7 +478,7 @@ impl VariantChoice {
             let mid = if narrow_pays(p, sms) {
                 ping_pong_pays_over_narrow(p, sms)
             } else {
-                ping_pong_pays(p, sms)
+                mid_tiles_pay(p, sms)
             };
             if mid {
                 return MID_TILE;
@@ -509,8 +511,14 @@ impl VariantChoice {
         if plan.tile == MID_TILE {
             // (build() keeps the fused operators' GEMMs on the mid build)
             return match self {
-                VariantChoice::PingPong | VariantChoice::Auto => GemmVariant::PingPong,
+                VariantChoice::PingPong => GemmVariant::PingPong,
                 VariantChoice::MidDirect => GemmVariant::MidDirect,
+                // auto: one band of rows (ping_pong_pays_over_narrow) on the ping-pong build,
+                // whose warpgroups take whole tiles where the mid-direct build would cut its
+                // partial wave along K (5 % slower at 128 × 8192 × 3584); more (mid_tiles_pay)
+                // on the mid-direct build
+                VariantChoice::Auto if plan.tile_grid().0 == 1 => GemmVariant::PingPong,
+                VariantChoice::Auto => GemmVariant::MidDirect,
                 _ => GemmVariant::Mid,
             };
         }
@@ -2459,7 +2467,7 @@ mod tests {
     }
 
     #[test]
-    fn a_plan_of_mid_tiles_runs_on_the_mid_build_unless_ping_pong_or_auto_is_chosen() {
+    fn a_plan_of_mid_tiles_runs_on_the_mid_build_unless_ping_pong_mid_direct_or_auto_is_chosen() {
         for (m, bands) in [
             (1, None),
             (64, None),
@@ -2480,12 +2488,17 @@ mod tests {
                     "{choice:?} {m}"
                 );
             }
-            for choice in [VariantChoice::PingPong, VariantChoice::Auto] {
-                let build = choice.variant_for(&plan);
-                assert_eq!(build, GemmVariant::PingPong, "{choice:?} {m}");
-            }
+            let build = VariantChoice::PingPong.variant_for(&plan);
+            assert_eq!(build, GemmVariant::PingPong, "{m}");
             let build = VariantChoice::MidDirect.variant_for(&plan);
             assert_eq!(build, GemmVariant::MidDirect, "{m}");
+            // auto: the ping-pong build in one band of rows, the mid-direct build in more
+            let auto = if plan.tile_grid().0 == 1 {
+                GemmVariant::PingPong
+            } else {
+                GemmVariant::MidDirect
+            };
+            assert_eq!(VariantChoice::Auto.variant_for(&plan), auto, "{m}");
         }
         assert_eq!(GemmVariant::Mid.tile(), MID_TILE);
         assert_eq!(GemmVariant::PingPong.tile(), MID_TILE);
@@ -2507,7 +2520,7 @@ mod tests {
         let auto = |m: usize, n: usize| VariantChoice::Auto.tile_for(&problem(m, n, 4096), 132);
         for (m, n) in [(512, 4096), (256, 8192), (384, 4096)] {
             assert_eq!(auto(m, n), MID_TILE, "{m} × {n}");
-            assert!(ping_pong_pays(&problem(m, n, 4096), 132), "{m} × {n}");
+            assert!(mid_tiles_pay(&problem(m, n, 4096), 132), "{m} × {n}");
         }
         for (m, n) in [
             (128, 4096),
@@ -2534,7 +2547,7 @@ mod tests {
         assert_eq!(auto(64, 8192), NARROW_TILE);
         assert_eq!(auto(128, 4096), NARROW_TILE);
         // on fewer SMs the same product makes more than a wave of mid tiles
-        assert!(!ping_pong_pays(&problem(512, 4096, 4096), 100));
+        assert!(!mid_tiles_pay(&problem(512, 4096, 4096), 100));
     }
 
     #[test]
