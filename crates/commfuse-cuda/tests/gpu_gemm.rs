@@ -855,66 +855,44 @@ fn direct_build_matches_float64_reference() {
 }
 
 /// The ping-pong build (128×128 tiles, each consumer warpgroup on whole tiles of its own, the
-/// two taking a block's units in turn), forced, against float64 over every element: the mid
-/// build's cases (M = 1, 65, 300, 1000; N = 1000 and 600; every SM, and 4 and 3 SMs, where a
-/// block runs many tiles and the warpgroups take turns round the six stages, with no split
-/// tail), B [K, N] with N = 999 (padded B, the last column of D stored from registers), K of
-/// one to three k-blocks on 3 SMs (K = 40, 64, 136, 192: a unit of fewer k-blocks than
-/// stages), and row bands of 40, 60 and 30 rows (boxes that would overrun a band: their rows
-/// stored from registers).
+/// two taking a block's units in turn), forced, by [`check_direct_mid_tile_build`]: on 4 and 3
+/// SMs a block runs many tiles and the warpgroups take turns round the six stages, with no
+/// split tail; with K of one to three k-blocks a unit has fewer k-blocks than stages.
 #[test]
 fn ping_pong_build_matches_float64_reference() {
     let Some((gpu, kernels, stream)) = one_gpu() else {
         return;
     };
-    let mut seed = 1900;
-    let mut each = |p: GemmProblem, case: SkinnyCase| {
-        seed += 1;
-        let want = (VariantChoice::PingPong, GemmVariant::PingPong);
-        check_variant_of_types(&gpu, &kernels, &stream, p, case, want, seed);
-    };
-    for (m, n) in [(1, 1000), (65, 600), (300, 1000), (1000, 600)] {
-        for_each_case(m, n, MID_TILE, &THREE_TYPES, &RUNS, &mut each);
-    }
-    for_each_case(300, 999, MID_TILE, &THREE_TYPES[..1], &RUNS[..2], &mut each);
-    for layout in [BLayout::NK, BLayout::KN] {
-        for k in [40, 64, 136, 192] {
-            let p = GemmProblem::new(1000, 1000, k, layout, DType::BF16, DType::BF16).unwrap();
-            let case = SkinnyCase {
-                tile: MID_TILE,
-                bands: None,
-                cap: 3,
-                epilogue: Case::Full,
-            };
-            each(p, case);
-        }
-        let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
-        let case = SkinnyCase {
-            tile: MID_TILE,
-            bands: Some(&[0, 40, 100, 130]),
-            cap: 0,
-            epilogue: Case::Full,
-        };
-        each(p, case);
-    }
+    let build = (VariantChoice::PingPong, GemmVariant::PingPong);
+    check_direct_mid_tile_build((&gpu, &kernels, &stream), build, 1900);
 }
 
 /// The mid-direct build (the ping-pong build's 128×128 tiles, six stages and boxes, both
-/// consumer warpgroups on each tile), forced, against float64 over every element: the mid
-/// build's cases (M = 1, 65, 300, 1000; N = 1000 and 600; every SM, and 4 and 3 SMs with split
-/// tails; D += 2·A·B on 3), B [K, N] with N = 999 (padded B, the last column stored from
-/// registers), K of one to three k-blocks on 3 SMs, and row bands of 40, 60 and 30 rows
-/// (boxes that would overrun a band: their rows stored from registers).
+/// consumer warpgroups on each tile), forced, by [`check_direct_mid_tile_build`]: split tails
+/// on 4 and 3 SMs, D += 2·A·B on 3, a one-wave product whole (M = 1, 65: one partial wave).
 #[test]
 fn mid_direct_build_matches_float64_reference() {
     let Some((gpu, kernels, stream)) = one_gpu() else {
         return;
     };
-    let mut seed = 2000;
+    let build = (VariantChoice::MidDirect, GemmVariant::MidDirect);
+    check_direct_mid_tile_build((&gpu, &kernels, &stream), build, 2000);
+}
+
+/// A build of 128×128 tiles that stores them into D itself (`build`, which its choice takes),
+/// forced, against float64 over every element: the mid build's cases (M = 1, 65, 300, 1000;
+/// N = 1000 and 600; every SM, and 4 and 3 SMs; D += 2·A·B on 3), B [K, N] with N = 999
+/// (padded B, the last column of D stored from registers), K of one to three k-blocks on 3 SMs
+/// (K = 40, 64, 136, 192), and row bands of 40, 60 and 30 rows (boxes that would overrun a
+/// band: their rows stored from registers).
+fn check_direct_mid_tile_build(
+    (gpu, kernels, stream): (&Gpu, &GemmKernels, &Stream),
+    build: (VariantChoice, GemmVariant),
+    mut seed: u64,
+) {
     let mut each = |p: GemmProblem, case: SkinnyCase| {
         seed += 1;
-        let want = (VariantChoice::MidDirect, GemmVariant::MidDirect);
-        check_variant_of_types(&gpu, &kernels, &stream, p, case, want, seed);
+        check_variant_of_types(gpu, kernels, stream, p, case, build, seed);
     };
     for (m, n) in [(1, 1000), (65, 600), (300, 1000), (1000, 600)] {
         for_each_case(m, n, MID_TILE, &THREE_TYPES, &RUNS, &mut each);

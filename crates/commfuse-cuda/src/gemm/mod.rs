@@ -315,12 +315,12 @@ impl GemmVariant {
 /// narrow-tall), so the choice also says which tile to plan with ([`VariantChoice::tile_for`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VariantChoice {
-    /// Narrow tiles where [`narrow_pays`] says so (unless [`ping_pong_pays_over_narrow`]),
+    /// Narrow tiles where [`narrow_pays`] says so (unless [`mid_tiles_pay_over_narrow`]),
     /// [`MID_TILE`]s where [`mid_tiles_pay`] does, else [`TILE`]s; the 64-row build of the
     /// plan's tile wherever every tile has at most [`SKINNY_ROWS`] rows (narrow-deep up to
     /// [`NARROW_DEEP_ROWS`]), else the 128-row one: for [`TILE`]s the direct build, for
-    /// [`MID_TILE`]s the ping-pong build in one band of rows and the mid-direct build in more;
-    /// the fused operators' GEMMs with routes trade the direct build for the main one
+    /// [`MID_TILE`]s the mid-direct build; the fused operators' GEMMs with routes trade the
+    /// direct builds for the main and the mid one
     Auto,
     /// [`TILE`]s; always the 128-row build (main, or narrow-tall for a plan of narrow tiles)
     Main,
@@ -391,22 +391,23 @@ pub fn mid_tiles_pay(p: &GemmProblem, sms: usize) -> bool {
     p.m >= 2 * TILE.m && 2 * rows * cols <= sms && 2 * mid > sms && mid <= sms
 }
 
-/// Fewest [`MID_TILE`]s with which `auto` runs a band of 65 to 128 rows on the ping-pong
-/// build instead of the narrow-tall one ([`ping_pong_pays_over_narrow`]): the count measured,
-/// 64 at N = 8192.
-pub const PING_PONG_BAND_TILES: usize = 64;
+/// Fewest [`MID_TILE`]s with which `auto` runs a band of 65 to 128 rows on them instead of
+/// the narrow-tall build's tiles ([`mid_tiles_pay_over_narrow`]): the count measured, 64 at
+/// N = 8192.
+pub const MID_BAND_TILES: usize = 64;
 
 /// Whether `auto` plans `p`, which narrow tiles would serve ([`narrow_pays`]), with
-/// [`MID_TILE`]s on the ping-pong build instead: one band of more than [`SKINNY_ROWS`] rows
-/// (where the narrow-tall build computes all 128 rows of its tiles, as the ping-pong build
-/// does) whose mid tiles make one wave of at least [`PING_PONG_BAND_TILES`]. At 128 × 8192 ×
-/// 3584 (64 mid tiles, 128 narrow ones) the ping-pong build ran 2–6 % ahead of the narrow-tall
-/// build in three processes per B layout on one H100, and 0–3 % at 96 rows (GEMM-NOTES.md, "The
-/// ping-pong build at one band of rows").
-pub fn ping_pong_pays_over_narrow(p: &GemmProblem, sms: usize) -> bool {
+/// [`MID_TILE`]s instead (the mid-direct build, one partial wave whole): one band of more than
+/// [`SKINNY_ROWS`] rows (where the narrow-tall build computes all 128 rows of its tiles, as
+/// the mid tiles' builds do) whose mid tiles make one wave of at least [`MID_BAND_TILES`]. At
+/// 128 × 8192 × 3584 (64 mid tiles, 128 narrow ones) the ping-pong build ran 2–6 % ahead of
+/// the narrow-tall build in three processes per B layout on one H100, 0–3 % at 96 rows, and the
+/// mid-direct build 1–4 % ahead of the ping-pong build at 65 to 128 rows (GEMM-NOTES.md, "The
+/// ping-pong build at one band of rows", "The mid-direct build").
+pub fn mid_tiles_pay_over_narrow(p: &GemmProblem, sms: usize) -> bool {
     let (mid_rows, mid_cols) = commfuse_core::gemm::tiles(p, MID_TILE);
     let mid = mid_rows * mid_cols;
-    p.m > SKINNY_ROWS && mid_rows == 1 && (PING_PONG_BAND_TILES..=sms).contains(&mid)
+    p.m > SKINNY_ROWS && mid_rows == 1 && (MID_BAND_TILES..=sms).contains(&mid)
 }
 
 impl VariantChoice {
@@ -475,7 +476,7 @@ impl VariantChoice {
         }
         if self == VariantChoice::Auto {
             let mid = if narrow_pays(p, sms) {
-                ping_pong_pays_over_narrow(p, sms)
+                mid_tiles_pay_over_narrow(p, sms)
             } else {
                 mid_tiles_pay(p, sms)
             };
@@ -511,13 +512,7 @@ impl VariantChoice {
             // (build() keeps the fused operators' GEMMs on the mid build)
             return match self {
                 VariantChoice::PingPong => GemmVariant::PingPong,
-                VariantChoice::MidDirect => GemmVariant::MidDirect,
-                // auto: one band of rows (ping_pong_pays_over_narrow) on the ping-pong build,
-                // whose warpgroups take whole tiles where the mid-direct build would cut its
-                // partial wave along K (5 % slower at 128 × 8192 × 3584); more (mid_tiles_pay)
-                // on the mid-direct build
-                VariantChoice::Auto if plan.tile_grid().0 == 1 => GemmVariant::PingPong,
-                VariantChoice::Auto => GemmVariant::MidDirect,
+                VariantChoice::MidDirect | VariantChoice::Auto => GemmVariant::MidDirect,
                 _ => GemmVariant::Mid,
             };
         }
@@ -2468,7 +2463,7 @@ mod tests {
     }
 
     #[test]
-    fn a_plan_of_mid_tiles_runs_on_the_mid_build_unless_ping_pong_mid_direct_or_auto_is_chosen() {
+    fn a_plan_of_mid_tiles_runs_on_the_mid_build_unless_mid_direct_auto_or_ping_pong_is_chosen() {
         for (m, bands) in [
             (1, None),
             (64, None),
@@ -2491,15 +2486,10 @@ mod tests {
             }
             let build = VariantChoice::PingPong.variant_for(&plan);
             assert_eq!(build, GemmVariant::PingPong, "{m}");
-            let build = VariantChoice::MidDirect.variant_for(&plan);
-            assert_eq!(build, GemmVariant::MidDirect, "{m}");
-            // auto: the ping-pong build in one band of rows, the mid-direct build in more
-            let auto = if plan.tile_grid().0 == 1 {
-                GemmVariant::PingPong
-            } else {
-                GemmVariant::MidDirect
-            };
-            assert_eq!(VariantChoice::Auto.variant_for(&plan), auto, "{m}");
+            for choice in [VariantChoice::MidDirect, VariantChoice::Auto] {
+                let build = choice.variant_for(&plan);
+                assert_eq!(build, GemmVariant::MidDirect, "{choice:?} {m}");
+            }
         }
         assert_eq!(GemmVariant::Mid.tile(), MID_TILE);
         assert_eq!(GemmVariant::PingPong.tile(), MID_TILE);
@@ -2513,7 +2503,7 @@ mod tests {
                 assert_ne!(choice.tile_for(&p, 132), MID_TILE, "{choice:?} {m}");
             }
         }
-        // auto plans mid tiles (for the ping-pong build) where wide ones would give at most
+        // auto plans mid tiles (for the mid-direct build) where wide ones would give at most
         // half of the SMs a tile and mid ones give more than half one, in one wave: 64 wide
         // tiles and 128 mid ones at 512 × 4096, 96 mid ones at 384 × 4096; not where narrow
         // tiles fit (128 rows × 4096), nor where mid tiles would make more than a wave (768 ×
@@ -2533,15 +2523,15 @@ mod tests {
             assert_ne!(auto(m, n), MID_TILE, "{m} × {n}");
         }
         // where narrow tiles would serve one band of 65 to 128 rows, mid tiles instead from
-        // PING_PONG_BAND_TILES of them up to one wave: 64 at 128 × 8192, 128 at 100 × 16384;
+        // MID_BAND_TILES of them up to one wave: 64 at 128 × 8192, 128 at 100 × 16384;
         // not at 64 rows (the narrow build's), 32 or 63 mid tiles, nor 136 on 132 SMs
         for (m, n) in [(65, 8192), (96, 8192), (128, 8192), (100, 16384)] {
             assert_eq!(auto(m, n), MID_TILE, "{m} × {n}");
-            assert!(ping_pong_pays_over_narrow(&problem(m, n, 4096), 132));
+            assert!(mid_tiles_pay_over_narrow(&problem(m, n, 4096), 132));
         }
         for (m, n) in [(64, 8192), (128, 4096), (128, 63 * 128), (128, 136 * 128)] {
             assert!(
-                !ping_pong_pays_over_narrow(&problem(m, n, 4096), 132),
+                !mid_tiles_pay_over_narrow(&problem(m, n, 4096), 132),
                 "{m} × {n}"
             );
         }
@@ -2556,7 +2546,7 @@ mod tests {
         let tile =
             |choice: VariantChoice, m: usize, n: usize| choice.tile_for(&problem(m, n, 3584), 132);
         // the decode sizes: 32 wide tiles for 132 SMs (from 65 rows `auto` takes mid tiles
-        // here: ping_pong_pays_over_narrow)
+        // here: mid_tiles_pay_over_narrow)
         for m in [1, 16, 17, 32, 64, 128] {
             let auto = if m > SKINNY_ROWS {
                 MID_TILE
