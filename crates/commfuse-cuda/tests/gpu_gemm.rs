@@ -417,10 +417,11 @@ fn check_variant<TI: Element, TO: Element>(
         bias: Some(bias_dev.addr()),
         d: d_dev.addr(),
     };
-    kernels.set_choice(choice);
-    let gemm = PreparedGemm::new(gpu, kernels, &plan, &ops, None, case.cap, 0);
-    kernels.set_choice(VariantChoice::Auto);
-    let gemm = gemm.unwrap();
+    let gemm = kernels
+        .with_choice(choice, || {
+            PreparedGemm::new(gpu, kernels, &plan, &ops, None, case.cap, 0)
+        })
+        .unwrap();
     let what = format!(
         "{case:?} {choice:?} {}×{}×{} B {:?} {}→{}",
         p.m, p.n, p.k, p.b_layout, p.input, p.output

@@ -169,6 +169,9 @@ fn interleaved_medians(
         .collect())
 }
 
+/// A [`PreparedGemm`] setter of one of the bench's option rows (`set_next_prefetch`, …).
+type SetOption = fn(&mut PreparedGemm, u32);
+
 /// The tile order of every benchmark row of our kernel.
 pub const ORDER_GROUP: usize = 8;
 
@@ -250,7 +253,6 @@ fn run<T: Element>(
     let pair_fits = VariantChoice::Pair.variant_for(&wide) == GemmVariant::Pair;
     let mid = (p.m > SKINNY_ROWS).then(|| plan_of(MID_TILE));
     if skinny_fits || narrow.is_some() || pair_fits || mid.is_some() {
-        let chosen = kernels.choice();
         let mut builds = vec![("commfuse-main", VariantChoice::Main, &wide)];
         if skinny_fits {
             builds.push(("commfuse-skinny", VariantChoice::Skinny, &wide));
@@ -277,13 +279,13 @@ fn run<T: Element>(
             if only.is_some_and(|only| !only.contains(&choice)) {
                 continue;
             }
-            kernels.set_choice(choice);
             for &cap in sms {
-                let gemm = PreparedGemm::new(&gpu, &kernels, plan, &ops, None, cap, 0);
+                let gemm = kernels.with_choice(choice, || {
+                    PreparedGemm::new(&gpu, &kernels, plan, &ops, None, cap, 0)
+                });
                 forced.push((name, cap, gemm?));
             }
         }
-        kernels.set_choice(chosen);
     }
     // the chosen build with the other way of sharing out its tail, where the two differ
     let chosen_tail = kernels.tail();
@@ -299,20 +301,22 @@ fn run<T: Element>(
         }
     }
     kernels.set_tail(chosen_tail);
-    // the chosen build with the next unit's first k-blocks asked of L2 ahead
-    if let Some(k_blocks) = next_prefetch {
+    // the chosen build with one option on: the next unit's first k-blocks asked of L2 ahead,
+    // its blocks' loads started at several places in K
+    let options: [(&str, Option<u32>, SetOption); 2] = [
+        (
+            "commfuse-next-prefetch",
+            next_prefetch,
+            PreparedGemm::set_next_prefetch,
+        ),
+        ("commfuse-k-phases", k_phases, PreparedGemm::set_k_phases),
+    ];
+    for (name, value, set) in options {
+        let Some(value) = value else { continue };
         for &cap in sms {
             let mut g = PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0)?;
-            g.set_next_prefetch(k_blocks);
-            forced.push(("commfuse-next-prefetch", cap, g));
-        }
-    }
-    // the chosen build with its blocks' loads started at several places in K
-    if let Some(phases) = k_phases {
-        for &cap in sms {
-            let mut g = PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0)?;
-            g.set_k_phases(phases);
-            forced.push(("commfuse-k-phases", cap, g));
+            set(&mut g, value);
+            forced.push((name, cap, g));
         }
     }
 
@@ -337,16 +341,15 @@ fn run<T: Element>(
     // the all-gather + GEMM's GEMM on the builds it can run (at the fold rows' cap)
     let gather_rows = if gather {
         let mut rows = Vec::new();
-        let chosen = kernels.choice();
         for (name, choice) in [
             ("commfuse-gather-main", VariantChoice::Main),
             ("commfuse-gather-direct", VariantChoice::Direct),
         ] {
-            kernels.set_choice(choice);
-            let row = GatherRow::new(&gpu, &stream, &kernels, &wide, &ops, fold_cap);
+            let row = kernels.with_choice(choice, || {
+                GatherRow::new(&gpu, &stream, &kernels, &wide, &ops, fold_cap)
+            });
             rows.push((name, row?));
         }
-        kernels.set_choice(chosen);
         rows
     } else {
         Vec::new()
@@ -384,11 +387,9 @@ fn run<T: Element>(
     let mut pacers = Vec::new();
     if let Some(offset) = paced.filter(|_| !folds.is_empty()) {
         let tiles = wide.tile_count();
-        let chosen = kernels.choice();
-        kernels.set_choice(VariantChoice::Main);
-        let peer = PreparedGemm::new(&gpu, &kernels, &wide, &ops, None, fold_cap, 0);
-        kernels.set_choice(chosen);
-        let peer = peer?;
+        let peer = kernels.with_choice(VariantChoice::Main, || {
+            PreparedGemm::new(&gpu, &kernels, &wide, &ops, None, fold_cap, 0)
+        })?;
         // SAFETY: the bench's operands, valid for its whole run
         let alone = || unsafe { peer.launch(&stream) };
         let ms = timed_median(&gpu, &stream, Some(&peer), &alone, warmup.max(3), 7)?;
@@ -670,7 +671,7 @@ impl GatherRow {
         cap: u32,
     ) -> Result<GatherRow, CudaError> {
         let p = &plan.problem;
-        let local_rows = p.m.min(TILE.m);
+        let local_rows = p.m.min(plan.tile.m);
         let local_bytes = local_rows * p.k * p.input.size();
         let local = DeviceMemory::zeroed(gpu, local_bytes)?;
         let flag = DeviceMemory::zeroed(gpu, 8)?;

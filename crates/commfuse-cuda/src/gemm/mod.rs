@@ -947,6 +947,16 @@ impl GemmKernels {
         self.choice.store(choice.code(), Ordering::Relaxed);
     }
 
+    /// `f` with `choice` in force for the GEMMs it prepares, and the choice before restored
+    /// (also where `f` fails): how a bench prepares a build beside the one chosen.
+    pub fn with_choice<R>(&self, choice: VariantChoice, f: impl FnOnce() -> R) -> R {
+        let before = self.choice();
+        self.set_choice(choice);
+        let result = f();
+        self.set_choice(before);
+        result
+    }
+
     /// The build choice in force.
     pub fn choice(&self) -> VariantChoice {
         VariantChoice::from_code(self.choice.load(Ordering::Relaxed))
