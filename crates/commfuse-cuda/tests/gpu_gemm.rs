@@ -192,6 +192,7 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         k_phases: None,
         bias: false,
         gather: false,
+        trace: false,
     }
 }
 
@@ -1654,6 +1655,72 @@ fn k_phases_rows_pass_the_check() {
         ..folds(&[], None)
     };
     option_rows_pass_the_check(&shapes, &[2, 8, 100], "commfuse-k-phases", extra, &[0], 31);
+}
+
+/// The bench's traced rows: after the timed rounds, one call of each plain row of ours whose
+/// every block stamps its points (trace.rs) — the entry, the producer, its first load, the
+/// first stage landed, the main loop done, the consumers', the producer's and the storers'
+/// ends — in that order within each role, at a decode size (narrow), one wave of 128 × 128
+/// tiles (mid-direct, with the ping-pong build forced beside it) and a shape where blocks run
+/// several units with a split tail; cuBLASLt's rows carry none.
+#[test]
+fn traced_rows_stamp_every_point_in_order() {
+    if !gpus(1) {
+        return;
+    }
+    for (m, n, k, builds) in [
+        (64, 8192, 3584, &[][..]),
+        (512, 4096, 4096, &[VariantChoice::PingPong][..]),
+        (1500, 4100, 1000, &[][..]),
+    ] {
+        let p = GemmProblem::new(m, n, k, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+        let extra = ExtraRows {
+            builds: Some(builds),
+            trace: true,
+            ..folds(&[], None)
+        };
+        let rows = bench_gemm(0, None, extra, &p, &[0], 1, 3, 41 + m as u64).unwrap();
+        let traced: Vec<_> = rows.iter().filter(|r| r.trace.is_some()).collect();
+        assert_eq!(traced.len(), 1 + builds.len(), "{m}x{n}x{k}: {rows:?}");
+        for r in &rows {
+            assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{r:?}");
+            let Some(t) = &r.trace else {
+                assert!(!r.implementation.starts_with("commfuse"), "{r:?}");
+                continue;
+            };
+            let grid = r.grid.unwrap() as usize;
+            assert_eq!(t.blocks, grid, "{r:?}");
+            assert!((0.5..3.0).contains(&t.clock_ghz), "{t:?}");
+            let at = |name: &str| t.events.iter().find(|e| e.event == name).unwrap();
+            // every block stamps its entry and its roles' ends
+            for name in [
+                "entry",
+                "producer",
+                "producer end",
+                "consumer end",
+                "storer end",
+            ] {
+                assert_eq!(at(name).blocks, grid, "{name}: {t:?}");
+            }
+            assert!(at("first stage full").blocks >= 1, "{t:?}");
+            assert!(at("entry").min_us == 0.0, "{t:?}");
+            // within each block's roles, in order (medians over the blocks)
+            for pair in [
+                ["producer", "first load"],
+                ["first load", "producer end"],
+                ["first stage full", "main loop done"],
+                ["main loop done", "consumer end"],
+            ] {
+                let (a, b) = (at(pair[0]), at(pair[1]));
+                assert!(a.median_us <= b.median_us, "{pair:?}: {t:?}");
+            }
+            // the stamps lie within the call: its span is at most a few of its timed calls
+            assert!(
+                t.span_us > 0.0 && t.span_us < 20.0 * r.time_ms * 1e3,
+                "{r:?}"
+            );
+        }
+    }
 }
 
 /// Fold rows whose flags are down at the call and raised by a side kernel as the GEMM goes

@@ -11,6 +11,7 @@
 //! that are already up, and the first band's rows come from the caller's own A.
 
 use crate::error::CudaError;
+use crate::gemm::trace::GemmTrace;
 use crate::gemm::{
     CallNumber, FoldSource, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm,
     RouteTargets, TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D,
@@ -64,6 +65,8 @@ pub struct GemmRow {
     pub cublaslt_config: Option<AlgoConfig>,
     /// cuBLASLt's rows: every candidate's GPU and host time while choosing, and what it is
     pub cublaslt_candidates: Vec<CandidateTime>,
+    /// Our plain rows with [`ExtraRows::trace`]: where one call's time went, block by block
+    pub trace: Option<GemmTrace>,
 }
 
 /// Uniform in [-1, 1) from the project's indexable input stream (`stream` 0: A, 1: B).
@@ -104,6 +107,9 @@ pub struct ExtraRows<'a> {
     /// Rows of the main and the direct build prepared as the all-gather + GEMM's GEMM
     /// ([`GatherRow`]), at the first cap of `sms`
     pub gather: bool,
+    /// After the timed rounds, one more call of each plain row of ours (the chosen build and
+    /// the forced ones) whose blocks stamp the points of [`crate::gemm::trace::EVENTS`]
+    pub trace: bool,
 }
 
 /// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
@@ -187,6 +193,7 @@ fn run<T: Element>(
         k_phases,
         bias,
         gather,
+        trace,
     }: ExtraRows<'_>,
     p: &GemmProblem,
     sms: &[u32],
@@ -543,6 +550,15 @@ fn run<T: Element>(
             Some(_) => lt.candidate_times(p, v.cap, bias),
             None => vec![],
         };
+        // (the plain rows only: the others' calls need more than the GEMM's own launch)
+        let plain = v.name == "commfuse" || forced.iter().any(|(name, ..)| *name == v.name);
+        let trace = match v.gemm {
+            // SAFETY: operands sized from the problem on this GPU, the stream drained above
+            Some(g) if trace && plain && folded.is_none() && peer_rows.is_none() => {
+                Some(unsafe { g.trace(&gpu, stream, 2)? })
+            }
+            _ => None,
+        };
         rows.push(GemmRow {
             implementation,
             m: p.m,
@@ -564,6 +580,7 @@ fn run<T: Element>(
                 .map(|(i, got, want, bound)| (i / p.n, i % p.n, got, want, bound)),
             cublaslt_config: choice.map(|c| c.config),
             cublaslt_candidates,
+            trace,
         });
     }
     Ok(rows)

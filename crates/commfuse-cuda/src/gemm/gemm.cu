@@ -312,6 +312,9 @@ struct GemmParams {
     // different k-blocks at a time instead of one. The consumers sum the stages in the order
     // they land (an f32 sum in another order).
     u32 k_phases;
+    // Non-null: TRACE_EVENTS pairs (global timer ns, the SM's clock) per block, where its roles
+    // stamp the points of `TraceEvent` (bench gemm --trace); null in every other call
+    u64* trace;
     TmaDesc a_local;
     TmaDesc d_map;
     TmaDesc fold_map;
@@ -323,7 +326,7 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, fold_prefetch) == 448 &&
                   COMMFUSE_OFFSETOF(GemmParams, next_prefetch) == 452 &&
                   COMMFUSE_OFFSETOF(GemmParams, a_box_bytes) == 456 &&
-                  COMMFUSE_OFFSETOF(GemmParams, k_phases) == 460 &&
+                  COMMFUSE_OFFSETOF(GemmParams, k_phases) == 460 && COMMFUSE_OFFSETOF(GemmParams, trace) == 464 &&
                   COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && sizeof(GemmParams) == 896,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
@@ -819,6 +822,31 @@ __device__ __forceinline__ bool band_wait(const GemmParams& p, u32 band, u32 til
     return landed;
 }
 
+// ---- where a call's time goes (bench gemm --trace) ---------------------------------------------
+
+// The points a block's roles stamp when the call has a trace buffer: one thread of each role,
+// the last unit's where a block runs several. Mirrored by `trace::EVENTS` in trace.rs.
+enum TraceEvent : u32 {
+    TRACE_ENTRY = 0,         // thread 0's first instruction
+    TRACE_PRODUCER = 1,      // the producer, past the block's barrier and setmaxnreg
+    TRACE_FIRST_LOAD = 2,    // the producer's unit: its entry read, about to issue its first load
+    TRACE_FIRST_FULL = 3,    // the first consumer warpgroup: its unit's first stage has landed
+    TRACE_MAIN_DONE = 4,     // ... its unit's last wgmma has completed
+    TRACE_CONSUMER_END = 5,  // ... its last epilogue is done (the direct build: the stores performed)
+    TRACE_PRODUCER_END = 6,  // the producer has seen its last loads land
+    TRACE_STORER_END = 7,    // the storers' first thread: their last writes performed
+    TRACE_EVENTS = 8
+};
+
+__device__ __forceinline__ void trace(const GemmParams& p, u32 event) {
+    if (p.trace == nullptr) return;
+    u64 clock;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(clock));
+    u64* at = p.trace + 2 * (blockIdx.x * TRACE_EVENTS + event);
+    at[0] = global_timer_ns();
+    at[1] = clock;
+}
+
 // ---- the three roles ---------------------------------------------------------------------------
 
 struct Smem {
@@ -929,6 +957,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
     u32 issued = 0;            // stages loaded at least once (at most STAGES)
     bool live = true;          // false once a wait gave up: no more loads
     const u32 half = C::CLUSTER == 2 ? cluster_rank() : 0;  // this block's half of B
+    trace(p, TRACE_PRODUCER);
     for (u32 i = blockIdx.x; live && i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
         if (c.empty) continue;
@@ -947,6 +976,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         const u32 span = c.kb1 - c.kb0;
         // (per cluster: the two blocks of a pair load the same k-blocks, whose B they share)
         const u32 skew = p.k_phases > 1 ? (blockIdx.x / C::CLUSTER % p.k_phases) * span / p.k_phases : 0;
+        trace(p, TRACE_FIRST_LOAD);
         for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
             // the k-block this stage gets (kb itself unless the phases are on)
             const u32 kl = skew == 0 ? kb : c.kb0 + (kb - c.kb0 + skew) % span;
@@ -1009,6 +1039,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         while (!mbar_try_wait(s.full + 8 * stage, phase) && global_timer_ns() - start <= p.timeout_ns) {
         }
     }
+    trace(p, TRACE_PRODUCER_END);
 }
 
 // A consumer warpgroup is done with a stage: in a pair, with both blocks' copies of it (the
@@ -1433,6 +1464,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                     continue;
                 }
                 mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
+                if (kb == c.kb0 && cw == 0 && leader) trace(p, TRACE_FIRST_FULL);
                 const u32 a = s.a + stage * C::A_STAGE_BYTES + half * (64 * 128);
                 const u32 b = s.b + stage * C::B_STAGE_BYTES;
                 wgmma_fence();
@@ -1470,6 +1502,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             if (C::PINGPONG && leader) mbar_arrive(turn_barrier(s, cw));
             wgmma_wait<0>();
             fence_acc<ACCS>(acc);
+            if (cw == 0 && leader) trace(p, TRACE_MAIN_DONE);
             if (leader && (C::SLICES == 1 || c.kb0 + slice < c.kb1)) release_stage<C>(s.empty + 8 * prev);
         }
         // The sliced build: the second warpgroup hands its sums over and goes on to its next
@@ -1621,6 +1654,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     // the direct build's boxes: no tensor store may still read shared memory or write D when
     // the block ends
     if (C::DIRECT && leader) bulk_wait_all();
+    if (cw == 0 && leader) trace(p, TRACE_CONSUMER_END);
     // the first warpgroup's last word that the buffer is free, which no tile waits for: taken
     // here so that no barrier is left half arrived
     if (C::SLICES > 1 && slice != 0) slices_sync<SUMS_FREE>();
@@ -1710,6 +1744,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
         }
     }
     if (t < 32) bulk_wait_all();  // no write may be in flight when the block ends
+    if (t == 0) trace(p, TRACE_STORER_END);
     // The block that finishes last advances the call counter: every block read it (thread 0,
     // before the block's first barrier) before it counted itself finished here.
     if (t == 0 && p.calls != nullptr && (p.call_options & CALLS_READ_ONLY) == 0) {
@@ -1736,6 +1771,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     s.epi_full = s.empty + 8 * C::STAGES;
     s.epi_empty = s.epi_full + 8;
     if (threadIdx.x == 0) {
+        trace(p, TRACE_ENTRY);
         for (int i = 0; i < C::STAGES; ++i) {
             mbar_init(s.full + 8 * i, 1);             // the producer's expect_tx arrival (+ the TMA bytes)
             // one arrival per warpgroup that reads the stage (of both blocks of a pair)

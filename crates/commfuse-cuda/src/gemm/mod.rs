@@ -14,6 +14,7 @@ pub mod bench;
 #[cfg(test)]
 mod ring_model;
 pub mod tail;
+pub mod trace;
 
 pub use tail::{plan_tail, tail_split, TailChoice, TailMode, TailPlan, TailUnit, TAIL_ENV};
 
@@ -756,6 +757,8 @@ struct GemmParams {
     next_prefetch: u32,
     a_box_bytes: u32,
     k_phases: u32,
+    /// Non-zero in a traced call only: where the blocks stamp their points ([`trace`])
+    trace: u64,
     a_local: TmaDesc,
     d_map: TmaDesc,
     fold_map: TmaDesc,
@@ -769,6 +772,7 @@ const _: () = assert!(
         && std::mem::offset_of!(GemmParams, next_prefetch) == 452
         && std::mem::offset_of!(GemmParams, a_box_bytes) == 456
         && std::mem::offset_of!(GemmParams, k_phases) == 460
+        && std::mem::offset_of!(GemmParams, trace) == 464
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::offset_of!(GemmParams, d_map) == 640
         && std::mem::offset_of!(GemmParams, fold_map) == 768
@@ -1430,6 +1434,7 @@ impl PreparedGemm {
             next_prefetch: 0,
             a_box_bytes: (a_box_rows(p.m, variant) * 128) as u32,
             k_phases: 0,
+            trace: 0,
             a_local: TmaDesc([0; 16]),
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),

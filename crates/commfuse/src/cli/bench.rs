@@ -162,6 +162,11 @@ pub struct BenchGemmArgs {
     /// rows come from a copy given per call (the rank's own rows); at the first --sms cap
     #[arg(long)]
     pub gather: bool,
+    /// After the timed rows, one more call of each plain row of ours whose blocks stamp when
+    /// their roles reach a few points (entry, first load, first stage landed, main loop done,
+    /// each role's end): printed as µs after each block's entry, median [min, max] over blocks
+    #[arg(long)]
+    pub trace: bool,
     #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
     pub warmup: usize,
     #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
@@ -389,6 +394,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         k_phases: a.k_phases,
         bias: a.bias,
         gather: a.gather,
+        trace: a.trace,
     };
     let rows = commfuse_cuda::gemm::bench::bench_gemm(
         a.device,
@@ -458,11 +464,35 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
             show(c.custom)
         );
     }
+    for r in &rows {
+        if let Some(t) = &r.trace {
+            print_trace(r, t);
+        }
+    }
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&rows)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(if ok { 0 } else { 1 })
+}
+
+/// A traced row's points: µs after each block's own entry (the entries: after the first
+/// block's), median [min, max] over the blocks that reached the point.
+fn print_trace(r: &commfuse_cuda::gemm::bench::GemmRow, t: &commfuse_cuda::gemm::trace::GemmTrace) {
+    println!(
+        "# {} ({}): one call traced, {} blocks, SM clock {:.2} GHz, {:.2} µs from the first entry to the last point",
+        r.implementation,
+        r.build.as_deref().unwrap_or("-"),
+        t.blocks,
+        t.clock_ghz,
+        t.span_us
+    );
+    for e in &t.events {
+        println!(
+            "#   {:<17} {:>8.2} µs [{:.2}, {:.2}]  {} blocks",
+            e.event, e.median_us, e.min_us, e.max_us, e.blocks
+        );
+    }
 }
 
 pub(super) fn bench_gemm_rs_cmd(a: BenchGemmRsArgs) -> Result<i32> {
