@@ -678,6 +678,29 @@ fn narrow_builds_match_float64_reference() {
         epilogue: Case::Full,
     };
     each(p, case, VariantChoice::Narrow, GemmVariant::NarrowTall);
+    // narrow tiles store into D only: routes on them are refused, naming the tiles that take them
+    for m in [16, 100] {
+        let p = GemmProblem::new(m, 1000, 128, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+        let PlainBf16 {
+            mut plan,
+            ops,
+            a_dev: _a,
+            b_dev: _b,
+            d_dev: _d,
+            ..
+        } = PlainBf16::new(&gpu, p, 7);
+        plan.tile = NARROW_TILE;
+        plan.order = (0..plan.tile_count()).collect();
+        let (partial, flags) = (
+            DeviceMemory::zeroed(&gpu, m * 1000 * 2).unwrap(),
+            DeviceMemory::zeroed(&gpu, 8 * plan.tile_count()).unwrap(),
+        );
+        let (routes, _) = fold_one_partial(&plan, &partial, &flags);
+        let refused = PreparedGemm::with_routes(&gpu, &kernels, &plan, &ops, routes, None, 1, 0, 0)
+            .err()
+            .expect("narrow tiles with routes");
+        assert!(refused.to_string().contains("narrow builds"), "{refused}");
+    }
 }
 
 /// A build of narrow tiles with at most 64 rows (`build`, which `choice` takes), forced, against
@@ -1662,7 +1685,7 @@ fn k_phases_rows_pass_the_check() {
 /// first stage landed, the main loop done, the consumers', the producer's and the storers'
 /// ends — in that order within each role, at a decode size (narrow), one wave of 128 × 128
 /// tiles (mid-direct, with the ping-pong build forced beside it) and a shape where blocks run
-/// several units with a split tail; cuBLASLt's rows carry none.
+/// several units with a split tail (beside it the stream-K row); cuBLASLt's rows carry none.
 #[test]
 fn traced_rows_stamp_every_point_in_order() {
     if !gpus(1) {
@@ -1680,8 +1703,10 @@ fn traced_rows_stamp_every_point_in_order() {
             ..folds(&[], None)
         };
         let rows = bench_gemm(0, None, extra, &p, &[0], 1, 3, 41 + m as u64).unwrap();
-        let traced: Vec<_> = rows.iter().filter(|r| r.trace.is_some()).collect();
-        assert_eq!(traced.len(), 1 + builds.len(), "{m}x{n}x{k}: {rows:?}");
+        // the chosen build, the forced ones and the other tail's row where it differs: every
+        // row of ours is plain here
+        let traced = rows.iter().filter(|r| r.trace.is_some()).count();
+        assert!(traced > builds.len(), "{m}x{n}x{k}: {rows:?}");
         for r in &rows {
             assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{r:?}");
             let Some(t) = &r.trace else {

@@ -54,6 +54,13 @@ const fn smem_bytes(rows: usize, cols: usize, stages: u32) -> u32 {
         + rows as u32 * (2 * cols as u32 + 16)
         + 8 * (2 * stages + 2)
 }
+/// Mirrors `Cfg::SMEM_BYTES` of a build whose consumers store their tiles themselves
+/// ([`GemmVariant::stores_directly`]): [`smem_bytes`] with two boxes a consumer warpgroup
+/// (one per 64 rows) instead of the staged tile.
+const fn direct_smem_bytes(rows: usize, cols: usize, stages: u32) -> u32 {
+    smem_bytes(rows, cols, stages) - rows as u32 * (2 * cols as u32 + 16)
+        + (rows / 64 * 2 * DIRECT_BOX.0 * DIRECT_BOX.1) as u32
+}
 /// Mirrors `gemm::SMEM_BYTES` in gemm.cu.
 const SMEM_BYTES: u32 = smem_bytes(TILE.m, TILE.n, STAGES);
 /// Rows of a tile the skinny and the narrow build compute (`SkinnyCfg`, `NarrowCfg` in
@@ -67,17 +74,19 @@ const SKINNY_SMEM_BYTES: u32 = smem_bytes(SKINNY_ROWS, TILE.n, SKINNY_STAGES);
 /// flight per SM.
 const NARROW_STAGES: u32 = 8;
 /// Mirrors `NarrowCfg::SMEM_BYTES` in gemm.cu.
-const NARROW_SMEM_BYTES: u32 = smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_STAGES);
+const NARROW_SMEM_BYTES: u32 = direct_smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_STAGES);
 /// Mirrors `NarrowTallCfg::SMEM_BYTES` in gemm.cu.
-const NARROW_TALL_SMEM_BYTES: u32 = smem_bytes(NARROW_TILE.m, NARROW_TILE.n, NARROW_STAGES);
+const NARROW_TALL_SMEM_BYTES: u32 = direct_smem_bytes(NARROW_TILE.m, NARROW_TILE.n, NARROW_STAGES);
 /// Stages of the narrow-deep build: twelve of 16 KiB (thirteen fit).
 const NARROW_DEEP_STAGES: u32 = 12;
 /// Mirrors `NarrowDeepCfg::SMEM_BYTES` in gemm.cu.
-const NARROW_DEEP_SMEM_BYTES: u32 = smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES);
-/// Mirrors `NarrowSlicedCfg::SMEM_BYTES` in gemm.cu: the narrow-deep build's layout and the
-/// second warpgroup's f32 sums of a 64 × 64 tile, handed over through shared memory.
-const NARROW_SLICED_SMEM_BYTES: u32 =
-    NARROW_DEEP_SMEM_BYTES + (SKINNY_ROWS * NARROW_TILE.n * 4) as u32;
+const NARROW_DEEP_SMEM_BYTES: u32 =
+    direct_smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES);
+/// Mirrors `NarrowSlicedCfg::SMEM_BYTES` in gemm.cu: the narrow-deep build's stages with a
+/// staged tile, and the second warpgroup's f32 sums of a 64 × 64 tile, handed over through
+/// shared memory.
+const NARROW_SLICED_SMEM_BYTES: u32 = smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES)
+    + (SKINNY_ROWS * NARROW_TILE.n * 4) as u32;
 /// Stages of the mid build: 32 KiB each; a sixth does not fit beside the staged tile.
 const MID_STAGES: u32 = 5;
 /// Mirrors `MidCfg::SMEM_BYTES` in gemm.cu.
@@ -87,19 +96,13 @@ const DIRECT_STAGES: u32 = 4;
 /// The direct build's boxes (`DirectCfg::BOX_BYTES`): 64 rows of 128 bytes, the tensor store's
 /// unit; two per consumer warpgroup.
 const DIRECT_BOX: (usize, usize) = (64, 128);
-/// Mirrors `DirectCfg::SMEM_BYTES` in gemm.cu: [`smem_bytes`] with four boxes instead of the
-/// staged tile.
-const DIRECT_SMEM_BYTES: u32 = smem_bytes(TILE.m, TILE.n, DIRECT_STAGES)
-    - TILE.m as u32 * (2 * TILE.n as u32 + 16)
-    + 4 * (DIRECT_BOX.0 * DIRECT_BOX.1) as u32;
+/// Mirrors `DirectCfg::SMEM_BYTES` in gemm.cu.
+const DIRECT_SMEM_BYTES: u32 = direct_smem_bytes(TILE.m, TILE.n, DIRECT_STAGES);
 
 /// Stages of the ping-pong build: 32 KiB each (a [`MID_TILE`]'s k-block), beside four boxes.
 const PING_PONG_STAGES: u32 = 6;
-/// Mirrors `PingPongCfg::SMEM_BYTES` in gemm.cu: [`smem_bytes`] of mid tiles with four boxes
-/// instead of the staged tile.
-const PING_PONG_SMEM_BYTES: u32 = smem_bytes(MID_TILE.m, MID_TILE.n, PING_PONG_STAGES)
-    - MID_TILE.m as u32 * (2 * MID_TILE.n as u32 + 16)
-    + 4 * (DIRECT_BOX.0 * DIRECT_BOX.1) as u32;
+/// Mirrors `PingPongCfg::SMEM_BYTES` in gemm.cu.
+const PING_PONG_SMEM_BYTES: u32 = direct_smem_bytes(MID_TILE.m, MID_TILE.n, PING_PONG_STAGES);
 
 /// Which build of the kernel a [`PreparedGemm`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -305,7 +308,12 @@ impl GemmVariant {
     fn stores_directly(self) -> bool {
         matches!(
             self,
-            GemmVariant::Direct | GemmVariant::PingPong | GemmVariant::MidDirect
+            GemmVariant::Direct
+                | GemmVariant::PingPong
+                | GemmVariant::MidDirect
+                | GemmVariant::Narrow
+                | GemmVariant::NarrowTall
+                | GemmVariant::NarrowDeep
         )
     }
 }
@@ -1265,10 +1273,19 @@ impl PreparedGemm {
         // stages too; unmeasured, so the main build serves them. The direct build's consumers
         // store into D only (no routes, no flags), but a gather's waits are its producer's, as
         // in the main build: it serves the all-gather + GEMM. The ping-pong build's plans are
-        // plain GEMMs'.
+        // plain GEMMs'. So do the narrow builds', which store their tiles directly too and have
+        // no staged build beside them: routes take the fused operators' tile.
         let serves = match variant {
             GemmVariant::Pair | GemmVariant::PingPong => routes.is_none() && gather.is_none(),
             GemmVariant::Direct | GemmVariant::MidDirect => routes.is_none(),
+            GemmVariant::Narrow | GemmVariant::NarrowTall | GemmVariant::NarrowDeep
+                if routes.is_some() =>
+            {
+                return Err(unsupported(format!(
+                    "tiles with routes are {}×{} (the narrow builds' {}×{} tiles store into D only)",
+                    TILE.m, TILE.n, plan.tile.m, plan.tile.n
+                )));
+            }
             _ => true,
         };
         if !serves {
@@ -2198,14 +2215,18 @@ mod tests {
         const { assert!(SMEM_BYTES <= 227 * 1024) };
         // SkinnyCfg, NarrowCfg and NarrowTallCfg::SMEM_BYTES, static_asserts in gemm.cu
         assert_eq!(SKINNY_SMEM_BYTES, 198736);
-        assert_eq!(NARROW_SMEM_BYTES, 141456);
-        assert_eq!(NARROW_DEEP_SMEM_BYTES, 207056);
+        assert_eq!(NARROW_SMEM_BYTES, 148624);
+        assert_eq!(NARROW_DEEP_SMEM_BYTES, 214224);
         assert_eq!(NARROW_SLICED_SMEM_BYTES, 223440);
         // PingPongCfg::SMEM_BYTES; a seventh stage would not fit
         assert_eq!(PING_PONG_SMEM_BYTES, 230512);
         const { assert!(PING_PONG_SMEM_BYTES + 32 * 1024 > 227 * 1024) };
-        const { assert!(smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES + 2) > 227 * 1024) };
-        assert_eq!(NARROW_TALL_SMEM_BYTES, 216208);
+        const {
+            assert!(
+                direct_smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES + 2) > 227 * 1024
+            )
+        };
+        assert_eq!(NARROW_TALL_SMEM_BYTES, 230544);
         const { assert!(NARROW_TALL_SMEM_BYTES <= 227 * 1024) };
         // MidCfg::SMEM_BYTES; a sixth stage would not fit
         assert_eq!(MID_SMEM_BYTES, 199776);
