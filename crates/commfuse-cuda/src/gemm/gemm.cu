@@ -1658,11 +1658,9 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             epi_phase ^= 1;
         }
     }
-    // the direct build's boxes: no tensor store may still read shared memory when the block
-    // ends (its shared memory may be the next block's). Their writes to D need not be
-    // performed yet: the grid completes only once they are, and nothing in the block reads D
-    // or raises a flag after them (the direct builds take no routes).
-    if (C::DIRECT && leader) bulk_wait_read();
+    // the direct build's boxes: no tensor store may still read shared memory or write D when
+    // the block ends
+    if (C::DIRECT && leader) bulk_wait_all();
     if (cw == 0 && leader) trace(p, TRACE_CONSUMER_END);
     // the first warpgroup's last word that the buffer is free, which no tile waits for: taken
     // here so that no barrier is left half arrived
