@@ -385,10 +385,6 @@ struct CallState {
     u64 epoch;
     const TileRoute* routes;
     u32 stopped;
-    // The block's first unit's entry of the order (when it is a whole tile's), read by thread
-    // 0 as the block starts, so that its latency (an HBM read after the last call's operands
-    // went through L2) passes during the barriers' set-up instead of before the first load
-    u32 first_entry;
 };
 __shared__ CallState call_state;
 
@@ -757,7 +753,7 @@ template <class C> __device__ __forceinline__ Unit unit_at(const GemmParams& p, 
     Unit w;
     u32 entry;
     if (u < p.full_units) {
-        entry = u == blockIdx.x ? call_state.first_entry : p.order[u];
+        entry = p.order[u];
         w.kb0 = 0;
         w.kb1 = (p.k + gemm::BK - 1) / gemm::BK;
     } else {
@@ -1779,8 +1775,6 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     s.epi_empty = s.epi_full + 8;
     if (threadIdx.x == 0) {
         trace(p, TRACE_ENTRY);
-        // (first here, used last: see CallState::first_entry)
-        const u32 first_entry = blockIdx.x < p.full_units ? p.order[blockIdx.x] : 0;
         for (int i = 0; i < C::STAGES; ++i) {
             mbar_init(s.full + 8 * i, 1);             // the producer's expect_tx arrival (+ the TMA bytes)
             // one arrival per warpgroup that reads the stage (of both blocks of a pair)
@@ -1806,7 +1800,6 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
             call_state.epoch = p.epoch;
             call_state.routes = p.routes;
         }
-        call_state.first_entry = first_entry;
     }
     __syncthreads();
     // the partner multicasts into this block's stages and arrives on its barriers: not before
