@@ -114,7 +114,8 @@ pub enum GemmVariant {
     /// warpgroup and half of each A stage would stay empty
     Skinny,
     /// The first [`SKINNY_ROWS`] rows of each [`NARROW_TILE`] (wgmma m64n64k16), one consumer
-    /// warpgroup, 8 stages: plans of narrow tiles whose bands have no more rows
+    /// warpgroup, 8 stages: plans of narrow tiles whose bands have no more rows. The narrow
+    /// builds' consumers store their tiles themselves, as the direct build's do (plain GEMMs)
     Narrow,
     /// All 128 rows of each [`NARROW_TILE`], two consumer warpgroups, 8 stages
     NarrowTall,
