@@ -904,18 +904,6 @@ fn mid_direct_build_matches_float64_reference() {
     check_direct_mid_tile_build((&gpu, &kernels, &stream), build, 2000);
 }
 
-/// The mid-direct build in clusters of two sharing B (its tiles paired by column, a tile
-/// without a partner beside an idle block; caps rounded down to whole clusters) by
-/// [`check_direct_mid_tile_build`].
-#[test]
-fn mid_direct_pair_build_matches_float64_reference() {
-    let Some((gpu, kernels, stream)) = one_gpu() else {
-        return;
-    };
-    let build = (VariantChoice::MidDirectPair, GemmVariant::MidDirectPair);
-    check_direct_mid_tile_build((&gpu, &kernels, &stream), build, 2100);
-}
-
 /// A build of 128×128 tiles that stores them into D itself (`build`, which its choice takes),
 /// forced, against float64 over every element: the mid build's cases (M = 1, 65, 300, 1000;
 /// N = 1000 and 600; every SM, and 4 and 3 SMs; D += 2·A·B on 3), B [K, N] with N = 999

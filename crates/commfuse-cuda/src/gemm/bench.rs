@@ -281,11 +281,6 @@ fn run<T: Element>(
             builds.push(("commfuse-mid", VariantChoice::Mid, mid));
             builds.push(("commfuse-ping-pong", VariantChoice::PingPong, mid));
             builds.push(("commfuse-mid-direct", VariantChoice::MidDirect, mid));
-            builds.push((
-                "commfuse-mid-direct-pair",
-                VariantChoice::MidDirectPair,
-                mid,
-            ));
         }
         for (name, choice, plan) in builds {
             if only.is_some_and(|only| !only.contains(&choice)) {

@@ -124,11 +124,9 @@ struct Cfg {
     static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
     // 128-byte swizzled stages start on 1024-byte boundaries
     static_assert(A_STAGE_BYTES % 1024 == 0 && B_STAGE_BYTES % 1024 == 0, "stage alignment");
-    // each block of a pair loads one half of B's rows ([N, K]: BN / 2) or half of its 64-column
-    // boxes ([K, N]); both halves start on 1024-byte boundaries. Pairs of 256-wide tiles (the
-    // pair build) or of the mid-direct build's 128-wide ones
-    static_assert(CLUSTER == 1 || (CLUSTER == 2 && (BN == 256 || (BN == 128 && DIRECT && !PINGPONG))),
-                  "pairs share a 256-wide B tile, or a 128-wide one of the mid-direct build");
+    // each block of a pair loads one half of B's rows ([N, K]: 128 of 256) or two of its four
+    // 64-column boxes ([K, N]); both halves start on 1024-byte boundaries
+    static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN == 256), "pairs share a 256-wide B tile");
     // (the hand-over's named barriers count two warpgroups; plain GEMMs of 64-row tiles only)
     static_assert(SLICES == 1 || (SLICES == 2 && ROWS == 64 && CLUSTER == 1 && !DIRECT), "two slices of 64 rows");
     // (no split tail either: its partials are laid out as two warpgroups' halves of a tile)
@@ -153,9 +151,6 @@ using MidCfg = Cfg<gemm::BM, 128, 5>;
 using DirectCfg = Cfg<gemm::BM, gemm::BN, 4, 1, true>;
 using PingPongCfg = Cfg<gemm::BM, 128, 6, 1, true, 1, true>;
 using MidDirectCfg = Cfg<gemm::BM, 128, 6, 1, true>;
-// The mid-direct build in clusters of two sharing B (cuBLASLt's pick at one 128 x 128 tile an
-// SM: its L2 traffic a quarter lower)
-using MidDirectPairCfg = Cfg<gemm::BM, 128, 6, 2, true>;
 // A tile's partial folded in through the pipeline (ROUTE_FOLD_TMA): boxes of the build's rows
 // by 128 bytes (one swizzle row: 64 16-bit or 32 f32 columns), as many to a stage as its B
 // buffer holds, in the ring's next stages after the tile's last k-block: in the main build,
@@ -190,7 +185,6 @@ static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES i
 static_assert(DirectCfg::SMEM_BYTES == 230480, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
 static_assert(PingPongCfg::SMEM_BYTES == 230512, "layout mirrored by PING_PONG_SMEM_BYTES in mod.rs");
 static_assert(MidDirectCfg::SMEM_BYTES == PingPongCfg::SMEM_BYTES, "the mid-direct build's layout is the ping-pong build's");
-static_assert(MidDirectPairCfg::SMEM_BYTES == MidDirectCfg::SMEM_BYTES, "the mid-direct pair's layout is the mid-direct build's");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -1003,9 +997,8 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
                 // this block's half of the k-block's B, into both blocks' stages (their stage is
                 // free: the empty barrier counts both blocks' consumers)
                 if (B_KN) {
-                    constexpr int JS = C::BN / 128;  // of the tile's 64-column boxes, each block's
 #pragma unroll
-                    for (int j = JS * half; j < JS * half + JS; ++j)
+                    for (int j = 2 * half; j < 2 * half + 2; ++j)
                         tma_load_2d_multicast(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kl * gemm::BK, 0x3);
                 } else {
                     tma_load_2d_multicast(b_dst + half * (C::B_STAGE_BYTES / 2), &p.b, full, kl * gemm::BK,
@@ -1855,7 +1848,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // COMMFUSE_PART = 2 * build + input (input 0: bf16, 1: f16; builds in the order of
 // `GemmVariant::ALL`) holds that build's entries for that input type, and the last part,
 // GEMM_HELPER_PART, the helper kernels. Without COMMFUSE_PART, every entry.
-#define GEMM_HELPER_PART 24
+#define GEMM_HELPER_PART 22
 #ifdef COMMFUSE_PART
 #define GEMM_IN_PART(PART) (COMMFUSE_PART == (PART))
 #else
@@ -1869,9 +1862,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // the consumers (TMA tensor stores of shared-memory boxes); gemm_narrow_deep_...: the narrow
 // build on twelve stages; gemm_narrow_sliced_...: the same with the K loop sliced over two
 // consumer warpgroups; gemm_ping_pong_...: 128x128 tiles, whole tiles per consumer warpgroup;
-// gemm_mid_direct_...: the same tiles, stages and boxes, both consumer warpgroups on each tile;
-// gemm_mid_direct_pair_...: the mid-direct build in clusters of two sharing B (launched with a
-// cluster size of 2)
+// gemm_mid_direct_...: the same tiles, stages and boxes, both consumer warpgroups on each tile
 #if GEMM_IN_PART(0)
 COMMFUSE_GEMM_ENTRIES(gemm_, bf16, __nv_bfloat16, MainCfg)
 #endif
@@ -1937,12 +1928,6 @@ COMMFUSE_GEMM_ENTRIES(gemm_mid_direct_, bf16, __nv_bfloat16, MidDirectCfg)
 #endif
 #if GEMM_IN_PART(21)
 COMMFUSE_GEMM_ENTRIES(gemm_mid_direct_, f16, __half, MidDirectCfg)
-#endif
-#if GEMM_IN_PART(22)
-COMMFUSE_GEMM_ENTRIES(gemm_mid_direct_pair_, bf16, __nv_bfloat16, MidDirectPairCfg)
-#endif
-#if GEMM_IN_PART(23)
-COMMFUSE_GEMM_ENTRIES(gemm_mid_direct_pair_, f16, __half, MidDirectPairCfg)
 #endif
 
 #if GEMM_IN_PART(GEMM_HELPER_PART)

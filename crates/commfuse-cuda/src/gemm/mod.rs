@@ -149,12 +149,6 @@ pub enum GemmVariant {
     /// The ping-pong build's tiles, stages and boxes with both consumer warpgroups on each
     /// tile (64 rows each, as in the mid build) instead of in turns: plain GEMMs and gathers
     MidDirect,
-    /// The mid-direct build in clusters of [`PAIR`] blocks whose tiles share their columns, as
-    /// the pair build's (cuBLASLt's pick at one 128 × 128 tile an SM): each block loads its A
-    /// and half of the k-block's B, which TMA multicast writes into both blocks' stages, so
-    /// that an SM reads 24 KiB of each k-block from L2 instead of 32. Plain GEMMs only, and no
-    /// split tail
-    MidDirectPair,
 }
 
 /// Blocks in a cluster of the pair build.
@@ -162,7 +156,7 @@ pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 12] = [
+    pub const ALL: [GemmVariant; 11] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
@@ -174,7 +168,6 @@ impl GemmVariant {
         GemmVariant::NarrowSliced,
         GemmVariant::PingPong,
         GemmVariant::MidDirect,
-        GemmVariant::MidDirectPair,
     ];
 
     /// Rows of the build's A stage (its largest A box) and of the staged tile.
@@ -186,8 +179,7 @@ impl GemmVariant {
             | GemmVariant::Mid
             | GemmVariant::Direct
             | GemmVariant::PingPong
-            | GemmVariant::MidDirect
-            | GemmVariant::MidDirectPair => TILE.m,
+            | GemmVariant::MidDirect => TILE.m,
             GemmVariant::Skinny
             | GemmVariant::Narrow
             | GemmVariant::NarrowDeep
@@ -205,17 +197,14 @@ impl GemmVariant {
             | GemmVariant::NarrowTall
             | GemmVariant::NarrowDeep
             | GemmVariant::NarrowSliced => NARROW_TILE,
-            GemmVariant::Mid
-            | GemmVariant::PingPong
-            | GemmVariant::MidDirect
-            | GemmVariant::MidDirectPair => MID_TILE,
+            GemmVariant::Mid | GemmVariant::PingPong | GemmVariant::MidDirect => MID_TILE,
         }
     }
 
     /// Blocks per cluster of its launches (1: no clusters).
     pub fn cluster(self) -> u32 {
         match self {
-            GemmVariant::Pair | GemmVariant::MidDirectPair => PAIR,
+            GemmVariant::Pair => PAIR,
             _ => 1,
         }
     }
@@ -230,9 +219,7 @@ impl GemmVariant {
             GemmVariant::NarrowSliced => NARROW_SLICED_SMEM_BYTES,
             GemmVariant::Mid => MID_SMEM_BYTES,
             GemmVariant::Direct => DIRECT_SMEM_BYTES,
-            GemmVariant::PingPong | GemmVariant::MidDirect | GemmVariant::MidDirectPair => {
-                PING_PONG_SMEM_BYTES
-            }
+            GemmVariant::PingPong | GemmVariant::MidDirect => PING_PONG_SMEM_BYTES,
         }
     }
 
@@ -251,7 +238,6 @@ impl GemmVariant {
             GemmVariant::Direct => "gemm_direct_",
             GemmVariant::PingPong => "gemm_ping_pong_",
             GemmVariant::MidDirect => "gemm_mid_direct_",
-            GemmVariant::MidDirectPair => "gemm_mid_direct_pair_",
         }
     }
 
@@ -284,7 +270,7 @@ impl GemmVariant {
             | GemmVariant::NarrowTall
             | GemmVariant::NarrowDeep
             | GemmVariant::NarrowSliced => 2,
-            GemmVariant::Pair | GemmVariant::PingPong | GemmVariant::MidDirectPair => 1,
+            GemmVariant::Pair | GemmVariant::PingPong => 1,
         }
     }
 
@@ -301,7 +287,7 @@ impl GemmVariant {
     }
 
     /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct`, `narrow-deep`,
-    /// `narrow-sliced`, `ping-pong`, `mid-direct` or `mid-direct-pair`.
+    /// `narrow-sliced`, `ping-pong` or `mid-direct`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
@@ -315,7 +301,6 @@ impl GemmVariant {
             GemmVariant::NarrowSliced => "narrow-sliced",
             GemmVariant::PingPong => "ping-pong",
             GemmVariant::MidDirect => "mid-direct",
-            GemmVariant::MidDirectPair => "mid-direct-pair",
         }
     }
 
@@ -327,7 +312,6 @@ impl GemmVariant {
             GemmVariant::Direct
                 | GemmVariant::PingPong
                 | GemmVariant::MidDirect
-                | GemmVariant::MidDirectPair
                 | GemmVariant::Narrow
                 | GemmVariant::NarrowTall
                 | GemmVariant::NarrowDeep
@@ -375,12 +359,9 @@ pub enum VariantChoice {
     PingPong,
     /// [`MID_TILE`]s, always, on the mid-direct build (the GEMMs with routes on the mid build)
     MidDirect,
-    /// [`MID_TILE`]s, always, on the mid-direct pair build (the GEMMs with routes or a gather
-    /// on the mid build)
-    MidDirectPair,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|ping-pong|mid-direct|mid-direct-pair|auto`
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|ping-pong|mid-direct|auto`
 /// (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
@@ -441,7 +422,7 @@ pub fn mid_tiles_pay_over_narrow(p: &GemmProblem, sms: usize) -> bool {
 
 impl VariantChoice {
     /// Every choice, `auto` first.
-    pub const ALL: [VariantChoice; 12] = [
+    pub const ALL: [VariantChoice; 11] = [
         VariantChoice::Auto,
         VariantChoice::Main,
         VariantChoice::Skinny,
@@ -453,7 +434,6 @@ impl VariantChoice {
         VariantChoice::Direct,
         VariantChoice::PingPong,
         VariantChoice::MidDirect,
-        VariantChoice::MidDirectPair,
     ];
 
     /// The choice of this [`VariantChoice::name`].
@@ -476,7 +456,7 @@ impl VariantChoice {
     }
 
     /// `main`, `skinny`, `narrow`, `narrow-deep`, `narrow-sliced`, `pair`, `mid`, `direct`,
-    /// `ping-pong`, `mid-direct`, `mid-direct-pair` or `auto`.
+    /// `ping-pong`, `mid-direct` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
@@ -490,7 +470,6 @@ impl VariantChoice {
             VariantChoice::NarrowSliced => "narrow-sliced",
             VariantChoice::PingPong => "ping-pong",
             VariantChoice::MidDirect => "mid-direct",
-            VariantChoice::MidDirectPair => "mid-direct-pair",
         }
     }
 
@@ -501,10 +480,7 @@ impl VariantChoice {
         // wide tiles measured faster still)
         if matches!(
             self,
-            VariantChoice::Mid
-                | VariantChoice::PingPong
-                | VariantChoice::MidDirect
-                | VariantChoice::MidDirectPair
+            VariantChoice::Mid | VariantChoice::PingPong | VariantChoice::MidDirect
         ) {
             return MID_TILE;
         }
@@ -529,8 +505,7 @@ impl VariantChoice {
             | VariantChoice::Mid
             | VariantChoice::Direct
             | VariantChoice::PingPong
-            | VariantChoice::MidDirect
-            | VariantChoice::MidDirectPair => false,
+            | VariantChoice::MidDirect => false,
         };
         if narrow {
             NARROW_TILE
@@ -548,7 +523,6 @@ impl VariantChoice {
             return match self {
                 VariantChoice::PingPong => GemmVariant::PingPong,
                 VariantChoice::MidDirect | VariantChoice::Auto => GemmVariant::MidDirect,
-                VariantChoice::MidDirectPair => GemmVariant::MidDirectPair,
                 _ => GemmVariant::Mid,
             };
         }
@@ -1303,9 +1277,7 @@ impl PreparedGemm {
         // plain GEMMs'. So do the narrow builds', which store their tiles directly too and have
         // no staged build beside them: routes take the fused operators' tile.
         let serves = match variant {
-            GemmVariant::Pair | GemmVariant::PingPong | GemmVariant::MidDirectPair => {
-                routes.is_none() && gather.is_none()
-            }
+            GemmVariant::Pair | GemmVariant::PingPong => routes.is_none() && gather.is_none(),
             GemmVariant::Direct | GemmVariant::MidDirect => routes.is_none(),
             GemmVariant::Narrow | GemmVariant::NarrowTall | GemmVariant::NarrowDeep
                 if routes.is_some() =>
@@ -1319,9 +1291,7 @@ impl PreparedGemm {
         };
         if !serves {
             variant = match variant {
-                GemmVariant::PingPong | GemmVariant::MidDirect | GemmVariant::MidDirectPair => {
-                    GemmVariant::Mid
-                }
+                GemmVariant::PingPong | GemmVariant::MidDirect => GemmVariant::Mid,
                 _ => GemmVariant::Main,
             };
         }
@@ -1356,7 +1326,7 @@ impl PreparedGemm {
             .as_ref()
             .map(|b| b.iter().map(|&r| r as u32).collect());
         let band_bytes = bands.as_ref().map_or(0, |b| 4 * b.len());
-        let order: Vec<u32> = if variant.cluster() > 1 {
+        let order: Vec<u32> = if variant == GemmVariant::Pair {
             pair_order(&plan.order, plan.tile_grid().1)
         } else {
             plan.order.iter().map(|&t| t as u32).collect()
@@ -2214,9 +2184,7 @@ mod tests {
                 let max_parts = v.max_parts(one_wave);
                 assert_eq!(cut, TailMode::Cut { max_parts });
                 let want = match v {
-                    GemmVariant::Pair | GemmVariant::PingPong | GemmVariant::MidDirectPair => {
-                        TailMode::Cut { max_parts: 1 }
-                    }
+                    GemmVariant::Pair | GemmVariant::PingPong => TailMode::Cut { max_parts: 1 },
                     // (one partial wave whole)
                     GemmVariant::MidDirect if one_wave => TailMode::Cut { max_parts: 1 },
                     _ => TailMode::StreamK { max_parts },
@@ -2467,7 +2435,6 @@ mod tests {
             ("narrow-sliced", VariantChoice::NarrowSliced),
             ("ping-pong", VariantChoice::PingPong),
             ("mid-direct", VariantChoice::MidDirect),
-            ("mid-direct-pair", VariantChoice::MidDirectPair),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -2476,7 +2443,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, mid-direct-pair or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct or auto, got \"Skinny\""
             ),
             "{e}"
         );
@@ -2560,8 +2527,6 @@ mod tests {
                 let build = choice.variant_for(&plan);
                 assert_eq!(build, GemmVariant::MidDirect, "{choice:?} {m}");
             }
-            let build = VariantChoice::MidDirectPair.variant_for(&plan);
-            assert_eq!(build, GemmVariant::MidDirectPair, "{m}");
         }
         assert_eq!(GemmVariant::Mid.tile(), MID_TILE);
         assert_eq!(GemmVariant::PingPong.tile(), MID_TILE);
@@ -2571,7 +2536,6 @@ mod tests {
             assert_eq!(VariantChoice::Mid.tile_for(&p, 132), MID_TILE);
             assert_eq!(VariantChoice::PingPong.tile_for(&p, 132), MID_TILE);
             assert_eq!(VariantChoice::MidDirect.tile_for(&p, 132), MID_TILE);
-            assert_eq!(VariantChoice::MidDirectPair.tile_for(&p, 132), MID_TILE);
             for choice in [VariantChoice::Main, VariantChoice::Pair] {
                 assert_ne!(choice.tile_for(&p, 132), MID_TILE, "{choice:?} {m}");
             }

@@ -141,8 +141,8 @@ pub struct BenchGemmArgs {
     #[arg(long, requires = "fold")]
     pub fold_paced: Option<f64>,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
-    /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct,
-    /// mid-direct-pair, or "none" (default: every build that fits)
+    /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, or "none"
+    /// (default: every build that fits)
     #[arg(long, value_delimiter = ',')]
     pub builds: Vec<String>,
     /// Also a row of the chosen build whose producer asks L2 for each tile's first this many
