@@ -7,18 +7,8 @@
 # Run on the GPU machine:    bash scripts/gpu-check.sh [full|check|gemm|bench|gemm,bench|...]
 #                            with .gpu/ copied beside the checkout
 set -uo pipefail
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
-# never NVLink multicast on these machines
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export COMMFUSE_KERNEL_CACHE="$PWD/.gpu/kernel-cache"
-# a GPU test that cannot find its GPUs fails here instead of reporting a skip as a pass
-export COMMFUSE_REQUIRE_GPU=1
-# the command line's tests run the binary built beside them
-export COMMFUSE_BIN="$PWD/.gpu/commfuse"
-OUT=${OUT:-/tmp/commfuse-out}
-R=$OUT/results
-mkdir -p "$R"
-B=.gpu/commfuse
+# the environment, $OUT/results as $R, log(), the kernel cache
+. scripts/gpu-env.sh
 # check: GPU tests, verify (every mode starts with the compile report)      gemm: our GEMM beside cuBLASLt at four shapes (two GPUs)
 # gemm-one: our GEMM beside cuBLASLt on one GPU at fourteen shapes, decode sizes included
 # bench: the link's ceilings (scripts/link-ceilings.py), the collectives beside NCCL (and graph replay), calibration
@@ -42,8 +32,6 @@ MODE=${1:-full}
 SIZES=${SIZES:-4K,16K,64K,256K,1M,4M,16M,64M,256M,1G}
 LAYOUTS=${LAYOUTS:-nk kn}
 has() { [ "$MODE" = full ] || [[ ",$MODE," == *",$1,"* ]]; }
-
-log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 
 log "$(date -u) mode=$MODE"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used --format=csv >"$R/gpus.txt" 2>&1
