@@ -12,6 +12,7 @@
 use super::{GemmParams, PreparedGemm};
 use crate::error::CudaError;
 use crate::sys::driver::{DeviceMemory, Gpu, Stream};
+use commfuse_core::rounds;
 
 /// The points a block stamps, in gemm.cu's `TraceEvent` order.
 pub const EVENTS: [&str; 8] = [
@@ -114,7 +115,7 @@ fn spread(stamps: &[Stamp], blocks: usize) -> GemmTrace {
         .unwrap_or(0);
     let events = (0..EVENTS.len())
         .map(|e| {
-            let mut us: Vec<f64> = per_block
+            let us: Vec<f64> = per_block
                 .iter()
                 .filter(|b| b[0][0] != 0 && b[e][0] != 0)
                 .map(|b| {
@@ -127,13 +128,14 @@ fn spread(stamps: &[Stamp], blocks: usize) -> GemmTrace {
                     }
                 })
                 .collect();
-            us.sort_by(f64::total_cmp);
+            let (median_us, min_us, max_us) =
+                rounds::summary(&us).unwrap_or((f64::NAN, f64::NAN, f64::NAN));
             EventSpread {
                 event: EVENTS[e],
                 blocks: us.len(),
-                median_us: us.get(us.len() / 2).copied().unwrap_or(f64::NAN),
-                min_us: us.first().copied().unwrap_or(f64::NAN),
-                max_us: us.last().copied().unwrap_or(f64::NAN),
+                median_us,
+                min_us,
+                max_us,
             }
         })
         .collect();
