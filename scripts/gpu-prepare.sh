@@ -17,13 +17,9 @@ strip --strip-debug .gpu/commfuse .gpu/tests/*
 # Every kernel compiled here by NVRTC from PyPI (13.0, as on the GPU machine; no GPU needed)
 # into a kernel cache packed as .gpu/kernel-cache.tgz, which scripts/gpu-env.sh unpacks there:
 # a fresh GPU machine would otherwise spend minutes of its time compiling gemm.cu
-NVRTC="${TMPDIR:-/tmp}/commfuse-nvrtc"
-if [ ! -e "$NVRTC/nvidia/cu13/lib/libnvrtc.so.13" ]; then
-  python3 -m pip install --quiet --disable-pip-version-check --target "$NVRTC" \
-    nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96
-fi
-COMMFUSE_KERNEL_CACHE="$PWD/.gpu/kernel-cache" LD_LIBRARY_PATH="$NVRTC/nvidia/cu13/lib" \
-  COMMFUSE_CUDA_INCLUDE="$NVRTC/nvidia/cu13/include" .gpu/commfuse kernels >/dev/null
+. scripts/nvrtc-wheels.sh
+COMMFUSE_KERNEL_CACHE="$PWD/.gpu/kernel-cache" LD_LIBRARY_PATH="$NVRTC_WHEELS/nvidia/cu13/lib" \
+  COMMFUSE_CUDA_INCLUDE="$NVRTC_WHEELS/nvidia/cu13/include" .gpu/commfuse kernels >/dev/null
 tar czf .gpu/kernel-cache.tgz -C .gpu kernel-cache && rm -rf .gpu/kernel-cache
 # the Python package as an abi3 wheel (the GPU machine's Python 3.12 installs it without Rust)
 VENV="${COMMFUSE_VENV:-$PWD/.venv}"
