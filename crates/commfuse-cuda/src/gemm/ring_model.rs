@@ -487,11 +487,16 @@ mod tests {
         ordered: bool,
         seed: u64,
     ) -> Result<(), String> {
-        let mut state = seed | 1;
         let mut ring = Ring::new(stages, units.to_vec(), sharing);
         if !ordered {
             ring = ring.unordered();
         }
+        run_ring(ring, seed)
+    }
+
+    /// `ring` run to its end with the interleaving drawn from `seed`.
+    fn run_ring(mut ring: Ring, seed: u64) -> Result<(), String> {
+        let mut state = seed | 1;
         ring.run(|moves| {
             // xorshift: a cheap, repeatable interleaving
             state ^= state << 13;
@@ -583,16 +588,7 @@ mod tests {
             unsynced.extend(run(7, &units, Sharing::StageBoxes, false, seed).err());
             let mut ring = Ring::new(7, units.to_vec(), Sharing::StageBoxes);
             ring.boxes_after_release = true;
-            let mut state = seed | 1;
-            released.extend(
-                ring.run(|moves| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    (state % moves.len() as u64) as usize
-                })
-                .err(),
-            );
+            released.extend(run_ring(ring, seed).err());
         }
         assert!(
             !unsynced.is_empty(),
