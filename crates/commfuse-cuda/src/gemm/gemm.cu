@@ -1201,6 +1201,26 @@ __device__ __forceinline__ void consumer_group_sync(u32 cw) {
     else asm volatile("bar.sync 4, 128;" ::: "memory");
 }
 
+// Whether the block has stopped, as every thread of consumer warpgroup `cw` then sees it (at
+// the warpgroup's barrier): each thread's own read of the stop word could differ from its
+// neighbours' (the word may go up between them), and a warp that went on alone would leave
+// the warpgroup's barriers in the epilogue short.
+__device__ __forceinline__ bool group_stopped(u32 cw) {
+    const u32 mine = block_stopped() ? 1u : 0u;
+    u32 any;
+    if (cw == 0)
+        asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, 3, 128, p;\nselp.u32 %0, 1, 0, q;\n}"
+                     : "=r"(any)
+                     : "r"(mine)
+                     : "memory");
+    else
+        asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, 4, 128, p;\nselp.u32 %0, 1, 0, q;\n}"
+                     : "=r"(any)
+                     : "r"(mine)
+                     : "memory");
+    return any != 0;
+}
+
 // Waits until every flag of a fold holds this call's epoch (a partial that never comes: see
 // flag_wait; the fold then goes on).
 __device__ __forceinline__ void fold_wait(const GemmParams& p, const TileRoute& r, u32 tile, u32 cw) {
@@ -1558,16 +1578,18 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             wgmma_wait<0>();
             fence_acc<ACCS>(acc);
             if (cw == 0 && leader) trace(p, TRACE_MAIN_DONE);
-            // (with the boxes in this stage, let go after the epilogue)
-            if (!C::STAGE_BOXES && leader && (C::SLICES == 1 || c.kb0 + slice < c.kb1))
-                release_stage<C>(s.empty + 8 * prev);
+            // (with its boxes in this stage, let go after the epilogue)
+            const bool keep = C::STAGE_BOXES && boxes_serve<Out>(p, c, half * 64);
+            if (!keep && leader && (C::SLICES == 1 || c.kb0 + slice < c.kb1)) release_stage<C>(s.empty + 8 * prev);
         }
         // The stage of the unit's last k-block, where the mid-deep build's boxes go: a
-        // warpgroup that computed rows (the other let it go in pass_stages) holds it until its
-        // stores have read them. Both warpgroups' wgmmas read it (B, and A's rows of both
-        // halves): neither writes a box before both are done.
+        // warpgroup that computed rows it stores by boxes (the other let it go above or in
+        // pass_stages) keeps it until its stores have read them. Both warpgroups' wgmmas read it
+        // (B, and A's rows of both halves): neither writes a box before both are done.
+        static_assert(!C::STAGE_BOXES || !FoldBoxes<C, Out>::STAGED,
+                      "a fold through the stages would wait for the stage kept for the boxes");
         const u32 box_stage = stage == 0 ? C::STAGES - 1 : stage - 1;
-        const bool held = C::STAGE_BOXES && half * 64 < c.rows;
+        const bool held = C::STAGE_BOXES && half * 64 < c.rows && boxes_serve<Out>(p, c, half * 64);
         if constexpr (C::STAGE_BOXES) consumers_sync<C>();
         // The sliced build: the second warpgroup hands its sums over and goes on to its next
         // unit; the first adds them (in one fixed order, so results do not depend on timing)
@@ -1673,16 +1695,18 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         const u32 g_row0 = c.row0 + row0, g_col0 = tn * C::BN;
         if constexpr (C::DIRECT) {
             // a block that gave up stores nothing (its accumulators may be anything)
-            if (block_stopped()) {
+            if (group_stopped(cw)) {
                 if (held && leader) release_stage<C>(s.empty + 8 * box_stage);
                 continue;
             }
             // (the mid-deep build: the first warpgroup's boxes in the stage's A buffer, the
-            // second's in its B buffer)
-            unsigned char* boxes = s.epi + cw * 2 * C::BOX_BYTES;
-            if (C::STAGE_BOXES)
+            // second's in its B buffer; no memory of their own)
+            unsigned char* boxes;
+            if constexpr (C::STAGE_BOXES)
                 boxes = cw == 0 ? s.stages + box_stage * C::A_STAGE_BYTES
                                 : s.stages + C::STAGES * C::A_STAGE_BYTES + box_stage * C::B_STAGE_BYTES;
+            else
+                boxes = s.epi + cw * 2 * C::BOX_BYTES;
             // (the direct build's warpgroup stores its own 64 rows; a ping-pong warpgroup its
             // whole tile, half by half)
 #pragma unroll
