@@ -294,13 +294,14 @@ impl GemmVariant {
     }
 
     /// How this build shares out its tail under `choice` ([`TailChoice`]): its
-    /// [`GemmVariant::max_parts`] either way; stream-K only where it cuts at all (not the
-    /// pair build, whose two blocks of a cluster run the same K range of every unit, nor the
-    /// ping-pong build).
+    /// [`GemmVariant::max_parts`] either way; stream-K in every build that takes a split tail
+    /// at all (not the pair build, whose two blocks of a cluster run the same K range of every
+    /// unit, nor the ping-pong build), a product of less than one wave included (where the
+    /// mid-tile builds cut nothing).
     pub fn tail_mode(self, choice: TailChoice, one_wave: bool) -> TailMode {
         let max_parts = self.max_parts(one_wave);
         match choice {
-            TailChoice::StreamK if max_parts > 1 => TailMode::StreamK { max_parts },
+            TailChoice::StreamK if self.max_parts(false) > 1 => TailMode::StreamK { max_parts },
             _ => TailMode::Cut { max_parts },
         }
     }
@@ -2243,10 +2244,7 @@ mod tests {
                 assert_eq!(cut, TailMode::Cut { max_parts });
                 let want = match v {
                     GemmVariant::Pair | GemmVariant::PingPong => TailMode::Cut { max_parts: 1 },
-                    // (one partial wave whole)
-                    GemmVariant::MidDirect | GemmVariant::MidDeep if one_wave => {
-                        TailMode::Cut { max_parts: 1 }
-                    }
+                    // (one partial wave: whole under the cut, spread by stream-K)
                     _ => TailMode::StreamK { max_parts },
                 };
                 assert_eq!(spread, want, "{v:?}");
