@@ -14,8 +14,8 @@ use crate::error::CudaError;
 use crate::gemm::trace::GemmTrace;
 use crate::gemm::{
     CallNumber, FoldSource, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm,
-    RouteTargets, StartOptions, TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE,
-    ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
+    RouteTargets, TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D,
+    SKINNY_ROWS, TILE,
 };
 use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
 pub use crate::sys::driver::StreamGuard;
@@ -101,9 +101,6 @@ pub struct ExtraRows<'a> {
     /// A row of the chosen build whose blocks start their units' loads at this many places
     /// in K ([`PreparedGemm::set_k_phases`])
     pub k_phases: Option<u32>,
-    /// A row of the chosen build whose producer loads its first stages before the block's
-    /// barrier ([`crate::gemm::StartOptions::early_loads`])
-    pub early_loads: bool,
     /// Every plain row (cuBLASLt's, ours, the forced builds) adds a bias row of N random
     /// values of the output type: D = A·B + bias. Not with fold rows or a peer.
     pub bias: bool,
@@ -194,7 +191,6 @@ fn run<T: Element>(
         builds: only,
         next_prefetch,
         k_phases,
-        early_loads,
         bias,
         gather,
         trace,
@@ -285,7 +281,6 @@ fn run<T: Element>(
             builds.push(("commfuse-mid", VariantChoice::Mid, mid));
             builds.push(("commfuse-ping-pong", VariantChoice::PingPong, mid));
             builds.push(("commfuse-mid-direct", VariantChoice::MidDirect, mid));
-            builds.push(("commfuse-mid-deep", VariantChoice::MidDeep, mid));
         }
         for (name, choice, plan) in builds {
             if only.is_some_and(|only| !only.contains(&choice)) {
@@ -314,25 +309,14 @@ fn run<T: Element>(
     }
     kernels.set_tail(chosen_tail);
     // the chosen build with one option on: the next unit's first k-blocks asked of L2 ahead,
-    // its blocks' loads started at several places in K, its first loads before the block's
-    // barrier
-    let set_early_loads: SetOption = |g, on| {
-        g.set_start(StartOptions {
-            early_loads: on != 0,
-        })
-    };
-    let options: [(&str, Option<u32>, SetOption); 3] = [
+    // its blocks' loads started at several places in K
+    let options: [(&str, Option<u32>, SetOption); 2] = [
         (
             "commfuse-next-prefetch",
             next_prefetch,
             PreparedGemm::set_next_prefetch,
         ),
         ("commfuse-k-phases", k_phases, PreparedGemm::set_k_phases),
-        (
-            "commfuse-early-loads",
-            early_loads.then_some(1),
-            set_early_loads,
-        ),
     ];
     for (name, value, set) in options {
         let Some(value) = value else { continue };

@@ -79,12 +79,8 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // boxes) runs while the other's main loop keeps the tensor cores busy; six stages of 32 KiB.
 // The mid-direct build: the ping-pong build's tiles, stages and boxes with the two consumer
 // warpgroups on each tile together (64 rows each, as in the mid build) instead of in turns.
-// The mid-deep build: the mid-direct build with its boxes in the stage of the tile's last
-// k-block (which the consumers let go once the tensor stores have read them) and the boxes'
-// own 32 KiB spent on a seventh stage: one more k-block in flight per SM, where a 128 x 128
-// tile's k-block of 32 KiB asks as much of an SM's inbound bandwidth as its wgmmas take time.
 template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false, int SLICES_ = 1,
-          bool PINGPONG_ = false, bool STAGE_BOXES_ = false>
+          bool PINGPONG_ = false>
 struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
     static constexpr int BN = BN_;              // columns of a tile
@@ -107,9 +103,6 @@ struct Cfg {
     // The direct build's boxes: 64 rows of 128 bytes (one swizzle row), two per consumer
     // warpgroup, so that one is filled while the TMA engine reads the other
     static constexpr int BOX_BYTES = 64 * 128;
-    // The boxes in the stage of the tile's last k-block instead of shared memory of their own:
-    // the first warpgroup's in its A buffer, the second's in its B buffer (the mid-deep build)
-    static constexpr bool STAGE_BOXES = STAGE_BOXES_;
     static constexpr int ACC = BN / 2;  // f32 accumulators per consumer thread and half (64 rows x BN / 128)
     // Whether the plain epilogue (stmatrix writes) also serves tiles that add the bias: not in
     // the skinny and the pair build, where it spilled 16 and 8 bytes a thread (they add the bias
@@ -121,7 +114,7 @@ struct Cfg {
     // A staged row: BN 16-bit (or BN / 2 f32) elements plus 16 bytes of padding, which makes the
     // consumers' fragment stores free of bank conflicts (8 rows 4 banks apart)
     static constexpr int EPI_PITCH = BN * 2 + 16;
-    static constexpr int EPI_BYTES = STAGE_BOXES ? 0 : DIRECT ? WARPGROUPS * 2 * BOX_BYTES : ROWS * EPI_PITCH;
+    static constexpr int EPI_BYTES = DIRECT ? WARPGROUPS * 2 * BOX_BYTES : ROWS * EPI_PITCH;
     // the sliced build's hand-over: the second warpgroup's f32 sums (64 rows x BN)
     static constexpr int SUMS_BYTES = SLICES > 1 ? 64 * BN * 4 : 0;
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + SUMS_BYTES + 8 * (2 * STAGES + 2);
@@ -139,10 +132,6 @@ struct Cfg {
     // (no split tail either: its partials are laid out as two warpgroups' halves of a tile)
     static_assert(!PINGPONG || (DIRECT && ROWS == gemm::BM && SLICES == 1 && CLUSTER == 1),
                   "ping-pong warpgroups store their own 128-row tiles");
-    // (two warpgroups on each tile, each one's two boxes filling one of the stage's buffers)
-    static_assert(!STAGE_BOXES || (DIRECT && !PINGPONG && WARPGROUPS == 2 && CLUSTER == 1 &&
-                                   A_STAGE_BYTES == 2 * BOX_BYTES && B_STAGE_BYTES == 2 * BOX_BYTES),
-                  "the boxes fill the stage of the tile's last k-block");
 };
 using MainCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES>;
 using SkinnyCfg = Cfg<64, gemm::BN, 4>;
@@ -162,7 +151,6 @@ using MidCfg = Cfg<gemm::BM, 128, 5>;
 using DirectCfg = Cfg<gemm::BM, gemm::BN, 4, 1, true>;
 using PingPongCfg = Cfg<gemm::BM, 128, 6, 1, true, 1, true>;
 using MidDirectCfg = Cfg<gemm::BM, 128, 6, 1, true>;
-using MidDeepCfg = Cfg<gemm::BM, 128, 7, 1, true, 1, false, true>;
 // A tile's partial folded in through the pipeline (ROUTE_FOLD_TMA): boxes of the build's rows
 // by 128 bytes (one swizzle row: 64 16-bit or 32 f32 columns), as many to a stage as its B
 // buffer holds, in the ring's next stages after the tile's last k-block: in the main build,
@@ -197,7 +185,6 @@ static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES i
 static_assert(DirectCfg::SMEM_BYTES == 230480, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
 static_assert(PingPongCfg::SMEM_BYTES == 230512, "layout mirrored by PING_PONG_SMEM_BYTES in mod.rs");
 static_assert(MidDirectCfg::SMEM_BYTES == PingPongCfg::SMEM_BYTES, "the mid-direct build's layout is the ping-pong build's");
-static_assert(MidDeepCfg::SMEM_BYTES == 230528, "layout mirrored by MID_DEEP_SMEM_BYTES in mod.rs");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -242,9 +229,6 @@ constexpr u32 ROUTE_FOLD_TMA = 4;
 
 // GemmParams.call_options
 constexpr u32 CALLS_READ_ONLY = 1;
-
-// GemmParams.start_options
-constexpr u32 START_EARLY_LOADS = 1;  // the first stages loaded before the block's barrier (early_loads)
 
 // A rank's count of its graph-safe calls (GemmParams.calls), in device memory; mirrored by
 // `CallCounter` in src/gemm.rs. Zero when the operator is built.
@@ -334,8 +318,6 @@ struct GemmParams {
     // Non-null: TRACE_EVENTS pairs (global timer ns, the SM's clock) per block, where its roles
     // stamp the points of `TraceEvent` (bench gemm --trace); null in every other call
     u64* trace;
-    // START_* bits: how a block starts (off: as it always has)
-    u32 start_options;
     TmaDesc a_local;
     TmaDesc d_map;
     TmaDesc fold_map;
@@ -348,7 +330,6 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, next_prefetch) == 452 &&
                   COMMFUSE_OFFSETOF(GemmParams, a_box_bytes) == 456 &&
                   COMMFUSE_OFFSETOF(GemmParams, k_phases) == 460 && COMMFUSE_OFFSETOF(GemmParams, trace) == 464 &&
-                  COMMFUSE_OFFSETOF(GemmParams, start_options) == 472 &&
                   COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && sizeof(GemmParams) == 896,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
@@ -852,7 +833,6 @@ enum TraceEvent : u32 {
     TRACE_ENTRY = 0,         // thread 0's first instruction
     TRACE_PRODUCER = 1,      // the producer, past the block's barrier and setmaxnreg
     TRACE_FIRST_LOAD = 2,    // the producer's unit: its entry read, about to issue its first load
-                             // (START_EARLY_LOADS: thread 0's, before the block's barrier)
     TRACE_FIRST_FULL = 3,    // the first consumer warpgroup: its unit's first stage has landed
     TRACE_MAIN_DONE = 4,     // ... its unit's last wgmma has completed
     TRACE_CONSUMER_END = 5,  // ... its last epilogue is done (the direct build: the stores performed)
@@ -873,7 +853,6 @@ __device__ __forceinline__ void trace(const GemmParams& p, u32 event) {
 // ---- the three roles ---------------------------------------------------------------------------
 
 struct Smem {
-    unsigned char* stages;        // stage 0 of A, where the stages start (generic address)
     u32 a, b;                     // stage 0 of A and of B (shared-window addresses)
     unsigned char* epi;           // the staged tile
     float4* sums;                 // the sliced build's hand-over of the second warpgroup's sums
@@ -974,58 +953,8 @@ template <class C, bool B_KN> __device__ __forceinline__ void prefetch_next_unit
     }
 }
 
-// One k-block (`kl`) of unit `c` into `stage`, whose previous contents its readers have let go.
-// `half`: this block's half of B in a pair.
-template <class C, bool B_KN>
-__device__ __forceinline__ void load_stage(const GemmParams& p, const Smem& s, const Unit& c, const ASource& a, u32 kl,
-                                           u32 stage, u32 half) {
-    const u32 full = s.full + 8 * stage;
-    // out-of-bounds parts of a box are zero-filled and still counted in bytes; in a pair, the
-    // partner's half of B lands here too and counts on this barrier
-    mbar_expect_tx(full, c.idle ? C::B_STAGE_BYTES : p.a_box_bytes + C::B_STAGE_BYTES);
-    const u32 a_dst = s.a + stage * C::A_STAGE_BYTES, b_dst = s.b + stage * C::B_STAGE_BYTES;
-    if (!c.idle) tma_load_2d(a_dst, a.map, full, kl * gemm::BK, a.row);
-    if (C::CLUSTER == 2) {
-        // this block's half of the k-block's B, into both blocks' stages (their stage is free:
-        // the empty barrier counts both blocks' consumers)
-        if (B_KN) {
-#pragma unroll
-            for (int j = 2 * half; j < 2 * half + 2; ++j)
-                tma_load_2d_multicast(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kl * gemm::BK, 0x3);
-        } else {
-            tma_load_2d_multicast(b_dst + half * (C::B_STAGE_BYTES / 2), &p.b, full, kl * gemm::BK,
-                                  c.tn * C::BN + half * (C::BN / 2), 0x3);
-        }
-    } else if (B_KN) {
-        // BN / 64 boxes of 64 (N) x 64 (K) side by side along N, 8 KiB each
-#pragma unroll
-        for (int j = 0; j < C::BN / 64; ++j)
-            tma_load_2d(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kl * gemm::BK);
-    } else {
-        tma_load_2d(b_dst, &p.b, full, kl * gemm::BK, c.tn * C::BN);
-    }
-}
-
-// START_EARLY_LOADS (GemmParams.start_options): thread 0, the producer, loads the first stages
-// of the block's first unit right after setting up the barriers, before the block's barrier,
-// instead of after it and its own setmaxnreg and set-up (at one tile an SM, what the block
-// spends before its first load is paid once per call, uncovered). The stages are fresh, so
-// there is nothing to wait for. Not in a pair (the partner's barriers may not be set up yet), a
-// gather's GEMM (a band's rows may not have landed) or with k_phases. Returns how many k-blocks
-// it loaded: the producer takes the unit from there.
-template <class C, bool B_KN> __device__ __forceinline__ u32 early_loads(const GemmParams& p, const Smem& s) {
-    if (C::CLUSTER > 1 || p.band_flags != nullptr || p.k_phases > 1 || blockIdx.x >= p.unit_count) return 0;
-    const Unit c = unit_at<C>(p, blockIdx.x);
-    if (c.empty) return 0;
-    const ASource a = a_source(p, c.row0);
-    const u32 n = min((u32)C::STAGES, c.kb1 - c.kb0);
-    trace(p, TRACE_FIRST_LOAD);
-    for (u32 j = 0; j < n; ++j) load_stage<C, B_KN>(p, s, c, a, c.kb0 + j, j, 0);
-    return n;
-}
-
 template <class C, typename Out, bool B_KN>
-__device__ void producer(const GemmParams& p, const Smem& s, u32 early) {
+__device__ void producer(const GemmParams& p, const Smem& s) {
     u32 stage = 0, phase = 0;
     u32 landed = 0xffffffffu;  // the last band whose rows this block saw land
     u32 issued = 0;            // stages loaded at least once (at most STAGES)
@@ -1050,19 +979,38 @@ __device__ void producer(const GemmParams& p, const Smem& s, u32 early) {
         const u32 span = c.kb1 - c.kb0;
         // (per cluster: the two blocks of a pair load the same k-blocks, whose B they share)
         const u32 skew = p.k_phases > 1 ? (blockIdx.x / C::CLUSTER % p.k_phases) * span / p.k_phases : 0;
-        // (a first unit loaded early: stamped where its loads were issued)
-        if (early == 0) trace(p, TRACE_FIRST_LOAD);
+        trace(p, TRACE_FIRST_LOAD);
         for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
             // the k-block this stage gets (kb itself unless the phases are on)
             const u32 kl = skew == 0 ? kb : c.kb0 + (kb - c.kb0 + skew) % span;
-            if (early != 0) {
-                --early;  // this unit's first stages, loaded before the block's barrier (early_loads)
-            } else {
-                if (!mbar_wait<ROLE_WG0>(s.empty + 8 * stage, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY)) {
-                    live = false;
-                    break;
+            const u32 full = s.full + 8 * stage, empty = s.empty + 8 * stage;
+            if (!mbar_wait<ROLE_WG0>(empty, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY)) {
+                live = false;
+                break;
+            }
+            // out-of-bounds parts of a box are zero-filled and still counted in bytes; in a
+            // pair, the partner's half of B lands here too and counts on this barrier
+            mbar_expect_tx(full, c.idle ? C::B_STAGE_BYTES : p.a_box_bytes + C::B_STAGE_BYTES);
+            const u32 a_dst = s.a + stage * C::A_STAGE_BYTES, b_dst = s.b + stage * C::B_STAGE_BYTES;
+            if (!c.idle) tma_load_2d(a_dst, a.map, full, kl * gemm::BK, a.row);
+            if (C::CLUSTER == 2) {
+                // this block's half of the k-block's B, into both blocks' stages (their stage is
+                // free: the empty barrier counts both blocks' consumers)
+                if (B_KN) {
+#pragma unroll
+                    for (int j = 2 * half; j < 2 * half + 2; ++j)
+                        tma_load_2d_multicast(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kl * gemm::BK, 0x3);
+                } else {
+                    tma_load_2d_multicast(b_dst + half * (C::B_STAGE_BYTES / 2), &p.b, full, kl * gemm::BK,
+                                          c.tn * C::BN + half * (C::BN / 2), 0x3);
                 }
-                load_stage<C, B_KN>(p, s, c, a, kl, stage, half);
+            } else if (B_KN) {
+                // BN / 64 boxes of 64 (N) x 64 (K) side by side along N, 8 KiB each
+#pragma unroll
+                for (int j = 0; j < C::BN / 64; ++j)
+                    tma_load_2d(b_dst + j * 8192, &p.b, full, c.tn * C::BN + 64 * j, kl * gemm::BK);
+            } else {
+                tma_load_2d(b_dst, &p.b, full, kl * gemm::BK, c.tn * C::BN);
             }
             if (issued < C::STAGES) ++issued;
             if (++stage == C::STAGES) {
@@ -1347,10 +1295,10 @@ template <typename Out> __device__ __forceinline__ bool boxes_serve(const GemmPa
     return sizeof(Out) == 2 && p.d_tma != 0 && r0 < c.rows && (r0 + 64 <= c.rows || c.row0 + c.rows == p.m);
 }
 
-// The rows by boxes, through warpgroup `wg`'s two box buffers at `boxes` (and its barrier).
+// The rows by boxes, through warpgroup `wg`'s two box buffers (and its barrier).
 template <class C, typename Out>
-__device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, unsigned char* boxes, const Unit& c,
-                                                    const float* acc, u32 r0, u32 wg, u32 g_col0, bool leader) {
+__device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const Smem& s, const Unit& c, const float* acc,
+                                                    u32 r0, u32 wg, u32 g_col0, bool leader) {
     const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const u32 wrow = warp * 16 + lane / 4;  // this thread's first row of the 64
     const u32 g_row0 = c.row0 + r0 + wrow;  // and of D
@@ -1361,7 +1309,7 @@ __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, unsigne
         if (g_col0 + bx * BOX_COLS >= p.n) break;
         // (the rows' boxes take the buffers in turn from the first: a count kept across
         // tiles would live through the main loop beside the accumulators)
-        unsigned char* box = boxes + (bx % 2) * C::BOX_BYTES;
+        unsigned char* box = s.epi + (wg * 2 + bx % 2) * C::BOX_BYTES;
         // the store that read this buffer two boxes ago is done reading it; at the rows'
         // first box, every store before (the last tile's, issued a main loop ago, or the
         // ping-pong tile's other half's, which may have stopped short at N)
@@ -1578,19 +1526,8 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             wgmma_wait<0>();
             fence_acc<ACCS>(acc);
             if (cw == 0 && leader) trace(p, TRACE_MAIN_DONE);
-            // (with its boxes in this stage, let go after the epilogue)
-            const bool keep = C::STAGE_BOXES && boxes_serve<Out>(p, c, half * 64);
-            if (!keep && leader && (C::SLICES == 1 || c.kb0 + slice < c.kb1)) release_stage<C>(s.empty + 8 * prev);
+            if (leader && (C::SLICES == 1 || c.kb0 + slice < c.kb1)) release_stage<C>(s.empty + 8 * prev);
         }
-        // The stage of the unit's last k-block, where the mid-deep build's boxes go: a
-        // warpgroup that computed rows it stores by boxes (the other let it go above or in
-        // pass_stages) keeps it until its stores have read them. Both warpgroups' wgmmas read it
-        // (B, and A's rows of both halves): neither writes a box before both are done.
-        static_assert(!C::STAGE_BOXES || !FoldBoxes<C, Out>::STAGED,
-                      "a fold through the stages would wait for the stage kept for the boxes");
-        const u32 box_stage = stage == 0 ? C::STAGES - 1 : stage - 1;
-        const bool held = C::STAGE_BOXES && half * 64 < c.rows && boxes_serve<Out>(p, c, half * 64);
-        if constexpr (C::STAGE_BOXES) consumers_sync<C>();
         // The sliced build: the second warpgroup hands its sums over and goes on to its next
         // unit; the first adds them (in one fixed order, so results do not depend on timing)
         // and finishes the tile as the narrow build does. Thread t of a warpgroup holds the
@@ -1621,10 +1558,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // the main loop
         // (no split tail in the ping-pong build: the host plans it none)
         if (!C::PINGPONG && i >= p.full_units) {
-            if (!split_partials<C>(p, p.tail[i - p.full_units], c.rows, acc)) {
-                if (held && leader) release_stage<C>(s.empty + 8 * box_stage);
-                continue;  // a helper: no epilogue
-            }
+            if (!split_partials<C>(p, p.tail[i - p.full_units], c.rows, acc)) continue;  // a helper: no epilogue
         }
         // The tile's column, again from its index in the pair and the main build: kept from the
         // unit's start it is one more value live through the main loop beside the 128
@@ -1694,32 +1628,18 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // epilogue arithmetic in registers, then stage the tile for the storers
         const u32 g_row0 = c.row0 + row0, g_col0 = tn * C::BN;
         if constexpr (C::DIRECT) {
-            // a block that gave up stores nothing (its accumulators may be anything)
-            if (group_stopped(cw)) {
-                if (held && leader) release_stage<C>(s.empty + 8 * box_stage);
-                continue;
-            }
-            // (the mid-deep build: the first warpgroup's boxes in the stage's A buffer, the
-            // second's in its B buffer; no memory of their own)
-            unsigned char* boxes;
-            if constexpr (C::STAGE_BOXES)
-                boxes = cw == 0 ? s.stages + box_stage * C::A_STAGE_BYTES
-                                : s.stages + C::STAGES * C::A_STAGE_BYTES + box_stage * C::B_STAGE_BYTES;
-            else
-                boxes = s.epi + cw * 2 * C::BOX_BYTES;
+            // a block that gave up stores nothing (its accumulators may be anything), decided
+            // once for the warpgroup
+            if (group_stopped(cw)) continue;
             // (the direct build's warpgroup stores its own 64 rows; a ping-pong warpgroup its
             // whole tile, half by half)
 #pragma unroll
             for (int h = 0; h < C::HALVES; ++h) {
                 const u32 r0 = (half + h) * 64;
                 if (boxes_serve<Out>(p, c, r0))
-                    store_rows_by_boxes<C, Out>(p, boxes, c, acc + h * C::ACC, r0, cw, g_col0, leader);
+                    store_rows_by_boxes<C, Out>(p, s, c, acc + h * C::ACC, r0, cw, g_col0, leader);
                 else
                     store_rows_from_registers<C, Out>(p, c, acc + h * C::ACC, r0, g_col0, tile_bias);
-            }
-            if (held && leader) {
-                bulk_wait_read();  // the tensor stores are done reading the boxes
-                release_stage<C>(s.empty + 8 * box_stage);
             }
             continue;
         }
@@ -1866,7 +1786,6 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     // 128-byte swizzled stages must start on 1024-byte boundaries
     unsigned char* base = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
     Smem s;
-    s.stages = base;
     s.a = smem_u32(base);
     s.b = s.a + C::STAGES * C::A_STAGE_BYTES;
     s.epi = base + C::STAGES * C::STAGE_BYTES;
@@ -1875,7 +1794,6 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     s.empty = s.full + 8 * C::STAGES;
     s.epi_full = s.empty + 8 * C::STAGES;
     s.epi_empty = s.epi_full + 8;
-    u32 early = 0;  // (thread 0) k-blocks of the first unit loaded before the block's barrier
     if (threadIdx.x == 0) {
         trace(p, TRACE_ENTRY);
         for (int i = 0; i < C::STAGES; ++i) {
@@ -1894,11 +1812,6 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         if (C::DIRECT && p.d_tma != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.d_map) : "memory");
         if (FoldBoxes<C, Out>::STAGED && p.fold_tma != 0)
             asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.fold_map) : "memory");
-        if (p.start_options & START_EARLY_LOADS) {
-            // the barriers' set-up before the TMA engine's arrivals on them
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            early = early_loads<C, B_KN>(p, s);
-        }
         call_state.stopped = 0;
         if (p.calls != nullptr) {
             const u64 epoch = *(volatile const u64*)&p.calls->last + 1;
@@ -1917,7 +1830,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
         if (threadIdx.x < 32) {
-            if (threadIdx.x == 0) producer<C, Out, B_KN>(p, s, early);
+            if (threadIdx.x == 0) producer<C, Out, B_KN>(p, s);
         } else {
             storer<C, Out>(p, s, threadIdx.x - 32);
         }
@@ -1956,7 +1869,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // COMMFUSE_PART = 2 * build + input (input 0: bf16, 1: f16; builds in the order of
 // `GemmVariant::ALL`) holds that build's entries for that input type, and the last part,
 // GEMM_HELPER_PART, the helper kernels. Without COMMFUSE_PART, every entry.
-#define GEMM_HELPER_PART 24
+#define GEMM_HELPER_PART 22
 #ifdef COMMFUSE_PART
 #define GEMM_IN_PART(PART) (COMMFUSE_PART == (PART))
 #else
@@ -1970,8 +1883,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // the consumers (TMA tensor stores of shared-memory boxes); gemm_narrow_deep_...: the narrow
 // build on twelve stages; gemm_narrow_sliced_...: the same with the K loop sliced over two
 // consumer warpgroups; gemm_ping_pong_...: 128x128 tiles, whole tiles per consumer warpgroup;
-// gemm_mid_direct_...: the same tiles, stages and boxes, both consumer warpgroups on each tile;
-// gemm_mid_deep_...: the mid-direct build on seven stages, its boxes in the last k-block's stage
+// gemm_mid_direct_...: the same tiles, stages and boxes, both consumer warpgroups on each tile
 #if GEMM_IN_PART(0)
 COMMFUSE_GEMM_ENTRIES(gemm_, bf16, __nv_bfloat16, MainCfg)
 #endif
@@ -2037,12 +1949,6 @@ COMMFUSE_GEMM_ENTRIES(gemm_mid_direct_, bf16, __nv_bfloat16, MidDirectCfg)
 #endif
 #if GEMM_IN_PART(21)
 COMMFUSE_GEMM_ENTRIES(gemm_mid_direct_, f16, __half, MidDirectCfg)
-#endif
-#if GEMM_IN_PART(22)
-COMMFUSE_GEMM_ENTRIES(gemm_mid_deep_, bf16, __nv_bfloat16, MidDeepCfg)
-#endif
-#if GEMM_IN_PART(23)
-COMMFUSE_GEMM_ENTRIES(gemm_mid_deep_, f16, __half, MidDeepCfg)
 #endif
 
 #if GEMM_IN_PART(GEMM_HELPER_PART)

@@ -103,12 +103,6 @@ const DIRECT_SMEM_BYTES: u32 = direct_smem_bytes(TILE.m, TILE.n, DIRECT_STAGES);
 const PING_PONG_STAGES: u32 = 6;
 /// Mirrors `PingPongCfg::SMEM_BYTES` in gemm.cu.
 const PING_PONG_SMEM_BYTES: u32 = direct_smem_bytes(MID_TILE.m, MID_TILE.n, PING_PONG_STAGES);
-/// Stages of the mid-deep build: the ping-pong build's six and the boxes' 32 KiB as a seventh.
-const MID_DEEP_STAGES: u32 = 7;
-/// Mirrors `MidDeepCfg::SMEM_BYTES` in gemm.cu: the stages and the barriers, the boxes inside
-/// the stages.
-const MID_DEEP_SMEM_BYTES: u32 = smem_bytes(MID_TILE.m, MID_TILE.n, MID_DEEP_STAGES)
-    - MID_TILE.m as u32 * (2 * MID_TILE.n as u32 + 16);
 
 /// Which build of the kernel a [`PreparedGemm`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,10 +149,6 @@ pub enum GemmVariant {
     /// The ping-pong build's tiles, stages and boxes with both consumer warpgroups on each
     /// tile (64 rows each, as in the mid build) instead of in turns: plain GEMMs and gathers
     MidDirect,
-    /// The mid-direct build on seven stages: its boxes in the stage of each tile's last
-    /// k-block (let go once the tensor stores have read them) instead of shared memory of
-    /// their own. Plain GEMMs and gathers
-    MidDeep,
 }
 
 /// Blocks in a cluster of the pair build.
@@ -166,7 +156,7 @@ pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 12] = [
+    pub const ALL: [GemmVariant; 11] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
@@ -178,7 +168,6 @@ impl GemmVariant {
         GemmVariant::NarrowSliced,
         GemmVariant::PingPong,
         GemmVariant::MidDirect,
-        GemmVariant::MidDeep,
     ];
 
     /// Rows of the build's A stage (its largest A box) and of the staged tile.
@@ -190,8 +179,7 @@ impl GemmVariant {
             | GemmVariant::Mid
             | GemmVariant::Direct
             | GemmVariant::PingPong
-            | GemmVariant::MidDirect
-            | GemmVariant::MidDeep => TILE.m,
+            | GemmVariant::MidDirect => TILE.m,
             GemmVariant::Skinny
             | GemmVariant::Narrow
             | GemmVariant::NarrowDeep
@@ -209,10 +197,7 @@ impl GemmVariant {
             | GemmVariant::NarrowTall
             | GemmVariant::NarrowDeep
             | GemmVariant::NarrowSliced => NARROW_TILE,
-            GemmVariant::Mid
-            | GemmVariant::PingPong
-            | GemmVariant::MidDirect
-            | GemmVariant::MidDeep => MID_TILE,
+            GemmVariant::Mid | GemmVariant::PingPong | GemmVariant::MidDirect => MID_TILE,
         }
     }
 
@@ -235,7 +220,6 @@ impl GemmVariant {
             GemmVariant::Mid => MID_SMEM_BYTES,
             GemmVariant::Direct => DIRECT_SMEM_BYTES,
             GemmVariant::PingPong | GemmVariant::MidDirect => PING_PONG_SMEM_BYTES,
-            GemmVariant::MidDeep => MID_DEEP_SMEM_BYTES,
         }
     }
 
@@ -254,7 +238,6 @@ impl GemmVariant {
             GemmVariant::Direct => "gemm_direct_",
             GemmVariant::PingPong => "gemm_ping_pong_",
             GemmVariant::MidDirect => "gemm_mid_direct_",
-            GemmVariant::MidDeep => "gemm_mid_deep_",
         }
     }
 
@@ -278,12 +261,10 @@ impl GemmVariant {
             GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct if one_wave => 3,
             // (its one partial wave whole: cut in two at 128 × 8192 × 3584, its 64 tiles ran
             // 5 % behind the ping-pong build's whole ones)
-            GemmVariant::MidDirect | GemmVariant::MidDeep if one_wave => 1,
-            GemmVariant::Main
-            | GemmVariant::Mid
-            | GemmVariant::Direct
-            | GemmVariant::MidDirect
-            | GemmVariant::MidDeep => MAX_PARTS,
+            GemmVariant::MidDirect if one_wave => 1,
+            GemmVariant::Main | GemmVariant::Mid | GemmVariant::Direct | GemmVariant::MidDirect => {
+                MAX_PARTS
+            }
             GemmVariant::Skinny
             | GemmVariant::Narrow
             | GemmVariant::NarrowTall
@@ -294,20 +275,19 @@ impl GemmVariant {
     }
 
     /// How this build shares out its tail under `choice` ([`TailChoice`]): its
-    /// [`GemmVariant::max_parts`] either way; stream-K in every build that takes a split tail
-    /// at all (not the pair build, whose two blocks of a cluster run the same K range of every
-    /// unit, nor the ping-pong build), a product of less than one wave included (where the
-    /// mid-tile builds cut nothing).
+    /// [`GemmVariant::max_parts`] either way; stream-K only where it cuts at all (not the
+    /// pair build, whose two blocks of a cluster run the same K range of every unit, nor the
+    /// ping-pong build).
     pub fn tail_mode(self, choice: TailChoice, one_wave: bool) -> TailMode {
         let max_parts = self.max_parts(one_wave);
         match choice {
-            TailChoice::StreamK if self.max_parts(false) > 1 => TailMode::StreamK { max_parts },
+            TailChoice::StreamK if max_parts > 1 => TailMode::StreamK { max_parts },
             _ => TailMode::Cut { max_parts },
         }
     }
 
     /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct`, `narrow-deep`,
-    /// `narrow-sliced`, `ping-pong`, `mid-direct` or `mid-deep`.
+    /// `narrow-sliced`, `ping-pong` or `mid-direct`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
@@ -321,7 +301,6 @@ impl GemmVariant {
             GemmVariant::NarrowSliced => "narrow-sliced",
             GemmVariant::PingPong => "ping-pong",
             GemmVariant::MidDirect => "mid-direct",
-            GemmVariant::MidDeep => "mid-deep",
         }
     }
 
@@ -333,7 +312,6 @@ impl GemmVariant {
             GemmVariant::Direct
                 | GemmVariant::PingPong
                 | GemmVariant::MidDirect
-                | GemmVariant::MidDeep
                 | GemmVariant::Narrow
                 | GemmVariant::NarrowTall
                 | GemmVariant::NarrowDeep
@@ -381,11 +359,9 @@ pub enum VariantChoice {
     PingPong,
     /// [`MID_TILE`]s, always, on the mid-direct build (the GEMMs with routes on the mid build)
     MidDirect,
-    /// [`MID_TILE`]s, always, on the mid-deep build (the GEMMs with routes on the mid build)
-    MidDeep,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|ping-pong|mid-direct|mid-deep|auto`
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|ping-pong|mid-direct|auto`
 /// (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
@@ -446,7 +422,7 @@ pub fn mid_tiles_pay_over_narrow(p: &GemmProblem, sms: usize) -> bool {
 
 impl VariantChoice {
     /// Every choice, `auto` first.
-    pub const ALL: [VariantChoice; 12] = [
+    pub const ALL: [VariantChoice; 11] = [
         VariantChoice::Auto,
         VariantChoice::Main,
         VariantChoice::Skinny,
@@ -458,7 +434,6 @@ impl VariantChoice {
         VariantChoice::Direct,
         VariantChoice::PingPong,
         VariantChoice::MidDirect,
-        VariantChoice::MidDeep,
     ];
 
     /// The choice of this [`VariantChoice::name`].
@@ -481,7 +456,7 @@ impl VariantChoice {
     }
 
     /// `main`, `skinny`, `narrow`, `narrow-deep`, `narrow-sliced`, `pair`, `mid`, `direct`,
-    /// `ping-pong`, `mid-direct`, `mid-deep` or `auto`.
+    /// `ping-pong`, `mid-direct` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
@@ -495,7 +470,6 @@ impl VariantChoice {
             VariantChoice::NarrowSliced => "narrow-sliced",
             VariantChoice::PingPong => "ping-pong",
             VariantChoice::MidDirect => "mid-direct",
-            VariantChoice::MidDeep => "mid-deep",
         }
     }
 
@@ -506,10 +480,7 @@ impl VariantChoice {
         // wide tiles measured faster still)
         if matches!(
             self,
-            VariantChoice::Mid
-                | VariantChoice::PingPong
-                | VariantChoice::MidDirect
-                | VariantChoice::MidDeep
+            VariantChoice::Mid | VariantChoice::PingPong | VariantChoice::MidDirect
         ) {
             return MID_TILE;
         }
@@ -534,8 +505,7 @@ impl VariantChoice {
             | VariantChoice::Mid
             | VariantChoice::Direct
             | VariantChoice::PingPong
-            | VariantChoice::MidDirect
-            | VariantChoice::MidDeep => false,
+            | VariantChoice::MidDirect => false,
         };
         if narrow {
             NARROW_TILE
@@ -553,7 +523,6 @@ impl VariantChoice {
             return match self {
                 VariantChoice::PingPong => GemmVariant::PingPong,
                 VariantChoice::MidDirect | VariantChoice::Auto => GemmVariant::MidDirect,
-                VariantChoice::MidDeep => GemmVariant::MidDeep,
                 _ => GemmVariant::Mid,
             };
         }
@@ -799,8 +768,6 @@ struct GemmParams {
     k_phases: u32,
     /// Non-zero in a traced call only: where the blocks stamp their points ([`trace`])
     trace: u64,
-    /// [`StartOptions`] bits
-    start_options: u32,
     a_local: TmaDesc,
     d_map: TmaDesc,
     fold_map: TmaDesc,
@@ -815,7 +782,6 @@ const _: () = assert!(
         && std::mem::offset_of!(GemmParams, a_box_bytes) == 456
         && std::mem::offset_of!(GemmParams, k_phases) == 460
         && std::mem::offset_of!(GemmParams, trace) == 464
-        && std::mem::offset_of!(GemmParams, start_options) == 472
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::offset_of!(GemmParams, d_map) == 640
         && std::mem::offset_of!(GemmParams, fold_map) == 768
@@ -866,23 +832,6 @@ pub enum CallNumber {
 
 /// `GemmParams::call_options`: the call counter is read, not advanced (mirrors gemm.cu).
 const CALLS_READ_ONLY: u32 = 1;
-
-/// How the kernel's blocks start (`GemmParams::start_options`, mirrors gemm.cu's `START_*`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct StartOptions {
-    /// The producer thread loads its first unit's first stages as soon as it has set up the
-    /// pipeline's barriers, before the block's barrier, its `setmaxnreg` and its own set-up
-    /// (`early_loads`). Not in the pair build, a GEMM with a gather, or with
-    /// [`PreparedGemm::set_k_phases`], where it changes nothing.
-    pub early_loads: bool,
-}
-
-impl StartOptions {
-    /// The bits of `GemmParams::start_options`.
-    fn bits(self) -> u32 {
-        self.early_loads as u32
-    }
-}
 
 /// Most K parts a tail tile of the main build is cut into ([`GemmVariant::max_parts`]).
 const MAX_PARTS: usize = 4;
@@ -1329,7 +1278,7 @@ impl PreparedGemm {
         // no staged build beside them: routes take the fused operators' tile.
         let serves = match variant {
             GemmVariant::Pair | GemmVariant::PingPong => routes.is_none() && gather.is_none(),
-            GemmVariant::Direct | GemmVariant::MidDirect | GemmVariant::MidDeep => routes.is_none(),
+            GemmVariant::Direct | GemmVariant::MidDirect => routes.is_none(),
             GemmVariant::Narrow | GemmVariant::NarrowTall | GemmVariant::NarrowDeep
                 if routes.is_some() =>
             {
@@ -1342,9 +1291,7 @@ impl PreparedGemm {
         };
         if !serves {
             variant = match variant {
-                GemmVariant::PingPong | GemmVariant::MidDirect | GemmVariant::MidDeep => {
-                    GemmVariant::Mid
-                }
+                GemmVariant::PingPong | GemmVariant::MidDirect => GemmVariant::Mid,
                 _ => GemmVariant::Main,
             };
         }
@@ -1505,7 +1452,6 @@ impl PreparedGemm {
             next_prefetch: 0,
             a_box_bytes: (a_box_rows(p.m, variant) * 128) as u32,
             k_phases: 0,
-            start_options: 0,
             trace: 0,
             a_local: TmaDesc([0; 16]),
             d_map: TmaDesc([0; 16]),
@@ -1574,11 +1520,6 @@ impl PreparedGemm {
     /// for the same one. The sums then run in another order (within the same bound).
     pub fn set_k_phases(&mut self, phases: u32) {
         self.params.k_phases = phases;
-    }
-
-    /// How the blocks start (off by default: [`StartOptions::default`]).
-    pub fn set_start(&mut self, options: StartOptions) {
-        self.params.start_options = options.bits();
     }
 
     /// Tiles whose partials the kernel loads into its pipeline's stages by TMA; the other
@@ -2244,7 +2185,8 @@ mod tests {
                 assert_eq!(cut, TailMode::Cut { max_parts });
                 let want = match v {
                     GemmVariant::Pair | GemmVariant::PingPong => TailMode::Cut { max_parts: 1 },
-                    // (one partial wave: whole under the cut, spread by stream-K)
+                    // (one partial wave whole)
+                    GemmVariant::MidDirect if one_wave => TailMode::Cut { max_parts: 1 },
                     _ => TailMode::StreamK { max_parts },
                 };
                 assert_eq!(spread, want, "{v:?}");
@@ -2280,9 +2222,6 @@ mod tests {
         // PingPongCfg::SMEM_BYTES; a seventh stage would not fit
         assert_eq!(PING_PONG_SMEM_BYTES, 230512);
         const { assert!(PING_PONG_SMEM_BYTES + 32 * 1024 > 227 * 1024) };
-        // (the boxes inside the stages make room for a seventh, not an eighth)
-        assert_eq!(MID_DEEP_SMEM_BYTES, 230528);
-        const { assert!(MID_DEEP_SMEM_BYTES + 32 * 1024 > 227 * 1024) };
         const {
             assert!(
                 direct_smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES + 2) > 227 * 1024
@@ -2496,7 +2435,6 @@ mod tests {
             ("narrow-sliced", VariantChoice::NarrowSliced),
             ("ping-pong", VariantChoice::PingPong),
             ("mid-direct", VariantChoice::MidDirect),
-            ("mid-deep", VariantChoice::MidDeep),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -2505,7 +2443,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, mid-deep or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct or auto, got \"Skinny\""
             ),
             "{e}"
         );
@@ -2562,7 +2500,7 @@ mod tests {
     }
 
     #[test]
-    fn a_plan_of_mid_tiles_runs_on_the_mid_build_unless_a_mid_tile_build_or_auto_is_chosen() {
+    fn a_plan_of_mid_tiles_runs_on_the_mid_build_unless_mid_direct_auto_or_ping_pong_is_chosen() {
         for (m, bands) in [
             (1, None),
             (64, None),
@@ -2585,8 +2523,6 @@ mod tests {
             }
             let build = VariantChoice::PingPong.variant_for(&plan);
             assert_eq!(build, GemmVariant::PingPong, "{m}");
-            let build = VariantChoice::MidDeep.variant_for(&plan);
-            assert_eq!(build, GemmVariant::MidDeep, "{m}");
             for choice in [VariantChoice::MidDirect, VariantChoice::Auto] {
                 let build = choice.variant_for(&plan);
                 assert_eq!(build, GemmVariant::MidDirect, "{choice:?} {m}");
@@ -2600,7 +2536,6 @@ mod tests {
             assert_eq!(VariantChoice::Mid.tile_for(&p, 132), MID_TILE);
             assert_eq!(VariantChoice::PingPong.tile_for(&p, 132), MID_TILE);
             assert_eq!(VariantChoice::MidDirect.tile_for(&p, 132), MID_TILE);
-            assert_eq!(VariantChoice::MidDeep.tile_for(&p, 132), MID_TILE);
             for choice in [VariantChoice::Main, VariantChoice::Pair] {
                 assert_ne!(choice.tile_for(&p, 132), MID_TILE, "{choice:?} {m}");
             }

@@ -14,8 +14,7 @@
 //!   that all run at once (at most `max_parts`, and only where the parts fit in the grid);
 //! * [`TailMode::StreamK`]: the last partial wave and the whole wave before it spread evenly
 //!   over every block (the hybrid of data-parallel waves and stream-K of Osama et al., 2023),
-//!   so that no SM idles through the last tile; a product of less than one wave is spread
-//!   whole over every block the same way (a tile may then take several blocks' ranges).
+//!   so that no SM idles through the last tile; a product of less than one wave is cut.
 //!   Measured slower than the cut wherever its region is a large share of the work or K is
 //!   long (its blocks read A and B at different places in K, so L2 serves them less; see
 //!   GEMM-NOTES.md, "The tail"), which is why the cut is the default.
@@ -74,8 +73,7 @@ pub enum TailMode {
     /// Each tile of a last, partial wave cut into at most `max_parts` equal K parts.
     Cut { max_parts: usize },
     /// The last partial wave and the wave before it over every block of the grid; a product
-    /// of less than one wave whole over every block; whole waves (or tiles of one k-block,
-    /// less than a wave) are cut as `Cut { max_parts }`.
+    /// of less than one wave is cut as `Cut { max_parts }`.
     StreamK { max_parts: usize },
 }
 
@@ -181,14 +179,8 @@ pub fn plan_tail(order: &[u32], cap: usize, k_blocks: usize, mode: TailMode) -> 
     let tiles = order.len();
     let cap = cap.max(1);
     let (tail_tiles, workers) = match mode {
-        // more than a wave: its last, partial wave and the whole wave before it; less than a
-        // wave: every tile (where a tile has k-blocks to share)
-        TailMode::StreamK { .. } if !tiles.is_multiple_of(cap) && (tiles > cap || k_blocks > 1) => {
-            let tail = if tiles > cap {
-                tiles % cap + cap
-            } else {
-                tiles
-            };
+        TailMode::StreamK { .. } if tiles > cap && !tiles.is_multiple_of(cap) => {
+            let tail = tiles % cap + cap;
             (tail, cap.min(tail * k_blocks))
         }
         TailMode::Cut { max_parts } | TailMode::StreamK { max_parts } => {
@@ -531,7 +523,7 @@ mod tests {
         }
         // at most one helper a tile here (a range is longer than a tile)
         assert!(plan.units.iter().all(|u| u.helpers <= 1));
-        // whole waves only: as the cut
+        // whole waves only, or less than one: as the cut
         assert_eq!(
             plan_tail(
                 &(0..264).collect::<Vec<_>>(),
@@ -542,44 +534,11 @@ mod tests {
             .describe(),
             "none"
         );
-    }
-
-    #[test]
-    fn stream_k_spreads_less_than_a_wave_over_every_block() {
-        // 384 × 4096 × 4096 in 128 × 128 tiles: 96 tiles of 64 k-blocks on 132 SMs, 46 or 47
-        // k-blocks a block where the cut can give none (two parts of 96 tiles need 192 blocks)
-        let plan = check(96, 132, 64, TailMode::StreamK { max_parts: 1 }).unwrap();
+        let one_wave: Vec<u32> = (0..32).collect();
         assert_eq!(
-            (plan.full_units, plan.grid, plan.describe().as_str()),
-            (0, 132, "stream-k 96/132")
+            plan_tail(&one_wave, 132, 56, TailMode::StreamK { max_parts: 3 }),
+            plan_tail(&one_wave, 132, 56, TailMode::Cut { max_parts: 3 })
         );
-        let per_block = |plan: &TailPlan| {
-            (0..plan.grid)
-                .map(|w| {
-                    let units = plan.units.iter().skip(w).step_by(plan.grid);
-                    units.map(|u| u.kb1 - u.kb0).sum::<u32>()
-                })
-                .collect::<Vec<_>>()
-        };
-        assert!(per_block(&plan).iter().all(|&k| k == 46 || k == 47));
-        assert_eq!(
-            plan_tail(
-                &(0..96).collect::<Vec<_>>(),
-                132,
-                64,
-                TailMode::Cut { max_parts: 4 }
-            )
-            .describe(),
-            "none"
-        );
-        // a range shorter than a tile: a tile may have two helpers (32 tiles of 56 k-blocks,
-        // 13 or 14 a block)
-        let plan = check(32, 132, 56, TailMode::StreamK { max_parts: 3 }).unwrap();
-        assert!(per_block(&plan).iter().all(|&k| k == 13 || k == 14));
-        assert!(plan.units.iter().any(|u| u.helpers >= 2));
-        // one k-block a tile: nothing to share
-        let plan = check(32, 132, 1, TailMode::StreamK { max_parts: 3 }).unwrap();
-        assert_eq!(plan.describe(), "none");
     }
 
     #[test]

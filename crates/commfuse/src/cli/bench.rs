@@ -141,8 +141,8 @@ pub struct BenchGemmArgs {
     #[arg(long, requires = "fold")]
     pub fold_paced: Option<f64>,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
-    /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, mid-deep,
-    /// or "none" (default: every build that fits)
+    /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, or "none"
+    /// (default: every build that fits)
     #[arg(long, value_delimiter = ',')]
     pub builds: Vec<String>,
     /// Also a row of the chosen build whose producer asks L2 for each tile's first this many
@@ -153,10 +153,6 @@ pub struct BenchGemmArgs {
     /// K (block b at (b mod N) / N of each tile's K range, wrapping around)
     #[arg(long, allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of places in K"))]
     pub k_phases: Option<u32>,
-    /// Also a row of the chosen build whose producer loads its first stages as soon as it has
-    /// set up the pipeline, before the block's barrier
-    #[arg(long)]
-    pub early_loads: bool,
     /// Every row adds a bias row (N random values of the output type) in its epilogue,
     /// cuBLASLt's included: D = A·B + bias (not with --fold or a peer)
     #[arg(long, conflicts_with = "fold")]
@@ -396,7 +392,6 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         builds: builds.as_deref(),
         next_prefetch: a.next_prefetch,
         k_phases: a.k_phases,
-        early_loads: a.early_loads,
         bias: a.bias,
         gather: a.gather,
         trace: a.trace,
