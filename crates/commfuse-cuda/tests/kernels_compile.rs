@@ -122,7 +122,8 @@ fn check_part_entries(compiled: &nvrtc::Compiled) {
 /// one, and no HGMMA of another width; the pair build's B reaches both blocks of its cluster by
 /// TMA multicast (UTMALDG.2D.MULTICAST); the narrow-sliced build's warpgroups hand their sums
 /// over at named barriers that one side arrives at without waiting (BAR.ARV), which no other
-/// build uses. Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both from PyPI and sets
+/// build uses; the builds that store their tiles themselves decide whether the block gave up
+/// by a reduction at each consumer warpgroup's barrier (BAR.RED.OR), which no other build uses. Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both from PyPI and sets
 /// COMMFUSE_REQUIRE_SASS=1.
 #[test]
 fn gemm_sass_uses_hgmma() {
@@ -165,6 +166,23 @@ fn gemm_sass_uses_hgmma() {
             section.contains("BAR.ARV"),
             name.starts_with("gemm_narrow_sliced_"),
             "{name}: arrivals at a named barrier (the sliced build's hand-over) in its SASS"
+        );
+        // the builds whose consumers store their own tiles decide once per warpgroup whether
+        // the block gave up (group_stopped: a reduction at the warpgroup's barrier), so that
+        // no warp goes on into the epilogue's barriers alone; no other build reduces
+        let stores_directly = [
+            "gemm_direct_",
+            "gemm_ping_pong_",
+            "gemm_mid_direct_",
+            "gemm_narrow_",
+        ]
+        .iter()
+        .any(|p| name.starts_with(p))
+            && !name.starts_with("gemm_narrow_sliced_");
+        assert_eq!(
+            section.contains("BAR.RED.OR"),
+            stores_directly,
+            "{name}: the stop decided by a barrier reduction in its SASS"
         );
         let all: Vec<&str> = section.lines().filter(|l| l.contains("HGMMA.")).collect();
         let hgmma: Vec<&str> = all.iter().copied().filter(|l| l.contains(shape)).collect();
