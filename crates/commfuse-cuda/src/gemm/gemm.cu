@@ -1143,10 +1143,24 @@ __device__ bool split_partials(const GemmParams& p, const TailUnit& t, u32 rows,
 }
 
 // One consumer warpgroup's 128 threads (named barriers 3 and 4; 1 is the storers', 2 both
-// consumer warpgroups', 5 and 6 the sliced build's hand-over).
+// consumer warpgroups', 5 and 6 the sliced build's hand-over). The barrier's id is an
+// immediate in each copy, so warpgroup `cw` picks its copy by a branch.
+template <int ID> __device__ __forceinline__ void group_sync_at() {
+    asm volatile("bar.sync %0, 128;" ::"n"(ID) : "memory");
+}
 __device__ __forceinline__ void consumer_group_sync(u32 cw) {
-    if (cw == 0) asm volatile("bar.sync 3, 128;" ::: "memory");
-    else asm volatile("bar.sync 4, 128;" ::: "memory");
+    if (cw == 0) group_sync_at<3>();
+    else group_sync_at<4>();
+}
+
+// Whether any of the warpgroup's 128 threads at named barrier ID passes `mine`.
+template <int ID> __device__ __forceinline__ bool group_any_at(u32 mine) {
+    u32 any;
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, 128, p;\nselp.u32 %0, 1, 0, q;\n}"
+                 : "=r"(any)
+                 : "r"(mine), "n"(ID)
+                 : "memory");
+    return any != 0;
 }
 
 // Whether the block has stopped, as every thread of consumer warpgroup `cw` then sees it (at
@@ -1155,18 +1169,7 @@ __device__ __forceinline__ void consumer_group_sync(u32 cw) {
 // the warpgroup's barriers in the epilogue short.
 __device__ __forceinline__ bool group_stopped(u32 cw) {
     const u32 mine = block_stopped() ? 1u : 0u;
-    u32 any;
-    if (cw == 0)
-        asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, 3, 128, p;\nselp.u32 %0, 1, 0, q;\n}"
-                     : "=r"(any)
-                     : "r"(mine)
-                     : "memory");
-    else
-        asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, 4, 128, p;\nselp.u32 %0, 1, 0, q;\n}"
-                     : "=r"(any)
-                     : "r"(mine)
-                     : "memory");
-    return any != 0;
+    return cw == 0 ? group_any_at<3>(mine) : group_any_at<4>(mine);
 }
 
 // Waits until every flag of a fold holds this call's epoch (a partial that never comes: see
