@@ -1415,24 +1415,6 @@ template <int ID> __device__ __forceinline__ void slices_arrive() {
     asm volatile("bar.arrive %0, 256;" ::"n"(ID) : "memory");
 }
 
-// The ping-pong build's k-block, under measurement (GEMM-NOTES.md): 0 the two halves' wgmmas
-// interleaved, one group; 1 each half's four wgmmas one chain, one group; 2 each half a chain
-// and a group, the previous k-block waited for and its stage let go between the halves.
-#ifndef PINGPONG_ORDER
-#define PINGPONG_ORDER 0
-#endif
-
-// One 64-row half of a ping-pong tile's k-block: its four k16 steps on the same accumulators.
-template <typename In, bool B_KN>
-__device__ __forceinline__ void ping_pong_half(float* acc, u32 a, u32 b, bool first) {
-#pragma unroll
-    for (int kk = 0; kk < gemm::BK / 16; ++kk) {
-        const u64 db = B_KN ? smem_desc(b + 2048 * kk, 8192, 1024) : smem_desc(b + 32 * kk, 16, 1024);
-        const u64 da = smem_desc(a + 32 * kk, 16, 1024);
-        Wgmma<In, 128>::template mma<B_KN ? 1 : 0>(acc, da, db, !first || kk != 0);
-    }
-}
-
 template <class C, typename In, typename Out, bool B_KN>
 __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     constexpr int PASSES = sizeof(Out) / 2;  // f32 tiles are staged in two column halves
@@ -1511,34 +1493,6 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                 if (kb == c.kb0 && cw == 0 && leader) trace(p, TRACE_FIRST_FULL);
                 const u32 a = s.a + stage * C::A_STAGE_BYTES + half * (64 * 128);
                 const u32 b = s.b + stage * C::B_STAGE_BYTES;
-                if constexpr (C::PINGPONG && PINGPONG_ORDER != 0) {
-                    const bool first = kb == c.kb0;
-                    wgmma_fence();
-                    fence_acc<ACCS>(acc);
-                    ping_pong_half<In, B_KN>(acc, a, b, first);
-                    if constexpr (PINGPONG_ORDER == 2) {
-                        wgmma_commit();
-                        fence_acc<ACCS>(acc);
-                        wgmma_wait<1>();
-                        fence_acc<ACCS>(acc);
-                        if (kb > c.kb0 && leader) release_stage<C>(s.empty + 8 * prev);
-                        wgmma_fence();
-                    }
-                    ping_pong_half<In, B_KN>(acc + C::ACC, a + 64 * 128, b, first);
-                    wgmma_commit();
-                    fence_acc<ACCS>(acc);
-                    if constexpr (PINGPONG_ORDER == 1) {
-                        wgmma_wait<1>();
-                        fence_acc<ACCS>(acc);
-                        if (kb > c.kb0 && leader) release_stage<C>(s.empty + 8 * prev);
-                    }
-                    prev = stage;
-                    if (++stage == C::STAGES) {
-                        stage = 0;
-                        phase ^= 1;
-                    }
-                    continue;
-                }
                 wgmma_fence();
                 fence_acc<ACCS>(acc);
 #pragma unroll
