@@ -316,6 +316,74 @@ pub fn grouped_order_of_grid(tm: usize, tn: usize, group: usize) -> Vec<usize> {
     order
 }
 
+/// Which tiles the blocks of one wave run side by side ([`tile_order`]), and so which of A's
+/// row panels and B's column panels they ask L2 for at the same time: blocks on the SMs of
+/// one GPC that read the same sectors together are served by one L2 read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TileOrder {
+    /// [`grouped_order`]: bands of `group` tile rows, M fastest within a band
+    #[default]
+    Grouped,
+    /// Row by row, N fastest
+    Rows,
+    /// Squares of [`SQUARE_TILES`] tiles (as many tile rows as M has up to 4, the rest in
+    /// columns), one after the other, M fastest within each
+    Squares,
+    /// The same squares dealt out in turn: square s's j-th tile at place j·S + s of S squares,
+    /// so that blocks S places apart share their panels
+    DealtSquares,
+}
+
+/// Tiles in one square of [`TileOrder::Squares`] (about the SMs of one GPC).
+pub const SQUARE_TILES: usize = 16;
+
+impl TileOrder {
+    /// The order named `name` (grouped, rows, squares, dealt-squares).
+    pub fn from_name(name: &str) -> Option<TileOrder> {
+        match name {
+            "grouped" => Some(TileOrder::Grouped),
+            "rows" => Some(TileOrder::Rows),
+            "squares" => Some(TileOrder::Squares),
+            "dealt-squares" => Some(TileOrder::DealtSquares),
+            _ => None,
+        }
+    }
+}
+
+/// The tiles of a grid of `tm` × `tn` tiles in `order` (`group`: the band of
+/// [`TileOrder::Grouped`]); every tile exactly once.
+pub fn tile_order(tm: usize, tn: usize, order: TileOrder, group: usize) -> Vec<usize> {
+    let squares = || {
+        let side_m = tm.clamp(1, 4);
+        let side_n = (SQUARE_TILES / side_m).max(1);
+        let mut out: Vec<Vec<usize>> = Vec::new();
+        for band in (0..tm).step_by(side_m) {
+            for col in (0..tn).step_by(side_n) {
+                let mut square = Vec::new();
+                for j in col..(col + side_n).min(tn) {
+                    for i in band..(band + side_m).min(tm) {
+                        square.push(i * tn + j);
+                    }
+                }
+                out.push(square);
+            }
+        }
+        out
+    };
+    match order {
+        TileOrder::Grouped => grouped_order_of_grid(tm, tn, group),
+        TileOrder::Rows => (0..tm * tn).collect(),
+        TileOrder::Squares => squares().concat(),
+        TileOrder::DealtSquares => {
+            let squares = squares();
+            let longest = squares.iter().map(Vec::len).max().unwrap_or(0);
+            (0..longest)
+                .flat_map(|j| squares.iter().filter_map(move |sq| sq.get(j).copied()))
+                .collect()
+        }
+    }
+}
+
 /// The fused operators' tile order: tiles bound for other ranks spread evenly over the run
 /// (so NVLink carries a steady share of every wave instead of a burst), and the last
 /// `last_wave` places — the final wave of a persistent grid, whose stores nothing can overlap —
@@ -641,6 +709,53 @@ pub fn tiles(problem: &GemmProblem, tile: TileShape) -> (usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_tile_order_is_a_permutation_and_squares_share_panels() {
+        for (tm, tn) in [(1, 1), (1, 64), (4, 32), (3, 7), (2, 64), (5, 9), (64, 64)] {
+            for order in [
+                TileOrder::Grouped,
+                TileOrder::Rows,
+                TileOrder::Squares,
+                TileOrder::DealtSquares,
+            ] {
+                let o = tile_order(tm, tn, order, 8);
+                let mut seen = o.clone();
+                seen.sort_unstable();
+                assert_eq!(
+                    seen,
+                    (0..tm * tn).collect::<Vec<_>>(),
+                    "{order:?} {tm}x{tn}"
+                );
+            }
+        }
+        // 4 × 32 tiles: each run of 16 places of the squares (and every 8th place of the dealt
+        // squares) reads 4 row panels and 4 column panels
+        let panels = |tiles: &[usize]| {
+            let rows: std::collections::BTreeSet<_> = tiles.iter().map(|t| t / 32).collect();
+            let cols: std::collections::BTreeSet<_> = tiles.iter().map(|t| t % 32).collect();
+            (rows.len(), cols.len())
+        };
+        let sq = tile_order(4, 32, TileOrder::Squares, 8);
+        for run in sq.chunks(16) {
+            assert_eq!(panels(run), (4, 4));
+        }
+        let dealt = tile_order(4, 32, TileOrder::DealtSquares, 8);
+        for s in 0..8 {
+            let every_8th: Vec<usize> = dealt.iter().skip(s).step_by(8).copied().collect();
+            assert_eq!(panels(&every_8th), (4, 4));
+        }
+        assert_eq!(tile_order(2, 3, TileOrder::Rows, 8), vec![0, 1, 2, 3, 4, 5]);
+        assert_eq!(
+            tile_order(2, 3, TileOrder::Grouped, 8),
+            vec![0, 3, 1, 4, 2, 5]
+        );
+        assert_eq!(
+            TileOrder::from_name("dealt-squares"),
+            Some(TileOrder::DealtSquares)
+        );
+        assert_eq!(TileOrder::from_name("diagonal"), None);
+    }
     use half::{bf16, f16};
 
     /// Uniform in [-1, 1) from a splitmix stream.

@@ -193,6 +193,7 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         bias: false,
         gather: false,
         trace: false,
+        order: Default::default(),
     }
 }
 

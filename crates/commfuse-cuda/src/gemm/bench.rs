@@ -21,9 +21,10 @@ use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
 pub use crate::sys::driver::StreamGuard;
 use crate::sys::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
 use crate::sys::nvrtc;
+pub use commfuse_core::gemm::TileOrder;
 use commfuse_core::gemm::{
-    grouped_order, staggered_remote_first, BLayout, ElementCheck, Epilogue, GemmPlan, GemmProblem,
-    ReferenceElement,
+    staggered_remote_first, tile_order, tiles, BLayout, ElementCheck, Epilogue, GemmPlan,
+    GemmProblem, ReferenceElement,
 };
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::reference::input_value;
@@ -110,6 +111,8 @@ pub struct ExtraRows<'a> {
     /// After the timed rounds, one more call of each plain row of ours (the chosen build and
     /// the forced ones) whose blocks stamp the points of [`crate::gemm::trace::EVENTS`]
     pub trace: bool,
+    /// The tile order of every row of ours (bands of [`ORDER_GROUP`] rows by default)
+    pub order: TileOrder,
 }
 
 /// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
@@ -178,7 +181,7 @@ fn interleaved_medians(
 /// A [`PreparedGemm`] setter of one of the bench's option rows (`set_next_prefetch`, …).
 type SetOption = fn(&mut PreparedGemm, u32);
 
-/// The tile order of every benchmark row of our kernel.
+/// The band of the default tile order of the benchmark rows of our kernel.
 pub const ORDER_GROUP: usize = 8;
 
 #[allow(clippy::too_many_arguments)]
@@ -194,6 +197,7 @@ fn run<T: Element>(
         bias,
         gather,
         trace,
+        order,
     }: ExtraRows<'_>,
     p: &GemmProblem,
     sms: &[u32],
@@ -234,7 +238,8 @@ fn run<T: Element>(
     };
     let plan_of = |tile| {
         let mut plan = GemmPlan::local(*p, tile, epilogue);
-        plan.order = grouped_order(p, tile, ORDER_GROUP);
+        let (tm, tn) = tiles(p, tile);
+        plan.order = tile_order(tm, tn, order, ORDER_GROUP);
         plan
     };
     // the tile the build choice (COMMFUSE_GEMM_VARIANT, auto by default) plans with; the rows

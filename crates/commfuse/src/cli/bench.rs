@@ -10,6 +10,7 @@ use crate::driver;
 use crate::sizes::parse_sizes;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
+use commfuse_core::gemm::TileOrder;
 use commfuse_core::topology::LinkModel;
 use commfuse_core::{Algo, DType, Implementation};
 use std::path::PathBuf;
@@ -167,6 +168,11 @@ pub struct BenchGemmArgs {
     /// each role's end): printed as µs after each block's entry, median [min, max] over blocks
     #[arg(long)]
     pub trace: bool,
+    /// The order of our rows' tiles over the blocks: grouped (bands of 8 tile rows, M fastest
+    /// within a band), rows (N fastest), squares (16 tiles at a time, up to 4 rows × 4
+    /// columns), dealt-squares (those squares dealt out in turn, one tile of each)
+    #[arg(long, default_value = "grouped", value_parser = tile_order_name)]
+    pub order: TileOrder,
     #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = warmup())]
     pub warmup: usize,
     #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = iters())]
@@ -332,6 +338,12 @@ fn timed_on_cuda(bench: &str, backend: BackendKind, checked_by: &str) -> Result<
     Ok(())
 }
 
+fn tile_order_name(name: &str) -> Result<TileOrder, String> {
+    TileOrder::from_name(name).ok_or_else(|| {
+        format!("unknown tile order '{name}': grouped, rows, squares or dealt-squares")
+    })
+}
+
 pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
     use commfuse_core::gemm::{BLayout, GemmProblem};
     timed_on_cuda(
@@ -395,6 +407,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         bias: a.bias,
         gather: a.gather,
         trace: a.trace,
+        order: a.order,
     };
     let rows = commfuse_cuda::gemm::bench::bench_gemm(
         a.device,
