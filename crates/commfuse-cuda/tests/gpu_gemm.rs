@@ -12,7 +12,7 @@ use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::{DType, Element};
 use commfuse_cuda::backend::plan_table::ErrorRecord;
 use commfuse_cuda::gemm::bench::{
-    bench_gemm, DeviceReference, ExtraRows, ReferenceGemm, StreamGuard,
+    bench_gemm, DeviceReference, ExtraRows, ReferenceGemm, StreamGuard, TileOrder,
 };
 use commfuse_cuda::gemm::{
     CallNumber, FoldSource, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm,
@@ -1662,6 +1662,29 @@ fn next_unit_prefetch_rows_pass_the_check() {
     };
     let name = "commfuse-next-prefetch";
     option_rows_pass_the_check(&shapes, &[1, 4, 100], name, extra, &[0, 116], 11);
+}
+
+/// Our rows under each tile order of the bench (`--order`): every element of the chosen
+/// build's and the forced builds' rows checked, at one wave of 128 × 128 tiles, a ragged shape
+/// whose blocks run several units with a split tail, and a decode size, both B layouts.
+#[test]
+fn every_tile_order_passes_the_check() {
+    if !gpus(1) {
+        return;
+    }
+    let orders = [
+        TileOrder::Grouped,
+        TileOrder::Rows,
+        TileOrder::Squares,
+        TileOrder::DealtSquares,
+    ];
+    let shapes = [(512, 4096, 1024), (1500, 4100, 1000), (64, 8192, 512)];
+    let extra = |o: u32| ExtraRows {
+        builds: Some(&[VariantChoice::Mid]),
+        order: orders[o as usize],
+        ..folds(&[], None)
+    };
+    option_rows_pass_the_check(&shapes, &[0, 1, 2, 3], "commfuse", extra, &[0], 41);
 }
 
 /// The chosen build with its blocks' loads started at 2, 8 and more places in K than a unit
