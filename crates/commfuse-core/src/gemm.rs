@@ -338,15 +338,27 @@ pub enum TileOrder {
 pub const SQUARE_TILES: usize = 16;
 
 impl TileOrder {
-    /// The order named `name` (grouped, rows, squares, dealt-squares).
-    pub fn from_name(name: &str) -> Option<TileOrder> {
-        match name {
-            "grouped" => Some(TileOrder::Grouped),
-            "rows" => Some(TileOrder::Rows),
-            "squares" => Some(TileOrder::Squares),
-            "dealt-squares" => Some(TileOrder::DealtSquares),
-            _ => None,
+    /// Every order, the default first.
+    pub const ALL: [TileOrder; 4] = [
+        TileOrder::Grouped,
+        TileOrder::Rows,
+        TileOrder::Squares,
+        TileOrder::DealtSquares,
+    ];
+
+    /// `grouped`, `rows`, `squares` or `dealt-squares`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TileOrder::Grouped => "grouped",
+            TileOrder::Rows => "rows",
+            TileOrder::Squares => "squares",
+            TileOrder::DealtSquares => "dealt-squares",
         }
+    }
+
+    /// The order named `name` ([`TileOrder::name`]).
+    pub fn from_name(name: &str) -> Option<TileOrder> {
+        Self::ALL.into_iter().find(|o| o.name() == name)
     }
 }
 
@@ -713,12 +725,7 @@ mod tests {
     #[test]
     fn every_tile_order_is_a_permutation_and_squares_share_panels() {
         for (tm, tn) in [(1, 1), (1, 64), (4, 32), (3, 7), (2, 64), (5, 9), (64, 64)] {
-            for order in [
-                TileOrder::Grouped,
-                TileOrder::Rows,
-                TileOrder::Squares,
-                TileOrder::DealtSquares,
-            ] {
+            for order in TileOrder::ALL {
                 let o = tile_order(tm, tn, order, 8);
                 let mut seen = o.clone();
                 seen.sort_unstable();

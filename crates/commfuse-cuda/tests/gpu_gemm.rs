@@ -1672,19 +1672,15 @@ fn every_tile_order_passes_the_check() {
     if !gpus(1) {
         return;
     }
-    let orders = [
-        TileOrder::Grouped,
-        TileOrder::Rows,
-        TileOrder::Squares,
-        TileOrder::DealtSquares,
-    ];
     let shapes = [(512, 4096, 1024), (1500, 4100, 1000), (64, 8192, 512)];
+    // (the option's value is the order's place in TileOrder::ALL)
     let extra = |o: u32| ExtraRows {
         builds: Some(&[VariantChoice::Mid]),
-        order: orders[o as usize],
+        order: TileOrder::ALL[o as usize],
         ..folds(&[], None)
     };
-    option_rows_pass_the_check(&shapes, &[0, 1, 2, 3], "commfuse", extra, &[0], 41);
+    let places: Vec<u32> = (0..TileOrder::ALL.len() as u32).collect();
+    option_rows_pass_the_check(&shapes, &places, "commfuse", extra, &[0], 41);
 }
 
 /// The chosen build with its blocks' loads started at 2, 8 and more places in K than a unit

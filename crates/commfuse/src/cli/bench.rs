@@ -340,7 +340,8 @@ fn timed_on_cuda(bench: &str, backend: BackendKind, checked_by: &str) -> Result<
 
 fn tile_order_name(name: &str) -> Result<TileOrder, String> {
     TileOrder::from_name(name).ok_or_else(|| {
-        format!("unknown tile order '{name}': grouped, rows, squares or dealt-squares")
+        let names: Vec<&str> = TileOrder::ALL.iter().map(|o| o.name()).collect();
+        format!("unknown tile order '{name}': one of {}", names.join(", "))
     })
 }
 
