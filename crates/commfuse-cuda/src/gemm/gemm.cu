@@ -318,9 +318,15 @@ struct GemmParams {
     // Non-null: TRACE_EVENTS pairs (global timer ns, the SM's clock) per block, where its roles
     // stamp the points of `TraceEvent` (bench gemm --trace); null in every other call
     u64* trace;
+    // Nonzero: B [N, K]'s rows of a unit are asked of L2 this many k-blocks at a time (at most
+    // 4) through b_wide (box b_prefetch x 64 elements x the tile's columns, no swizzle), a
+    // chunk ahead of the loads, so that HBM serves each row of B in runs of 128 x b_prefetch
+    // bytes instead of one k-block's 128 (b_prefetch_chunk below)
+    u32 b_prefetch;
     TmaDesc a_local;
     TmaDesc d_map;
     TmaDesc fold_map;
+    TmaDesc b_wide;
 };
 static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSETOF(GemmParams, local_rows) == 428 &&
                   COMMFUSE_OFFSETOF(GemmParams, flag_timeout_ns) == 432 &&
@@ -330,7 +336,9 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, next_prefetch) == 452 &&
                   COMMFUSE_OFFSETOF(GemmParams, a_box_bytes) == 456 &&
                   COMMFUSE_OFFSETOF(GemmParams, k_phases) == 460 && COMMFUSE_OFFSETOF(GemmParams, trace) == 464 &&
-                  COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && sizeof(GemmParams) == 896,
+                  COMMFUSE_OFFSETOF(GemmParams, b_prefetch) == 472 &&
+                  COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && COMMFUSE_OFFSETOF(GemmParams, b_wide) == 896 &&
+                  sizeof(GemmParams) == 1024,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
                   COMMFUSE_OFFSETOF(GemmParams, rank) == 344 && COMMFUSE_OFFSETOF(GemmParams, workspace) == 360 &&
@@ -953,6 +961,16 @@ template <class C, bool B_KN> __device__ __forceinline__ void prefetch_next_unit
     }
 }
 
+// B [N, K]'s rows of the unit `c` from k-block kb on (GemmParams.b_prefetch of them) asked of
+// L2 in one request of longer row runs than the loads' 128 bytes a row: a k-block's box
+// touches one 128-byte run in each of the tile's rows of B, K's row pitch apart, and the
+// blocks in step ask for the same k-block of every row of B at once.
+template <class C, bool B_KN>
+__device__ __forceinline__ void b_prefetch_chunk(const GemmParams& p, const Unit& c, u32 kb) {
+    if (B_KN || C::CLUSTER > 1 || p.b_prefetch == 0 || kb >= c.kb1) return;
+    tma_prefetch_2d(&p.b_wide, kb * gemm::BK, c.tn * C::BN);
+}
+
 template <class C, typename Out, bool B_KN>
 __device__ void producer(const GemmParams& p, const Smem& s) {
     u32 stage = 0, phase = 0;
@@ -980,6 +998,9 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         // (per cluster: the two blocks of a pair load the same k-blocks, whose B they share)
         const u32 skew = p.k_phases > 1 ? (blockIdx.x / C::CLUSTER % p.k_phases) * span / p.k_phases : 0;
         trace(p, TRACE_FIRST_LOAD);
+        // (in the loads' order only: with the phases on, the chunks would not lead the loads)
+        const bool wide = p.b_prefetch != 0 && skew == 0 && !c.idle;
+        if (wide) b_prefetch_chunk<C, B_KN>(p, c, c.kb0);
         for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
             // the k-block this stage gets (kb itself unless the phases are on)
             const u32 kl = skew == 0 ? kb : c.kb0 + (kb - c.kb0 + skew) % span;
@@ -1012,6 +1033,8 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             } else {
                 tma_load_2d(b_dst, &p.b, full, kl * gemm::BK, c.tn * C::BN);
             }
+            // the next chunk, a chunk ahead of the loads
+            if (wide && (kb - c.kb0) % p.b_prefetch == 0) b_prefetch_chunk<C, B_KN>(p, c, kb + p.b_prefetch);
             if (issued < C::STAGES) ++issued;
             if (++stage == C::STAGES) {
                 stage = 0;
@@ -1815,6 +1838,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         if (C::DIRECT && p.d_tma != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.d_map) : "memory");
         if (FoldBoxes<C, Out>::STAGED && p.fold_tma != 0)
             asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.fold_map) : "memory");
+        if (!B_KN && p.b_prefetch != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b_wide) : "memory");
         call_state.stopped = 0;
         if (p.calls != nullptr) {
             const u64 epoch = *(volatile const u64*)&p.calls->last + 1;
