@@ -191,6 +191,7 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         next_prefetch: None,
         k_phases: None,
         b_prefetch: None,
+        early_unit: false,
         bias: false,
         gather: false,
         trace: false,
@@ -1710,6 +1711,29 @@ fn b_prefetch_rows_pass_the_check() {
     };
     let err = bench_gemm(0, None, extra, &p, &[0], 1, 1, 52).unwrap_err();
     assert!(err.to_string().contains("at most 4 k-blocks"), "{err}");
+}
+
+/// The chosen build whose blocks ask L1 for their first order entry as they start: every
+/// element checked at a decode size, one wave of 128 × 128 tiles, a ragged shape whose blocks
+/// run several units with a split tail, and one of fewer tiles than blocks whose units are all
+/// parts of K (every block's first unit a tail unit), both B layouts.
+#[test]
+fn early_unit_rows_pass_the_check() {
+    if !gpus(1) {
+        return;
+    }
+    let shapes = [
+        (16, 8192, 3584),
+        (512, 4096, 1024),
+        (1500, 4100, 1000),
+        (100, 2048, 1000),
+    ];
+    let extra = |_| ExtraRows {
+        builds: Some(&[]),
+        early_unit: true,
+        ..folds(&[], None)
+    };
+    option_rows_pass_the_check(&shapes, &[1], "commfuse-early-unit", extra, &[0, 116], 61);
 }
 
 /// Our rows under each tile order of the bench (`--order`): every element of the chosen

@@ -105,6 +105,9 @@ pub struct ExtraRows<'a> {
     /// A row of the chosen build whose producer asks L2 for B's rows this many k-blocks at a
     /// time, a chunk ahead of its loads ([`PreparedGemm::set_b_prefetch`]), where B is [N, K]
     pub b_prefetch: Option<u32>,
+    /// A row of the chosen build whose blocks ask L1 for their first order entry as they
+    /// start ([`PreparedGemm::set_early_unit`])
+    pub early_unit: bool,
     /// Every plain row (cuBLASLt's, ours, the forced builds) adds a bias row of N random
     /// values of the output type: D = A·B + bias. Not with fold rows or a peer.
     pub bias: bool,
@@ -199,6 +202,7 @@ fn run<T: Element>(
         next_prefetch,
         k_phases,
         b_prefetch,
+        early_unit,
         bias,
         gather,
         trace,
@@ -319,8 +323,9 @@ fn run<T: Element>(
     }
     kernels.set_tail(chosen_tail);
     // the chosen build with one option on: the next unit's first k-blocks asked of L2 ahead,
-    // its blocks' loads started at several places in K, B's rows asked of L2 in chunks
-    let options: [(&str, Option<u32>, SetOption); 3] = [
+    // its blocks' loads started at several places in K, B's rows asked of L2 in chunks, the
+    // first order entry asked of L1 as the block starts
+    let options: [(&str, Option<u32>, SetOption); 4] = [
         ("commfuse-next-prefetch", next_prefetch, |g, k_blocks| {
             g.set_next_prefetch(k_blocks);
             Ok(true)
@@ -334,6 +339,10 @@ fn run<T: Element>(
             b_prefetch,
             PreparedGemm::set_b_prefetch,
         ),
+        ("commfuse-early-unit", early_unit.then_some(1), |g, _| {
+            g.set_early_unit(true);
+            Ok(true)
+        }),
     ];
     for (name, value, set) in options {
         let Some(value) = value else { continue };

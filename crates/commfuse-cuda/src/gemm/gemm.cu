@@ -323,6 +323,10 @@ struct GemmParams {
     // chunk ahead of the loads, so that HBM serves each row of B in runs of 128 x b_prefetch
     // bytes instead of one k-block's 128 (b_prefetch_chunk below)
     u32 b_prefetch;
+    // Nonzero: thread 0 asks L1 for the block's first order entry (or tail unit) as the block
+    // starts, so that its read, which every role waits for before its first step, overlaps
+    // the barriers' set-up instead of following it (early_unit below)
+    u32 early_unit;
     TmaDesc a_local;
     TmaDesc d_map;
     TmaDesc fold_map;
@@ -337,6 +341,7 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, a_box_bytes) == 456 &&
                   COMMFUSE_OFFSETOF(GemmParams, k_phases) == 460 && COMMFUSE_OFFSETOF(GemmParams, trace) == 464 &&
                   COMMFUSE_OFFSETOF(GemmParams, b_prefetch) == 472 &&
+                  COMMFUSE_OFFSETOF(GemmParams, early_unit) == 476 &&
                   COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && COMMFUSE_OFFSETOF(GemmParams, b_wide) == 896 &&
                   sizeof(GemmParams) == 1024,
               "layout mirrored by GemmParams in src/gemm.rs");
@@ -1806,6 +1811,15 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     }
 }
 
+// The block's first unit (GemmParams.early_unit): its order entry or tail unit asked of L1,
+// where the roles' first unit_at will find it.
+__device__ __forceinline__ void early_unit(const GemmParams& p) {
+    if (p.early_unit == 0 || blockIdx.x >= p.unit_count) return;
+    const void* at = blockIdx.x < p.full_units ? (const void*)(p.order + blockIdx.x)
+                                               : (const void*)(p.tail + (blockIdx.x - p.full_units));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(at) : "memory");
+}
+
 template <class C, typename In, typename Out, bool B_KN>
 __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     extern __shared__ unsigned char smem_raw[];
@@ -1822,6 +1836,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     s.epi_empty = s.epi_full + 8;
     if (threadIdx.x == 0) {
         trace(p, TRACE_ENTRY);
+        early_unit(p);
         for (int i = 0; i < C::STAGES; ++i) {
             mbar_init(s.full + 8 * i, 1);             // the producer's expect_tx arrival (+ the TMA bytes)
             // one arrival per warpgroup that reads the stage (of both blocks of a pair)

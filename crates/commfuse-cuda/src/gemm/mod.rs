@@ -772,6 +772,9 @@ struct GemmParams {
     /// Non-zero: B's rows asked of L2 in chunks of this many k-blocks through `b_wide`
     /// ([`PreparedGemm::set_b_prefetch`])
     b_prefetch: u32,
+    /// Non-zero: the block's first order entry asked of L1 as it starts
+    /// ([`PreparedGemm::set_early_unit`])
+    early_unit: u32,
     a_local: TmaDesc,
     d_map: TmaDesc,
     fold_map: TmaDesc,
@@ -788,6 +791,7 @@ const _: () = assert!(
         && std::mem::offset_of!(GemmParams, k_phases) == 460
         && std::mem::offset_of!(GemmParams, trace) == 464
         && std::mem::offset_of!(GemmParams, b_prefetch) == 472
+        && std::mem::offset_of!(GemmParams, early_unit) == 476
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::offset_of!(GemmParams, d_map) == 640
         && std::mem::offset_of!(GemmParams, fold_map) == 768
@@ -1464,6 +1468,7 @@ impl PreparedGemm {
             k_phases: 0,
             trace: 0,
             b_prefetch: 0,
+            early_unit: 0,
             a_local: TmaDesc([0; 16]),
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
@@ -1557,6 +1562,14 @@ impl PreparedGemm {
         }
         self.params.b_prefetch = if applies { k_blocks } else { 0 };
         Ok(applies)
+    }
+
+    /// Whether thread 0 asks L1 for the block's first order entry (or tail unit) as the block
+    /// starts (off by default): every role reads it before its first step, and read after the
+    /// block's barrier it comes from HBM (the tables lie cold between calls), so that the
+    /// first load waits for it.
+    pub fn set_early_unit(&mut self, on: bool) {
+        self.params.early_unit = on as u32;
     }
 
     /// Tiles whose partials the kernel loads into its pipeline's stages by TMA; the other

@@ -158,6 +158,10 @@ pub struct BenchGemmArgs {
     /// (1 to 4) at a time, a chunk ahead of its loads (B as [N, K] only)
     #[arg(long, allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of k-blocks"))]
     pub b_prefetch: Option<u32>,
+    /// Also a row of the chosen build whose blocks ask L1 for their first order entry as
+    /// they start
+    #[arg(long)]
+    pub early_unit: bool,
     /// Every row adds a bias row (N random values of the output type) in its epilogue,
     /// cuBLASLt's included: D = A·B + bias (not with --fold or a peer)
     #[arg(long, conflicts_with = "fold")]
@@ -410,6 +414,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         next_prefetch: a.next_prefetch,
         k_phases: a.k_phases,
         b_prefetch: a.b_prefetch,
+        early_unit: a.early_unit,
         bias: a.bias,
         gather: a.gather,
         trace: a.trace,
