@@ -191,7 +191,7 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         next_prefetch: None,
         k_phases: None,
         b_prefetch: None,
-        early_unit: false,
+        early_reads: None,
         bias: false,
         gather: false,
         trace: false,
@@ -1713,12 +1713,12 @@ fn b_prefetch_rows_pass_the_check() {
     assert!(err.to_string().contains("at most 4 k-blocks"), "{err}");
 }
 
-/// The chosen build whose blocks ask L1 for their first order entry as they start: every
-/// element checked at a decode size, one wave of 128 × 128 tiles, a ragged shape whose blocks
+/// The chosen build whose thread 0 starts its early reads as the block starts (the first order
+/// entry, the parameters, both): every element checked at a decode size, one wave of 128 × 128 tiles, a ragged shape whose blocks
 /// run several units with a split tail, and one of fewer tiles than blocks whose units are all
 /// parts of K (every block's first unit a tail unit), both B layouts.
 #[test]
-fn early_unit_rows_pass_the_check() {
+fn early_reads_rows_pass_the_check() {
     if !gpus(1) {
         return;
     }
@@ -1728,12 +1728,19 @@ fn early_unit_rows_pass_the_check() {
         (1500, 4100, 1000),
         (100, 2048, 1000),
     ];
-    let extra = |_| ExtraRows {
+    let extra = |what| ExtraRows {
         builds: Some(&[]),
-        early_unit: true,
+        early_reads: Some(what),
         ..folds(&[], None)
     };
-    option_rows_pass_the_check(&shapes, &[1], "commfuse-early-unit", extra, &[0, 116], 61);
+    option_rows_pass_the_check(
+        &shapes,
+        &[1, 2, 3],
+        "commfuse-early-reads",
+        extra,
+        &[0, 116],
+        61,
+    );
 }
 
 /// Our rows under each tile order of the bench (`--order`): every element of the chosen

@@ -105,9 +105,9 @@ pub struct ExtraRows<'a> {
     /// A row of the chosen build whose producer asks L2 for B's rows this many k-blocks at a
     /// time, a chunk ahead of its loads ([`PreparedGemm::set_b_prefetch`]), where B is [N, K]
     pub b_prefetch: Option<u32>,
-    /// A row of the chosen build whose blocks ask L1 for their first order entry as they
-    /// start ([`PreparedGemm::set_early_unit`])
-    pub early_unit: bool,
+    /// A row of the chosen build whose thread 0 starts these reads as the block starts
+    /// ([`PreparedGemm::set_early_reads`])
+    pub early_reads: Option<u32>,
     /// Every plain row (cuBLASLt's, ours, the forced builds) adds a bias row of N random
     /// values of the output type: D = A·B + bias. Not with fold rows or a peer.
     pub bias: bool,
@@ -202,7 +202,7 @@ fn run<T: Element>(
         next_prefetch,
         k_phases,
         b_prefetch,
-        early_unit,
+        early_reads,
         bias,
         gather,
         trace,
@@ -339,10 +339,11 @@ fn run<T: Element>(
             b_prefetch,
             PreparedGemm::set_b_prefetch,
         ),
-        ("commfuse-early-unit", early_unit.then_some(1), |g, _| {
-            g.set_early_unit(true);
-            Ok(true)
-        }),
+        (
+            "commfuse-early-reads",
+            early_reads,
+            PreparedGemm::set_early_reads,
+        ),
     ];
     for (name, value, set) in options {
         let Some(value) = value else { continue };

@@ -323,10 +323,11 @@ struct GemmParams {
     // chunk ahead of the loads, so that HBM serves each row of B in runs of 128 x b_prefetch
     // bytes instead of one k-block's 128 (b_prefetch_chunk below)
     u32 b_prefetch;
-    // Nonzero: thread 0 asks L1 for the block's first order entry (or tail unit) as the block
-    // starts, so that its read, which every role waits for before its first step, overlaps
-    // the barriers' set-up instead of following it (early_unit below)
-    u32 early_unit;
+    // Reads started as the block starts, before thread 0 sets up the barriers, so that they
+    // overlap the set-up instead of following it (early_unit, early_params below): bit 0 the
+    // block's first order entry (or tail unit), asked of L1; bit 1 a word of every 32 bytes of
+    // this block of parameters, into the constant cache
+    u32 early_reads;
     TmaDesc a_local;
     TmaDesc d_map;
     TmaDesc fold_map;
@@ -341,7 +342,7 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, a_box_bytes) == 456 &&
                   COMMFUSE_OFFSETOF(GemmParams, k_phases) == 460 && COMMFUSE_OFFSETOF(GemmParams, trace) == 464 &&
                   COMMFUSE_OFFSETOF(GemmParams, b_prefetch) == 472 &&
-                  COMMFUSE_OFFSETOF(GemmParams, early_unit) == 476 &&
+                  COMMFUSE_OFFSETOF(GemmParams, early_reads) == 476 &&
                   COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && COMMFUSE_OFFSETOF(GemmParams, b_wide) == 896 &&
                   sizeof(GemmParams) == 1024,
               "layout mirrored by GemmParams in src/gemm.rs");
@@ -1811,13 +1812,26 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     }
 }
 
-// The block's first unit (GemmParams.early_unit): its order entry or tail unit asked of L1,
-// where the roles' first unit_at will find it.
+// GemmParams.early_reads, bit 0: the block's first order entry or tail unit asked of L1 (by
+// thread 0), where the roles' first unit_at will find it.
 __device__ __forceinline__ void early_unit(const GemmParams& p) {
-    if (p.early_unit == 0 || blockIdx.x >= p.unit_count) return;
+    if ((p.early_reads & 1) == 0 || blockIdx.x >= p.unit_count) return;
     const void* at = blockIdx.x < p.full_units ? (const void*)(p.order + blockIdx.x)
                                                : (const void*)(p.tail + (blockIdx.x - p.full_units));
     asm volatile("prefetch.global.L1 [%0];" ::"l"(at) : "memory");
+}
+// Bit 1: the parameters' lines brought into the SM's constant cache by the first storer warp,
+// one 32-byte line a lane, so that the producer's first steps, which read them one after the
+// other, find them there. Returns what the lane read, for early_params_done.
+__device__ __forceinline__ u32 early_params(const GemmParams& p) {
+    const u32 lane = threadIdx.x - 32;
+    if ((p.early_reads & 2) == 0 || lane >= sizeof(GemmParams) / 32) return 0;
+    return ((const u32*)&p)[8 * lane];
+}
+// A use of the lane's read after the block's barrier (so that nothing waits for it but this
+// warp, and the compiler keeps the load): a store that no value of it makes.
+__device__ __forceinline__ void early_params_done(u32 read) {
+    if (read == 0xfffffffeu) *(volatile u32*)&call_state.stopped = read;
 }
 
 template <class C, typename In, typename Out, bool B_KN>
@@ -1834,6 +1848,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     s.empty = s.full + 8 * C::STAGES;
     s.epi_full = s.empty + 8 * C::STAGES;
     s.epi_empty = s.epi_full + 8;
+    const u32 early = threadIdx.x / 32 == 1 ? early_params(p) : 0;
     if (threadIdx.x == 0) {
         trace(p, TRACE_ENTRY);
         early_unit(p);
@@ -1865,6 +1880,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         }
     }
     __syncthreads();
+    if (threadIdx.x / 32 == 1) early_params_done(early);
     // the partner multicasts into this block's stages and arrives on its barriers: not before
     // they are initialised
     if (C::CLUSTER > 1) cluster_sync();

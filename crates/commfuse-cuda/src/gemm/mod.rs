@@ -772,9 +772,8 @@ struct GemmParams {
     /// Non-zero: B's rows asked of L2 in chunks of this many k-blocks through `b_wide`
     /// ([`PreparedGemm::set_b_prefetch`])
     b_prefetch: u32,
-    /// Non-zero: the block's first order entry asked of L1 as it starts
-    /// ([`PreparedGemm::set_early_unit`])
-    early_unit: u32,
+    /// The reads thread 0 starts as the block starts ([`PreparedGemm::set_early_reads`])
+    early_reads: u32,
     a_local: TmaDesc,
     d_map: TmaDesc,
     fold_map: TmaDesc,
@@ -791,7 +790,7 @@ const _: () = assert!(
         && std::mem::offset_of!(GemmParams, k_phases) == 460
         && std::mem::offset_of!(GemmParams, trace) == 464
         && std::mem::offset_of!(GemmParams, b_prefetch) == 472
-        && std::mem::offset_of!(GemmParams, early_unit) == 476
+        && std::mem::offset_of!(GemmParams, early_reads) == 476
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::offset_of!(GemmParams, d_map) == 640
         && std::mem::offset_of!(GemmParams, fold_map) == 768
@@ -1468,7 +1467,7 @@ impl PreparedGemm {
             k_phases: 0,
             trace: 0,
             b_prefetch: 0,
-            early_unit: 0,
+            early_reads: 0,
             a_local: TmaDesc([0; 16]),
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
@@ -1564,12 +1563,20 @@ impl PreparedGemm {
         Ok(applies)
     }
 
-    /// Whether thread 0 asks L1 for the block's first order entry (or tail unit) as the block
-    /// starts (off by default): every role reads it before its first step, and read after the
-    /// block's barrier it comes from HBM (the tables lie cold between calls), so that the
-    /// first load waits for it.
-    pub fn set_early_unit(&mut self, on: bool) {
-        self.params.early_unit = on as u32;
+    /// Which reads the block starts as it starts, before thread 0 sets up the barriers (0:
+    /// none, the default): bit 0 the block's first order entry (or tail unit), asked of L1,
+    /// which every role reads before its first step and which comes from HBM (the tables lie
+    /// cold between calls); bit 1 the parameters, a word of every 32 bytes, into the constant
+    /// cache, which the producer's first steps read one after the other. Values above 3 are
+    /// refused.
+    pub fn set_early_reads(&mut self, what: u32) -> Result<bool, CudaError> {
+        if what > 3 {
+            return Err(unsupported(format!(
+                "early reads are bits 0 (the first order entry) and 1 (the parameters), got {what}"
+            )));
+        }
+        self.params.early_reads = what;
+        Ok(what != 0)
     }
 
     /// Tiles whose partials the kernel loads into its pipeline's stages by TMA; the other
