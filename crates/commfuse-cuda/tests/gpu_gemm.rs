@@ -190,8 +190,6 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         builds: None,
         next_prefetch: None,
         k_phases: None,
-        b_prefetch: None,
-        early_reads: None,
         bias: false,
         gather: false,
         trace: false,
@@ -1664,83 +1662,6 @@ fn next_unit_prefetch_rows_pass_the_check() {
     };
     let name = "commfuse-next-prefetch";
     option_rows_pass_the_check(&shapes, &[1, 4, 100], name, extra, &[0, 116], 11);
-}
-
-/// The chosen build with B's rows asked of L2 1, 2 and 4 k-blocks at a time, a chunk ahead of
-/// its loads: every element checked at a decode size (narrow-deep), one wave of 128 × 128
-/// tiles (mid-direct), ragged shapes whose blocks run several units with a split tail and K
-/// not a whole chunk, with B [N, K] (a row at each cap) and [K, N] (no row: the option does
-/// not apply there); more than 4 k-blocks refused.
-#[test]
-fn b_prefetch_rows_pass_the_check() {
-    if !gpus(1) {
-        return;
-    }
-    let shapes = [
-        (16, 8192, 3584),
-        (512, 4096, 1024),
-        (1500, 4100, 1000),
-        (100, 2048, 328),
-    ];
-    for (m, n, k) in shapes {
-        for layout in [BLayout::NK, BLayout::KN] {
-            let p = GemmProblem::new(m, n, k, layout, DType::BF16, DType::BF16).unwrap();
-            for k_blocks in [1, 2, 4] {
-                let extra = ExtraRows {
-                    builds: Some(&[]),
-                    b_prefetch: Some(k_blocks),
-                    ..folds(&[], None)
-                };
-                let rows = bench_gemm(0, None, extra, &p, &[0, 116], 1, 1, 51 + m as u64).unwrap();
-                let named = rows
-                    .iter()
-                    .filter(|r| r.implementation == "commfuse-b-prefetch");
-                let want = if layout == BLayout::NK { 2 } else { 0 };
-                assert_eq!(named.count(), want, "{layout:?}: {rows:?}");
-                for r in rows.iter().filter(|r| r.build.is_some()) {
-                    assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{layout:?}: {r:?}");
-                }
-            }
-        }
-    }
-    let p = GemmProblem::new(16, 8192, 3584, BLayout::NK, DType::BF16, DType::BF16).unwrap();
-    let extra = ExtraRows {
-        builds: Some(&[]),
-        b_prefetch: Some(5),
-        ..folds(&[], None)
-    };
-    let err = bench_gemm(0, None, extra, &p, &[0], 1, 1, 52).unwrap_err();
-    assert!(err.to_string().contains("at most 4 k-blocks"), "{err}");
-}
-
-/// The chosen build whose thread 0 starts its early reads as the block starts (the first order
-/// entry, the parameters, both): every element checked at a decode size, one wave of 128 × 128 tiles, a ragged shape whose blocks
-/// run several units with a split tail, and one of fewer tiles than blocks whose units are all
-/// parts of K (every block's first unit a tail unit), both B layouts.
-#[test]
-fn early_reads_rows_pass_the_check() {
-    if !gpus(1) {
-        return;
-    }
-    let shapes = [
-        (16, 8192, 3584),
-        (512, 4096, 1024),
-        (1500, 4100, 1000),
-        (100, 2048, 1000),
-    ];
-    let extra = |what| ExtraRows {
-        builds: Some(&[]),
-        early_reads: Some(what),
-        ..folds(&[], None)
-    };
-    option_rows_pass_the_check(
-        &shapes,
-        &[1, 2, 3],
-        "commfuse-early-reads",
-        extra,
-        &[0, 116],
-        61,
-    );
 }
 
 /// Our rows under each tile order of the bench (`--order`): every element of the chosen

@@ -102,12 +102,6 @@ pub struct ExtraRows<'a> {
     /// A row of the chosen build whose blocks start their units' loads at this many places
     /// in K ([`PreparedGemm::set_k_phases`])
     pub k_phases: Option<u32>,
-    /// A row of the chosen build whose producer asks L2 for B's rows this many k-blocks at a
-    /// time, a chunk ahead of its loads ([`PreparedGemm::set_b_prefetch`]), where B is [N, K]
-    pub b_prefetch: Option<u32>,
-    /// A row of the chosen build whose thread 0 starts these reads as the block starts
-    /// ([`PreparedGemm::set_early_reads`])
-    pub early_reads: Option<u32>,
     /// Every plain row (cuBLASLt's, ours, the forced builds) adds a bias row of N random
     /// values of the output type: D = A·B + bias. Not with fold rows or a peer.
     pub bias: bool,
@@ -184,9 +178,8 @@ fn interleaved_medians(
         .collect())
 }
 
-/// A [`PreparedGemm`] setter of one of the bench's option rows (`set_next_prefetch`, …):
-/// whether the option applies to it.
-type SetOption = fn(&mut PreparedGemm, u32) -> Result<bool, CudaError>;
+/// A [`PreparedGemm`] setter of one of the bench's option rows (`set_next_prefetch`, …).
+type SetOption = fn(&mut PreparedGemm, u32);
 
 /// The band of the default tile order of the benchmark rows of our kernel.
 pub const ORDER_GROUP: usize = 8;
@@ -201,8 +194,6 @@ fn run<T: Element>(
         builds: only,
         next_prefetch,
         k_phases,
-        b_prefetch,
-        early_reads,
         bias,
         gather,
         trace,
@@ -323,36 +314,21 @@ fn run<T: Element>(
     }
     kernels.set_tail(chosen_tail);
     // the chosen build with one option on: the next unit's first k-blocks asked of L2 ahead,
-    // its blocks' loads started at several places in K, B's rows asked of L2 in chunks, the
-    // first order entry asked of L1 as the block starts
-    let options: [(&str, Option<u32>, SetOption); 4] = [
-        ("commfuse-next-prefetch", next_prefetch, |g, k_blocks| {
-            g.set_next_prefetch(k_blocks);
-            Ok(true)
-        }),
-        ("commfuse-k-phases", k_phases, |g, phases| {
-            g.set_k_phases(phases);
-            Ok(true)
-        }),
+    // its blocks' loads started at several places in K
+    let options: [(&str, Option<u32>, SetOption); 2] = [
         (
-            "commfuse-b-prefetch",
-            b_prefetch,
-            PreparedGemm::set_b_prefetch,
+            "commfuse-next-prefetch",
+            next_prefetch,
+            PreparedGemm::set_next_prefetch,
         ),
-        (
-            "commfuse-early-reads",
-            early_reads,
-            PreparedGemm::set_early_reads,
-        ),
+        ("commfuse-k-phases", k_phases, PreparedGemm::set_k_phases),
     ];
     for (name, value, set) in options {
         let Some(value) = value else { continue };
         for &cap in sms {
             let mut g = PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0)?;
-            // (a row only where the option changes something)
-            if set(&mut g, value)? {
-                forced.push((name, cap, g));
-            }
+            set(&mut g, value);
+            forced.push((name, cap, g));
         }
     }
 

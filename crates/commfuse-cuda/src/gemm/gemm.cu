@@ -318,20 +318,9 @@ struct GemmParams {
     // Non-null: TRACE_EVENTS pairs (global timer ns, the SM's clock) per block, where its roles
     // stamp the points of `TraceEvent` (bench gemm --trace); null in every other call
     u64* trace;
-    // Nonzero: B [N, K]'s rows of a unit are asked of L2 this many k-blocks at a time (at most
-    // 4) through b_wide (box b_prefetch x 64 elements x the tile's columns, no swizzle), a
-    // chunk ahead of the loads, so that HBM serves each row of B in runs of 128 x b_prefetch
-    // bytes instead of one k-block's 128 (b_prefetch_chunk below)
-    u32 b_prefetch;
-    // Reads started as the block starts, before thread 0 sets up the barriers, so that they
-    // overlap the set-up instead of following it (early_unit, early_params below): bit 0 the
-    // block's first order entry (or tail unit), asked of L1; bit 1 a word of every 32 bytes of
-    // this block of parameters, into the constant cache
-    u32 early_reads;
     TmaDesc a_local;
     TmaDesc d_map;
     TmaDesc fold_map;
-    TmaDesc b_wide;
 };
 static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSETOF(GemmParams, local_rows) == 428 &&
                   COMMFUSE_OFFSETOF(GemmParams, flag_timeout_ns) == 432 &&
@@ -341,10 +330,7 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, next_prefetch) == 452 &&
                   COMMFUSE_OFFSETOF(GemmParams, a_box_bytes) == 456 &&
                   COMMFUSE_OFFSETOF(GemmParams, k_phases) == 460 && COMMFUSE_OFFSETOF(GemmParams, trace) == 464 &&
-                  COMMFUSE_OFFSETOF(GemmParams, b_prefetch) == 472 &&
-                  COMMFUSE_OFFSETOF(GemmParams, early_reads) == 476 &&
-                  COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && COMMFUSE_OFFSETOF(GemmParams, b_wide) == 896 &&
-                  sizeof(GemmParams) == 1024,
+                  COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && sizeof(GemmParams) == 896,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
                   COMMFUSE_OFFSETOF(GemmParams, rank) == 344 && COMMFUSE_OFFSETOF(GemmParams, workspace) == 360 &&
@@ -967,16 +953,6 @@ template <class C, bool B_KN> __device__ __forceinline__ void prefetch_next_unit
     }
 }
 
-// B [N, K]'s rows of the unit `c` from k-block kb on (GemmParams.b_prefetch of them) asked of
-// L2 in one request of longer row runs than the loads' 128 bytes a row: a k-block's box
-// touches one 128-byte run in each of the tile's rows of B, K's row pitch apart, and the
-// blocks in step ask for the same k-block of every row of B at once.
-template <class C, bool B_KN>
-__device__ __forceinline__ void b_prefetch_chunk(const GemmParams& p, const Unit& c, u32 kb) {
-    if (B_KN || C::CLUSTER > 1 || p.b_prefetch == 0 || kb >= c.kb1) return;
-    tma_prefetch_2d(&p.b_wide, kb * gemm::BK, c.tn * C::BN);
-}
-
 template <class C, typename Out, bool B_KN>
 __device__ void producer(const GemmParams& p, const Smem& s) {
     u32 stage = 0, phase = 0;
@@ -1004,9 +980,6 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         // (per cluster: the two blocks of a pair load the same k-blocks, whose B they share)
         const u32 skew = p.k_phases > 1 ? (blockIdx.x / C::CLUSTER % p.k_phases) * span / p.k_phases : 0;
         trace(p, TRACE_FIRST_LOAD);
-        // (in the loads' order only: with the phases on, the chunks would not lead the loads)
-        const bool wide = p.b_prefetch != 0 && skew == 0 && !c.idle;
-        if (wide) b_prefetch_chunk<C, B_KN>(p, c, c.kb0);
         for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
             // the k-block this stage gets (kb itself unless the phases are on)
             const u32 kl = skew == 0 ? kb : c.kb0 + (kb - c.kb0 + skew) % span;
@@ -1039,8 +1012,6 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             } else {
                 tma_load_2d(b_dst, &p.b, full, kl * gemm::BK, c.tn * C::BN);
             }
-            // the next chunk, a chunk ahead of the loads
-            if (wide && (kb - c.kb0) % p.b_prefetch == 0) b_prefetch_chunk<C, B_KN>(p, c, kb + p.b_prefetch);
             if (issued < C::STAGES) ++issued;
             if (++stage == C::STAGES) {
                 stage = 0;
@@ -1812,28 +1783,6 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     }
 }
 
-// GemmParams.early_reads, bit 0: the block's first order entry or tail unit asked of L1 (by
-// thread 0), where the roles' first unit_at will find it.
-__device__ __forceinline__ void early_unit(const GemmParams& p) {
-    if ((p.early_reads & 1) == 0 || blockIdx.x >= p.unit_count) return;
-    const void* at = blockIdx.x < p.full_units ? (const void*)(p.order + blockIdx.x)
-                                               : (const void*)(p.tail + (blockIdx.x - p.full_units));
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(at) : "memory");
-}
-// Bit 1: the parameters' lines brought into the SM's constant cache by the first storer warp,
-// one 32-byte line a lane, so that the producer's first steps, which read them one after the
-// other, find them there. Returns what the lane read, for early_params_done.
-__device__ __forceinline__ u32 early_params(const GemmParams& p) {
-    const u32 lane = threadIdx.x - 32;
-    if ((p.early_reads & 2) == 0 || lane >= sizeof(GemmParams) / 32) return 0;
-    return ((const u32*)&p)[8 * lane];
-}
-// A use of the lane's read after the block's barrier (so that nothing waits for it but this
-// warp, and the compiler keeps the load): a store that no value of it makes.
-__device__ __forceinline__ void early_params_done(u32 read) {
-    if (read == 0xfffffffeu) *(volatile u32*)&call_state.stopped = read;
-}
-
 template <class C, typename In, typename Out, bool B_KN>
 __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     extern __shared__ unsigned char smem_raw[];
@@ -1848,10 +1797,8 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     s.empty = s.full + 8 * C::STAGES;
     s.epi_full = s.empty + 8 * C::STAGES;
     s.epi_empty = s.epi_full + 8;
-    const u32 early = threadIdx.x / 32 == 1 ? early_params(p) : 0;
     if (threadIdx.x == 0) {
         trace(p, TRACE_ENTRY);
-        early_unit(p);
         for (int i = 0; i < C::STAGES; ++i) {
             mbar_init(s.full + 8 * i, 1);             // the producer's expect_tx arrival (+ the TMA bytes)
             // one arrival per warpgroup that reads the stage (of both blocks of a pair)
@@ -1868,7 +1815,6 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         if (C::DIRECT && p.d_tma != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.d_map) : "memory");
         if (FoldBoxes<C, Out>::STAGED && p.fold_tma != 0)
             asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.fold_map) : "memory");
-        if (!B_KN && p.b_prefetch != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b_wide) : "memory");
         call_state.stopped = 0;
         if (p.calls != nullptr) {
             const u64 epoch = *(volatile const u64*)&p.calls->last + 1;
@@ -1880,7 +1826,6 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         }
     }
     __syncthreads();
-    if (threadIdx.x / 32 == 1) early_params_done(early);
     // the partner multicasts into this block's stages and arrives on its barriers: not before
     // they are initialised
     if (C::CLUSTER > 1) cluster_sync();

@@ -21,8 +21,7 @@ pub use tail::{plan_tail, tail_split, TailChoice, TailMode, TailPlan, TailUnit, 
 use crate::backend::plan_table::ErrorRecord;
 use crate::error::CudaError;
 use crate::sys::driver::{
-    copy_2d, prefetch_map_2d, tensor_map_2d, CallOrder, DeviceMemory, Function, Gpu, MappedHost,
-    Module, Stream,
+    copy_2d, tensor_map_2d, CallOrder, DeviceMemory, Function, Gpu, MappedHost, Module, Stream,
 };
 use crate::sys::host_sync::poll_until;
 use crate::sys::nvrtc;
@@ -769,15 +768,9 @@ struct GemmParams {
     k_phases: u32,
     /// Non-zero in a traced call only: where the blocks stamp their points ([`trace`])
     trace: u64,
-    /// Non-zero: B's rows asked of L2 in chunks of this many k-blocks through `b_wide`
-    /// ([`PreparedGemm::set_b_prefetch`])
-    b_prefetch: u32,
-    /// The reads thread 0 starts as the block starts ([`PreparedGemm::set_early_reads`])
-    early_reads: u32,
     a_local: TmaDesc,
     d_map: TmaDesc,
     fold_map: TmaDesc,
-    b_wide: TmaDesc,
 }
 const _: () = assert!(
     std::mem::offset_of!(GemmParams, band_flags) == 416
@@ -789,13 +782,10 @@ const _: () = assert!(
         && std::mem::offset_of!(GemmParams, a_box_bytes) == 456
         && std::mem::offset_of!(GemmParams, k_phases) == 460
         && std::mem::offset_of!(GemmParams, trace) == 464
-        && std::mem::offset_of!(GemmParams, b_prefetch) == 472
-        && std::mem::offset_of!(GemmParams, early_reads) == 476
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::offset_of!(GemmParams, d_map) == 640
         && std::mem::offset_of!(GemmParams, fold_map) == 768
-        && std::mem::offset_of!(GemmParams, b_wide) == 896
-        && std::mem::size_of::<GemmParams>() == 1024
+        && std::mem::size_of::<GemmParams>() == 896
 );
 
 /// Rows of A that an all-gather brings in while the GEMM runs ([`PreparedGemm::gathering`]).
@@ -1073,9 +1063,6 @@ pub struct PreparedGemm {
     problem: GemmProblem,
     /// B was copied to a padded pitch at preparation: its address cannot change per call
     b_padded: bool,
-    /// Where the prepared B lies (the padded copy where there is one): what B's L2
-    /// prefetches read ([`PreparedGemm::set_b_prefetch`]) until a call gives another
-    b_addr: u64,
     /// Built from caller routes: the bias is per call (routes say which tiles add it)
     routed: bool,
     /// Tiles whose partials come into the pipeline by TMA ([`stage_folds`])
@@ -1466,12 +1453,9 @@ impl PreparedGemm {
             a_box_bytes: (a_box_rows(p.m, variant) * 128) as u32,
             k_phases: 0,
             trace: 0,
-            b_prefetch: 0,
-            early_reads: 0,
             a_local: TmaDesc([0; 16]),
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
-            b_wide: TmaDesc([0; 16]),
         };
         if variant.stores_directly() {
             set_d_map(&mut params, p.output)?;
@@ -1485,7 +1469,6 @@ impl PreparedGemm {
             tail: tail.describe(),
             problem: *p,
             b_padded: b_padded.is_some(),
-            b_addr,
             routed: false,
             staged_folds,
             memory: Launched::new(
@@ -1537,46 +1520,6 @@ impl PreparedGemm {
     /// for the same one. The sums then run in another order (within the same bound).
     pub fn set_k_phases(&mut self, phases: u32) {
         self.params.k_phases = phases;
-    }
-
-    /// How many k-blocks of B's rows the producer asks L2 for at a time, a chunk ahead of its
-    /// loads (0: none, the default; at most [`B_PREFETCH_MAX_K_BLOCKS`]): where B is [N, K], a
-    /// k-block's box reads 128 bytes of each of the tile's rows of B, rows K elements apart,
-    /// so that HBM opens a row of its own for every 128 (256 with L2's promotion) bytes; a
-    /// chunk reads 128 × `k_blocks` of each at once. Where it cannot apply (B [K, N], whose
-    /// rows the tile reads across N, and the pair builds, whose blocks load halves of B)
-    /// nothing changes; whether it applies is returned.
-    pub fn set_b_prefetch(&mut self, k_blocks: u32) -> Result<bool, CudaError> {
-        if k_blocks as usize > B_PREFETCH_MAX_K_BLOCKS {
-            return Err(unsupported(format!(
-                "B's L2 prefetches take at most {B_PREFETCH_MAX_K_BLOCKS} k-blocks (a tensor map's \
-                 box row), got {k_blocks}"
-            )));
-        }
-        let applies =
-            k_blocks > 0 && self.problem.b_layout == BLayout::NK && self.variant.cluster() == 1;
-        if applies {
-            let map = b_wide_map(self.b_addr, &self.problem, self.variant, k_blocks)?;
-            self.params.b_wide = TmaDesc(map);
-        }
-        self.params.b_prefetch = if applies { k_blocks } else { 0 };
-        Ok(applies)
-    }
-
-    /// Which reads the block starts as it starts, before thread 0 sets up the barriers (0:
-    /// none, the default): bit 0 the block's first order entry (or tail unit), asked of L1,
-    /// which every role reads before its first step and which comes from HBM (the tables lie
-    /// cold between calls); bit 1 the parameters, a word of every 32 bytes, into the constant
-    /// cache, which the producer's first steps read one after the other. Values above 3 are
-    /// refused.
-    pub fn set_early_reads(&mut self, what: u32) -> Result<bool, CudaError> {
-        if what > 3 {
-            return Err(unsupported(format!(
-                "early reads are bits 0 (the first order entry) and 1 (the parameters), got {what}"
-            )));
-        }
-        self.params.early_reads = what;
-        Ok(what != 0)
     }
 
     /// Tiles whose partials the kernel loads into its pipeline's stages by TMA; the other
@@ -1751,9 +1694,6 @@ impl PreparedGemm {
         }
         let mut params = self.params;
         params.b = TmaDesc(b_map(b, p, self.variant)?);
-        if params.b_prefetch != 0 {
-            params.b_wide = TmaDesc(b_wide_map(b, p, self.variant, params.b_prefetch)?);
-        }
         params.bias = bias.unwrap_or(0);
         if let Some(d) = d.filter(|&d| d != params.d) {
             params.d = d;
@@ -2145,28 +2085,6 @@ fn fold_map(
         (source.ld as u64, source.rows as u64),
         (source.ld * output.size()) as u64,
         ((128 / output.size()) as u32, variant.rows() as u32),
-    )
-}
-
-/// The most k-blocks of one of the producer's L2 prefetches of B's rows
-/// ([`PreparedGemm::set_b_prefetch`]): 256 16-bit elements, the longest box row of a tensor map.
-pub const B_PREFETCH_MAX_K_BLOCKS: usize = 4;
-
-/// The tensor map of B [N, K] that the producer's L2 prefetches of B's rows read
-/// ([`PreparedGemm::set_b_prefetch`]): boxes of `k_blocks` k-blocks × the tile's columns,
-/// unswizzled (nothing lands in shared memory).
-fn b_wide_map(
-    b: u64,
-    p: &GemmProblem,
-    variant: GemmVariant,
-    k_blocks: u32,
-) -> Result<[u64; 16], CudaError> {
-    prefetch_map_2d(
-        b,
-        p.input,
-        (p.k as u64, p.n as u64),
-        2 * p.k as u64,
-        (k_blocks * BK as u32, variant.tile().n as u32),
     )
 }
 

@@ -448,33 +448,8 @@ pub fn tensor_map_2d(
     row_bytes: u64,
     boxed: (u32, u32),
 ) -> Result<[u64; 16], CudaError> {
-    let swizzle = swizzle_of_box_row(boxed.0 as usize * dtype.size())?;
-    encode_2d(addr, dtype, dims, row_bytes, boxed, swizzle)
-}
-
-/// A 2D TMA descriptor for L2 prefetches only (`cp.async.bulk.prefetch.tensor`): as
-/// [`tensor_map_2d`], but unswizzled, so that a box's rows may be up to 256 elements long
-/// (swizzled ones stop at 128 bytes); nothing read through it lands in shared memory.
-pub fn prefetch_map_2d(
-    addr: u64,
-    dtype: DType,
-    dims: (u64, u64),
-    row_bytes: u64,
-    boxed: (u32, u32),
-) -> Result<[u64; 16], CudaError> {
-    let none = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE;
-    encode_2d(addr, dtype, dims, row_bytes, boxed, none)
-}
-
-fn encode_2d(
-    addr: u64,
-    dtype: DType,
-    dims: (u64, u64),
-    row_bytes: u64,
-    boxed: (u32, u32),
-    swizzle: sys::CUtensorMapSwizzle,
-) -> Result<[u64; 16], CudaError> {
     let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
+    let row_of_box = boxed.0 as usize * dtype.size();
     let dtype = match dtype {
         DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -484,6 +459,7 @@ fn encode_2d(
     let global_strides = [row_bytes];
     let box_dim = [boxed.0, boxed.1];
     let element_strides = [1u32, 1];
+    let swizzle = swizzle_of_box_row(row_of_box)?;
     // SAFETY: out-parameter and arrays of the documented lengths (rank 2)
     check("cuTensorMapEncodeTiled", unsafe {
         sys::cuTensorMapEncodeTiled(

@@ -154,14 +154,6 @@ pub struct BenchGemmArgs {
     /// K (block b at (b mod N) / N of each tile's K range, wrapping around)
     #[arg(long, allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of places in K"))]
     pub k_phases: Option<u32>,
-    /// Also a row of the chosen build whose producer asks L2 for B's rows this many k-blocks
-    /// (1 to 4) at a time, a chunk ahead of its loads (B as [N, K] only)
-    #[arg(long, allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of k-blocks"))]
-    pub b_prefetch: Option<u32>,
-    /// Also a row of the chosen build whose thread 0 starts these reads as the block starts:
-    /// 1 the block's first order entry, 2 the parameters, 3 both
-    #[arg(long, allow_negative_numbers = true, value_parser = Whole::<u32>::new("a set of early reads"))]
-    pub early_reads: Option<u32>,
     /// Every row adds a bias row (N random values of the output type) in its epilogue,
     /// cuBLASLt's included: D = A·B + bias (not with --fold or a peer)
     #[arg(long, conflicts_with = "fold")]
@@ -413,8 +405,6 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         builds: builds.as_deref(),
         next_prefetch: a.next_prefetch,
         k_phases: a.k_phases,
-        b_prefetch: a.b_prefetch,
-        early_reads: a.early_reads,
         bias: a.bias,
         gather: a.gather,
         trace: a.trace,
