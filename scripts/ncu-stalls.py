@@ -8,6 +8,10 @@ the samples of each 4 KiB of code with its largest execution count, which tells 
 (executed once per k-block) from the epilogue (once per tile) and the producer.
 
     python3 scripts/ncu-stalls.py FILE.csv [--top N]
+
+The last part splits the samples of the code run once per block or tile (instructions run at
+most an eighth as often as the main loop: the most-run wgmma's count) by where that code lies:
+before the main loop's instructions (the set-up up to the first k-block) or after them.
 """
 import argparse
 import csv
@@ -64,6 +68,20 @@ def main():
             continue
         lead = ", ".join(f"{k} {v}" for k, v in sorted(why.items(), key=lambda kv: -kv[1])[:4])
         print(f"  +0x{key * 0x1000:05x}  {100 * s / total:5.1f} %  exec {most:9d}  {lead}")
+    # the main loop: the instructions run as often as its most-run wgmma
+    most = max((i[3] for i in ins if i[1].startswith("HGMMA")), default=max(i[3] for i in ins))
+    loop = [i[0] for i in ins if i[3] == most]
+    first, last = min(loop), max(loop)
+    print(f"\ncode run at most an eighth as often as the main loop (+0x{first:05x}..+0x{last:05x}, "
+          f"exec {most}): samples and leading reasons")
+    for name, inside in (("before it", lambda o: o < first), ("after it", lambda o: o > last)):
+        picked = [i for i in ins if i[3] <= most // 8 and inside(i[0])]
+        why = {}
+        for i in picked:
+            for k, v in i[4].items():
+                why[k] = why.get(k, 0) + v
+        lead = ", ".join(f"{k} {v}" for k, v in sorted(why.items(), key=lambda kv: -kv[1])[:6] if v)
+        print(f"  {name:9s}  {sum(i[2] for i in picked):6d}  {lead}")
 
 
 if __name__ == "__main__":
