@@ -1797,28 +1797,18 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     s.empty = s.full + 8 * C::STAGES;
     s.epi_full = s.empty + 8 * C::STAGES;
     s.epi_empty = s.epi_full + 8;
-    if (threadIdx.x == 0) trace(p, TRACE_ENTRY);
-    // The first warp sets up the barriers, one lane each, while thread 0 goes on below: the
-    // block waits for them at its barrier, and one thread setting up 2 x STAGES + 2 of them in
-    // a row held every warp there
-    static_assert(2 * C::STAGES + 2 <= 32, "a lane per barrier");
-    if (threadIdx.x < 32) {
-        const u32 lane = threadIdx.x;
-        if (lane < C::STAGES) {
-            mbar_init(s.full + 8 * lane, 1);  // the producer's expect_tx arrival (+ the TMA bytes)
-        } else if (lane < 2 * C::STAGES) {
-            // one arrival per warpgroup that reads the stage (of both blocks of a pair)
-            mbar_init(s.empty + 8 * (lane - C::STAGES), C::STAGE_READERS * C::CLUSTER);
-        } else if (lane == 2 * C::STAGES) {
-            // every consumer thread has staged its fragment (the ping-pong build: its warpgroup
-            // 0's turn barrier, see turn_barrier)
-            mbar_init(s.epi_full, C::PINGPONG ? 1 : C::CONSUMERS * 128);
-        } else if (lane == 2 * C::STAGES + 1) {
-            mbar_init(s.epi_empty, 1);  // the storers are done with the staged tile
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
     if (threadIdx.x == 0) {
+        trace(p, TRACE_ENTRY);
+        for (int i = 0; i < C::STAGES; ++i) {
+            mbar_init(s.full + 8 * i, 1);             // the producer's expect_tx arrival (+ the TMA bytes)
+            // one arrival per warpgroup that reads the stage (of both blocks of a pair)
+            mbar_init(s.empty + 8 * i, C::STAGE_READERS * C::CLUSTER);
+        }
+        // every consumer thread has staged its fragment (the ping-pong build: its warpgroup 0's
+        // turn barrier, see turn_barrier)
+        mbar_init(s.epi_full, C::PINGPONG ? 1 : C::CONSUMERS * 128);
+        mbar_init(s.epi_empty, 1);   // the storers are done with the staged tile
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b) : "memory");
         if (p.local_rows != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a_local) : "memory");
