@@ -123,7 +123,9 @@ fn check_part_entries(compiled: &nvrtc::Compiled) {
 /// TMA multicast (UTMALDG.2D.MULTICAST); the narrow-sliced build's warpgroups hand their sums
 /// over at named barriers that one side arrives at without waiting (BAR.ARV), which no other
 /// build uses; the builds that store their tiles themselves decide whether the block gave up
-/// by a reduction at each consumer warpgroup's barrier (BAR.RED.OR), which no other build uses. Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both from PyPI and sets
+/// by a reduction at each consumer warpgroup's barrier (BAR.RED.OR), which no other build uses;
+/// no k-loop (the innermost loop around the HGMMA) reads the clock, which only the trace's
+/// stamps do. Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both from PyPI and sets
 /// COMMFUSE_REQUIRE_SASS=1.
 #[test]
 fn gemm_sass_uses_hgmma() {
@@ -207,6 +209,16 @@ fn gemm_sass_uses_hgmma() {
                 "{name}: B not transposed"
             );
         }
+        // nothing of the trace (its clock reads) inside a k-loop: predicated off in untraced
+        // calls, it was still issued every k-block, ahead of the wgmmas
+        let loops = k_loops(section);
+        assert!(!loops.is_empty(), "{name}: no loop around its HGMMA");
+        for body in loops {
+            assert!(
+                !body.iter().any(|l| l.contains("SR_CLOCKLO")),
+                "{name}: a clock read inside the k-loop"
+            );
+        }
     }
     assert_eq!(entries, 132, "GEMM entry points found in the SASS");
     assert_eq!(
@@ -231,6 +243,72 @@ fn gemm_sass_uses_hgmma() {
 }
 
 /// The small kernel file the cache tests compile.
+/// The innermost loops of an entry's SASS that hold HGMMA: for each HGMMA, the shortest range
+/// from a backward branch's target to that branch that contains it (the instructions' lines).
+fn k_loops(section: &str) -> Vec<Vec<&str>> {
+    // "/*1a70*/   SYNCS... ;": the address, and the text
+    let code: Vec<(u64, &str)> = section
+        .lines()
+        .filter_map(|l| {
+            let rest = l.trim_start().strip_prefix("/*")?;
+            let (addr, _) = rest.split_once("*/")?;
+            Some((u64::from_str_radix(addr, 16).ok()?, l))
+        })
+        .collect();
+    let target = |l: &str| {
+        let at = l.find("BRA ")? + 4;
+        let hex = l[at..].trim_start().strip_prefix("0x")?;
+        let end = hex
+            .find(|c: char| !c.is_ascii_hexdigit())
+            .unwrap_or(hex.len());
+        u64::from_str_radix(&hex[..end], 16).ok()
+    };
+    let back: Vec<(u64, u64)> = code
+        .iter()
+        .filter_map(|&(a, l)| target(l).filter(|&t| t <= a).map(|t| (t, a)))
+        .collect();
+    let mut loops: Vec<(u64, u64)> = code
+        .iter()
+        .filter(|(_, l)| l.contains("HGMMA."))
+        .filter_map(|&(a, _)| {
+            back.iter()
+                .copied()
+                .filter(|&(t, b)| t <= a && a <= b)
+                .min_by_key(|&(t, b)| b - t)
+        })
+        .collect();
+    loops.sort();
+    loops.dedup();
+    loops
+        .into_iter()
+        .map(|(t, b)| {
+            code.iter()
+                .filter(|&&(a, _)| t <= a && a <= b)
+                .map(|&(_, l)| l)
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn k_loops_are_found_in_sass() {
+    let sass = "\
+        /*0100*/                   MOV R1, R2 ;
+        /*0110*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R57+URZ], R20 ;
+        /*0120*/               @P0 BRA 0x110 ;
+        /*0130*/                   CS2R R22, SR_CLOCKLO ;
+        /*0140*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0150*/              @!P1 BRA 0x100 ;
+        /*0160*/                   CS2R R22, SR_CLOCKLO ;
+        /*0170*/                   BRA 0x100 ;
+";
+    let loops = k_loops(sass);
+    assert_eq!(loops.len(), 1);
+    assert_eq!(loops[0].len(), 6);
+    assert!(loops[0].iter().any(|l| l.contains("SR_CLOCKLO")));
+    assert!(k_loops("        /*0100*/   HGMMA.64x64x16.F32.BF16 R24 ;\n").is_empty());
+}
+
 fn plan_source() -> nvrtc::Source {
     nvrtc::kernel("plan.cu").unwrap()
 }

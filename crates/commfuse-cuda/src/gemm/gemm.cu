@@ -828,13 +828,14 @@ __device__ __forceinline__ bool band_wait(const GemmParams& p, u32 band, u32 til
 // ---- where a call's time goes (bench gemm --trace) ---------------------------------------------
 
 // The points a block's roles stamp when the call has a trace buffer: one thread of each role,
-// the last unit's where a block runs several. Mirrored by `trace::EVENTS` in trace.rs.
+// the last unit's where a block runs several (the first stage's landing: the first unit's).
+// Mirrored by `trace::EVENTS` in trace.rs.
 enum TraceEvent : u32 {
     TRACE_ENTRY = 0,         // thread 0's first instruction
     TRACE_PRODUCER = 1,      // the producer, past the block's barrier and setmaxnreg
     TRACE_FIRST_LOAD = 2,    // the producer's unit: its entry read, about to issue its first load
-    TRACE_FIRST_FULL = 3,    // the first consumer warpgroup: its unit's first stage has landed
-    TRACE_MAIN_DONE = 4,     // ... its unit's last wgmma has completed
+    TRACE_FIRST_FULL = 3,    // the block's first unit's first stage has landed (trace_first_stage)
+    TRACE_MAIN_DONE = 4,     // the first consumer warpgroup: its unit's last wgmma has completed
     TRACE_CONSUMER_END = 5,  // ... its last epilogue is done (the direct build: the stores performed)
     TRACE_PRODUCER_END = 6,  // the producer has seen its last loads land
     TRACE_STORER_END = 7,    // the storers' first thread: their last writes performed
@@ -1490,7 +1491,6 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                     continue;
                 }
                 mbar_wait<ROLE_CONSUMER>(s.full + 8 * stage, phase, p, c.tile, WAIT_STAGE_FULL);
-                if (kb == c.kb0 && cw == 0 && leader) trace(p, TRACE_FIRST_FULL);
                 const u32 a = s.a + stage * C::A_STAGE_BYTES + half * (64 * 128);
                 const u32 b = s.b + stage * C::B_STAGE_BYTES;
                 wgmma_fence();
@@ -1687,6 +1687,24 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     if (C::SLICES > 1 && slice != 0) slices_sync<SUMS_FREE>();
 }
 
+// The trace's "first stage full": the block's first unit with loads has its first k-block in
+// stage 0 (the producer starts there), whose first fill is phase 0. Stamped by the first
+// storer thread, which has nothing to store before that tile's epilogue, not by the consumers:
+// a test in their k-loop, predicated off in every untraced call, still cost each k-block its
+// special-register reads and their scoreboard waits ahead of the wgmmas. Bounded, and no stamp
+// where the wait ends without the stage: a stall is the consumers' wait's to report.
+template <class C> __device__ __forceinline__ void trace_first_stage(const GemmParams& p, const Smem& s) {
+    for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
+        if (unit_at<C>(p, i).empty) continue;
+        const u64 start = global_timer_ns();
+        while (!mbar_try_wait(s.full, 0)) {
+            if (block_stopped() || global_timer_ns() - start > p.timeout_ns) return;
+        }
+        trace(p, TRACE_FIRST_FULL);
+        return;
+    }
+}
+
 __device__ __forceinline__ void storers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(gemm::STORERS) : "memory"); }
 
 template <class C, typename Out>
@@ -1696,6 +1714,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     constexpr int VEC = 16 / sizeof(Out);  // elements per 16-byte store
     constexpr int UNITS = PASS_COLS / VEC;  // 16-byte units per staged row
     u32 epi_phase = 0;
+    if (t == 0 && p.trace != nullptr) trace_first_stage<C>(p, s);
     // (the direct build's consumers store their tiles themselves, and its GEMMs raise no flags:
     // its storers only count the block finished below)
     for (u32 i = blockIdx.x; !C::DIRECT && i < p.unit_count; i += gridDim.x) {
