@@ -27,6 +27,10 @@ set -uo pipefail
 # builds: the GPU tests of the builds `auto` does not take yet and of the direct build (BUILD_TESTS, name filters of the
 #         gpu_gemm suite), then every build's row beside cuBLASLt at decode and large shapes (BUILD_SHAPES)
 # decode-ncu: Nsight Compute of the decode builds beside cuBLASLt's kernels at M x 8192 x 3584 (DECODE_NCU)
+# ab: our GEMM as built (.gpu/commfuse) beside an earlier commit's (.gpu/base/commfuse, from
+#     `scripts/gpu-prepare.sh --base REV`) at AB_SHAPES (M×N×K, B [N, K]), the two in turn with
+#     the order alternating from shape to shape, one call of each row traced, two passes;
+#     AB_FLAGS adds flags (default `--builds none`: `auto`'s build alone). Not part of full.
 # (each of check, gemm+bench fits one 10-minute device call)
 MODE=${1:-full}
 SIZES=${SIZES:-4K,16K,64K,256K,1M,4M,16M,64M,256M,1G}
@@ -250,6 +254,26 @@ if has decode-ncu; then
       python3 scripts/ncu-stalls.py "$R/$n-sass.csv" >"$R/$n-stalls.txt" 2>&1
       grep -E "^  [a-z]|Duration|DRAM Throughput|sm__cycles|Warp Cycles Per Issued" "$R/$n-details.txt" | head -8 | cut -c1-140 | tee -a "$OUT/summary.txt"
       rm -f "$R/$n.ncu-rep"
+    done
+  done
+fi
+# one traced bench gemm row of one of the two builds: shape, which (new|base), pass
+ab_row() {
+  local bin=$B; [ "$2" = base ] && bin=.gpu/base/commfuse
+  set -- ${1//x/ } "$2" "$3"
+  local name=ab-$1x$2x$3-$4-$5
+  timeout 90 $bin bench gemm --m $1 --n $2 --k $3 --b-layout nk --sms 0 --peer none ${AB_FLAGS:---builds none} \
+    --warmup 10 --iters 30 --trace --json "$R/$name.json" >"$R/$name.txt" 2>&1
+  log "$name rc=$?"
+  grep -E "^ *(cublas|commfuse)|producer  |first load|first stage|main loop" "$R/$name.txt" | cut -c1-112 | tee -a "$OUT/summary.txt"
+}
+if [ "$MODE" != full ] && has ab; then
+  [ -x .gpu/base/commfuse ] || log "no .gpu/base/commfuse: scripts/gpu-prepare.sh --base REV builds it"
+  for pass in 1 2; do
+    i=$pass
+    for s in ${AB_SHAPES:-16x8192x3584 64x8192x3584 128x8192x3584 512x4096x4096 8192x8192x3584}; do
+      if [ $((i % 2)) = 1 ]; then ab_row $s base $pass; ab_row $s new $pass; else ab_row $s new $pass; ab_row $s base $pass; fi
+      i=$((i + 1))
     done
   done
 fi

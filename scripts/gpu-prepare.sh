@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # Builds what the GPU machine runs (it has no Rust): the release binary and the test binaries
 # that exercise the cuda backend and the Python wheel, copied into .gpu/ (ignored by git; copy it to the GPU machine with the checkout).
+# With `--base REV`, also the release binary of commit REV as .gpu/base/commfuse, its kernels
+# in the same cache, for `scripts/gpu-check.sh ab` (the two builds side by side).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+BASE=
+if [ "${1:-}" = --base ]; then
+  BASE=$(git rev-parse --verify "${2:?--base takes a commit}^{commit}")
+fi
 cargo build --release
 rm -rf .gpu && mkdir -p .gpu/tests
 cp target/release/commfuse .gpu/
@@ -20,6 +26,18 @@ strip --strip-debug .gpu/commfuse .gpu/tests/*
 . scripts/nvrtc-wheels.sh
 COMMFUSE_KERNEL_CACHE="$PWD/.gpu/kernel-cache" LD_LIBRARY_PATH="$NVRTC_WHEELS/nvidia/cu13/lib" \
   COMMFUSE_CUDA_INCLUDE="$NVRTC_WHEELS/nvidia/cu13/include" .gpu/commfuse kernels >/dev/null
+if [ -n "$BASE" ]; then
+  # the earlier commit built from a worktree of its own, its binary beside ours
+  WT=$(mktemp -d)
+  git worktree add --quiet --detach "$WT/base" "$BASE"
+  # (the same target folder: the dependencies are built once; its release/commfuse is the
+  # earlier commit's from here on, ours being in .gpu already)
+  CARGO_TARGET_DIR="$PWD/target" cargo build --release --quiet --manifest-path "$WT/base/Cargo.toml" -p commfuse
+  mkdir -p .gpu/base && cp target/release/commfuse .gpu/base/ && strip --strip-debug .gpu/base/commfuse
+  git worktree remove --force "$WT/base" && rm -rf "$WT"
+  COMMFUSE_KERNEL_CACHE="$PWD/.gpu/kernel-cache" LD_LIBRARY_PATH="$NVRTC_WHEELS/nvidia/cu13/lib" \
+    COMMFUSE_CUDA_INCLUDE="$NVRTC_WHEELS/nvidia/cu13/include" .gpu/base/commfuse kernels >/dev/null
+fi
 tar czf .gpu/kernel-cache.tgz -C .gpu kernel-cache && rm -rf .gpu/kernel-cache
 # the Python package as an abi3 wheel (the GPU machine's Python 3.12 installs it without Rust)
 VENV="${COMMFUSE_VENV:-$PWD/.venv}"
