@@ -24,8 +24,11 @@ strip --strip-debug .gpu/commfuse .gpu/tests/*
 # into a kernel cache packed as .gpu/kernel-cache.tgz, which scripts/gpu-env.sh unpacks there:
 # a fresh GPU machine would otherwise spend minutes of its time compiling gemm.cu
 . scripts/nvrtc-wheels.sh
-COMMFUSE_KERNEL_CACHE="$PWD/.gpu/kernel-cache" LD_LIBRARY_PATH="$NVRTC_WHEELS/nvidia/cu13/lib" \
-  COMMFUSE_CUDA_INCLUDE="$NVRTC_WHEELS/nvidia/cu13/include" .gpu/commfuse kernels >/dev/null
+compile_kernels() {  # binary: its kernels into the one cache
+  COMMFUSE_KERNEL_CACHE="$PWD/.gpu/kernel-cache" LD_LIBRARY_PATH="$NVRTC_WHEELS/nvidia/cu13/lib" \
+    COMMFUSE_CUDA_INCLUDE="$NVRTC_WHEELS/nvidia/cu13/include" "$1" kernels >/dev/null
+}
+compile_kernels .gpu/commfuse
 if [ -n "$BASE" ]; then
   # the earlier commit built from a worktree of its own, its binary beside ours
   WT=$(mktemp -d)
@@ -35,8 +38,7 @@ if [ -n "$BASE" ]; then
   CARGO_TARGET_DIR="$PWD/target" cargo build --release --quiet --manifest-path "$WT/base/Cargo.toml" -p commfuse
   mkdir -p .gpu/base && cp target/release/commfuse .gpu/base/ && strip --strip-debug .gpu/base/commfuse
   git worktree remove --force "$WT/base" && rm -rf "$WT"
-  COMMFUSE_KERNEL_CACHE="$PWD/.gpu/kernel-cache" LD_LIBRARY_PATH="$NVRTC_WHEELS/nvidia/cu13/lib" \
-    COMMFUSE_CUDA_INCLUDE="$NVRTC_WHEELS/nvidia/cu13/include" .gpu/base/commfuse kernels >/dev/null
+  compile_kernels .gpu/base/commfuse
 fi
 tar czf .gpu/kernel-cache.tgz -C .gpu kernel-cache && rm -rf .gpu/kernel-cache
 # the Python package as an abi3 wheel (the GPU machine's Python 3.12 installs it without Rust)

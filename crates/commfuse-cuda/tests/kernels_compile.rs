@@ -242,7 +242,6 @@ fn gemm_sass_uses_hgmma() {
     assert_eq!(tall, 12, "narrow-tall GEMM entry points found in the SASS");
 }
 
-/// The small kernel file the cache tests compile.
 /// The innermost loops of an entry's SASS that hold HGMMA: for each HGMMA, the shortest range
 /// from a backward branch's target to that branch that contains it (the instructions' lines).
 fn k_loops(section: &str) -> Vec<Vec<&str>> {
@@ -309,6 +308,7 @@ fn k_loops_are_found_in_sass() {
     assert!(k_loops("        /*0100*/   HGMMA.64x64x16.F32.BF16 R24 ;\n").is_empty());
 }
 
+/// The small kernel file the cache tests compile.
 fn plan_source() -> nvrtc::Source {
     nvrtc::kernel("plan.cu").unwrap()
 }
