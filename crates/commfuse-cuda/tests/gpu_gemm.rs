@@ -429,18 +429,46 @@ fn check_variant<TI: Element, TO: Element>(
         p.m, p.n, p.k, p.b_layout, p.input, p.output
     );
     assert_eq!(gemm.variant(), want_variant, "{what}: the build chosen");
+    // the plain entry (every option but alpha compiled out) where the call asks for no other
+    // option and its tiles go out by tensor stores (a 16-bit D, rows of whole 16 bytes)
+    let plain = want_variant.has_plain_entries()
+        && p.output.size() == 2
+        && p.n.is_multiple_of(8)
+        && matches!(case.epilogue, Case::Plain | Case::Scaled)
+        && case.bands.is_none()
+        && gemm.tail() == "none";
+    assert_eq!(
+        gemm.runs_plain_entry(),
+        plain,
+        "{what}: the plain entry run"
+    );
+    // and then the same GEMM through its general entry, checked the same way
+    let general = plain.then(|| {
+        let mut g = kernels
+            .with_choice(choice, || {
+                PreparedGemm::new(gpu, kernels, &plan, &ops, None, case.cap, 0)
+            })
+            .unwrap();
+        g.set_plain_entry(false);
+        assert!(!g.runs_plain_entry(), "{what}: the plain entry turned off");
+        g
+    });
     let want = reference_gemm(&p, &epilogue, &a, &b, Some(&c), Some(&bias), Some(&d0));
-    for call in 0..2 {
-        if epilogue.accumulate {
-            d_dev.upload(gpu, &d0).unwrap();
-        } else {
-            d_dev.fill(gpu, 0xff).unwrap();
+    for (entry, g) in
+        std::iter::once(("", &gemm)).chain(general.iter().map(|g| (" (general entry)", g)))
+    {
+        for call in 0..2 {
+            if epilogue.accumulate {
+                d_dev.upload(gpu, &d0).unwrap();
+            } else {
+                d_dev.fill(gpu, 0xff).unwrap();
+            }
+            run(g, stream);
+            let mut got = vec![TO::from_f32(0.0); p.m * p.n];
+            d_dev.download(gpu, &mut got).unwrap();
+            let check = check(&p, &epilogue, &got, &want);
+            assert!(check.passed(), "{what}{entry} call {call}: {check}");
         }
-        run(&gemm, stream);
-        let mut got = vec![TO::from_f32(0.0); p.m * p.n];
-        d_dev.download(gpu, &mut got).unwrap();
-        let check = check(&p, &epilogue, &got, &want);
-        assert!(check.passed(), "{what} call {call}: {check}");
     }
     // a call that names another D (the direct build encodes its tensor map of D again) writes
     // that D and leaves the prepared one alone

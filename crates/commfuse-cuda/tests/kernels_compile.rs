@@ -81,7 +81,7 @@ fn every_kernel_compiles_for_sm90a() {
 /// kernels in the last; the whole file's parts hold every entry once.
 fn check_part_entries(compiled: &nvrtc::Compiled) {
     use commfuse_core::DType;
-    use commfuse_cuda::gemm::{gemm_part, GemmVariant, GEMM_HELPER_PART};
+    use commfuse_cuda::gemm::{gemm_part, GemmVariant, GEMM_HELPER_PART, PLAIN_SUFFIX};
     let Some(part) = compiled.part else {
         return;
     };
@@ -99,7 +99,11 @@ fn check_part_entries(compiled: &nvrtc::Compiled) {
             }
             for layout in ["nk", "kn"] {
                 for output in ["bf16", "f16", "f32"] {
-                    expected.push(format!("{}{name}_{layout}_{output}", variant.prefix()));
+                    let entry = format!("{}{name}_{layout}_{output}", variant.prefix());
+                    if variant.has_plain_entries() && output != "f32" {
+                        expected.push(format!("{entry}{PLAIN_SUFFIX}"));
+                    }
+                    expected.push(entry);
                 }
             }
         }
@@ -125,7 +129,8 @@ fn check_part_entries(compiled: &nvrtc::Compiled) {
 /// build uses; the builds that store their tiles themselves decide whether the block gave up
 /// by a reduction at each consumer warpgroup's barrier (BAR.RED.OR), which no other build uses;
 /// no k-loop (the innermost loop around the HGMMA) reads the clock, which only the trace's
-/// stamps do. Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both from PyPI and sets
+/// stamps do; a plain entry (`_plain`: every option but alpha compiled out) has at most half
+/// the instructions of its build's general entry. Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both from PyPI and sets
 /// COMMFUSE_REQUIRE_SASS=1.
 #[test]
 fn gemm_sass_uses_hgmma() {
@@ -134,12 +139,15 @@ fn gemm_sass_uses_hgmma() {
     };
     let (mut entries, mut skinny, mut narrow, mut tall, mut pair, mut mid) = (0, 0, 0, 0, 0, 0);
     let (mut direct, mut narrow_deep, mut narrow_sliced, mut ping_pong) = (0, 0, 0, 0);
+    // each entry's instruction count, for the plain entries' beside their general ones
+    let mut sizes = std::collections::HashMap::new();
     for section in sass.split("Function : ").skip(1) {
         let name = section.split_whitespace().next().unwrap_or("");
         if !name.starts_with("gemm_") {
             continue;
         }
         entries += 1;
+        sizes.insert(name, sass_code(section).len());
         let shape = if name.starts_with("gemm_narrow_") {
             narrow += 1;
             tall += usize::from(name.starts_with("gemm_narrow_tall_"));
@@ -220,40 +228,59 @@ fn gemm_sass_uses_hgmma() {
             );
         }
     }
-    assert_eq!(entries, 132, "GEMM entry points found in the SASS");
+    // (the builds that store their tiles themselves have 8 plain entries beside their 12)
+    assert_eq!(entries, 180, "GEMM entry points found in the SASS");
     assert_eq!(
-        ping_pong, 12,
+        ping_pong, 20,
         "ping-pong GEMM entry points found in the SASS"
     );
     assert_eq!(
-        narrow_deep, 12,
+        narrow_deep, 20,
         "narrow-deep GEMM entry points found in the SASS"
     );
     assert_eq!(
         narrow_sliced, 12,
         "narrow-sliced GEMM entry points found in the SASS"
     );
-    assert_eq!(direct, 12, "direct GEMM entry points found in the SASS");
+    assert_eq!(direct, 20, "direct GEMM entry points found in the SASS");
     // (the mid-direct build's names start as the mid build's)
-    assert_eq!(mid, 24, "mid GEMM entry points found in the SASS");
+    assert_eq!(mid, 32, "mid GEMM entry points found in the SASS");
     assert_eq!(pair, 12, "pair GEMM entry points found in the SASS");
     assert_eq!(skinny, 12, "skinny GEMM entry points found in the SASS");
-    assert_eq!(narrow, 48, "narrow GEMM entry points found in the SASS");
-    assert_eq!(tall, 12, "narrow-tall GEMM entry points found in the SASS");
+    assert_eq!(narrow, 72, "narrow GEMM entry points found in the SASS");
+    assert_eq!(tall, 20, "narrow-tall GEMM entry points found in the SASS");
+    let mut plain = 0;
+    for (name, &size) in &sizes {
+        let Some(general) = name.strip_suffix(commfuse_cuda::gemm::PLAIN_SUFFIX) else {
+            continue;
+        };
+        plain += 1;
+        let general_size = sizes[general];
+        assert!(
+            2 * size <= general_size,
+            "{name}: {size} instructions, its general entry {general_size}: the options not compiled out"
+        );
+    }
+    assert_eq!(plain, 48, "plain GEMM entry points found in the SASS");
 }
 
-/// The innermost loops of an entry's SASS that hold HGMMA: for each HGMMA, the shortest range
-/// from a backward branch's target to that branch that contains it (the instructions' lines).
-fn k_loops(section: &str) -> Vec<Vec<&str>> {
-    // "/*1a70*/   SYNCS... ;": the address, and the text
-    let code: Vec<(u64, &str)> = section
+/// The instructions of an entry's SASS: "/*1a70*/   SYNCS... ;" lines, their address and the
+/// line.
+fn sass_code(section: &str) -> Vec<(u64, &str)> {
+    section
         .lines()
         .filter_map(|l| {
             let rest = l.trim_start().strip_prefix("/*")?;
             let (addr, _) = rest.split_once("*/")?;
             Some((u64::from_str_radix(addr, 16).ok()?, l))
         })
-        .collect();
+        .collect()
+}
+
+/// The innermost loops of an entry's SASS that hold HGMMA: for each HGMMA, the shortest range
+/// from a backward branch's target to that branch that contains it (the instructions' lines).
+fn k_loops(section: &str) -> Vec<Vec<&str>> {
+    let code = sass_code(section);
     let target = |l: &str| {
         let at = l.find("BRA ")? + 4;
         let hex = l[at..].trim_start().strip_prefix("0x")?;

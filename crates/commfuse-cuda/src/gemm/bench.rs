@@ -44,6 +44,9 @@ pub struct GemmRow {
     pub sms: u32,
     /// The build of our kernel that ran ([`GemmVariant::name`]; none for cuBLASLt)
     pub build: Option<String>,
+    /// Whether our kernel ran its build's plain entry (every option compiled out: see
+    /// [`PreparedGemm::runs_plain_entry`]) rather than its general one (none for cuBLASLt)
+    pub plain_entry: Option<bool>,
     /// Blocks of our kernel's persistent grid (none for cuBLASLt)
     pub grid: Option<u32>,
     /// How our kernel shares out the tiles beyond its last whole wave (`none`, `cut P×T`,
@@ -331,6 +334,15 @@ fn run<T: Element>(
             forced.push((name, cap, g));
         }
     }
+    // the chosen build through its general entry where the plain one runs: what the options
+    // that the plain entry compiles out cost a call that asks for none of them
+    for (gemm, &cap) in ours.iter().zip(sms) {
+        if gemm.runs_plain_entry() {
+            let mut g = PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0)?;
+            g.set_plain_entry(false);
+            forced.push(("commfuse-general", cap, g));
+        }
+    }
 
     // the rows with routes: local tiles with flags (what a flag costs), every tile to the peer
     // with and without flags, and the reduce-scatter pattern at two ranks (the peer's half of
@@ -572,6 +584,7 @@ fn run<T: Element>(
             bias,
             sms: v.cap,
             build: v.gemm.map(|g| g.variant().name().to_string()),
+            plain_entry: v.gemm.map(PreparedGemm::runs_plain_entry),
             grid: v.gemm.map(PreparedGemm::grid),
             tail: v.gemm.map(|g| g.tail().to_string()),
             staged_folds: v.folded.map(|f| f.gemm.staged_folds()),

@@ -80,7 +80,7 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // The mid-direct build: the ping-pong build's tiles, stages and boxes with the two consumer
 // warpgroups on each tile together (64 rows each, as in the mid build) instead of in turns.
 template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false, int SLICES_ = 1,
-          bool PINGPONG_ = false>
+          bool PINGPONG_ = false, bool PLAIN_ = false>
 struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
     static constexpr int BN = BN_;              // columns of a tile
@@ -100,6 +100,14 @@ struct Cfg {
     // The consumers store the tile into D themselves: no staged tile, and storers that only
     // count the block finished (plain GEMMs only: no routes, folds or flags)
     static constexpr bool DIRECT = DIRECT_;
+    // The build's plain entries (`<entry>_plain`, 16-bit outputs): alpha times A times B into D
+    // by the boxes' tensor stores, every other option of the parameters compiled out instead
+    // of tested at run time (routes, folds, flags, bands, gathers, the split tail, the bias, C,
+    // accumulation; the trace stays). The host launches them for the calls that ask for none
+    // of those (`plain_call` in mod.rs). What the options cost such a call is code: the
+    // narrow-deep bf16 entry is 4 736 SASS instructions, its plain one 1 208 (cuBLASLt's pick
+    // at decode sizes about 850), and the set-up runs cold in the instruction cache.
+    static constexpr bool PLAIN = PLAIN_;
     // The direct build's boxes: 64 rows of 128 bytes (one swizzle row), two per consumer
     // warpgroup, so that one is filled while the TMA engine reads the other
     static constexpr int BOX_BYTES = 64 * 128;
@@ -132,7 +140,11 @@ struct Cfg {
     // (no split tail either: its partials are laid out as two warpgroups' halves of a tile)
     static_assert(!PINGPONG || (DIRECT && ROWS == gemm::BM && SLICES == 1 && CLUSTER == 1),
                   "ping-pong warpgroups store their own 128-row tiles");
+    static_assert(!PLAIN || (DIRECT && CLUSTER == 1), "plain entries store their tiles by the consumers' boxes");
 };
+// A build's plain entries (Cfg::PLAIN).
+template <class C>
+using PlainOf = Cfg<C::ROWS, C::BN, C::STAGES, C::CLUSTER, C::DIRECT, C::SLICES, C::PINGPONG, true>;
 using MainCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES>;
 using SkinnyCfg = Cfg<64, gemm::BN, 4>;
 // The narrow builds store their tiles themselves, as the direct build does (a 64 x 64 tile of
@@ -752,7 +764,7 @@ constexpr u32 PAIR_IDLE = 0x80000000u;
 template <class C> __device__ __forceinline__ Unit unit_at(const GemmParams& p, u32 u) {
     Unit w;
     u32 entry;
-    if (u < p.full_units) {
+    if (C::PLAIN || u < p.full_units) {
         entry = p.order[u];
         w.kb0 = 0;
         w.kb1 = (p.k + gemm::BK - 1) / gemm::BK;
@@ -768,7 +780,7 @@ template <class C> __device__ __forceinline__ Unit unit_at(const GemmParams& p, 
     w.tile = C::CLUSTER > 1 ? entry & ~PAIR_IDLE : entry;
     w.tm = w.tile / p.tiles_n;
     w.tn = w.tile % p.tiles_n;
-    if (p.bands != nullptr) {
+    if (!C::PLAIN && p.bands != nullptr) {
         w.row0 = p.bands[w.tm];
         w.rows = p.bands[w.tm + 1] - w.row0;
     } else {
@@ -918,7 +930,7 @@ __device__ __forceinline__ void fold_prefetch(const GemmParams& p, const TileRou
 // epilogue: a whole tile or the owner of a tail tile): decided alike by the producer, which
 // loads them, and the consumers, which take them from the stages.
 template <class C, typename Out> __device__ __forceinline__ const TileRoute* staged_fold(const GemmParams& p, u32 tile) {
-    if (!FoldBoxes<C, Out>::STAGED || p.fold_tma == 0 || call_state.routes == nullptr) return nullptr;
+    if (C::PLAIN || !FoldBoxes<C, Out>::STAGED || p.fold_tma == 0 || call_state.routes == nullptr) return nullptr;
     const TileRoute* r = call_state.routes + tile;
     return r->fold_count != 0 && (r->options & ROUTE_FOLD_TMA) != 0 ? r : nullptr;
 }
@@ -929,8 +941,8 @@ struct ASource {
     const TmaDesc* map;
     u32 row;
 };
-__device__ __forceinline__ ASource a_source(const GemmParams& p, u32 row0) {
-    if (row0 - p.local_row0 < p.local_rows) return {&p.a_local, row0 - p.local_row0};
+template <class C> __device__ __forceinline__ ASource a_source(const GemmParams& p, u32 row0) {
+    if (!C::PLAIN && row0 - p.local_row0 < p.local_rows) return {&p.a_local, row0 - p.local_row0};
     return {&p.a, row0};
 }
 
@@ -938,10 +950,10 @@ __device__ __forceinline__ ASource a_source(const GemmParams& p, u32 row0) {
 // A's box and B's, by the producer while it still loads the unit before. Not in a pair (its
 // B boxes are halves) nor in an all-gather's GEMM (a band's rows may not have landed yet).
 template <class C, bool B_KN> __device__ __forceinline__ void prefetch_next_unit(const GemmParams& p, u32 u) {
-    if (C::CLUSTER > 1 || p.band_flags != nullptr || u >= p.unit_count) return;
+    if (C::CLUSTER > 1 || (!C::PLAIN && p.band_flags != nullptr) || u >= p.unit_count) return;
     const Unit n = unit_at<C>(p, u);
     if (n.empty) return;
-    const ASource a = a_source(p, n.row0);
+    const ASource a = a_source<C>(p, n.row0);
     const u32 end = min(n.kb1, n.kb0 + p.next_prefetch);
     for (u32 kb = n.kb0; kb < end; ++kb) {
         tma_prefetch_2d(a.map, kb * gemm::BK, a.row);
@@ -965,14 +977,14 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
     for (u32 i = blockIdx.x; live && i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
         if (c.empty) continue;
-        if (p.band_flags != nullptr && !c.idle && c.tm != landed) {
+        if (!C::PLAIN && p.band_flags != nullptr && !c.idle && c.tm != landed) {
             if (!band_wait(p, c.tm, c.tile)) break;
             landed = c.tm;
         }
-        const ASource a = a_source(p, c.row0);
+        const ASource a = a_source<C>(p, c.row0);
         // the k-block after which this unit's partials are asked of L2 (none: past the loop)
         u32 prefetch_at = 0xffffffffu;
-        if (p.fold_prefetch != 0 && !c.helper && !c.idle && staged_fold<C, Out>(p, c.tile) != nullptr)
+        if (!C::PLAIN && p.fold_prefetch != 0 && !c.helper && !c.idle && staged_fold<C, Out>(p, c.tile) != nullptr)
             prefetch_at = (c.kb0 + c.kb1) / 2;
         // the k-block at which the next unit's first k-blocks are asked of L2 (none: past the loop)
         const u32 next_at = p.next_prefetch == 0 ? 0xffffffffu : c.kb1 - min(p.next_prefetch, c.kb1 - c.kb0);
@@ -1324,7 +1336,7 @@ __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const S
         consumer_group_sync(wg);
         // read again from the parameters at each box, as the main build's passes do: a
         // flag or pointer kept across the boxes' barriers spilled in the f32 entries
-        const bool box_c = p.beta != 0.0f && p.c != nullptr, box_bias = p.bias != nullptr;
+        const bool box_c = !C::PLAIN && p.beta != 0.0f && p.c != nullptr, box_bias = !C::PLAIN && p.bias != nullptr;
         if (plain_epilogue<C, Out>(p, box_c, box_bias)) {
             // the lane's row and its 16-byte chunk, swizzled by the row (row % 8 is the lane's % 8)
             const StmatrixLane l = stmatrix_lane();
@@ -1427,7 +1439,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     const u32 row0 = half * 64 + warp * 16 + lane / 4;  // this thread's first accumulator row
     const bool leader = threadIdx.x % 128 == 0;
     const Out* c_mat = (const Out*)p.c;
-    const Out* bias = (const Out*)p.bias;
+    const Out* bias = C::PLAIN ? nullptr : (const Out*)p.bias;
     u32 stage = 0, phase = 0, epi_phase = 0;
     constexpr int ACCS = C::HALVES * C::ACC;
     float acc[ACCS];
@@ -1560,7 +1572,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // a tile of the tail with helpers: the entry read again here rather than kept through
         // the main loop
         // (no split tail in the ping-pong build: the host plans it none)
-        if (!C::PINGPONG && i >= p.full_units) {
+        if (!C::PINGPONG && !C::PLAIN && i >= p.full_units) {
             if (!split_partials<C>(p, p.tail[i - p.full_units], c.rows, acc)) continue;  // a helper: no epilogue
         }
         // The tile's column, again from its index in the pair and the main build: kept from the
@@ -1579,7 +1591,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // for their flags), or else, once the leader has seen every peer's flag of this tile,
         // read from global memory. The owner computes its own tiles last, so in practice they
         // have long arrived and the wait is one look at each flag.
-        const TileRoute* route = call_state.routes != nullptr ? call_state.routes + c.tile : nullptr;
+        const TileRoute* route = !C::PLAIN && call_state.routes != nullptr ? call_state.routes + c.tile : nullptr;
         const u32 fold_count = route != nullptr ? route->fold_count : 0;
         if (staged_fold<C, Out>(p, c.tile) != nullptr) {  // (helpers and idle halves went on above)
             fold_from_stages<C, Out>(p, s, c, fold_count, stage, phase, leader, cw, acc);
@@ -1639,7 +1651,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
 #pragma unroll
             for (int h = 0; h < C::HALVES; ++h) {
                 const u32 r0 = (half + h) * 64;
-                if (boxes_serve<Out>(p, c, r0))
+                if (C::PLAIN || boxes_serve<Out>(p, c, r0))
                     store_rows_by_boxes<C, Out>(p, s, c, acc + h * C::ACC, r0, cw, g_col0, leader);
                 else
                     store_rows_from_registers<C, Out>(p, c, acc + h * C::ACC, r0, g_col0, tile_bias);
@@ -1830,8 +1842,8 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b) : "memory");
-        if (p.local_rows != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a_local) : "memory");
-        if (C::DIRECT && p.d_tma != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.d_map) : "memory");
+        if (!C::PLAIN && p.local_rows != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a_local) : "memory");
+        if (C::DIRECT && (C::PLAIN || p.d_tma != 0)) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.d_map) : "memory");
         if (FoldBoxes<C, Out>::STAGED && p.fold_tma != 0)
             asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.fold_map) : "memory");
         call_state.stopped = 0;
@@ -1886,6 +1898,13 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     COMMFUSE_GEMM_ENTRY(PREFIX##IN##_nk_f32, CFG, IN_T, float, false)                    \
     COMMFUSE_GEMM_ENTRY(PREFIX##IN##_kn_f32, CFG, IN_T, float, true)
 
+// A direct build's plain entries (Cfg::PLAIN), 16-bit outputs only: <entry>_plain.
+#define COMMFUSE_GEMM_PLAIN_ENTRIES(PREFIX, IN, IN_T, CFG)                                          \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_nk_bf16_plain, PlainOf<CFG>, IN_T, __nv_bfloat16, false)       \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_kn_bf16_plain, PlainOf<CFG>, IN_T, __nv_bfloat16, true)        \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_nk_f16_plain, PlainOf<CFG>, IN_T, __half, false)               \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_kn_f16_plain, PlainOf<CFG>, IN_T, __half, true)
+
 // The file compiles as one NVRTC program, or in parts side by side (ptxas takes minutes over
 // all the entries on one core; the host compiles the parts in threads of their own):
 // COMMFUSE_PART = 2 * build + input (input 0: bf16, 1: f16; builds in the order of
@@ -1920,15 +1939,19 @@ COMMFUSE_GEMM_ENTRIES(gemm_skinny_, f16, __half, SkinnyCfg)
 #endif
 #if GEMM_IN_PART(4)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_, bf16, __nv_bfloat16, NarrowCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_, bf16, __nv_bfloat16, NarrowCfg)
 #endif
 #if GEMM_IN_PART(5)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_, f16, __half, NarrowCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_, f16, __half, NarrowCfg)
 #endif
 #if GEMM_IN_PART(6)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, bf16, __nv_bfloat16, NarrowTallCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_tall_, bf16, __nv_bfloat16, NarrowTallCfg)
 #endif
 #if GEMM_IN_PART(7)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, f16, __half, NarrowTallCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_tall_, f16, __half, NarrowTallCfg)
 #endif
 #if GEMM_IN_PART(8)
 COMMFUSE_GEMM_ENTRIES(gemm_pair_, bf16, __nv_bfloat16, PairCfg)
@@ -1944,15 +1967,19 @@ COMMFUSE_GEMM_ENTRIES(gemm_mid_, f16, __half, MidCfg)
 #endif
 #if GEMM_IN_PART(12)
 COMMFUSE_GEMM_ENTRIES(gemm_direct_, bf16, __nv_bfloat16, DirectCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_direct_, bf16, __nv_bfloat16, DirectCfg)
 #endif
 #if GEMM_IN_PART(13)
 COMMFUSE_GEMM_ENTRIES(gemm_direct_, f16, __half, DirectCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_direct_, f16, __half, DirectCfg)
 #endif
 #if GEMM_IN_PART(14)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_deep_, bf16, __nv_bfloat16, NarrowDeepCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_deep_, bf16, __nv_bfloat16, NarrowDeepCfg)
 #endif
 #if GEMM_IN_PART(15)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_deep_, f16, __half, NarrowDeepCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_deep_, f16, __half, NarrowDeepCfg)
 #endif
 #if GEMM_IN_PART(16)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_sliced_, bf16, __nv_bfloat16, NarrowSlicedCfg)
@@ -1962,15 +1989,19 @@ COMMFUSE_GEMM_ENTRIES(gemm_narrow_sliced_, f16, __half, NarrowSlicedCfg)
 #endif
 #if GEMM_IN_PART(18)
 COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_, bf16, __nv_bfloat16, PingPongCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_ping_pong_, bf16, __nv_bfloat16, PingPongCfg)
 #endif
 #if GEMM_IN_PART(19)
 COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_, f16, __half, PingPongCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_ping_pong_, f16, __half, PingPongCfg)
 #endif
 #if GEMM_IN_PART(20)
 COMMFUSE_GEMM_ENTRIES(gemm_mid_direct_, bf16, __nv_bfloat16, MidDirectCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_mid_direct_, bf16, __nv_bfloat16, MidDirectCfg)
 #endif
 #if GEMM_IN_PART(21)
 COMMFUSE_GEMM_ENTRIES(gemm_mid_direct_, f16, __half, MidDirectCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_mid_direct_, f16, __half, MidDirectCfg)
 #endif
 
 #if GEMM_IN_PART(GEMM_HELPER_PART)

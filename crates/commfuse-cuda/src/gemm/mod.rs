@@ -306,6 +306,14 @@ impl GemmVariant {
 
     /// Whether its consumers store tiles into D themselves (through a tensor map of D where
     /// [`d_map_fits`]): plain GEMMs only.
+    /// Whether the build also has plain entries (`<entry>_plain`, 16-bit outputs): the same
+    /// kernel with every option but alpha compiled out, which [`PreparedGemm`] launches for
+    /// the calls that ask for none ([`plain_call`]). The builds whose consumers store their
+    /// tiles themselves, which `auto` runs for plain GEMMs.
+    pub fn has_plain_entries(self) -> bool {
+        self.stores_directly()
+    }
+
     fn stores_directly(self) -> bool {
         matches!(
             self,
@@ -674,7 +682,7 @@ impl InUse for GemmMemory {
 }
 
 #[repr(C, align(128))]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Zeroable)]
 struct TmaDesc([u64; 16]);
 
 /// Where one tile goes (mirrors `TileRoute` in gemm.cu, which documents each field).
@@ -726,7 +734,7 @@ pub struct FoldSource {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Zeroable)]
 struct GemmParams {
     a: TmaDesc,
     b: TmaDesc,
@@ -935,7 +943,13 @@ impl GemmKernels {
                             format!("{}{}_{layout}_{output}", variant.prefix(), type_name(input));
                         let f = module.function(&name)?;
                         f.allow_dynamic_smem(variant.smem_bytes())?;
-                        functions.insert(name, f);
+                        functions.insert(name.clone(), f);
+                        if variant.has_plain_entries() && output != "f32" {
+                            let name = format!("{name}{PLAIN_SUFFIX}");
+                            let f = module.function(&name)?;
+                            f.allow_dynamic_smem(variant.smem_bytes())?;
+                            functions.insert(name, f);
+                        }
                     }
                 }
             }
@@ -997,22 +1011,34 @@ impl GemmKernels {
         self.choice().tile_for(p, sms)
     }
 
+    /// The build's plain entry for the plan's types and layout, where it has one.
+    fn plain_entry(&self, plan: &GemmPlan, variant: GemmVariant) -> Option<Function> {
+        let name = self.entry_name(plan, variant);
+        self.functions
+            .get(&format!("{name}{PLAIN_SUFFIX}"))
+            .cloned()
+    }
+
     fn entry(&self, plan: &GemmPlan, variant: GemmVariant) -> Result<Function, CudaError> {
+        let name = self.entry_name(plan, variant);
+        self.functions
+            .get(&name)
+            .cloned()
+            .ok_or_else(|| CudaError::Unavailable(format!("no GEMM kernel for {name}")))
+    }
+
+    fn entry_name(&self, plan: &GemmPlan, variant: GemmVariant) -> String {
         let p = &plan.problem;
         let layout = match p.b_layout {
             BLayout::NK => "nk",
             BLayout::KN => "kn",
         };
-        let name = format!(
+        format!(
             "{}{}_{layout}_{}",
             variant.prefix(),
             type_name(p.input),
             type_name(p.output)
-        );
-        self.functions
-            .get(&name)
-            .cloned()
-            .ok_or_else(|| CudaError::Unavailable(format!("no GEMM kernel for {name}")))
+        )
     }
 }
 
@@ -1048,9 +1074,36 @@ pub struct RouteTargets<'a> {
     pub flag: &'a dyn Fn(usize, Slot) -> u64,
 }
 
+/// The suffix of a build's plain entries' names ([`GemmVariant::has_plain_entries`]).
+pub const PLAIN_SUFFIX: &str = "_plain";
+
+/// Whether a call with these parameters can run a build's plain entry: it asks for nothing
+/// that the plain entries compile out (routes, flags, folds, row bands, a gather, a split
+/// tail, the bias, β·C, accumulation into D) and its tiles go out by the boxes' tensor stores
+/// (`d_tma`: a 16-bit D). Alpha, the call counter, the trace and the load options
+/// (`next_prefetch`, `k_phases`) stay in the plain entries.
+fn plain_call(p: &GemmParams) -> bool {
+    p.d_tma != 0
+        && p.routes == 0
+        && p.routes_alt == 0
+        && p.bands == 0
+        && p.band_flags == 0
+        && p.local_rows == 0
+        && p.fold_tma == 0
+        && p.fold_prefetch == 0
+        && p.full_units == p.unit_count
+        && p.bias == 0
+        && (p.c == 0 || p.beta == 0.0)
+        && p.accumulate == 0
+}
+
 /// A GEMM call ready to launch any number of times.
 pub struct PreparedGemm {
     function: Function,
+    /// The build's plain entry ([`GemmVariant::has_plain_entries`]), launched instead of
+    /// `function` for the calls that [`plain_call`] admits; `None` where the build or the
+    /// output type has none, or where turned off ([`PreparedGemm::set_plain_entry`])
+    plain: Option<Function>,
     params: GemmParams,
     grid: u32,
     /// The build it runs, and so the rows of its A boxes (per-call A maps) and its shared memory
@@ -1296,6 +1349,7 @@ impl PreparedGemm {
             };
         }
         let function = kernels.entry(plan, variant)?;
+        let plain = kernels.plain_entry(plan, variant);
         let a = a_map(ops.a, p.input, p.k, p.m, a_box_rows(p.m, variant))?;
         let mut b_padded = None;
         let mut b_addr = ops.b;
@@ -1462,6 +1516,7 @@ impl PreparedGemm {
         }
         Ok(PreparedGemm {
             function,
+            plain,
             params,
             grid: tail.grid as u32,
             variant,
@@ -1520,6 +1575,20 @@ impl PreparedGemm {
     /// for the same one. The sums then run in another order (within the same bound).
     pub fn set_k_phases(&mut self, phases: u32) {
         self.params.k_phases = phases;
+    }
+
+    /// Whether calls that ask for no option run the build's plain entry (on by default, where
+    /// it has one): off, every call runs its general entry, as a bench's row beside the plain
+    /// one does.
+    pub fn set_plain_entry(&mut self, on: bool) {
+        if !on {
+            self.plain = None;
+        }
+    }
+
+    /// Whether [`PreparedGemm::launch`] runs the build's plain entry.
+    pub fn runs_plain_entry(&self) -> bool {
+        self.plain.is_some() && plain_call(&self.params)
     }
 
     /// Tiles whose partials the kernel loads into its pipeline's stages by TMA; the other
@@ -1638,8 +1707,12 @@ impl PreparedGemm {
     /// # Safety
     /// As [`PreparedGemm::launch_call`], for the addresses in `params`.
     unsafe fn queue(&self, stream: &Stream, params: &GemmParams) -> Result<(), CudaError> {
+        let function = match &self.plain {
+            Some(plain) if plain_call(params) => plain,
+            _ => &self.function,
+        };
         if self.variant.cluster() > 1 {
-            self.function.launch_cluster_with_smem(
+            function.launch_cluster_with_smem(
                 self.grid,
                 THREADS,
                 self.variant.smem_bytes(),
@@ -1648,7 +1721,7 @@ impl PreparedGemm {
                 params,
             )?;
         } else if self.cooperative {
-            self.function.launch_cooperative_with_smem(
+            function.launch_cooperative_with_smem(
                 self.grid,
                 THREADS,
                 self.variant.smem_bytes(),
@@ -1656,7 +1729,7 @@ impl PreparedGemm {
                 params,
             )?;
         } else {
-            self.function.launch_with_smem(
+            function.launch_with_smem(
                 self.grid,
                 THREADS,
                 self.variant.smem_bytes(),
@@ -2160,6 +2233,116 @@ mod tests {
             (8192, PingPong, 128),
         ] {
             assert_eq!(a_box_rows(m, variant), rows, "{m} {variant:?}");
+        }
+    }
+
+    #[test]
+    fn only_calls_without_options_take_the_plain_entry() {
+        // a plain GEMM as prepared: D by tensor stores, whole tiles only
+        let plain = GemmParams {
+            d_tma: 1,
+            unit_count: 128,
+            full_units: 128,
+            alpha: 2.0,
+            beta: 1.0,
+            c: 0,
+            next_prefetch: 2,
+            k_phases: 4,
+            trace: 0x1000,
+            calls: 0x2000,
+            ..GemmParams::zeroed()
+        };
+        assert!(plain_call(&plain));
+        assert!(plain_call(&GemmParams {
+            c: 0x100,
+            beta: 0.0,
+            ..plain
+        }));
+        let options: [(&str, GemmParams); 13] = [
+            ("no tensor stores of D", GemmParams { d_tma: 0, ..plain }),
+            (
+                "routes",
+                GemmParams {
+                    routes: 0x100,
+                    ..plain
+                },
+            ),
+            (
+                "other routes in alternate calls",
+                GemmParams {
+                    routes_alt: 0x100,
+                    ..plain
+                },
+            ),
+            (
+                "row bands",
+                GemmParams {
+                    bands: 0x100,
+                    ..plain
+                },
+            ),
+            (
+                "a gather's flags",
+                GemmParams {
+                    band_flags: 0x100,
+                    ..plain
+                },
+            ),
+            (
+                "rows of A read from the caller's",
+                GemmParams {
+                    local_rows: 64,
+                    ..plain
+                },
+            ),
+            (
+                "folds by TMA",
+                GemmParams {
+                    fold_tma: 1,
+                    ..plain
+                },
+            ),
+            (
+                "the folds' prefetch",
+                GemmParams {
+                    fold_prefetch: 1,
+                    ..plain
+                },
+            ),
+            (
+                "a split tail",
+                GemmParams {
+                    full_units: 120,
+                    ..plain
+                },
+            ),
+            (
+                "the bias",
+                GemmParams {
+                    bias: 0x100,
+                    ..plain
+                },
+            ),
+            ("beta times C", GemmParams { c: 0x100, ..plain }),
+            (
+                "accumulation into D",
+                GemmParams {
+                    accumulate: 1,
+                    ..plain
+                },
+            ),
+            (
+                "all of them",
+                GemmParams {
+                    bias: 0x100,
+                    routes: 0x100,
+                    accumulate: 1,
+                    ..plain
+                },
+            ),
+        ];
+        for (what, params) in options {
+            assert!(!plain_call(&params), "{what}: not a plain call");
         }
     }
 
