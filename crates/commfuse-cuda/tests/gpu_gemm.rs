@@ -1566,9 +1566,26 @@ fn bench_rows_pass_the_check_of_every_element() {
             };
             let narrow_sliced = if m <= 128 { 2 } else { 0 };
             let ping_pong = if m > 64 { 4 } else { 0 };
+            // and where ours runs its build's plain entry, the same through its general one
+            // (at 2048 × 8192 × 3584 with a bf16 D on every SM: the direct build, whole waves)
+            let plain = rows
+                .iter()
+                .filter(|r| r.implementation == "commfuse" && r.plain_entry == Some(true))
+                .count();
+            if (m, output) == (2048, DType::BF16) {
+                assert_eq!(plain, 1, "{rows:?}");
+            }
+            let general = rows
+                .iter()
+                .filter(|r| r.implementation == "commfuse-general");
+            assert!(
+                general.clone().all(|r| r.plain_entry == Some(false)),
+                "{rows:?}"
+            );
+            assert_eq!(general.count(), plain, "{rows:?}");
             assert_eq!(
                 rows.len(),
-                16 + narrow_sliced + ping_pong + differs,
+                16 + narrow_sliced + ping_pong + differs + plain,
                 "{rows:?}"
             );
             let other = rows.iter().filter(|r| r.implementation == beside);
