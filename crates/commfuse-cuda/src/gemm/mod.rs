@@ -337,8 +337,8 @@ pub enum VariantChoice {
     /// [`MID_TILE`]s where [`mid_tiles_pay`] does, else [`TILE`]s; the 64-row build of the
     /// plan's tile wherever every tile has at most [`SKINNY_ROWS`] rows (narrow-deep up to
     /// [`NARROW_DEEP_ROWS`]), else the 128-row one: for [`TILE`]s the direct build, for
-    /// [`MID_TILE`]s the mid-direct build; the fused operators' GEMMs with routes trade the
-    /// direct builds for the main and the mid one
+    /// [`MID_TILE`]s the ping-pong build ([`ping_pong_pays`]) or else the mid-direct one; the
+    /// fused operators' GEMMs with routes trade the direct builds for the main and the mid one
     Auto,
     /// [`TILE`]s; always the 128-row build (main, or narrow-tall for a plan of narrow tiles)
     Main,
@@ -394,38 +394,44 @@ pub fn narrow_pays(p: &GemmProblem, sms: usize) -> bool {
 /// and an H200, within 2 % at 32 and 64 rows (GEMM-NOTES.md, "The narrow-deep build").
 pub const NARROW_DEEP_ROWS: usize = 16;
 
-/// Whether `auto` plans `p` with [`MID_TILE`]s on `sms` SMs, which it runs on the mid-direct
-/// build: at least two whole bands of rows (narrow tiles do not fit), its [`TILE`]s would give
-/// at most half of the SMs a tile (so the direct build cuts them along K), and its mid tiles
-/// make one wave that gives more than half of the SMs one. At 512 × 4096 × 4096 (64 wide
-/// tiles, 128 mid ones on 132 SMs) the ping-pong build ran 8–10 % ahead of the direct build on
-/// an H100 and an H200 (GEMM-NOTES.md, "The ping-pong build"), and the mid-direct build 4–5 %
-/// ahead of the ping-pong build (2–5 % at 256 and 384 rows; "The mid-direct build"); where a
-/// block runs many tiles their k-blocks are slower than the wide builds'.
+/// Whether `auto` plans `p` with [`MID_TILE`]s on `sms` SMs, which it runs on the ping-pong
+/// build ([`ping_pong_pays`]): more than one band of rows (narrow tiles do not fit), its
+/// [`TILE`]s would give at most half of the SMs a tile (so the direct build cuts them along
+/// K), and its mid tiles make at most one wave, each whole. With the plain entries on one
+/// H100 (GEMM-NOTES.md, "Plain entries"), the ping-pong build ran 15–27 % ahead of the
+/// direct build's cut tiles at 192 to 384 rows × 2048 and 4096 × 4096 (32 to 96 mid tiles),
+/// 6 % at 256 × 4096 × 8192; where a block runs many tiles their k-blocks are slower than the
+/// wide builds'.
 pub fn mid_tiles_pay(p: &GemmProblem, sms: usize) -> bool {
     let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
     let (mid_rows, mid_cols) = commfuse_core::gemm::tiles(p, MID_TILE);
-    let mid = mid_rows * mid_cols;
-    p.m >= 2 * TILE.m && 2 * rows * cols <= sms && 2 * mid > sms && mid <= sms
+    p.m > TILE.m && 2 * rows * cols <= sms && mid_rows * mid_cols <= sms
 }
-
-/// Fewest [`MID_TILE`]s with which `auto` runs a band of 65 to 128 rows on them instead of
-/// the narrow-tall build's tiles ([`mid_tiles_pay_over_narrow`]): the count measured, 64 at
-/// N = 8192.
-pub const MID_BAND_TILES: usize = 64;
 
 /// Whether `auto` plans `p`, which narrow tiles would serve ([`narrow_pays`]), with
 /// [`MID_TILE`]s instead (the mid-direct build, one partial wave whole): one band of more than
 /// [`SKINNY_ROWS`] rows (where the narrow-tall build computes all 128 rows of its tiles, as
-/// the mid tiles' builds do) whose mid tiles make one wave of at least [`MID_BAND_TILES`]. At
-/// 128 × 8192 × 3584 (64 mid tiles, 128 narrow ones) the ping-pong build ran 2–6 % ahead of
-/// the narrow-tall build in three processes per B layout on one H100, 0–3 % at 96 rows, and the
-/// mid-direct build 1–4 % ahead of the ping-pong build at 65 to 128 rows (GEMM-NOTES.md, "The
-/// ping-pong build at one band of rows", "The mid-direct build").
+/// the mid tiles' builds do) whose narrow tiles would make more than one wave and whose mid
+/// tiles make one. With the plain entries on one H100 (GEMM-NOTES.md, "Plain entries"), the
+/// narrow-tall build's one wave ran 3–6 % ahead of the mid tiles at 80, 96 and 128 × 8192 ×
+/// 3584 (128 narrow tiles, 64 mid ones; both B layouts at 128 rows), and the mid-direct build
+/// 1–2 % ahead of the narrow-tall build's two waves at 128 × 16384 × 3584.
 pub fn mid_tiles_pay_over_narrow(p: &GemmProblem, sms: usize) -> bool {
     let (mid_rows, mid_cols) = commfuse_core::gemm::tiles(p, MID_TILE);
-    let mid = mid_rows * mid_cols;
-    p.m > SKINNY_ROWS && mid_rows == 1 && (MID_BAND_TILES..=sms).contains(&mid)
+    let (narrow_rows, narrow_cols) = commfuse_core::gemm::tiles(p, NARROW_TILE);
+    p.m > SKINNY_ROWS
+        && mid_rows == 1
+        && mid_rows * mid_cols <= sms
+        && narrow_rows * narrow_cols > sms
+}
+
+/// Whether `auto` runs a plan of [`MID_TILE`]s on the ping-pong build rather than the
+/// mid-direct one: where `m` makes more than one band of rows. With the plain entries on one
+/// H100 (GEMM-NOTES.md, "Plain entries") the ping-pong build ran 1–12 % ahead of the
+/// mid-direct build at 192 to 1024 rows (one mid tile an SM or fewer; within 1 % at 256 ×
+/// 8192 × 2048), and within 1 % of it at one band (128 × 8192 and 128 × 16384 × 3584).
+pub fn ping_pong_pays(m: usize) -> bool {
+    m > MID_TILE.m
 }
 
 impl VariantChoice {
@@ -530,6 +536,7 @@ impl VariantChoice {
             // (build() keeps the fused operators' GEMMs on the mid build)
             return match self {
                 VariantChoice::PingPong => GemmVariant::PingPong,
+                VariantChoice::Auto if ping_pong_pays(plan.problem.m) => GemmVariant::PingPong,
                 VariantChoice::MidDirect | VariantChoice::Auto => GemmVariant::MidDirect,
                 _ => GemmVariant::Mid,
             };
@@ -2706,10 +2713,15 @@ mod tests {
             }
             let build = VariantChoice::PingPong.variant_for(&plan);
             assert_eq!(build, GemmVariant::PingPong, "{m}");
-            for choice in [VariantChoice::MidDirect, VariantChoice::Auto] {
-                let build = choice.variant_for(&plan);
-                assert_eq!(build, GemmVariant::MidDirect, "{choice:?} {m}");
-            }
+            let build = VariantChoice::MidDirect.variant_for(&plan);
+            assert_eq!(build, GemmVariant::MidDirect, "{m}");
+            // auto: the ping-pong build from two bands of rows, the mid-direct one at one
+            let auto = if m > 128 {
+                GemmVariant::PingPong
+            } else {
+                GemmVariant::MidDirect
+            };
+            assert_eq!(VariantChoice::Auto.variant_for(&plan), auto, "{m}");
         }
         assert_eq!(GemmVariant::Mid.tile(), MID_TILE);
         assert_eq!(GemmVariant::PingPong.tile(), MID_TILE);
@@ -2723,39 +2735,50 @@ mod tests {
                 assert_ne!(choice.tile_for(&p, 132), MID_TILE, "{choice:?} {m}");
             }
         }
-        // auto plans mid tiles (for the mid-direct build) where wide ones would give at most
-        // half of the SMs a tile and mid ones give more than half one, in one wave: 64 wide
-        // tiles and 128 mid ones at 512 × 4096, 96 mid ones at 384 × 4096; not where narrow
-        // tiles fit (128 rows × 4096), nor where mid tiles would make more than a wave (768 ×
-        // 4096: 96 wide, 192 mid) or leave most SMs idle (256 × 4096: 64 mid ones)
+        // auto plans mid tiles (for the ping-pong build) where wide ones would give at most
+        // half of the SMs a tile and mid ones make one wave at most, from two bands of rows:
+        // 64 wide tiles and 128 mid ones at 512 × 4096, 96 mid ones at 384 × 4096, 64 at
+        // 256 × 4096 and at 192 × 4096 (a band of 64 rows), 32 at 256 × 2048, 2 at 129 × 128;
+        // not where narrow tiles fit (128 rows × 4096), nor where mid tiles would make more
+        // than a wave (768 × 4096: 96 wide, 192 mid)
         let auto = |m: usize, n: usize| VariantChoice::Auto.tile_for(&problem(m, n, 4096), 132);
-        for (m, n) in [(512, 4096), (256, 8192), (384, 4096)] {
+        for (m, n) in [
+            (512, 4096),
+            (256, 8192),
+            (384, 4096),
+            (256, 4096),
+            (192, 4096),
+            (256, 2048),
+            (129, 128),
+        ] {
             assert_eq!(auto(m, n), MID_TILE, "{m} × {n}");
             assert!(mid_tiles_pay(&problem(m, n, 4096), 132), "{m} × {n}");
         }
-        for (m, n) in [
-            (128, 4096),
-            (768, 4096),
-            (256, 4096),
-            (8192, 8192),
-            (1024, 8192),
-        ] {
+        for (m, n) in [(128, 4096), (768, 4096), (8192, 8192), (1024, 8192)] {
             assert_ne!(auto(m, n), MID_TILE, "{m} × {n}");
         }
-        // where narrow tiles would serve one band of 65 to 128 rows, mid tiles instead from
-        // MID_BAND_TILES of them up to one wave: 64 at 128 × 8192, 128 at 100 × 16384;
-        // not at 64 rows (the narrow build's), 32 or 63 mid tiles, nor 136 on 132 SMs
-        for (m, n) in [(65, 8192), (96, 8192), (128, 8192), (100, 16384)] {
+        // where narrow tiles would serve one band of 65 to 128 rows, mid tiles instead where
+        // the narrow ones make more than a wave and the mid ones one: 100 and 128 × 16384
+        // (256 narrow tiles, 128 mid ones); not at 64 rows (the narrow build's), at 128 × 8192
+        // (one wave of 128 narrow tiles), nor with 136 mid tiles on 132 SMs
+        for (m, n) in [(100, 16384), (128, 16384)] {
             assert_eq!(auto(m, n), MID_TILE, "{m} × {n}");
             assert!(mid_tiles_pay_over_narrow(&problem(m, n, 4096), 132));
         }
-        for (m, n) in [(64, 8192), (128, 4096), (128, 63 * 128), (128, 136 * 128)] {
+        for (m, n) in [
+            (64, 16384),
+            (65, 8192),
+            (128, 8192),
+            (128, 4096),
+            (128, 136 * 128),
+        ] {
             assert!(
                 !mid_tiles_pay_over_narrow(&problem(m, n, 4096), 132),
                 "{m} × {n}"
             );
         }
         assert_eq!(auto(64, 8192), NARROW_TILE);
+        assert_eq!(auto(128, 8192), NARROW_TILE);
         assert_eq!(auto(128, 4096), NARROW_TILE);
         // on fewer SMs the same product makes more than a wave of mid tiles
         assert!(!mid_tiles_pay(&problem(512, 4096, 4096), 100));
@@ -2765,22 +2788,16 @@ mod tests {
     fn auto_plans_narrow_tiles_where_wide_ones_leave_most_sms_idle() {
         let tile =
             |choice: VariantChoice, m: usize, n: usize| choice.tile_for(&problem(m, n, 3584), 132);
-        // the decode sizes: 32 wide tiles for 132 SMs (from 65 rows `auto` takes mid tiles
-        // here: mid_tiles_pay_over_narrow)
+        // the decode sizes: 32 wide tiles for 132 SMs, 128 narrow ones
         for m in [1, 16, 17, 32, 64, 128] {
-            let auto = if m > SKINNY_ROWS {
-                MID_TILE
-            } else {
-                NARROW_TILE
-            };
-            assert_eq!(tile(VariantChoice::Auto, m, 8192), auto, "{m}");
+            assert_eq!(tile(VariantChoice::Auto, m, 8192), NARROW_TILE, "{m}");
             assert_eq!(tile(VariantChoice::Narrow, m, 8192), NARROW_TILE, "{m}");
             assert_eq!(tile(VariantChoice::Main, m, 8192), TILE, "{m}");
             assert_eq!(tile(VariantChoice::Skinny, m, 8192), TILE, "{m}");
         }
-        // two bands of tiles, the second of one row (not a whole second band: no mid tiles
-        // either); 112 wide tiles (more than half of the SMs); exactly half
-        assert_eq!(tile(VariantChoice::Auto, 129, 8192), TILE);
+        // two bands of tiles, the second of one row (mid tiles: 128 of them); 112 wide tiles
+        // (more than half of the SMs); exactly half
+        assert_eq!(tile(VariantChoice::Auto, 129, 8192), MID_TILE);
         assert_eq!(tile(VariantChoice::Narrow, 129, 8192), TILE);
         assert_eq!(tile(VariantChoice::Auto, 64, 28672), TILE);
         assert_eq!(tile(VariantChoice::Narrow, 64, 28672), NARROW_TILE);
