@@ -258,12 +258,16 @@ fn run<T: Element>(
         .map(|&cap| PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0))
         .collect::<Result<_, _>>()?;
     // where another build than the main one can compute the product (the skinny one: every
-    // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles; the pair build:
+    // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles, and the
+    // narrow-tall one also where its tiles of several bands make one wave; the pair build:
     // a tile of more than 64 rows, and the direct build; the mid and the ping-pong build: M
     // above 64), each build
     // forced, side by side with the row of the build chosen
     let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
-    let narrow = (p.m <= NARROW_TILE.m).then(|| plan_of(NARROW_TILE));
+    let (narrow_rows, narrow_cols) = tiles(p, NARROW_TILE);
+    let one_band = p.m <= NARROW_TILE.m;
+    let narrow = (one_band || narrow_rows * narrow_cols <= gpu.sm_count as usize)
+        .then(|| plan_of(NARROW_TILE));
     let skinny_fits = VariantChoice::Skinny.variant_for(&wide) == GemmVariant::Skinny;
     let pair_fits = VariantChoice::Pair.variant_for(&wide) == GemmVariant::Pair;
     let mid = (p.m > SKINNY_ROWS).then(|| plan_of(MID_TILE));
@@ -274,6 +278,8 @@ fn run<T: Element>(
         }
         if let Some(narrow) = &narrow {
             builds.push(("commfuse-narrow", VariantChoice::Narrow, narrow));
+        }
+        if let Some(narrow) = narrow.as_ref().filter(|_| one_band) {
             builds.push(("commfuse-narrow-deep", VariantChoice::NarrowDeep, narrow));
             builds.push((
                 "commfuse-narrow-sliced",
