@@ -15,9 +15,9 @@ use commfuse_cuda::gemm::bench::{
     bench_gemm, DeviceReference, ExtraRows, ReferenceGemm, StreamGuard, TileOrder,
 };
 use commfuse_cuda::gemm::{
-    CallNumber, FoldSource, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm,
-    RouteTargets, SmHolder, TailChoice, TileRoute, TileSnapshot, VariantChoice, MID_TILE,
-    NARROW_DEEP_ROWS, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TAIL_ENV, TILE,
+    CallNumber, FoldSource, Gather, GemmEntry, GemmKernels, GemmOperands, GemmVariant,
+    PreparedGemm, RouteTargets, SmHolder, TailChoice, TileRoute, TileSnapshot, VariantChoice,
+    MID_TILE, NARROW_DEEP_ROWS, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TAIL_ENV, TILE,
 };
 use commfuse_cuda::sys::cublaslt::Lt;
 use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, MappedHost, Stream};
@@ -429,28 +429,34 @@ fn check_variant<TI: Element, TO: Element>(
         p.m, p.n, p.k, p.b_layout, p.input, p.output
     );
     assert_eq!(gemm.variant(), want_variant, "{what}: the build chosen");
-    // the plain entry (every option but alpha compiled out) where the call asks for no other
-    // option and its tiles go out by tensor stores (a 16-bit D, rows of whole 16 bytes)
-    let plain = want_variant.has_plain_entries()
+    // a plain entry (every option but alpha compiled out) where the call asks for no other
+    // option and its tiles go out by tensor stores (a 16-bit D, rows of whole 16 bytes): the
+    // one without the split tail where it has none, the direct build's that keeps it where
+    // it has one
+    let plain_options = want_variant.has_plain_entries()
         && p.output.size() == 2
         && p.n.is_multiple_of(8)
         && matches!(case.epilogue, Case::Plain | Case::Scaled)
-        && case.bands.is_none()
-        && gemm.tail() == "none";
-    assert_eq!(
-        gemm.runs_plain_entry(),
-        plain,
-        "{what}: the plain entry run"
-    );
+        && case.bands.is_none();
+    let entry = match (plain_options, gemm.tail() == "none") {
+        (true, true) => GemmEntry::Plain,
+        (true, false) if want_variant.has_plain_tail_entries() => GemmEntry::PlainTail,
+        _ => GemmEntry::General,
+    };
+    assert_eq!(gemm.entry(), entry, "{what}: the entry run");
     // and then the same GEMM through its general entry, checked the same way
-    let general = plain.then(|| {
+    let general = (entry != GemmEntry::General).then(|| {
         let mut g = kernels
             .with_choice(choice, || {
                 PreparedGemm::new(gpu, kernels, &plan, &ops, None, case.cap, 0)
             })
             .unwrap();
         g.set_plain_entry(false);
-        assert!(!g.runs_plain_entry(), "{what}: the plain entry turned off");
+        assert_eq!(
+            g.entry(),
+            GemmEntry::General,
+            "{what}: the plain entries turned off"
+        );
         g
     });
     let want = reference_gemm(&p, &epilogue, &a, &b, Some(&c), Some(&bias), Some(&d0));
@@ -653,7 +659,7 @@ fn skinny_build_matches_float64_reference() {
 
 /// The narrow builds (128×64 tiles, wgmma m64n64k16, 8 stages: 64 rows on one consumer
 /// warpgroup, or all 128 on two), chosen for a plan of narrow tiles, against float64 over every
-/// element: M = 1, 16, 33 and 64 (the narrow build) and 65, 100 and 128 (narrow-tall) with N =
+/// element: M = 1, 16, 33 and 64 (the narrow build) and 65, 100, 128 and 256 (narrow-tall) with N =
 /// 1000 (16 column tiles, the last one 40 wide) and K = 1544 (24 k-blocks and a part), both B
 /// layouts, bf16 and f32 outputs from bf16 and f16 inputs; on every SM (the 16 tiles cut into 2
 /// K-parts) with a plain and a full epilogue (alpha, beta·C, bias, a shuffled order), on 4 SMs
@@ -673,7 +679,8 @@ fn narrow_builds_match_float64_reference() {
         check_variant_of_types(&gpu, &kernels, &stream, p, case, (choice, want), seed);
     };
     let auto = VariantChoice::Auto;
-    for m in [1, 16, 33, SKINNY_ROWS, 65, 100, 128] {
+    // (256: two whole bands of narrow tiles, as `auto` plans them where narrow_bands_pay)
+    for m in [1, 16, 33, SKINNY_ROWS, 65, 100, 128, 256] {
         let want = if m <= NARROW_DEEP_ROWS {
             GemmVariant::NarrowDeep
         } else if m <= SKINNY_ROWS {
@@ -1566,20 +1573,26 @@ fn bench_rows_pass_the_check_of_every_element() {
             };
             let narrow_sliced = if m <= 128 { 2 } else { 0 };
             let ping_pong = if m > 64 { 4 } else { 0 };
-            // and where ours runs its build's plain entry, the same through its general one
-            // (at 2048 × 8192 × 3584 with a bf16 D on every SM: the direct build, whole waves)
+            // and where ours runs a plain entry of its build, the same through its general one
+            // (at 2048 × 8192 × 3584 with a bf16 D: the direct build, whole waves on every SM,
+            // a split tail on 116)
             let plain = rows
                 .iter()
-                .filter(|r| r.implementation == "commfuse" && r.plain_entry == Some(true))
+                .filter(|r| {
+                    r.implementation == "commfuse"
+                        && r.entry.as_deref().is_some_and(|e| e != "general")
+                })
                 .count();
             if (m, output) == (2048, DType::BF16) {
-                assert_eq!(plain, 1, "{rows:?}");
+                assert_eq!(plain, 2, "{rows:?}");
             }
             let general = rows
                 .iter()
                 .filter(|r| r.implementation == "commfuse-general");
             assert!(
-                general.clone().all(|r| r.plain_entry == Some(false)),
+                general
+                    .clone()
+                    .all(|r| r.entry.as_deref() == Some("general")),
                 "{rows:?}"
             );
             assert_eq!(general.count(), plain, "{rows:?}");

@@ -81,7 +81,9 @@ fn every_kernel_compiles_for_sm90a() {
 /// kernels in the last; the whole file's parts hold every entry once.
 fn check_part_entries(compiled: &nvrtc::Compiled) {
     use commfuse_core::DType;
-    use commfuse_cuda::gemm::{gemm_part, GemmVariant, GEMM_HELPER_PART, PLAIN_SUFFIX};
+    use commfuse_cuda::gemm::{
+        gemm_part, GemmVariant, GEMM_HELPER_PART, PLAIN_SUFFIX, PLAIN_TAIL_SUFFIX,
+    };
     let Some(part) = compiled.part else {
         return;
     };
@@ -102,6 +104,9 @@ fn check_part_entries(compiled: &nvrtc::Compiled) {
                     let entry = format!("{}{name}_{layout}_{output}", variant.prefix());
                     if variant.has_plain_entries() && output != "f32" {
                         expected.push(format!("{entry}{PLAIN_SUFFIX}"));
+                    }
+                    if variant.has_plain_tail_entries() && output != "f32" {
+                        expected.push(format!("{entry}{PLAIN_TAIL_SUFFIX}"));
                     }
                     expected.push(entry);
                 }
@@ -129,8 +134,8 @@ fn check_part_entries(compiled: &nvrtc::Compiled) {
 /// build uses; the builds that store their tiles themselves decide whether the block gave up
 /// by a reduction at each consumer warpgroup's barrier (BAR.RED.OR), which no other build uses;
 /// no k-loop (the innermost loop around the HGMMA) reads the clock, which only the trace's
-/// stamps do; a plain entry (`_plain`: every option but alpha compiled out) has at most half
-/// the instructions of its build's general entry. Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both from PyPI and sets
+/// stamps do; a plain entry (`_plain`: every option but alpha compiled out; `_plain_tail`: the
+/// same with the split tail) has at most half the instructions of its build's general entry. Needs NVRTC and cuobjdump (+ nvdisasm); CI installs both from PyPI and sets
 /// COMMFUSE_REQUIRE_SASS=1.
 #[test]
 fn gemm_sass_uses_hgmma() {
@@ -228,8 +233,9 @@ fn gemm_sass_uses_hgmma() {
             );
         }
     }
-    // (the builds that store their tiles themselves have 8 plain entries beside their 12)
-    assert_eq!(entries, 180, "GEMM entry points found in the SASS");
+    // (the builds that store their tiles themselves have 8 plain entries beside their 12, the
+    // direct build 8 more with the split tail)
+    assert_eq!(entries, 188, "GEMM entry points found in the SASS");
     assert_eq!(
         ping_pong, 20,
         "ping-pong GEMM entry points found in the SASS"
@@ -242,7 +248,7 @@ fn gemm_sass_uses_hgmma() {
         narrow_sliced, 12,
         "narrow-sliced GEMM entry points found in the SASS"
     );
-    assert_eq!(direct, 20, "direct GEMM entry points found in the SASS");
+    assert_eq!(direct, 28, "direct GEMM entry points found in the SASS");
     // (the mid-direct build's names start as the mid build's)
     assert_eq!(mid, 32, "mid GEMM entry points found in the SASS");
     assert_eq!(pair, 12, "pair GEMM entry points found in the SASS");
@@ -251,7 +257,11 @@ fn gemm_sass_uses_hgmma() {
     assert_eq!(tall, 20, "narrow-tall GEMM entry points found in the SASS");
     let mut plain = 0;
     for (name, &size) in &sizes {
-        let Some(general) = name.strip_suffix(commfuse_cuda::gemm::PLAIN_SUFFIX) else {
+        use commfuse_cuda::gemm::{PLAIN_SUFFIX, PLAIN_TAIL_SUFFIX};
+        let Some(general) = name
+            .strip_suffix(PLAIN_TAIL_SUFFIX)
+            .or_else(|| name.strip_suffix(PLAIN_SUFFIX))
+        else {
             continue;
         };
         plain += 1;
@@ -261,7 +271,7 @@ fn gemm_sass_uses_hgmma() {
             "{name}: {size} instructions, its general entry {general_size}: the options not compiled out"
         );
     }
-    assert_eq!(plain, 48, "plain GEMM entry points found in the SASS");
+    assert_eq!(plain, 56, "plain GEMM entry points found in the SASS");
 }
 
 /// The instructions of an entry's SASS: "/*1a70*/   SYNCS... ;" lines, their address and the

@@ -13,9 +13,9 @@
 use crate::error::CudaError;
 use crate::gemm::trace::GemmTrace;
 use crate::gemm::{
-    CallNumber, FoldSource, Gather, GemmKernels, GemmOperands, GemmVariant, PreparedGemm,
-    RouteTargets, TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE, ROUTE_DST_FROM_D,
-    SKINNY_ROWS, TILE,
+    CallNumber, FoldSource, Gather, GemmEntry, GemmKernels, GemmOperands, GemmVariant,
+    PreparedGemm, RouteTargets, TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE,
+    ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
 };
 use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
 pub use crate::sys::driver::StreamGuard;
@@ -44,9 +44,10 @@ pub struct GemmRow {
     pub sms: u32,
     /// The build of our kernel that ran ([`GemmVariant::name`]; none for cuBLASLt)
     pub build: Option<String>,
-    /// Whether our kernel ran its build's plain entry (every option compiled out: see
-    /// [`PreparedGemm::runs_plain_entry`]) rather than its general one (none for cuBLASLt)
-    pub plain_entry: Option<bool>,
+    /// Which of its build's entries our kernel ran: `general`, `plain` (every option compiled
+    /// out) or `plain-tail` (the same with the split tail; see [`GemmEntry`]); none for
+    /// cuBLASLt
+    pub entry: Option<String>,
     /// Blocks of our kernel's persistent grid (none for cuBLASLt)
     pub grid: Option<u32>,
     /// How our kernel shares out the tiles beyond its last whole wave (`none`, `cut P×T`,
@@ -340,10 +341,10 @@ fn run<T: Element>(
             forced.push((name, cap, g));
         }
     }
-    // the chosen build through its general entry where the plain one runs: what the options
-    // that the plain entry compiles out cost a call that asks for none of them
+    // the chosen build through its general entry where a plain one runs: what the options
+    // that the plain entries compile out cost a call that asks for none of them
     for (gemm, &cap) in ours.iter().zip(sms) {
-        if gemm.runs_plain_entry() {
+        if gemm.entry() != GemmEntry::General {
             let mut g = PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0)?;
             g.set_plain_entry(false);
             forced.push(("commfuse-general", cap, g));
@@ -590,7 +591,7 @@ fn run<T: Element>(
             bias,
             sms: v.cap,
             build: v.gemm.map(|g| g.variant().name().to_string()),
-            plain_entry: v.gemm.map(PreparedGemm::runs_plain_entry),
+            entry: v.gemm.map(|g| g.entry().name().to_string()),
             grid: v.gemm.map(PreparedGemm::grid),
             tail: v.gemm.map(|g| g.tail().to_string()),
             staged_folds: v.folded.map(|f| f.gemm.staged_folds()),

@@ -80,7 +80,7 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // The mid-direct build: the ping-pong build's tiles, stages and boxes with the two consumer
 // warpgroups on each tile together (64 rows each, as in the mid build) instead of in turns.
 template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false, int SLICES_ = 1,
-          bool PINGPONG_ = false, bool PLAIN_ = false>
+          bool PINGPONG_ = false, int PLAIN_ = 0>
 struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
     static constexpr int BN = BN_;              // columns of a tile
@@ -107,7 +107,12 @@ struct Cfg {
     // of those (`plain_call` in mod.rs). What the options cost such a call is code: the
     // narrow-deep bf16 entry is 4 736 SASS instructions, its plain one 1 208 (cuBLASLt's pick
     // at decode sizes about 850), and the set-up runs cold in the instruction cache.
-    static constexpr bool PLAIN = PLAIN_;
+    // (PLAIN_: 0 the general entries, 1 the plain ones, 2 the plain ones with the split tail,
+    // `<entry>_plain_tail`, which the direct build also has for the large products whose
+    // last wave is cut along K)
+    static constexpr bool PLAIN = PLAIN_ != 0;
+    // whether the entry shares out a last, partial wave by K ranges (the split tail)
+    static constexpr bool SPLIT_TAIL = PLAIN_ != 1;
     // The direct build's boxes: 64 rows of 128 bytes (one swizzle row), two per consumer
     // warpgroup, so that one is filled while the TMA engine reads the other
     static constexpr int BOX_BYTES = 64 * 128;
@@ -142,9 +147,9 @@ struct Cfg {
                   "ping-pong warpgroups store their own 128-row tiles");
     static_assert(!PLAIN || (DIRECT && CLUSTER == 1), "plain entries store their tiles by the consumers' boxes");
 };
-// A build's plain entries (Cfg::PLAIN).
-template <class C>
-using PlainOf = Cfg<C::ROWS, C::BN, C::STAGES, C::CLUSTER, C::DIRECT, C::SLICES, C::PINGPONG, true>;
+// A build's plain entries (Cfg::PLAIN; TAIL: with the split tail).
+template <class C, bool TAIL = false>
+using PlainOf = Cfg<C::ROWS, C::BN, C::STAGES, C::CLUSTER, C::DIRECT, C::SLICES, C::PINGPONG, TAIL ? 2 : 1>;
 using MainCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES>;
 using SkinnyCfg = Cfg<64, gemm::BN, 4>;
 // The narrow builds store their tiles themselves, as the direct build does (a 64 x 64 tile of
@@ -764,7 +769,7 @@ constexpr u32 PAIR_IDLE = 0x80000000u;
 template <class C> __device__ __forceinline__ Unit unit_at(const GemmParams& p, u32 u) {
     Unit w;
     u32 entry;
-    if (C::PLAIN || u < p.full_units) {
+    if (!C::SPLIT_TAIL || u < p.full_units) {
         entry = p.order[u];
         w.kb0 = 0;
         w.kb1 = (p.k + gemm::BK - 1) / gemm::BK;
@@ -1572,7 +1577,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // a tile of the tail with helpers: the entry read again here rather than kept through
         // the main loop
         // (no split tail in the ping-pong build: the host plans it none)
-        if (!C::PINGPONG && !C::PLAIN && i >= p.full_units) {
+        if (!C::PINGPONG && C::SPLIT_TAIL && i >= p.full_units) {
             if (!split_partials<C>(p, p.tail[i - p.full_units], c.rows, acc)) continue;  // a helper: no epilogue
         }
         // The tile's column, again from its index in the pair and the main build: kept from the
@@ -1898,12 +1903,19 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     COMMFUSE_GEMM_ENTRY(PREFIX##IN##_nk_f32, CFG, IN_T, float, false)                    \
     COMMFUSE_GEMM_ENTRY(PREFIX##IN##_kn_f32, CFG, IN_T, float, true)
 
-// A direct build's plain entries (Cfg::PLAIN), 16-bit outputs only: <entry>_plain.
-#define COMMFUSE_GEMM_PLAIN_ENTRIES(PREFIX, IN, IN_T, CFG)                                          \
-    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_nk_bf16_plain, PlainOf<CFG>, IN_T, __nv_bfloat16, false)       \
-    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_kn_bf16_plain, PlainOf<CFG>, IN_T, __nv_bfloat16, true)        \
-    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_nk_f16_plain, PlainOf<CFG>, IN_T, __half, false)               \
-    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_kn_f16_plain, PlainOf<CFG>, IN_T, __half, true)
+// A direct build's plain entries (Cfg::PLAIN), 16-bit outputs only: <entry><SUFFIX>, the
+// general entry's name with _plain (TAIL false) or _plain_tail (TAIL true).
+#define COMMFUSE_GEMM_PLAIN_ENTRIES_AS(PREFIX, IN, IN_T, CFG, SUFFIX, TAIL)                                   \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_nk_bf16##SUFFIX, COMMFUSE_PLAIN_CFG(CFG, TAIL), IN_T, __nv_bfloat16, false) \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_kn_bf16##SUFFIX, COMMFUSE_PLAIN_CFG(CFG, TAIL), IN_T, __nv_bfloat16, true)  \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_nk_f16##SUFFIX, COMMFUSE_PLAIN_CFG(CFG, TAIL), IN_T, __half, false)         \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_kn_f16##SUFFIX, COMMFUSE_PLAIN_CFG(CFG, TAIL), IN_T, __half, true)
+// (the comma of a template's arguments would split a macro argument)
+#define COMMFUSE_PLAIN_CFG(CFG, TAIL) PlainOf<CFG, TAIL>
+#define COMMFUSE_GEMM_PLAIN_ENTRIES(PREFIX, IN, IN_T, CFG) \
+    COMMFUSE_GEMM_PLAIN_ENTRIES_AS(PREFIX, IN, IN_T, CFG, _plain, false)
+#define COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(PREFIX, IN, IN_T, CFG) \
+    COMMFUSE_GEMM_PLAIN_ENTRIES_AS(PREFIX, IN, IN_T, CFG, _plain_tail, true)
 
 // The file compiles as one NVRTC program, or in parts side by side (ptxas takes minutes over
 // all the entries on one core; the host compiles the parts in threads of their own):
@@ -1968,10 +1980,12 @@ COMMFUSE_GEMM_ENTRIES(gemm_mid_, f16, __half, MidCfg)
 #if GEMM_IN_PART(12)
 COMMFUSE_GEMM_ENTRIES(gemm_direct_, bf16, __nv_bfloat16, DirectCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_direct_, bf16, __nv_bfloat16, DirectCfg)
+COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_direct_, bf16, __nv_bfloat16, DirectCfg)
 #endif
 #if GEMM_IN_PART(13)
 COMMFUSE_GEMM_ENTRIES(gemm_direct_, f16, __half, DirectCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_direct_, f16, __half, DirectCfg)
+COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_direct_, f16, __half, DirectCfg)
 #endif
 #if GEMM_IN_PART(14)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_deep_, bf16, __nv_bfloat16, NarrowDeepCfg)

@@ -304,16 +304,23 @@ impl GemmVariant {
         }
     }
 
-    /// Whether its consumers store tiles into D themselves (through a tensor map of D where
-    /// [`d_map_fits`]): plain GEMMs only.
     /// Whether the build also has plain entries (`<entry>_plain`, 16-bit outputs): the same
     /// kernel with every option but alpha compiled out, which [`PreparedGemm`] launches for
-    /// the calls that ask for none ([`plain_call`]). The builds whose consumers store their
+    /// the calls that ask for none ([`entry_for`]). The builds whose consumers store their
     /// tiles themselves, which `auto` runs for plain GEMMs.
     pub fn has_plain_entries(self) -> bool {
         self.stores_directly()
     }
 
+    /// Whether the build also has plain entries that keep the split tail
+    /// (`<entry>_plain_tail`), for the calls that [`entry_for`] would send to a plain entry
+    /// but for their tail: the direct build, whose large products' last wave is cut along K.
+    pub fn has_plain_tail_entries(self) -> bool {
+        self == GemmVariant::Direct
+    }
+
+    /// Whether its consumers store tiles into D themselves (through a tensor map of D where
+    /// [`d_map_fits`]): plain GEMMs only.
     fn stores_directly(self) -> bool {
         matches!(
             self,
@@ -333,7 +340,8 @@ impl GemmVariant {
 /// narrow-tall), so the choice also says which tile to plan with ([`VariantChoice::tile_for`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VariantChoice {
-    /// Narrow tiles where [`narrow_pays`] says so (unless [`mid_tiles_pay_over_narrow`]),
+    /// Narrow tiles where [`narrow_pays`] (unless [`mid_tiles_pay_over_narrow`]) or
+    /// [`narrow_bands_pay`] says so,
     /// [`MID_TILE`]s where [`mid_tiles_pay`] does, else [`TILE`]s; the 64-row build of the
     /// plan's tile wherever every tile has at most [`SKINNY_ROWS`] rows (narrow-deep up to
     /// [`NARROW_DEEP_ROWS`]), else the 128-row one: for [`TILE`]s the direct build, for
@@ -397,15 +405,40 @@ pub const NARROW_DEEP_ROWS: usize = 16;
 /// Whether `auto` plans `p` with [`MID_TILE`]s on `sms` SMs, which it runs on the ping-pong
 /// build ([`ping_pong_pays`]): more than one band of rows (narrow tiles do not fit), its
 /// [`TILE`]s would give at most half of the SMs a tile (so the direct build cuts them along
-/// K), and its mid tiles make at most one wave, each whole. With the plain entries on one
+/// K), and its mid tiles make at most one wave, each whole, and either give more than half of
+/// the SMs one or have at most [`MID_MAX_K`] to run through. With the plain entries on one
 /// H100 (GEMM-NOTES.md, "Plain entries"), the ping-pong build ran 15–27 % ahead of the
-/// direct build's cut tiles at 192 to 384 rows × 2048 and 4096 × 4096 (32 to 96 mid tiles),
-/// 6 % at 256 × 4096 × 8192; where a block runs many tiles their k-blocks are slower than the
-/// wide builds'.
+/// direct build's cut tiles at 192 to 384 rows × 2048 and 4096 × 4096 (32 to 96 mid tiles)
+/// and 6 % at 256 × 4096 × 8192, but 9 % behind it at 256 × 4096 × 14336, where its 64
+/// tiles' whole K loops take longer than the cut's three parts and their sum; where a block
+/// runs many tiles their k-blocks are slower than the wide builds'.
 pub fn mid_tiles_pay(p: &GemmProblem, sms: usize) -> bool {
     let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
     let (mid_rows, mid_cols) = commfuse_core::gemm::tiles(p, MID_TILE);
-    p.m > TILE.m && 2 * rows * cols <= sms && mid_rows * mid_cols <= sms
+    let mid = mid_rows * mid_cols;
+    p.m > TILE.m && 2 * rows * cols <= sms && mid <= sms && (2 * mid > sms || p.k <= MID_MAX_K)
+}
+
+/// The longest K at which `auto` runs mid or narrow tiles that leave more than half of the
+/// SMs idle ([`mid_tiles_pay`], [`narrow_bands_pay`]) instead of the direct build's tiles
+/// cut along K: 8192 measured ahead, 14336 behind.
+pub const MID_MAX_K: usize = 8192;
+
+/// Whether `auto` plans `p` with [`NARROW_TILE`]s of several bands (the narrow-tall build):
+/// every band whole (M a multiple of 128, more than one band), its [`TILE`]s would give at
+/// most half of the SMs a tile, its narrow tiles make at most one wave, and K is at most
+/// [`MID_MAX_K`]. With the plain entries on one H100 (GEMM-NOTES.md, "Plain entries") the
+/// narrow-tall build ran 2–5 % ahead of the ping-pong build's mid tiles at 256 × 4096 × 4096
+/// and 8192 and at 384 and 512 × 2048 × 4096, and 20 % at 256 × 2048 × 4096 (its 64 tiles
+/// cut in two along K); at 192 rows (a band of 64) it ran 17 % behind.
+pub fn narrow_bands_pay(p: &GemmProblem, sms: usize) -> bool {
+    let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
+    let (narrow_rows, narrow_cols) = commfuse_core::gemm::tiles(p, NARROW_TILE);
+    p.m > TILE.m
+        && p.m.is_multiple_of(TILE.m)
+        && 2 * rows * cols <= sms
+        && narrow_rows * narrow_cols <= sms
+        && p.k <= MID_MAX_K
 }
 
 /// Whether `auto` plans `p`, which narrow tiles would serve ([`narrow_pays`]), with
@@ -499,6 +532,9 @@ impl VariantChoice {
             return MID_TILE;
         }
         if self == VariantChoice::Auto {
+            if narrow_bands_pay(p, sms) {
+                return NARROW_TILE;
+            }
             let mid = if narrow_pays(p, sms) {
                 mid_tiles_pay_over_narrow(p, sms)
             } else {
@@ -951,11 +987,16 @@ impl GemmKernels {
                         let f = module.function(&name)?;
                         f.allow_dynamic_smem(variant.smem_bytes())?;
                         functions.insert(name.clone(), f);
-                        if variant.has_plain_entries() && output != "f32" {
-                            let name = format!("{name}{PLAIN_SUFFIX}");
-                            let f = module.function(&name)?;
-                            f.allow_dynamic_smem(variant.smem_bytes())?;
-                            functions.insert(name, f);
+                        for (has, suffix) in [
+                            (variant.has_plain_entries(), PLAIN_SUFFIX),
+                            (variant.has_plain_tail_entries(), PLAIN_TAIL_SUFFIX),
+                        ] {
+                            if has && output != "f32" {
+                                let name = format!("{name}{suffix}");
+                                let f = module.function(&name)?;
+                                f.allow_dynamic_smem(variant.smem_bytes())?;
+                                functions.insert(name, f);
+                            }
                         }
                     }
                 }
@@ -1018,12 +1059,11 @@ impl GemmKernels {
         self.choice().tile_for(p, sms)
     }
 
-    /// The build's plain entry for the plan's types and layout, where it has one.
-    fn plain_entry(&self, plan: &GemmPlan, variant: GemmVariant) -> Option<Function> {
+    /// The build's plain entry for the plan's types and layout (`suffix`: [`PLAIN_SUFFIX`] or
+    /// [`PLAIN_TAIL_SUFFIX`]), where it has one.
+    fn plain_entry(&self, plan: &GemmPlan, variant: GemmVariant, suffix: &str) -> Option<Function> {
         let name = self.entry_name(plan, variant);
-        self.functions
-            .get(&format!("{name}{PLAIN_SUFFIX}"))
-            .cloned()
+        self.functions.get(&format!("{name}{suffix}")).cloned()
     }
 
     fn entry(&self, plan: &GemmPlan, variant: GemmVariant) -> Result<Function, CudaError> {
@@ -1083,13 +1123,48 @@ pub struct RouteTargets<'a> {
 
 /// The suffix of a build's plain entries' names ([`GemmVariant::has_plain_entries`]).
 pub const PLAIN_SUFFIX: &str = "_plain";
+/// The suffix of the plain entries that keep the split tail
+/// ([`GemmVariant::has_plain_tail_entries`]).
+pub const PLAIN_TAIL_SUFFIX: &str = "_plain_tail";
 
-/// Whether a call with these parameters can run a build's plain entry: it asks for nothing
-/// that the plain entries compile out (routes, flags, folds, row bands, a gather, a split
-/// tail, the bias, β·C, accumulation into D) and its tiles go out by the boxes' tensor stores
-/// (`d_tma`: a 16-bit D). Alpha, the call counter, the trace and the load options
-/// (`next_prefetch`, `k_phases`) stay in the plain entries.
-fn plain_call(p: &GemmParams) -> bool {
+/// Which of its build's entries a GEMM call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmEntry {
+    /// Every option of every operator compiled in, each tested at run time
+    General,
+    /// The options compiled out ([`GemmVariant::has_plain_entries`])
+    Plain,
+    /// The same with the split tail kept ([`GemmVariant::has_plain_tail_entries`])
+    PlainTail,
+}
+
+impl GemmEntry {
+    /// `general`, `plain` or `plain-tail`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmEntry::General => "general",
+            GemmEntry::Plain => "plain",
+            GemmEntry::PlainTail => "plain-tail",
+        }
+    }
+}
+
+/// Which entry a call with these parameters can run: a plain one where it asks for nothing
+/// that the plain entries compile out (routes, flags, folds, row bands, a gather, the bias,
+/// β·C, accumulation into D) and its tiles go out by the boxes' tensor stores (`d_tma`: a
+/// 16-bit D), the one without the split tail where it has none. Alpha, the call counter, the
+/// trace and the load options (`next_prefetch`, `k_phases`) stay in the plain entries.
+fn entry_for(p: &GemmParams) -> GemmEntry {
+    if !plain_options(p) {
+        GemmEntry::General
+    } else if p.full_units == p.unit_count {
+        GemmEntry::Plain
+    } else {
+        GemmEntry::PlainTail
+    }
+}
+
+fn plain_options(p: &GemmParams) -> bool {
     p.d_tma != 0
         && p.routes == 0
         && p.routes_alt == 0
@@ -1098,7 +1173,6 @@ fn plain_call(p: &GemmParams) -> bool {
         && p.local_rows == 0
         && p.fold_tma == 0
         && p.fold_prefetch == 0
-        && p.full_units == p.unit_count
         && p.bias == 0
         && (p.c == 0 || p.beta == 0.0)
         && p.accumulate == 0
@@ -1107,10 +1181,12 @@ fn plain_call(p: &GemmParams) -> bool {
 /// A GEMM call ready to launch any number of times.
 pub struct PreparedGemm {
     function: Function,
-    /// The build's plain entry ([`GemmVariant::has_plain_entries`]), launched instead of
-    /// `function` for the calls that [`plain_call`] admits; `None` where the build or the
-    /// output type has none, or where turned off ([`PreparedGemm::set_plain_entry`])
+    /// The build's plain entries ([`GemmVariant::has_plain_entries`]: without and with the
+    /// split tail), launched instead of `function` for the calls that [`entry_for`] sends to
+    /// them; `None` where the build or the output type has none, or where turned off
+    /// ([`PreparedGemm::set_plain_entry`])
     plain: Option<Function>,
+    plain_tail: Option<Function>,
     params: GemmParams,
     grid: u32,
     /// The build it runs, and so the rows of its A boxes (per-call A maps) and its shared memory
@@ -1356,7 +1432,8 @@ impl PreparedGemm {
             };
         }
         let function = kernels.entry(plan, variant)?;
-        let plain = kernels.plain_entry(plan, variant);
+        let plain = kernels.plain_entry(plan, variant, PLAIN_SUFFIX);
+        let plain_tail = kernels.plain_entry(plan, variant, PLAIN_TAIL_SUFFIX);
         let a = a_map(ops.a, p.input, p.k, p.m, a_box_rows(p.m, variant))?;
         let mut b_padded = None;
         let mut b_addr = ops.b;
@@ -1524,6 +1601,7 @@ impl PreparedGemm {
         Ok(PreparedGemm {
             function,
             plain,
+            plain_tail,
             params,
             grid: tail.grid as u32,
             variant,
@@ -1584,18 +1662,29 @@ impl PreparedGemm {
         self.params.k_phases = phases;
     }
 
-    /// Whether calls that ask for no option run the build's plain entry (on by default, where
-    /// it has one): off, every call runs its general entry, as a bench's row beside the plain
-    /// one does.
+    /// Whether calls that ask for no option run the build's plain entries (on by default,
+    /// where it has them): off, every call runs its general entry, as a bench's row beside
+    /// the plain one does.
     pub fn set_plain_entry(&mut self, on: bool) {
         if !on {
             self.plain = None;
+            self.plain_tail = None;
         }
     }
 
-    /// Whether [`PreparedGemm::launch`] runs the build's plain entry.
-    pub fn runs_plain_entry(&self) -> bool {
-        self.plain.is_some() && plain_call(&self.params)
+    /// Which entry [`PreparedGemm::launch`] runs.
+    pub fn entry(&self) -> GemmEntry {
+        self.entry_of(&self.params).0
+    }
+
+    /// The entry a call with `params` runs, and its function.
+    fn entry_of(&self, params: &GemmParams) -> (GemmEntry, &Function) {
+        let plain = match entry_for(params) {
+            GemmEntry::General => None,
+            GemmEntry::Plain => self.plain.as_ref().map(|f| (GemmEntry::Plain, f)),
+            GemmEntry::PlainTail => self.plain_tail.as_ref().map(|f| (GemmEntry::PlainTail, f)),
+        };
+        plain.unwrap_or((GemmEntry::General, &self.function))
     }
 
     /// Tiles whose partials the kernel loads into its pipeline's stages by TMA; the other
@@ -1714,10 +1803,7 @@ impl PreparedGemm {
     /// # Safety
     /// As [`PreparedGemm::launch_call`], for the addresses in `params`.
     unsafe fn queue(&self, stream: &Stream, params: &GemmParams) -> Result<(), CudaError> {
-        let function = match &self.plain {
-            Some(plain) if plain_call(params) => plain,
-            _ => &self.function,
-        };
+        let (_, function) = self.entry_of(params);
         if self.variant.cluster() > 1 {
             function.launch_cluster_with_smem(
                 self.grid,
@@ -2244,7 +2330,7 @@ mod tests {
     }
 
     #[test]
-    fn only_calls_without_options_take_the_plain_entry() {
+    fn only_calls_without_options_take_a_plain_entry() {
         // a plain GEMM as prepared: D by tensor stores, whole tiles only
         let plain = GemmParams {
             d_tma: 1,
@@ -2259,13 +2345,20 @@ mod tests {
             calls: 0x2000,
             ..GemmParams::zeroed()
         };
-        assert!(plain_call(&plain));
-        assert!(plain_call(&GemmParams {
+        assert_eq!(entry_for(&plain), GemmEntry::Plain);
+        let no_c = GemmParams {
             c: 0x100,
             beta: 0.0,
             ..plain
-        }));
-        let options: [(&str, GemmParams); 13] = [
+        };
+        assert_eq!(entry_for(&no_c), GemmEntry::Plain);
+        // a split tail: the plain entry that keeps it
+        let tail = GemmParams {
+            full_units: 120,
+            ..plain
+        };
+        assert_eq!(entry_for(&tail), GemmEntry::PlainTail);
+        let options: [(&str, GemmParams); 12] = [
             ("no tensor stores of D", GemmParams { d_tma: 0, ..plain }),
             (
                 "routes",
@@ -2317,13 +2410,6 @@ mod tests {
                 },
             ),
             (
-                "a split tail",
-                GemmParams {
-                    full_units: 120,
-                    ..plain
-                },
-            ),
-            (
                 "the bias",
                 GemmParams {
                     bias: 0x100,
@@ -2344,12 +2430,17 @@ mod tests {
                     bias: 0x100,
                     routes: 0x100,
                     accumulate: 1,
-                    ..plain
+                    ..tail
                 },
             ),
         ];
         for (what, params) in options {
-            assert!(!plain_call(&params), "{what}: not a plain call");
+            assert_eq!(entry_for(&params), GemmEntry::General, "{what}");
+            let tail = GemmParams {
+                full_units: 120,
+                ..params
+            };
+            assert_eq!(entry_for(&tail), GemmEntry::General, "{what}, a split tail");
         }
     }
 
@@ -2746,9 +2837,7 @@ mod tests {
             (512, 4096),
             (256, 8192),
             (384, 4096),
-            (256, 4096),
             (192, 4096),
-            (256, 2048),
             (129, 128),
         ] {
             assert_eq!(auto(m, n), MID_TILE, "{m} × {n}");
@@ -2757,6 +2846,41 @@ mod tests {
         for (m, n) in [(128, 4096), (768, 4096), (8192, 8192), (1024, 8192)] {
             assert_ne!(auto(m, n), MID_TILE, "{m} × {n}");
         }
+        // mid tiles that leave more than half of the SMs idle only up to MID_MAX_K: 64 at
+        // 192 × 4096 (at 256 × 4096 the narrow tiles take them, narrow_bands_pay)
+        for (k, mid) in [(8192, true), (8200, false), (14336, false)] {
+            assert_eq!(mid_tiles_pay(&problem(192, 4096, k), 132), mid, "{k}");
+        }
+        assert!(mid_tiles_pay(&problem(512, 4096, 14336), 132));
+        // narrow tiles of whole bands in one wave: 128 of them at 256 × 4096 and 512 × 2048,
+        // 64 at 256 × 2048 (cut along K); not at 192 rows (a band of 64), 384 × 4096 (192
+        // narrow tiles), K past MID_MAX_K, or where wide tiles fill more than half of the SMs
+        for (m, n, k) in [
+            (256, 4096, 4096),
+            (512, 2048, 4096),
+            (256, 2048, 8192),
+            (384, 2048, 1024),
+        ] {
+            assert_eq!(
+                VariantChoice::Auto.tile_for(&problem(m, n, k), 132),
+                NARROW_TILE,
+                "{m} × {n} × {k}"
+            );
+            assert!(narrow_bands_pay(&problem(m, n, k), 132));
+        }
+        for (m, n, k) in [
+            (192, 4096, 4096),
+            (384, 4096, 4096),
+            (256, 4096, 14336),
+            (1024, 8192, 4096),
+            (128, 4096, 4096),
+        ] {
+            assert!(!narrow_bands_pay(&problem(m, n, k), 132), "{m} × {n} × {k}");
+        }
+        assert_eq!(
+            VariantChoice::Auto.tile_for(&problem(256, 4096, 14336), 132),
+            TILE
+        );
         // where narrow tiles would serve one band of 65 to 128 rows, mid tiles instead where
         // the narrow ones make more than a wave and the mid ones one: 100 and 128 × 16384
         // (256 narrow tiles, 128 mid ones); not at 64 rows (the narrow build's), at 128 × 8192
