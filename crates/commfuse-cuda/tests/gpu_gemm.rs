@@ -451,7 +451,7 @@ fn check_variant<TI: Element, TO: Element>(
                 PreparedGemm::new(gpu, kernels, &plan, &ops, None, case.cap, 0)
             })
             .unwrap();
-        g.set_plain_entry(false);
+        g.use_general_entry();
         assert_eq!(
             g.entry(),
             GemmEntry::General,

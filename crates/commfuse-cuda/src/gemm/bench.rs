@@ -346,7 +346,7 @@ fn run<T: Element>(
     for (gemm, &cap) in ours.iter().zip(sms) {
         if gemm.entry() != GemmEntry::General {
             let mut g = PreparedGemm::new(&gpu, &kernels, &chosen_plan, &ops, None, cap, 0)?;
-            g.set_plain_entry(false);
+            g.use_general_entry();
             forced.push(("commfuse-general", cap, g));
         }
     }

@@ -1184,7 +1184,7 @@ pub struct PreparedGemm {
     /// The build's plain entries ([`GemmVariant::has_plain_entries`]: without and with the
     /// split tail), launched instead of `function` for the calls that [`entry_for`] sends to
     /// them; `None` where the build or the output type has none, or where turned off
-    /// ([`PreparedGemm::set_plain_entry`])
+    /// ([`PreparedGemm::use_general_entry`])
     plain: Option<Function>,
     plain_tail: Option<Function>,
     params: GemmParams,
@@ -1662,14 +1662,12 @@ impl PreparedGemm {
         self.params.k_phases = phases;
     }
 
-    /// Whether calls that ask for no option run the build's plain entries (on by default,
-    /// where it has them): off, every call runs its general entry, as a bench's row beside
-    /// the plain one does.
-    pub fn set_plain_entry(&mut self, on: bool) {
-        if !on {
-            self.plain = None;
-            self.plain_tail = None;
-        }
+    /// Every call from now on runs the build's general entry, also where a plain one would
+    /// serve it (by default a call that asks for no option runs a plain entry where the build
+    /// has one): what a bench's row beside the plain one times.
+    pub fn use_general_entry(&mut self) {
+        self.plain = None;
+        self.plain_tail = None;
     }
 
     /// Which entry [`PreparedGemm::launch`] runs.
