@@ -109,7 +109,7 @@ struct Cfg {
     // at decode sizes about 850), and the set-up runs cold in the instruction cache.
     // (PLAIN_: 0 the general entries, 1 the plain ones, 2 the plain ones with the split tail,
     // `<entry>_plain_tail`, which the direct build also has for the large products whose
-    // last wave is cut along K)
+    // last wave is cut along K, and the narrow-tall build for its few tiles cut in two)
     static constexpr bool PLAIN = PLAIN_ != 0;
     // whether the entry shares out a last, partial wave by K ranges (the split tail)
     static constexpr bool SPLIT_TAIL = PLAIN_ != 1;
@@ -1960,10 +1960,12 @@ COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_, f16, __half, NarrowCfg)
 #if GEMM_IN_PART(6)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, bf16, __nv_bfloat16, NarrowTallCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_tall_, bf16, __nv_bfloat16, NarrowTallCfg)
+COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_narrow_tall_, bf16, __nv_bfloat16, NarrowTallCfg)
 #endif
 #if GEMM_IN_PART(7)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, f16, __half, NarrowTallCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_tall_, f16, __half, NarrowTallCfg)
+COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_narrow_tall_, f16, __half, NarrowTallCfg)
 #endif
 #if GEMM_IN_PART(8)
 COMMFUSE_GEMM_ENTRIES(gemm_pair_, bf16, __nv_bfloat16, PairCfg)

@@ -314,9 +314,11 @@ impl GemmVariant {
 
     /// Whether the build also has plain entries that keep the split tail
     /// (`<entry>_plain_tail`), for the calls that [`entry_for`] would send to a plain entry
-    /// but for their tail: the direct build, whose large products' last wave is cut along K.
+    /// but for their tail: the direct build, whose large products' last wave is cut along K,
+    /// and the narrow-tall build, whose tiles of whole bands are cut in two where they are
+    /// fewer than half of the SMs ([`narrow_bands_pay`]).
     pub fn has_plain_tail_entries(self) -> bool {
-        self == GemmVariant::Direct
+        matches!(self, GemmVariant::Direct | GemmVariant::NarrowTall)
     }
 
     /// Whether its consumers store tiles into D themselves (through a tensor map of D where
