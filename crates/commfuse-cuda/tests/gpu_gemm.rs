@@ -431,8 +431,8 @@ fn check_variant<TI: Element, TO: Element>(
     assert_eq!(gemm.variant(), want_variant, "{what}: the build chosen");
     // a plain entry (every option but alpha compiled out) where the call asks for no other
     // option and its tiles go out by tensor stores (a 16-bit D, rows of whole 16 bytes): the
-    // one without the split tail where it has none, the direct build's that keeps it where
-    // it has one
+    // one without the split tail where it has none, the one that keeps it where it has one
+    // and the build has such entries
     let plain_options = want_variant.has_plain_entries()
         && p.output.size() == 2
         && p.n.is_multiple_of(8)

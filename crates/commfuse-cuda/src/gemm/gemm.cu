@@ -104,7 +104,7 @@ struct Cfg {
     // by the boxes' tensor stores, every other option of the parameters compiled out instead
     // of tested at run time (routes, folds, flags, bands, gathers, the split tail, the bias, C,
     // accumulation; the trace stays). The host launches them for the calls that ask for none
-    // of those (`plain_call` in mod.rs). What the options cost such a call is code: the
+    // of those (`entry_for` in mod.rs). What the options cost such a call is code: the
     // narrow-deep bf16 entry is 4 736 SASS instructions, its plain one 1 208 (cuBLASLt's pick
     // at decode sizes about 850), and the set-up runs cold in the instruction cache.
     // (PLAIN_: 0 the general entries, 1 the plain ones, 2 the plain ones with the split tail,

@@ -405,41 +405,54 @@ pub fn narrow_pays(p: &GemmProblem, sms: usize) -> bool {
 pub const NARROW_DEEP_ROWS: usize = 16;
 
 /// Whether `auto` plans `p` with [`MID_TILE`]s on `sms` SMs, which it runs on the ping-pong
-/// build ([`ping_pong_pays`]): more than one band of rows (narrow tiles do not fit), its
-/// [`TILE`]s would give at most half of the SMs a tile (so the direct build cuts them along
-/// K), and its mid tiles make at most one wave, each whole, and either give more than half of
-/// the SMs one or have at most [`MID_MAX_K`] to run through. With the plain entries on one
-/// H100 (GEMM-NOTES.md, "Plain entries"), the ping-pong build ran 15–27 % ahead of the
-/// direct build's cut tiles at 192 to 384 rows × 2048 and 4096 × 4096 (32 to 96 mid tiles)
-/// and 6 % at 256 × 4096 × 8192, but 9 % behind it at 256 × 4096 × 14336, where its 64
-/// tiles' whole K loops take longer than the cut's three parts and their sum; where a block
-/// runs many tiles their k-blocks are slower than the wide builds'.
+/// build where a plain entry serves the plan ([`ping_pong_pays`]), else on the mid-direct
+/// one: more than one band of rows (where whole bands' narrow tiles do not serve,
+/// [`narrow_bands_pay`]), its [`TILE`]s would give at most half of the SMs a tile (so the
+/// direct build cuts them along K), and its mid tiles make at most one wave, each whole, and
+/// either give more than half of the SMs one, or at least [`MIN_FEW_TILES`] of them have at
+/// most [`MID_MAX_K`] to run through. With the plain entries on one H100 (GEMM-NOTES.md,
+/// "Plain entries"), the ping-pong build ran 15–27 % ahead of the direct build's cut tiles at
+/// 192 and 256 × 4096 × 4096, 256 × 2048 × 4096 and 384 × 2048 × 4096 (32 to 64 mid tiles)
+/// and 6 % at 256 × 4096 × 8192, but 9 % behind it at 256 × 4096 × 14336, where each of its
+/// 64 tiles runs its whole K loop on an SM of its own while the cut spreads three K parts
+/// over all of them; where a block runs many tiles their k-blocks are slower than the wide
+/// builds'.
 pub fn mid_tiles_pay(p: &GemmProblem, sms: usize) -> bool {
     let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
     let (mid_rows, mid_cols) = commfuse_core::gemm::tiles(p, MID_TILE);
     let mid = mid_rows * mid_cols;
-    p.m > TILE.m && 2 * rows * cols <= sms && mid <= sms && (2 * mid > sms || p.k <= MID_MAX_K)
+    let few = mid >= MIN_FEW_TILES && p.k <= MID_MAX_K;
+    p.m > TILE.m && 2 * rows * cols <= sms && mid <= sms && (2 * mid > sms || few)
 }
 
-/// The longest K at which `auto` runs mid or narrow tiles that leave more than half of the
-/// SMs idle ([`mid_tiles_pay`], [`narrow_bands_pay`]) instead of the direct build's tiles
-/// cut along K: 8192 measured ahead, 14336 behind.
+/// The longest K at which `auto` runs tiles whose whole K loops each take an SM while more
+/// than half of the SMs stay idle ([`mid_tiles_pay`]), or its narrow tiles of whole bands
+/// ([`narrow_bands_pay`]), instead of the direct build's wide tiles cut along K: 8192
+/// measured ahead, 14336 behind (for the mid and the narrow tiles alike).
 pub const MID_MAX_K: usize = 8192;
+
+/// The fewest tiles for which `auto` takes the mid tiles that leave more than half of the SMs
+/// idle ([`mid_tiles_pay`]), and the narrow tiles of whole bands ([`narrow_bands_pay`]): the
+/// fewest measured ahead of the direct build's cut (32 mid tiles at 256 × 2048 × 4096; 64
+/// narrow ones there). Fewer tiles, each running its whole K loop, are not measured.
+pub const MIN_FEW_TILES: usize = 32;
 
 /// Whether `auto` plans `p` with [`NARROW_TILE`]s of several bands (the narrow-tall build):
 /// every band whole (M a multiple of 128, more than one band), its [`TILE`]s would give at
-/// most half of the SMs a tile, its narrow tiles make at most one wave, and K is at most
-/// [`MID_MAX_K`]. With the plain entries on one H100 (GEMM-NOTES.md, "Plain entries") the
-/// narrow-tall build ran 2–5 % ahead of the ping-pong build's mid tiles at 256 × 4096 × 4096
-/// and 8192 and at 384 and 512 × 2048 × 4096, and 20 % at 256 × 2048 × 4096 (its 64 tiles
-/// cut in two along K); at 192 rows (a band of 64) it ran 17 % behind.
+/// most half of the SMs a tile, its narrow tiles make at most one wave of at least
+/// [`MIN_FEW_TILES`], and K is at most [`MID_MAX_K`]. With the plain entries on one H100
+/// (GEMM-NOTES.md, "Plain entries") the narrow-tall build ran 2–5 % ahead of the ping-pong
+/// build's mid tiles at 256 × 4096 × 4096 and 8192 and at 384 and 512 × 2048 × 4096, and 20 %
+/// at 256 × 2048 × 4096 (its 64 tiles cut in two along K); at 192 rows (a band of 64) it ran
+/// 17 % behind, and at 256 × 4096 × 14336 5 % behind the direct build's cut.
 pub fn narrow_bands_pay(p: &GemmProblem, sms: usize) -> bool {
     let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
     let (narrow_rows, narrow_cols) = commfuse_core::gemm::tiles(p, NARROW_TILE);
+    let narrow = narrow_rows * narrow_cols;
     p.m > TILE.m
         && p.m.is_multiple_of(TILE.m)
         && 2 * rows * cols <= sms
-        && narrow_rows * narrow_cols <= sms
+        && (MIN_FEW_TILES..=sms).contains(&narrow)
         && p.k <= MID_MAX_K
 }
 
@@ -460,13 +473,27 @@ pub fn mid_tiles_pay_over_narrow(p: &GemmProblem, sms: usize) -> bool {
         && narrow_rows * narrow_cols > sms
 }
 
-/// Whether `auto` runs a plan of [`MID_TILE`]s on the ping-pong build rather than the
-/// mid-direct one: where `m` makes more than one band of rows. With the plain entries on one
-/// H100 (GEMM-NOTES.md, "Plain entries") the ping-pong build ran 1–12 % ahead of the
-/// mid-direct build at 192 to 1024 rows (one mid tile an SM or fewer; within 1 % at 256 ×
-/// 8192 × 2048), and within 1 % of it at one band (128 × 8192 and 128 × 16384 × 3584).
-pub fn ping_pong_pays(m: usize) -> bool {
-    m > MID_TILE.m
+/// Whether `auto` runs `plan`, of [`MID_TILE`]s, on the ping-pong build rather than the
+/// mid-direct one: where M makes more than one band of rows and the plan's calls can run a
+/// plain entry ([`plain_plan`]). With the plain entries on one H100 (GEMM-NOTES.md, "Plain
+/// entries") the ping-pong build ran 1–12 % ahead of the mid-direct build at 192 to 1024 rows
+/// (one mid tile an SM or fewer; within 1 % at 256 × 8192 × 2048), and within 1 % of it at
+/// one band (128 × 8192 and 128 × 16384 × 3584); through their general entries the ping-pong
+/// build measured slower (512 × 4096 × 4096: 32.4–34.4 µs against the mid-direct build's
+/// 30.4–31.1), so the calls that need them keep the mid-direct build.
+pub fn ping_pong_pays(plan: &GemmPlan) -> bool {
+    plan.problem.m > MID_TILE.m && plain_plan(plan)
+}
+
+/// Whether a plan's calls can run a plain entry as far as the plan decides it ([`entry_for`]
+/// decides per call): a 16-bit output, alpha alone in the epilogue, no row bands.
+fn plain_plan(plan: &GemmPlan) -> bool {
+    let e = &plan.epilogue;
+    plan.problem.output.size() == 2
+        && !e.bias
+        && e.beta == 0.0
+        && !e.accumulate
+        && plan.bands.is_none()
 }
 
 impl VariantChoice {
@@ -574,7 +601,7 @@ impl VariantChoice {
             // (build() keeps the fused operators' GEMMs on the mid build)
             return match self {
                 VariantChoice::PingPong => GemmVariant::PingPong,
-                VariantChoice::Auto if ping_pong_pays(plan.problem.m) => GemmVariant::PingPong,
+                VariantChoice::Auto if ping_pong_pays(plan) => GemmVariant::PingPong,
                 VariantChoice::MidDirect | VariantChoice::Auto => GemmVariant::MidDirect,
                 _ => GemmVariant::Mid,
             };
@@ -2311,6 +2338,7 @@ fn a_map(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use commfuse_core::gemm::Epilogue;
 
     #[test]
     fn a_box_has_the_builds_rows_or_m_rounded_up_to_the_swizzle_atom() {
@@ -2806,13 +2834,36 @@ mod tests {
             assert_eq!(build, GemmVariant::PingPong, "{m}");
             let build = VariantChoice::MidDirect.variant_for(&plan);
             assert_eq!(build, GemmVariant::MidDirect, "{m}");
-            // auto: the ping-pong build from two bands of rows, the mid-direct one at one
-            let auto = if m > 128 {
+            // auto: the ping-pong build from two bands of rows (where its calls can run a plain
+            // entry: not the banded plan), the mid-direct one at one
+            let auto = if m > 128 && plan.bands.is_none() {
                 GemmVariant::PingPong
             } else {
                 GemmVariant::MidDirect
             };
             assert_eq!(VariantChoice::Auto.variant_for(&plan), auto, "{m}");
+            // a plan whose calls need the general entry: the mid-direct build
+            for epilogue in [
+                Epilogue {
+                    bias: true,
+                    ..Epilogue::default()
+                },
+                Epilogue {
+                    beta: 0.5,
+                    ..Epilogue::default()
+                },
+                Epilogue {
+                    accumulate: true,
+                    ..Epilogue::default()
+                },
+            ] {
+                let plan = GemmPlan {
+                    epilogue,
+                    ..plan.clone()
+                };
+                let build = VariantChoice::Auto.variant_for(&plan);
+                assert_eq!(build, GemmVariant::MidDirect, "{m} {epilogue:?}");
+            }
         }
         assert_eq!(GemmVariant::Mid.tile(), MID_TILE);
         assert_eq!(GemmVariant::PingPong.tile(), MID_TILE);
@@ -2829,21 +2880,28 @@ mod tests {
         // auto plans mid tiles (for the ping-pong build) where wide ones would give at most
         // half of the SMs a tile and mid ones make one wave at most, from two bands of rows:
         // 64 wide tiles and 128 mid ones at 512 × 4096, 96 mid ones at 384 × 4096, 64 at
-        // 256 × 4096 and at 192 × 4096 (a band of 64 rows), 32 at 256 × 2048, 2 at 129 × 128;
-        // not where narrow tiles fit (128 rows × 4096), nor where mid tiles would make more
-        // than a wave (768 × 4096: 96 wide, 192 mid)
+        // 192 × 4096 (a band of 64 rows), 32 at 192 × 2048 (MIN_FEW_TILES); not where narrow
+        // tiles fit (128 rows × 4096), where mid tiles would make more than a wave (768 ×
+        // 4096: 96 wide, 192 mid), nor 2 or 30 mid tiles (129 × 128, 192 × 1920)
         let auto = |m: usize, n: usize| VariantChoice::Auto.tile_for(&problem(m, n, 4096), 132);
         for (m, n) in [
             (512, 4096),
             (256, 8192),
             (384, 4096),
             (192, 4096),
-            (129, 128),
+            (192, 2048),
         ] {
             assert_eq!(auto(m, n), MID_TILE, "{m} × {n}");
             assert!(mid_tiles_pay(&problem(m, n, 4096), 132), "{m} × {n}");
         }
-        for (m, n) in [(128, 4096), (768, 4096), (8192, 8192), (1024, 8192)] {
+        for (m, n) in [
+            (128, 4096),
+            (768, 4096),
+            (8192, 8192),
+            (1024, 8192),
+            (129, 128),
+            (192, 1920),
+        ] {
             assert_ne!(auto(m, n), MID_TILE, "{m} × {n}");
         }
         // mid tiles that leave more than half of the SMs idle only up to MID_MAX_K: 64 at
@@ -2854,7 +2912,8 @@ mod tests {
         assert!(mid_tiles_pay(&problem(512, 4096, 14336), 132));
         // narrow tiles of whole bands in one wave: 128 of them at 256 × 4096 and 512 × 2048,
         // 64 at 256 × 2048 (cut along K); not at 192 rows (a band of 64), 384 × 4096 (192
-        // narrow tiles), K past MID_MAX_K, or where wide tiles fill more than half of the SMs
+        // narrow tiles), K past MID_MAX_K, where wide tiles fill more than half of the SMs,
+        // nor fewer than MIN_FEW_TILES (256 × 512: 16)
         for (m, n, k) in [
             (256, 4096, 4096),
             (512, 2048, 4096),
@@ -2874,6 +2933,7 @@ mod tests {
             (256, 4096, 14336),
             (1024, 8192, 4096),
             (128, 4096, 4096),
+            (256, 512, 4096),
         ] {
             assert!(!narrow_bands_pay(&problem(m, n, k), 132), "{m} × {n} × {k}");
         }
