@@ -10,7 +10,7 @@ set -uo pipefail
 # the environment, $OUT/results as $R, log(), the kernel cache
 . scripts/gpu-env.sh
 # check: GPU tests, verify (every mode starts with the compile report)      gemm: our GEMM beside cuBLASLt at four shapes (two GPUs)
-# gemm-one: our GEMM beside cuBLASLt on one GPU at fourteen shapes, decode sizes included
+# gemm-one: our GEMM beside cuBLASLt on one GPU at twenty shapes, both B layouts, decode sizes included
 # bench: the link's ceilings (scripts/link-ceilings.py), the collectives beside NCCL (and graph replay), calibration
 # gemm-rs: GEMM + reduce-scatter beside cuBLASLt and cuBLASLt + NCCL at six shapes
 # ag-gemm: all-gather + GEMM beside cuBLASLt and NCCL + cuBLASLt at the same six shapes (or AG_SHAPES)
@@ -115,24 +115,28 @@ if has gemm; then
 fi
 
 # our GEMM beside cuBLASLt on one GPU at the shapes of tensor-parallel layers, decode sizes
-# included (M×N×K:layouts), or GEMM_SHAPES="16x8192x3584:nk 8192x8192x3584:nk,kn"; GEMM_FLAGS="--fold 1,3"
+# and products of fewer tiles than SMs included (M×N×K:layouts: the table of
+# docs/performance.md), or GEMM_SHAPES="16x8192x3584:nk 8192x8192x3584:nk,kn"; GEMM_FLAGS="--fold 1,3"
 # adds flags (here: rows of our GEMM folding one and three partials into every tile); GEMM_SMS
 # caps the grids (default 0: every SM; GEMM_SMS=131 GEMM_FLAGS="--fold 1,3 --fold-paced 1"
-# leaves an SM for the side kernel of the paced fold rows)
-GEMM_SHAPES=${GEMM_SHAPES:-8192x8192x3584:nk,kn 2048x8192x3584:nk,kn 16384x8192x3584:nk 8192x8192x14336:nk 4096x12288x24576:nk 4096x28672x8192:nk 1024x8192x3584:nk 512x4096x4096:nk 16x8192x3584:nk 64x8192x3584:nk 128x8192x3584:nk 128x28672x8192:nk}
+# leaves an SM for the side kernel of the paced fold rows); GEMM_PASSES=2 runs every shape
+# again in a process of its own once all have run (files ...-p2)
+GEMM_SHAPES=${GEMM_SHAPES:-16x8192x3584:nk,kn 64x8192x3584:nk,kn 96x8192x3584:nk,kn 128x8192x3584:nk,kn 128x16384x3584:nk,kn 128x28672x8192:nk,kn 192x4096x4096:nk,kn 256x2048x4096:nk,kn 256x4096x4096:nk,kn 384x4096x4096:nk,kn 512x4096x4096:nk,kn 256x4096x14336:nk,kn 1024x2048x4096:nk,kn 1024x8192x3584:nk,kn 2048x8192x3584:nk,kn 8192x8192x3584:nk,kn 16384x8192x3584:nk,kn 8192x8192x14336:nk,kn 4096x12288x24576:nk,kn 4096x28672x8192:nk,kn}
 # one GPU's bench gemm rows for each shape (M×N×K:layouts) after the first argument, the
 # results' name prefix
 gemm_rows() {
-  local prefix=$1; shift
-  for shape in "$@"; do
-    dims=${shape%%:*}; set -- ${dims//x/ }
-    for layout in ${shape#*:}; do
-      layout=${layout//,/ }
-      for l in $layout; do
-        name=$prefix-$1x$2x$3-$l
-        timeout 120 $B bench gemm --m $1 --n $2 --k $3 --b-layout $l --sms ${GEMM_SMS:-0} --peer none ${GEMM_FLAGS:-} --warmup 10 --iters 30 \
-          --json "$R/$name.json" >"$R/$name.txt" 2>&1
-        log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | tee -a "$OUT/summary.txt"
+  local prefix=$1 pass; shift
+  local shapes=("$@")  # (set -- below takes each shape's dimensions)
+  for pass in $(seq 1 "${GEMM_PASSES:-1}"); do
+    for shape in "${shapes[@]}"; do
+      dims=${shape%%:*}; set -- ${dims//x/ }
+      for l in ${shape#*:}; do
+        for l in ${l//,/ }; do
+          name=$prefix-$1x$2x$3-$l; [ "$pass" = 1 ] || name=$name-p$pass
+          timeout 120 $B bench gemm --m $1 --n $2 --k $3 --b-layout $l --sms ${GEMM_SMS:-0} --peer none ${GEMM_FLAGS:-} --warmup 10 --iters 30 \
+            --json "$R/$name.json" >"$R/$name.txt" 2>&1
+          log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | tee -a "$OUT/summary.txt"
+        done
       done
     done
   done
