@@ -321,6 +321,44 @@ impl GemmVariant {
         matches!(self, GemmVariant::Direct | GemmVariant::NarrowTall)
     }
 
+    /// The name of its general entry for these input and output types and B layout in
+    /// gemm.cu: `<prefix><input>_<B layout>_<output>` (the plain ones add a suffix).
+    fn entry_name(self, input: DType, layout: BLayout, output: DType) -> String {
+        let layout = match layout {
+            BLayout::NK => "nk",
+            BLayout::KN => "kn",
+        };
+        format!(
+            "{}{}_{layout}_{}",
+            self.prefix(),
+            type_name(input),
+            type_name(output)
+        )
+    }
+
+    /// Every entry point of the build for `input` that gemm.cu's part of it holds
+    /// ([`gemm_part`]) and [`GemmKernels`] loads: the general entries of both B layouts and
+    /// the three output types, and for 16-bit outputs its plain ones
+    /// ([`GemmVariant::has_plain_entries`], [`GemmVariant::has_plain_tail_entries`]).
+    pub fn entry_names(self, input: DType) -> Vec<String> {
+        let mut names = Vec::new();
+        for layout in [BLayout::NK, BLayout::KN] {
+            for output in [DType::BF16, DType::F16, DType::F32] {
+                let name = self.entry_name(input, layout, output);
+                for (has, suffix) in [
+                    (self.has_plain_entries(), PLAIN_SUFFIX),
+                    (self.has_plain_tail_entries(), PLAIN_TAIL_SUFFIX),
+                ] {
+                    if has && output.size() == 2 {
+                        names.push(format!("{name}{suffix}"));
+                    }
+                }
+                names.push(name);
+            }
+        }
+        names
+    }
+
     /// Whether its consumers store tiles into D themselves (through a tensor map of D where
     /// [`d_map_fits`]): plain GEMMs only.
     fn stores_directly(self) -> bool {
@@ -1009,25 +1047,10 @@ impl GemmKernels {
         for variant in GemmVariant::ALL {
             for input in [DType::BF16, DType::F16] {
                 let module = &modules[gemm_part(variant, input) as usize];
-                for layout in ["nk", "kn"] {
-                    for output in ["bf16", "f16", "f32"] {
-                        let name =
-                            format!("{}{}_{layout}_{output}", variant.prefix(), type_name(input));
-                        let f = module.function(&name)?;
-                        f.allow_dynamic_smem(variant.smem_bytes())?;
-                        functions.insert(name.clone(), f);
-                        for (has, suffix) in [
-                            (variant.has_plain_entries(), PLAIN_SUFFIX),
-                            (variant.has_plain_tail_entries(), PLAIN_TAIL_SUFFIX),
-                        ] {
-                            if has && output != "f32" {
-                                let name = format!("{name}{suffix}");
-                                let f = module.function(&name)?;
-                                f.allow_dynamic_smem(variant.smem_bytes())?;
-                                functions.insert(name, f);
-                            }
-                        }
-                    }
+                for name in variant.entry_names(input) {
+                    let f = module.function(&name)?;
+                    f.allow_dynamic_smem(variant.smem_bytes())?;
+                    functions.insert(name, f);
                 }
             }
         }
@@ -1105,16 +1128,7 @@ impl GemmKernels {
 
     fn entry_name(&self, plan: &GemmPlan, variant: GemmVariant) -> String {
         let p = &plan.problem;
-        let layout = match p.b_layout {
-            BLayout::NK => "nk",
-            BLayout::KN => "kn",
-        };
-        format!(
-            "{}{}_{layout}_{}",
-            variant.prefix(),
-            type_name(p.input),
-            type_name(p.output)
-        )
+        variant.entry_name(p.input, p.b_layout, p.output)
     }
 }
 
