@@ -129,14 +129,12 @@ gemm_rows() {
   local shapes=("$@")  # (set -- below takes each shape's dimensions)
   for pass in $(seq 1 "${GEMM_PASSES:-1}"); do
     for shape in "${shapes[@]}"; do
-      dims=${shape%%:*}; set -- ${dims//x/ }
-      for l in ${shape#*:}; do
-        for l in ${l//,/ }; do
-          name=$prefix-$1x$2x$3-$l; [ "$pass" = 1 ] || name=$name-p$pass
-          timeout 120 $B bench gemm --m $1 --n $2 --k $3 --b-layout $l --sms ${GEMM_SMS:-0} --peer none ${GEMM_FLAGS:-} --warmup 10 --iters 30 \
-            --json "$R/$name.json" >"$R/$name.txt" 2>&1
-          log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | tee -a "$OUT/summary.txt"
-        done
+      dims=${shape%%:*} layouts=${shape#*:}; set -- ${dims//x/ }
+      for l in ${layouts//,/ }; do
+        name=$prefix-$1x$2x$3-$l; [ "$pass" = 1 ] || name=$name-p$pass
+        timeout 120 $B bench gemm --m $1 --n $2 --k $3 --b-layout $l --sms ${GEMM_SMS:-0} --peer none ${GEMM_FLAGS:-} --warmup 10 --iters 30 \
+          --json "$R/$name.json" >"$R/$name.txt" 2>&1
+        log "$name rc=$?"; grep -v "^#" "$R/$name.txt" | tee -a "$OUT/summary.txt"
       done
     done
   done
