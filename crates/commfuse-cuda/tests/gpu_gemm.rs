@@ -566,6 +566,13 @@ const RUNS: [(u32, Case); 7] = [
     (5, Case::Biased),
 ];
 
+/// The runs of a plain GEMM with rows of whole 16-byte units (N = 1024 of a 16-bit output),
+/// which take a build's plain entries: 16 narrow tiles on every SM (cut along K: the plain
+/// entry with the split tail where the build has one), on 4 SMs with alpha (four whole waves:
+/// the plain entry) and on 3 (five whole waves, the last tile cut in two).
+const PLAIN_RUNS: [(u32, Case); 3] = [(0, Case::Plain), (4, Case::Scaled), (3, Case::Plain)];
+const BF16_OUT: [(DType, DType); 1] = [(DType::BF16, DType::BF16)];
+
 /// `f` for M × `n` × 1544 (24 k-blocks and a part) in tiles of `tile`, both B layouts, every
 /// type pair of `types` and every (cap, epilogue) of `runs`.
 fn for_each_case(
@@ -664,7 +671,8 @@ fn skinny_build_matches_float64_reference() {
 /// layouts, bf16 and f32 outputs from bf16 and f16 inputs; on every SM (the 16 tiles cut into 2
 /// K-parts) with a plain and a full epilogue (alpha, beta·C, bias, a shuffled order), on 4 SMs
 /// (four whole waves) with the full one, and on 3 (five whole waves, then the last tile cut in
-/// two) with the full one and D += 2·A·B (the storers' per-thread path); then row bands of at
+/// two) with the full one and D += 2·A·B (the storers' per-thread path); the plain runs at N =
+/// 1024 ([`PLAIN_RUNS`]: the plain entries, with and without the split tail); then row bands of at
 /// most 64 rows in a taller M (40, 60 and 30 rows: M = 130), on the narrow build by default and
 /// on the narrow-tall one forced; and one band of 65 rows, which only the narrow-tall build
 /// computes.
@@ -689,6 +697,9 @@ fn narrow_builds_match_float64_reference() {
             GemmVariant::NarrowTall
         };
         for_each_case(m, 1000, NARROW_TILE, &THREE_TYPES, &RUNS, |p, case| {
+            each(p, case, auto, want)
+        });
+        for_each_case(m, 1024, NARROW_TILE, &BF16_OUT, &PLAIN_RUNS, |p, case| {
             each(p, case, auto, want)
         });
     }
@@ -742,7 +753,7 @@ fn narrow_builds_match_float64_reference() {
 /// A build of narrow tiles with at most 64 rows (`build`, which `choice` takes), forced, against
 /// float64 over every element: the narrow build's cases (M = 1, 16, 33, 64; N = 1000, K = 1544:
 /// 24 k-blocks and a part), every run of them (every SM with two K-parts, 4 and 3 SMs) and their
-/// type pairs; row bands of at most 64 rows; and, with `short_k`, K of one to three k-blocks
+/// type pairs, and its plain runs at N = 1024 ([`PLAIN_RUNS`]); row bands of at most 64 rows; and, with `short_k`, K of one to three k-blocks
 /// (K = 40, 64, 128, 192) at 48 rows on every SM.
 fn check_narrow_build(
     (gpu, kernels, stream): (&Gpu, &GemmKernels, &Stream),
@@ -756,6 +767,7 @@ fn check_narrow_build(
     };
     for m in [1, 16, 33, SKINNY_ROWS] {
         for_each_case(m, 1000, NARROW_TILE, &THREE_TYPES, &RUNS, &mut each);
+        for_each_case(m, 1024, NARROW_TILE, &BF16_OUT, &PLAIN_RUNS, &mut each);
     }
     let case = |bands, cap| SkinnyCase {
         tile: NARROW_TILE,

@@ -109,7 +109,7 @@ struct Cfg {
     // at decode sizes about 850), and the set-up runs cold in the instruction cache.
     // (PLAIN_: 0 the general entries, 1 the plain ones, 2 the plain ones with the split tail,
     // `<entry>_plain_tail`, which the direct build also has for the large products whose
-    // last wave is cut along K, and the narrow-tall build for its few tiles cut in two)
+    // last wave is cut along K, and the narrow builds for their few tiles cut along K)
     static constexpr bool PLAIN = PLAIN_ != 0;
     // whether the entry shares out a last, partial wave by K ranges (the split tail)
     static constexpr bool SPLIT_TAIL = PLAIN_ != 1;
@@ -1952,10 +1952,12 @@ COMMFUSE_GEMM_ENTRIES(gemm_skinny_, f16, __half, SkinnyCfg)
 #if GEMM_IN_PART(4)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_, bf16, __nv_bfloat16, NarrowCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_, bf16, __nv_bfloat16, NarrowCfg)
+COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_narrow_, bf16, __nv_bfloat16, NarrowCfg)
 #endif
 #if GEMM_IN_PART(5)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_, f16, __half, NarrowCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_, f16, __half, NarrowCfg)
+COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_narrow_, f16, __half, NarrowCfg)
 #endif
 #if GEMM_IN_PART(6)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_tall_, bf16, __nv_bfloat16, NarrowTallCfg)
@@ -1992,10 +1994,12 @@ COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_direct_, f16, __half, DirectCfg)
 #if GEMM_IN_PART(14)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_deep_, bf16, __nv_bfloat16, NarrowDeepCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_deep_, bf16, __nv_bfloat16, NarrowDeepCfg)
+COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_narrow_deep_, bf16, __nv_bfloat16, NarrowDeepCfg)
 #endif
 #if GEMM_IN_PART(15)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_deep_, f16, __half, NarrowDeepCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_narrow_deep_, f16, __half, NarrowDeepCfg)
+COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_narrow_deep_, f16, __half, NarrowDeepCfg)
 #endif
 #if GEMM_IN_PART(16)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_sliced_, bf16, __nv_bfloat16, NarrowSlicedCfg)

@@ -315,10 +315,17 @@ impl GemmVariant {
     /// Whether the build also has plain entries that keep the split tail
     /// (`<entry>_plain_tail`), for the calls that [`entry_for`] would send to a plain entry
     /// but for their tail: the direct build, whose large products' last wave is cut along K,
-    /// and the narrow-tall build, whose tiles of whole bands are cut in two where they are
-    /// fewer than half of the SMs ([`narrow_bands_pay`]).
+    /// and the narrow, narrow-deep and narrow-tall builds, whose few tiles (decode sizes of N up
+    /// to about 4096, whole bands where [`narrow_bands_pay`]) are cut along K where they are
+    /// fewer than half of the SMs.
     pub fn has_plain_tail_entries(self) -> bool {
-        matches!(self, GemmVariant::Direct | GemmVariant::NarrowTall)
+        matches!(
+            self,
+            GemmVariant::Direct
+                | GemmVariant::Narrow
+                | GemmVariant::NarrowDeep
+                | GemmVariant::NarrowTall
+        )
     }
 
     /// The name of its general entry for these input and output types and B layout in
