@@ -190,10 +190,12 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         builds: None,
         next_prefetch: None,
         k_phases: None,
+        k_serpentine: false,
         bias: false,
         gather: false,
         trace: false,
         order: Default::default(),
+        rs_ranks: &[],
     }
 }
 
@@ -1770,6 +1772,34 @@ fn k_phases_rows_pass_the_check() {
     option_rows_pass_the_check(&shapes, &[2, 8, 100], "commfuse-k-phases", extra, &[0], 31);
 }
 
+/// Every other wave's K loop reversed (the units at odd places of each block's sequence load
+/// their last k-block first): off in `auto`'s rows, on in the bench's `-serpentine` row of the
+/// chosen build, checked on every element, at shapes where a block runs several units (a
+/// ragged one with a split tail, whose parts reverse within their K ranges; 16 and 60 units a
+/// block) and a decode size of one unit a block (nothing reversed on every SM), both B
+/// layouts, on every SM and on 116, with the phases off and on.
+#[test]
+fn serpentine_rows_pass_the_check() {
+    if !gpus(1) {
+        return;
+    }
+    let shapes = [
+        (1500, 4100, 1000),
+        (2048, 8192, 520),
+        (8192, 4096, 64),
+        (64, 8192, 1024),
+    ];
+    // (the option's value is the phases beside it)
+    let extra = |phases| ExtraRows {
+        builds: Some(&[]),
+        k_serpentine: true,
+        k_phases: Some(phases),
+        ..folds(&[], None)
+    };
+    let name = "commfuse-serpentine";
+    option_rows_pass_the_check(&shapes, &[1, 3], name, extra, &[0, 116], 51);
+}
+
 /// The bench's traced rows: after the timed rounds, one call of each plain row of ours whose
 /// every block stamps its points (trace.rs) — the entry, the producer, its first load, the
 /// first stage landed, the main loop done, the consumers', the producer's and the storers'
@@ -1882,6 +1912,98 @@ fn paced_fold_rows_add_every_partial_once() {
     assert!(refused.to_string().contains("capped below"), "{refused}");
     let refused = bench_gemm(0, None, folds(&[1], Some(5.0)), &p, &[cap], 1, 1, 3).unwrap_err();
     assert!(refused.to_string().contains("0 to 4 waves"), "{refused}");
+}
+
+/// The bench's rank rows: the fused GEMM + reduce-scatter's kernel as rank 0 of P alone on one
+/// GPU (the operator's schedule and routes; the peers' tiles into local stand-ins of their
+/// receive buffers, its own rows folding the P − 1 partials in its own), again with the later
+/// waves' K loops reversed, and its plain GEMM in its order and bands. Every element of its
+/// chunk (A·B plus the partials) and of each slot it sent (A·B) is checked, at P = 2, 3 and 5,
+/// ragged shapes whose chunks cut the 128-row bands, both B layouts, 16-bit and f32 outputs,
+/// on all SMs and capped (the split tail under routes and folds); the main build's rows fold
+/// through the pipeline's stages, the skinny build's (chunks of at most 64 rows) from global
+/// memory.
+#[test]
+fn rank_rows_pass_the_check() {
+    let Some((gpu, _kernels, _stream)) = one_gpu() else {
+        return;
+    };
+    for (m, n, k, layout, out) in [
+        (300, 1000, 136, BLayout::NK, DType::BF16),
+        (777, 4096, 520, BLayout::KN, DType::BF16),
+        (500, 1000, 264, BLayout::NK, DType::F32),
+        (2048, 8192, 1024, BLayout::NK, DType::BF16),
+    ] {
+        let p = GemmProblem::new(m, n, k, layout, DType::BF16, out).unwrap();
+        let extra = ExtraRows {
+            builds: Some(&[]),
+            rs_ranks: &[2, 3, 5],
+            k_serpentine: true,
+            ..folds(&[], None)
+        };
+        for sms in [0, gpu.sm_count - 16] {
+            let rows = bench_gemm(0, None, extra, &p, &[sms], 1, 2, 71 + m as u64).unwrap();
+            let ranks: Vec<(&str, Option<&str>)> = rows
+                .iter()
+                .filter(|r| r.implementation.starts_with("commfuse-rs"))
+                .map(|r| (r.implementation.as_str(), r.build.as_deref()))
+                .collect();
+            // the order rows (a plain GEMM in each rank's order, on its build), then the rank
+            // rows, then the same with the later waves' K loops reversed
+            let names: Vec<&str> = ranks.iter().map(|r| r.0).collect();
+            assert_eq!(
+                names,
+                [
+                    "commfuse-rs2-order",
+                    "commfuse-rs3-order",
+                    "commfuse-rs5-order",
+                    "commfuse-rs2",
+                    "commfuse-rs3",
+                    "commfuse-rs5",
+                    "commfuse-rs2-serpentine",
+                    "commfuse-rs3-serpentine",
+                    "commfuse-rs5-serpentine"
+                ]
+            );
+            for i in 0..3 {
+                assert_eq!(ranks[i].1, ranks[i + 3].1, "{rows:?}");
+                assert_eq!(ranks[i].1, ranks[i + 6].1, "{rows:?}");
+            }
+            for r in &rows {
+                assert_eq!(
+                    (r.checked, r.out_of_bound),
+                    (m * n, 0),
+                    "{m}x{n}x{k} {layout:?} {out:?} sms {sms}: {r:?}"
+                );
+                if r.implementation.starts_with("commfuse-rs") {
+                    assert_eq!(r.sms, sms, "{r:?}");
+                }
+                if r.implementation.starts_with("commfuse-rs")
+                    && !r.implementation.ends_with("-order")
+                {
+                    // on the main build, rows of whole 16-byte units (N = 1000 of f32 too) fold
+                    // by TMA through the stages; chunks of at most 64 rows run the skinny
+                    // build, whose consumers read the partials from global memory
+                    let staged = r.staged_folds.expect("a rank row counts its staged folds");
+                    match r.build.as_deref() {
+                        Some("main") => assert!(staged > 0, "{r:?}"),
+                        Some("skinny") => assert_eq!(staged, 0, "{r:?}"),
+                        other => panic!("a rank row on the {other:?} build: {r:?}"),
+                    }
+                }
+            }
+        }
+    }
+    let p = GemmProblem::new(4, 512, 64, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let extra = ExtraRows {
+        rs_ranks: &[5],
+        ..folds(&[], None)
+    };
+    let refused = bench_gemm(0, None, extra, &p, &[0], 1, 1, 3).unwrap_err();
+    assert!(
+        refused.to_string().contains("2 to M = 4 ranks"),
+        "{refused}"
+    );
 }
 
 /// The reference kernel of the bench's check against the float64 CPU reference: ragged shapes

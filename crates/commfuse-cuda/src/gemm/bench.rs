@@ -6,7 +6,9 @@
 //! output poisoned first. The fold rows time the GEMM + reduce-scatter's owner epilogue on one
 //! GPU: every tile adds F partials from local buffers whose flags are already up, so what they
 //! cost beside the plain row is the fold alone (no NVLink, no waiting for a peer); the paced
-//! fold rows' flags are raised during the call by a side kernel, as peers would. The gather
+//! fold rows' flags are raised during the call by a side kernel, as peers would. The rank
+//! rows run the fused GEMM + reduce-scatter's kernel itself as rank 0 of P on one GPU
+//! ([`OneGpuRank`]): every element of its chunk and of the slots it sent is checked. The gather
 //! rows time the all-gather + GEMM's GEMM on one GPU the same way: its bands wait for flags
 //! that are already up, and the first band's rows come from the caller's own A.
 
@@ -17,6 +19,7 @@ use crate::gemm::{
     PreparedGemm, RouteTargets, TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE,
     ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
 };
+use crate::gemm_rs::one_gpu::OneGpuRank;
 use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
 pub use crate::sys::driver::StreamGuard;
 use crate::sys::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
@@ -56,6 +59,9 @@ pub struct GemmRow {
     /// Fold rows: tiles whose partials the kernel loads into its stages by TMA (the others
     /// read them from global memory after their main loop)
     pub staged_folds: Option<usize>,
+    /// Our rows: whether the blocks load the units of their second, fourth, ... wave from the
+    /// last k-block to the first ([`PreparedGemm::k_serpentine`]); none for cuBLASLt
+    pub k_serpentine: Option<bool>,
     pub time_ms: f64,
     pub tflops: f64,
     /// Elements checked against the float64 reference
@@ -106,6 +112,10 @@ pub struct ExtraRows<'a> {
     /// A row of the chosen build whose blocks start their units' loads at this many places
     /// in K ([`PreparedGemm::set_k_phases`])
     pub k_phases: Option<u32>,
+    /// A row of the chosen build whose blocks load the units of their second, fourth, ...
+    /// wave from the last k-block to the first ([`PreparedGemm::set_k_serpentine`]), and each
+    /// rank row again with it (`-serpentine`)
+    pub k_serpentine: bool,
     /// Every plain row (cuBLASLt's, ours, the forced builds) adds a bias row of N random
     /// values of the output type: D = A·B + bias. Not with fold rows or a peer.
     pub bias: bool,
@@ -117,6 +127,9 @@ pub struct ExtraRows<'a> {
     pub trace: bool,
     /// The tile order of every row of ours (bands of [`ORDER_GROUP`] rows by default)
     pub order: TileOrder,
+    /// For each P, a row of the fused GEMM + reduce-scatter's kernel as rank 0 of P alone on
+    /// this GPU ([`OneGpuRank`]), at the first cap of `sms`
+    pub rs_ranks: &'a [usize],
 }
 
 /// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
@@ -143,7 +156,7 @@ pub fn bench_gemm(
 
 /// One timed row: a launch on the bench stream and the output it writes.
 struct Variant<'a> {
-    name: &'static str,
+    name: &'a str,
     cap: u32,
     launch: Box<dyn Fn() -> Result<(), CudaError> + 'a>,
     output: (&'a Gpu, &'a DeviceMemory),
@@ -152,6 +165,9 @@ struct Variant<'a> {
     gemm: Option<&'a PreparedGemm>,
     /// The partials this row folds into every tile (checked as part of its result)
     folded: Option<&'a FoldRow>,
+    /// The fused GEMM + reduce-scatter's rank whose outputs (its chunk and the peers' slots)
+    /// this row checks instead of `output`
+    rank: Option<&'a OneGpuRank>,
 }
 
 /// Each variant's time in ms: the median of its rounds' medians, the variants taking turns in
@@ -198,10 +214,12 @@ fn run<T: Element>(
         builds: only,
         next_prefetch,
         k_phases,
+        k_serpentine,
         bias,
         gather,
         trace,
         order,
+        rs_ranks,
     }: ExtraRows<'_>,
     p: &GemmProblem,
     sms: &[u32],
@@ -209,9 +227,9 @@ fn run<T: Element>(
     iters: usize,
     seed: u64,
 ) -> Result<Vec<GemmRow>, CudaError> {
-    if bias && (peer.is_some() || !folds.is_empty()) {
+    if bias && (peer.is_some() || !folds.is_empty() || !rs_ranks.is_empty()) {
         return Err(CudaError::Unavailable(
-            "bias rows are plain GEMMs: not with fold rows or a peer (--peer none)".into(),
+            "bias rows are plain GEMMs: not with fold or rank rows or a peer (--peer none)".into(),
         ));
     }
     let gpu = std::sync::Arc::new(Gpu::open(device)?);
@@ -324,14 +342,19 @@ fn run<T: Element>(
     }
     kernels.set_tail(chosen_tail);
     // the chosen build with one option on: the next unit's first k-blocks asked of L2 ahead,
-    // its blocks' loads started at several places in K
-    let options: [(&str, Option<u32>, SetOption); 2] = [
+    // its blocks' loads started at several places in K, every other wave's K loop reversed
+    let options: [(&str, Option<u32>, SetOption); 3] = [
         (
             "commfuse-next-prefetch",
             next_prefetch,
             PreparedGemm::set_next_prefetch,
         ),
         ("commfuse-k-phases", k_phases, PreparedGemm::set_k_phases),
+        (
+            "commfuse-serpentine",
+            k_serpentine.then_some(1),
+            PreparedGemm::set_k_serpentine,
+        ),
     ];
     for (name, value, set) in options {
         let Some(value) = value else { continue };
@@ -404,6 +427,38 @@ fn run<T: Element>(
         .flat_map(|&f| kinds.iter().map(move |&k| (f, k)))
         .map(|(f, flags)| FoldRow::new(&gpu, &kernels, &wide, &ops, (f, flags, fold_cap), seed))
         .collect::<Result<Vec<_>, _>>()?;
+    let serpentine: &[bool] = if k_serpentine {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    let rank_rows = serpentine
+        .iter()
+        .flat_map(|&on| rs_ranks.iter().map(move |&world| (world, on)))
+        .map(|(world, on)| {
+            let operands = (a_dev.addr(), b_dev.addr());
+            let mut row = OneGpuRank::new(&gpu, &kernels, p, operands, (world, fold_cap), seed)?;
+            if on {
+                row.set_k_serpentine();
+            }
+            Ok(row)
+        })
+        .collect::<Result<Vec<_>, CudaError>>()?;
+    // each rank row's GEMM as a plain one, in its order and bands, on the build the routes
+    // take (the skinny one where every band has at most 64 rows, else the main one): what the
+    // order costs, apart from the routes, flags and fold
+    let rank_orders = rank_rows
+        .iter()
+        .filter(|row| !row.name().ends_with("-serpentine"))
+        .map(|row| {
+            let name = format!("{}-order", row.name());
+            let plan = row.order_plan();
+            let gemm = kernels.with_choice(VariantChoice::Skinny, || {
+                PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, fold_cap, 0)
+            })?;
+            Ok((name, gemm))
+        })
+        .collect::<Result<Vec<_>, CudaError>>()?;
     // the paced rows' side stream, drained before their flags are freed
     let side = Stream::new(&gpu)?;
     let _side_drain = StreamGuard::new(&side);
@@ -451,6 +506,7 @@ fn run<T: Element>(
             peer_rows: None,
             gemm: None,
             folded: None,
+            rank: None,
         });
     }
     for (gemm, &cap) in ours.iter().zip(sms) {
@@ -463,6 +519,7 @@ fn run<T: Element>(
             peer_rows: None,
             gemm: Some(gemm),
             folded: None,
+            rank: None,
         });
     }
     for (name, cap, gemm) in &forced {
@@ -475,6 +532,7 @@ fn run<T: Element>(
             peer_rows: None,
             gemm: Some(gemm),
             folded: None,
+            rank: None,
         });
     }
     if let (Some(r), Some(peer_gpu)) = (&routed, &peer_gpu) {
@@ -504,6 +562,7 @@ fn run<T: Element>(
                 peer_rows,
                 gemm: Some(gemm),
                 folded: None,
+                rank: None,
             });
         }
     }
@@ -517,6 +576,34 @@ fn run<T: Element>(
             peer_rows: None,
             gemm: Some(&fold.gemm),
             folded: Some(fold),
+            rank: None,
+        });
+    }
+    for (name, gemm) in &rank_orders {
+        variants.push(Variant {
+            name,
+            cap: fold_cap,
+            // SAFETY: operands sized from the problem on this GPU
+            launch: Box::new(move || unsafe { gemm.launch(stream) }),
+            output: (&gpu, &d_dev),
+            peer_rows: None,
+            gemm: Some(gemm),
+            folded: None,
+            rank: None,
+        });
+    }
+    for row in &rank_rows {
+        variants.push(Variant {
+            name: row.name(),
+            cap: fold_cap,
+            // SAFETY: operands, partials, stand-in buffers and flags on this GPU, sized from the
+            // problem and the row's schedule
+            launch: Box::new(move || unsafe { row.gemm().launch(stream) }),
+            output: (&gpu, &d_dev),
+            peer_rows: None,
+            gemm: Some(row.gemm()),
+            folded: None,
+            rank: Some(row),
         });
     }
     for (name, row) in &gather_rows {
@@ -528,6 +615,7 @@ fn run<T: Element>(
             peer_rows: None,
             gemm: Some(&row.gemm),
             folded: None,
+            rank: None,
         });
     }
     for pacer in &pacers {
@@ -539,6 +627,7 @@ fn run<T: Element>(
             peer_rows: None,
             gemm: Some(&pacer.row.gemm),
             folded: Some(pacer.row),
+            rank: None,
         });
     }
     let times = interleaved_medians(&gpu, stream, &variants, warmup, iters)?;
@@ -547,6 +636,9 @@ fn run<T: Element>(
         // a checked call on a poisoned output: an element the GEMM skipped fails the check
         let (out_gpu, out) = v.output;
         out.fill(out_gpu, 0xff)?;
+        if let Some(rank) = v.rank {
+            rank.poison(&gpu)?;
+        }
         if let Some((_, g, m)) = v.peer_rows {
             m.fill(g, 0xff)?;
         }
@@ -560,10 +652,19 @@ fn run<T: Element>(
             folded,
             bias: bias_row.as_ref().map(|(_, values)| values.as_slice()),
         };
-        let check = match p.output {
-            DType::F32 => check_output::<f32>(p, &reference, (out_gpu, out), peer_rows, added)?,
-            DType::BF16 => check_output::<bf16>(p, &reference, (out_gpu, out), peer_rows, added)?,
-            DType::F16 => check_output::<f16>(p, &reference, (out_gpu, out), peer_rows, added)?,
+        let check = match (p.output, v.rank) {
+            (DType::F32, None) => {
+                check_output::<f32>(p, &reference, (out_gpu, out), peer_rows, added)?
+            }
+            (DType::BF16, None) => {
+                check_output::<bf16>(p, &reference, (out_gpu, out), peer_rows, added)?
+            }
+            (DType::F16, None) => {
+                check_output::<f16>(p, &reference, (out_gpu, out), peer_rows, added)?
+            }
+            (DType::F32, Some(r)) => check_rank::<f32>(p, &reference, &gpu, r)?,
+            (DType::BF16, Some(r)) => check_rank::<bf16>(p, &reference, &gpu, r)?,
+            (DType::F16, Some(r)) => check_rank::<f16>(p, &reference, &gpu, r)?,
         };
         let choice = lt.choice(p, v.cap, bias).filter(|_| v.gemm.is_none());
         let implementation = match choice {
@@ -594,7 +695,12 @@ fn run<T: Element>(
             entry: v.gemm.map(|g| g.entry().name().to_string()),
             grid: v.gemm.map(PreparedGemm::grid),
             tail: v.gemm.map(|g| g.tail().to_string()),
-            staged_folds: v.folded.map(|f| f.gemm.staged_folds()),
+            staged_folds: v
+                .folded
+                .map(|f| &f.gemm)
+                .or(v.rank.map(OneGpuRank::gemm))
+                .map(PreparedGemm::staged_folds),
+            k_serpentine: v.gemm.map(PreparedGemm::k_serpentine),
             time_ms,
             tflops: p.flops() / (time_ms * 1e-3) / 1e12,
             checked: check.checked,
@@ -667,8 +773,20 @@ fn check_output<TO: Element>(
     })
 }
 
+/// Checks every element of a one-GPU rank's call: its chunk against A·B plus the peers'
+/// partials, the other chunks (in the slots of their owners' stand-in buffers) against A·B.
+fn check_rank<TO: Element>(
+    p: &GemmProblem,
+    reference: &DeviceReference,
+    gpu: &Gpu,
+    rank: &OneGpuRank,
+) -> Result<ElementCheck, CudaError> {
+    let d = rank.assemble::<TO>(gpu)?;
+    Ok(reference.check_plus(p, &d, &|i| rank.added(i)))
+}
+
 /// `values` in the output type `output` on `gpu` ([`upload_rounded`]).
-fn upload_output(
+pub(crate) fn upload_output(
     gpu: &Gpu,
     output: DType,
     values: &[f64],

@@ -335,6 +335,11 @@ struct GemmParams {
     // Non-null: TRACE_EVENTS pairs (global timer ns, the SM's clock) per block, where its roles
     // stamp the points of `TraceEvent` (bench gemm --trace); null in every other call
     u64* trace;
+    // Nonzero: a block loads the k-blocks of the units at odd places of its sequence (its
+    // second, fourth, ... wave) from the unit's last k-block to its first, so that each such
+    // unit starts on the K slices that the wave before read last, which L2 still holds where a
+    // wave's operands do not all fit in it; the consumers sum the stages in that order
+    u32 k_serpentine;
     TmaDesc a_local;
     TmaDesc d_map;
     TmaDesc fold_map;
@@ -347,6 +352,7 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, next_prefetch) == 452 &&
                   COMMFUSE_OFFSETOF(GemmParams, a_box_bytes) == 456 &&
                   COMMFUSE_OFFSETOF(GemmParams, k_phases) == 460 && COMMFUSE_OFFSETOF(GemmParams, trace) == 464 &&
+                  COMMFUSE_OFFSETOF(GemmParams, k_serpentine) == 472 &&
                   COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && sizeof(GemmParams) == 896,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
@@ -997,10 +1003,14 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         const u32 span = c.kb1 - c.kb0;
         // (per cluster: the two blocks of a pair load the same k-blocks, whose B they share)
         const u32 skew = p.k_phases > 1 ? (blockIdx.x / C::CLUSTER % p.k_phases) * span / p.k_phases : 0;
+        // (the two blocks of a pair are at the same place of their sequences)
+        const bool reverse = p.k_serpentine != 0 && (i / gridDim.x) % 2 == 1;
         trace(p, TRACE_FIRST_LOAD);
         for (u32 kb = c.kb0; kb < c.kb1; ++kb) {
-            // the k-block this stage gets (kb itself unless the phases are on)
-            const u32 kl = skew == 0 ? kb : c.kb0 + (kb - c.kb0 + skew) % span;
+            // the k-block this stage gets (kb itself unless the phases or the serpentine are on)
+            u32 at = reverse ? c.kb1 - 1 - kb : kb - c.kb0;
+            if (skew != 0) at = (at + skew) % span;
+            const u32 kl = c.kb0 + at;
             const u32 full = s.full + 8 * stage, empty = s.empty + 8 * stage;
             if (!mbar_wait<ROLE_WG0>(empty, phase ^ 1, p, c.tile, WAIT_STAGE_EMPTY)) {
                 live = false;

@@ -893,6 +893,9 @@ struct GemmParams {
     k_phases: u32,
     /// Non-zero in a traced call only: where the blocks stamp their points ([`trace`])
     trace: u64,
+    /// Non-zero: the units at odd places of a block's sequence load their k-blocks last to
+    /// first ([`PreparedGemm::set_k_serpentine`])
+    k_serpentine: u32,
     a_local: TmaDesc,
     d_map: TmaDesc,
     fold_map: TmaDesc,
@@ -907,6 +910,7 @@ const _: () = assert!(
         && std::mem::offset_of!(GemmParams, a_box_bytes) == 456
         && std::mem::offset_of!(GemmParams, k_phases) == 460
         && std::mem::offset_of!(GemmParams, trace) == 464
+        && std::mem::offset_of!(GemmParams, k_serpentine) == 472
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::offset_of!(GemmParams, d_map) == 640
         && std::mem::offset_of!(GemmParams, fold_map) == 768
@@ -1203,7 +1207,8 @@ impl GemmEntry {
 /// that the plain entries compile out (routes, flags, folds, row bands, a gather, the bias,
 /// β·C, accumulation into D) and its tiles go out by the boxes' tensor stores (`d_tma`: a
 /// 16-bit D), the one without the split tail where it has none. Alpha, the call counter, the
-/// trace and the load options (`next_prefetch`, `k_phases`) stay in the plain entries.
+/// trace and the load options (`next_prefetch`, `k_phases`, `k_serpentine`) stay in the plain
+/// entries.
 fn entry_for(p: &GemmParams) -> GemmEntry {
     if !plain_options(p) {
         GemmEntry::General
@@ -1641,6 +1646,7 @@ impl PreparedGemm {
             a_box_bytes: (a_box_rows(p.m, variant) * 128) as u32,
             k_phases: 0,
             trace: 0,
+            k_serpentine: 0,
             a_local: TmaDesc([0; 16]),
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
@@ -1710,6 +1716,22 @@ impl PreparedGemm {
     /// for the same one. The sums then run in another order (within the same bound).
     pub fn set_k_phases(&mut self, phases: u32) {
         self.params.k_phases = phases;
+    }
+
+    /// Whether a block loads the k-blocks of the units at odd places of its sequence (its
+    /// second, fourth, ... wave) from the last to the first (0: no, the default; else yes):
+    /// each such unit then starts on the K slices the wave before read last, which L2 may
+    /// still hold where a wave's operands do not all fit in it. The sums run in another order
+    /// (within the same bound). Measured, it changes nothing beyond the bench's spread
+    /// (GEMM-NOTES.md, "Every other wave's K loop reversed"), so it stays off.
+    pub fn set_k_serpentine(&mut self, on: u32) {
+        self.params.k_serpentine = u32::from(on != 0);
+    }
+
+    /// Whether the units at odd places of a block's sequence load their k-blocks last to
+    /// first ([`PreparedGemm::set_k_serpentine`]).
+    pub fn k_serpentine(&self) -> bool {
+        self.params.k_serpentine != 0
     }
 
     /// Every call from now on runs the build's general entry, also where a plain one would
@@ -2390,6 +2412,7 @@ mod tests {
             c: 0,
             next_prefetch: 2,
             k_phases: 4,
+            k_serpentine: 1,
             trace: 0x1000,
             calls: 0x2000,
             ..GemmParams::zeroed()

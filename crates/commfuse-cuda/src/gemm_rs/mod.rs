@@ -29,11 +29,12 @@
 //! one-thread flag kernels of gemm_rs.cu that order library calls across GPUs, for the ring and
 //! for all-gather + GEMM's overlapped path ([`crate::ag_gemm`]); `commfuse bench gemm-rs` is
 //! [`bench`](mod@bench), its checked back-to-back calls (`commfuse run gemm-rs` on GPUs)
-//! [`checked`].
+//! [`checked`]; its kernel as one rank alone on one GPU (`bench gemm --rs-ranks`), [`one_gpu`].
 
 pub mod bench;
 pub mod checked;
 pub mod flag_step;
+pub mod one_gpu;
 mod ring;
 mod unfused;
 
@@ -517,7 +518,7 @@ pub(crate) fn tile_routes(
 /// A rank's receive buffer at `receive` as its GEMM's [`FoldSource`]: both sets' P slots, one
 /// after the other, as one matrix of N columns, in which every partial that either set's
 /// routes fold in lies.
-fn fold_source(receive: u64, s: &GemmRsSchedule) -> FoldSource {
+pub(crate) fn fold_source(receive: u64, s: &GemmRsSchedule) -> FoldSource {
     FoldSource {
         base: receive,
         rows: 2 * s.shape.world * s.slot_len / s.shape.n,

@@ -141,6 +141,12 @@ pub struct BenchGemmArgs {
     /// main build's plain GEMM at the same cap); the first --sms cap must leave that SM free
     #[arg(long, requires = "fold")]
     pub fold_paced: Option<f64>,
+    /// Rows of the fused GEMM + reduce-scatter's kernel as rank 0 of each of these P alone on
+    /// this GPU: the operator's schedule, routes and fold, the tiles of the peers' rows into
+    /// local stand-ins of their receive buffers with their flags, its own rows folding the
+    /// P − 1 partials already in its receive buffer (flags up); at the first --sms cap
+    #[arg(long, value_delimiter = ',', conflicts_with = "bias", allow_negative_numbers = true, value_parser = Whole::<usize>::new("a number of ranks"))]
+    pub rs_ranks: Vec<usize>,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
     /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, or "none"
     /// (default: every build that fits)
@@ -154,6 +160,11 @@ pub struct BenchGemmArgs {
     /// K (block b at (b mod N) / N of each tile's K range, wrapping around)
     #[arg(long, allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of places in K"))]
     pub k_phases: Option<u32>,
+    /// Also a row of the chosen build whose blocks load the tiles of their second, fourth, ...
+    /// wave from the last k-block to the first (starting on what the wave before read last),
+    /// and each --rs-ranks row again with it
+    #[arg(long)]
+    pub k_serpentine: bool,
     /// Every row adds a bias row (N random values of the output type) in its epilogue,
     /// cuBLASLt's included: D = A·B + bias (not with --fold or a peer)
     #[arg(long, conflicts_with = "fold")]
@@ -405,10 +416,12 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         builds: builds.as_deref(),
         next_prefetch: a.next_prefetch,
         k_phases: a.k_phases,
+        k_serpentine: a.k_serpentine,
         bias: a.bias,
         gather: a.gather,
         trace: a.trace,
         order: a.order,
+        rs_ranks: &a.rs_ranks,
     };
     let rows = commfuse_cuda::gemm::bench::bench_gemm(
         a.device,

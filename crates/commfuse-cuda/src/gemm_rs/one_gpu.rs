@@ -1,0 +1,183 @@
+//! The fused GEMM + reduce-scatter's kernel of one rank, alone on one GPU (`bench gemm
+//! --rs-ranks`): rank 0 of P with the operator's own schedule, routes and fold, every other
+//! rank's receive buffer and flag row a local stand-in. The tiles of the peers' rows go into
+//! those stand-ins with their flags, as they would over NVLink; rank 0's own tiles, computed
+//! last, fold the P − 1 partials already in its receive buffer, whose flags are up. So the row
+//! costs, beside the same build's plain GEMM, what the fused kernel adds on its own GPU: the
+//! routed stores, the flags and the fold, with no link and no peer to wait for.
+//!
+//! Flags up before the call is the operator's steady state, not only its cheapest case: every
+//! rank computes its own rows last and the others' first (rank q computes owner r's tiles in
+//! its ((r − q − 1) mod P)-th place of P), so at equal speed each partial is finished at least a
+//! chunk's worth of tiles before its owner folds it.
+
+use super::{fold_source, tile_routes, GemmRsPeer, RingPeer, NCCL_ID_BYTES};
+use crate::error::CudaError;
+use crate::gemm::bench::upload_output;
+use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
+use crate::sys::driver::{DeviceMemory, Gpu};
+use commfuse_core::fused::gemm_rs::{GemmRsSchedule, GemmRsShape};
+use commfuse_core::gemm::{Epilogue, GemmPlan, GemmProblem};
+use commfuse_core::reference::input_value;
+use commfuse_core::{Element, ReduceOp};
+
+/// Rank 0's fused GEMM + reduce-scatter kernel of P ranks on one GPU (see the module doc).
+pub struct OneGpuRank {
+    name: String,
+    gemm: PreparedGemm,
+    schedule: GemmRsSchedule,
+    /// Rank 0's output chunk ([chunk rows, N])
+    out: DeviceMemory,
+    /// Every rank's receive buffer (both sets' P slots); rank 0's holds the partials it folds
+    receive: Vec<DeviceMemory>,
+    /// Every rank's flag rows; rank 0's all up
+    _flags: Vec<DeviceMemory>,
+    /// Rank 0's receive buffer as uploaded (rounded to the output type), widened
+    partials: Vec<f64>,
+}
+
+impl OneGpuRank {
+    /// Rank 0 of `world` computing `problem` (all M rows of its partial product) from the A
+    /// and B at `a` and `b`, on at most `cap` SMs (0: all). The partials it folds are drawn
+    /// from `seed`, in ±[1, 2), so that one skipped or added twice fails every element it
+    /// touches.
+    pub fn new(
+        gpu: &Gpu,
+        kernels: &GemmKernels,
+        problem: &GemmProblem,
+        (a, b): (u64, u64),
+        (world, cap): (usize, u32),
+        seed: u64,
+    ) -> Result<OneGpuRank, CudaError> {
+        let p = problem;
+        if world < 2 || world > p.m {
+            return Err(CudaError::Unavailable(format!(
+                "a one-GPU rank of GEMM + reduce-scatter needs 2 to M = {} ranks, got {world}",
+                p.m
+            )));
+        }
+        let shape = GemmRsShape::new(world, p.m, p.n, p.k, p.b_layout, p.input, p.output)
+            .map_err(|e| CudaError::Unavailable(e.to_string()))?;
+        let schedule = GemmRsSchedule::new(shape, TILE);
+        let eb = p.output.size();
+        let slots = 2 * world * schedule.slot_len;
+        let values: Vec<f64> = (0..slots)
+            .map(|j| {
+                let u = input_value(seed, 20, j, ReduceOp::Sum) as f64;
+                u.signum() * (1.0 + u.abs())
+            })
+            .collect();
+        let (mine, partials) = upload_output(gpu, p.output, &values)?;
+        let mut receive = vec![mine];
+        for _ in 1..world {
+            receive.push(DeviceMemory::zeroed(gpu, slots * eb)?);
+        }
+        let flag_bytes = 2 * schedule.flag_columns() * 8;
+        let flags = (0..world)
+            .map(|_| DeviceMemory::zeroed(gpu, flag_bytes))
+            .collect::<Result<Vec<_>, _>>()?;
+        // rank 0's flags up for any call (a flag holds at least the call's number)
+        flags[0].fill(gpu, 0xff)?;
+        let peers: Vec<GemmRsPeer> = receive
+            .iter()
+            .zip(&flags)
+            .map(|(r, f)| GemmRsPeer {
+                receive: r.addr(),
+                flags: f.addr(),
+                ring: RingPeer::default(),
+                nccl_id: [0; NCCL_ID_BYTES],
+            })
+            .collect();
+        let out = DeviceMemory::zeroed(gpu, shape.chunk(0).len() * p.n * eb)?;
+        let ops = GemmOperands::plain(a, b, out.addr());
+        // call 1: set 0's routes, order and bands, as the operator prepares them
+        let gemm = PreparedGemm::with_routes(
+            gpu,
+            kernels,
+            &schedule.gemm_plan(0, 1),
+            &ops,
+            tile_routes(&schedule, 0, 0, &peers, true),
+            Some(fold_source(peers[0].receive, &schedule)),
+            world,
+            cap,
+            0,
+        )?;
+        Ok(OneGpuRank {
+            name: format!("commfuse-rs{world}"),
+            gemm,
+            schedule,
+            out,
+            receive,
+            _flags: flags,
+            partials,
+        })
+    }
+
+    /// Its blocks load the units of their second, fourth, ... wave from the last k-block to
+    /// the first ([`PreparedGemm::set_k_serpentine`]); the row's name takes `-serpentine`.
+    pub fn set_k_serpentine(&mut self) {
+        self.gemm.set_k_serpentine(1);
+        self.name.push_str("-serpentine");
+    }
+
+    /// The bench row's name: `commfuse-rs<P>`, and `-serpentine` after it where it is on.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn gemm(&self) -> &PreparedGemm {
+        &self.gemm
+    }
+
+    /// The rank's GEMM as a plain one: its tile order and row bands, every tile into the local
+    /// output (no routes, flags or fold): what its order costs beside the plain GEMM's.
+    pub fn order_plan(&self) -> GemmPlan {
+        let s = &self.schedule;
+        GemmPlan {
+            order: s.order(0),
+            bands: Some(s.bands.clone()),
+            ..GemmPlan::local(s.shape.problem(), s.tile, Epilogue::default())
+        }
+    }
+
+    /// Poisons everything the kernel writes: the output chunk and the peers' receive buffers.
+    pub fn poison(&self, gpu: &Gpu) -> Result<(), CudaError> {
+        self.out.fill(gpu, 0xff)?;
+        self.receive[1..].iter().try_for_each(|r| r.fill(gpu, 0xff))
+    }
+
+    /// The call's [M, N] product as the ranks received it: rank 0's chunk from its output, each
+    /// other chunk from the slot rank 0 sent it to in its owner's receive buffer.
+    pub fn assemble<T: Element>(&self, gpu: &Gpu) -> Result<Vec<T>, CudaError> {
+        let s = &self.schedule;
+        let (world, n) = (s.shape.world, s.shape.n);
+        let mut d = vec![T::from_f32(0.0); s.shape.m * n];
+        let own = s.shape.chunk(0);
+        self.out.download(gpu, &mut d[own.start * n..own.end * n])?;
+        let mut slots = vec![T::from_f32(0.0); 2 * world * s.slot_len];
+        for owner in 1..world {
+            self.receive[owner].download(gpu, &mut slots)?;
+            let rows = s.shape.chunk(owner);
+            let at = s.slot_of(0, owner) * s.slot_len;
+            d[rows.start * n..rows.end * n].copy_from_slice(&slots[at..at + rows.len() * n]);
+        }
+        Ok(d)
+    }
+
+    /// What the fold adds to element `index` of the product: on rank 0's rows the peers'
+    /// partials (set 0's slots of its receive buffer), elsewhere nothing; and the sum of their
+    /// magnitudes.
+    pub fn added(&self, index: usize) -> (f64, f64) {
+        let s = &self.schedule;
+        let n = s.shape.n;
+        let own = s.shape.chunk(0);
+        let row = index / n;
+        if !own.contains(&row) {
+            return (0.0, 0.0);
+        }
+        let within = (row - own.start) * n + index % n;
+        (1..s.shape.world)
+            .map(|q| self.partials[s.slot_of(q, 0) * s.slot_len + within])
+            .fold((0.0, 0.0), |(sum, abs), v| (sum + v, abs + v.abs()))
+    }
+}
