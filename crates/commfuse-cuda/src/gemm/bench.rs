@@ -170,6 +170,28 @@ struct Variant<'a> {
     rank: Option<&'a OneGpuRank>,
 }
 
+/// The row of one of our plain GEMMs (its operands the bench's, its tiles into `output`).
+fn plain_row<'a>(
+    name: &'a str,
+    cap: u32,
+    gemm: &'a PreparedGemm,
+    stream: &'a Stream,
+    output: (&'a Gpu, &'a DeviceMemory),
+) -> Variant<'a> {
+    Variant {
+        name,
+        cap,
+        // SAFETY: every plain GEMM of the bench is prepared on its operands, sized from the
+        // problem on this GPU, which outlive the rows
+        launch: Box::new(move || unsafe { gemm.launch(stream) }),
+        output,
+        peer_rows: None,
+        gemm: Some(gemm),
+        folded: None,
+        rank: None,
+    }
+}
+
 /// Each variant's time in ms: the median of its rounds' medians, the variants taking turns in
 /// [`rounds::ROUNDS`] interleaved rounds (`commfuse_core::rounds`) so that clock and temperature
 /// drift over the run touch all rows alike; a round is `iters / ROUNDS` launches with events
@@ -509,31 +531,12 @@ fn run<T: Element>(
             rank: None,
         });
     }
+    let output = (&*gpu, &d_dev);
     for (gemm, &cap) in ours.iter().zip(sms) {
-        variants.push(Variant {
-            name: "commfuse",
-            cap,
-            // SAFETY: operands sized from the problem on this GPU
-            launch: Box::new(move || unsafe { gemm.launch(stream) }),
-            output: (&gpu, &d_dev),
-            peer_rows: None,
-            gemm: Some(gemm),
-            folded: None,
-            rank: None,
-        });
+        variants.push(plain_row("commfuse", cap, gemm, stream, output));
     }
     for (name, cap, gemm) in &forced {
-        variants.push(Variant {
-            name,
-            cap: *cap,
-            // SAFETY: operands sized from the problem on this GPU
-            launch: Box::new(move || unsafe { gemm.launch(stream) }),
-            output: (&gpu, &d_dev),
-            peer_rows: None,
-            gemm: Some(gemm),
-            folded: None,
-            rank: None,
-        });
+        variants.push(plain_row(name, *cap, gemm, stream, output));
     }
     if let (Some(r), Some(peer_gpu)) = (&routed, &peer_gpu) {
         for (name, gemm, output, peer_rows) in [
@@ -580,17 +583,7 @@ fn run<T: Element>(
         });
     }
     for (name, gemm) in &rank_orders {
-        variants.push(Variant {
-            name,
-            cap: fold_cap,
-            // SAFETY: operands sized from the problem on this GPU
-            launch: Box::new(move || unsafe { gemm.launch(stream) }),
-            output: (&gpu, &d_dev),
-            peer_rows: None,
-            gemm: Some(gemm),
-            folded: None,
-            rank: None,
-        });
+        variants.push(plain_row(name, fold_cap, gemm, stream, output));
     }
     for row in &rank_rows {
         variants.push(Variant {
