@@ -1777,7 +1777,8 @@ fn k_phases_rows_pass_the_check() {
 /// chosen build, checked on every element, at shapes where a block runs several units (a
 /// ragged one with a split tail, whose parts reverse within their K ranges; 16 and 60 units a
 /// block) and a decode size of one unit a block (nothing reversed on every SM), both B
-/// layouts, on every SM and on 116, with the phases off and on.
+/// layouts, on every SM and on 116, beside the chosen build's row with its loads started at
+/// three places in K (a row of its own: the bench sets one option a row).
 #[test]
 fn serpentine_rows_pass_the_check() {
     if !gpus(1) {
@@ -1789,7 +1790,7 @@ fn serpentine_rows_pass_the_check() {
         (8192, 4096, 64),
         (64, 8192, 1024),
     ];
-    // (the option's value is the phases beside it)
+    // (the option's value is the phases of the row beside it; 1: no such row)
     let extra = |phases| ExtraRows {
         builds: Some(&[]),
         k_serpentine: true,

@@ -466,8 +466,8 @@ fn run<T: Element>(
             Ok(row)
         })
         .collect::<Result<Vec<_>, CudaError>>()?;
-    // each rank row's GEMM as a plain one, in its order and bands, on the build the routes
-    // take (the skinny one where every band has at most 64 rows, else the main one): what the
+    // each rank row's GEMM as a plain one, in its order and bands, on the build its routes
+    // took (the skinny one where every band has at most 64 rows, else the main one): what the
     // order costs, apart from the routes, flags and fold
     let rank_orders = rank_rows
         .iter()
@@ -475,7 +475,11 @@ fn run<T: Element>(
         .map(|row| {
             let name = format!("{}-order", row.name());
             let plan = row.order_plan();
-            let gemm = kernels.with_choice(VariantChoice::Skinny, || {
+            let choice = match row.gemm().variant() {
+                GemmVariant::Skinny => VariantChoice::Skinny,
+                _ => VariantChoice::Main,
+            };
+            let gemm = kernels.with_choice(choice, || {
                 PreparedGemm::new(&gpu, &kernels, &plan, &ops, None, fold_cap, 0)
             })?;
             Ok((name, gemm))

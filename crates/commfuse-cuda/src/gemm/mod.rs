@@ -1723,7 +1723,9 @@ impl PreparedGemm {
     /// each such unit then starts on the K slices the wave before read last, which L2 may
     /// still hold where a wave's operands do not all fit in it. The sums run in another order
     /// (within the same bound). Measured, it changes nothing beyond the bench's spread
-    /// (GEMM-NOTES.md, "Every other wave's K loop reversed"), so it stays off.
+    /// (GEMM-NOTES.md, "Every other wave's K loop reversed"), so it stays off. The next
+    /// unit's prefetch ([`PreparedGemm::set_next_prefetch`]) still asks for a unit's first
+    /// k-blocks, where a reversed unit starts at its last.
     pub fn set_k_serpentine(&mut self, on: u32) {
         self.params.k_serpentine = u32::from(on != 0);
     }

@@ -140,7 +140,9 @@ impl OneGpuRank {
         }
     }
 
-    /// Poisons everything the kernel writes: the output chunk and the peers' receive buffers.
+    /// Poisons the outputs the bench checks: the output chunk and the peers' receive buffers
+    /// (the flags the kernel raises in the peers' stand-ins are not checked here; the
+    /// operator's tables are, by `every_ranks_routes_agree_on_every_byte_and_flag`).
     pub fn poison(&self, gpu: &Gpu) -> Result<(), CudaError> {
         self.out.fill(gpu, 0xff)?;
         self.receive[1..].iter().try_for_each(|r| r.fill(gpu, 0xff))
