@@ -166,7 +166,7 @@ struct Variant<'a> {
     /// The partials this row folds into every tile (checked as part of its result)
     folded: Option<&'a FoldRow>,
     /// The fused GEMM + reduce-scatter's rank whose outputs (its chunk and the peers' slots)
-    /// this row checks instead of `output`
+    /// this row checks instead of `output` (whose GPU holds them)
     rank: Option<&'a OneGpuRank>,
 }
 
@@ -471,7 +471,7 @@ fn run<T: Element>(
     // order costs, apart from the routes, flags and fold
     let rank_orders = rank_rows
         .iter()
-        .filter(|row| !row.name().ends_with("-serpentine"))
+        .filter(|row| !row.gemm().k_serpentine())
         .map(|row| {
             let name = format!("{}-order", row.name());
             let plan = row.order_plan();
@@ -649,19 +649,10 @@ fn run<T: Element>(
             folded,
             bias: bias_row.as_ref().map(|(_, values)| values.as_slice()),
         };
-        let check = match (p.output, v.rank) {
-            (DType::F32, None) => {
-                check_output::<f32>(p, &reference, (out_gpu, out), peer_rows, added)?
-            }
-            (DType::BF16, None) => {
-                check_output::<bf16>(p, &reference, (out_gpu, out), peer_rows, added)?
-            }
-            (DType::F16, None) => {
-                check_output::<f16>(p, &reference, (out_gpu, out), peer_rows, added)?
-            }
-            (DType::F32, Some(r)) => check_rank::<f32>(p, &reference, &gpu, r)?,
-            (DType::BF16, Some(r)) => check_rank::<bf16>(p, &reference, &gpu, r)?,
-            (DType::F16, Some(r)) => check_rank::<f16>(p, &reference, &gpu, r)?,
+        let check = match p.output {
+            DType::F32 => check_row::<f32>(p, &reference, v, added)?,
+            DType::BF16 => check_row::<bf16>(p, &reference, v, added)?,
+            DType::F16 => check_row::<f16>(p, &reference, v, added)?,
         };
         let choice = lt.choice(p, v.cap, bias).filter(|_| v.gemm.is_none());
         let implementation = match choice {
@@ -770,16 +761,22 @@ fn check_output<TO: Element>(
     })
 }
 
-/// Checks every element of a one-GPU rank's call: its chunk against A·B plus the peers'
-/// partials, the other chunks (in the slots of their owners' stand-in buffers) against A·B.
-fn check_rank<TO: Element>(
+/// Checks every element of one row's call: a one-GPU rank's chunk against A·B plus the peers'
+/// partials and its other chunks (in the slots of their owners' stand-in buffers) against A·B,
+/// every other row's output by [`check_output`].
+fn check_row<TO: Element>(
     p: &GemmProblem,
     reference: &DeviceReference,
-    gpu: &Gpu,
-    rank: &OneGpuRank,
+    v: &Variant<'_>,
+    added: Added<'_>,
 ) -> Result<ElementCheck, CudaError> {
-    let d = rank.assemble::<TO>(gpu)?;
-    Ok(reference.check_plus(p, &d, &|i| rank.added(i)))
+    match v.rank {
+        Some(rank) => {
+            let d = rank.assemble::<TO>(v.output.0)?;
+            Ok(reference.check_plus(p, &d, &|i| rank.added(i)))
+        }
+        None => check_output::<TO>(p, reference, v.output, v.peer_rows, added),
+    }
 }
 
 /// `values` in the output type `output` on `gpu` ([`upload_rounded`]).
