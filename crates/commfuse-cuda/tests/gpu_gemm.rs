@@ -17,7 +17,8 @@ use commfuse_cuda::gemm::bench::{
 use commfuse_cuda::gemm::{
     CallNumber, FoldSource, Gather, GemmEntry, GemmKernels, GemmOperands, GemmVariant,
     PreparedGemm, RouteTargets, SmHolder, TailChoice, TileRoute, TileSnapshot, VariantChoice,
-    MID_TILE, NARROW_DEEP_ROWS, NARROW_TILE, ROUTE_DST_FROM_D, SKINNY_ROWS, TAIL_ENV, TILE,
+    MID_TILE, NARROW_DEEP_ROWS, NARROW_TILE, ROUTE_DST_FROM_D, SHORT_TILE, SKINNY_ROWS, TAIL_ENV,
+    TILE,
 };
 use commfuse_cuda::sys::cublaslt::Lt;
 use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, MappedHost, Stream};
@@ -729,27 +730,82 @@ fn narrow_builds_match_float64_reference() {
     each(p, case, VariantChoice::Narrow, GemmVariant::NarrowTall);
     // narrow tiles store into D only: routes on them are refused, naming the tiles that take them
     for m in [16, 100] {
-        let p = GemmProblem::new(m, 1000, 128, BLayout::NK, DType::BF16, DType::BF16).unwrap();
-        let PlainBf16 {
-            mut plan,
-            ops,
-            a_dev: _a,
-            b_dev: _b,
-            d_dev: _d,
-            ..
-        } = PlainBf16::new(&gpu, p, 7);
-        plan.tile = NARROW_TILE;
-        plan.order = (0..plan.tile_count()).collect();
-        let (partial, flags) = (
-            DeviceMemory::zeroed(&gpu, m * 1000 * 2).unwrap(),
-            DeviceMemory::zeroed(&gpu, 8 * plan.tile_count()).unwrap(),
+        let refused = refused_routes(&gpu, &kernels, m, NARROW_TILE);
+        assert!(
+            refused.contains("narrow") && refused.contains("store into D only"),
+            "{refused}"
         );
-        let (routes, _) = fold_one_partial(&plan, &partial, &flags);
-        let refused = PreparedGemm::with_routes(&gpu, &kernels, &plan, &ops, routes, None, 1, 0, 0)
-            .err()
-            .expect("narrow tiles with routes");
-        assert!(refused.to_string().contains("narrow builds"), "{refused}");
     }
+}
+
+/// The error of a GEMM prepared with routes (a partial folded into each tile) on a plan of
+/// `tile`s of M × 1000 × 128, which the builds that store into D only refuse.
+fn refused_routes(gpu: &Gpu, kernels: &GemmKernels, m: usize, tile: TileShape) -> String {
+    let p = GemmProblem::new(m, 1000, 128, BLayout::NK, DType::BF16, DType::BF16).unwrap();
+    let PlainBf16 {
+        mut plan,
+        ops,
+        a_dev: _a,
+        b_dev: _b,
+        d_dev: _d,
+        ..
+    } = PlainBf16::new(gpu, p, 7);
+    plan.tile = tile;
+    plan.order = (0..plan.tile_count()).collect();
+    let (partial, flags) = (
+        DeviceMemory::zeroed(gpu, m * 1000 * 2).unwrap(),
+        DeviceMemory::zeroed(gpu, 8 * plan.tile_count()).unwrap(),
+    );
+    let (routes, _) = fold_one_partial(&plan, &partial, &flags);
+    PreparedGemm::with_routes(gpu, kernels, &plan, &ops, routes, None, 1, 0, 0)
+        .err()
+        .expect("tiles that store into D only, with routes")
+        .to_string()
+}
+
+/// The short build (64×128 tiles, wgmma m64n128k16 on one consumer warpgroup, 8 stages), which
+/// a plan of short tiles takes, against float64 over every element: M = 1, 33, 64, 65, 100,
+/// 192 and 256 (one to four bands of 64 rows, the last of 1, 33, 1 or 36 rows where M is not a
+/// multiple of 64) with N = 1000 (8 column tiles, the last one 104 wide) and K = 1544 (24
+/// k-blocks and a part), both B layouts, bf16 and f32 outputs from bf16 and f16 inputs, every
+/// run of [`RUNS`] (every SM with the tiles cut into two K-parts, 4 and 3 SMs: whole waves,
+/// then a cut last one; D += 2·A·B; alpha alone; the bias alone); the plain runs at N = 1024
+/// ([`PLAIN_RUNS`]: the plain entries, with and without the split tail); row bands of at most
+/// 64 rows (40, 60 and 30 rows: M = 130) on every SM and on 5; and routes refused, naming the
+/// build.
+#[test]
+fn short_build_matches_float64_reference() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let mut seed = 1300;
+    let mut each = |p: GemmProblem, case: SkinnyCase| {
+        seed += 1;
+        let want = (VariantChoice::Short, GemmVariant::Short);
+        check_variant_of_types(&gpu, &kernels, &stream, p, case, want, seed);
+    };
+    for m in [1, 33, 64, 65, 100, 192, 256] {
+        for_each_case(m, 1000, SHORT_TILE, &THREE_TYPES, &RUNS, &mut each);
+        for_each_case(m, 1024, SHORT_TILE, &BF16_OUT, &PLAIN_RUNS, &mut each);
+    }
+    let banded: &[usize] = &[0, 40, 100, 130];
+    for layout in [BLayout::NK, BLayout::KN] {
+        let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
+        for cap in [0, 5] {
+            let case = SkinnyCase {
+                tile: SHORT_TILE,
+                bands: Some(banded),
+                cap,
+                epilogue: Case::Full,
+            };
+            each(p, case);
+        }
+    }
+    let refused = refused_routes(&gpu, &kernels, 100, SHORT_TILE);
+    assert!(
+        refused.contains("short build's 64×128 tiles store into D only"),
+        "{refused}"
+    );
 }
 
 /// A build of narrow tiles with at most 64 rows (`build`, which `choice` takes), forced, against
@@ -1303,9 +1359,9 @@ fn split_tail_tiles_sum_their_k_parts() {
 /// The tail spread by stream-K ([`TailChoice::StreamK`]): the last partial wave and the whole
 /// one before it over every block, in K ranges that cross tiles (a block finishes one tile's
 /// K loop and starts another's), so that most tiles have a helper and some blocks are a
-/// helper first and an owner last. On the main, direct, mid, narrow, narrow-tall and
-/// narrow-sliced builds (the last slicing each K range from its own first k-block, ranges of
-/// one k-block among them), and on the skinny one (whose second consumer warpgroup has no
+/// helper first and an owner last. On the main, direct, mid, narrow, narrow-tall,
+/// narrow-sliced (slicing each K range from its own first k-block, ranges of one k-block
+/// among them) and short builds, and on the skinny one (whose second consumer warpgroup has no
 /// rows), every k-block is
 /// summed once in f32, checked tightly against float64, three calls in a row (each owner
 /// resets its counter).
@@ -1339,6 +1395,7 @@ fn stream_k_tail_sums_every_k_range_once() {
         (VariantChoice::Narrow, 40, NARROW_TILE, &wide),
         (VariantChoice::Narrow, 100, NARROW_TILE, &wide),
         (VariantChoice::NarrowSliced, 40, NARROW_TILE, &wide),
+        (VariantChoice::Short, 100, SHORT_TILE, &wide),
     ] {
         kernels.set_choice(choice);
         split_parts_sum(&gpu, &kernels, &stream, (m, tile), &[3, 5, 6, 7], tails);

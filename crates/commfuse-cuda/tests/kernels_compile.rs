@@ -111,8 +111,8 @@ fn check_part_entries(compiled: &nvrtc::Compiled) {
 /// The GEMM's main loop must run on the tensor cores' warpgroup instructions: every GEMM entry
 /// point's SASS holds HGMMA with f32 accumulation (transposed B for the [K, N] layout) of its
 /// build's tile width: 64x256x16 in the main, the skinny, the pair and the direct build, 64x128x16 in the
-/// mid, the mid-direct and the ping-pong build (at least eight a k-block in the last: two
-/// 64-row halves), 64x64x16 in
+/// mid, the mid-direct, the ping-pong and the short build (at least eight a k-block in the
+/// ping-pong build: two 64-row halves), 64x64x16 in
 /// the narrow, the narrow-tall, the narrow-deep and the narrow-sliced
 /// one, and no HGMMA of another width; the pair build's B reaches both blocks of its cluster by
 /// TMA multicast (UTMALDG.2D.MULTICAST); the narrow-sliced build's warpgroups hand their sums
@@ -130,6 +130,7 @@ fn gemm_sass_uses_hgmma() {
     };
     let (mut entries, mut skinny, mut narrow, mut tall, mut pair, mut mid) = (0, 0, 0, 0, 0, 0);
     let (mut direct, mut narrow_deep, mut narrow_sliced, mut ping_pong) = (0, 0, 0, 0);
+    let mut short = 0;
     // each entry's instruction count, for the plain entries' beside their general ones
     let mut sizes = std::collections::HashMap::new();
     for section in sass.split("Function : ").skip(1) {
@@ -145,9 +146,13 @@ fn gemm_sass_uses_hgmma() {
             narrow_deep += usize::from(name.starts_with("gemm_narrow_deep_"));
             narrow_sliced += usize::from(name.starts_with("gemm_narrow_sliced_"));
             "HGMMA.64x64x16.F32"
-        } else if name.starts_with("gemm_mid_") || name.starts_with("gemm_ping_pong_") {
+        } else if ["gemm_mid_", "gemm_ping_pong_", "gemm_short_"]
+            .iter()
+            .any(|p| name.starts_with(p))
+        {
             mid += usize::from(name.starts_with("gemm_mid_"));
             ping_pong += usize::from(name.starts_with("gemm_ping_pong_"));
+            short += usize::from(name.starts_with("gemm_short_"));
             "HGMMA.64x128x16.F32"
         } else {
             skinny += usize::from(name.starts_with("gemm_skinny_"));
@@ -176,6 +181,7 @@ fn gemm_sass_uses_hgmma() {
             "gemm_ping_pong_",
             "gemm_mid_direct_",
             "gemm_narrow_",
+            "gemm_short_",
         ]
         .iter()
         .any(|p| name.starts_with(p))
@@ -220,8 +226,9 @@ fn gemm_sass_uses_hgmma() {
         }
     }
     // (the builds that store their tiles themselves have 8 plain entries beside their 12, the
-    // direct, narrow, narrow-deep and narrow-tall builds 8 more with the split tail)
-    assert_eq!(entries, 212, "GEMM entry points found in the SASS");
+    // direct, narrow, narrow-deep, narrow-tall and short builds 8 more with the split tail)
+    assert_eq!(entries, 240, "GEMM entry points found in the SASS");
+    assert_eq!(short, 28, "short GEMM entry points found in the SASS");
     assert_eq!(
         ping_pong, 20,
         "ping-pong GEMM entry points found in the SASS"
@@ -257,7 +264,7 @@ fn gemm_sass_uses_hgmma() {
             "{name}: {size} instructions, its general entry {general_size}: the options not compiled out"
         );
     }
-    assert_eq!(plain, 80, "plain GEMM entry points found in the SASS");
+    assert_eq!(plain, 96, "plain GEMM entry points found in the SASS");
 }
 
 /// The instructions of an entry's SASS: "/*1a70*/   SYNCS... ;" lines, their address and the

@@ -17,7 +17,7 @@ use crate::gemm::trace::GemmTrace;
 use crate::gemm::{
     CallNumber, FoldSource, Gather, GemmEntry, GemmKernels, GemmOperands, GemmVariant,
     PreparedGemm, RouteTargets, TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE,
-    ROUTE_DST_FROM_D, SKINNY_ROWS, TILE,
+    ROUTE_DST_FROM_D, SHORT_TILE, SKINNY_ROWS, TILE,
 };
 use crate::gemm_rs::one_gpu::OneGpuRank;
 use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
@@ -302,7 +302,7 @@ fn run<T: Element>(
     // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles, and the
     // narrow-tall one also where its tiles of several bands make one wave; the pair build:
     // a tile of more than 64 rows, and the direct build; the mid and the ping-pong build: M
-    // above 64), each build
+    // above 64; the short build: M above 64 where its tiles make at most two waves), each build
     // forced, side by side with the row of the build chosen
     let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
     let (narrow_rows, narrow_cols) = tiles(p, NARROW_TILE);
@@ -312,6 +312,9 @@ fn run<T: Element>(
     let skinny_fits = VariantChoice::Skinny.variant_for(&wide) == GemmVariant::Skinny;
     let pair_fits = VariantChoice::Pair.variant_for(&wide) == GemmVariant::Pair;
     let mid = (p.m > SKINNY_ROWS).then(|| plan_of(MID_TILE));
+    let (short_rows, short_cols) = tiles(p, SHORT_TILE);
+    let short = (p.m > SKINNY_ROWS && short_rows * short_cols <= 2 * gpu.sm_count as usize)
+        .then(|| plan_of(SHORT_TILE));
     if skinny_fits || narrow.is_some() || pair_fits || mid.is_some() {
         let mut builds = vec![("commfuse-main", VariantChoice::Main, &wide)];
         if skinny_fits {
@@ -336,6 +339,9 @@ fn run<T: Element>(
             builds.push(("commfuse-mid", VariantChoice::Mid, mid));
             builds.push(("commfuse-ping-pong", VariantChoice::PingPong, mid));
             builds.push(("commfuse-mid-direct", VariantChoice::MidDirect, mid));
+        }
+        if let Some(short) = &short {
+            builds.push(("commfuse-short", VariantChoice::Short, short));
         }
         for (name, choice, plan) in builds {
             if only.is_some_and(|only| !only.contains(&choice)) {

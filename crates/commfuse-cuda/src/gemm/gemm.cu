@@ -80,9 +80,13 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit
 // The mid-direct build: the ping-pong build's tiles, stages and boxes with the two consumer
 // warpgroups on each tile together (64 rows each, as in the mid build) instead of in turns.
 template <int ROWS_, int BN_, int STAGES_, int CLUSTER_ = 1, bool DIRECT_ = false, int SLICES_ = 1,
-          bool PINGPONG_ = false, int PLAIN_ = 0>
+          bool PINGPONG_ = false, int PLAIN_ = 0, int TILE_ROWS_ = gemm::BM>
 struct Cfg {
     static constexpr int ROWS = ROWS_;          // rows of a tile this build computes
+    // rows of the plan's tiles where the call names no row bands: BM, of which the 64-row
+    // builds compute the first 64 (plans whose bands have no more), or 64 (the short build,
+    // whose plans are cut in 64-row tiles)
+    static constexpr int TILE_ROWS = TILE_ROWS_;
     static constexpr int BN = BN_;              // columns of a tile
     static constexpr int CONSUMERS = ROWS / 64;  // consumer warpgroups with rows of their own to compute
     // consumer warpgroups sharing each tile's rows, each on every SLICES-th k-block of a unit
@@ -146,10 +150,11 @@ struct Cfg {
     static_assert(!PINGPONG || (DIRECT && ROWS == gemm::BM && SLICES == 1 && CLUSTER == 1),
                   "ping-pong warpgroups store their own 128-row tiles");
     static_assert(!PLAIN || (DIRECT && CLUSTER == 1), "plain entries store their tiles by the consumers' boxes");
+    static_assert(TILE_ROWS == gemm::BM || TILE_ROWS == ROWS, "a build computes whole tiles or their first 64 rows");
 };
 // A build's plain entries (Cfg::PLAIN; TAIL: with the split tail).
 template <class C, bool TAIL = false>
-using PlainOf = Cfg<C::ROWS, C::BN, C::STAGES, C::CLUSTER, C::DIRECT, C::SLICES, C::PINGPONG, TAIL ? 2 : 1>;
+using PlainOf = Cfg<C::ROWS, C::BN, C::STAGES, C::CLUSTER, C::DIRECT, C::SLICES, C::PINGPONG, TAIL ? 2 : 1, C::TILE_ROWS>;
 using MainCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES>;
 using SkinnyCfg = Cfg<64, gemm::BN, 4>;
 // The narrow builds store their tiles themselves, as the direct build does (a 64 x 64 tile of
@@ -168,6 +173,13 @@ using MidCfg = Cfg<gemm::BM, 128, 5>;
 using DirectCfg = Cfg<gemm::BM, gemm::BN, 4, 1, true>;
 using PingPongCfg = Cfg<gemm::BM, 128, 6, 1, true, 1, true>;
 using MidDirectCfg = Cfg<gemm::BM, 128, 6, 1, true>;
+// The short build: tiles of 64 rows x 128 (wgmma m64n128k16 on one consumer warpgroup, 64
+// accumulators a thread), eight stages of 24 KiB, stored by the consumers' boxes. Where a
+// product of a few hundred rows makes fewer tiles than SMs, cutting it in 64-row bands fills
+// them with tiles that each run their whole K loop (256 x 4096: 128 tiles), with a wider
+// wgmma than the narrow-tall build's 128 x 64 tiles of the same count, whose two m64n64
+// chains read A and B from shared memory for half the work a byte
+using ShortCfg = Cfg<64, 128, 8, 1, true, 1, false, 0, 64>;
 // A tile's partial folded in through the pipeline (ROUTE_FOLD_TMA): boxes of the build's rows
 // by 128 bytes (one swizzle row: 64 16-bit or 32 f32 columns), as many to a stage as its B
 // buffer holds, in the ring's next stages after the tile's last k-block: in the main build,
@@ -202,6 +214,7 @@ static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES i
 static_assert(DirectCfg::SMEM_BYTES == 230480, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
 static_assert(PingPongCfg::SMEM_BYTES == 230512, "layout mirrored by PING_PONG_SMEM_BYTES in mod.rs");
 static_assert(MidDirectCfg::SMEM_BYTES == PingPongCfg::SMEM_BYTES, "the mid-direct build's layout is the ping-pong build's");
+static_assert(ShortCfg::SMEM_BYTES == 214160, "layout mirrored by SHORT_SMEM_BYTES in mod.rs");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -795,8 +808,8 @@ template <class C> __device__ __forceinline__ Unit unit_at(const GemmParams& p, 
         w.row0 = p.bands[w.tm];
         w.rows = p.bands[w.tm + 1] - w.row0;
     } else {
-        w.row0 = w.tm * gemm::BM;
-        w.rows = min(gemm::BM, (int)(p.m - w.row0));
+        w.row0 = w.tm * C::TILE_ROWS;
+        w.rows = min(C::TILE_ROWS, (int)(p.m - w.row0));
     }
     return w;
 }
@@ -1932,7 +1945,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // COMMFUSE_PART = 2 * build + input (input 0: bf16, 1: f16; builds in the order of
 // `GemmVariant::ALL`) holds that build's entries for that input type, and the last part,
 // GEMM_HELPER_PART, the helper kernels. Without COMMFUSE_PART, every entry.
-#define GEMM_HELPER_PART 22
+#define GEMM_HELPER_PART 24
 #ifdef COMMFUSE_PART
 #define GEMM_IN_PART(PART) (COMMFUSE_PART == (PART))
 #else
@@ -1946,7 +1959,8 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // the consumers (TMA tensor stores of shared-memory boxes); gemm_narrow_deep_...: the narrow
 // build on twelve stages; gemm_narrow_sliced_...: the same with the K loop sliced over two
 // consumer warpgroups; gemm_ping_pong_...: 128x128 tiles, whole tiles per consumer warpgroup;
-// gemm_mid_direct_...: the same tiles, stages and boxes, both consumer warpgroups on each tile
+// gemm_mid_direct_...: the same tiles, stages and boxes, both consumer warpgroups on each tile;
+// gemm_short_...: 64x128 tiles on one consumer warpgroup
 #if GEMM_IN_PART(0)
 COMMFUSE_GEMM_ENTRIES(gemm_, bf16, __nv_bfloat16, MainCfg)
 #endif
@@ -2032,6 +2046,16 @@ COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_mid_direct_, bf16, __nv_bfloat16, MidDirectCfg)
 #if GEMM_IN_PART(21)
 COMMFUSE_GEMM_ENTRIES(gemm_mid_direct_, f16, __half, MidDirectCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_mid_direct_, f16, __half, MidDirectCfg)
+#endif
+#if GEMM_IN_PART(22)
+COMMFUSE_GEMM_ENTRIES(gemm_short_, bf16, __nv_bfloat16, ShortCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_short_, bf16, __nv_bfloat16, ShortCfg)
+COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_short_, bf16, __nv_bfloat16, ShortCfg)
+#endif
+#if GEMM_IN_PART(23)
+COMMFUSE_GEMM_ENTRIES(gemm_short_, f16, __half, ShortCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_short_, f16, __half, ShortCfg)
+COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_short_, f16, __half, ShortCfg)
 #endif
 
 #if GEMM_IN_PART(GEMM_HELPER_PART)

@@ -42,6 +42,10 @@ pub const NARROW_TILE: TileShape = TileShape { m: 128, n: 64 };
 /// The mid build's tile: half as wide as [`TILE`], twice as many tiles for products of a few
 /// hundred to a few thousand rows.
 pub const MID_TILE: TileShape = TileShape { m: 128, n: 128 };
+/// The short build's tile: a [`MID_TILE`]'s width on 64 rows, for products of a few hundred
+/// rows whose wider tiles would leave SMs idle (256 × 4096: 128 tiles, each with its whole K
+/// loop).
+pub const SHORT_TILE: TileShape = TileShape { m: 64, n: 128 };
 const THREADS: u32 = 384;
 const STAGES: u32 = 3;
 /// K depth of one pipeline stage (one 128-byte swizzle row of 16-bit elements).
@@ -103,6 +107,10 @@ const DIRECT_SMEM_BYTES: u32 = direct_smem_bytes(TILE.m, TILE.n, DIRECT_STAGES);
 const PING_PONG_STAGES: u32 = 6;
 /// Mirrors `PingPongCfg::SMEM_BYTES` in gemm.cu.
 const PING_PONG_SMEM_BYTES: u32 = direct_smem_bytes(MID_TILE.m, MID_TILE.n, PING_PONG_STAGES);
+/// Stages of the short build: 24 KiB each (a [`SHORT_TILE`]'s k-block), beside two boxes.
+const SHORT_STAGES: u32 = 8;
+/// Mirrors `ShortCfg::SMEM_BYTES` in gemm.cu.
+const SHORT_SMEM_BYTES: u32 = direct_smem_bytes(SHORT_TILE.m, SHORT_TILE.n, SHORT_STAGES);
 
 /// Which build of the kernel a [`PreparedGemm`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,6 +157,9 @@ pub enum GemmVariant {
     /// The ping-pong build's tiles, stages and boxes with both consumer warpgroups on each
     /// tile (64 rows each, as in the mid build) instead of in turns: plain GEMMs and gathers
     MidDirect,
+    /// [`SHORT_TILE`]s (wgmma m64n128k16) on one consumer warpgroup, [`SHORT_STAGES`] stages,
+    /// stored by the consumers' boxes: plain GEMMs and gathers
+    Short,
 }
 
 /// Blocks in a cluster of the pair build.
@@ -156,7 +167,7 @@ pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 11] = [
+    pub const ALL: [GemmVariant; 12] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
@@ -168,6 +179,7 @@ impl GemmVariant {
         GemmVariant::NarrowSliced,
         GemmVariant::PingPong,
         GemmVariant::MidDirect,
+        GemmVariant::Short,
     ];
 
     /// Rows of the build's A stage (its largest A box) and of the staged tile.
@@ -183,7 +195,8 @@ impl GemmVariant {
             GemmVariant::Skinny
             | GemmVariant::Narrow
             | GemmVariant::NarrowDeep
-            | GemmVariant::NarrowSliced => SKINNY_ROWS,
+            | GemmVariant::NarrowSliced
+            | GemmVariant::Short => SKINNY_ROWS,
         }
     }
 
@@ -198,6 +211,7 @@ impl GemmVariant {
             | GemmVariant::NarrowDeep
             | GemmVariant::NarrowSliced => NARROW_TILE,
             GemmVariant::Mid | GemmVariant::PingPong | GemmVariant::MidDirect => MID_TILE,
+            GemmVariant::Short => SHORT_TILE,
         }
     }
 
@@ -220,6 +234,7 @@ impl GemmVariant {
             GemmVariant::Mid => MID_SMEM_BYTES,
             GemmVariant::Direct => DIRECT_SMEM_BYTES,
             GemmVariant::PingPong | GemmVariant::MidDirect => PING_PONG_SMEM_BYTES,
+            GemmVariant::Short => SHORT_SMEM_BYTES,
         }
     }
 
@@ -238,6 +253,7 @@ impl GemmVariant {
             GemmVariant::Direct => "gemm_direct_",
             GemmVariant::PingPong => "gemm_ping_pong_",
             GemmVariant::MidDirect => "gemm_mid_direct_",
+            GemmVariant::Short => "gemm_short_",
         }
     }
 
@@ -246,7 +262,8 @@ impl GemmVariant {
     /// waits for its helpers and adds their partials) than its share of the K loop saves: at
     /// 16 and 64 × 8192 × 3584 on one H200, 1, 2, 3 and 4 parts took 32.3, 28.0, 29.3 and
     /// 31.7 µs (16 rows) and 34.3, 31.2, 32.5 and 35.6 µs (64 rows). The narrow builds are
-    /// bound the same way and take the same limit. The main build's tail of
+    /// bound the same way and take the same limit, and so does the short build, whose one
+    /// consumer warpgroup is theirs on a wider tile. The main build's tail of
     /// up to four parts measured best where it was designed for (GEMM-NOTES.md, v3: a last,
     /// partial wave after whole ones); where the whole product is one partial wave (`one_wave`:
     /// fewer tiles than SMs, a small M) three parts were faster than four: 40.0 against 41.5 µs
@@ -269,7 +286,8 @@ impl GemmVariant {
             | GemmVariant::Narrow
             | GemmVariant::NarrowTall
             | GemmVariant::NarrowDeep
-            | GemmVariant::NarrowSliced => 2,
+            | GemmVariant::NarrowSliced
+            | GemmVariant::Short => 2,
             GemmVariant::Pair | GemmVariant::PingPong => 1,
         }
     }
@@ -301,6 +319,7 @@ impl GemmVariant {
             GemmVariant::NarrowSliced => "narrow-sliced",
             GemmVariant::PingPong => "ping-pong",
             GemmVariant::MidDirect => "mid-direct",
+            GemmVariant::Short => "short",
         }
     }
 
@@ -325,6 +344,7 @@ impl GemmVariant {
                 | GemmVariant::Narrow
                 | GemmVariant::NarrowDeep
                 | GemmVariant::NarrowTall
+                | GemmVariant::Short
         )
     }
 
@@ -377,6 +397,7 @@ impl GemmVariant {
                 | GemmVariant::Narrow
                 | GemmVariant::NarrowTall
                 | GemmVariant::NarrowDeep
+                | GemmVariant::Short
         )
     }
 }
@@ -422,9 +443,12 @@ pub enum VariantChoice {
     PingPong,
     /// [`MID_TILE`]s, always, on the mid-direct build (the GEMMs with routes on the mid build)
     MidDirect,
+    /// [`SHORT_TILE`]s, always, on the short build (GEMMs with routes: [`TILE`]s on the main
+    /// build)
+    Short,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|ping-pong|mid-direct|auto`
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|ping-pong|mid-direct|short|auto`
 /// (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
@@ -543,7 +567,7 @@ fn plain_plan(plan: &GemmPlan) -> bool {
 
 impl VariantChoice {
     /// Every choice, `auto` first.
-    pub const ALL: [VariantChoice; 11] = [
+    pub const ALL: [VariantChoice; 12] = [
         VariantChoice::Auto,
         VariantChoice::Main,
         VariantChoice::Skinny,
@@ -555,6 +579,7 @@ impl VariantChoice {
         VariantChoice::Direct,
         VariantChoice::PingPong,
         VariantChoice::MidDirect,
+        VariantChoice::Short,
     ];
 
     /// The choice of this [`VariantChoice::name`].
@@ -577,7 +602,7 @@ impl VariantChoice {
     }
 
     /// `main`, `skinny`, `narrow`, `narrow-deep`, `narrow-sliced`, `pair`, `mid`, `direct`,
-    /// `ping-pong`, `mid-direct` or `auto`.
+    /// `ping-pong`, `mid-direct`, `short` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
@@ -591,6 +616,7 @@ impl VariantChoice {
             VariantChoice::NarrowSliced => "narrow-sliced",
             VariantChoice::PingPong => "ping-pong",
             VariantChoice::MidDirect => "mid-direct",
+            VariantChoice::Short => "short",
         }
     }
 
@@ -604,6 +630,9 @@ impl VariantChoice {
             VariantChoice::Mid | VariantChoice::PingPong | VariantChoice::MidDirect
         ) {
             return MID_TILE;
+        }
+        if self == VariantChoice::Short {
+            return SHORT_TILE;
         }
         if self == VariantChoice::Auto {
             if narrow_bands_pay(p, sms) {
@@ -629,7 +658,8 @@ impl VariantChoice {
             | VariantChoice::Mid
             | VariantChoice::Direct
             | VariantChoice::PingPong
-            | VariantChoice::MidDirect => false,
+            | VariantChoice::MidDirect
+            | VariantChoice::Short => false,
         };
         if narrow {
             NARROW_TILE
@@ -642,6 +672,9 @@ impl VariantChoice {
     /// `PreparedGemm` checks): the 64-row one of its tile only where every tile has at most
     /// [`SKINNY_ROWS`] rows (it computes no more of a tile); [`MID_TILE`]s have one build.
     pub fn variant_for(self, plan: &GemmPlan) -> GemmVariant {
+        if plan.tile == SHORT_TILE {
+            return GemmVariant::Short;
+        }
         if plan.tile == MID_TILE {
             // (build() keeps the fused operators' GEMMs on the mid build)
             return match self {
@@ -1318,15 +1351,12 @@ fn check_problem_tiles(p: &GemmProblem, tile: TileShape) -> Result<(), CudaError
 /// aligned operands.
 fn check_plan(plan: &GemmPlan, ops: &GemmOperands, world: usize) -> Result<(), CudaError> {
     let p = &plan.problem;
-    if ![TILE, MID_TILE, NARROW_TILE].contains(&plan.tile) {
+    let builds = [TILE, MID_TILE, NARROW_TILE, SHORT_TILE];
+    if !builds.contains(&plan.tile) {
+        let names: Vec<String> = builds.iter().map(|t| format!("{}×{}", t.m, t.n)).collect();
         return Err(unsupported(format!(
-            "the GPU GEMM computes {}×{}, {}×{} or {}×{} tiles, the plan has {}×{}",
-            TILE.m,
-            TILE.n,
-            MID_TILE.m,
-            MID_TILE.n,
-            NARROW_TILE.m,
-            NARROW_TILE.n,
+            "the GPU GEMM computes {} tiles, the plan has {}×{}",
+            names.join(", "),
             plan.tile.m,
             plan.tile.n
         )));
@@ -1433,7 +1463,7 @@ impl PreparedGemm {
         let starts: Vec<usize> = match &plan.bands {
             Some(b) => b.clone(),
             None => (0..=bands)
-                .map(|i| (i * TILE.m).min(plan.problem.m))
+                .map(|i| (i * plan.tile.m).min(plan.problem.m))
                 .collect(),
         };
         let (l0, l1) = (gather.local.start, gather.local.end);
@@ -1465,17 +1495,25 @@ impl PreparedGemm {
         // stages too; unmeasured, so the main build serves them. The direct build's consumers
         // store into D only (no routes, no flags), but a gather's waits are its producer's, as
         // in the main build: it serves the all-gather + GEMM. The ping-pong build's plans are
-        // plain GEMMs'. So do the narrow builds', which store their tiles directly too and have
-        // no staged build beside them: routes take the fused operators' tile.
+        // plain GEMMs'. So do the narrow and the short builds', which store their tiles
+        // directly too and have no staged build beside them: routes take the fused operators'
+        // tile.
         let serves = match variant {
             GemmVariant::Pair | GemmVariant::PingPong => routes.is_none() && gather.is_none(),
             GemmVariant::Direct | GemmVariant::MidDirect => routes.is_none(),
-            GemmVariant::Narrow | GemmVariant::NarrowTall | GemmVariant::NarrowDeep
+            GemmVariant::Narrow
+            | GemmVariant::NarrowTall
+            | GemmVariant::NarrowDeep
+            | GemmVariant::Short
                 if routes.is_some() =>
             {
                 return Err(unsupported(format!(
-                    "tiles with routes are {}×{} (the narrow builds' {}×{} tiles store into D only)",
-                    TILE.m, TILE.n, plan.tile.m, plan.tile.n
+                    "tiles with routes are {}×{} (the {} build's {}×{} tiles store into D only)",
+                    TILE.m,
+                    TILE.n,
+                    variant.name(),
+                    plan.tile.m,
+                    plan.tile.n
                 )));
             }
             _ => true,
@@ -2790,6 +2828,7 @@ mod tests {
             ("narrow-sliced", VariantChoice::NarrowSliced),
             ("ping-pong", VariantChoice::PingPong),
             ("mid-direct", VariantChoice::MidDirect),
+            ("short", VariantChoice::Short),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -2798,7 +2837,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, short or auto, got \"Skinny\""
             ),
             "{e}"
         );
@@ -2846,11 +2885,42 @@ mod tests {
                 Narrow
                 | GemmVariant::Skinny
                 | GemmVariant::NarrowDeep
-                | GemmVariant::NarrowSliced => 64,
+                | GemmVariant::NarrowSliced
+                | GemmVariant::Short => 64,
                 _ => 128,
             };
             assert_eq!(v.rows(), rows, "{v:?}");
             assert!(v.smem_bytes() <= 227 * 1024, "{v:?}");
+        }
+    }
+
+    #[test]
+    fn a_plan_of_short_tiles_runs_on_the_short_build_and_only_the_short_choice_plans_them() {
+        for (m, bands) in [
+            (1, None),
+            (64, None),
+            (65, None),
+            (256, None),
+            (4096, None),
+            (130, Some(vec![0, 40, 100, 130])),
+        ] {
+            let plan = banded_plan(m, SHORT_TILE, bands);
+            for choice in VariantChoice::ALL {
+                assert_eq!(
+                    choice.variant_for(&plan),
+                    GemmVariant::Short,
+                    "{choice:?} {m}"
+                );
+            }
+        }
+        assert_eq!(GemmVariant::Short.tile(), SHORT_TILE);
+        assert_eq!(GemmVariant::Short.rows(), SHORT_TILE.m);
+        for m in [16, 192, 256, 8192] {
+            let p = problem(m, 4096, 4096);
+            for choice in VariantChoice::ALL {
+                let short = choice.tile_for(&p, 132) == SHORT_TILE;
+                assert_eq!(short, choice == VariantChoice::Short, "{choice:?} {m}");
+            }
         }
     }
 

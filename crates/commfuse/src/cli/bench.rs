@@ -148,7 +148,7 @@ pub struct BenchGemmArgs {
     #[arg(long, value_delimiter = ',', conflicts_with = "bias", allow_negative_numbers = true, value_parser = Whole::<usize>::new("a number of ranks"))]
     pub rs_ranks: Vec<usize>,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
-    /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, or "none"
+    /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, short, or "none"
     /// (default: every build that fits)
     #[arg(long, value_delimiter = ',')]
     pub builds: Vec<String>,
