@@ -1976,7 +1976,9 @@ fn paced_fold_rows_add_every_partial_once() {
 /// GPU (the operator's schedule and routes; the peers' tiles into local stand-ins of their
 /// receive buffers, its own rows folding the P − 1 partials in its own), again with the later
 /// waves' K loops reversed, and its plain GEMM in its order and bands. Every element of its
-/// chunk (A·B plus the partials) and of each slot it sent (A·B) is checked, at P = 2, 3 and 5,
+/// chunk (A·B plus the partials) and of each slot it sent (A·B) is checked, and every flag
+/// word of the peers' stand-ins (the call's number where it sent a tile, else untouched;
+/// the bench errs otherwise), at P = 2, 3 and 5,
 /// ragged shapes whose chunks cut the 128-row bands, both B layouts, 16-bit and f32 outputs,
 /// on all SMs and capped (the split tail under routes and folds); the main build's rows fold
 /// through the pipeline's stages, the skinny build's (chunks of at most 64 rows) from global

@@ -767,9 +767,10 @@ fn check_output<TO: Element>(
     })
 }
 
-/// Checks every element of one row's call: a one-GPU rank's chunk against A·B plus the peers'
-/// partials and its other chunks (in the slots of their owners' stand-in buffers) against A·B,
-/// every other row's output by [`check_output`].
+/// Checks every element of one row's call: a one-GPU rank's flags in its peers' stand-ins
+/// ([`OneGpuRank::check_flags`]: a wrong one is an error), its chunk against A·B plus the
+/// peers' partials and its other chunks (in the slots of their owners' stand-in buffers)
+/// against A·B, every other row's output by [`check_output`].
 fn check_row<TO: Element>(
     p: &GemmProblem,
     reference: &DeviceReference,
@@ -778,6 +779,7 @@ fn check_row<TO: Element>(
 ) -> Result<ElementCheck, CudaError> {
     match v.rank {
         Some(rank) => {
+            rank.check_flags(v.output.0)?;
             let d = rank.assemble::<TO>(v.output.0)?;
             Ok(reference.check_plus(p, &d, &|i| rank.added(i)))
         }

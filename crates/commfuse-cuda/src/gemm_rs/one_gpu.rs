@@ -31,7 +31,7 @@ pub struct OneGpuRank {
     /// Every rank's receive buffer (both sets' P slots); rank 0's holds the partials it folds
     receive: Vec<DeviceMemory>,
     /// Every rank's flag rows; rank 0's all up
-    _flags: Vec<DeviceMemory>,
+    flags: Vec<DeviceMemory>,
     /// Rank 0's receive buffer as uploaded (rounded to the output type), widened
     partials: Vec<f64>,
 }
@@ -108,7 +108,7 @@ impl OneGpuRank {
             schedule,
             out,
             receive,
-            _flags: flags,
+            flags,
             partials,
         })
     }
@@ -140,12 +140,48 @@ impl OneGpuRank {
         }
     }
 
-    /// Poisons the outputs the bench checks: the output chunk and the peers' receive buffers
-    /// (the flags the kernel raises in the peers' stand-ins are not checked here; the
-    /// operator's tables are, by `every_ranks_routes_agree_on_every_byte_and_flag`).
+    /// Poisons the outputs the bench checks: the output chunk and the peers' receive buffers,
+    /// and clears the peers' flag rows ([`OneGpuRank::check_flags`]).
     pub fn poison(&self, gpu: &Gpu) -> Result<(), CudaError> {
         self.out.fill(gpu, 0xff)?;
-        self.receive[1..].iter().try_for_each(|r| r.fill(gpu, 0xff))
+        self.receive[1..]
+            .iter()
+            .try_for_each(|r| r.fill(gpu, 0xff))?;
+        self.flags[1..].iter().try_for_each(|f| f.fill(gpu, 0))
+    }
+
+    /// After one call on poisoned buffers (the rank's GEMM runs as call 1): every flag word of
+    /// the peers' stand-in rows holds 1 where rank 0 raises a tile's flag in set 0 and 0
+    /// everywhere else; an error names the first word that does not and counts them.
+    pub fn check_flags(&self, gpu: &Gpu) -> Result<(), CudaError> {
+        let s = &self.schedule;
+        let columns = s.flag_columns();
+        let mut want = vec![vec![0u64; 2 * columns]; s.shape.world];
+        for t in s.order(0) {
+            let (owner, index) = s.placement[t];
+            if owner != 0 {
+                want[owner][s.slot_of(0, owner) * s.flag_stride + index] = 1;
+            }
+        }
+        let mut wrong = Vec::new();
+        for (owner, want) in want.iter().enumerate().skip(1) {
+            let mut got = vec![0u64; want.len()];
+            self.flags[owner].download(gpu, &mut got)?;
+            wrong.extend(
+                (0..got.len())
+                    .filter(|&i| got[i] != want[i])
+                    .map(|i| (owner, i, got[i], want[i])),
+            );
+        }
+        match wrong.first() {
+            None => Ok(()),
+            Some(&(owner, word, got, want)) => Err(CudaError::Unavailable(format!(
+                "{}: {} flag words of the peers' stand-ins not as one call leaves them; the \
+                 first: rank {owner}'s word {word} holds {got}, expected {want}",
+                self.name,
+                wrong.len()
+            ))),
+        }
     }
 
     /// The call's [M, N] product as the ranks received it: rank 0's chunk from its output, each
@@ -156,12 +192,11 @@ impl OneGpuRank {
         let mut d = vec![T::from_f32(0.0); s.shape.m * n];
         let own = s.shape.chunk(0);
         self.out.download(gpu, &mut d[own.start * n..own.end * n])?;
-        let mut slots = vec![T::from_f32(0.0); 2 * world * s.slot_len];
         for owner in 1..world {
-            self.receive[owner].download(gpu, &mut slots)?;
+            // set 0's slot of rank 0's tiles in the owner's receive buffer
             let rows = s.shape.chunk(owner);
-            let at = s.slot_of(0, owner) * s.slot_len;
-            d[rows.start * n..rows.end * n].copy_from_slice(&slots[at..at + rows.len() * n]);
+            let at = s.slot_of(0, owner) * s.slot_len * std::mem::size_of::<T>();
+            self.receive[owner].download_at(gpu, at, &mut d[rows.start * n..rows.end * n])?;
         }
         Ok(d)
     }

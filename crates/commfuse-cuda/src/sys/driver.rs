@@ -275,11 +275,22 @@ impl DeviceMemory {
     /// Copies the start of this memory into `dst` (synchronously); a `dst` larger than the
     /// allocation is an error. `Pod`: any bytes the GPU left there must be a valid `T`.
     pub fn download<T: Pod>(&self, gpu: &Gpu, dst: &mut [T]) -> Result<(), CudaError> {
-        fits("download", std::mem::size_of_val(dst), self.bytes)?;
+        self.download_at(gpu, 0, dst)
+    }
+
+    /// Copies the bytes from `offset` on into `dst` (synchronously); a range past the
+    /// allocation's end is an error.
+    pub fn download_at<T: Pod>(
+        &self,
+        gpu: &Gpu,
+        offset: usize,
+        dst: &mut [T],
+    ) -> Result<(), CudaError> {
+        fits_at("download", std::mem::size_of_val(dst), offset, self.bytes)?;
         gpu.bind()?;
         // SAFETY: in bounds (checked above), context bound, every bit pattern is a valid T
         drv("cuMemcpyDtoH", unsafe {
-            result::memcpy_dtoh_sync(dst, self.ptr)
+            result::memcpy_dtoh_sync(dst, self.ptr + offset as u64)
         })
     }
 }
@@ -379,6 +390,19 @@ pub fn check_device_span(
 }
 
 /// A host copy of `bytes` must fit in an allocation of `capacity` bytes.
+/// [`fits`] for `bytes` from `offset` on.
+fn fits_at(what: &str, bytes: usize, offset: usize, capacity: usize) -> Result<(), CudaError> {
+    if offset == 0 {
+        return fits(what, bytes, capacity);
+    }
+    if offset.saturating_add(bytes) > capacity {
+        return Err(CudaError::OutOfBounds(format!(
+            "{what} of {bytes} bytes at offset {offset} runs past a device allocation of {capacity} bytes"
+        )));
+    }
+    Ok(())
+}
+
 fn fits(what: &str, bytes: usize, capacity: usize) -> Result<(), CudaError> {
     if bytes > capacity {
         return Err(CudaError::OutOfBounds(format!(
@@ -1414,6 +1438,17 @@ mod tests {
             e.to_string(),
             "download of 65 bytes does not fit in a device allocation of 64 bytes"
         );
+        fits_at("download", 60, 4, 64).unwrap();
+        fits_at("download", 0, 64, 64).unwrap();
+        let e = fits_at("download", 8, 60, 64).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "download of 8 bytes at offset 60 runs past a device allocation of 64 bytes"
+        );
+        let e = fits_at("download", 1, usize::MAX, 64).unwrap_err();
+        assert!(e.to_string().contains("runs past"), "{e}");
+        let e = fits_at("download", 65, 0, 64).unwrap_err();
+        assert!(e.to_string().contains("does not fit"), "{e}");
     }
 
     #[test]
