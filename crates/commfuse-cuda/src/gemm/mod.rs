@@ -719,6 +719,14 @@ impl VariantChoice {
     }
 }
 
+/// Bytes of one helper's partial in the split tail's workspace: the kernel lays every slot out
+/// as two consumer warpgroups' f32 accumulators of a tile's width (`split_partials` in
+/// gemm.cu: 256 threads), [`TILE`]'s 128 rows, also in the builds of one warpgroup and of
+/// [`SHORT_TILE`]s, whose 64 rows fill half of it.
+fn workspace_slot_bytes(tile: TileShape) -> usize {
+    TILE.m.max(tile.m) * tile.n * 4
+}
+
 /// Rows of the plan's tallest row band (a tile has as many rows as its band).
 fn tallest_band(plan: &GemmPlan) -> usize {
     match &plan.bands {
@@ -1610,9 +1618,8 @@ impl PreparedGemm {
         let error = MappedHost::new(gpu, ErrorRecord::default())?;
         let e = &plan.epilogue;
         let tiles = plan.tile_count();
-        // the helpers' partial tiles (a whole tile of f32 each) and one counter per tile with
-        // helpers
-        let partial_bytes = tail.slots * plan.tile.m * plan.tile.n * 4;
+        // the helpers' partial tiles and one counter per tile with helpers
+        let partial_bytes = tail.slots * workspace_slot_bytes(plan.tile);
         let workspace = DeviceMemory::zeroed(gpu, partial_bytes + 4 * tail.splits)?;
         let band_flags = match gather {
             Some(g) => {
@@ -2891,6 +2898,15 @@ mod tests {
             };
             assert_eq!(v.rows(), rows, "{v:?}");
             assert!(v.smem_bytes() <= 227 * 1024, "{v:?}");
+        }
+    }
+
+    #[test]
+    fn a_workspace_slot_holds_two_warpgroups_accumulators_of_every_tile() {
+        // split_partials: (ACC / 4) float4 per thread, 256 threads, ACC = BN / 2
+        for tile in [TILE, MID_TILE, NARROW_TILE, SHORT_TILE] {
+            let kernel_slot = (tile.n / 2 / 4) * 256 * 16;
+            assert_eq!(workspace_slot_bytes(tile), kernel_slot, "{tile:?}");
         }
     }
 
