@@ -408,7 +408,8 @@ impl GemmVariant {
 /// narrow-tall), so the choice also says which tile to plan with ([`VariantChoice::tile_for`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VariantChoice {
-    /// Narrow tiles where [`narrow_pays`] (unless [`mid_tiles_pay_over_narrow`]) or
+    /// [`SHORT_TILE`]s where [`short_tiles_pay`] says so (the short build), else narrow
+    /// tiles where [`narrow_pays`] (unless [`mid_tiles_pay_over_narrow`]) or
     /// [`narrow_bands_pay`] says so,
     /// [`MID_TILE`]s where [`mid_tiles_pay`] does, else [`TILE`]s; the 64-row build of the
     /// plan's tile wherever every tile has at most [`SKINNY_ROWS`] rows (narrow-deep up to
@@ -452,6 +453,24 @@ pub enum VariantChoice {
 /// (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
+
+/// Whether `auto` plans `p` with [`SHORT_TILE`]s on `sms` SMs: more than 64 rows, its
+/// [`TILE`]s would give at most half of the SMs a tile, and its short tiles make one wave of at
+/// least [`MIN_FEW_TILES`] (48, at 192 × 2048, is the fewest measured), each with its whole K
+/// loop where they are at least half as many as the SMs (cut in two along K where fewer).
+/// With the plain entries on one H100 (GEMM-NOTES.md, "The short build"), two passes, both B
+/// layouts, the short build ran 13–20 % ahead of the ping-pong build at 192 × 4096 × 4096,
+/// 35–38 % at 192 × 2048 × 4096, 5–11 % ahead of the narrow-tall build at 256 × 4096 × 4096 and
+/// 8192 and at 384 and 512 × 2048 × 4096, 3–8 % at 256 × 2048 × 4096 and 128 × 4096 × 4096,
+/// 0–4 % at 96 and 128 × 8192 × 3584, and 9–10 % ahead of the direct build's cut at 256 ×
+/// 4096 × 14336 [N, K] (1 % behind it [K, N]); where its tiles make more than a wave (320 and
+/// 384 × 4096 × 4096: 160 and 192) it ran 14–29 % behind the ping-pong build.
+pub fn short_tiles_pay(p: &GemmProblem, sms: usize) -> bool {
+    let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
+    let (short_rows, short_cols) = commfuse_core::gemm::tiles(p, SHORT_TILE);
+    let short = short_rows * short_cols;
+    p.m > SKINNY_ROWS && 2 * rows * cols <= sms && (MIN_FEW_TILES..=sms).contains(&short)
+}
 
 /// Whether `auto` plans `p` with [`NARROW_TILE`]s on `sms` SMs: M fits one band of tiles
 /// (M ≤ 128) and its [`TILE`]s would give at most half of the SMs a tile. Such a product is
@@ -635,6 +654,9 @@ impl VariantChoice {
             return SHORT_TILE;
         }
         if self == VariantChoice::Auto {
+            if short_tiles_pay(p, sms) {
+                return SHORT_TILE;
+            }
             if narrow_bands_pay(p, sms) {
                 return NARROW_TILE;
             }
@@ -2931,12 +2953,53 @@ mod tests {
         }
         assert_eq!(GemmVariant::Short.tile(), SHORT_TILE);
         assert_eq!(GemmVariant::Short.rows(), SHORT_TILE.m);
+        // forced, only the short choice plans short tiles; auto where short_tiles_pay
         for m in [16, 192, 256, 8192] {
             let p = problem(m, 4096, 4096);
             for choice in VariantChoice::ALL {
                 let short = choice.tile_for(&p, 132) == SHORT_TILE;
-                assert_eq!(short, choice == VariantChoice::Short, "{choice:?} {m}");
+                let want = choice == VariantChoice::Short
+                    || (choice == VariantChoice::Auto && short_tiles_pay(&p, 132));
+                assert_eq!(short, want, "{choice:?} {m}");
             }
+        }
+        // auto: more than 64 rows, wide tiles for at most half of the SMs, one wave of at
+        // least MIN_FEW_TILES short tiles
+        for (m, n, k) in [
+            (192, 4096, 4096),
+            (256, 4096, 4096),
+            (192, 2048, 4096),
+            (256, 2048, 4096),
+            (128, 4096, 4096),
+            (384, 2048, 4096),
+            (512, 2048, 4096),
+            (256, 4096, 8192),
+            (256, 4096, 14336),
+            (96, 8192, 3584),
+            (128, 8192, 3584),
+        ] {
+            let p = problem(m, n, k);
+            assert!(short_tiles_pay(&p, 132), "{m} × {n} × {k}");
+            assert_eq!(VariantChoice::Auto.tile_for(&p, 132), SHORT_TILE);
+        }
+        for (m, n, k, sms) in [
+            // 64 rows: the narrow builds'
+            (64, 8192, 3584, 132),
+            // 160, 192 and 256 short tiles
+            (320, 4096, 4096, 132),
+            (384, 4096, 4096, 132),
+            (256, 8192, 4096, 132),
+            (128, 16384, 3584, 132),
+            (256, 4096, 4096, 100),
+            // 112 wide tiles
+            (128, 28672, 8192, 132),
+            (8192, 8192, 3584, 132),
+            // 8 short tiles
+            (100, 512, 4096, 132),
+        ] {
+            let p = problem(m, n, k);
+            assert!(!short_tiles_pay(&p, sms), "{m} × {n} × {k} on {sms}");
+            assert_ne!(VariantChoice::Auto.tile_for(&p, sms), SHORT_TILE);
         }
     }
 
@@ -3015,6 +3078,7 @@ mod tests {
         // 192 × 4096 (a band of 64 rows), 32 at 192 × 2048 (MIN_FEW_TILES); not where narrow
         // tiles fit (128 rows × 4096), where mid tiles would make more than a wave (768 ×
         // 4096: 96 wide, 192 mid), nor 2 or 30 mid tiles (129 × 128, 192 × 1920)
+        // (192 × 4096 and 192 × 2048 run short tiles, which come first: short_tiles_pay)
         let auto = |m: usize, n: usize| VariantChoice::Auto.tile_for(&problem(m, n, 4096), 132);
         for (m, n) in [
             (512, 4096),
@@ -3023,7 +3087,10 @@ mod tests {
             (192, 4096),
             (192, 2048),
         ] {
-            assert_eq!(auto(m, n), MID_TILE, "{m} × {n}");
+            let short = short_tiles_pay(&problem(m, n, 4096), 132);
+            let want = if short { SHORT_TILE } else { MID_TILE };
+            assert_eq!(auto(m, n), want, "{m} × {n}");
+            assert_eq!(short, m == 192, "{m} × {n}");
             assert!(mid_tiles_pay(&problem(m, n, 4096), 132), "{m} × {n}");
         }
         for (m, n) in [
@@ -3052,9 +3119,10 @@ mod tests {
             (256, 2048, 8192),
             (384, 2048, 1024),
         ] {
+            // (short tiles come first: short_tiles_pay)
             assert_eq!(
                 VariantChoice::Auto.tile_for(&problem(m, n, k), 132),
-                NARROW_TILE,
+                SHORT_TILE,
                 "{m} × {n} × {k}"
             );
             assert!(narrow_bands_pay(&problem(m, n, k), 132));
@@ -3071,7 +3139,7 @@ mod tests {
         }
         assert_eq!(
             VariantChoice::Auto.tile_for(&problem(256, 4096, 14336), 132),
-            TILE
+            SHORT_TILE
         );
         // where narrow tiles would serve one band of 65 to 128 rows, mid tiles instead where
         // the narrow ones make more than a wave and the mid ones one: 100 and 128 × 16384
@@ -3094,8 +3162,9 @@ mod tests {
             );
         }
         assert_eq!(auto(64, 8192), NARROW_TILE);
-        assert_eq!(auto(128, 8192), NARROW_TILE);
-        assert_eq!(auto(128, 4096), NARROW_TILE);
+        // (where short tiles make one wave they come first: short_tiles_pay)
+        assert_eq!(auto(128, 8192), SHORT_TILE);
+        assert_eq!(auto(128, 4096), SHORT_TILE);
         // on fewer SMs the same product makes more than a wave of mid tiles
         assert!(!mid_tiles_pay(&problem(512, 4096, 4096), 100));
     }
@@ -3104,9 +3173,11 @@ mod tests {
     fn auto_plans_narrow_tiles_where_wide_ones_leave_most_sms_idle() {
         let tile =
             |choice: VariantChoice, m: usize, n: usize| choice.tile_for(&problem(m, n, 3584), 132);
-        // the decode sizes: 32 wide tiles for 132 SMs, 128 narrow ones
+        // the decode sizes: 32 wide tiles for 132 SMs, 128 narrow ones (at 128 rows as many
+        // short ones, which auto takes: short_tiles_pay)
         for m in [1, 16, 17, 32, 64, 128] {
-            assert_eq!(tile(VariantChoice::Auto, m, 8192), NARROW_TILE, "{m}");
+            let auto = if m > 64 { SHORT_TILE } else { NARROW_TILE };
+            assert_eq!(tile(VariantChoice::Auto, m, 8192), auto, "{m}");
             assert_eq!(tile(VariantChoice::Narrow, m, 8192), NARROW_TILE, "{m}");
             assert_eq!(tile(VariantChoice::Main, m, 8192), TILE, "{m}");
             assert_eq!(tile(VariantChoice::Skinny, m, 8192), TILE, "{m}");
