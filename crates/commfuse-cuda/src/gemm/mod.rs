@@ -459,12 +459,13 @@ pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
 /// least [`MIN_FEW_TILES`] (48, at 192 × 2048, is the fewest measured), each with its whole K
 /// loop where they are at least half as many as the SMs (cut in two along K where fewer).
 /// With the plain entries on one H100 (GEMM-NOTES.md, "The short build"), two passes, both B
-/// layouts, the short build ran 13–20 % ahead of the ping-pong build at 192 × 4096 × 4096,
-/// 35–38 % at 192 × 2048 × 4096, 5–11 % ahead of the narrow-tall build at 256 × 4096 × 4096 and
-/// 8192 and at 384 and 512 × 2048 × 4096, 3–8 % at 256 × 2048 × 4096 and 128 × 4096 × 4096,
-/// 0–4 % at 96 and 128 × 8192 × 3584, and 9–10 % ahead of the direct build's cut at 256 ×
-/// 4096 × 14336 [N, K] (1 % behind it [K, N]); where its tiles make more than a wave (320 and
-/// 384 × 4096 × 4096: 160 and 192) it ran 14–29 % behind the ping-pong build.
+/// layouts, the short build took 15–19 % less time than the ping-pong build at 192 × 4096 ×
+/// 4096 and 35–36 % at 192 × 2048 × 4096, 4–14 % less than the narrow-tall build at 256 ×
+/// 4096 × 4096 and 8192 and at 384 and 512 × 2048 × 4096, 2–8 % at 256 × 2048 × 4096 and
+/// 128 × 4096 × 4096, 1–4 % at 128 × 8192 × 3584 (and −2 to +0.4 % at 96 rows, one pass),
+/// and 9–10 % less than the direct build's cut at 256 × 4096 × 14336 [N, K] (1 % more
+/// [K, N]); where its tiles make more than a wave (320 and 384 × 4096 × 4096: 160 and 192) it
+/// took 13–28 % more than the ping-pong build.
 pub fn short_tiles_pay(p: &GemmProblem, sms: usize) -> bool {
     let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
     let (short_rows, short_cols) = commfuse_core::gemm::tiles(p, SHORT_TILE);
