@@ -347,8 +347,8 @@ fn gemm_matches_float64_reference_on_ragged_shapes() {
     }
 }
 
-/// One case of a build for skinny products: the plan's tile ([`TILE`] or [`NARROW_TILE`]),
-/// its row bands (`None`: bands of 128 rows), the grid cap, and
+/// One case of a build for skinny products: the plan's tile ([`TILE`], [`NARROW_TILE`] or
+/// [`SHORT_TILE`]), its row bands (`None`: bands of the tile's rows), the grid cap, and
 /// the epilogue: [`Case::Plain`], [`Case::Full`] (alpha, beta·C, bias, a shuffled order) or
 /// [`Case::Accumulate`] (D += 2·A·B: the storers' per-thread path), at the cap given.
 #[derive(Clone, Copy, Debug)]

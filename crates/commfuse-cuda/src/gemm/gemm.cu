@@ -42,7 +42,8 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * (A_STAGE_BYTES 
 static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
 }  // namespace gemm
 
-// One build of the kernel: the rows it computes of each of the plan's BM-row tiles, the
+// One build of the kernel: the rows it computes of each of the plan's tiles (BM rows; 64 in
+// the short build's plans), the
 // tile's width BN and the pipeline's depth. The main build: 128 rows on two consumer
 // warpgroups, 256 columns, 3 stages. The skinny build, for plans whose tiles all have at most
 // 64 rows (decode sizes; the host picks it, see mod.rs): one consumer warpgroup, a 64-row A box
@@ -297,7 +298,7 @@ struct GemmParams {
     const struct TailUnit* tail;
     // Row bands: band i covers rows bands[i] .. bands[i + 1] (at most BM rows), so that tiles
     // can start where another rank's chunk starts (the fused reduce-scatter); null: bands of
-    // BM rows from row 0.
+    // the build's Cfg::TILE_ROWS rows from row 0.
     const u32* bands;
     // This call's number (from 1): the value FLAG_SET_EPOCH flags store and folds wait for.
     u64 epoch;
@@ -1133,9 +1134,10 @@ __device__ bool split_partials(const GemmParams& p, const TailUnit& t, u32 rows,
     // a helper is what every role takes for one (kb0 > 0: the host gives each a counter);
     // an owner without helpers has nothing to wait for
     if (t.kb0 == 0 && t.split == NO_SPLIT) return true;
-    // 0..255 over both consumer warpgroups (0..127 in the skinny and the narrow builds, the
-    // sliced one's first warpgroup included, whose partials use the first half of each
-    // workspace slot: the slots keep the main build's layout)
+    // 0..255 over both consumer warpgroups (0..127 in the skinny, the narrow and the short
+    // builds, the sliced one's first warpgroup included, whose partials use the first half of
+    // each workspace slot: the slots keep the main build's layout, which the host sizes them
+    // for: workspace_slot_bytes in mod.rs)
     const u32 tid = threadIdx.x - 128;
     u32* counter = p.counters + t.split;
     // this thread's accumulators hold rows (tid / 32) * 16 + lane / 4 and 8 below; rows past

@@ -305,7 +305,7 @@ impl GemmVariant {
     }
 
     /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct`, `narrow-deep`,
-    /// `narrow-sliced`, `ping-pong` or `mid-direct`.
+    /// `narrow-sliced`, `ping-pong`, `mid-direct` or `short`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
@@ -336,7 +336,8 @@ impl GemmVariant {
     /// but for their tail: the direct build, whose large products' last wave is cut along K,
     /// and the narrow, narrow-deep and narrow-tall builds, whose few tiles (decode sizes of N up
     /// to about 4096, whole bands where [`narrow_bands_pay`]) are cut along K where they are
-    /// fewer than half of the SMs.
+    /// at most half of the SMs, and the short build, whose few-tile products are cut the same
+    /// way.
     pub fn has_plain_tail_entries(self) -> bool {
         matches!(
             self,
@@ -444,8 +445,8 @@ pub enum VariantChoice {
     PingPong,
     /// [`MID_TILE`]s, always, on the mid-direct build (the GEMMs with routes on the mid build)
     MidDirect,
-    /// [`SHORT_TILE`]s, always, on the short build (GEMMs with routes: [`TILE`]s on the main
-    /// build)
+    /// [`SHORT_TILE`]s, always, on the short build (which refuses routes: the fused operators
+    /// plan [`TILE`]s of their own)
     Short,
 }
 
@@ -454,10 +455,10 @@ pub enum VariantChoice {
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
 
-/// Whether `auto` plans `p` with [`SHORT_TILE`]s on `sms` SMs: more than 64 rows, its
-/// [`TILE`]s would give at most half of the SMs a tile, and its short tiles make one wave of at
-/// least [`MIN_FEW_TILES`] (48, at 192 × 2048, is the fewest measured), each with its whole K
-/// loop where they are at least half as many as the SMs (cut in two along K where fewer).
+/// Whether `auto` plans `p` with [`SHORT_TILE`]s on `sms` SMs: at least [`SHORT_MIN_ROWS`]
+/// rows, its [`TILE`]s would give at most half of the SMs a tile, and its short tiles make
+/// one wave of at least [`SHORT_MIN_TILES`], each with its whole K loop where they are more
+/// than half as many as the SMs (cut in two along K where they are at most half).
 /// With the plain entries on one H100 (GEMM-NOTES.md, "The short build"), two passes, both B
 /// layouts, the short build took 15–19 % less time than the ping-pong build at 192 × 4096 ×
 /// 4096 and 35–36 % at 192 × 2048 × 4096, 4–14 % less than the narrow-tall build at 256 ×
@@ -470,8 +471,17 @@ pub fn short_tiles_pay(p: &GemmProblem, sms: usize) -> bool {
     let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
     let (short_rows, short_cols) = commfuse_core::gemm::tiles(p, SHORT_TILE);
     let short = short_rows * short_cols;
-    p.m > SKINNY_ROWS && 2 * rows * cols <= sms && (MIN_FEW_TILES..=sms).contains(&short)
+    p.m >= SHORT_MIN_ROWS && 2 * rows * cols <= sms && (SHORT_MIN_TILES..=sms).contains(&short)
 }
+
+/// The fewest rows for which `auto` takes short tiles ([`short_tiles_pay`]): the fewest
+/// measured, level with the narrow-tall build (96 × 8192 × 3584). Between 65 and 95 rows the
+/// second band of short tiles is mostly empty and reads its B columns again; not measured.
+pub const SHORT_MIN_ROWS: usize = 96;
+
+/// The fewest short tiles for which `auto` takes them ([`short_tiles_pay`]): the fewest
+/// measured ahead (48 at 192 × 2048 × 4096, cut in two along K).
+pub const SHORT_MIN_TILES: usize = 48;
 
 /// Whether `auto` plans `p` with [`NARROW_TILE`]s on `sms` SMs: M fits one band of tiles
 /// (M ≤ 128) and its [`TILE`]s would give at most half of the SMs a tile. Such a product is
@@ -521,7 +531,8 @@ pub fn mid_tiles_pay(p: &GemmProblem, sms: usize) -> bool {
 pub const MID_MAX_K: usize = 8192;
 
 /// The fewest tiles for which `auto` takes the mid tiles that leave more than half of the SMs
-/// idle ([`mid_tiles_pay`]), and the narrow tiles of whole bands ([`narrow_bands_pay`]): the
+/// idle ([`mid_tiles_pay`]), and the narrow tiles of whole bands ([`narrow_bands_pay`]) (the
+/// short tiles have their own, [`SHORT_MIN_TILES`]): the
 /// fewest measured ahead of the direct build's cut (32 mid tiles at 256 × 2048 × 4096; 64
 /// narrow ones there). Fewer tiles, each running its whole K loop, are not measured.
 pub const MIN_FEW_TILES: usize = 32;
@@ -691,9 +702,10 @@ impl VariantChoice {
         }
     }
 
-    /// The build that runs `plan` (of [`TILE`]s, [`NARROW_TILE`]s or [`MID_TILE`]s, which
-    /// `PreparedGemm` checks): the 64-row one of its tile only where every tile has at most
-    /// [`SKINNY_ROWS`] rows (it computes no more of a tile); [`MID_TILE`]s have one build.
+    /// The build that runs `plan` (of [`TILE`]s, [`NARROW_TILE`]s, [`MID_TILE`]s or
+    /// [`SHORT_TILE`]s, which `PreparedGemm` checks): the 64-row one of its tile only where
+    /// every tile has at most [`SKINNY_ROWS`] rows (it computes no more of a tile); each of
+    /// [`MID_TILE`]s' builds by the choice, and [`SHORT_TILE`]s the short build whatever it is.
     pub fn variant_for(self, plan: &GemmPlan) -> GemmVariant {
         if plan.tile == SHORT_TILE {
             return GemmVariant::Short;
@@ -2964,8 +2976,8 @@ mod tests {
                 assert_eq!(short, want, "{choice:?} {m}");
             }
         }
-        // auto: more than 64 rows, wide tiles for at most half of the SMs, one wave of at
-        // least MIN_FEW_TILES short tiles
+        // auto: at least SHORT_MIN_ROWS rows, wide tiles for at most half of the SMs, one
+        // wave of at least SHORT_MIN_TILES short tiles
         for (m, n, k) in [
             (192, 4096, 4096),
             (256, 4096, 4096),
@@ -2995,8 +3007,11 @@ mod tests {
             // 112 wide tiles
             (128, 28672, 8192, 132),
             (8192, 8192, 3584, 132),
-            // 8 short tiles
+            // 8 and 32 short tiles (fewer than SHORT_MIN_TILES)
             (100, 512, 4096, 132),
+            (128, 2048, 4096, 132),
+            // fewer than SHORT_MIN_ROWS
+            (80, 8192, 3584, 132),
         ] {
             let p = problem(m, n, k);
             assert!(!short_tiles_pay(&p, sms), "{m} × {n} × {k} on {sms}");

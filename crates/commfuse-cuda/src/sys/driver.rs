@@ -389,7 +389,6 @@ pub fn check_device_span(
     }
 }
 
-/// A host copy of `bytes` must fit in an allocation of `capacity` bytes.
 /// [`fits`] for `bytes` from `offset` on.
 fn fits_at(what: &str, bytes: usize, offset: usize, capacity: usize) -> Result<(), CudaError> {
     if offset == 0 {
@@ -403,6 +402,7 @@ fn fits_at(what: &str, bytes: usize, offset: usize, capacity: usize) -> Result<(
     Ok(())
 }
 
+/// A host copy of `bytes` must fit in an allocation of `capacity` bytes.
 fn fits(what: &str, bytes: usize, capacity: usize) -> Result<(), CudaError> {
     if bytes > capacity {
         return Err(CudaError::OutOfBounds(format!(
