@@ -151,16 +151,18 @@ impl OneGpuRank {
     }
 
     /// After one call on poisoned buffers (the rank's GEMM runs as call 1): every flag word of
-    /// the peers' stand-in rows holds 1 where rank 0 raises a tile's flag in set 0 and 0
-    /// everywhere else; an error names the first word that does not and counts them.
+    /// the peers' stand-in rows holds what the schedule says rank 0 raises there in call 1
+    /// ([`GemmRsSchedule::flag`]: the call's number, at the set's row and the tile's column)
+    /// and 0 everywhere else; an error names the first word that does not and counts them.
     pub fn check_flags(&self, gpu: &Gpu) -> Result<(), CudaError> {
         let s = &self.schedule;
         let columns = s.flag_columns();
         let mut want = vec![vec![0u64; 2 * columns]; s.shape.world];
         for t in s.order(0) {
-            let (owner, index) = s.placement[t];
+            let (owner, _) = s.placement[t];
             if owner != 0 {
-                want[owner][s.slot_of(0, owner) * s.flag_stride + index] = 1;
+                let flag = s.flag(0, t, 1);
+                want[owner][flag.slot.row as usize * columns + flag.slot.col as usize] = flag.value;
             }
         }
         let mut wrong = Vec::new();
