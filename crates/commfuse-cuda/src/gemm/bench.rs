@@ -596,17 +596,11 @@ fn run<T: Element>(
         variants.push(plain_row(name, fold_cap, gemm, stream, output));
     }
     for row in &rank_rows {
+        // (its partials, stand-in buffers and flags on this GPU, sized from the row's schedule,
+        // live as long as the row)
         variants.push(Variant {
-            name: row.name(),
-            cap: fold_cap,
-            // SAFETY: operands, partials, stand-in buffers and flags on this GPU, sized from the
-            // problem and the row's schedule
-            launch: Box::new(move || unsafe { row.gemm().launch(stream) }),
-            output: (&gpu, &d_dev),
-            peer_rows: None,
-            gemm: Some(row.gemm()),
-            folded: None,
             rank: Some(row),
+            ..plain_row(row.name(), fold_cap, row.gemm(), stream, output)
         });
     }
     for (name, row) in &gather_rows {
