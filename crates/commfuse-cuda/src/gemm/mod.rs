@@ -1394,9 +1394,14 @@ fn check_problem_tiles(p: &GemmProblem, tile: TileShape) -> Result<(), CudaError
 /// aligned operands.
 fn check_plan(plan: &GemmPlan, ops: &GemmOperands, world: usize) -> Result<(), CudaError> {
     let p = &plan.problem;
-    let builds = [TILE, MID_TILE, NARROW_TILE, SHORT_TILE];
-    if !builds.contains(&plan.tile) {
-        let names: Vec<String> = builds.iter().map(|t| format!("{}×{}", t.m, t.n)).collect();
+    if !GemmVariant::ALL.iter().any(|v| v.tile() == plan.tile) {
+        let mut names: Vec<String> = Vec::new();
+        for v in GemmVariant::ALL {
+            let name = format!("{}×{}", v.tile().m, v.tile().n);
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
         return Err(unsupported(format!(
             "the GPU GEMM computes {} tiles, the plan has {}×{}",
             names.join(", "),
@@ -2596,6 +2601,22 @@ mod tests {
             };
             assert_eq!(entry_for(&tail), GemmEntry::General, "{what}, a split tail");
         }
+    }
+
+    #[test]
+    fn a_plan_must_be_cut_in_the_tile_of_one_of_the_builds() {
+        let ops = GemmOperands::plain(0, 0, 0);
+        for v in GemmVariant::ALL {
+            check_plan(&banded_plan(256, v.tile(), None), &ops, 1).unwrap();
+        }
+        let plan = banded_plan(256, TileShape { m: 16, n: 32 }, None);
+        let err = check_plan(&plan, &ops, 1).unwrap_err().to_string();
+        assert!(
+            err.contains(
+                "the GPU GEMM computes 128×256, 128×64, 128×128, 64×128 tiles, the plan has 16×32"
+            ),
+            "{err}"
+        );
     }
 
     #[test]
