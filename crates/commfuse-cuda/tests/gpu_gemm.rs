@@ -2009,25 +2009,29 @@ fn rank_rows_pass_the_check() {
                 .map(|r| (r.implementation.as_str(), r.build.as_deref()))
                 .collect();
             // the order rows (a plain GEMM in each rank's order, on its build), then the rank
-            // rows, then the same with the later waves' K loops reversed
+            // rows, then the same with the later waves' K loops reversed; each rank whose
+            // routes `auto` runs on the main build again on the direct build (`-direct`)
+            let on_main = |w: usize| {
+                let name = format!("commfuse-rs{w}");
+                ranks.iter().any(|r| r.0 == name && r.1 == Some("main"))
+            };
+            let mut want = Vec::new();
+            for suffix in ["-order", "", "-serpentine"] {
+                for w in [2, 3, 5] {
+                    want.push(format!("commfuse-rs{w}{suffix}"));
+                    if on_main(w) {
+                        want.push(format!("commfuse-rs{w}-direct{suffix}"));
+                    }
+                }
+            }
             let names: Vec<&str> = ranks.iter().map(|r| r.0).collect();
-            assert_eq!(
-                names,
-                [
-                    "commfuse-rs2-order",
-                    "commfuse-rs3-order",
-                    "commfuse-rs5-order",
-                    "commfuse-rs2",
-                    "commfuse-rs3",
-                    "commfuse-rs5",
-                    "commfuse-rs2-serpentine",
-                    "commfuse-rs3-serpentine",
-                    "commfuse-rs5-serpentine"
-                ]
-            );
-            for i in 0..3 {
-                assert_eq!(ranks[i].1, ranks[i + 3].1, "{rows:?}");
-                assert_eq!(ranks[i].1, ranks[i + 6].1, "{rows:?}");
+            assert_eq!(names, want, "{m}x{n}x{k}");
+            // ranks of at least 128 rows a chunk run the main build (and so the direct rows)
+            assert_eq!(on_main(2), m / 2 > 64, "{m}x{n}x{k}: {ranks:?}");
+            let third = ranks.len() / 3;
+            for i in 0..third {
+                assert_eq!(ranks[i].1, ranks[i + third].1, "{rows:?}");
+                assert_eq!(ranks[i].1, ranks[i + 2 * third].1, "{rows:?}");
             }
             for r in &rows {
                 assert_eq!(
@@ -2041,13 +2045,15 @@ fn rank_rows_pass_the_check() {
                 if r.implementation.starts_with("commfuse-rs")
                     && !r.implementation.ends_with("-order")
                 {
-                    // on the main build, rows of whole 16-byte units (N = 1000 of f32 too) fold
-                    // by TMA through the stages; chunks of at most 64 rows run the skinny
-                    // build, whose consumers read the partials from global memory
+                    // on the main and the direct build, rows of whole 16-byte units (N = 1000
+                    // of f32 too) fold by TMA through the stages; chunks of at most 64 rows run
+                    // the skinny build, whose consumers read the partials from global memory
                     let staged = r.staged_folds.expect("a rank row counts its staged folds");
+                    let direct = r.implementation.contains("-direct");
                     match r.build.as_deref() {
-                        Some("main") => assert!(staged > 0, "{r:?}"),
-                        Some("skinny") => assert_eq!(staged, 0, "{r:?}"),
+                        Some("main") if !direct => assert!(staged > 0, "{r:?}"),
+                        Some("skinny") if !direct => assert_eq!(staged, 0, "{r:?}"),
+                        Some("direct") if direct => assert!(staged > 0, "{r:?}"),
                         other => panic!("a rank row on the {other:?} build: {r:?}"),
                     }
                 }

@@ -460,21 +460,35 @@ fn run<T: Element>(
     } else {
         &[false]
     };
-    let rank_rows = serpentine
+    // each rank on the build `auto` gives its routes, and again on the direct build (named
+    // `-direct`) where that is another
+    let mut rank_rows = Vec::new();
+    for (world, on) in serpentine
         .iter()
         .flat_map(|&on| rs_ranks.iter().map(move |&world| (world, on)))
-        .map(|(world, on)| {
+    {
+        for choice in [VariantChoice::Auto, VariantChoice::Direct] {
             let operands = (a_dev.addr(), b_dev.addr());
-            let mut row = OneGpuRank::new(&gpu, &kernels, p, operands, (world, fold_cap), seed)?;
+            let mut row = kernels.with_choice(choice, || {
+                OneGpuRank::new(&gpu, &kernels, p, operands, (world, fold_cap), seed)
+            })?;
+            if choice != VariantChoice::Auto {
+                let auto = rank_rows.last().map(|r: &OneGpuRank| r.gemm().variant());
+                if auto == Some(row.gemm().variant()) {
+                    continue;
+                }
+                row.name_build();
+            }
             if on {
                 row.set_k_serpentine();
             }
-            Ok(row)
-        })
-        .collect::<Result<Vec<_>, CudaError>>()?;
+            rank_rows.push(row);
+        }
+    }
     // each rank row's GEMM as a plain one, in its order and bands, on the build its routes
-    // took (the skinny one where every band has at most 64 rows, else the main one): what the
-    // order costs, apart from the routes, flags and fold
+    // took (the skinny one where every band has at most 64 rows, the direct one in the
+    // `-direct` rows, else the main one): what the order costs, apart from the routes, flags
+    // and fold
     let rank_orders = rank_rows
         .iter()
         .filter(|row| !row.gemm().k_serpentine())
@@ -483,6 +497,7 @@ fn run<T: Element>(
             let plan = row.order_plan();
             let choice = match row.gemm().variant() {
                 GemmVariant::Skinny => VariantChoice::Skinny,
+                GemmVariant::Direct => VariantChoice::Direct,
                 _ => VariantChoice::Main,
             };
             let gemm = kernels.with_choice(choice, || {

@@ -102,8 +102,9 @@ struct Cfg {
     static constexpr int STAGE_READERS = PINGPONG ? 1 : WARPGROUPS;
     static constexpr int STAGES = STAGES_;
     static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each B k-block (TMA multicast)
-    // The consumers store the tile into D themselves: no staged tile, and storers that only
-    // count the block finished (plain GEMMs only: no routes, folds or flags)
+    // The consumers store the tile themselves: no staged tile, and storers that only count the
+    // block finished and, for tiles with routes, raise their flags once the consumers' stores
+    // are performed (raise_routed_flags; the ping-pong build: plain GEMMs only)
     static constexpr bool DIRECT = DIRECT_;
     // The build's plain entries (`<entry>_plain`, 16-bit outputs): alpha times A times B into D
     // by the boxes' tensor stores, every other option of the parameters compiled out instead
@@ -183,9 +184,9 @@ using MidDirectCfg = Cfg<gemm::BM, 128, 6, 1, true>;
 using ShortCfg = Cfg<64, 128, 8, 1, true, 1, false, 0, 64>;
 // A tile's partial folded in through the pipeline (ROUTE_FOLD_TMA): boxes of the build's rows
 // by 128 bytes (one swizzle row: 64 16-bit or 32 f32 columns), as many to a stage as its B
-// buffer holds, in the ring's next stages after the tile's last k-block: in the main build,
-// two boxes a stage, two stages a 16-bit partial (four for f32). The other builds read
-// partials from global memory: the pair and the direct build take no routes, the mid and the
+// buffer holds, in the ring's next stages after the tile's last k-block: in the main and the
+// direct build, two boxes a stage, two stages a 16-bit partial (four for f32). The other
+// builds read partials from global memory: the pair build takes no routes, the mid and the
 // narrow builds serve plain GEMMs only, and in the skinny build (four boxes a stage) the
 // consumers' pass over the stages made ptxas spill the tile's band and the tile loop's
 // counter.
@@ -195,13 +196,13 @@ template <class C, typename Out> struct FoldBoxes {
     static constexpr int BOX_BYTES = C::ROWS * 128;
     static constexpr int PER_STAGE = C::B_STAGE_BYTES / BOX_BYTES;
     static constexpr int STAGES = PER_STAGE > 0 ? (BOXES + PER_STAGE - 1) / PER_STAGE : 0;  // stages of one partial
-    static constexpr bool STAGED =
-        C::ROWS == gemm::BM && C::BN == gemm::BN && C::STAGES == gemm::STAGES && C::CLUSTER == 1 && !C::DIRECT;
+    static constexpr bool STAGED = C::ROWS == gemm::BM && C::BN == gemm::BN && C::CLUSTER == 1 && !C::PINGPONG;
 };
 static_assert(FoldBoxes<MainCfg, __nv_bfloat16>::STAGES == 2 && FoldBoxes<MainCfg, float>::STAGES == 4 &&
-                  FoldBoxes<MainCfg, float>::STAGED && !FoldBoxes<SkinnyCfg, float>::STAGED &&
-                  !FoldBoxes<PairCfg, float>::STAGED && !FoldBoxes<DirectCfg, float>::STAGED,
-              "the main build alone folds through its stages");
+                  FoldBoxes<MainCfg, float>::STAGED &&
+                  !FoldBoxes<SkinnyCfg, float>::STAGED && !FoldBoxes<PairCfg, float>::STAGED &&
+                  !FoldBoxes<MidDirectCfg, float>::STAGED,
+              "the main and the direct build fold through their stages");
 static_assert(MainCfg::SMEM_BYTES == gemm::SMEM_BYTES && MainCfg::EPI_PITCH == gemm::EPI_PITCH,
               "the main build is the kernel's design");
 // mirrored by SKINNY_SMEM_BYTES and NARROW_SMEM_BYTES in mod.rs
@@ -244,9 +245,16 @@ struct TileRoute {
     // (its columns are the tile's), and the rows from one partial to the next
     u32 fold_row;
     u32 fold_row_step;
+    // With ROUTE_DST_BOXES (the builds whose consumers store by boxes): the tensor map the
+    // tile's 16-bit rows go out through, in global memory (0: GemmParams.d_map, with
+    // ROUTE_DST_FROM_D), and where the tile's element (0, 0) lies in it (column, row)
+    u64 dst_map;
+    u32 dst_col;
+    u32 dst_row;
 };
-static_assert(sizeof(TileRoute) == 80 && COMMFUSE_OFFSETOF(TileRoute, fold_src) == 32 &&
-                  COMMFUSE_OFFSETOF(TileRoute, options) == 68 && COMMFUSE_OFFSETOF(TileRoute, fold_row) == 72,
+static_assert(sizeof(TileRoute) == 96 && COMMFUSE_OFFSETOF(TileRoute, fold_src) == 32 &&
+                  COMMFUSE_OFFSETOF(TileRoute, options) == 68 && COMMFUSE_OFFSETOF(TileRoute, fold_row) == 72 &&
+                  COMMFUSE_OFFSETOF(TileRoute, dst_map) == 80 && COMMFUSE_OFFSETOF(TileRoute, dst_row) == 92,
               "layout mirrored by TileRoute in src/gemm.rs");
 // TileRoute.flag_op beyond the plan's Set/Add: store this call's epoch (GemmParams.epoch)
 constexpr u32 FLAG_SET_EPOCH = 2;
@@ -257,6 +265,9 @@ constexpr u32 ROUTE_NO_BIAS = 2;     // this tile does not add the bias (a peer'
 // the producer loads them after the tile's last k-block, and the consumers add them from
 // shared memory (see fold_load); without it the consumers read them from global memory.
 constexpr u32 ROUTE_FOLD_TMA = 4;
+// The tile's rows go out by the consumers' tensor stores through the map at dst_map (the
+// direct builds; see tile_dst); without it, from registers at dst and ld.
+constexpr u32 ROUTE_DST_BOXES = 8;
 
 // GemmParams.call_options
 constexpr u32 CALLS_READ_ONLY = 1;
@@ -424,6 +435,16 @@ struct CallState {
     u32 stopped;
 };
 __shared__ CallState call_state;
+
+// The direct builds' routed tiles whose flag waits for their stores (see stores_performed):
+// per consumer warpgroup, whether its last such tile's stores are not yet known to be
+// performed, and how many of its tiles with flags are (a count only its leader writes and the
+// first storer reads; it never wraps, so no wait mistakes one tile for another).
+struct RoutedStores {
+    u32 pending[2];
+    u32 performed[2];
+};
+__shared__ RoutedStores routed_stores;
 
 // Whether a wait of this block gave up: its roles then stop waiting, store nothing more and
 // raise no flag (a shared-memory load, read only where a wait has already failed to complete
@@ -1007,6 +1028,12 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
             landed = c.tm;
         }
         const ASource a = a_source<C>(p, c.row0);
+        // a direct build's routed tile: its tensor map (global memory) asked for ahead of the
+        // consumers' stores
+        if (C::DIRECT && !C::PLAIN && !C::PINGPONG && call_state.routes != nullptr && !c.helper && !c.idle) {
+            const u64 map = call_state.routes[c.tile].dst_map;
+            if (map != 0) asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+        }
         // the k-block after which this unit's partials are asked of L2 (none: past the loop)
         u32 prefetch_at = 0xffffffffu;
         if (!C::PLAIN && p.fold_prefetch != 0 && !c.helper && !c.idle && staged_fold<C, Out>(p, c.tile) != nullptr)
@@ -1341,10 +1368,18 @@ template <typename Out> __device__ __forceinline__ bool boxes_serve(const GemmPa
     return sizeof(Out) == 2 && p.d_tma != 0 && r0 < c.rows && (r0 + 64 <= c.rows || c.row0 + c.rows == p.m);
 }
 
-// The rows by boxes, through warpgroup `wg`'s two box buffers (and its barrier).
+// Where a tile's rows go by boxes: the tensor map, and the (column, row) in it of the tile's
+// element (0, 0).
+struct BoxTarget {
+    const TmaDesc* map;
+    u32 col, row;
+};
+
+// The rows by boxes, through warpgroup `wg`'s two box buffers (and its barrier), to `to` (the
+// rows' first at `to.row + r0`).
 template <class C, typename Out>
 __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const Smem& s, const Unit& c, const float* acc,
-                                                    u32 r0, u32 wg, u32 g_col0, bool leader) {
+                                                    u32 r0, u32 wg, u32 g_col0, bool leader, BoxTarget to) {
     const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const u32 wrow = warp * 16 + lane / 4;  // this thread's first row of the 64
     const u32 g_row0 = c.row0 + r0 + wrow;  // and of D
@@ -1366,7 +1401,9 @@ __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const S
         consumer_group_sync(wg);
         // read again from the parameters at each box, as the main build's passes do: a
         // flag or pointer kept across the boxes' barriers spilled in the f32 entries
-        const bool box_c = !C::PLAIN && p.beta != 0.0f && p.c != nullptr, box_bias = !C::PLAIN && p.bias != nullptr;
+        // (a peer's partial adds no bias: ROUTE_NO_BIAS)
+        const bool box_c = !C::PLAIN && p.beta != 0.0f && p.c != nullptr,
+                   box_bias = !C::PLAIN && p.bias != nullptr;
         if (plain_epilogue<C, Out>(p, box_c, box_bias)) {
             // the lane's row and its 16-byte chunk, swizzled by the row (row % 8 is the lane's % 8)
             const StmatrixLane l = stmatrix_lane();
@@ -1396,25 +1433,26 @@ __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const S
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         consumer_group_sync(wg);
         if (leader) {
-            tma_store_2d(&p.d_map, smem_u32(box), g_col0 + bx * BOX_COLS, c.row0 + r0);
+            tma_store_2d(to.map, smem_u32(box), to.col + bx * BOX_COLS, to.row + r0);
             bulk_commit();
         }
     }
 }
 
-// The rows from registers: a thread's pairs of columns, each where it lies in the tile's rows and D.
+// The rows from registers: a thread's pairs of columns, each where it lies in the tile's rows
+// and in the destination whose element (0, 0) of the tile is at `dst` (leading dimension `ld`).
 template <class C, typename Out>
 __device__ __forceinline__ void store_rows_from_registers(const GemmParams& p, const Unit& c, const float* acc, u32 r0,
-                                                          u32 g_col0, bool tile_bias) {
+                                                          u32 g_col0, bool tile_bias, u64 dst, u32 ld) {
     const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const u32 row0 = r0 + warp * 16 + lane / 4;  // the tile row of this thread's first accumulator
     const u32 g_row0 = c.row0 + row0;
     const Out* c_mat = (const Out*)p.c;
     const Out* bias = (const Out*)p.bias;
     const bool has_c = p.beta != 0.0f && p.c != nullptr;
-    // a thread's two columns start on an even column: with N even, one aligned store
-    const bool pairs = p.n % 2 == 0;
-    Out* d_mat = (Out*)p.d;
+    // a thread's two columns start on an even column: where every row starts on a pair's
+    // boundary (even ld, an aligned destination), one aligned store
+    const bool pairs = (dst | (u64)ld * sizeof(Out)) % (2 * sizeof(Out)) == 0;
 #pragma unroll
     for (int j = 0; j < C::BN / 8; ++j) {
 #pragma unroll
@@ -1426,18 +1464,108 @@ __device__ __forceinline__ void store_rows_from_registers(const GemmParams& p, c
             const float2 v = epilogue_pair<Out>(p, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1], gr, gc,
                                                 has_c, tile_bias, c_mat, bias);
             float v0 = v.x, v1 = v.y;
-            Out* dst = d_mat + (size_t)gr * p.n + gc;
+            Out* at = (Out*)dst + (size_t)(row0 + 8 * h) * ld + col;
             if (p.accumulate) {
-                v0 += Elem<Out>::to_f32(dst[0]);
-                if (two) v1 += Elem<Out>::to_f32(dst[1]);
+                v0 += Elem<Out>::to_f32(at[0]);
+                if (two) v1 += Elem<Out>::to_f32(at[1]);
             }
             if (pairs && two) {
-                store_pair<Out>((unsigned char*)dst, v0, v1);
+                store_pair<Out>((unsigned char*)at, v0, v1);
             } else {
-                dst[0] = Elem<Out>::from_f32(v0);
-                if (two) dst[1] = Elem<Out>::from_f32(v1);
+                at[0] = Elem<Out>::from_f32(v0);
+                if (two) at[1] = Elem<Out>::from_f32(v1);
             }
         }
+    }
+}
+
+// The route of the unit's tile (null: none), for its epilogue: in the builds that fold through
+// their stages, read again from the tile's index hidden from the optimiser, so that neither it
+// nor the pointer lives through the pass over the staged partials (kept from before the fold,
+// ptxas spilled in the direct build's 16-bit entries).
+template <class C, typename Out> __device__ __forceinline__ const TileRoute* tile_route(const Unit& c) {
+    if (C::PLAIN || call_state.routes == nullptr) return nullptr;
+    u32 tile = c.tile;
+    if (FoldBoxes<C, Out>::STAGED) asm volatile("" : "+r"(tile));
+    return call_state.routes + tile;
+}
+
+// Where a tile of the builds whose consumers store it goes: D's map at the tile's place, and
+// D itself for the rows that boxes do not serve; or, for a tile with a route (GEMM +
+// reduce-scatter: a peer's partial into its receive slot, or an own tile into D), the route's
+// tensor map where it has one (ROUTE_DST_BOXES: 16-bit outputs; the map ends where the tile's
+// rows and columns do, so that a ragged box writes nothing past them) and its address and
+// leading dimension. (One call site of each store serves both: a second inlined copy of the
+// boxes' loop made ptxas spill in the 16-bit entries.)
+struct TileDst {
+    BoxTarget to;
+    u64 dst;       // the tile's element (0, 0), for the stores from registers
+    u32 ld;
+    bool routed;   // a route decides which rows go by boxes
+    bool boxes;    // (routed) the route's rows go by boxes
+};
+template <class C, typename Out>
+__device__ __forceinline__ TileDst tile_dst(const GemmParams& p, const Unit& c, const TileRoute* r, u32 g_col0) {
+    if (C::PINGPONG || r == nullptr)
+        return {BoxTarget{&p.d_map, g_col0, c.row0}, p.d + ((u64)c.row0 * p.n + g_col0) * sizeof(Out), p.n, false,
+                false};
+    const bool boxes = sizeof(Out) == 2 && (r->options & ROUTE_DST_BOXES) != 0 && (r->dst_map != 0 || p.d_tma != 0);
+    const TmaDesc* map = r->dst_map != 0 ? (const TmaDesc*)r->dst_map : &p.d_map;
+    return {BoxTarget{map, r->dst_col, r->dst_row}, r->dst + ((r->options & ROUTE_DST_FROM_D) != 0 ? p.d : 0), r->ld,
+            true, boxes};
+}
+
+// A routed tile's flag is not raised by the consumers that store it: the leader of each
+// warpgroup marks its stores pending, counts them performed once it has waited for them
+// (stores_performed, at the warpgroup's next tile or its end), and the first storer raises
+// the flag once every warpgroup has (raise_routed_flags). So no warpgroup waits for its
+// writes to land before its next main loop.
+
+// The leader of consumer warpgroup `wg`: its pending routed stores have written their bytes
+// (the tensor stores it issued; the warpgroup's register stores were ordered before this by a
+// barrier of the warpgroup), so count them performed (release: the storer that reads the count
+// raises the tile's flag after it).
+__device__ __forceinline__ void stores_performed(u32 wg) {
+    bulk_wait_all();
+    // the TMA engine's writes (async proxy) before the generic release below
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    routed_stores.pending[wg] = 0;
+    const u32 next = routed_stores.performed[wg] + 1;
+    asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_u32(&routed_stores.performed[wg])), "r"(next)
+                 : "memory");
+}
+
+// The first storer of a direct build's routed call: in the consumers' order of tiles, once
+// every consumer warpgroup has counted a tile with a flag performed (stores_performed), raise
+// its flag, so that a peer reads the tile only after all of its rows have landed. Bounded like
+// a pipeline wait; a block that gave up raises no more flags.
+template <class C> __device__ void raise_routed_flags(const GemmParams& p) {
+    u32 tiles = 0;
+    for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
+        const Unit c = unit_at<C>(p, i);
+        if (c.helper || c.empty || c.idle) continue;  // no epilogue: no stores
+        const TileRoute& r = call_state.routes[c.tile];
+        if (r.flag == 0) continue;
+        ++tiles;
+        const u64 start = global_timer_ns();
+        for (u32 w = 0; w < C::WARPGROUPS; ++w) {
+            u32 done;
+            for (;;) {
+                asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
+                             : "=r"(done)
+                             : "r"(smem_u32(&routed_stores.performed[w]))
+                             : "memory");
+                if (done >= tiles || block_stopped()) break;
+                if (global_timer_ns() - start > p.timeout_ns) {
+                    pipeline_stalled<ROLE_WG0>(p, c.tile, WAIT_EPI_FULL, tiles);
+                    break;
+                }
+            }
+        }
+        if (block_stopped()) return;
+        // (the acquire above carries every warpgroup's stores; the release carries them on)
+        if (r.flag_op == FLAG_SET_EPOCH) store_release_sys((u64*)r.flag, call_state.epoch);
+        else notify((u64*)r.flag, r.flag_value, r.flag_op);
     }
 }
 
@@ -1605,16 +1733,20 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         if (!C::PINGPONG && C::SPLIT_TAIL && i >= p.full_units) {
             if (!split_partials<C>(p, p.tail[i - p.full_units], c.rows, acc)) continue;  // a helper: no epilogue
         }
-        // The tile's column, again from its index in the pair and the main build: kept from the
-        // unit's start it is one more value live through the main loop beside the 128
-        // accumulators, and ptxas spilled it (beside the pair's remote arrivals, and beside the
-        // main build's pass over staged partials; the other builds keep it).
-        u32 tn = c.tn;
-        if (C::CLUSTER > 1 || FoldBoxes<C, Out>::STAGED) {
-            u32 tile = c.tile;
-            asm volatile("" : "+r"(tile));
-            tn = tile % p.tiles_n;
-        }
+        // The tile's column, again from its index in the pair and the builds that fold through
+        // their stages, where it is used (after the fold): kept from the unit's start it is one
+        // more value live through the main loop beside the 128 accumulators, and ptxas spilled
+        // it (beside the pair's remote arrivals, and beside the pass over staged partials; the
+        // other builds keep it).
+        const auto tile_column = [&]() {
+            u32 tn = c.tn;
+            if (C::CLUSTER > 1 || FoldBoxes<C, Out>::STAGED) {
+                u32 tile = c.tile;
+                asm volatile("" : "+r"(tile));
+                tn = tile % p.tiles_n;
+            }
+            return tn;
+        };
 
         // Partials folded in (the owner's tiles of GEMM + reduce-scatter): through the
         // pipeline's stages where the host described them by the fold map (the producer waited
@@ -1637,7 +1769,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             const u64 row_step = (u64)route->fold_ld * sizeof(Out);
             const u64 fold_stride = route->fold_stride;
             // columns left of this thread's first one, and whether its two rows are in the band
-            const int lim = (int)p.n - (int)(tn * C::BN) - (int)(2 * (lane % 4));
+            const int lim = (int)p.n - (int)(tile_column() * C::BN) - (int)(2 * (lane % 4));
             const bool in0 = row0 < c.rows, in1 = row0 + 8 < c.rows;
             // a thread's columns come in pairs; where every row of every partial starts on a
             // pair's boundary (the usual case: even ld and strides), a pair is one load
@@ -1668,23 +1800,39 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                 }
             }
         }
-        const bool tile_bias = bias != nullptr && (route == nullptr || !(route->options & ROUTE_NO_BIAS));
+        // (the route read again, as the column above: see tile_route)
+        const TileRoute* routed = tile_route<C, Out>(c);
+        const bool tile_bias = bias != nullptr && (routed == nullptr || !(routed->options & ROUTE_NO_BIAS));
 
         // epilogue arithmetic in registers, then stage the tile for the storers
-        const u32 g_row0 = c.row0 + row0, g_col0 = tn * C::BN;
+        const u32 g_row0 = c.row0 + row0, g_col0 = tile_column() * C::BN;
         if constexpr (C::DIRECT) {
             // a block that gave up stores nothing (its accumulators may be anything), decided
             // once for the warpgroup
             if (group_stopped(cw)) continue;
+            if (!C::PINGPONG && routed != nullptr && leader) {
+                // (that barrier ordered every thread's stores of the warpgroup's last routed tile
+                // before its leader's count)
+                if (routed_stores.pending[cw]) stores_performed(cw);
+                if (routed->flag != 0) routed_stores.pending[cw] = 1;
+            }
+            // The unit again from the order where the build folds through its stages: its band
+            // (and the loop's counter beside it) kept from the unit's start through the main
+            // loop and the pass over the staged partials, ptxas spilled them in the direct
+            // build's 16-bit entries.
+            u32 at = i;
+            if (FoldBoxes<C, Out>::STAGED) asm volatile("" : "+r"(at));
+            const Unit e = FoldBoxes<C, Out>::STAGED ? unit_at<C>(p, at) : c;
+            const TileDst to = tile_dst<C, Out>(p, e, routed, g_col0);
             // (the direct build's warpgroup stores its own 64 rows; a ping-pong warpgroup its
             // whole tile, half by half)
 #pragma unroll
             for (int h = 0; h < C::HALVES; ++h) {
                 const u32 r0 = (half + h) * 64;
-                if (C::PLAIN || boxes_serve<Out>(p, c, r0))
-                    store_rows_by_boxes<C, Out>(p, s, c, acc + h * C::ACC, r0, cw, g_col0, leader);
+                if (C::PLAIN || (to.routed ? to.boxes && r0 < e.rows : boxes_serve<Out>(p, e, r0)))
+                    store_rows_by_boxes<C, Out>(p, s, e, acc + h * C::ACC, r0, cw, g_col0, leader, to.to);
                 else
-                    store_rows_from_registers<C, Out>(p, c, acc + h * C::ACC, r0, g_col0, tile_bias);
+                    store_rows_from_registers<C, Out>(p, e, acc + h * C::ACC, r0, g_col0, tile_bias, to.dst, to.ld);
             }
             continue;
         }
@@ -1719,6 +1867,12 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             mbar_arrive(s.epi_full);
             epi_phase ^= 1;
         }
+    }
+    // the warpgroup's last routed tile with a flag: every thread's stores of it (the barrier)
+    // before its leader's count
+    if (C::DIRECT && !C::PLAIN && !C::PINGPONG && call_state.routes != nullptr) {
+        consumer_group_sync(cw);
+        if (leader && routed_stores.pending[cw]) stores_performed(cw);
     }
     // the direct build's boxes: no tensor store may still read shared memory or write D when
     // the block ends
@@ -1757,8 +1911,11 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     constexpr int UNITS = PASS_COLS / VEC;  // 16-byte units per staged row
     u32 epi_phase = 0;
     if (t == 0 && p.trace != nullptr) trace_first_stage<C>(p, s);
-    // (the direct build's consumers store their tiles themselves, and its GEMMs raise no flags:
-    // its storers only count the block finished below)
+    if constexpr (C::DIRECT && !C::PLAIN && !C::PINGPONG) {
+        if (t == 0 && call_state.routes != nullptr) raise_routed_flags<C>(p);
+    }
+    // (the direct builds' consumers store their tiles themselves, and the first storer raises
+    // the flags of their routed tiles above: the storers only count the block finished below)
     for (u32 i = blockIdx.x; !C::DIRECT && i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
         if (c.helper || c.empty || c.idle) continue;  // helpers and idle halves stage nothing
@@ -1877,6 +2034,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         if (FoldBoxes<C, Out>::STAGED && p.fold_tma != 0)
             asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.fold_map) : "memory");
         call_state.stopped = 0;
+        routed_stores = RoutedStores{};
         if (p.calls != nullptr) {
             const u64 epoch = *(volatile const u64*)&p.calls->last + 1;
             call_state.epoch = epoch;

@@ -387,8 +387,17 @@ impl GemmVariant {
         names
     }
 
-    /// Whether its consumers store tiles into D themselves (through a tensor map of D where
-    /// [`d_map_fits`]): plain GEMMs only.
+    /// Whether it takes tiles with routes although its consumers store tiles themselves: the
+    /// direct and the mid-direct build, whose warpgroups share each tile (see
+    /// `store_routed_tile` in gemm.cu). Their stores go by boxes where [`box_routes`] gives
+    /// the routes a map, else from registers; each tile's flag goes up once every warpgroup's
+    /// stores of it have been waited for.
+    fn routes_by_consumers(self) -> bool {
+        matches!(self, GemmVariant::Direct | GemmVariant::MidDirect)
+    }
+
+    /// Whether its consumers store tiles themselves (into D through a tensor map of D where
+    /// [`d_map_fits`], or along routes: [`GemmVariant::routes_by_consumers`]).
     fn stores_directly(self) -> bool {
         matches!(
             self,
@@ -417,6 +426,7 @@ pub enum VariantChoice {
     /// [`NARROW_DEEP_ROWS`]), else the 128-row one: for [`TILE`]s the direct build, for
     /// [`MID_TILE`]s the ping-pong build ([`ping_pong_pays`]) or else the mid-direct one; the
     /// fused operators' GEMMs with routes trade the direct builds for the main and the mid one
+    /// (which fold partials through their stages)
     Auto,
     /// [`TILE`]s; always the 128-row build (main, or narrow-tall for a plan of narrow tiles)
     Main,
@@ -433,8 +443,8 @@ pub enum VariantChoice {
     /// [`MID_TILE`]s, always (the mid build)
     Mid,
     /// [`TILE`]s; the direct build wherever a tile has more than [`SKINNY_ROWS`] rows, the
-    /// skinny one elsewhere (as [`VariantChoice::Pair`]); the fused operators' GEMMs keep the
-    /// main build
+    /// skinny one elsewhere (as [`VariantChoice::Pair`]); the fused operators' GEMMs too
+    /// (their consumers store the tiles along the routes)
     Direct,
     /// As [`VariantChoice::Narrow`] with the narrow-deep build in the narrow build's place
     NarrowDeep,
@@ -901,6 +911,13 @@ pub struct TileRoute {
     /// starts, and the rows from one partial to the next (set by [`PreparedGemm::with_routes`])
     pub fold_row: u32,
     pub fold_row_step: u32,
+    /// With [`ROUTE_DST_BOXES`]: the tensor map in device memory that the tile's rows go out
+    /// through (0: the call's map of D, with [`ROUTE_DST_FROM_D`]), and the column and row of
+    /// the tile's element (0, 0) in it (set by [`PreparedGemm::with_routes`] where it can; see
+    /// [`box_routes`])
+    pub dst_map: u64,
+    pub dst_col: u32,
+    pub dst_row: u32,
 }
 
 /// `TileRoute::flag_op`: store the call's epoch (the `epoch` of [`PreparedGemm::launch_call`]).
@@ -912,7 +929,11 @@ pub const ROUTE_NO_BIAS: u32 = 2;
 /// `TileRoute::options`: the tile's partials come into the kernel's pipeline by TMA from the
 /// [`FoldSource`] (set by [`PreparedGemm::with_routes`] where they can; see [`stage_folds`]).
 pub const ROUTE_FOLD_TMA: u32 = 4;
-const _: () = assert!(std::mem::size_of::<TileRoute>() == 80);
+/// `TileRoute::options`: the tile's 16-bit rows go out by the consumers' tensor stores through
+/// `dst_map` (the builds that store tiles themselves; set by [`PreparedGemm::with_routes`]
+/// where they can, see [`box_routes`]).
+pub const ROUTE_DST_BOXES: u32 = 8;
+const _: () = assert!(std::mem::size_of::<TileRoute>() == 96);
 
 /// The buffer that the partials of a GEMM's folds lie in: `rows` rows of `ld` elements of the
 /// output type from `base` (a rank's receive slots, one after the other). Where a tile's
@@ -1334,6 +1355,9 @@ pub struct PreparedGemm {
     routed: bool,
     /// Tiles whose partials come into the pipeline by TMA ([`stage_folds`])
     staged_folds: usize,
+    /// The rows of the map of D of the builds that store tiles themselves (M, or for a routed
+    /// GEMM those that its routes into D reach: [`box_routes`])
+    d_rows: usize,
     memory: Launched<GemmMemory>,
 }
 
@@ -1540,15 +1564,19 @@ impl PreparedGemm {
         let mut variant = kernels.choice().variant_for(plan);
         // The pair build runs plain GEMMs: a fused operator's tiles wait for flags (a fold's
         // partials, a band's rows), and a wait of one block of a pair holds its partner's
-        // stages too; unmeasured, so the main build serves them. The direct build's consumers
-        // store into D only (no routes, no flags), but a gather's waits are its producer's, as
-        // in the main build: it serves the all-gather + GEMM. The ping-pong build's plans are
-        // plain GEMMs'. So do the narrow and the short builds', which store their tiles
-        // directly too and have no staged build beside them: routes take the fused operators'
-        // tile.
+        // stages too; unmeasured, so the main build serves them. The direct and the mid-direct
+        // build serve gathers (whose waits are the producer's, as in the main build) and,
+        // where chosen by name, routes: their consumers store each tile along its route and
+        // its flag goes up once those stores are performed (the direct build folds partials
+        // through its stages as the main one does, the mid-direct one reads them from global
+        // memory); `auto` keeps routes on the main and the mid build until the direct ones
+        // are measured against them. The ping-pong build's plans are plain GEMMs'. So do
+        // the narrow and the short builds', which store their tiles directly too and have no
+        // staged build beside them: routes take the fused operators' tile.
+        let named = kernels.choice() != VariantChoice::Auto;
         let serves = match variant {
             GemmVariant::Pair | GemmVariant::PingPong => routes.is_none() && gather.is_none(),
-            GemmVariant::Direct | GemmVariant::MidDirect => routes.is_none(),
+            GemmVariant::Direct | GemmVariant::MidDirect => routes.is_none() || named,
             GemmVariant::Narrow
             | GemmVariant::NarrowTall
             | GemmVariant::NarrowDeep
@@ -1596,6 +1624,11 @@ impl PreparedGemm {
             },
             _ => (0, None),
         };
+        // the routes the consumers store by boxes, and their maps
+        let boxed = match routes.as_mut() {
+            Some(r) => box_routes(r, plan, variant),
+            None => BoxRoutes::default(),
+        };
         let route_bytes = routes
             .as_ref()
             .map_or(0, |r| std::mem::size_of_val(r.as_slice()))
@@ -1633,12 +1666,24 @@ impl PreparedGemm {
         let order_bytes = (4 * order.len()).next_multiple_of(64);
         let tail_bytes = std::mem::size_of_val(tail.units.as_slice());
         let tail_at = order_bytes + route_bytes + band_bytes;
-        let tables = DeviceMemory::zeroed(gpu, tail_at + tail_bytes)?;
-        let mut bytes = vec![0u8; tail_at + tail_bytes];
+        // then, 128-byte aligned, the routes' tensor maps (the TMA engine reads them there)
+        let maps_at = (tail_at + tail_bytes).next_multiple_of(128);
+        let map_bytes = std::mem::size_of::<TmaDesc>();
+        let total = maps_at + boxed.tile_maps.len() * map_bytes;
+        let tables = DeviceMemory::zeroed(gpu, total)?;
+        let mut bytes = vec![0u8; total];
         if let Some(b) = &bands {
             bytes[order_bytes + route_bytes..tail_at].copy_from_slice(bytemuck::cast_slice(b));
         }
-        bytes[tail_at..].copy_from_slice(bytemuck::cast_slice(&tail.units));
+        bytes[tail_at..tail_at + tail_bytes].copy_from_slice(bytemuck::cast_slice(&tail.units));
+        for (j, &(t, addr, cols, rows, ld)) in boxed.tile_maps.iter().enumerate() {
+            let at = maps_at + j * map_bytes;
+            let map = box_map(addr, p.output, cols as u64, rows as u64, ld as u64)?;
+            bytes[at..at + map_bytes].copy_from_slice(bytemuck::cast_slice(&map));
+            if let Some(r) = routes.as_mut() {
+                r[t].dst_map = tables.addr() + at as u64;
+            }
+        }
         // SAFETY: plain-old-data views of the two tables
         unsafe {
             std::ptr::copy_nonoverlapping(
@@ -1736,10 +1781,13 @@ impl PreparedGemm {
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
         };
+        // a routed GEMM's D holds the rows its routes into D reach
+        let d_rows = if routes.is_some() { boxed.d_rows } else { p.m };
         if variant.stores_directly() {
-            set_d_map(&mut params, p.output)?;
+            set_d_map(&mut params, p.output, d_rows)?;
         }
         Ok(PreparedGemm {
+            d_rows,
             function,
             plain,
             plain_tail,
@@ -2021,7 +2069,7 @@ impl PreparedGemm {
         if let Some(d) = d.filter(|&d| d != params.d) {
             params.d = d;
             if self.variant.stores_directly() {
-                set_d_map(&mut params, p.output)?;
+                set_d_map(&mut params, p.output, self.d_rows)?;
             }
         }
         match call {
@@ -2315,22 +2363,41 @@ fn routes(
     Ok(Some(out))
 }
 
-/// The tensor map of D (dense [M, N], ld N) of the builds whose consumers store tiles
-/// themselves ([`GemmVariant::stores_directly`]), where their tensor stores can write
-/// it: a 16-bit D on a 16-byte boundary, rows a multiple of 16 bytes, and a GEMM that replaces
-/// D rather than adding to it; elsewhere its consumers store from registers (`d_tma` 0).
-fn set_d_map(params: &mut GemmParams, output: DType) -> Result<(), CudaError> {
-    params.d_tma = d_map_fits(params, output) as u32;
+/// The tensor map of D (dense [`rows`, N], ld N: M rows for a plain GEMM, those the routes into
+/// D reach for a routed one, see [`box_routes`]) of the builds whose consumers store tiles
+/// themselves ([`GemmVariant::stores_directly`]), where their tensor stores can write it: a
+/// 16-bit D on a 16-byte boundary, rows a multiple of 16 bytes, and a GEMM that replaces D
+/// rather than adding to it; elsewhere its consumers store from registers (`d_tma` 0).
+fn set_d_map(params: &mut GemmParams, output: DType, rows: usize) -> Result<(), CudaError> {
+    params.d_tma = (d_map_fits(params, output) && rows > 0) as u32;
     if params.d_tma != 0 {
-        params.d_map = TmaDesc(tensor_map_2d(
+        params.d_map = TmaDesc(box_map(
             params.d,
             output,
-            (params.n as u64, params.m as u64),
-            params.n as u64 * output.size() as u64,
-            ((DIRECT_BOX.1 / output.size()) as u32, DIRECT_BOX.0 as u32),
+            params.n as u64,
+            rows as u64,
+            params.n as u64,
         )?);
     }
     Ok(())
+}
+
+/// A tensor map of the consumers' boxes (64 rows × 128 bytes, 128-byte swizzle) over `rows` ×
+/// `cols` elements of `output` at `addr`, rows `ld` elements apart.
+fn box_map(
+    addr: u64,
+    output: DType,
+    cols: u64,
+    rows: u64,
+    ld: u64,
+) -> Result<[u64; 16], CudaError> {
+    tensor_map_2d(
+        addr,
+        output,
+        (cols, rows),
+        ld * output.size() as u64,
+        ((DIRECT_BOX.1 / output.size()) as u32, DIRECT_BOX.0 as u32),
+    )
 }
 
 /// Whether the direct and the ping-pong build's tensor stores can write the D of `params`
@@ -2342,13 +2409,79 @@ fn d_map_fits(params: &GemmParams, output: DType) -> bool {
         && params.d.is_multiple_of(16)
         && row_bytes.is_multiple_of(16)
         && params.accumulate == 0
-        && params.routes == 0
+}
+
+/// The routes that a build whose consumers store by boxes ([`GemmVariant::routes_by_consumers`])
+/// sends by its tensor stores ([`box_routes`]).
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct BoxRoutes {
+    /// A map each for the tiles into another buffer than D: (route, address of the tile's
+    /// element (0, 0), its columns, its rows, the destination's leading dimension). The map
+    /// ends where the tile does, so that a box's rows or columns past it write nothing.
+    pub tile_maps: Vec<(usize, u64, usize, usize, usize)>,
+    /// The rows of D that the routes into D reach: the rows of the call's map of D (0: none)
+    pub d_rows: usize,
+}
+
+/// Marks the routes whose 16-bit tiles the build `variant` can store by its consumers' tensor
+/// stores (`ROUTE_DST_BOXES`) and says which maps they need; clears the mark elsewhere. A
+/// tile into another buffer (a peer's receive slot) qualifies when its address and rows lie
+/// on 16-byte boundaries: it gets a map of its own rows and columns. A tile into D
+/// (`ROUTE_DST_FROM_D`, D's ld N) goes through the call's map of D at its row and column
+/// there, which ends at the last row that such routes reach; it qualifies where its rows are
+/// whole boxes of 64 or end at that last row, so that no box writes rows of D past the tile
+/// (another tile's). The others keep the consumers' stores from registers.
+pub(crate) fn box_routes(
+    routes: &mut [TileRoute],
+    plan: &GemmPlan,
+    variant: GemmVariant,
+) -> BoxRoutes {
+    let p = &plan.problem;
+    let eb = p.output.size() as u64;
+    let row_bytes = p.n as u64 * eb;
+    let mut out = BoxRoutes::default();
+    let usable = variant.routes_by_consumers() && eb == 2 && plan.tile == variant.tile();
+    // (tile, row and column in D) of the routes into D that can go by boxes
+    let mut into_d = Vec::new();
+    for (t, r) in routes.iter_mut().enumerate() {
+        r.options &= !ROUTE_DST_BOXES;
+        (r.dst_map, r.dst_col, r.dst_row) = (0, 0, 0);
+        if !usable {
+            continue;
+        }
+        let (rows, cols) = plan.tile_bounds(t);
+        let ld_bytes = r.ld as u64 * eb;
+        if r.options & ROUTE_DST_FROM_D != 0 {
+            let (row, col) = (r.dst / row_bytes, r.dst % row_bytes);
+            if r.ld as usize == p.n && col == cols.start as u64 * eb && row_bytes.is_multiple_of(16)
+            {
+                into_d.push((t, row as usize, cols.start));
+                out.d_rows = out.d_rows.max(row as usize + rows.len());
+            }
+        } else if r.dst.is_multiple_of(16)
+            && ld_bytes.is_multiple_of(16)
+            && r.ld as usize >= cols.len()
+        {
+            r.options |= ROUTE_DST_BOXES;
+            out.tile_maps
+                .push((t, r.dst, cols.len(), rows.len(), r.ld as usize));
+        }
+    }
+    for (t, row, col) in into_d {
+        let rows = plan.tile_bounds(t).0.len();
+        if rows.is_multiple_of(DIRECT_BOX.0) || row + rows == out.d_rows {
+            let r = &mut routes[t];
+            r.options |= ROUTE_DST_BOXES;
+            (r.dst_col, r.dst_row) = (col as u32, row as u32);
+        }
+    }
+    out
 }
 
 /// Marks the routes whose partials the kernel build `variant` can load by TMA from `source`
 /// (`ROUTE_FOLD_TMA`, with their rows in it) and clears the mark elsewhere; how many have
-/// it. A tile's partials qualify when the build stages folds (the main build: its B stages
-/// hold two boxes of the tile's rows × 128 bytes; see `FoldBoxes` in gemm.cu for the others),
+/// it. A tile's partials qualify when the build stages folds (the main and the direct build:
+/// their B stages hold two boxes of the tile's rows × 128 bytes; see `FoldBoxes` in gemm.cu),
 /// each partial starts at
 /// the tile's first column in a row of `source`, with the routes' leading dimension, one
 /// whole number of rows from the next, and all of the tile's rows of every partial lie in
@@ -2362,7 +2495,7 @@ pub(crate) fn stage_folds(
 ) -> usize {
     let eb = plan.problem.output.size() as u64;
     let row_bytes = source.ld as u64 * eb;
-    let map_ok = variant == GemmVariant::Main
+    let map_ok = matches!(variant, GemmVariant::Main | GemmVariant::Direct)
         && source.base.is_multiple_of(16)
         && row_bytes.is_multiple_of(16)
         && source.rows > 0
@@ -2653,10 +2786,12 @@ mod tests {
     #[test]
     fn tables_match_the_kernel_layout() {
         // the same figures are static_asserts in gemm.cu
-        assert_eq!(std::mem::size_of::<TileRoute>(), 80);
+        assert_eq!(std::mem::size_of::<TileRoute>(), 96);
         assert_eq!(std::mem::offset_of!(TileRoute, fold_src), 32);
         assert_eq!(std::mem::offset_of!(TileRoute, options), 68);
         assert_eq!(std::mem::offset_of!(TileRoute, fold_row), 72);
+        assert_eq!(std::mem::offset_of!(TileRoute, dst_map), 80);
+        assert_eq!(std::mem::offset_of!(TileRoute, dst_row), 92);
         assert_eq!(std::mem::offset_of!(GemmParams, order), 256);
         assert_eq!(std::mem::offset_of!(GemmParams, m), 312);
         assert_eq!(std::mem::offset_of!(GemmParams, rank), 344);
@@ -2704,10 +2839,11 @@ mod tests {
         let fits = |p: GemmParams, output| d_map_fits(&p, output);
         assert!(fits(params(0x1000, 1000, 0, 0), DType::BF16));
         assert!(fits(params(0x1000, 8, 0, 0), DType::F16));
-        // f32 outputs, D += and routed tiles store from registers
+        // f32 outputs and D += store from registers; a routed GEMM's tiles into D go by boxes
+        // too (the map's rows are those its routes reach: box_routes)
         assert!(!fits(params(0x1000, 1000, 0, 0), DType::F32));
         assert!(!fits(params(0x1000, 1000, 1, 0), DType::BF16));
-        assert!(!fits(params(0x1000, 1000, 0, 0x2000), DType::BF16));
+        assert!(fits(params(0x1000, 1000, 0, 0x2000), DType::BF16));
         // the tensor map's limits: D on 16 bytes, rows a multiple of 16 bytes, a D at all
         assert!(!fits(params(0x1008, 1000, 0, 0), DType::BF16));
         assert!(!fits(params(0x1000, 999, 0, 0), DType::BF16));
@@ -2715,7 +2851,11 @@ mod tests {
         assert!(!fits(params(0, 1000, 0, 0), DType::BF16));
         // where it does not fit, no tensor map is encoded (no driver call)
         let mut p = params(0x1000, 1000, 1, 0);
-        set_d_map(&mut p, DType::BF16).unwrap();
+        set_d_map(&mut p, DType::BF16, 300).unwrap();
+        assert_eq!((p.d_tma, p.d_map.0), (0, [0; 16]));
+        // nor where no route goes into D by boxes (no rows)
+        let mut p = params(0x1000, 1000, 0, 0x2000);
+        set_d_map(&mut p, DType::BF16, 0).unwrap();
         assert_eq!((p.d_tma, p.d_map.0), (0, [0; 16]));
     }
 
@@ -2725,6 +2865,92 @@ mod tests {
 
     /// Two partials of every tile of a 300 × 1000 GEMM (bands of 128, 128, 44 rows; tiles
     /// 256, 256, 256 and 232 wide), each partial an [M, N] slot of a buffer at 0x10000.
+    /// A 300 × 1000 GEMM's routes (bands of 128, 128, 44 rows; tiles 256, 256, 256 and 232
+    /// wide): the first band's tiles into D at row `first`, the second's into a peer's buffer
+    /// at 0x10000 (ld 1000), the last band's into D at row `last`.
+    fn split_routes(output: DType, first: u64, last: u64) -> (GemmPlan, Vec<TileRoute>) {
+        let p = GemmProblem::new(300, 1000, 64, BLayout::NK, DType::BF16, output).unwrap();
+        let plan = GemmPlan::local(p, TILE, commfuse_core::gemm::Epilogue::default());
+        let eb = output.size() as u64;
+        let routes = (0..plan.tile_count())
+            .map(|t| {
+                let (rows, cols) = plan.tile_bounds(t);
+                let col = cols.start as u64;
+                match t / 4 {
+                    1 => TileRoute {
+                        dst: 0x10000 + ((rows.start as u64 - 128) * 1000 + col) * eb,
+                        ld: 1000,
+                        ..TileRoute::default()
+                    },
+                    band => TileRoute {
+                        dst: ((if band == 0 { first } else { last }) * 1000 + col) * eb,
+                        ld: 1000,
+                        options: ROUTE_DST_FROM_D,
+                        ..TileRoute::default()
+                    },
+                }
+            })
+            .collect();
+        (plan, routes)
+    }
+
+    #[test]
+    fn routed_tiles_go_by_boxes_only_where_a_map_ends_with_them() {
+        let boxed = |r: &TileRoute| r.options & ROUTE_DST_BOXES != 0;
+        let (plan, mut routes) = split_routes(DType::BF16, 0, 128);
+        let b = box_routes(&mut routes, &plan, GemmVariant::Direct);
+        assert!(routes.iter().all(boxed));
+        // D's map ends at the last band's last row there; the peer's tiles have maps of
+        // exactly their rows and columns
+        assert_eq!(b.d_rows, 172);
+        let widths = [256, 256, 256, 232];
+        let maps: Vec<_> = (4..8)
+            .map(|t| (t, 0x10000 + (t as u64 - 4) * 512, widths[t - 4], 128, 1000))
+            .collect();
+        assert_eq!(b.tile_maps, maps);
+        for (t, r) in routes.iter().enumerate() {
+            let col = (t % 4 * 256) as u32;
+            let want = match t / 4 {
+                0 => (col, 0),
+                1 => (0, 0),
+                _ => (col, 128),
+            };
+            assert_eq!((r.dst_col, r.dst_row), want, "tile {t}");
+        }
+        // the 44-row band in the middle of D (at row 0, the 128 rows after it at 44): its
+        // second box would write the next band's rows, so it stores from registers
+        let (plan, mut routes) = split_routes(DType::BF16, 44, 0);
+        let b = box_routes(&mut routes, &plan, GemmVariant::Direct);
+        assert_eq!(b.d_rows, 172);
+        let want: Vec<bool> = (0..routes.len()).map(|t| t < 8).collect();
+        assert_eq!(routes.iter().map(boxed).collect::<Vec<_>>(), want);
+        // a peer's tile off a 16-byte boundary, or rows that are not: from registers
+        let (plan, mut routes) = split_routes(DType::BF16, 0, 128);
+        routes[5].dst += 2;
+        routes[6].ld = 1004;
+        let b = box_routes(&mut routes, &plan, GemmVariant::Direct);
+        assert_eq!(b.tile_maps.len(), 2);
+        assert!(!boxed(&routes[5]) && !boxed(&routes[6]) && boxed(&routes[4]));
+        // f32 outputs, and the builds that stage their tiles: no boxes, no maps, marks cleared
+        for (output, variant) in [
+            (DType::F32, GemmVariant::Direct),
+            (DType::BF16, GemmVariant::Main),
+            (DType::BF16, GemmVariant::MidDirect),
+        ] {
+            let (plan, mut routes) = split_routes(output, 0, 128);
+            routes[0].options |= ROUTE_DST_BOXES;
+            routes[0].dst_map = 0x40000;
+            assert_eq!(
+                box_routes(&mut routes, &plan, variant),
+                BoxRoutes::default()
+            );
+            assert!(
+                routes.iter().all(|r| !boxed(r) && r.dst_map == 0),
+                "{output:?} {variant:?}"
+            );
+        }
+    }
+
     fn fold_routes(output: DType) -> (GemmPlan, Vec<TileRoute>, FoldSource) {
         let p = GemmProblem::new(300, 1000, 64, BLayout::NK, DType::BF16, output).unwrap();
         let plan = GemmPlan::local(p, TILE, commfuse_core::gemm::Epilogue::default());
@@ -2763,11 +2989,16 @@ mod tests {
                 assert!(staged(r), "{output:?} tile {t}");
                 assert_eq!((r.fold_row, r.fold_row_step), (band, 300));
             }
+            // so does the direct build (the same stages' B buffers)
+            assert_eq!(
+                stage_folds(&mut routes, &plan, GemmVariant::Direct, &source),
+                routes.len()
+            );
             // the other builds read partials from global memory
             for variant in [
                 GemmVariant::Skinny,
                 GemmVariant::Mid,
-                GemmVariant::Direct,
+                GemmVariant::MidDirect,
                 GemmVariant::Pair,
             ] {
                 assert_eq!(stage_folds(&mut routes, &plan, variant, &source), 0);

@@ -120,7 +120,15 @@ impl OneGpuRank {
         self.name.push_str("-serpentine");
     }
 
-    /// The bench row's name: `commfuse-rs<P>`, and `-serpentine` after it where it is on.
+    /// Its name takes the build its routes run on (`commfuse-rs<P>-direct`): the bench's rows
+    /// of one rank on builds other than `auto`'s.
+    pub fn name_build(&mut self) {
+        self.name.push('-');
+        self.name.push_str(self.gemm.variant().name());
+    }
+
+    /// The bench row's name: `commfuse-rs<P>`, the build where [`OneGpuRank::name_build`]
+    /// named it, and `-serpentine` after it where it is on.
     pub fn name(&self) -> &str {
         &self.name
     }
