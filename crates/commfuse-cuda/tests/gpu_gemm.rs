@@ -242,7 +242,7 @@ fn gather_rows_pass_the_check() {
                 assert_eq!(
                     (r.checked, r.out_of_bound),
                     (m * n, 0),
-                    "{m}x{n}x{k} {layout:?} {out:?} sms {sms}: {r:?}"
+                    "{m}x{n}x{k} {layout:?} {out:?} bias {bias} sms {sms}: {r:?}"
                 );
             }
         }
@@ -1988,17 +1988,19 @@ fn rank_rows_pass_the_check() {
     let Some((gpu, _kernels, _stream)) = one_gpu() else {
         return;
     };
-    for (m, n, k, layout, out) in [
-        (300, 1000, 136, BLayout::NK, DType::BF16),
-        (777, 4096, 520, BLayout::KN, DType::BF16),
-        (500, 1000, 264, BLayout::NK, DType::F32),
-        (2048, 8192, 1024, BLayout::NK, DType::BF16),
+    // (with a bias: the rank's own tiles add it, the tiles it sends must not)
+    for (m, n, k, layout, out, bias) in [
+        (300, 1000, 136, BLayout::NK, DType::BF16, true),
+        (777, 4096, 520, BLayout::KN, DType::BF16, false),
+        (500, 1000, 264, BLayout::NK, DType::F32, true),
+        (2048, 8192, 1024, BLayout::NK, DType::BF16, false),
     ] {
         let p = GemmProblem::new(m, n, k, layout, DType::BF16, out).unwrap();
         let extra = ExtraRows {
             builds: Some(&[]),
             rs_ranks: &[2, 3, 5],
             k_serpentine: true,
+            bias,
             ..folds(&[], None)
         };
         for sms in [0, gpu.sm_count - 16] {
@@ -2037,7 +2039,7 @@ fn rank_rows_pass_the_check() {
                 assert_eq!(
                     (r.checked, r.out_of_bound),
                     (m * n, 0),
-                    "{m}x{n}x{k} {layout:?} {out:?} sms {sms}: {r:?}"
+                    "{m}x{n}x{k} {layout:?} {out:?} bias {bias} sms {sms}: {r:?}"
                 );
                 if r.implementation.starts_with("commfuse-rs") {
                     assert_eq!(r.sms, sms, "{r:?}");

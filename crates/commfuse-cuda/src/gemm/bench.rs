@@ -117,7 +117,8 @@ pub struct ExtraRows<'a> {
     /// rank row again with it (`-serpentine`)
     pub k_serpentine: bool,
     /// Every plain row (cuBLASLt's, ours, the forced builds) adds a bias row of N random
-    /// values of the output type: D = A·B + bias. Not with fold rows or a peer.
+    /// values of the output type: D = A·B + bias; a rank row's own tiles add it too (the
+    /// tiles it sends do not). Not with fold rows or a peer.
     pub bias: bool,
     /// Rows of the main and the direct build prepared as the all-gather + GEMM's GEMM
     /// ([`GatherRow`]), at the first cap of `sms`
@@ -249,9 +250,10 @@ fn run<T: Element>(
     iters: usize,
     seed: u64,
 ) -> Result<Vec<GemmRow>, CudaError> {
-    if bias && (peer.is_some() || !folds.is_empty() || !rs_ranks.is_empty()) {
+    if bias && (peer.is_some() || !folds.is_empty()) {
         return Err(CudaError::Unavailable(
-            "bias rows are plain GEMMs: not with fold or rank rows or a peer (--peer none)".into(),
+            "bias rows are plain GEMMs or rank rows: not with fold rows or a peer (--peer none)"
+                .into(),
         ));
     }
     let gpu = std::sync::Arc::new(Gpu::open(device)?);
@@ -470,7 +472,10 @@ fn run<T: Element>(
         for choice in [VariantChoice::Auto, VariantChoice::Direct] {
             let operands = (a_dev.addr(), b_dev.addr());
             let mut row = kernels.with_choice(choice, || {
-                OneGpuRank::new(&gpu, &kernels, p, operands, (world, fold_cap), seed)
+                let bias = bias_row
+                    .as_ref()
+                    .map(|(mem, values)| (mem.addr(), values.as_slice()));
+                OneGpuRank::new(&gpu, &kernels, p, operands, (world, fold_cap), seed, bias)
             })?;
             if choice != VariantChoice::Auto {
                 let auto = rank_rows.last().map(|r: &OneGpuRank| r.gemm().variant());

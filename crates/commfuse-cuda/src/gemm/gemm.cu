@@ -196,7 +196,8 @@ template <class C, typename Out> struct FoldBoxes {
     static constexpr int BOX_BYTES = C::ROWS * 128;
     static constexpr int PER_STAGE = C::B_STAGE_BYTES / BOX_BYTES;
     static constexpr int STAGES = PER_STAGE > 0 ? (BOXES + PER_STAGE - 1) / PER_STAGE : 0;  // stages of one partial
-    static constexpr bool STAGED = C::ROWS == gemm::BM && C::BN == gemm::BN && C::CLUSTER == 1 && !C::PINGPONG;
+    static constexpr bool STAGED =
+        C::ROWS == gemm::BM && C::BN == gemm::BN && C::CLUSTER == 1 && !C::PINGPONG && !C::PLAIN;
 };
 static_assert(FoldBoxes<MainCfg, __nv_bfloat16>::STAGES == 2 && FoldBoxes<MainCfg, float>::STAGES == 4 &&
                   FoldBoxes<MainCfg, float>::STAGED &&
@@ -1403,7 +1404,8 @@ __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const S
         // flag or pointer kept across the boxes' barriers spilled in the f32 entries
         // (a peer's partial adds no bias: ROUTE_NO_BIAS)
         const bool box_c = !C::PLAIN && p.beta != 0.0f && p.c != nullptr,
-                   box_bias = !C::PLAIN && p.bias != nullptr;
+                   box_bias = !C::PLAIN && p.bias != nullptr &&
+                              (call_state.routes == nullptr || !(call_state.routes[c.tile].options & ROUTE_NO_BIAS));
         if (plain_epilogue<C, Out>(p, box_c, box_bias)) {
             // the lane's row and its 16-byte chunk, swizzled by the row (row % 8 is the lane's % 8)
             const StmatrixLane l = stmatrix_lane();
@@ -1517,14 +1519,14 @@ __device__ __forceinline__ TileDst tile_dst(const GemmParams& p, const Unit& c, 
 
 // A routed tile's flag is not raised by the consumers that store it: the leader of each
 // warpgroup marks its stores pending, counts them performed once it has waited for them
-// (stores_performed, at the warpgroup's next tile or its end), and the first storer raises
-// the flag once every warpgroup has (raise_routed_flags). So no warpgroup waits for its
-// writes to land before its next main loop.
+// (stores_performed, after the warpgroup's next main loop or at its end), and the first
+// storer raises the flag once every warpgroup has (raise_routed_flags). So no warpgroup waits
+// for its writes to land before its next main loop.
 
-// The leader of consumer warpgroup `wg`: its pending routed stores have written their bytes
-// (the tensor stores it issued; the warpgroup's register stores were ordered before this by a
-// barrier of the warpgroup), so count them performed (release: the storer that reads the count
-// raises the tile's flag after it).
+// The leader of consumer warpgroup `wg`: once its pending routed stores have written their
+// bytes (the tensor stores it issued; the warpgroup's register stores were ordered before
+// this by a barrier of the warpgroup), count them performed (release: the storer that reads
+// the count raises the tile's flag after it).
 __device__ __forceinline__ void stores_performed(u32 wg) {
     bulk_wait_all();
     // the TMA engine's writes (async proxy) before the generic release below
@@ -1560,6 +1562,8 @@ template <class C> __device__ void raise_routed_flags(const GemmParams& p) {
                     pipeline_stalled<ROLE_WG0>(p, c.tile, WAIT_EPI_FULL, tiles);
                     break;
                 }
+                // (its issue slots are the consumers' sub-partition's: a main loop's time to wait)
+                __nanosleep(256);
             }
         }
         if (block_stopped()) return;
@@ -1733,6 +1737,17 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         if (!C::PINGPONG && C::SPLIT_TAIL && i >= p.full_units) {
             if (!split_partials<C>(p, p.tail[i - p.full_units], c.rows, acc)) continue;  // a helper: no epilogue
         }
+        // The warpgroup's last routed tile with a flag (direct builds): its stores counted
+        // performed here, after this tile's main loop and before its fold, never later. The
+        // fold waits for peers' flags, and a peer's partial may wait in turn for this rank's
+        // flag (its own fold): kept until this tile's epilogue, the two ranks' flags could
+        // each wait for the other's. The stores were issued a main loop ago, so the wait is
+        // short; the barrier orders every thread's register stores of that tile before the
+        // leader's count.
+        if (C::DIRECT && !C::PLAIN && !C::PINGPONG && call_state.routes != nullptr) {
+            consumer_group_sync(cw);
+            if (leader && routed_stores.pending[cw]) stores_performed(cw);
+        }
         // The tile's column, again from its index in the pair and the builds that fold through
         // their stages, where it is used (after the fold): kept from the unit's start it is one
         // more value live through the main loop beside the 128 accumulators, and ptxas spilled
@@ -1810,12 +1825,8 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             // a block that gave up stores nothing (its accumulators may be anything), decided
             // once for the warpgroup
             if (group_stopped(cw)) continue;
-            if (!C::PINGPONG && routed != nullptr && leader) {
-                // (that barrier ordered every thread's stores of the warpgroup's last routed tile
-                // before its leader's count)
-                if (routed_stores.pending[cw]) stores_performed(cw);
-                if (routed->flag != 0) routed_stores.pending[cw] = 1;
-            }
+            // (counted performed after the next tile's main loop, or at the end)
+            if (!C::PINGPONG && routed != nullptr && leader && routed->flag != 0) routed_stores.pending[cw] = 1;
             // The unit again from the order where the build folds through its stages: its band
             // (and the loop's counter beside it) kept from the unit's start through the main
             // loop and the pass over the staged partials, ptxas spilled them in the direct

@@ -388,8 +388,8 @@ impl GemmVariant {
     }
 
     /// Whether it takes tiles with routes although its consumers store tiles themselves: the
-    /// direct and the mid-direct build, whose warpgroups share each tile (see
-    /// `store_routed_tile` in gemm.cu). Their stores go by boxes where [`box_routes`] gives
+    /// direct and the mid-direct build, whose warpgroups share each tile (see `tile_dst` and
+    /// `raise_routed_flags` in gemm.cu). Their stores go by boxes where [`box_routes`] gives
     /// the routes a map, else from registers; each tile's flag goes up once every warpgroup's
     /// stores of it have been waited for.
     fn routes_by_consumers(self) -> bool {
@@ -2440,7 +2440,11 @@ pub(crate) fn box_routes(
     let eb = p.output.size() as u64;
     let row_bytes = p.n as u64 * eb;
     let mut out = BoxRoutes::default();
-    let usable = variant.routes_by_consumers() && eb == 2 && plan.tile == variant.tile();
+    // (a box replaces what it covers: D += stores from registers)
+    let usable = variant.routes_by_consumers()
+        && eb == 2
+        && plan.tile == variant.tile()
+        && !plan.epilogue.accumulate;
     // (tile, row and column in D) of the routes into D that can go by boxes
     let mut into_d = Vec::new();
     for (t, r) in routes.iter_mut().enumerate() {
@@ -2931,13 +2935,16 @@ mod tests {
         let b = box_routes(&mut routes, &plan, GemmVariant::Direct);
         assert_eq!(b.tile_maps.len(), 2);
         assert!(!boxed(&routes[5]) && !boxed(&routes[6]) && boxed(&routes[4]));
-        // f32 outputs, and the builds that stage their tiles: no boxes, no maps, marks cleared
-        for (output, variant) in [
-            (DType::F32, GemmVariant::Direct),
-            (DType::BF16, GemmVariant::Main),
-            (DType::BF16, GemmVariant::MidDirect),
+        // f32 outputs, D += (a box would replace what it adds to), and the builds that stage
+        // their tiles: no boxes, no maps, marks cleared
+        for (output, variant, accumulate) in [
+            (DType::F32, GemmVariant::Direct, false),
+            (DType::BF16, GemmVariant::Direct, true),
+            (DType::BF16, GemmVariant::Main, false),
+            (DType::BF16, GemmVariant::MidDirect, false),
         ] {
-            let (plan, mut routes) = split_routes(output, 0, 128);
+            let (mut plan, mut routes) = split_routes(output, 0, 128);
+            plan.epilogue.accumulate = accumulate;
             routes[0].options |= ROUTE_DST_BOXES;
             routes[0].dst_map = 0x40000;
             assert_eq!(

@@ -34,13 +34,16 @@ pub struct OneGpuRank {
     flags: Vec<DeviceMemory>,
     /// Rank 0's receive buffer as uploaded (rounded to the output type), widened
     partials: Vec<f64>,
+    /// The bias row its own tiles add (as uploaded), if any
+    bias: Option<Vec<f64>>,
 }
 
 impl OneGpuRank {
     /// Rank 0 of `world` computing `problem` (all M rows of its partial product) from the A
     /// and B at `a` and `b`, on at most `cap` SMs (0: all). The partials it folds are drawn
     /// from `seed`, in ±[1, 2), so that one skipped or added twice fails every element it
-    /// touches.
+    /// touches. With `bias` (the row's address and its values as uploaded), its own tiles add
+    /// the bias and the tiles it sends do not, as in the operator.
     pub fn new(
         gpu: &Gpu,
         kernels: &GemmKernels,
@@ -48,6 +51,7 @@ impl OneGpuRank {
         (a, b): (u64, u64),
         (world, cap): (usize, u32),
         seed: u64,
+        bias: Option<(u64, &[f64])>,
     ) -> Result<OneGpuRank, CudaError> {
         let p = problem;
         if world < 2 || world > p.m {
@@ -89,12 +93,17 @@ impl OneGpuRank {
             })
             .collect();
         let out = DeviceMemory::zeroed(gpu, shape.chunk(0).len() * p.n * eb)?;
-        let ops = GemmOperands::plain(a, b, out.addr());
+        let ops = GemmOperands {
+            bias: bias.map(|(addr, _)| addr),
+            ..GemmOperands::plain(a, b, out.addr())
+        };
         // call 1: set 0's routes, order and bands, as the operator prepares them
+        let mut plan = schedule.gemm_plan(0, 1);
+        plan.epilogue.bias = bias.is_some();
         let gemm = PreparedGemm::with_routes(
             gpu,
             kernels,
-            &schedule.gemm_plan(0, 1),
+            &plan,
             &ops,
             tile_routes(&schedule, 0, 0, &peers, true),
             Some(fold_source(peers[0].receive, &schedule)),
@@ -110,6 +119,7 @@ impl OneGpuRank {
             receive,
             flags,
             partials,
+            bias: bias.map(|(_, values)| values.to_vec()),
         })
     }
 
@@ -141,10 +151,14 @@ impl OneGpuRank {
     /// output (no routes, flags or fold): what its order costs beside the plain GEMM's.
     pub fn order_plan(&self) -> GemmPlan {
         let s = &self.schedule;
+        let epilogue = Epilogue {
+            bias: self.bias.is_some(),
+            ..Epilogue::default()
+        };
         GemmPlan {
             order: s.order(0),
             bands: Some(s.bands.clone()),
-            ..GemmPlan::local(s.shape.problem(), s.tile, Epilogue::default())
+            ..GemmPlan::local(s.shape.problem(), s.tile, epilogue)
         }
     }
 
@@ -212,8 +226,8 @@ impl OneGpuRank {
     }
 
     /// What the fold adds to element `index` of the product: on rank 0's rows the peers'
-    /// partials (set 0's slots of its receive buffer), elsewhere nothing; and the sum of their
-    /// magnitudes.
+    /// partials (set 0's slots of its receive buffer) and the bias, elsewhere nothing; and the
+    /// sum of their magnitudes.
     pub fn added(&self, index: usize) -> (f64, f64) {
         let s = &self.schedule;
         let n = s.shape.n;
@@ -223,8 +237,9 @@ impl OneGpuRank {
             return (0.0, 0.0);
         }
         let within = (row - own.start) * n + index % n;
+        let bias = self.bias.as_ref().map_or(0.0, |b| b[index % n]);
         (1..s.shape.world)
             .map(|q| self.partials[s.slot_of(q, 0) * s.slot_len + within])
-            .fold((0.0, 0.0), |(sum, abs), v| (sum + v, abs + v.abs()))
+            .fold((bias, bias.abs()), |(sum, abs), v| (sum + v, abs + v.abs()))
     }
 }

@@ -144,8 +144,9 @@ pub struct BenchGemmArgs {
     /// Rows of the fused GEMM + reduce-scatter's kernel as rank 0 of each of these P alone on
     /// this GPU: the operator's schedule, routes and fold, the tiles of the peers' rows into
     /// local stand-ins of their receive buffers with their flags, its own rows folding the
-    /// P − 1 partials already in its receive buffer (flags up); at the first --sms cap
-    #[arg(long, value_delimiter = ',', conflicts_with = "bias", allow_negative_numbers = true, value_parser = Whole::<usize>::new("a number of ranks"))]
+    /// P − 1 partials already in its receive buffer (flags up); at the first --sms cap. With
+    /// --bias its own tiles add the bias (the tiles it sends do not)
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, value_parser = Whole::<usize>::new("a number of ranks"))]
     pub rs_ranks: Vec<usize>,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
     /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, short, or "none"
@@ -166,7 +167,8 @@ pub struct BenchGemmArgs {
     #[arg(long)]
     pub k_serpentine: bool,
     /// Every row adds a bias row (N random values of the output type) in its epilogue,
-    /// cuBLASLt's included: D = A·B + bias (not with --fold or a peer)
+    /// cuBLASLt's included: D = A·B + bias; a rank row's own tiles too (not with --fold or a
+    /// peer)
     #[arg(long, conflicts_with = "fold")]
     pub bias: bool,
     /// Also rows of the main and the direct build prepared as the all-gather + GEMM's GEMM:
