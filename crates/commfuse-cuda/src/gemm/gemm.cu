@@ -106,6 +106,9 @@ struct Cfg {
     // block finished and, for tiles with routes, raise their flags once the consumers' stores
     // are performed (raise_routed_flags; the ping-pong build: plain GEMMs only)
     static constexpr bool DIRECT = DIRECT_;
+    // whose general entries' consumers store tiles along routes (the direct and the
+    // mid-direct build: tile_dst, raise_routed_flags)
+    static constexpr bool ROUTES_BY_CONSUMERS = DIRECT_ && PLAIN_ == 0 && !PINGPONG_;
     // The build's plain entries (`<entry>_plain`, 16-bit outputs): alpha times A times B into D
     // by the boxes' tensor stores, every other option of the parameters compiled out instead
     // of tested at run time (routes, folds, flags, bands, gathers, the split tail, the bias, C,
@@ -1031,7 +1034,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         const ASource a = a_source<C>(p, c.row0);
         // a direct build's routed tile: its tensor map (global memory) asked for ahead of the
         // consumers' stores
-        if (C::DIRECT && !C::PLAIN && !C::PINGPONG && call_state.routes != nullptr && !c.helper && !c.idle) {
+        if (C::ROUTES_BY_CONSUMERS && call_state.routes != nullptr && !c.helper && !c.idle) {
             const u64 map = call_state.routes[c.tile].dst_map;
             if (map != 0) asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
         }
@@ -1537,6 +1540,23 @@ __device__ __forceinline__ void stores_performed(u32 wg) {
                  : "memory");
 }
 
+// Consumer warpgroup `cw`'s last routed tile with a flag, if its stores are still pending:
+// counted performed (stores_performed) after a barrier of the warpgroup, which orders every
+// thread's register stores of that tile before the leader's count. Called by every thread of
+// the warpgroup.
+template <class C> __device__ __forceinline__ void settle_routed_stores(u32 cw, bool leader) {
+    if (!C::ROUTES_BY_CONSUMERS || call_state.routes == nullptr) return;
+    consumer_group_sync(cw);
+    if (leader && routed_stores.pending[cw]) stores_performed(cw);
+}
+
+// A tile's flag, raised as its route says (release, system scope: it carries the tile's stores
+// that the raising thread has seen).
+__device__ __forceinline__ void raise_flag(const TileRoute& r) {
+    if (r.flag_op == FLAG_SET_EPOCH) store_release_sys((u64*)r.flag, call_state.epoch);
+    else notify((u64*)r.flag, r.flag_value, r.flag_op);
+}
+
 // The first storer of a direct build's routed call: in the consumers' order of tiles, once
 // every consumer warpgroup has counted a tile with a flag performed (stores_performed), raise
 // its flag, so that a peer reads the tile only after all of its rows have landed. Bounded like
@@ -1568,8 +1588,7 @@ template <class C> __device__ void raise_routed_flags(const GemmParams& p) {
         }
         if (block_stopped()) return;
         // (the acquire above carries every warpgroup's stores; the release carries them on)
-        if (r.flag_op == FLAG_SET_EPOCH) store_release_sys((u64*)r.flag, call_state.epoch);
-        else notify((u64*)r.flag, r.flag_value, r.flag_op);
+        raise_flag(r);
     }
 }
 
@@ -1742,12 +1761,8 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         // fold waits for peers' flags, and a peer's partial may wait in turn for this rank's
         // flag (its own fold): kept until this tile's epilogue, the two ranks' flags could
         // each wait for the other's. The stores were issued a main loop ago, so the wait is
-        // short; the barrier orders every thread's register stores of that tile before the
-        // leader's count.
-        if (C::DIRECT && !C::PLAIN && !C::PINGPONG && call_state.routes != nullptr) {
-            consumer_group_sync(cw);
-            if (leader && routed_stores.pending[cw]) stores_performed(cw);
-        }
+        // short.
+        settle_routed_stores<C>(cw, leader);
         // The tile's column, again from its index in the pair and the builds that fold through
         // their stages, where it is used (after the fold): kept from the unit's start it is one
         // more value live through the main loop beside the 128 accumulators, and ptxas spilled
@@ -1826,7 +1841,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             // once for the warpgroup
             if (group_stopped(cw)) continue;
             // (counted performed after the next tile's main loop, or at the end)
-            if (!C::PINGPONG && routed != nullptr && leader && routed->flag != 0) routed_stores.pending[cw] = 1;
+            if (C::ROUTES_BY_CONSUMERS && routed != nullptr && leader && routed->flag != 0) routed_stores.pending[cw] = 1;
             // The unit again from the order where the build folds through its stages: its band
             // (and the loop's counter beside it) kept from the unit's start through the main
             // loop and the pass over the staged partials, ptxas spilled them in the direct
@@ -1879,12 +1894,8 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             epi_phase ^= 1;
         }
     }
-    // the warpgroup's last routed tile with a flag: every thread's stores of it (the barrier)
-    // before its leader's count
-    if (C::DIRECT && !C::PLAIN && !C::PINGPONG && call_state.routes != nullptr) {
-        consumer_group_sync(cw);
-        if (leader && routed_stores.pending[cw]) stores_performed(cw);
-    }
+    // the warpgroup's last routed tile with a flag
+    settle_routed_stores<C>(cw, leader);
     // the direct build's boxes: no tensor store may still read shared memory or write D when
     // the block ends
     if (C::DIRECT && leader) bulk_wait_all();
@@ -1922,7 +1933,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
     constexpr int UNITS = PASS_COLS / VEC;  // 16-byte units per staged row
     u32 epi_phase = 0;
     if (t == 0 && p.trace != nullptr) trace_first_stage<C>(p, s);
-    if constexpr (C::DIRECT && !C::PLAIN && !C::PINGPONG) {
+    if constexpr (C::ROUTES_BY_CONSUMERS) {
         if (t == 0 && call_state.routes != nullptr) raise_routed_flags<C>(p);
     }
     // (the direct builds' consumers store their tiles themselves, and the first storer raises
@@ -1994,8 +2005,7 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
                 // the barrier (or the warp sync) above ordered every storer's stores before this
                 // thread's release, which carries them (cumulativity): no separate fence, whose
                 // sequentially consistent form (__threadfence_system) costs ~4 % at long K
-                if (r.flag_op == FLAG_SET_EPOCH) store_release_sys((u64*)r.flag, call_state.epoch);
-                else notify((u64*)r.flag, r.flag_value, r.flag_op);
+                raise_flag(r);
             }
         }
     }

@@ -2445,7 +2445,7 @@ pub(crate) fn box_routes(
         && eb == 2
         && plan.tile == variant.tile()
         && !plan.epilogue.accumulate;
-    // (tile, row and column in D) of the routes into D that can go by boxes
+    // (tile, its rows, and its row and column in D) of the routes into D that can go by boxes
     let mut into_d = Vec::new();
     for (t, r) in routes.iter_mut().enumerate() {
         r.options &= !ROUTE_DST_BOXES;
@@ -2459,7 +2459,7 @@ pub(crate) fn box_routes(
             let (row, col) = (r.dst / row_bytes, r.dst % row_bytes);
             if r.ld as usize == p.n && col == cols.start as u64 * eb && row_bytes.is_multiple_of(16)
             {
-                into_d.push((t, row as usize, cols.start));
+                into_d.push((t, rows.len(), row as usize, cols.start));
                 out.d_rows = out.d_rows.max(row as usize + rows.len());
             }
         } else if r.dst.is_multiple_of(16)
@@ -2471,8 +2471,7 @@ pub(crate) fn box_routes(
                 .push((t, r.dst, cols.len(), rows.len(), r.ld as usize));
         }
     }
-    for (t, row, col) in into_d {
-        let rows = plan.tile_bounds(t).0.len();
+    for (t, rows, row, col) in into_d {
         if rows.is_multiple_of(DIRECT_BOX.0) || row + rows == out.d_rows {
             let r = &mut routes[t];
             r.options |= ROUTE_DST_BOXES;
