@@ -463,7 +463,8 @@ fn run<T: Element>(
         &[false]
     };
     // each rank on the build `auto` gives its routes, and again on the direct build (named
-    // `-direct`) where that is another
+    // `-direct`) where that is another; and where a rank runs a routed entry, again through
+    // its build's general entry (`-general`: what the routed entry saves)
     let mut rank_rows = Vec::new();
     for (world, on) in serpentine
         .iter()
@@ -487,7 +488,24 @@ fn run<T: Element>(
             if on {
                 row.set_k_serpentine();
             }
+            let routed = row.gemm().entry() == GemmEntry::Routed;
             rank_rows.push(row);
+            if routed {
+                let mut general = kernels.with_choice(choice, || {
+                    let bias = bias_row
+                        .as_ref()
+                        .map(|(mem, values)| (mem.addr(), values.as_slice()));
+                    OneGpuRank::new(&gpu, &kernels, p, operands, (world, fold_cap), seed, bias)
+                })?;
+                if choice != VariantChoice::Auto {
+                    general.name_build();
+                }
+                general.use_general_entry();
+                if on {
+                    general.set_k_serpentine();
+                }
+                rank_rows.push(general);
+            }
         }
     }
     // each rank row's GEMM as a plain one, in its order and bands, on the build its routes
@@ -496,7 +514,7 @@ fn run<T: Element>(
     // and fold
     let rank_orders = rank_rows
         .iter()
-        .filter(|row| !row.gemm().k_serpentine())
+        .filter(|row| !row.gemm().k_serpentine() && !row.general_entry())
         .map(|row| {
             let name = format!("{}-order", row.name());
             let plan = row.order_plan();

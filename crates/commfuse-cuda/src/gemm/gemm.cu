@@ -37,9 +37,14 @@ constexpr int EPI_PITCH = 528;
 constexpr int EPI_BYTES = BM * EPI_PITCH;
 constexpr int THREADS = 384;
 constexpr int STORERS = 96;
-constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * (A_STAGE_BYTES + B_STAGE_BYTES) +
-                           EPI_BYTES + 8 * (2 * STAGES + 2);
-static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
+// The kernel's static shared memory (its call state, 48 bytes), padded by ptxas so that the
+// dynamic area after it starts on the 1024-byte boundary it declares; mirrored by
+// STATIC_SMEM_BYTES in mod.rs
+constexpr int STATIC_SMEM_BYTES = 1024;
+// the most dynamic shared memory a block can have beside it
+constexpr int DYNAMIC_SMEM_LIMIT = 227 * 1024 - STATIC_SMEM_BYTES;
+constexpr int SMEM_BYTES = STAGES * (A_STAGE_BYTES + B_STAGE_BYTES) + EPI_BYTES + 8 * (2 * STAGES + 2);
+static_assert(SMEM_BYTES <= DYNAMIC_SMEM_LIMIT, "the stages and the staged tile must fit in shared memory");
 }  // namespace gemm
 
 // One build of the kernel: the rows it computes of each of the plan's tiles (BM rows; 64 in
@@ -108,7 +113,7 @@ struct Cfg {
     static constexpr bool DIRECT = DIRECT_;
     // whose general entries' consumers store tiles along routes (the direct and the
     // mid-direct build: tile_dst, raise_routed_flags)
-    static constexpr bool ROUTES_BY_CONSUMERS = DIRECT_ && PLAIN_ == 0 && !PINGPONG_;
+    static constexpr bool ROUTES_BY_CONSUMERS = DIRECT_ && (PLAIN_ == 0 || PLAIN_ == 3) && !PINGPONG_;
     // The build's plain entries (`<entry>_plain`, 16-bit outputs): alpha times A times B into D
     // by the boxes' tensor stores, every other option of the parameters compiled out instead
     // of tested at run time (routes, folds, flags, bands, gathers, the split tail, the bias, C,
@@ -118,8 +123,20 @@ struct Cfg {
     // at decode sizes about 850), and the set-up runs cold in the instruction cache.
     // (PLAIN_: 0 the general entries, 1 the plain ones, 2 the plain ones with the split tail,
     // `<entry>_plain_tail`, which the direct build also has for the large products whose
-    // last wave is cut along K, and the narrow builds for their few tiles cut along K)
-    static constexpr bool PLAIN = PLAIN_ != 0;
+    // last wave is cut along K, and the narrow builds for their few tiles cut along K;
+    // 3 the routed ones, below)
+    static constexpr bool PLAIN = PLAIN_ == 1 || PLAIN_ == 2;
+    // The direct build's routed entries (`<entry>_routed`, 16-bit outputs): what GEMM +
+    // reduce-scatter asks for (routes, flags, folds, row bands, the bias, the split tail), the
+    // options of the other operators compiled out (the all-gather's band waits and local rows,
+    // beta C, D +=). Through the general entry a routed call ran 3 % slower than the plain
+    // entry at 8192 x 8192 x 3584, its k-block rebuilding shared addresses under register
+    // pressure.
+    static constexpr bool ROUTED = PLAIN_ == 3;
+    // whether the entry serves the all-gather's waits for rows and its local rows of A, and C
+    // and D += (only the general entries)
+    static constexpr bool GATHERS = PLAIN_ == 0;
+    static constexpr bool READS_C = PLAIN_ == 0;
     // whether the entry shares out a last, partial wave by K ranges (the split tail)
     static constexpr bool SPLIT_TAIL = PLAIN_ != 1;
     // The direct build's boxes: 64 rows of 128 bytes (one swizzle row), two per consumer
@@ -139,11 +156,12 @@ struct Cfg {
     static constexpr int EPI_BYTES = DIRECT ? WARPGROUPS * 2 * BOX_BYTES : ROWS * EPI_PITCH;
     // the sliced build's hand-over: the second warpgroup's f32 sums (64 rows x BN)
     static constexpr int SUMS_BYTES = SLICES > 1 ? 64 * BN * 4 : 0;
-    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + SUMS_BYTES + 8 * (2 * STAGES + 2);
+    // the dynamic area: no alignment slack, the area's start is declared 1024-byte aligned
+    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + EPI_BYTES + SUMS_BYTES + 8 * (2 * STAGES + 2);
     static_assert((STAGES * STAGE_BYTES + EPI_BYTES) % 16 == 0, "the sums are read and written as float4");
     static_assert(ROWS == 64 || ROWS == gemm::BM, "a build computes one or two 64-row halves of a tile");
     static_assert(BN == 64 || BN == 128 || BN == 256, "a tile is one wgmma's N wide");
-    static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the staged tile must fit in shared memory");
+    static_assert(SMEM_BYTES <= gemm::DYNAMIC_SMEM_LIMIT, "the stages and the staged tile must fit in shared memory");
     // 128-byte swizzled stages start on 1024-byte boundaries
     static_assert(A_STAGE_BYTES % 1024 == 0 && B_STAGE_BYTES % 1024 == 0, "stage alignment");
     // each block of a pair loads one half of B's rows ([N, K]: 128 of 256) or two of its four
@@ -155,11 +173,15 @@ struct Cfg {
     static_assert(!PINGPONG || (DIRECT && ROWS == gemm::BM && SLICES == 1 && CLUSTER == 1),
                   "ping-pong warpgroups store their own 128-row tiles");
     static_assert(!PLAIN || (DIRECT && CLUSTER == 1), "plain entries store their tiles by the consumers' boxes");
+    static_assert(!ROUTED || ROUTES_BY_CONSUMERS, "routed entries are the direct builds' whose consumers store routes");
     static_assert(TILE_ROWS == gemm::BM || TILE_ROWS == ROWS, "a build computes whole tiles or their first 64 rows");
 };
 // A build's plain entries (Cfg::PLAIN; TAIL: with the split tail).
 template <class C, bool TAIL = false>
 using PlainOf = Cfg<C::ROWS, C::BN, C::STAGES, C::CLUSTER, C::DIRECT, C::SLICES, C::PINGPONG, TAIL ? 2 : 1, C::TILE_ROWS>;
+// A direct build's routed entries (Cfg::ROUTED).
+template <class C>
+using RoutedOf = Cfg<C::ROWS, C::BN, C::STAGES, C::CLUSTER, C::DIRECT, C::SLICES, C::PINGPONG, 3, C::TILE_ROWS>;
 using MainCfg = Cfg<gemm::BM, gemm::BN, gemm::STAGES>;
 using SkinnyCfg = Cfg<64, gemm::BN, 4>;
 // The narrow builds store their tiles themselves, as the direct build does (a 64 x 64 tile of
@@ -210,17 +232,17 @@ static_assert(FoldBoxes<MainCfg, __nv_bfloat16>::STAGES == 2 && FoldBoxes<MainCf
 static_assert(MainCfg::SMEM_BYTES == gemm::SMEM_BYTES && MainCfg::EPI_PITCH == gemm::EPI_PITCH,
               "the main build is the kernel's design");
 // mirrored by SKINNY_SMEM_BYTES and NARROW_SMEM_BYTES in mod.rs
-static_assert(SkinnyCfg::SMEM_BYTES == 198736, "layout mirrored by SKINNY_SMEM_BYTES in mod.rs");
-static_assert(NarrowCfg::SMEM_BYTES == 148624, "layout mirrored by NARROW_SMEM_BYTES in mod.rs");
-static_assert(NarrowTallCfg::SMEM_BYTES == 230544, "layout mirrored by NARROW_TALL_SMEM_BYTES in mod.rs");
-static_assert(NarrowDeepCfg::SMEM_BYTES == 214224, "layout mirrored by NARROW_DEEP_SMEM_BYTES in mod.rs");
-static_assert(NarrowSlicedCfg::SMEM_BYTES == 223440, "layout mirrored by NARROW_SLICED_SMEM_BYTES in mod.rs");
+static_assert(SkinnyCfg::SMEM_BYTES == 197712, "layout mirrored by SKINNY_SMEM_BYTES in mod.rs");
+static_assert(NarrowCfg::SMEM_BYTES == 147600, "layout mirrored by NARROW_SMEM_BYTES in mod.rs");
+static_assert(NarrowTallCfg::SMEM_BYTES == 229520, "layout mirrored by NARROW_TALL_SMEM_BYTES in mod.rs");
+static_assert(NarrowDeepCfg::SMEM_BYTES == 213200, "layout mirrored by NARROW_DEEP_SMEM_BYTES in mod.rs");
+static_assert(NarrowSlicedCfg::SMEM_BYTES == 222416, "layout mirrored by NARROW_SLICED_SMEM_BYTES in mod.rs");
 static_assert(PairCfg::SMEM_BYTES == MainCfg::SMEM_BYTES, "the pair build's layout is the main build's");
-static_assert(MidCfg::SMEM_BYTES == 199776, "layout mirrored by MID_SMEM_BYTES in mod.rs");
-static_assert(DirectCfg::SMEM_BYTES == 230480, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
-static_assert(PingPongCfg::SMEM_BYTES == 230512, "layout mirrored by PING_PONG_SMEM_BYTES in mod.rs");
+static_assert(MidCfg::SMEM_BYTES == 198752, "layout mirrored by MID_SMEM_BYTES in mod.rs");
+static_assert(DirectCfg::SMEM_BYTES == 229456, "layout mirrored by DIRECT_SMEM_BYTES in mod.rs");
+static_assert(PingPongCfg::SMEM_BYTES == 229488, "layout mirrored by PING_PONG_SMEM_BYTES in mod.rs");
 static_assert(MidDirectCfg::SMEM_BYTES == PingPongCfg::SMEM_BYTES, "the mid-direct build's layout is the ping-pong build's");
-static_assert(ShortCfg::SMEM_BYTES == 214160, "layout mirrored by SHORT_SMEM_BYTES in mod.rs");
+static_assert(ShortCfg::SMEM_BYTES == 213136, "layout mirrored by SHORT_SMEM_BYTES in mod.rs");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -992,7 +1014,7 @@ struct ASource {
     u32 row;
 };
 template <class C> __device__ __forceinline__ ASource a_source(const GemmParams& p, u32 row0) {
-    if (!C::PLAIN && row0 - p.local_row0 < p.local_rows) return {&p.a_local, row0 - p.local_row0};
+    if (C::GATHERS && row0 - p.local_row0 < p.local_rows) return {&p.a_local, row0 - p.local_row0};
     return {&p.a, row0};
 }
 
@@ -1000,7 +1022,7 @@ template <class C> __device__ __forceinline__ ASource a_source(const GemmParams&
 // A's box and B's, by the producer while it still loads the unit before. Not in a pair (its
 // B boxes are halves) nor in an all-gather's GEMM (a band's rows may not have landed yet).
 template <class C, bool B_KN> __device__ __forceinline__ void prefetch_next_unit(const GemmParams& p, u32 u) {
-    if (C::CLUSTER > 1 || (!C::PLAIN && p.band_flags != nullptr) || u >= p.unit_count) return;
+    if (C::CLUSTER > 1 || (C::GATHERS && p.band_flags != nullptr) || u >= p.unit_count) return;
     const Unit n = unit_at<C>(p, u);
     if (n.empty) return;
     const ASource a = a_source<C>(p, n.row0);
@@ -1027,7 +1049,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
     for (u32 i = blockIdx.x; live && i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
         if (c.empty) continue;
-        if (!C::PLAIN && p.band_flags != nullptr && !c.idle && c.tm != landed) {
+        if (C::GATHERS && p.band_flags != nullptr && !c.idle && c.tm != landed) {
             if (!band_wait(p, c.tm, c.tile)) break;
             landed = c.tm;
         }
@@ -1406,7 +1428,7 @@ __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const S
         // read again from the parameters at each box, as the main build's passes do: a
         // flag or pointer kept across the boxes' barriers spilled in the f32 entries
         // (a peer's partial adds no bias: ROUTE_NO_BIAS)
-        const bool box_c = !C::PLAIN && p.beta != 0.0f && p.c != nullptr,
+        const bool box_c = C::READS_C && p.beta != 0.0f && p.c != nullptr,
                    box_bias = !C::PLAIN && p.bias != nullptr &&
                               (call_state.routes == nullptr || !(call_state.routes[c.tile].options & ROUTE_NO_BIAS));
         if (plain_epilogue<C, Out>(p, box_c, box_bias)) {
@@ -1454,7 +1476,7 @@ __device__ __forceinline__ void store_rows_from_registers(const GemmParams& p, c
     const u32 g_row0 = c.row0 + row0;
     const Out* c_mat = (const Out*)p.c;
     const Out* bias = (const Out*)p.bias;
-    const bool has_c = p.beta != 0.0f && p.c != nullptr;
+    const bool has_c = C::READS_C && p.beta != 0.0f && p.c != nullptr;
     // a thread's two columns start on an even column: where every row starts on a pair's
     // boundary (even ld, an aligned destination), one aligned store
     const bool pairs = (dst | (u64)ld * sizeof(Out)) % (2 * sizeof(Out)) == 0;
@@ -1470,7 +1492,7 @@ __device__ __forceinline__ void store_rows_from_registers(const GemmParams& p, c
                                                 has_c, tile_bias, c_mat, bias);
             float v0 = v.x, v1 = v.y;
             Out* at = (Out*)dst + (size_t)(row0 + 8 * h) * ld + col;
-            if (p.accumulate) {
+            if (C::READS_C && p.accumulate) {
                 v0 += Elem<Out>::to_f32(at[0]);
                 if (two) v1 += Elem<Out>::to_f32(at[1]);
             }
@@ -2024,9 +2046,11 @@ __device__ void storer(const GemmParams& p, const Smem& s, u32 t) {
 
 template <class C, typename In, typename Out, bool B_KN>
 __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
-    extern __shared__ unsigned char smem_raw[];
-    // 128-byte swizzled stages must start on 1024-byte boundaries
-    unsigned char* base = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
+    // 128-byte swizzled stages must start on 1024-byte boundaries: declared, so that the area's
+    // address is the symbol's, which ptxas rebuilds in a few uniform instructions where it
+    // rematerialises a stage's address (rounded up at run time, the rebuild took a dozen more)
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* base = smem_raw;
     Smem s;
     s.a = smem_u32(base);
     s.b = s.a + C::STAGES * C::A_STAGE_BYTES;
@@ -2050,7 +2074,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b) : "memory");
-        if (!C::PLAIN && p.local_rows != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a_local) : "memory");
+        if (C::GATHERS && p.local_rows != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a_local) : "memory");
         if (C::DIRECT && (C::PLAIN || p.d_tma != 0)) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.d_map) : "memory");
         if (FoldBoxes<C, Out>::STAGED && p.fold_tma != 0)
             asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.fold_map) : "memory");
@@ -2120,6 +2144,11 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     COMMFUSE_GEMM_PLAIN_ENTRIES_AS(PREFIX, IN, IN_T, CFG, _plain, false)
 #define COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(PREFIX, IN, IN_T, CFG) \
     COMMFUSE_GEMM_PLAIN_ENTRIES_AS(PREFIX, IN, IN_T, CFG, _plain_tail, true)
+// A direct build's routed entries (Cfg::ROUTED), the output type the input's (a reduce-scatter's
+// partials): <entry>_routed
+#define COMMFUSE_GEMM_ROUTED_ENTRIES(PREFIX, IN, IN_T, CFG)                                        \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_nk_##IN##_routed, RoutedOf<CFG>, IN_T, IN_T, false) \
+    COMMFUSE_GEMM_ENTRY(PREFIX##IN##_kn_##IN##_routed, RoutedOf<CFG>, IN_T, IN_T, true)
 
 // The file compiles as one NVRTC program, or in parts side by side (ptxas takes minutes over
 // all the entries on one core; the host compiles the parts in threads of their own):
@@ -2190,11 +2219,13 @@ COMMFUSE_GEMM_ENTRIES(gemm_mid_, f16, __half, MidCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_direct_, bf16, __nv_bfloat16, DirectCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_direct_, bf16, __nv_bfloat16, DirectCfg)
 COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_direct_, bf16, __nv_bfloat16, DirectCfg)
+COMMFUSE_GEMM_ROUTED_ENTRIES(gemm_direct_, bf16, __nv_bfloat16, DirectCfg)
 #endif
 #if GEMM_IN_PART(13)
 COMMFUSE_GEMM_ENTRIES(gemm_direct_, f16, __half, DirectCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_direct_, f16, __half, DirectCfg)
 COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_direct_, f16, __half, DirectCfg)
+COMMFUSE_GEMM_ROUTED_ENTRIES(gemm_direct_, f16, __half, DirectCfg)
 #endif
 #if GEMM_IN_PART(14)
 COMMFUSE_GEMM_ENTRIES(gemm_narrow_deep_, bf16, __nv_bfloat16, NarrowDeepCfg)

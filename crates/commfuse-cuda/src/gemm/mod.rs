@@ -50,11 +50,23 @@ const THREADS: u32 = 384;
 const STAGES: u32 = 3;
 /// K depth of one pipeline stage (one 128-byte swizzle row of 16-bit elements).
 const BK: usize = 64;
+/// Mirrors `gemm::STATIC_SMEM_BYTES` in gemm.cu: the kernel's static shared memory (its call
+/// state), padded so that the dynamic area after it starts on a 1024-byte boundary.
+const STATIC_SMEM_BYTES: u32 = 1024;
+/// The most dynamic shared memory a block of the kernel can have beside its static area.
+const DYNAMIC_SMEM_LIMIT: u32 = 227 * 1024 - STATIC_SMEM_BYTES;
+// the largest builds' areas fit beside it (and every build's: a unit test)
+const _: () = assert!(
+    SMEM_BYTES <= DYNAMIC_SMEM_LIMIT
+        && NARROW_TALL_SMEM_BYTES <= DYNAMIC_SMEM_LIMIT
+        && DIRECT_SMEM_BYTES <= DYNAMIC_SMEM_LIMIT
+        && PING_PONG_SMEM_BYTES <= DYNAMIC_SMEM_LIMIT
+);
 /// Mirrors `Cfg::SMEM_BYTES` in gemm.cu for a build of `rows` × `cols` tiles and `stages`
-/// stages: alignment slack, the stages, the staged tile (rows of 2 · `cols` + 16 bytes) and
-/// the mbarriers.
+/// stages: the stages, the staged tile (rows of 2 · `cols` + 16 bytes) and the mbarriers (the
+/// dynamic area).
 const fn smem_bytes(rows: usize, cols: usize, stages: u32) -> u32 {
-    1024 + stages * ((rows + cols) * BK * 2) as u32
+    stages * ((rows + cols) * BK * 2) as u32
         + rows as u32 * (2 * cols as u32 + 16)
         + 8 * (2 * stages + 2)
 }
@@ -349,6 +361,16 @@ impl GemmVariant {
         )
     }
 
+    /// Whether the build also has routed entries (`<entry>_routed`, output type = input
+    /// type): the general entry with the options of the other operators compiled out (the
+    /// all-gather's band waits and local rows, β·C, D +=), for GEMM + reduce-scatter's routed
+    /// calls and plain calls with a bias ([`entry_for`]). The direct build, whose consumers
+    /// store routed tiles themselves: through its general entry such a call re-derived its
+    /// stages' addresses in every k-block under register pressure.
+    pub fn has_routed_entries(self) -> bool {
+        self == GemmVariant::Direct
+    }
+
     /// The name of its general entry for these input and output types and B layout in
     /// gemm.cu: `<prefix><input>_<B layout>_<output>` (the plain ones add a suffix).
     fn entry_name(self, input: DType, layout: BLayout, output: DType) -> String {
@@ -366,8 +388,9 @@ impl GemmVariant {
 
     /// Every entry point of the build for `input` that gemm.cu's part of it holds
     /// ([`gemm_part`]) and [`GemmKernels`] loads: the general entries of both B layouts and
-    /// the three output types, and for 16-bit outputs its plain ones
-    /// ([`GemmVariant::has_plain_entries`], [`GemmVariant::has_plain_tail_entries`]).
+    /// the three output types, for 16-bit outputs its plain ones
+    /// ([`GemmVariant::has_plain_entries`], [`GemmVariant::has_plain_tail_entries`]) and for
+    /// the input's type its routed ones ([`GemmVariant::has_routed_entries`]).
     pub fn entry_names(self, input: DType) -> Vec<String> {
         let mut names = Vec::new();
         for layout in [BLayout::NK, BLayout::KN] {
@@ -380,6 +403,9 @@ impl GemmVariant {
                     if has && output.size() == 2 {
                         names.push(format!("{name}{suffix}"));
                     }
+                }
+                if self.has_routed_entries() && output == input {
+                    names.push(format!("{name}{ROUTED_SUFFIX}"));
                 }
                 names.push(name);
             }
@@ -1277,6 +1303,8 @@ pub const PLAIN_SUFFIX: &str = "_plain";
 /// The suffix of the plain entries that keep the split tail
 /// ([`GemmVariant::has_plain_tail_entries`]).
 pub const PLAIN_TAIL_SUFFIX: &str = "_plain_tail";
+/// The suffix of a build's routed entries ([`GemmVariant::has_routed_entries`]).
+pub const ROUTED_SUFFIX: &str = "_routed";
 
 /// Which of its build's entries a GEMM call runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1287,15 +1315,19 @@ pub enum GemmEntry {
     Plain,
     /// The same with the split tail kept ([`GemmVariant::has_plain_tail_entries`])
     PlainTail,
+    /// Routes, flags, folds, row bands, the bias and the split tail kept, the other
+    /// operators' options compiled out ([`GemmVariant::has_routed_entries`])
+    Routed,
 }
 
 impl GemmEntry {
-    /// `general`, `plain` or `plain-tail`.
+    /// `general`, `plain`, `plain-tail` or `routed`.
     pub fn name(self) -> &'static str {
         match self {
             GemmEntry::General => "general",
             GemmEntry::Plain => "plain",
             GemmEntry::PlainTail => "plain-tail",
+            GemmEntry::Routed => "routed",
         }
     }
 }
@@ -1305,10 +1337,15 @@ impl GemmEntry {
 /// β·C, accumulation into D) and its tiles go out by the boxes' tensor stores (`d_tma`: a
 /// 16-bit D), the one without the split tail where it has none. Alpha, the call counter, the
 /// trace and the load options (`next_prefetch`, `k_phases`, `k_serpentine`) stay in the plain
-/// entries.
+/// entries. Else a routed one where it asks for none of the other operators' options (the
+/// all-gather's band waits and local rows, β·C, accumulation into D).
 fn entry_for(p: &GemmParams) -> GemmEntry {
     if !plain_options(p) {
-        GemmEntry::General
+        if routed_options(p) {
+            GemmEntry::Routed
+        } else {
+            GemmEntry::General
+        }
     } else if p.full_units == p.unit_count {
         GemmEntry::Plain
     } else {
@@ -1330,6 +1367,10 @@ fn plain_options(p: &GemmParams) -> bool {
         && p.accumulate == 0
 }
 
+fn routed_options(p: &GemmParams) -> bool {
+    p.band_flags == 0 && p.local_rows == 0 && (p.c == 0 || p.beta == 0.0) && p.accumulate == 0
+}
+
 /// A GEMM call ready to launch any number of times.
 pub struct PreparedGemm {
     function: Function,
@@ -1339,6 +1380,9 @@ pub struct PreparedGemm {
     /// ([`PreparedGemm::use_general_entry`])
     plain: Option<Function>,
     plain_tail: Option<Function>,
+    /// The build's routed entry ([`GemmVariant::has_routed_entries`]), `None` where it has
+    /// none for these types or where turned off
+    routed_entry: Option<Function>,
     params: GemmParams,
     grid: u32,
     /// The build it runs, and so the rows of its A boxes (per-call A maps) and its shared memory
@@ -1603,6 +1647,7 @@ impl PreparedGemm {
         let function = kernels.entry(plan, variant)?;
         let plain = kernels.plain_entry(plan, variant, PLAIN_SUFFIX);
         let plain_tail = kernels.plain_entry(plan, variant, PLAIN_TAIL_SUFFIX);
+        let routed_entry = kernels.plain_entry(plan, variant, ROUTED_SUFFIX);
         let a = a_map(ops.a, p.input, p.k, p.m, a_box_rows(p.m, variant))?;
         let mut b_padded = None;
         let mut b_addr = ops.b;
@@ -1791,6 +1836,7 @@ impl PreparedGemm {
             function,
             plain,
             plain_tail,
+            routed_entry,
             params,
             grid: tail.grid as u32,
             variant,
@@ -1871,10 +1917,12 @@ impl PreparedGemm {
 
     /// Every call from now on runs the build's general entry, also where a plain one would
     /// serve it (by default a call that asks for no option runs a plain entry where the build
-    /// has one): what a bench's row beside the plain one times.
+    /// has one, and a routed call a routed entry): what a bench's row beside the plain or
+    /// routed one times.
     pub fn use_general_entry(&mut self) {
         self.plain = None;
         self.plain_tail = None;
+        self.routed_entry = None;
     }
 
     /// Which entry [`PreparedGemm::launch`] runs.
@@ -1888,6 +1936,7 @@ impl PreparedGemm {
             GemmEntry::General => None,
             GemmEntry::Plain => self.plain.as_ref().map(|f| (GemmEntry::Plain, f)),
             GemmEntry::PlainTail => self.plain_tail.as_ref().map(|f| (GemmEntry::PlainTail, f)),
+            GemmEntry::Routed => self.routed_entry.as_ref().map(|f| (GemmEntry::Routed, f)),
         };
         plain.unwrap_or((GemmEntry::General, &self.function))
     }
@@ -2624,7 +2673,7 @@ mod tests {
     }
 
     #[test]
-    fn only_calls_without_options_take_a_plain_entry() {
+    fn only_calls_without_options_take_a_plain_entry_and_routed_ones_a_routed_entry() {
         // a plain GEMM as prepared: D by tensor stores, whole tiles only
         let plain = GemmParams {
             d_tma: 1,
@@ -2653,10 +2702,17 @@ mod tests {
             ..plain
         };
         assert_eq!(entry_for(&tail), GemmEntry::PlainTail);
-        let options: [(&str, GemmParams); 12] = [
-            ("no tensor stores of D", GemmParams { d_tma: 0, ..plain }),
+        // the options of GEMM + reduce-scatter (and a bias) take the routed entry, the other
+        // operators' the general one
+        let options: [(&str, GemmEntry, GemmParams); 12] = [
+            (
+                "no tensor stores of D",
+                GemmEntry::Routed,
+                GemmParams { d_tma: 0, ..plain },
+            ),
             (
                 "routes",
+                GemmEntry::Routed,
                 GemmParams {
                     routes: 0x100,
                     ..plain
@@ -2664,6 +2720,7 @@ mod tests {
             ),
             (
                 "other routes in alternate calls",
+                GemmEntry::Routed,
                 GemmParams {
                     routes_alt: 0x100,
                     ..plain
@@ -2671,6 +2728,7 @@ mod tests {
             ),
             (
                 "row bands",
+                GemmEntry::Routed,
                 GemmParams {
                     bands: 0x100,
                     ..plain
@@ -2678,6 +2736,7 @@ mod tests {
             ),
             (
                 "a gather's flags",
+                GemmEntry::General,
                 GemmParams {
                     band_flags: 0x100,
                     ..plain
@@ -2685,6 +2744,7 @@ mod tests {
             ),
             (
                 "rows of A read from the caller's",
+                GemmEntry::General,
                 GemmParams {
                     local_rows: 64,
                     ..plain
@@ -2692,6 +2752,7 @@ mod tests {
             ),
             (
                 "folds by TMA",
+                GemmEntry::Routed,
                 GemmParams {
                     fold_tma: 1,
                     ..plain
@@ -2699,6 +2760,7 @@ mod tests {
             ),
             (
                 "the folds' prefetch",
+                GemmEntry::Routed,
                 GemmParams {
                     fold_prefetch: 1,
                     ..plain
@@ -2706,14 +2768,20 @@ mod tests {
             ),
             (
                 "the bias",
+                GemmEntry::Routed,
                 GemmParams {
                     bias: 0x100,
                     ..plain
                 },
             ),
-            ("beta times C", GemmParams { c: 0x100, ..plain }),
+            (
+                "beta times C",
+                GemmEntry::General,
+                GemmParams { c: 0x100, ..plain },
+            ),
             (
                 "accumulation into D",
+                GemmEntry::General,
                 GemmParams {
                     accumulate: 1,
                     ..plain
@@ -2721,6 +2789,7 @@ mod tests {
             ),
             (
                 "all of them",
+                GemmEntry::General,
                 GemmParams {
                     bias: 0x100,
                     routes: 0x100,
@@ -2729,13 +2798,13 @@ mod tests {
                 },
             ),
         ];
-        for (what, params) in options {
-            assert_eq!(entry_for(&params), GemmEntry::General, "{what}");
+        for (what, entry, params) in options {
+            assert_eq!(entry_for(&params), entry, "{what}");
             let tail = GemmParams {
                 full_units: 120,
                 ..params
             };
-            assert_eq!(entry_for(&tail), GemmEntry::General, "{what}, a split tail");
+            assert_eq!(entry_for(&tail), entry, "{what}, a split tail");
         }
     }
 
@@ -2807,28 +2876,29 @@ mod tests {
         assert_eq!(std::mem::offset_of!(GemmParams, calls), 400);
         assert_eq!(std::mem::offset_of!(GemmParams, routes_alt), 408);
         assert_eq!(std::mem::size_of::<CallCounter>(), 16);
-        const { assert!(SMEM_BYTES <= 227 * 1024) };
+        const { assert!(SMEM_BYTES <= DYNAMIC_SMEM_LIMIT) };
         // SkinnyCfg, NarrowCfg and NarrowTallCfg::SMEM_BYTES, static_asserts in gemm.cu
-        assert_eq!(SKINNY_SMEM_BYTES, 198736);
-        assert_eq!(NARROW_SMEM_BYTES, 148624);
-        assert_eq!(NARROW_DEEP_SMEM_BYTES, 214224);
-        assert_eq!(NARROW_SLICED_SMEM_BYTES, 223440);
+        assert_eq!(SKINNY_SMEM_BYTES, 197712);
+        assert_eq!(NARROW_SMEM_BYTES, 147600);
+        assert_eq!(NARROW_DEEP_SMEM_BYTES, 213200);
+        assert_eq!(NARROW_SLICED_SMEM_BYTES, 222416);
         // PingPongCfg::SMEM_BYTES; a seventh stage would not fit
-        assert_eq!(PING_PONG_SMEM_BYTES, 230512);
-        const { assert!(PING_PONG_SMEM_BYTES + 32 * 1024 > 227 * 1024) };
+        assert_eq!(PING_PONG_SMEM_BYTES, 229488);
+        const { assert!(PING_PONG_SMEM_BYTES + 32 * 1024 > DYNAMIC_SMEM_LIMIT) };
         const {
             assert!(
-                direct_smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES + 2) > 227 * 1024
+                direct_smem_bytes(SKINNY_ROWS, NARROW_TILE.n, NARROW_DEEP_STAGES + 2)
+                    > DYNAMIC_SMEM_LIMIT
             )
         };
-        assert_eq!(NARROW_TALL_SMEM_BYTES, 230544);
-        const { assert!(NARROW_TALL_SMEM_BYTES <= 227 * 1024) };
+        assert_eq!(NARROW_TALL_SMEM_BYTES, 229520);
+        const { assert!(NARROW_TALL_SMEM_BYTES <= DYNAMIC_SMEM_LIMIT) };
         // MidCfg::SMEM_BYTES; a sixth stage would not fit
-        assert_eq!(MID_SMEM_BYTES, 199776);
+        assert_eq!(MID_SMEM_BYTES, 198752);
         // DirectCfg::SMEM_BYTES: four stages and four boxes fit
-        assert_eq!(DIRECT_SMEM_BYTES, 230480);
-        const { assert!(DIRECT_SMEM_BYTES <= 227 * 1024) };
-        const { assert!(smem_bytes(MID_TILE.m, MID_TILE.n, MID_STAGES + 1) > 227 * 1024) };
+        assert_eq!(DIRECT_SMEM_BYTES, 229456);
+        const { assert!(DIRECT_SMEM_BYTES <= DYNAMIC_SMEM_LIMIT) };
+        const { assert!(smem_bytes(MID_TILE.m, MID_TILE.n, MID_STAGES + 1) > DYNAMIC_SMEM_LIMIT) };
     }
 
     #[test]
@@ -3190,7 +3260,7 @@ mod tests {
                 _ => 128,
             };
             assert_eq!(v.rows(), rows, "{v:?}");
-            assert!(v.smem_bytes() <= 227 * 1024, "{v:?}");
+            assert!(v.smem_bytes() <= DYNAMIC_SMEM_LIMIT, "{v:?}");
         }
     }
 

@@ -25,6 +25,8 @@ use commfuse_core::{Element, ReduceOp};
 pub struct OneGpuRank {
     name: String,
     gemm: PreparedGemm,
+    /// Runs its build's general entry where another would serve it
+    general_entry: bool,
     schedule: GemmRsSchedule,
     /// Rank 0's output chunk ([chunk rows, N])
     out: DeviceMemory,
@@ -113,6 +115,7 @@ impl OneGpuRank {
         )?;
         Ok(OneGpuRank {
             name: format!("commfuse-rs{world}"),
+            general_entry: false,
             gemm,
             schedule,
             out,
@@ -137,8 +140,22 @@ impl OneGpuRank {
         self.name.push_str(self.gemm.variant().name());
     }
 
+    /// It runs its build's general entry where a routed one would serve it
+    /// ([`PreparedGemm::use_general_entry`]); the row's name takes `-general`.
+    pub fn use_general_entry(&mut self) {
+        self.gemm.use_general_entry();
+        self.general_entry = true;
+        self.name.push_str("-general");
+    }
+
+    /// Whether [`OneGpuRank::use_general_entry`] turned the other entries off.
+    pub fn general_entry(&self) -> bool {
+        self.general_entry
+    }
+
     /// The bench row's name: `commfuse-rs<P>`, the build where [`OneGpuRank::name_build`]
-    /// named it, and `-serpentine` after it where it is on.
+    /// named it, `-general` where it runs its general entry, and `-serpentine` after it where
+    /// it is on.
     pub fn name(&self) -> &str {
         &self.name
     }
