@@ -470,7 +470,9 @@ fn run<T: Element>(
         .iter()
         .flat_map(|&on| rs_ranks.iter().map(move |&world| (world, on)))
     {
-        for choice in [VariantChoice::Auto, VariantChoice::Direct] {
+        // the rank under `choice` (named by its build where not `auto`'s), through its
+        // general entry where `general`
+        let rank = |choice: VariantChoice, general: bool| {
             let operands = (a_dev.addr(), b_dev.addr());
             let mut row = kernels.with_choice(choice, || {
                 let bias = bias_row
@@ -479,32 +481,28 @@ fn run<T: Element>(
                 OneGpuRank::new(&gpu, &kernels, p, operands, (world, fold_cap), seed, bias)
             })?;
             if choice != VariantChoice::Auto {
-                let auto = rank_rows.last().map(|r: &OneGpuRank| r.gemm().variant());
-                if auto == Some(row.gemm().variant()) {
-                    continue;
-                }
                 row.name_build();
+            }
+            if general {
+                row.use_general_entry();
             }
             if on {
                 row.set_k_serpentine();
             }
+            Ok::<_, CudaError>(row)
+        };
+        for choice in [VariantChoice::Auto, VariantChoice::Direct] {
+            let row = rank(choice, false)?;
+            if choice != VariantChoice::Auto {
+                let auto = rank_rows.last().map(|r: &OneGpuRank| r.gemm().variant());
+                if auto == Some(row.gemm().variant()) {
+                    continue;
+                }
+            }
             let routed = row.gemm().entry() == GemmEntry::Routed;
             rank_rows.push(row);
             if routed {
-                let mut general = kernels.with_choice(choice, || {
-                    let bias = bias_row
-                        .as_ref()
-                        .map(|(mem, values)| (mem.addr(), values.as_slice()));
-                    OneGpuRank::new(&gpu, &kernels, p, operands, (world, fold_cap), seed, bias)
-                })?;
-                if choice != VariantChoice::Auto {
-                    general.name_build();
-                }
-                general.use_general_entry();
-                if on {
-                    general.set_k_serpentine();
-                }
-                rank_rows.push(general);
+                rank_rows.push(rank(choice, true)?);
             }
         }
     }
