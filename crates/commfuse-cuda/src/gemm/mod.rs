@@ -1245,9 +1245,15 @@ impl GemmKernels {
         self.choice().tile_for(p, sms)
     }
 
-    /// The build's plain entry for the plan's types and layout (`suffix`: [`PLAIN_SUFFIX`] or
-    /// [`PLAIN_TAIL_SUFFIX`]), where it has one.
-    fn plain_entry(&self, plan: &GemmPlan, variant: GemmVariant, suffix: &str) -> Option<Function> {
+    /// The build's plain, plain-tail or routed entry for the plan's types and layout
+    /// (`suffix`: [`PLAIN_SUFFIX`], [`PLAIN_TAIL_SUFFIX`] or [`ROUTED_SUFFIX`]), where it has
+    /// one.
+    fn suffixed_entry(
+        &self,
+        plan: &GemmPlan,
+        variant: GemmVariant,
+        suffix: &str,
+    ) -> Option<Function> {
         let name = self.entry_name(plan, variant);
         self.functions.get(&format!("{name}{suffix}")).cloned()
     }
@@ -1353,20 +1359,21 @@ fn entry_for(p: &GemmParams) -> GemmEntry {
     }
 }
 
+/// The plain entries' options: the routed entries' ([`routed_options`]) less routes, flags,
+/// folds, row bands and the bias, and D by the boxes' tensor stores.
 fn plain_options(p: &GemmParams) -> bool {
-    p.d_tma != 0
+    routed_options(p)
+        && p.d_tma != 0
         && p.routes == 0
         && p.routes_alt == 0
         && p.bands == 0
-        && p.band_flags == 0
-        && p.local_rows == 0
         && p.fold_tma == 0
         && p.fold_prefetch == 0
         && p.bias == 0
-        && (p.c == 0 || p.beta == 0.0)
-        && p.accumulate == 0
 }
 
+/// The routed entries' options: none of the other operators' (the all-gather's band waits and
+/// local rows, β·C, accumulation into D).
 fn routed_options(p: &GemmParams) -> bool {
     p.band_flags == 0 && p.local_rows == 0 && (p.c == 0 || p.beta == 0.0) && p.accumulate == 0
 }
@@ -1645,9 +1652,9 @@ impl PreparedGemm {
             };
         }
         let function = kernels.entry(plan, variant)?;
-        let plain = kernels.plain_entry(plan, variant, PLAIN_SUFFIX);
-        let plain_tail = kernels.plain_entry(plan, variant, PLAIN_TAIL_SUFFIX);
-        let routed_entry = kernels.plain_entry(plan, variant, ROUTED_SUFFIX);
+        let plain = kernels.suffixed_entry(plan, variant, PLAIN_SUFFIX);
+        let plain_tail = kernels.suffixed_entry(plan, variant, PLAIN_TAIL_SUFFIX);
+        let routed_entry = kernels.suffixed_entry(plan, variant, ROUTED_SUFFIX);
         let a = a_map(ops.a, p.input, p.k, p.m, a_box_rows(p.m, variant))?;
         let mut b_padded = None;
         let mut b_addr = ops.b;
@@ -1932,13 +1939,13 @@ impl PreparedGemm {
 
     /// The entry a call with `params` runs, and its function.
     fn entry_of(&self, params: &GemmParams) -> (GemmEntry, &Function) {
-        let plain = match entry_for(params) {
+        let other = match entry_for(params) {
             GemmEntry::General => None,
             GemmEntry::Plain => self.plain.as_ref().map(|f| (GemmEntry::Plain, f)),
             GemmEntry::PlainTail => self.plain_tail.as_ref().map(|f| (GemmEntry::PlainTail, f)),
             GemmEntry::Routed => self.routed_entry.as_ref().map(|f| (GemmEntry::Routed, f)),
         };
-        plain.unwrap_or((GemmEntry::General, &self.function))
+        other.unwrap_or((GemmEntry::General, &self.function))
     }
 
     /// Tiles whose partials the kernel loads into its pipeline's stages by TMA; the other
