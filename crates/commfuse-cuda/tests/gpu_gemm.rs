@@ -12,7 +12,7 @@ use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::{DType, Element};
 use commfuse_cuda::backend::plan_table::ErrorRecord;
 use commfuse_cuda::gemm::bench::{
-    bench_gemm, DeviceReference, ExtraRows, ReferenceGemm, StreamGuard, TileOrder,
+    bench_gemm, DeviceReference, ExtraRows, GemmRow, ReferenceGemm, StreamGuard, TileOrder,
 };
 use commfuse_cuda::gemm::{
     CallNumber, FoldSource, Gather, GemmEntry, GemmKernels, GemmOperands, GemmVariant,
@@ -197,6 +197,7 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         trace: false,
         order: Default::default(),
         rs_ranks: &[],
+        rs_ring: false,
     }
 }
 
@@ -2103,6 +2104,70 @@ fn rank_rows_pass_the_check() {
         refused.to_string().contains("2 to M = 4 ranks"),
         "{refused}"
     );
+}
+
+/// The ring inside one GEMM as rank 0 of P on one GPU (`bench gemm --rs-ranks --rs-ring`):
+/// every element of its own chunk (the last step, folding the running sum of the step before,
+/// and the bias) and of every chunk it handed on (each folding the step before's sum, from the
+/// stand-in of its receiver's buffer of that step) is checked against float64, and every flag
+/// word of the stand-ins (the bench errs on one wrong), at P = 2, 3 and 5, ragged shapes whose
+/// chunks cut the 128-row bands, both B layouts, 16-bit and f32 outputs, all SMs and capped; on
+/// the main and the direct build every hop's sum comes through the stages.
+#[test]
+fn ring_rank_rows_pass_the_check() {
+    let Some((gpu, _kernels, _stream)) = one_gpu() else {
+        return;
+    };
+    for (m, n, k, layout, out, bias) in [
+        (300, 1000, 136, BLayout::NK, DType::BF16, true),
+        (777, 4096, 520, BLayout::KN, DType::BF16, false),
+        (500, 1000, 264, BLayout::NK, DType::F32, true),
+        (2048, 8192, 1024, BLayout::NK, DType::BF16, false),
+    ] {
+        let p = GemmProblem::new(m, n, k, layout, DType::BF16, out).unwrap();
+        let extra = ExtraRows {
+            builds: Some(&[]),
+            rs_ranks: &[2, 3, 5],
+            rs_ring: true,
+            bias,
+            ..folds(&[], None)
+        };
+        for sms in [0, gpu.sm_count - 16] {
+            let rows = bench_gemm(0, None, extra, &p, &[sms], 1, 2, 73 + m as u64).unwrap();
+            let rings: Vec<&GemmRow> = rows
+                .iter()
+                .filter(|r| r.implementation.starts_with("commfuse-ring"))
+                .collect();
+            for w in [2, 3, 5] {
+                for suffix in ["", "-order"] {
+                    let name = format!("commfuse-ring{w}{suffix}");
+                    assert!(
+                        rings.iter().any(|r| r.implementation == name),
+                        "{m}x{n}x{k}: no {name} among {rings:?}"
+                    );
+                }
+            }
+            for r in &rows {
+                assert_eq!(
+                    (r.checked, r.out_of_bound),
+                    (m * n, 0),
+                    "{m}x{n}x{k} {layout:?} {out:?} bias {bias} sms {sms}: {r:?}"
+                );
+            }
+            for r in rings
+                .iter()
+                .filter(|r| !r.implementation.ends_with("-order"))
+            {
+                assert_eq!(r.sms, sms, "{r:?}");
+                let staged = r.staged_folds.expect("a rank row counts its staged folds");
+                match r.build.as_deref() {
+                    Some("main" | "direct") => assert!(staged > 0, "{r:?}"),
+                    Some("skinny") => assert_eq!(staged, 0, "{r:?}"),
+                    other => panic!("a ring row on the {other:?} build: {r:?}"),
+                }
+            }
+        }
+    }
 }
 
 /// The reference kernel of the bench's check against the float64 CPU reference: ragged shapes

@@ -19,7 +19,7 @@ use crate::gemm::{
     PreparedGemm, RouteTargets, TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE,
     ROUTE_DST_FROM_D, SHORT_TILE, SKINNY_ROWS, TILE,
 };
-use crate::gemm_rs::one_gpu::OneGpuRank;
+use crate::gemm_rs::one_gpu::{OneGpuRank, RankSchedule};
 use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
 pub use crate::sys::driver::StreamGuard;
 use crate::sys::driver::{DeviceMemory, Event, Function, Gpu, Module, Stream};
@@ -131,6 +131,8 @@ pub struct ExtraRows<'a> {
     /// For each P, a row of the fused GEMM + reduce-scatter's kernel as rank 0 of P alone on
     /// this GPU ([`OneGpuRank`]), at the first cap of `sms`
     pub rs_ranks: &'a [usize],
+    /// Each of those rows again with the ring inside one GEMM ([`RankSchedule::Ring`])
+    pub rs_ring: bool,
 }
 
 /// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
@@ -243,6 +245,7 @@ fn run<T: Element>(
         trace,
         order,
         rs_ranks,
+        rs_ring,
     }: ExtraRows<'_>,
     p: &GemmProblem,
     sms: &[u32],
@@ -466,10 +469,16 @@ fn run<T: Element>(
     // `-direct`) where that is another; and where a rank runs a routed entry, again through
     // its build's general entry (`-general`: what the routed entry saves)
     let mut rank_rows = Vec::new();
-    for (world, on) in serpentine
-        .iter()
-        .flat_map(|&on| rs_ranks.iter().map(move |&world| (world, on)))
-    {
+    let schedules: &[RankSchedule] = if rs_ring {
+        &[RankSchedule::Fold, RankSchedule::Ring]
+    } else {
+        &[RankSchedule::Fold]
+    };
+    for (world, on, kind) in serpentine.iter().flat_map(|&on| {
+        rs_ranks
+            .iter()
+            .flat_map(move |&world| schedules.iter().map(move |&kind| (world, on, kind)))
+    }) {
         // the rank under `choice` (named by its build where not `auto`'s), through its
         // general entry where `general`
         let rank = |choice: VariantChoice, general: bool| {
@@ -478,7 +487,16 @@ fn run<T: Element>(
                 let bias = bias_row
                     .as_ref()
                     .map(|(mem, values)| (mem.addr(), values.as_slice()));
-                OneGpuRank::new(&gpu, &kernels, p, operands, (world, fold_cap), seed, bias)
+                OneGpuRank::new(
+                    &gpu,
+                    &kernels,
+                    p,
+                    operands,
+                    (world, fold_cap),
+                    kind,
+                    seed,
+                    bias,
+                )
             })?;
             if choice != VariantChoice::Auto {
                 row.name_build();

@@ -34,6 +34,7 @@
 pub mod bench;
 pub mod checked;
 pub mod flag_step;
+pub(crate) mod fused_ring;
 pub mod one_gpu;
 mod ring;
 mod unfused;

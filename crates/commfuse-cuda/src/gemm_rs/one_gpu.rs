@@ -10,16 +10,38 @@
 //! rank computes its own rows last and the others' first (rank q computes owner r's tiles in
 //! its ((r − q − 1) mod P)-th place of P), so at equal speed each partial is finished at least a
 //! chunk's worth of tiles before its owner folds it.
+//!
+//! The same rank runs the ring inside one GEMM too ([`RankSchedule::Ring`],
+//! [`super::fused_ring`]): step by step, each tile of steps 1 .. P − 1 folding the one running
+//! sum its sender handed on (in rank 0's receive buffers, flags up), each tile of steps
+//! 0 .. P − 2 stored into its receiver's stand-in buffer of its step with its flag. With flags
+//! up this is the ring's steady state, where each hop's running sum is ready a chunk of tiles
+//! before it is needed; where a chunk is shorter than a wave of tiles, the ring's hops wait
+//! for each other on real peers, which one GPU does not show.
 
+use super::fused_ring::{ring_fold_source, ring_order, ring_tile_routes};
 use super::{fold_source, tile_routes, GemmRsPeer, RingPeer, NCCL_ID_BYTES};
 use crate::error::CudaError;
 use crate::gemm::bench::upload_output;
 use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
 use crate::sys::driver::{DeviceMemory, Gpu};
+use commfuse_core::fused::fused_ring::FusedRing;
 use commfuse_core::fused::gemm_rs::{GemmRsSchedule, GemmRsShape};
+use commfuse_core::fused::ring_rs::{RingSchedule, RingTarget};
 use commfuse_core::gemm::{Epilogue, GemmPlan, GemmProblem};
 use commfuse_core::reference::input_value;
 use commfuse_core::{Element, ReduceOp};
+
+/// How the rank's GEMM sums the partials of the output's rows (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankSchedule {
+    /// The fused path's: the peers' rows first, each tile into its owner's slot; its own rows
+    /// last, each folding the P − 1 partials
+    Fold,
+    /// The ring inside one GEMM: one owner's rows a step, each tile folding the running sum
+    /// of the step before and handing it on
+    Ring,
+}
 
 /// Rank 0's fused GEMM + reduce-scatter kernel of P ranks on one GPU (see the module doc).
 pub struct OneGpuRank {
@@ -27,10 +49,14 @@ pub struct OneGpuRank {
     gemm: PreparedGemm,
     /// Runs its build's general entry where another would serve it
     general_entry: bool,
+    /// The tile grid (and, without `ring`, the schedule)
     schedule: GemmRsSchedule,
+    /// The ring's schedule, where the rank runs it ([`RankSchedule::Ring`])
+    ring: Option<FusedRing>,
     /// Rank 0's output chunk ([chunk rows, N])
     out: DeviceMemory,
-    /// Every rank's receive buffer (both sets' P slots); rank 0's holds the partials it folds
+    /// Every rank's receive buffer (both sets' P slots, or the ring's P − 1 buffers); rank 0's
+    /// holds the partials it folds
     receive: Vec<DeviceMemory>,
     /// Every rank's flag rows; rank 0's all up
     flags: Vec<DeviceMemory>,
@@ -45,13 +71,16 @@ impl OneGpuRank {
     /// and B at `a` and `b`, on at most `cap` SMs (0: all). The partials it folds are drawn
     /// from `seed`, in ±[1, 2), so that one skipped or added twice fails every element it
     /// touches. With `bias` (the row's address and its values as uploaded), its own tiles add
-    /// the bias and the tiles it sends do not, as in the operator.
+    /// the bias and the tiles it sends do not, as in the operator. `kind`: the fused path's
+    /// schedule or the ring's.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         gpu: &Gpu,
         kernels: &GemmKernels,
         problem: &GemmProblem,
         (a, b): (u64, u64),
         (world, cap): (usize, u32),
+        kind: RankSchedule,
         seed: u64,
         bias: Option<(u64, &[f64])>,
     ) -> Result<OneGpuRank, CudaError> {
@@ -65,8 +94,16 @@ impl OneGpuRank {
         let shape = GemmRsShape::new(world, p.m, p.n, p.k, p.b_layout, p.input, p.output)
             .map_err(|e| CudaError::Unavailable(e.to_string()))?;
         let schedule = GemmRsSchedule::new(shape, TILE);
+        let ring = (kind == RankSchedule::Ring)
+            .then(|| FusedRing::new(RingSchedule::within(shape, p.m, 1), TILE));
         let eb = p.output.size();
-        let slots = 2 * world * schedule.slot_len;
+        let (slots, flag_bytes) = match &ring {
+            Some(r) => (r.ring.receive_len(), r.flag_words() * 8),
+            None => (
+                2 * world * schedule.slot_len,
+                2 * schedule.flag_columns() * 8,
+            ),
+        };
         let values: Vec<f64> = (0..slots)
             .map(|j| {
                 let u = input_value(seed, 20, j, ReduceOp::Sum) as f64;
@@ -78,7 +115,6 @@ impl OneGpuRank {
         for _ in 1..world {
             receive.push(DeviceMemory::zeroed(gpu, slots * eb)?);
         }
-        let flag_bytes = 2 * schedule.flag_columns() * 8;
         let flags = (0..world)
             .map(|_| DeviceMemory::zeroed(gpu, flag_bytes))
             .collect::<Result<Vec<_>, _>>()?;
@@ -102,22 +138,40 @@ impl OneGpuRank {
         // call 1: set 0's routes, order and bands, as the operator prepares them
         let mut plan = schedule.gemm_plan(0, 1);
         plan.epilogue.bias = bias.is_some();
+        let (routes, folds, name) = match &ring {
+            None => (
+                tile_routes(&schedule, 0, 0, &peers, true),
+                fold_source(peers[0].receive, &schedule),
+                format!("commfuse-rs{world}"),
+            ),
+            Some(r) => {
+                // the ring's routes carry the destinations and flags
+                plan.order = ring_order(&schedule, r, 0);
+                (plan.destinations, plan.flags) = (None, None);
+                (
+                    ring_tile_routes(&schedule, r, 0, 0, &peers),
+                    ring_fold_source(peers[0].receive, r),
+                    format!("commfuse-ring{world}"),
+                )
+            }
+        };
         let gemm = PreparedGemm::with_routes(
             gpu,
             kernels,
             &plan,
             &ops,
-            tile_routes(&schedule, 0, 0, &peers, true),
-            Some(fold_source(peers[0].receive, &schedule)),
+            routes,
+            Some(folds),
             world,
             cap,
             0,
         )?;
         Ok(OneGpuRank {
-            name: format!("commfuse-rs{world}"),
+            name,
             general_entry: false,
             gemm,
             schedule,
+            ring,
             out,
             receive,
             flags,
@@ -153,9 +207,9 @@ impl OneGpuRank {
         self.general_entry
     }
 
-    /// The bench row's name: `commfuse-rs<P>`, the build where [`OneGpuRank::name_build`]
-    /// named it, `-general` where it runs its general entry, and `-serpentine` after it where
-    /// it is on.
+    /// The bench row's name: `commfuse-rs<P>` (`commfuse-ring<P>` on the ring), the build where
+    /// [`OneGpuRank::name_build`] named it, `-general` where it runs its general entry, and
+    /// `-serpentine` after it where it is on.
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -173,7 +227,10 @@ impl OneGpuRank {
             ..Epilogue::default()
         };
         GemmPlan {
-            order: s.order(0),
+            order: match &self.ring {
+                Some(r) => ring_order(s, r, 0),
+                None => s.order(0),
+            },
             bands: Some(s.bands.clone()),
             ..GemmPlan::local(s.shape.problem(), s.tile, epilogue)
         }
@@ -191,17 +248,33 @@ impl OneGpuRank {
 
     /// After one call on poisoned buffers (the rank's GEMM runs as call 1): every flag word of
     /// the peers' stand-in rows holds what the schedule says rank 0 raises there in call 1
-    /// ([`GemmRsSchedule::flag`]: the call's number, at the set's row and the tile's column)
-    /// and 0 everywhere else; an error names the first word that does not and counts them.
+    /// ([`GemmRsSchedule::flag`]: the call's number, at the set's row and the tile's column;
+    /// on the ring, [`FusedRing::flag_index`] of set 0 in its receiver's words) and 0
+    /// everywhere else; an error names the first word that does not and counts them.
     pub fn check_flags(&self, gpu: &Gpu) -> Result<(), CudaError> {
         let s = &self.schedule;
         let columns = s.flag_columns();
-        let mut want = vec![vec![0u64; 2 * columns]; s.shape.world];
-        for t in s.order(0) {
-            let (owner, _) = s.placement[t];
-            if owner != 0 {
-                let flag = s.flag(0, t, 1);
-                want[owner][flag.slot.row as usize * columns + flag.slot.col as usize] = flag.value;
+        let mut want;
+        match &self.ring {
+            None => {
+                want = vec![vec![0u64; 2 * columns]; s.shape.world];
+                for t in s.order(0) {
+                    let (owner, _) = s.placement[t];
+                    if owner != 0 {
+                        let flag = s.flag(0, t, 1);
+                        want[owner][flag.slot.row as usize * columns + flag.slot.col as usize] =
+                            flag.value;
+                    }
+                }
+            }
+            Some(r) => {
+                // the flag of each tile it hands on, in its receiver's words of set 0
+                want = vec![vec![0u64; r.flag_words()]; s.shape.world];
+                for t in r.tiles_of(0) {
+                    if let RingTarget::Send { step } = t.target {
+                        want[r.ring.receiver(0, step)][r.flag_index(0, step, t.index)] = 1;
+                    }
+                }
             }
         }
         let mut wrong = Vec::new();
@@ -226,13 +299,24 @@ impl OneGpuRank {
     }
 
     /// The call's [M, N] product as the ranks received it: rank 0's chunk from its output, each
-    /// other chunk from the slot rank 0 sent it to in its owner's receive buffer.
+    /// other chunk from the slot rank 0 sent it to in its owner's receive buffer (on the ring,
+    /// from its receiver's buffer of the step that computed it).
     pub fn assemble<T: Element>(&self, gpu: &Gpu) -> Result<Vec<T>, CudaError> {
         let s = &self.schedule;
         let (world, n) = (s.shape.world, s.shape.n);
         let mut d = vec![T::from_f32(0.0); s.shape.m * n];
         let own = s.shape.chunk(0);
         self.out.download(gpu, &mut d[own.start * n..own.end * n])?;
+        if let Some(r) = &self.ring {
+            // each step's chunk from its receiver's buffer of that step (set 0)
+            for step in 0..world - 1 {
+                let rows = s.shape.chunk(r.ring.owner_at(0, step));
+                let at = r.ring.receive_offset(0, step) * std::mem::size_of::<T>();
+                let to = &self.receive[r.ring.receiver(0, step)];
+                to.download_at(gpu, at, &mut d[rows.start * n..rows.end * n])?;
+            }
+            return Ok(d);
+        }
         for owner in 1..world {
             // set 0's slot of rank 0's tiles in the owner's receive buffer
             let rows = s.shape.chunk(owner);
@@ -243,13 +327,32 @@ impl OneGpuRank {
     }
 
     /// What the fold adds to element `index` of the product: on rank 0's rows the peers'
-    /// partials (set 0's slots of its receive buffer) and the bias, elsewhere nothing; and the
-    /// sum of their magnitudes.
+    /// partials (set 0's slots of its receive buffer) and the bias, elsewhere nothing (on the
+    /// ring: the running sum of the step before the one that computed the row, and the bias on
+    /// rank 0's rows); and the sum of their magnitudes.
     pub fn added(&self, index: usize) -> (f64, f64) {
         let s = &self.schedule;
         let n = s.shape.n;
         let own = s.shape.chunk(0);
         let row = index / n;
+        if let Some(r) = &self.ring {
+            // the running sum of the step before the one that computes the row (set 0), and on
+            // its own rows (the last step) the bias
+            let world = s.shape.world;
+            let step = (0..world)
+                .find(|&step| s.shape.chunk(r.ring.owner_at(0, step)).contains(&row))
+                .expect("every row has an owner");
+            let start = s.shape.chunk(r.ring.owner_at(0, step)).start;
+            let within = (row - start) * n + index % n;
+            let sum = step.checked_sub(1).map_or(0.0, |prev| {
+                self.partials[r.ring.receive_offset(0, prev) + within]
+            });
+            let bias = match &self.bias {
+                Some(b) if step + 1 == world => b[index % n],
+                _ => 0.0,
+            };
+            return (sum + bias, sum.abs() + bias.abs());
+        }
         if !own.contains(&row) {
             return (0.0, 0.0);
         }

@@ -148,6 +148,12 @@ pub struct BenchGemmArgs {
     /// --bias its own tiles add the bias (the tiles it sends do not)
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true, value_parser = Whole::<usize>::new("a number of ranks"))]
     pub rs_ranks: Vec<usize>,
+    /// Each --rs-ranks row again with the ring inside one GEMM (`commfuse-ringP`): one owner's
+    /// rows a step, each tile of steps 1 .. P − 1 folding the one running sum handed on from
+    /// the step before (in its receive buffers, flags up), each tile of steps 0 .. P − 2 into
+    /// a stand-in of its receiver's buffer of that step with its flag
+    #[arg(long, requires = "rs_ranks")]
+    pub rs_ring: bool,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
     /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, short, or "none"
     /// (default: every build that fits)
@@ -424,6 +430,7 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         trace: a.trace,
         order: a.order,
         rs_ranks: &a.rs_ranks,
+        rs_ring: a.rs_ring,
     };
     let rows = commfuse_cuda::gemm::bench::bench_gemm(
         a.device,
