@@ -198,6 +198,7 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         order: Default::default(),
         rs_ranks: &[],
         rs_ring: false,
+        rs_prefetch: &[],
     }
 }
 
@@ -2112,7 +2113,8 @@ fn rank_rows_pass_the_check() {
 /// stand-in of its receiver's buffer of that step) is checked against float64, and every flag
 /// word of the stand-ins (the bench errs on one wrong), at P = 2, 3 and 5, ragged shapes whose
 /// chunks cut the 128-row bands, both B layouts, 16-bit and f32 outputs, all SMs and capped; on
-/// the main and the direct build every hop's sum comes through the stages.
+/// the main and the direct build every hop's sum comes through the stages. The rows whose
+/// producer asks L2 for the partials eight k-blocks before a tile's end are checked alike.
 #[test]
 fn ring_rank_rows_pass_the_check() {
     let Some((gpu, _kernels, _stream)) = one_gpu() else {
@@ -2129,6 +2131,7 @@ fn ring_rank_rows_pass_the_check() {
             builds: Some(&[]),
             rs_ranks: &[2, 3, 5],
             rs_ring: true,
+            rs_prefetch: &[8],
             bias,
             ..folds(&[], None)
         };
@@ -2138,12 +2141,18 @@ fn ring_rank_rows_pass_the_check() {
                 .iter()
                 .filter(|r| r.implementation.starts_with("commfuse-ring"))
                 .collect();
+            // (and the rows whose partials are asked of L2 eight k-blocks ahead, the fused
+            // path's too)
             for w in [2, 3, 5] {
-                for suffix in ["", "-order"] {
-                    let name = format!("commfuse-ring{w}{suffix}");
+                for name in [
+                    format!("commfuse-ring{w}"),
+                    format!("commfuse-ring{w}-order"),
+                    format!("commfuse-ring{w}-prefetch8"),
+                    format!("commfuse-rs{w}-prefetch8"),
+                ] {
                     assert!(
-                        rings.iter().any(|r| r.implementation == name),
-                        "{m}x{n}x{k}: no {name} among {rings:?}"
+                        rows.iter().any(|r| r.implementation == name),
+                        "{m}x{n}x{k}: no {name} among {rows:?}"
                     );
                 }
             }

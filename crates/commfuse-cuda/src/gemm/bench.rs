@@ -133,6 +133,10 @@ pub struct ExtraRows<'a> {
     pub rs_ranks: &'a [usize],
     /// Each of those rows again with the ring inside one GEMM ([`RankSchedule::Ring`])
     pub rs_ring: bool,
+    /// Each of those rows (through the entry `auto` takes) again for each of these k-blocks,
+    /// its producer asking L2 for a tile's partials that many k-blocks before the end of the
+    /// tile's main loop ([`PreparedGemm::set_fold_prefetch`])
+    pub rs_prefetch: &'a [u32],
 }
 
 /// Times cuBLASLt and our kernel on `problem` (bf16 or f16 inputs) for each SM cap in `sms`
@@ -246,6 +250,7 @@ fn run<T: Element>(
         order,
         rs_ranks,
         rs_ring,
+        rs_prefetch,
     }: ExtraRows<'_>,
     p: &GemmProblem,
     sms: &[u32],
@@ -519,6 +524,11 @@ fn run<T: Element>(
             }
             let routed = row.gemm().entry() == GemmEntry::Routed;
             rank_rows.push(row);
+            for &k_blocks in rs_prefetch {
+                let mut row = rank(choice, false)?;
+                row.set_fold_prefetch(k_blocks);
+                rank_rows.push(row);
+            }
             if routed {
                 rank_rows.push(rank(choice, true)?);
             }
@@ -530,7 +540,9 @@ fn run<T: Element>(
     // and fold
     let rank_orders = rank_rows
         .iter()
-        .filter(|row| !row.gemm().k_serpentine() && !row.general_entry())
+        .filter(|row| {
+            !row.gemm().k_serpentine() && !row.general_entry() && row.gemm().fold_prefetch() == 0
+        })
         .map(|row| {
             let name = format!("{}-order", row.name());
             let plan = row.order_plan();
@@ -1146,7 +1158,13 @@ impl FoldRow {
             cap,
             0,
         )?;
-        gemm.set_fold_prefetch(flags.prefetched());
+        // halfway through a whole tile's main loop
+        let half = if flags.prefetched() {
+            p.k.div_ceil(64).div_ceil(2) as u32
+        } else {
+            0
+        };
+        gemm.set_fold_prefetch(half);
         Ok(FoldRow {
             name,
             flags,

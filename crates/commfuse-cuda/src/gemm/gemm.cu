@@ -366,8 +366,9 @@ struct GemmParams {
     // ROUTE_FOLD_TMA fold in: rows of fold_ld elements, box the build's rows x 128 bytes,
     // 128-byte swizzle
     u32 fold_tma;
-    // nonzero: halfway through the main loop of a tile that folds through the pipeline, the
-    // producer asks L2 for the tile's partials (fold_prefetch below)
+    // nonzero: this many k-blocks before the end of the main loop of a tile that folds through
+    // the pipeline (at its first k-block where it has fewer), the producer asks L2 for the
+    // tile's partials (fold_prefetch below)
     u32 fold_prefetch;
     // nonzero: when this many k-blocks of a unit are left to load, the producer asks L2 for
     // as many of its next unit's first k-blocks (A's and B's boxes), whose loads would
@@ -984,7 +985,8 @@ __device__ __forceinline__ bool fold_load(const GemmParams& p, const Smem& s, co
 
 // The fold's partials asked of L2 ahead of fold_load (GemmParams.fold_prefetch): every SM of a
 // wave ends its tile at about the same time, and without this all of them read their partials
-// from HBM at once; asked for halfway through the main loop, those reads spread over it.
+// from HBM at once; asked for some k-blocks before the loop's end, those reads spread over
+// them.
 // Before the flag is up this may fetch a partial early: a peer's later writes land in this
 // GPU's L2 (the point of coherence for its memory), so the line is updated, not stale, and
 // fold_load still loads only after the flag.
@@ -1063,7 +1065,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         // the k-block after which this unit's partials are asked of L2 (none: past the loop)
         u32 prefetch_at = 0xffffffffu;
         if (!C::PLAIN && p.fold_prefetch != 0 && !c.helper && !c.idle && staged_fold<C, Out>(p, c.tile) != nullptr)
-            prefetch_at = (c.kb0 + c.kb1) / 2;
+            prefetch_at = c.kb1 - min(p.fold_prefetch, c.kb1 - c.kb0);
         // the k-block at which the next unit's first k-blocks are asked of L2 (none: past the loop)
         const u32 next_at = p.next_prefetch == 0 ? 0xffffffffu : c.kb1 - min(p.next_prefetch, c.kb1 - c.kb0);
         // this block's phase of the K range (k_phases): the k-block it loads first, past kb0

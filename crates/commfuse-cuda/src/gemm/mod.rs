@@ -1877,14 +1877,20 @@ impl PreparedGemm {
         &self.tail
     }
 
-    /// Whether the producer asks L2 for a tile's partials halfway through its main loop, ahead
-    /// of loading them into the stages (tiles of [`PreparedGemm::staged_folds`] only): so
-    /// that the partials' reads from HBM spread over the main loop instead of coming from
-    /// every SM at once at the end of a wave. Off unless set: measured, it helps one partial
-    /// only at K ≥ 14336 and slows the fold elsewhere, the partials taking L2 room the
+    /// The producer asks L2 for a tile's partials `k_blocks` k-blocks before the end of its
+    /// main loop (at its first k-block where it has fewer; 0: never), ahead of loading them
+    /// into the stages (tiles of [`PreparedGemm::staged_folds`] only): so that the partials'
+    /// reads from HBM spread over those k-blocks instead of coming from every SM at once at
+    /// the end of a wave. Off unless set: measured halfway through the loop, it helps one
+    /// partial only at K ≥ 14336 and slows the fold elsewhere, the partials taking L2 room the
     /// operands need (GEMM-NOTES.md, "The prefetch, measured").
-    pub fn set_fold_prefetch(&mut self, on: bool) {
-        self.params.fold_prefetch = on as u32;
+    pub fn set_fold_prefetch(&mut self, k_blocks: u32) {
+        self.params.fold_prefetch = k_blocks;
+    }
+
+    /// [`PreparedGemm::set_fold_prefetch`]'s k-blocks.
+    pub fn fold_prefetch(&self) -> u32 {
+        self.params.fold_prefetch
     }
 
     /// How many of each unit's first k-blocks the producer asks L2 for while it loads the

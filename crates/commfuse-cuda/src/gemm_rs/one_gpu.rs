@@ -202,6 +202,14 @@ impl OneGpuRank {
         self.name.push_str("-general");
     }
 
+    /// Its producer asks L2 for each folding tile's partials `k_blocks` k-blocks before the end
+    /// of the tile's main loop ([`PreparedGemm::set_fold_prefetch`]); the row's name takes
+    /// `-prefetch<k_blocks>`.
+    pub fn set_fold_prefetch(&mut self, k_blocks: u32) {
+        self.gemm.set_fold_prefetch(k_blocks);
+        self.name.push_str(&format!("-prefetch{k_blocks}"));
+    }
+
     /// Whether [`OneGpuRank::use_general_entry`] turned the other entries off.
     pub fn general_entry(&self) -> bool {
         self.general_entry
