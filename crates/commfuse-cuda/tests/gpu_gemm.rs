@@ -1983,6 +1983,17 @@ fn paced_fold_rows_add_every_partial_once() {
     assert!(refused.to_string().contains("0 to 4 waves"), "{refused}");
 }
 
+/// The rank rows' shapes (M, N, K, B's layout, D's type, a bias): chunks of P = 2, 3 and 5
+/// that cut the 128-row bands, both layouts, a 16-bit and an f32 D, chunks of at most 64 rows
+/// (the skinny build) and of whole waves. With a bias, the rank's own tiles add it and the
+/// tiles it sends must not.
+const RANK_SHAPES: [(usize, usize, usize, BLayout, DType, bool); 4] = [
+    (300, 1000, 136, BLayout::NK, DType::BF16, true),
+    (777, 4096, 520, BLayout::KN, DType::BF16, false),
+    (500, 1000, 264, BLayout::NK, DType::F32, true),
+    (2048, 8192, 1024, BLayout::NK, DType::BF16, false),
+];
+
 /// The bench's rank rows: the fused GEMM + reduce-scatter's kernel as rank 0 of P alone on one
 /// GPU (the operator's schedule and routes; the peers' tiles into local stand-ins of their
 /// receive buffers, its own rows folding the P − 1 partials in its own), again with the later
@@ -1999,13 +2010,7 @@ fn rank_rows_pass_the_check() {
     let Some((gpu, _kernels, _stream)) = one_gpu() else {
         return;
     };
-    // (with a bias: the rank's own tiles add it, the tiles it sends must not)
-    for (m, n, k, layout, out, bias) in [
-        (300, 1000, 136, BLayout::NK, DType::BF16, true),
-        (777, 4096, 520, BLayout::KN, DType::BF16, false),
-        (500, 1000, 264, BLayout::NK, DType::F32, true),
-        (2048, 8192, 1024, BLayout::NK, DType::BF16, false),
-    ] {
+    for (m, n, k, layout, out, bias) in RANK_SHAPES {
         let p = GemmProblem::new(m, n, k, layout, DType::BF16, out).unwrap();
         let extra = ExtraRows {
             builds: Some(&[]),
@@ -2120,12 +2125,7 @@ fn ring_rank_rows_pass_the_check() {
     let Some((gpu, _kernels, _stream)) = one_gpu() else {
         return;
     };
-    for (m, n, k, layout, out, bias) in [
-        (300, 1000, 136, BLayout::NK, DType::BF16, true),
-        (777, 4096, 520, BLayout::KN, DType::BF16, false),
-        (500, 1000, 264, BLayout::NK, DType::F32, true),
-        (2048, 8192, 1024, BLayout::NK, DType::BF16, false),
-    ] {
+    for (m, n, k, layout, out, bias) in RANK_SHAPES {
         let p = GemmProblem::new(m, n, k, layout, DType::BF16, out).unwrap();
         let extra = ExtraRows {
             builds: Some(&[]),

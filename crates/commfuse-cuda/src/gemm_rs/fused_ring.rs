@@ -108,24 +108,12 @@ pub(crate) fn ring_fold_source(receive: u64, ring: &FusedRing) -> FoldSource {
 mod tests {
     use super::*;
     use crate::gemm::{stage_folds, GemmVariant, ROUTE_FOLD_TMA, TILE};
-    use crate::gemm_rs::{RingPeer, NCCL_ID_BYTES};
+    use crate::gemm_rs::tests::peers;
     use commfuse_core::fused::gemm_rs::GemmRsShape;
     use commfuse_core::fused::ring_rs::RingSchedule;
     use commfuse_core::gemm::{BLayout, GemmPlan};
     use commfuse_core::DType;
     use std::collections::{HashMap, HashSet};
-
-    /// Rank q's buffers at made-up addresses far apart (the tables are only arithmetic).
-    fn peers(world: usize) -> Vec<GemmRsPeer> {
-        (0..world)
-            .map(|q| GemmRsPeer {
-                receive: (q as u64 + 1) << 40,
-                flags: ((q as u64 + 1) << 40) | (1 << 39),
-                ring: RingPeer::default(),
-                nccl_id: [0; NCCL_ID_BYTES],
-            })
-            .collect()
-    }
 
     /// P = 1..9 and 16 (flat, and in NUMA groups where P allows), at a ragged M, M = P + 1,
     /// M = 1 and the largest, in buffers made for M = 300; N = 304 (a ragged last column

@@ -981,7 +981,7 @@ mod tests {
     use std::collections::HashMap;
 
     /// Rank q's buffers at made-up addresses far apart (the tables are only arithmetic).
-    fn peers(world: usize) -> Vec<GemmRsPeer> {
+    pub(super) fn peers(world: usize) -> Vec<GemmRsPeer> {
         (0..world)
             .map(|q| GemmRsPeer {
                 receive: (q as u64 + 1) << 40,
