@@ -2119,7 +2119,8 @@ fn rank_rows_pass_the_check() {
 /// word of the stand-ins (the bench errs on one wrong), at P = 2, 3 and 5, ragged shapes whose
 /// chunks cut the 128-row bands, both B layouts, 16-bit and f32 outputs, all SMs and capped; on
 /// the main and the direct build every hop's sum comes through the stages. The rows whose
-/// producer asks L2 for the partials eight k-blocks before a tile's end are checked alike.
+/// producer asks L2 for the partials eight k-blocks before a tile's end (where the folds go
+/// through the stages) are checked alike.
 #[test]
 fn ring_rank_rows_pass_the_check() {
     let Some((gpu, _kernels, _stream)) = one_gpu() else {
@@ -2141,20 +2142,34 @@ fn ring_rank_rows_pass_the_check() {
                 .iter()
                 .filter(|r| r.implementation.starts_with("commfuse-ring"))
                 .collect();
-            // (and the rows whose partials are asked of L2 eight k-blocks ahead, the fused
-            // path's too)
             for w in [2, 3, 5] {
                 for name in [
                     format!("commfuse-ring{w}"),
                     format!("commfuse-ring{w}-order"),
-                    format!("commfuse-ring{w}-prefetch8"),
-                    format!("commfuse-rs{w}-prefetch8"),
                 ] {
                     assert!(
                         rows.iter().any(|r| r.implementation == name),
                         "{m}x{n}x{k}: no {name} among {rows:?}"
                     );
                 }
+            }
+            // each rank row (the fused path's too, not through a general entry) whose folds go
+            // through the stages again with its partials asked of L2 eight k-blocks ahead, and
+            // no other
+            for r in rows.iter().filter(|r| {
+                let name = &r.implementation;
+                (name.starts_with("commfuse-ring") || name.starts_with("commfuse-rs"))
+                    && !["-order", "-general", "-prefetch8"]
+                        .iter()
+                        .any(|s| name.contains(s))
+            }) {
+                let twin = format!("{}-prefetch8", r.implementation);
+                let staged = r.staged_folds.expect("a rank row counts its staged folds") > 0;
+                assert_eq!(
+                    rows.iter().any(|t| t.implementation == twin),
+                    staged,
+                    "{m}x{n}x{k}: {twin} among {rows:?}"
+                );
             }
             for r in &rows {
                 assert_eq!(

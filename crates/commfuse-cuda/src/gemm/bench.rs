@@ -133,9 +133,9 @@ pub struct ExtraRows<'a> {
     pub rs_ranks: &'a [usize],
     /// Each of those rows again with the ring inside one GEMM ([`RankSchedule::Ring`])
     pub rs_ring: bool,
-    /// Each of those rows (through the entry `auto` takes) again for each of these k-blocks,
-    /// its producer asking L2 for a tile's partials that many k-blocks before the end of the
-    /// tile's main loop ([`PreparedGemm::set_fold_prefetch`])
+    /// Each of those rows (through the entry `auto` takes) whose folds go through the stages
+    /// again for each of these k-blocks, its producer asking L2 for a tile's partials that
+    /// many k-blocks before the end of the tile's main loop ([`PreparedGemm::set_fold_prefetch`])
     pub rs_prefetch: &'a [u32],
 }
 
@@ -523,8 +523,10 @@ fn run<T: Element>(
                 }
             }
             let routed = row.gemm().entry() == GemmEntry::Routed;
+            // (a build whose folds do not go through the stages has nothing to ask L2 for)
+            let staged = row.gemm().staged_folds() > 0;
             rank_rows.push(row);
-            for &k_blocks in rs_prefetch {
+            for &k_blocks in rs_prefetch.iter().filter(|_| staged) {
                 let mut row = rank(choice, false)?;
                 row.set_fold_prefetch(k_blocks);
                 rank_rows.push(row);
@@ -1160,7 +1162,7 @@ impl FoldRow {
         )?;
         // halfway through a whole tile's main loop
         let half = if flags.prefetched() {
-            p.k.div_ceil(64).div_ceil(2) as u32
+            p.k.div_ceil(super::BK).div_ceil(2) as u32
         } else {
             0
         };

@@ -366,9 +366,9 @@ struct GemmParams {
     // ROUTE_FOLD_TMA fold in: rows of fold_ld elements, box the build's rows x 128 bytes,
     // 128-byte swizzle
     u32 fold_tma;
-    // nonzero: this many k-blocks before the end of the main loop of a tile that folds through
-    // the pipeline (at its first k-block where it has fewer), the producer asks L2 for the
-    // tile's partials (fold_prefetch below)
+    // nonzero (F): once the producer has issued the loads of k-block kb1 - F of a unit that
+    // folds through the pipeline (F - 1 loads left; of its first k-block where the unit has at
+    // most F), it asks L2 for the unit's partials (fold_prefetch below)
     u32 fold_prefetch;
     // nonzero: when this many k-blocks of a unit are left to load, the producer asks L2 for
     // as many of its next unit's first k-blocks (A's and B's boxes), whose loads would

@@ -115,12 +115,12 @@ mod tests {
     use commfuse_core::DType;
     use std::collections::{HashMap, HashSet};
 
-    /// P = 1..9 and 16 (flat, and in NUMA groups where P allows), at a ragged M, M = P + 1,
+    /// P = 1..9 and 16 (flat, and in every count of NUMA groups that divides P), at a ragged M, M = P + 1,
     /// M = 1 and the largest, in buffers made for M = 300; N = 304 (a ragged last column
     /// tile).
     fn rings() -> impl Iterator<Item = (String, GemmRsSchedule, FusedRing)> {
         (1..=9).chain([16]).flat_map(|world| {
-            let groups = [1, 2].into_iter().filter(move |g| world % g == 0);
+            let groups = (1..=world).filter(move |g| world % g == 0);
             groups.flat_map(move |groups| {
                 [1, world + 1, 300, 133].into_iter().map(move |m| {
                     let shape =
@@ -148,7 +148,7 @@ mod tests {
 
     /// Every rank's tables, run on the host, leave every output element the sum of all P
     /// ranks' partials of that element, each added once: each tile adds the running sum its
-    /// route folds (behind a flag its sender's route raised) and writes it where the route
+    /// route folds (behind the flag its sender's route raised with that sum) and writes it where the route
     /// says; every byte of a receive buffer is written at most once a set and every flag word
     /// raised at most once, and the two sets share neither. The order is a permutation of the grid's tiles and every fold is
     /// staged through the pipeline's stages.
@@ -164,7 +164,8 @@ mod tests {
                 // a rank), and the element it belongs to
                 type Sum = (u64, usize, usize);
                 let mut memory: HashMap<u64, Sum> = HashMap::new();
-                let mut flags: HashMap<u64, usize> = HashMap::new();
+                // flag word -> (sender, step, tile index) of the tile that raised it
+                let mut flags: HashMap<u64, (usize, usize, usize)> = HashMap::new();
                 let mut outputs: HashMap<(usize, usize), u64> = HashMap::new();
                 let routes: Vec<Vec<TileRoute>> = (0..p)
                     .map(|me| {
@@ -199,9 +200,13 @@ mod tests {
                             if r.fold_count != 0 {
                                 assert_eq!(r.options & ROUTE_FOLD_TMA, ROUTE_FOLD_TMA, "{name}");
                                 assert_eq!(r.fold_count, 1, "{name}");
-                                assert!(
-                                    flags.contains_key(&r.fold_flag),
-                                    "{name}: an unraised flag"
+                                // the flag its sender raised with this very running sum
+                                let from = ring.ring.sender(me, tile.step);
+                                assert_eq!(
+                                    flags.get(&r.fold_flag),
+                                    Some(&(from, tile.step - 1, tile.index)),
+                                    "{name}: rank {me} step {} waits on another flag",
+                                    tile.step
                                 );
                             }
                             for (i, row) in rows.clone().enumerate() {
@@ -244,7 +249,9 @@ mod tests {
                             }
                             if r.flag != 0 {
                                 assert_eq!(r.flag_op, FLAG_SET_EPOCH);
-                                assert!(flags.insert(r.flag, me).is_none(), "{name}: a flag twice");
+                                let raised = (me, tile.step, tile.index);
+                                let before = flags.insert(r.flag, raised);
+                                assert!(before.is_none(), "{name}: a flag twice");
                             }
                         }
                     }

@@ -145,7 +145,9 @@ impl OneGpuRank {
                 format!("commfuse-rs{world}"),
             ),
             Some(r) => {
-                // the ring's routes carry the destinations and flags
+                // the ring's routes carry the destinations and flags; set 0 for call 1, as the
+                // fused path numbers its sets (`GemmRsSchedule::set_of`), in every table of
+                // this rank (the ring of library GEMMs numbers its own the other way round)
                 plan.order = ring_order(&schedule, r, 0);
                 (plan.destinations, plan.flags) = (None, None);
                 (

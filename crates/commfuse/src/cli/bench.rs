@@ -154,10 +154,11 @@ pub struct BenchGemmArgs {
     /// a stand-in of its receiver's buffer of that step with its flag
     #[arg(long, requires = "rs_ranks")]
     pub rs_ring: bool,
-    /// Each --rs-ranks row (through the entry `auto` takes) again for each of these numbers of
-    /// k-blocks (`-prefetchK`), its producer asking L2 for a folding tile's partials that many
-    /// k-blocks before the end of the tile's main loop
-    #[arg(long, value_delimiter = ',', requires = "rs_ranks", value_parser = Whole::<u32>::new("a number of k-blocks"))]
+    /// Each --rs-ranks row (through the entry `auto` takes) whose folds go through the stages
+    /// again for each of these numbers of k-blocks (`-prefetchK`, at least 1), its producer
+    /// asking L2 for a folding tile's partials that many k-blocks before the end of the tile's
+    /// main loop
+    #[arg(long, value_delimiter = ',', requires = "rs_ranks", allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of k-blocks").at_least(1))]
     pub rs_prefetch: Vec<u32>,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
     /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, short, or "none"
