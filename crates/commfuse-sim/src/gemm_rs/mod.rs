@@ -289,8 +289,8 @@ pub enum GemmRsOperator<TI: Element, TO: Element> {
     Fused(SimGemmReduceScatter<TI, TO>),
     Overlapped(ring::SimRingReduceScatter<TI, TO>),
     Unfused(unfused::SimUnfusedReduceScatter<TI, TO>),
-    /// The ring inside one GEMM ([`fused_ring`]): a schedule no path name takes yet (it has no
-    /// GPU kernel), built by [`GemmRsOperator::fused_ring`]
+    /// The ring inside one GEMM ([`fused_ring`]): a schedule no path name takes yet (on GPUs it
+    /// runs as one rank alone, `bench gemm --rs-ring`), built by [`GemmRsOperator::fused_ring`]
     FusedRing(fused_ring::SimFusedRing<TI, TO>),
 }
 
