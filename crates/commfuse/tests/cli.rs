@@ -210,6 +210,17 @@ fn bad_inputs_get_one_line_and_a_nonzero_exit() {
         &[&gemm[..], &["--peer", "two"]].concat(),
         "a GPU index or 'none'",
     );
+    // the rank rows' options: the ring and the prefetch only beside --rs-ranks, and a
+    // prefetch of at least one k-block
+    for extra in [&["--rs-ring"][..], &["--rs-prefetch", "8"]] {
+        fails_with(&[&gemm[..], extra].concat(), "--rs-ranks");
+    }
+    for k_blocks in ["0", "-3", "many"] {
+        fails_with(
+            &[&gemm[..], &["--rs-ranks", "2", "--rs-prefetch", k_blocks]].concat(),
+            &format!("--rs-prefetch must be a positive number of k-blocks, got {k_blocks}"),
+        );
+    }
     fails_with(&["frobnicate"], "frobnicate");
 }
 

@@ -158,7 +158,7 @@ pub struct BenchGemmArgs {
     /// again for each of these numbers of k-blocks (`-prefetchK`, at least 1), its producer
     /// asking L2 for a folding tile's partials that many k-blocks before the end of the tile's
     /// main loop
-    #[arg(long, value_delimiter = ',', requires = "rs_ranks", allow_negative_numbers = true, value_parser = Whole::<u32>::new("a number of k-blocks").at_least(1))]
+    #[arg(long, value_delimiter = ',', requires = "rs_ranks", allow_negative_numbers = true, value_parser = Whole::<u32>::new("a positive number of k-blocks").at_least(1))]
     pub rs_prefetch: Vec<u32>,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
     /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, short, or "none"
