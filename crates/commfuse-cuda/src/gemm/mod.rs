@@ -1882,9 +1882,10 @@ impl PreparedGemm {
     /// of its first k-block where the unit has at most `k_blocks`, as a tail's unit may; 0:
     /// never), ahead of loading them into the stages (tiles of
     /// [`PreparedGemm::staged_folds`] only): so that the partials' reads from HBM spread over
-    /// those k-blocks instead of coming from every SM at once at the end of a wave. Off unless set: measured halfway through the loop, it helps one
-    /// partial only at K ≥ 14336 and slows the fold elsewhere, the partials taking L2 room the
-    /// operands need (GEMM-NOTES.md, "The prefetch, measured").
+    /// those k-blocks instead of coming from every SM at once at the end of a wave. Off unless
+    /// set: measured halfway through the loop, it helps one partial only at K ≥ 14336 and
+    /// slows the fold elsewhere, the partials taking L2 room the operands need (GEMM-NOTES.md,
+    /// "The prefetch, measured").
     pub fn set_fold_prefetch(&mut self, k_blocks: u32) {
         self.params.fold_prefetch = k_blocks;
     }

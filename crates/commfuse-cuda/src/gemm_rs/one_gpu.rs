@@ -264,10 +264,9 @@ impl OneGpuRank {
     pub fn check_flags(&self, gpu: &Gpu) -> Result<(), CudaError> {
         let s = &self.schedule;
         let columns = s.flag_columns();
-        let mut want;
-        match &self.ring {
+        let want = match &self.ring {
             None => {
-                want = vec![vec![0u64; 2 * columns]; s.shape.world];
+                let mut want = vec![vec![0u64; 2 * columns]; s.shape.world];
                 for t in s.order(0) {
                     let (owner, _) = s.placement[t];
                     if owner != 0 {
@@ -276,17 +275,19 @@ impl OneGpuRank {
                             flag.value;
                     }
                 }
+                want
             }
             Some(r) => {
                 // the flag of each tile it hands on, in its receiver's words of set 0
-                want = vec![vec![0u64; r.flag_words()]; s.shape.world];
+                let mut want = vec![vec![0u64; r.flag_words()]; s.shape.world];
                 for t in r.tiles_of(0) {
                     if let RingTarget::Send { step } = t.target {
                         want[r.ring.receiver(0, step)][r.flag_index(0, step, t.index)] = 1;
                     }
                 }
+                want
             }
-        }
+        };
         let mut wrong = Vec::new();
         for (owner, want) in want.iter().enumerate().skip(1) {
             let mut got = vec![0u64; want.len()];
@@ -349,11 +350,11 @@ impl OneGpuRank {
             // the running sum of the step before the one that computes the row (set 0), and on
             // its own rows (the last step) the bias
             let world = s.shape.world;
-            let step = (0..world)
-                .find(|&step| s.shape.chunk(r.ring.owner_at(0, step)).contains(&row))
+            let (step, rows) = (0..world)
+                .map(|step| (step, s.shape.chunk(r.ring.owner_at(0, step))))
+                .find(|(_, rows)| rows.contains(&row))
                 .expect("every row has an owner");
-            let start = s.shape.chunk(r.ring.owner_at(0, step)).start;
-            let within = (row - start) * n + index % n;
+            let within = (row - rows.start) * n + index % n;
             let sum = step.checked_sub(1).map_or(0.0, |prev| {
                 self.partials[r.ring.receive_offset(0, prev) + within]
             });
