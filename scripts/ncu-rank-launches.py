@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""Which launches of one `bench gemm --rs-ranks` process to sample: from Nsight Compute's
+metric listing of every launch of the direct build's entries (`ncu --csv --log-file FILE
+--metrics ...,dram__bytes_read.sum`), the last launch of the plain entry (the build alone),
+and among the routed entry's launches the last of the lower and of the higher DRAM reads:
+the order row (the rank's tile order and bands, no routes) and the rank row, whose partials
+add to its reads.
+
+    python3 scripts/ncu-rank-launches.py LIST.csv TABLE.txt > PICKS.txt
+
+Writes every launch with its metrics to TABLE.txt and prints `plain ID`, `order ID` and
+`rank ID` lines (IDs count the listed launches from 0, as `ncu --launch-skip` does under the
+same kernel filter); prints no order or rank line where the routed launches' reads are not
+two groups apart (the higher at least 1.2 times the lower).
+"""
+import collections
+import csv
+import sys
+
+
+def launches(path):
+    """{launch ID: (kernel name, {metric: value})} from ncu's CSV listing."""
+    rows = list(csv.reader(open(path, newline="")))
+    header = next(r for r in rows if r and r[0] == "ID")
+    col = {name: i for i, name in enumerate(header)}
+    out = collections.OrderedDict()
+    for r in rows:
+        if len(r) != len(header) or not r[0].isdigit():
+            continue
+        name, metrics = out.setdefault(int(r[col["ID"]]), (r[col["Kernel Name"]], {}))
+        try:
+            metrics[r[col["Metric Name"]]] = float(r[col["Metric Value"]].replace(",", ""))
+        except ValueError:
+            pass
+    return out
+
+
+def main():
+    listed = launches(sys.argv[1])
+    with open(sys.argv[2], "w") as table:
+        for i, (name, metrics) in listed.items():
+            values = " ".join(f"{m}={v:g}" for m, v in sorted(metrics.items()))
+            table.write(f"{i:4d} {name} {values}\n")
+    plain = [i for i, (name, _) in listed.items() if "_plain" in name]
+    routed = [i for i, (name, _) in listed.items() if "_routed" in name]
+    reads = {i: listed[i][1].get("dram__bytes_read.sum", 0.0) for i in routed}
+    if plain:
+        print("plain", max(plain))
+    if routed:
+        low, high = min(reads.values()), max(reads.values())
+        if high >= 1.2 * low:
+            middle = (low + high) / 2
+            print("order", max(i for i in routed if reads[i] < middle))
+            print("rank", max(i for i in routed if reads[i] >= middle))
+
+
+if __name__ == "__main__":
+    main()
