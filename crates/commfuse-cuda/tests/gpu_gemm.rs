@@ -1722,8 +1722,8 @@ fn bench_rows_pass_the_check_of_every_element() {
 /// tile; every element against A·B + Σ partials
 /// in float64. The partials lie in ±[1, 2), far above each element's bound: a partial skipped
 /// or added twice fails every element it touches. Where rows are whole 16-byte units the main
-/// build loads every tile's partials into its stages by TMA; elsewhere, and in the skinny
-/// build, its consumers read them from global memory: both ways are checked.
+/// and the skinny build load every tile's partials into their stages by TMA; elsewhere their
+/// consumers read them from global memory: both ways are checked.
 #[test]
 fn fold_adds_every_partial_once() {
     if !gpus(1) {
@@ -1735,6 +1735,8 @@ fn fold_adds_every_partial_once() {
         (777, 1500, 520, DType::F16, DType::F16, 0),
         (300, 1000, 264, DType::BF16, DType::F32, 3 * 4),
         (40, 2050, 136, DType::BF16, DType::BF16, 0),
+        (40, 2048, 136, DType::BF16, DType::BF16, 8),
+        (60, 1000, 72, DType::BF16, DType::F32, 4),
         (129, 1004, 72, DType::BF16, DType::F32, 2 * 4),
     ] {
         for layout in [BLayout::NK, BLayout::KN] {
@@ -2002,9 +2004,8 @@ const RANK_SHAPES: [(usize, usize, usize, BLayout, DType, bool); 4] = [
 /// word of the peers' stand-ins (the call's number where it sent a tile, else untouched;
 /// the bench errs otherwise), at P = 2, 3 and 5,
 /// ragged shapes whose chunks cut the 128-row bands, both B layouts, 16-bit and f32 outputs,
-/// on all SMs and capped (the split tail under routes and folds); the main build's rows fold
-/// through the pipeline's stages, the skinny build's (chunks of at most 64 rows) from global
-/// memory.
+/// on all SMs and capped (the split tail under routes and folds); the main build's rows and
+/// the skinny build's (chunks of at most 64 rows) fold through the pipeline's stages.
 #[test]
 fn rank_rows_pass_the_check() {
     let Some((gpu, _kernels, _stream)) = one_gpu() else {
@@ -2075,8 +2076,8 @@ fn rank_rows_pass_the_check() {
                     && !r.implementation.ends_with("-order")
                 {
                     // on the main and the direct build, rows of whole 16-byte units (N = 1000
-                    // of f32 too) fold by TMA through the stages; chunks of at most 64 rows run
-                    // the skinny build, whose consumers read the partials from global memory
+                    // of f32 too) fold by TMA through the stages, and so do chunks of at most
+                    // 64 rows, which run the skinny build
                     let staged = r.staged_folds.expect("a rank row counts its staged folds");
                     let direct = r.implementation.contains("-direct");
                     // the direct build's routed entry where D has the input's type
@@ -2092,7 +2093,7 @@ fn rank_rows_pass_the_check() {
                     assert_eq!(r.entry.as_deref(), Some(entry), "{r:?}");
                     match r.build.as_deref() {
                         Some("main") if !direct => assert!(staged > 0, "{r:?}"),
-                        Some("skinny") if !direct => assert_eq!(staged, 0, "{r:?}"),
+                        Some("skinny") if !direct => assert!(staged > 0, "{r:?}"),
                         Some("direct") if direct => assert!(staged > 0, "{r:?}"),
                         other => panic!("a rank row on the {other:?} build: {r:?}"),
                     }
@@ -2185,8 +2186,7 @@ fn ring_rank_rows_pass_the_check() {
                 assert_eq!(r.sms, sms, "{r:?}");
                 let staged = r.staged_folds.expect("a rank row counts its staged folds");
                 match r.build.as_deref() {
-                    Some("main" | "direct") => assert!(staged > 0, "{r:?}"),
-                    Some("skinny") => assert_eq!(staged, 0, "{r:?}"),
+                    Some("main" | "direct" | "skinny") => assert!(staged > 0, "{r:?}"),
                     other => panic!("a ring row on the {other:?} build: {r:?}"),
                 }
             }

@@ -106,6 +106,11 @@ struct Cfg {
     // every one that runs, but in the ping-pong build only the one whose unit it is
     static constexpr int STAGE_READERS = PINGPONG ? 1 : WARPGROUPS;
     static constexpr int STAGES = STAGES_;
+    // Registers a consumer thread takes (setmaxnreg) once the producer's warpgroup gives back
+    // 112 a thread: 224, or 240 in the skinny build, whose one consumer warpgroup holds a
+    // 256-wide tile's 128 accumulators alone (its third warpgroup computes nothing). With 224
+    // its pass over staged partials spilled the tile loop's counter and the band's first row.
+    static constexpr int CONSUMER_REGS = ROWS_ == 64 && BN_ == 256 ? 240 : 224;
     static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each B k-block (TMA multicast)
     // The consumers store the tile themselves: no staged tile, and storers that only count the
     // block finished and, for tiles with routes, raise their flags once the consumers' stores
@@ -210,11 +215,10 @@ using ShortCfg = Cfg<64, 128, 8, 1, true, 1, false, 0, 64>;
 // A tile's partial folded in through the pipeline (ROUTE_FOLD_TMA): boxes of the build's rows
 // by 128 bytes (one swizzle row: 64 16-bit or 32 f32 columns), as many to a stage as its B
 // buffer holds, in the ring's next stages after the tile's last k-block: in the main and the
-// direct build, two boxes a stage, two stages a 16-bit partial (four for f32). The other
-// builds read partials from global memory: the pair build takes no routes, the mid and the
-// narrow builds serve plain GEMMs only, and in the skinny build (four boxes a stage) the
-// consumers' pass over the stages made ptxas spill the tile's band and the tile loop's
-// counter.
+// direct build, two boxes a stage, two stages a 16-bit partial (four for f32); in the skinny
+// build, four boxes a stage, one stage a 16-bit partial (two for f32). The other builds read
+// partials from global memory: the pair build takes no routes, the mid and the narrow builds
+// serve plain GEMMs only.
 template <class C, typename Out> struct FoldBoxes {
     static constexpr int COLS = 128 / sizeof(Out);  // columns of a box
     static constexpr int BOXES = C::BN / COLS;       // boxes of one partial
@@ -222,13 +226,14 @@ template <class C, typename Out> struct FoldBoxes {
     static constexpr int PER_STAGE = C::B_STAGE_BYTES / BOX_BYTES;
     static constexpr int STAGES = PER_STAGE > 0 ? (BOXES + PER_STAGE - 1) / PER_STAGE : 0;  // stages of one partial
     static constexpr bool STAGED =
-        C::ROWS == gemm::BM && C::BN == gemm::BN && C::CLUSTER == 1 && !C::PINGPONG && !C::PLAIN;
+        (C::ROWS == gemm::BM || C::ROWS == 64) && C::BN == gemm::BN && C::CLUSTER == 1 && !C::PINGPONG && !C::PLAIN;
 };
 static_assert(FoldBoxes<MainCfg, __nv_bfloat16>::STAGES == 2 && FoldBoxes<MainCfg, float>::STAGES == 4 &&
-                  FoldBoxes<MainCfg, float>::STAGED &&
-                  !FoldBoxes<SkinnyCfg, float>::STAGED && !FoldBoxes<PairCfg, float>::STAGED &&
+                  FoldBoxes<MainCfg, float>::STAGED && FoldBoxes<SkinnyCfg, __nv_bfloat16>::STAGED &&
+                  FoldBoxes<SkinnyCfg, __nv_bfloat16>::STAGES == 1 && FoldBoxes<SkinnyCfg, float>::STAGES == 2 &&
+                  !FoldBoxes<PairCfg, float>::STAGED &&
                   !FoldBoxes<MidDirectCfg, float>::STAGED,
-              "the main and the direct build fold through their stages");
+              "the main, the direct and the skinny build fold through their stages");
 static_assert(MainCfg::SMEM_BYTES == gemm::SMEM_BYTES && MainCfg::EPI_PITCH == gemm::EPI_PITCH,
               "the main build is the kernel's design");
 // mirrored by SKINNY_SMEM_BYTES and NARROW_SMEM_BYTES in mod.rs
@@ -2104,7 +2109,8 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
             storer<C, Out>(p, s, threadIdx.x - 32);
         }
     } else if (C::WARPGROUPS == 2 || wg == 1) {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
+        if constexpr (C::CONSUMER_REGS == 240) asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+        else asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
         // The skinny build hides the warpgroup's number from the optimiser: it is known to be 0
         // here, and ptxas, given that constant, spilled ~200 bytes in every skinny entry (in
         // the main build it is not known, nothing spills, and the code stays as it was).

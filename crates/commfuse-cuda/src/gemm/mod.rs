@@ -2547,8 +2547,9 @@ pub(crate) fn box_routes(
 
 /// Marks the routes whose partials the kernel build `variant` can load by TMA from `source`
 /// (`ROUTE_FOLD_TMA`, with their rows in it) and clears the mark elsewhere; how many have
-/// it. A tile's partials qualify when the build stages folds (the main and the direct build:
-/// their B stages hold two boxes of the tile's rows × 128 bytes; see `FoldBoxes` in gemm.cu),
+/// it. A tile's partials qualify when the build stages folds (the main and the direct build,
+/// whose B stages hold two boxes of the tile's rows × 128 bytes, and the skinny build, whose
+/// B stages hold four of its 64 rows; see `FoldBoxes` in gemm.cu),
 /// each partial starts at
 /// the tile's first column in a row of `source`, with the routes' leading dimension, one
 /// whole number of rows from the next, and all of the tile's rows of every partial lie in
@@ -2562,8 +2563,10 @@ pub(crate) fn stage_folds(
 ) -> usize {
     let eb = plan.problem.output.size() as u64;
     let row_bytes = source.ld as u64 * eb;
-    let map_ok = matches!(variant, GemmVariant::Main | GemmVariant::Direct)
-        && source.base.is_multiple_of(16)
+    let map_ok = matches!(
+        variant,
+        GemmVariant::Main | GemmVariant::Direct | GemmVariant::Skinny
+    ) && source.base.is_multiple_of(16)
         && row_bytes.is_multiple_of(16)
         && source.rows > 0
         && plan.tile == TILE;
@@ -3080,18 +3083,16 @@ mod tests {
                 assert!(staged(r), "{output:?} tile {t}");
                 assert_eq!((r.fold_row, r.fold_row_step), (band, 300));
             }
-            // so does the direct build (the same stages' B buffers)
-            assert_eq!(
-                stage_folds(&mut routes, &plan, GemmVariant::Direct, &source),
-                routes.len()
-            );
+            // so do the direct build (the same stages' B buffers) and the skinny build (four
+            // boxes of its 64 rows a stage)
+            for variant in [GemmVariant::Direct, GemmVariant::Skinny] {
+                assert_eq!(
+                    stage_folds(&mut routes, &plan, variant, &source),
+                    routes.len()
+                );
+            }
             // the other builds read partials from global memory
-            for variant in [
-                GemmVariant::Skinny,
-                GemmVariant::Mid,
-                GemmVariant::MidDirect,
-                GemmVariant::Pair,
-            ] {
+            for variant in [GemmVariant::Mid, GemmVariant::MidDirect, GemmVariant::Pair] {
                 assert_eq!(stage_folds(&mut routes, &plan, variant, &source), 0);
                 assert!(routes.iter().all(|r| !staged(r) && r.fold_row == 0));
             }
