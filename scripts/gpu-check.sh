@@ -63,6 +63,18 @@ run_tests() {
   done
 }
 has tests && run_tests
+# An Nsight Compute report $R/NAME.ncu-rep read out and removed: its details page, its raw
+# metrics, its source page (SASS with the warps' stall samples) and their summary by
+# instruction (scripts/ncu-stalls.py); the details' lines that match PATTERN into the summary.
+ncu_report() {
+  local n=$1
+  ncu -i "$R/$n.ncu-rep" --page details >"$R/$n-details.txt" 2>&1
+  ncu -i "$R/$n.ncu-rep" --page raw --csv >"$R/$n-raw.csv" 2>&1
+  ncu -i "$R/$n.ncu-rep" --page source --csv --print-source sass >"$R/$n-sass.csv" 2>&1
+  python3 scripts/ncu-stalls.py "$R/$n-sass.csv" >"$R/$n-stalls.txt" 2>&1
+  grep -E "$2" "$R/$n-details.txt" | head -8 | cut -c1-140 | tee -a "$OUT/summary.txt"
+  rm -f "$R/$n.ncu-rep"
+}
 install_wheel() {
   # the wheel gpu-prepare.sh built, installed beside the machine's PyTorch
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/commfuse-site .gpu/wheels/commfuse-*.whl
@@ -222,11 +234,7 @@ if has fixed-cost; then
       --section WarpStateStats --section SourceCounters -o "$R/$n" $B bench gemm --m 8192 --n 8192 --k $k \
       --b-layout nk --sms 0 --builds direct --peer none --warmup 2 --iters 3 >"$R/$n.log" 2>&1
     log "$n rc=$?"
-    ncu -i "$R/$n.ncu-rep" --page details >"$R/$n-details.txt" 2>&1
-    ncu -i "$R/$n.ncu-rep" --page source --csv --print-source sass >"$R/$n-sass.csv" 2>&1
-    python3 scripts/ncu-stalls.py "$R/$n-sass.csv" >"$R/$n-stalls.txt" 2>&1
-    grep -E "Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued" "$R/$n-details.txt" | head -3 | tee -a "$OUT/summary.txt"
-    rm -f "$R/$n.ncu-rep"
+    ncu_report "$n" "Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued"
   done
 fi
 if has builds; then
@@ -255,12 +263,7 @@ if has decode-ncu; then
         --section WarpStateStats --section SourceCounters --section LaunchStats --section Occupancy \
         --metrics sm__cycles_active.avg,sm__cycles_elapsed.max -o "$R/$n" $B $args >"$R/$n.log" 2>&1
       log "$n rc=$?"
-      ncu -i "$R/$n.ncu-rep" --page details >"$R/$n-details.txt" 2>&1
-      ncu -i "$R/$n.ncu-rep" --page raw --csv >"$R/$n-raw.csv" 2>&1
-      ncu -i "$R/$n.ncu-rep" --page source --csv --print-source sass >"$R/$n-sass.csv" 2>&1
-      python3 scripts/ncu-stalls.py "$R/$n-sass.csv" >"$R/$n-stalls.txt" 2>&1
-      grep -E "^  [a-z]|Duration|DRAM Throughput|sm__cycles|Warp Cycles Per Issued" "$R/$n-details.txt" | head -8 | cut -c1-140 | tee -a "$OUT/summary.txt"
-      rm -f "$R/$n.ncu-rep"
+      ncu_report "$n" "^  [a-z]|Duration|DRAM Throughput|sm__cycles|Warp Cycles Per Issued"
     done
   done
 fi
@@ -281,11 +284,7 @@ if [ "$MODE" != full ] && has rank-ncu; then
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section SourceCounters \
         --metrics $metrics -o "$R/$n" $B $args >"$R/$n.log" 2>&1
       log "$n (launch $id) rc=$?"
-      ncu -i "$R/$n.ncu-rep" --page details >"$R/$n-details.txt" 2>&1
-      ncu -i "$R/$n.ncu-rep" --page source --csv --print-source sass >"$R/$n-sass.csv" 2>&1
-      python3 scripts/ncu-stalls.py "$R/$n-sass.csv" >"$R/$n-stalls.txt" 2>&1
-      grep -E "^  [a-z]|Duration|Warp Cycles Per Issued|hmma|dram__bytes_read" "$R/$n-details.txt" | head -8 | cut -c1-140 | tee -a "$OUT/summary.txt"
-      rm -f "$R/$n.ncu-rep" "$R/$n-sass.csv"
+      ncu_report "$n" "^  [a-z]|Duration|Warp Cycles Per Issued|hmma|dram__bytes_read"
     done <"$R/ncu-rank-$s-picks.txt"
   done
 fi
