@@ -225,8 +225,8 @@ template <class C, typename Out> struct FoldBoxes {
     static constexpr int BOX_BYTES = C::ROWS * 128;
     static constexpr int PER_STAGE = C::B_STAGE_BYTES / BOX_BYTES;
     static constexpr int STAGES = PER_STAGE > 0 ? (BOXES + PER_STAGE - 1) / PER_STAGE : 0;  // stages of one partial
-    static constexpr bool STAGED =
-        (C::ROWS == gemm::BM || C::ROWS == 64) && C::BN == gemm::BN && C::CLUSTER == 1 && !C::PINGPONG && !C::PLAIN;
+    // (the 256-wide builds that take routes: the main, the direct and the skinny one)
+    static constexpr bool STAGED = C::BN == gemm::BN && C::CLUSTER == 1 && !C::PINGPONG && !C::PLAIN;
 };
 static_assert(FoldBoxes<MainCfg, __nv_bfloat16>::STAGES == 2 && FoldBoxes<MainCfg, float>::STAGES == 4 &&
                   FoldBoxes<MainCfg, float>::STAGED && FoldBoxes<SkinnyCfg, __nv_bfloat16>::STAGED &&
@@ -2109,8 +2109,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
             storer<C, Out>(p, s, threadIdx.x - 32);
         }
     } else if (C::WARPGROUPS == 2 || wg == 1) {
-        if constexpr (C::CONSUMER_REGS == 240) asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-        else asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(C::CONSUMER_REGS) : "memory");
         // The skinny build hides the warpgroup's number from the optimiser: it is known to be 0
         // here, and ptxas, given that constant, spilled ~200 bytes in every skinny entry (in
         // the main build it is not known, nothing spills, and the code stays as it was).
