@@ -11,9 +11,8 @@ add to its reads.
 Writes every launch with its metrics to TABLE.txt and prints `plain ID`, `order ID` and
 `rank ID` lines (IDs count the listed launches from 0, as `ncu --launch-skip` does under the
 same kernel filter); prints no order or rank line where the routed launches' reads are not
-two groups apart (the higher at least 1.2 times the lower).
+two groups apart (the higher at least 1.2 times the lower, and above zero).
 """
-import collections
 import csv
 import sys
 
@@ -23,7 +22,7 @@ def launches(path):
     rows = list(csv.reader(open(path, newline="")))
     header = next(r for r in rows if r and r[0] == "ID")
     col = {name: i for i, name in enumerate(header)}
-    out = collections.OrderedDict()
+    out = {}
     for r in rows:
         if len(r) != len(header) or not r[0].isdigit():
             continue
@@ -48,7 +47,7 @@ def main():
         print("plain", max(plain))
     if routed:
         low, high = min(reads.values()), max(reads.values())
-        if high >= 1.2 * low:
+        if high > 0 and high >= 1.2 * low:
             middle = (low + high) / 2
             print("order", max(i for i in routed if reads[i] < middle))
             print("rank", max(i for i in routed if reads[i] >= middle))
