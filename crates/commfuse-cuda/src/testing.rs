@@ -41,10 +41,9 @@ pub fn gpus(needed: usize) -> Option<usize> {
     }
 }
 
-/// The SASS of every entry point of kernel file `kernel` (NVRTC for sm_90a, then cuobjdump), or
-/// `None` with the reason printed where NVRTC or cuobjdump is missing; under
-/// `COMMFUSE_REQUIRE_SASS=1` (CI sets it) a missing tool is a failure instead.
-pub fn sass_of(kernel: &str) -> Option<String> {
+/// cuobjdump (on `PATH` or in /usr/local/cuda/bin) where NVRTC is available too; else `None`
+/// with the reason printed, or a failure under `COMMFUSE_REQUIRE_SASS=1`.
+pub fn cuobjdump() -> Option<std::path::PathBuf> {
     let cuobjdump = std::env::var_os("PATH")
         .into_iter()
         .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
@@ -59,19 +58,28 @@ pub fn sass_of(kernel: &str) -> Option<String> {
         eprintln!("skipped: needs cuobjdump on PATH and NVRTC");
         return None;
     };
-    let source = crate::sys::nvrtc::kernel(kernel).unwrap_or_else(|| panic!("no kernel {kernel}"));
-    // every part of a file compiled in parts (their SASS one after the other)
-    let parts = crate::sys::nvrtc::compile_parts(source, false).unwrap_or_else(|e| panic!("{e}"));
+    Some(cuobjdump)
+}
+
+/// The SASS of the compiled parts of one kernel file, one after the other (`cuobjdump -sass`
+/// of each cubin): for tests that compile a file once and read both ptxas's report and its SASS.
+pub fn sass_of_compiled(
+    cuobjdump: &std::path::Path,
+    parts: &[crate::sys::nvrtc::Compiled],
+) -> String {
+    // (a number per file written, so that threads reading the same file's SASS never share one)
+    static WRITTEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let mut sass = String::new();
     for compiled in parts {
         let path = std::env::temp_dir().join(format!(
-            "commfuse-{}-{}-{}.cubin",
-            kernel.trim_end_matches(".cu"),
+            "commfuse-{}-{}-{}-{}.cubin",
+            compiled.name.trim_end_matches(".cu"),
             compiled.part.unwrap_or(0),
-            std::process::id()
+            std::process::id(),
+            WRITTEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         std::fs::write(&path, &compiled.cubin).expect("a temporary cubin");
-        let out = std::process::Command::new(&cuobjdump)
+        let out = std::process::Command::new(cuobjdump)
             .arg("-sass")
             .arg(&path)
             .output()
@@ -84,7 +92,7 @@ pub fn sass_of(kernel: &str) -> Option<String> {
         );
         sass.push_str(&String::from_utf8_lossy(&out.stdout));
     }
-    Some(sass)
+    sass
 }
 
 /// A Python virtual environment whose site-packages hold the NVRTC wheels of the folder that

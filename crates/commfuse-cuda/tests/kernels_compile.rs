@@ -1,5 +1,7 @@
-//! Every kernel compiles for sm_90a under NVRTC. Needs no GPU, only libnvrtc: CI installs the
-//! PyPI wheels and sets COMMFUSE_REQUIRE_NVRTC=1 so that a missing NVRTC fails instead of skipping.
+//! Every kernel compiles for sm_90a under NVRTC, and what its report and SASS must show
+//! (no spills, the GEMM's HGMMA, system-scope atomics). Needs no GPU, only libnvrtc (and
+//! cuobjdump for the SASS): CI installs the PyPI wheels and sets COMMFUSE_REQUIRE_NVRTC=1 and
+//! COMMFUSE_REQUIRE_SASS=1 so that a missing tool fails instead of skipping.
 
 use commfuse_cuda::sys::nvrtc;
 
@@ -16,20 +18,44 @@ fn nvrtc_here() -> bool {
     false
 }
 
+/// Every kernel file compiled once in this process, as the kernels load it (gemm.cu in parts,
+/// side by side), with ptxas's report: the tests of this file read their reports and their SASS
+/// from these, so that gemm.cu (minutes of ptxas) compiles once for all of them.
+fn compiled() -> &'static [(nvrtc::Source, Vec<nvrtc::Compiled>)] {
+    static COMPILED: std::sync::OnceLock<Vec<(nvrtc::Source, Vec<nvrtc::Compiled>)>> =
+        std::sync::OnceLock::new();
+    COMPILED.get_or_init(|| {
+        nvrtc::KERNELS
+            .iter()
+            .map(|source| {
+                let parts = nvrtc::compile_parts(*source, true).unwrap_or_else(|e| panic!("{e}"));
+                (*source, parts)
+            })
+            .collect()
+    })
+}
+
+/// The SASS of kernel file `kernel` from [`compiled`], or `None` (with the skip printed, a
+/// failure under COMMFUSE_REQUIRE_SASS) where cuobjdump or NVRTC is missing.
+fn sass_of(kernel: &str) -> Option<String> {
+    let cuobjdump = commfuse_cuda::testing::cuobjdump()?;
+    let (_, parts) = compiled()
+        .iter()
+        .find(|(source, _)| source.name == kernel)
+        .unwrap_or_else(|| panic!("no kernel {kernel}"));
+    Some(commfuse_cuda::testing::sass_of_compiled(&cuobjdump, parts))
+}
+
 #[test]
 fn every_kernel_compiles_for_sm90a() {
     if !nvrtc_here() {
         return;
     }
-    // each file as the kernels load it: gemm.cu in parts, side by side
-    let parts = nvrtc::KERNELS
-        .iter()
-        .flat_map(|source| nvrtc::compile_parts(*source, true).unwrap_or_else(|e| panic!("{e}")));
-    for compiled in parts {
+    for compiled in compiled().iter().flat_map(|(_, parts)| parts) {
         let source = compiled.name;
         let name = format!("{source} (part {:?})", compiled.part);
         assert!(compiled.cubin.len() > 1000, "{name}: empty cubin");
-        check_part_entries(&compiled);
+        check_part_entries(compiled);
         // ptxas reports every function (entry points and out-of-line callees): none may spill
         let functions = nvrtc::ptxas_functions(&compiled.log);
         let entries = compiled.log.matches("Compiling entry function").count();
@@ -138,7 +164,7 @@ fn check_part_entries(compiled: &nvrtc::Compiled) {
 /// COMMFUSE_REQUIRE_SASS=1.
 #[test]
 fn gemm_sass_uses_hgmma() {
-    let Some(sass) = commfuse_cuda::testing::sass_of("gemm.cu") else {
+    let Some(sass) = sass_of("gemm.cu") else {
         return;
     };
     let (mut entries, mut skinny, mut narrow, mut tall, mut pair, mut mid) = (0, 0, 0, 0, 0, 0);
@@ -510,4 +536,33 @@ fn wheel_child_threads_get_one_cache_key() {
         threads.into_iter().map(|t| t.join().unwrap()).collect()
     });
     assert!(keys.iter().all(|k| *k == keys[0]), "{keys:?}");
+}
+
+/// The kernels' atomics on memory that several GPUs (and the host) share are system scope: in
+/// their SASS every compare-and-swap (the error record, claimed by whichever waiter on
+/// whichever GPU times out first) is `.SYS`, never `.GPU`, which would order only one GPU's
+/// threads. Needs NVRTC and cuobjdump, no GPU; COMMFUSE_REQUIRE_SASS=1 makes a skip a failure.
+#[test]
+fn every_compare_and_swap_on_shared_records_is_system_scope() {
+    // plan.cu claims the error record in its waits; gemm.cu in its stalled pipelines and fold
+    // waits; gemm_rs.cu, ll.cu and ce.cu in their waits (gemm_rs.cu and ce.cu through common.cuh)
+    for kernel in ["plan.cu", "gemm.cu", "gemm_rs.cu", "ll.cu", "ce.cu"] {
+        let Some(sass) = sass_of(kernel) else { return };
+        check_cas(kernel, &sass);
+    }
+}
+
+fn check_cas(kernel: &str, sass: &str) {
+    let cas: Vec<&str> = sass.lines().filter(|l| l.contains(".CAS")).collect();
+    assert!(!cas.is_empty(), "{kernel}: no compare-and-swap in its SASS");
+    let narrow: Vec<&str> = cas
+        .iter()
+        .copied()
+        .filter(|l| !l.contains(".SYS"))
+        .collect();
+    assert!(
+        narrow.is_empty(),
+        "{kernel}: compare-and-swap below system scope:\n{}",
+        narrow.join("\n")
+    );
 }

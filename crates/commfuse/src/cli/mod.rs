@@ -49,7 +49,7 @@ pub enum Command {
     Bench(BenchCmd),
     /// Run the whole correctness matrix: every collective and fused operator, every path, against float64
     Verify(VerifyArgs),
-    /// Compile every kernel with NVRTC for sm_90a (no GPU needed)
+    /// Compile every kernel (or the files named) with NVRTC for sm_90a (no GPU needed)
     Kernels(KernelsArgs),
     /// Fit the cost model's link figures to measured bench tables (bench --json files)
     Calibrate(CalibrateArgs),
