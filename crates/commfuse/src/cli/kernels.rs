@@ -16,12 +16,12 @@ pub struct KernelsArgs {
 
 pub(super) fn kernels_cmd(a: KernelsArgs) -> Result<i32> {
     use commfuse_cuda::sys::nvrtc;
-    let known = || {
-        let names: Vec<&str> = nvrtc::KERNELS.iter().map(|k| k.name).collect();
-        names.join(", ")
-    };
     if let Some(unknown) = a.files.iter().find(|f| nvrtc::kernel(f).is_none()) {
-        bail!("no kernel file '{unknown}' (the kernels: {})", known());
+        let names: Vec<&str> = nvrtc::KERNELS.iter().map(|k| k.name).collect();
+        bail!(
+            "no kernel file '{unknown}' (the kernels: {})",
+            names.join(", ")
+        );
     }
     let chosen: Vec<nvrtc::Source> = nvrtc::KERNELS
         .iter()
