@@ -192,7 +192,6 @@ fn folds(folds: &[usize], paced: Option<f64>) -> ExtraRows<'_> {
         next_prefetch: None,
         k_phases: None,
         k_serpentine: false,
-        boxes_at_once: false,
         bias: false,
         gather: false,
         trace: false,
@@ -1805,48 +1804,6 @@ fn next_unit_prefetch_rows_pass_the_check() {
     };
     let name = "commfuse-next-prefetch";
     option_rows_pass_the_check(&shapes, &[1, 4, 100], name, extra, &[0, 116], 11);
-}
-
-/// The direct build's plain entry holds the last two of each warpgroup's four boxes of a tile
-/// back and stores them under the next unit's first k-block (`HeldBoxes` in gemm.cu): the
-/// direct build's rows, which run that entry at these shapes (no split tail), and `auto`'s row
-/// storing every box at once, each checked on every element of a poisoned output, at row bands
-/// whose last
-/// tile holds two boxes (N = 7900), one (8100) and none (7000), ragged M (both warpgroups'
-/// boxes clipped at M), blocks of one to four tiles, both B layouts.
-#[test]
-fn held_boxes_rows_pass_the_check() {
-    if !gpus(1) {
-        return;
-    }
-    let shapes = [(1024, 7900, 3584), (2000, 8100, 1000), (1000, 7000, 700)];
-    for &(m, n, k) in &shapes {
-        for layout in [BLayout::NK, BLayout::KN] {
-            let p = GemmProblem::new(m, n, k, layout, DType::BF16, DType::BF16).unwrap();
-            let extra = ExtraRows {
-                builds: Some(&[VariantChoice::Direct]),
-                boxes_at_once: true,
-                ..folds(&[], None)
-            };
-            let rows = bench_gemm(0, None, extra, &p, &[0], 1, 1, 61 + m as u64).unwrap();
-            let holding = |r: &&GemmRow| {
-                (r.build.as_deref(), r.entry.as_deref(), r.tail.as_deref())
-                    == (Some("direct"), Some("plain"), Some("none"))
-                    && r.implementation != "commfuse-boxes-at-once"
-            };
-            assert!(
-                rows.iter().any(|r| holding(&r)),
-                "{m}x{n}x{k} {layout:?}: {rows:?}"
-            );
-            let at_once = rows
-                .iter()
-                .filter(|r| r.implementation == "commfuse-boxes-at-once");
-            assert_eq!(at_once.count(), 1, "{rows:?}");
-            for r in rows.iter().filter(|r| r.build.is_some()) {
-                assert_eq!((r.checked, r.out_of_bound), (m * n, 0), "{layout:?}: {r:?}");
-            }
-        }
-    }
 }
 
 /// Our rows under each tile order of the bench (`--order`): every element of the chosen

@@ -116,10 +116,6 @@ pub struct ExtraRows<'a> {
     /// wave from the last k-block to the first ([`PreparedGemm::set_k_serpentine`]), and each
     /// rank row again with it (`-serpentine`)
     pub k_serpentine: bool,
-    /// A row of the chosen build whose plain entry stores every box of a tile after its main
-    /// loop instead of holding two back for the next unit's first k-block
-    /// ([`PreparedGemm::set_boxes_at_once`])
-    pub boxes_at_once: bool,
     /// Every plain row (cuBLASLt's, ours, the forced builds) adds a bias row of N random
     /// values of the output type: D = A·B + bias; a rank row's own tiles add it too (the
     /// tiles it sends do not). Not with fold rows or a peer.
@@ -248,7 +244,6 @@ fn run<T: Element>(
         next_prefetch,
         k_phases,
         k_serpentine,
-        boxes_at_once,
         bias,
         gather,
         trace,
@@ -385,9 +380,8 @@ fn run<T: Element>(
     }
     kernels.set_tail(chosen_tail);
     // the chosen build with one option on: the next unit's first k-blocks asked of L2 ahead,
-    // its blocks' loads started at several places in K, every other wave's K loop reversed,
-    // every box of a tile stored after its main loop
-    let options: [(&str, Option<u32>, SetOption); 4] = [
+    // its blocks' loads started at several places in K, every other wave's K loop reversed
+    let options: [(&str, Option<u32>, SetOption); 3] = [
         (
             "commfuse-next-prefetch",
             next_prefetch,
@@ -398,11 +392,6 @@ fn run<T: Element>(
             "commfuse-serpentine",
             k_serpentine.then_some(1),
             PreparedGemm::set_k_serpentine,
-        ),
-        (
-            "commfuse-boxes-at-once",
-            boxes_at_once.then_some(1),
-            PreparedGemm::set_boxes_at_once,
         ),
     ];
     for (name, value, set) in options {

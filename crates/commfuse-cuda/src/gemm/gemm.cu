@@ -397,10 +397,6 @@ struct GemmParams {
     // unit starts on the K slices that the wave before read last, which L2 still holds where a
     // wave's operands do not all fit in it; the consumers sum the stages in that order
     u32 k_serpentine;
-    // Nonzero: the direct build's plain entries store all four boxes of a warpgroup's rows
-    // after the tile's main loop, as the other entries do, instead of holding two back for the
-    // next unit's first k-block (HeldBoxes)
-    u32 boxes_at_once;
     TmaDesc a_local;
     TmaDesc d_map;
     TmaDesc fold_map;
@@ -414,7 +410,6 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, band_flags) == 416 && COMMFUSE_OFFSE
                   COMMFUSE_OFFSETOF(GemmParams, a_box_bytes) == 456 &&
                   COMMFUSE_OFFSETOF(GemmParams, k_phases) == 460 && COMMFUSE_OFFSETOF(GemmParams, trace) == 464 &&
                   COMMFUSE_OFFSETOF(GemmParams, k_serpentine) == 472 &&
-                  COMMFUSE_OFFSETOF(GemmParams, boxes_at_once) == 476 &&
                   COMMFUSE_OFFSETOF(GemmParams, fold_map) == 768 && sizeof(GemmParams) == 896,
               "layout mirrored by GemmParams in src/gemm.rs");
 static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(GemmParams, m) == 312 &&
@@ -1415,12 +1410,9 @@ struct BoxTarget {
 
 // The rows by boxes, through warpgroup `wg`'s two box buffers (and its barrier), to `to` (the
 // rows' first at `to.row + r0`).
-// (the first `boxes` of the rows only, where the direct build's plain entries hold the rest
-// back: HeldBoxes)
 template <class C, typename Out>
 __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const Smem& s, const Unit& c, const float* acc,
-                                                    u32 r0, u32 wg, u32 g_col0, bool leader, BoxTarget to,
-                                                    u32 boxes = C::BN * sizeof(Out) / 128) {
+                                                    u32 r0, u32 wg, u32 g_col0, bool leader, BoxTarget to) {
     const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const u32 wrow = warp * 16 + lane / 4;  // this thread's first row of the 64
     const u32 g_row0 = c.row0 + r0 + wrow;  // and of D
@@ -1428,7 +1420,7 @@ __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const S
     constexpr int GROUPS = BOX_COLS / 8;  // 8-column accumulator groups per box
 #pragma unroll
     for (int bx = 0; bx < C::BN / BOX_COLS; ++bx) {
-        if ((u32)bx >= boxes || g_col0 + bx * BOX_COLS >= p.n) break;
+        if (g_col0 + bx * BOX_COLS >= p.n) break;
         // (the rows' boxes take the buffers in turn from the first: a count kept across
         // tiles would live through the main loop beside the accumulators)
         unsigned char* box = s.epi + (wg * 2 + bx % 2) * C::BOX_BYTES;
@@ -1480,77 +1472,6 @@ __device__ __forceinline__ void store_rows_by_boxes(const GemmParams& p, const S
         }
     }
 }
-
-// The direct build's plain entries hold the last two of a warpgroup's four boxes back: after a
-// tile's main loop the warpgroup writes and stores boxes 0 and 1, packs the 64 accumulators of
-// boxes 2 and 3 into 32 registers of 16-bit pairs, and writes and stores those once it has
-// issued the next unit's first k-block, while the tensor cores run it. The second half of the
-// epilogue, with its wait for box 0's store to read its buffer, then runs under a main loop
-// instead of between two (the tensor cores idle through the epilogue of a 128 x 256 tile,
-// both warpgroups storing at once). The packed values are those the stmatrix writes of
-// store_rows_by_boxes would write (alpha times the sum, rounded once).
-template <class C, typename Out> struct HeldBoxes {
-    // (not in the entries with the split tail, whose owners' pass over the helpers' partials
-    // beside the held registers spilled 184 bytes and serialised the wgmmas)
-    static constexpr bool ON = C::PLAIN && !C::SPLIT_TAIL && C::DIRECT && !C::PINGPONG && C::HALVES == 1 &&
-                               C::BN == 256 && sizeof(Out) == 2;
-    static constexpr int FIRST = 2;  // boxes stored at once
-    static constexpr int BOXES = 2;  // boxes held back
-    static constexpr int BOX_COLS = 64;
-    // a box is four stmatrix.x4 of four registers a thread
-    u32 v[ON ? BOXES * 16 : 1];
-    u32 col, row;  // the first held box's column in D, and the rows' first row
-    u32 boxes;     // held boxes not yet stored (those past N are not held)
-
-    // Packs boxes FIRST .. FIRST + BOXES - 1 of the rows whose accumulators are `acc` (at
-    // column `g_col0` and row `row0` of D).
-    __device__ __forceinline__ void hold(const GemmParams& p, const float* acc, u32 g_col0, u32 row0) {
-        if constexpr (ON) {
-#pragma unroll
-            for (int b = 0; b < BOXES; ++b) {
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    // groups j and j + 1 of box FIRST + b, as stmatrix_groups takes them
-                    const float* a = acc + ((FIRST + b) * 8 + 2 * q) * 4;
-#pragma unroll
-                    for (int r = 0; r < 4; ++r)
-                        v[(b * 4 + q) * 4 + r] = pack_pair<Out>(p.alpha * a[2 * r], p.alpha * a[2 * r + 1]);
-                }
-            }
-            col = g_col0 + FIRST * BOX_COLS;
-            row = row0;
-            boxes = col >= p.n ? 0 : col + BOX_COLS >= p.n ? 1 : 2;
-        }
-    }
-
-    // Writes and stores the held boxes through warpgroup `wg`'s box buffers (FIRST + b takes
-    // buffer b % 2, as store_rows_by_boxes would) to D. Called by every thread of the warpgroup.
-    __device__ __forceinline__ void store(const GemmParams& p, const Smem& s, u32 wg, bool leader) {
-        if constexpr (ON) {
-            const StmatrixLane l = stmatrix_lane();
-#pragma unroll
-            for (int b = 0; b < BOXES; ++b) {
-                if ((u32)b >= boxes) break;
-                unsigned char* box = s.epi + (wg * 2 + (FIRST + b) % 2) * C::BOX_BYTES;
-                // the store that read this buffer two boxes ago is done reading it
-                if (leader) bulk_wait_read_all_but<1>();
-                consumer_group_sync(wg);
-                const u32 rw = smem_u32(box) + l.row * 128;
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    stmatrix_x4(rw + (((2 * q + l.group) ^ (l.row % 8)) * 16), v[(b * 4 + q) * 4],
-                                v[(b * 4 + q) * 4 + 1], v[(b * 4 + q) * 4 + 2], v[(b * 4 + q) * 4 + 3]);
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                consumer_group_sync(wg);
-                if (leader) {
-                    tma_store_2d(&p.d_map, smem_u32(box), col + b * BOX_COLS, row);
-                    bulk_commit();
-                }
-            }
-            boxes = 0;
-        }
-    }
-};
 
 // The rows from registers: a thread's pairs of columns, each where it lies in the tile's rows
 // and in the destination whose element (0, 0) of the tile is at `dst` (leading dimension `ld`).
@@ -1737,11 +1658,6 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     // (ping-pong) this block's units so far: warpgroup cw takes those where turn % 2 == cw; and
     // the phase of the other warpgroup's turn barrier it waits for next
     u32 turn = 0, turn_phase = 0;
-    // (the direct build's plain entries) the last tile's boxes held back, stored under the next
-    // unit's first k-block
-    using Held = HeldBoxes<C, Out>;
-    Held held;
-    held.boxes = 0;
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
         if (c.empty) continue;
@@ -1819,8 +1735,6 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                 }
                 wgmma_commit();
                 fence_acc<ACCS>(acc);
-                // the last tile's held boxes, while the tensor cores run the unit's first k-block
-                if (Held::ON && kb == c.kb0 && held.boxes != 0) held.store(p, s, cw, leader);
                 // keep this k-block's wgmmas in flight; the previous one's stage can be refilled
                 wgmma_wait<1>();
                 fence_acc<ACCS>(acc);
@@ -1967,16 +1881,6 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             const TileDst to = tile_dst<C, Out>(p, e, routed, g_col0);
             // (the direct build's warpgroup stores its own 64 rows; a ping-pong warpgroup its
             // whole tile, half by half)
-            if constexpr (Held::ON) {
-                const u32 r0 = half * 64;
-                // (held boxes of a tile before, where this unit ran no k-block to store them under)
-                if (held.boxes != 0) held.store(p, s, cw, leader);
-                const bool at_once = p.boxes_at_once != 0;
-                store_rows_by_boxes<C, Out>(p, s, e, acc, r0, cw, g_col0, leader, to.to,
-                                            at_once ? C::BN / 64 : Held::FIRST);
-                if (!at_once) held.hold(p, acc, g_col0, e.row0 + r0);
-                continue;
-            }
 #pragma unroll
             for (int h = 0; h < C::HALVES; ++h) {
                 const u32 r0 = (half + h) * 64;
@@ -2019,8 +1923,6 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             epi_phase ^= 1;
         }
     }
-    // the last tile's held boxes
-    if (Held::ON && held.boxes != 0) held.store(p, s, cw, leader);
     // the warpgroup's last routed tile with a flag
     settle_routed_stores<C>(cw, leader);
     // the direct build's boxes: no tensor store may still read shared memory or write D when

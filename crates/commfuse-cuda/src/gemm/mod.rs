@@ -1019,9 +1019,6 @@ struct GemmParams {
     /// Non-zero: the units at odd places of a block's sequence load their k-blocks last to
     /// first ([`PreparedGemm::set_k_serpentine`])
     k_serpentine: u32,
-    /// Non-zero: the direct build's plain entries store a tile's boxes all at once
-    /// ([`PreparedGemm::set_boxes_at_once`])
-    boxes_at_once: u32,
     a_local: TmaDesc,
     d_map: TmaDesc,
     fold_map: TmaDesc,
@@ -1037,7 +1034,6 @@ const _: () = assert!(
         && std::mem::offset_of!(GemmParams, k_phases) == 460
         && std::mem::offset_of!(GemmParams, trace) == 464
         && std::mem::offset_of!(GemmParams, k_serpentine) == 472
-        && std::mem::offset_of!(GemmParams, boxes_at_once) == 476
         && std::mem::offset_of!(GemmParams, a_local) == 512
         && std::mem::offset_of!(GemmParams, d_map) == 640
         && std::mem::offset_of!(GemmParams, fold_map) == 768
@@ -1833,7 +1829,6 @@ impl PreparedGemm {
             k_phases: 0,
             trace: 0,
             k_serpentine: 0,
-            boxes_at_once: 0,
             a_local: TmaDesc([0; 16]),
             d_map: TmaDesc([0; 16]),
             fold_map: TmaDesc(fold_map.unwrap_or([0; 16])),
@@ -1927,16 +1922,6 @@ impl PreparedGemm {
     /// k-blocks, where a reversed unit starts at its last.
     pub fn set_k_serpentine(&mut self, on: u32) {
         self.params.k_serpentine = u32::from(on != 0);
-    }
-
-    /// Whether the direct build's plain entries store each warpgroup's four boxes of a tile
-    /// after its main loop (non-zero), as the other entries do, instead of the default: two
-    /// boxes then, the other two packed into registers and stored once the next unit's first
-    /// k-block is issued, so that half of the epilogue runs while the tensor cores work
-    /// (GEMM-NOTES.md, "Half of the epilogue under the next main loop"). The results are the
-    /// same bits either way.
-    pub fn set_boxes_at_once(&mut self, on: u32) {
-        self.params.boxes_at_once = u32::from(on != 0);
     }
 
     /// Whether the units at odd places of a block's sequence load their k-blocks last to

@@ -178,10 +178,6 @@ pub struct BenchGemmArgs {
     /// and each --rs-ranks row again with it
     #[arg(long)]
     pub k_serpentine: bool,
-    /// Also a row of the chosen build whose plain entry stores all of a tile's boxes after its
-    /// main loop instead of holding two back for the next tile's first k-block
-    #[arg(long)]
-    pub boxes_at_once: bool,
     /// Every row adds a bias row (N random values of the output type) in its epilogue,
     /// cuBLASLt's included: D = A·B + bias; a rank row's own tiles too (not with --fold or a
     /// peer)
@@ -435,7 +431,6 @@ pub(super) fn bench_gemm_cmd(a: BenchGemmArgs) -> Result<i32> {
         next_prefetch: a.next_prefetch,
         k_phases: a.k_phases,
         k_serpentine: a.k_serpentine,
-        boxes_at_once: a.boxes_at_once,
         bias: a.bias,
         gather: a.gather,
         trace: a.trace,
