@@ -1006,6 +1006,19 @@ fn ping_pong_build_matches_float64_reference() {
     check_direct_mid_tile_build((&gpu, &kernels, &stream), build, 1900);
 }
 
+/// The wide ping-pong build (128×192 tiles, 192 accumulators a thread, each consumer warpgroup
+/// on whole tiles of its own in turns, four stages), forced, by [`check_direct_mid_tile_build`]:
+/// the ping-pong build's cases on its tile (N = 600, 999 and 1000 end in part of a tile; on 4
+/// and 3 SMs a block runs many tiles round the four stages).
+#[test]
+fn ping_pong_wide_build_matches_float64_reference() {
+    let Some((gpu, kernels, stream)) = one_gpu() else {
+        return;
+    };
+    let build = (VariantChoice::PingPongWide, GemmVariant::PingPongWide);
+    check_direct_mid_tile_build((&gpu, &kernels, &stream), build, 2100);
+}
+
 /// The mid-direct build (the ping-pong build's 128×128 tiles, six stages and boxes, both
 /// consumer warpgroups on each tile), forced, by [`check_direct_mid_tile_build`]: split tails
 /// on 4 and 3 SMs, D += 2·A·B on 3, a one-wave product whole (M = 1, 65: one partial wave).
@@ -1018,8 +1031,9 @@ fn mid_direct_build_matches_float64_reference() {
     check_direct_mid_tile_build((&gpu, &kernels, &stream), build, 2000);
 }
 
-/// A build of 128×128 tiles that stores them into D itself (`build`, which its choice takes),
-/// forced, against float64 over every element: the mid build's cases (M = 1, 65, 300, 1000;
+/// A build of 128×128 tiles (or the wide ping-pong build's 128×192) that stores them into D
+/// itself (`build`, which its choice takes), forced, against float64 over every element: the
+/// mid build's cases (M = 1, 65, 300, 1000;
 /// N = 1000 and 600; every SM, and 4 and 3 SMs; D += 2·A·B on 3), B [K, N] with N = 999
 /// (padded B, the last column of D stored from registers), K of one to three k-blocks on 3 SMs
 /// (K = 40, 64, 136, 192), and row bands of 40, 60 and 30 rows (boxes that would overrun a
@@ -1029,19 +1043,20 @@ fn check_direct_mid_tile_build(
     build: (VariantChoice, GemmVariant),
     mut seed: u64,
 ) {
+    let tile = build.1.tile();
     let mut each = |p: GemmProblem, case: SkinnyCase| {
         seed += 1;
         check_variant_of_types(gpu, kernels, stream, p, case, build, seed);
     };
     for (m, n) in [(1, 1000), (65, 600), (300, 1000), (1000, 600)] {
-        for_each_case(m, n, MID_TILE, &THREE_TYPES, &RUNS, &mut each);
+        for_each_case(m, n, tile, &THREE_TYPES, &RUNS, &mut each);
     }
-    for_each_case(300, 999, MID_TILE, &THREE_TYPES[..1], &RUNS[..2], &mut each);
+    for_each_case(300, 999, tile, &THREE_TYPES[..1], &RUNS[..2], &mut each);
     for layout in [BLayout::NK, BLayout::KN] {
         for k in [40, 64, 136, 192] {
             let p = GemmProblem::new(1000, 1000, k, layout, DType::BF16, DType::BF16).unwrap();
             let case = SkinnyCase {
-                tile: MID_TILE,
+                tile,
                 bands: None,
                 cap: 3,
                 epilogue: Case::Full,
@@ -1050,7 +1065,7 @@ fn check_direct_mid_tile_build(
         }
         let p = GemmProblem::new(130, 1000, 1544, layout, DType::BF16, DType::BF16).unwrap();
         let case = SkinnyCase {
-            tile: MID_TILE,
+            tile,
             bands: Some(&[0, 40, 100, 130]),
             cap: 0,
             epilogue: Case::Full,
@@ -1634,7 +1649,7 @@ fn bench_rows_pass_the_check_of_every_element() {
             // cuBLASLt and ours at both caps; each build forced too: where the skinny build
             // fits main, skinny and (M ≤ 128 here) narrow, narrow-deep and narrow-sliced (two
             // rows more), elsewhere main,
-            // pair, direct, mid, ping-pong and mid-direct (four rows more); the fold rows (1 and 3 partials, each also prefetched); where the tail spread by stream-K differs
+            // pair, direct, mid, ping-pong, mid-direct and ping-pong-wide (six rows more); the fold rows (1 and 3 partials, each also prefetched); where the tail spread by stream-K differs
             // from the cut, ours with it (512 tiles: 3.9 waves on 132 SMs, 4.4 on 116; at 16
             // rows `auto` plans 128 narrow tiles, one wave on 132 SMs and more than one on 116;
             // the other shapes are less than one wave, where both cut)
@@ -1651,7 +1666,7 @@ fn bench_rows_pass_the_check_of_every_element() {
                 _ => 0,
             };
             let narrow_sliced = if m <= 128 { 2 } else { 0 };
-            let ping_pong = if m > 64 { 4 } else { 0 };
+            let ping_pong = if m > 64 { 6 } else { 0 };
             // the short build where its 64 × 128 tiles make at most two waves above 64 rows:
             // only 777 × 1500 here (13 × 12 tiles)
             let short = if (m, n) == (777, 1500) { 2 } else { 0 };

@@ -202,7 +202,7 @@ fn bad_inputs_get_one_line_and_a_nonzero_exit() {
         fails_with(
             &[&gemm[..], &["--builds", builds]].concat(),
             &format!(
-                "--builds takes main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, short or none, got '{name}'"
+                "--builds takes main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, short, ping-pong-wide or none, got '{name}'"
             ),
         );
     }

@@ -17,7 +17,7 @@ use crate::gemm::trace::GemmTrace;
 use crate::gemm::{
     CallNumber, FoldSource, Gather, GemmEntry, GemmKernels, GemmOperands, GemmVariant,
     PreparedGemm, RouteTargets, TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE,
-    ROUTE_DST_FROM_D, SHORT_TILE, SKINNY_ROWS, TILE,
+    ROUTE_DST_FROM_D, SHORT_TILE, SKINNY_ROWS, TILE, WIDE_TILE,
 };
 use crate::gemm_rs::one_gpu::{OneGpuRank, RankSchedule};
 use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
@@ -311,8 +311,8 @@ fn run<T: Element>(
     // where another build than the main one can compute the product (the skinny one: every
     // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles, and the
     // narrow-tall one also where its tiles of several bands make one wave; the pair build:
-    // a tile of more than 64 rows, and the direct build; the mid and the ping-pong build: M
-    // above 64; the short build: M above 64 where its tiles make at most two waves), each build
+    // a tile of more than 64 rows, and the direct build; the mid, both ping-pong builds and
+    // the mid-direct one: M above 64; the short build: M above 64 where its tiles make at most two waves), each build
     // forced, side by side with the row of the build chosen
     let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
     let (narrow_rows, narrow_cols) = tiles(p, NARROW_TILE);
@@ -322,6 +322,7 @@ fn run<T: Element>(
     let skinny_fits = VariantChoice::Skinny.variant_for(&wide) == GemmVariant::Skinny;
     let pair_fits = VariantChoice::Pair.variant_for(&wide) == GemmVariant::Pair;
     let mid = (p.m > SKINNY_ROWS).then(|| plan_of(MID_TILE));
+    let wide_ping_pong = (p.m > SKINNY_ROWS).then(|| plan_of(WIDE_TILE));
     let (short_rows, short_cols) = tiles(p, SHORT_TILE);
     let short = (p.m > SKINNY_ROWS && short_rows * short_cols <= 2 * gpu.sm_count as usize)
         .then(|| plan_of(SHORT_TILE));
@@ -349,6 +350,9 @@ fn run<T: Element>(
             builds.push(("commfuse-mid", VariantChoice::Mid, mid));
             builds.push(("commfuse-ping-pong", VariantChoice::PingPong, mid));
             builds.push(("commfuse-mid-direct", VariantChoice::MidDirect, mid));
+        }
+        if let Some(plan) = &wide_ping_pong {
+            builds.push(("commfuse-ping-pong-wide", VariantChoice::PingPongWide, plan));
         }
         if let Some(short) = &short {
             builds.push(("commfuse-short", VariantChoice::Short, short));

@@ -110,7 +110,10 @@ struct Cfg {
     // 112 a thread: 224, or 240 in the skinny build, whose one consumer warpgroup holds a
     // 256-wide tile's 128 accumulators alone (its third warpgroup computes nothing). With 224
     // its pass over staged partials spilled the tile loop's counter and the band's first row.
-    static constexpr int CONSUMER_REGS = ROWS_ == 64 && BN_ == 256 ? 240 : 224;
+    // The wide ping-pong build's consumers hold a 128 x 192 tile's 192 accumulators each: 232,
+    // with the producer's warpgroup down to 40.
+    static constexpr int CONSUMER_REGS = ROWS_ == 64 && BN_ == 256 ? 240 : PINGPONG_ && BN_ == 192 ? 232 : 224;
+    static constexpr int PRODUCER_REGS = PINGPONG_ && BN_ == 192 ? 40 : 56;
     static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each B k-block (TMA multicast)
     // The consumers store the tile themselves: no staged tile, and storers that only count the
     // block finished and, for tiles with routes, raise their flags once the consumers' stores
@@ -165,7 +168,10 @@ struct Cfg {
     static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + EPI_BYTES + SUMS_BYTES + 8 * (2 * STAGES + 2);
     static_assert((STAGES * STAGE_BYTES + EPI_BYTES) % 16 == 0, "the sums are read and written as float4");
     static_assert(ROWS == 64 || ROWS == gemm::BM, "a build computes one or two 64-row halves of a tile");
-    static_assert(BN == 64 || BN == 128 || BN == 256, "a tile is one wgmma's N wide");
+    static_assert(BN == 64 || BN == 128 || BN == 192 || BN == 256, "a tile is one wgmma's N wide");
+    // (a block is three warpgroups; one that computes nothing keeps the launch's 168)
+    static_assert(WARPGROUPS * 128 * CONSUMER_REGS + (2 - WARPGROUPS) * 128 * 168 + 128 * PRODUCER_REGS <= 65536,
+                  "the register file holds every warpgroup's");
     static_assert(SMEM_BYTES <= gemm::DYNAMIC_SMEM_LIMIT, "the stages and the staged tile must fit in shared memory");
     // 128-byte swizzled stages start on 1024-byte boundaries
     static_assert(A_STAGE_BYTES % 1024 == 0 && B_STAGE_BYTES % 1024 == 0, "stage alignment");
@@ -205,6 +211,12 @@ using MidCfg = Cfg<gemm::BM, 128, 5>;
 using DirectCfg = Cfg<gemm::BM, gemm::BN, 4, 1, true>;
 using PingPongCfg = Cfg<gemm::BM, 128, 6, 1, true, 1, true>;
 using MidDirectCfg = Cfg<gemm::BM, 128, 6, 1, true>;
+// The wide ping-pong build: the ping-pong build's turns on tiles of 128 x 192 (two m64n192k16
+// wgmmas a k16 step, 192 accumulators a thread), four stages of 40 KiB beside the four boxes.
+// One warpgroup's epilogue runs under the other's main loop, as in cuBLASLt's fastest kernel
+// at 8192 x 8192 x 3584 (128 x 176 tiles a warpgroup, GEMM-NOTES.md), while each k16 step
+// reads 192 columns of B for 128 rows where the 128-wide ping-pong tile reads 128.
+using PingPongWideCfg = Cfg<gemm::BM, 192, 4, 1, true, 1, true>;
 // The short build: tiles of 64 rows x 128 (wgmma m64n128k16 on one consumer warpgroup, 64
 // accumulators a thread), eight stages of 24 KiB, stored by the consumers' boxes. Where a
 // product of a few hundred rows makes fewer tiles than SMs, cutting it in 64-row bands fills
@@ -248,6 +260,7 @@ static_assert(DirectCfg::SMEM_BYTES == 229456, "layout mirrored by DIRECT_SMEM_B
 static_assert(PingPongCfg::SMEM_BYTES == 229488, "layout mirrored by PING_PONG_SMEM_BYTES in mod.rs");
 static_assert(MidDirectCfg::SMEM_BYTES == PingPongCfg::SMEM_BYTES, "the mid-direct build's layout is the ping-pong build's");
 static_assert(ShortCfg::SMEM_BYTES == 213136, "layout mirrored by SHORT_SMEM_BYTES in mod.rs");
+static_assert(PingPongWideCfg::SMEM_BYTES == 196688, "layout mirrored by PING_PONG_WIDE_SMEM_BYTES in mod.rs");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -436,6 +449,20 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(G
     "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
     "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define WGMMA_ACC_OPERANDS_96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
+#define WGMMA_ACC_CONSTRAINTS_96(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
 #define WGMMA_ACC_OPERANDS_128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 #define WGMMA_ACC_CONSTRAINTS_128(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
@@ -687,6 +714,8 @@ template <typename In, int N> struct Wgmma;
     };
 COMMFUSE_WGMMA(__nv_bfloat16, "bf16", 256, 128, "%128", "%129", "%130", "%131")
 COMMFUSE_WGMMA(__half, "f16", 256, 128, "%128", "%129", "%130", "%131")
+COMMFUSE_WGMMA(__nv_bfloat16, "bf16", 192, 96, "%96", "%97", "%98", "%99")
+COMMFUSE_WGMMA(__half, "f16", 192, 96, "%96", "%97", "%98", "%99")
 COMMFUSE_WGMMA(__nv_bfloat16, "bf16", 128, 64, "%64", "%65", "%66", "%67")
 COMMFUSE_WGMMA(__half, "f16", 128, 64, "%64", "%65", "%66", "%67")
 COMMFUSE_WGMMA(__nv_bfloat16, "bf16", 64, 32, "%32", "%33", "%34", "%35")
@@ -2102,7 +2131,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     if (C::CLUSTER > 1) cluster_sync();
     const u32 wg = threadIdx.x / 128;
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(C::PRODUCER_REGS) : "memory");
         if (threadIdx.x < 32) {
             if (threadIdx.x == 0) producer<C, Out, B_KN>(p, s);
         } else {
@@ -2162,7 +2191,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
 // COMMFUSE_PART = 2 * build + input (input 0: bf16, 1: f16; builds in the order of
 // `GemmVariant::ALL`) holds that build's entries for that input type, and the last part,
 // GEMM_HELPER_PART, the helper kernels. Without COMMFUSE_PART, every entry.
-#define GEMM_HELPER_PART 24
+#define GEMM_HELPER_PART 26
 #ifdef COMMFUSE_PART
 #define GEMM_IN_PART(PART) (COMMFUSE_PART == (PART))
 #else
@@ -2275,6 +2304,15 @@ COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_short_, bf16, __nv_bfloat16, ShortCfg)
 COMMFUSE_GEMM_ENTRIES(gemm_short_, f16, __half, ShortCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_short_, f16, __half, ShortCfg)
 COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_short_, f16, __half, ShortCfg)
+#endif
+
+#if GEMM_IN_PART(24)
+COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_wide_, bf16, __nv_bfloat16, PingPongWideCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_ping_pong_wide_, bf16, __nv_bfloat16, PingPongWideCfg)
+#endif
+#if GEMM_IN_PART(25)
+COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_wide_, f16, __half, PingPongWideCfg)
+COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_ping_pong_wide_, f16, __half, PingPongWideCfg)
 #endif
 
 #if GEMM_IN_PART(GEMM_HELPER_PART)

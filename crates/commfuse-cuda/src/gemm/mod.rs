@@ -46,6 +46,11 @@ pub const MID_TILE: TileShape = TileShape { m: 128, n: 128 };
 /// rows whose wider tiles would leave SMs idle (256 × 4096: 128 tiles, each with its whole K
 /// loop).
 pub const SHORT_TILE: TileShape = TileShape { m: 64, n: 128 };
+/// The wide ping-pong build's tile: each consumer warpgroup computes a whole tile of 128 rows
+/// and 192 columns (192 accumulators a thread), the two taking turns, so that one's epilogue
+/// runs under the other's main loop (cuBLASLt's fastest kernel at 8192 × 8192 × 3584 works so
+/// on tiles of 128 × 176).
+pub const WIDE_TILE: TileShape = TileShape { m: 128, n: 192 };
 const THREADS: u32 = 384;
 const STAGES: u32 = 3;
 /// K depth of one pipeline stage (one 128-byte swizzle row of 16-bit elements).
@@ -61,6 +66,7 @@ const _: () = assert!(
         && NARROW_TALL_SMEM_BYTES <= DYNAMIC_SMEM_LIMIT
         && DIRECT_SMEM_BYTES <= DYNAMIC_SMEM_LIMIT
         && PING_PONG_SMEM_BYTES <= DYNAMIC_SMEM_LIMIT
+        && PING_PONG_WIDE_SMEM_BYTES <= DYNAMIC_SMEM_LIMIT
 );
 /// Mirrors `Cfg::SMEM_BYTES` in gemm.cu for a build of `rows` × `cols` tiles and `stages`
 /// stages: the stages, the staged tile (rows of 2 · `cols` + 16 bytes) and the mbarriers (the
@@ -119,6 +125,12 @@ const DIRECT_SMEM_BYTES: u32 = direct_smem_bytes(TILE.m, TILE.n, DIRECT_STAGES);
 const PING_PONG_STAGES: u32 = 6;
 /// Mirrors `PingPongCfg::SMEM_BYTES` in gemm.cu.
 const PING_PONG_SMEM_BYTES: u32 = direct_smem_bytes(MID_TILE.m, MID_TILE.n, PING_PONG_STAGES);
+/// Stages of the wide ping-pong build: 40 KiB each (a [`WIDE_TILE`]'s k-block), beside four
+/// boxes; a fifth does not fit.
+const PING_PONG_WIDE_STAGES: u32 = 4;
+/// Mirrors `PingPongWideCfg::SMEM_BYTES` in gemm.cu.
+const PING_PONG_WIDE_SMEM_BYTES: u32 =
+    direct_smem_bytes(WIDE_TILE.m, WIDE_TILE.n, PING_PONG_WIDE_STAGES);
 /// Stages of the short build: 24 KiB each (a [`SHORT_TILE`]'s k-block), beside two boxes.
 const SHORT_STAGES: u32 = 8;
 /// Mirrors `ShortCfg::SMEM_BYTES` in gemm.cu.
@@ -172,6 +184,9 @@ pub enum GemmVariant {
     /// [`SHORT_TILE`]s (wgmma m64n128k16) on one consumer warpgroup, [`SHORT_STAGES`] stages,
     /// stored by the consumers' boxes: plain GEMMs and gathers
     Short,
+    /// The ping-pong build on [`WIDE_TILE`]s (two m64n192k16 wgmmas a k16 step, 192
+    /// accumulators a thread), four stages of 40 KiB: plain GEMMs only, and no split tail
+    PingPongWide,
 }
 
 /// Blocks in a cluster of the pair build.
@@ -179,7 +194,7 @@ pub const PAIR: u32 = 2;
 
 impl GemmVariant {
     /// Every build, in the order of their entry points in gemm.cu.
-    pub const ALL: [GemmVariant; 12] = [
+    pub const ALL: [GemmVariant; 13] = [
         GemmVariant::Main,
         GemmVariant::Skinny,
         GemmVariant::Narrow,
@@ -192,6 +207,7 @@ impl GemmVariant {
         GemmVariant::PingPong,
         GemmVariant::MidDirect,
         GemmVariant::Short,
+        GemmVariant::PingPongWide,
     ];
 
     /// Rows of the build's A stage (its largest A box) and of the staged tile.
@@ -203,6 +219,7 @@ impl GemmVariant {
             | GemmVariant::Mid
             | GemmVariant::Direct
             | GemmVariant::PingPong
+            | GemmVariant::PingPongWide
             | GemmVariant::MidDirect => TILE.m,
             GemmVariant::Skinny
             | GemmVariant::Narrow
@@ -224,6 +241,7 @@ impl GemmVariant {
             | GemmVariant::NarrowSliced => NARROW_TILE,
             GemmVariant::Mid | GemmVariant::PingPong | GemmVariant::MidDirect => MID_TILE,
             GemmVariant::Short => SHORT_TILE,
+            GemmVariant::PingPongWide => WIDE_TILE,
         }
     }
 
@@ -247,6 +265,7 @@ impl GemmVariant {
             GemmVariant::Direct => DIRECT_SMEM_BYTES,
             GemmVariant::PingPong | GemmVariant::MidDirect => PING_PONG_SMEM_BYTES,
             GemmVariant::Short => SHORT_SMEM_BYTES,
+            GemmVariant::PingPongWide => PING_PONG_WIDE_SMEM_BYTES,
         }
     }
 
@@ -266,6 +285,7 @@ impl GemmVariant {
             GemmVariant::PingPong => "gemm_ping_pong_",
             GemmVariant::MidDirect => "gemm_mid_direct_",
             GemmVariant::Short => "gemm_short_",
+            GemmVariant::PingPongWide => "gemm_ping_pong_wide_",
         }
     }
 
@@ -300,7 +320,7 @@ impl GemmVariant {
             | GemmVariant::NarrowDeep
             | GemmVariant::NarrowSliced
             | GemmVariant::Short => 2,
-            GemmVariant::Pair | GemmVariant::PingPong => 1,
+            GemmVariant::Pair | GemmVariant::PingPong | GemmVariant::PingPongWide => 1,
         }
     }
 
@@ -317,7 +337,7 @@ impl GemmVariant {
     }
 
     /// `main`, `skinny`, `narrow`, `narrow-tall`, `pair`, `mid`, `direct`, `narrow-deep`,
-    /// `narrow-sliced`, `ping-pong`, `mid-direct` or `short`.
+    /// `narrow-sliced`, `ping-pong`, `mid-direct`, `short` or `ping-pong-wide`.
     pub fn name(self) -> &'static str {
         match self {
             GemmVariant::Main => "main",
@@ -332,6 +352,7 @@ impl GemmVariant {
             GemmVariant::PingPong => "ping-pong",
             GemmVariant::MidDirect => "mid-direct",
             GemmVariant::Short => "short",
+            GemmVariant::PingPongWide => "ping-pong-wide",
         }
     }
 
@@ -429,6 +450,7 @@ impl GemmVariant {
             self,
             GemmVariant::Direct
                 | GemmVariant::PingPong
+                | GemmVariant::PingPongWide
                 | GemmVariant::MidDirect
                 | GemmVariant::Narrow
                 | GemmVariant::NarrowTall
@@ -484,9 +506,12 @@ pub enum VariantChoice {
     /// [`SHORT_TILE`]s, always, on the short build (which refuses routes: the fused operators
     /// plan [`TILE`]s of their own)
     Short,
+    /// [`WIDE_TILE`]s, always, on the wide ping-pong build (plain GEMMs; the fused operators
+    /// plan [`TILE`]s of their own)
+    PingPongWide,
 }
 
-/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|ping-pong|mid-direct|short|auto`
+/// `COMMFUSE_GEMM_VARIANT=main|skinny|narrow|narrow-deep|narrow-sliced|pair|mid|direct|ping-pong|mid-direct|short|ping-pong-wide|auto`
 /// (default `auto`): the [`VariantChoice`] of
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
@@ -634,7 +659,7 @@ fn plain_plan(plan: &GemmPlan) -> bool {
 
 impl VariantChoice {
     /// Every choice, `auto` first.
-    pub const ALL: [VariantChoice; 12] = [
+    pub const ALL: [VariantChoice; 13] = [
         VariantChoice::Auto,
         VariantChoice::Main,
         VariantChoice::Skinny,
@@ -647,6 +672,7 @@ impl VariantChoice {
         VariantChoice::PingPong,
         VariantChoice::MidDirect,
         VariantChoice::Short,
+        VariantChoice::PingPongWide,
     ];
 
     /// The choice of this [`VariantChoice::name`].
@@ -669,7 +695,7 @@ impl VariantChoice {
     }
 
     /// `main`, `skinny`, `narrow`, `narrow-deep`, `narrow-sliced`, `pair`, `mid`, `direct`,
-    /// `ping-pong`, `mid-direct`, `short` or `auto`.
+    /// `ping-pong`, `mid-direct`, `short`, `ping-pong-wide` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             VariantChoice::Auto => "auto",
@@ -684,6 +710,7 @@ impl VariantChoice {
             VariantChoice::PingPong => "ping-pong",
             VariantChoice::MidDirect => "mid-direct",
             VariantChoice::Short => "short",
+            VariantChoice::PingPongWide => "ping-pong-wide",
         }
     }
 
@@ -700,6 +727,9 @@ impl VariantChoice {
         }
         if self == VariantChoice::Short {
             return SHORT_TILE;
+        }
+        if self == VariantChoice::PingPongWide {
+            return WIDE_TILE;
         }
         if self == VariantChoice::Auto {
             if short_tiles_pay(p, sms) {
@@ -729,7 +759,8 @@ impl VariantChoice {
             | VariantChoice::Direct
             | VariantChoice::PingPong
             | VariantChoice::MidDirect
-            | VariantChoice::Short => false,
+            | VariantChoice::Short
+            | VariantChoice::PingPongWide => false,
         };
         if narrow {
             NARROW_TILE
@@ -745,6 +776,9 @@ impl VariantChoice {
     pub fn variant_for(self, plan: &GemmPlan) -> GemmVariant {
         if plan.tile == SHORT_TILE {
             return GemmVariant::Short;
+        }
+        if plan.tile == WIDE_TILE {
+            return GemmVariant::PingPongWide;
         }
         if plan.tile == MID_TILE {
             // (build() keeps the fused operators' GEMMs on the mid build)
@@ -1641,6 +1675,13 @@ impl PreparedGemm {
                     variant.name(),
                     plan.tile.m,
                     plan.tile.n
+                )));
+            }
+            GemmVariant::PingPongWide if routes.is_some() || gather.is_some() => {
+                return Err(unsupported(format!(
+                    "the {} build computes plain GEMMs only: no tiles with routes or rows \
+                     gathered",
+                    variant.name()
                 )));
             }
             _ => true,
@@ -2836,7 +2877,7 @@ mod tests {
         let err = check_plan(&plan, &ops, 1).unwrap_err().to_string();
         assert!(
             err.contains(
-                "the GPU GEMM computes 128×256, 128×64, 128×128, 64×128 tiles, the plan has 16×32"
+                "the GPU GEMM computes 128×256, 128×64, 128×128, 64×128, 128×192 tiles, the plan has 16×32"
             ),
             "{err}"
         );
@@ -2863,7 +2904,9 @@ mod tests {
                 let max_parts = v.max_parts(one_wave);
                 assert_eq!(cut, TailMode::Cut { max_parts });
                 let want = match v {
-                    GemmVariant::Pair | GemmVariant::PingPong => TailMode::Cut { max_parts: 1 },
+                    GemmVariant::Pair | GemmVariant::PingPong | GemmVariant::PingPongWide => {
+                        TailMode::Cut { max_parts: 1 }
+                    }
                     // (one partial wave whole)
                     GemmVariant::MidDirect if one_wave => TailMode::Cut { max_parts: 1 },
                     _ => TailMode::StreamK { max_parts },
@@ -3215,6 +3258,7 @@ mod tests {
             ("ping-pong", VariantChoice::PingPong),
             ("mid-direct", VariantChoice::MidDirect),
             ("short", VariantChoice::Short),
+            ("ping-pong-wide", VariantChoice::PingPongWide),
         ] {
             assert_eq!(VariantChoice::parse(name).unwrap(), choice);
             assert_eq!(choice.name(), name);
@@ -3223,7 +3267,7 @@ mod tests {
         let e = VariantChoice::parse("Skinny").unwrap_err().to_string();
         assert!(
             e.contains(
-                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, short or auto, got \"Skinny\""
+                "COMMFUSE_GEMM_VARIANT must be main, skinny, narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, short, ping-pong-wide or auto, got \"Skinny\""
             ),
             "{e}"
         );

@@ -161,7 +161,8 @@ pub struct BenchGemmArgs {
     #[arg(long, value_delimiter = ',', requires = "rs_ranks", allow_negative_numbers = true, value_parser = Whole::<u32>::new("a positive number of k-blocks").at_least(1))]
     pub rs_prefetch: Vec<u32>,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
-    /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, short, or "none"
+    /// narrow, narrow-deep, narrow-sliced, pair, mid, direct, ping-pong, mid-direct, short,
+    /// ping-pong-wide, or "none"
     /// (default: every build that fits)
     #[arg(long, value_delimiter = ',')]
     pub builds: Vec<String>,
