@@ -299,7 +299,7 @@ fn run<T: Element>(
     // the tile the build choice (COMMFUSE_GEMM_VARIANT, auto by default) plans with; the rows
     // with routes keep the fused operators' tile
     let wide = plan_of(TILE);
-    let chosen_plan = plan_of(kernels.tile_for(p, gpu.sm_count as usize));
+    let chosen_plan = plan_of(kernels.tile_for(p, &epilogue, gpu.sm_count as usize));
     let ops = GemmOperands {
         bias: bias_addr,
         ..GemmOperands::plain(a_dev.addr(), b_dev.addr(), d_dev.addr())

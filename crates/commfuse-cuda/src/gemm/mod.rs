@@ -26,7 +26,7 @@ use crate::sys::driver::{
 use crate::sys::host_sync::poll_until;
 use crate::sys::nvrtc;
 use bytemuck::{Pod, Zeroable};
-use commfuse_core::gemm::{BLayout, GemmPlan, GemmProblem, TileShape};
+use commfuse_core::gemm::{BLayout, Epilogue, GemmPlan, GemmProblem, TileShape};
 use commfuse_core::plan::{NotifyOp, Slot};
 use commfuse_core::DType;
 use std::collections::HashMap;
@@ -516,6 +516,30 @@ pub enum VariantChoice {
 /// kernels loaded in this process.
 pub const VARIANT_ENV: &str = "COMMFUSE_GEMM_VARIANT";
 
+/// Turns of the wide ping-pong build a block must run at least (its tiles per SM) before `auto`
+/// takes it ([`wide_tiles_pay`]).
+pub const WIDE_MIN_TURNS: usize = 8;
+
+/// Whether `auto` plans `p` with [`WIDE_TILE`]s (the wide ping-pong build) on `sms` SMs: a
+/// 16-bit output, at least [`WIDE_MIN_TURNS`] wide tiles a block, and their turns no more work
+/// for the busiest block than the direct build's [`TILE`]s (a wide tile is three quarters of
+/// one). One H100 (GEMM-NOTES.md, "The wide ping-pong build"), in the same rounds: 3.8 % less
+/// time than the direct build at 8192 × 8192 × 3584 with B [N, K] (21 turns a block, 16
+/// waves of wide tiles), 4–12 % with B [K, N], 5.4 % at 16384 rows, 2.6 % at 8192 × 8192 ×
+/// 14336, level with cuBLASLt or ahead; 9 and 10 % more at 2048 and 1024 rows (5.2 and 2.6
+/// turns a block, the last partly idle), where the direct build stays. The epilogue (a bias,
+/// β·C, D +=) is the caller's to check: the build's general entries spill
+/// ([`VariantChoice::tile_for_epilogue`]).
+pub fn wide_tiles_pay(p: &GemmProblem, sms: usize) -> bool {
+    let (wide_rows, wide_cols) = commfuse_core::gemm::tiles(p, WIDE_TILE);
+    let (rows, cols) = commfuse_core::gemm::tiles(p, TILE);
+    let wide = wide_rows * wide_cols;
+    p.output.size() == 2
+        && sms > 0
+        && wide >= WIDE_MIN_TURNS * sms
+        && 3 * wide.div_ceil(sms) <= 4 * (rows * cols).div_ceil(sms)
+}
+
 /// Whether `auto` plans `p` with [`SHORT_TILE`]s on `sms` SMs: at least [`SHORT_MIN_ROWS`]
 /// rows, its [`TILE`]s would give at most half of the SMs a tile, and its short tiles make
 /// one wave of at least [`SHORT_MIN_TILES`], each with its whole K loop where they are more
@@ -714,6 +738,20 @@ impl VariantChoice {
         }
     }
 
+    /// [`VariantChoice::tile_for`] for a GEMM with epilogue `e`: `auto` keeps [`WIDE_TILE`]s
+    /// for plain epilogues (alpha alone), whose calls the wide ping-pong build's plain entries
+    /// serve, and plans [`TILE`]s for the others (a bias, β·C, D +=), which its general entries
+    /// would compute with spilled registers.
+    pub fn tile_for_epilogue(self, p: &GemmProblem, e: &Epilogue, sms: usize) -> TileShape {
+        let tile = self.tile_for(p, sms);
+        let plain = !e.bias && e.beta == 0.0 && !e.accumulate;
+        if self == VariantChoice::Auto && tile == WIDE_TILE && !plain {
+            TILE
+        } else {
+            tile
+        }
+    }
+
     /// The tile to plan `p` with on `sms` SMs under this choice.
     pub fn tile_for(self, p: &GemmProblem, sms: usize) -> TileShape {
         // (auto plans mid tiles only where mid_tiles_pay: elsewhere, where they beat the main
@@ -745,6 +783,9 @@ impl VariantChoice {
             };
             if mid {
                 return MID_TILE;
+            }
+            if wide_tiles_pay(p, sms) {
+                return WIDE_TILE;
             }
         }
         let narrow = match self {
@@ -1274,9 +1315,10 @@ impl GemmKernels {
     }
 
     /// The tile to plan `p` with under the choice in force, on `sms` SMs (the grid's cap, or
-    /// the GPU's SM count).
-    pub fn tile_for(&self, p: &GemmProblem, sms: usize) -> TileShape {
-        self.choice().tile_for(p, sms)
+    /// the GPU's SM count), for a GEMM with epilogue `e`
+    /// ([`VariantChoice::tile_for_epilogue`]).
+    pub fn tile_for(&self, p: &GemmProblem, e: &Epilogue, sms: usize) -> TileShape {
+        self.choice().tile_for_epilogue(p, e, sms)
     }
 
     /// The build's plain, plain-tail or routed entry for the plan's types and layout
@@ -2712,7 +2754,6 @@ fn a_map(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use commfuse_core::gemm::Epilogue;
 
     #[test]
     fn a_box_has_the_builds_rows_or_m_rounded_up_to_the_swizzle_atom() {
@@ -2892,6 +2933,54 @@ mod tests {
         assert_eq!(
             err,
             "the GPU GEMM computes 128×256 tiles, the configuration asks for 16×32"
+        );
+    }
+
+    #[test]
+    fn auto_plans_wide_tiles_where_blocks_run_many_turns_of_no_more_work() {
+        let problem = |m, n, k, out| GemmProblem::new(m, n, k, BLayout::NK, DType::BF16, out);
+        let auto =
+            |m, n, k| VariantChoice::Auto.tile_for(&problem(m, n, k, DType::BF16).unwrap(), 132);
+        // measured faster than the direct build (GEMM-NOTES.md, "The wide ping-pong build")
+        for (m, n, k) in [(8192, 8192, 3584), (16384, 8192, 3584), (8192, 8192, 14336)] {
+            assert_eq!(auto(m, n, k), WIDE_TILE, "{m} × {n} × {k}");
+        }
+        // measured slower (2048, 1024 rows); too few turns a block (1024 × 12288: 3.9, the
+        // same work as the direct build's 2.9 waves; 128 rows); more work for the busiest
+        // block than the direct build's (4096 × 8192: 11 turns against 8 waves)
+        for (m, n) in [
+            (2048, 8192),
+            (1024, 8192),
+            (1024, 12288),
+            (128, 28672),
+            (4096, 8192),
+        ] {
+            assert_ne!(auto(m, n, 3584), WIDE_TILE, "{m} × {n}");
+        }
+        assert!(wide_tiles_pay(
+            &problem(8192, 8192, 3584, DType::BF16).unwrap(),
+            132
+        ));
+        assert!(!wide_tiles_pay(
+            &problem(8192, 8192, 3584, DType::F32).unwrap(),
+            132
+        ));
+        // a bias keeps the direct build's tiles (the wide build's general entries spill)
+        let p = problem(8192, 8192, 3584, DType::BF16).unwrap();
+        let bias = Epilogue {
+            bias: true,
+            ..Epilogue::default()
+        };
+        assert_eq!(VariantChoice::Auto.tile_for_epilogue(&p, &bias, 132), TILE);
+        assert_eq!(
+            VariantChoice::Auto.tile_for_epilogue(&p, &Epilogue::default(), 132),
+            WIDE_TILE
+        );
+        let forced = VariantChoice::PingPongWide.tile_for_epilogue(&p, &bias, 132);
+        assert_eq!(forced, WIDE_TILE);
+        assert_eq!(
+            VariantChoice::PingPongWide.variant_for(&GemmPlan::local(p, WIDE_TILE, bias)),
+            GemmVariant::PingPongWide
         );
     }
 
