@@ -312,8 +312,8 @@ fn run<T: Element>(
     // tile at most 64 rows; the narrow ones: M fits one band of narrow tiles, and the
     // narrow-tall one also where its tiles of several bands make one wave; the pair build:
     // a tile of more than 64 rows, and the direct build; the mid, both ping-pong builds and
-    // the mid-direct one: M above 64; the short build: M above 64 where its tiles make at most two waves), each build
-    // forced, side by side with the row of the build chosen
+    // the mid-direct one: M above 64; the short build: M above 64 where its tiles make at
+    // most two waves), each build forced, side by side with the row of the build chosen
     let mut forced: Vec<(&'static str, u32, PreparedGemm)> = Vec::new();
     let (narrow_rows, narrow_cols) = tiles(p, NARROW_TILE);
     let one_band = p.m <= NARROW_TILE.m;

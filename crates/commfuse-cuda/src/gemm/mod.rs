@@ -740,8 +740,8 @@ impl VariantChoice {
     /// [`VariantChoice::tile_for`] for a GEMM with epilogue `e`: `auto` keeps [`WIDE_TILE`]s
     /// for alpha and a bias (the wide ping-pong build's plain entries, and its general ones,
     /// which spill: with a bias at 8192 × 8192 × 3584 still 3–8 % faster than the direct
-    /// build in three calls on one H100) and plans [`TILE`]s where the epilogue reads C (β·C, D +=), not
-    /// measured on that build.
+    /// build in three calls on one H100) and plans [`TILE`]s where the epilogue reads C (β·C,
+    /// D +=), not measured on that build.
     pub fn tile_for_epilogue(self, p: &GemmProblem, e: &Epilogue, sms: usize) -> TileShape {
         let tile = self.tile_for(p, sms);
         let plain = e.beta == 0.0 && !e.accumulate;
