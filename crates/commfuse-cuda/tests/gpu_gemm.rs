@@ -2046,7 +2046,9 @@ fn rank_rows_pass_the_check() {
             // rows, then the same with the later waves' K loops reversed; each rank whose
             // routes `auto` runs on the main build again on the direct build (`-direct`), and
             // where that runs its routed entry (a 16-bit D), once more through its general
-            // entry (`-direct-general`, no order row of its own)
+            // entry (`-direct-general`, no order row of its own); with a D of the input's type,
+            // each rank once more on the wide ping-pong build's 128 × 192 tiles
+            // (`-ping-pong-wide`, its routed entry: its general entry takes no routes)
             let on_main = |w: usize| {
                 let name = format!("commfuse-rs{w}");
                 ranks.iter().any(|r| r.0 == name && r.1 == Some("main"))
@@ -2060,6 +2062,9 @@ fn rank_rows_pass_the_check() {
                         if suffix != "-order" && out == DType::BF16 {
                             want.push(format!("commfuse-rs{w}-direct-general{suffix}"));
                         }
+                    }
+                    if out == DType::BF16 {
+                        want.push(format!("commfuse-rs{w}-ping-pong-wide{suffix}"));
                     }
                 }
             }
@@ -2097,7 +2102,7 @@ fn rank_rows_pass_the_check() {
                     let direct = r.implementation.contains("-direct");
                     // the direct build's routed entry where D has the input's type
                     let entry = match r.build.as_deref() {
-                        Some("direct") if out == DType::BF16 => "routed",
+                        Some("direct" | "ping-pong-wide") if out == DType::BF16 => "routed",
                         _ => "general",
                     };
                     let entry = if r.implementation.contains("-general") {
@@ -2110,6 +2115,10 @@ fn rank_rows_pass_the_check() {
                         Some("main") if !direct => assert!(staged > 0, "{r:?}"),
                         Some("skinny") if !direct => assert!(staged > 0, "{r:?}"),
                         Some("direct") if direct => assert!(staged > 0, "{r:?}"),
+                        // (its consumers read the partials from global memory)
+                        Some("ping-pong-wide") if r.implementation.contains("-ping-pong-wide") => {
+                            assert_eq!(staged, 0, "{r:?}")
+                        }
                         other => panic!("a rank row on the {other:?} build: {r:?}"),
                     }
                 }

@@ -106,16 +106,21 @@ fn every_kernel_compiles_for_sm90a() {
 /// writes, 16 of loads) in the direct build's general and routed entries of 16-bit outputs,
 /// which fold partials through their stages and store the tiles by boxes along routes. It is
 /// read and written a few times a tile, outside the k-loop (`GEMM-NOTES.md`, "The direct build
-/// with routes"). And the wide ping-pong build's general entries, whose every option beside
-/// 192 accumulators a thread spills (up to 1.3 KiB with f32 outputs): `auto` sends them only
-/// calls with a bias (measured faster than the direct build's all the same), and the plain
-/// entries, which serve every other call `auto` sends that build, spill nothing
+/// with routes"). And the wide ping-pong build's general and routed entries, whose every option
+/// beside 192 accumulators a thread spills (up to 1.3 KiB with f32 outputs; the routed ones
+/// the routes' stores from registers and, in the k-loop, the pipeline's stage and phase):
+/// `auto` sends the general ones only calls with a bias (measured faster than the direct
+/// build's all the same), the routed ones only GEMM + reduce-scatter's calls on that build
+/// where named, and the plain entries, which serve every other call `auto` sends that build,
+/// spill nothing
 /// (`GEMM-NOTES.md`, "The wide ping-pong build"); beside that build's producer (40 registers) the
 /// out-of-line stall report (`pipeline_stalled`, run once where a pipeline wait gives up, never
-/// in a call that completes) reloads one word. Anything else fails.
+/// in a call that completes) reloads one word, and its copy called where the routed entries'
+/// first storer waits for a warpgroup's stores (`raise_routed_flags`, in the same warpgroup)
+/// spills 32 bytes. Anything else fails.
 fn spill_allowed(f: &nvrtc::FunctionResources) -> bool {
     if f.name.contains("pipeline_stalled") {
-        return f.spill_store_bytes == 0 && f.spill_load_bytes <= 4;
+        return f.spill_store_bytes <= 32 && f.spill_load_bytes <= 32;
     }
     let general = !f.name.contains("_plain");
     if f.name.starts_with("gemm_ping_pong_wide_") {
@@ -282,10 +287,10 @@ fn gemm_sass_uses_hgmma() {
     }
     // (the builds that store their tiles themselves have 8 plain entries beside their 12, the
     // direct, narrow, narrow-deep, narrow-tall and short builds 8 more with the split tail, and
-    // the direct build 4 routed ones)
-    assert_eq!(entries, 264, "GEMM entry points found in the SASS");
+    // the direct and the wide ping-pong build 4 routed ones each)
+    assert_eq!(entries, 268, "GEMM entry points found in the SASS");
     assert_eq!(
-        wide, 20,
+        wide, 24,
         "wide ping-pong GEMM entry points found in the SASS"
     );
     assert_eq!(short, 28, "short GEMM entry points found in the SASS");

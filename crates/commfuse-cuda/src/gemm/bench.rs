@@ -518,7 +518,14 @@ fn run<T: Element>(
             }
             Ok::<_, CudaError>(row)
         };
-        for choice in [VariantChoice::Auto, VariantChoice::Direct] {
+        // (the wide ping-pong build's routes: outputs of the input's type, the fused path's
+        // schedule)
+        let wide = (p.output == p.input && kind == RankSchedule::Fold)
+            .then_some(VariantChoice::PingPongWide);
+        for choice in [Some(VariantChoice::Auto), Some(VariantChoice::Direct), wide]
+            .into_iter()
+            .flatten()
+        {
             let row = rank(choice, false)?;
             if choice != VariantChoice::Auto {
                 let auto = rank_rows.last().map(|r: &OneGpuRank| r.gemm().variant());
@@ -527,6 +534,7 @@ fn run<T: Element>(
                 }
             }
             let routed = row.gemm().entry() == GemmEntry::Routed;
+            let row_variant = row.gemm().variant();
             // (a build whose folds do not go through the stages has nothing to ask L2 for)
             let staged = row.gemm().staged_folds() > 0;
             rank_rows.push(row);
@@ -535,7 +543,7 @@ fn run<T: Element>(
                 row.set_fold_prefetch(k_blocks);
                 rank_rows.push(row);
             }
-            if routed {
+            if routed && row_variant.general_entry_takes_routes() {
                 rank_rows.push(rank(choice, true)?);
             }
         }
@@ -555,6 +563,7 @@ fn run<T: Element>(
             let choice = match row.gemm().variant() {
                 GemmVariant::Skinny => VariantChoice::Skinny,
                 GemmVariant::Direct => VariantChoice::Direct,
+                GemmVariant::PingPongWide => VariantChoice::PingPongWide,
                 _ => VariantChoice::Main,
             };
             let gemm = kernels.with_choice(choice, || {

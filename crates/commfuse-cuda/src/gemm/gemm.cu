@@ -112,16 +112,20 @@ struct Cfg {
     // its pass over staged partials spilled the tile loop's counter and the band's first row.
     // The wide ping-pong build's consumers hold a 128 x 192 tile's 192 accumulators each: 232,
     // with the producer's warpgroup down to 40.
-    static constexpr int CONSUMER_REGS = ROWS_ == 64 && BN_ == 256 ? 240 : PINGPONG_ && BN_ == 192 ? 232 : 224;
-    static constexpr int PRODUCER_REGS = PINGPONG_ && BN_ == 192 ? 40 : 56;
+    static constexpr bool WIDE = PINGPONG_ && BN_ == 192;  // the wide ping-pong build
+    static constexpr int CONSUMER_REGS = ROWS_ == 64 && BN_ == 256 ? 240 : WIDE ? 232 : 224;
+    static constexpr int PRODUCER_REGS = WIDE ? 40 : 56;
     static constexpr int CLUSTER = CLUSTER_;     // blocks sharing each B k-block (TMA multicast)
     // The consumers store the tile themselves: no staged tile, and storers that only count the
     // block finished and, for tiles with routes, raise their flags once the consumers' stores
-    // are performed (raise_routed_flags; the ping-pong build: plain GEMMs only)
+    // are performed (raise_routed_flags; the 128 x 128 ping-pong build: plain GEMMs only)
     static constexpr bool DIRECT = DIRECT_;
-    // whose general entries' consumers store tiles along routes (the direct and the
-    // mid-direct build: tile_dst, raise_routed_flags)
-    static constexpr bool ROUTES_BY_CONSUMERS = DIRECT_ && (PLAIN_ == 0 || PLAIN_ == 3) && !PINGPONG_;
+    // whose consumers store tiles along routes (tile_dst, raise_routed_flags): the general and
+    // the routed entries of the direct and the mid-direct build, and the wide ping-pong
+    // build's routed ones (its general entries, compiled with the route's stores and the
+    // fold of both halves, spilled 22 KiB of code where they spilled 156 bytes)
+    static constexpr bool ROUTES_BY_CONSUMERS =
+        DIRECT_ && (PINGPONG_ ? WIDE && PLAIN_ == 3 : PLAIN_ == 0 || PLAIN_ == 3);
     // The build's plain entries (`<entry>_plain`, 16-bit outputs): alpha times A times B into D
     // by the boxes' tensor stores, every other option of the parameters compiled out instead
     // of tested at run time (routes, folds, flags, bands, gathers, the split tail, the bias, C,
@@ -1569,7 +1573,7 @@ struct TileDst {
 };
 template <class C, typename Out>
 __device__ __forceinline__ TileDst tile_dst(const GemmParams& p, const Unit& c, const TileRoute* r, u32 g_col0) {
-    if (C::PINGPONG || r == nullptr)
+    if (!C::ROUTES_BY_CONSUMERS || r == nullptr)
         return {BoxTarget{&p.d_map, g_col0, c.row0}, p.d + ((u64)c.row0 * p.n + g_col0) * sizeof(Out), p.n, false,
                 false};
     const bool boxes = sizeof(Out) == 2 && (r->options & ROUTE_DST_BOXES) != 0 && (r->dst_map != 0 || p.d_tma != 0);
@@ -1616,28 +1620,34 @@ __device__ __forceinline__ void raise_flag(const TileRoute& r) {
 }
 
 // The first storer of a direct build's routed call: in the consumers' order of tiles, once
-// every consumer warpgroup has counted a tile with a flag performed (stores_performed), raise
-// its flag, so that a peer reads the tile only after all of its rows have landed. Bounded like
-// a pipeline wait; a block that gave up raises no more flags.
+// every consumer warpgroup that stores a tile with a flag has counted it performed
+// (stores_performed), raise its flag, so that a peer reads the tile only after all of its rows
+// have landed. In the cooperative builds both warpgroups store each tile; in the wide
+// ping-pong build the one whose turn the unit was (the units' turns as the consumers count
+// them), so each warpgroup's count is of its own tiles. Bounded like a pipeline wait; a block
+// that gave up raises no more flags.
 template <class C> __device__ void raise_routed_flags(const GemmParams& p) {
-    u32 tiles = 0;
+    // (two counters, not an array a thread would keep in local memory)
+    u32 tiles0 = 0, tiles1 = 0, turn = 0;
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
-        if (c.helper || c.empty || c.idle) continue;  // no epilogue: no stores
+        if (c.empty) continue;  // (not a turn either)
+        const u32 mine = C::PINGPONG ? turn++ % 2 : 0;
+        if (c.helper || c.idle) continue;  // no epilogue: no stores
         const TileRoute& r = call_state.routes[c.tile];
         if (r.flag == 0) continue;
-        ++tiles;
+        const u32 count = mine == 0 ? ++tiles0 : ++tiles1;
         const u64 start = global_timer_ns();
-        for (u32 w = 0; w < C::WARPGROUPS; ++w) {
+        for (u32 w = C::PINGPONG ? mine : 0; w < (C::PINGPONG ? mine + 1 : C::WARPGROUPS); ++w) {
             u32 done;
             for (;;) {
                 asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
                              : "=r"(done)
                              : "r"(smem_u32(&routed_stores.performed[w]))
                              : "memory");
-                if (done >= tiles || block_stopped()) break;
+                if (done >= count || block_stopped()) break;
                 if (global_timer_ns() - start > p.timeout_ns) {
-                    pipeline_stalled<ROLE_WG0>(p, c.tile, WAIT_EPI_FULL, tiles);
+                    pipeline_stalled<ROLE_WG0>(p, c.tile, WAIT_EPI_FULL, count);
                     break;
                 }
                 // (its issue slots are the consumers' sub-partition's: a main loop's time to wait)
@@ -1845,7 +1855,9 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
         const u32 fold_count = route != nullptr ? route->fold_count : 0;
         if (staged_fold<C, Out>(p, c.tile) != nullptr) {  // (helpers and idle halves went on above)
             fold_from_stages<C, Out>(p, s, c, fold_count, stage, phase, leader, cw, acc);
-        } else if (fold_count != 0) {
+        } else if ((!C::PINGPONG || C::ROUTES_BY_CONSUMERS) && fold_count != 0) {
+            // (the ping-pong builds fold only where they take routes: the wide build's routed
+            // entries)
             if (leader) fold_wait(p, *route, c.tile, cw);
             consumer_group_sync(cw);
             // Added to the accumulators (alpha is 1 in a folding GEMM: the host checks) in one
@@ -1856,35 +1868,43 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             const unsigned char* base = (const unsigned char*)route->fold_src;
             const u64 row_step = (u64)route->fold_ld * sizeof(Out);
             const u64 fold_stride = route->fold_stride;
-            // columns left of this thread's first one, and whether its two rows are in the band
+            // columns left of this thread's first one
             const int lim = (int)p.n - (int)(tile_column() * C::BN) - (int)(2 * (lane % 4));
-            const bool in0 = row0 < c.rows, in1 = row0 + 8 < c.rows;
             // a thread's columns come in pairs; where every row of every partial starts on a
             // pair's boundary (the usual case: even ld and strides), a pair is one load
             const bool paired = ((u64)base | fold_stride | row_step) % (2 * sizeof(Out)) == 0;
-            for (u32 f = 0; f < fold_count; ++f) {
-                const Out* r0 = (const Out*)(base + f * fold_stride + row0 * row_step) + 2 * (lane % 4);
-                const Out* r1 = (const Out*)((const unsigned char*)r0 + 8 * row_step);
-                // (issuing eight column groups' loads before adding any measured 3-5 % slower)
+            // (a ping-pong warpgroup's whole tile: its accumulators of each 64-row half, one pass
+            // over the partials a half; one pass of both halves spilled the accumulators)
 #pragma unroll
-                for (int j = 0; j < C::BN / 8; ++j) {
-                    if (paired && j * 8 + 1 < lim) {
-                        if (in0) {
-                            const float2 v = ldcg_pair(r0 + j * 8);
-                            acc[j * 4] += v.x;
-                            acc[j * 4 + 1] += v.y;
+            for (int h = 0; h < C::HALVES; ++h) {
+                // whether the thread's two rows of the half are in the band
+                const u32 hr = row0 + h * 64;
+                const bool in0 = hr < c.rows, in1 = hr + 8 < c.rows;
+                float* ha = acc + h * C::ACC;
+                for (u32 f = 0; f < fold_count; ++f) {
+                    const Out* r0 = (const Out*)(base + f * fold_stride + hr * row_step) + 2 * (lane % 4);
+                    const Out* r1 = (const Out*)((const unsigned char*)r0 + 8 * row_step);
+                    // (issuing eight column groups' loads before adding any measured 3-5 % slower)
+#pragma unroll
+                    for (int j = 0; j < C::BN / 8; ++j) {
+                        if (paired && j * 8 + 1 < lim) {
+                            if (in0) {
+                                const float2 v = ldcg_pair(r0 + j * 8);
+                                ha[j * 4] += v.x;
+                                ha[j * 4 + 1] += v.y;
+                            }
+                            if (in1) {
+                                const float2 v = ldcg_pair(r1 + j * 8);
+                                ha[j * 4 + 2] += v.x;
+                                ha[j * 4 + 3] += v.y;
+                            }
+                            continue;
                         }
-                        if (in1) {
-                            const float2 v = ldcg_pair(r1 + j * 8);
-                            acc[j * 4 + 2] += v.x;
-                            acc[j * 4 + 3] += v.y;
-                        }
-                        continue;
+                        if (in0 && j * 8 < lim) ha[j * 4] += Elem<Out>::to_f32(__ldcg(r0 + j * 8));
+                        if (in0 && j * 8 + 1 < lim) ha[j * 4 + 1] += Elem<Out>::to_f32(__ldcg(r0 + j * 8 + 1));
+                        if (in1 && j * 8 < lim) ha[j * 4 + 2] += Elem<Out>::to_f32(__ldcg(r1 + j * 8));
+                        if (in1 && j * 8 + 1 < lim) ha[j * 4 + 3] += Elem<Out>::to_f32(__ldcg(r1 + j * 8 + 1));
                     }
-                    if (in0 && j * 8 < lim) acc[j * 4] += Elem<Out>::to_f32(__ldcg(r0 + j * 8));
-                    if (in0 && j * 8 + 1 < lim) acc[j * 4 + 1] += Elem<Out>::to_f32(__ldcg(r0 + j * 8 + 1));
-                    if (in1 && j * 8 < lim) acc[j * 4 + 2] += Elem<Out>::to_f32(__ldcg(r1 + j * 8));
-                    if (in1 && j * 8 + 1 < lim) acc[j * 4 + 3] += Elem<Out>::to_f32(__ldcg(r1 + j * 8 + 1));
                 }
             }
         }
@@ -2309,10 +2329,12 @@ COMMFUSE_GEMM_PLAIN_TAIL_ENTRIES(gemm_short_, f16, __half, ShortCfg)
 #if GEMM_IN_PART(24)
 COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_wide_, bf16, __nv_bfloat16, PingPongWideCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_ping_pong_wide_, bf16, __nv_bfloat16, PingPongWideCfg)
+COMMFUSE_GEMM_ROUTED_ENTRIES(gemm_ping_pong_wide_, bf16, __nv_bfloat16, PingPongWideCfg)
 #endif
 #if GEMM_IN_PART(25)
 COMMFUSE_GEMM_ENTRIES(gemm_ping_pong_wide_, f16, __half, PingPongWideCfg)
 COMMFUSE_GEMM_PLAIN_ENTRIES(gemm_ping_pong_wide_, f16, __half, PingPongWideCfg)
+COMMFUSE_GEMM_ROUTED_ENTRIES(gemm_ping_pong_wide_, f16, __half, PingPongWideCfg)
 #endif
 
 #if GEMM_IN_PART(GEMM_HELPER_PART)

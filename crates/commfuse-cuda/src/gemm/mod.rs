@@ -387,9 +387,18 @@ impl GemmVariant {
     /// all-gather's band waits and local rows, β·C, D +=), for GEMM + reduce-scatter's routed
     /// calls and plain calls with a bias ([`entry_for`]). The direct build, whose consumers
     /// store routed tiles themselves: through its general entry such a call re-derived its
-    /// stages' addresses in every k-block under register pressure.
+    /// stages' addresses in every k-block under register pressure. And the wide ping-pong
+    /// build, which takes routes through them only ([`GemmVariant::general_entry_takes_routes`])
+    /// and runs its plain calls with a bias through its general entry.
     pub fn has_routed_entries(self) -> bool {
-        self == GemmVariant::Direct
+        matches!(self, GemmVariant::Direct | GemmVariant::PingPongWide)
+    }
+
+    /// Whether its general entry stores tiles along routes too: not the wide ping-pong
+    /// build's, whose general entries compiled with the routes' stores and folds spilled
+    /// (its routed entries take them: output of the input's type, no β·C, no D +=).
+    pub(crate) fn general_entry_takes_routes(self) -> bool {
+        self != GemmVariant::PingPongWide
     }
 
     /// The name of its general entry for these input and output types and B layout in
@@ -435,12 +444,16 @@ impl GemmVariant {
     }
 
     /// Whether it takes tiles with routes although its consumers store tiles themselves: the
-    /// direct and the mid-direct build, whose warpgroups share each tile (see `tile_dst` and
+    /// direct and the mid-direct build, whose warpgroups share each tile, and the wide
+    /// ping-pong build, whose warpgroups take whole tiles in turns (see `tile_dst` and
     /// `raise_routed_flags` in gemm.cu). Their stores go by boxes where [`box_routes`] gives
     /// the routes a map, else from registers; each tile's flag goes up once every warpgroup's
     /// stores of it have been waited for.
     fn routes_by_consumers(self) -> bool {
-        matches!(self, GemmVariant::Direct | GemmVariant::MidDirect)
+        matches!(
+            self,
+            GemmVariant::Direct | GemmVariant::MidDirect | GemmVariant::PingPongWide
+        )
     }
 
     /// Whether its consumers store tiles themselves (into D through a tensor map of D where
@@ -1719,11 +1732,25 @@ impl PreparedGemm {
                     plan.tile.n
                 )));
             }
-            GemmVariant::PingPongWide if routes.is_some() || gather.is_some() => {
+            GemmVariant::PingPongWide if gather.is_some() => {
                 return Err(unsupported(format!(
-                    "the {} build computes plain GEMMs only: no tiles with routes or rows \
-                     gathered",
+                    "the {} build takes no rows gathered",
                     variant.name()
+                )));
+            }
+            // (its routed entries: see general_entry_takes_routes)
+            GemmVariant::PingPongWide
+                if routes.is_some()
+                    && (p.output != p.input
+                        || plan.epilogue.beta != 0.0
+                        || plan.epilogue.accumulate) =>
+            {
+                return Err(unsupported(format!(
+                    "the {} build takes tiles with routes of an output of the input's type \
+                     (here {} from {}), without β·C or D +=",
+                    variant.name(),
+                    p.output,
+                    p.input
                 )));
             }
             _ => true,
@@ -1737,7 +1764,11 @@ impl PreparedGemm {
         let function = kernels.entry(plan, variant)?;
         let plain = kernels.suffixed_entry(plan, variant, PLAIN_SUFFIX);
         let plain_tail = kernels.suffixed_entry(plan, variant, PLAIN_TAIL_SUFFIX);
-        let routed_entry = kernels.suffixed_entry(plan, variant, ROUTED_SUFFIX);
+        // (the wide build's plain calls with a bias keep its general entry, which spills less)
+        let routed_entry = match variant.general_entry_takes_routes() || routes.is_some() {
+            true => kernels.suffixed_entry(plan, variant, ROUTED_SUFFIX),
+            false => None,
+        };
         let a = a_map(ops.a, p.input, p.k, p.m, a_box_rows(p.m, variant))?;
         let mut b_padded = None;
         let mut b_addr = ops.b;
@@ -2017,10 +2048,13 @@ impl PreparedGemm {
     /// serve it (by default a call that asks for no option runs a plain entry where the build
     /// has one, and a routed call a routed entry): what a bench's row beside the plain or
     /// routed one times.
+    /// A build whose general entry takes no routes keeps its routed entry for routed calls.
     pub fn use_general_entry(&mut self) {
         self.plain = None;
         self.plain_tail = None;
-        self.routed_entry = None;
+        if self.variant.general_entry_takes_routes() || !self.routed {
+            self.routed_entry = None;
+        }
     }
 
     /// Which entry [`PreparedGemm::launch`] runs.

@@ -23,7 +23,7 @@ use super::fused_ring::{ring_fold_source, ring_order, ring_tile_routes};
 use super::{fold_source, tile_routes, GemmRsPeer, RingPeer, NCCL_ID_BYTES};
 use crate::error::CudaError;
 use crate::gemm::bench::upload_output;
-use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
+use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, VariantChoice, TILE, WIDE_TILE};
 use crate::sys::driver::{DeviceMemory, Gpu};
 use commfuse_core::fused::fused_ring::FusedRing;
 use commfuse_core::fused::gemm_rs::{GemmRsSchedule, GemmRsShape};
@@ -93,9 +93,14 @@ impl OneGpuRank {
         }
         let shape = GemmRsShape::new(world, p.m, p.n, p.k, p.b_layout, p.input, p.output)
             .map_err(|e| CudaError::Unavailable(e.to_string()))?;
-        let schedule = GemmRsSchedule::new(shape, TILE);
+        // the wide ping-pong build's tiles where it is named, else the operator's
+        let tile = match kernels.choice() {
+            VariantChoice::PingPongWide => WIDE_TILE,
+            _ => TILE,
+        };
+        let schedule = GemmRsSchedule::new(shape, tile);
         let ring = (kind == RankSchedule::Ring)
-            .then(|| FusedRing::new(RingSchedule::within(shape, p.m, 1), TILE));
+            .then(|| FusedRing::new(RingSchedule::within(shape, p.m, 1), tile));
         let eb = p.output.size();
         let (slots, flag_bytes) = match &ring {
             Some(r) => (r.ring.receive_len(), r.flag_words() * 8),
