@@ -1352,6 +1352,80 @@ template <> __device__ __forceinline__ float2 lds_pair<__half>(u32 at) {
     return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
+// 16 bytes of global memory into shared memory (cp.async, through L2 only): `bytes` of them
+// read, the rest zero (0: none read, the chunk zero).
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// All but this thread's N most recent groups of cp.async have landed.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// The wide ping-pong build's fold (its routed entries, 16-bit partials whose rows start on
+// 16-byte boundaries): each partial of the tile in six boxes of 64 rows x 64 columns (two
+// halves of three), each copied by cp.async into one of the warpgroup's two box buffers, 64
+// bytes a thread all in flight at once, while the warpgroup adds the box before from the
+// other. Read with a load of four bytes each, a partial took 20-24 us, longer than the other
+// warpgroup's main loop, so the tensor cores waited for the epilogue. A row's 16-byte chunk c
+// lies at c ^ (row % 8), so that a warp's eight rows read distinct banks. Rows past the band's
+// and columns past N are zeros (never stored). Called by every thread of warpgroup `cw` once
+// the leader has seen every partial's flag.
+template <class C, typename Out>
+__device__ __forceinline__ void fold_through_boxes(const GemmParams& p, const Smem& s, const Unit& c,
+                                                   const TileRoute& r, u32 g_col0, u32 cw, bool leader, float* acc) {
+    static_assert(C::PINGPONG && C::HALVES == 2 && sizeof(Out) == 2, "a ping-pong warpgroup's whole 16-bit tile");
+    constexpr int BOX_COLS = 64, PER_HALF = C::BN / BOX_COLS, BOXES = C::HALVES * PER_HALF;
+    const u32 t = threadIdx.x % 128, lane = threadIdx.x % 32, warp = t / 32;
+    const unsigned char* base = (const unsigned char*)r.fold_src;
+    const u64 row_step = (u64)r.fold_ld * sizeof(Out);
+    // the warpgroup's last tile's box stores have read the buffers
+    if (leader) bulk_wait_read();
+    consumer_group_sync(cw);
+    const auto buffer = [&](int q) { return smem_u32(s.epi + (cw * 2 + q % 2) * C::BOX_BYTES); };
+    // box q of partial f: 512 chunks of 16 bytes, four a thread
+    const auto issue = [&](u32 f, int q) {
+        const u32 h = q / PER_HALF, bx = q % PER_HALF;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 id = t + 128 * i, row = id / 8, chunk = id % 8;
+            const u32 tr = h * 64 + row, col = bx * BOX_COLS + chunk * 8;
+            const bool in = tr < c.rows && g_col0 + col < p.n;
+            const unsigned char* src = base + f * r.fold_stride + (in ? tr * row_step + col * sizeof(Out) : 0);
+            cp_async_16(buffer(q) + row * 128 + ((chunk ^ (row % 8)) * 16), src, in ? 16 : 0);
+        }
+        cp_async_commit();
+    };
+    for (u32 f = 0; f < r.fold_count; ++f) {
+        issue(f, 0);
+        issue(f, 1);
+#pragma unroll
+        for (int q = 0; q < BOXES; ++q) {
+            // this thread's copies of box q, then every thread's
+            if (q + 1 < BOXES) cp_async_wait<1>();
+            else cp_async_wait<0>();
+            consumer_group_sync(cw);
+            const int h = q / PER_HALF, bx = q % PER_HALF;
+#pragma unroll
+            for (int g = 0; g < BOX_COLS / 8; ++g) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const u32 row = warp * 16 + lane / 4 + 8 * hh;
+                    const float2 v = lds_pair<Out>(buffer(q) + row * 128 + ((g ^ (row % 8)) * 16) + 4 * (lane % 4));
+                    float* a = acc + h * C::ACC + (bx * (BOX_COLS / 8) + g) * 4 + 2 * hh;
+                    a[0] += v.x;
+                    a[1] += v.y;
+                }
+            }
+            // every thread has read box q before box q + 2 takes its buffer (or, after the
+            // last, before the next partial's first two boxes take both)
+            consumer_group_sync(cw);
+            if (q + 2 < BOXES) issue(f, q + 2);
+        }
+    }
+}
+
 // The consumers' side of a fold through the pipeline (fold_load): each of the tile's partials
 // lies in the ring's next stages as swizzled boxes (a row's 16-byte chunk c at c ^ (row % 8));
 // each thread adds its own pairs to its accumulators (alpha is 1 in a folding GEMM: the host
@@ -1860,6 +1934,16 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             // entries)
             if (leader) fold_wait(p, *route, c.tile, cw);
             consumer_group_sync(cw);
+            // (the wide build through its boxes where every partial's rows start on 16-byte
+            // boundaries, else as the other builds that read partials from global memory)
+            bool boxed = false;
+            if constexpr (C::PINGPONG && sizeof(Out) == 2) {
+                if (((route->fold_src | route->fold_stride | (u64)route->fold_ld * sizeof(Out)) % 16) == 0) {
+                    fold_through_boxes<C, Out>(p, s, c, *route, tile_column() * C::BN, cw, leader, acc);
+                    boxed = true;
+                }
+            }
+            if (!boxed) {
             // Added to the accumulators (alpha is 1 in a folding GEMM: the host checks) in one
             // pass per partial, outside the per-element epilogue below: a loop over the partials
             // inside it, unrolled 64 times, tripled the kernel's code and slowed every GEMM by
@@ -1906,6 +1990,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
                         if (in1 && j * 8 + 1 < lim) ha[j * 4 + 3] += Elem<Out>::to_f32(__ldcg(r1 + j * 8 + 1));
                     }
                 }
+            }
             }
         }
         // (the route read again, as the column above: see tile_route)
