@@ -2115,7 +2115,8 @@ fn rank_rows_pass_the_check() {
                         Some("main") if !direct => assert!(staged > 0, "{r:?}"),
                         Some("skinny") if !direct => assert!(staged > 0, "{r:?}"),
                         Some("direct") if direct => assert!(staged > 0, "{r:?}"),
-                        // (its consumers read the partials from global memory)
+                        // (not through the stages: its consumers copy the partials into
+                        // their boxes, or read them from global memory)
                         Some("ping-pong-wide") if r.implementation.contains("-ping-pong-wide") => {
                             assert_eq!(staged, 0, "{r:?}")
                         }

@@ -454,19 +454,8 @@ static_assert(COMMFUSE_OFFSETOF(GemmParams, order) == 256 && COMMFUSE_OFFSETOF(G
     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
     "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 #define WGMMA_ACC_OPERANDS_96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
-#define WGMMA_ACC_CONSTRAINTS_96(d) \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
-    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+// (the constraints of accumulators 64 .. 95: the 32-list of the array from d + 64)
+#define WGMMA_ACC_CONSTRAINTS_96(d) WGMMA_ACC_CONSTRAINTS_64(d), WGMMA_ACC_CONSTRAINTS_32(((d) + 64))
 #define WGMMA_ACC_OPERANDS_128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 #define WGMMA_ACC_CONSTRAINTS_128(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
@@ -1352,6 +1341,25 @@ template <> __device__ __forceinline__ float2 lds_pair<__half>(u32 at) {
     return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
+// A thread's pairs of a partial's box in shared memory (64 rows of 128 bytes, a row's 16-byte
+// chunk c at c ^ (row % 8)) added to its accumulators of the box's 8-column groups (`acc`: the
+// first group's four): `rows` is the box's row of the thread's first accumulator (its second
+// is 8 rows on; both have row % 8 = lane / 4, so a warp's loads hit distinct banks).
+template <typename Out> __device__ __forceinline__ void add_box_pairs(u32 rows, u32 lane, float* acc) {
+    const u32 lane_byte = 2 * (lane % 4) * sizeof(Out);
+#pragma unroll
+    for (int g = 0; g < 128 / sizeof(Out) / 8; ++g) {
+        const u32 byte = g * 8 * sizeof(Out) + lane_byte;
+        const u32 at = rows + (((byte / 16) ^ (lane / 4)) * 16) + byte % 16;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float2 v = lds_pair<Out>(at + h * 8 * 128);
+            acc[g * 4 + 2 * h] += v.x;
+            acc[g * 4 + 2 * h + 1] += v.y;
+        }
+    }
+}
+
 // 16 bytes of global memory into shared memory (cp.async, through L2 only): `bytes` of them
 // read, the rest zero (0: none read, the chunk zero).
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 bytes) {
@@ -1407,17 +1415,8 @@ __device__ __forceinline__ void fold_through_boxes(const GemmParams& p, const Sm
             else cp_async_wait<0>();
             consumer_group_sync(cw);
             const int h = q / PER_HALF, bx = q % PER_HALF;
-#pragma unroll
-            for (int g = 0; g < BOX_COLS / 8; ++g) {
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const u32 row = warp * 16 + lane / 4 + 8 * hh;
-                    const float2 v = lds_pair<Out>(buffer(q) + row * 128 + ((g ^ (row % 8)) * 16) + 4 * (lane % 4));
-                    float* a = acc + h * C::ACC + (bx * (BOX_COLS / 8) + g) * 4 + 2 * hh;
-                    a[0] += v.x;
-                    a[1] += v.y;
-                }
-            }
+            add_box_pairs<Out>(buffer(q) + (warp * 16 + lane / 4) * 128, lane,
+                               acc + h * C::ACC + bx * (BOX_COLS / 8) * 4);
             // every thread has read box q before box q + 2 takes its buffer (or, after the
             // last, before the next partial's first two boxes take both)
             consumer_group_sync(cw);
@@ -1443,7 +1442,6 @@ __device__ __forceinline__ void fold_from_stages(const GemmParams& p, const Smem
     const u32 lane = tid % 32, warp = (tid % 128) / 32;
     // this thread's rows of the box are row0 and row0 + 8, both with row % 8 = lane / 4
     const u32 row0 = cw * 64 + warp * 16 + lane / 4;
-    const u32 lane_byte = 2 * (lane % 4) * sizeof(Out);
     for (u32 f = 0; f < count; ++f) {
 #pragma unroll
         for (int st = 0; st < F::STAGES; ++st) {
@@ -1452,20 +1450,8 @@ __device__ __forceinline__ void fold_from_stages(const GemmParams& p, const Smem
 #pragma unroll
             for (int b = 0; b < F::PER_STAGE; ++b) {
                 const int box = st * F::PER_STAGE + b;
-                if (box < F::BOXES) {
-#pragma unroll
-                    for (int g = 0; g < F::COLS / 8; ++g) {
-                        const int j = box * (F::COLS / 8) + g;  // the accumulators' 8-column group
-                        const u32 byte = g * 8 * sizeof(Out) + lane_byte;
-                        const u32 at = rows + b * F::BOX_BYTES + (((byte / 16) ^ (lane / 4)) * 16) + byte % 16;
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const float2 v = lds_pair<Out>(at + h * 8 * 128);
-                            acc[j * 4 + 2 * h] += v.x;
-                            acc[j * 4 + 2 * h + 1] += v.y;
-                        }
-                    }
-                }
+                // (the box's first 8-column group of the accumulators: box · COLS / 8)
+                if (box < F::BOXES) add_box_pairs<Out>(rows + b * F::BOX_BYTES, lane, acc + box * (F::COLS / 8) * 4);
             }
             consumer_group_sync(cw);  // every thread of the warpgroup is done with the stage
             if (leader) release_stage<C>(s.empty + 8 * stage);

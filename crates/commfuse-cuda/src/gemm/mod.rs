@@ -185,7 +185,8 @@ pub enum GemmVariant {
     /// stored by the consumers' boxes: plain GEMMs and gathers
     Short,
     /// The ping-pong build on [`WIDE_TILE`]s (two m64n192k16 wgmmas a k16 step, 192
-    /// accumulators a thread), four stages of 40 KiB: plain GEMMs only, and no split tail
+    /// accumulators a thread), four stages of 40 KiB: plain GEMMs, and routes through its
+    /// routed entries ([`GemmVariant::general_entry_takes_routes`]); no gather, no split tail
     PingPongWide,
 }
 
@@ -519,8 +520,8 @@ pub enum VariantChoice {
     /// [`SHORT_TILE`]s, always, on the short build (which refuses routes: the fused operators
     /// plan [`TILE`]s of their own)
     Short,
-    /// [`WIDE_TILE`]s, always, on the wide ping-pong build (plain GEMMs; the fused operators
-    /// plan [`TILE`]s of their own)
+    /// [`WIDE_TILE`]s, always, on the wide ping-pong build (the fused operators plan
+    /// [`TILE`]s of their own; the bench's one-GPU rank plans wide tiles under this choice)
     PingPongWide,
 }
 
@@ -1710,9 +1711,10 @@ impl PreparedGemm {
         // its flag goes up once those stores are performed (the direct build folds partials
         // through its stages as the main one does, the mid-direct one reads them from global
         // memory); `auto` keeps routes on the main and the mid build until the direct ones
-        // are measured against them. The ping-pong build's plans are plain GEMMs'. So do
-        // the narrow and the short builds', which store their tiles directly too and have no
-        // staged build beside them: routes take the fused operators' tile.
+        // are measured against them. The 128 × 128 ping-pong build's plans are plain GEMMs';
+        // the wide one takes routes through its routed entries only (below). The narrow and
+        // the short builds' plans are plain GEMMs' too: they store their tiles directly and
+        // have no staged build beside them, so routes take the fused operators' tile.
         let named = kernels.choice() != VariantChoice::Auto;
         let serves = match variant {
             GemmVariant::Pair | GemmVariant::PingPong => routes.is_none() && gather.is_none(),
