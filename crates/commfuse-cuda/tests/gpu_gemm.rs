@@ -2190,9 +2190,7 @@ fn ring_rank_rows_pass_the_check() {
                         .any(|s| name.contains(s))
             }) {
                 let twin = format!("{}-prefetch8", r.implementation);
-                // (and the wide build's, whose producer asks for the partials by lines)
-                let staged = r.staged_folds.expect("a rank row counts its staged folds") > 0
-                    || r.build.as_deref() == Some("ping-pong-wide");
+                let staged = r.staged_folds.expect("a rank row counts its staged folds") > 0;
                 assert_eq!(
                     rows.iter().any(|t| t.implementation == twin),
                     staged,

@@ -535,9 +535,8 @@ fn run<T: Element>(
             }
             let routed = row.gemm().entry() == GemmEntry::Routed;
             let row_variant = row.gemm().variant();
-            // (a build whose folds do not go through the stages has nothing to ask L2 for, but
-            // the wide build, whose producer asks for the partials by lines)
-            let staged = row.gemm().staged_folds() > 0 || row_variant == GemmVariant::PingPongWide;
+            // (a build whose folds do not go through the stages has nothing to ask L2 for)
+            let staged = row.gemm().staged_folds() > 0;
             rank_rows.push(row);
             for &k_blocks in rs_prefetch.iter().filter(|_| staged) {
                 let mut row = rank(choice, false)?;

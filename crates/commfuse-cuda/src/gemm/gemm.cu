@@ -1047,23 +1047,6 @@ template <class C> __device__ __forceinline__ ASource a_source(const GemmParams&
     return {&p.a, row0};
 }
 
-// The wide build's fold (fold_through_boxes) asked of L2 by the producer's warp, some
-// k-blocks before the tile's main loop ends (GemmParams.fold_prefetch, as fold_prefetch for the
-// staged folds): a partial's rows of the tile's 384 bytes are three 128-byte lines each, twelve
-// a lane, so that the boxes' copies after the main loop find them in L2 instead of HBM. A row
-// of `cols` columns is asked for no further than its last element. (Early is safe: see
-// fold_prefetch.)
-template <typename Out>
-__device__ __forceinline__ void fold_prefetch_lines(const TileRoute& r, u32 rows, u32 cols) {
-    const u32 lane = threadIdx.x % 32, last = cols * sizeof(Out) - 1;
-    const u64 row_step = (u64)r.fold_ld * sizeof(Out);
-    for (u32 f = 0; f < r.fold_count; ++f) {
-        const u64 src = r.fold_src + f * r.fold_stride;
-        for (u32 id = lane; id < 3 * rows; id += 32)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(src + (id / 3) * row_step + min((id % 3) * 128, last)));
-    }
-}
-
 // The first k-blocks (GemmParams.next_prefetch of them) of this block's unit `u` asked of L2,
 // A's box and B's, by the producer while it still loads the unit before. Not in a pair (its
 // B boxes are halves) nor in an all-gather's GEMM (a band's rows may not have landed yet).
@@ -1109,10 +1092,6 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         // the k-block after which this unit's partials are asked of L2 (none: past the loop)
         u32 prefetch_at = 0xffffffffu;
         if (!C::PLAIN && p.fold_prefetch != 0 && !c.helper && !c.idle && staged_fold<C, Out>(p, c.tile) != nullptr)
-            prefetch_at = c.kb1 - min(p.fold_prefetch, c.kb1 - c.kb0);
-        // (the wide build's: its folding tile's partials by lines, fold_prefetch_lines)
-        constexpr bool LINES = C::WIDE && C::ROUTES_BY_CONSUMERS && sizeof(Out) == 2;
-        if (LINES && p.fold_prefetch != 0 && call_state.routes != nullptr && call_state.routes[c.tile].fold_count != 0)
             prefetch_at = c.kb1 - min(p.fold_prefetch, c.kb1 - c.kb0);
         // the k-block at which the next unit's first k-blocks are asked of L2 (none: past the loop)
         const u32 next_at = p.next_prefetch == 0 ? 0xffffffffu : c.kb1 - min(p.next_prefetch, c.kb1 - c.kb0);
@@ -1162,12 +1141,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
                 stage = 0;
                 phase ^= 1;
             }
-            if (kb == prefetch_at) {
-                if constexpr (LINES)
-                    fold_prefetch_lines<Out>(call_state.routes[c.tile], c.rows, min(C::BN, p.n - c.tn * C::BN));
-                else
-                    fold_prefetch<C, Out>(p, *staged_fold<C, Out>(p, c.tile), c.tn);
-            }
+            if (kb == prefetch_at) fold_prefetch<C, Out>(p, *staged_fold<C, Out>(p, c.tile), c.tn);
             if (kb == next_at) prefetch_next_unit<C, B_KN>(p, i + gridDim.x);
         }
         if (!live) break;

@@ -2001,8 +2001,7 @@ impl PreparedGemm {
     /// those k-blocks instead of coming from every SM at once at the end of a wave. Off unless
     /// set: measured halfway through the loop, it helps one partial only at K ≥ 14336 and
     /// slows the fold elsewhere, the partials taking L2 room the operands need (GEMM-NOTES.md,
-    /// "The prefetch, measured"). The wide ping-pong build's producer asks for a folding
-    /// tile's partials by lines, as many k-blocks before its main loop ends.
+    /// "The prefetch, measured").
     pub fn set_fold_prefetch(&mut self, k_blocks: u32) {
         self.params.fold_prefetch = k_blocks;
     }

@@ -157,8 +157,7 @@ pub struct BenchGemmArgs {
     /// Each --rs-ranks row (through the entry `auto` takes) whose folds go through the stages
     /// again for each of these numbers of k-blocks (`-prefetchK`, at least 1), its producer
     /// asking L2 for a folding tile's partials that many k-blocks before the end of the tile's
-    /// main loop; each row on the wide ping-pong build too, whose producer asks for them by
-    /// lines
+    /// main loop
     #[arg(long, value_delimiter = ',', requires = "rs_ranks", allow_negative_numbers = true, value_parser = Whole::<u32>::new("a positive number of k-blocks").at_least(1))]
     pub rs_prefetch: Vec<u32>,
     /// The builds of our kernel to force beside the chosen one where they fit: main, skinny,
