@@ -28,10 +28,10 @@ set -uo pipefail
 #         gpu_gemm suite), then every build's row beside cuBLASLt at decode and large shapes (BUILD_SHAPES)
 # decode-ncu: Nsight Compute of the decode builds beside cuBLASLt's kernels at M x 8192 x 3584 (DECODE_NCU)
 # rank-ncu: where the fused GEMM + reduce-scatter kernel's time goes as rank 0 of two on one GPU, at
-#           RANK_NCU shapes (M×N×K, B [N, K], the direct build): Nsight Compute lists every launch of
-#           the build's entries in one `bench gemm --rs-ranks 2` process, then samples the warps'
-#           stalls of the build alone, of the order row and of the rank row (scripts/ncu-rank-launches.py).
-#           Not part of full.
+#           RANK_NCU shapes (M×N×K, B [N, K]) on the RANK_NCU_BUILD build (default direct; or
+#           ping-pong-wide): Nsight Compute lists every launch of the build's entries in one
+#           `bench gemm --rs-ranks 2` process, then samples the warps' stalls of the build alone,
+#           of the order row and of the rank row (scripts/ncu-rank-launches.py). Not part of full.
 # ab: our GEMM as built (.gpu/commfuse) beside an earlier commit's (.gpu/base/commfuse, from
 #     `scripts/gpu-prepare.sh --base REV`) at AB_SHAPES (M×N×K, B [N, K]), the two in turn with
 #     the order alternating from shape to shape, one call of each row traced, two passes;
@@ -270,17 +270,19 @@ fi
 if [ "$MODE" != full ] && has rank-ncu; then
   metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,sm__cycles_active.avg
   metrics=$metrics,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed
+  build=${RANK_NCU_BUILD:-direct}
+  entries=regex:^gemm_${build//-/_}
   for s in ${RANK_NCU:-8192x8192x3584 1024x8192x3584}; do
     set -- ${s//x/ }
-    args="bench gemm --m $1 --n $2 --k $3 --b-layout nk --sms 0 --peer none --builds direct --rs-ranks 2 --warmup 1 --iters 2"
+    args="bench gemm --m $1 --n $2 --k $3 --b-layout nk --sms 0 --peer none --builds $build --rs-ranks 2 --warmup 1 --iters 2"
     n=ncu-rank-$s
-    timeout 300 ncu --clock-control none -k regex:^gemm_direct --metrics $metrics --csv --log-file "$R/$n-list.csv" \
+    timeout 300 ncu --clock-control none -k $entries --metrics $metrics --csv --log-file "$R/$n-list.csv" \
       $B $args >"$R/$n-list.log" 2>&1
     log "$n launches rc=$?"
     python3 scripts/ncu-rank-launches.py "$R/$n-list.csv" "$R/$n-launches.txt" >"$R/$n-picks.txt"
     while read -r row id; do
       n=ncu-rank-$s-$row
-      timeout 150 ncu --clock-control none -k regex:^gemm_direct -s "$id" -c 1 --section SpeedOfLight \
+      timeout 150 ncu --clock-control none -k $entries -s "$id" -c 1 --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section SourceCounters \
         --metrics $metrics -o "$R/$n" $B $args >"$R/$n.log" 2>&1
       log "$n (launch $id) rc=$?"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Which launches of one `bench gemm --rs-ranks` process to sample: from Nsight Compute's
-metric listing of every launch of the direct build's entries (`ncu --csv --log-file FILE
+metric listing of every launch of one build's entries (`ncu --csv --log-file FILE
 --metrics ...,dram__bytes_read.sum`), the last launch of the plain entry without the split
 tail (`_plain`: the build alone at these shapes), and among the routed entry's launches the
 last of the lower and of the higher DRAM reads: the order row (the rank's tile order and
@@ -12,7 +12,9 @@ Writes every launch with its metrics to TABLE.txt and prints `plain ID`, `order 
 `rank ID` lines (IDs count the listed launches from 0, as `ncu --launch-skip` does under the
 same kernel filter); prints no order or rank line where the routed launches' reads are not
 two groups apart (the higher at least 1.03 times the lower, and above zero: at two ranks and
-8192 x 8192 x 3584 the partial adds 11 % to the order row's reads).
+8192 x 8192 x 3584 the partial adds 11 % to the order row's reads), except that where every
+routed launch reads at least 1.03 times the plain one (a build whose order row runs its
+general entry, as the wide ping-pong build's does) the last of them is the rank row.
 """
 import csv
 import sys
@@ -44,14 +46,20 @@ def main():
     plain = [i for i, (name, _) in listed.items() if name.endswith("_plain")]
     routed = [i for i, (name, _) in listed.items() if "_routed" in name]
     reads = {i: listed[i][1].get("dram__bytes_read.sum", 0.0) for i in routed}
+    plain_reads = 0.0
     if plain:
         print("plain", max(plain))
+        plain_reads = listed[max(plain)][1].get("dram__bytes_read.sum", 0.0)
     if routed:
         low, high = min(reads.values()), max(reads.values())
         if high > 0 and high >= 1.03 * low:
             middle = (low + high) / 2
             print("order", max(i for i in routed if reads[i] < middle))
             print("rank", max(i for i in routed if reads[i] >= middle))
+        elif all(r >= 1.03 * plain_reads for r in reads.values()) and plain_reads > 0:
+            # (a build whose order row takes its general entry: the routed launches are the
+            # rank row's alone, each reading more than the plain entry's)
+            print("rank", max(routed))
 
 
 if __name__ == "__main__":
