@@ -1371,15 +1371,15 @@ template <typename Out> __device__ __forceinline__ void add_box_pairs(u32 rows, 
 // three), each loaded by a TMA box of the fold map into one of the warpgroup's two box buffers,
 // completing on that buffer's barrier (Smem::fold_bars), while the warpgroup adds the box before
 // from the other; the boxes of all partials are one sequence, two in flight across a partial's
-// end too. The copies come from one thread: copied by cp.async, 64 bytes a thread with each
-// chunk's address and bounds, the fold made the routed entry spill across its k-loop (nine
-// local loads and stores a k-block), and read with a load of four bytes each a partial took
-// 20-24 us, longer than the other warpgroup's main loop. The map's boxes are swizzled (a row's
-// 16-byte chunk c at c ^ (row % 8)), so that a warp's eight rows read distinct banks; columns
-// past N land as zeros, rows past the band's end as whatever the map holds there, added only to
-// accumulator rows that are never stored. `uses`: each buffer's barrier phases completed before
-// this tile (the two in step). Called by every thread of warpgroup `cw` once the leader has
-// seen every partial's flag.
+// end too. The copies come from one thread. Copied by cp.async (64 bytes a thread, each
+// chunk's address and bounds beside the 192 accumulators), the fold made the routed entry spill
+// in its k-loop too (nine local loads and stores a k-block); read with a load of four bytes
+// each, a partial took 20-24 us, longer than the other warpgroup's main loop. The map's boxes
+// are swizzled (a row's 16-byte chunk c at c ^ (row % 8)), so that a warp's eight rows read
+// distinct banks; columns past N land as zeros, rows past the band's end as whatever the map
+// holds there, added only to accumulator rows that are never stored. `uses`: each buffer's
+// barrier phases completed before this tile (the two in step). Called by every thread of
+// warpgroup `cw` once the leader has seen every partial's flag.
 template <class C, typename Out>
 __device__ __forceinline__ void fold_through_boxes(const GemmParams& p, const Smem& s, const TileRoute& r, u32 tile,
                                                    u32 tn, u32 cw, bool leader, u32 uses, float* acc) {

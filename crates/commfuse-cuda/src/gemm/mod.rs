@@ -2328,6 +2328,7 @@ impl PreparedGemm {
                 "a peer's partial of a tile it folds in (its flag)",
                 "the rows of A a peer copies in (their flag)",
                 "the other consumer warpgroup's turn (the ping-pong build)",
+                "a box of a partial it folds (the wide ping-pong build)",
             ]
                 .get(e.slot as usize)
                 .copied()
