@@ -1377,9 +1377,10 @@ template <typename Out> __device__ __forceinline__ void add_box_pairs(u32 rows, 
 // each, a partial took 20-24 us, longer than the other warpgroup's main loop. The map's boxes
 // are swizzled (a row's 16-byte chunk c at c ^ (row % 8)), so that a warp's eight rows read
 // distinct banks; columns past N land as zeros, rows past the band's end as whatever the map
-// holds there, added only to accumulator rows that are never stored. `uses`: each buffer's
-// barrier phases completed before this tile (the two in step). Called by every thread of
-// warpgroup `cw` once the leader has seen every partial's flag.
+// holds there, added only to accumulator rows that are never stored. `tn`: the tile's column
+// in tiles (not elements); `uses`: each buffer's barrier phases completed before this tile
+// (the two in step). Called by every thread of warpgroup `cw` once the leader has seen every
+// partial's flag.
 template <class C, typename Out>
 __device__ __forceinline__ void fold_through_boxes(const GemmParams& p, const Smem& s, const TileRoute& r, u32 tile,
                                                    u32 tn, u32 cw, bool leader, u32 uses, float* acc) {
@@ -1948,7 +1949,7 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             // folding route ROUTE_FOLD_TMA or refuses the call; the other builds read partials
             // from global memory)
             if constexpr (C::PINGPONG && C::ROUTES_BY_CONSUMERS && sizeof(Out) == 2) {
-                fold_through_boxes<C, Out>(p, s, *route, c.tile, tile_column() * C::BN, cw, leader, fold_uses, acc);
+                fold_through_boxes<C, Out>(p, s, *route, c.tile, tile_column(), cw, leader, fold_uses, acc);
                 fold_uses += fold_count * (C::HALVES * C::BN / 64 / 2);
             } else {
             // Added to the accumulators (alpha is 1 in a folding GEMM: the host checks) in one

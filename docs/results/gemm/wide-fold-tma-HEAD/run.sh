@@ -7,7 +7,8 @@
 # second half load the first half's rows (`.gpu/tests/gpu_gemm_broken`: it must fail); then
 # the fused kernel as rank 0 of 2, 4 and 8 on the wide build beside the main and the direct
 # build's rank rows at the K = 3584 shapes and 4096 x 12288 x 24576; then where the rank row's
-# time goes by Nsight Compute's counters (scripts/gpu-check.sh rank-ncu on the wide build).
+# time goes by Nsight Compute's counters (scripts/gpu-check.sh rank-ncu on the wide build);
+# last, the rank rows at 8192 x 8192 x 14336.
 set -u
 . scripts/gpu-env.sh
 pack() { tar czf "$OUT/results.tgz" -C "$OUT" results summary.txt; }
@@ -36,4 +37,6 @@ for s in 8192x8192x3584 16384x8192x3584 4096x12288x24576; do
 done
 OUT=$OUT/ncu RANK_NCU=8192x8192x3584 RANK_NCU_BUILD=ping-pong-wide timeout 200 bash scripts/gpu-check.sh rank-ncu >/dev/null 2>&1
 log "rank-ncu rc=$? at $SECONDS s"
-tar czf "$OUT/results.tgz" -C "$OUT" results summary.txt ncu
+pack() { tar czf "$OUT/results.tgz" -C "$OUT" results summary.txt ncu; }
+pack
+run 8192x8192x14336
