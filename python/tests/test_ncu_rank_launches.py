@@ -52,3 +52,14 @@ def test_no_rank_row_where_the_routed_reads_are_the_plain_ones(tmp_path):
     plain, routed = "gemm_direct_bf16_nk_bf16_plain", "gemm_direct_bf16_nk_bf16_routed"
     got = picks(tmp_path, [(plain, 600e6), (routed, 601e6), (routed, 602e6)])
     assert got == {"plain": "0"}
+
+
+def test_the_rank_rows_reads_spread_by_launch_are_one_group(tmp_path):
+    # the wide build's rank row alone among the routed launches, its reads spread over 5 % in
+    # steps of under 3 %: no order row is made of its lower half
+    plain, general, routed = ("gemm_ping_pong_wide_bf16_nk_bf16_plain", "gemm_ping_pong_wide_bf16_nk_bf16",
+                              "gemm_ping_pong_wide_bf16_nk_bf16_routed")
+    launches = [(plain, 630e6), (general, 640e6)]
+    launches += [(routed, r * 1e6) for r in (689, 712, 698, 724, 703, 706)]
+    got = picks(tmp_path, launches)
+    assert got == {"plain": "0", "rank": "7"}

@@ -2115,8 +2115,7 @@ fn rank_rows_pass_the_check() {
                         Some("main") if !direct => assert!(staged > 0, "{r:?}"),
                         Some("skinny") if !direct => assert!(staged > 0, "{r:?}"),
                         Some("direct") if direct => assert!(staged > 0, "{r:?}"),
-                        // (not through the stages: its consumers copy the partials into
-                        // their boxes, or read them from global memory)
+                        // (not through the stages: its consumers' boxes, by the fold map)
                         Some("ping-pong-wide") if r.implementation.contains("-ping-pong-wide") => {
                             assert_eq!(staged, 0, "{r:?}")
                         }

@@ -519,9 +519,11 @@ fn run<T: Element>(
             Ok::<_, CudaError>(row)
         };
         // (the wide ping-pong build's routes: outputs of the input's type, the fused path's
-        // schedule)
-        let wide = (p.output == p.input && kind == RankSchedule::Fold)
-            .then_some(VariantChoice::PingPongWide);
+        // schedule, rows of whole 16-byte units, which its fold's tensor map needs)
+        let wide = (p.output == p.input
+            && kind == RankSchedule::Fold
+            && (p.n * p.output.size()).is_multiple_of(16))
+        .then_some(VariantChoice::PingPongWide);
         for choice in [Some(VariantChoice::Auto), Some(VariantChoice::Direct), wide]
             .into_iter()
             .flatten()

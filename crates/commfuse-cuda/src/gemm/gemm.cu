@@ -169,7 +169,11 @@ struct Cfg {
     // the sliced build's hand-over: the second warpgroup's f32 sums (64 rows x BN)
     static constexpr int SUMS_BYTES = SLICES > 1 ? 64 * BN * 4 : 0;
     // the dynamic area: no alignment slack, the area's start is declared 1024-byte aligned
-    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + EPI_BYTES + SUMS_BYTES + 8 * (2 * STAGES + 2);
+    // the wide ping-pong build's fold: a barrier for each of a warpgroup's two box buffers,
+    // which its partials' boxes land in (fold_through_boxes)
+    static constexpr int FOLD_BARRIERS = PINGPONG && WIDE ? 4 : 0;
+    static constexpr int SMEM_BYTES =
+        STAGES * STAGE_BYTES + EPI_BYTES + SUMS_BYTES + 8 * (2 * STAGES + 2 + FOLD_BARRIERS);
     static_assert((STAGES * STAGE_BYTES + EPI_BYTES) % 16 == 0, "the sums are read and written as float4");
     static_assert(ROWS == 64 || ROWS == gemm::BM, "a build computes one or two 64-row halves of a tile");
     static_assert(BN == 64 || BN == 128 || BN == 192 || BN == 256, "a tile is one wgmma's N wide");
@@ -264,7 +268,7 @@ static_assert(DirectCfg::SMEM_BYTES == 229456, "layout mirrored by DIRECT_SMEM_B
 static_assert(PingPongCfg::SMEM_BYTES == 229488, "layout mirrored by PING_PONG_SMEM_BYTES in mod.rs");
 static_assert(MidDirectCfg::SMEM_BYTES == PingPongCfg::SMEM_BYTES, "the mid-direct build's layout is the ping-pong build's");
 static_assert(ShortCfg::SMEM_BYTES == 213136, "layout mirrored by SHORT_SMEM_BYTES in mod.rs");
-static_assert(PingPongWideCfg::SMEM_BYTES == 196688, "layout mirrored by PING_PONG_WIDE_SMEM_BYTES in mod.rs");
+static_assert(PingPongWideCfg::SMEM_BYTES == 196720, "layout mirrored by PING_PONG_WIDE_SMEM_BYTES in mod.rs");
 
 // A CUtensorMap, passed by value inside the __grid_constant__ parameters.
 struct __align__(128) TmaDesc {
@@ -573,6 +577,7 @@ enum PipelineWait {
     WAIT_FOLD_FLAG = 5,
     WAIT_BAND_FLAG = 6,
     WAIT_TURN = 7,  // the ping-pong build: the other warpgroup's main loop
+    WAIT_FOLD_BOX = 8,  // the wide ping-pong build: a box of a partial it folds (fold_through_boxes)
 };
 
 // A pipeline wait that never completes is a bug (a lost TMA, a miscounted barrier): record
@@ -971,6 +976,7 @@ struct Smem {
     float4* sums;                 // the sliced build's hand-over of the second warpgroup's sums
     u32 full, empty;              // mbarrier arrays, 8 bytes apart
     u32 epi_full, epi_empty;
+    u32 fold_bars;                // the wide build's box buffers' barriers (Cfg::FOLD_BARRIERS)
 };
 
 // The producer's side of a fold through the pipeline (ROUTE_FOLD_TMA): for each of the tile's
@@ -1360,67 +1366,84 @@ template <typename Out> __device__ __forceinline__ void add_box_pairs(u32 rows, 
     }
 }
 
-// 16 bytes of global memory into shared memory (cp.async, through L2 only): `bytes` of them
-// read, the rest zero (0: none read, the chunk zero).
-__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// All but this thread's N most recent groups of cp.async have landed.
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// The wide ping-pong build's fold (its routed entries, 16-bit partials whose rows start on
-// 16-byte boundaries): each partial of the tile in six boxes of 64 rows x 64 columns (two
-// halves of three), each copied by cp.async into one of the warpgroup's two box buffers, 64
-// bytes a thread all in flight at once, while the warpgroup adds the box before from the
-// other. Read with a load of four bytes each, a partial took 20-24 us, longer than the other
-// warpgroup's main loop, so the tensor cores waited for the epilogue. A row's 16-byte chunk c
-// lies at c ^ (row % 8), so that a warp's eight rows read distinct banks. Rows past the band's
-// and columns past N are zeros (never stored). Called by every thread of warpgroup `cw` once
-// the leader has seen every partial's flag.
+// The wide ping-pong build's fold (its routed entries; the host marks every folding route
+// ROUTE_FOLD_TMA): each partial of the tile in six boxes of 64 rows x 64 columns (two halves of
+// three), each loaded by a TMA box of the fold map into one of the warpgroup's two box buffers,
+// completing on that buffer's barrier (Smem::fold_bars), while the warpgroup adds the box before
+// from the other; the boxes of all partials are one sequence, two in flight across a partial's
+// end too. The copies come from one thread. Copied by cp.async (64 bytes a thread, each
+// chunk's address and bounds beside the 192 accumulators), the fold made the routed entry spill
+// in its k-loop too (nine local loads and stores a k-block); read with a load of four bytes
+// each, a partial took 20-24 us, longer than the other warpgroup's main loop. The map's boxes
+// are swizzled (a row's 16-byte chunk c at c ^ (row % 8)), so that a warp's eight rows read
+// distinct banks; columns past N land as zeros, rows past the band's end as whatever the map
+// holds there, added only to accumulator rows that are never stored. `tn`: the tile's column
+// in tiles (not elements); `uses`: each buffer's barrier phases completed before this tile
+// (the two in step). Called by every thread of warpgroup `cw` once the leader has seen every
+// partial's flag.
 template <class C, typename Out>
-__device__ __forceinline__ void fold_through_boxes(const GemmParams& p, const Smem& s, const Unit& c,
-                                                   const TileRoute& r, u32 g_col0, u32 cw, bool leader, float* acc) {
+__device__ __forceinline__ void fold_through_boxes(const GemmParams& p, const Smem& s, const TileRoute& r, u32 tile,
+                                                   u32 tn, u32 cw, bool leader, u32 uses, float* acc) {
     static_assert(C::PINGPONG && C::HALVES == 2 && sizeof(Out) == 2, "a ping-pong warpgroup's whole 16-bit tile");
     constexpr int BOX_COLS = 64, PER_HALF = C::BN / BOX_COLS, BOXES = C::HALVES * PER_HALF;
-    const u32 t = threadIdx.x % 128, lane = threadIdx.x % 32, warp = t / 32;
-    const unsigned char* base = (const unsigned char*)r.fold_src;
-    const u64 row_step = (u64)r.fold_ld * sizeof(Out);
-    // the warpgroup's last tile's box stores have read the buffers
-    if (leader) bulk_wait_read();
-    consumer_group_sync(cw);
+    static_assert(BOXES % 2 == 0 && C::BOX_BYTES == 64 * 128, "a partial's boxes take both buffers in turn");
+    const u32 lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const auto buffer = [&](int q) { return smem_u32(s.epi + (cw * 2 + q % 2) * C::BOX_BYTES); };
-    // box q of partial f: 512 chunks of 16 bytes, four a thread
-    const auto issue = [&](u32 f, int q) {
-        const u32 h = q / PER_HALF, bx = q % PER_HALF;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const u32 id = t + 128 * i, row = id / 8, chunk = id % 8;
-            const u32 tr = h * 64 + row, col = bx * BOX_COLS + chunk * 8;
-            const bool in = tr < c.rows && g_col0 + col < p.n;
-            const unsigned char* src = base + f * r.fold_stride + (in ? tr * row_step + col * sizeof(Out) : 0);
-            cp_async_16(buffer(q) + row * 128 + ((chunk ^ (row % 8)) * 16), src, in ? 16 : 0);
+    const auto bar = [&](int q) { return s.fold_bars + 8 * (cw * 2 + q % 2); };
+    // box q of partial f, by the leader, once every thread has read what its buffer held (the
+    // sync before each issue; the generic reads before the async proxy's writes: the fence);
+    // none once the block has stopped (a wait gave up), as the producer loads nothing more
+    u32 issued = 0;  // (the leader's count)
+    const auto issue = [&](u32 f, int q) {  // (q: the box within the partial)
+        if (leader && !block_stopped()) {
+            ++issued;
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            mbar_expect_tx(bar(q), C::BOX_BYTES);
+            tma_load_2d(buffer(q), &p.fold_map, bar(q), (int)(tn * C::BN + (q % PER_HALF) * BOX_COLS),
+                        (int)(r.fold_row + f * r.fold_row_step + (q / PER_HALF) * 64));
         }
-        cp_async_commit();
     };
-    for (u32 f = 0; f < r.fold_count; ++f) {
-        issue(f, 0);
-        issue(f, 1);
-#pragma unroll
-        for (int q = 0; q < BOXES; ++q) {
-            // this thread's copies of box q, then every thread's
-            if (q + 1 < BOXES) cp_async_wait<1>();
-            else cp_async_wait<0>();
-            consumer_group_sync(cw);
-            const int h = q / PER_HALF, bx = q % PER_HALF;
-            add_box_pairs<Out>(buffer(q) + (warp * 16 + lane / 4) * 128, lane,
-                               acc + h * C::ACC + bx * (BOX_COLS / 8) * 4);
-            // every thread has read box q before box q + 2 takes its buffer (or, after the
-            // last, before the next partial's first two boxes take both)
-            consumer_group_sync(cw);
-            if (q + 2 < BOXES) issue(f, q + 2);
+    if (leader) {
+        // the warpgroup's last tile's box stores have read the buffers; the flags' acquire
+        // (generic proxy) before the loads of what they published (async proxy)
+        bulk_wait_read();
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    consumer_group_sync(cw);
+    issue(0, 0);
+    issue(0, 1);
+    // One loop over every box of every partial, not unrolled, so that the bounded wait is one
+    // copy: unrolled six times a partial beside the 192 accumulators, its timer and stop checks
+    // made ptxas spill (758 bytes of stores, one load and store a k-block), where this spills
+    // less than the entry without the fold. Each box's adds have accumulators of their own
+    // (registers: indices known at compile time), hence the switch.
+    const u32 total = r.fold_count * BOXES;
+    for (u32 n = 0; n < total; ++n) {
+        const int q = (int)(n % BOXES);
+        // box n has landed (its buffer's barrier at the phase of this use)
+        mbar_wait<ROLE_CONSUMER>(bar(q), (uses + n / 2) & 1, p, tile, WAIT_FOLD_BOX);
+        const u32 rows = buffer(q) + (warp * 16 + lane / 4) * 128;
+        static_assert(PER_HALF == 3, "the switch names a half's three boxes");
+        switch (q) {  // (half q / 3, box q % 3: its first 8-column group of the half's accumulators)
+            case 0: add_box_pairs<Out>(rows, lane, acc + 0 * (BOX_COLS / 8) * 4); break;
+            case 1: add_box_pairs<Out>(rows, lane, acc + 1 * (BOX_COLS / 8) * 4); break;
+            case 2: add_box_pairs<Out>(rows, lane, acc + 2 * (BOX_COLS / 8) * 4); break;
+            case 3: add_box_pairs<Out>(rows, lane, acc + C::ACC + 0 * (BOX_COLS / 8) * 4); break;
+            case 4: add_box_pairs<Out>(rows, lane, acc + C::ACC + 1 * (BOX_COLS / 8) * 4); break;
+            default: add_box_pairs<Out>(rows, lane, acc + C::ACC + 2 * (BOX_COLS / 8) * 4); break;
+        }
+        // every thread has read box n before box n + 2 takes its buffer
+        consumer_group_sync(cw);
+        if (n + 2 < total) issue((n + 2) / BOXES, (int)((n + 2) % BOXES));
+    }
+    // In a block that stopped, the waits return at once: the last two boxes the leader issued
+    // may still be in flight, and land (bounded) before the buffers are left, which would
+    // otherwise be another block's shared memory by then
+    if (leader && block_stopped()) {
+        for (u32 n = issued >= 2 ? issued - 2 : 0; n < issued; ++n) {
+            const u64 start = global_timer_ns();
+            while (!mbar_try_wait(bar(n % BOXES), (uses + n / 2) & 1) && global_timer_ns() - start <= p.timeout_ns) {
+            }
         }
     }
 }
@@ -1757,6 +1780,8 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
     // (ping-pong) this block's units so far: warpgroup cw takes those where turn % 2 == cw; and
     // the phase of the other warpgroup's turn barrier it waits for next
     u32 turn = 0, turn_phase = 0;
+    // (the wide build) the phases its box buffers' barriers completed (fold_through_boxes)
+    u32 fold_uses = 0;
     for (u32 i = blockIdx.x; i < p.unit_count; i += gridDim.x) {
         const Unit c = unit_at<C>(p, i);
         if (c.empty) continue;
@@ -1920,16 +1945,13 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             // entries)
             if (leader) fold_wait(p, *route, c.tile, cw);
             consumer_group_sync(cw);
-            // (the wide build through its boxes where every partial's rows start on 16-byte
-            // boundaries, else as the other builds that read partials from global memory)
-            bool boxed = false;
-            if constexpr (C::PINGPONG && sizeof(Out) == 2) {
-                if (((route->fold_src | route->fold_stride | (u64)route->fold_ld * sizeof(Out)) % 16) == 0) {
-                    fold_through_boxes<C, Out>(p, s, c, *route, tile_column() * C::BN, cw, leader, acc);
-                    boxed = true;
-                }
-            }
-            if (!boxed) {
+            // (the wide build through its boxes, by the fold map: the host marks its every
+            // folding route ROUTE_FOLD_TMA or refuses the call; the other builds read partials
+            // from global memory)
+            if constexpr (C::PINGPONG && C::ROUTES_BY_CONSUMERS && sizeof(Out) == 2) {
+                fold_through_boxes<C, Out>(p, s, *route, c.tile, tile_column(), cw, leader, fold_uses, acc);
+                fold_uses += fold_count * (C::HALVES * C::BN / 64 / 2);
+            } else {
             // Added to the accumulators (alpha is 1 in a folding GEMM: the host checks) in one
             // pass per partial, outside the per-element epilogue below: a loop over the partials
             // inside it, unrolled 64 times, tripled the kernel's code and slowed every GEMM by
@@ -2187,6 +2209,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
     s.empty = s.full + 8 * C::STAGES;
     s.epi_full = s.empty + 8 * C::STAGES;
     s.epi_empty = s.epi_full + 8;
+    s.fold_bars = s.epi_empty + 8;
     if (threadIdx.x == 0) {
         trace(p, TRACE_ENTRY);
         for (int i = 0; i < C::STAGES; ++i) {
@@ -2198,12 +2221,13 @@ __device__ __forceinline__ void gemm_kernel(const GemmParams& p) {
         // turn barrier, see turn_barrier)
         mbar_init(s.epi_full, C::PINGPONG ? 1 : C::CONSUMERS * 128);
         mbar_init(s.epi_empty, 1);   // the storers are done with the staged tile
+        for (int i = 0; i < C::FOLD_BARRIERS; ++i) mbar_init(s.fold_bars + 8 * i, 1);  // the leader's expect_tx
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.b) : "memory");
         if (C::GATHERS && p.local_rows != 0) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.a_local) : "memory");
         if (C::DIRECT && (C::PLAIN || p.d_tma != 0)) asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.d_map) : "memory");
-        if (FoldBoxes<C, Out>::STAGED && p.fold_tma != 0)
+        if ((FoldBoxes<C, Out>::STAGED || (C::WIDE && C::ROUTES_BY_CONSUMERS)) && p.fold_tma != 0)
             asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&p.fold_map) : "memory");
         call_state.stopped = 0;
         routed_stores = RoutedStores{};

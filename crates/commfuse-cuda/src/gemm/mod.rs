@@ -128,9 +128,10 @@ const PING_PONG_SMEM_BYTES: u32 = direct_smem_bytes(MID_TILE.m, MID_TILE.n, PING
 /// Stages of the wide ping-pong build: 40 KiB each (a [`WIDE_TILE`]'s k-block), beside four
 /// boxes; a fifth does not fit.
 const PING_PONG_WIDE_STAGES: u32 = 4;
-/// Mirrors `PingPongWideCfg::SMEM_BYTES` in gemm.cu.
+/// Mirrors `PingPongWideCfg::SMEM_BYTES` in gemm.cu (with the barriers of its four box
+/// buffers, `Cfg::FOLD_BARRIERS`).
 const PING_PONG_WIDE_SMEM_BYTES: u32 =
-    direct_smem_bytes(WIDE_TILE.m, WIDE_TILE.n, PING_PONG_WIDE_STAGES);
+    direct_smem_bytes(WIDE_TILE.m, WIDE_TILE.n, PING_PONG_WIDE_STAGES) + 8 * 4;
 /// Stages of the short build: 24 KiB each (a [`SHORT_TILE`]'s k-block), beside two boxes.
 const SHORT_STAGES: u32 = 8;
 /// Mirrors `ShortCfg::SMEM_BYTES` in gemm.cu.
@@ -1792,6 +1793,26 @@ impl PreparedGemm {
             },
             _ => (0, None),
         };
+        // The wide build's routed entries fold by the map alone (their consumers' boxes, not
+        // the stages): loads of partials from global memory, compiled in beside it, made them
+        // spill in their k-loop. So every folding route must take the map.
+        if variant == GemmVariant::PingPongWide {
+            if let Some(t) = routes.as_ref().and_then(|r| {
+                r.iter()
+                    .position(|r| r.fold_count != 0 && r.options & ROUTE_FOLD_TMA == 0)
+            }) {
+                return Err(unsupported(format!(
+                    "the {} build folds partials by a tensor map: tile {t}'s partials must \
+                     start at its column of a buffer whose rows are 16-byte multiples \
+                     with the output's leading dimension",
+                    variant.name()
+                )));
+            }
+        }
+        let staged_folds = match variant {
+            GemmVariant::PingPongWide => 0,
+            _ => staged_folds,
+        };
         // the routes the consumers store by boxes, and their maps
         let boxed = match routes.as_mut() {
             Some(r) => box_routes(r, plan, variant),
@@ -2307,6 +2328,7 @@ impl PreparedGemm {
                 "a peer's partial of a tile it folds in (its flag)",
                 "the rows of A a peer copies in (their flag)",
                 "the other consumer warpgroup's turn (the ping-pong build)",
+                "a box of a partial it folds (the wide ping-pong build)",
             ]
                 .get(e.slot as usize)
                 .copied()
@@ -2682,13 +2704,14 @@ pub(crate) fn stage_folds(
 ) -> usize {
     let eb = plan.problem.output.size() as u64;
     let row_bytes = source.ld as u64 * eb;
-    let map_ok = matches!(
+    let map_ok = (matches!(
         variant,
         GemmVariant::Main | GemmVariant::Direct | GemmVariant::Skinny
-    ) && source.base.is_multiple_of(16)
+    ) && plan.tile == TILE
+        || variant == GemmVariant::PingPongWide && plan.tile == WIDE_TILE)
+        && source.base.is_multiple_of(16)
         && row_bytes.is_multiple_of(16)
-        && source.rows > 0
-        && plan.tile == TILE;
+        && source.rows > 0;
     let mut staged = 0;
     for (t, r) in routes.iter_mut().enumerate() {
         r.options &= !ROUTE_FOLD_TMA;
@@ -2718,7 +2741,8 @@ pub(crate) fn stage_folds(
 }
 
 /// The tensor map the kernel loads staged partials with ([`stage_folds`]): `source` as a
-/// [rows, ld] matrix of the output type, in boxes of the build's rows × 128 bytes.
+/// [rows, ld] matrix of the output type, in boxes of the build's rows × 128 bytes (the wide
+/// ping-pong build: 64 rows, one of its consumers' box buffers).
 fn fold_map(
     source: &FoldSource,
     output: DType,
@@ -2729,7 +2753,13 @@ fn fold_map(
         output,
         (source.ld as u64, source.rows as u64),
         (source.ld * output.size()) as u64,
-        ((128 / output.size()) as u32, variant.rows() as u32),
+        (
+            (128 / output.size()) as u32,
+            match variant {
+                GemmVariant::PingPongWide => DIRECT_BOX.0 as u32,
+                _ => variant.rows() as u32,
+            },
+        ),
     )
 }
 
@@ -3233,8 +3263,13 @@ mod tests {
     }
 
     fn fold_routes(output: DType) -> (GemmPlan, Vec<TileRoute>, FoldSource) {
+        fold_routes_of(output, TILE)
+    }
+
+    /// Routes of a 300 × 1000 product of `tile`s, each folding two partials from one buffer.
+    fn fold_routes_of(output: DType, tile: TileShape) -> (GemmPlan, Vec<TileRoute>, FoldSource) {
         let p = GemmProblem::new(300, 1000, 64, BLayout::NK, DType::BF16, output).unwrap();
-        let plan = GemmPlan::local(p, TILE, commfuse_core::gemm::Epilogue::default());
+        let plan = GemmPlan::local(p, tile, commfuse_core::gemm::Epilogue::default());
         let eb = output.size() as u64;
         let source = FoldSource {
             base: 0x10000,
@@ -3278,11 +3313,33 @@ mod tests {
                     routes.len()
                 );
             }
-            // the other builds read partials from global memory
-            for variant in [GemmVariant::Mid, GemmVariant::MidDirect, GemmVariant::Pair] {
+            // the other builds read partials from global memory (the wide ping-pong build
+            // takes the map only on plans of its own tiles)
+            for variant in [
+                GemmVariant::Mid,
+                GemmVariant::MidDirect,
+                GemmVariant::Pair,
+                GemmVariant::PingPongWide,
+            ] {
                 assert_eq!(stage_folds(&mut routes, &plan, variant, &source), 0);
                 assert!(routes.iter().all(|r| !staged(r) && r.fold_row == 0));
             }
+            // the wide ping-pong build loads its tiles' partials by the map into its
+            // consumers' boxes
+            let (wide, mut routes, source) = fold_routes_of(output, WIDE_TILE);
+            assert_eq!(
+                stage_folds(&mut routes, &wide, GemmVariant::PingPongWide, &source),
+                routes.len()
+            );
+            for (t, r) in routes.iter().enumerate() {
+                let band = wide.tile_bounds(t).0.start as u32;
+                assert!(staged(r), "{output:?} wide tile {t}");
+                assert_eq!((r.fold_row, r.fold_row_step), (band, 300));
+            }
+            assert_eq!(
+                stage_folds(&mut routes, &wide, GemmVariant::Main, &source),
+                0
+            );
         }
         let (plan, routes, source) = fold_routes(DType::BF16);
         let marked = |routes: &mut Vec<TileRoute>, source: FoldSource| {
