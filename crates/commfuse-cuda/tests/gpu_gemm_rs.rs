@@ -7,6 +7,7 @@
 
 use commfuse_core::gemm::BLayout;
 use commfuse_core::{DType, Element};
+use commfuse_cuda::gemm::WIDE_TILE;
 use commfuse_cuda::gemm_rs::checked::run_checked;
 use commfuse_cuda::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction};
 use commfuse_cuda::sys::driver::{DeviceMemory, Gpu, Stream};
@@ -19,6 +20,8 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, Copy)]
 enum Way {
     Fused(Reduction),
+    /// The fused path on the wide ping-pong build's 128 × 192 tiles
+    FusedWide(Reduction),
     Overlapped(usize),
     /// The overlapped path's ring over NUMA groups: (pieces, groups)
     OverlappedInGroups(usize, usize),
@@ -57,6 +60,11 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
             config.reduction = reduction;
             config.path = PathChoice::Always(GemmRsPath::Fused);
         }
+        Way::FusedWide(reduction) => {
+            config.reduction = reduction;
+            config.path = PathChoice::Always(GemmRsPath::Fused);
+            config.tile = WIDE_TILE;
+        }
         Way::Overlapped(pieces) => {
             config.path = PathChoice::Always(GemmRsPath::Overlapped { pieces })
         }
@@ -67,7 +75,7 @@ fn run_case<TI: Element + bytemuck::Pod, TO: Element + bytemuck::Pod>(
         Way::Unfused => config.path = PathChoice::Always(GemmRsPath::Unfused),
     }
     let path = match way {
-        Way::Fused(_) => GemmRsPath::Fused,
+        Way::Fused(_) | Way::FusedWide(_) => GemmRsPath::Fused,
         Way::Overlapped(pieces) | Way::OverlappedInGroups(pieces, _) => {
             GemmRsPath::Overlapped { pieces }
         }
@@ -144,6 +152,24 @@ fn every_element_of_back_to_back_calls_matches_float64() {
         run_case::<bf16, bf16>(&g[..1], red, 264, 64, BLayout::NK, true, &[300, 1], 7);
         // a larger problem: several waves, every SM busy
         run_case::<bf16, bf16>(&g, red, 2048, 512, BLayout::NK, true, &[2048, 1000], 8);
+    }
+}
+
+/// The fused path on the wide ping-pong build's tiles (its routed entries, the fold by TMA
+/// boxes of the fold map): ragged M and N, both reductions and layouts, a bias, one GPU, and
+/// several waves. Its tiles take 16-bit outputs of whole 16-byte rows only (N a multiple of 8).
+#[test]
+fn wide_tiles_match_float64() {
+    let Some(g) = two_gpus() else { return };
+    let ms = [301, 130, 1];
+    for red in [Reduction::Fold, Reduction::Separate { blocks: 3 }] {
+        let way = Way::FusedWide(red);
+        for layout in [BLayout::NK, BLayout::KN] {
+            run_case::<bf16, bf16>(&g, way, 264, 136, layout, false, &ms, 21);
+            run_case::<f16, f16>(&g, way, 520, 200, layout, true, &[257, 1, 384], 22);
+        }
+        run_case::<bf16, bf16>(&g[..1], way, 392, 64, BLayout::NK, true, &[300, 1], 23);
+        run_case::<bf16, bf16>(&g, way, 2048, 512, BLayout::NK, true, &[2048, 1000], 24);
     }
 }
 
@@ -346,6 +372,11 @@ fn bad_calls_are_refused_with_one_line() {
     let bad = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::F16);
     assert!(GemmRsRank::create_group(&g, bad).is_err());
     assert!(!e.to_string().contains('\n'));
+    // the wide build's tiles for f32 partials
+    let mut bad = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::F32);
+    bad.tile = WIDE_TILE;
+    let e = GemmRsRank::create_group(&g, bad).err().unwrap();
+    assert!(e.to_string().contains("16-bit type"), "{e}");
     // NUMA groups that do not divide the world, whatever the path
     let mut bad = GemmRsConfig::new(256, 256, 64, BLayout::NK, DType::BF16, DType::BF16);
     bad.numa_groups = 3;

@@ -175,9 +175,11 @@ pub struct GemmRsConfig {
     /// NUMA groups of consecutive ranks the overlapped path's ring crosses as few times as it
     /// can (1: one flat ring; see [`super::ring_rs`])
     pub numa_groups: usize,
-    /// Output tile of the fused path's GEMM: [`KERNEL_TILE`] (the simulator also takes others,
-    /// to test the schedule on small shapes; the CUDA backend refuses them where the fused
-    /// path may run)
+    /// Output tile of the fused path's GEMM: [`KERNEL_TILE`], or 128 × 192 on the CUDA
+    /// backend's wide ping-pong build (16-bit outputs of the input's type, N a multiple of 8;
+    /// also where `COMMFUSE_GEMM_VARIANT=ping-pong-wide` names that build). The simulator also
+    /// takes others, to test the schedule on small shapes; the CUDA backend refuses them where
+    /// the fused path may run.
     pub tile: TileShape,
     /// How long any wait of a call may last before the call fails with a diagnosis: the CUDA
     /// operator's waits on the device and the host; on the simulator, the waits of a world

@@ -713,6 +713,15 @@ impl VariantChoice {
         VariantChoice::PingPongWide,
     ];
 
+    /// The choice [`VARIANT_ENV`] names (`auto` where it is unset; an unknown value is an
+    /// error).
+    pub fn from_env() -> Result<VariantChoice, CudaError> {
+        match std::env::var(VARIANT_ENV) {
+            Ok(v) => VariantChoice::parse(&v),
+            Err(_) => Ok(VariantChoice::Auto),
+        }
+    }
+
     /// The choice of this [`VariantChoice::name`].
     pub fn parse(name: &str) -> Result<VariantChoice, CudaError> {
         Self::ALL
@@ -1254,10 +1263,7 @@ impl GemmKernels {
     /// Compiles (or takes from the cache) and loads gemm.cu; the build choice comes from
     /// [`VARIANT_ENV`] (an unknown value is an error).
     pub fn load(gpu: &Gpu) -> Result<GemmKernels, CudaError> {
-        let choice = match std::env::var(VARIANT_ENV) {
-            Ok(v) => VariantChoice::parse(&v)?,
-            Err(_) => VariantChoice::Auto,
-        };
+        let choice = VariantChoice::from_env()?;
         let tail = match std::env::var(TAIL_ENV) {
             Ok(v) => TailChoice::parse(&v)?,
             Err(_) => TailChoice::Cut,
@@ -1535,7 +1541,7 @@ pub fn check_problem(p: &GemmProblem) -> Result<(), CudaError> {
 }
 
 /// [`check_problem`] for tiles of `tile`.
-fn check_problem_tiles(p: &GemmProblem, tile: TileShape) -> Result<(), CudaError> {
+pub(crate) fn check_problem_tiles(p: &GemmProblem, tile: TileShape) -> Result<(), CudaError> {
     for (name, value) in [("M", p.m), ("N", p.n), ("K", p.k)] {
         if value > MAX_DIM {
             return Err(unsupported(format!(

@@ -47,9 +47,9 @@ pub use unfused::{NcclId, NCCL_ID_BYTES};
 use crate::backend::plan_table::{ErrorRecord, MAX_RANKS};
 use crate::error::CudaError;
 use crate::gemm::{
-    check_problem, check_tile, CallCounter, CallNumber, FoldSource, GemmKernels, GemmOperands,
-    InUse, Launched, PreparedGemm, TileRoute, FLAG_SET_EPOCH, ROUTE_DST_FROM_D, ROUTE_NO_BIAS,
-    TILE,
+    check_problem_tiles, CallCounter, CallNumber, FoldSource, GemmKernels, GemmOperands, InUse,
+    Launched, PreparedGemm, TileRoute, VariantChoice, FLAG_SET_EPOCH, ROUTE_DST_FROM_D,
+    ROUTE_NO_BIAS, TILE, WIDE_TILE,
 };
 use crate::sys::driver::{
     DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream,
@@ -62,6 +62,7 @@ use commfuse_core::fused::gemm_rs::{
 };
 pub use commfuse_core::fused::gemm_rs::{GemmRsConfig, GemmRsPath, PathChoice, Reduction};
 use commfuse_core::fused::ring_rs::MAX_PIECES;
+use commfuse_core::gemm::TileShape;
 use commfuse_core::DType;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -204,7 +205,7 @@ impl GemmRsAllocation {
         gpu: Arc<Gpu>,
         rank: usize,
         world: usize,
-        config: GemmRsConfig,
+        mut config: GemmRsConfig,
     ) -> Result<GemmRsAllocation, CudaError> {
         if world == 0 || world > MAX_RANKS || rank >= world {
             return Err(unsupported(format!(
@@ -222,7 +223,6 @@ impl GemmRsAllocation {
         let shape = shape(&config, world, config.max_m)?;
         // the groups shape only the ring, but are checked whatever the path
         ring::schedule(&config, world, config.max_m, 1)?;
-        let layout = GemmRsSchedule::new(shape, TILE);
         // only the paths the configuration may take get buffers
         let whole_rows = (config.n * config.output.size()).is_multiple_of(16);
         let (fused, overlapped) = match config.path {
@@ -245,10 +245,16 @@ impl GemmRsAllocation {
                 config.n, config.output
             )));
         }
+        // the fused path's tile, kept in the configuration from here on (what the ranks
+        // agree on and every schedule is laid out with)
+        config.tile = match fused {
+            true => fused_tile(&config, VariantChoice::from_env()?)?,
+            false => TILE,
+        };
         if fused {
-            check_tile(config.tile)?;
-            check_problem(&shape.problem())?;
+            check_problem_tiles(&shape.problem(), config.tile)?;
         }
+        let layout = GemmRsSchedule::new(shape, config.tile);
         let may_unfuse = matches!(
             config.path,
             PathChoice::Auto | PathChoice::Always(GemmRsPath::Unfused)
@@ -324,21 +330,10 @@ impl GemmRsAllocation {
         })
     }
 
-    /// What every rank must have built alike (see [`crate::sys::ipc::agreement`]): the calls' rows,
-    /// the output's columns and type (the partials peers write into this rank's buffers), the
-    /// bias (added once), the path and its ring. K, B's layout and the input type are each
-    /// rank's own: a row-parallel layer's shards may differ in K by one.
+    /// What every rank must have built alike (see [`agreement`] and
+    /// [`crate::sys::ipc::agreement`]).
     fn agreement(&self) -> Vec<u8> {
-        let c = &self.config;
-        crate::sys::ipc::agreement(&[
-            ("max_m", c.max_m.to_string()),
-            ("n", c.n.to_string()),
-            ("output", c.output.to_string()),
-            ("bias", c.bias.to_string()),
-            ("reduction", format!("{:?}", c.reduction)),
-            ("path", format!("{:?}", c.path)),
-            ("numa_groups", c.numa_groups.to_string()),
-        ])
+        agreement(&self.config)
     }
 
     /// Finishes the rank from every rank's [`GemmRsAllocation::export`] (rank order, its own
@@ -531,6 +526,52 @@ fn shape(config: &GemmRsConfig, world: usize, m: usize) -> Result<GemmRsShape, C
     Ok(config.shape(world, m)?)
 }
 
+/// The tile the fused path plans `config` with under the build `choice`: [`TILE`] (the main
+/// build's, or the direct build's where named), or [`WIDE_TILE`] on the wide ping-pong build's
+/// routed entries where `config.tile` asks for it, or where `choice` names that build and
+/// `config.tile` is the default. The wide build takes routes of an output of the input's
+/// 16-bit type only, and folds by TMA, so rows of whole 16-byte units (N a multiple of 8):
+/// asked for by `config.tile` otherwise, it is an error; named by the build choice (which every
+/// GEMM of the process follows), the fused path keeps [`TILE`] there.
+pub fn fused_tile(config: &GemmRsConfig, choice: VariantChoice) -> Result<TileShape, CudaError> {
+    let wide_fits = config.output == config.input
+        && config.output.size() == 2
+        && (config.n * config.output.size()).is_multiple_of(16);
+    match config.tile {
+        WIDE_TILE if wide_fits => Ok(WIDE_TILE),
+        WIDE_TILE => Err(unsupported(format!(
+            "the fused path's {}×{} tiles (the wide ping-pong build) take an output of the \
+             input's 16-bit type in rows of whole 16 bytes, here {} from {} with N = {}",
+            WIDE_TILE.m, WIDE_TILE.n, config.output, config.input, config.n
+        ))),
+        TILE if choice == VariantChoice::PingPongWide && wide_fits => Ok(WIDE_TILE),
+        TILE => Ok(TILE),
+        t => Err(unsupported(format!(
+            "the GPU's fused GEMM + reduce-scatter computes {}×{} or {}×{} tiles, the \
+             configuration asks for {}×{}",
+            TILE.m, TILE.n, WIDE_TILE.m, WIDE_TILE.n, t.m, t.n
+        ))),
+    }
+}
+
+/// What every rank of a group must have built alike ([`GemmRsAllocation::export`]'s
+/// agreement): the calls' rows, the output's columns and type (the partials peers write into
+/// this rank's buffers), the bias (added once), the path and its ring, and the fused path's
+/// tile (which lays out the receive buffers and flag rows). K, B's layout and the input type
+/// are each rank's own: a row-parallel layer's shards may differ in K by one.
+fn agreement(c: &GemmRsConfig) -> Vec<u8> {
+    crate::sys::ipc::agreement(&[
+        ("max_m", c.max_m.to_string()),
+        ("n", c.n.to_string()),
+        ("output", c.output.to_string()),
+        ("bias", c.bias.to_string()),
+        ("reduction", format!("{:?}", c.reduction)),
+        ("path", format!("{:?}", c.path)),
+        ("numa_groups", c.numa_groups.to_string()),
+        ("tile", format!("{}x{}", c.tile.m, c.tile.n)),
+    ])
+}
+
 impl GemmRsRank {
     /// Builds every rank of a group whose GPUs this process drives (peer access enabled
     /// between them): rank r on `gpus[r]`.
@@ -703,7 +744,7 @@ impl GemmRsRank {
             return Ok(());
         }
         let shape = shape(&self.config, self.world, m)?;
-        let schedule = GemmRsSchedule::within(shape, self.config.max_m, TILE);
+        let schedule = GemmRsSchedule::within(shape, self.config.max_m, self.config.tile);
         // A and B change per call (launch_call); the receive buffer stands in for them here
         let stand_in = self.memory.receive.addr();
         let ops = GemmOperands::plain(stand_in, stand_in, stand_in);
@@ -997,6 +1038,7 @@ mod tests {
     fn schedules(
         worlds: impl Iterator<Item = usize>,
         n: usize,
+        tile: TileShape,
     ) -> impl Iterator<Item = (usize, usize, GemmRsSchedule)> {
         worlds.flat_map(move |world| {
             [(1, 300), (world + 1, 300), (300, 300), (133, 300)]
@@ -1005,30 +1047,41 @@ mod tests {
                     let shape =
                         GemmRsShape::new(world, m, n, 64, BLayout::NK, DType::BF16, DType::BF16)
                             .unwrap();
-                    (world, m, GemmRsSchedule::within(shape, max_m, TILE))
+                    (world, m, GemmRsSchedule::within(shape, max_m, tile))
                 })
         })
     }
 
     /// Every owner tile's partials, in both sets, lie in the receive buffer as the fold source
     /// describes it, in whole rows at the tile's columns: the main build loads all of them into
-    /// its stages by TMA (P = 2..9 and 16, ragged M, smaller M in buffers made for the largest).
+    /// its stages by TMA, the wide ping-pong build into its warpgroups' boxes (which it must:
+    /// its routed entries refuse a folding route the map cannot reach). P = 2..9 and 16, ragged
+    /// M, smaller M in buffers made for the largest.
     #[test]
     fn every_fold_goes_through_the_pipeline() {
-        for (world, m, s) in schedules((2..=9).chain([16]), 1000) {
+        for (tile, variant) in [
+            (TILE, GemmVariant::Main),
+            (WIDE_TILE, GemmVariant::PingPongWide),
+        ] {
+            every_fold_is_staged(tile, variant);
+        }
+    }
+
+    fn every_fold_is_staged(tile: TileShape, variant: GemmVariant) {
+        for (world, m, s) in schedules((2..=9).chain([16]), 1000, tile) {
             let peers = peers(world);
             for me in 0..world {
                 let source = fold_source(peers[me].receive, &s);
                 for set in 0..2 {
                     let mut routes = tile_routes(&s, me, set, &peers, true);
                     let plan = s.gemm_plan(me, set as u64 + 1);
-                    stage_folds(&mut routes, &plan, GemmVariant::Main, &source);
+                    stage_folds(&mut routes, &plan, variant, &source);
                     for (t, r) in routes.iter().enumerate() {
                         let mine = s.placement[t].0 == me;
                         assert_eq!(
                             r.options & ROUTE_FOLD_TMA != 0,
                             mine,
-                            "P={world} M={m} rank {me} set {set} tile {t}"
+                            "{variant:?} P={world} M={m} rank {me} set {set} tile {t}"
                         );
                         if mine {
                             let at = |row: u64| source.base + row * 1000 * 2;
@@ -1046,10 +1099,16 @@ mod tests {
     /// one (sender, tile) and stays inside the buffer, every flag word is set by one (sender,
     /// tile), and what an owner folds in (or a separate reduction reads) is exactly what the
     /// peers wrote there and the flags they set. P = 1..9 and 16, ragged M, smaller M in
-    /// buffers made for the largest. (The GPU runs these tables; this checks them without one.)
+    /// buffers made for the largest, the operator's tiles and the wide build's. (The GPU runs
+    /// these tables; this checks them without one.)
     #[test]
     fn every_ranks_routes_agree_on_every_byte_and_flag() {
-        for (world, m, s) in schedules((1..=9).chain([16]), 300) {
+        let schedules = schedules((1..=9).chain([16]), 300, TILE).chain(schedules(
+            (1..=9).chain([16]),
+            304,
+            WIDE_TILE,
+        ));
+        for (world, m, s) in schedules {
             let peers = peers(world);
             let eb = 2u64;
             let buffer = 2 * world as u64 * s.slot_len as u64 * eb;
@@ -1130,5 +1189,65 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The fused path's tile: the operator's by default, the wide build's where the tile or the
+    /// build choice names it and the output fits it; any other tile refused in one line.
+    #[test]
+    fn the_fused_tile_is_the_wide_builds_where_named_and_it_fits() {
+        let bf16 = GemmRsConfig::new(256, 1000, 64, BLayout::NK, DType::BF16, DType::BF16);
+        let auto = VariantChoice::Auto;
+        let wide = VariantChoice::PingPongWide;
+        assert_eq!(fused_tile(&bf16, auto).unwrap(), TILE);
+        assert_eq!(fused_tile(&bf16, VariantChoice::Direct).unwrap(), TILE);
+        assert_eq!(fused_tile(&bf16, wide).unwrap(), WIDE_TILE);
+        let asked = GemmRsConfig {
+            tile: WIDE_TILE,
+            ..bf16
+        };
+        assert_eq!(fused_tile(&asked, auto).unwrap(), WIDE_TILE);
+        // f32 partials, and rows of 300 bf16 (600 bytes): the build choice falls back, the
+        // configuration's tile is refused
+        let f32_out = GemmRsConfig {
+            output: DType::F32,
+            ..bf16
+        };
+        let ragged = GemmRsConfig { n: 300, ..bf16 };
+        for c in [f32_out, ragged] {
+            assert_eq!(fused_tile(&c, wide).unwrap(), TILE);
+            let e = fused_tile(
+                &GemmRsConfig {
+                    tile: WIDE_TILE,
+                    ..c
+                },
+                auto,
+            )
+            .unwrap_err();
+            let line = e.to_string();
+            assert!(
+                line.contains("16-bit type in rows of whole 16 bytes"),
+                "{line}"
+            );
+            assert!(!line.contains('\n'));
+        }
+        let other = GemmRsConfig {
+            tile: TileShape { m: 64, n: 64 },
+            ..bf16
+        };
+        let e = fused_tile(&other, wide).unwrap_err().to_string();
+        assert!(e.contains("asks for 64×64"), "{e}");
+    }
+
+    /// Ranks whose fused paths would lay out their buffers with different tiles do not agree
+    /// (the export's agreement tells them apart, so `connect_exported` refuses the group).
+    #[test]
+    fn ranks_of_different_tiles_disagree() {
+        let c = GemmRsConfig::new(256, 1000, 64, BLayout::NK, DType::BF16, DType::BF16);
+        let wide = GemmRsConfig {
+            tile: WIDE_TILE,
+            ..c
+        };
+        assert_eq!(agreement(&c), agreement(&c));
+        assert_ne!(agreement(&c), agreement(&wide));
     }
 }
