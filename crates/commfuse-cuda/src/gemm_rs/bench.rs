@@ -1,7 +1,9 @@
 //! `commfuse bench gemm-rs`: GEMM + reduce-scatter on P GPUs (rank r on `devices[r]`, one host
 //! thread each), with the baselines in the same run: cuBLASLt alone (the GEMM every path must
-//! do), cuBLASLt then NCCL's reduce-scatter (the unfused path), our GEMM alone, and ours fused
-//! with each reduction width asked for. Rows take turns in interleaved rounds; a call's time is
+//! do), cuBLASLt then NCCL's reduce-scatter (the unfused path), our GEMM alone (on the tiles
+//! the fused path plans: the wide ping-pong build's 128 × 192 where `COMMFUSE_GEMM_VARIANT`
+//! names it, which the rows' names then say), and ours fused with each reduction width asked
+//! for. Rows take turns in interleaved rounds; a call's time is
 //! its slowest rank's (CUDA events around each call on every rank's stream); each row's time is
 //! the median of its rounds' medians, with the fastest and slowest round beside it. The fused
 //! rows are checked on every output element of every rank against a float64 reference computed
@@ -9,8 +11,10 @@
 
 use crate::error::CudaError;
 use crate::gemm::bench::ReferenceGemm;
-use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, TILE};
-use crate::gemm_rs::{GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction, RingParts};
+use crate::gemm::{GemmKernels, GemmOperands, PreparedGemm, VariantChoice, WIDE_TILE};
+use crate::gemm_rs::{
+    fused_tile, GemmRsConfig, GemmRsPath, GemmRsRank, PathChoice, Reduction, RingParts,
+};
 use crate::rank_bench::{download, interleaved, row, timed, upload, FusedRow, RankStream};
 use crate::sys::cublaslt::Lt;
 use crate::sys::driver::{open_group, DeviceMemory, Gpu, Stream};
@@ -98,8 +102,19 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
     let problem = s.problem();
     let out_size = s.output.size();
     let chunk_rows = s.chunk_rows_max();
-    let mut plan = GemmPlan::local(problem, TILE, Epilogue::default());
-    plan.order = grouped_order(&problem, TILE, commfuse_core::fused::gemm_rs::ORDER_GROUP);
+    // the operators' configuration, less the path and the reduction each row sets
+    let mut base = GemmRsConfig::new(s.m, s.n, s.k, s.b_layout, s.input, s.output);
+    base.bias = cfg.bias;
+    base.numa_groups = cfg.numa_groups;
+    // our GEMM alone on the tiles (and so the build) the fused rows plan: the wide ping-pong
+    // build's where COMMFUSE_GEMM_VARIANT names it and the output fits it
+    let tile = fused_tile(&base, VariantChoice::from_env()?)?;
+    let wide = match tile == WIDE_TILE {
+        true => format!(", {}×{}", tile.m, tile.n),
+        false => String::new(),
+    };
+    let mut plan = GemmPlan::local(problem, tile, Epilogue::default());
+    plan.order = grouped_order(&problem, tile, commfuse_core::fused::gemm_rs::ORDER_GROUP);
     let host_a: Vec<Vec<T>> = (0..world)
         .map(|r| random(s.m * s.k, cfg.seed, 2 * r))
         .collect();
@@ -150,11 +165,11 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
     // call count; no other row may share it)
     let group =
         |path: PathChoice, reduction: Reduction| -> Result<Vec<Mutex<GemmRsRank>>, CudaError> {
-            let mut c = GemmRsConfig::new(s.m, s.n, s.k, s.b_layout, s.input, s.output);
-            c.bias = cfg.bias;
-            c.reduction = reduction;
-            c.path = path;
-            c.numa_groups = cfg.numa_groups;
+            let c = GemmRsConfig {
+                reduction,
+                path,
+                ..base
+            };
             let ops = GemmRsRank::create_group(&gpus, c)?;
             Ok(ops.into_iter().map(Mutex::new).collect())
         };
@@ -164,8 +179,8 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
     let mut fused: Vec<Row> = Vec::new();
     for &reduction in &cfg.reductions {
         let name = match reduction {
-            Reduction::Fold => "commfuse-fused (fold)".to_string(),
-            Reduction::Separate { blocks } => format!("commfuse-fused (separate {blocks})"),
+            Reduction::Fold => format!("commfuse-fused (fold{wide})"),
+            Reduction::Separate { blocks } => format!("commfuse-fused (separate {blocks}{wide})"),
         };
         let ops = group(PathChoice::Always(GemmRsPath::Fused), reduction)?;
         fused.push((name, ops, None));
@@ -244,7 +259,10 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
             s.m
         )),
     }
-    names.push("commfuse-gemm-alone".into());
+    names.push(match wide.is_empty() {
+        true => "commfuse-gemm-alone".into(),
+        false => format!("commfuse-gemm-alone ({})", &wide[2..]),
+    });
     launches.push(Box::new(move |_, d: &RankData<'_>| unsafe {
         // SAFETY: prepared on this rank's operands
         d.gemm_alone.launch(&d.stream)
