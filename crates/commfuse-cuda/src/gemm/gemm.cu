@@ -567,6 +567,15 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
     return done != 0;
 }
 
+// A block that gave up waits, bounded and silently, for a copy it issued before it stopped
+// (the barrier's phase `parity`): the copy would otherwise land in shared memory that may
+// belong to another block by then. (A stall was already reported by the wait that gave up.)
+__device__ __forceinline__ void mbar_drain(u32 bar, u32 parity, u64 timeout_ns) {
+    const u64 start = global_timer_ns();
+    while (!mbar_try_wait(bar, parity) && global_timer_ns() - start <= timeout_ns) {
+    }
+}
+
 // What a stalled pipeline wait was waiting for (ErrorRecord.slot).
 enum PipelineWait {
     WAIT_STAGE_EMPTY = 0,
@@ -1168,9 +1177,7 @@ __device__ void producer(const GemmParams& p, const Smem& s) {
         } else {
             --stage;
         }
-        const u64 start = global_timer_ns();
-        while (!mbar_try_wait(s.full + 8 * stage, phase) && global_timer_ns() - start <= p.timeout_ns) {
-        }
+        mbar_drain(s.full + 8 * stage, phase, p.timeout_ns);
     }
     trace(p, TRACE_PRODUCER_END);
 }
@@ -1379,11 +1386,11 @@ template <typename Out> __device__ __forceinline__ void add_box_pairs(u32 rows, 
 // distinct banks; columns past N land as zeros, rows past the band's end as whatever the map
 // holds there, added only to accumulator rows that are never stored. `tn`: the tile's column
 // in tiles (not elements); `uses`: each buffer's barrier phases completed before this tile
-// (the two in step). Called by every thread of warpgroup `cw` once the leader has seen every
-// partial's flag.
+// (the two in step), advanced past this tile's. Called by every thread of warpgroup `cw` once
+// the leader has seen every partial's flag.
 template <class C, typename Out>
 __device__ __forceinline__ void fold_through_boxes(const GemmParams& p, const Smem& s, const TileRoute& r, u32 tile,
-                                                   u32 tn, u32 cw, bool leader, u32 uses, float* acc) {
+                                                   u32 tn, u32 cw, bool leader, u32& uses, float* acc) {
     static_assert(C::PINGPONG && C::HALVES == 2 && sizeof(Out) == 2, "a ping-pong warpgroup's whole 16-bit tile");
     constexpr int BOX_COLS = 64, PER_HALF = C::BN / BOX_COLS, BOXES = C::HALVES * PER_HALF;
     static_assert(BOXES % 2 == 0 && C::BOX_BYTES == 64 * 128, "a partial's boxes take both buffers in turn");
@@ -1440,12 +1447,10 @@ __device__ __forceinline__ void fold_through_boxes(const GemmParams& p, const Sm
     // may still be in flight, and land (bounded) before the buffers are left, which would
     // otherwise be another block's shared memory by then
     if (leader && block_stopped()) {
-        for (u32 n = issued >= 2 ? issued - 2 : 0; n < issued; ++n) {
-            const u64 start = global_timer_ns();
-            while (!mbar_try_wait(bar(n % BOXES), (uses + n / 2) & 1) && global_timer_ns() - start <= p.timeout_ns) {
-            }
-        }
+        for (u32 n = issued >= 2 ? issued - 2 : 0; n < issued; ++n) mbar_drain(bar(n % BOXES), (uses + n / 2) & 1, p.timeout_ns);
     }
+    // every buffer's barrier completed half of the boxes' phases
+    uses += total / 2;
 }
 
 // The consumers' side of a fold through the pipeline (fold_load): each of the tile's partials
@@ -1950,7 +1955,6 @@ __device__ void consumer(const GemmParams& p, const Smem& s, u32 cw) {
             // from global memory)
             if constexpr (C::PINGPONG && C::ROUTES_BY_CONSUMERS && sizeof(Out) == 2) {
                 fold_through_boxes<C, Out>(p, s, *route, c.tile, tile_column(), cw, leader, fold_uses, acc);
-                fold_uses += fold_count * (C::HALVES * C::BN / 64 / 2);
             } else {
             // Added to the accumulators (alpha is 1 in a folding GEMM: the host checks) in one
             // pass per partial, outside the per-element epilogue below: a loop over the partials
