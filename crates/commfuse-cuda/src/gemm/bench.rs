@@ -15,9 +15,9 @@
 use crate::error::CudaError;
 use crate::gemm::trace::GemmTrace;
 use crate::gemm::{
-    CallNumber, FoldSource, Gather, GemmEntry, GemmKernels, GemmOperands, GemmVariant,
-    PreparedGemm, RouteTargets, TailChoice, TileRoute, VariantChoice, MID_TILE, NARROW_TILE,
-    ROUTE_DST_FROM_D, SHORT_TILE, SKINNY_ROWS, TILE, WIDE_TILE,
+    wide_routes_fit, CallNumber, FoldSource, Gather, GemmEntry, GemmKernels, GemmOperands,
+    GemmVariant, PreparedGemm, RouteTargets, TailChoice, TileRoute, VariantChoice, MID_TILE,
+    NARROW_TILE, ROUTE_DST_FROM_D, SHORT_TILE, SKINNY_ROWS, TILE, WIDE_TILE,
 };
 use crate::gemm_rs::one_gpu::{OneGpuRank, RankSchedule};
 use crate::sys::cublaslt::{AlgoConfig, CandidateTime, Lt};
@@ -520,10 +520,8 @@ fn run<T: Element>(
         };
         // (the wide ping-pong build's routes: outputs of the input's type, the fused path's
         // schedule, rows of whole 16-byte units, which its fold's tensor map needs)
-        let wide = (p.output == p.input
-            && kind == RankSchedule::Fold
-            && (p.n * p.output.size()).is_multiple_of(16))
-        .then_some(VariantChoice::PingPongWide);
+        let wide = (kind == RankSchedule::Fold && wide_routes_fit(p.input, p.output, p.n))
+            .then_some(VariantChoice::PingPongWide);
         for choice in [Some(VariantChoice::Auto), Some(VariantChoice::Direct), wide]
             .into_iter()
             .flatten()

@@ -51,6 +51,14 @@ pub const SHORT_TILE: TileShape = TileShape { m: 64, n: 128 };
 /// runs under the other's main loop (cuBLASLt's fastest kernel at 8192 × 8192 × 3584 works so
 /// on tiles of 128 × 176).
 pub const WIDE_TILE: TileShape = TileShape { m: 128, n: 192 };
+
+/// Whether the wide ping-pong build takes the routes of a GEMM + reduce-scatter whose output
+/// is `output` from `input`, in rows of `n` elements: its routed entries store an output of the
+/// input's 16-bit type, and its fold loads the partials by a tensor map, which needs rows of
+/// whole 16-byte units.
+pub fn wide_routes_fit(input: DType, output: DType, n: usize) -> bool {
+    output == input && output.size() == 2 && (n * output.size()).is_multiple_of(16)
+}
 const THREADS: u32 = 384;
 const STAGES: u32 = 3;
 /// K depth of one pipeline stage (one 128-byte swizzle row of 16-bit elements).

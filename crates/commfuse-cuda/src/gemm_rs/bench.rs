@@ -109,9 +109,11 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
     // our GEMM alone on the tiles (and so the build) the fused rows plan: the wide ping-pong
     // build's where COMMFUSE_GEMM_VARIANT names it and the output fits it
     let tile = fused_tile(&base, VariantChoice::from_env()?)?;
-    let wide = match tile == WIDE_TILE {
-        true => format!(", {}×{}", tile.m, tile.n),
-        false => String::new(),
+    // (the rows' names say the wide tile where it is the one planned)
+    let wide = (tile == WIDE_TILE).then(|| format!("{}×{}", tile.m, tile.n));
+    let with_tile = |what: &str| match &wide {
+        Some(t) => format!("{what}, {t}"),
+        None => what.to_string(),
     };
     let mut plan = GemmPlan::local(problem, tile, Epilogue::default());
     plan.order = grouped_order(&problem, tile, commfuse_core::fused::gemm_rs::ORDER_GROUP);
@@ -179,8 +181,13 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
     let mut fused: Vec<Row> = Vec::new();
     for &reduction in &cfg.reductions {
         let name = match reduction {
-            Reduction::Fold => format!("commfuse-fused (fold{wide})"),
-            Reduction::Separate { blocks } => format!("commfuse-fused (separate {blocks}{wide})"),
+            Reduction::Fold => format!("commfuse-fused ({})", with_tile("fold")),
+            Reduction::Separate { blocks } => {
+                format!(
+                    "commfuse-fused ({})",
+                    with_tile(&format!("separate {blocks}"))
+                )
+            }
         };
         let ops = group(PathChoice::Always(GemmRsPath::Fused), reduction)?;
         fused.push((name, ops, None));
@@ -259,9 +266,9 @@ fn run<T: Element + bytemuck::Pod>(cfg: &GemmRsBenchConfig) -> Result<Vec<GemmRs
             s.m
         )),
     }
-    names.push(match wide.is_empty() {
-        true => "commfuse-gemm-alone".into(),
-        false => format!("commfuse-gemm-alone ({})", &wide[2..]),
+    names.push(match &wide {
+        Some(t) => format!("commfuse-gemm-alone ({t})"),
+        None => "commfuse-gemm-alone".into(),
     });
     launches.push(Box::new(move |_, d: &RankData<'_>| unsafe {
         // SAFETY: prepared on this rank's operands

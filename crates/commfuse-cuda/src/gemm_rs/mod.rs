@@ -47,9 +47,9 @@ pub use unfused::{NcclId, NCCL_ID_BYTES};
 use crate::backend::plan_table::{ErrorRecord, MAX_RANKS};
 use crate::error::CudaError;
 use crate::gemm::{
-    check_problem_tiles, CallCounter, CallNumber, FoldSource, GemmKernels, GemmOperands, InUse,
-    Launched, PreparedGemm, TileRoute, VariantChoice, FLAG_SET_EPOCH, ROUTE_DST_FROM_D,
-    ROUTE_NO_BIAS, TILE, WIDE_TILE,
+    check_problem_tiles, wide_routes_fit, CallCounter, CallNumber, FoldSource, GemmKernels,
+    GemmOperands, InUse, Launched, PreparedGemm, TileRoute, VariantChoice, FLAG_SET_EPOCH,
+    ROUTE_DST_FROM_D, ROUTE_NO_BIAS, TILE, WIDE_TILE,
 };
 use crate::sys::driver::{
     DeviceMemory, Event, Function, Gpu, IpcMapping, MappedHost, Module, Stream,
@@ -534,9 +534,7 @@ fn shape(config: &GemmRsConfig, world: usize, m: usize) -> Result<GemmRsShape, C
 /// asked for by `config.tile` otherwise, it is an error; named by the build choice (which every
 /// GEMM of the process follows), the fused path keeps [`TILE`] there.
 pub fn fused_tile(config: &GemmRsConfig, choice: VariantChoice) -> Result<TileShape, CudaError> {
-    let wide_fits = config.output == config.input
-        && config.output.size() == 2
-        && (config.n * config.output.size()).is_multiple_of(16);
+    let wide_fits = wide_routes_fit(config.input, config.output, config.n);
     match config.tile {
         WIDE_TILE if wide_fits => Ok(WIDE_TILE),
         WIDE_TILE => Err(unsupported(format!(
