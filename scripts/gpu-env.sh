@@ -2,7 +2,7 @@
 # scripts/gpu-check.sh, and a device script whose results are kept under docs/results/. The
 # environment the GPU tests and benches expect, the results
 # folder $R under $OUT with log() writing its summary, and the kernel cache that
-# scripts/gpu-prepare.sh compiled where Rust is (.gpu/kernel-cache.tgz), unpacked so that no
+# scripts/gpu-prepare.sh compiled where Rust is (.gpu/kernel-cache.txz), unpacked so that no
 # time limit on this machine pays for compiling gemm.cu (minutes on one core).
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 # never NVLink multicast on these machines
@@ -17,6 +17,8 @@ R=$OUT/results
 mkdir -p "$R"
 B=.gpu/commfuse
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
-if [ -f .gpu/kernel-cache.tgz ] && [ ! -d .gpu/kernel-cache ]; then
-  tar xzf .gpu/kernel-cache.tgz -C .gpu
+# (by Python's tarfile: the machine's Python reads xz, whatever tools it has)
+if [ -f .gpu/kernel-cache.txz ] && [ ! -d .gpu/kernel-cache ]; then
+  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
+    .gpu/kernel-cache.txz .gpu
 fi

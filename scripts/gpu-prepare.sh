@@ -21,7 +21,7 @@ for line in sys.stdin:
   | while read -r exe; do cp "$exe" ".gpu/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
 strip --strip-debug .gpu/commfuse .gpu/tests/*
 # Every kernel compiled here by NVRTC from PyPI (13.0, as on the GPU machine; no GPU needed)
-# into a kernel cache packed as .gpu/kernel-cache.tgz, which scripts/gpu-env.sh unpacks there:
+# into a kernel cache packed as .gpu/kernel-cache.txz, which scripts/gpu-env.sh unpacks there:
 # a fresh GPU machine would otherwise spend minutes of its time compiling gemm.cu
 . scripts/nvrtc-wheels.sh
 compile_kernels() {  # binary: its kernels into the one cache
@@ -40,7 +40,11 @@ if [ -n "$BASE" ]; then
   git worktree remove --force "$WT/base" && rm -rf "$WT"
   compile_kernels .gpu/base/commfuse
 fi
-tar czf .gpu/kernel-cache.tgz -C .gpu kernel-cache && rm -rf .gpu/kernel-cache
+# (xz with a 64 MiB window, the files by size: the two binaries' cubins of one part differ in a
+# few bytes, so each pair packs as one; gzip packed both caches into half of the 64 MiB that a
+# device call carries, xz into a few MiB)
+(cd .gpu && ls -S kernel-cache | sed 's|^|kernel-cache/|' | tar cf - -T - | xz -9 -T2 >kernel-cache.txz)
+rm -rf .gpu/kernel-cache
 # the Python package as an abi3 wheel (the GPU machine's Python 3.12 installs it without Rust)
 VENV="${COMMFUSE_VENV:-$PWD/.venv}"
 [ -x "$VENV/bin/maturin" ] || { python3 -m venv "$VENV" && "$VENV/bin/python" -m pip install --quiet maturin; }
