@@ -17,8 +17,5 @@ R=$OUT/results
 mkdir -p "$R"
 B=.gpu/commfuse
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
-# (by Python's tarfile: the machine's Python reads xz, whatever tools it has)
-if [ -f .gpu/kernel-cache.txz ] && [ ! -d .gpu/kernel-cache ]; then
-  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
-    .gpu/kernel-cache.txz .gpu
-fi
+. scripts/kernel-cache.sh
+unpack_kernel_cache .gpu

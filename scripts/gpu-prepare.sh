@@ -40,11 +40,8 @@ if [ -n "$BASE" ]; then
   git worktree remove --force "$WT/base" && rm -rf "$WT"
   compile_kernels .gpu/base/commfuse
 fi
-# (xz with a 64 MiB window, the files by size: the two binaries' cubins of one part differ in a
-# few bytes, so each pair packs as one; gzip packed both caches into half of the 64 MiB that a
-# device call carries, xz into a few MiB)
-(cd .gpu && ls -S kernel-cache | sed 's|^|kernel-cache/|' | tar cf - -T - | xz -9 -T2 >kernel-cache.txz)
-rm -rf .gpu/kernel-cache
+. scripts/kernel-cache.sh
+pack_kernel_cache .gpu
 # the Python package as an abi3 wheel (the GPU machine's Python 3.12 installs it without Rust)
 VENV="${COMMFUSE_VENV:-$PWD/.venv}"
 [ -x "$VENV/bin/maturin" ] || { python3 -m venv "$VENV" && "$VENV/bin/python" -m pip install --quiet maturin; }
